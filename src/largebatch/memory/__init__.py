@@ -1,0 +1,1 @@
+"""largebatch.memory (being built)."""

@@ -1,0 +1,1 @@
+"""largebatch.models (being built)."""

@@ -1,0 +1,1 @@
+"""largebatch.optim (being built)."""

@@ -1,0 +1,1 @@
+"""largebatch.parallel (being built)."""

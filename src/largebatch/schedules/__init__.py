@@ -1,0 +1,1 @@
+"""largebatch.schedules (being built)."""

@@ -1,0 +1,1 @@
+"""largebatch.train (being built)."""
