@@ -1,0 +1,107 @@
+"""Crash-safe checkpoints: a kill or a full disk never corrupts or loses a finished checkpoint.
+
+Layout: ``RUN_DIR/checkpoints/step_00000123.pt``. A save writes ``.step_00000123.pt.tmp``, flushes
+and fsyncs it, then ``os.replace``s it into place (atomic on POSIX) and fsyncs the directory; only
+then are checkpoints beyond the newest ``keep_last`` deleted. A reader only ever sees complete
+files: temporaries are never listed, and a temporary left by a killed save is removed by the next
+save. A failed write (no space, file-size limit, I/O error) removes its temporary and raises
+:class:`CheckpointError` naming the checkpoint that is still intact.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """Saving or loading a checkpoint failed; the message says what is still safe."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporaries of killed saves are ignored)."""
+    ckdir = checkpoint_dir(run_dir)
+    if not ckdir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
+    """Atomically write ``state`` as the checkpoint of ``step``; keep the newest ``keep_last``."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
+    ckdir = checkpoint_dir(run_dir)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    for stale in ckdir.glob(".step_*.tmp"):  # left by a save that was killed
+        stale.unlink(missing_ok=True)
+    final = ckdir / f"step_{step:08d}.pt"
+    tmp = ckdir / f".{final.name}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(ckdir)
+    except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
+        tmp.unlink(missing_ok=True)
+        cause = _os_error_in(exc)
+        if cause is None:
+            raise
+        previous = latest_checkpoint(run_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {cause.strerror or cause}; {kept}. "
+            f"Free disk space (or point run.out_dir elsewhere) and resume with --resume {run_dir}"
+        ) from exc
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (a trusted file of this run)."""
+    path = Path(path)
+    try:
+        # weights_only=False: the file holds Python RNG states and config dicts written by us.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc

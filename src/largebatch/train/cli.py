@@ -1,0 +1,120 @@
+"""``largebatch train``: pretrain GPT or BERT.
+
+    largebatch train                               # the default recipe on the bundled corpus
+    largebatch train configs/gpt-small.toml        # a config file
+    largebatch train --optim.name=lans --run.total_tokens=2e6    # any field, from the command line
+    largebatch train --resume runs/20261130-101500-gpt           # continue exactly where it stopped
+    largebatch train --help-config                 # every field, its type, default and meaning
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from largebatch.train.typed_config import ConfigError, describe_fields, parse_overrides
+
+
+def _usage() -> str:
+    return (__doc__ or "").strip() + "\n"
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"largebatch train: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_usage())
+        return 0
+    try:
+        # imported here so that `--help` stays instant
+        from largebatch.train.config import TrainConfig, load_config
+    except ImportError as exc:  # a broken install, said plainly
+        return _fail(f"cannot import the trainer: {exc}", 1)
+    if "--help-config" in argv:
+        print(describe_fields(TrainConfig))
+        return 0
+
+    config_path, resume_dir, rest = None, None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--resume" or arg.startswith("--resume="):
+            if "=" in arg:
+                resume_dir = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                resume_dir = argv[i + 1]
+                i += 1
+            else:
+                return _fail("--resume needs a run directory: --resume RUN_DIR", 2)
+        elif not arg.startswith("--") and config_path is None and not rest:
+            config_path = arg
+        else:
+            rest.append(arg)
+        i += 1
+
+    try:
+        overrides = parse_overrides(rest)
+        if resume_dir is not None:
+            if config_path is not None:
+                return _fail("give either a config file or --resume RUN_DIR, not both "
+                             "(a resumed run uses the config saved in its directory)", 2)
+            saved = Path(resume_dir) / "config.toml"
+            if not saved.is_file():
+                return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
+            cfg = load_config(saved, overrides)
+            run_dir = Path(resume_dir)
+        else:
+            cfg = load_config(config_path, overrides)
+            run_dir = Path(cfg.run.out_dir.format(time=time.strftime("%Y%m%d-%H%M%S"),
+                                                  kind=cfg.model.kind))
+            if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+                return _fail(f"run directory {run_dir} already holds checkpoints; continue it with "
+                             f"--resume {run_dir}, or choose another --run.out_dir", 2)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+
+    from largebatch.train.checkpoint import CheckpointError
+    from largebatch.train.loop import NonFiniteLoss, Trainer
+
+    try:
+        trainer = Trainer(cfg, run_dir, resume=resume_dir is not None)
+        summary = trainer.fit()
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc), 2)
+    except (NonFiniteLoss, CheckpointError) as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return _fail(f"interrupted; the last checkpoint in {run_dir} is intact "
+                     f"(continue with --resume {run_dir})", 130)
+    if not summary.get("stopped_early"):
+        print(format_summary(summary, run_dir))
+    return 0
+
+
+def format_summary(s: dict, run_dir: Path) -> str:
+    from largebatch.train.metrics import human_bytes, human_count
+
+    lines = [
+        "",
+        "== summary ==",
+        f"validation loss   {s['final_val_loss']:.4f} nats/token (ppl {s['final_val_ppl']:.1f}); "
+        f"unigram baseline {s['unigram_val_loss']:.4f}",
+        f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
+        f"{s['train_seconds']:.0f} s",
+        f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "
+        f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
+        f"memory            {human_bytes(s['memory_bytes'])}",
+    ]
+    if s.get("noise_scale") is not None:
+        lines.append(f"noise scale       B_simple ~ {s['noise_scale']:.0f} sequences")
+    if s.get("skipped_steps"):
+        lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss)")
+    if "sample" in s:
+        lines += ["sample:", "  " + s["sample"].replace("\n", "\n  ")]
+    lines.append(f"run directory     {run_dir}  (metrics.jsonl, loss.png, schedule.png, tensorboard/)")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""The trainer's configuration: one TOML file, one table per component.
+
+    [model]     largebatch.models.ModelConfig      -- architecture (GPT or BERT)
+    [data]      largebatch.data.DataConfig         -- corpus, tokenizer, masking
+    [schedule]  largebatch.schedules.ScheduleConfig -- LR and batch size against tokens (Seesaw, ...)
+    [optim]     OptimConfig (below)                -- LAMB / LANS / LARS / AdamW
+    [run]       RunConfig (below)                  -- budget, precision, recompute, logging, checkpoints
+
+Every field can be overridden on the command line as ``--table.field=value``. The resolved config
+is written to ``RUN_DIR/config.toml`` and is what ``--resume`` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from largebatch.data import DataConfig
+from largebatch.models import ModelConfig
+from largebatch.schedules import ScheduleConfig
+from largebatch.train.typed_config import (ConfigError, dump_toml, from_dict, load_toml,
+                                           set_dotted, to_dict)
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["lamb", "lans", "lars", "adamw"] = "lamb"
+    """Optimizer: 'lamb' (You et al. 2019), 'lans' (Zheng et al. 2020), 'lars' (You et al. 2017),
+    or 'adamw' (torch.optim.AdamW, the baseline)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay. Biases, norm weights and embeddings get none (see
+    largebatch.optim.param_groups, which also decides which tensors get a trust ratio)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam-style moment decay rates (LAMB, LANS, AdamW)."""
+    eps: float = 1e-6
+    """Added to sqrt(v) (LAMB, LANS, AdamW) or to the LARS trust-ratio denominator."""
+    momentum: float = 0.9
+    """LARS momentum."""
+    trust_coefficient: float = 0.001
+    """LARS trust coefficient (the paper's eta)."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value before the optimizer step (None: no clipping;
+    the gradient norm is logged either way). Explicit here because apex/timm LAMB do it silently."""
+    fused: bool = False
+    """Fused per-tensor kernels (torch.compile), like torch.optim.AdamW(fused=True)."""
+    log_trust_ratios: bool = True
+    """Log min / median / max trust ratio per step (one extra device->host copy per step)."""
+
+    def __post_init__(self):
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"optim.grad_clip = {self.grad_clip}: must be > 0, or omitted to disable")
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/{time}-{kind}"
+    """Run directory; '{time}' and '{kind}' are filled in. Holds config.toml, metrics.jsonl,
+    tensorboard/, PNG plots, summary.json and checkpoints/."""
+    total_tokens: int = 600_000
+    """Training budget in tokens (sequences x sequence length). Schedules are keyed on it."""
+    micro_batch: int = 8
+    """Sequences per forward/backward. A step's batch (from the schedule) is accumulated from
+    batch_size / (micro_batch x data-parallel ranks) micro-batches."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision: fp32, or bf16 autocast (parameters and optimizer math stay fp32)."""
+    compile: bool = False
+    """torch.compile the model (about a minute of compilation before the first step)."""
+    recompute: str = "none"
+    """Activation recomputation: none | selective | op | full, or a comma-separated list with one
+    policy per layer (e.g. 'full,full,selective,selective'). See largebatch.memory."""
+    device: str = "auto"
+    """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    seed: int = 1337
+    """Seed for initialisation, dropout and the data order."""
+    eval_every_tokens: int = 0
+    """Validation interval in tokens (0: ten evaluations over the run)."""
+    eval_tokens: int = 32_768
+    """Validation tokens per evaluation (a fixed slice of the validation split)."""
+    log_every_steps: int = 1
+    """Write a metrics record every this many optimizer steps."""
+    checkpoint_every_tokens: int = 0
+    """Checkpoint interval in tokens (0: only at the end of the run)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in this invocation and checkpoint (0: run to the end
+    of the budget). For time-limited jobs: continue later with --resume."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf loss either stops the run (naming the step and the last good checkpoint) or
+    skips that step's update."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU (e.g. 989e12 for H100 bf16). None: measured here with a
+    matmul in the run's dtype, and printed as such."""
+    sample_tokens: int = 80
+    """Tokens to generate from the GPT at the end of the run (0: none)."""
+    sample_prompt: str = "KING HENRY:"
+    """Prompt for the generated sample."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bar in tokens on stderr ('auto': only on a terminal)."""
+
+    def __post_init__(self):
+        for name in ("total_tokens", "micro_batch", "eval_tokens", "log_every_steps",
+                     "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"run.{name} = {getattr(self, name)}: must be > 0")
+        for name in ("eval_every_tokens", "checkpoint_every_tokens", "max_steps", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"run.{name} = {getattr(self, name)}: must be >= 0 (0 disables)")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ValueError(f"run.peak_flops = {self.peak_flops}: must be > 0, or omitted to measure")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model (architecture and size)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The corpus, tokenizer and masking."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning rate and batch size against tokens."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Budget, precision, recomputation, logging and checkpoints."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults <- TOML file <- dotted overrides, validated (ConfigError on any problem)."""
+    tree: dict[str, Any] = load_toml(path) if path else {}
+    for key, value in (overrides or {}).items():
+        if "." not in key:
+            raise ConfigError(f"override '--{key}' must name a table and a field, e.g. --run.{key}")
+        set_dotted(tree, key, value)
+    return from_dict(TrainConfig, tree)
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(dump_toml(to_dict(cfg)))
+
+
+def replace_section(cfg: TrainConfig, section: str, **changes: Any) -> TrainConfig:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})

@@ -1,0 +1,293 @@
+"""Typed configuration: dataclasses loaded from TOML, overridable from the command line.
+
+Every component owns its config dataclass (``ModelConfig`` in ``largebatch.models``, ``DataConfig`` in
+``largebatch.data``, ``ScheduleConfig`` in ``largebatch.schedules``); the trainer only nests them. A
+field's documentation is the docstring right under it (torchtitan style); :func:`field_docs` reads
+it back from the source so ``largebatch train --help-config`` prints the same text.
+
+Rules that keep a run reproducible and mistakes loud:
+
+* unknown keys are rejected with a did-you-mean suggestion (``ConfigError``), never ignored;
+* values are checked against the field's annotation (``int``, ``float``, ``bool``, ``str``,
+  ``Optional``, ``Literal``, ``list``/``tuple``); ``1`` is accepted for a float, ``"1"`` is not;
+* ``--section.field=value`` overrides parse ``value`` as a TOML value (``--run.seed=3``,
+  ``--optim.betas=[0.9,0.98]``), falling back to a bare string (``--optim.name=lans``).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: the key, the value and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# field documentation
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written directly under each field of dataclass ``cls`` (empty if none)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------
+# type checking of values
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` as type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r}: expected a list, e.g. [1, 2]")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{key} = {value!r}: expected {len(args)} values")
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)  # 1e9 tokens written as a float is still a whole number
+        raise ConfigError(f"{key} = {value!r}: expected a whole number")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} = {value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} = {value!r}: expected a string")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{key}] must be a table of settings, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# building dataclasses from dicts
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys and wrong types.
+
+    The dataclass's own ``__post_init__`` validation runs too; a ValueError it raises is re-raised
+    as ConfigError with the section prefixed, so the user sees which table it came from.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" Did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else ""
+            where = f"section [{prefix}]" if prefix else "the top level"
+            raise ConfigError(f"unknown key '{full}' in {where}.{hint} "
+                              f"Valid keys: {', '.join(sorted(fields))}.")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        where = f"[{prefix}] " if prefix else ""
+        raise ConfigError(f"{where}{exc}") from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain dict/list/scalar view of a (nested) dataclass, suitable for TOML/JSON."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def replace(obj: Any, dotted: dict[str, Any]) -> Any:
+    """Return a copy of dataclass ``obj`` with dotted-key updates applied and re-validated."""
+    merged = to_dict(obj)
+    for key, value in dotted.items():
+        set_dotted(merged, key, value)
+    return from_dict(type(obj), merged)
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{key}': '{part}' is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# TOML files and command-line overrides
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML (numbers, booleans, lists, quoted strings), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``['--run.seed=3', '--optim.name', 'lans']`` -> ``{'run.seed': 3, 'optim.name': 'lans'}``."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        else:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"--{body} needs a value: --{body}=VALUE")
+            key, text = body, args[i + 1]
+            i += 1
+        out[key.replace("-", "_")] = parse_value(text)
+        i += 1
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+
+
+def dump_toml(tree: dict[str, Any]) -> str:
+    """Minimal TOML writer for the resolved config (scalars, lists, one level of tables)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"cannot write {v!r} as TOML")
+
+    lines, tables = [], []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        elif v is not None:
+            lines.append(f"{k} = {value(v)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def describe_fields(cls: type, prefix: str = "") -> str:
+    """Help text: every field with its type, default and docstring, nested sections included."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            out.append(f"\n[{key}]  {docs.get(f.name, '')}".rstrip())
+            out.append(describe_fields(tp, prefix=f"{key}."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        doc = docs.get(f.name, "")
+        out.append(f"  --{key}  ({_type_name(tp)}, default {default!r})")
+        if doc:
+            out.append(textwrap.indent(textwrap.fill(doc, 92), "      "))
+    return "\n".join(out)

@@ -1,0 +1,80 @@
+"""Checkpoints are atomic: a kill mid-save or a full disk never loses the previous checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from largebatch.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
+                                         load_checkpoint, save_checkpoint)
+
+
+def _state(n, fill):
+    return {"w": torch.full((n,), float(fill)), "step": fill}
+
+
+def test_save_load_and_keep_last(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, _state(10, step), keep_last=2)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step_00000003.pt", "step_00000004.pt"]
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 4 and torch.equal(state["w"], torch.full((10,), 4.0))
+
+
+def test_kill_during_save_keeps_previous(tmp_path):
+    save_checkpoint(tmp_path, 1, _state(10, 1))
+    # a real process, killed with SIGKILL while it writes a large checkpoint
+    script = textwrap.dedent(f"""
+        import torch, sys
+        from largebatch.train.checkpoint import save_checkpoint
+        print("saving", flush=True)
+        save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.randn(150_000_000)}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    tmp = tmp_path / "checkpoints" / ".step_00000002.pt.tmp"
+    deadline = time.time() + 60
+    while not (tmp.exists() and tmp.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tmp.exists(), "the kill should have landed mid-write"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1
+    save_checkpoint(tmp_path, 3, _state(10, 3))  # the next save clears the stale temporary
+    assert not tmp.exists()
+
+
+def test_full_disk_error_keeps_previous(tmp_path):
+    save_checkpoint(tmp_path, 1, _state(10, 1))
+    # RLIMIT_FSIZE makes the kernel refuse writes past 1 MB (EFBIG), as a full disk would (ENOSPC)
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from largebatch.train.checkpoint import save_checkpoint, CheckpointError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        try:
+            save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.randn(1_000_000)}})
+        except CheckpointError as exc:
+            print("ERROR", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "ERROR could not write checkpoint" in out.stdout, out.stdout + out.stderr
+    assert "step_00000001.pt is intact" in out.stdout
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1
+
+
+def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "checkpoints" / "step_00000001.pt"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="could not read checkpoint"):
+        load_checkpoint(path)

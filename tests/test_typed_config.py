@@ -1,0 +1,75 @@
+"""TOML <-> dataclass machinery: unknown keys rejected, types checked, docs under fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from largebatch.train.typed_config import (ConfigError, describe_fields, dump_toml, field_docs,
+                                           from_dict, parse_overrides, parse_value, to_dict)
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    name: Literal["lamb", "lans"] = "lamb"
+    """Which optimizer."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip: float | None = None
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr = {self.lr}: must be > 0")
+
+
+@dataclass
+class Outer:
+    steps: int = 10
+    """How many steps."""
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_roundtrip_and_coercion():
+    cfg = from_dict(Outer, {"steps": 2e3, "inner": {"lr": 1, "betas": [0.8, 0.9], "clip": 1.0}})
+    assert cfg.steps == 2000 and isinstance(cfg.steps, int)
+    assert cfg.inner.lr == 1.0 and cfg.inner.betas == (0.8, 0.9)
+    assert from_dict(Outer, to_dict(cfg)) == cfg
+    import tomllib
+
+    assert from_dict(Outer, tomllib.loads(dump_toml(to_dict(cfg)))) == cfg
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"stpes": 3}, "unknown key 'stpes'.*Did you mean 'steps'"),
+    ({"inner": {"lrr": 1.0}}, "unknown key 'inner.lrr'.*Did you mean 'inner.lr'"),
+    ({"steps": "ten"}, "steps = 'ten': expected a whole number"),
+    ({"steps": 2.5}, "expected a whole number"),
+    ({"inner": {"name": "lams"}}, "inner.name = 'lams'.*did you mean 'lans'"),
+    ({"inner": {"betas": [0.9]}}, "expected 2 values"),
+    ({"inner": {"lr": -1.0}}, r"\[inner\] lr = -1.0: must be > 0"),
+    ({"inner": 3}, r"\[inner\] must be a table"),
+    ({"inner": {"clip": "x"}}, "inner.clip = 'x'"),
+])
+def test_bad_input_names_key_and_fix(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(Outer, tree)
+
+
+def test_overrides_parse_toml_values():
+    assert parse_overrides(["--a.b=3", "--a.c", "lans", "--a.d=[1,2]", "--a.e=true"]) == {
+        "a.b": 3, "a.c": "lans", "a.d": [1, 2], "a.e": True}
+    assert parse_value("1e6") == 1e6 and parse_value("hello world") == "hello world"
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--a.b"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["stray"])
+
+
+def test_field_docs_and_help_text():
+    assert field_docs(Inner)["lr"] == "Peak learning rate."
+    text = describe_fields(Outer)
+    assert "--steps  (int, default 10)" in text and "How many steps." in text
+    assert "--inner.name  ('lamb' | 'lans', default 'lamb')" in text
