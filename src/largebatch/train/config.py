@@ -137,7 +137,27 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if "." not in key:
             raise ConfigError(f"override '--{key}' must name a table and a field, e.g. --run.{key}")
         set_dotted(tree, key, value)
-    return from_dict(TrainConfig, tree)
+    return check(from_dict(TrainConfig, tree))
+
+
+def check(cfg: TrainConfig) -> TrainConfig:
+    """Cross-table checks that need no data or model: fail in a second, not after setup."""
+    try:
+        cfg.schedule.build(total_tokens=cfg.run.total_tokens, seq_len=cfg.model.seq_len,
+                           micro_batch=cfg.run.micro_batch, dp_size=1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    policies = [p.strip() for p in cfg.run.recompute.split(",")]
+    known = ("none", "selective", "op", "full")
+    for p in policies:
+        if p not in known:
+            raise ConfigError(f"run.recompute = {cfg.run.recompute!r}: unknown policy {p!r}; "
+                              f"use one of {', '.join(known)} (or one per layer, comma-separated)")
+    if len(policies) not in (1, cfg.model.n_layer):
+        raise ConfigError(f"run.recompute = {cfg.run.recompute!r}: {len(policies)} per-layer "
+                          f"policies for a model of {cfg.model.n_layer} layers; give one policy, "
+                          f"or exactly {cfg.model.n_layer}")
+    return cfg
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

@@ -335,13 +335,9 @@ def _target_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _recompute_policy(spec: str, n_layer: int) -> str | list[str]:
+    """'selective' -> 'selective'; 'full,selective' -> per-layer list (checked by config.check)."""
     parts = [p.strip() for p in spec.split(",")]
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) != n_layer:
-        raise ValueError(f"run.recompute = {spec!r}: {len(parts)} per-layer policies for a model of "
-                         f"{n_layer} layers; give one policy, or exactly {n_layer}")
-    return parts
+    return parts[0] if len(parts) == 1 else parts
 
 
 def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

@@ -1,0 +1,78 @@
+"""Bad configs end in one clear line that names the key, never a traceback (property-based)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from largebatch.train.cli import main
+from largebatch.train.config import TrainConfig, load_config
+from largebatch.train.typed_config import ConfigError
+
+
+def _leaf_fields() -> list[tuple[str, typing.Any]]:
+    out = []
+    for section in dataclasses.fields(TrainConfig):
+        cls = typing.get_type_hints(TrainConfig)[section.name]
+        hints = typing.get_type_hints(cls)
+        out += [(f"{section.name}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
+    return out
+
+
+LEAVES = _leaf_fields()
+
+
+def _wrong_value(tp) -> st.SearchStrategy:
+    """Values that cannot be of type ``tp`` (a string where a number goes, a list for a scalar...)."""
+    args = set(typing.get_args(tp))
+    base = {t for t in args if t is not type(None)} or {tp}
+    options = [st.lists(st.integers(), min_size=1, max_size=3).map(lambda v: {"x": v})]
+    if not base & {str} and typing.get_origin(tp) is not typing.Literal:
+        options.append(st.text(alphabet="abcxyz", min_size=1, max_size=6))
+    if typing.get_origin(tp) is typing.Literal:
+        options.append(st.text(alphabet="qwz", min_size=1, max_size=6))
+    if base & {str}:
+        options.append(st.integers())
+    return st.one_of(options)
+
+
+@st.composite
+def invalid_override(draw):
+    if draw(st.booleans()):
+        key, tp = draw(st.sampled_from(LEAVES))
+        return key, draw(_wrong_value(tp))
+    section = draw(st.sampled_from([f.name for f in dataclasses.fields(TrainConfig)]))
+    name = draw(st.text(alphabet="abcdefghij_", min_size=3, max_size=12))
+    return f"{section}.zz_{name}", 1  # no field starts with zz_
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(invalid_override())
+def test_random_invalid_config_is_a_clean_error(override):
+    key, value = override
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {key: value})
+    assert key.split(".")[0] in str(info.value) or key.split(".")[-1] in str(info.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--run.total_tokens=-5"], "run.total_tokens"),
+    (["--run.micro_batch=3", "--schedule.batch_size=8"], "batch_size"),
+    (["--schedule.warmup=1.5"], "warmup"),
+    (["--run.recompute=sometimes"], "run.recompute"),
+    (["--run.recompute=full,selective,none"], "per-layer"),
+    (["--optim.name=adamm"], "did you mean 'adamw'"),
+    (["--modle.n_layer=2"], "did you mean 'model'"),
+    (["--run.totl_tokens=5"], "Did you mean 'run.total_tokens'"),
+    (["no_such_file.toml"], "does not exist"),
+    (["--resume", "/nonexistent/run"], "no config.toml"),
+])
+def test_cli_bad_input(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("largebatch train: error:") and needle in err, err
+    assert "Traceback" not in err
