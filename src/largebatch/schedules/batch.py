@@ -1,4 +1,6 @@
-"""Batch-size schedules and the joint (LR, batch) schedule interface, keyed on tokens (PAPERS.md §3).
+"""Batch-size schedules and the joint (LR, batch) schedule interface, keyed on tokens.
+
+PAPERS.md §3.
 
 A joint schedule answers two questions about the token clock: ``lr(tokens)`` and
 ``batch_size(tokens)`` (in sequences). Optimizer steps are derived, never the key: step k starts at
@@ -110,7 +112,7 @@ class JointSchedule:
         return {"kind": type(self).__name__, "config": self._config(), "state": {}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Check that ``state`` came from a schedule built the same way; restore what it recorded."""
+        """Check that ``state`` came from a schedule built the same way; restore its record."""
         if state.get("kind") != type(self).__name__:
             raise ValueError(f"checkpoint schedule kind={state.get('kind')!r} does not match this "
                              f"{type(self).__name__}; resume with the same [schedule] config")
@@ -130,7 +132,7 @@ class JointSchedule:
 
 
 def count_optimizer_steps(schedule: JointSchedule, seq_len: int) -> int:
-    """Optimizer steps needed to consume ``schedule.total_tokens`` at ``seq_len`` tokens/sequence."""
+    """Optimizer steps to consume ``schedule.total_tokens`` at ``seq_len`` tokens a sequence."""
     return sum(phase.steps for phase in schedule.phases(seq_len))
 
 

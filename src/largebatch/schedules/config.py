@@ -60,11 +60,11 @@ class ScheduleConfig:
     ratio: float = 0.5
     """seesaw / smith: the base LR's fall between milestones, in (0, 1) (paper: 1/2, 1/1.1)."""
     alpha: float = 0.0
-    """seesaw-family: LR divisor per milestone; alpha * sqrt(beta) = 1/ratio, alpha >= sqrt(beta)."""
+    """seesaw-family: LR divisor per milestone; alpha >= sqrt(beta) (ratio = 1/(alpha sqrt(beta)))."""
     beta: float = 0.0
     """seesaw-family: batch multiplier per milestone (>= 1)."""
     max_batch_size: int = 0
-    """seesaw / seesaw-family / smith: batch cap in sequences, e.g. the critical batch (0 = none)."""
+    """seesaw / seesaw-family / smith: batch cap in sequences, e.g. the critical batch (0 = off)."""
     noise_scale_multiple: float = 0.0
     """Adaptive Seesaw: cap the batch at this multiple of the measured B_simple (0 = off)."""
     noise_scale_ema: float = 0.95
@@ -103,9 +103,24 @@ class ScheduleConfig:
                        "set it > 0, e.g. 0.1")
         if self.batch_policy == "seesaw-family" and (self.alpha <= 0 or self.beta <= 0):
             self._fail("alpha", f"seesaw-family needs alpha and beta (beta={self.beta!r}) > 0")
+        if self.lr_schedule == "wsd" and not 0 < self.wsd_cooldown <= 1 - self.warmup:
+            self._fail("wsd_cooldown", f"must lie in (0, 1 - warmup = {1 - self.warmup:g}]")
+        if self.lr_schedule == "lans" and not 0 <= self.lans_hold < 1 - self.warmup:
+            self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
+        if self.batch_policy == "ramp":
+            self._validate_ramp()
         for name in ("max_batch_size", "reference_batch_size", "noise_scale_multiple"):
             if getattr(self, name) < 0:
                 self._fail(name, "must be >= 0 (0 = off)")
+
+    def _validate_ramp(self) -> None:
+        if self.ramp_start <= 0 or self.ramp_start > self.batch_size:
+            self._fail("ramp_start", f"must lie in (0, batch_size={self.batch_size}]")
+        if self.ramp_increment <= 0 or (self.batch_size - self.ramp_start) % self.ramp_increment:
+            self._fail("ramp_increment", f"must be > 0 and divide batch_size - ramp_start = "
+                       f"{self.batch_size - self.ramp_start}")
+        if not 0 < self.ramp_tokens <= 1:
+            self._fail("ramp_tokens", "must lie in (0, 1]: it is a fraction of the token budget")
 
     def coupled_peak_lr(self) -> float:
         """peak_lr after the lr_coupling policy moves it from reference_batch_size to batch_size."""

@@ -16,7 +16,8 @@ warmup tokens, ``peak`` and ``final`` the end points, and ``s`` the progress thr
                     1-sqrt  final + (peak - final) * (1 - sqrt(s))   (Hägele et al. 2024);
                     exponential  peak * (final / peak) ** s
 * ``WarmupHoldPolynomial``  LANS (Zheng et al. 2020), with u = t / T, w = W / T, c = hold / T:
-                    u < w: peak * u / w;  w <= u < w + c: peak;  else peak * ((1 - u) / (1 - w - c)) ** power
+                    u < w: peak * u / w;  w <= u < w + c: peak;
+                    else peak * ((1 - u) / (1 - w - c)) ** power
 * ``InverseSqrt``   lr = peak * sqrt(W / t) after warmup (Vaswani et al. 2017)
 
 Warmup is linear from 0 at ``t = 0`` to ``peak`` at ``t = W``. Past ``total_tokens`` a schedule

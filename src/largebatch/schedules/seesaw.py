@@ -94,7 +94,8 @@ class MilestoneSchedule(JointSchedule):
         if noise_scale_multiple is not None and not noise_scale_multiple > 0:
             raise ValueError(f"noise_scale_multiple={noise_scale_multiple!r} must be > 0 "
                              "(the batch is capped at this multiple of B_simple) or None")
-        self.ratio, self.batch_growth, self.lr_batch_exponent = ratio, batch_growth, lr_batch_exponent
+        self.ratio, self.batch_growth = ratio, batch_growth
+        self.lr_batch_exponent = lr_batch_exponent
         self.max_batch_size, self.noise_scale_multiple = max_batch_size, noise_scale_multiple
         self.noise_cap_log: list[tuple[int, float]] = []  # (from tokens, cap in sequences)
         self._realise()
