@@ -97,3 +97,14 @@ def test_ramp_resumes_mid_ramp():
         uninterrupted.append((first.lr(tokens), first.batch_size(tokens)))
         tokens += first.batch_size(tokens) * seq_len
     assert trace == uninterrupted
+
+
+def test_step_count_up_to_a_token_count():
+    lr = Cosine(1.0, 200_000, 20_000, 0.1)
+    ramp = LinearRamp(lr, 8, 8, 50_000, 64)
+    steps, tokens = 0, 0
+    while tokens < 70_000:
+        tokens += ramp.batch_size(tokens) * 16
+        steps += 1
+    assert count_optimizer_steps(ramp, 16, tokens=70_000) == steps
+    assert count_optimizer_steps(ramp, 16, tokens=70_000) < count_optimizer_steps(ramp, 16)

@@ -37,6 +37,16 @@ def test_build_every_policy(overrides, kind):
     assert isinstance(schedule, kind)
     assert schedule.total_tokens == TOTAL and schedule.batch_size(0) % 16 == 0
     assert schedule.lr(round(0.1 * TOTAL)) == pytest.approx(config.peak_lr, rel=1e-6)
+    assert not schedule.uses_noise_scale
+
+
+def test_adaptive_seesaw_from_config():
+    config = ScheduleConfig(batch_policy="seesaw", noise_scale_multiple=2.0, noise_scale_ema=0.9)
+    schedule, noise = config.build(TOTAL, SEQ), config.build_noise_scale()
+    assert schedule.uses_noise_scale and noise.ema_decay == 0.9
+    noise.update(10.0, 1, 1.5, 64)
+    schedule.observe_noise_scale(0, noise.b_simple)
+    assert schedule.noise_cap_log == [(0, 2.0 * noise.b_simple)]
 
 
 def test_describe_reports_coupling_phase_table_and_steps():
@@ -67,7 +77,8 @@ def test_describe_reports_coupling_phase_table_and_steps():
     ({"lr_schedule": "wsd", "wsd_cooldown": 0.95}, {}, "[schedule] wsd_cooldown=0.95"),
     ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
      "table batch at token 5000000=62"),
-    ({"max_batch_size": -4}, {}, "[schedule] max_batch_size=-4"),
+    ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "[schedule] max_batch_size=-4"),
+    ({"noise_scale_multiple": 2.0}, {}, "[schedule] noise_scale_multiple=2.0: only applies"),
 ])
 def test_bad_config_names_the_field(overrides, build_args, fragment):
     with pytest.raises(ValueError) as err:

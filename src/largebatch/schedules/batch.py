@@ -93,10 +93,16 @@ class JointSchedule:
     def _phase_label(self, start_tokens: int) -> str:
         return "warmup" if start_tokens < self.lr_schedule.warmup_tokens else ""
 
-    def phases(self, seq_len: int) -> list[Phase]:
-        """The realised schedule over ``[0, total_tokens)`` with optimizer steps per phase."""
+    uses_noise_scale = False
+    """True when the trainer should feed ``observe_noise_scale(tokens, b_simple)`` (adaptive)."""
+
+    def phases(self, seq_len: int, end_tokens: int | None = None) -> list[Phase]:
+        """The realised schedule over ``[0, end_tokens)`` (default: the whole budget) with the
+        optimizer steps that start in each phase."""
         check_batch_size(seq_len, name="seq_len")
-        total = self.total_tokens
+        total = self.total_tokens if end_tokens is None else end_tokens
+        if check_tokens(total, "end_tokens") <= 0:
+            raise ValueError(f"end_tokens={end_tokens} must be positive")
         bounds = sorted({0, total, *(b for b in self.breakpoints() if 0 < b < total)})
         table, next_step_start = [], 0  # a step started in one phase may run into the next
         for start, end in zip(bounds, bounds[1:]):
@@ -131,9 +137,11 @@ class JointSchedule:
         return format_phase_table(self.phases(seq_len))
 
 
-def count_optimizer_steps(schedule: JointSchedule, seq_len: int) -> int:
-    """Optimizer steps to consume ``schedule.total_tokens`` at ``seq_len`` tokens a sequence."""
-    return sum(phase.steps for phase in schedule.phases(seq_len))
+def count_optimizer_steps(schedule: JointSchedule, seq_len: int,
+                          tokens: int | None = None) -> int:
+    """Optimizer steps that start before ``tokens`` (default: the whole budget), where step k
+    starts at tokens_k and consumes ``batch_size(tokens_k) * seq_len`` tokens."""
+    return sum(phase.steps for phase in schedule.phases(seq_len, tokens))
 
 
 def format_phase_table(phases: Sequence[Phase]) -> str:

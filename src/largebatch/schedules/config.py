@@ -109,6 +109,11 @@ class ScheduleConfig:
             self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
         if self.batch_policy == "ramp":
             self._validate_ramp()
+        milestone_policy = self.batch_policy in ("seesaw", "seesaw-family", "smith")
+        for name in ("max_batch_size", "noise_scale_multiple"):
+            if getattr(self, name) and not milestone_policy:
+                self._fail(name, f"only applies to batch_policy seesaw | seesaw-family | smith, "
+                           f"not {self.batch_policy!r}; set it to 0")
         for name in ("max_batch_size", "reference_batch_size", "noise_scale_multiple"):
             if getattr(self, name) < 0:
                 self._fail(name, "must be >= 0 (0 = off)")

@@ -145,6 +145,10 @@ class MilestoneSchedule(JointSchedule):
         return f"milestone {k}{held}"
 
     # -- adaptive cap from the gradient noise scale ------------------------------------------
+    @property
+    def uses_noise_scale(self) -> bool:
+        return self.noise_scale_multiple is not None
+
     def observe_noise_scale(self, tokens: int, b_simple: float | None) -> None:
         """Cap the batch at ``noise_scale_multiple * b_simple`` (sequences) for every milestone at
         or after ``tokens``. ``b_simple=None`` (no estimate yet) is ignored."""
