@@ -94,7 +94,7 @@ def test_from_dict_suggests_a_close_field():
 def test_cli_prints_table_and_writes_png(tmp_path, capsys):
     out = tmp_path / "seesaw.png"
     code = main(["--total-tokens", "10M", "--seq-len", "128", "--batch-size", "64",
-                 "--batch-policy", "seesaw", "--ratio", "0.5", "--micro-batch", "8", "--dp", "2",
+                 "--batch-policy", "seesaw", "--ratio", "1/2", "--micro-batch", "8", "--dp", "2",
                  "--plot", str(out)])
     text = capsys.readouterr().out
     assert code == 0

@@ -91,6 +91,12 @@ def test_granularity_rounds_the_ramp_away():
     # while the batch is held the LR falls like the base schedule's steps, peak * r^k
     for k in range(1, 8):
         assert coarse.lr(coarse.milestones[k - 1]) == pytest.approx((1 / 1.1) ** k, rel=1e-12)
+    # when the batch catches up (16 -> 32 at milestone 8) the LR rises by sqrt(2) * r: the
+    # effective LR, lr * sqrt(B_0 / B), still falls by exactly r at every milestone
+    for k, t in enumerate(coarse.milestones, start=1):
+        effective = coarse.lr(t) * math.sqrt(16 / coarse.batch_size(t))
+        assert effective == pytest.approx((1 / 1.1) ** k, rel=1e-12)
+    assert coarse.lrs[8] > coarse.lrs[7]
     table = coarse.phases(seq_len=1)
     assert "milestone 7 (batch held)" in [row.label for row in table]
     fine = Seesaw(cosine, 16, ratio=1 / 1.1, micro_batch=1)

@@ -1,8 +1,8 @@
 """``largebatch schedule``: print a schedule's phase table and optimizer steps next to its base
 schedule's, and optionally plot LR and batch size against tokens.
 
-    largebatch schedule --total-tokens 1e9 --seq-len 1024 --batch-policy seesaw --ratio 0.909 \
-        --batch-size 256 --plot seesaw.png
+    largebatch schedule --total-tokens 1e9 --seq-len 1024 --batch-size 256 --micro-batch 8
+        --batch-policy seesaw --ratio 1/1.1 --plot seesaw.png   (one line)
 
 Every ``ScheduleConfig`` field is an option (``--peak-lr``, ``--wsd-shape`` ...), with the field's
 docstring as its help.
@@ -33,6 +33,15 @@ def parse_tokens(text: str) -> int:
     return int(round(value))
 
 
+def parse_number(text: str) -> float:
+    """A float, or a fraction such as '1/1.1' (Seesaw's ratio)."""
+    try:
+        numerator, _, denominator = text.partition("/")
+        return float(numerator) / float(denominator) if denominator else float(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a fraction like 1/1.1")
+
+
 def parse_table(text: str) -> list[list[float]]:
     """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size)."""
     try:
@@ -57,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=parse_table, default=[], help=docs[f.name]
                                 + " Given as FRACTION:BATCH,...")
             continue
-        parser.add_argument(flag, type=type(f.default), default=f.default,
+        kind = parse_number if isinstance(f.default, float) else type(f.default)
+        parser.add_argument(flag, type=kind, default=f.default,
                             choices=CHOICES.get(f.name), help=docs[f.name])
     return parser
 
