@@ -26,7 +26,9 @@ which is exactly the paper's LR when B_k is the ideal batch, and hands the LR wh
 the factor r the batch could not take when the batch is held -- at the cap, the LR falls by the
 whole r (PAPERS.md §3: "beyond a cap the batch must stop growing and the LR take the whole factor
 r"). Granularity: with r = 1/1.1, a batch of 16 in micro-batches of 16 cannot grow before the 8th
-milestone, and the LR then decays like the base's steps. ``phases()`` reports the realised schedule.
+milestone: the LR decays like the base's steps meanwhile, and rises (by sqrt(2) * r) when the batch
+jumps 16 -> 32; the effective LR, lr * sqrt(B_0 / B), still falls by exactly r per milestone.
+``phases()`` reports the realised schedule; keep the micro-batch small next to the batch.
 
 Adaptive Seesaw: ``observe_noise_scale(tokens, b_simple)`` records ``noise_scale_multiple *
 b_simple`` (McCandlish et al. 2018, see ``noise_scale.py``) as the cap for every milestone at or
