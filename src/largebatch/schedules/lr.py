@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 COUPLING_POLICIES = ("none", "linear", "sqrt")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt", "exponential")
@@ -51,6 +52,7 @@ class LRSchedule:
     total_tokens: int | None = None
     warmup_tokens: int = 0
     final_lr: float = 0.0
+    needs_total: ClassVar[bool] = True  # the shape is defined relative to the token budget
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.peak_lr) or self.peak_lr <= 0:
@@ -58,6 +60,8 @@ class LRSchedule:
         if not 0 <= self.final_lr <= self.peak_lr:
             raise ValueError(f"final_lr={self.final_lr!r} must lie in [0, peak_lr={self.peak_lr}]")
         check_tokens(self.warmup_tokens, "warmup_tokens")
+        if self.needs_total and self.total_tokens is None:
+            raise ValueError(f"{type(self).__name__} needs total_tokens (the token budget)")
         if self.total_tokens is not None:
             check_tokens(self.total_tokens, "total_tokens")
             if self.warmup_tokens >= self.total_tokens:
@@ -87,14 +91,11 @@ class LRSchedule:
         return {"kind": type(self).__name__, **asdict(self)}
 
 
-def _require_total(schedule: LRSchedule) -> None:
-    if schedule.total_tokens is None:
-        raise ValueError(f"{type(schedule).__name__} needs total_tokens (the token budget)")
-
-
 @dataclass(frozen=True)
 class Constant(LRSchedule):
     """Constant LR after an optional linear warmup."""
+
+    needs_total: ClassVar[bool] = False
 
     def _decay(self, tokens: float) -> float:
         return self.peak_lr
@@ -104,10 +105,6 @@ class Constant(LRSchedule):
 class Cosine(LRSchedule):
     """Linear warmup from 0, then cosine from peak_lr to final_lr at total_tokens."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require_total(self)
-
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.warmup_tokens)
         return self.final_lr + (self.peak_lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * s))
@@ -116,10 +113,6 @@ class Cosine(LRSchedule):
 @dataclass(frozen=True)
 class LinearDecay(LRSchedule):
     """Linear warmup from 0, then a straight line from peak_lr to final_lr at total_tokens."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require_total(self)
 
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.warmup_tokens)
@@ -136,7 +129,6 @@ class WSD(LRSchedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require_total(self)
         if self.shape not in WSD_SHAPES:
             raise ValueError(f"shape={self.shape!r} is not one of {WSD_SHAPES}")
         if self.shape == "exponential" and self.final_lr <= 0:
@@ -178,7 +170,6 @@ class WarmupHoldPolynomial(LRSchedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require_total(self)
         check_tokens(self.hold_tokens, "hold_tokens")
         if self.final_lr != 0:
             raise ValueError(f"final_lr={self.final_lr!r}: LANS's polynomial decay ends at 0")
@@ -202,6 +193,8 @@ class WarmupHoldPolynomial(LRSchedule):
 @dataclass(frozen=True)
 class InverseSqrt(LRSchedule):
     """Linear warmup, then ``peak * sqrt(warmup_tokens / tokens)`` (Vaswani et al. 2017)."""
+
+    needs_total: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
