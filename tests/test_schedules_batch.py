@@ -2,7 +2,10 @@
 
 import pickle
 
+import numpy
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from largebatch.schedules import (ConstantBatch, Cosine, LinearRamp, PiecewiseBatch, Seesaw,
                                   check_batch_size, count_optimizer_steps)
@@ -108,3 +111,15 @@ def test_step_count_up_to_a_token_count():
         steps += 1
     assert count_optimizer_steps(ramp, 16, tokens=70_000) == steps
     assert count_optimizer_steps(ramp, 16, tokens=70_000) < count_optimizer_steps(ramp, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.integers(1, 8), increments=st.integers(0, 6), step=st.integers(1, 8),
+       ramp_share=st.floats(0.01, 1.0), seq_len=st.integers(1, 300),
+       total=st.integers(1_000, 200_000))
+def test_ramp_step_count_property(start, increments, step, ramp_share, seq_len, total):
+    lr = Cosine(1.0, total, total // 10, 0.1)
+    ramp = LinearRamp(lr, 4 * start, 4 * step, max(1, int(ramp_share * total)),
+                      4 * (start + increments * step), micro_batch=4)
+    assert count_optimizer_steps(ramp, seq_len) == simulate_steps(ramp, seq_len)
+    assert ramp.batch_size(numpy.int64(0)) == check_batch_size(numpy.int64(4 * start), 4)

@@ -80,9 +80,11 @@ def test_inverse_sqrt():
 
 def test_schedules_pickle_and_rebuild_from_state():
     schedules = (Cosine(PEAK, TOTAL, WARMUP, FINAL), WSD(PEAK, TOTAL, WARMUP, FINAL, 0.1, "1-sqrt"),
-                 WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=5), InverseSqrt(PEAK, None, 7))
+                 WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=5),
+                 InverseSqrt(PEAK, None, 7))
     for sched in schedules:
-        for clone in (pickle.loads(pickle.dumps(sched)), lr_schedule_from_state(sched.state_dict())):
+        rebuilt = lr_schedule_from_state(sched.state_dict())
+        for clone in (pickle.loads(pickle.dumps(sched)), rebuilt):
             assert clone == sched
             assert [clone(t) for t in POINTS] == [sched(t) for t in POINTS]
 

@@ -169,7 +169,7 @@ def test_adaptive_cap_is_deterministic_and_resumes_exactly():
     first, resumed_trace = build(), []
     tokens = run(first, 16, 0, 10**6, b_simple, resumed_trace)
     saved = pickle.loads(pickle.dumps(first.state_dict()))
-    resumed = build()
+    resumed = pickle.loads(pickle.dumps(build()))  # the schedule object itself pickles too
     resumed.load_state_dict(saved)
     run(resumed, 16, tokens, 2 * 10**6, b_simple, resumed_trace)
     assert resumed_trace == full

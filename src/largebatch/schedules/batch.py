@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
     Otherwise raise a ValueError naming the conflicting numbers and the nearest sizes that work.
     """
     for arg, value in ((name, batch_size), ("micro_batch", micro_batch), ("dp_size", dp_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{arg}={value!r} must be a positive integer (sequences / ranks)")
     granularity = micro_batch * dp_size
     if batch_size % granularity:

@@ -60,7 +60,7 @@ class ScheduleConfig:
     ratio: float = 0.5
     """seesaw / smith: the base LR's fall between milestones, in (0, 1) (paper: 1/2, 1/1.1)."""
     alpha: float = 0.0
-    """seesaw-family: LR divisor per milestone; alpha >= sqrt(beta) (ratio = 1/(alpha sqrt(beta)))."""
+    """seesaw-family: LR divisor per milestone, alpha >= sqrt(beta); ratio = 1/(alpha sqrt(beta))."""
     beta: float = 0.0
     """seesaw-family: batch multiplier per milestone (>= 1)."""
     max_batch_size: int = 0
