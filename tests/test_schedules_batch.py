@@ -38,6 +38,7 @@ def test_megatron_linear_ramp():
     expected = {0: 32, 99: 32, 100: 64, 199: 64, 200: 96, 299: 96, 300: 128, 999: 128}
     assert {t: ramp.batch_size(t) for t in expected} == expected
     assert ramp.lr(500) == Cosine(1.0, 1000, 0, 0.1)(500)  # the LR is untouched by the ramp
+    assert [ramp.micro_batches(t) for t in (0, 100, 300)] == [2, 4, 8]  # batch / (8 x 2)
     with pytest.raises(ValueError, match="increment=24"):
         LinearRamp(Cosine(1.0, 1000), 32, 24, 300, 128, micro_batch=8, dp_size=2)
     with pytest.raises(ValueError, match="must be a non-negative multiple of increment=32"):

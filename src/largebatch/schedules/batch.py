@@ -94,6 +94,10 @@ class JointSchedule:
     def _phase_label(self, start_tokens: int) -> str:
         return "warmup" if start_tokens < self.lr_schedule.warmup_tokens else ""
 
+    def micro_batches(self, tokens: float) -> int:
+        """Micro-batches each data-parallel rank accumulates for the step starting at ``tokens``."""
+        return self.batch_size(tokens) // (self.micro_batch * self.dp_size)
+
     uses_noise_scale = False
     """True when the trainer should feed ``observe_noise_scale(tokens, b_simple)`` (adaptive)."""
 

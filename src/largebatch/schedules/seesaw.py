@@ -46,6 +46,7 @@ from largebatch.schedules.lr import LRSchedule, check_tokens
 
 
 def check_ratio(ratio: float) -> float:
+    """Return ``ratio`` if it lies in (0, 1), else raise naming it."""
     if not 0 < ratio < 1:
         raise ValueError(f"ratio={ratio!r} must lie in (0, 1): it is the factor by which the base "
                          "LR falls between milestones (the paper uses 1/2 and 1/1.1)")
