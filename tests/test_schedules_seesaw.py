@@ -194,3 +194,17 @@ def test_load_state_rejects_a_different_seesaw():
         Seesaw(cosine, 64, ratio=0.8).load_state_dict(Seesaw(cosine, 64, ratio=0.5).state_dict())
     with pytest.raises(ValueError, match="kind='Seesaw'"):
         SmithRamp(cosine, 64).load_state_dict(Seesaw(cosine, 64).state_dict())
+
+
+def test_seesaw_on_a_wsd_base_places_milestones_in_the_cooldown():
+    from largebatch.schedules import WSD
+
+    total, final, ratio = 10**7, 0.1, 0.5
+    wsd = WSD(PEAK, total, 10**6, final, cooldown_fraction=0.2, shape="linear")
+    seesaw = Seesaw(wsd, 32, ratio=ratio)
+    # linear cooldown over [0.8 T, T]: peak * (1 - s (1 - f)) = r^k  =>  s = (1 - r^k) / (1 - f)
+    expected = [0.8 * total + 0.2 * total * (1 - ratio**k) / (1 - final) for k in (1, 2, 3)]
+    assert len(seesaw.milestones) == 3
+    for tokens, reference in zip(seesaw.milestones, expected):
+        assert abs(tokens - reference) <= 1
+    assert seesaw.lr(5 * 10**6) == PEAK and seesaw.batch_size(5 * 10**6) == 32  # stable phase
