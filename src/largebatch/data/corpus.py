@@ -197,7 +197,8 @@ def split_documents(documents: list[Document], val_fraction: float,
         chosen = {resolve_document_name(name, names) for name in val_documents}
     else:
         chars = np.array([len(doc.text) for doc in documents], dtype=np.int64)
-        order = np.random.default_rng(seed).permutation(len(documents))
+        by_name = np.argsort(names, kind="stable")  # the split ignores the input order
+        order = by_name[np.random.default_rng(seed).permutation(len(documents))]
         taken = np.cumsum(chars[order]) < val_fraction * chars.sum()
         count = min(int(taken.sum()) + 1, len(documents) - 1)  # first doc that crosses the line
         chosen = {names[i] for i in order[:count]}
