@@ -46,6 +46,9 @@ class DataStats:
     cache_path: str | None = None
     cache_hit: bool = False  # True: tokenizer and streams were loaded, nothing was trained
 
+    def __str__(self) -> str:
+        return self.describe()
+
     def describe(self) -> str:
         def docs(n):
             return "" if n is None else f"{n} docs, "
