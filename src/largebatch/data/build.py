@@ -52,7 +52,9 @@ class DataStats:
     def describe(self) -> str:
         def docs(n):
             return "" if n is None else f"{n} docs, "
-        names = ", ".join(name.split("/", 1)[-1] for name in self.val_document_names[:6])
+        combined = "+" in self.corpus  # keep "bible/john" apart from "shakespeare/john"
+        names = ", ".join(name if combined else name.split("/", 1)[-1]
+                          for name in self.val_document_names[:6])
         more = " ..." if len(self.val_document_names) > 6 else ""
         return (f"{self.corpus} ({self.split}): train {docs(self.train_documents)}"
                 f"{self.train_tokens:,} tokens, {self.train_samples:,} samples | val "
