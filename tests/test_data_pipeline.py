@@ -195,3 +195,22 @@ def test_token_array_corpus_split_by_position_or_separate_val(gpt, tmp_path):
 def test_sequence_longer_than_the_split_is_a_clear_error(cache_dir):
     with pytest.raises(ValueError, match="the val split has .* tokens.*seq_len=500000"):
         build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), 500_000, "gpt")
+
+
+def test_single_file_with_separator_or_separate_val_corpus(tmp_path):
+    plays = {p: (SHKSPR_TEXTS / f"{p}_gut.txt").read_text() for p in ("hamlet", "macbeth", "lear")}
+    (tmp_path / "all.txt").write_text("\n\f\n".join(plays.values()))
+    (tmp_path / "val.txt").write_text((SHKSPR_TEXTS / "tempest_gut.txt").read_text())
+    common = dict(vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    by_separator = build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                                         document_separator="\f", **common), 32)
+    assert by_separator.stats.train_documents + by_separator.stats.val_documents == 3
+    assert by_separator.stats.val_document_names[0].startswith("all#")
+    separate = build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                                     val_corpus=str(tmp_path / "val.txt"), **common), 32)
+    assert separate.stats.split == "separate val_corpus"
+    assert separate.stats.val_document_names == ["val"] and separate.stats.train_documents == 1
+    assert separate.decode(separate.val.tokens[:30]).startswith("<|endoftext|>THE TEMPEST")
+    with pytest.raises(ValueError, match="val_corpus=.*token array.*both as text"):
+        build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                              val_corpus=str(tmp_path / "v.npy"), **common), 32)
