@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -102,19 +103,22 @@ def _data_parallel_worker(rank: int, world_size: int, cfg: DataConfig, init_file
         dist.all_gather(label_parts, local["labels"])
         gathered.append((torch.cat(parts), torch.cat(label_parts)))
         position += batch_size
+    cache_hits = [None] * world_size
+    dist.all_gather_object(cache_hits, data.stats.cache_hit)
     if rank == 0:
-        torch.save({"gathered": gathered, "cache_hit": data.stats.cache_hit},
+        torch.save({"gathered": gathered, "cache_hits": cache_hits},
                    os.path.join(out_dir, "gathered.pt"))
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 def test_gloo_ranks_together_fetch_exactly_the_single_process_steps(small_corpus, tmp_path):
-    mp.spawn(_data_parallel_worker, args=(2, small_corpus, str(tmp_path / "init"), str(tmp_path)),
+    cfg = dataclasses.replace(small_corpus, cache_dir=str(tmp_path / "fresh_cache"))
+    mp.spawn(_data_parallel_worker, args=(2, cfg, str(tmp_path / "init"), str(tmp_path)),
              nprocs=2, join=True)
     result = torch.load(tmp_path / "gathered.pt")
-    assert result["cache_hit"]
-    data = build_data(small_corpus, SEQ_LEN, "bert")
+    assert result["cache_hits"] == [False, True]  # rank 0 trained; rank 1 waited and reused it
+    data = build_data(cfg, SEQ_LEN, "bert")
     position = 0
     for (input_ids, labels), batch_size in zip(result["gathered"], (4, 4, 8, 16)):
         single = data.train.get_batch(range(position, position + batch_size))

@@ -15,10 +15,12 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from . import tokenizer as tokenizer_lib
@@ -95,6 +97,27 @@ def build_data(cfg: DataConfig, seq_len: int, kind: str = "gpt") -> Data:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"build_data seq_len={seq_len!r} is invalid: use a positive integer")
     cfg.validate()
+    with _rank_zero_first():
+        return _build(cfg, seq_len, kind)
+
+
+@contextmanager
+def _rank_zero_first():
+    """Under torch.distributed, rank 0 builds (trains, writes the cache) while the other ranks
+    wait at a barrier, then they build from its cache entry (as Megatron-LM builds its dataset
+    index on rank 0). Every rank must call build_data."""
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or dist.get_rank() == 0
+    try:
+        if not leader:
+            dist.barrier()
+        yield
+    finally:
+        if distributed and leader:
+            dist.barrier()
+
+
+def _build(cfg: DataConfig, seq_len: int, kind: str) -> Data:
     if is_token_array_path(cfg.corpus):
         tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
         vocab_size = tokenizer.get_vocab_size() if tokenizer else cfg.vocab_size
