@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from largebatch.data import (CorpusError, DataConfig, bible_documents, build_data,
                              load_documents, shakespeare_documents, split_documents,
@@ -161,3 +164,18 @@ def test_config_errors_name_field_value_and_fix(field, value, fix):
 def test_build_data_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_data(DataConfig(), **kwargs)
+
+
+_ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
+                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+                       st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=2),
+                                                                            st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from([f.name for f in dataclasses.fields(DataConfig)]), value=_ANY_VALUE)
+def test_any_field_value_is_accepted_or_a_value_error_naming_the_field(field, value):
+    try:
+        DataConfig(**{field: value})
+    except ValueError as err:
+        assert f"DataConfig.{field}=" in str(err)

@@ -97,7 +97,8 @@ class DataConfig:
                "val_corpus", self.val_corpus, "use None or a path like the ones corpus accepts")
         _check(_is_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0, "val_fraction",
                self.val_fraction, "use a number strictly between 0 and 1, e.g. 0.1")
-        _check(all(isinstance(n, str) and n for n in self.val_documents), "val_documents",
+        _check(isinstance(self.val_documents, tuple) and
+               all(isinstance(n, str) and n for n in self.val_documents), "val_documents",
                self.val_documents, "use a tuple of document names, e.g. ('hamlet',)")
         _check(_is_int(self.split_seed), "split_seed", self.split_seed, "use an integer")
         _check(self.document_separator is None or
