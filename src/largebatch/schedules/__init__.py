@@ -1,1 +1,30 @@
-"""largebatch.schedules (being built)."""
+"""Token-keyed LR and batch-size schedules, Seesaw, and the gradient noise scale (PAPERS.md §3).
+
+Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop:
+
+    sched = Seesaw(Cosine(3e-4, total_tokens, warmup_tokens, final_lr=3e-5), batch_size=64,
+                   ratio=1 / 1.1, micro_batch=8)
+    while tokens_seen < total_tokens:
+        batch, lr = sched.batch_size(tokens_seen), sched.lr(tokens_seen)
+        ...                                   # accumulate batch // micro_batch micro-batches
+        tokens_seen += batch * seq_len
+"""
+
+from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp, Phase,
+                                        PiecewiseBatch, check_batch_size, count_optimizer_steps,
+                                        format_phase_table)
+from largebatch.schedules.config import ScheduleConfig
+from largebatch.schedules.lr import (WSD, Constant, Cosine, InverseSqrt, LinearDecay, LRSchedule,
+                                     WarmupHoldPolynomial, scale_lr_for_batch)
+from largebatch.schedules.noise_scale import NoiseScale
+from largebatch.schedules.seesaw import (MilestoneSchedule, Seesaw, SeesawFamily, SmithRamp,
+                                         find_milestones)
+
+__all__ = [
+    "LRSchedule", "Constant", "Cosine", "LinearDecay", "WSD", "WarmupHoldPolynomial",
+    "InverseSqrt", "scale_lr_for_batch",
+    "JointSchedule", "Phase", "ConstantBatch", "LinearRamp", "PiecewiseBatch",
+    "check_batch_size", "count_optimizer_steps", "format_phase_table",
+    "MilestoneSchedule", "Seesaw", "SeesawFamily", "SmithRamp", "find_milestones",
+    "NoiseScale", "ScheduleConfig",
+]

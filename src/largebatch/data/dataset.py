@@ -1,0 +1,127 @@
+"""Packed fixed-length samples over one memory-mapped token stream.
+
+Packing follows GPT-2 / Megatron-LM style pretraining data: documents are concatenated into one
+stream with a separator token (<|endoftext|> before every document) and cut into equal-length
+samples with no padding, so every token of a step is a training token.
+
+* GPT (next-token prediction): sample i is the window stream[i*T : i*T + T + 1] of T+1 tokens;
+  ``input_ids`` are its first T tokens and ``targets`` its last T (shifted by one). Consecutive
+  windows share one boundary token, so every stream token but the first is a target exactly once
+  per epoch. A trailing remainder shorter than a window is dropped.
+* BERT (masked LM, no next-sentence prediction): sample i is [CLS] + stream[i*(T-2) : (i+1)*(T-2)]
+  + [SEP], i.e. contiguous text across document boundaries ("FULL-SENTENCES" packing, Liu et al.
+  2019 "RoBERTa", Sec. 4.2), then corrupted by ``masking.mask_tokens``.
+
+``get_batch`` takes GLOBAL sample indices (positions in the training stream, see sampler.py) and
+maps them through the dataset's ``Sampler`` to sample ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .masking import mask_tokens
+from .sampler import Sampler
+
+
+class PackedDataset:
+    """Common part: the token stream, the sample order and decoding."""
+
+    kind = "?"
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, window: int, stride: int, *,
+                 split: str, seed: int, shuffle: bool, tokenizer=None):
+        self.tokens = tokens  # (N,) uint16/uint32, usually a np.memmap
+        self.seq_len = seq_len
+        self.split = split
+        self.tokenizer = tokenizer
+        self._window, self._stride = window, stride
+        num_samples = (len(tokens) - window) // stride + 1 if len(tokens) >= window else 0
+        if num_samples < 1:
+            raise ValueError(
+                f"the {split} split has {len(tokens)} tokens, fewer than one {self.kind} sample "
+                f"of seq_len={seq_len} ({window} tokens): lower seq_len or use a larger corpus / "
+                f"DataConfig.val_fraction")
+        self.sampler = Sampler(num_samples, seed=seed, shuffle=shuffle)
+
+    def __len__(self) -> int:
+        return self.sampler.num_samples
+
+    def sample_ids(self, start: int, count: int) -> list[int]:
+        """Sample ids at global indices start .. start+count-1 (the deterministic order)."""
+        return self.sampler.ids(start, count)
+
+    def windows(self, sample_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The raw token windows of ``sample_ids``: (B, window) int64."""
+        sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        if sample_ids.size and (sample_ids.min() < 0 or sample_ids.max() >= len(self)):
+            raise IndexError(f"sample ids must be in [0, {len(self)}) for the {self.split} split")
+        starts = sample_ids * self._stride  # (B,)
+        return np.asarray(self.tokens[starts[:, None] + np.arange(self._window)], dtype=np.int64)
+
+    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        """Text of token ids (a list, array or tensor) via the tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this corpus was given as token ids without a tokenizer: set "
+                             "DataConfig.tokenizer_file to a tokenizer.json to decode")
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                                     skip_special_tokens=False)
+
+
+class GPTDataset(PackedDataset):
+    """Next-token samples: {"input_ids": (B, T), "targets": (B, T)}, targets shifted by one."""
+
+    kind = "gpt"
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, **kwargs):
+        super().__init__(tokens, seq_len, window=seq_len + 1, stride=seq_len, **kwargs)
+
+    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        windows = self.windows(self.sampler.ids_of(global_indices))  # (B, T+1)
+        return {"input_ids": torch.from_numpy(windows[:, :-1].copy()),  # (B, T)
+                "targets": torch.from_numpy(windows[:, 1:].copy())}  # (B, T)
+
+
+class BERTDataset(PackedDataset):
+    """Masked-LM samples: {"input_ids": (B, T), "labels": (B, T)}, labels -100 where unmasked."""
+
+    kind = "bert"
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, special_ids: dict[str, int],
+                 vocab_size: int, mask_seed: int, mlm_probability: float = 0.15,
+                 mask_token_fraction: float = 0.8, random_token_fraction: float = 0.1, **kwargs):
+        if seq_len < 3:
+            raise ValueError(f"seq_len={seq_len} is too short for BERT ([CLS] text [SEP]): use >= 3")
+        missing = {"[CLS]", "[SEP]", "[MASK]"} - set(special_ids)
+        if missing:
+            raise ValueError(f"BERT needs the special tokens {sorted(missing)} in the tokenizer: "
+                             f"use the trained tokenizer or a DataConfig.tokenizer_file that has them")
+        super().__init__(tokens, seq_len, window=seq_len - 2, stride=seq_len - 2, **kwargs)
+        self.cls_id, self.sep_id = special_ids["[CLS]"], special_ids["[SEP]"]
+        self.mask_id = special_ids["[MASK]"]
+        self.special_id_array = np.array(sorted(special_ids.values()), dtype=np.int64)
+        self.replacement_ids = np.setdiff1d(np.arange(vocab_size), self.special_id_array)
+        self.mask_seed = mask_seed
+        self.mlm_probability = mlm_probability
+        self.mask_token_fraction = mask_token_fraction
+        self.random_token_fraction = random_token_fraction
+
+    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)  # (B,)
+        body = self.windows(self.sampler.ids_of(keys))  # (B, T-2)
+        tokens = np.concatenate([np.full((len(keys), 1), self.cls_id), body,
+                                 np.full((len(keys), 1), self.sep_id)], axis=1)  # (B, T)
+        input_ids, labels = mask_tokens(
+            tokens, keys, seed=self.mask_seed, mask_id=self.mask_id,
+            special_ids=self.special_id_array, replacement_ids=self.replacement_ids,
+            mlm_probability=self.mlm_probability, mask_token_fraction=self.mask_token_fraction,
+            random_token_fraction=self.random_token_fraction)
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}

@@ -1,0 +1,70 @@
+"""Byte-level BPE tokenizer (HF ``tokenizers``), trained on the training split only.
+
+Byte-level BPE as in GPT-2 (Radford et al. 2019, Sec. 2.2; BPE: Sennrich et al. 2016): text is
+mapped to its UTF-8 bytes, each byte to a printable symbol, and merges are learned on top, so
+every string encodes losslessly (``decode(encode(s)) == s``) with no unknown token. The special
+tokens take the first ids, in this order:
+
+    0 <|endoftext|>  document separator (GPT-2 convention), also between documents in BERT samples
+    1 [PAD]  2 [CLS]  3 [SEP]  4 [MASK]   (BERT, Devlin et al. 2019)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Bump when training or encoding changes: the cache key includes it, so old caches are not reused.
+TOKENIZER_VERSION = "bytebpe-1"
+
+EOT, PAD, CLS, SEP, MASK = "<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (EOT, PAD, CLS, SEP, MASK)
+
+
+def new_byte_level_bpe() -> Tokenizer:
+    """An untrained byte-level BPE tokenizer (no normalizer, so it round-trips any text)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train byte-level BPE with ``vocab_size`` entries (special tokens and 256 bytes included)."""
+    tokenizer = new_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """Ids of the special tokens present in ``tokenizer`` (a user file may lack some)."""
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    return {token: i for token, i in ids.items() if i is not None}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding every id: uint16 up to 65,536 entries, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], eot_id: int,
+                     dtype: np.dtype) -> np.ndarray:
+    """One flat token stream: every document preceded by <|endoftext|> (so the first token of a
+    document is always predicted from the separator, as in GPT-2 training data)."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    total = sum(len(e.ids) + 1 for e in encodings)
+    stream = np.empty(total, dtype=dtype)
+    position = 0
+    for encoding in encodings:
+        stream[position] = eot_id
+        stream[position + 1: position + 1 + len(encoding.ids)] = encoding.ids
+        position += 1 + len(encoding.ids)
+    return stream

@@ -1,0 +1,114 @@
+"""``largebatch schedule``: print a schedule's phase table and optimizer steps next to its base
+schedule's, and optionally plot LR and batch size against tokens.
+
+    largebatch schedule --total-tokens 1e9 --seq-len 1024 --batch-size 256 --micro-batch 8
+        --batch-policy seesaw --ratio 1/1.1 --plot seesaw.png   (one line)
+
+Every ``ScheduleConfig`` field is an option (``--peak-lr``, ``--wsd-shape`` ...), with the field's
+docstring as its help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from largebatch.schedules.config import CHOICES, ScheduleConfig, field_docs
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_tokens(text: str) -> int:
+    """'2e9', '300M', '1.5B' -> an integer token count."""
+    text = text.strip().replace("_", "")
+    scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
+    number = text[:-1] if scale != 1.0 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 2e9, 300M)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the token count must be positive")
+    return int(round(value))
+
+
+def parse_number(text: str) -> float:
+    """A float, or a fraction such as '1/1.1' (Seesaw's ratio)."""
+    try:
+        numerator, _, denominator = text.partition("/")
+        return float(numerator) / float(denominator) if denominator else float(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a fraction like 1/1.1")
+
+
+def parse_table(text: str) -> list[list[float]]:
+    """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size)."""
+    try:
+        return [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FRACTION:BATCH,... e.g. 0:64,0.5:128")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="largebatch schedule", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-tokens", type=parse_tokens, required=True,
+                        help="token budget, e.g. 2e9 or 300M")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--plot", metavar="OUT.png", help="write LR and batch size vs tokens")
+    docs = field_docs(ScheduleConfig)
+    for f in dataclasses.fields(ScheduleConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "batch_table":
+            parser.add_argument(flag, type=parse_table, default=[], help=docs[f.name]
+                                + " Given as FRACTION:BATCH,...")
+            continue
+        kind = parse_number if isinstance(f.default, float) else type(f.default)
+        parser.add_argument(flag, type=kind, default=f.default,
+                            choices=CHOICES.get(f.name), help=docs[f.name])
+    return parser
+
+
+def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: int, dp: int,
+         path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    schedule = config.build(total_tokens, seq_len, micro_batch, dp)
+    base = config.build_base(total_tokens, micro_batch, dp)
+    tokens = np.unique(np.concatenate([np.linspace(0, total_tokens - 1, 2000),
+                                       np.array(schedule.breakpoints(), dtype=float)]))
+    fig, (ax_lr, ax_batch) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    for sched, name, style in ((base, "base", "--"), (schedule, config.batch_policy, "-")):
+        ax_lr.plot(tokens, [sched.lr(t) for t in tokens], style, label=name, drawstyle="steps-post")
+        ax_batch.plot(tokens, [sched.batch_size(t) for t in tokens], style, label=name,
+                      drawstyle="steps-post")
+    ax_lr.set_ylabel("learning rate")
+    ax_batch.set_ylabel("batch size (sequences)")
+    ax_batch.set_xlabel("tokens consumed")
+    ax_lr.legend()
+    ax_lr.set_title(f"{config.lr_schedule} / {config.batch_policy}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    names = [f.name for f in dataclasses.fields(ScheduleConfig)]
+    config = ScheduleConfig(**{name: getattr(args, name) for name in names})
+    try:
+        print(config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp))
+        if args.plot:
+            plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)
+            print(f"wrote {args.plot}")
+    except ValueError as exc:
+        print(f"largebatch schedule: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,226 @@
+"""``ScheduleConfig``: the ``[schedule]`` section of a training config, and its builder.
+
+Token quantities are fractions of the token budget, so one config serves any budget; batch sizes
+are in sequences. ``build()`` turns it into a joint schedule (``batch.py``, ``seesaw.py``) and
+``describe()`` into the start-up text: the LR-batch coupling that was applied and the realised
+phase table next to the base schedule's optimizer steps (PAPERS.md §3).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+from dataclasses import dataclass, field
+
+from largebatch.schedules import lr as lr_module
+from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp, PiecewiseBatch,
+                                        count_optimizer_steps, format_phase_table)
+from largebatch.schedules.noise_scale import NoiseScale
+from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
+
+LR_KINDS = ("constant", "cosine", "linear", "wsd", "lans", "inverse-sqrt")
+BATCH_POLICIES = ("constant", "ramp", "table", "seesaw", "seesaw-family", "smith")
+CHOICES = {"lr_schedule": LR_KINDS, "batch_policy": BATCH_POLICIES,
+           "wsd_shape": lr_module.WSD_SHAPES, "lr_coupling": lr_module.COUPLING_POLICIES}
+
+
+@dataclass
+class ScheduleConfig:
+    lr_schedule: str = "cosine"
+    """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt."""
+    peak_lr: float = 3e-4
+    """Peak LR after warmup, as tuned at reference_batch_size (see lr_coupling)."""
+    warmup: float = 0.1
+    """Linear warmup from LR 0, as a fraction of the token budget (must be < 1)."""
+    final_lr: float = 0.1
+    """End of the decay as a fraction of peak_lr (cosine, linear, wsd). Seesaw needs > 0."""
+    wsd_cooldown: float = 0.1
+    """wsd: the cooldown's share of the token budget (MiniCPM: ~0.1)."""
+    wsd_shape: str = "linear"
+    """wsd: cooldown shape: linear | cosine | 1-sqrt | exponential."""
+    lans_hold: float = 0.0
+    """lans: tokens held at peak after warmup, as a fraction of the budget."""
+    lans_power: float = 1.0
+    """lans: exponent of the polynomial decay to 0 (1 = linear)."""
+    batch_policy: str = "constant"
+    """Batch size against tokens: constant | ramp | table | seesaw | seesaw-family | smith."""
+    batch_size: int = 64
+    """Sequences per optimizer step: the constant batch; the final batch of a ramp; the starting
+    batch of seesaw / seesaw-family / smith. A multiple of micro_batch x data-parallel ranks."""
+    ramp_start: int = 0
+    """ramp: first batch size in sequences (Megatron --rampup-batch-size START)."""
+    ramp_increment: int = 0
+    """ramp: sequences added at each increment (Megatron INCREMENT)."""
+    ramp_tokens: float = 0.1
+    """ramp: share of the token budget over which the batch ramps up to batch_size."""
+    batch_table: list = field(default_factory=list)
+    """table: [[token fraction, batch size], ...] starting at fraction 0."""
+    ratio: float = 0.5
+    """seesaw / smith: the base LR's fall between milestones, in (0, 1) (paper: 1/2, 1/1.1)."""
+    alpha: float = 0.0
+    """seesaw-family: LR divisor per milestone, alpha >= sqrt(beta); ratio = 1/(alpha sqrt(beta))."""
+    beta: float = 0.0
+    """seesaw-family: batch multiplier per milestone (>= 1)."""
+    max_batch_size: int = 0
+    """seesaw / seesaw-family / smith: batch cap in sequences, e.g. the critical batch (0 = off)."""
+    noise_scale_multiple: float = 0.0
+    """Adaptive Seesaw: cap the batch at this multiple of the measured B_simple (0 = off)."""
+    noise_scale_ema: float = 0.95
+    """EMA decay for the B_simple numerator and denominator (McCandlish et al. 2018)."""
+    lr_coupling: str = "none"
+    """How peak_lr follows batch_size vs reference_batch_size: none | linear | sqrt."""
+    reference_batch_size: int = 0
+    """Batch size at which peak_lr was tuned (0 = batch_size, i.e. no rescaling)."""
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ScheduleConfig:
+        """Build from a TOML ``[schedule]`` table; an unknown key is an error with a suggestion."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"[schedule] has no field {key!r}{hint}")
+        return cls(**values)
+
+    def _fail(self, name: str, why: str) -> None:
+        raise ValueError(f"[schedule] {name}={getattr(self, name)!r}: {why}")
+
+    def _validate(self) -> None:
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                self._fail(name, f"must be one of {' | '.join(choices)}")
+        if not 0 <= self.warmup < 1:
+            self._fail("warmup", "must lie in [0, 1): it is a fraction of the token budget")
+        if not 0 <= self.final_lr <= 1:
+            self._fail("final_lr", "must lie in [0, 1]: it is a fraction of peak_lr")
+        if self.lr_schedule == "inverse-sqrt" and self.warmup <= 0:
+            self._fail("warmup", "inverse-sqrt decays relative to the warmup; set warmup > 0")
+        if self.batch_policy in ("seesaw", "smith", "seesaw-family") and self.final_lr <= 0:
+            self._fail("final_lr", "Seesaw-type schedules place milestones down to final_lr; "
+                       "set it > 0, e.g. 0.1")
+        if self.batch_policy == "seesaw-family" and (self.alpha <= 0 or self.beta <= 0):
+            self._fail("alpha", f"seesaw-family needs alpha and beta (beta={self.beta!r}) > 0")
+        if self.lr_schedule == "wsd" and not 0 < self.wsd_cooldown <= 1 - self.warmup:
+            self._fail("wsd_cooldown", f"must lie in (0, 1 - warmup = {1 - self.warmup:g}]")
+        if self.lr_schedule == "lans" and not 0 <= self.lans_hold < 1 - self.warmup:
+            self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
+        if self.batch_policy == "ramp":
+            self._validate_ramp()
+        milestone_policy = self.batch_policy in ("seesaw", "seesaw-family", "smith")
+        for name in ("max_batch_size", "noise_scale_multiple"):
+            if getattr(self, name) and not milestone_policy:
+                self._fail(name, f"only applies to batch_policy seesaw | seesaw-family | smith, "
+                           f"not {self.batch_policy!r}; set it to 0")
+        for name in ("max_batch_size", "reference_batch_size", "noise_scale_multiple"):
+            if getattr(self, name) < 0:
+                self._fail(name, "must be >= 0 (0 = off)")
+
+    def _validate_ramp(self) -> None:
+        if self.ramp_start <= 0 or self.ramp_start > self.batch_size:
+            self._fail("ramp_start", f"must lie in (0, batch_size={self.batch_size}]")
+        if self.ramp_increment <= 0 or (self.batch_size - self.ramp_start) % self.ramp_increment:
+            self._fail("ramp_increment", f"must be > 0 and divide batch_size - ramp_start = "
+                       f"{self.batch_size - self.ramp_start}")
+        if not 0 < self.ramp_tokens <= 1:
+            self._fail("ramp_tokens", "must lie in (0, 1]: it is a fraction of the token budget")
+
+    def coupled_peak_lr(self) -> float:
+        """peak_lr after the lr_coupling policy moves it from reference_batch_size to batch_size."""
+        reference = self.reference_batch_size or self.batch_size
+        return lr_module.scale_lr_for_batch(self.peak_lr, self.batch_size, reference,
+                                            self.lr_coupling)
+
+    def build_lr(self, total_tokens: int) -> lr_module.LRSchedule:
+        """The plain LR schedule (also Seesaw's base)."""
+        self._validate()
+        peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
+        final = self.final_lr * peak
+        kind = self.lr_schedule
+        if kind == "constant":
+            return lr_module.Constant(peak, total_tokens, warmup)
+        if kind == "cosine":
+            return lr_module.Cosine(peak, total_tokens, warmup, final)
+        if kind == "linear":
+            return lr_module.LinearDecay(peak, total_tokens, warmup, final)
+        if kind == "wsd":
+            return lr_module.WSD(peak, total_tokens, warmup, final, self.wsd_cooldown,
+                                 self.wsd_shape)
+        if kind == "lans":
+            return lr_module.WarmupHoldPolynomial(peak, total_tokens, warmup, 0.0,
+                                                  round(self.lans_hold * total_tokens),
+                                                  self.lans_power)
+        return lr_module.InverseSqrt(peak, total_tokens, warmup)
+
+    def build(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
+              dp_size: int = 1) -> JointSchedule:
+        """The joint (LR, batch) schedule for a token budget; errors name the field and the fix."""
+        try:
+            return self._build(total_tokens, seq_len, micro_batch, dp_size)
+        except ValueError as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("[schedule]")
+                             else f"[schedule] {message}") from exc
+
+    def _build(self, total_tokens, seq_len, micro_batch, dp_size) -> JointSchedule:
+        lr_sched = self.build_lr(total_tokens)
+        sizes = {"micro_batch": micro_batch, "dp_size": dp_size}
+        capped = {"max_batch_size": self.max_batch_size or None,
+                  "noise_scale_multiple": self.noise_scale_multiple or None, **sizes}
+        policy = self.batch_policy
+        if policy == "constant":
+            return ConstantBatch(lr_sched, self.batch_size, **sizes)
+        if policy == "ramp":
+            return LinearRamp(lr_sched, self.ramp_start, self.ramp_increment,
+                              round(self.ramp_tokens * total_tokens), self.batch_size, **sizes)
+        if policy == "table":
+            rows = [(round(fraction * total_tokens), int(b)) for fraction, b in self.batch_table]
+            return PiecewiseBatch(lr_sched, rows, **sizes)
+        if policy == "seesaw":
+            return Seesaw(lr_sched, self.batch_size, self.ratio, **capped)
+        if policy == "smith":
+            return SmithRamp(lr_sched, self.batch_size, self.ratio, **capped)
+        return SeesawFamily(lr_sched, self.batch_size, self.alpha, self.beta, **capped)
+
+    def build_base(self, total_tokens: int, micro_batch: int = 1,
+                   dp_size: int = 1) -> ConstantBatch:
+        """The base schedule for comparison: the same LR schedule at a constant batch_size."""
+        return ConstantBatch(self.build_lr(total_tokens), self.batch_size, micro_batch, dp_size)
+
+    def build_noise_scale(self) -> NoiseScale:
+        return NoiseScale(self.noise_scale_ema)
+
+    def describe(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
+                 dp_size: int = 1) -> str:
+        """Start-up text: LR schedule, coupling applied, phase table, steps vs the base."""
+        schedule = self.build(total_tokens, seq_len, micro_batch, dp_size)
+        base_steps = count_optimizer_steps(self.build_base(total_tokens, micro_batch, dp_size),
+                                           seq_len)
+        steps = count_optimizer_steps(schedule, seq_len)
+        reference = self.reference_batch_size or self.batch_size
+        coupling = (f"lr coupling: {self.lr_coupling} (peak_lr {self.peak_lr:.4g} tuned at batch "
+                    f"{reference} -> {self.coupled_peak_lr():.4g} at batch {self.batch_size})")
+        lines = [
+            f"schedule: lr {self.lr_schedule}, batch {self.batch_policy} "
+            f"({type(schedule).__name__}), {total_tokens:,} tokens, seq_len {seq_len}, "
+            f"micro_batch {micro_batch} x dp {dp_size}",
+            coupling,
+            format_phase_table(schedule.phases(seq_len)),
+            f"base ({self.lr_schedule}, constant batch {self.batch_size}): {base_steps:,} "
+            f"optimizer steps; this schedule: {steps:,} ({100 * steps / base_steps:.2f}% of base)",
+        ]
+        return "\n".join(lines)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each dataclass field (for --help and generated docs)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs

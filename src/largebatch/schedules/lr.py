@@ -1,0 +1,236 @@
+"""Learning-rate schedules as pure, picklable functions of tokens consumed (PAPERS.md §3).
+
+Every schedule is a small frozen dataclass with ``__call__(tokens) -> lr``. Time is tokens, never
+steps: when the batch size changes mid-run (a ramp, Seesaw) a token-keyed schedule still ends where
+it should, while a step-keyed one would not. With ``t`` = tokens, ``T`` = total tokens, ``W`` =
+warmup tokens, ``peak`` and ``final`` the end points, and ``s`` the progress through the decay:
+
+* ``Constant``      lr = peak (after an optional linear warmup)
+* ``Cosine``        lr = final + (peak - final) * (1 + cos(pi * s)) / 2,  s = (t - W) / (T - W)
+                    (linear warmup from 0, then the cosine of Loshchilov & Hutter 2017; the base
+                    schedule of Seesaw, Meterez et al. 2025)
+* ``LinearDecay``   lr = peak + (final - peak) * s
+* ``WSD``           warmup, stable at peak, then a cooldown over the last ``cooldown_fraction`` of
+                    tokens (MiniCPM, Hu et al. 2024): with s the progress through the cooldown,
+                    linear  peak + (final - peak) * s;   cosine  as above;
+                    1-sqrt  final + (peak - final) * (1 - sqrt(s))   (Hägele et al. 2024);
+                    exponential  peak * (final / peak) ** s
+* ``WarmupHoldPolynomial``  LANS (Zheng et al. 2020), with u = t / T, w = W / T, c = hold / T:
+                    u < w: peak * u / w;  w <= u < w + c: peak;
+                    else peak * ((1 - u) / (1 - w - c)) ** power
+* ``InverseSqrt``   lr = peak * sqrt(W / t) after warmup (Vaswani et al. 2017)
+
+Warmup is linear from 0 at ``t = 0`` to ``peak`` at ``t = W``. Past ``total_tokens`` a schedule
+holds its final value (the last optimizer step may overshoot the budget by part of a batch).
+
+``scale_lr_for_batch`` is the explicit LR-batch coupling policy (none, linear -- Goyal et al. 2017,
+square root -- Krizhevsky 2014 / the Adam SDE rule) for users who change the base batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+COUPLING_POLICIES = ("none", "linear", "sqrt")
+WSD_SHAPES = ("linear", "cosine", "1-sqrt", "exponential")
+
+
+def check_tokens(tokens: float, name: str = "tokens") -> float:
+    """Reject negative or non-finite token counts with an error naming the argument."""
+    if not math.isfinite(tokens) or tokens < 0:
+        raise ValueError(f"{name}={tokens!r}: token counts must be finite and >= 0")
+    return tokens
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Shared fields and validation; subclasses implement ``_decay(tokens)`` after warmup."""
+
+    peak_lr: float
+    total_tokens: int | None = None
+    warmup_tokens: int = 0
+    final_lr: float = 0.0
+    needs_total: ClassVar[bool] = True  # the shape is defined relative to the token budget
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.peak_lr) or self.peak_lr <= 0:
+            raise ValueError(f"peak_lr={self.peak_lr!r} must be a positive finite number")
+        if not 0 <= self.final_lr <= self.peak_lr:
+            raise ValueError(f"final_lr={self.final_lr!r} must lie in [0, peak_lr={self.peak_lr}]")
+        check_tokens(self.warmup_tokens, "warmup_tokens")
+        if self.needs_total and self.total_tokens is None:
+            raise ValueError(f"{type(self).__name__} needs total_tokens (the token budget)")
+        if self.total_tokens is not None:
+            check_tokens(self.total_tokens, "total_tokens")
+            if self.warmup_tokens >= self.total_tokens:
+                raise ValueError(
+                    f"warmup_tokens={self.warmup_tokens} must be shorter than total_tokens="
+                    f"{self.total_tokens}; use a smaller warmup or a larger token budget")
+
+    def __call__(self, tokens: float) -> float:
+        check_tokens(tokens)
+        if tokens < self.warmup_tokens:
+            return self.peak_lr * tokens / self.warmup_tokens
+        return self._decay(tokens)
+
+    def _decay(self, tokens: float) -> float:
+        raise NotImplementedError
+
+    def _progress(self, tokens: float, start: float) -> float:
+        """Fraction of the way from ``start`` to ``total_tokens``, clamped to [0, 1]."""
+        span = self.total_tokens - start
+        return min(1.0, max(0.0, (tokens - start) / span)) if span > 0 else 1.0
+
+    def breakpoints(self) -> list[int]:
+        """Token counts where the formula changes (phase-table boundaries), excluding 0 and T."""
+        return [self.warmup_tokens] if self.warmup_tokens > 0 else []
+
+    def state_dict(self) -> dict:
+        return {"kind": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Constant(LRSchedule):
+    """Constant LR after an optional linear warmup."""
+
+    needs_total: ClassVar[bool] = False
+
+    def _decay(self, tokens: float) -> float:
+        return self.peak_lr
+
+
+@dataclass(frozen=True)
+class Cosine(LRSchedule):
+    """Linear warmup from 0, then cosine from peak_lr to final_lr at total_tokens."""
+
+    def _decay(self, tokens: float) -> float:
+        s = self._progress(tokens, self.warmup_tokens)
+        return self.final_lr + (self.peak_lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * s))
+
+
+@dataclass(frozen=True)
+class LinearDecay(LRSchedule):
+    """Linear warmup from 0, then a straight line from peak_lr to final_lr at total_tokens."""
+
+    def _decay(self, tokens: float) -> float:
+        s = self._progress(tokens, self.warmup_tokens)
+        return self.peak_lr + (self.final_lr - self.peak_lr) * s
+
+
+@dataclass(frozen=True)
+class WSD(LRSchedule):
+    """Warmup-stable-decay (MiniCPM, Hu et al. 2024): hold peak_lr, then cool down over the last
+    ``cooldown_fraction`` of the token budget with the given ``shape``."""
+
+    cooldown_fraction: float = 0.1
+    shape: str = "linear"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shape not in WSD_SHAPES:
+            raise ValueError(f"shape={self.shape!r} is not one of {WSD_SHAPES}")
+        if self.shape == "exponential" and self.final_lr <= 0:
+            raise ValueError("shape='exponential' needs final_lr > 0 (it decays geometrically)")
+        if not 0 < self.cooldown_fraction <= 1:
+            raise ValueError(f"cooldown_fraction={self.cooldown_fraction!r} must lie in (0, 1]")
+        if self.cooldown_start < self.warmup_tokens:
+            raise ValueError(
+                f"cooldown_fraction={self.cooldown_fraction} starts the cooldown at token "
+                f"{self.cooldown_start}, inside the warmup ({self.warmup_tokens} tokens); "
+                "shorten the warmup or the cooldown")
+
+    @property
+    def cooldown_start(self) -> int:
+        return round(self.total_tokens * (1 - self.cooldown_fraction))
+
+    def _decay(self, tokens: float) -> float:
+        s = self._progress(tokens, self.cooldown_start)
+        peak, final = self.peak_lr, self.final_lr
+        if self.shape == "linear":
+            return peak + (final - peak) * s
+        if self.shape == "cosine":
+            return final + (peak - final) * 0.5 * (1 + math.cos(math.pi * s))
+        if self.shape == "1-sqrt":
+            return final + (peak - final) * (1 - math.sqrt(s))
+        return peak * (final / peak) ** s  # exponential
+
+    def breakpoints(self) -> list[int]:
+        return sorted(set(super().breakpoints() + [self.cooldown_start]))
+
+
+@dataclass(frozen=True)
+class WarmupHoldPolynomial(LRSchedule):
+    """LANS's schedule (Zheng et al. 2020): linear warmup, hold at peak for ``hold_tokens``, then
+    polynomial decay ``peak * ((T - t) / (T - W - hold)) ** power`` to 0. final_lr must be 0."""
+
+    hold_tokens: int = 0
+    power: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_tokens(self.hold_tokens, "hold_tokens")
+        if self.final_lr != 0:
+            raise ValueError(f"final_lr={self.final_lr!r}: LANS's polynomial decay ends at 0")
+        if self.warmup_tokens + self.hold_tokens >= self.total_tokens:
+            raise ValueError(
+                f"warmup_tokens + hold_tokens = {self.warmup_tokens + self.hold_tokens} must be "
+                f"shorter than total_tokens={self.total_tokens}")
+        if not self.power > 0:
+            raise ValueError(f"power={self.power!r} must be > 0")
+
+    def _decay(self, tokens: float) -> float:
+        decay_start = self.warmup_tokens + self.hold_tokens
+        if tokens < decay_start:
+            return self.peak_lr
+        return self.peak_lr * (1 - self._progress(tokens, decay_start)) ** self.power
+
+    def breakpoints(self) -> list[int]:
+        return sorted(set(super().breakpoints() + [self.warmup_tokens + self.hold_tokens]))
+
+
+@dataclass(frozen=True)
+class InverseSqrt(LRSchedule):
+    """Linear warmup, then ``peak * sqrt(warmup_tokens / tokens)`` (Vaswani et al. 2017)."""
+
+    needs_total: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.warmup_tokens <= 0:
+            raise ValueError("InverseSqrt needs warmup_tokens > 0 (the decay is relative to it)")
+
+    def _decay(self, tokens: float) -> float:
+        return self.peak_lr * math.sqrt(self.warmup_tokens / tokens)
+
+
+LR_SCHEDULES: dict[str, type[LRSchedule]] = {
+    cls.__name__: cls
+    for cls in (Constant, Cosine, LinearDecay, WSD, WarmupHoldPolynomial, InverseSqrt)
+}
+
+
+def lr_schedule_from_state(state: dict) -> LRSchedule:
+    """Rebuild an LR schedule from its ``state_dict()``."""
+    fields = dict(state)
+    kind = fields.pop("kind", None)
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"state kind={kind!r} is not one of {sorted(LR_SCHEDULES)}")
+    return LR_SCHEDULES[kind](**fields)
+
+
+def scale_lr_for_batch(lr: float, batch_size: int, reference_batch_size: int,
+                       policy: str) -> float:
+    """The LR to use at ``batch_size`` given one tuned at ``reference_batch_size``.
+
+    ``none`` keeps it; ``linear`` multiplies by batch/reference (Goyal et al. 2017, SGD);
+    ``sqrt`` by sqrt(batch/reference) (Krizhevsky 2014; the Adam rule behind Seesaw's sqrt(r)).
+    """
+    if policy not in COUPLING_POLICIES:
+        raise ValueError(f"lr coupling policy={policy!r} is not one of {COUPLING_POLICIES}")
+    if batch_size <= 0 or reference_batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size} and reference_batch_size="
+                         f"{reference_batch_size} must be positive")
+    exponent = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[policy]
+    return lr * (batch_size / reference_batch_size) ** exponent

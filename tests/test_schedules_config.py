@@ -1,0 +1,109 @@
+"""ScheduleConfig (the trainer's [schedule] section) and the `largebatch schedule` CLI."""
+
+import dataclasses
+import math
+
+import pytest
+
+from largebatch.schedules import (ConstantBatch, LinearRamp, PiecewiseBatch, ScheduleConfig, Seesaw,
+                                  SeesawFamily, SmithRamp)
+from largebatch.schedules.cli import main
+from largebatch.schedules.config import field_docs
+
+TOTAL, SEQ = 10_000_000, 128
+
+
+def test_every_field_is_documented_under_it():
+    docs = field_docs(ScheduleConfig)
+    names = [f.name for f in dataclasses.fields(ScheduleConfig)]
+    assert sorted(docs) == sorted(names)
+    assert all(len(text) > 15 for text in docs.values())
+
+
+@pytest.mark.parametrize("overrides, kind", [
+    ({}, ConstantBatch),
+    ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 16}, LinearRamp),
+    ({"batch_policy": "table", "batch_table": [[0, 32], [0.5, 64]]}, PiecewiseBatch),
+    ({"batch_policy": "seesaw", "ratio": 1 / 1.1}, Seesaw),
+    ({"batch_policy": "seesaw-family", "alpha": 1.6, "beta": 1.5}, SeesawFamily),
+    ({"batch_policy": "smith", "max_batch_size": 256}, SmithRamp),
+    ({"lr_schedule": "wsd", "wsd_shape": "1-sqrt", "batch_policy": "seesaw"}, Seesaw),
+    ({"lr_schedule": "lans", "lans_hold": 0.2}, ConstantBatch),
+    ({"lr_schedule": "inverse-sqrt"}, ConstantBatch),
+])
+def test_build_every_policy(overrides, kind):
+    config = ScheduleConfig.from_dict(overrides)
+    schedule = config.build(TOTAL, SEQ, micro_batch=8, dp_size=2)
+    assert isinstance(schedule, kind)
+    assert schedule.total_tokens == TOTAL and schedule.batch_size(0) % 16 == 0
+    assert schedule.lr(round(0.1 * TOTAL)) == pytest.approx(config.peak_lr, rel=1e-6)
+    assert not schedule.uses_noise_scale
+
+
+def test_adaptive_seesaw_from_config():
+    config = ScheduleConfig(batch_policy="seesaw", noise_scale_multiple=2.0, noise_scale_ema=0.9)
+    schedule, noise = config.build(TOTAL, SEQ), config.build_noise_scale()
+    assert schedule.uses_noise_scale and noise.ema_decay == 0.9
+    noise.update(10.0, 1, 1.5, 64)
+    schedule.observe_noise_scale(0, noise.b_simple)
+    assert schedule.noise_cap_log == [(0, 2.0 * noise.b_simple)]
+
+
+def test_describe_reports_coupling_phase_table_and_steps():
+    config = ScheduleConfig(peak_lr=1e-3, batch_size=1024, reference_batch_size=256,
+                            lr_coupling="sqrt", batch_policy="seesaw", ratio=0.5, final_lr=0.1)
+    schedule = config.build(TOTAL, SEQ)
+    assert schedule.lr_schedule.peak_lr == pytest.approx(2e-3)  # sqrt(1024 / 256) = 2
+    text = config.describe(TOTAL, SEQ)
+    assert "lr coupling: sqrt (peak_lr 0.001 tuned at batch 256 -> 0.002 at batch 1024)" in text
+    assert "milestone 3" in text and "warmup" in text
+    base_steps = math.ceil(TOTAL / (1024 * SEQ))
+    assert f"{base_steps:,} optimizer steps" in text
+    linear = dataclasses.replace(config, lr_coupling="linear")
+    assert linear.coupled_peak_lr() == pytest.approx(4e-3)
+
+
+@pytest.mark.parametrize("overrides, build_args, fragment", [
+    ({"warmup": 1.5}, {}, "[schedule] warmup=1.5"),
+    ({"lr_schedule": "cosin"}, {}, "[schedule] lr_schedule='cosin'"),
+    ({"batch_size": 100}, {"micro_batch": 8},
+     "batch_size=100 is not a whole number of micro_batch (8)"),
+    ({"batch_policy": "seesaw", "ratio": 1.1}, {}, "[schedule] ratio=1.1"),
+    ({"batch_policy": "seesaw", "final_lr": 0.0}, {}, "[schedule] final_lr=0.0"),
+    ({"batch_policy": "seesaw-family"}, {}, "[schedule] alpha=0.0"),
+    ({"batch_policy": "seesaw-family", "alpha": 1.0, "beta": 4.0}, {}, "alpha=1.0 < sqrt(beta)"),
+    ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 20}, {}, "ramp_increment=20"),
+    ({"batch_policy": "ramp", "ramp_start": 0, "ramp_increment": 16}, {}, "ramp_start=0"),
+    ({"lr_schedule": "wsd", "wsd_cooldown": 0.95}, {}, "[schedule] wsd_cooldown=0.95"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
+     "table batch at token 5000000=62"),
+    ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "[schedule] max_batch_size=-4"),
+    ({"noise_scale_multiple": 2.0}, {}, "[schedule] noise_scale_multiple=2.0: only applies"),
+])
+def test_bad_config_names_the_field(overrides, build_args, fragment):
+    with pytest.raises(ValueError) as err:
+        ScheduleConfig(**overrides).build(TOTAL, SEQ, **build_args)
+    assert fragment in str(err.value)
+
+
+def test_from_dict_suggests_a_close_field():
+    with pytest.raises(ValueError, match="did you mean 'peak_lr'"):
+        ScheduleConfig.from_dict({"peak_lrr": 1e-3})
+
+
+def test_cli_prints_table_and_writes_png(tmp_path, capsys):
+    out = tmp_path / "seesaw.png"
+    code = main(["--total-tokens", "10M", "--seq-len", "128", "--batch-size", "64",
+                 "--batch-policy", "seesaw", "--ratio", "1/2", "--micro-batch", "8", "--dp", "2",
+                 "--plot", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "total optimizer steps" in text and "base (cosine, constant batch 64)" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_cli_bad_value_exits_2_with_the_field(capsys):
+    code = main(["--total-tokens", "1e6", "--seq-len", "128", "--batch-size", "60",
+                 "--micro-batch", "8"])
+    assert code == 2
+    assert "batch_size=60" in capsys.readouterr().err

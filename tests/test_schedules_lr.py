@@ -1,0 +1,114 @@
+"""LR schedules against hand-written float64 formulas (PAPERS.md §3, §1 LANS)."""
+
+import math
+import pickle
+import re
+
+import pytest
+
+from largebatch.schedules import (WSD, Constant, Cosine, InverseSqrt, LinearDecay,
+                                  WarmupHoldPolynomial, scale_lr_for_batch)
+from largebatch.schedules.lr import lr_schedule_from_state
+
+PEAK, FINAL, TOTAL, WARMUP = 2e-3, 2e-4, 1_000_000, 100_000
+
+
+def cosine_ref(t):
+    if t < WARMUP:
+        return PEAK * t / WARMUP
+    s = min(1.0, (t - WARMUP) / (TOTAL - WARMUP))
+    return FINAL + 0.5 * (PEAK - FINAL) * (1 + math.cos(math.pi * s))
+
+
+POINTS = [0, 1, 50_000, 99_999, 100_000, 123_457, 550_000, 777_777, 999_999, 1_000_000, 1_500_000]
+
+
+def test_cosine_matches_formula_and_landmarks():
+    sched = Cosine(PEAK, TOTAL, WARMUP, FINAL)
+    for t in POINTS:
+        assert sched(t) == pytest.approx(cosine_ref(t), rel=1e-12, abs=1e-15)
+    assert sched(0) == 0.0
+    assert sched(WARMUP // 2) == pytest.approx(PEAK / 2)
+    assert sched(WARMUP) == pytest.approx(PEAK)
+    assert sched((WARMUP + TOTAL) // 2) == pytest.approx((PEAK + FINAL) / 2)  # cos(pi/2) = 0
+    assert sched(TOTAL) == pytest.approx(FINAL) and sched(3 * TOTAL) == pytest.approx(FINAL)
+
+
+def test_linear_decay_and_constant():
+    lin = LinearDecay(PEAK, TOTAL, WARMUP, FINAL)
+    assert lin(WARMUP + (TOTAL - WARMUP) // 4) == pytest.approx(PEAK - 0.25 * (PEAK - FINAL))
+    assert lin(TOTAL) == pytest.approx(FINAL)
+    const = Constant(PEAK, warmup_tokens=10)
+    assert const(5) == pytest.approx(PEAK / 2) and const(10**12) == PEAK
+
+
+@pytest.mark.parametrize("shape, s, expected_fraction", [
+    ("linear", 0.5, 0.5), ("cosine", 0.5, 0.5), ("cosine", 0.25, (1 + math.cos(math.pi / 4)) / 2),
+    ("1-sqrt", 0.25, 0.5), ("1-sqrt", 0.81, 0.1), ("exponential", 0.5, None)])
+def test_wsd_cooldown_shapes(shape, s, expected_fraction):
+    sched = WSD(PEAK, TOTAL, WARMUP, FINAL, cooldown_fraction=0.2, shape=shape)
+    cooldown_start = 800_000
+    assert sched(WARMUP) == PEAK and sched(cooldown_start) == pytest.approx(PEAK)
+    assert sched(500_000) == PEAK  # stable phase
+    t = cooldown_start + s * 200_000
+    if expected_fraction is None:  # geometric: peak * (final/peak)^s
+        expected = PEAK * (FINAL / PEAK) ** s
+    else:  # fraction of the way from final up to peak
+        expected = FINAL + expected_fraction * (PEAK - FINAL)
+    assert sched(t) == pytest.approx(expected, rel=1e-9)
+    assert sched(TOTAL) == pytest.approx(FINAL)
+    assert sched.breakpoints() == [WARMUP, cooldown_start]
+
+
+def test_lans_warmup_hold_polynomial_matches_paper_formula():
+    hold, power = 200_000, 2.0
+    sched = WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=hold, power=power)
+    w, c = WARMUP / TOTAL, hold / TOTAL
+    for t in [0, 30_000, 100_000, 250_000, 299_999, 300_000, 640_000, 999_999, 1_000_000]:
+        u = t / TOTAL
+        expected = (PEAK * u / w if u < w else PEAK if u < w + c
+                    else PEAK * ((1 - u) / (1 - w - c)) ** power)
+        assert sched(t) == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_inverse_sqrt():
+    sched = InverseSqrt(PEAK, warmup_tokens=WARMUP)
+    assert sched(WARMUP) == pytest.approx(PEAK)
+    assert sched(4 * WARMUP) == pytest.approx(PEAK / 2)
+    assert sched(100 * WARMUP) == pytest.approx(PEAK / 10)
+
+
+def test_schedules_pickle_and_rebuild_from_state():
+    schedules = (Cosine(PEAK, TOTAL, WARMUP, FINAL), WSD(PEAK, TOTAL, WARMUP, FINAL, 0.1, "1-sqrt"),
+                 WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=5),
+                 InverseSqrt(PEAK, None, 7))
+    for sched in schedules:
+        rebuilt = lr_schedule_from_state(sched.state_dict())
+        for clone in (pickle.loads(pickle.dumps(sched)), rebuilt):
+            assert clone == sched
+            assert [clone(t) for t in POINTS] == [sched(t) for t in POINTS]
+
+
+@pytest.mark.parametrize("make, argument", [
+    (lambda: Cosine(PEAK, TOTAL, warmup_tokens=TOTAL), "warmup_tokens"),
+    (lambda: Cosine(PEAK, TOTAL, warmup_tokens=-1), "warmup_tokens"),
+    (lambda: Cosine(PEAK, TOTAL, final_lr=2 * PEAK), "final_lr"),
+    (lambda: Cosine(-1.0, TOTAL), "peak_lr"),
+    (lambda: Cosine(PEAK), "total_tokens"),
+    (lambda: WSD(PEAK, TOTAL, shape="sqrt"), "shape"),
+    (lambda: WSD(PEAK, TOTAL, WARMUP, cooldown_fraction=0.95), "cooldown_fraction"),
+    (lambda: WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=TOTAL), "hold_tokens"),
+    (lambda: InverseSqrt(PEAK), "warmup_tokens"),
+    (lambda: Cosine(PEAK, TOTAL)(-5), "tokens=-5"),
+    (lambda: scale_lr_for_batch(1.0, 64, 32, "cubic"), "policy='cubic'"),
+])
+def test_bad_input_names_the_argument(make, argument):
+    with pytest.raises(ValueError, match=re.escape(argument)):
+        make()
+
+
+def test_lr_batch_coupling_policies():
+    assert scale_lr_for_batch(1e-3, 1024, 256, "none") == 1e-3
+    assert scale_lr_for_batch(1e-3, 1024, 256, "linear") == pytest.approx(4e-3)
+    assert scale_lr_for_batch(1e-3, 1024, 256, "sqrt") == pytest.approx(2e-3)
+    assert scale_lr_for_batch(1e-3, 64, 256, "sqrt") == pytest.approx(5e-4)
