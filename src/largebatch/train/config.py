@@ -75,7 +75,7 @@ class RunConfig:
     device: str = "auto"
     """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     seed: int = 1337
-    """Seed for initialisation, dropout and the data order."""
+    """Seed for initialisation and dropout (the data order and BERT masks follow data.seed)."""
     eval_every_tokens: int = 0
     """Validation interval in tokens (0: ten evaluations over the run)."""
     eval_tokens: int = 32_768

@@ -32,7 +32,6 @@ import torch
 from largebatch.data import build_data
 from largebatch.memory import apply_recompute
 from largebatch.models import build_model
-from largebatch.schedules import NoiseScale
 from largebatch.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
@@ -110,7 +109,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.raw_model, cfg.optim)
         self.schedule = cfg.schedule.build(total_tokens=run.total_tokens, seq_len=cfg.model.seq_len,
                                            micro_batch=run.micro_batch, dp_size=1)
-        self.noise = NoiseScale()
+        self.noise = cfg.schedule.build_noise_scale()
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if run.dtype == "bf16" else nullcontext())
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
@@ -180,9 +179,10 @@ class Trainer:
         lr = self.schedule.lr(pos.tokens)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        ids = self.data.train.sample_ids(pos.samples, batch_size)
         mb = cfg.run.micro_batch
-        micro_batches = [self.data.train.get_batch(ids[i:i + mb]) for i in range(0, batch_size, mb)]
+        # global sample indices: the data order never depends on how batches are cut
+        indices = range(pos.samples, pos.samples + batch_size)
+        micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, batch_size, mb)]
         n_targets = sum(int(_target_count(b)) for b in micro_batches)
         params = [p for p in self.raw_model.parameters() if p.requires_grad]
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -216,6 +216,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if small_sq is not None:
                 self.noise.update(float(small_sq), mb, float(grad_norm) ** 2, batch_size)
+                if self.schedule.uses_noise_scale and self.noise.b_simple is not None:
+                    # adaptive Seesaw: caps only milestones after this token count (deterministic)
+                    self.schedule.observe_noise_scale(pos.tokens, self.noise.b_simple)
         if cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             summary = self.optimizer.trust_ratio_summary()
             if summary:
@@ -292,8 +295,7 @@ class Trainer:
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
                  f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}",
-                 self.cfg.schedule.describe(self.schedule) if hasattr(self.cfg.schedule, "describe")
-                 else ""]
+                 cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch, 1)]
         return "\n".join(line for line in lines if line)
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
