@@ -240,10 +240,11 @@ class Trainer:
             # -- 3. top of the iteration: evaluate, checkpoint, stop ---------------------------
             if pos.tokens >= pos.next_eval:
                 val_loss = self._log_eval()
-                pos.next_eval += self.eval_every
+                pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
             if pos.tokens >= pos.next_checkpoint and pos.step > 0:
+                every = run.checkpoint_every_tokens or run.total_tokens
+                pos.next_checkpoint = (pos.tokens // every + 1) * every
                 self.save()
-                pos.next_checkpoint += run.checkpoint_every_tokens or run.total_tokens
             if run.max_steps and steps_here >= run.max_steps:
                 path = self.save()
                 self.log(f"stopped after {steps_here} steps (run.max_steps); checkpoint {path}. "
@@ -324,8 +325,9 @@ class Trainer:
         self.raw_model.eval()
         ids = self.data.tokenizer.encode(prompt).ids
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.run.seed)
-        out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50, generator=gen)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights
+            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
         self.raw_model.train()
         return self.data.tokenizer.decode(out[0].tolist())
 
