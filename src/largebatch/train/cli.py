@@ -105,7 +105,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
         f"validation loss   {s['final_val_loss']:.4f} nats/token (ppl {s['final_val_ppl']:.1f}); "
         f"unigram baseline {s['unigram_val_loss']:.4f}",
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
-        f"{s['train_seconds']:.0f} s",
+        f"{s['train_seconds']:.1f} s",
         f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "
         f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
         f"memory            {human_bytes(s['memory_bytes'])}",
