@@ -66,7 +66,7 @@ def test_random_invalid_config_is_a_clean_error(override):
     (["--run.recompute=sometimes"], "run.recompute"),
     (["--run.recompute=full,selective,none"], "per-layer"),
     (["--optim.name=adamm"], "did you mean 'adamw'"),
-    (["--modle.n_layer=2"], "did you mean 'model'"),
+    (["--modle.n_layer=2"], "Did you mean 'model'"),
     (["--run.totl_tokens=5"], "Did you mean 'run.total_tokens'"),
     (["no_such_file.toml"], "does not exist"),
     (["--resume", "/nonexistent/run"], "no config.toml"),
