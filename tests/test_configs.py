@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from largebatch.models import build_model
+from largebatch.train.cli import shipped_configs
 from largebatch.train.config import load_config
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+CONFIGS = list(shipped_configs().values())
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

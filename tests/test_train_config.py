@@ -68,7 +68,7 @@ def test_random_invalid_config_is_a_clean_error(override):
     (["--optim.name=adamm"], "did you mean 'adamw'"),
     (["--modle.n_layer=2"], "Did you mean 'model'"),
     (["--run.totl_tokens=5"], "Did you mean 'run.total_tokens'"),
-    (["no_such_file.toml"], "does not exist"),
+    (["no_such_file.toml"], "neither a file nor a shipped config"),
     (["--resume", "/nonexistent/run"], "no config.toml"),
 ])
 def test_cli_bad_input(args, needle, capsys):

@@ -1,7 +1,8 @@
 """``largebatch train``: pretrain GPT or BERT.
 
-    largebatch train                               # the default recipe on the bundled corpus
-    largebatch train configs/gpt-small.toml        # a config file
+    largebatch train                               # the default recipe (gpt-demo) on Shakespeare
+    largebatch train bert-demo                     # a shipped config by name (see configs/)
+    largebatch train my.toml                       # a config file
     largebatch train --optim.name=lans --run.total_tokens=2e6    # any field, from the command line
     largebatch train --resume runs/20261130-101500-gpt           # continue exactly where it stopped
     largebatch train --help-config                 # every field, its type, default and meaning
@@ -14,6 +15,29 @@ import time
 from pathlib import Path
 
 from largebatch.train.typed_config import ConfigError, describe_fields, parse_overrides
+
+
+DEFAULT_CONFIG = "gpt-demo"
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Configs that ship with the package (the repository's configs/ points at the same files)."""
+    folder = Path(__file__).resolve().parent.parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+def resolve_config(name: str | None) -> Path:
+    """A path, or the name of a shipped config; None is the default recipe."""
+    name = name or DEFAULT_CONFIG
+    if Path(name).is_file():
+        return Path(name)
+    shipped = shipped_configs()
+    if name in shipped:
+        return shipped[name]
+    from largebatch.train.typed_config import ConfigError
+
+    raise ConfigError(f"config {name!r} is neither a file nor a shipped config; shipped: "
+                      f"{', '.join(shipped)}")
 
 
 def _usage() -> str:
@@ -69,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(saved, overrides)
             run_dir = Path(resume_dir)
         else:
-            cfg = load_config(config_path, overrides)
+            cfg = load_config(resolve_config(config_path), overrides)
             run_dir = Path(cfg.run.out_dir.format(time=time.strftime("%Y%m%d-%H%M%S"),
                                                   kind=cfg.model.kind))
             if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
