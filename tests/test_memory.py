@@ -83,12 +83,15 @@ def test_estimate_counts_parameters_and_state(optimizer, state):
     assert e.total == e.activations + 4 * n + (4 + state) * n
 
 
-def test_bert_parameter_count_matches_the_model():
+def test_parameter_count_matches_the_models():
     from largebatch.models import BERT
-    for norm in ("pre", "post"):
+    for norm, tie, bias in itertools.product(("pre", "post"), (True, False), (True, False)):
         c = ModelConfig(kind="bert", n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50,
-                        norm_position=norm)
+                        norm_position=norm, tie_embeddings=tie, bias=bias)
         assert estimate(c, 1, dtype_bytes=4).parameters == 4 * BERT(c).num_params()
+        g = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50,
+                        tie_embeddings=tie, bias=bias)
+        assert estimate(g, 1, dtype_bytes=4).parameters == 4 * GPT(g).num_params()
 
 
 def _measure(model, idx, policy, warm_up):
