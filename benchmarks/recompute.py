@@ -3,11 +3,12 @@ attention, in one run (Korthikanti et al. 2022, ../shared/PAPERS.md §2: selecti
 few percent of step time, full recompute about 35%).
 
 Timings are interleaved (each round runs every policy once, in rotating order) and reported as
-medians relative to "none" measured in the same rounds, so a shared, noisy machine affects all
-policies alike. Memory is what the forward pass leaves for backward (largebatch.memory.measure),
-next to the closed-form prediction.
+ratios to "none" measured in the same rounds (median over rounds of the per-round ratio, and the
+ratio of the fastest steps), so a shared, noisy machine affects all policies alike. Memory is
+what the forward pass leaves for backward (largebatch.memory.measure), next to the closed-form
+prediction.
 
-    PYTHONPATH=src python benchmarks/recompute.py [--rounds 7] [--micro-batch 8]
+    PYTHONPATH=src python benchmarks/recompute.py [--rounds 10] [--micro-batch 8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -52,28 +53,31 @@ def run(attention: str, dropout: float, micro_batch: int, rounds: int) -> None:
             seconds = step_seconds(model, idx)
             if r:  # round 0 is warm-up
                 times[policy].append(seconds)
-    base_t = statistics.median(times["none"])
     base_m = memory["none"].tensor_bytes
     print(f"\n{attention} attention, dropout {dropout}, micro-batch {micro_batch} x {config.seq_len} "
           f"tokens, {rounds} interleaved rounds")
-    print(f"  {'policy':<10} {'step ms':>8} {'time/none':>10} {'act MiB':>9} {'predicted':>10} "
-          f"{'malloc MiB':>11} {'mem/none':>9}")
+    print(f"  {'policy':<10} {'min ms':>8} {'time/none':>10} {'(fastest)':>10} {'act MiB':>9} "
+          f"{'predicted':>10} {'malloc MiB':>11} {'mem/none':>9}")
     for policy in POLICIES:
-        t = statistics.median(times[policy])
+        per_round = statistics.median(t / n for t, n in zip(times[policy], times["none"]))
+        fastest = min(times[policy]) / min(times["none"])
         m = memory[policy]
         predicted = model_activation_bytes(config, micro_batch, policy, dtype_bytes=4, device="cpu")
         malloc = "n/a" if m.allocator_bytes is None else f"{m.allocator_bytes / 2**20:.2f}"
-        print(f"  {policy:<10} {1e3 * t:>8.1f} {t / base_t:>9.3f}x {m.tensor_bytes / 2**20:>9.2f} "
+        print(f"  {policy:<10} {1e3 * min(times[policy]):>8.1f} {per_round:>9.3f}x {fastest:>9.3f}x "
+              f"{m.tensor_bytes / 2**20:>9.2f} "
               f"{predicted / 2**20:>10.2f} {malloc:>11} {m.tensor_bytes / base_m:>8.3f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier when shared)")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--dropout", type=float, default=0.1,
                         help="for explicit attention; SDPA runs without (CPU's flash kernel has none)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 on CPU")
     run("explicit", args.dropout, args.micro_batch, args.rounds)
     run("sdpa", 0.0, args.micro_batch, args.rounds)
