@@ -24,13 +24,14 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/optimizer_demo.py
+	$(VENV)/bin/largebatch train
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/optim_step.py
+	$(PY) benchmarks/recompute.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
