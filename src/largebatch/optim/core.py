@@ -98,8 +98,8 @@ def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
         norms = torch._foreach_norm(tensors)
     else:
         norms = [torch.linalg.vector_norm(t) for t in tensors]
-    device = tensors[0].device
-    return torch.stack([n.to(device) for n in norms]).square()
+    like = tensors[0]
+    return torch.stack([n.to(like.device, like.dtype) for n in norms]).square()
 
 
 def scalar_or_list(values: list[float]) -> float | list[float]:
@@ -193,7 +193,7 @@ class GroupTensors:
     grads: list[Tensor]  # in the compute dtype
     states: list[dict]  # self.state[p] per parameter
     steps: list[int] = field(default_factory=list)  # per-parameter step t after this update (>= 1)
-    writeback: bool = False  # x are copies that must be written back to params
+    copied: list[int] = field(default_factory=list)  # indices whose x is a copy, written back after the step
 
     def state_list(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
@@ -287,8 +287,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for index, (group, batch) in enumerate(batches):
             self._check_group(group, f"param_groups[{index}]: ")
             ratios = self._update_group(group, batch, grad_scale)
-            if batch.writeback:
-                torch._foreach_copy_(batch.params, batch.x)
+            if batch.copied:
+                torch._foreach_copy_([batch.params[i] for i in batch.copied], [batch.x[i] for i in batch.copied])
             if self.track_trust_ratios and ratios is not None:
                 self._last_ratios.append(ratios)
         return loss
@@ -310,12 +310,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 for key in self._state_keys:
                     state[key] = torch.zeros_like(p, dtype=compute_dtype, memory_format=torch.contiguous_format)
             state["step"] += 1
+            if p.dtype != compute_dtype or not p.is_contiguous():  # fp32 math on a contiguous copy
+                batch.copied.append(len(batch.params))
+                batch.x.append(p.to(compute_dtype, memory_format=torch.contiguous_format, copy=True))
+            else:
+                batch.x.append(p)
             batch.params.append(p)
-            batch.x.append(p if p.dtype == compute_dtype else p.to(compute_dtype))
-            batch.grads.append(p.grad if p.grad.dtype == compute_dtype else p.grad.to(compute_dtype))
+            batch.grads.append(p.grad.to(compute_dtype, memory_format=torch.contiguous_format))
             batch.states.append(state)
             batch.steps.append(state["step"])
-            batch.writeback |= p.dtype != compute_dtype
         return batch
 
     def _global_grad_scale(self, batches: list[GroupTensors]) -> Tensor | None:
@@ -338,8 +341,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _flat(tensors: list[Tensor]) -> list[Tensor]:
-        """1-D views (compiled kernels then see one dynamic shape for every tensor)."""
-        return [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in tensors]
+        """1-D views (compiled kernels then see one dynamic shape for every tensor). All compute
+        tensors are contiguous (see _collect), so these are views and in-place updates land."""
+        return [t.view(-1) for t in tensors]
 
     # ---------------------------------------------------------------------------------- diagnostics
     def trust_ratio_summary(self) -> dict | None:
