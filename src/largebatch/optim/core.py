@@ -273,6 +273,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         squared = torch.cat([stacked_squared_norms(t, self.foreach) for t in tensors_by_quantity])
         return list(self._reduce_squared_norms(squared, params).sqrt().view(len(tensors_by_quantity), -1))
 
+    def _reduced_kernel_norms(self, squared: Tensor, params: list[Tensor]) -> list[Tensor]:
+        """L2 norms from per-tensor kernel outputs ``squared`` (n, k): k tensors (n,), via the hook."""
+        k = squared.shape[1]
+        return list(self._reduce_squared_norms(squared.T.reshape(-1), params).sqrt().view(k, -1))
+
     # ------------------------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):

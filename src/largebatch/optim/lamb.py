@@ -44,7 +44,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-
 def lamb_direction(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, l2_decay: bool) -> Tensor:
     """r = m^/(sqrt(v^) + eps) (+ wd*x when decay is decoupled). All 1-D, hp: (9,)."""
     r = (m / hp[HP_BC1]) / ((v / hp[HP_BC2]).sqrt() + hp[HP_EPS])
@@ -137,8 +136,8 @@ class LAMB(LayerwiseOptimizer):
         squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], grad_scale, l2_decay)
                                for i in range(len(x))])  # (n, 2)
         if adapt:
-            norms = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(2, -1)  # (2, n)
-            ratio, pinned = self._group_trust_ratio(group, norms[0], norms[1])
+            x_norm, r_norm = self._reduced_kernel_norms(squared, b.params)  # (n,), (n,)
+            ratio, pinned = self._group_trust_ratio(group, x_norm, r_norm)
         else:
             ratio, pinned = torch.ones_like(squared[:, 0]), None
         step_scale = ratio * (-lr)  # (n,)

@@ -125,7 +125,7 @@ class LANS(LayerwiseOptimizer):
         moments, apply = self._kernel(lans_moments_kernel), self._kernel(lans_apply_kernel)
         squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], coef[i]) for i in range(len(x))])  # (n, 3)
         if adapt:
-            x_norm, r_norm, c_norm = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(3, -1)
+            x_norm, r_norm, c_norm = self._reduced_kernel_norms(squared, b.params)  # 3 x (n,)
         else:
             x_norm = r_norm = c_norm = torch.ones_like(coef)
         scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)

@@ -72,7 +72,7 @@ class LARS(LayerwiseOptimizer):
             else:
                 kernel = self._kernel(lars_norms_kernel)
                 squared = torch.stack([kernel(x, g) for x, g in zip(self._flat(b.x), self._flat(b.grads))])  # (n, 2)
-                x_norm, g_norm = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(2, -1)
+                x_norm, g_norm = self._reduced_kernel_norms(squared, b.params)
             if grad_scale is not None:
                 g_norm = g_norm * grad_scale
             local, pinned = self._local_lr(group, x_norm, g_norm)
