@@ -166,12 +166,42 @@ def foreach_adam_moments_(m: list[Tensor], v: list[Tensor], g: list[Tensor], bet
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
 
 
-def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float]) -> list[Tensor]:
+def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float],
+                               scratch: list[Tensor] | None) -> list[Tensor]:
     """sqrt(v) + eps*sqrt(bc2) = sqrt(bc2) * (sqrt(v^) + eps): the bias correction of v folded into a
     per-tensor scalar the caller applies to the (small) norms and step sizes, saving two passes."""
-    denom = torch._foreach_sqrt(v)
+    denom = sqrt_into(v, scratch)
     torch._foreach_add_(denom, scalar_or_list([eps * math.sqrt(c2) for c2 in bc2]))
     return denom
+
+
+def sqrt_into(v: list[Tensor], scratch: list[Tensor] | None) -> list[Tensor]:
+    """sqrt(v) written into ``scratch`` (CPU) or into fresh tensors from the caching allocator."""
+    if scratch is None:
+        return torch._foreach_sqrt(v)
+    for vi, out in zip(v, scratch):
+        torch.sqrt(vi, out=out)
+    return scratch
+
+
+def scaled_copy(tensors: list[Tensor], scale: Tensor | float | list[Tensor], scratch: list[Tensor] | None):
+    """tensors * scale (one 0-d tensor or float, or one 0-d tensor per tensor) into ``scratch`` (CPU) or
+    fresh tensors; the inputs (e.g. p.grad) are never modified."""
+    if scratch is None:
+        return torch._foreach_mul(tensors, scale)
+    scales = scale if isinstance(scale, list) else [scale] * len(tensors)
+    for t, c, out in zip(tensors, scales, scratch):
+        torch.mul(t, c, out=out)
+    return scratch
+
+
+def divide_into(numerators: list[Tensor], denominators: list[Tensor], in_place: bool) -> list[Tensor]:
+    """numerators / denominators, overwriting ``denominators`` when ``in_place`` (CPU scratch)."""
+    if not in_place:
+        return torch._foreach_div(numerators, denominators)
+    for n, d in zip(numerators, denominators):
+        torch.div(n, d, out=d)
+    return denominators
 
 
 _COMPILED: dict[Callable, Callable] = {}
@@ -224,6 +254,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.foreach = not self.fused if foreach is None else bool(foreach)
         self.track_trust_ratios = bool(track_trust_ratios)
         self._last_ratios: list[tuple[Tensor, Tensor]] = []  # (ratio (n,), pinned (n,)) per group
+        self._scratch_buffers: dict[Tensor, list[Tensor]] = {}  # CPU work buffers, never in state_dict
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------- groups and checks
@@ -339,6 +370,21 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _update_group(self, group: dict, batch: GroupTensors, grad_scale: Tensor | None):
         """Update one group in place; return (trust ratios (n,), pinned (n,)) or None."""
         raise NotImplementedError
+
+    def _scratch(self, b: GroupTensors, slot: int) -> list[Tensor] | None:
+        """Parameter-sized work buffers for the foreach path on CPU, kept between steps: there a fresh
+        allocation (page faults) costs several times the arithmetic it holds (docs/optim.md). None
+        on other devices, where the caching allocator makes transient buffers cheap and holding them
+        would cost memory."""
+        if b.x[0].device.type != "cpu":
+            return None
+        buffers = []
+        for p, x in zip(b.params, b.x):
+            slots = self._scratch_buffers.setdefault(p, [])
+            while len(slots) <= slot:
+                slots.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+            buffers.append(slots[slot])
+        return buffers
 
     def _kernel(self, kernel: Callable) -> Callable:
         """The per-tensor kernel as called on the per-tensor path: compiled when fused=True."""

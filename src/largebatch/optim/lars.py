@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .core import GroupTensors, LayerwiseOptimizer, device_tensor
+from .core import GroupTensors, LayerwiseOptimizer, device_tensor, scaled_copy
 
 _MOMENTUM, _WD = range(2)  # columns of the (n, 2) hyperparameter tensor of the per-tensor kernels
 
@@ -91,10 +91,12 @@ class LARS(LayerwiseOptimizer):
                 apply(x[i], g[i], buf[i], hp[i], grad_scale, step_scale[i])
         return diagnostics
 
-    @staticmethod
-    def _foreach_apply(group: dict, b: GroupTensors, grad_scale: Tensor | None, step_scale: Tensor) -> None:
-        grads = b.grads if grad_scale is None else torch._foreach_mul(b.grads, grad_scale)
-        direction = grads if group["weight_decay"] == 0 else torch._foreach_add(grads, b.x, alpha=group["weight_decay"])
+    def _foreach_apply(self, group: dict, b: GroupTensors, grad_scale: Tensor | None, step_scale: Tensor) -> None:
+        wd, direction = group["weight_decay"], b.grads  # direction = g (+ wd*x); p.grad is never modified
+        if grad_scale is not None or wd != 0:
+            direction = scaled_copy(b.grads, 1.0 if grad_scale is None else grad_scale, self._scratch(b, 0))
+            if wd != 0:
+                torch._foreach_add_(direction, b.x, alpha=wd)
         buffers = b.state_list("momentum_buffer")
         torch._foreach_mul_(buffers, group["momentum"])
         torch._foreach_addcmul_(buffers, direction, list(step_scale.to(b.x[0].dtype).unbind()))
