@@ -8,7 +8,7 @@ import pytest
 from largebatch.schedules import (ConstantBatch, LinearRamp, PiecewiseBatch, ScheduleConfig, Seesaw,
                                   SeesawFamily, SmithRamp)
 from largebatch.schedules.cli import main
-from largebatch.schedules.config import field_docs
+from largebatch.typed_config import field_docs
 
 TOTAL, SEQ = 10_000_000, 128
 
@@ -87,7 +87,7 @@ def test_bad_config_names_the_field(overrides, build_args, fragment):
 
 
 def test_from_dict_suggests_a_close_field():
-    with pytest.raises(ValueError, match="did you mean 'peak_lr'"):
+    with pytest.raises(ValueError, match="Did you mean 'schedule.peak_lr'"):
         ScheduleConfig.from_dict({"peak_lrr": 1e-3})
 
 

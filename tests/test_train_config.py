@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from largebatch.train.cli import main
 from largebatch.train.config import TrainConfig, load_config
-from largebatch.train.typed_config import ConfigError
+from largebatch.typed_config import ConfigError
 
 
 def _leaf_fields() -> list[tuple[str, typing.Any]]:

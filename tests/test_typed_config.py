@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from largebatch.train.typed_config import (ConfigError, describe_fields, dump_toml, field_docs,
+from largebatch.typed_config import (ConfigError, describe_fields, dump_toml, field_docs,
                                            from_dict, parse_overrides, parse_value, to_dict)
 
 

@@ -14,7 +14,8 @@ import argparse
 import dataclasses
 import sys
 
-from largebatch.schedules.config import CHOICES, ScheduleConfig, field_docs
+from largebatch.schedules.config import CHOICES, ScheduleConfig
+from largebatch.typed_config import field_docs
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 

@@ -8,10 +8,6 @@ phase table next to the base schedule's optimizer steps (PAPERS.md §3).
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
-import inspect
 from dataclasses import dataclass, field
 
 from largebatch.schedules import lr as lr_module
@@ -19,6 +15,7 @@ from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp
                                         count_optimizer_steps, format_phase_table)
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
+from largebatch.typed_config import from_dict
 
 LR_KINDS = ("constant", "cosine", "linear", "wsd", "lans", "inverse-sqrt")
 BATCH_POLICIES = ("constant", "ramp", "table", "seesaw", "seesaw-family", "smith")
@@ -77,13 +74,7 @@ class ScheduleConfig:
     @classmethod
     def from_dict(cls, values: dict) -> ScheduleConfig:
         """Build from a TOML ``[schedule]`` table; an unknown key is an error with a suggestion."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"[schedule] has no field {key!r}{hint}")
-        return cls(**values)
+        return from_dict(cls, values, prefix="schedule")
 
     def _fail(self, name: str, why: str) -> None:
         raise ValueError(f"[schedule] {name}={getattr(self, name)!r}: {why}")
@@ -212,15 +203,3 @@ class ScheduleConfig:
             f"optimizer steps; this schedule: {steps:,} ({100 * steps / base_steps:.2f}% of base)",
         ]
         return "\n".join(lines)
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each dataclass field (for --help and generated docs)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs

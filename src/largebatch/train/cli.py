@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from largebatch.train.typed_config import ConfigError, describe_fields, parse_overrides
+from largebatch.typed_config import ConfigError, describe_fields, parse_overrides
 
 
 DEFAULT_CONFIG = "gpt-demo"
@@ -34,7 +34,7 @@ def resolve_config(name: str | None) -> Path:
     shipped = shipped_configs()
     if name in shipped:
         return shipped[name]
-    from largebatch.train.typed_config import ConfigError
+    from largebatch.typed_config import ConfigError
 
     raise ConfigError(f"config {name!r} is neither a file nor a shipped config; shipped: "
                       f"{', '.join(shipped)}")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
 from largebatch.schedules import ScheduleConfig
-from largebatch.train.typed_config import (ConfigError, dump_toml, from_dict, load_toml,
+from largebatch.typed_config import (ConfigError, dump_toml, from_dict, load_toml,
                                            set_dotted, to_dict)
 
 

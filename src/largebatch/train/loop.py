@@ -37,7 +37,7 @@ from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
                                       measure_peak_flops, memory_bytes, plot_run)
 from largebatch.train.optimizer import build_optimizer
-from largebatch.train.typed_config import to_dict
+from largebatch.typed_config import to_dict
 
 
 class NonFiniteLoss(RuntimeError):

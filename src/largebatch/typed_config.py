@@ -1,5 +1,7 @@
 """Typed configuration: dataclasses loaded from TOML, overridable from the command line.
 
+A leaf module (standard library only), so every component's config -- and any user's -- can use it.
+
 Every component owns its config dataclass (``ModelConfig`` in ``largebatch.models``, ``DataConfig`` in
 ``largebatch.data``, ``ScheduleConfig`` in ``largebatch.schedules``); the trainer only nests them. A
 field's documentation is the docstring right under it (torchtitan style); :func:`field_docs` reads
