@@ -1,1 +1,17 @@
-"""largebatch.optim (being built)."""
+"""Large-batch layer-wise adaptive optimizers (PAPERS.md §1): LAMB, LANS, LARS on one shared core.
+
+    from largebatch.optim import LAMB, param_groups
+    groups = param_groups(model, weight_decay=0.01)   # decay/adapt by module type and rank
+    print(groups.report())
+    optimizer = LAMB(groups, lr=2e-3)
+
+See docs/optim.md for every switch, preset and measured number, and core.py for the sharding hook.
+"""
+
+from .core import LayerwiseOptimizer, trust_ratio
+from .groups import ParamGroups, param_groups
+from .lamb import LAMB, PRESETS
+from .lans import LANS
+from .lars import LARS
+
+__all__ = ["LAMB", "LANS", "LARS", "LayerwiseOptimizer", "PRESETS", "ParamGroups", "param_groups", "trust_ratio"]

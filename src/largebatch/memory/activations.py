@@ -1,0 +1,153 @@
+"""Closed-form activation memory of a transformer: Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4 (Eqs. 1-6, Table 2), as in ../shared/PAPERS.md §2.
+
+With its defaults (16-bit activations, 1-byte dropout masks, explicit attention, ffn = 4h) this
+reproduces the paper's table exactly, per layer:
+
+    no parallelism                          s b h (34 + 5 a s / h)
+    tensor parallel (t)                     s b h (10 + 24/t + 5 a s / (h t))
+    tensor + sequence parallel              s b h / t (34 + 5 a s / h)
+    tensor parallel + selective recompute   s b h (10 + 24/t)
+    tensor + sequence + selective           34 s b h / t
+    full recompute                          2 s b h   (/ t with sequence parallel)
+
+The same terms are kept apart so other layers can be described: with d = bytes per activation
+value and m = bytes per dropout mask value, per token (s b) a layer stores
+    replicated under tensor parallelism (split by t only with sequence parallelism):
+        2 LayerNorm inputs + Q/K/V input + fc1 input = 4 h d,  2 dropout masks = 2 h m
+    split by t under tensor parallelism:
+        Q, K, V + projection input = 4 h d,  GeLU input + fc2 input = 2 f d
+    core attention (split by t), per token: a s (2d + m) -- softmax output, its dropout mask, the
+        dropout output (a s d without dropout: the softmax output is then what @V keeps);
+        a fused kernel (SDPA flash / memory-efficient) keeps only a 4-byte log-sum-exp per head: 4 a.
+The op-level policy (save matmul outputs, recompute pointwise ops) keeps the layer input, the
+projection and fc2 outputs (replicated: 3 h d), q, k, v and the attention output (4 h d), the fc1
+output (f d), and for explicit attention the scores (a s d) or, fused, the log-sum-exp (4 a).
+
+Whole model (Korthikanti et al. 2022 §4.3): the first pipeline stage holds L layers' worth (L/p layers
+for each of p micro-batches in flight), p embedding dropout masks (s b h m), and, without pipeline
+parallelism, the output layer (GPT): final-norm input and projection input (2 s b h d) plus fp32 logits
+(4 s b v, vocabulary-parallel so / t).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from largebatch.models.config import ModelConfig
+from largebatch.models.flops import RECOMPUTE_POLICIES, per_layer_policies
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the per-layer count depends on, validated once."""
+
+    seq_len: int
+    micro_batch: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    tp: int
+    sequence_parallel: bool
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer.")
+        if self.heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide heads={self.heads}: tensor parallelism "
+                             "splits whole heads; choose tp among the divisors of heads.")
+
+
+def _check_bytes(dtype_bytes: float, mask_bytes: float) -> None:
+    if not dtype_bytes > 0:
+        raise ValueError(f"dtype_bytes={dtype_bytes!r}: must be > 0 (2 for fp16/bf16, 4 for fp32).")
+    if mask_bytes < 0:
+        raise ValueError(f"mask_bytes={mask_bytes!r}: must be >= 0 (1 for bool masks).")
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none", *,
+                               ffn_hidden: int | None = None, dtype_bytes: float = 2,
+                               mask_bytes: float = 1, fused_attention: bool = False,
+                               dropout: bool = True) -> float:
+    """Bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022, Table 2).
+
+    recompute: "none" | "selective" (core attention recomputed) | "op" (matmul outputs saved,
+    pointwise ops recomputed) | "full" (only the layer input kept). dtype_bytes: bytes per stored
+    activation (2 = the paper's 16-bit; 4 for fp32). mask_bytes: bytes per dropout-mask element.
+    fused_attention: SDPA flash/memory-efficient kernel (no s^2 term). dropout=False: no masks, and
+    the softmax output doubles as the attention-dropout output.
+    """
+    shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
+                       else ffn_hidden, tp, bool(sequence_parallel))
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}.")
+    _check_bytes(dtype_bytes, mask_bytes)
+    s, b, h, a, f, t = seq_len, micro_batch, hidden, heads, shape.ffn_hidden, tp
+    d, m = dtype_bytes, (mask_bytes if dropout else 0)
+    t_rep = t if sequence_parallel else 1  # what splits the "replicated" regions
+    if recompute == "full":
+        return s * b * h * d / t_rep
+    if recompute == "op":
+        kept_core = 4 * a * s * b if fused_attention else a * s * s * b * d
+        return s * b * (3 * h * d / t_rep + (4 * h + f) * d / t) + kept_core / t
+    replicated = s * b * (4 * h * d + 2 * h * m) / t_rep
+    split = s * b * (4 * h + 2 * f) * d / t
+    if recompute == "selective":
+        return replicated + split
+    core = 4 * a * s * b if fused_attention else a * s * s * b * ((2 * d + m) if dropout else d)
+    return replicated + split + core / t
+
+
+def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: str = "cuda",
+                        training: bool = True) -> dict:
+    """The keywords of activation_bytes_per_layer that describe `config` (everything but s, b, tp).
+
+    SDPA counts as fused except where PyTorch falls back to its unfused math kernel: on CPU with
+    attention dropout in training (the CPU flash kernel has no dropout).
+    """
+    dropout = training and config.dropout > 0
+    fused = config.attention == "sdpa" and not (device == "cpu" and dropout)
+    if config.attention == "sdpa" and not fused:
+        raise ValueError("attention='sdpa' with dropout on CPU runs PyTorch's unfused math kernel, "
+                         "whose float dropout mask the memory model does not describe: use "
+                         "attention='explicit' or dropout=0 for CPU memory estimates.")
+    return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
+                dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout)
+
+
+def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str | Sequence[str] = "none",
+                           tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                           seq_len: int | None = None, *, dtype_bytes: float = 2,
+                           device: str = "cuda", training: bool = True,
+                           mask_fraction: float = 0.15) -> float:
+    """Activation bytes on the first pipeline stage of `config`'s GPT (Korthikanti et al. 2022 §4.3).
+
+    recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
+    the same mix); the stage holds pp micro-batches in flight, hence L layers' worth. For BERT
+    the head (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the
+    positions.
+    """
+    if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
+        raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
+    s = config.seq_len if seq_len is None else seq_len
+    kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
+    policies = per_layer_policies(recompute, config.n_layer // pp)
+    layers = pp * sum(activation_bytes_per_layer(s, micro_batch, tp=tp, sequence_parallel=sequence_parallel,
+                                                 recompute=p, **kw) for p in policies)
+    t_rep = tp if sequence_parallel else 1
+    h, v = config.n_embd, config.vocab_size
+    mask = 1 if kw["dropout"] else 0
+    embedding = pp * s * micro_batch * h * mask / t_rep
+    if config.kind == "bert" and config.norm_position == "post":
+        embedding += pp * s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
+    output = 0.0
+    if pp == 1 and config.kind == "gpt":
+        output = s * micro_batch * (2 * h * dtype_bytes / t_rep + 4 * v / tp)
+    elif pp == 1:  # BERT: final-norm input (pre-LN), then the head on the masked positions only
+        final_norm = h * dtype_bytes / t_rep if config.norm_position == "pre" else 0.0
+        output = s * micro_batch * (final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp))
+    return layers + embedding + output

@@ -1,0 +1,85 @@
+"""Total memory per device: activations (Korthikanti et al. 2022 §4, see activations.py) plus model
+state -- parameters, gradients, fp32 master weights and optimizer state -- counted as in ZeRO
+(Rajbhandari et al. 2020 §3.1: 2 + 2 + K bytes per parameter in mixed precision, K = 12 for Adam).
+
+Optimizer state per parameter, fp32 (../shared/PAPERS.md §1): AdamW, LAMB and LANS keep m and v
+(8 bytes); LARS and SGD-momentum keep one buffer (4 bytes). Mixed precision (dtype_bytes < 4) adds a
+4-byte fp32 master copy. ZeRO stage 1 shards master + optimizer state over data parallel ranks,
+stage 2 also the gradients, stage 3 also the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from largebatch.memory.activations import model_activation_bytes
+from largebatch.models.config import ModelConfig
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lans": 8, "lars": 4, "sgd": 4}
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device on the first pipeline stage."""
+
+    activations: float
+    parameters: float
+    gradients: float
+    optimizer: float
+    """fp32 master weights (mixed precision) plus the optimizer's state."""
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.parameters + self.gradients + self.optimizer
+
+    def __str__(self) -> str:
+        parts = ("activations", "parameters", "gradients", "optimizer")
+        body = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+        return f"{self.total / GIB:.2f} GiB ({body})"
+
+
+def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1) -> float:
+    """Parameters held by one device of the first pipeline stage. Matrices and embeddings are split
+    by tp (vocabulary-parallel embedding); LayerNorms, position embeddings and the biases of row-
+    parallel linears are replicated. With tp = pp = 1 this is the model's exact parameter count."""
+    h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
+    bias = 1 if config.bias else 0
+    split = 4 * h * h + 2 * h * f + bias * (3 * h + f)  # q, k, v, proj, fc1, fc2 (+ column biases)
+    replicated = bias * 2 * h + 2 * (1 + bias) * h  # proj/fc2 biases, two LayerNorms
+    layers = config.n_layer // pp * (split / tp + replicated)
+    embedding = v * h / tp + s * h
+    norm = (1 + bias) * h
+    if config.kind == "bert":
+        head = h * h / tp + bias * h + norm + v  # dense, its LN, decoder bias
+        extras = (norm if config.norm_position == "post" else 0) + (head if pp == 1 else 0)
+    else:
+        extras = 0
+    last = (norm + (0 if config.tie_embeddings else v * h / tp)) if pp == 1 else 0
+    if config.kind == "bert" and config.norm_position == "post":
+        last -= norm  # post-LN BERT has no final LayerNorm
+    return layers + embedding + extras + last
+
+
+def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int = 1, dp: int = 1,
+             sequence_parallel: bool = False, recompute: str | Sequence[str] = "none",
+             optimizer: str = "adamw", seq_len: int | None = None, dtype_bytes: float = 2,
+             zero_stage: int = 0, device: str = "cuda") -> MemoryEstimate:
+    """Bytes per device for training `config` (first pipeline stage, which holds the most
+    activations). recompute: one policy or a per-layer list for the L / pp layers of a stage."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZER_STATE_BYTES)}.")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3.")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r}: must be a positive integer.")
+    acts = model_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
+                                  sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                  dtype_bytes=dtype_bytes, device=device)
+    n = stage_parameters(config, tp, pp)
+    state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
+    return MemoryEstimate(activations=acts,
+                          parameters=n * dtype_bytes / (dp if zero_stage >= 3 else 1),
+                          gradients=n * dtype_bytes / (dp if zero_stage >= 2 else 1),
+                          optimizer=state / (dp if zero_stage >= 1 else 1))

@@ -1,0 +1,93 @@
+"""Measure the activation memory a forward pass leaves behind for backward, to check the
+closed-form model of Korthikanti et al. 2022 (activations.py) against what really happens.
+
+Two independent views, both after the forward pass, both excluding the tensors it returns:
+* tensor_bytes: the storages created during the forward (seen by a TorchDispatchMode, so also those
+  a selective-checkpoint context caches -- saved_tensors_hooks cannot see those) that are still
+  alive: exactly what autograd and the checkpoint machinery hold.
+* allocator_bytes: what the allocator holds -- torch.cuda.memory_allocated() on GPU, glibc
+  mallinfo2() on Linux CPUs (includes allocator headers and small Python objects); None elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _glibc_in_use() -> Callable[[], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _Mallinfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd  # heap chunks in use + mmapped chunks
+
+    return in_use
+
+
+class _NewStorages(TorchDispatchMode):
+    """Weak references to every storage an op creates (views and in-place results excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.created: list[tuple[StorageWeakRef, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in inputs:
+                    self.created.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        alive = {ptr: n for ref, ptr, n in self.created if not ref.expired() and ptr not in exclude}
+        return sum(alive.values())
+
+
+@dataclass(frozen=True)
+class ForwardMemory:
+    tensor_bytes: int
+    """Bytes of storages created in the forward and still alive, excluding the returned tensors."""
+    allocator_bytes: int | None
+    """Growth of the allocator's in-use bytes over the forward, minus the returned tensors' bytes."""
+
+
+def measure_forward_bytes(forward: Callable[[], object], device: str = "cpu") -> tuple[object, ForwardMemory]:
+    """Run forward() (which returns tensors, e.g. (logits, loss)) and measure what it leaves held.
+    Returns (forward's result, ForwardMemory). Keep the result alive until you have read the numbers
+    (and call backward on it if you like)."""
+    in_use = (lambda: torch.cuda.memory_allocated()) if device.startswith("cuda") else _glibc_in_use()
+    gc.collect()
+    before = in_use() if in_use else None
+    tracker = _NewStorages()
+    with tracker:
+        result = forward()
+    gc.collect()
+    after = in_use() if in_use else None
+    returned = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
+    allocator = None if before is None else after - before - sum(returned.values())
+    return result, ForwardMemory(tracker.alive_bytes(set(returned)), allocator)

@@ -1,0 +1,166 @@
+"""Activation recomputation applied from outside the model: Korthikanti et al. 2022 §4.2 (selective
+recomputation) and the usual full-layer checkpointing, per layer (../shared/PAPERS.md §2).
+
+    apply_recompute(model, "selective")                       # every layer
+    apply_recompute(model, ["full", "full", "selective", "none"])  # one entry per layer
+
+Policies (what the backward pass keeps; the rest is recomputed during backward):
+* none      -- everything (34 s b h + 5 a s^2 b bytes per layer at 16 bits);
+* selective -- all but the core attention (Q K^T, softmax, dropout, @V): its inputs q, k, v are
+  kept and the s^2 tensors recomputed (34 s b h);
+* op        -- the outputs of matmuls (mm / addmm / bmm / fused attention) via a selective
+  checkpoint context; pointwise ops (LayerNorm, GeLU, softmax, dropout) are recomputed;
+* full      -- only each layer's input (2 s b h).
+
+Built on torch.utils.checkpoint (non-reentrant, RNG state preserved: with dropout on, gradients are
+bit-identical to no recomputation) and create_selective_checkpoint_contexts. Wrapping sets the
+module's instance `forward` to a picklable functools.partial, so parameter names, state_dict keys
+and tensor-parallel plans that address `blocks.N.attn.q` are unchanged. Works on largebatch's
+GPT/BERT and on transformers' GPT-2 / BERT layers (selective there goes through transformers'
+AttentionInterface). Apply after tensor parallelism and before torch.compile / FSDP (torchtitan's
+order).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from largebatch.models.flops import per_layer_policies
+from largebatch.models.layers import Block
+
+_aten = torch.ops.aten
+MATMUL_OPS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm,
+              _aten._scaled_dot_product_flash_attention,
+              _aten._scaled_dot_product_efficient_attention,
+              _aten._scaled_dot_product_cudnn_attention,
+              _aten._scaled_dot_product_flash_attention_for_cpu}
+"""Ops whose outputs the "op" policy saves (compared by overload packet)."""
+
+
+def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep matmul outputs, recompute everything else."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_matmuls_context():
+    return create_selective_checkpoint_contexts(save_matmuls_policy)
+
+
+def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """transformers layers in train mode may get a KV cache, which recompute would append to again:
+    drop it, as transformers' own gradient checkpointing does."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return args, kwargs
+    args = tuple(None if isinstance(a, cache_utils.Cache) else a for a in args)
+    kwargs = {k: (None if isinstance(v, cache_utils.Cache) else False if k == "use_cache" else v)
+              for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _checkpointed_forward(module: nn.Module, context_fn, *args, **kwargs):
+    forward = type(module).forward
+    if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
+        return forward(module, *args, **kwargs)
+    args, kwargs = _without_kv_cache(args, kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(forward, module, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def _wrap(module: nn.Module, context_fn=None) -> None:
+    module.forward = functools.partial(_checkpointed_forward, module, context_fn)
+    module._largebatch_recompute = True
+
+
+def _unwrap(module: nn.Module) -> None:
+    for sub in module.modules():
+        if sub.__dict__.pop("_largebatch_recompute", False):
+            sub.__dict__.pop("forward", None)
+        sub.__dict__.pop("_largebatch_selective", None)
+
+
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """model.blocks, or else the longest nn.ModuleList of same-type modules (transformers:
+    transformer.h for GPT-2, bert.encoder.layer for BERT)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    lists = [m for m in model.modules()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no `blocks` and no nn.ModuleList of layers: "
+                         "pass a model whose transformer layers sit in an nn.ModuleList.")
+    return max(lists, key=len)
+
+
+def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
+    """Set each transformer layer's recomputation policy; returns the per-layer list applied.
+
+    policy: "none" | "selective" | "op" | "full", or one of those per layer. Calling it again
+    replaces the previous policy (so "none" undoes it).
+    """
+    layers = transformer_layers(model)
+    policies = per_layer_policies(policy, len(layers))
+    for layer, name in zip(layers, policies):
+        _unwrap(layer)
+        if name == "full":
+            _wrap(layer)
+        elif name == "op":
+            _wrap(layer, save_matmuls_context)
+        elif name == "selective" and isinstance(layer, Block):
+            _wrap(layer.attn.core)
+        elif name == "selective":
+            _select_foreign_attention(model, layer)
+    return policies
+
+
+# --- selective recomputation inside transformers' layers ------------------------------------------
+# Their core attention is a function looked up by config._attn_implementation, not a submodule. We
+# register a wrapper implementation that checkpoints the original function for the attention
+# modules marked _largebatch_selective and calls it straight through for all others.
+
+_HF_PREFIX = "largebatch_selective_"
+
+
+def _hf_core_attention(base: str, module: nn.Module, *args, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":  # each model file defines its own eager_attention_forward
+        core = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        core = ALL_ATTENTION_FUNCTIONS[base]
+    if getattr(module, "_largebatch_selective", False) and torch.is_grad_enabled():
+        return checkpoint(core, module, *args, use_reentrant=False, **kwargs)
+    return core(module, *args, **kwargs)
+
+
+def _select_foreign_attention(model: nn.Module, layer: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current is None:
+        raise ValueError(f"selective recompute needs a core-attention region: {type(layer).__name__} "
+                         "is neither a largebatch Block nor a transformers layer; use 'full' or 'op'.")
+    if not current.startswith(_HF_PREFIX):
+        if current not in ("eager", "sdpa"):
+            raise ValueError(f"selective recompute supports transformers attn_implementation 'eager' "
+                             f"or 'sdpa', not {current!r}: load the model with one of those.")
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        name = _HF_PREFIX + current
+        AttentionInterface.register(name, functools.partial(_hf_core_attention, current))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+        for sub in model.modules():  # the config object is shared, sub-configs may not be
+            sub_config = getattr(sub, "config", None)
+            if getattr(sub_config, "_attn_implementation", None) == current:
+                sub_config._attn_implementation = name
+    for sub in layer.modules():
+        sub._largebatch_selective = True

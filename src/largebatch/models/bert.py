@@ -1,0 +1,62 @@
+"""BERT: a masked language model (Devlin et al. 2019) on the shared block.
+
+Default pre-LN with a final LayerNorm, as Cramming (Geiping & Goldstein 2022, PAPERS.md §4);
+norm_position="post" gives the original post-LN BERT (embedding LayerNorm, LN after each residual
+add), which matches transformers' BertForMaskedLM. The prediction head (dense, GeLU, LayerNorm,
+vocabulary projection tied to the embedding, bias) runs on masked positions only (Cramming's sparse
+head): the logits are (n_masked, v), not (B, T, v).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from largebatch.models.config import ModelConfig
+from largebatch.models.gpt import TransformerBase, token_loss
+from largebatch.models.layers import init_weights
+
+
+class MaskedLMHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.decoder = nn.Linear(config.n_embd, config.vocab_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.act(self.dense(x))))  # (..., C) -> (..., v)
+
+
+class BERT(TransformerBase):
+    def __init__(self, config: ModelConfig):
+        if config.kind != "bert":
+            raise ValueError(f"BERT needs ModelConfig.kind='bert', got {config.kind!r}: use GPT "
+                             "or build_model(config).")
+        super().__init__(config)
+        post = config.norm_position == "post"
+        self.emb_norm = (nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+                         if post else nn.Identity())
+        self.ln_f = nn.Identity() if post else nn.LayerNorm(config.n_embd, eps=config.norm_eps,
+                                                            bias=config.bias)
+        self.head = MaskedLMHead(config)
+        init_weights(self, config.n_layer)
+        if config.tie_embeddings:
+            self.head.decoder.weight = self.tok_emb.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, labels: (B, T); labels == -100 marks positions not predicted.
+        With labels: logits (n_masked, v) for the positions labels != -100, and the loss.
+        Without labels: logits (B, T, v) for every position, loss None."""
+        x = self.drop(self.emb_norm(self.embed(input_ids)))
+        x = self.ln_f(self.run_blocks(x))  # (B, T, C)
+        if labels is None:
+            return self.head(x), None
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}: give one label per position (-100 = none).")
+        predicted = labels != -100  # (B, T) bool
+        logits = self.head(x[predicted])  # (n_masked, v)
+        return logits, token_loss(logits, labels[predicted], reduction)

@@ -1,0 +1,122 @@
+"""ModelConfig: the one description of a GPT or BERT that the model, the FLOP counter and the
+memory model (Korthikanti et al. 2022, ../shared/PAPERS.md §2) all read.
+
+Notation follows the paper: L = n_layer, h = n_embd, a = n_head, s = seq_len, v = vocab_size,
+f = ffn_hidden (4h in the paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_KINDS = ("explicit", "sdpa")
+MODEL_KINDS = ("gpt", "bert")
+NORM_POSITIONS = ("pre", "post")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gpt"
+    """"gpt" (causal language model) or "bert" (masked language model, bidirectional)."""
+    n_layer: int = 4
+    """L: number of transformer blocks."""
+    n_embd: int = 256
+    """h: hidden size (width of the residual stream)."""
+    n_head: int = 4
+    """a: attention heads; must divide n_embd (head size = n_embd // n_head)."""
+    ffn_hidden: int | None = None
+    """f: width of the MLP's inner layer; None means 4 * n_embd (the paper's choice)."""
+    seq_len: int = 128
+    """s: context length; also the number of learned position embeddings."""
+    vocab_size: int = 4096
+    """v: vocabulary size (rows of the token embedding and of the output layer)."""
+    dropout: float = 0.0
+    """Dropout probability used everywhere dropout sits in the paper's layer: embedding output,
+    attention probabilities, attention output and MLP output. 0 disables all of it."""
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the output projection (GPT-2 and BERT do)."""
+    bias: bool = True
+    """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming: False)."""
+    attention: str = "explicit"
+    """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
+    activations PAPERS.md §2 counts (5 a s^2 b bytes per layer). "sdpa":
+    torch.nn.functional.scaled_dot_product_attention, which on a fused kernel stores no s^2 term."""
+    norm_position: str = "pre"
+    """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT; lets the BERT
+    here match transformers' BertForMaskedLM exactly). The memory model counts both the same."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon (GPT-2: 1e-5, BERT: 1e-12)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("kind", self.kind, MODEL_KINDS)
+        _check_choice("attention", self.attention, ATTENTION_KINDS)
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer.")
+        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1):
+            raise ValueError(f"ModelConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive "
+                             "integer, or None for 4 * n_embd.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"ModelConfig.n_head={self.n_head} does not divide n_embd={self.n_embd}: "
+                             f"choose n_head among the divisors of n_embd (e.g. "
+                             f"{_nearest_divisor(self.n_embd, self.n_head)}).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout={self.dropout!r}: must be in [0, 1).")
+        if not self.norm_eps > 0:
+            raise ValueError(f"ModelConfig.norm_eps={self.norm_eps!r}: must be > 0.")
+
+    @property
+    def ffn(self) -> int:
+        """The MLP width actually used: ffn_hidden, or 4 * n_embd when that is None."""
+        return 4 * self.n_embd if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ModelConfig.{name}={value!r}: must be one of {', '.join(choices)}.")
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
+
+
+# Named sizes. "demo" trains on 2 CPU cores in minutes; the large ones are for the memory planner
+# (instantiating them would need terabytes). Shapes of the big GPTs are Korthikanti et al. 2022,
+# Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small from Radford et al. 2019.
+PRESETS: dict[str, ModelConfig] = {
+    "demo": ModelConfig(kind="gpt", n_layer=4, n_embd=256, n_head=4, seq_len=128, vocab_size=4096),
+    "demo-bert": ModelConfig(kind="bert", n_layer=4, n_embd=256, n_head=4, seq_len=128,
+                             vocab_size=4096),
+    "gpt2-small": ModelConfig(kind="gpt", n_layer=12, n_embd=768, n_head=12, seq_len=1024,
+                              vocab_size=50257, dropout=0.1),
+    "bert-base": ModelConfig(kind="bert", n_layer=12, n_embd=768, n_head=12, seq_len=512,
+                             vocab_size=30522, dropout=0.1, norm_eps=1e-12),
+    "bert-large": ModelConfig(kind="bert", n_layer=24, n_embd=1024, n_head=16, seq_len=512,
+                              vocab_size=30522, dropout=0.1, norm_eps=1e-12),
+    "gpt-22b": ModelConfig(kind="gpt", n_layer=48, n_embd=6144, n_head=64, seq_len=2048,
+                           vocab_size=51200, dropout=0.1),
+    "gpt3-175b": ModelConfig(kind="gpt", n_layer=96, n_embd=12288, n_head=96, seq_len=2048,
+                             vocab_size=51200, dropout=0.1),
+    "mtnlg-530b": ModelConfig(kind="gpt", n_layer=105, n_embd=20480, n_head=128, seq_len=2048,
+                              vocab_size=51200, dropout=0.1),
+    "gpt-1t": ModelConfig(kind="gpt", n_layer=128, n_embd=25600, n_head=160, seq_len=2048,
+                          vocab_size=51200, dropout=0.1),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named size, optionally with fields overridden: preset("demo", dropout=0.1)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}.")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,66 @@
+"""Matmul FLOPs per token: model FLOPs (for MFU) and hardware FLOPs (counting recomputation).
+
+Korthikanti et al. 2022, §6 / Appendix: a GPT layer's forward pass costs 24 B s h^2 + 4 B s^2 h
+matmul FLOPs (QKV 6, projection 2, MLP 16 in units of B s h^2; Q K^T and attention over V 4 B s^2 h),
+the output layer 2 B s h v; backward costs twice the forward. Model FLOPs per iteration are
+    72 B s L h^2 (1 + s/(6h) + v/(12 h L))          (= 6N + 12 L h s per token, PaLM's form)
+and hardware FLOPs add one more forward of whatever is recomputed: the whole layer under full
+recomputation (-> 96 B s L h^2 (1 + s/(6h) + v/(16 h L))), only the two attention matmuls
+(4 B s^2 h) under selective recomputation, nothing under the op-level policy (it recomputes
+pointwise ops only). Pointwise ops, softmax and LayerNorm are not counted, as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from largebatch.models.config import ModelConfig
+
+RECOMPUTE_POLICIES = ("none", "selective", "op", "full")
+"""none: keep everything; selective: recompute core attention (Korthikanti et al. 2022 §4.2);
+op: save matmul outputs, recompute pointwise ops; full: keep only each layer's input."""
+
+
+def per_layer_policies(policy: str | Sequence[str], n_layer: int) -> list[str]:
+    """One policy name per layer, from a single name or a per-layer list (validated)."""
+    names = [policy] * n_layer if isinstance(policy, str) else list(policy)
+    if len(names) != n_layer:
+        raise ValueError(f"recompute policy list has {len(names)} entries but the model has "
+                         f"{n_layer} layers: give one entry per layer, or a single name.")
+    for i, name in enumerate(names):
+        if name not in RECOMPUTE_POLICIES:
+            where = "" if isinstance(policy, str) else f" (layer {i})"
+            raise ValueError(f"recompute policy {name!r}{where}: must be one of "
+                             f"{', '.join(RECOMPUTE_POLICIES)}.")
+    return names
+
+
+def layer_forward_flops(config: ModelConfig, seq_len: int | None = None) -> tuple[float, float]:
+    """Forward matmul FLOPs per token of one layer: (dense part, core-attention part)."""
+    h, f = config.n_embd, config.ffn
+    s = config.seq_len if seq_len is None else seq_len
+    dense = 2.0 * (3 * h * h + h * h + 2 * h * f)  # q, k, v, proj, fc1, fc2
+    core = 4.0 * s * h  # Q K^T and probs @ V over the full context (no causal halving, as the paper)
+    return dense, core
+
+
+def head_forward_flops(config: ModelConfig, mask_fraction: float = 0.15) -> float:
+    """Forward matmul FLOPs per input token of the output layer. BERT's head (dense h x h, then the
+    vocabulary projection) runs on the masked fraction of positions only."""
+    h, v = config.n_embd, config.vocab_size
+    if config.kind == "gpt":
+        return 2.0 * h * v
+    return mask_fraction * 2.0 * (h * h + h * v)
+
+
+def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none",
+                    seq_len: int | None = None, mask_fraction: float = 0.15) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward, plus recomputed forwards).
+
+    recompute="none" gives model FLOPs (use for MFU); any other policy, or a per-layer list, gives
+    hardware FLOPs for that policy (use for HFU). mask_fraction only matters for BERT.
+    """
+    dense, core = layer_forward_flops(config, seq_len)
+    model = 3.0 * (config.n_layer * (dense + core) + head_forward_flops(config, mask_fraction))
+    extra = {"none": 0.0, "op": 0.0, "selective": core, "full": dense + core}
+    return model + sum(extra[p] for p in per_layer_policies(recompute, config.n_layer))

@@ -1,0 +1,114 @@
+"""GPT: a causal language model (Radford et al. 2019 layout: learned positions, pre-LN blocks,
+final LayerNorm, output projection tied to the token embedding).
+
+Its blocks are the shared ``largebatch.models.layers.Block``; its activation memory is the one
+PAPERS.md §2 (Korthikanti et al. 2022) writes down: L layers, the embedding dropout mask, and the
+output layer (final norm input, projection input, fp32 logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from largebatch.models.config import ModelConfig
+from largebatch.models.flops import flops_per_token
+from largebatch.models.layers import Block, Dropout, init_weights
+
+
+class TransformerBase(nn.Module):
+    """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
+        self.drop = Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        # idx: (B, T) token ids -> (B, T, C)
+        T = idx.size(1)
+        if T > self.config.seq_len:
+            raise ValueError(f"input has {T} positions but the model's seq_len is "
+                             f"{self.config.seq_len}: crop the input or build a longer model.")
+        positions = torch.arange(T, device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(positions)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once). non_embedding drops the token and position
+        embeddings (with tied embeddings the output projection goes too, as in nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+        return n
+
+    def flops_per_token(self, recompute: str | Sequence[str] = "none",
+                        mask_fraction: float = 0.15) -> float:
+        """Training matmul FLOPs per token: model FLOPs with recompute="none", hardware FLOPs with a
+        recompute policy (see largebatch.models.flops)."""
+        return flops_per_token(self.config, recompute, mask_fraction=mask_fraction)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Cross-entropy over the last dim in fp32; targets == -100 are ignored. reduction="sum" lets a
+    trainer divide by the tokens of the whole (accumulated) batch."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: must be 'mean' or 'sum'.")
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                           ignore_index=-100, reduction=reduction)
+
+
+class GPT(TransformerBase):
+    def __init__(self, config: ModelConfig):
+        if config.kind != "gpt":
+            raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {config.kind!r}: use BERT "
+                             "or build_model(config).")
+        if config.norm_position != "pre":
+            raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
+        super().__init__(config)
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        init_weights(self, config.n_layer)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
+        x = self.run_blocks(self.drop(self.embed(idx)))  # (B, T, C)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, v)
+        loss = None if targets is None else token_loss(logits, targets, reduction)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None) -> torch.Tensor:
+        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens).
+        temperature 0 means greedy; top_k keeps only the k most likely tokens."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k}: must be a positive integer or None.")
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.seq_len:]
+            logits = self(context)[0][:, -1, :]  # (B, v)
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx

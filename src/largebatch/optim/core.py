@@ -1,0 +1,366 @@
+"""The shared per-tensor core of the layer-wise adaptive optimizers (LAMB, LANS, LARS).
+
+PAPERS.md §1: every trust ratio is a ratio of L2 norms of WHOLE tensors ("blocks"). This module owns
+what the three optimizers have in common, so each technique module only writes its own update:
+
+* ``LayerwiseOptimizer`` -- a ``torch.optim.Optimizer`` base class: argument checks, state, the
+  step loop, fp32 math for bf16/fp16 parameters, bit-identical ``state_dict`` resume, optional
+  global gradient pre-clipping, the opt-in trust-ratio diagnostics and the three execution paths:
+
+  - ``foreach=True`` (default): multi-tensor ``torch._foreach_*`` kernels over a whole group;
+  - ``foreach=False``: a plain loop over tensors calling the per-tensor kernels of the technique;
+  - ``fused=True``: the same per-tensor kernels compiled by ``torch.compile`` (inductor), one fused
+    kernel per tensor and pass, shapes dynamic and hyperparameters packed in a device tensor, so a
+    new learning rate (or a new parameter shape) never recompiles.
+
+  No path synchronises with the host per parameter: norms are stacked on the device and the trust
+  ratios are applied as 0-d device tensors.
+
+* ``trust_ratio`` -- ``numerator / denominator``, pinned to 1 where either norm is zero, with the
+  optional clips (timm's LAMBC clip of the ratio, torch-optimizer's clamp of ||x||).
+
+Sharding hook (for FSDP / tensor parallelism, PAPERS.md §1 "Sharding")
+----------------------------------------------------------------------
+Every per-tensor squared norm the optimizers need is computed as ONE stacked 1-D tensor per group
+(the concatenation of k blocks of ``len(params)`` entries, one block per quantity: e.g. LAMB's
+``[||x_1||^2..||x_n||^2, ||r_1||^2..||r_n||^2]``) and passed through
+``self._reduce_squared_norms(squared_norms, params)`` BEFORE any square root or ratio. The global
+gradient norm of ``max_grad_norm`` goes through the same hook. The default is the identity. For a
+sharded model it becomes one line, e.g.::
+
+    class ShardedLAMB(LAMB):
+        def _reduce_squared_norms(self, squared_norms, params):
+            torch.distributed.all_reduce(squared_norms, group=self.shard_group)  # sum over shards
+            return squared_norms
+
+Every entry is a plain sum of squares over the local shard, so a SUM all-reduce is correct for any k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def check_hyperparameters(where: str, lr, betas=None, eps=None, weight_decay=None, momentum=None) -> None:
+    """Raise ValueError naming the argument, its value and the fix. ``where`` prefixes the message."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0 or math.isinf(lr):
+        raise ValueError(f"{where}lr={lr!r}: the learning rate must be a finite float >= 0")
+    if betas is not None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{where}betas={betas!r}: expected a pair (beta1, beta2), e.g. (0.9, 0.999)")
+        for i, beta in enumerate(betas):
+            if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise ValueError(f"{where}betas[{i}]={beta!r}: each beta must lie in [0, 1)")
+    if eps is not None and (not isinstance(eps, (int, float)) or not eps > 0.0):
+        raise ValueError(f"{where}eps={eps!r}: eps must be > 0 (e.g. 1e-6)")
+    if weight_decay is not None and (not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0):
+        raise ValueError(f"{where}weight_decay={weight_decay!r}: weight decay must be >= 0")
+    if momentum is not None and (not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0):
+        raise ValueError(f"{where}momentum={momentum!r}: momentum must lie in [0, 1)")
+
+
+def check_optional_positive(name: str, value) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or not value > 0.0):
+        raise ValueError(f"{name}={value!r}: must be None (off) or a number > 0")
+
+
+def trust_ratio(
+    numerator: Tensor,  # (n,) e.g. ||x||
+    denominator: Tensor,  # (n,) e.g. ||r||
+    *,
+    numerator_clip: float | None = None,
+    ratio_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-tensor trust ratios (n,) and the mask (n,) of those pinned to 1 by a zero norm.
+
+    ``numerator_clip`` clamps the numerator (torch-optimizer clamps ||x|| at 10); ``ratio_clip``
+    clamps the ratio from above (timm's LAMBC uses 1.0). Pinning is decided before either clip.
+    """
+    pinned = (numerator == 0) | (denominator == 0)  # (n,)
+    if numerator_clip is not None:
+        numerator = numerator.clamp(max=numerator_clip)
+    ratio = torch.where(pinned, torch.ones_like(numerator), numerator / denominator.masked_fill(pinned, 1.0))
+    if ratio_clip is not None:
+        ratio = ratio.clamp(max=ratio_clip)
+    return ratio, pinned
+
+
+def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
+    """Squared L2 norms of ``tensors`` as one 1-D tensor (len(tensors),), no host sync."""
+    if foreach:
+        norms = torch._foreach_norm(tensors)
+    else:
+        norms = [torch.linalg.vector_norm(t) for t in tensors]
+    device = tensors[0].device
+    return torch.stack([n.to(device) for n in norms]).square()
+
+
+def scalar_or_list(values: list[float]) -> float | list[float]:
+    """One Python scalar when all tensors of a group share it (the usual case), else a ScalarList."""
+    return float(values[0]) if all(v == values[0] for v in values) else values
+
+
+def per_tensor(values: list[float], like: Tensor) -> float | Tensor:
+    """A Python float when all values are equal, else a (n,) device tensor for broadcasting."""
+    c = scalar_or_list(values)
+    return c if isinstance(c, float) else device_tensor(values, like)
+
+
+def add_scaled_(dst: list[Tensor], src: list[Tensor], coefficients: list[float]) -> None:
+    """dst += c * src per tensor: one pass when all c are equal, else a scaled copy first."""
+    c = scalar_or_list(coefficients)
+    if isinstance(c, float):
+        torch._foreach_add_(dst, src, alpha=c)
+    else:
+        torch._foreach_add_(dst, torch._foreach_mul(src, c))
+
+
+def device_tensor(rows: list, like: Tensor) -> Tensor:
+    """Host numbers as a tensor on ``like``'s device and dtype, copied without a host sync."""
+    host = torch.tensor(rows, dtype=like.dtype)
+    if like.device.type == "cuda":
+        return host.pin_memory().to(like.device, non_blocking=True)
+    return host.to(like.device)
+
+
+def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float], list[float]]:
+    """(1 - beta1^t, 1 - beta2^t) per tensor in float64 on the host; ones when disabled."""
+    if not enabled:
+        return [1.0] * len(steps), [1.0] * len(steps)
+    beta1, beta2 = betas
+    return [1.0 - beta1**t for t in steps], [1.0 - beta2**t for t in steps]
+
+
+# Column layout of the (n, 9) hyperparameter tensor handed to the Adam-style per-tensor kernels.
+HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_BC1, HP_BC2 = range(9)
+
+
+def adam_hyperparameters(group: dict, steps: list[int], like: Tensor) -> Tensor:
+    """One row per tensor (n, 9), computed in float64 on the host and copied once per group and step.
+    Kernels read their scalars from it, so a changed lr/beta/eps never recompiles a fused kernel."""
+    beta1, beta2 = group["betas"]
+    bc1, bc2 = bias_corrections(steps, group["betas"], group.get("bias_correction", True))
+    rows = [[group["lr"], beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c1, c2]
+            for c1, c2 in zip(bc1, bc2)]
+    return device_tensor(rows, like)
+
+
+def adam_moments_(m: Tensor, v: Tensor, g: Tensor, hp: Tensor) -> None:
+    """One tensor: m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2, in place (hp: one (9,) row)."""
+    m.lerp_(g, hp[HP_ONE_MINUS_BETA1])
+    v.mul_(hp[HP_BETA2]).add_(hp[HP_ONE_MINUS_BETA2] * g * g)
+
+
+def foreach_adam_moments_(m: list[Tensor], v: list[Tensor], g: list[Tensor], betas) -> None:
+    """Multi-tensor version of adam_moments_."""
+    beta1, beta2 = betas
+    torch._foreach_lerp_(m, g, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+
+
+def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float]) -> list[Tensor]:
+    """sqrt(v) + eps*sqrt(bc2) = sqrt(bc2) * (sqrt(v^) + eps): the bias correction of v folded into a
+    per-tensor scalar the caller applies to the (small) norms and step sizes, saving two passes."""
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_add_(denom, scalar_or_list([eps * math.sqrt(c2) for c2 in bc2]))
+    return denom
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(kernel: Callable) -> Callable:
+    """The torch.compile'd version of a per-tensor kernel, built once per process and shared."""
+    if kernel not in _COMPILED:
+        _COMPILED[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True)
+    return _COMPILED[kernel]
+
+
+@dataclass
+class GroupTensors:
+    """The tensors one group updates this step (only parameters with a gradient)."""
+
+    params: list[Tensor]  # the parameters themselves (any float dtype)
+    x: list[Tensor]  # compute copies: the params, or fp32 copies of bf16/fp16 params
+    grads: list[Tensor]  # in the compute dtype
+    states: list[dict]  # self.state[p] per parameter
+    steps: list[int] = field(default_factory=list)  # per-parameter step t after this update (>= 1)
+    writeback: bool = False  # x are copies that must be written back to params
+
+    def state_list(self, key: str) -> list[Tensor]:
+        return [s[key] for s in self.states]
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """Base class of LAMB, LANS and LARS; see the module docstring. Subclasses define
+    ``_state_keys``, ``_check_group`` and ``_update_group``.
+    """
+
+    _state_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        max_grad_norm: float | None,
+        foreach: bool | None,
+        fused: bool,
+        track_trust_ratios: bool,
+    ) -> None:
+        check_optional_positive("max_grad_norm", max_grad_norm)
+        if fused and foreach:
+            raise ValueError("fused=True, foreach=True: choose one path (fused already batches per tensor)")
+        self.max_grad_norm = max_grad_norm
+        self.fused = bool(fused)
+        self.foreach = not self.fused if foreach is None else bool(foreach)
+        self.track_trust_ratios = bool(track_trust_ratios)
+        self._last_ratios: list[tuple[Tensor, Tensor]] = []  # (ratio (n,), pinned (n,)) per group
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------- groups and checks
+    def add_param_group(self, param_group: dict) -> None:
+        index = len(self.param_groups)
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        seen = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        for i, p in enumerate(params):
+            p_tensor = p[1] if isinstance(p, tuple) else p
+            if id(p_tensor) in seen:
+                raise ValueError(
+                    f"params: parameter {i} of group {index} (shape {tuple(p_tensor.shape)}) is already in "
+                    f"group {seen[id(p_tensor)]}; a parameter may be in one group only "
+                    "(largebatch.optim.param_groups(model) builds disjoint groups)"
+                )
+            seen[id(p_tensor)] = index
+        super().add_param_group({**param_group, "params": params})
+        self._check_group(self.param_groups[-1], f"param_groups[{index}]: ")
+
+    def _check_group(self, group: dict, where: str) -> None:
+        """Checked at construction and again at every step (groups may be edited between steps)."""
+        check_hyperparameters(where, group["lr"], group.get("betas"), group["eps"], group["weight_decay"],
+                              group.get("momentum"))
+        for key in ("trust_clip", "weight_norm_clip"):
+            check_optional_positive(where + key, group.get(key))
+        if not isinstance(group["adapt"], bool):
+            raise ValueError(f"{where}adapt={group['adapt']!r}: must be True (trust ratio) or False (plain step)")
+
+    @staticmethod
+    def _adapts(group: dict) -> bool:
+        """Whether this group's step is scaled by a trust ratio."""
+        return group["adapt"] and not (group.get("skip_adapt_if_no_decay", False) and group["weight_decay"] == 0)
+
+    @staticmethod
+    def _group_trust_ratio(group: dict, numerator: Tensor, denominator: Tensor) -> tuple[Tensor, Tensor]:
+        return trust_ratio(numerator, denominator, numerator_clip=group.get("weight_norm_clip"),
+                           ratio_clip=group.get("trust_clip"))
+
+    # -------------------------------------------------------------------------------- sharding hook
+    def _reduce_squared_norms(self, squared_norms: Tensor, params: list[Tensor]) -> Tensor:
+        """Identity. Override to all-reduce (SUM) partial squared norms of sharded tensors."""
+        return squared_norms
+
+    def _reduced_norms(self, tensors_by_quantity: list[list[Tensor]], params: list[Tensor]) -> list[Tensor]:
+        """L2 norms, one (n,) tensor per quantity, from ONE stacked squared-norm tensor via the hook."""
+        squared = torch.cat([stacked_squared_norms(t, self.foreach) for t in tensors_by_quantity])
+        return list(self._reduce_squared_norms(squared, params).sqrt().view(len(tensors_by_quantity), -1))
+
+    # ------------------------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batches = [(group, self._collect(group)) for group in self.param_groups]
+        batches = [(group, b) for group, b in batches if b.params]
+        grad_scale = self._global_grad_scale([b for _, b in batches])  # 0-d tensor or None
+        self._last_ratios = []
+        for index, (group, batch) in enumerate(batches):
+            self._check_group(group, f"param_groups[{index}]: ")
+            ratios = self._update_group(group, batch, grad_scale)
+            if batch.writeback:
+                torch._foreach_copy_(batch.params, batch.x)
+            if self.track_trust_ratios and ratios is not None:
+                self._last_ratios.append(ratios)
+        return loss
+
+    def _collect(self, group: dict) -> GroupTensors:
+        batch = GroupTensors([], [], [], [])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(
+                    f"sparse gradient for a parameter of shape {tuple(p.shape)}: {type(self).__name__} "
+                    "needs dense gradients (use torch.optim.SparseAdam, or nn.Embedding(sparse=False))"
+                )
+            compute_dtype = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                for key in self._state_keys:
+                    state[key] = torch.zeros_like(p, dtype=compute_dtype, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            batch.params.append(p)
+            batch.x.append(p if p.dtype == compute_dtype else p.to(compute_dtype))
+            batch.grads.append(p.grad if p.grad.dtype == compute_dtype else p.grad.to(compute_dtype))
+            batch.states.append(state)
+            batch.steps.append(state["step"])
+            batch.writeback |= p.dtype != compute_dtype
+        return batch
+
+    def _global_grad_scale(self, batches: list[GroupTensors]) -> Tensor | None:
+        """1 / max(||g||_global / max_grad_norm, 1) as a 0-d tensor (apex / timm pre-clipping)."""
+        if self.max_grad_norm is None or not batches:
+            return None
+        grads = [g for b in batches for g in b.grads]
+        params = [p for b in batches for p in b.params]
+        squared = self._reduce_squared_norms(stacked_squared_norms(grads, self.foreach), params)  # (n,)
+        global_norm = squared.sum().sqrt()
+        return 1.0 / torch.clamp(global_norm / self.max_grad_norm, min=1.0)
+
+    def _update_group(self, group: dict, batch: GroupTensors, grad_scale: Tensor | None):
+        """Update one group in place; return (trust ratios (n,), pinned (n,)) or None."""
+        raise NotImplementedError
+
+    def _kernel(self, kernel: Callable) -> Callable:
+        """The per-tensor kernel as called on the per-tensor path: compiled when fused=True."""
+        return compiled(kernel) if self.fused else kernel
+
+    @staticmethod
+    def _flat(tensors: list[Tensor]) -> list[Tensor]:
+        """1-D views (compiled kernels then see one dynamic shape for every tensor)."""
+        return [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in tensors]
+
+    # ---------------------------------------------------------------------------------- diagnostics
+    def trust_ratio_summary(self) -> dict | None:
+        """min / median / max of the last step's trust ratios and how many were pinned to 1 by a zero
+        norm (adapted tensors only). One host sync, here. None unless track_trust_ratios=True."""
+        if not self.track_trust_ratios or not self._last_ratios:
+            return None
+        ratio = torch.cat([r.float() for r, _ in self._last_ratios])
+        pinned = torch.cat([p for _, p in self._last_ratios])
+        stats = torch.stack([ratio.min(), ratio.median(), ratio.max(), pinned.sum().float()]).tolist()
+        return {"min": stats[0], "median": stats[1], "max": stats[2], "pinned": int(stats[3]),
+                "count": int(ratio.numel())}
+
+    # ------------------------------------------------------------------------------- state resume
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but moments keep their saved dtype (fp32 for bf16 params): bit-identical resume."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for param_id, p in zip(saved_ids, params):
+            for key, value in saved.get(param_id, {}).items():
+                if isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)

@@ -1,0 +1,134 @@
+"""LANS -- Zheng et al. 2020, "Accelerated Large Batch Optimization of BERT Pretraining in 54 minutes",
+Algorithm 2 (LANS); the formula as written in PAPERS.md §1 (LANS):
+
+    g~ = g/(||g|| + eps)                     (left as g when ||g|| = 0: per-block gradient normalisation)
+    m = b1*m + (1-b1)*g~ ;  v = b2*v + (1-b2)*g~^2 ;  m^, v^ bias-corrected as in LAMB
+    d = sqrt(v^) + eps
+    r = m^/d + wd*x          c = g~/d + wd*x
+    x = x - lr * ( b1 * (||x||/||r||) * r  +  (1-b1) * (||x||/||c||) * c )   (each ratio 1 on a zero norm)
+
+Both ratios use the same pre-update x. The same off-by-default switches as LAMB apply where they
+mean something (``bias_correction``, ``max_grad_norm``, ``skip_adapt_if_no_decay``, ``trust_clip``,
+``weight_norm_clip``); see largebatch.optim.lamb. The paper's LR schedule (warmup, hold, polynomial
+decay) lives in largebatch.schedules, not here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .core import (HP_BC1, HP_BC2, HP_EPS, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
+                   adam_moments_, add_scaled_, bias_corrections, foreach_adam_moments_, foreach_folded_denominator,
+                   per_tensor)
+
+
+def lans_directions(x: Tensor, g_normalized: Tensor, m: Tensor, v: Tensor, hp: Tensor) -> tuple[Tensor, Tensor]:
+    """r = m^/d + wd*x and c = g~/d + wd*x for one tensor (1-D), d = sqrt(v^) + eps."""
+    d = (v / hp[HP_BC2]).sqrt() + hp[HP_EPS]
+    return (m / hp[HP_BC1]) / d + hp[HP_WD] * x, g_normalized / d + hp[HP_WD] * x
+
+
+def lans_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor) -> Tensor:
+    """Pass 1 for one tensor: g~ = grad_coef*g; update m, v in place; return [||x||^2, ||r||^2, ||c||^2]."""
+    g_normalized = g * grad_coef
+    adam_moments_(m, v, g_normalized, hp)
+    r, c = lans_directions(x, g_normalized, m, v, hp)
+    return torch.stack([x.square().sum(), r.square().sum(), c.square().sum()])
+
+
+def lans_apply_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor,
+                      scale_r: Tensor, scale_c: Tensor) -> None:
+    """Pass 2 for one tensor: x += scale_r*r + scale_c*c (scale_r = -lr*b1*ratio_r, scale_c = -lr*(1-b1)*ratio_c)."""
+    r, c = lans_directions(x, g * grad_coef, m, v, hp)
+    x.add_(r * scale_r + c * scale_c)
+
+
+class LANS(LayerwiseOptimizer):
+    """LANS (Zheng et al. 2020, Alg. 2); same keywords and paths as LAMB (no l2_decay: the paper's decay is
+    decoupled). With track_trust_ratios the summary covers both ratios of every adapted tensor (2n)."""
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,
+                 max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
+                 trust_clip: float | None = None, weight_norm_clip: float | None = None,
+                 foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt,
+                        bias_correction=bias_correction, skip_adapt_if_no_decay=skip_adapt_if_no_decay,
+                        trust_clip=trust_clip, weight_norm_clip=weight_norm_clip)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
+                         track_trust_ratios=track_trust_ratios)
+
+    def _grad_coefficients(self, group: dict, b: GroupTensors, grad_scale: Tensor | None) -> Tensor:
+        """a (n,) with g~ = a*g: s/(s*||g|| + eps), or s when ||g|| = 0 (s = global clip scale, else 1)."""
+        (g_norm,) = self._reduced_norms([b.grads], b.params)  # (n,)
+        scale = 1.0 if grad_scale is None else grad_scale
+        scaled_norm = g_norm * scale
+        coef = scale / (scaled_norm + group["eps"])
+        return torch.where(g_norm > 0, coef, torch.ones_like(g_norm) * scale)
+
+    def _update_group(self, group: dict, batch: GroupTensors, grad_scale: Tensor | None):
+        grad_coef = self._grad_coefficients(group, batch, grad_scale)  # (n,)
+        update = self._foreach_update if self.foreach else self._per_tensor_update
+        return update(group, batch, grad_coef, self._adapts(group))
+
+    def _ratios_and_scales(self, group, x_norm, r_norm, c_norm, adapt):
+        """Per-tensor step sizes (n,) of r and c, and the diagnostics (ratios (2n,), pinned (2n,))."""
+        lr, beta1 = group["lr"], group["betas"][0]
+        if not adapt:
+            ones = torch.ones_like(x_norm)
+            return ones * (-lr * beta1), ones * (-lr * (1 - beta1)), None
+        ratio_r, pinned_r = self._group_trust_ratio(group, x_norm, r_norm)
+        ratio_c, pinned_c = self._group_trust_ratio(group, x_norm, c_norm)
+        diagnostics = torch.cat([ratio_r, ratio_c]), torch.cat([pinned_r, pinned_c])
+        return ratio_r * (-lr * beta1), ratio_c * (-lr * (1 - beta1)), diagnostics
+
+    def _foreach_update(self, group, b: GroupTensors, grad_coef: Tensor, adapt: bool):
+        eps, wd = group["eps"], group["weight_decay"]
+        exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
+        g_normalized = torch._foreach_mul(b.grads, list(grad_coef.to(b.grads[0].dtype).unbind()))
+        foreach_adam_moments_(exp_avg, exp_avg_sq, g_normalized, group["betas"])
+        # Bias corrections folded as in LAMB: with denom = sqrt(v) + eps*sqrt(bc2) = sqrt(bc2)*d,
+        # r = k*(m/denom + (wd/k)*x), k = sqrt(bc2)/bc1 ; c = q*(g~/denom + (wd/q)*x), q = sqrt(bc2).
+        bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
+        k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
+        q = [math.sqrt(c2) for c2 in bc2]
+        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2)
+        u_r = torch._foreach_div(exp_avg, denom)
+        u_c = g_normalized
+        torch._foreach_div_(u_c, denom)
+        del denom
+        if wd != 0:
+            add_scaled_(u_r, b.x, [wd / ki for ki in k])
+            add_scaled_(u_c, b.x, [wd / qi for qi in q])
+        k_per_tensor, q_per_tensor = per_tensor(k, grad_coef), per_tensor(q, grad_coef)
+        if adapt:
+            x_norm, u_r_norm, u_c_norm = self._reduced_norms([b.x, u_r, u_c], b.params)  # 3 x (n,)
+            r_norm, c_norm = u_r_norm * k_per_tensor, u_c_norm * q_per_tensor
+        else:
+            x_norm = r_norm = c_norm = torch.ones_like(grad_coef)
+        scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)
+        dtype = b.x[0].dtype
+        torch._foreach_addcmul_(b.x, u_r, list((scale_r * k_per_tensor).to(dtype).unbind()))
+        torch._foreach_addcmul_(b.x, u_c, list((scale_c * q_per_tensor).to(dtype).unbind()))
+        return diagnostics
+
+    def _per_tensor_update(self, group, b: GroupTensors, grad_coef: Tensor, adapt: bool):
+        hp = adam_hyperparameters(group, b.steps, b.x[0])  # (n, 9)
+        coef = grad_coef.to(hp.dtype)  # (n,)
+        x, g = self._flat(b.x), self._flat(b.grads)
+        m, v = self._flat(b.state_list("exp_avg")), self._flat(b.state_list("exp_avg_sq"))
+        moments, apply = self._kernel(lans_moments_kernel), self._kernel(lans_apply_kernel)
+        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], coef[i]) for i in range(len(x))])  # (n, 3)
+        if adapt:
+            x_norm, r_norm, c_norm = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(3, -1)
+        else:
+            x_norm = r_norm = c_norm = torch.ones_like(coef)
+        scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)
+        for i in range(len(x)):
+            apply(x[i], g[i], m[i], v[i], hp[i], coef[i], scale_r[i], scale_c[i])
+        return diagnostics

@@ -1,0 +1,205 @@
+"""GPT and BERT against transformers' GPT2LMHeadModel / BertForMaskedLM (same weights, same
+logits), the loss reductions, FLOP counts against the paper's closed form, and bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from largebatch.models import BERT, GPT, ModelConfig, build_model, flops_per_token, preset
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50)
+
+
+def _hf_gpt2_from(model: GPT) -> torch.nn.Module:
+    c = model.config
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.n_embd, n_layer=c.n_layer,
+        n_head=c.n_head, n_inner=c.ffn, activation_function="gelu", resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=c.norm_eps, tie_word_embeddings=True,
+        attn_implementation="eager"))
+    sd = {"transformer.wte.weight": model.tok_emb.weight, "transformer.wpe.weight": model.pos_emb.weight,
+          "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias,
+          "lm_head.weight": model.lm_head.weight}
+    for i, b in enumerate(model.blocks):
+        p = f"transformer.h.{i}."
+        a = b.attn
+        # transformers' Conv1D stores (in, out): the transpose of nn.Linear's weight
+        sd[p + "attn.c_attn.weight"] = torch.cat([a.q.weight, a.k.weight, a.v.weight]).t()
+        sd[p + "attn.c_attn.bias"] = torch.cat([a.q.bias, a.k.bias, a.v.bias])
+        sd[p + "attn.c_proj.weight"], sd[p + "attn.c_proj.bias"] = a.proj.weight.t(), a.proj.bias
+        sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = b.mlp.fc1.weight.t(), b.mlp.fc1.bias
+        sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"] = b.mlp.fc2.weight.t(), b.mlp.fc2.bias
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            sd[p + theirs + ".weight"] = getattr(b, ours).weight
+            sd[p + theirs + ".bias"] = getattr(b, ours).bias
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()},
+                                             strict=False)
+    assert not unexpected and all("attn.bias" in k or "masked_bias" in k for k in missing), missing
+    return hf.eval()
+
+
+def _hf_bert_from(model: BERT) -> torch.nn.Module:
+    c = model.config
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, intermediate_size=c.ffn, hidden_act="gelu",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=c.seq_len,
+        type_vocab_size=1, layer_norm_eps=c.norm_eps, tie_word_embeddings=True,
+        attn_implementation="eager"))
+    e = "bert.embeddings."
+    zero = torch.zeros(1, c.n_embd)  # token-type embedding 0 is added everywhere: keep it zero
+    sd = {e + "word_embeddings.weight": model.tok_emb.weight,
+          e + "position_embeddings.weight": model.pos_emb.weight,
+          e + "token_type_embeddings.weight": zero,
+          e + "LayerNorm.weight": model.emb_norm.weight, e + "LayerNorm.bias": model.emb_norm.bias}
+    for i, b in enumerate(model.blocks):
+        p = f"bert.encoder.layer.{i}."
+        names = {"attention.self.query": b.attn.q, "attention.self.key": b.attn.k,
+                 "attention.self.value": b.attn.v, "attention.output.dense": b.attn.proj,
+                 "attention.output.LayerNorm": b.ln1, "intermediate.dense": b.mlp.fc1,
+                 "output.dense": b.mlp.fc2, "output.LayerNorm": b.ln2}
+        for theirs, module in names.items():
+            sd[p + theirs + ".weight"], sd[p + theirs + ".bias"] = module.weight, module.bias
+    h = "cls.predictions."
+    sd.update({h + "transform.dense.weight": model.head.dense.weight,
+               h + "transform.dense.bias": model.head.dense.bias,
+               h + "transform.LayerNorm.weight": model.head.norm.weight,
+               h + "transform.LayerNorm.bias": model.head.norm.bias,
+               h + "decoder.weight": model.head.decoder.weight, h + "bias": model.head.decoder.bias,
+               h + "decoder.bias": model.head.decoder.bias})
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()},
+                                             strict=False)
+    assert not unexpected, unexpected
+    assert all("position_ids" in k or "token_type_ids" in k for k in missing), missing
+    return hf.eval()
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    # non-trivial LayerNorm and bias values so a mis-mapped parameter cannot hide
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_gpt_matches_transformers_gpt2(attention):
+    model = GPT(ModelConfig(kind="gpt", attention=attention, **TINY)).eval()
+    _randomise(model)
+    hf = _hf_gpt2_from(model)
+    idx = torch.randint(0, 50, (3, 16))
+    ours, _ = model(idx)
+    theirs = hf(input_ids=idx).logits
+    assert ours.shape == (3, 16, 50)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_bert_post_ln_matches_transformers_bert(attention):
+    config = ModelConfig(kind="bert", attention=attention, norm_position="post", norm_eps=1e-12, **TINY)
+    model = BERT(config).eval()
+    _randomise(model)
+    hf = _hf_bert_from(model)
+    ids = torch.randint(0, 50, (3, 16))
+    theirs = hf(input_ids=ids).logits  # (B, T, v)
+    ours_all, _ = model(ids)
+    torch.testing.assert_close(ours_all, theirs, atol=1e-5, rtol=1e-5)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::5] = ids[:, ::5]
+    ours_masked, loss = model(ids, labels)
+    keep = labels != -100
+    torch.testing.assert_close(ours_masked, theirs[keep], atol=1e-5, rtol=1e-5)
+    ref = F.cross_entropy(theirs[keep].double(), ids[keep])
+    assert abs(loss.item() - ref.item()) < 1e-5
+
+
+def test_sum_reduction_normalises_across_micro_batches():
+    model = GPT(ModelConfig(**TINY)).eval()
+    idx = torch.randint(0, 50, (4, 16))
+    targets = torch.randint(0, 50, (4, 16))
+    targets[0, :7] = -100
+    _, mean = model(idx, targets)
+    sums = [model(idx[i:i + 2], targets[i:i + 2], reduction="sum")[1] for i in (0, 2)]
+    tokens = (targets != -100).sum()
+    torch.testing.assert_close(sum(sums) / tokens, mean, atol=1e-6, rtol=1e-6)
+
+
+def test_pre_ln_bert_predicts_only_masked_positions():
+    model = build_model(ModelConfig(kind="bert", **TINY))
+    ids = torch.randint(0, 50, (2, 16))
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 9] = 7, 8
+    logits, loss = model(ids, labels)
+    assert logits.shape == (2, 50) and loss.ndim == 0
+    loss.backward()
+    assert model.head.dense.weight.grad is not None
+
+
+def _flops_reference(c: ModelConfig, s: int) -> tuple[float, float]:
+    """Korthikanti et al. 2022, per iteration / (B s): model and full-recompute hardware FLOPs."""
+    L, h, v = c.n_layer, c.n_embd, c.vocab_size
+    model = 72.0 * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+    full = 96.0 * L * h * h * (1 + s / (6 * h) + v / (16 * h * L))
+    return model, full
+
+
+def test_flops_match_the_paper_formula():
+    for name in ("gpt3-175b", "mtnlg-530b", "demo"):
+        c = preset(name)
+        model, full = _flops_reference(c, c.seq_len)
+        assert flops_per_token(c) == pytest.approx(model, rel=1e-12)
+        assert flops_per_token(c, "full") == pytest.approx(full, rel=1e-12)
+        sel = flops_per_token(c, "selective") - flops_per_token(c)
+        assert sel == pytest.approx(c.n_layer * 4.0 * c.seq_len * c.n_embd, rel=1e-12)
+    demo = GPT(preset("demo"))
+    mix = demo.flops_per_token(["full", "full", "selective", "none"])
+    assert demo.flops_per_token() < mix < demo.flops_per_token("full")
+    # 6N + 12 L h s, with N the matmul weights (tied output projection counted once as a matmul)
+    c = demo.config
+    n_matmul = c.n_layer * (4 * c.n_embd ** 2 + 2 * c.n_embd * c.ffn) + c.n_embd * c.vocab_size
+    assert demo.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.seq_len
+
+
+def test_num_params_counts_tied_weights_once():
+    model = GPT(ModelConfig(**TINY))
+    h, v, s, L = 32, 50, 16, 2
+    per_layer = 4 * (h * h + h) + 2 * (4 * h * h) + 4 * h + h + 4 * h  # attn, mlp, ln
+    assert model.num_params() == v * h + s * h + L * per_layer + 2 * h
+    assert model.num_params(non_embedding=True) == L * per_layer + 2 * h
+
+
+def test_generate_extends_and_respects_context():
+    model = GPT(ModelConfig(**TINY)).eval()
+    idx = torch.randint(0, 50, (2, 12))
+    out = model.generate(idx, max_new_tokens=10, top_k=5)
+    assert out.shape == (2, 22) and torch.equal(out[:, :12], idx)
+    greedy = model.generate(idx, 3, temperature=0)
+    assert torch.equal(greedy, model.generate(idx, 3, temperature=0))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("n_head", 5, "divide n_embd"), ("attention", "flash", "explicit, sdpa"),
+    ("kind", "t5", "gpt, bert"), ("dropout", 1.0, "[0, 1)"), ("n_layer", 0, "positive"),
+    ("norm_position", "sandwich", "pre, post"), ("ffn_hidden", -3, "positive")])
+def test_bad_config_names_field_value_and_fix(field, value, words):
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**{**TINY, field: value})
+    assert f"ModelConfig.{field}" in str(err.value) and words in str(err.value)
+
+
+def test_bad_inputs():
+    model = GPT(ModelConfig(**TINY))
+    with pytest.raises(ValueError, match="seq_len is 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction='none'"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), "none")
+    with pytest.raises(ValueError, match="kind='gpt'"):
+        GPT(ModelConfig(kind="bert", **TINY))
+    with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
+        preset("gpt5")

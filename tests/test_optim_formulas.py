@@ -1,0 +1,110 @@
+"""LAMB, LANS and LARS against independent float64 references of PAPERS.md §1 (tests/optim_references.py):
+several steps, a zero tensor, a zero-gradient step, a step without a gradient; every switch; both
+execution paths (foreach and per-tensor) and their agreement; param_groups edits between steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from largebatch.optim import LAMB, LANS, LARS
+from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
+
+CASES = {
+    "lamb": (LAMB, lamb_reference, {"lr": 0.02}),
+    "lans": (LANS, lans_reference, {"lr": 0.02}),
+    "lars": (LARS, lars_reference, {"lr": 0.5, "weight_decay": 0.01}),
+    "lamb_no_decay": (LAMB, lamb_reference, {"lr": 0.02, "weight_decay": 0.0}),
+    "lans_plain": (LANS, lans_reference, {"lr": 0.02, "adapt": False, "bias_correction": False}),
+    "lars_plain": (LARS, lars_reference, {"lr": 0.05, "adapt": False, "momentum": 0.5}),
+}
+
+LAMB_SWITCHES = [
+    {"bias_correction": False},
+    {"max_grad_norm": 1.0},
+    {"max_grad_norm": 100.0},  # above the global norm: no clipping
+    {"skip_adapt_if_no_decay": True, "weight_decay": 0.0},
+    {"skip_adapt_if_no_decay": True},  # decayed group: still adapted
+    {"trust_clip": 1.0},
+    {"weight_norm_clip": 2.0},
+    {"l2_decay": True, "weight_decay": 0.1},
+    {"adapt": False},
+    {"betas": (0.8, 0.99), "eps": 1e-3, "weight_decay": 0.3},
+]
+
+
+def _max_error(actual, expected):
+    return max(float((a.double() - e).abs().max()) for a, e in zip(actual, expected))
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case, foreach):
+    optimizer_class, reference, kwargs = CASES[case]
+    params, steps = random_problem()
+    expected = reference(params, steps, **kwargs)
+    actual64, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=foreach, **kwargs), params, steps, torch.float64)
+    assert _max_error(actual64, expected) < 1e-12
+    actual32, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=foreach, **kwargs), params, steps)
+    assert _max_error(actual32, expected) < 2e-6
+    assert _max_error(actual64, [p.double() for p in params]) > 1e-3  # the problem really moved
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+@pytest.mark.parametrize("switches", LAMB_SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_lamb_switches_match_reference(switches, foreach):
+    params, steps = random_problem(seed=1)
+    kwargs = {"lr": 0.02, **switches}
+    expected = lamb_reference(params, steps, **kwargs)
+    actual, _ = run_optimizer(lambda ps: LAMB(ps, foreach=foreach, **kwargs), params, steps, torch.float64)
+    assert _max_error(actual, expected) < 1e-12
+
+
+def test_switches_change_the_update():
+    """Each switch must matter on this problem (else the tests above would prove nothing about it)."""
+    params, steps = random_problem(seed=1)
+    base = lamb_reference(params, steps, lr=0.02)
+    for switches in LAMB_SWITCHES:
+        if switches == {"max_grad_norm": 100.0} or switches == {"skip_adapt_if_no_decay": True}:
+            continue
+        assert _max_error(lamb_reference(params, steps, lr=0.02, **switches), base) > 1e-6, switches
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", [
+    (LAMB, {"max_grad_norm": 1.0, "trust_clip": 1.5, "weight_norm_clip": 3.0}),
+    (LANS, {"max_grad_norm": 1.0, "bias_correction": False}),
+    (LARS, {"lr": 0.3, "weight_decay": 0.01, "max_grad_norm": 1.0, "trust_clip": 0.002}),
+], ids=["lamb", "lans", "lars"])
+def test_foreach_and_per_tensor_paths_agree_in_float32(optimizer_class, kwargs):
+    params, steps = random_problem(seed=2, n_steps=6)
+    multi, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=True, **kwargs), params, steps)
+    single, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=False, **kwargs), params, steps)
+    assert _max_error(multi, [s.double() for s in single]) < 1e-6
+
+
+def test_param_group_edits_apply_at_the_next_step():
+    params, steps = random_problem(seed=3, n_steps=5)
+    lrs = [0.02, 0.02, 0.005, 0.005, 0.05]
+    live = [torch.nn.Parameter(p.clone().double()) for p in params]
+    optimizer = LAMB(live, lr=lrs[0])
+    for k, grads in enumerate(steps):
+        optimizer.param_groups[0]["lr"] = lrs[k]  # as an LR scheduler would
+        for p, g in zip(live, grads):
+            p.grad = None if g is None else g.double()
+        optimizer.step()
+    assert _max_error([p.detach() for p in live], lamb_reference(params, steps, lr=lrs)) < 1e-12
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+def test_per_group_adapt_and_weight_decay(foreach):
+    params, steps = random_problem(seed=4)
+    live = [torch.nn.Parameter(p.clone().double()) for p in params]
+    optimizer = LAMB([{"params": live[:3]}, {"params": live[3:], "adapt": False, "weight_decay": 0.0}],
+                     lr=0.02, foreach=foreach)
+    for grads in steps:
+        for p, g in zip(live, grads):
+            p.grad = None if g is None else g.double()
+        optimizer.step()
+    first = lamb_reference(params[:3], [g[:3] for g in steps], lr=0.02)
+    second = lamb_reference(params[3:], [g[3:] for g in steps], lr=0.02, adapt=False, weight_decay=0.0)
+    assert _max_error([p.detach() for p in live], first + second) < 1e-12
