@@ -302,3 +302,30 @@ def run_all(out_dir: str) -> None:
         noise_scale_cases(results)
         checkpoint_cases(results, out)
     (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
+
+
+# --------------------------------------------------------------------------------------- failures
+def fail_on_rank_one() -> None:
+    """Rank 1 raises; rank 0 is already waiting in a collective on it."""
+    import torch.distributed as dist
+
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=60))
+    with rank_guard(state):
+        if state.rank == 1:
+            raise ValueError("injected failure while loading a batch")
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1))
+
+
+def stuck_rank_one() -> None:
+    """Rank 1 is alive but never joins the collective; rank 0 must give up after timeout_s."""
+    import time
+
+    import torch.distributed as dist
+
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=3))
+    with rank_guard(state):
+        if state.rank == 1:
+            time.sleep(60)
+            return
+        dist.all_reduce(torch.ones(1))
