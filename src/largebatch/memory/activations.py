@@ -136,8 +136,9 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     s = config.seq_len if seq_len is None else seq_len
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
     policies = per_layer_policies(recompute, config.n_layer // pp)
-    layers = pp * sum(activation_bytes_per_layer(s, micro_batch, tp=tp, sequence_parallel=sequence_parallel,
-                                                 recompute=p, **kw) for p in policies)
+    layers = pp * sum(policies.count(p) * activation_bytes_per_layer(
+        s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw)
+        for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     h, v = config.n_embd, config.vocab_size
     mask = 1 if kw["dropout"] else 0

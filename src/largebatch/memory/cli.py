@@ -1,0 +1,120 @@
+"""``largebatch memory``: the activation-memory table of Korthikanti et al. 2022 (Table 2,
+../shared/PAPERS.md §2) for a model, its memory per device, and the recomputation plan with the
+least recompute FLOPs that fits a budget.
+
+    largebatch memory --model gpt3-175b --tp 8 --budget-gib 80
+    largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
+from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
+from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, what_would_fit
+from largebatch.models.config import PRESETS, ModelConfig, preset
+
+OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
+             "vocab": "vocab_size", "kind": "kind", "attention": "attention"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo", help=f"preset: {', '.join(PRESETS)} (default demo)")
+    for flag, field in OVERRIDES.items():
+        kind = str if flag in ("kind", "attention") else int
+        p.add_argument(f"--{flag}", type=kind, help=f"override the preset's {field}")
+    p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
+    p.add_argument("--micro-batch", default="1", help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --zero-stage)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--budget-gib", type=float, help="memory per device in GiB; omit for the table only")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
+    p.add_argument("--dtype-bytes", type=float, default=2,
+                   help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    return p
+
+
+def _config(args: argparse.Namespace) -> ModelConfig:
+    changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
+               if getattr(args, flag) is not None}
+    if args.seq_len is not None:
+        changes["seq_len"] = args.seq_len
+    return preset(args.model, **changes)
+
+
+def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float) -> list[str]:
+    """Korthikanti et al. 2022 Table 2 for this model: per layer and for all L layers."""
+    L = config.n_layer
+    rows = [("no parallelism", 1, False, "none"), ("tensor parallel", t, False, "none"),
+            ("tensor + sequence parallel", t, True, "none"),
+            ("tensor parallel + selective recompute", t, False, "selective"),
+            ("tensor + sequence parallel + selective", t, True, "selective"),
+            ("full recompute (tensor parallel)", t, False, "full"),
+            ("full recompute (tensor + sequence parallel)", t, True, "full")]
+    kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes)
+    per_layer = {name: activation_bytes_per_layer(s, b, tp=tp, sequence_parallel=sp, recompute=rec, **kw)
+                 for name, tp, sp, rec in rows}
+    reference = per_layer["tensor parallel"]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
+             f"h={config.n_embd} a={config.n_head} t={t} L={L}, {dtype_bytes:g}-byte activations",
+             f"  {'setting':<{width}}  {'per layer':>11}  {f'{L} layers':>11}  tensor parallel / this"]
+    for name, *_ in rows:
+        bytes_ = per_layer[name]
+        lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {L * bytes_ / GIB:>7.2f} GiB  "
+                     f"{reference / bytes_:>6.1f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = _config(args)
+        auto = args.micro_batch == "auto"
+        if not auto and not args.micro_batch.isdigit():
+            raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
+        setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
+                      micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
+                      optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage)
+        lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
+        lines += ["", f"Per device, no recompute: {setup.estimate(config, 'none')}"]
+    except ValueError as err:
+        print(f"largebatch memory: {err}")
+        return 2
+    print("\n".join(lines))
+    if args.budget_gib is None:
+        return 0
+    budget = args.budget_gib * GIB
+    plans = (micro_batch_sweep(config, setup, budget) if auto
+             else [p for p in [cheapest_plan(config, setup, budget)] if p])
+    if not plans:
+        floor = replace(setup, micro_batch=1).estimate(config, "full")
+        print(f"\nNothing fits in {args.budget_gib:g} GiB: micro-batch 1 with full recomputation needs "
+              f"{floor}.")
+        fixes = what_would_fit(config, setup, budget)
+        print("Would fit: " + ("; ".join(fixes) if fixes else "no tp/pp/ZeRO setting on this budget; "
+                                                              "use devices with more memory."))
+        return 1
+    print(f"\nCheapest recomputation that fits {args.budget_gib:g} GiB:")
+    for plan in plans:
+        print("  " + plan.describe())
+    if auto:
+        least = min(p.recompute_overhead for p in plans)
+        pick = max((p for p in plans if p.recompute_overhead <= least + 1e-12),
+                   key=lambda p: p.setup.micro_batch)
+        print(f"Plan: micro-batch {pick.setup.micro_batch} (largest at the least recompute FLOPs).")
+    chosen = pick if auto else plans[0]
+    print("apply_recompute policy (each pipeline stage): " + _as_expression(chosen.policies))
+    return 0
+
+
+def _as_expression(policies: list[str]) -> str:
+    runs = [(p, policies.count(p)) for p in dict.fromkeys(policies)]
+    return " + ".join(f'["{p}"] * {n}' for p, n in runs)

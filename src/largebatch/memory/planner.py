@@ -1,0 +1,115 @@
+"""Recomputation planner: the per-layer mix of none / selective / full recomputation with the least
+recompute FLOPs whose memory fits a per-device budget (Korthikanti et al. 2022 §4.2 and §6: selective
+recomputation first, then full recomputation on only as many layers as needed).
+
+Memory comes from estimate() (activations of the first pipeline stage + model state); the cost of a
+mix is its hardware FLOPs minus model FLOPs (largebatch.models.flops). Layers are interchangeable,
+so a mix is just (n_full, n_selective, n_none) per pipeline stage. The op-level policy is left out:
+it recomputes no matmuls, so FLOPs cannot rank it -- measure it (benchmarks/recompute.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from largebatch.memory.estimate import MemoryEstimate, estimate
+from largebatch.models.config import ModelConfig
+from largebatch.models.flops import flops_per_token
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything but the recompute mix that determines memory per device."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    micro_batch: int = 1
+    seq_len: int | None = None
+    optimizer: str = "adamw"
+    dtype_bytes: float = 2
+    zero_stage: int = 0
+
+    def estimate(self, config: ModelConfig, policies: list[str] | str) -> MemoryEstimate:
+        return estimate(config, self.micro_batch, tp=self.tp, pp=self.pp, dp=self.dp,
+                        sequence_parallel=self.sequence_parallel, recompute=policies,
+                        optimizer=self.optimizer, seq_len=self.seq_len,
+                        dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage)
+
+
+@dataclass(frozen=True)
+class Plan:
+    setup: Setup
+    policies: list[str]
+    """Per layer of a pipeline stage (every stage runs the same mix)."""
+    memory: MemoryEstimate
+    recompute_overhead: float
+    """Extra FLOPs of recomputation as a fraction of model FLOPs (0.33 = full recompute of a
+    large GPT, Korthikanti et al. 2022 §6)."""
+
+    def describe(self) -> str:
+        counts = {p: self.policies.count(p) for p in ("full", "selective", "none")}
+        mix = ", ".join(f"{n} {p}" for p, n in counts.items() if n)
+        return (f"micro-batch {self.setup.micro_batch}: layers per stage {mix}; "
+                f"+{100 * self.recompute_overhead:.1f}% FLOPs; {self.memory}")
+
+
+def mixes(n_layers: int) -> Iterator[list[str]]:
+    """Every (n_full, n_selective, n_none) mix, full recomputation on the first layers."""
+    for n_full in range(n_layers + 1):
+        for n_sel in range(n_layers - n_full + 1):
+            yield ["full"] * n_full + ["selective"] * n_sel + ["none"] * (n_layers - n_full - n_sel)
+
+
+def cheapest_plan(config: ModelConfig, setup: Setup, budget_bytes: float) -> Plan | None:
+    """The fitting mix with the least recompute FLOPs (ties: least memory), or None."""
+    stage = config.n_layer // setup.pp
+    base = flops_per_token(config, seq_len=setup.seq_len)
+    best = None
+    for policies in mixes(stage):
+        memory = setup.estimate(config, policies)
+        if memory.total > budget_bytes:
+            continue
+        # FLOPs of a stage's mix, scaled to the whole model (every stage runs the same mix)
+        extra = (flops_per_token(config, policies * setup.pp, seq_len=setup.seq_len) - base) / base
+        key = (round(extra, 12), memory.total)
+        if best is None or key < best[0]:
+            best = (key, Plan(setup, policies, memory, extra))
+    return None if best is None else best[1]
+
+
+def micro_batch_sweep(config: ModelConfig, setup: Setup, budget_bytes: float,
+                      largest: int = 1024) -> list[Plan]:
+    """cheapest_plan for micro-batch 1, 2, 4, ... while something fits."""
+    plans = []
+    b = 1
+    while b <= largest:
+        plan = cheapest_plan(config, replace(setup, micro_batch=b), budget_bytes)
+        if plan is None:
+            break
+        plans.append(plan)
+        b *= 2
+    return plans
+
+
+def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> list[str]:
+    """Up to three larger (tp, pp, ZeRO stage) settings, fewest devices per replica first, under
+    which micro-batch 1 with full recomputation fits."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.n_head % t == 0]
+    pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
+    zeros = range(setup.zero_stage, 4 if setup.dp > 1 else setup.zero_stage + 1)
+    grid = sorted(((tp * pp, tp, pp, z) for tp in tps for pp in pps for z in zeros))
+    found = []
+    for _, tp, pp, zero in grid:
+        if (tp, pp, zero) == (setup.tp, setup.pp, setup.zero_stage):
+            continue
+        changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero,
+                          sequence_parallel=setup.sequence_parallel or tp > 1)
+        if changed.estimate(config, "full").total <= budget_bytes:
+            flags = f"--tp {tp}{' --sequence-parallel' if tp > 1 else ''} --pp {pp}"
+            found.append(flags + (f" --zero-stage {zero}" if zero else ""))
+            if len(found) == 3:
+                break
+    return found

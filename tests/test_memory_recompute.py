@@ -1,0 +1,112 @@
+"""Recomputation policies: with dropout on, loss and every gradient bit-identical to no
+recomputation, on largebatch's GPT/BERT (both attention kinds) and on transformers' GPT-2/BERT."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+
+from largebatch.memory import apply_recompute, measure_forward_bytes, transformer_layers
+from largebatch.models import BERT, GPT, ModelConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+POLICIES = ["selective", "op", "full", ["full", "op", "selective", "none"]]
+
+
+def _loss_and_grads(model, loss_fn):
+    torch.manual_seed(1234)  # same dropout masks for every run
+    loss = loss_fn(model)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_bit_identical(model, loss_fn, policies):
+    ref_loss, ref_grads = _loss_and_grads(model, loss_fn)
+    for policy in policies:
+        apply_recompute(model, policy)
+        loss, grads = _loss_and_grads(model, loss_fn)
+        assert torch.equal(loss, ref_loss), policy
+        for name, g in ref_grads.items():
+            assert torch.equal(grads[name], g), (policy, name)
+    apply_recompute(model, "none")
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_gradients_bit_identical_with_dropout(kind, attention):
+    config = ModelConfig(kind=kind, n_layer=4, n_embd=32, n_head=4, seq_len=16, vocab_size=50,
+                         dropout=0.2, attention=attention)
+    model = (GPT if kind == "gpt" else BERT)(config).train()
+    ids = torch.randint(0, 50, (2, 16))
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    _assert_bit_identical(model, lambda m: m(ids, labels)[1], POLICIES)
+
+
+def test_dropout_is_really_on():
+    # guards the test above: with dropout 0.2 two forward passes differ
+    model = GPT(ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50, dropout=0.2))
+    ids = torch.randint(0, 50, (2, 16))
+    assert not torch.equal(model(ids)[0], model(ids)[0])
+
+
+def test_wrapping_keeps_names_copies_and_pickles():
+    model = GPT(ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50))
+    names = list(model.state_dict())
+    assert apply_recompute(model, ["full", "selective"]) == ["full", "selective"]
+    assert list(model.state_dict()) == names and transformer_layers(model) is model.blocks
+    ids = torch.randint(0, 50, (2, 16))
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(clone(ids)[0], model(ids)[0])
+    # the copy's wrapped forward runs the copy, not the original
+    with torch.no_grad():
+        clone.blocks[0].mlp.fc2.weight.add_(1.0)
+    assert not torch.equal(clone(ids)[0], model(ids)[0])
+    assert pickle.loads(pickle.dumps(model)) is not None
+    apply_recompute(model, "none")
+    assert "forward" not in model.blocks[0].__dict__ and "forward" not in model.blocks[1].attn.core.__dict__
+
+
+def test_bad_policy_errors():
+    model = GPT(ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50))
+    with pytest.raises(ValueError, match="'half'"):
+        apply_recompute(model, "half")
+    with pytest.raises(ValueError, match="1 entries but the model has 2 layers"):
+        apply_recompute(model, ["full"])
+    with pytest.raises(ValueError, match=r"'fast' \(layer 1\)"):
+        apply_recompute(model, ["full", "fast"])
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        apply_recompute(torch.nn.Linear(2, 2), "full")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_transformers_layers_bit_identical(impl):
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 50, (2, 16))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=32, n_layer=3, n_head=4, attn_pdrop=0.2,
+        resid_pdrop=0.2, embd_pdrop=0.2, attn_implementation=impl)).train()
+    # use_cache=False: a KV cache in training changes the un-recomputed graph (transformers' own
+    # gradient checkpointing turns it off too)
+    _assert_bit_identical(gpt2, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss,
+                          ["selective", "op", "full", ["full", "selective", "none"]])
+    assert gpt2.config._attn_implementation == f"largebatch_selective_{impl}"
+    held = {}
+    for policy in ("none", "selective", "full"):  # and it really drops what it should
+        apply_recompute(gpt2, policy)
+        out, held[policy] = measure_forward_bytes(
+            lambda: gpt2(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert held["full"].tensor_bytes < held["selective"].tensor_bytes < held["none"].tensor_bytes
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2, attn_implementation=impl)).train()
+    _assert_bit_identical(bert, lambda m: m(input_ids=ids, labels=ids).loss,
+                          ["selective", "op", "full"])

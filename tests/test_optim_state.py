@@ -1,0 +1,178 @@
+"""State, precision and safety of largebatch.optim: bit-identical resume, GradScaler, bf16 parameters,
+trust-ratio diagnostics, the sharding hook, and bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from largebatch.optim import LAMB, LANS, LARS
+from optim_references import random_problem, run_optimizer
+
+OPTIMIZERS = {
+    "lamb": lambda ps, **kw: LAMB(ps, lr=0.02, **kw),
+    "lans": lambda ps, **kw: LANS(ps, lr=0.02, **kw),
+    "lars": lambda ps, **kw: LARS(ps, lr=0.5, weight_decay=0.01, **kw),
+}
+
+
+def _step(optimizer, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.to(p.dtype)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_is_bit_identical(name, dtype):
+    params, steps = random_problem(seed=6, n_steps=6)
+    live = [torch.nn.Parameter(p.clone().to(dtype)) for p in params]
+    optimizer = OPTIMIZERS[name](live, max_grad_norm=1.0)
+    for grads in steps[:3]:
+        _step(optimizer, live, grads)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in live], "optimizer": optimizer.state_dict()}, buffer)
+    for grads in steps[3:]:
+        _step(optimizer, live, grads)
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    resumed = [torch.nn.Parameter(p) for p in checkpoint["params"]]
+    optimizer2 = OPTIMIZERS[name](resumed, max_grad_norm=1.0)
+    optimizer2.load_state_dict(checkpoint["optimizer"])
+    for grads in steps[3:]:
+        _step(optimizer2, resumed, grads)
+    for a, b in zip(live, resumed):
+        assert torch.equal(a, b)
+    for state_a, state_b in zip(optimizer.state.values(), optimizer2.state.values()):
+        for key, value in state_a.items():
+            assert torch.equal(value, state_b[key]) if torch.is_tensor(value) else value == state_b[key]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bf16_parameters_use_fp32_math_and_fp32_state(name):
+    """A bf16 step equals the fp32 step on the same values, rounded to bf16 once."""
+    params, steps = random_problem(seed=7, n_steps=1)
+    bf16 = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in params]
+    fp32 = [torch.nn.Parameter(p.to(torch.bfloat16).float()) for p in params]
+    opt16, opt32 = OPTIMIZERS[name](bf16), OPTIMIZERS[name](fp32)
+    grads = [g.to(torch.bfloat16) for g in steps[0]]
+    _step(opt16, bf16, grads)
+    _step(opt32, fp32, [g.float() for g in grads])
+    for a, b in zip(bf16, fp32):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16))
+    state = next(iter(opt16.state.values()))
+    assert all(v.dtype == torch.float32 for v in state.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grad_scaler_norms_are_taken_after_unscaling(name):
+    """Loss scaled by 2^12 under torch.amp.GradScaler gives the unscaled run's parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference_model = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    optimizer = OPTIMIZERS[name](model.parameters(), max_grad_norm=1.0)
+    reference = OPTIMIZERS[name](reference_model.parameters(), max_grad_norm=1.0)
+    data = torch.randn(32, 8), torch.randn(32, 1)
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(data[0]), data[1])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference_model(data[0]), data[1]).backward()
+        reference.step()
+        reference.zero_grad()
+    for a, b in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_trust_ratio_summary_reports_the_last_step():
+    params, steps = random_problem(seed=8, n_steps=1)
+    steps[0][0] = torch.zeros_like(params[0])  # tensor 0: zero gradient -> r = wd*x only (not pinned)
+    _, optimizer = run_optimizer(lambda ps: LAMB(ps, lr=0.02, weight_decay=0.0, track_trust_ratios=True),
+                                 params, steps, torch.float64)
+    summary = optimizer.trust_ratio_summary()
+    # step 1, weight decay 0: r = m^/(sqrt(v^)+eps) = g/(|g|+eps) elementwise
+    ratios = []
+    for x, g in zip(params, steps[0]):
+        r = g.double() / (g.double().abs() + 1e-6)
+        ratios.append(1.0 if float(x.norm()) == 0 or float(r.norm()) == 0 else float(x.norm() / r.norm()))
+    assert summary["count"] == len(params)
+    assert summary["pinned"] == 2  # tensor 0 (r = 0) and tensor 1 (x = 0)
+    assert summary["min"] == pytest.approx(min(ratios)) and summary["max"] == pytest.approx(max(ratios))
+    assert summary["median"] == pytest.approx(sorted(ratios)[(len(ratios) - 1) // 2])
+    assert all(isinstance(summary[k], float) for k in ("min", "median", "max"))
+    assert LAMB(params[:1]).trust_ratio_summary() is None
+
+
+class RecordingLAMB(LAMB):
+    """The sharding hook: here it records what it receives, and doubles every squared norm."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls = []
+        super().__init__(*args, **kwargs)
+
+    def _reduce_squared_norms(self, squared_norms, params):
+        self.calls.append((squared_norms.shape, len(params)))
+        return squared_norms * 2.0  # as if two identical shards were summed
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+def test_sharding_hook_sees_all_norms_before_any_ratio(foreach):
+    params, steps = random_problem(seed=9, n_steps=1)
+    live = [torch.nn.Parameter(p.clone().double()) for p in params]
+    optimizer = RecordingLAMB(live, lr=0.02, max_grad_norm=1.0, foreach=foreach)
+    _step(optimizer, live, steps[0])
+    n = len(params)
+    assert optimizer.calls == [(torch.Size([n]), n), (torch.Size([2 * n]), n)]  # global clip, then [x; r]
+    # doubling every squared norm doubles the global norm: the step must change (ratios stay the same)
+    plain, _ = run_optimizer(lambda ps: LAMB(ps, lr=0.02, max_grad_norm=1.0, foreach=foreach),
+                             params, steps[:1], torch.float64)
+    assert max(float((a.detach() - b).abs().max()) for a, b in zip(live, plain)) > 1e-8
+
+
+BAD_ARGUMENTS = [
+    (LAMB, {"lr": -1.0}, "lr=-1.0"),
+    (LAMB, {"betas": (0.9, 1.0)}, "betas[1]=1.0"),
+    (LANS, {"betas": (-0.1, 0.999)}, "betas[0]=-0.1"),
+    (LAMB, {"eps": 0.0}, "eps=0.0"),
+    (LANS, {"weight_decay": -0.1}, "weight_decay=-0.1"),
+    (LARS, {"lr": 0.1, "momentum": 1.5}, "momentum=1.5"),
+    (LARS, {"lr": 0.1, "trust_coefficient": 0.0}, "trust_coefficient=0.0"),
+    (LAMB, {"max_grad_norm": -1.0}, "max_grad_norm=-1.0"),
+    (LAMB, {"trust_clip": 0.0}, "trust_clip=0.0"),
+    (LAMB, {"fused": True, "foreach": True}, "fused=True, foreach=True"),
+]
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs,message", BAD_ARGUMENTS, ids=[m for _, _, m in BAD_ARGUMENTS])
+def test_bad_arguments_name_the_argument_and_value(optimizer_class, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        optimizer_class([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_bad_group_edit_is_caught_at_the_next_step():
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = LAMB([p])
+    optimizer.param_groups[0]["lr"] = -0.5
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr=-0.5"):
+        optimizer.step()
+
+
+def test_parameter_in_two_groups_and_sparse_gradients_are_rejected():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"params: parameter 0 of group 1 \(shape \(3,\)\) is already in group 0"):
+        LAMB([{"params": [p, q]}, {"params": [p]}])
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    optimizer = LANS(embedding.parameters())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=r"sparse gradient for a parameter of shape \(10, 4\)"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="preset='nvidia'"):
+        LAMB.from_preset("nvidia", [q])
