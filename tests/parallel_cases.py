@@ -329,3 +329,17 @@ def stuck_rank_one() -> None:
             time.sleep(60)
             return
         dist.all_reduce(torch.ones(1))
+
+
+if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: print what the ranks measured
+    import sys
+    import tempfile
+
+    from largebatch.parallel import spawn
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import parallel_cases  # the importable twin of __main__, for the spawned ranks
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(parallel_cases.run_all, 2, out)
+        print((Path(out) / "results_rank0.json").read_text())
