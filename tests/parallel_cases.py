@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from largebatch.models import ModelConfig, build_model
 from largebatch.optim import LAMB, LANS, LARS, param_groups
 from largebatch.parallel import (ParallelConfig, clip_grad_norm_, global_grad_norm, gradient_sync,
-                                 init_distributed, parallelize, rank_guard, shard_optimizer, unwrap)
+                                 init_distributed, parallelize, rank_guard, seed_ranks, shard_optimizer,
+                                 unwrap)
 from largebatch.parallel.batch import (LocalGradNorm, global_sum, micro_batches_per_rank,
                                        noise_scale_inputs, rank_samples)
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
@@ -54,8 +55,9 @@ def loss_and_backward(model, state, idx, targets) -> torch.Tensor:
     """The trainer's convention: summed loss / (global targets / dp), then backward."""
     mine_idx, mine_targets = local_batch(state, idx, targets)
     n_targets = global_sum(int((mine_targets != -100).sum()), state)
-    _, loss_sum = model(mine_idx, mine_targets, reduction="sum")
-    (loss_sum * state.dp_size / n_targets).backward()
+    with state.loss_context():  # the vocabulary-parallel loss needs forward and backward inside
+        _, loss_sum = model(mine_idx, mine_targets, reduction="sum")
+        (loss_sum * state.dp_size / n_targets).backward()
     return loss_sum.detach()
 
 
@@ -75,7 +77,8 @@ def states(kind: str):
     tp = init_distributed(ParallelConfig(tp=2))
     dp = init_distributed(ParallelConfig(dp=2))
     return {"tp": tp, "sp": replace(tp, sequence_parallel=True), "ddp": dp,
-            "fsdp": replace(dp, dp_mode="fsdp")}[kind]
+            "fsdp": replace(dp, dp_mode="fsdp"), "tp_loss": replace(tp, loss_parallel=True),
+            "sp_loss": replace(tp, sequence_parallel=True, loss_parallel=True)}[kind]
 
 
 def forward_backward_cases(results: dict) -> None:
@@ -86,11 +89,17 @@ def forward_backward_cases(results: dict) -> None:
         model0 = copy.deepcopy(reference)
         _, ref_loss = reference(idx, targets, reduction="sum")
         (ref_loss / (targets != -100).sum()).backward()
-        for mode in ("ddp", "fsdp", "tp", "sp"):
+        for mode in ("ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"):
             state = states(mode)
             model = parallelize(copy.deepcopy(model0), state)
-            loss_and_backward(model, state, idx, targets)
+            loss_sum = loss_and_backward(model, state, idx, targets)
             results[f"fwd_bwd/{kind}/{mode}"] = max_grad_diff(model, reference)
+            if state.dp_size == 1:  # the whole batch on every rank: the loss itself must match
+                results[f"loss/{kind}/{mode}"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
+                with torch.no_grad(), state.loss_context():
+                    logits, _ = model(idx, targets)
+                results[f"logits_vocab_per_rank/{kind}/{mode}"] = (
+                    logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
 
 
 # ------------------------------------------------------------------------------------ optimizers
@@ -290,6 +299,17 @@ def checkpoint_cases(results: dict, out_dir: Path) -> None:
                        out_dir / f"{mode}_expected.pt")
 
 
+def seed_cases(results: dict) -> None:
+    import torch.distributed as dist
+
+    for mode in ("tp", "ddp"):
+        state = states(mode)
+        seed_ranks(7, state)
+        draws = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(draws, torch.rand(1))
+        results[f"seed/{mode}/same_draw_on_both_ranks"] = bool(draws[0] == draws[1])
+
+
 def run_all(out_dir: str) -> None:
     out = Path(out_dir)
     state = init_distributed(ParallelConfig(tp=2))
@@ -301,6 +321,7 @@ def run_all(out_dir: str) -> None:
         memory_cases(results)
         noise_scale_cases(results)
         checkpoint_cases(results, out)
+        seed_cases(results)
     (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
 
 

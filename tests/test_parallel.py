@@ -31,10 +31,15 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
+    """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered)."""
     for rank_results in ranks[1]:
         assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL
+        if mode not in ("ddp", "fsdp"):
+            assert rank_results[f"loss/{kind}/{mode}"] < TOL
+            vocab = cases.tiny().vocab_size
+            assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == (vocab // 2 if "loss" in mode else vocab)
 
 
 @pytest.mark.parametrize("name", ["lamb", "lans", "lars"])
@@ -111,6 +116,12 @@ def test_checkpoint_from_two_ranks_resumes_on_one(ranks, mode):
         torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
 
 
+def test_dropout_streams_differ_across_replicas_and_match_within_tensor_parallel(ranks):
+    for rank_results in ranks[1]:
+        assert rank_results["seed/tp/same_draw_on_both_ranks"]  # replicated regions need equal masks
+        assert not rank_results["seed/ddp/same_draw_on_both_ranks"]
+
+
 # ------------------------------------------------------------------------------ single process
 def test_world_size_one_is_a_no_op(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -127,7 +138,7 @@ def test_world_size_one_is_a_no_op(monkeypatch):
 @pytest.mark.parametrize("kwargs, field", [
     ({"tp": 0}, "parallel.tp"), ({"dp": -1}, "parallel.dp"), ({"dp_mode": "zero3"}, "parallel.dp_mode"),
     ({"backend": "mpi"}, "parallel.backend"), ({"timeout_s": 0}, "parallel.timeout_s"),
-    ({"sequence_parallel": True}, "sequence_parallel"), ({"tp": 2, "dp": 2}, "dp_mode"),
+    ({"sequence_parallel": True}, "sequence_parallel"), ({"loss_parallel": True}, "loss_parallel"), ({"tp": 2, "dp": 2}, "dp_mode"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -28,6 +28,11 @@ class ParallelConfig:
     """With tp > 1: also split the LayerNorm, dropout and residual regions along the sequence across
     the t ranks (Korthikanti et al. 2022 §4.2.2), cutting their activation memory by t at the same
     communication volume. The sequence length must be divisible by tp."""
+    loss_parallel: bool = False
+    """With tp > 1: keep the logits split over the vocabulary and compute the cross-entropy on the
+    shards (Megatron's vocabulary-parallel loss), so the (batch x seq x vocab) fp32 logits are never
+    gathered: that output-layer activation memory is divided by tp. The trainer then runs forward and
+    backward inside ``ParallelState.loss_context()``."""
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (DistributedDataParallel: full replicas,
     gradients all-reduced) or 'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer
@@ -54,6 +59,9 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the "
                              "sequence across the tensor-parallel ranks); set tp, or turn it off")
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError("parallel.loss_parallel = true needs parallel.tp > 1 (it splits the vocabulary "
+                             "across the tensor-parallel ranks); set tp, or turn it off")
         if self.tp > 1 and self.dp_mode == "ddp" and self.dp not in (0, 1):
             raise ValueError(f"parallel.dp_mode = 'ddp' with tp = {self.tp} and dp = {self.dp}: DDP "
                              "cannot replicate tensor-parallel (DTensor) parameters; use "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +45,7 @@ class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
     dp_mode: str = "ddp"
     device: torch.device = torch.device("cpu")
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp")
@@ -73,6 +74,14 @@ class ParallelState:
     @property
     def dp_group(self):
         return None if self.mesh is None else self.mesh.get_group("dp")
+
+    def loss_context(self):
+        """Wrap forward AND backward in this: the vocabulary-parallel loss when it is on."""
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
@@ -128,7 +137,24 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                          dp_rank=mesh.get_local_rank("dp"), dp_size=dp, tp_rank=mesh.get_local_rank("tp"),
                          tp_size=tp, sequence_parallel=cfg.sequence_parallel and tp > 1,
+                         loss_parallel=cfg.loss_parallel and tp > 1,
                          dp_mode=cfg.dp_mode, device=device, mesh=mesh)
+
+
+def seed_ranks(seed: int, state: ParallelState) -> int:
+    """Seed torch's RNG for training (dropout), AFTER the model was initialised with ``seed``.
+
+    Data-parallel replicas get different streams (seed + 1000003 * dp_rank; dp rank 0 keeps ``seed``
+    so dp = 1 reproduces the single-process run), or every replica would drop the same units on
+    different samples. The tensor-parallel ranks of a replica share one stream: dropout in the
+    replicated regions (tensor parallel without SP) must draw identical masks there. Known
+    simplification: the shards of attention-probability dropout and of sequence-parallel regions
+    then draw identical mask patterns on different heads / positions (Megatron forks a separate
+    model-parallel RNG for those). Returns the seed used.
+    """
+    rank_seed = seed + 1_000_003 * state.dp_rank
+    torch.manual_seed(rank_seed)
+    return rank_seed
 
 
 def shutdown(state: ParallelState) -> None:

@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list
     Checkpoints and the optimizer use ``unwrap(result)`` (the model itself).
     """
     if state.tp_size > 1:
-        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel)
+        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
     if recompute != "none":
         from largebatch.memory import apply_recompute
 

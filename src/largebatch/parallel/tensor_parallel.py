@@ -22,7 +22,7 @@ the norm/dropout/residual regions are. See docs/parallel.md for the measured byt
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -62,8 +62,11 @@ def block_plan(sequence_parallel: bool) -> dict[str, object]:
     return plan
 
 
-def _head_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict[str, object], list[str]]:
+def _head_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[str, object], list[str]]:
     """Plan of the embedding and the output layer; also the module names whose weight is tied."""
+    # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
+    logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
+        dict(output_layouts=Replicate())
     plan: dict[str, object] = {
         # vocabulary-parallel embedding: rows = tokens; the partial lookups are all-reduced
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -75,24 +78,39 @@ def _head_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict[str, obj
     if hasattr(model, "lm_head"):  # GPT: final norm in the sequence-parallel region, vocab-parallel logits
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel(use_local_output=True)
-        plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(input_layouts=between, **logits)
         return plan, ["lm_head"]
     # BERT: the head picks the masked positions (x[mask]), so it runs on the whole sequence
     if sequence_parallel:
         plan["ln_f"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                           use_local_output=True)
-    plan["head.decoder"] = ColwiseParallel(output_layouts=Replicate())
+    plan["head.decoder"] = ColwiseParallel(**logits)
     return plan, ["head.decoder"]
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> nn.Module:
-    """Shard ``model`` (GPT or BERT of largebatch.models) over ``tp_mesh`` in place; keeps ties."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
+                          loss_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` (GPT or BERT of largebatch.models) over ``tp_mesh`` in place; keeps ties.
+
+    loss_parallel: the logits stay split over the vocabulary (a DTensor) and the cross-entropy is
+    computed on the shards; forward AND backward must then run inside
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (``ParallelState.loss_context()``). The
+    returned loss is a plain tensor either way.
+    """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
-    plan, head_names = _head_plan(model, sequence_parallel)
+    plan, head_names = _head_plan(model, sequence_parallel, loss_parallel)
     tied = [name for name in head_names if model.get_submodule(name).weight is model.tok_emb.weight]
     parallelize_module(model, tp_mesh, plan)
     for block in model.blocks:
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
     for name in tied:  # both were sharded Shard(0) over the vocabulary: share one DTensor again
         model.get_submodule(name).weight = model.tok_emb.weight
+    if loss_parallel:
+        model.register_forward_hook(_local_loss)
     return model
+
+
+def _local_loss(module, args, output):
+    """(logits, loss): the vocabulary-parallel loss is a replicated DTensor; hand back its value."""
+    logits, loss = output
+    return logits, (loss.to_local() if isinstance(loss, DTensor) else loss)
