@@ -158,6 +158,27 @@ def optimizer_cases(results: dict) -> None:
             results[f"optim/lamb_float64/{mode}/{'reduced' if reduce else 'unreduced'}"] = worst
 
 
+def collective_count_cases(results: dict) -> None:
+    """How many all-reduces one optimizer step issues (counted at torch.distributed.all_reduce)."""
+    import torch.distributed as dist
+
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    for name, make in (("lamb", LAMB), ("lans", LANS)):
+        state = states("fsdp")
+        model = parallelize(build_model(tiny("gpt")), state)
+        opt = shard_optimizer(make(param_groups(unwrap(model), weight_decay=0.01), lr=0.01), state)
+        loss_and_backward(model, state, idx, targets)
+        calls, real = [], dist.all_reduce
+        dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce = real
+        adapted = sum(bool(g["adapt"]) for g in opt.param_groups)
+        results[f"all_reduces/{name}"] = [len(calls), len(opt.param_groups), adapted]
+
+
 def grad_norm_cases(results: dict) -> None:
     idx, targets = batch("gpt")
     torch.manual_seed(0)
@@ -318,6 +339,7 @@ def run_all(out_dir: str) -> None:
         forward_backward_cases(results)
         optimizer_cases(results)
         grad_norm_cases(results)
+        collective_count_cases(results)
         memory_cases(results)
         noise_scale_cases(results)
         checkpoint_cases(results, out)

@@ -57,6 +57,17 @@ def test_sharded_lamb_step_matches_float64_formula_and_needs_the_reduction(ranks
         assert rank_results[f"optim/lamb_float64/{mode}/unreduced"] > 1e-5
 
 
+def test_one_all_reduce_per_group_and_norm_stage(ranks):
+    """LAMB: ||x|| and ||r|| of every tensor of an adapted group in ONE all-reduce (groups without
+    a trust ratio need none). LANS: ||g|| of every group first (it normalises the gradient before the
+    moments), then ||x||, ||r||, ||c|| of an adapted group together."""
+    for rank_results in ranks[1]:
+        calls, groups, adapted = rank_results["all_reduces/lamb"]
+        assert adapted >= 1 and calls == adapted
+        calls, groups, adapted = rank_results["all_reduces/lans"]
+        assert calls == groups + adapted
+
+
 @pytest.mark.parametrize("mode", ["tp", "sp", "fsdp", "ddp"])
 def test_global_grad_norm_and_clipping(ranks, mode):
     for rank_results in ranks[1]:
