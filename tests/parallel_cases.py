@@ -386,3 +386,40 @@ if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: pri
     with tempfile.TemporaryDirectory() as out:
         spawn(parallel_cases.run_all, 2, out)
         print((Path(out) / "results_rank0.json").read_text())
+
+
+def run_2d(out_dir: str) -> None:
+    """4 ranks: FSDP over dp = 2 of a model tensor+sequence parallel over tp = 2 (a 2-D mesh)."""
+    out = Path(out_dir)
+    state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True, dp_mode="fsdp"))
+    results: dict = {}
+    with rank_guard(state):
+        idx, targets = batch("gpt")
+        torch.manual_seed(0)
+        model0 = build_model(tiny("gpt", bias=False))
+        reference = copy.deepcopy(model0)
+        ref_opt = LAMB(param_groups(reference, weight_decay=0.01), lr=0.02)
+        model = parallelize(copy.deepcopy(model0), state)
+        opt = shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
+        for step in range(2):
+            ref_opt.zero_grad()
+            _, loss = reference(idx, targets)
+            loss.backward()
+            opt.zero_grad()
+            loss_and_backward(model, state, idx, targets)
+            if step == 0:
+                results["fwd_bwd"] = max_grad_diff(model, reference)
+                ref_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
+                norm = float(global_grad_norm(list(unwrap(model).parameters()), state))
+                results["grad_norm"] = abs(norm - ref_norm) / ref_norm
+            ref_opt.step()
+            opt.step()
+        results["lamb"] = max_param_diff(model, reference)
+        results["placements"] = str(next(unwrap(model).blocks[0].attn.q.parameters()).placements)
+        path = save_distributed(out / "run2d", 2, model, opt, {"step": 2}, state)
+        if state.is_main:
+            torch.save({"model": {n: full(p.detach()) for n, p in unwrap(model).named_parameters()},
+                        "path": str(path)}, out / "2d_expected.pt")
+        else:
+            {n: full(p.detach()) for n, p in unwrap(model).named_parameters()}  # collective on every rank
+    (out / f"results2d_rank{state.rank}.json").write_text(json.dumps(results))

@@ -183,3 +183,19 @@ def test_tensor_parallel_size_must_divide_the_model():
         check_divisible(model, 3, False)
     state = ParallelState()
     assert state.describe().startswith("rank 0/1 (dp 0/1, tp 0/1)")
+
+
+def test_fsdp_over_tensor_and_sequence_parallel_on_a_2d_mesh(tmp_path):
+    """4 ranks, mesh dp 2 x tp 2: FSDP2 shards the tensor-parallel DTensors again (2-D)."""
+    spawn(cases.run_2d, 4, str(tmp_path))
+    for rank in range(4):
+        results = json.loads((tmp_path / f"results2d_rank{rank}.json").read_text())
+        assert "Shard" in results["placements"] and results["placements"].count("Shard") == 2
+        assert results["fwd_bwd"] < TOL
+        assert results["grad_norm"] < 1e-6
+        assert results["lamb"] < TOL
+    saved = torch.load(tmp_path / "2d_expected.pt", weights_only=False)
+    model = build_model(cases.tiny("gpt", bias=False))
+    load_distributed(saved["path"], model, None, init_distributed(ParallelConfig()))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["model"][name], rtol=0, atol=0)

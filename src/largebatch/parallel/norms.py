@@ -24,7 +24,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
 
 from largebatch.optim.core import GroupTensors
 from largebatch.parallel.mesh import ParallelState
@@ -51,9 +52,9 @@ def contributes(param: Tensor, state: ParallelState) -> bool:
     if isinstance(param, DTensor):
         names = param.device_mesh.mesh_dim_names or ()
         for name, placement in zip(names, param.placements):
-            if isinstance(placement, Shard):
+            if placement.is_shard() or isinstance(placement, _StridedShard):
                 sharded_dims.add(name)
-            elif not isinstance(placement, Replicate):
+            elif not placement.is_replicate():
                 raise ValueError(f"parameter with placement {placement} on mesh dim {name!r}: expected "
                                  "Shard or Replicate (a Partial parameter has no defined norm)")
     return all(coords[name] == 0 for name in coords if name not in sharded_dims)
