@@ -88,6 +88,10 @@ def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
         for region, tp_bytes in expected_tp.items():
             assert rank_results[f"memory/tp/{region}"] == tp_bytes
             assert rank_results[f"memory/sp/{region}"] * t == tp_bytes
+        # and that is ALL sequence parallel saves in torch: the column-parallel linears keep their
+        # all-gathered input (q/k/v and fc1 inputs, 2sbh each at 16 bits), which Megatron shards
+        region_saving = sum(tp_bytes - rank_results[f"memory/sp/{r}"] for r, tp_bytes in expected_tp.items())
+        assert rank_results["memory/tp/block"] - rank_results["memory/sp/block"] == region_saving
 
 
 def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):
