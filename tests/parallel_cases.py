@@ -81,6 +81,22 @@ def states(kind: str):
             "sp_loss": replace(tp, sequence_parallel=True, loss_parallel=True)}[kind]
 
 
+def recompute_cases(results: dict) -> None:
+    """parallelize's order: TP/SP, THEN recomputation (then FSDP); gradients must not change."""
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    model0 = copy.deepcopy(reference)
+    _, ref_loss = reference(idx, targets)
+    ref_loss.backward()
+    for mode in ("sp", "fsdp"):
+        for policy in ("selective", "full"):
+            state = states(mode)
+            model = parallelize(copy.deepcopy(model0), state, recompute=policy)
+            loss_and_backward(model, state, idx, targets)
+            results[f"recompute/{mode}/{policy}"] = max_grad_diff(model, reference)
+
+
 def forward_backward_cases(results: dict) -> None:
     for kind in ("gpt", "bert"):
         idx, targets = batch(kind)
@@ -179,13 +195,17 @@ def collective_count_cases(results: dict) -> None:
         results[f"all_reduces/{name}"] = [len(calls), len(opt.param_groups), adapted]
 
 
+def float64_grad_norm(model) -> float:
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+
+
 def grad_norm_cases(results: dict) -> None:
     idx, targets = batch("gpt")
     torch.manual_seed(0)
     reference = build_model(tiny("gpt"))
     _, loss = reference(idx, targets)
     loss.backward()
-    ref_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
+    ref_norm = float64_grad_norm(reference)
     for mode in ("tp", "sp", "fsdp", "ddp"):
         torch.manual_seed(0)
         state = states(mode)
@@ -294,7 +314,8 @@ def checkpoint_cases(results: dict, out_dir: Path) -> None:
 
         def fresh():
             model = parallelize(copy.deepcopy(model0), state)
-            return model, shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
+            opt = LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02)
+            return model, shard_optimizer(opt, state)
 
         def step(model, opt):
             opt.zero_grad()
@@ -313,8 +334,8 @@ def checkpoint_cases(results: dict, out_dir: Path) -> None:
         extra = load_distributed(path, resumed, resumed_opt, state)
         step(resumed, resumed_opt)
         results[f"resume/{mode}/extra_ok"] = extra == {"step": 1, "mode": mode}
-        results[f"resume/{mode}/max_diff"] = max(
-            float((full(p.detach()) - after_two[n]).abs().max()) for n, p in unwrap(resumed).named_parameters())
+        results[f"resume/{mode}/max_diff"] = max(float((full(p.detach()) - after_two[n]).abs().max())
+                                                 for n, p in unwrap(resumed).named_parameters())
         if state.is_main:
             torch.save({"expected": expected, "after_two": after_two, "path": str(path)},
                        out_dir / f"{mode}_expected.pt")
@@ -337,6 +358,7 @@ def run_all(out_dir: str) -> None:
     results: dict = {}
     with rank_guard(state):
         forward_backward_cases(results)
+        recompute_cases(results)
         optimizer_cases(results)
         grad_norm_cases(results)
         collective_count_cases(results)
@@ -409,7 +431,7 @@ def run_2d(out_dir: str) -> None:
             loss_and_backward(model, state, idx, targets)
             if step == 0:
                 results["fwd_bwd"] = max_grad_diff(model, reference)
-                ref_norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
+                ref_norm = float64_grad_norm(reference)
                 norm = float(global_grad_norm(list(unwrap(model).parameters()), state))
                 results["grad_norm"] = abs(norm - ref_norm) / ref_norm
             ref_opt.step()

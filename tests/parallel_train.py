@@ -19,8 +19,8 @@ import torch
 
 from largebatch.models import ModelConfig, build_model
 from largebatch.optim import LAMB, param_groups
-from largebatch.parallel import (ParallelConfig, clip_grad_norm_, gradient_sync, init_distributed, parallelize,
-                                 rank_guard, shard_optimizer, shutdown, unwrap)
+from largebatch.parallel import (ParallelConfig, clip_grad_norm_, gradient_sync, init_distributed,
+                                 parallelize, rank_guard, shard_optimizer, shutdown, unwrap)
 from largebatch.parallel.batch import global_sum, micro_batches_per_rank, rank_samples
 
 SEQ, BATCH, MICRO, STEPS = 64, 8, 2, 25
@@ -57,14 +57,15 @@ def main() -> None:
     with rank_guard(state):
         train, val = corpus()
         torch.manual_seed(0)  # the same initial model on every rank
-        model = parallelize(build_model(ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=SEQ, vocab_size=256)),
-                            state)
+        config = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=SEQ, vocab_size=256)
+        model = parallelize(build_model(config), state)
         opt = shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=5e-3), state)
         params = list(unwrap(model).parameters())
         record = {"val_before": val_loss(model, val), "grad_norms": []}
         micro = micro_batches_per_rank(BATCH, MICRO, state.dp_size)
         for step in range(STEPS):
-            starts = torch.randint(0, len(train) - SEQ - 1, (BATCH,), generator=torch.Generator().manual_seed(step))
+            gen = torch.Generator().manual_seed(step)  # the step's global batch, whatever dp is
+            starts = torch.randint(0, len(train) - SEQ - 1, (BATCH,), generator=gen)
             idx, targets = sequences(train, rank_samples(starts, state))  # (BATCH / dp, SEQ)
             scale = state.dp_size / global_sum(targets.numel(), state)  # -> gradient of the global mean
             for i in range(micro):

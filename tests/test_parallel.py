@@ -39,7 +39,15 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
         if mode not in ("ddp", "fsdp"):
             assert rank_results[f"loss/{kind}/{mode}"] < TOL
             vocab = cases.tiny().vocab_size
-            assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == (vocab // 2 if "loss" in mode else vocab)
+            per_rank = vocab // 2 if "loss" in mode else vocab  # gathered unless vocabulary-parallel
+            assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == per_rank
+
+
+@pytest.mark.parametrize("mode", ["sp", "fsdp"])
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_recomputation_composes_with_sharding(ranks, mode, policy):
+    for rank_results in ranks[1]:
+        assert rank_results[f"recompute/{mode}/{policy}"] < TOL
 
 
 @pytest.mark.parametrize("name", ["lamb", "lans", "lars"])
@@ -153,7 +161,8 @@ def test_world_size_one_is_a_no_op(monkeypatch):
 @pytest.mark.parametrize("kwargs, field", [
     ({"tp": 0}, "parallel.tp"), ({"dp": -1}, "parallel.dp"), ({"dp_mode": "zero3"}, "parallel.dp_mode"),
     ({"backend": "mpi"}, "parallel.backend"), ({"timeout_s": 0}, "parallel.timeout_s"),
-    ({"sequence_parallel": True}, "sequence_parallel"), ({"loss_parallel": True}, "loss_parallel"), ({"tp": 2, "dp": 2}, "dp_mode"),
+    ({"sequence_parallel": True}, "sequence_parallel"), ({"loss_parallel": True}, "loss_parallel"),
+    ({"tp": 2, "dp": 2}, "dp_mode"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -16,8 +16,9 @@ SCRIPT = Path(__file__).with_name("parallel_train.py")
 
 
 def run(out: Path, *args: str, nproc: int) -> dict:
+    src = str(Path(__file__).parents[1] / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     done = subprocess.run([*launcher, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,

@@ -32,7 +32,8 @@ def micro_batches_per_rank(global_batch: int, micro_batch: int, dp_size: int) ->
     per_step = micro_batch * dp_size
     if global_batch % per_step:
         lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
-        raise ValueError(f"batch of {global_batch} sequences does not split into micro-batches of {micro_batch} "
+        raise ValueError(f"batch of {global_batch} sequences does not split into micro-batches of "
+                         f"{micro_batch} "
                          f"on {dp_size} data-parallel ranks (multiples of {per_step}): use a batch of "
                          f"{lower or per_step} or {upper}, or set run.micro_batch so that micro_batch x dp "
                          f"divides every batch size of the schedule")

@@ -103,8 +103,9 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
+        complete = [p.name for p in list_distributed_checkpoints(path.parent.parent)]
         raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata); "
-                                f"pick one of {[p.name for p in list_distributed_checkpoints(path.parent.parent)]}")
+                                f"pick one of {complete}")
     module = unwrap(model)
     if optimizer is None:
         target = {"model": get_model_state_dict(module)}

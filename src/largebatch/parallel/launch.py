@@ -64,7 +64,8 @@ def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             failures = _failures(error_dir)
             if not failures:  # killed without a Python exception (signal, os._exit)
-                raise RankFailure(f"rank {exc.error_index} of {nprocs} exited before finishing: {exc}") from None
+                raise RankFailure(f"rank {exc.error_index} of {nprocs} exited before finishing: "
+                                  f"{exc}") from None
         first_time, first_rank, first_text = failures[0]
         others = "".join(f"\n-- then rank {rank} ({t - first_time:+.2f} s):\n{text}"
                          for t, rank, text in failures[1:])

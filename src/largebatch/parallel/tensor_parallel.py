@@ -62,7 +62,8 @@ def block_plan(sequence_parallel: bool) -> dict[str, object]:
     return plan
 
 
-def _head_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[str, object], list[str]]:
+def _head_plan(model: nn.Module, sequence_parallel: bool,
+               loss_parallel: bool) -> tuple[dict[str, object], list[str]]:
     """Plan of the embedding and the output layer; also the module names whose weight is tied."""
     # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
