@@ -212,3 +212,12 @@ def test_fsdp_over_tensor_and_sequence_parallel_on_a_2d_mesh(tmp_path):
     load_distributed(saved["path"], model, None, init_distributed(ParallelConfig()))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), saved["model"][name], rtol=0, atol=0)
+
+
+def test_saved_activation_bytes_counts_saved_inputs_not_parameters():
+    from largebatch.parallel.measure import saved_activation_bytes
+
+    lin = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8)
+    (y, saved) = saved_activation_bytes(lambda: torch.relu(lin(x)), lin)
+    assert saved == 4 * 8 * 4 + 4 * 16 * 4  # the linear's input and the relu's output, fp32
