@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from largebatch.models import BERT, GPT, ModelConfig, build_model, flops_per_token, preset
+from largebatch.models import (BERT, GPT, ModelConfig, build_model, flops_per_token, preset,
+                               utilization)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -164,6 +165,16 @@ def test_flops_match_the_paper_formula():
     c = demo.config
     n_matmul = c.n_layer * (4 * c.n_embd ** 2 + 2 * c.n_embd * c.ffn) + c.n_embd * c.vocab_size
     assert demo.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.seq_len
+
+
+def test_utilization_is_achieved_over_peak():
+    c = preset("gpt3-175b")
+    # the paper's headline arithmetic: MFU = tokens/s * 72 L h^2 (1 + s/6h + v/12hL) / peak
+    model, full = _flops_reference(c, 2048)
+    assert utilization(c, 1000.0, 1e18) == pytest.approx(1000.0 * model / 1e18, rel=1e-12)
+    assert utilization(c, 1000.0, 1e18, "full") == pytest.approx(1000.0 * full / 1e18, rel=1e-12)
+    with pytest.raises(ValueError, match="peak_flops_per_second=0"):
+        utilization(c, 1.0, 0)
 
 
 def test_num_params_counts_tied_weights_once():

@@ -124,7 +124,7 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
                            seq_len: int | None = None, *, dtype_bytes: float = 2,
                            device: str = "cuda", training: bool = True,
                            mask_fraction: float = 0.15) -> float:
-    """Activation bytes on the first pipeline stage of `config`'s GPT (Korthikanti et al. 2022 §4.3).
+    """Activation bytes on the first pipeline stage for `config` (Korthikanti et al. 2022 §4.3).
 
     recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
     the same mix); the stage holds pp micro-batches in flight, hence L layers' worth. For BERT

@@ -17,7 +17,8 @@ from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, w
 from largebatch.models.config import PRESETS, ModelConfig, preset
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
-             "vocab": "vocab_size", "kind": "kind", "attention": "attention"}
+             "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
+TYPES = {"kind": str, "attention": str, "dropout": float}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help=f"preset: {', '.join(PRESETS)} (default demo)")
     for flag, field in OVERRIDES.items():
-        kind = str if flag in ("kind", "attention") else int
-        p.add_argument(f"--{flag}", type=kind, help=f"override the preset's {field}")
+        p.add_argument(f"--{flag}", type=TYPES.get(flag, int), help=f"override the preset's {field}")
     p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
     p.add_argument("--micro-batch", default="1", help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")

@@ -46,20 +46,21 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1) -> float:
     parallel linears are replicated. With tp = pp = 1 this is the model's exact parameter count."""
     h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
     bias = 1 if config.bias else 0
+    norm = (1 + bias) * h  # one LayerNorm
     split = 4 * h * h + 2 * h * f + bias * (3 * h + f)  # q, k, v, proj, fc1, fc2 (+ column biases)
-    replicated = bias * 2 * h + 2 * (1 + bias) * h  # proj/fc2 biases, two LayerNorms
-    layers = config.n_layer // pp * (split / tp + replicated)
-    embedding = v * h / tp + s * h
-    norm = (1 + bias) * h
+    replicated = bias * 2 * h + 2 * norm  # proj and fc2 biases, ln1, ln2
+    n = config.n_layer // pp * (split / tp + replicated)
+    n += v * h / tp + s * h  # token and position embeddings
+    post_ln_bert = config.kind == "bert" and config.norm_position == "post"
+    if post_ln_bert:
+        n += norm  # embedding LayerNorm
+    if pp > 1:
+        return n  # the output layer sits on the last stage
+    n += 0 if post_ln_bert else norm  # final LayerNorm
+    n += 0 if config.tie_embeddings else v * h / tp  # untied output projection
     if config.kind == "bert":
-        head = h * h / tp + bias * h + norm + v  # dense, its LN, decoder bias
-        extras = (norm if config.norm_position == "post" else 0) + (head if pp == 1 else 0)
-    else:
-        extras = 0
-    last = (norm + (0 if config.tie_embeddings else v * h / tp)) if pp == 1 else 0
-    if config.kind == "bert" and config.norm_position == "post":
-        last -= norm  # post-LN BERT has no final LayerNorm
-    return layers + embedding + extras + last
+        n += h * h / tp + bias * h + norm + v  # head: dense, its LayerNorm, decoder bias
+    return n
 
 
 def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int = 1, dp: int = 1,

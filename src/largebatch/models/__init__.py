@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from largebatch.models.bert import BERT
 from largebatch.models.config import PRESETS, ModelConfig, preset
-from largebatch.models.flops import RECOMPUTE_POLICIES, flops_per_token, per_layer_policies
+from largebatch.models.flops import (RECOMPUTE_POLICIES, flops_per_token, per_layer_policies,
+                                     utilization)
 from largebatch.models.gpt import GPT
 from largebatch.models.layers import Block, CoreAttention
 
 __all__ = ["BERT", "GPT", "PRESETS", "RECOMPUTE_POLICIES", "Block", "CoreAttention", "ModelConfig",
-           "build_model", "flops_per_token", "per_layer_policies", "preset"]
+           "build_model", "flops_per_token", "per_layer_policies", "preset", "utilization"]
 
 
 def build_model(config: ModelConfig) -> GPT | BERT:

@@ -64,3 +64,13 @@ def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none"
     model = 3.0 * (config.n_layer * (dense + core) + head_forward_flops(config, mask_fraction))
     extra = {"none": 0.0, "op": 0.0, "selective": core, "full": dense + core}
     return model + sum(extra[p] for p in per_layer_policies(recompute, config.n_layer))
+
+
+def utilization(config: ModelConfig, tokens_per_second: float, peak_flops_per_second: float,
+                recompute: str | Sequence[str] = "none", seq_len: int | None = None) -> float:
+    """Model FLOPs utilization (recompute="none") or hardware FLOPs utilization (the policy in use):
+    achieved FLOPs per second over the devices' peak (Korthikanti et al. 2022 §6; PaLM App. B)."""
+    if not peak_flops_per_second > 0:
+        raise ValueError(f"peak_flops_per_second={peak_flops_per_second!r}: must be > 0 (e.g. "
+                         "989e12 for one H100 in bf16, times the number of devices).")
+    return tokens_per_second * flops_per_token(config, recompute, seq_len) / peak_flops_per_second

@@ -1,0 +1,137 @@
+"""Optimizer step time on the parameter shapes of GPT-2 small (124M), interleaved, as ratios to a peer.
+
+    .venv/bin/python benchmarks/optim_step.py                  # GPT-2 small shapes, 5 rounds
+    .venv/bin/python benchmarks/optim_step.py --layers 2 --vocab 8192 --rounds 3   # quick
+    .venv/bin/python benchmarks/optim_step.py --no-fused      # skip torch.compile (~1 min cold on CPU)
+
+Every optimizer steps the SAME parameters and gradients (values change a little each step; lr is
+tiny); each round times one step of every optimizer in turn, so a busy machine slows all of them
+alike, and the report is the median per optimizer and its ratio to the peer measured alongside:
+default paths vs torch.optim.AdamW(foreach=True), fused paths vs torch.optim.AdamW(fused=True).
+Targets (issue 2): LAMB, LANS <= 1.3x AdamW(foreach); fused LAMB, LANS <= 2x AdamW(fused).
+The same LAMB/LANS/LARS instance is timed on its default and its fused path (they share the state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from largebatch.optim import LAMB, LANS, LARS  # noqa: E402
+
+
+def gpt2_shapes(layers: int, width: int, vocab: int, positions: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of GPT-2 (HF layout; lm_head tied to wte, so counted once)."""
+    shapes = [(vocab, width), (positions, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
+    return shapes + [(width,), (width,)]
+
+
+def load_timm_lamb():
+    """timm's Lamb without importing timm's package __init__ (which needs torchvision)."""
+    spec = importlib.util.find_spec("timm")
+    if spec is None:
+        return None
+    root = os.path.dirname(spec.origin)
+    for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+        stub = types.ModuleType(name)
+        stub.__path__ = [path]
+        sys.modules.setdefault(name, stub)
+    return importlib.import_module("timm.optim.lamb").Lamb
+
+
+def build(params, fused: bool, peers: bool):
+    """name -> (optimizer, path setter or None); the first entry of each section is the peer."""
+    lr = 1e-6
+    entries = {
+        "AdamW(foreach=True)": torch.optim.AdamW(params, lr=lr, foreach=True),
+        "LAMB": LAMB(params, lr=lr),
+        "LANS": LANS(params, lr=lr),
+        "LARS": LARS(params, lr=lr),
+    }
+    if peers:
+        import torch_optimizer
+
+        entries["torch_optimizer.Lamb"] = torch_optimizer.Lamb(params, lr=lr)
+        timm_lamb = load_timm_lamb()
+        if timm_lamb is not None:
+            entries["timm Lamb (default)"] = timm_lamb(params, lr=lr)
+            entries["timm Lamb (foreach)"] = timm_lamb(params, lr=lr, foreach=True)
+    if fused:
+        entries["AdamW(fused=True)"] = torch.optim.AdamW(params, lr=lr, fused=True)
+        for name in ("LAMB", "LANS", "LARS"):
+            entries[f"{name}(fused=True)"] = entries[name]  # same instance, other path
+    return entries
+
+
+def set_path(optimizer, name: str) -> None:
+    if isinstance(optimizer, (LAMB, LANS, LARS)):
+        optimizer.fused = name.endswith("(fused=True)")
+        optimizer.foreach = not optimizer.fused
+
+
+def timed_step(optimizer, name: str) -> float:
+    set_path(optimizer, name)
+    if any(p.is_cuda for g in optimizer.param_groups for p in g["params"]):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    optimizer.step()
+    if any(p.is_cuda for g in optimizer.param_groups for p in g["params"]):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--positions", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-fused", action="store_true", help="skip the torch.compile'd paths")
+    parser.add_argument("--no-peers", action="store_true", help="skip torch_optimizer and timm")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    shapes = gpt2_shapes(args.layers, args.width, args.vocab, args.positions)
+    params = [torch.nn.Parameter(torch.randn(s, device=args.device) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    n_params = sum(p.numel() for p in params)
+    print(f"{len(params)} tensors, {n_params / 1e6:.1f}M parameters, device {args.device}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    entries = build(params, fused=not args.no_fused, peers=not args.no_peers)
+
+    start = time.perf_counter()
+    for name, optimizer in entries.items():  # warm-up: allocate state, compile the fused kernels
+        timed_step(optimizer, name)
+    print(f"warm-up (state allocation, compilation): {time.perf_counter() - start:.1f} s")
+    times: dict[str, list[float]] = {name: [] for name in entries}
+    for _ in range(args.rounds):
+        for name, optimizer in entries.items():
+            times[name].append(timed_step(optimizer, name))
+
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\nmedian step time over {args.rounds} interleaved rounds")
+    for name, median in medians.items():
+        peer = "AdamW(fused=True)" if "fused" in name and name in medians else "AdamW(foreach=True)"
+        peer = peer if peer in medians else "AdamW(foreach=True)"
+        target = {"LAMB": 1.3, "LANS": 1.3, "LAMB(fused=True)": 2.0, "LANS(fused=True)": 2.0}.get(name)
+        note = f"  target <= {target}x" if target else ""
+        print(f"  {name:<24} {median * 1e3:9.1f} ms   {median / medians[peer]:5.2f}x {peer}{note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Step time and activation memory of each recomputation policy on the demo GPT, explicit and SDPA
+attention, in one run (Korthikanti et al. 2022, ../shared/PAPERS.md §2: selective recompute costs a
+few percent of step time, full recompute about 35%).
+
+Timings are interleaved (each round runs every policy once, in rotating order) and reported as
+ratios to "none" measured in the same rounds (median over rounds of the per-round ratio, and the
+ratio of the fastest steps), so a shared, noisy machine affects all policies alike. Memory is
+what the forward pass leaves for backward (largebatch.memory.measure), next to the closed-form
+prediction.
+
+    PYTHONPATH=src python benchmarks/recompute.py [--rounds 10] [--micro-batch 8] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from largebatch.memory import apply_recompute, measure_forward_bytes, model_activation_bytes
+from largebatch.models import GPT, preset
+
+POLICIES = ("none", "selective", "op", "full")
+
+
+def step_seconds(model: GPT, idx: torch.Tensor) -> float:
+    start = time.perf_counter()
+    _, loss = model(idx, idx)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def run(attention: str, dropout: float, micro_batch: int, rounds: int) -> None:
+    config = preset("demo", attention=attention, dropout=dropout)
+    torch.manual_seed(0)
+    model = GPT(config).train()
+    idx = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len))
+    memory = {}
+    for policy in POLICIES:
+        apply_recompute(model, policy)
+        for _ in range(2):  # the first measurement warms up dispatch caches
+            (_, loss), memory[policy] = measure_forward_bytes(lambda: model(idx, idx))
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+    times = {p: [] for p in POLICIES}
+    for r in range(rounds + 1):
+        order = POLICIES[r % 4:] + POLICIES[:r % 4]
+        for policy in order:
+            apply_recompute(model, policy)
+            seconds = step_seconds(model, idx)
+            if r:  # round 0 is warm-up
+                times[policy].append(seconds)
+    base_m = memory["none"].tensor_bytes
+    print(f"\n{attention} attention, dropout {dropout}, micro-batch {micro_batch} x {config.seq_len} "
+          f"tokens, {rounds} interleaved rounds")
+    print(f"  {'policy':<10} {'min ms':>8} {'time/none':>10} {'(fastest)':>10} {'act MiB':>9} "
+          f"{'predicted':>10} {'malloc MiB':>11} {'mem/none':>9}")
+    for policy in POLICIES:
+        per_round = statistics.median(t / n for t, n in zip(times[policy], times["none"]))
+        fastest = min(times[policy]) / min(times["none"])
+        m = memory[policy]
+        predicted = model_activation_bytes(config, micro_batch, policy, dtype_bytes=4, device="cpu")
+        malloc = "n/a" if m.allocator_bytes is None else f"{m.allocator_bytes / 2**20:.2f}"
+        print(f"  {policy:<10} {1e3 * min(times[policy]):>8.1f} {per_round:>9.3f}x {fastest:>9.3f}x "
+              f"{m.tensor_bytes / 2**20:>9.2f} "
+              f"{predicted / 2**20:>10.2f} {malloc:>11} {m.tensor_bytes / base_m:>8.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier when shared)")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="for explicit attention; SDPA runs without (CPU's flash kernel has none)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 on CPU")
+    run("explicit", args.dropout, args.micro_batch, args.rounds)
+    run("sdpa", 0.0, args.micro_batch, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
