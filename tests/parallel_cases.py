@@ -137,7 +137,8 @@ def optimizer_cases(results: dict) -> None:
     model0 = build_model(tiny("gpt", bias=False))
     makers = {"lamb": lambda groups: LAMB(groups, lr=0.02),
               "lans": lambda groups: LANS(groups, lr=0.02),
-              "lars": lambda groups: LARS(groups, lr=0.5, momentum=0.9)}
+              "lars": lambda groups: LARS(groups, lr=0.5, momentum=0.9),
+              "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01)}  # the peer: element-wise
     for name, make in makers.items():
         reference = copy.deepcopy(model0)
         ref_opt = make(param_groups(reference, weight_decay=0.01))

@@ -50,7 +50,7 @@ def test_recomputation_composes_with_sharding(ranks, mode, policy):
         assert rank_results[f"recompute/{mode}/{policy}"] < TOL
 
 
-@pytest.mark.parametrize("name", ["lamb", "lans", "lars"])
+@pytest.mark.parametrize("name", ["lamb", "lans", "lars", "adamw"])
 @pytest.mark.parametrize("mode", ["tp", "fsdp"])
 def test_two_optimizer_steps_equal_unsharded(ranks, name, mode):
     for rank_results in ranks[1]:

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
 
-from largebatch.optim.core import GroupTensors
+from largebatch.optim.core import GroupTensors, LayerwiseOptimizer
 from largebatch.parallel.mesh import ParallelState
 
 
@@ -95,13 +95,12 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> t
     """Make a largebatch.optim optimizer (LAMB, LANS, LARS) shard-correct for ``state``'s mesh.
 
     Installs, on this instance, the core's reduction hook and a ``_collect`` that hands the update
-    the local shards of parameters, gradients and state. A no-op at world size 1.
+    the local shards of parameters, gradients and state. A no-op at world size 1, and for
+    element-wise optimizers (torch.optim.AdamW, SGD, ...): they run on DTensor parameters as they
+    are (every parameter of a parallelized model is a DTensor).
     """
-    if state.mesh is None:
+    if state.mesh is None or not isinstance(optimizer, LayerwiseOptimizer):
         return optimizer
-    if not hasattr(optimizer, "_reduce_squared_norms") or not hasattr(optimizer, "_collect"):
-        raise TypeError(f"shard_optimizer: {type(optimizer).__name__} is not a largebatch.optim layer-wise "
-                        "optimizer (LAMB, LANS, LARS); torch.optim optimizers need no norm reduction")
     reducer = ShardedSquaredNorms(state)
     collect_global = optimizer._collect
 

@@ -21,10 +21,42 @@ the norm/dropout/residual regions are. See docs/parallel.md for the measured byt
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Run a module whole on every tensor-parallel rank, its parameters as replicated DTensors.
+
+    Every parameter of a tensor-parallel model is then a DTensor, so torch's foreach optimizers
+    (AdamW), the norm reduction and DCP see one kind of tensor. ``input_layout``: how the incoming
+    local tensor is laid out -- Replicate(), or Shard(1) from a sequence-parallel region, which is
+    all-gathered first. The output is handed on as a local tensor.
+    """
+
+    def __init__(self, input_layout=Replicate()):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _prepare_input(self, module, inputs, mesh):
+        def to_replicated(x):
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                return x
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+            return x.redistribute(mesh, (Replicate(),)) if self.input_layout != Replicate() else x
+        return tuple(to_replicated(x) for x in inputs)
+
+    @staticmethod
+    def _local_output(module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # partition_fn None: distribute_module replicates every parameter of the module
+        return distribute_module(module, device_mesh, None, input_fn=self._prepare_input,
+                                 output_fn=self._local_output)
 
 
 def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len: int | None = None) -> None:
@@ -83,8 +115,7 @@ def _head_plan(model: nn.Module, sequence_parallel: bool,
         return plan, ["lm_head"]
     # BERT: the head picks the masked positions (x[mask]), so it runs on the whole sequence
     if sequence_parallel:
-        plan["ln_f"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
+        plan["ln_f"] = ReplicateParallel(input_layout=Shard(1))
     plan["head.decoder"] = ColwiseParallel(**logits)
     return plan, ["head.decoder"]
 
@@ -106,6 +137,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
     for name in tied:  # both were sharded Shard(0) over the vocabulary: share one DTensor again
         model.get_submodule(name).weight = model.tok_emb.weight
+    for module in list(model.modules()):  # what no plan split (positions, norms outside SP, heads)
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            parallelize_module(module, tp_mesh, ReplicateParallel())
     if loss_parallel:
         model.register_forward_hook(_local_loss)
     return model
