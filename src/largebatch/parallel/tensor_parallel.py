@@ -14,6 +14,9 @@ reduce-scatters instead of all-reducing (all-gather in backward): the same commu
 and the norm/dropout activations of PAPERS.md §2 (LayerNorm inputs 4sbh, dropout masks 2sbh at
 16 bits) are divided by t.
 
+Everything no plan splits (the position embedding, LayerNorms outside SP, BERT's prediction head)
+runs whole on every rank with its parameters as replicated DTensors (``ReplicateParallel``).
+
 Note on what torch's SP stores: the column-parallel linears save their all-gathered (full-sequence)
 input, so unlike Megatron the q/k/v input and the fc1 input (2sbh each) are NOT divided by t; only
 the norm/dropout/residual regions are. See docs/parallel.md for the measured bytes.
