@@ -446,3 +446,20 @@ def run_2d(out_dir: str) -> None:
         else:
             {n: full(p.detach()) for n, p in unwrap(model).named_parameters()}  # collective on every rank
     (out / f"results2d_rank{state.rank}.json").write_text(json.dumps(results))
+
+
+def run_compiled(out_dir: str) -> None:
+    """parallelize(compile=True) after TP + SP: each block compiled in place (the one compile test)."""
+    state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True))
+    with rank_guard(state):
+        idx, targets = batch("gpt")
+        torch.manual_seed(0)
+        reference = build_model(tiny("gpt"))
+        model = parallelize(copy.deepcopy(reference), state, compile=True)
+        _, ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        loss_and_backward(model, state, idx, targets)
+        compiled = all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None
+                       for block in unwrap(model).blocks)
+        result = {"grad_diff": max_grad_diff(model, reference), "compiled": compiled}
+    (Path(out_dir) / f"compiled_rank{state.rank}.json").write_text(json.dumps(result))
