@@ -62,9 +62,9 @@ def main() -> None:
     measured = {"single": measure(build_model(config), single, idx, idx), **measured}
     kw = dict(dtype_bytes=4, device="cpu")
     predicted = {"single": model_activation_bytes(config, args.micro_batch, **kw),
-                 "tp": model_activation_bytes(config, args.micro_batch, tp=2, **kw),
-                 "tp+sp": model_activation_bytes(config, args.micro_batch, tp=2, sequence_parallel=True, **kw)}
-    predicted["tp+sp+loss"] = predicted["tp+sp"]
+                 "tp": model_activation_bytes(config, args.micro_batch, tp=2, **kw)}
+    predicted["tp+sp"] = model_activation_bytes(config, args.micro_batch, tp=2, sequence_parallel=True, **kw)
+    predicted["tp+sp+loss"] = predicted["tp+sp"]  # the model always splits the logits over tp
     print(f"{args.preset}: L={config.n_layer} h={config.n_embd} a={config.n_head} s={config.seq_len} "
           f"v={config.vocab_size} b={args.micro_batch}, fp32, dropout 0.1; bytes per rank (tp = 2)")
     print(f"{'mode':<12}{'measured':>12}{'model':>12}{'measured/model':>16}{'vs tp (measured)':>18}")
