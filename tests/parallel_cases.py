@@ -353,7 +353,7 @@ def seed_cases(results: dict) -> None:
         results[f"seed/{mode}/same_draw_on_both_ranks"] = bool(draws[0] == draws[1])
 
 
-def run_all(out_dir: str) -> None:
+def run_all(out_dir: str, compile_too: bool = True) -> None:
     out = Path(out_dir)
     state = init_distributed(ParallelConfig(tp=2))
     results: dict = {}
@@ -367,6 +367,8 @@ def run_all(out_dir: str) -> None:
         noise_scale_cases(results)
         checkpoint_cases(results, out)
         seed_cases(results)
+        if compile_too:
+            compile_cases(results)
     (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
 
 
@@ -407,7 +409,7 @@ if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: pri
     import parallel_cases  # the importable twin of __main__, for the spawned ranks
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(parallel_cases.run_all, 2, out)
+        spawn(parallel_cases.run_all, 2, out, False)
         print((Path(out) / "results_rank0.json").read_text())
 
 
@@ -448,18 +450,16 @@ def run_2d(out_dir: str) -> None:
     (out / f"results2d_rank{state.rank}.json").write_text(json.dumps(results))
 
 
-def run_compiled(out_dir: str) -> None:
+def compile_cases(results: dict) -> None:
     """parallelize(compile=True) after TP + SP: each block compiled in place (the one compile test)."""
-    state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True))
-    with rank_guard(state):
-        idx, targets = batch("gpt")
-        torch.manual_seed(0)
-        reference = build_model(tiny("gpt"))
-        model = parallelize(copy.deepcopy(reference), state, compile=True)
-        _, ref_loss = reference(idx, targets)
-        ref_loss.backward()
-        loss_and_backward(model, state, idx, targets)
-        compiled = all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl is not None
-                       for block in unwrap(model).blocks)
-        result = {"grad_diff": max_grad_diff(model, reference), "compiled": compiled}
-    (Path(out_dir) / f"compiled_rank{state.rank}.json").write_text(json.dumps(result))
+    state = states("sp")
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    model = parallelize(copy.deepcopy(reference), state, compile=True)
+    _, ref_loss = reference(idx, targets)
+    ref_loss.backward()
+    loss_and_backward(model, state, idx, targets)
+    results["compile/all_blocks_compiled"] = all(getattr(block, "_compiled_call_impl", None) is not None
+                                                 for block in unwrap(model).blocks)
+    results["compile/grad_diff"] = max_grad_diff(model, reference)
