@@ -176,3 +176,18 @@ def test_parameter_in_two_groups_and_sparse_gradients_are_rejected():
         optimizer.step()
     with pytest.raises(ValueError, match="preset='nvidia'"):
         LAMB.from_preset("nvidia", [q])
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+def test_non_contiguous_parameters_are_updated_in_place(foreach):
+    from optim_references import lamb_reference
+
+    params, steps = random_problem(seed=10, n_steps=3)
+    transposed = torch.nn.Parameter(params[0].t().contiguous().t().double())  # (6, 5), non-contiguous storage
+    assert not transposed.is_contiguous()
+    optimizer = LAMB([transposed], lr=0.02, foreach=foreach)
+    for grads in steps:
+        transposed.grad = grads[0].double()
+        optimizer.step()
+    expected = lamb_reference(params[:1], [g[:1] for g in steps], lr=0.02)[0]
+    assert float((transposed.detach() - expected).abs().max()) < 1e-12

@@ -98,8 +98,8 @@ def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
         norms = torch._foreach_norm(tensors)
     else:
         norms = [torch.linalg.vector_norm(t) for t in tensors]
-    device = tensors[0].device
-    return torch.stack([n.to(device) for n in norms]).square()
+    like = tensors[0]
+    return torch.stack([n.to(like.device, like.dtype) for n in norms]).square()
 
 
 def scalar_or_list(values: list[float]) -> float | list[float]:
@@ -166,12 +166,42 @@ def foreach_adam_moments_(m: list[Tensor], v: list[Tensor], g: list[Tensor], bet
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
 
 
-def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float]) -> list[Tensor]:
+def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float],
+                               scratch: list[Tensor] | None) -> list[Tensor]:
     """sqrt(v) + eps*sqrt(bc2) = sqrt(bc2) * (sqrt(v^) + eps): the bias correction of v folded into a
     per-tensor scalar the caller applies to the (small) norms and step sizes, saving two passes."""
-    denom = torch._foreach_sqrt(v)
+    denom = sqrt_into(v, scratch)
     torch._foreach_add_(denom, scalar_or_list([eps * math.sqrt(c2) for c2 in bc2]))
     return denom
+
+
+def sqrt_into(v: list[Tensor], scratch: list[Tensor] | None) -> list[Tensor]:
+    """sqrt(v) written into ``scratch`` (CPU) or into fresh tensors from the caching allocator."""
+    if scratch is None:
+        return torch._foreach_sqrt(v)
+    for vi, out in zip(v, scratch):
+        torch.sqrt(vi, out=out)
+    return scratch
+
+
+def scaled_copy(tensors: list[Tensor], scale: Tensor | float | list[Tensor], scratch: list[Tensor] | None):
+    """tensors * scale (one 0-d tensor or float, or one 0-d tensor per tensor) into ``scratch`` (CPU) or
+    fresh tensors; the inputs (e.g. p.grad) are never modified."""
+    if scratch is None:
+        return torch._foreach_mul(tensors, scale)
+    scales = scale if isinstance(scale, list) else [scale] * len(tensors)
+    for t, c, out in zip(tensors, scales, scratch):
+        torch.mul(t, c, out=out)
+    return scratch
+
+
+def divide_into(numerators: list[Tensor], denominators: list[Tensor], in_place: bool) -> list[Tensor]:
+    """numerators / denominators, overwriting ``denominators`` when ``in_place`` (CPU scratch)."""
+    if not in_place:
+        return torch._foreach_div(numerators, denominators)
+    for n, d in zip(numerators, denominators):
+        torch.div(n, d, out=d)
+    return denominators
 
 
 _COMPILED: dict[Callable, Callable] = {}
@@ -193,7 +223,7 @@ class GroupTensors:
     grads: list[Tensor]  # in the compute dtype
     states: list[dict]  # self.state[p] per parameter
     steps: list[int] = field(default_factory=list)  # per-parameter step t after this update (>= 1)
-    writeback: bool = False  # x are copies that must be written back to params
+    copied: list[int] = field(default_factory=list)  # indices whose x is a copy, written back after the step
 
     def state_list(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
@@ -224,6 +254,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.foreach = not self.fused if foreach is None else bool(foreach)
         self.track_trust_ratios = bool(track_trust_ratios)
         self._last_ratios: list[tuple[Tensor, Tensor]] = []  # (ratio (n,), pinned (n,)) per group
+        self._scratch_buffers: dict[Tensor, list[Tensor]] = {}  # CPU work buffers, never in state_dict
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------- groups and checks
@@ -273,6 +304,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         squared = torch.cat([stacked_squared_norms(t, self.foreach) for t in tensors_by_quantity])
         return list(self._reduce_squared_norms(squared, params).sqrt().view(len(tensors_by_quantity), -1))
 
+    def _reduced_kernel_norms(self, squared: Tensor, params: list[Tensor]) -> list[Tensor]:
+        """L2 norms from per-tensor kernel outputs ``squared`` (n, k): k tensors (n,), via the hook."""
+        k = squared.shape[1]
+        return list(self._reduce_squared_norms(squared.T.reshape(-1), params).sqrt().view(k, -1))
+
     # ------------------------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
@@ -287,8 +323,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for index, (group, batch) in enumerate(batches):
             self._check_group(group, f"param_groups[{index}]: ")
             ratios = self._update_group(group, batch, grad_scale)
-            if batch.writeback:
-                torch._foreach_copy_(batch.params, batch.x)
+            if batch.copied:
+                torch._foreach_copy_([batch.params[i] for i in batch.copied], [batch.x[i] for i in batch.copied])
             if self.track_trust_ratios and ratios is not None:
                 self._last_ratios.append(ratios)
         return loss
@@ -310,12 +346,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 for key in self._state_keys:
                     state[key] = torch.zeros_like(p, dtype=compute_dtype, memory_format=torch.contiguous_format)
             state["step"] += 1
+            if p.dtype != compute_dtype or not p.is_contiguous():  # fp32 math on a contiguous copy
+                batch.copied.append(len(batch.params))
+                batch.x.append(p.to(compute_dtype, memory_format=torch.contiguous_format, copy=True))
+            else:
+                batch.x.append(p)
             batch.params.append(p)
-            batch.x.append(p if p.dtype == compute_dtype else p.to(compute_dtype))
-            batch.grads.append(p.grad if p.grad.dtype == compute_dtype else p.grad.to(compute_dtype))
+            batch.grads.append(p.grad.to(compute_dtype, memory_format=torch.contiguous_format))
             batch.states.append(state)
             batch.steps.append(state["step"])
-            batch.writeback |= p.dtype != compute_dtype
         return batch
 
     def _global_grad_scale(self, batches: list[GroupTensors]) -> Tensor | None:
@@ -332,14 +371,30 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Update one group in place; return (trust ratios (n,), pinned (n,)) or None."""
         raise NotImplementedError
 
+    def _scratch(self, b: GroupTensors, slot: int) -> list[Tensor] | None:
+        """Parameter-sized work buffers for the foreach path on CPU, kept between steps: there a fresh
+        allocation (page faults) costs several times the arithmetic it holds (docs/optim.md). None
+        on other devices, where the caching allocator makes transient buffers cheap and holding them
+        would cost memory."""
+        if b.x[0].device.type != "cpu":
+            return None
+        buffers = []
+        for p, x in zip(b.params, b.x):
+            slots = self._scratch_buffers.setdefault(p, [])
+            while len(slots) <= slot:
+                slots.append(torch.empty_like(x, memory_format=torch.contiguous_format))
+            buffers.append(slots[slot])
+        return buffers
+
     def _kernel(self, kernel: Callable) -> Callable:
         """The per-tensor kernel as called on the per-tensor path: compiled when fused=True."""
         return compiled(kernel) if self.fused else kernel
 
     @staticmethod
     def _flat(tensors: list[Tensor]) -> list[Tensor]:
-        """1-D views (compiled kernels then see one dynamic shape for every tensor)."""
-        return [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in tensors]
+        """1-D views (compiled kernels then see one dynamic shape for every tensor). All compute
+        tensors are contiguous (see _collect), so these are views and in-place updates land."""
+        return [t.view(-1) for t in tensors]
 
     # ---------------------------------------------------------------------------------- diagnostics
     def trust_ratio_summary(self) -> dict | None:

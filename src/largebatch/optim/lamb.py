@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .core import (HP_BC1, HP_BC2, HP_EPS, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments_, add_scaled_, bias_corrections, foreach_adam_moments_, foreach_folded_denominator,
-                   per_tensor)
+                   adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   foreach_folded_denominator, per_tensor, scaled_copy)
 
 # Library behaviour as switches. Each preset's equality with its library is a test (tests/test_optim_presets.py).
 PRESETS: dict[str, dict] = {
@@ -42,7 +42,6 @@ PRESETS: dict[str, dict] = {
     # torch_optimizer.Lamb defaults (debias=False, clamp_value=10, adam=False).
     "torch_optimizer": {"bias_correction": False, "weight_norm_clip": 10.0},
 }
-
 
 
 def lamb_direction(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, l2_decay: bool) -> Tensor:
@@ -103,19 +102,19 @@ class LAMB(LayerwiseOptimizer):
     def _foreach_update(self, group, b: GroupTensors, grad_scale, adapt):
         lr, eps, wd, l2_decay = group["lr"], group["eps"], group["weight_decay"], group["l2_decay"]
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
+        scratch = self._scratch(b, 0)  # CPU: one kept work buffer per tensor; else None
         grads = b.grads
-        if grad_scale is not None:
-            grads = torch._foreach_mul(grads, grad_scale)
-        if l2_decay and wd != 0:
-            grads = torch._foreach_add(grads, b.x, alpha=wd)
+        if grad_scale is not None or (l2_decay and wd != 0):
+            grads = scaled_copy(grads, 1.0 if grad_scale is None else grad_scale, scratch)
+            if l2_decay and wd != 0:
+                torch._foreach_add_(grads, b.x, alpha=wd)
         foreach_adam_moments_(exp_avg, exp_avg_sq, grads, group["betas"])
         # Bias corrections folded into per-tensor scalars (saves two passes): r = k*u with
         # u = m/(sqrt(v) + eps*sqrt(bc2)) + (wd/k)*x and k = sqrt(bc2)/bc1.
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2)
-        u = torch._foreach_div(exp_avg, denom)
-        del denom
+        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2, scratch)
+        u = divide_into(exp_avg, denom, in_place=scratch is not None)
         if not l2_decay and wd != 0:
             add_scaled_(u, b.x, [wd / ki for ki in k])
         if not adapt:
@@ -137,12 +136,13 @@ class LAMB(LayerwiseOptimizer):
         squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], grad_scale, l2_decay)
                                for i in range(len(x))])  # (n, 2)
         if adapt:
-            norms = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(2, -1)  # (2, n)
-            ratio, pinned = self._group_trust_ratio(group, norms[0], norms[1])
+            x_norm, r_norm = self._reduced_kernel_norms(squared, b.params)  # (n,), (n,)
+            ratio, pinned = self._group_trust_ratio(group, x_norm, r_norm)
         else:
             ratio, pinned = torch.ones_like(squared[:, 0]), None
         step_scale = ratio * (-lr)  # (n,)
         for i in range(len(x)):
             apply(x[i], m[i], v[i], hp[i], step_scale[i], l2_decay)
         return None if pinned is None else (ratio, pinned)
+
 

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from .core import (HP_BC1, HP_BC2, HP_EPS, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments_, add_scaled_, bias_corrections, foreach_adam_moments_, foreach_folded_denominator,
-                   per_tensor)
+                   adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   foreach_folded_denominator, per_tensor, scaled_copy)
 
 
 def lans_directions(x: Tensor, g_normalized: Tensor, m: Tensor, v: Tensor, hp: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,18 +90,18 @@ class LANS(LayerwiseOptimizer):
     def _foreach_update(self, group, b: GroupTensors, grad_coef: Tensor, adapt: bool):
         eps, wd = group["eps"], group["weight_decay"]
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
-        g_normalized = torch._foreach_mul(b.grads, list(grad_coef.to(b.grads[0].dtype).unbind()))
+        scratch_c, scratch_r = self._scratch(b, 0), self._scratch(b, 1)  # CPU: kept work buffers; else None
+        g_normalized = scaled_copy(b.grads, list(grad_coef.to(b.grads[0].dtype).unbind()), scratch_c)
         foreach_adam_moments_(exp_avg, exp_avg_sq, g_normalized, group["betas"])
         # Bias corrections folded as in LAMB: with denom = sqrt(v) + eps*sqrt(bc2) = sqrt(bc2)*d,
         # r = k*(m/denom + (wd/k)*x), k = sqrt(bc2)/bc1 ; c = q*(g~/denom + (wd/q)*x), q = sqrt(bc2).
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
         q = [math.sqrt(c2) for c2 in bc2]
-        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2)
-        u_r = torch._foreach_div(exp_avg, denom)
+        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2, scratch_r)
         u_c = g_normalized
         torch._foreach_div_(u_c, denom)
-        del denom
+        u_r = divide_into(exp_avg, denom, in_place=scratch_r is not None)
         if wd != 0:
             add_scaled_(u_r, b.x, [wd / ki for ki in k])
             add_scaled_(u_c, b.x, [wd / qi for qi in q])
@@ -125,7 +125,7 @@ class LANS(LayerwiseOptimizer):
         moments, apply = self._kernel(lans_moments_kernel), self._kernel(lans_apply_kernel)
         squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], coef[i]) for i in range(len(x))])  # (n, 3)
         if adapt:
-            x_norm, r_norm, c_norm = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(3, -1)
+            x_norm, r_norm, c_norm = self._reduced_kernel_norms(squared, b.params)  # 3 x (n,)
         else:
             x_norm = r_norm = c_norm = torch.ones_like(coef)
         scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .core import GroupTensors, LayerwiseOptimizer, device_tensor
+from .core import GroupTensors, LayerwiseOptimizer, device_tensor, scaled_copy
 
 _MOMENTUM, _WD = range(2)  # columns of the (n, 2) hyperparameter tensor of the per-tensor kernels
 
@@ -72,7 +72,7 @@ class LARS(LayerwiseOptimizer):
             else:
                 kernel = self._kernel(lars_norms_kernel)
                 squared = torch.stack([kernel(x, g) for x, g in zip(self._flat(b.x), self._flat(b.grads))])  # (n, 2)
-                x_norm, g_norm = self._reduce_squared_norms(squared.T.reshape(-1), b.params).sqrt().view(2, -1)
+                x_norm, g_norm = self._reduced_kernel_norms(squared, b.params)
             if grad_scale is not None:
                 g_norm = g_norm * grad_scale
             local, pinned = self._local_lr(group, x_norm, g_norm)
@@ -91,10 +91,12 @@ class LARS(LayerwiseOptimizer):
                 apply(x[i], g[i], buf[i], hp[i], grad_scale, step_scale[i])
         return diagnostics
 
-    @staticmethod
-    def _foreach_apply(group: dict, b: GroupTensors, grad_scale: Tensor | None, step_scale: Tensor) -> None:
-        grads = b.grads if grad_scale is None else torch._foreach_mul(b.grads, grad_scale)
-        direction = grads if group["weight_decay"] == 0 else torch._foreach_add(grads, b.x, alpha=group["weight_decay"])
+    def _foreach_apply(self, group: dict, b: GroupTensors, grad_scale: Tensor | None, step_scale: Tensor) -> None:
+        wd, direction = group["weight_decay"], b.grads  # direction = g (+ wd*x); p.grad is never modified
+        if grad_scale is not None or wd != 0:
+            direction = scaled_copy(b.grads, 1.0 if grad_scale is None else grad_scale, self._scratch(b, 0))
+            if wd != 0:
+                torch._foreach_add_(direction, b.x, alpha=wd)
         buffers = b.state_list("momentum_buffer")
         torch._foreach_mul_(buffers, group["momentum"])
         torch._foreach_addcmul_(buffers, direction, list(step_scale.to(b.x[0].dtype).unbind()))
