@@ -19,6 +19,7 @@ the arithmetic is the unchanged single-process algorithm. ``global_grad_norm`` a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -106,12 +107,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> t
 
     def collect_local(group):
         batch = collect_global(group)
-        local_params = [reducer.register(p) for p in batch.params]
-        return _LocalGroupTensors(
-            params=local_params,
-            x=[_local(x) for x in batch.x],  # the local params, or fp32 copies of bf16 shards
-            grads=[_as_compute(local_grad(p), x) for p, x in zip(batch.params, batch.x)],
-            states=batch.states, steps=batch.steps, writeback=batch.writeback)
+        local = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # every field kept
+        local.update(params=[reducer.register(p) for p in batch.params],
+                     x=[_local(x) for x in batch.x],  # the local params, or fp32 copies of their shards
+                     grads=[_as_compute(local_grad(p), _local(x)) for p, x in zip(batch.params, batch.x)])
+        return _LocalGroupTensors(**local)
 
     optimizer._collect = collect_local
     optimizer._reduce_squared_norms = reducer
@@ -119,7 +119,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> t
 
 
 def _as_compute(grad: Tensor, x: Tensor) -> Tensor:
-    return grad if grad.dtype == x.dtype else grad.to(x.dtype)
+    """The gradient shard in x's dtype and layout (the core computes on contiguous tensors)."""
+    return grad.to(x.dtype, memory_format=torch.contiguous_format)
 
 
 class _LocalGroupTensors(GroupTensors):
