@@ -1,0 +1,103 @@
+"""Variable batch under data parallel: splitting a step's batch, and the noise scale across ranks.
+
+The joint schedule (Seesaw, ramps; PAPERS.md §3) gives a global batch in sequences. Under data
+parallel each of the dp ranks takes an equal contiguous slice of the step's sample ids and
+accumulates it as whole micro-batches, so a step is the same computation whatever dp is; a batch
+that does not split evenly is an error, not a silent rounding (PAPERS.md §3 "Granularity").
+
+Gradient noise scale (McCandlish et al. 2018, App. A; PAPERS.md §3 "Critical batch size") from
+two batch sizes that data parallel gives for free: B_small = one rank's batch (its local gradient,
+before the all-reduce) and B_big = the global batch (the all-reduced gradient). The local squared
+norms of the dp ranks are averaged (dp unbiased estimates of |G_small|^2 instead of one). Under
+DDP, ``LocalGradNorm`` records the local squared norm inside DDP's communication hook, from the
+very buckets it all-reduces: no extra pass over the gradients and no extra collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from largebatch.parallel.mesh import ParallelState
+
+
+def micro_batches_per_rank(global_batch: int, micro_batch: int, dp_size: int) -> int:
+    """How many micro-batches each data-parallel rank accumulates for a step of ``global_batch``."""
+    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("dp_size", dp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a positive integer")
+    per_step = micro_batch * dp_size
+    if global_batch % per_step:
+        lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+        raise ValueError(f"batch of {global_batch} sequences does not split into micro-batches of "
+                         f"{micro_batch} "
+                         f"on {dp_size} data-parallel ranks (multiples of {per_step}): use a batch of "
+                         f"{lower or per_step} or {upper}, or set run.micro_batch so that micro_batch x dp "
+                         f"divides every batch size of the schedule")
+    return global_batch // per_step
+
+
+def rank_samples(sample_ids: Sequence[int], state: ParallelState) -> Sequence[int]:
+    """This rank's contiguous slice of a step's sample ids (same on all tp ranks of a dp rank)."""
+    if len(sample_ids) % state.dp_size:
+        raise ValueError(f"{len(sample_ids)} samples do not split across dp = {state.dp_size} ranks")
+    per_rank = len(sample_ids) // state.dp_size
+    return sample_ids[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
+
+
+class LocalGradNorm:
+    """Squared L2 norm of this rank's accumulated gradient before DDP's all-reduce.
+
+    ``LocalGradNorm.install(ddp_model, state)`` registers the comm hook; read ``take()`` after the
+    step's last (synchronising) backward: it returns the squared norm and resets.
+    """
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
+
+    @classmethod
+    def install(cls, ddp_model: torch.nn.Module, state: ParallelState) -> "LocalGradNorm":
+        recorder = cls(state)
+        ddp_model.register_comm_hook(recorder, _record_then_allreduce)
+        return recorder
+
+    def take(self) -> torch.Tensor:
+        value, self.squared = self.squared, torch.zeros_like(self.squared)
+        return value
+
+
+def _record_then_allreduce(recorder, bucket):  # no annotations: DDP checks them literally
+    recorder.squared += bucket.buffer().double().square().sum()  # local gradient, not yet averaged
+    return default_hooks.allreduce_hook(recorder.state.dp_group, bucket)
+
+
+def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor, local_batch: int,
+                       state: ParallelState) -> tuple[float, int, float, int]:
+    """(|G_small|^2, B_small, |G_big|^2, B_big) for largebatch.schedules.NoiseScale.update.
+
+    local_squared: this rank's squared gradient norm over its ``local_batch`` sequences (before
+    the all-reduce); global_squared: the squared norm of the all-reduced gradient (same on every
+    rank). One all-reduce over the dp group averages the local norms.
+    """
+    if state.dp_size < 2:
+        raise ValueError("noise_scale_inputs needs dp >= 2 (two batch sizes); at dp = 1 estimate from "
+                         "one micro-batch vs the accumulated step instead")
+    mean_local = local_squared.detach().double().clone()
+    dist.all_reduce(mean_local, group=state.dp_group)
+    mean_local /= state.dp_size
+    return float(mean_local), local_batch, float(global_squared), local_batch * state.dp_size
+
+
+def global_sum(local: int | float | torch.Tensor, state: ParallelState) -> float:
+    """Sum of a per-rank count over the dp ranks (e.g. the step's target tokens, for the loss scale
+    ``dp_size / n_targets``: DDP and FSDP average gradients over dp ranks, so each rank's summed
+    loss is divided by n_targets / dp_size to give the gradient of the global mean loss)."""
+    if state.dp_size == 1:
+        return float(local)
+    total = torch.as_tensor(local, dtype=torch.float64, device=state.device).clone()
+    dist.all_reduce(total, group=state.dp_group)
+    return float(total)

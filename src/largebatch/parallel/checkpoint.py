@@ -1,0 +1,120 @@
+"""Checkpoints across ranks with torch.distributed.checkpoint (DCP), resumable on any mesh.
+
+Layout: ``RUN_DIR/checkpoints/step_00000123.dcp/`` -- DCP's shard files and metadata (model and
+optimizer state, each tensor saved once, by the ranks that own its shards) plus ``extra.pt``
+(rank 0's picklable state: schedule, noise scale, progress, RNG, config). Because DCP records the
+global shape and placement of every shard, a checkpoint written by 2 ranks (FSDP or tensor
+parallel) loads onto 1 rank, or onto another mesh, and the optimizer state (DTensors shaped like
+the parameters, see largebatch.parallel.norms) is resharded with the parameters (PAPERS.md §1
+"Sharding").
+
+Crash safety, as the single-process checkpoints of largebatch.train.checkpoint: every rank writes
+into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
+directory into place (atomic on POSIX); only then are older checkpoints beyond ``keep_last``
+removed. A reader never lists temporaries, and a temporary left by a killed save is removed by the
+next save.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from largebatch.parallel.mesh import ParallelState
+from largebatch.parallel.parallelize import unwrap
+
+_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
+EXTRA = "extra.pt"
+
+
+def list_distributed_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete DCP checkpoints of a run, oldest first."""
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_distributed_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_distributed_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _barrier(state: ParallelState) -> None:
+    if state.distributed:
+        dist.barrier()
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     extra: dict[str, Any], state: ParallelState, keep_last: int = 2) -> Path:
+    """Save model + optimizer (sharded, every rank) and ``extra`` (rank 0) atomically; collective."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
+    ckdir = Path(run_dir) / "checkpoints"
+    final = ckdir / f"step_{step:08d}.dcp"
+    tmp = ckdir / f".{final.name}.tmp"
+    if state.is_main:
+        ckdir.mkdir(parents=True, exist_ok=True)
+        for stale in ckdir.glob(".step_*.dcp.tmp"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier(state)
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    _barrier(state)  # every shard is written
+    if state.is_main:
+        torch.save(extra, tmp / EXTRA)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_distributed_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(state)
+    return final
+
+
+def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     state: ParallelState) -> dict[str, Any]:
+    """Load a DCP checkpoint into ``model`` (and ``optimizer``) as sharded NOW; returns ``extra``.
+
+    Works on any mesh, including a single process without torch.distributed (2 ranks -> 1).
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        complete = [p.name for p in list_distributed_checkpoints(path.parent.parent)]
+        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata); "
+                                f"pick one of {complete}")
+    module = unwrap(model)
+    if optimizer is None:
+        target = {"model": get_model_state_dict(module)}
+        dcp.load(target, checkpoint_id=path)
+        set_model_state_dict(module, target["model"])
+    else:
+        model_state, optim_state = get_state_dict(module, optimizer)  # templates with the current sharding
+        target = {"model": model_state, "optim": optim_state}
+        dcp.load(target, checkpoint_id=path)
+        set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    # weights_only=False: extra.pt holds RNG states and config dicts written by this run's rank 0
+    return torch.load(path / EXTRA, map_location="cpu", weights_only=False)

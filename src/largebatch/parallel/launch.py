@@ -1,0 +1,72 @@
+"""Start N local processes the way torchrun does, for tests, notebooks and one-machine experiments.
+
+``spawn(fn, nprocs, *args)`` runs ``fn(*args)`` in ``nprocs`` fresh processes with torchrun's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set, so the worker calls
+``largebatch.parallel.init_distributed`` exactly as under ``torchrun``. A rank that raises ends the
+whole job: the others are terminated and :class:`~largebatch.parallel.mesh.RankFailure` names the
+rank that failed FIRST (the root cause; peers that then fail in a collective come after), with its
+traceback. For real jobs use torchrun (multi-node rendezvous, restarts; its "first observed
+failure" report plays the same role); this is its single-machine, in-Python twin.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from largebatch.parallel.mesh import RankFailure
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, error_dir: str,
+           args: tuple) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    try:
+        fn(*args)
+    except BaseException:
+        # when, and what: the parent reports the earliest failure as the root cause
+        Path(error_dir, f"rank{local_rank}").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+
+
+def _failures(error_dir: str) -> list[tuple[float, int, str]]:
+    found = []
+    for path in Path(error_dir).glob("rank*"):
+        stamp, _, text = path.read_text().partition("\n")
+        found.append((float(stamp), int(path.name[4:]), text))
+    return sorted(found)
+
+
+def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; raise RankFailure naming the first that failed."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs = {nprocs!r}: must be a positive number of processes")
+    with tempfile.TemporaryDirectory(prefix="largebatch-spawn-") as error_dir:
+        try:
+            mp.spawn(_entry, args=(fn, nprocs, free_port(), threads_per_rank, error_dir, args),
+                     nprocs=nprocs, join=True)
+            return
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            failures = _failures(error_dir)
+            if not failures:  # killed without a Python exception (signal, os._exit)
+                raise RankFailure(f"rank {exc.error_index} of {nprocs} exited before finishing: "
+                                  f"{exc}") from None
+        first_time, first_rank, first_text = failures[0]
+        others = "".join(f"\n-- then rank {rank} ({t - first_time:+.2f} s):\n{text}"
+                         for t, rank, text in failures[1:])
+        raise RankFailure(f"rank {first_rank} of {nprocs} failed first:\n{first_text}{others}")

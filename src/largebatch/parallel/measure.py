@@ -1,0 +1,36 @@
+"""Bytes a forward pass saves for backward on this rank, DTensors included (their local shards).
+
+largebatch.memory.measure_forward_bytes watches storages at the dispatcher, which a DTensor (a
+wrapper without storage) does not have; this counts, with autograd's saved-tensor hooks, every
+distinct storage the autograd graph keeps, parameters excluded. It does not see tensors cached by a
+selective-checkpoint context (measure with recompute = "none"). Used to check the activation
+memory of Korthikanti et al. 2022 (PAPERS.md §2) under tensor / sequence parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _storage(t: torch.Tensor):
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+
+
+def saved_activation_bytes(forward: Callable[[], object], model: torch.nn.Module) -> tuple[object, int]:
+    """Run ``forward()`` and return (its result, bytes of the distinct non-parameter storages that
+    autograd saved for backward on this rank). Keep the result alive to call backward on it."""
+    params = {_storage(p).data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = forward()
+    return result, sum(seen.values())

@@ -1,0 +1,183 @@
+"""The process group and the ``dp x tp`` device mesh, from torchrun's environment.
+
+``init_distributed(cfg)`` reads what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), picks NCCL on GPUs and gloo on CPUs, sets a collective timeout so that no rank waits
+forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (PAPERS.md §1
+"Sharding"; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"). Ranks
+with consecutive numbers share a tensor-parallel group, so "tp" stays within a node.
+
+At world size 1 (plain ``python -m largebatch train``) nothing is initialised: the state says
+rank 0 of 1 and every parallel function is a no-op on it.
+
+``rank_guard(state)`` wraps a rank's work: an exception is re-raised as :class:`RankFailure`
+whose message names the rank (global, dp and tp coordinates, host), and a collective that fails
+because a peer died is labelled as such, so the job's log points at the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from largebatch.parallel.config import ParallelConfig
+
+
+class RankFailure(RuntimeError):
+    """A rank of a distributed job failed; the message names the rank and the cause."""
+
+
+@dataclass
+class ParallelState:
+    """Where this process sits in the job. ``mesh`` is None at world size 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    dp_mode: str = "ddp"
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp")
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs, plots and writes the run's extra files."""
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self):
+        return None if self.mesh is None else self.mesh["dp"]
+
+    @property
+    def tp_mesh(self):
+        return None if self.mesh is None else self.mesh["tp"]
+
+    @property
+    def tp_group(self):
+        return None if self.mesh is None else self.mesh.get_group("tp")
+
+    @property
+    def dp_group(self):
+        return None if self.mesh is None else self.mesh.get_group("dp")
+
+    def loss_context(self):
+        """Wrap forward AND backward in this: the vocabulary-parallel loss when it is on."""
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
+                f"tp {self.tp_rank}/{self.tp_size}) on {socket.gethostname()}")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer; it is set by "
+                         "torchrun (launch with: torchrun --nproc-per-node N -m largebatch ...)") from None
+
+
+def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
+    """(dp, tp) for this world size, or ValueError saying how to fix the config or the launch."""
+    if world_size % cfg.tp:
+        raise ValueError(f"parallel.tp = {cfg.tp} does not divide the {world_size} processes started; "
+                         f"launch a multiple of {cfg.tp} processes (torchrun --nproc-per-node) or change tp")
+    dp = cfg.dp or world_size // cfg.tp
+    if dp * cfg.tp != world_size:
+        raise ValueError(f"parallel.dp x parallel.tp = {dp} x {cfg.tp} = {dp * cfg.tp}, but {world_size} "
+                         f"processes were started; set dp = 0 (automatic) or launch {dp * cfg.tp} processes")
+    if cfg.tp > 1 and dp > 1 and cfg.dp_mode == "ddp":
+        raise ValueError(f"parallel.dp_mode = 'ddp' with dp = {dp} and tp = {cfg.tp}: DDP cannot replicate "
+                         "tensor-parallel (DTensor) parameters; set parallel.dp_mode = 'fsdp'")
+    return dp, cfg.tp
+
+
+def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
+    """Join the job torchrun started and build the ("dp", "tp") mesh; a no-op at world size 1."""
+    cfg = cfg or ParallelConfig()
+    world_size = _env_int("WORLD_SIZE", 1)
+    dp, tp = resolve_sizes(cfg, world_size)
+    use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return ParallelState(device=device, sequence_parallel=False, dp_mode=cfg.dp_mode)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
+                                **({"device_id": device} if use_cuda else {}))
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                         dp_rank=mesh.get_local_rank("dp"), dp_size=dp, tp_rank=mesh.get_local_rank("tp"),
+                         tp_size=tp, sequence_parallel=cfg.sequence_parallel and tp > 1,
+                         loss_parallel=cfg.loss_parallel and tp > 1,
+                         dp_mode=cfg.dp_mode, device=device, mesh=mesh)
+
+
+def seed_ranks(seed: int, state: ParallelState) -> int:
+    """Seed torch's RNG for training (dropout), AFTER the model was initialised with ``seed``.
+
+    Data-parallel replicas get different streams (seed + 1000003 * dp_rank; dp rank 0 keeps ``seed``
+    so dp = 1 reproduces the single-process run), or every replica would drop the same units on
+    different samples. The tensor-parallel ranks of a replica share one stream: dropout in the
+    replicated regions (tensor parallel without SP) must draw identical masks there. Known
+    simplification: the shards of attention-probability dropout and of sequence-parallel regions
+    then draw identical mask patterns on different heads / positions (Megatron forks a separate
+    model-parallel RNG for those). Returns the seed used.
+    """
+    rank_seed = seed + 1_000_003 * state.dp_rank
+    torch.manual_seed(rank_seed)
+    return rank_seed
+
+
+def shutdown(state: ParallelState) -> None:
+    """Leave the process group (after a last barrier, so no rank exits while others still talk)."""
+    if state.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+_PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                       "watchdog", "nccl communicator was aborted", "peer")
+
+
+@contextmanager
+def rank_guard(state: ParallelState):
+    """Run a rank's work; on an exception, print and raise a RankFailure naming this rank."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 -- re-raised with the rank named
+        text = f"{type(exc).__name__}: {exc}"
+        message = f"{state.describe()} failed: {text}"
+        if any(hint in text.lower() for hint in _PEER_FAILURE_HINTS):
+            message += ("\n  (a collective failed or timed out: most likely another rank died or is stuck "
+                        "first -- look for that rank's own 'failed' line)")
+        print(f"[largebatch] {message}", file=sys.stderr, flush=True)
+        raise RankFailure(message) from exc

@@ -1,0 +1,166 @@
+"""Shard-correct norms: LAMB / LANS / LARS trust ratios and the global gradient norm under sharding.
+
+PAPERS.md §1 "Sharding": a trust ratio is defined on the WHOLE tensor. Under tensor parallel or
+FSDP2 a parameter is a DTensor and each rank holds a shard, so every per-tensor squared norm must
+be summed over the shards (one SUM all-reduce of all the stacked partial norms) before any square
+root or ratio -- otherwise the optimizer silently computes a different algorithm.
+
+How a rank contributes: the squared norm of its local shard, for every mesh dimension along which
+the tensor is sharded; along a dimension where the tensor is replicated (a DTensor with
+``Replicate()``, a plain tensor under DDP or tensor parallel) only the rank at coordinate 0
+contributes, so the single all-reduce over the job counts every element exactly once.
+
+``shard_optimizer(optimizer, state)`` installs this on a largebatch.optim optimizer (the core's
+``_reduce_squared_norms`` hook) and makes its element-wise math run on the local shards: the
+optimizer state stays DTensors shaped like the parameters (so distributed checkpoints reshard it),
+the arithmetic is the unchanged single-process algorithm. ``global_grad_norm`` and
+``clip_grad_norm_`` are the same reduction for the trainer (logging, clipping, noise scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
+
+from largebatch.optim.core import GroupTensors, LayerwiseOptimizer
+from largebatch.parallel.mesh import ParallelState
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grad(p: Tensor) -> Tensor:
+    """The gradient of ``p`` on this rank's shard (a pending partial sum is reduced first)."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        g = p.grad = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
+def contributes(param: Tensor, state: ParallelState) -> bool:
+    """Whether this rank's local squared norm of ``param`` enters the job-wide sum (see module doc)."""
+    if state.mesh is None:
+        return True
+    coords = {"dp": state.dp_rank, "tp": state.tp_rank}
+    sharded_dims: set[str] = set()
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        for name, placement in zip(names, param.placements):
+            if placement.is_shard() or isinstance(placement, _StridedShard):
+                sharded_dims.add(name)
+            elif not placement.is_replicate():
+                raise ValueError(f"parameter with placement {placement} on mesh dim {name!r}: expected "
+                                 "Shard or Replicate (a Partial parameter has no defined norm)")
+    return all(coords[name] == 0 for name in coords if name not in sharded_dims)
+
+
+class ShardedSquaredNorms:
+    """The optim core's ``_reduce_squared_norms(squared_norms, params)`` hook for a sharded model.
+
+    ``squared_norms`` is (k * n,): k quantities (||x||^2, ||r||^2, ...) for the n ``params``, each
+    entry the sum of squares over the local shard. Returns the job-wide sums with one all-reduce.
+    """
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self.flags: dict[int, bool] = {}  # id(local tensor) -> contributes; filled by register()
+        self.sharded = False  # whether any registered parameter is a DTensor
+
+    def register(self, param: Tensor) -> Tensor:
+        """Record ``param``'s contribution flag; return its local tensor (what the math sees)."""
+        local = _local(param)
+        self.flags[id(local)] = contributes(param, self.state)
+        self.sharded |= isinstance(param, DTensor)
+        return local
+
+    def __call__(self, squared_norms: Tensor, params: list[Tensor]) -> Tensor:
+        if self.state.mesh is None or not self.sharded:
+            return squared_norms  # plain replicas (DDP) already hold identical whole tensors
+        n = len(params)
+        keep = torch.tensor([self.flags.get(id(p), contributes(p, self.state)) for p in params],
+                            device=squared_norms.device)  # (n,)
+        keep = keep.repeat(squared_norms.numel() // n)  # (k * n,)
+        summed = torch.where(keep, squared_norms, torch.zeros_like(squared_norms))  # no 0 * inf = nan
+        dist.all_reduce(summed)  # ONE collective for every norm of the group: sum over shards
+        return summed
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> torch.optim.Optimizer:
+    """Make a largebatch.optim optimizer (LAMB, LANS, LARS) shard-correct for ``state``'s mesh.
+
+    Installs, on this instance, the core's reduction hook and a ``_collect`` that hands the update
+    the local shards of parameters, gradients and state. A no-op at world size 1, and for
+    element-wise optimizers (torch.optim.AdamW, SGD, ...): they run on DTensor parameters as they
+    are (every parameter of a parallelized model is a DTensor).
+    """
+    if state.mesh is None or not isinstance(optimizer, LayerwiseOptimizer):
+        return optimizer
+    reducer = ShardedSquaredNorms(state)
+    collect_global = optimizer._collect
+
+    def collect_local(group):
+        batch = collect_global(group)
+        local = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # every field kept
+        local.update(params=[reducer.register(p) for p in batch.params],
+                     x=[_local(x) for x in batch.x],  # the local params, or fp32 copies of their shards
+                     grads=[_as_compute(local_grad(p), _local(x)) for p, x in zip(batch.params, batch.x)])
+        return _LocalGroupTensors(**local)
+
+    optimizer._collect = collect_local
+    optimizer._reduce_squared_norms = reducer
+    return optimizer
+
+
+def _as_compute(grad: Tensor, x: Tensor) -> Tensor:
+    """The gradient shard in x's dtype and layout (the core computes on contiguous tensors)."""
+    return grad.to(x.dtype, memory_format=torch.contiguous_format)
+
+
+class _LocalGroupTensors(GroupTensors):
+    """GroupTensors whose optimizer state is handed out as local shards."""
+
+    def state_list(self, key: str) -> list[Tensor]:
+        return [_local(s[key]) for s in self.states]
+
+
+def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:
+    """L2 norm of all gradients of the (possibly sharded) model, identical on every rank: (,) fp64.
+
+    One all-reduce. Parameters without a gradient are skipped. Under DDP, call it after the
+    gradients were all-reduced (it then needs no communication).
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return torch.zeros((), dtype=torch.float64, device=state.device)
+    grads = [local_grad(p) for p in with_grad]
+    squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
+    if any(isinstance(p, DTensor) for p in with_grad) and state.mesh is not None:
+        keep = torch.tensor([contributes(p, state) for p in with_grad], device=squared.device)
+        squared = torch.where(keep, squared, torch.zeros_like(squared))
+        dist.all_reduce(squared)
+    return squared.sum().sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[Tensor], max_norm: float, state: ParallelState) -> Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm``; return the norm before.
+
+    ``max_norm = math.inf`` only measures. Same rule as torch.nn.utils.clip_grad_norm_, with the
+    norm summed over shards.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm = {max_norm!r}: must be > 0 (math.inf to only measure)")
+    norm = global_grad_norm(params, state)
+    if math.isfinite(max_norm):
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [local_grad(p) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+    return norm

@@ -1,0 +1,86 @@
+"""``parallelize``: apply the techniques to a model in one fixed, documented order (torchtitan's).
+
+    1. tensor parallel (+ sequence parallel)   largebatch.parallel.tensor_parallel
+    2. activation recomputation                largebatch.memory.apply_recompute (policy by name)
+    3. torch.compile (opt-in)                  each block compiled in place
+    4. data parallel: DDP or FSDP2             over the mesh's "dp" dimension
+
+Why this order: recomputation wraps the already-sharded block (so it recomputes local shards and
+re-issues the block's collectives), compile sees the final per-block graph, and FSDP shards last so
+that its all-gathers wrap everything (PAPERS.md §1 "Sharding", §2; Korthikanti et al. 2022 §4.2.2).
+
+Gradient accumulation: ``gradient_sync(model, enabled)`` turns the data-parallel reduction off for
+all but the last micro-batch of a step (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from largebatch.parallel.mesh import ParallelState
+from largebatch.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def apply_fsdp(model: nn.Module, dp_mesh) -> nn.Module:
+    """FSDP2: each block is one all-gather/reduce-scatter unit, the rest (embeddings, head) the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def apply_ddp(model: nn.Module, state: ParallelState) -> nn.Module:
+    device_ids = [state.device.index] if state.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=state.dp_group)
+
+
+def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list[str] = "none",
+                compile: bool = False) -> nn.Module:
+    """Shard ``model`` for ``state``'s mesh; returns the module to call (a DDP wrapper under DDP).
+
+    ``model`` must already be on ``state.device`` and initialised identically on every rank (same
+    seed): tensor parallel distributes rank 0's values, FSDP shards each rank's own copy.
+    Checkpoints and the optimizer use ``unwrap(result)`` (the model itself).
+    """
+    if state.tp_size > 1:
+        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
+    if recompute != "none":
+        from largebatch.memory import apply_recompute
+
+        apply_recompute(model, recompute)
+    if compile:
+        for block in model.blocks:
+            block.compile()
+    if state.dp_size > 1:
+        if state.dp_mode == "fsdp":
+            return apply_fsdp(model, state.dp_mesh)
+        return apply_ddp(model, state)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 and tensor parallel modify the model in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Within this context, backward does (enabled=True) or skips the data-parallel gradient
+    reduction; skip it on every micro-batch of a step but the last."""
+    if isinstance(model, DistributedDataParallel):
+        with (nullcontext() if enabled else model.no_sync()):
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+        return
+    yield

@@ -1,0 +1,465 @@
+"""Worker code for tests/test_parallel.py: runs INSIDE 2 spawned gloo ranks (1 thread each).
+
+Each case compares a sharded run with the single-process run of the same model, seed and batch,
+computed in the same process; rank 0 writes the measured differences to results.json and the
+test functions assert on them. Independent float64 references (from PAPERS.md) live here too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from largebatch.models import ModelConfig, build_model
+from largebatch.optim import LAMB, LANS, LARS, param_groups
+from largebatch.parallel import (ParallelConfig, clip_grad_norm_, global_grad_norm, gradient_sync,
+                                 init_distributed, parallelize, rank_guard, seed_ranks, shard_optimizer,
+                                 unwrap)
+from largebatch.parallel.batch import (LocalGradNorm, global_sum, micro_batches_per_rank,
+                                       noise_scale_inputs, rank_samples)
+from largebatch.parallel.checkpoint import load_distributed, save_distributed
+
+B, T = 4, 16  # global batch (sequences) and sequence length of every case
+
+
+def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool = True) -> ModelConfig:
+    return ModelConfig(kind=kind, n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
+                       bias=bias)
+
+
+def batch(kind: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 64, (B, T), generator=gen)
+    targets = torch.randint(0, 64, (B, T), generator=gen)
+    if kind == "bert":  # ~30% of positions predicted, unevenly spread over the two dp halves
+        targets[torch.rand(B, T, generator=gen) > 0.3] = -100
+    return idx, targets
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_batch(state, idx, targets):
+    rows = rank_samples(list(range(B)), state)
+    return idx[rows], targets[rows]
+
+
+def loss_and_backward(model, state, idx, targets) -> torch.Tensor:
+    """The trainer's convention: summed loss / (global targets / dp), then backward."""
+    mine_idx, mine_targets = local_batch(state, idx, targets)
+    n_targets = global_sum(int((mine_targets != -100).sum()), state)
+    with state.loss_context():  # the vocabulary-parallel loss needs forward and backward inside
+        _, loss_sum = model(mine_idx, mine_targets, reduction="sum")
+        (loss_sum * state.dp_size / n_targets).backward()
+    return loss_sum.detach()
+
+
+def max_grad_diff(model, reference) -> float:
+    ref = dict(reference.named_parameters())
+    return max(float((full(p.grad) - ref[n].grad).abs().max()) for n, p in unwrap(model).named_parameters())
+
+
+def max_param_diff(model, reference) -> float:
+    ref = dict(reference.named_parameters())
+    return max(float((full(p.detach()) - ref[n].detach()).abs().max())
+               for n, p in unwrap(model).named_parameters())
+
+
+def states(kind: str):
+    """The two meshes of the cases: tp = 2 (optionally with SP), and dp = 2 (DDP or FSDP)."""
+    tp = init_distributed(ParallelConfig(tp=2))
+    dp = init_distributed(ParallelConfig(dp=2))
+    return {"tp": tp, "sp": replace(tp, sequence_parallel=True), "ddp": dp,
+            "fsdp": replace(dp, dp_mode="fsdp"), "tp_loss": replace(tp, loss_parallel=True),
+            "sp_loss": replace(tp, sequence_parallel=True, loss_parallel=True)}[kind]
+
+
+def recompute_cases(results: dict) -> None:
+    """parallelize's order: TP/SP, THEN recomputation (then FSDP); gradients must not change."""
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    model0 = copy.deepcopy(reference)
+    _, ref_loss = reference(idx, targets)
+    ref_loss.backward()
+    for mode in ("sp", "fsdp"):
+        for policy in ("selective", "full"):
+            state = states(mode)
+            model = parallelize(copy.deepcopy(model0), state, recompute=policy)
+            loss_and_backward(model, state, idx, targets)
+            results[f"recompute/{mode}/{policy}"] = max_grad_diff(model, reference)
+
+
+def forward_backward_cases(results: dict) -> None:
+    for kind in ("gpt", "bert"):
+        idx, targets = batch(kind)
+        torch.manual_seed(0)
+        reference = build_model(tiny(kind))
+        model0 = copy.deepcopy(reference)
+        _, ref_loss = reference(idx, targets, reduction="sum")
+        (ref_loss / (targets != -100).sum()).backward()
+        for mode in ("ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"):
+            state = states(mode)
+            model = parallelize(copy.deepcopy(model0), state)
+            loss_sum = loss_and_backward(model, state, idx, targets)
+            results[f"fwd_bwd/{kind}/{mode}"] = max_grad_diff(model, reference)
+            if state.dp_size == 1:  # the whole batch on every rank: the loss itself must match
+                results[f"loss/{kind}/{mode}"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
+                with torch.no_grad(), state.loss_context():
+                    logits, _ = model(idx, targets)
+                results[f"logits_vocab_per_rank/{kind}/{mode}"] = (
+                    logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
+
+
+# ------------------------------------------------------------------------------------ optimizers
+def lamb_float64(x, g, wd, adapt, lr, b1=0.9, b2=0.999, eps=1e-6):
+    """One LAMB step from a zero state, PAPERS.md §1, float64 (independent of largebatch.optim)."""
+    x, g = x.double(), g.double()
+    m, v = (1 - b1) * g, (1 - b2) * g * g
+    r = (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + eps) + wd * x
+    xn, rn = x.norm(), r.norm()
+    ratio = 1.0 if not adapt or xn == 0 or rn == 0 else float(xn / rn)
+    return x - lr * ratio * r
+
+
+def optimizer_cases(results: dict) -> None:
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    # no biases: attn.k.bias has an exactly-zero true gradient (softmax is shift-invariant), so its
+    # computed gradient is rounding noise, which Adam-type normalisation blows up to O(1) steps
+    model0 = build_model(tiny("gpt", bias=False))
+    makers = {"lamb": lambda groups: LAMB(groups, lr=0.02),
+              "lans": lambda groups: LANS(groups, lr=0.02),
+              "lars": lambda groups: LARS(groups, lr=0.5, momentum=0.9),
+              "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01)}  # the peer: element-wise
+    for name, make in makers.items():
+        reference = copy.deepcopy(model0)
+        ref_opt = make(param_groups(reference, weight_decay=0.01))
+        for step in range(2):
+            ref_opt.zero_grad()
+            _, loss = reference(idx, targets)
+            loss.backward()
+            ref_opt.step()
+        for mode in ("tp", "fsdp"):
+            state = states(mode)
+            model = parallelize(copy.deepcopy(model0), state)
+            opt = shard_optimizer(make(param_groups(unwrap(model), weight_decay=0.01)), state)
+            for step in range(2):
+                opt.zero_grad()
+                loss_and_backward(model, state, idx, targets)
+                opt.step()
+            results[f"optim/{name}/{mode}"] = max_param_diff(model, reference)
+    # the float64 paper formula vs one sharded LAMB step, and the same step WITHOUT the reduction
+    for mode in ("tp", "fsdp"):
+        state = states(mode)
+        for reduce in (True, False):
+            model = parallelize(copy.deepcopy(model0), state)
+            opt = shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
+            if not reduce:
+                opt._reduce_squared_norms = lambda squared, params: squared  # the silent bug
+            loss_and_backward(model, state, idx, targets)
+            grads = {n: full(p.grad).clone() for n, p in unwrap(model).named_parameters()}
+            hyper = {id(p): (g["weight_decay"], g["adapt"]) for g in opt.param_groups for p in g["params"]}
+            hyper = {n: hyper[id(p)] for n, p in unwrap(model).named_parameters()}
+            before = {n: full(p.detach()).clone() for n, p in unwrap(model).named_parameters()}
+            opt.step()
+            worst = max(float((full(p.detach()).double() - lamb_float64(before[n], grads[n], *hyper[n], 0.02))
+                              .abs().max()) for n, p in unwrap(model).named_parameters())
+            results[f"optim/lamb_float64/{mode}/{'reduced' if reduce else 'unreduced'}"] = worst
+
+
+def collective_count_cases(results: dict) -> None:
+    """How many all-reduces one optimizer step issues (counted at torch.distributed.all_reduce)."""
+    import torch.distributed as dist
+
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    for name, make in (("lamb", LAMB), ("lans", LANS)):
+        state = states("fsdp")
+        model = parallelize(build_model(tiny("gpt")), state)
+        opt = shard_optimizer(make(param_groups(unwrap(model), weight_decay=0.01), lr=0.01), state)
+        loss_and_backward(model, state, idx, targets)
+        calls, real = [], dist.all_reduce
+        dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce = real
+        adapted = sum(bool(g["adapt"]) for g in opt.param_groups)
+        results[f"all_reduces/{name}"] = [len(calls), len(opt.param_groups), adapted]
+
+
+def float64_grad_norm(model) -> float:
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+
+
+def grad_norm_cases(results: dict) -> None:
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    _, loss = reference(idx, targets)
+    loss.backward()
+    ref_norm = float64_grad_norm(reference)
+    for mode in ("tp", "sp", "fsdp", "ddp"):
+        torch.manual_seed(0)
+        state = states(mode)
+        model = parallelize(build_model(tiny("gpt")), state)
+        loss_and_backward(model, state, idx, targets)
+        params = list(unwrap(model).parameters())
+        norm = float(clip_grad_norm_(params, 0.5, state))
+        clipped = float(global_grad_norm(params, state))
+        results[f"grad_norm/{mode}"] = abs(norm - ref_norm) / ref_norm
+        results[f"grad_norm_clipped/{mode}"] = abs(clipped - 0.5)
+
+
+# ----------------------------------------------------------------------- sequence-parallel memory
+REGIONS = ("ln1", "ln2", "attn.drop", "mlp.drop")  # the norm / dropout / residual regions
+
+
+def saved_region_bytes(model, state, idx, targets) -> dict[str, int]:
+    """Bytes autograd saves for backward in block 0, per rank: in each norm/dropout module, and in
+    the whole block ("block"). Parameters are not activations and are not counted."""
+    params = {full_or_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    block = unwrap(model).blocks[0]
+    active, in_block = [None], [False]
+    seen: dict[str, set] = {"region": set(), "block": set()}
+    sizes = {r: 0 for r in (*REGIONS, "block")}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key in params:
+            return t
+        if active[0] is not None and key not in seen["region"]:
+            seen["region"].add(key)
+            sizes[active[0]] += storage.nbytes()
+        if in_block[0] and key not in seen["block"]:
+            seen["block"].add(key)
+            sizes["block"] += storage.nbytes()
+        return t
+
+    for region in REGIONS:
+        module = block.get_submodule(region)
+        module.register_forward_pre_hook(lambda m, a, r=region: active.__setitem__(0, r))
+        module.register_forward_hook(lambda m, a, o: active.__setitem__(0, None))
+    block.register_forward_pre_hook(lambda m, a: in_block.__setitem__(0, True))
+    block.register_forward_hook(lambda m, a, o: in_block.__setitem__(0, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mine_idx, mine_targets = local_batch(state, idx, targets)
+        model(mine_idx, mine_targets)
+    return sizes
+
+
+def full_or_local(p):
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def memory_cases(results: dict) -> None:
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    model0 = build_model(tiny("gpt", dropout=0.1))
+    for mode in ("tp", "sp"):
+        state = states(mode)
+        torch.manual_seed(1)
+        sizes = saved_region_bytes(parallelize(copy.deepcopy(model0), state), state, idx, targets)
+        for region, n in sizes.items():
+            results[f"memory/{mode}/{region}"] = n
+
+
+# ------------------------------------------------------------------------------ noise scale (DDP)
+def noise_scale_cases(results: dict) -> None:
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    model0 = build_model(tiny("gpt"))
+    state = states("ddp")
+    micro = micro_batches_per_rank(B, 1, state.dp_size)  # 2 micro-batches of 1 sequence per rank
+    model = parallelize(copy.deepcopy(model0), state)
+    recorder = LocalGradNorm.install(model, state)
+    mine_idx, mine_targets = local_batch(state, idx, targets)
+    n_targets = global_sum(int(mine_targets.numel()), state)
+    for i in range(micro):
+        with gradient_sync(model, enabled=i == micro - 1):
+            _, loss_sum = model(mine_idx[i:i + 1], mine_targets[i:i + 1], reduction="sum")
+            (loss_sum * state.dp_size / n_targets).backward()
+    local_sq = recorder.take()
+    big_sq = global_grad_norm(list(unwrap(model).parameters()), state) ** 2
+    small, b_small, big, b_big = noise_scale_inputs(local_sq, big_sq, B // state.dp_size, state)
+    # reference: each half's own mean gradient (scaled as the trainer scales it), in one process
+    refs = []
+    for half in range(state.dp_size):
+        reference = copy.deepcopy(model0)
+        rows = slice(half * B // 2, (half + 1) * B // 2)
+        _, loss_sum = reference(idx[rows], targets[rows], reduction="sum")
+        (loss_sum * state.dp_size / targets.numel()).backward()
+        refs.append(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
+    results["noise/local_sq_rel_err"] = abs(float(local_sq) - refs[state.dp_rank]) / refs[state.dp_rank]
+    results["noise/mean_small_rel_err"] = abs(small - sum(refs) / len(refs)) / small
+    results["noise/batches"] = [b_small, b_big]
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def checkpoint_cases(results: dict, out_dir: Path) -> None:
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    model0 = build_model(tiny("gpt"))
+    for mode in ("fsdp", "sp"):
+        state = states(mode)
+
+        def fresh():
+            model = parallelize(copy.deepcopy(model0), state)
+            opt = LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02)
+            return model, shard_optimizer(opt, state)
+
+        def step(model, opt):
+            opt.zero_grad()
+            loss_and_backward(model, state, idx, targets)
+            opt.step()
+
+        model, opt = fresh()
+        step(model, opt)
+        path = save_distributed(out_dir / mode, 1, model, opt, {"step": 1, "mode": mode}, state)
+        expected = {"model": {n: full(p.detach()).clone() for n, p in unwrap(model).named_parameters()},
+                    "optim": {n: {k: full(v).clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                              for n, p in unwrap(model).named_parameters()}}
+        step(model, opt)  # the uninterrupted run's step 2
+        after_two = {n: full(p.detach()).clone() for n, p in unwrap(model).named_parameters()}
+        resumed, resumed_opt = fresh()  # a "killed" run restarted: new processes' state, then load
+        extra = load_distributed(path, resumed, resumed_opt, state)
+        step(resumed, resumed_opt)
+        results[f"resume/{mode}/extra_ok"] = extra == {"step": 1, "mode": mode}
+        results[f"resume/{mode}/max_diff"] = max(float((full(p.detach()) - after_two[n]).abs().max())
+                                                 for n, p in unwrap(resumed).named_parameters())
+        if state.is_main:
+            torch.save({"expected": expected, "after_two": after_two, "path": str(path)},
+                       out_dir / f"{mode}_expected.pt")
+
+
+def seed_cases(results: dict) -> None:
+    import torch.distributed as dist
+
+    for mode in ("tp", "ddp"):
+        state = states(mode)
+        seed_ranks(7, state)
+        draws = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(draws, torch.rand(1))
+        results[f"seed/{mode}/same_draw_on_both_ranks"] = bool(draws[0] == draws[1])
+
+
+def run_all(out_dir: str, compile_too: bool = True) -> None:
+    out = Path(out_dir)
+    state = init_distributed(ParallelConfig(tp=2))
+    results: dict = {}
+    with rank_guard(state):
+        forward_backward_cases(results)
+        recompute_cases(results)
+        optimizer_cases(results)
+        grad_norm_cases(results)
+        collective_count_cases(results)
+        memory_cases(results)
+        noise_scale_cases(results)
+        checkpoint_cases(results, out)
+        seed_cases(results)
+        if compile_too:
+            compile_cases(results)
+    (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
+
+
+# --------------------------------------------------------------------------------------- failures
+def fail_on_rank_one() -> None:
+    """Rank 1 raises; rank 0 is already waiting in a collective on it."""
+    import torch.distributed as dist
+
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=60))
+    with rank_guard(state):
+        if state.rank == 1:
+            raise ValueError("injected failure while loading a batch")
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1))
+
+
+def stuck_rank_one() -> None:
+    """Rank 1 is alive but never joins the collective; rank 0 must give up after timeout_s."""
+    import time
+
+    import torch.distributed as dist
+
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=3))
+    with rank_guard(state):
+        if state.rank == 1:
+            time.sleep(60)
+            return
+        dist.all_reduce(torch.ones(1))
+
+
+if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: print what the ranks measured
+    import sys
+    import tempfile
+
+    from largebatch.parallel import spawn
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import parallel_cases  # the importable twin of __main__, for the spawned ranks
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(parallel_cases.run_all, 2, out, False)
+        print((Path(out) / "results_rank0.json").read_text())
+
+
+def run_2d(out_dir: str) -> None:
+    """4 ranks: FSDP over dp = 2 of a model tensor+sequence parallel over tp = 2 (a 2-D mesh)."""
+    out = Path(out_dir)
+    state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True, dp_mode="fsdp"))
+    results: dict = {}
+    with rank_guard(state):
+        idx, targets = batch("gpt")
+        torch.manual_seed(0)
+        model0 = build_model(tiny("gpt", bias=False))
+        reference = copy.deepcopy(model0)
+        ref_opt = LAMB(param_groups(reference, weight_decay=0.01), lr=0.02)
+        model = parallelize(copy.deepcopy(model0), state)
+        opt = shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
+        for step in range(2):
+            ref_opt.zero_grad()
+            _, loss = reference(idx, targets)
+            loss.backward()
+            opt.zero_grad()
+            loss_and_backward(model, state, idx, targets)
+            if step == 0:
+                results["fwd_bwd"] = max_grad_diff(model, reference)
+                ref_norm = float64_grad_norm(reference)
+                norm = float(global_grad_norm(list(unwrap(model).parameters()), state))
+                results["grad_norm"] = abs(norm - ref_norm) / ref_norm
+            ref_opt.step()
+            opt.step()
+        results["lamb"] = max_param_diff(model, reference)
+        results["placements"] = str(next(unwrap(model).blocks[0].attn.q.parameters()).placements)
+        path = save_distributed(out / "run2d", 2, model, opt, {"step": 2}, state)
+        if state.is_main:
+            torch.save({"model": {n: full(p.detach()) for n, p in unwrap(model).named_parameters()},
+                        "path": str(path)}, out / "2d_expected.pt")
+        else:
+            {n: full(p.detach()) for n, p in unwrap(model).named_parameters()}  # collective on every rank
+    (out / f"results2d_rank{state.rank}.json").write_text(json.dumps(results))
+
+
+def compile_cases(results: dict) -> None:
+    """parallelize(compile=True) after TP + SP: each block compiled in place (the one compile test)."""
+    state = states("sp")
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    model = parallelize(copy.deepcopy(reference), state, compile=True)
+    _, ref_loss = reference(idx, targets)
+    ref_loss.backward()
+    loss_and_backward(model, state, idx, targets)
+    results["compile/all_blocks_compiled"] = all(getattr(block, "_compiled_call_impl", None) is not None
+                                                 for block in unwrap(model).blocks)
+    results["compile/grad_diff"] = max_grad_diff(model, reference)

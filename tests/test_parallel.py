@@ -1,0 +1,229 @@
+"""largebatch.parallel with REAL processes: 2 gloo ranks, 1 thread each, spawned ONCE for all the
+cases of tests/parallel_cases.py (each spawn costs seconds); the tests below assert on what the
+ranks measured. Single-process checks (config, world size 1, batch split, 2 -> 1 resume) run here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import parallel_cases as cases
+from largebatch.models import build_model
+from largebatch.optim import LAMB, param_groups
+from largebatch.parallel import ParallelConfig, ParallelState, init_distributed, parallelize, spawn
+from largebatch.parallel.batch import micro_batches_per_rank
+from largebatch.parallel.checkpoint import latest_distributed_checkpoint, load_distributed
+from largebatch.parallel.mesh import resolve_sizes
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parallel")
+    spawn(cases.run_all, 2, str(out))
+    results = [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
+    return out, results
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"])
+def test_forward_backward_matches_single_process(ranks, kind, mode):
+    """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered)."""
+    for rank_results in ranks[1]:
+        assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL
+        if mode not in ("ddp", "fsdp"):
+            assert rank_results[f"loss/{kind}/{mode}"] < TOL
+            vocab = cases.tiny().vocab_size
+            per_rank = vocab // 2 if "loss" in mode else vocab  # gathered unless vocabulary-parallel
+            assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == per_rank
+
+
+@pytest.mark.parametrize("mode", ["sp", "fsdp"])
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_recomputation_composes_with_sharding(ranks, mode, policy):
+    for rank_results in ranks[1]:
+        assert rank_results[f"recompute/{mode}/{policy}"] < TOL
+
+
+@pytest.mark.parametrize("name", ["lamb", "lans", "lars", "adamw"])
+@pytest.mark.parametrize("mode", ["tp", "fsdp"])
+def test_two_optimizer_steps_equal_unsharded(ranks, name, mode):
+    for rank_results in ranks[1]:
+        assert rank_results[f"optim/{name}/{mode}"] < TOL
+
+
+@pytest.mark.parametrize("mode", ["tp", "fsdp"])
+def test_sharded_lamb_step_matches_float64_formula_and_needs_the_reduction(ranks, mode):
+    for rank_results in ranks[1]:
+        assert rank_results[f"optim/lamb_float64/{mode}/reduced"] < 1e-6
+        # without summing the squared norms over shards the ratios are per-shard: a different algorithm
+        assert rank_results[f"optim/lamb_float64/{mode}/unreduced"] > 1e-5
+
+
+def test_one_all_reduce_per_group_and_norm_stage(ranks):
+    """LAMB: ||x|| and ||r|| of every tensor of an adapted group in ONE all-reduce (groups without
+    a trust ratio need none). LANS: ||g|| of every group first (it normalises the gradient before the
+    moments), then ||x||, ||r||, ||c|| of an adapted group together."""
+    for rank_results in ranks[1]:
+        calls, groups, adapted = rank_results["all_reduces/lamb"]
+        assert adapted >= 1 and calls == adapted
+        calls, groups, adapted = rank_results["all_reduces/lans"]
+        assert calls == groups + adapted
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp", "fsdp", "ddp"])
+def test_global_grad_norm_and_clipping(ranks, mode):
+    for rank_results in ranks[1]:
+        assert rank_results[f"grad_norm/{mode}"] < 1e-6  # relative to the float64 single-process norm
+        assert rank_results[f"grad_norm_clipped/{mode}"] < 1e-5  # clipped to max_norm = 0.5
+
+
+def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
+    """PAPERS.md §2: LayerNorm inputs and dropout masks are stored whole under tensor parallel
+    alone (the 10sbh term is not divided by t) and divided by t with sequence parallel."""
+    t = 2
+    s, b, h = cases.T, cases.B, 32
+    fp32, mask = 4, 1  # bytes: the test runs in fp32; masks are bool
+    ln_tp = s * b * h * fp32 + 2 * s * b * fp32  # LayerNorm input + its per-token mean and rstd
+    drop_tp = s * b * h * mask
+    expected_tp = {"ln1": ln_tp, "ln2": ln_tp, "attn.drop": drop_tp, "mlp.drop": drop_tp}
+    for rank_results in ranks[1]:
+        for region, tp_bytes in expected_tp.items():
+            assert rank_results[f"memory/tp/{region}"] == tp_bytes
+            assert rank_results[f"memory/sp/{region}"] * t == tp_bytes
+        # and that is ALL sequence parallel saves in torch: the column-parallel linears keep their
+        # all-gathered input (q/k/v and fc1 inputs, 2sbh each at 16 bits), which Megatron shards
+        region_saving = sum(tp_bytes - rank_results[f"memory/sp/{r}"] for r, tp_bytes in expected_tp.items())
+        assert rank_results["memory/tp/block"] - rank_results["memory/sp/block"] == region_saving
+
+
+def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):
+    for rank_results in ranks[1]:
+        assert rank_results["noise/local_sq_rel_err"] < 1e-6  # DDP comm hook = the rank's own gradient
+        assert rank_results["noise/mean_small_rel_err"] < 1e-6
+        assert rank_results["noise/batches"] == [cases.B // 2, cases.B]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "sp"])
+def test_two_rank_resume_continues_exactly(ranks, mode):
+    for rank_results in ranks[1]:
+        assert rank_results[f"resume/{mode}/extra_ok"]
+        assert rank_results[f"resume/{mode}/max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "sp"])
+def test_checkpoint_from_two_ranks_resumes_on_one(ranks, mode):
+    out, _ = ranks
+    saved = torch.load(out / f"{mode}_expected.pt", weights_only=False)
+    assert latest_distributed_checkpoint(out / mode).name == "step_00000001.dcp"
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    model = build_model(cases.tiny("gpt"))
+    opt = LAMB(param_groups(model, weight_decay=0.01), lr=0.02)
+    state = init_distributed(ParallelConfig())  # world size 1: no process group
+    extra = load_distributed(saved["path"], model, opt, state)
+    assert extra == {"step": 1, "mode": mode}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["expected"]["model"][name], rtol=0, atol=0)
+        for key, value in saved["expected"]["optim"][name].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
+    # and the next step on 1 process is the 2-rank run's next step
+    idx, targets = cases.batch("gpt")
+    cases.loss_and_backward(model, state, idx, targets)
+    opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
+
+
+def test_dropout_streams_differ_across_replicas_and_match_within_tensor_parallel(ranks):
+    for rank_results in ranks[1]:
+        assert rank_results["seed/tp/same_draw_on_both_ranks"]  # replicated regions need equal masks
+        assert not rank_results["seed/ddp/same_draw_on_both_ranks"]
+
+
+# ------------------------------------------------------------------------------ single process
+def test_world_size_one_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    state = init_distributed(ParallelConfig(dp_mode="fsdp"))
+    assert (state.rank, state.world_size, state.dp_size, state.tp_size, state.mesh) == (0, 1, 1, 1, None)
+    torch.manual_seed(0)
+    model = build_model(cases.tiny("gpt"))
+    reference = copy.deepcopy(model)
+    assert parallelize(model, state) is model
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert type(a) is torch.nn.Parameter and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"tp": 0}, "parallel.tp"), ({"dp": -1}, "parallel.dp"), ({"dp_mode": "zero3"}, "parallel.dp_mode"),
+    ({"backend": "mpi"}, "parallel.backend"), ({"timeout_s": 0}, "parallel.timeout_s"),
+    ({"sequence_parallel": True}, "sequence_parallel"), ({"loss_parallel": True}, "loss_parallel"),
+    ({"tp": 2, "dp": 2}, "dp_mode"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**kwargs)
+
+
+def test_mesh_sizes_must_match_the_launch():
+    assert resolve_sizes(ParallelConfig(tp=2, dp_mode="fsdp"), 8) == (4, 2)
+    with pytest.raises(ValueError, match="set parallel.dp_mode = 'fsdp'"):
+        resolve_sizes(ParallelConfig(tp=2), 8)
+    with pytest.raises(ValueError, match="parallel.tp = 3 does not divide the 4 processes"):
+        resolve_sizes(ParallelConfig(tp=3), 4)
+    with pytest.raises(ValueError, match="2 x 1 = 2, but 4 processes"):
+        resolve_sizes(ParallelConfig(dp=2), 4)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use 'gloo'"):
+            init_distributed(ParallelConfig(backend="nccl"))
+
+
+def test_micro_batches_per_rank():
+    assert micro_batches_per_rank(64, 8, 2) == 4
+    with pytest.raises(ValueError, match=r"multiples of 16\): use a batch of 48 or 64"):
+        micro_batches_per_rank(56, 8, 2)
+
+
+def test_tensor_parallel_size_must_divide_the_model():
+    from largebatch.parallel.tensor_parallel import check_divisible
+
+    model = build_model(cases.tiny("gpt"))  # 4 heads, vocab 64
+    with pytest.raises(ValueError, match="does not divide model n_head = 4"):
+        check_divisible(model, 3, False)
+    state = ParallelState()
+    assert state.describe().startswith("rank 0/1 (dp 0/1, tp 0/1)")
+
+
+def test_fsdp_over_tensor_and_sequence_parallel_on_a_2d_mesh(tmp_path):
+    """4 ranks, mesh dp 2 x tp 2: FSDP2 shards the tensor-parallel DTensors again (2-D)."""
+    spawn(cases.run_2d, 4, str(tmp_path))
+    for rank in range(4):
+        results = json.loads((tmp_path / f"results2d_rank{rank}.json").read_text())
+        assert "Shard" in results["placements"] and results["placements"].count("Shard") == 2
+        assert results["fwd_bwd"] < TOL
+        assert results["grad_norm"] < 1e-6
+        assert results["lamb"] < TOL
+    saved = torch.load(tmp_path / "2d_expected.pt", weights_only=False)
+    model = build_model(cases.tiny("gpt", bias=False))
+    load_distributed(saved["path"], model, None, init_distributed(ParallelConfig()))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["model"][name], rtol=0, atol=0)
+
+
+def test_saved_activation_bytes_counts_saved_inputs_not_parameters():
+    from largebatch.parallel.measure import saved_activation_bytes
+
+    lin = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8)
+    (y, saved) = saved_activation_bytes(lambda: torch.relu(lin(x)), lin)
+    assert saved == 4 * 8 * 4 + 4 * 16 * 4  # the linear's input and the relu's output, fp32
+
+
+def test_compiled_blocks_under_tensor_and_sequence_parallel(ranks):
+    for rank_results in ranks[1]:
+        assert rank_results["compile/all_blocks_compiled"]
+        assert rank_results["compile/grad_diff"] < TOL
