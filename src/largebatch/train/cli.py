@@ -49,6 +49,19 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _launch_time() -> str:
+    """A timestamp every rank of a torchrun job agrees on (its run id), else the local time."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not run_id or run_id == "none":
+            raise ConfigError("under torchrun without a run id, ranks cannot agree on '{time}' in "
+                              "run.out_dir: set --run.out_dir=runs/NAME explicitly")
+        return run_id
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -94,20 +107,21 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = Path(resume_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides)
-            run_dir = Path(cfg.run.out_dir.format(time=time.strftime("%Y%m%d-%H%M%S"),
-                                                  kind=cfg.model.kind))
+            run_dir = Path(cfg.run.out_dir.format(time=_launch_time(), kind=cfg.model.kind))
             if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
                 return _fail(f"run directory {run_dir} already holds checkpoints; continue it with "
                              f"--resume {run_dir}, or choose another --run.out_dir", 2)
     except ConfigError as exc:
         return _fail(str(exc), 2)
 
+    from largebatch.parallel import RankFailure
     from largebatch.train.checkpoint import CheckpointError
     from largebatch.train.loop import NonFiniteLoss, Trainer
 
     try:
-        trainer = Trainer(cfg, run_dir, resume=resume_dir is not None)
-        summary = trainer.fit()
+        summary = _run(cfg, run_dir, resume=resume_dir is not None)
+    except RankFailure as exc:  # the rank and its error were printed by rank_guard
+        return _fail(str(exc).splitlines()[0], 1)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc), 2)
     except (NonFiniteLoss, CheckpointError) as exc:
@@ -115,9 +129,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(f"interrupted; the last checkpoint in {run_dir} is intact "
                      f"(continue with --resume {run_dir})", 130)
-    if not summary.get("stopped_early"):
+    if not summary.get("stopped_early") and summary.get("is_main", True):
         print(format_summary(summary, run_dir))
     return 0
+
+
+def _run(cfg, run_dir: Path, resume: bool) -> dict:
+    """Train; under torchrun a failing rank is named (rank_guard) and the group is left cleanly."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from largebatch.parallel import rank_guard, shutdown
+    from largebatch.train.loop import Trainer
+
+    def run() -> dict:
+        trainer = Trainer(cfg, run_dir, resume=resume)
+        if not trainer.par.distributed:
+            return trainer.fit()
+        with rank_guard(trainer.par):
+            summary = trainer.fit()
+        shutdown(trainer.par)
+        return {**summary, "is_main": trainer.is_main}
+
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run = record(run)  # torchrun's error file: its summary names the failing rank and error
+    return run()
 
 
 def format_summary(s: dict, run_dir: Path) -> str:

@@ -5,6 +5,7 @@
     [schedule]  largebatch.schedules.ScheduleConfig -- LR and batch size against tokens (Seesaw, ...)
     [optim]     OptimConfig (below)                -- LAMB / LANS / LARS / AdamW
     [run]       RunConfig (below)                  -- budget, precision, recompute, logging, checkpoints
+    [parallel]  largebatch.parallel.ParallelConfig -- data / tensor / sequence parallel (torchrun)
 
 Every field can be overridden on the command line as ``--table.field=value``. The resolved config
 is written to ``RUN_DIR/config.toml`` and is what ``--resume`` reads back.
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
+from largebatch.parallel.config import ParallelConfig
 from largebatch.schedules import ScheduleConfig
 from largebatch.typed_config import (ConfigError, dump_toml, from_dict, load_toml,
                                            set_dotted, to_dict)
@@ -128,6 +130,8 @@ class TrainConfig:
     """The optimizer."""
     run: RunConfig = field(default_factory=RunConfig)
     """Budget, precision, recomputation, logging and checkpoints."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data / tensor / sequence parallel sizes, used when launched with torchrun."""
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -142,9 +146,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def check(cfg: TrainConfig) -> TrainConfig:
     """Cross-table checks that need no data or model: fail in a second, not after setup."""
+    import os
+
+    from largebatch.parallel.mesh import resolve_sizes
+
     try:
+        dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         cfg.schedule.build(total_tokens=cfg.run.total_tokens, seq_len=cfg.model.seq_len,
-                           micro_batch=cfg.run.micro_batch, dp_size=1)
+                           micro_batch=cfg.run.micro_batch, dp_size=dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     policies = [p.strip() for p in cfg.run.recompute.split(",")]

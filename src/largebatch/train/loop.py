@@ -30,9 +30,14 @@ import numpy as np
 import torch
 
 from largebatch.data import build_data
-from largebatch.memory import apply_recompute
 from largebatch.models import build_model
-from largebatch.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from largebatch.parallel import (clip_grad_norm_, global_grad_norm, gradient_sync, init_distributed,
+                                 parallelize, seed_ranks, shard_optimizer, unwrap)
+from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
+from largebatch.parallel.checkpoint import (list_distributed_checkpoints, load_distributed,
+                                            save_distributed)
+from largebatch.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint,
+                                         save_checkpoint)
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
                                       measure_peak_flops, memory_bytes, plot_run)
@@ -82,10 +87,21 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _grad_sq_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of all gradients, on device (no host sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
+def latest_any_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run, single-process (.pt) or distributed (.dcp), by step."""
+    found = list_checkpoints(run_dir) + list_distributed_checkpoints(run_dir)
+    return max(found, key=lambda p: int(p.name.split("_")[1].split(".")[0]), default=None)
+
+
+def _gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
+    """Every rank's RNG state (dropout streams differ across data-parallel ranks)."""
+    if not pstate.distributed:
+        return [state_rng]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * pstate.world_size
+    dist.all_gather_object(gathered, state_rng)
+    return gathered
 
 
 class Trainer:
@@ -93,23 +109,33 @@ class Trainer:
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         run = cfg.run
         # -- 1. setup -------------------------------------------------------------------------
-        self.device = resolve_device(run.device)
-        torch.manual_seed(run.seed)
+        self.par = init_distributed(cfg.parallel)  # a no-op in one process
+        self.is_main = self.par.is_main
+        if not self.is_main:
+            self.log = lambda *_: None
+        self.device = self.par.device if self.par.distributed else resolve_device(run.device)
+        torch.manual_seed(run.seed)  # the same initial model on every rank
         random.seed(run.seed)
         np.random.seed(run.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind=cfg.model.kind)
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
-        self.model = build_model(cfg.model).to(self.device)
-        self.raw_model = self.model  # the uncompiled module: checkpoints and generation use it
-        apply_recompute(self.model, _recompute_policy(run.recompute, cfg.model.n_layer))
-        if run.compile:
-            self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(self.raw_model, cfg.optim)
+        # fixed order (torchtitan): tensor/sequence parallel -> recompute -> compile -> DDP/FSDP
+        self.model = parallelize(build_model(cfg.model).to(self.device), self.par,
+                                 recompute=_recompute_policy(run.recompute, cfg.model.n_layer),
+                                 compile=run.compile)
+        self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
+        seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
+        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
         self.schedule = cfg.schedule.build(total_tokens=run.total_tokens, seq_len=cfg.model.seq_len,
-                                           micro_batch=run.micro_batch, dp_size=1)
+                                           micro_batch=run.micro_batch, dp_size=self.par.dp_size)
         self.noise = cfg.schedule.build_noise_scale()
+        # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
+        # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
+        self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
+                                if self.par.dp_size > 1 and self.par.dp_mode == "ddp" else None)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if run.dtype == "bf16" else nullcontext())
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
@@ -117,44 +143,72 @@ class Trainer:
         # -- 2. resume ------------------------------------------------------------------------
         resume_step = None
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
+            ckpt = latest_any_checkpoint(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint in "
                                         f"{self.run_dir / 'checkpoints'}; start a new run instead")
-            self._load(load_checkpoint(ckpt))
+            self._load(ckpt)
             resume_step = self.pos.step
             self.log(f"resumed from {ckpt} at step {self.pos.step}, {human_count(self.pos.tokens)} tokens")
-        save_config(cfg, self.run_dir / "config.toml")
-        self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step)
+        self.metrics = None
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.toml")
+            self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step)
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
         self.flops_per_token = self.raw_model.flops_per_token()
 
     # ------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+    def extra_state(self) -> dict[str, Any]:
+        """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
+        return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
-                "rng": _rng_state(self.device), "config": to_dict(self.cfg)}
+                "rng": _gather_rng(_rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
-    def _load(self, state: dict[str, Any]) -> None:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.noise.load_state_dict(state["noise_scale"])
-        self.pos = Progression(**state["progress"])
-        _set_rng_state(state["rng"], self.device)
+    def _load(self, path: Path) -> None:
+        if path.suffix == ".dcp":  # from any number of ranks, onto this mesh
+            extra = load_distributed(path, self.model, self.optimizer, self.par)
+        else:
+            extra = load_checkpoint(path)
+            self.raw_model.load_state_dict(extra["model"])
+            self.optimizer.load_state_dict(extra["optimizer"])
+        saved_dp = extra["schedule"].get("config", {}).get("dp_size", self.par.dp_size)
+        if saved_dp != self.par.dp_size:
+            # another number of replicas: keep the run's batch granularity (micro_batch x old dp),
+            # which the new dp must divide, so every step's batch is the one the run would take
+            if saved_dp % self.par.dp_size:
+                raise ValueError(f"checkpoint {path} was written with {saved_dp} data-parallel "
+                                 f"replicas; resume on a number that divides {saved_dp}")
+            run = self.cfg.run
+            self.schedule = self.cfg.schedule.build(total_tokens=run.total_tokens,
+                                                    seq_len=self.cfg.model.seq_len,
+                                                    micro_batch=run.micro_batch, dp_size=saved_dp)
+        self.schedule.load_state_dict(extra["schedule"])
+        self.noise.load_state_dict(extra["noise_scale"])
+        self.pos = Progression(**extra["progress"])
+        rngs = extra["rng"]
+        if len(rngs) == self.par.world_size:
+            _set_rng_state(rngs[self.par.rank], self.device)
+        else:  # another number of ranks: the data order is exact, dropout streams restart
+            seed_ranks(self.cfg.run.seed + self.pos.step, self.par)
+            self.log(f"note: checkpoint from {len(rngs)} ranks resumed on {self.par.world_size}: "
+                     f"data position and state are exact, dropout streams are re-seeded")
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.pos.step, self.state_dict(),
-                               keep_last=self.cfg.run.keep_checkpoints)
+        keep = self.cfg.run.keep_checkpoints
+        if self.par.distributed:
+            return save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
+                                    self.extra_state(), self.par, keep_last=keep)
+        state = {**self.extra_state(), "model": self.raw_model.state_dict(),
+                 "optimizer": self.optimizer.state_dict()}
+        return save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
 
     # ------------------------------------------------------------------------------------------
     def _forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = batch["input_ids"].to(self.device, non_blocking=True)
         targets = batch["targets"] if "targets" in batch else batch["labels"]
-        with self.autocast:
+        with self.autocast, self.par.loss_context():
             _, loss_sum = self.model(inputs, targets.to(self.device, non_blocking=True), reduction="sum")
         return loss_sum
 
@@ -174,48 +228,61 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record."""
-        cfg, pos = self.cfg, self.pos
+        cfg, pos, par = self.cfg, self.pos, self.par
         batch_size = self.schedule.batch_size(pos.tokens)
         lr = self.schedule.lr(pos.tokens)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         mb = cfg.run.micro_batch
-        # global sample indices: the data order never depends on how batches are cut
-        indices = range(pos.samples, pos.samples + batch_size)
-        micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, batch_size, mb)]
-        n_targets = sum(int(_target_count(b)) for b in micro_batches)
+        # global sample indices: the data order never depends on how batches are cut; each
+        # data-parallel rank takes a contiguous share of the step
+        indices = rank_samples(range(pos.samples, pos.samples + batch_size), par)
+        micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, len(indices), mb)]
+        n_targets = global_sum(sum(int(_target_count(b)) for b in micro_batches), par)
+        # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
+        scale = par.dp_size / n_targets
         params = [p for p in self.raw_model.parameters() if p.requires_grad]
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
+        last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            loss = self._forward_loss(batch)
-            (loss / n_targets).backward()  # normalised by the whole step's target tokens
+            with gradient_sync(self.model, i == last):
+                loss = self._forward_loss(batch)
+                with par.loss_context():
+                    (loss * scale).backward()
             loss_sum += loss.detach()
-            if i == 0 and len(micro_batches) > 1:
+            if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
-                scale = n_targets / int(_target_count(batch))
-                small_sq = _grad_sq_norm(params) * scale**2
+                n_first = int(_target_count(batch))
+                small_sq = global_grad_norm(params, par).square() * (n_targets / n_first) ** 2
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        loss_value = float(loss_sum) / n_targets
+        grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
+        loss_value = global_sum(loss_sum, par) / n_targets
         record: dict[str, Any] = {"kind": "train", "loss": loss_value, "lr": lr,
                                   "batch_size": batch_size, "micro_batches": len(micro_batches),
-                                  "grad_norm": float(grad_norm)}
-        if not (math.isfinite(loss_value) and math.isfinite(record["grad_norm"])):
+                                  "grad_norm": grad_norm}
+        if self.local_grad_norm is not None:  # DDP: this rank's batch vs all ranks' batch
+            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm**2,
+                                              len(indices), par)
+        elif small_sq is not None:
+            noise_inputs = (float(small_sq), mb, grad_norm**2, batch_size)
+        else:
+            noise_inputs = None
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             if cfg.run.on_nonfinite == "stop":
-                last = latest_checkpoint(self.run_dir)
+                last_ckpt = latest_any_checkpoint(self.run_dir)
                 raise NonFiniteLoss(
-                    f"loss is {loss_value} (gradient norm {record['grad_norm']}) at step {pos.step + 1}, "
-                    f"{pos.tokens} tokens. Last good checkpoint: {last or 'none'}. Lower "
+                    f"loss is {loss_value} (gradient norm {grad_norm}) at step {pos.step + 1}, "
+                    f"{pos.tokens} tokens. Last good checkpoint: {last_ckpt or 'none'}. Lower "
                     f"schedule.peak_lr, set optim.grad_clip, or run.on_nonfinite='skip'.")
             pos.skipped_steps += 1
             record["skipped"] = True
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            if small_sq is not None:
-                self.noise.update(float(small_sq), mb, float(grad_norm) ** 2, batch_size)
+            if noise_inputs is not None:
+                self.noise.update(*noise_inputs)
                 if self.schedule.uses_noise_scale and self.noise.b_simple is not None:
                     # adaptive Seesaw: caps only milestones after this token count (deterministic)
                     self.schedule.observe_noise_scale(pos.tokens, self.noise.b_simple)
@@ -250,7 +317,7 @@ class Trainer:
                 self.log(f"stopped after {steps_here} steps (run.max_steps); checkpoint {path}. "
                          f"Continue with: largebatch train --resume {self.run_dir}")
                 progress.close()
-                self.metrics.close()
+                self._close()
                 return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens}
             t0 = time.perf_counter()
             record = self.train_step()
@@ -263,9 +330,9 @@ class Trainer:
                 tps = (pos.tokens - tokens_log) / max(now - t_log, 1e-9)
                 t_log, tokens_log = now, pos.tokens
                 record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                              mfu=self.flops_per_token * tps / self.peak_flops,
-                              memory_bytes=memory_bytes(self.device))
-                self.metrics.log(record)
+                              mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
+                if self.metrics is not None:
+                    self.metrics.log(record)
                 progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
                 if not progress.enabled:
                     self.log(_format_record(record))
@@ -273,13 +340,23 @@ class Trainer:
         # -- 4. the end -----------------------------------------------------------------------
         val_loss = self._log_eval()
         self.save()
-        self.metrics.close()
-        return self._summary(val_loss)
+        summary = self._summary(val_loss)
+        self._close()
+        return summary
+
+    def _mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
+        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
+
+    def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _log_eval(self) -> float:
         val_loss = self.evaluate()
-        self.metrics.log({"kind": "val", "step": self.pos.step, "tokens": self.pos.tokens,
-                          "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        if self.metrics is not None:
+            self.metrics.log({"kind": "val", "step": self.pos.step, "tokens": self.pos.tokens,
+                              "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}")
         return val_loss
@@ -295,8 +372,12 @@ class Trainer:
                  f"grad clip {cfg.optim.grad_clip})",
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
+                 f"parallel     {self.par.world_size} process(es): dp {self.par.dp_size} "
+                 f"({self.par.dp_mode}) x tp {self.par.tp_size}"
+                 f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
                  f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}",
-                 cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch, 1)]
+                 cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch,
+                                       self.par.dp_size)]
         return "\n".join(line for line in lines if line)
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
@@ -305,12 +386,17 @@ class Trainer:
         summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
                    "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
                    "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
-                   "mfu": self.flops_per_token * tps / self.peak_flops,
+                   "mfu": self._mfu(tps), "world_size": self.par.world_size,
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
         if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
-            summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
+            if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
+                summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
+            else:  # every rank generates: tensor-parallel and FSDP forwards are collective
+                summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
+        if not self.is_main:
+            return summary
         try:
             plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience; never fail a finished run on them
