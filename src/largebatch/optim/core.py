@@ -139,7 +139,8 @@ def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float
 
 
 # Column layout of the (n, 9) hyperparameter tensor handed to the Adam-style per-tensor kernels.
-HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_BC1, HP_BC2 = range(9)
+(HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_INV_BC1,
+ HP_INV_BC2) = range(9)  # HP_INV_BC*: 1/(1 - beta^t)
 
 
 def adam_hyperparameters(group: dict, steps: list[int], like: Tensor) -> Tensor:
@@ -147,8 +148,8 @@ def adam_hyperparameters(group: dict, steps: list[int], like: Tensor) -> Tensor:
     Kernels read their scalars from it, so a changed lr/beta/eps never recompiles a fused kernel."""
     beta1, beta2 = group["betas"]
     bc1, bc2 = bias_corrections(steps, group["betas"], group.get("bias_correction", True))
-    rows = [[group["lr"], beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c1, c2]
-            for c1, c2 in zip(bc1, bc2)]
+    rows = [[group["lr"], beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], 1 / c1, 1 / c2]
+            for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
     return device_tensor(rows, like)
 
 

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from .core import (HP_BC1, HP_BC2, HP_EPS, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
+from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
                    adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
                    foreach_folded_denominator, per_tensor, scaled_copy)
 
@@ -46,7 +46,7 @@ PRESETS: dict[str, dict] = {
 
 def lamb_direction(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, l2_decay: bool) -> Tensor:
     """r = m^/(sqrt(v^) + eps) (+ wd*x when decay is decoupled). All 1-D, hp: (9,)."""
-    r = (m / hp[HP_BC1]) / ((v / hp[HP_BC2]).sqrt() + hp[HP_EPS])
+    r = (m * hp[HP_INV_BC1]) / ((v * hp[HP_INV_BC2]).sqrt() + hp[HP_EPS])
     return r if l2_decay else r + hp[HP_WD] * x
 
 

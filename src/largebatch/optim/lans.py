@@ -20,15 +20,15 @@ import math
 import torch
 from torch import Tensor
 
-from .core import (HP_BC1, HP_BC2, HP_EPS, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
+from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
                    adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
                    foreach_folded_denominator, per_tensor, scaled_copy)
 
 
 def lans_directions(x: Tensor, g_normalized: Tensor, m: Tensor, v: Tensor, hp: Tensor) -> tuple[Tensor, Tensor]:
     """r = m^/d + wd*x and c = g~/d + wd*x for one tensor (1-D), d = sqrt(v^) + eps."""
-    d = (v / hp[HP_BC2]).sqrt() + hp[HP_EPS]
-    return (m / hp[HP_BC1]) / d + hp[HP_WD] * x, g_normalized / d + hp[HP_WD] * x
+    d = (v * hp[HP_INV_BC2]).sqrt() + hp[HP_EPS]
+    return (m * hp[HP_INV_BC1]) / d + hp[HP_WD] * x, g_normalized / d + hp[HP_WD] * x
 
 
 def lans_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor) -> Tensor:
