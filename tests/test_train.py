@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from largebatch.train.checkpoint import list_checkpoints
-from largebatch.train.cli import main
+from largebatch.train.cli import main, resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
@@ -45,7 +45,7 @@ def _train_losses(run_dir: Path) -> list[tuple[int, int, float]]:
 
 
 def _run(overrides: dict, resume: bool = False) -> dict:
-    cfg = load_config(None, overrides)
+    cfg = load_config(resolve_config(None), overrides)  # the same base as the CLI
     return Trainer(cfg, overrides["run.out_dir"], resume=resume, log=lambda *_: None).fit()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
@@ -50,7 +51,7 @@ def single(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("runs") / "single"
     o = _overrides(cache, out)
-    Trainer(load_config(None, o), out, log=lambda *_: None).fit()
+    Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
     return cache, out
 
 
@@ -74,6 +75,6 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     _torchrun(_overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 7}))
     assert (out / "checkpoints" / "step_00000007.dcp" / ".metadata").is_file()
     o = _overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 0})
-    Trainer(load_config(None, o), out, resume=True, log=lambda *_: None).fit()
+    Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None).fit()
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
