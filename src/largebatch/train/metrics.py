@@ -23,9 +23,14 @@ from typing import Any
 import torch
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
-                       seconds: float = 0.5) -> float:
-    """Best achieved FLOP/s of an n x n x n matmul on ``device`` -- an honest MFU denominator."""
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
+                       seconds: float = 1.5) -> float:
+    """Best achieved FLOP/s of an n x n x n matmul on ``device`` -- an honest MFU denominator.
+
+    The best of many repetitions, so a busy moment on a shared machine lowers it little; on a
+    machine shared with other jobs it can still be low (and MFU then high): declare the peak with
+    ``run.peak_flops`` for numbers to compare across machines.
+    """
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):  # warm up kernels and caches
