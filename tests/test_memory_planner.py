@@ -62,3 +62,20 @@ def test_cli_says_what_would_fit(capsys):
 def test_cli_bad_input(argv, words, capsys):
     assert main(argv) == 2
     assert words in capsys.readouterr().out
+
+
+def test_planner_reads_a_training_config(capsys, tmp_path):
+    """`largebatch memory --config run.toml` predicts for that run's model, micro-batch and mesh."""
+    from largebatch.memory.cli import main as memory_main
+
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nn_layer = 3\nn_embd = 128\nn_head = 4\nseq_len = 64\n'
+                      '[data]\nvocab_size = 2048\n[run]\nmicro_batch = 4\n'
+                      '[parallel]\ntp = 2\nsequence_parallel = true\n')
+    assert memory_main(["--config", str(config), "--budget-gib", "1"]) == 0
+    from_config = capsys.readouterr().out
+    assert memory_main(["--layers", "3", "--hidden", "128", "--heads", "4", "--seq-len", "64",
+                        "--vocab", "2048", "--micro-batch", "4", "--tp", "2", "--sequence-parallel",
+                        "--budget-gib", "1"]) == 0
+    assert from_config == capsys.readouterr().out
+    assert "s=64 b=4 h=128 a=4 t=2 L=3" in from_config

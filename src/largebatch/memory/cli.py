@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help=f"preset: {', '.join(PRESETS)} (default demo)")
+    p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
+                   "[run] micro_batch and [parallel] tp / sequence_parallel / dp, so the prediction "
+                   "is per rank of that run (flags given explicitly still override)")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag}", type=TYPES.get(flag, int), help=f"override the preset's {field}")
     p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
@@ -46,7 +49,29 @@ def _config(args: argparse.Namespace) -> ModelConfig:
                if getattr(args, flag) is not None}
     if args.seq_len is not None:
         changes["seq_len"] = args.seq_len
+    if args.config:
+        return _from_train_config(args).replace(**changes)
     return preset(args.model, **changes)
+
+
+def _from_train_config(args: argparse.Namespace) -> ModelConfig:
+    """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
+    from largebatch.typed_config import from_dict, load_toml
+
+    tree = load_toml(args.config)
+    model = dict(tree.get("model", {}))
+    if "vocab_size" in tree.get("data", {}):  # the trainer sizes the model to its tokenizer
+        model["vocab_size"] = tree["data"]["vocab_size"]
+    config = from_dict(ModelConfig, model, prefix="model")
+    run, par = tree.get("run", {}), tree.get("parallel", {})
+    if args.micro_batch == "1" and "micro_batch" in run:
+        args.micro_batch = str(run["micro_batch"])
+    if args.tp == 1:
+        args.tp = par.get("tp", 1)
+    if args.dp == 1:
+        args.dp = par.get("dp", 0) or 1
+    args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
+    return config
 
 
 def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float) -> list[str]:
