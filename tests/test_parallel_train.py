@@ -1,6 +1,7 @@
-"""Short real training runs under torchrun (2 gloo ranks, 1 thread each) against the single-process
-run with the same seed: data parallel 2, and tensor parallel 2 with sequence parallel, lower the
-validation loss exactly as one process does (tests/parallel_train.py is the loop)."""
+"""A 2-rank torchrun training job whose rank 1 is SIGKILLed, then resumed, against one process
+(tests/parallel_train.py is a minimal loop with a hook to kill a rank at a given step). The trainer
+itself under torchrun (dp = 2, tp = 2 + SP, FSDP resumed on one process) is tested in
+tests/test_train_distributed.py."""
 
 from __future__ import annotations
 
@@ -34,16 +35,6 @@ def run(out: Path, *args: str, nproc: int) -> dict:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     return run(tmp_path_factory.mktemp("single") / "out.json", nproc=1)
-
-
-@pytest.mark.parametrize("args", [("--dp-mode", "ddp"), ("--tp", "2", "--sp")], ids=["dp2", "tp2-sp"])
-def test_torchrun_training_matches_single_process(tmp_path, single, args):
-    parallel = run(tmp_path / "out.json", *args, nproc=2)
-    assert single["val_after"] < single["val_before"] - 0.4  # it learns (5.55 -> 4.92 nats/byte)
-    assert parallel["val_before"] == pytest.approx(single["val_before"], abs=1e-6)
-    assert parallel["val_after"] == pytest.approx(single["val_after"], abs=1e-4)
-    for mine, theirs in zip(parallel["grad_norms"], single["grad_norms"]):
-        assert mine == pytest.approx(theirs, rel=1e-5)
 
 
 def test_killed_two_rank_run_resumes_and_finishes_like_one_process(tmp_path, single):
