@@ -126,3 +126,23 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path, reference_run
     err = capsys.readouterr().err
     assert "loss is nan" in err.lower() or "loss is inf" in err.lower(), err
     assert "at step" in err and "Last good checkpoint" in err and "Traceback" not in err
+
+
+def test_bf16_skip_nonfinite_and_tensorboard(tmp_path, reference_run):
+    """bf16 autocast trains; a non-finite step is skipped (not applied) when configured; TensorBoard
+    event files and the per-step metrics are written."""
+    cache = reference_run[0]
+    out = tmp_path / "bf16"
+    o = tiny_overrides(cache, out, **{"run.dtype": "bf16", "run.tensorboard": True,
+                                       "schedule.batch_policy": "constant",
+                                       "run.total_tokens": 32 * 8 * 4})
+    summary = _run(o)
+    assert math.isfinite(summary["final_val_loss"])
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    skip = tiny_overrides(cache, tmp_path / "skip", **{
+        "schedule.peak_lr": 1e30, "schedule.batch_policy": "constant", "optim.name": "adamw",
+        "run.on_nonfinite": "skip", "run.total_tokens": 32 * 8 * 6})
+    summary = _run(skip)
+    records = [r for r in read_metrics(tmp_path / "skip") if r["kind"] == "train"]
+    assert summary["skipped_steps"] >= 1 and any(r.get("skipped") for r in records)
+    assert len(records) == 6  # the run went on to the end of its budget
