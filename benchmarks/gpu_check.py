@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            measured = "n/a" if r["peak_memory"] is None else f"{r["peak_memory"] / MIB:,.0f}"
+            measured = "n/a" if r["peak_memory"] is None else f"{r['peak_memory'] / MIB:,.0f}"
             rows.append([name, f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%", measured,
                          f"{r['predicted_total'] / MIB:,.1f}", f"{r['predicted_activations'] / MIB:,.1f}"])
             print("  throughput", " | ".join(rows[-1]), flush=True)
