@@ -27,6 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from largebatch.experiments.timing import time_interleaved  # noqa: E402
 from largebatch.memory import apply_recompute, estimate, model_activation_bytes  # noqa: E402
 from largebatch.models import GPT, ModelConfig, utilization  # noqa: E402
 from largebatch.optim import LAMB, LANS  # noqa: E402
@@ -91,15 +92,7 @@ def optimizer_step_times(config: ModelConfig, device: torch.device, rounds: int)
         p.grad = torch.randn_like(p) * 1e-3
     optimizers = {"AdamW(fused=True)": torch.optim.AdamW(params, lr=1e-6, fused=True),
                   "LAMB": LAMB(params, lr=1e-6), "LANS": LANS(params, lr=1e-6)}
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for r in range(rounds + 1):
-        for name, optimizer in optimizers.items():
-            sync(device)
-            start = time.perf_counter()
-            optimizer.step()
-            sync(device)
-            if r:  # round 0 creates the state
-                times[name].append(time.perf_counter() - start)
+    times = time_interleaved({name: opt.step for name, opt in optimizers.items()}, rounds, device)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from largebatch.experiments import cli
 from largebatch.experiments.noise_scale import rank_correlation
@@ -52,7 +53,16 @@ def assert_png(path: Path) -> None:
     assert width >= 300 and height >= 200, (path, width, height)
 
 
-def test_seesaw_smoke_report_agrees_with_metrics(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a shared machine does not stall on spinning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
     out = tmp_path / "seesaw"
     assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
@@ -69,7 +79,7 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path):
             assert int(row["final batch"]) == train[-1]["batch_size"]
             saved = 100 * (1 - train[-1]["step"] / cosine_steps)
             assert float(row["steps saved"].rstrip("%")) == pytest.approx(saved, abs=0.051)
-            assert train[-1]["tokens"] >= 12_288  # equal token budgets
+            assert int(row["tokens"]) == train[-1]["tokens"] >= 12_288  # the budget, or just past it
     below = {row["arm"]: row for row in tables[0]}
     # cosine at batch 8 x seq 32 over 12,288 tokens; Seesaw r=1/2 reaches 8 * 2**k_max with
     # k_max = floor(log(final/peak) / log r) = floor(log 0.1 / log 0.5) = 3 (PAPERS.md §3)
@@ -88,7 +98,7 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path):
         assert_png(out / name)
 
 
-def test_gpu_check_code_paths_on_cpu(capsys):
+def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)

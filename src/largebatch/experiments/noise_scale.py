@@ -17,7 +17,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules
+from largebatch.experiments.report import (Report, finish_figure, fmt_loss, markdown_table,
+                                           plot_schedules)
 from largebatch.experiments.runner import Arm, ArmResult, base_overrides, run_arm
 
 SETTINGS = {"smoke": (8, 2), "quick": (16, 4), "full": (16, 4)}  # start batch, micro-batch
@@ -111,10 +112,4 @@ def plot_noise(results: list[ArmResult], path: Path) -> Path:
     ax_noise.set(xlabel="tokens", ylabel="sequences", yscale="log",
                  title="B_simple (solid) and batch size (dotted)")
     ax_loss.set(xlabel="tokens", ylabel="validation loss", title="validation loss")
-    for ax in (ax_noise, ax_loss):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, (ax_noise, ax_loss), path, legend_axes=(ax_noise, ax_loss))

@@ -3,8 +3,10 @@
 LAMB (You et al. 2019, Alg. 2), LANS (Zheng et al. 2020, Alg. 1), LARS (You, Gitman, Ginsburg 2017,
 Alg. 1) and torch.optim.AdamW (PAPERS.md §1), each at a small batch B and at 8B and 32B, with the
 same token budget (so 8x / 32x fewer optimizer steps), warmup + cosine. The LR is tuned per
-optimizer and batch on a small grid (quick mode: 2 points, full mode: 4); each cell reports its
-best LR. The papers' claim: LAMB and LANS hold their loss at batch sizes where AdamW degrades.
+optimizer and batch on a small grid (quick mode: 2 points, full mode: 4) centred by the square-root
+rule: at m x the small batch the grid is multiplied by sqrt(m). Each cell reports its best LR, marked
+"(edge)" when that LR is at an end of a grid of 3+ points (the optimum may lie beyond it).
+The papers' claim: LAMB and LANS hold their loss at batch sizes where AdamW degrades.
 "The batch beyond which an optimizer degrades" is read off as the first batch whose best loss is
 more than DEGRADE_NATS above that optimizer's small-batch loss.
 """
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
+from largebatch.experiments.report import (Report, finish_figure, fmt_loss, markdown_table,
+                                           plot_validation)
 from largebatch.experiments.runner import Arm, ArmResult, base_overrides, run_arm
 
 OPTIMIZERS = ("adamw", "lamb", "lans", "lars")
@@ -25,7 +28,7 @@ DEGRADE_NATS = 0.05
 LR_GRID = {"adamw": (1e-3, 3e-3, 1e-2, 3e-2), "lamb": (3e-3, 1e-2, 3e-2, 1e-1),
            "lans": (3e-3, 1e-2, 3e-2, 1e-1), "lars": (1.0, 3.0, 10.0, 30.0)}
 SETTINGS = {"smoke": (2, 12_288, {k: v[2:3] for k, v in LR_GRID.items()}),
-            "quick": (4, 131_072, {k: v[1:3] for k, v in LR_GRID.items()}),
+            "quick": (4, 98_304, {k: v[1:3] for k, v in LR_GRID.items()}),
             "full": (8, 1_048_576, LR_GRID)}
 
 
@@ -35,7 +38,7 @@ def grid_arms(size: str) -> list[Arm]:
     for multiple in MULTIPLES:
         batch = small * multiple
         for name in OPTIMIZERS:
-            for lr in grid[name]:
+            for lr in (round(base_lr * multiple ** 0.5, 6) for base_lr in grid[name]):
                 overrides = {"optim.name": name, "optim.weight_decay": 0.01,
                              "schedule.peak_lr": lr, "schedule.batch_size": batch,
                              "schedule.batch_policy": "constant",
@@ -74,15 +77,20 @@ def run(size: str, out_dir: Path, command: str, log=print) -> Report:
                     command)
     report.add(f"""{base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq
 {base['model.seq_len']}, vocab {base['data.vocab_size']}, {tokens:,} tokens of Shakespeare per run,
-10% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping. LR grid per optimizer:
+10% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping. LR grid per optimizer
+at batch {small} (x sqrt(batch / {small}) at larger batches):
 {'; '.join(f'{k} {list(v)}' for k, v in grid.items())}.""")
     rows = []
     for name in OPTIMIZERS:
         row: list[object] = [name]
         for batch in batches:
             r = best[(name, batch)]
-            row.append(f"{fmt_loss(r.final_val_loss)} (lr {r.arm.overrides['schedule.peak_lr']:g},"
-                       f" {r.steps} steps)")
+            lr = r.arm.overrides["schedule.peak_lr"]
+            lrs = [a.arm.overrides["schedule.peak_lr"] for a in results
+                   if a.arm.overrides["optim.name"] == name
+                   and a.arm.overrides["schedule.batch_size"] == batch]
+            edge = " (edge)" if len(lrs) > 2 and lr in (min(lrs), max(lrs)) else ""
+            row.append(f"{fmt_loss(r.final_val_loss)} (lr {lr:g}{edge}, {r.steps} steps)")
         row.append(degrades_beyond(best, name, batches))
         rows.append(row)
     headers = ["optimizer"] + [f"batch {b}" for b in batches] + [
@@ -114,9 +122,4 @@ def plot_loss_vs_batch(best: dict[tuple[str, int], ArmResult], batches: list[int
     ax.set(xscale="log", xlabel="batch size (sequences), equal tokens",
            ylabel="best final validation loss", title="Loss vs batch size (LR tuned per cell)")
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, (ax,), path, legend_axes=(ax,))

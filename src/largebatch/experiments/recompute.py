@@ -12,14 +12,14 @@ median over rounds of the per-round ratio to "none", so a shared machine hits al
 
 from __future__ import annotations
 
-import statistics
-import time
+import functools
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-from largebatch.experiments.report import Report, markdown_table
+from largebatch.experiments.report import Report, finish_figure, markdown_table
+from largebatch.experiments.timing import median_ratios, time_interleaved
 from largebatch.memory import apply_recompute, measure_forward_bytes, model_activation_bytes
 from largebatch.models import GPT, RECOMPUTE_POLICIES, ModelConfig, preset
 
@@ -32,12 +32,12 @@ SETTINGS = {
 }
 
 
-def step_seconds(model: GPT, idx: torch.Tensor) -> float:
-    start = time.perf_counter()
+def train_step(model: GPT, policy: str, idx: torch.Tensor) -> None:
+    """Forward and backward of the model under one recompute policy (idx: (b, s) token ids)."""
+    apply_recompute(model, policy)
     _, loss = model(idx, idx)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def measure_policies(config: ModelConfig, micro_batch: int, rounds: int) -> list[dict]:
@@ -53,19 +53,12 @@ def measure_policies(config: ModelConfig, micro_batch: int, rounds: int) -> list
             loss.backward()
         model.zero_grad(set_to_none=True)
         predicted = model_activation_bytes(config, micro_batch, policy, dtype_bytes=4, device="cpu")
-        rows[policy] = {"policy": policy, "measured": memory.tensor_bytes, "predicted": predicted,
-                        "times": []}
-    for r in range(rounds + 1):
-        k = r % len(RECOMPUTE_POLICIES)
-        for policy in RECOMPUTE_POLICIES[k:] + RECOMPUTE_POLICIES[:k]:
-            apply_recompute(model, policy)
-            seconds = step_seconds(model, idx)
-            if r:  # round 0 warms up
-                rows[policy]["times"].append(seconds)
-    base = rows["none"]["times"]
-    for row in rows.values():
-        row["time_ratio"] = statistics.median(t / b for t, b in zip(row["times"], base))
-        row["min_ms"] = 1e3 * min(row["times"])
+        rows[policy] = {"policy": policy, "measured": memory.tensor_bytes, "predicted": predicted}
+    times = time_interleaved({p: functools.partial(train_step, model, p, idx)
+                              for p in RECOMPUTE_POLICIES}, rounds)
+    ratios = median_ratios(times, "none")
+    for policy, row in rows.items():
+        row["time_ratio"], row["min_ms"] = ratios[policy], 1e3 * min(times[policy])
     return list(rows.values())
 
 
@@ -117,11 +110,6 @@ def plot_policies(by_attention: dict[str, list[dict]], path: Path) -> Path:
                     color=f"C{i}", label=attention)
     for ax in axes:
         ax.set_xticks(range(len(RECOMPUTE_POLICIES)), RECOMPUTE_POLICIES)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
     axes[0].set(ylabel="activation MiB (forward -> backward)", title="memory: measured vs model")
     axes[1].set(ylabel="step time / none", title="step time (median per-round ratio)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, axes, path, legend_axes=axes)

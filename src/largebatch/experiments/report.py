@@ -65,6 +65,20 @@ class Report:
         return path
 
 
+def finish_figure(fig, axes, path: Path, title: str | None = None, legend_axes=()) -> Path:
+    """Grid on every axis, legends where asked, a title, save as PNG and free the figure."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    for ax in legend_axes:
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
     """Validation loss against tokens (left) and against optimizer steps (right), one line per arm.
     Arms of the same group share a line style; colours follow the arm order within a group."""
@@ -85,14 +99,7 @@ def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
     ax_tokens.set(xlabel="tokens", ylabel="validation loss (nats/token)", title="vs tokens")
     ax_steps.set(xlabel="optimizer steps", title="vs optimizer steps")
     _set_loss_limits(ax_tokens, results)
-    for ax in (ax_tokens, ax_steps):
-        ax.grid(alpha=0.3)
-    ax_steps.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, (ax_tokens, ax_steps), path, title, legend_axes=(ax_steps,))
 
 
 def _set_loss_limits(ax, results: list[ArmResult]) -> None:
@@ -114,11 +121,4 @@ def plot_schedules(results: list[ArmResult], path: Path, title: str) -> Path:
                       label=label)
     ax_lr.set(xlabel="tokens", ylabel="learning rate", title="learning rate")
     ax_batch.set(xlabel="tokens", ylabel="batch size (sequences)", title="batch size", yscale="log")
-    for ax in (ax_lr, ax_batch):
-        ax.grid(alpha=0.3)
-    ax_batch.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, (ax_lr, ax_batch), path, title, legend_axes=(ax_batch,))
