@@ -53,11 +53,12 @@ class Report:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         import torch
 
+        device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else f"{platform.machine()} CPU ({torch.get_num_threads()} torch threads)")
         header = [f"# {self.title}", "",
                   f"Reproduce: `{self.command}`", "",
-                  f"Measured {stamp} on {platform.machine()} CPU ({torch.get_num_threads()} "
-                  f"torch threads, fp32, torch {torch.__version__}); {self.seconds:.0f} s in all. "
-                  f"Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
+                  f"Measured {stamp} on {device}, fp32, torch {torch.__version__}; "
+                  f"{self.seconds:.0f} s in all. Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
         body = "\n\n".join(self.sections)
         images = "\n".join(f"![{p}]({p})" for p in self.plots)
         path = out_dir / "report.md"

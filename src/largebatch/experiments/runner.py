@@ -12,6 +12,7 @@ Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per exp
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
 # Fields every experiment run shares: quiet, no sample, no TensorBoard, 20 evaluations.
 COMMON_OVERRIDES: dict[str, Any] = {
     "data.corpus": "shakespeare", "model.kind": "gpt", "model.dropout": 0.0,
-    "run.device": "cpu", "run.dtype": "fp32", "run.tensorboard": False, "run.progress": "off",
+    "run.device": "auto", "run.dtype": "fp32", "run.tensorboard": False, "run.progress": "off",
     "run.sample_tokens": 0, "run.recompute": "none", "schedule.warmup": 0.1,
     "schedule.final_lr": 0.1, "schedule.lr_schedule": "cosine",
 }
@@ -116,26 +117,32 @@ _PEAK_FLOPS: dict[str, float] = {}
 
 
 def _peak_flops() -> float:
-    """The fp32 matmul peak, measured once per process, so every arm's MFU has one denominator."""
-    if "cpu" not in _PEAK_FLOPS:
-        import torch
+    """The fp32 matmul peak of the device the arms run on ("auto": CUDA if present, else CPU),
+    measured once per process, so every arm's MFU has the same denominator."""
+    import torch
 
-        from largebatch.train.metrics import measure_peak_flops
+    from largebatch.train.loop import resolve_device
+    from largebatch.train.metrics import measure_peak_flops
 
-        _PEAK_FLOPS["cpu"] = measure_peak_flops(torch.device("cpu"), torch.float32)
-    return _PEAK_FLOPS["cpu"]
+    device = resolve_device("auto")
+    if device.type not in _PEAK_FLOPS:
+        _PEAK_FLOPS[device.type] = measure_peak_flops(device, torch.float32)
+    return _PEAK_FLOPS[device.type]
 
 
 def run_arm(arm: Arm, base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print
             ) -> ArmResult:
-    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/."""
+    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/, replacing what an
+    earlier run of the same arm left there."""
     from largebatch.train.config import load_config
     from largebatch.train.loop import Trainer
 
     run_dir = Path(out_dir) / "runs" / arm.name
     overrides = {"run.peak_flops": _peak_flops(), **base, **arm.overrides}
     cfg = load_config(None, overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log_file:
         summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
