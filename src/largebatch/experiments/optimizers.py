@@ -38,7 +38,7 @@ def grid_arms(size: str) -> list[Arm]:
     for multiple in MULTIPLES:
         batch = small * multiple
         for name in OPTIMIZERS:
-            for lr in (round(base_lr * multiple ** 0.5, 6) for base_lr in grid[name]):
+            for lr in (float(f"{base_lr * multiple ** 0.5:.3g}") for base_lr in grid[name]):
                 overrides = {"optim.name": name, "optim.weight_decay": 0.01,
                              "schedule.peak_lr": lr, "schedule.batch_size": batch,
                              "schedule.batch_policy": "constant",
