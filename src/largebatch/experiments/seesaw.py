@@ -5,7 +5,7 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
   seesaw-r0.5   -- Seesaw, r = 1/2: at each milestone LR x sqrt(r), batch x 1/r
   seesaw-r0.91  -- Seesaw, r = 1/1.1 (the paper's main runs)
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
-  cosine-seed7  -- cosine again with another seed and data order: the noise floor of a comparison
+  cosine-seed7  -- cosine again with another init seed and data order: the unpaired seed spread
 The paper's claim: below the critical batch size Seesaw matches cosine's validation loss with
 ~38% fewer optimizer steps (r = 1/1.1: 61.55% of cosine's steps); starting above it, Seesaw loses.
 
@@ -122,9 +122,10 @@ def findings(low: list[ArmResult], high: list[ArmResult]) -> str:
             lines.append(f"- {label}: {r.arm.legend} ends {fmt_pct(100 * delta / cosine.final_val_loss)}"
                          f" in loss vs cosine ({delta:+.4f} nats) with {saved:.1f}% fewer steps.")
         noise = abs(results[-1].final_val_loss - cosine.final_val_loss)
-        lines.append(f"- {label}: seed noise floor (cosine vs cosine with another seed and data "
-                     f"order): {noise:.4f} nats.")
+        lines.append(f"- {label}: unpaired seed spread (cosine vs cosine with another init seed "
+                     f"and data order): {noise:.4f} nats. The arms above share one seed and data "
+                     f"order (a paired comparison, less noisy than this, not measured here).")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
-                 "batch; a loss gap starting above it. Differences below the seed noise floor are "
-                 "not evidence either way.")
+                 "batch; a loss gap starting above it. One seed per arm: treat differences of a few "
+                 "0.01 nats as unproven.")
     return "\n".join(lines)
