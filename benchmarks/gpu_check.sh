@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-process GPU check for one H200, <= 8 minutes (issue 7): bf16 tokens/s, MFU and peak memory of
+# a ~350M GPT at seq 2048 under none/selective/full recompute with SDPA and explicit attention, next
+# to the memory model; LAMB/LANS step time vs torch.optim.AdamW(fused=True); Seesaw vs cosine
+# wall-clock at equal tokens. Prints one summary table per part. The same code runs on CPU with
+#   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments.py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+echo "gpu_check $(date -u '+%Y-%m-%d %H:%M UTC') $(git rev-parse --short HEAD 2>/dev/null || true)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+exec timeout 480 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"

@@ -1,0 +1,62 @@
+"""``largebatch experiment NAME [--quick | --smoke] [--out DIR]``: run a controlled comparison on
+the bundled Shakespeare corpus and write a report directory (report.md, PNG plots, runs/<arm>/).
+
+    largebatch experiment seesaw --quick          # Meterez et al. 2025: Seesaw vs cosine
+    largebatch experiment optimizers --quick      # You et al. 2017/2019, Zheng et al. 2020
+    largebatch experiment recompute --quick       # Korthikanti et al. 2022
+    largebatch experiment noise-scale --quick     # McCandlish et al. 2018
+    largebatch experiment all --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale")
+
+
+def _module(name: str):
+    import importlib
+
+    return importlib.import_module(f"largebatch.experiments.{name.replace('-', '_')}")
+
+
+def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = None,
+                   log=print) -> Path:
+    """Run one experiment at a size (smoke | quick | full); returns the path of its report.md."""
+    from largebatch.experiments.runner import check_size
+
+    if name not in EXPERIMENTS:
+        raise ValueError(f"experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}")
+    check_size(size)
+    out = Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
+    out.mkdir(parents=True, exist_ok=True)
+    flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
+    command = f"largebatch experiment {name}{flag} --out {shlex.quote(str(out))}"
+    start = time.perf_counter()
+    report = _module(name).run(size, out, command, log=log)
+    report.seconds = time.perf_counter() - start
+    path = report.write(out)
+    log(f"{name}: report {path} ({report.seconds:.0f} s)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="largebatch experiment", description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=EXPERIMENTS + ("all",))
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny model, <= 10 minutes on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true", help="seconds; what the test suite runs")
+    parser.add_argument("--out", default=None,
+                        help="report directory (default runs/experiments/NAME-SIZE; with 'all', "
+                             "one subdirectory per experiment)")
+    args = parser.parse_args(argv)
+    size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    names = EXPERIMENTS if args.name == "all" else (args.name,)
+    for name in names:
+        out = args.out if args.name != "all" or args.out is None else Path(args.out) / name
+        run_experiment(name, size_name, out)
+    return 0

@@ -1,0 +1,125 @@
+"""Write an experiment's report directory: report.md (tables + the exact command), PNG plots and
+the arms' run directories (raw metrics) under runs/.
+
+Numbers in report tables are formatted here and nowhere else (``fmt_loss``: 4 decimals), so a
+reader -- or the test -- can recompute each from the run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from largebatch.experiments.runner import ArmResult  # noqa: E402
+
+
+def fmt_loss(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1f}%"
+
+
+def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """What an experiment found: a title, the command that reproduces it, markdown sections."""
+
+    name: str
+    title: str
+    command: str
+    sections: list[str] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, text: str) -> None:
+        self.sections.append(text.strip())
+
+    def write(self, out_dir: str | Path) -> Path:
+        out_dir = Path(out_dir)
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        import torch
+
+        device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else f"{platform.machine()} CPU ({torch.get_num_threads()} torch threads)")
+        header = [f"# {self.title}", "",
+                  f"Reproduce: `{self.command}`", "",
+                  f"Measured {stamp} on {device}, fp32, torch {torch.__version__}; "
+                  f"{self.seconds:.0f} s in all. Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
+        body = "\n\n".join(self.sections)
+        images = "\n".join(f"![{p}]({p})" for p in self.plots)
+        path = out_dir / "report.md"
+        path.write_text("\n".join(header) + "\n" + body + "\n\n## Plots\n\n" + images + "\n")
+        return path
+
+
+def finish_figure(fig, axes, path: Path, title: str | None = None, legend_axes=()) -> Path:
+    """Grid on every axis, legends where asked, a title, save as PNG and free the figure."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    for ax in legend_axes:
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
+    """Validation loss against tokens (left) and against optimizer steps (right), one line per arm.
+    Arms of the same group share a line style; colours follow the arm order within a group."""
+    fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    groups = list(dict.fromkeys(r.arm.group for r in results))
+    styles = ["-", "--", ":", "-."]
+    colours: dict[str, int] = {}
+    for r in results:
+        colour = f"C{colours.setdefault(r.arm.group, 0)}"
+        colours[r.arm.group] += 1
+        style = styles[groups.index(r.arm.group) % len(styles)]
+        tokens = [v["tokens"] for v in r.val]
+        steps = [v["step"] for v in r.val]
+        losses = [v["val_loss"] for v in r.val]
+        label = f"{r.arm.group}: {r.arm.legend}" if r.arm.group else r.arm.legend
+        ax_tokens.plot(tokens, losses, style, color=colour, marker=".", label=label)
+        ax_steps.plot(steps, losses, style, color=colour, marker=".", label=label)
+    ax_tokens.set(xlabel="tokens", ylabel="validation loss (nats/token)", title="vs tokens")
+    ax_steps.set(xlabel="optimizer steps", title="vs optimizer steps")
+    _set_loss_limits(ax_tokens, results)
+    return finish_figure(fig, (ax_tokens, ax_steps), path, title, legend_axes=(ax_steps,))
+
+
+def _set_loss_limits(ax, results: list[ArmResult]) -> None:
+    """Start the y axis just above the first evaluations so the interesting end is readable."""
+    finals = [r.final_val_loss for r in results]
+    later = [v["val_loss"] for r in results for v in r.val[len(r.val) // 4:]]
+    if later:
+        ax.set_ylim(min(finals) - 0.05, max(later) + 0.05)
+
+
+def plot_schedules(results: list[ArmResult], path: Path, title: str) -> Path:
+    """The realised learning rate and batch size against tokens, one line per arm."""
+    fig, (ax_lr, ax_batch) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, r in enumerate(results):
+        tokens = [t["tokens"] for t in r.train]
+        label = f"{r.arm.group}: {r.arm.legend}" if r.arm.group else r.arm.legend
+        ax_lr.plot(tokens, [t["lr"] for t in r.train], color=f"C{i % 10}", label=label)
+        ax_batch.step(tokens, [t["batch_size"] for t in r.train], where="post", color=f"C{i % 10}",
+                      label=label)
+    ax_lr.set(xlabel="tokens", ylabel="learning rate", title="learning rate")
+    ax_batch.set(xlabel="tokens", ylabel="batch size (sequences)", title="batch size", yscale="log")
+    return finish_figure(fig, (ax_lr, ax_batch), path, title, legend_axes=(ax_batch,))

@@ -1,0 +1,159 @@
+"""Run the arms of a controlled comparison through the trainer, one after another, in-process.
+
+An experiment is a list of ``Arm`` s: the same model, data and token budget (``base_overrides``)
+with a few config fields changed per arm. Each arm is one ``largebatch.train`` run in
+``OUT/runs/<arm name>/`` (config.toml, metrics.jsonl, summary.json, plots), so every number in a
+report can be traced to a run directory and recomputed from its metrics.jsonl.
+
+Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per experiment on a
+2-core CPU), ``full`` (the documented runs; see docs/results.md for their measured runtimes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+SIZES = ("smoke", "quick", "full")
+
+# The model, data and budget of each size. Tiny GPTs on the bundled Shakespeare corpus.
+SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "smoke": {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
+              "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048},
+    "quick": {"model.n_layer": 2, "model.n_embd": 96, "model.n_head": 2, "model.seq_len": 64,
+              "data.vocab_size": 1024, "run.total_tokens": 196_608, "run.eval_tokens": 16_384},
+    "full": {"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4, "model.seq_len": 128,
+             "data.vocab_size": 2048, "run.total_tokens": 1_572_864, "run.eval_tokens": 65_536},
+}
+
+# Fields every experiment run shares: quiet, no sample, no TensorBoard, 20 evaluations.
+COMMON_OVERRIDES: dict[str, Any] = {
+    "data.corpus": "shakespeare", "model.kind": "gpt", "model.dropout": 0.0,
+    "run.device": "auto", "run.dtype": "fp32", "run.tensorboard": False, "run.progress": "off",
+    "run.sample_tokens": 0, "run.recompute": "none", "schedule.warmup": 0.1,
+    "schedule.final_lr": 0.1, "schedule.lr_schedule": "cosine",
+}
+
+
+def check_size(size: str) -> str:
+    if size not in SIZES:
+        raise ValueError(f"size={size!r}: must be one of {', '.join(SIZES)} "
+                         f"(the CLI flags --smoke, --quick, or none for full)")
+    return size
+
+
+def base_overrides(size: str) -> dict[str, Any]:
+    """The shared config of every arm of an experiment at this size."""
+    overrides = {**COMMON_OVERRIDES, **SIZE_OVERRIDES[check_size(size)]}
+    overrides["run.eval_every_tokens"] = overrides["run.total_tokens"] // 20
+    return overrides
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One run of a comparison: a name (its directory) and the config fields it changes."""
+
+    name: str
+    overrides: dict[str, Any]
+    group: str = ""
+    """Arms with the same group are compared with each other (e.g. one starting batch size)."""
+    label: str = ""
+    """Legend text; defaults to the name."""
+
+    @property
+    def legend(self) -> str:
+        return self.label or self.name
+
+
+@dataclass
+class ArmResult:
+    arm: Arm
+    run_dir: Path
+    summary: dict[str, Any]
+    train: list[dict[str, Any]] = field(default_factory=list)
+    val: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val[-1]["val_loss"]
+
+    @property
+    def steps(self) -> int:
+        return self.train[-1]["step"]
+
+    @property
+    def tokens(self) -> int:
+        return self.train[-1]["tokens"]
+
+    @property
+    def final_batch(self) -> int:
+        return self.train[-1]["batch_size"]
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(train records, val records) of a run directory's metrics.jsonl, in order."""
+    train, val = [], []
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        for line in f:
+            record = json.loads(line)
+            (val if record.get("kind") == "val" else train).append(record)
+    return train, val
+
+
+def steps_to_reach(result: ArmResult, target_loss: float) -> int | None:
+    """Optimizer steps at the first evaluation whose validation loss is <= target (None: never)."""
+    for record in result.val:
+        if record["val_loss"] <= target_loss:
+            return record["step"]
+    return None
+
+
+_PEAK_FLOPS: dict[str, float] = {}
+
+
+def _peak_flops() -> float:
+    """The fp32 matmul peak of the device the arms run on ("auto": CUDA if present, else CPU),
+    measured once per process, so every arm's MFU has the same denominator."""
+    import torch
+
+    from largebatch.train.loop import resolve_device
+    from largebatch.train.metrics import measure_peak_flops
+
+    device = resolve_device("auto")
+    if device.type not in _PEAK_FLOPS:
+        _PEAK_FLOPS[device.type] = measure_peak_flops(device, torch.float32)
+    return _PEAK_FLOPS[device.type]
+
+
+def run_arm(arm: Arm, base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print
+            ) -> ArmResult:
+    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/, replacing what an
+    earlier run of the same arm left there."""
+    from largebatch.train.config import load_config
+    from largebatch.train.loop import Trainer
+
+    run_dir = Path(out_dir) / "runs" / arm.name
+    overrides = {"run.peak_flops": _peak_flops(), **base, **arm.overrides}
+    cfg = load_config(None, overrides)
+    if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    start = time.perf_counter()
+    with open(run_dir / "train.log", "w") as log_file:
+        summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+    wall = time.perf_counter() - start
+    train, val = read_metrics(run_dir)
+    result = ArmResult(arm, run_dir, summary, train, val, wall)
+    log(f"  {arm.name:<28} val loss {result.final_val_loss:.4f}  steps {result.steps:>5}  "
+        f"final batch {result.final_batch:>4}  {wall:5.1f} s")
+    return result
+
+
+def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path,
+             log: Callable[[str], None] = print) -> list[ArmResult]:
+    return [run_arm(arm, base, out_dir, log) for arm in arms]

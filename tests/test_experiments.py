@@ -1,0 +1,153 @@
+"""largebatch experiment: a smoke-size Seesaw experiment end to end (report numbers vs the runs'
+metrics.jsonl, recomputed here), the GPU check's code paths on CPU, and the helpers' arithmetic
+against independent references."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import statistics
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from largebatch.experiments import cli
+from largebatch.experiments.noise_scale import rank_correlation
+from largebatch.experiments.optimizers import best_per_cell, degrades_beyond
+from largebatch.experiments.runner import Arm, ArmResult, check_size
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def parse_tables(markdown: str) -> list[list[dict[str, str]]]:
+    """Every markdown table of a report as a list of {header: cell} rows."""
+    tables, lines = [], markdown.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            headers = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(headers, (c.strip() for c in row.strip("|").split("|")))))
+            tables.append(rows)
+    return tables
+
+
+def load_jsonl(path: Path) -> tuple[list[dict], list[dict]]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return ([r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "val"])
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 300 and height >= 200, (path, width, height)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a shared machine does not stall on spinning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
+    out = tmp_path / "seesaw"
+    assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert f"largebatch experiment seesaw --smoke --out {out}" in report
+    tables = [t for t in parse_tables(report) if t and "optimizer steps" in t[0]]
+    assert len(tables) == 2  # below and above the measured critical batch
+    for table in tables:
+        cosine_train, _ = load_jsonl(out / "runs" / table[0]["arm"] / "metrics.jsonl")
+        cosine_steps = cosine_train[-1]["step"]
+        for row in table:
+            train, val = load_jsonl(out / "runs" / row["arm"] / "metrics.jsonl")
+            assert float(row["final val loss"]) == pytest.approx(val[-1]["val_loss"], abs=5.1e-5)
+            assert int(row["optimizer steps"]) == train[-1]["step"] == len(train)
+            assert int(row["final batch"]) == train[-1]["batch_size"]
+            saved = 100 * (1 - train[-1]["step"] / cosine_steps)
+            assert float(row["steps saved"].rstrip("%")) == pytest.approx(saved, abs=0.051)
+            assert int(row["tokens"]) == train[-1]["tokens"] >= 12_288  # the budget, or just past it
+    below = {row["arm"]: row for row in tables[0]}
+    # cosine at batch 8 x seq 32 over 12,288 tokens; Seesaw r=1/2 reaches 8 * 2**k_max with
+    # k_max = floor(log(final/peak) / log r) = floor(log 0.1 / log 0.5) = 3 (PAPERS.md §3)
+    assert int(below["below-cosine"]["optimizer steps"]) == 12_288 // (8 * 32)
+    assert int(below["below-seesaw-r0.5"]["final batch"]) == 8 * 2 ** math.floor(
+        math.log(0.1) / math.log(0.5))
+    assert int(below["below-seesaw-r0.5"]["optimizer steps"]) < 48
+    # the measured critical batch: median B_simple over the second half of the cosine run
+    train, _ = load_jsonl(out / "runs" / "below-cosine" / "metrics.jsonl")
+    noise = [r["noise_scale"] for r in train[len(train) // 2:] if r["noise_scale"] is not None]
+    stated = float(re.search(r"\*\*([\d.]+) sequences\*\*", report).group(1))
+    assert stated == pytest.approx(statistics.median(noise), abs=0.051)
+    plots = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
+    assert {"val_loss.png", "schedules.png"} <= set(plots)
+    for name in plots:
+        assert_png(out / name)
+
+
+def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--device", "cpu", "--tiny"]) == 0
+    text = capsys.readouterr().out
+    for name in ("sdpa/none", "sdpa/selective", "sdpa/full", "explicit/none", "explicit/full",
+                 "AdamW(fused=True)", "LAMB", "LANS", "cosine", "seesaw r=1/2"):
+        assert re.search(rf"^{re.escape(name)}\s", text, re.M), name
+    assert "OOM" not in text
+    # the ~350M GPT the GPU run uses really is ~350M parameters (12 L h^2 + embeddings)
+    big = gpu_check.BIG
+    approx = 12 * big.n_layer * big.n_embd ** 2 + (big.vocab_size + big.seq_len) * big.n_embd
+    assert 330e6 < approx < 370e6
+    seesaw = re.search(r"^seesaw r=1/2\s+(\d+)", text, re.M)
+    cosine = re.search(r"^cosine\s+(\d+)", text, re.M)
+    assert int(seesaw.group(1)) < int(cosine.group(1))  # fewer steps at equal tokens
+
+
+def test_rank_correlation_matches_numpy_spearman():
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=50)
+    ys = 0.5 * xs + rng.normal(size=50)
+    ranks = lambda v: np.argsort(np.argsort(v)).astype(np.float64)  # noqa: E731
+    expected = np.corrcoef(ranks(xs), ranks(ys))[0, 1]
+    assert rank_correlation(list(xs), list(ys)) == pytest.approx(expected, abs=1e-12)
+    assert rank_correlation([3, 2, 1], [1, 2, 3]) == pytest.approx(-1.0)
+
+
+def _result(name: str, batch: int, lr: float, loss: float) -> ArmResult:
+    arm = Arm(f"{name}-b{batch}-lr{lr}", {"optim.name": name, "schedule.batch_size": batch,
+                                          "schedule.peak_lr": lr})
+    return ArmResult(arm, Path("."), {}, [{"step": 1, "tokens": 1, "batch_size": batch}],
+                     [{"step": 1, "tokens": 1, "val_loss": loss}])
+
+
+def test_best_lr_per_cell_and_degradation_point():
+    results = [_result("adamw", 4, 1e-3, 5.0), _result("adamw", 4, 3e-3, 4.9),
+               _result("adamw", 32, 1e-3, 4.93), _result("adamw", 128, 1e-3, 5.2)]
+    best = best_per_cell(results)
+    assert best[("adamw", 4)].arm.overrides["schedule.peak_lr"] == 3e-3
+    assert degrades_beyond(best, "adamw", [4, 32, 128]).startswith("32 (at 128: +0.300")
+    best[("adamw", 128)] = _result("adamw", 128, 1e-3, 4.94)
+    assert degrades_beyond(best, "adamw", [4, 32, 128]) == "holds to 128"
+
+
+def test_bad_input_names_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="sesaw.*seesaw"):
+        cli.run_experiment("sesaw", "smoke", tmp_path)
+    with pytest.raises(ValueError, match="size='huge'.*smoke, quick, full"):
+        check_size("huge")
+    with pytest.raises(SystemExit):
+        cli.main(["seesaw", "--quick", "--smoke"])
