@@ -88,7 +88,8 @@ class MetricsLog:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(k + "\n" for k in kept))
-        self._file = open(self.path, "a", buffering=1)
+        # a fresh run starts a fresh file; a resumed one continues the kept records
+        self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
         if tensorboard:
             try:
