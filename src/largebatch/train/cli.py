@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             saved = Path(resume_dir) / "config.toml"
             if not saved.is_file():
                 return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
-            cfg = load_config(saved, overrides)
+            # max_steps limits one invocation: a resumed run goes to the end unless told again
+            cfg = load_config(saved, {"run.max_steps": 0, **overrides})
             run_dir = Path(resume_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides)

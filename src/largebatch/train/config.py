@@ -90,7 +90,8 @@ class RunConfig:
     """How many of the newest checkpoints to keep."""
     max_steps: int = 0
     """Stop after this many optimizer steps in this invocation and checkpoint (0: run to the end
-    of the budget). For time-limited jobs: continue later with --resume."""
+    of the budget). For time-limited jobs: continue later with --resume, which runs to the end
+    unless given --run.max_steps again."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss either stops the run (naming the step and the last good checkpoint) or
     skips that step's update."""
