@@ -78,3 +78,55 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None).fit()
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
+
+
+def _rank_pid(rank: int, parent: int) -> int | None:
+    """The pid of torchrun's worker with RANK=rank (read from /proc, a real process)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text().split()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=%d" % rank in env and int(stat[3]) == parent:
+            return int(entry.name)
+    return None
+
+
+def test_sigkilled_rank_is_named_and_the_job_resumes_exactly(single, tmp_path):
+    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the
+    rank, no partial checkpoint is left, and a resumed 2-rank run ends like one process."""
+    import signal
+    import time
+
+    cache, ref = single
+    out = tmp_path / "killed"
+    o = _overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline, victim = time.time() + 240, None
+    while time.time() < deadline and proc.poll() is None:
+        if list((out / "checkpoints").glob("step_*.dcp")):
+            victim = _rank_pid(1, parent=proc.pid)  # torchrun's agent is this child process
+            if victim:
+                os.kill(victim, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=240)
+    assert victim is not None and proc.returncode != 0
+    import re
+
+    assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
+    assert not list((out / "checkpoints").glob(".*.tmp"))  # no temporary left behind
+    o["run.checkpoint_every_tokens"] = 0
+    resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "largebatch", "train", f"--resume={out}"]
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
+    assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
