@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:  # a broken install, said plainly
         return _fail(f"cannot import the trainer: {exc}", 1)
     if "--help-config" in argv:
+        print(f"Every field of a training config, with its built-in default. `largebatch train` "
+              f"without a config file starts from the shipped '{DEFAULT_CONFIG}' config, which "
+              f"overrides some of these: {shipped_configs()[DEFAULT_CONFIG]}")
         print(describe_fields(TrainConfig))
         return 0
 
