@@ -1,6 +1,5 @@
 """Checkpoints are atomic: a kill mid-save or a full disk never loses the previous checkpoint."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """Every shipped config loads, validates, and builds its model and schedule."""
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -18,7 +18,6 @@ next save.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,19 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 
 from largebatch.parallel.mesh import ParallelState
+from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints
 from largebatch.parallel.parallelize import unwrap
 
-_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
 EXTRA = "extra.pt"
 
 
 def list_distributed_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete DCP checkpoints of a run, oldest first."""
-    ckdir = Path(run_dir) / "checkpoints"
-    if not ckdir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return list_checkpoints(run_dir, kinds=(".dcp",))
 
 
 def latest_distributed_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_distributed_checkpoints(run_dir)
-    return found[-1] if found else None
+    return latest_checkpoint(run_dir, kinds=(".dcp",))
 
 
 def _barrier(state: ParallelState) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_NAME = re.compile(r"^step_(\d{8,})(\.pt|\.dcp)$")
 
 
 class CheckpointError(RuntimeError):
@@ -29,17 +29,22 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporaries of killed saves are ignored)."""
+def list_checkpoints(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporaries of killed saves are ignored).
+
+    ``kinds``: ".pt" files written by :func:`save_checkpoint`, ".dcp" directories written by
+    largebatch.parallel.checkpoint under torchrun, or both.
+    """
     ckdir = checkpoint_dir(run_dir)
     if not ckdir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in ckdir.iterdir()
+             if (m := _NAME.match(p.name)) and m.group(2) in kinds]
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
+def latest_checkpoint(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> Path | None:
+    ckpts = list_checkpoints(run_dir, kinds)
     return ckpts[-1] if ckpts else None
 
 

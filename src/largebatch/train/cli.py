@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from largebatch.parallel import RankFailure
     from largebatch.train.checkpoint import CheckpointError
-    from largebatch.train.loop import NonFiniteLoss, Trainer
+    from largebatch.train.loop import NonFiniteLoss
 
     try:
         summary = _run(cfg, run_dir, resume=resume_dir is not None)

@@ -34,10 +34,8 @@ from largebatch.models import build_model
 from largebatch.parallel import (clip_grad_norm_, global_grad_norm, gradient_sync, init_distributed,
                                  parallelize, seed_ranks, shard_optimizer, unwrap)
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
-from largebatch.parallel.checkpoint import (list_distributed_checkpoints, load_distributed,
-                                            save_distributed)
-from largebatch.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint,
-                                         save_checkpoint)
+from largebatch.parallel.checkpoint import load_distributed, save_distributed
+from largebatch.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
                                       measure_peak_flops, memory_bytes, plot_run)
@@ -89,8 +87,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def latest_any_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of a run, single-process (.pt) or distributed (.dcp), by step."""
-    found = list_checkpoints(run_dir) + list_distributed_checkpoints(run_dir)
-    return max(found, key=lambda p: int(p.name.split("_")[1].split(".")[0]), default=None)
+    return latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
 
 
 def _gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
@@ -298,7 +295,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        cfg, run, pos = self.cfg, self.cfg.run, self.pos
+        run, pos = self.cfg.run, self.pos
         self.log(self.describe())
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, t_log, tokens_log = 0, None, time.perf_counter(), pos.tokens
