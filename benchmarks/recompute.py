@@ -14,52 +14,45 @@ prediction.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import copy
 
 import torch
 
+from largebatch.experiments.timing import median_ratios, time_interleaved
 from largebatch.memory import apply_recompute, measure_forward_bytes, model_activation_bytes
 from largebatch.models import GPT, preset
 
 POLICIES = ("none", "selective", "op", "full")
 
 
-def step_seconds(model: GPT, idx: torch.Tensor) -> float:
-    start = time.perf_counter()
+def step(model: GPT, idx: torch.Tensor) -> None:
     _, loss = model(idx, idx)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def run(attention: str, dropout: float, micro_batch: int, rounds: int) -> None:
     config = preset("demo", attention=attention, dropout=dropout)
     torch.manual_seed(0)
-    model = GPT(config).train()
+    base = GPT(config).train()
     idx = torch.randint(0, config.vocab_size, (micro_batch, config.seq_len))
-    memory = {}
-    for policy in POLICIES:
+    models, memory = {}, {}
+    for policy in POLICIES:  # one copy per policy: the same weights, recompute applied once
+        model = models[policy] = copy.deepcopy(base)
         apply_recompute(model, policy)
         for _ in range(2):  # the first measurement warms up dispatch caches
             (_, loss), memory[policy] = measure_forward_bytes(lambda: model(idx, idx))
             loss.backward()
         model.zero_grad(set_to_none=True)
-    times = {p: [] for p in POLICIES}
-    for r in range(rounds + 1):
-        order = POLICIES[r % 4:] + POLICIES[:r % 4]
-        for policy in order:
-            apply_recompute(model, policy)
-            seconds = step_seconds(model, idx)
-            if r:  # round 0 is warm-up
-                times[policy].append(seconds)
+    times = time_interleaved({p: (lambda m=models[p]: step(m, idx)) for p in POLICIES}, rounds)
+    ratios = median_ratios(times, "none")
     base_m = memory["none"].tensor_bytes
     print(f"\n{attention} attention, dropout {dropout}, micro-batch {micro_batch} x {config.seq_len} "
           f"tokens, {rounds} interleaved rounds")
     print(f"  {'policy':<10} {'min ms':>8} {'time/none':>10} {'(fastest)':>10} {'act MiB':>9} "
           f"{'predicted':>10} {'malloc MiB':>11} {'mem/none':>9}")
     for policy in POLICIES:
-        per_round = statistics.median(t / n for t, n in zip(times[policy], times["none"]))
+        per_round = ratios[policy]
         fastest = min(times[policy]) / min(times["none"])
         m = memory[policy]
         predicted = model_activation_bytes(config, micro_batch, policy, dtype_bytes=4, device="cpu")
