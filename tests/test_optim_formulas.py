@@ -1,6 +1,7 @@
 """LAMB, LANS and LARS against independent float64 references of PAPERS.md §1 (tests/optim_references.py):
-several steps, a zero tensor, a zero-gradient step, a step without a gradient; every switch; both
-execution paths (foreach and per-tensor) and their agreement; param_groups edits between steps."""
+several steps, a zero tensor, a zero-gradient step, a step without a gradient; every switch; every
+execution path (foreach, foreach in tiny CPU tiles that split tensors and mix them, per-tensor) and
+their agreement; param_groups edits between steps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from largebatch.optim import LAMB, LANS, LARS
+from largebatch.optim.core import make_tiles
 from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
 
 CASES = {
@@ -33,30 +35,49 @@ LAMB_SWITCHES = [
 ]
 
 
+PATHS = ["foreach", "tiled", "per_tensor", "foreach_gpu_like", "per_tensor_gpu_like"]
+
+
+def _make(optimizer_class, path, **kwargs):
+    """A factory for run_optimizer. "tiled": the foreach path in 7-element CPU tiles, so the 30-element
+    tensor is split over tiles and small tensors share one (the default tile holds this whole problem).
+    "*_gpu_like": the code a GPU runs, here on CPU: no kept work buffers, one tile of whole tensors,
+    directions recomputed in pass 2 instead of stored."""
+    def make(params):
+        optimizer = optimizer_class(params, foreach=not path.startswith("per_tensor"), **kwargs)
+        if path == "tiled":
+            optimizer.cpu_tile_elements = 7
+        if path.endswith("gpu_like"):
+            optimizer._scratch = lambda b, slot: None
+            optimizer._tiles = lambda b: make_tiles(b.x, None)
+        return optimizer
+    return make
+
+
 def _max_error(actual, expected):
     return max(float((a.double() - e).abs().max()) for a, e in zip(actual, expected))
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_float64_reference(case, foreach):
+def test_matches_float64_reference(case, path):
     optimizer_class, reference, kwargs = CASES[case]
     params, steps = random_problem()
     expected = reference(params, steps, **kwargs)
-    actual64, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=foreach, **kwargs), params, steps, torch.float64)
+    actual64, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps, torch.float64)
     assert _max_error(actual64, expected) < 1e-12
-    actual32, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=foreach, **kwargs), params, steps)
+    actual32, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps)
     assert _max_error(actual32, expected) < 2e-6
     assert _max_error(actual64, [p.double() for p in params]) > 1e-3  # the problem really moved
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("switches", LAMB_SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_lamb_switches_match_reference(switches, foreach):
+def test_lamb_switches_match_reference(switches, path):
     params, steps = random_problem(seed=1)
     kwargs = {"lr": 0.02, **switches}
     expected = lamb_reference(params, steps, **kwargs)
-    actual, _ = run_optimizer(lambda ps: LAMB(ps, foreach=foreach, **kwargs), params, steps, torch.float64)
+    actual, _ = run_optimizer(_make(LAMB, path, **kwargs), params, steps, torch.float64)
     assert _max_error(actual, expected) < 1e-12
 
 
@@ -77,9 +98,10 @@ def test_switches_change_the_update():
 ], ids=["lamb", "lans", "lars"])
 def test_foreach_and_per_tensor_paths_agree_in_float32(optimizer_class, kwargs):
     params, steps = random_problem(seed=2, n_steps=6)
-    multi, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=True, **kwargs), params, steps)
-    single, _ = run_optimizer(lambda ps: optimizer_class(ps, foreach=False, **kwargs), params, steps)
-    assert _max_error(multi, [s.double() for s in single]) < 1e-6
+    single, _ = run_optimizer(_make(optimizer_class, "per_tensor", **kwargs), params, steps)
+    for path in PATHS[:2] + PATHS[3:]:
+        multi, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps)
+        assert _max_error(multi, [s.double() for s in single]) < 1e-6, path
 
 
 def test_param_group_edits_apply_at_the_next_step():
@@ -95,12 +117,12 @@ def test_param_group_edits_apply_at_the_next_step():
     assert _max_error([p.detach() for p in live], lamb_reference(params, steps, lr=lrs)) < 1e-12
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "per_tensor"])
-def test_per_group_adapt_and_weight_decay(foreach):
+@pytest.mark.parametrize("path", PATHS)
+def test_per_group_adapt_and_weight_decay(path):
     params, steps = random_problem(seed=4)
     live = [torch.nn.Parameter(p.clone().double()) for p in params]
-    optimizer = LAMB([{"params": live[:3]}, {"params": live[3:], "adapt": False, "weight_decay": 0.0}],
-                     lr=0.02, foreach=foreach)
+    optimizer = _make(LAMB, path, lr=0.02)([{"params": live[:3]},
+                                             {"params": live[3:], "adapt": False, "weight_decay": 0.0}])
     for grads in steps:
         for p, g in zip(live, grads):
             p.grad = None if g is None else g.double()

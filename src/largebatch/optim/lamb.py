@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
-                   foreach_folded_denominator, per_tensor, scaled_copy)
+                   adam_moments, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   foreach_folded_denominator, per_tensor, scaled_copy, tile_scalars)
 
 # Library behaviour as switches. Each preset's equality with its library is a test (tests/test_optim_presets.py).
 PRESETS: dict[str, dict] = {
@@ -51,20 +51,26 @@ def lamb_direction(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, l2_decay: bool) 
 
 
 def lamb_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_scale: Tensor | None,
-                        l2_decay: bool) -> Tensor:
-    """Pass 1 for one tensor: update m, v in place; return [||x||^2, ||r||^2] (2,)."""
+                        l2_decay: bool, out: Tensor | None = None) -> Tensor:
+    """Pass 1 for one tensor: update m, v in place; return [||x||^2, ||r||^2] (2,). With ``out``, r is
+    also written there, for pass 2 to read instead of recomputing (see LayerwiseOptimizer._stored_directions)."""
     if grad_scale is not None:
         g = g * grad_scale
     if l2_decay:
         g = g + hp[HP_WD] * x
-    adam_moments_(m, v, g, hp)
-    r = lamb_direction(x, m, v, hp, l2_decay)
+    m_new, v_new = adam_moments(m, v, g, hp)
+    r = lamb_direction(x, m_new, v_new, hp, l2_decay)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    if out is not None:
+        out.copy_(r)
     return torch.stack([x.square().sum(), r.square().sum()])
 
 
 def lamb_apply_kernel(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, step_scale: Tensor, l2_decay: bool) -> None:
-    """Pass 2 for one tensor: x += step_scale * r, with step_scale = -lr * trust_ratio (0-d)."""
-    x.add_(lamb_direction(x, m, v, hp, l2_decay) * step_scale)
+    """Pass 2 for one tensor: x += step_scale * r, r recomputed from m and v, with step_scale = -lr *
+    trust_ratio (0-d). (Where pass 1 stored r, pass 2 is a plain x.addcmul_(r, step_scale).)"""
+    x.copy_(x + lamb_direction(x, m, v, hp, l2_decay) * step_scale)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -103,28 +109,38 @@ class LAMB(LayerwiseOptimizer):
         lr, eps, wd, l2_decay = group["lr"], group["eps"], group["weight_decay"], group["l2_decay"]
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
         scratch = self._scratch(b, 0)  # CPU: one kept work buffer per tensor; else None
-        grads = b.grads
-        if grad_scale is not None or (l2_decay and wd != 0):
-            grads = scaled_copy(grads, 1.0 if grad_scale is None else grad_scale, scratch)
-            if l2_decay and wd != 0:
-                torch._foreach_add_(grads, b.x, alpha=wd)
-        foreach_adam_moments_(exp_avg, exp_avg_sq, grads, group["betas"])
         # Bias corrections folded into per-tensor scalars (saves two passes): r = k*u with
         # u = m/(sqrt(v) + eps*sqrt(bc2)) + (wd/k)*x and k = sqrt(bc2)/bc1.
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2, scratch)
-        u = divide_into(exp_avg, denom, in_place=scratch is not None)
-        if not l2_decay and wd != 0:
-            add_scaled_(u, b.x, [wd / ki for ki in k])
+        tiles = self._tiles(b)  # CPU: cache-sized tiles; else one tile of the whole group
+        directions, squared = [], []
+        for tile in tiles:  # pass 1: moments, u and the partial squared norms, tile by tile
+            x, s = tile.views(b.x), None if scratch is None else tile.views(scratch)
+            grads = tile.views(b.grads)
+            if grad_scale is not None or (l2_decay and wd != 0):
+                grads = scaled_copy(grads, 1.0 if grad_scale is None else grad_scale, s)
+                if l2_decay and wd != 0:
+                    torch._foreach_add_(grads, x, alpha=wd)
+            m = tile.views(exp_avg)
+            foreach_adam_moments_(m, tile.views(exp_avg_sq), grads, group["betas"])
+            denom = foreach_folded_denominator(tile.views(exp_avg_sq), eps, tile.pick(bc2), s)
+            u = divide_into(m, denom, in_place=s is not None)
+            if not l2_decay and wd != 0:
+                add_scaled_(u, x, tile.pick([wd / ki for ki in k]))
+            if not adapt:
+                add_scaled_(x, u, tile.pick([-lr * ki for ki in k]))
+                continue
+            squared.append(self._tile_squared_norms([x, u], self.foreach))  # (2, pieces)
+            directions.append(u)
         if not adapt:
-            add_scaled_(b.x, u, [-lr * ki for ki in k])
             return None
-        x_norm, u_norm = self._reduced_norms([b.x, u], b.params)  # (n,), (n,)
+        x_norm, u_norm = self._reduced_tiled_norms(tiles, squared, b.params)  # (n,), (n,)
         k_per_tensor = per_tensor(k, u_norm)  # float, or (n,) when steps differ within the group
         ratio, pinned = self._group_trust_ratio(group, x_norm, u_norm * k_per_tensor)
-        step_scale = ratio * (-lr) * k_per_tensor  # (n,)
-        torch._foreach_addcmul_(b.x, u, list(step_scale.to(u[0].dtype).unbind()))
+        step_scale = (ratio * (-lr) * k_per_tensor).to(b.x[0].dtype)  # (n,)
+        for tile, u in zip(tiles, directions):  # pass 2: x += step_scale * u
+            torch._foreach_addcmul_(tile.views(b.x), u, tile_scalars(step_scale, tile))
         return ratio, pinned
 
     def _per_tensor_update(self, group, b: GroupTensors, grad_scale, adapt):
@@ -133,7 +149,9 @@ class LAMB(LayerwiseOptimizer):
         x, g = self._flat(b.x), self._flat(b.grads)
         m, v = self._flat(b.state_list("exp_avg")), self._flat(b.state_list("exp_avg_sq"))
         moments, apply = self._kernel(lamb_moments_kernel), self._kernel(lamb_apply_kernel)
-        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], grad_scale, l2_decay)
+        r = self._stored_directions(b, 0)  # CPU: r kept from pass 1 (see there); else None: recomputed
+        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], grad_scale, l2_decay,
+                                       None if r is None else r[i])
                                for i in range(len(x))])  # (n, 2)
         if adapt:
             x_norm, r_norm = self._reduced_kernel_norms(squared, b.params)  # (n,), (n,)
@@ -142,7 +160,8 @@ class LAMB(LayerwiseOptimizer):
             ratio, pinned = torch.ones_like(squared[:, 0]), None
         step_scale = ratio * (-lr)  # (n,)
         for i in range(len(x)):
-            apply(x[i], m[i], v[i], hp[i], step_scale[i], l2_decay)
+            if r is None:
+                apply(x[i], m[i], v[i], hp[i], step_scale[i], l2_decay)
+            else:  # as fast as a compiled kernel: one memory-bound pass
+                x[i].addcmul_(r[i], step_scale[i])
         return None if pinned is None else (ratio, pinned)
-
-

@@ -21,29 +21,42 @@ import torch
 from torch import Tensor
 
 from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments_, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
-                   foreach_folded_denominator, per_tensor, scaled_copy)
+                   adam_moments, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   foreach_folded_denominator, per_tensor, scaled_copy, tile_scalars)
 
 
-def lans_directions(x: Tensor, g_normalized: Tensor, m: Tensor, v: Tensor, hp: Tensor) -> tuple[Tensor, Tensor]:
-    """r = m^/d + wd*x and c = g~/d + wd*x for one tensor (1-D), d = sqrt(v^) + eps."""
-    d = (v * hp[HP_INV_BC2]).sqrt() + hp[HP_EPS]
-    return (m * hp[HP_INV_BC1]) / d + hp[HP_WD] * x, g_normalized / d + hp[HP_WD] * x
+def lans_inverse_denominator(v: Tensor, hp: Tensor) -> Tensor:
+    """1/d with d = sqrt(v^) + eps, for one tensor (1-D): one division serves both directions."""
+    return 1.0 / ((v * hp[HP_INV_BC2]).sqrt() + hp[HP_EPS])
 
 
-def lans_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor) -> Tensor:
-    """Pass 1 for one tensor: g~ = grad_coef*g; update m, v in place; return [||x||^2, ||r||^2, ||c||^2]."""
+def lans_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor,
+                        out: Tensor | None = None) -> Tensor:
+    """Pass 1 for one tensor: g~ = grad_coef*g; update m, v in place; return [||x||^2, ||r||^2, ||c||^2]
+    with r = m^/d + wd*x and c = g~/d + wd*x. With ``out``, 1/d is also written there, for pass 2 to
+    read instead of recomputing (see LayerwiseOptimizer._stored_directions)."""
     g_normalized = g * grad_coef
-    adam_moments_(m, v, g_normalized, hp)
-    r, c = lans_directions(x, g_normalized, m, v, hp)
+    m_new, v_new = adam_moments(m, v, g_normalized, hp)
+    inverse_d = lans_inverse_denominator(v_new, hp)
+    decay = hp[HP_WD] * x
+    r = m_new * hp[HP_INV_BC1] * inverse_d + decay
+    c = g_normalized * inverse_d + decay
+    m.copy_(m_new)
+    v.copy_(v_new)
+    if out is not None:
+        out.copy_(inverse_d)
     return torch.stack([x.square().sum(), r.square().sum(), c.square().sum()])
 
 
 def lans_apply_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_coef: Tensor,
-                      scale_r: Tensor, scale_c: Tensor) -> None:
-    """Pass 2 for one tensor: x += scale_r*r + scale_c*c (scale_r = -lr*b1*ratio_r, scale_c = -lr*(1-b1)*ratio_c)."""
-    r, c = lans_directions(x, g * grad_coef, m, v, hp)
-    x.add_(r * scale_r + c * scale_c)
+                      scale_r: Tensor, scale_c: Tensor, inverse_d: Tensor | None = None) -> None:
+    """Pass 2 for one tensor: x += scale_r*r + scale_c*c (scale_r = -lr*b1*ratio_r, scale_c = -lr*(1-b1)*ratio_c),
+    regrouped as x*(1 + (scale_r + scale_c)*wd) + (scale_r*m^ + scale_c*g~)/d; 1/d from pass 1, or
+    recomputed from v when None."""
+    if inverse_d is None:
+        inverse_d = lans_inverse_denominator(v, hp)
+    numerator = m * (scale_r * hp[HP_INV_BC1]) + g * (scale_c * grad_coef)
+    x.copy_(x * (1.0 + (scale_r + scale_c) * hp[HP_WD]) + numerator * inverse_d)
 
 
 class LANS(LayerwiseOptimizer):
@@ -91,30 +104,43 @@ class LANS(LayerwiseOptimizer):
         eps, wd = group["eps"], group["weight_decay"]
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
         scratch_c, scratch_r = self._scratch(b, 0), self._scratch(b, 1)  # CPU: kept work buffers; else None
-        g_normalized = scaled_copy(b.grads, list(grad_coef.to(b.grads[0].dtype).unbind()), scratch_c)
-        foreach_adam_moments_(exp_avg, exp_avg_sq, g_normalized, group["betas"])
         # Bias corrections folded as in LAMB: with denom = sqrt(v) + eps*sqrt(bc2) = sqrt(bc2)*d,
         # r = k*(m/denom + (wd/k)*x), k = sqrt(bc2)/bc1 ; c = q*(g~/denom + (wd/q)*x), q = sqrt(bc2).
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
         q = [math.sqrt(c2) for c2 in bc2]
-        denom = foreach_folded_denominator(exp_avg_sq, eps, bc2, scratch_r)
-        u_c = g_normalized
-        torch._foreach_div_(u_c, denom)
-        u_r = divide_into(exp_avg, denom, in_place=scratch_r is not None)
-        if wd != 0:
-            add_scaled_(u_r, b.x, [wd / ki for ki in k])
-            add_scaled_(u_c, b.x, [wd / qi for qi in q])
+        coef = grad_coef.to(b.grads[0].dtype)
+        tiles = self._tiles(b)  # CPU: cache-sized tiles; else one tile of the whole group
+        directions, squared = [], []
+        for tile in tiles:  # pass 1: g~, moments, u_r, u_c and the partial squared norms, tile by tile
+            x = tile.views(b.x)
+            s_c, s_r = (None, None) if scratch_c is None else (tile.views(scratch_c), tile.views(scratch_r))
+            g_normalized = scaled_copy(tile.views(b.grads), tile_scalars(coef, tile), s_c)
+            m, v = tile.views(exp_avg), tile.views(exp_avg_sq)
+            foreach_adam_moments_(m, v, g_normalized, group["betas"])
+            denom = foreach_folded_denominator(v, eps, tile.pick(bc2), s_r)
+            u_c = g_normalized
+            torch._foreach_div_(u_c, denom)
+            u_r = divide_into(m, denom, in_place=s_r is not None)
+            if wd != 0:
+                add_scaled_(u_r, x, tile.pick([wd / ki for ki in k]))
+                add_scaled_(u_c, x, tile.pick([wd / qi for qi in q]))
+            if adapt:
+                squared.append(self._tile_squared_norms([x, u_r, u_c], self.foreach))  # (3, pieces)
+            directions.append((u_r, u_c))
         k_per_tensor, q_per_tensor = per_tensor(k, grad_coef), per_tensor(q, grad_coef)
         if adapt:
-            x_norm, u_r_norm, u_c_norm = self._reduced_norms([b.x, u_r, u_c], b.params)  # 3 x (n,)
+            x_norm, u_r_norm, u_c_norm = self._reduced_tiled_norms(tiles, squared, b.params)  # 3 x (n,)
             r_norm, c_norm = u_r_norm * k_per_tensor, u_c_norm * q_per_tensor
         else:
             x_norm = r_norm = c_norm = torch.ones_like(grad_coef)
         scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)
         dtype = b.x[0].dtype
-        torch._foreach_addcmul_(b.x, u_r, list((scale_r * k_per_tensor).to(dtype).unbind()))
-        torch._foreach_addcmul_(b.x, u_c, list((scale_c * q_per_tensor).to(dtype).unbind()))
+        scale_r, scale_c = (scale_r * k_per_tensor).to(dtype), (scale_c * q_per_tensor).to(dtype)
+        for tile, (u_r, u_c) in zip(tiles, directions):  # pass 2, tile by tile: x stays in cache
+            x = tile.views(b.x)
+            torch._foreach_addcmul_(x, u_r, tile_scalars(scale_r, tile))
+            torch._foreach_addcmul_(x, u_c, tile_scalars(scale_c, tile))
         return diagnostics
 
     def _per_tensor_update(self, group, b: GroupTensors, grad_coef: Tensor, adapt: bool):
@@ -123,12 +149,15 @@ class LANS(LayerwiseOptimizer):
         x, g = self._flat(b.x), self._flat(b.grads)
         m, v = self._flat(b.state_list("exp_avg")), self._flat(b.state_list("exp_avg_sq"))
         moments, apply = self._kernel(lans_moments_kernel), self._kernel(lans_apply_kernel)
-        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], coef[i]) for i in range(len(x))])  # (n, 3)
+        inverse_d = self._stored_directions(b, 0)  # CPU: 1/d kept from pass 1; else None: recomputed
+        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], coef[i], None if inverse_d is None else inverse_d[i])
+                               for i in range(len(x))])  # (n, 3)
         if adapt:
             x_norm, r_norm, c_norm = self._reduced_kernel_norms(squared, b.params)  # 3 x (n,)
         else:
             x_norm = r_norm = c_norm = torch.ones_like(coef)
         scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)
         for i in range(len(x)):
-            apply(x[i], g[i], m[i], v[i], hp[i], coef[i], scale_r[i], scale_c[i])
+            apply(x[i], g[i], m[i], v[i], hp[i], coef[i], scale_r[i], scale_c[i],
+                  None if inverse_d is None else inverse_d[i])
         return diagnostics
