@@ -1,6 +1,6 @@
 """largebatch experiment: a smoke-size Seesaw experiment end to end (report numbers vs the runs'
-metrics.jsonl, recomputed here), the GPU check's code paths on CPU, and the helpers' arithmetic
-against independent references."""
+metrics.jsonl, recomputed here), arms in parallel processes and --resume, the GPU check's code paths
+on CPU, and the helpers' arithmetic against independent references."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from largebatch.experiments import cli
+from largebatch.experiments import cli, runner
 from largebatch.experiments.noise_scale import rank_correlation
 from largebatch.experiments.optimizers import best_per_cell, degrades_beyond
 from largebatch.experiments.runner import Arm, ArmResult, check_size
@@ -151,3 +151,40 @@ def test_bad_input_names_the_argument(tmp_path):
         check_size("huge")
     with pytest.raises(SystemExit):
         cli.main(["seesaw", "--quick", "--smoke"])
+
+
+def _losses(run_dir: Path) -> list[tuple]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["kind"], r["step"], r["tokens"], r.get("loss"), r.get("val_loss")) for r in records]
+
+
+def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one_thread, capsys):
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
+    cli.run_experiment("noise-scale", "smoke", serial, log=lambda _: None)
+    cli.run_experiment("noise-scale", "smoke", parallel, log=lambda _: None, jobs=2)
+    arms = sorted(p.name for p in (serial / "runs").iterdir())
+    assert arms == sorted(p.name for p in (parallel / "runs").iterdir()) and len(arms) == 3
+    for arm in arms:  # two worker processes, one thread each: bit-for-bit the serial losses
+        assert _losses(parallel / "runs" / arm) == _losses(serial / "runs" / arm)
+    assert "--jobs 2" in (parallel / "report.md").read_text()
+
+    # A crash mid-arm leaves no summary.json: --resume retrains that arm only and keeps the others.
+    crashed, kept = parallel / "runs" / arms[0], [parallel / "runs" / a for a in arms[1:]]
+    (crashed / "summary.json").unlink()
+    mtimes = {run: (run / "metrics.jsonl").stat().st_mtime_ns for run in kept}
+    capsys.readouterr()
+    assert cli.main(["noise-scale", "--smoke", "--out", str(parallel), "--resume"]) == 0
+    assert capsys.readouterr().out.count("(kept: finished earlier)") == len(kept)
+    assert {run: (run / "metrics.jsonl").stat().st_mtime_ns for run in kept} == mtimes
+    assert (crashed / "summary.json").exists()
+    assert _losses(crashed) == _losses(serial / "runs" / arms[0])
+    before = [t for t in parse_tables((serial / "report.md").read_text())]
+    after = [t for t in parse_tables((parallel / "report.md").read_text())]
+    assert after == before  # the same numbers, from kept and retrained arms alike
+
+    # an arm is kept only for the same config
+    record = json.loads((kept[0] / "arm.json").read_text())
+    assert runner._finished(kept[0], record["overrides"]) is not None
+    assert runner._finished(kept[0], {**record["overrides"], "schedule.peak_lr": 1.0}) is None
+    with pytest.raises(ValueError, match="jobs=0: must be an integer >= 1"):
+        runner.Execution(jobs=0)

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 
 from largebatch.experiments.report import (Report, finish_figure, fmt_loss, markdown_table,
                                            plot_schedules)
-from largebatch.experiments.runner import Arm, ArmResult, base_overrides, run_arm
+from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
 
 SETTINGS = {"smoke": (8, 2), "quick": (16, 4), "full": (16, 4)}  # start batch, micro-batch
 NOISE_MULTIPLE = 1.0
@@ -66,9 +66,9 @@ def noise_over_training(result: ArmResult) -> list[list[object]]:
     return rows
 
 
-def run(size: str, out_dir: Path, command: str, log=print) -> Report:
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution()) -> Report:
     base = base_overrides(size)
-    results = [run_arm(arm, base, out_dir, log) for arm in arms(size)]
+    results = run_arms(arms(size), base, out_dir, log, execution)
     constant = results[0]
     report = Report("noise-scale", "Gradient noise scale over training, and Seesaw capped by it "
                     "(McCandlish et al. 2018)", command)

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 
 from largebatch.experiments.report import (Report, finish_figure, fmt_loss, markdown_table,
                                            plot_validation)
-from largebatch.experiments.runner import Arm, ArmResult, base_overrides, run_arm
+from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
 
 OPTIMIZERS = ("adamw", "lamb", "lans", "lars")
 MULTIPLES = (1, 8, 32)
@@ -66,11 +66,11 @@ def degrades_beyond(best: dict[tuple[str, int], ArmResult], name: str, batches: 
     return f"holds to {batches[-1]}"
 
 
-def run(size: str, out_dir: Path, command: str, log=print) -> Report:
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution()) -> Report:
     small, tokens, grid = SETTINGS[size]
     base = {**base_overrides(size), "run.total_tokens": tokens,
             "run.eval_every_tokens": tokens // 16}
-    results = [run_arm(arm, base, out_dir, log) for arm in grid_arms(size)]
+    results = run_arms(grid_arms(size), base, out_dir, log, execution)
     best = best_per_cell(results)
     batches = [small * m for m in MULTIPLES]
     report = Report("optimizers", "AdamW vs LAMB / LANS / LARS as the batch grows, equal tokens",

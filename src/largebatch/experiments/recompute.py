@@ -62,7 +62,8 @@ def measure_policies(config: ModelConfig, micro_batch: int, rounds: int) -> list
     return list(rows.values())
 
 
-def run(size: str, out_dir: Path, command: str, log=print) -> Report:
+def run(size: str, out_dir: Path, command: str, log=print, execution=None) -> Report:
+    """``execution`` is accepted for a uniform interface: this experiment times policies in-process."""
     config, micro_batch, rounds = SETTINGS[size]
     report = Report("recompute", "Recomputation policies: measured memory and time vs the "
                     "memory model (Korthikanti et al. 2022)", command)

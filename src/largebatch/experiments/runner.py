@@ -130,30 +130,114 @@ def _peak_flops() -> float:
     return _PEAK_FLOPS[device.type]
 
 
-def run_arm(arm: Arm, base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print
-            ) -> ArmResult:
-    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/, replacing what an
-    earlier run of the same arm left there."""
+@dataclass(frozen=True)
+class Execution:
+    """How an experiment's arms are run; never what they compute."""
+
+    jobs: int = 1
+    """Arms trained at once, each in its own process with threads/jobs torch threads. Small models
+    scale poorly over threads: on 2 cores, 2 one-thread jobs finish about twice as fast as 1 job."""
+    resume: bool = False
+    """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
+    stopped or crashed full-size experiment continues where it stopped."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1:
+            raise ValueError(f"jobs={self.jobs!r}: must be an integer >= 1 (arms trained at once)")
+
+    def flags(self) -> str:
+        """The CLI flags that reproduce this execution (for a report's command line)."""
+        return (f" --jobs {self.jobs}" if self.jobs > 1 else "") + (" --resume" if self.resume else "")
+
+
+_ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
+
+
+def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[str, Any]:
+    return {"run.peak_flops": peak_flops, **base, **arm.overrides}
+
+
+def _finished(run_dir: Path, overrides: dict[str, Any]) -> float | None:
+    """Wall seconds of a finished run of exactly these overrides in run_dir (the measured peak FLOP/s
+    may differ between processes and is not compared), else None."""
+    record_path, summary_path = run_dir / _ARM_RECORD, run_dir / "summary.json"
+    if not (record_path.exists() and summary_path.exists()):
+        return None
+    record = json.loads(record_path.read_text())
+    strip = (lambda o: {k: v for k, v in o.items() if k != "run.peak_flops"})
+    same = strip(record.get("overrides", {})) == json.loads(json.dumps(strip(overrides)))
+    return float(record["wall_seconds"]) if same else None
+
+
+def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> float:
+    """Train one arm into a fresh run_dir; returns the wall seconds. Runs in a worker process too."""
+    import torch
+
     from largebatch.train.config import load_config
     from largebatch.train.loop import Trainer
 
-    run_dir = Path(out_dir) / "runs" / arm.name
-    overrides = {"run.peak_flops": _peak_flops(), **base, **arm.overrides}
+    if threads is not None:
+        torch.set_num_threads(threads)
     cfg = load_config(None, overrides)
     if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log_file:
-        summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+        Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
     wall = time.perf_counter() - start
+    (run_dir / _ARM_RECORD).write_text(json.dumps({"overrides": overrides, "wall_seconds": wall}, indent=2))
+    return wall
+
+
+def _result(arm: Arm, run_dir: Path, wall: float, log: Callable[[str], None], note: str = "") -> ArmResult:
     train, val = read_metrics(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
     result = ArmResult(arm, run_dir, summary, train, val, wall)
     log(f"  {arm.name:<28} val loss {result.final_val_loss:.4f}  steps {result.steps:>5}  "
-        f"final batch {result.final_batch:>4}  {wall:5.1f} s")
+        f"final batch {result.final_batch:>4}  {wall:5.1f} s{note}")
     return result
 
 
-def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path,
-             log: Callable[[str], None] = print) -> list[ArmResult]:
-    return [run_arm(arm, base, out_dir, log) for arm in arms]
+def run_arm(arm: Arm, base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print
+            ) -> ArmResult:
+    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/, replacing what an
+    earlier run of the same arm left there."""
+    return run_arms([arm], base, out_dir, log)[0]
+
+
+def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print,
+             execution: Execution = Execution()) -> list[ArmResult]:
+    """Train ``arms`` (each: base config + its changes) into out_dir/runs/<name>/; results in arm order.
+    ``execution``: how many at once, and whether finished arms are kept (Execution)."""
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arms: duplicate names {sorted(n for n in set(names) if names.count(n) > 1)}")
+    peak = _peak_flops()
+    jobs = [(arm, Path(out_dir) / "runs" / arm.name, _arm_overrides(arm, base, peak)) for arm in arms]
+    results: dict[str, ArmResult] = {}
+    todo = []
+    for arm, run_dir, overrides in jobs:
+        wall = _finished(run_dir, overrides) if execution.resume else None
+        if wall is None:
+            todo.append((arm, run_dir, overrides))
+        else:
+            results[arm.name] = _result(arm, run_dir, wall, log, "  (kept: finished earlier)")
+    if execution.jobs == 1 or len(todo) <= 1:
+        for arm, run_dir, overrides in todo:
+            results[arm.name] = _result(arm, run_dir, _train(run_dir, overrides), log)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        import torch
+
+        threads = max(1, torch.get_num_threads() // execution.jobs)
+        with ProcessPoolExecutor(max_workers=min(execution.jobs, len(todo)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_train, run_dir, overrides, threads): (arm, run_dir)
+                       for arm, run_dir, overrides in todo}
+            for future in as_completed(futures):
+                arm, run_dir = futures[future]
+                results[arm.name] = _result(arm, run_dir, future.result(), log)
+    return [results[arm.name] for arm in arms]

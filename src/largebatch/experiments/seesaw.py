@@ -24,7 +24,7 @@ from pathlib import Path
 
 from largebatch.experiments.report import (Report, fmt_loss, fmt_pct, markdown_table,
                                            plot_schedules, plot_validation)
-from largebatch.experiments.runner import (Arm, ArmResult, base_overrides, run_arm,
+from largebatch.experiments.runner import (Arm, ArmResult, Execution, base_overrides, run_arms,
                                            steps_to_reach)
 
 # (start batch below, micro-batch there, default start batch above, peak LR) per size
@@ -83,18 +83,18 @@ def group_table(results: list[ArmResult]) -> str:
     return markdown_table(headers, rows)
 
 
-def run(size: str, out_dir: Path, command: str, log=print) -> Report:
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution()) -> Report:
     base = base_overrides(size)
     below, micro_below, default_above, peak_lr = SETTINGS[size]
     report = Report("seesaw", "Seesaw vs cosine at equal tokens (Meterez et al. 2025)", command)
     seq_len, total = base["model.seq_len"], base["run.total_tokens"]
     log(f"seesaw ({size}): start batch {below} (below)")
-    low = [run_arm(a, base, out_dir, log) for a in arms_from(below, micro_below, peak_lr, "below")]
+    low = run_arms(arms_from(below, micro_below, peak_lr, "below"), base, out_dir, log, execution)
     b_crit = critical_batch(low[0])
     above = above_batch(default_above, b_crit, total, seq_len)
     log(f"seesaw ({size}): measured B_simple {b_crit}; start batch {above} (above)")
-    high = [run_arm(a, base, out_dir, log)
-            for a in arms_from(above, max(micro_below, above // 8), peak_lr, "above")]
+    high = run_arms(arms_from(above, max(micro_below, above // 8), peak_lr, "above"), base, out_dir, log,
+                    execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {peak_lr:g} for every arm, 10% warmup, cosine to
 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
 vocab {base['data.vocab_size']}, {total:,} tokens of Shakespeare per arm. Measured critical batch
