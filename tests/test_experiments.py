@@ -105,7 +105,8 @@ def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
     assert gpu_check.main(["--device", "cpu", "--tiny"]) == 0
     text = capsys.readouterr().out
     for name in ("sdpa/none", "sdpa/selective", "sdpa/full", "explicit/none", "explicit/full",
-                 "AdamW(fused=True)", "LAMB", "LANS", "cosine", "seesaw r=1/2"):
+                 "AdamW(foreach=True)", "AdamW(fused=True)", "LAMB", "LANS", "LAMB(fused=True)",
+                 "LANS(fused=True)", "cosine", "seesaw r=1/2"):
         assert re.search(rf"^{re.escape(name)}\s", text, re.M), name
     assert "OOM" not in text
     # the ~350M GPT the GPU run uses really is ~350M parameters (12 L h^2 + embeddings)
