@@ -94,7 +94,13 @@ def trust_ratio(
 
 
 def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
-    """Squared L2 norms of ``tensors`` as one 1-D tensor (len(tensors),), no host sync."""
+    """Squared L2 norms of ``tensors`` as one 1-D tensor (len(tensors),), no host sync.
+
+    On CPU each is ``torch.dot(t, t)``: twice as fast as ``linalg.vector_norm`` on cached data and,
+    measured on N(0.01, 0.02^2) float32 data, more accurate (relative error 1.9e-6 vs 2.2e-5 at 2^20
+    elements, 2.8e-4 vs 2.2e-3 at 21M; CPU tiles keep pieces at <= 2^20)."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([torch.dot(f, f) for f in (t.reshape(-1) for t in tensors)])
     if foreach:
         norms = torch._foreach_norm(tensors)
     else:
@@ -170,6 +176,16 @@ def foreach_adam_moments_(m: list[Tensor], v: list[Tensor], g: list[Tensor], bet
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
 
 
+def adam_moments_scaled_(m: list[Tensor], v: list[Tensor], g: list[Tensor], coefficients: list[float],
+                         betas) -> None:
+    """In place, per tensor: m = b1*m + (1-b1)*c*g ; v = b2*v + (1-b2)*c^2*g^2 with a host float c
+    (CPU: LANS's normalised gradient c*g is never written out)."""
+    beta1, beta2 = betas
+    for mi, vi, gi, c in zip(m, v, g, coefficients):
+        mi.mul_(beta1).add_(gi, alpha=(1 - beta1) * c)
+        vi.mul_(beta2).addcmul_(gi, gi, value=(1 - beta2) * c * c)
+
+
 def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float],
                                scratch: list[Tensor] | None) -> list[Tensor]:
     """sqrt(v) + eps*sqrt(bc2) = sqrt(bc2) * (sqrt(v^) + eps): the bias correction of v folded into a
@@ -206,6 +222,34 @@ def divide_into(numerators: list[Tensor], denominators: list[Tensor], in_place: 
     for n, d in zip(numerators, denominators):
         torch.div(n, d, out=d)
     return denominators
+
+
+_TINY_DECAY = 1e-20  # below this, direction_plus_decay keeps two operations (value = c/wd could overflow)
+
+
+def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators: list[Tensor],
+                         coefficients: list[float], wd: float, out: list[Tensor] | None
+                         ) -> tuple[list[Tensor], list[float]]:
+    """(u, s) per tensor with s*u = c*numerator/denominator + wd*x, the decoupled-decay direction, in
+    ONE pass where it can: u = x + (c/wd)*numerator/denominator (addcdiv) and s = wd. With wd = 0,
+    u = numerator/denominator and s = c. ``out``: CPU work buffers to write u into (they may be the
+    numerators or the denominators themselves: the operation is element-wise); None: new tensors."""
+    if wd >= _TINY_DECAY:
+        values = [c / wd for c in coefficients]
+        if out is None:
+            return torch._foreach_addcdiv(x, numerators, denominators, values), [wd] * len(x)
+        for xi, n, d, value, o in zip(x, numerators, denominators, values, out):
+            torch.addcdiv(xi, n, d, value=value, out=o)
+        return out, [wd] * len(x)
+    if out is None:
+        u = torch._foreach_div(numerators, denominators)
+    else:
+        u = out
+        for n, d, o in zip(numerators, denominators, out):
+            torch.div(n, d, out=o)
+    if wd != 0:  # tiny but non-zero: u = n/d + (wd/c)*x, kept exact
+        add_scaled_(u, x, [wd / c for c in coefficients])
+    return u, list(coefficients)
 
 
 # Tiles on CPU: every foreach sequence of the default path runs tile by tile, each tile 4 MiB of fp32

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   adam_moments, add_scaled_, bias_corrections, direction_plus_decay, divide_into,
+                   foreach_adam_moments_,
                    foreach_folded_denominator, per_tensor, scaled_copy, tile_scalars)
 
 # Library behaviour as switches. Each preset's equality with its library is a test (tests/test_optim_presets.py).
@@ -109,10 +110,12 @@ class LAMB(LayerwiseOptimizer):
         lr, eps, wd, l2_decay = group["lr"], group["eps"], group["weight_decay"], group["l2_decay"]
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
         scratch = self._scratch(b, 0)  # CPU: one kept work buffer per tensor; else None
-        # Bias corrections folded into per-tensor scalars (saves two passes): r = k*u with
-        # u = m/(sqrt(v) + eps*sqrt(bc2)) + (wd/k)*x and k = sqrt(bc2)/bc1.
+        # Bias corrections folded into per-tensor scalars (saves two passes): with
+        # denom = sqrt(v) + eps*sqrt(bc2), r = k*m/denom + wd*x, k = sqrt(bc2)/bc1, computed as
+        # r = scale*u by direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass).
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
+        r_scale = list(k)  # per tensor: r = r_scale * u
         tiles = self._tiles(b)  # CPU: cache-sized tiles; else one tile of the whole group
         directions, squared = [], []
         for tile in tiles:  # pass 1: moments, u and the partial squared norms, tile by tile
@@ -125,20 +128,23 @@ class LAMB(LayerwiseOptimizer):
             m = tile.views(exp_avg)
             foreach_adam_moments_(m, tile.views(exp_avg_sq), grads, group["betas"])
             denom = foreach_folded_denominator(tile.views(exp_avg_sq), eps, tile.pick(bc2), s)
-            u = divide_into(m, denom, in_place=s is not None)
-            if not l2_decay and wd != 0:
-                add_scaled_(u, x, tile.pick([wd / ki for ki in k]))
+            if l2_decay:  # the decay is already in g: r = k*m/denom
+                u = divide_into(m, denom, in_place=s is not None)
+            else:
+                u, scales = direction_plus_decay(x, m, denom, tile.pick(k), wd, s)
+                for i, scale in zip(tile.index, scales):
+                    r_scale[i] = scale
             if not adapt:
-                add_scaled_(x, u, tile.pick([-lr * ki for ki in k]))
+                add_scaled_(x, u, [-lr * r_scale[i] for i in tile.index])
                 continue
             squared.append(self._tile_squared_norms([x, u], self.foreach))  # (2, pieces)
             directions.append(u)
         if not adapt:
             return None
         x_norm, u_norm = self._reduced_tiled_norms(tiles, squared, b.params)  # (n,), (n,)
-        k_per_tensor = per_tensor(k, u_norm)  # float, or (n,) when steps differ within the group
-        ratio, pinned = self._group_trust_ratio(group, x_norm, u_norm * k_per_tensor)
-        step_scale = (ratio * (-lr) * k_per_tensor).to(b.x[0].dtype)  # (n,)
+        scale = per_tensor(r_scale, u_norm)  # float, or (n,) when it differs within the group
+        ratio, pinned = self._group_trust_ratio(group, x_norm, u_norm * scale)
+        step_scale = (ratio * (-lr) * scale).to(b.x[0].dtype)  # (n,)
         for tile, u in zip(tiles, directions):  # pass 2: x += step_scale * u
             torch._foreach_addcmul_(tile.views(b.x), u, tile_scalars(step_scale, tile))
         return ratio, pinned

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments, add_scaled_, bias_corrections, divide_into, foreach_adam_moments_,
+                   adam_moments, adam_moments_scaled_, bias_corrections, direction_plus_decay,
+                   foreach_adam_moments_,
                    foreach_folded_denominator, per_tensor, scaled_copy, tile_scalars)
 
 
@@ -105,38 +106,47 @@ class LANS(LayerwiseOptimizer):
         exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
         scratch_c, scratch_r = self._scratch(b, 0), self._scratch(b, 1)  # CPU: kept work buffers; else None
         # Bias corrections folded as in LAMB: with denom = sqrt(v) + eps*sqrt(bc2) = sqrt(bc2)*d,
-        # r = k*(m/denom + (wd/k)*x), k = sqrt(bc2)/bc1 ; c = q*(g~/denom + (wd/q)*x), q = sqrt(bc2).
+        # r = k*m/denom + wd*x, k = sqrt(bc2)/bc1 ; c = q*g~/denom + wd*x, q = sqrt(bc2); each
+        # computed as scale*u by direction_plus_decay (one pass where wd > 0).
         bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
         k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
         q = [math.sqrt(c2) for c2 in bc2]
+        # CPU: g~ = coef*g is folded into the moment update and the direction (host floats: no device
+        # to synchronise with); elsewhere g~ is written out and coef stays on the device.
+        host_coef = grad_coef.tolist() if scratch_c is not None else None
         coef = grad_coef.to(b.grads[0].dtype)
+        r_scale, c_scale = list(k), list(q)  # per tensor: r = r_scale*u_r, c = c_scale*u_c
         tiles = self._tiles(b)  # CPU: cache-sized tiles; else one tile of the whole group
         directions, squared = [], []
-        for tile in tiles:  # pass 1: g~, moments, u_r, u_c and the partial squared norms, tile by tile
-            x = tile.views(b.x)
+        for tile in tiles:  # pass 1: moments, u_r, u_c and the partial squared norms, tile by tile
+            x, g = tile.views(b.x), tile.views(b.grads)
             s_c, s_r = (None, None) if scratch_c is None else (tile.views(scratch_c), tile.views(scratch_r))
-            g_normalized = scaled_copy(tile.views(b.grads), tile_scalars(coef, tile), s_c)
             m, v = tile.views(exp_avg), tile.views(exp_avg_sq)
-            foreach_adam_moments_(m, v, g_normalized, group["betas"])
+            if host_coef is not None:
+                c_coef = tile.pick(host_coef)
+                adam_moments_scaled_(m, v, g, c_coef, group["betas"])
+            else:
+                g = scaled_copy(g, tile_scalars(coef, tile), None)  # g~
+                c_coef = [1.0] * len(g)
+                foreach_adam_moments_(m, v, g, group["betas"])
             denom = foreach_folded_denominator(v, eps, tile.pick(bc2), s_r)
-            u_c = g_normalized
-            torch._foreach_div_(u_c, denom)
-            u_r = divide_into(m, denom, in_place=s_r is not None)
-            if wd != 0:
-                add_scaled_(u_r, x, tile.pick([wd / ki for ki in k]))
-                add_scaled_(u_c, x, tile.pick([wd / qi for qi in q]))
+            u_c, c_scales = direction_plus_decay(x, g, denom, [qi * ci for qi, ci in zip(tile.pick(q), c_coef)],
+                                                 wd, s_c)
+            u_r, r_scales = direction_plus_decay(x, m, denom, tile.pick(k), wd, s_r)  # over denom: last
+            for i, cs, rs in zip(tile.index, c_scales, r_scales):
+                c_scale[i], r_scale[i] = cs, rs
             if adapt:
                 squared.append(self._tile_squared_norms([x, u_r, u_c], self.foreach))  # (3, pieces)
             directions.append((u_r, u_c))
-        k_per_tensor, q_per_tensor = per_tensor(k, grad_coef), per_tensor(q, grad_coef)
+        r_per_tensor, c_per_tensor = per_tensor(r_scale, grad_coef), per_tensor(c_scale, grad_coef)
         if adapt:
             x_norm, u_r_norm, u_c_norm = self._reduced_tiled_norms(tiles, squared, b.params)  # 3 x (n,)
-            r_norm, c_norm = u_r_norm * k_per_tensor, u_c_norm * q_per_tensor
+            r_norm, c_norm = u_r_norm * r_per_tensor, u_c_norm * c_per_tensor
         else:
             x_norm = r_norm = c_norm = torch.ones_like(grad_coef)
         scale_r, scale_c, diagnostics = self._ratios_and_scales(group, x_norm, r_norm, c_norm, adapt)
         dtype = b.x[0].dtype
-        scale_r, scale_c = (scale_r * k_per_tensor).to(dtype), (scale_c * q_per_tensor).to(dtype)
+        scale_r, scale_c = (scale_r * r_per_tensor).to(dtype), (scale_c * c_per_tensor).to(dtype)
         for tile, (u_r, u_c) in zip(tiles, directions):  # pass 2, tile by tile: x stays in cache
             x = tile.views(b.x)
             torch._foreach_addcmul_(x, u_r, tile_scalars(scale_r, tile))
