@@ -18,6 +18,11 @@ CASES = {
     "lars": (LARS, lars_reference, {"lr": 0.5, "weight_decay": 0.01}),
     "lamb_no_decay": (LAMB, lamb_reference, {"lr": 0.02, "weight_decay": 0.0}),
     "lans_plain": (LANS, lans_reference, {"lr": 0.02, "adapt": False, "bias_correction": False}),
+    "lans_no_decay": (LANS, lans_reference, {"lr": 0.02, "weight_decay": 0.0}),
+    # c/wd > 1e8: "divide, then add wd*x" instead of one addcdiv, whose x + (c/wd)*m/d would have a
+    # squared norm near float32's limit (core.direction_plus_decay)
+    "lamb_tiny_decay": (LAMB, lamb_reference, {"lr": 0.02, "weight_decay": 1e-12}),
+    "lans_tiny_decay": (LANS, lans_reference, {"lr": 0.02, "weight_decay": 1e-12}),
     "lars_plain": (LARS, lars_reference, {"lr": 0.05, "adapt": False, "momentum": 0.5}),
 }
 

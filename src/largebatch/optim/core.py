@@ -224,7 +224,9 @@ def divide_into(numerators: list[Tensor], denominators: list[Tensor], in_place: 
     return denominators
 
 
-_TINY_DECAY = 1e-20  # below this, direction_plus_decay keeps two operations (value = c/wd could overflow)
+# direction_plus_decay's one-pass form computes u = x + (c/wd)*n/d; past this c/wd, u's squared
+# norm could leave float32's range (|n/d| is O(1), so |u| ~ c/wd), and it keeps the two-pass form.
+_MAX_AMPLIFICATION = 1e8
 
 
 def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators: list[Tensor],
@@ -232,9 +234,11 @@ def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators
                          ) -> tuple[list[Tensor], list[float]]:
     """(u, s) per tensor with s*u = c*numerator/denominator + wd*x, the decoupled-decay direction, in
     ONE pass where it can: u = x + (c/wd)*numerator/denominator (addcdiv) and s = wd. With wd = 0,
-    u = numerator/denominator and s = c. ``out``: CPU work buffers to write u into (they may be the
-    numerators or the denominators themselves: the operation is element-wise); None: new tensors."""
-    if wd >= _TINY_DECAY:
+    u = numerator/denominator and s = c, and likewise when c/wd > _MAX_AMPLIFICATION (a tiny decay or a
+    huge c), where u = n/d + (wd/c)*x in two passes. ``out``: CPU work buffers to write u into (they
+    may be the numerators or the denominators themselves: the operation is element-wise); None: new
+    tensors."""
+    if wd > 0 and max(abs(c) for c in coefficients) <= _MAX_AMPLIFICATION * wd:
         values = [c / wd for c in coefficients]
         if out is None:
             return torch._foreach_addcdiv(x, numerators, denominators, values), [wd] * len(x)
@@ -247,7 +251,7 @@ def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators
         u = out
         for n, d, o in zip(numerators, denominators, out):
             torch.div(n, d, out=o)
-    if wd != 0:  # tiny but non-zero: u = n/d + (wd/c)*x, kept exact
+    if wd != 0:  # u = n/d + (wd/c)*x
         add_scaled_(u, x, [wd / c for c in coefficients])
     return u, list(coefficients)
 
