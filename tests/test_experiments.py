@@ -19,6 +19,7 @@ import torch
 from largebatch.experiments import cli, runner
 from largebatch.experiments.noise_scale import rank_correlation
 from largebatch.experiments.optimizers import best_per_cell, degrades_beyond
+from largebatch.experiments.report import fmt_loss
 from largebatch.experiments.runner import Arm, ArmResult, check_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,3 +190,25 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     assert runner._finished(kept[0], {**record["overrides"], "schedule.peak_lr": 1.0}) is None
     with pytest.raises(ValueError, match="jobs=0: must be an integer >= 1"):
         runner.Execution(jobs=0)
+
+
+def test_a_diverging_arm_is_recorded_and_the_experiment_goes_on(tmp_path, one_thread):
+    base = runner.base_overrides("smoke")
+    common = {"optim.name": "lars", "optim.weight_decay": 0.01, "schedule.batch_size": 8}
+    arms = [runner.Arm("lars-huge", {**common, "schedule.peak_lr": 1e6}),  # loss -> inf in a few steps
+            runner.Arm("lars-ok", {**common, "schedule.peak_lr": 1.0})]
+    logged = []
+    huge, ok = runner.run_arms(arms, base, tmp_path, logged.append)
+    assert huge.diverged.startswith("loss is") and huge.final_val_loss == math.inf
+    assert ok.diverged is None and math.isfinite(ok.final_val_loss)
+    assert "diverged at step" in logged[0]
+    record = json.loads((huge.run_dir / "arm.json").read_text())
+    assert record["diverged"] == huge.diverged and not (huge.run_dir / "summary.json").exists()
+    # the LR grid picks the finite arm; a report prints the diverged one as such
+    assert [r.arm.name for r in best_per_cell([huge, ok]).values()] == ["lars-ok"]
+    assert fmt_loss(huge.final_val_loss) == "diverged"
+    # --resume keeps a diverged arm (same config): it is not trained again
+    mtime = (huge.run_dir / "arm.json").stat().st_mtime_ns
+    again = runner.run_arms(arms, base, tmp_path, logged.append, runner.Execution(resume=True))
+    assert (huge.run_dir / "arm.json").stat().st_mtime_ns == mtime
+    assert again[0].diverged == huge.diverged and again[1].final_val_loss == ok.final_val_loss

@@ -7,6 +7,8 @@ reader -- or the test -- can recompute each from the run's metrics.jsonl.
 
 from __future__ import annotations
 
+import math
+
 import platform
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -21,7 +23,10 @@ from largebatch.experiments.runner import ArmResult  # noqa: E402
 
 
 def fmt_loss(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
+    """A loss to 4 decimals; "n/a" when missing, "diverged" for a run that stopped on a non-finite loss."""
+    if x is None:
+        return "n/a"
+    return "diverged" if math.isinf(x) else f"{x:.4f}"
 
 
 def fmt_pct(x: float | None) -> str:
@@ -105,9 +110,9 @@ def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
 
 def _set_loss_limits(ax, results: list[ArmResult]) -> None:
     """Start the y axis just above the first evaluations so the interesting end is readable."""
-    finals = [r.final_val_loss for r in results]
-    later = [v["val_loss"] for r in results for v in r.val[len(r.val) // 4:]]
-    if later:
+    finals = [r.final_val_loss for r in results if math.isfinite(r.final_val_loss)]
+    later = [v["val_loss"] for r in results for v in r.val[len(r.val) // 4:] if math.isfinite(v["val_loss"])]
+    if later and finals:
         ax.set_ylim(min(finals) - 0.05, max(later) + 0.05)
 
 

@@ -12,6 +12,7 @@ Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per exp
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -77,14 +78,17 @@ class ArmResult:
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    diverged: str | None = None
+    """Why the run stopped on a non-finite loss (an LR grid's top LR may): the arm then counts as
+    infinitely bad (final_val_loss = inf) instead of ending the experiment."""
 
     @property
     def final_val_loss(self) -> float:
-        return self.val[-1]["val_loss"]
+        return math.inf if self.diverged or not self.val else self.val[-1]["val_loss"]
 
     @property
     def steps(self) -> int:
-        return self.train[-1]["step"]
+        return self.train[-1]["step"] if self.train else 0
 
     @property
     def tokens(self) -> int:
@@ -157,24 +161,27 @@ def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[st
     return {"run.peak_flops": peak_flops, **base, **arm.overrides}
 
 
-def _finished(run_dir: Path, overrides: dict[str, Any]) -> float | None:
-    """Wall seconds of a finished run of exactly these overrides in run_dir (the measured peak FLOP/s
-    may differ between processes and is not compared), else None."""
-    record_path, summary_path = run_dir / _ARM_RECORD, run_dir / "summary.json"
-    if not (record_path.exists() and summary_path.exists()):
+def _finished(run_dir: Path, overrides: dict[str, Any]) -> tuple[float, str | None] | None:
+    """(wall seconds, divergence or None) of a finished or diverged run of exactly these overrides in
+    run_dir (the measured peak FLOP/s may differ between processes and is not compared), else None."""
+    record_path = run_dir / _ARM_RECORD
+    if not record_path.exists():
         return None
     record = json.loads(record_path.read_text())
+    if not (record.get("diverged") or (run_dir / "summary.json").exists()):
+        return None
     strip = (lambda o: {k: v for k, v in o.items() if k != "run.peak_flops"})
     same = strip(record.get("overrides", {})) == json.loads(json.dumps(strip(overrides)))
-    return float(record["wall_seconds"]) if same else None
+    return (float(record["wall_seconds"]), record.get("diverged")) if same else None
 
 
-def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> float:
-    """Train one arm into a fresh run_dir; returns the wall seconds. Runs in a worker process too."""
+def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> tuple[float, str | None]:
+    """Train one arm into a fresh run_dir; returns (wall seconds, why it diverged or None). A
+    non-finite loss ends the arm, not the experiment. Runs in a worker process too."""
     import torch
 
     from largebatch.train.config import load_config
-    from largebatch.train.loop import Trainer
+    from largebatch.train.loop import NonFiniteLoss, Trainer
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -182,20 +189,29 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    start = time.perf_counter()
+    start, diverged = time.perf_counter(), None
     with open(run_dir / "train.log", "w") as log_file:
-        Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+        try:
+            Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+        except NonFiniteLoss as exc:
+            diverged = str(exc)
+            print(f"diverged: {exc}", file=log_file)
     wall = time.perf_counter() - start
-    (run_dir / _ARM_RECORD).write_text(json.dumps({"overrides": overrides, "wall_seconds": wall}, indent=2))
-    return wall
+    record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged}
+    (run_dir / _ARM_RECORD).write_text(json.dumps(record, indent=2))
+    return wall, diverged
 
 
-def _result(arm: Arm, run_dir: Path, wall: float, log: Callable[[str], None], note: str = "") -> ArmResult:
+def _result(arm: Arm, run_dir: Path, wall: float, diverged: str | None, log: Callable[[str], None],
+            note: str = "") -> ArmResult:
     train, val = read_metrics(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    result = ArmResult(arm, run_dir, summary, train, val, wall)
-    log(f"  {arm.name:<28} val loss {result.final_val_loss:.4f}  steps {result.steps:>5}  "
-        f"final batch {result.final_batch:>4}  {wall:5.1f} s{note}")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    result = ArmResult(arm, run_dir, summary, train, val, wall, diverged)
+    outcome = (f"diverged at step {result.steps + 1}" if diverged
+               else f"val loss {result.final_val_loss:.4f}  steps {result.steps:>5}  "
+                    f"final batch {result.final_batch:>4}")
+    log(f"  {arm.name:<28} {outcome}  {wall:5.1f} s{note}")
     return result
 
 
@@ -218,14 +234,14 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     results: dict[str, ArmResult] = {}
     todo = []
     for arm, run_dir, overrides in jobs:
-        wall = _finished(run_dir, overrides) if execution.resume else None
-        if wall is None:
+        finished = _finished(run_dir, overrides) if execution.resume else None
+        if finished is None:
             todo.append((arm, run_dir, overrides))
         else:
-            results[arm.name] = _result(arm, run_dir, wall, log, "  (kept: finished earlier)")
+            results[arm.name] = _result(arm, run_dir, *finished, log, "  (kept: finished earlier)")
     if execution.jobs == 1 or len(todo) <= 1:
         for arm, run_dir, overrides in todo:
-            results[arm.name] = _result(arm, run_dir, _train(run_dir, overrides), log)
+            results[arm.name] = _result(arm, run_dir, *_train(run_dir, overrides), log)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -239,5 +255,5 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
                        for arm, run_dir, overrides in todo}
             for future in as_completed(futures):
                 arm, run_dir = futures[future]
-                results[arm.name] = _result(arm, run_dir, future.result(), log)
+                results[arm.name] = _result(arm, run_dir, *future.result(), log)
     return [results[arm.name] for arm in arms]
