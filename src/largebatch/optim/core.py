@@ -7,14 +7,16 @@ what the three optimizers have in common, so each technique module only writes i
   step loop, fp32 math for bf16/fp16 parameters, bit-identical ``state_dict`` resume, optional
   global gradient pre-clipping, the opt-in trust-ratio diagnostics and the three execution paths:
 
-  - ``foreach=True`` (default): multi-tensor ``torch._foreach_*`` kernels over a whole group;
+  - ``foreach=True`` (default): multi-tensor ``torch._foreach_*`` kernels over a whole group; on
+    CPU in cache-sized tiles (``Tile``, ``make_tiles``) with kept work buffers;
   - ``foreach=False``: a plain loop over tensors calling the per-tensor kernels of the technique;
   - ``fused=True``: the same per-tensor kernels compiled by ``torch.compile`` (inductor), one fused
     kernel per tensor and pass, shapes dynamic and hyperparameters packed in a device tensor, so a
     new learning rate (or a new parameter shape) never recompiles.
 
-  No path synchronises with the host per parameter: norms are stacked on the device and the trust
-  ratios are applied as 0-d device tensors.
+  No path synchronises a GPU with the host: norms are stacked on the device and the trust ratios
+  are applied as 0-d device tensors. (On CPU, where there is no device to wait for, LANS reads its
+  per-tensor gradient normalisation as host floats.)
 
 * ``trust_ratio`` -- ``numerator / denominator``, pinned to 1 where either norm is zero, with the
   optional clips (timm's LAMBC clip of the ratio, torch-optimizer's clamp of ||x||).
