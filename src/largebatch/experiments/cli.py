@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                              "one subdirectory per experiment)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="arms trained at once, one process each (threads split between them); "
-                             "tiny models: 2 jobs on 2 cores finish ~2x sooner than 1")
+                             "measured here at full size: 2 one-thread jobs on 2 cores, ~2x the arms "
+                             "per hour of one job")
     parser.add_argument("--resume", action="store_true",
                         help="keep arms whose run directory holds a finished run of the same config")
     args = parser.parse_args(argv)

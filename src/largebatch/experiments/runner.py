@@ -140,7 +140,9 @@ class Execution:
 
     jobs: int = 1
     """Arms trained at once, each in its own process with threads/jobs torch threads. Small models
-    scale poorly over threads: on 2 cores, 2 one-thread jobs finish about twice as fast as 1 job."""
+    scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with 2 jobs, their
+    own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s process
+    start-up dominates."""
     resume: bool = False
     """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
     stopped or crashed full-size experiment continues where it stopped."""
