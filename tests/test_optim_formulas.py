@@ -135,3 +135,18 @@ def test_per_group_adapt_and_weight_decay(path):
     first = lamb_reference(params[:3], [g[:3] for g in steps], lr=0.02)
     second = lamb_reference(params[3:], [g[3:] for g in steps], lr=0.02, adapt=False, weight_decay=0.0)
     assert _max_error([p.detach() for p in live], first + second) < 1e-12
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lans_tensors_with_tiny_gradients_share_tiles_with_others(path):
+    """LANS's direction scale c = sqrt(bc2)/||g|| is huge for a tensor with a tiny gradient, so at a
+    small decay that tensor takes the two-pass direction while the others take the one-pass one. In
+    7-element tiles it shares a tile with a piece of a split tensor: each tensor's form must follow
+    from its own c, not from its tile-mates'."""
+    params, steps = random_problem()
+    steps = [[None if g is None else (g * 1e-6 if i == 2 else g) for i, g in enumerate(grads)]
+             for grads in steps]
+    kwargs = {"lr": 0.02, "weight_decay": 1e-6}
+    expected = lans_reference(params, steps, **kwargs)
+    actual, _ = run_optimizer(_make(LANS, path, **kwargs), params, steps, torch.float64)
+    assert _max_error(actual, expected) < 1e-12

@@ -217,13 +217,14 @@ def scaled_copy(tensors: list[Tensor], scale: Tensor | float | list[Tensor], scr
     return scratch
 
 
-def divide_into(numerators: list[Tensor], denominators: list[Tensor], in_place: bool) -> list[Tensor]:
-    """numerators / denominators, overwriting ``denominators`` when ``in_place`` (CPU scratch)."""
-    if not in_place:
+def divide_into(numerators: list[Tensor], denominators: list[Tensor], out: list[Tensor] | None) -> list[Tensor]:
+    """numerators / denominators, written into ``out`` (CPU work buffers, which may be the denominators
+    themselves: element-wise) or into new tensors when None."""
+    if out is None:
         return torch._foreach_div(numerators, denominators)
-    for n, d in zip(numerators, denominators):
-        torch.div(n, d, out=d)
-    return denominators
+    for n, d, o in zip(numerators, denominators, out):
+        torch.div(n, d, out=o)
+    return out
 
 
 # direction_plus_decay's one-pass form computes u = x + (c/wd)*n/d; past this c/wd, u's squared
@@ -237,25 +238,33 @@ def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators
     """(u, s) per tensor with s*u = c*numerator/denominator + wd*x, the decoupled-decay direction, in
     ONE pass where it can: u = x + (c/wd)*numerator/denominator (addcdiv) and s = wd. With wd = 0,
     u = numerator/denominator and s = c, and likewise when c/wd > _MAX_AMPLIFICATION (a tiny decay or a
-    huge c), where u = n/d + (wd/c)*x in two passes. ``out``: CPU work buffers to write u into (they
-    may be the numerators or the denominators themselves: the operation is element-wise); None: new
-    tensors."""
-    if wd > 0 and max(abs(c) for c in coefficients) <= _MAX_AMPLIFICATION * wd:
-        values = [c / wd for c in coefficients]
-        if out is None:
-            return torch._foreach_addcdiv(x, numerators, denominators, values), [wd] * len(x)
-        for xi, n, d, value, o in zip(x, numerators, denominators, values, out):
-            torch.addcdiv(xi, n, d, value=value, out=o)
-        return out, [wd] * len(x)
-    if out is None:
-        u = torch._foreach_div(numerators, denominators)
-    else:
-        u = out
-        for n, d, o in zip(numerators, denominators, out):
-            torch.div(n, d, out=o)
-    if wd != 0:  # u = n/d + (wd/c)*x
-        add_scaled_(u, x, [wd / c for c in coefficients])
-    return u, list(coefficients)
+    huge c), where u = n/d + (wd/c)*x in two passes. The form is chosen per tensor from its own c, so
+    the pieces of a tensor split over tiles all get the same one. ``out``: CPU work buffers to write u
+    into (they may be the numerators or the denominators themselves: the operation is element-wise);
+    None: new tensors."""
+    one_pass = [wd > 0 and abs(c) <= _MAX_AMPLIFICATION * wd for c in coefficients]
+    scales = [wd if fast else c for fast, c in zip(one_pass, coefficients)]
+    groups = {True: [j for j, fast in enumerate(one_pass) if fast],
+              False: [j for j, fast in enumerate(one_pass) if not fast]}
+    u: list[Tensor | None] = list(out) if out is not None else [None] * len(x)
+    for fast, index in groups.items():
+        if not index:
+            continue
+        xs, ns, ds = [x[j] for j in index], [numerators[j] for j in index], [denominators[j] for j in index]
+        if fast:
+            values = [coefficients[j] / wd for j in index]
+            if out is None:
+                result = torch._foreach_addcdiv(xs, ns, ds, values)
+            else:
+                result = [torch.addcdiv(xi, n, d, value=value, out=u[j])
+                          for xi, n, d, value, j in zip(xs, ns, ds, values, index)]
+        else:
+            result = divide_into(ns, ds, None if out is None else [u[j] for j in index])
+            if wd != 0:  # u = n/d + (wd/c)*x
+                add_scaled_(result, xs, [wd / coefficients[j] for j in index])
+        for j, tensor in zip(index, result):
+            u[j] = tensor
+    return u, scales
 
 
 # Tiles on CPU: every foreach sequence of the default path runs tile by tile, each tile 4 MiB of fp32

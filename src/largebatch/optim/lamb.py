@@ -129,7 +129,7 @@ class LAMB(LayerwiseOptimizer):
             foreach_adam_moments_(m, tile.views(exp_avg_sq), grads, group["betas"])
             denom = foreach_folded_denominator(tile.views(exp_avg_sq), eps, tile.pick(bc2), s)
             if l2_decay:  # the decay is already in g: r = k*m/denom
-                u = divide_into(m, denom, in_place=s is not None)
+                u = divide_into(m, denom, s)
             else:
                 u, scales = direction_plus_decay(x, m, denom, tile.pick(k), wd, s)
                 for i, scale in zip(tile.index, scales):
