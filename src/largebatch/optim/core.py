@@ -429,8 +429,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _reduced_norms(self, tensors_by_quantity: list[list[Tensor]], params: list[Tensor]) -> list[Tensor]:
         """L2 norms, one (n,) tensor per quantity, from ONE stacked squared-norm tensor via the hook."""
-        squared = torch.cat([stacked_squared_norms(t, self.foreach) for t in tensors_by_quantity])
-        return list(self._reduce_squared_norms(squared, params).sqrt().view(len(tensors_by_quantity), -1))
+        return self._hooked_norms(self._tile_squared_norms(tensors_by_quantity, self.foreach), params)
+
+    def _hooked_norms(self, squared: Tensor, params: list[Tensor]) -> list[Tensor]:
+        """(k, n) squared norms -> k norm tensors (n,), through the sharding hook as ONE (k*n,) tensor."""
+        k = squared.shape[0]
+        return list(self._reduce_squared_norms(squared.reshape(-1), params).sqrt().view(k, -1))
 
     def _tiles(self, b: GroupTensors) -> list[Tile]:
         """Tiles of the group's tensors for the foreach path: CPU_TILE_ELEMENTS-sized on CPU (see there),
@@ -451,13 +455,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if index != list(range(len(params))):
             summed = partial.new_zeros(partial.shape[0], len(params))
             partial = summed.index_add_(1, torch.tensor(index, device=partial.device), partial)
-        k = partial.shape[0]
-        return list(self._reduce_squared_norms(partial.reshape(-1), params).sqrt().view(k, -1))
+        return self._hooked_norms(partial, params)
 
     def _reduced_kernel_norms(self, squared: Tensor, params: list[Tensor]) -> list[Tensor]:
         """L2 norms from per-tensor kernel outputs ``squared`` (n, k): k tensors (n,), via the hook."""
-        k = squared.shape[1]
-        return list(self._reduce_squared_norms(squared.T.reshape(-1), params).sqrt().view(k, -1))
+        return self._hooked_norms(squared.T, params)
 
     # ------------------------------------------------------------------------------------ the step
     @torch.no_grad()
