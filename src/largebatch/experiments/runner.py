@@ -217,13 +217,6 @@ def _result(arm: Arm, run_dir: Path, wall: float, diverged: str | None, log: Cal
     return result
 
 
-def run_arm(arm: Arm, base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print
-            ) -> ArmResult:
-    """Train one arm (base config + the arm's changes) into out_dir/runs/<name>/, replacing what an
-    earlier run of the same arm left there."""
-    return run_arms([arm], base, out_dir, log)[0]
-
-
 def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable[[str], None] = print,
              execution: Execution = Execution()) -> list[ArmResult]:
     """Train ``arms`` (each: base config + its changes) into out_dir/runs/<name>/; results in arm order.
