@@ -7,6 +7,7 @@ test functions assert on them. Independent float64 references (from PAPERS.md) l
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import math
@@ -417,6 +418,9 @@ def run_2d(out_dir: str) -> None:
     """4 ranks: FSDP over dp = 2 of a model tensor+sequence parallel over tp = 2 (a 2-D mesh)."""
     out = Path(out_dir)
     state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True, dp_mode="fsdp"))
+    exit_file = out / f"group_alive_at_exit_rank{state.rank}.txt"
+    # spawn() must leave the group before the interpreter exits (an alive gloo group can SIGABRT)
+    atexit.register(lambda: exit_file.write_text(str(torch.distributed.is_initialized())))
     results: dict = {}
     with rank_guard(state):
         idx, targets = batch("gpt")

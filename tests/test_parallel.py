@@ -207,6 +207,7 @@ def test_fsdp_over_tensor_and_sequence_parallel_on_a_2d_mesh(tmp_path):
         assert results["fwd_bwd"] < TOL
         assert results["grad_norm"] < 1e-6
         assert results["lamb"] < TOL
+        assert (tmp_path / f"group_alive_at_exit_rank{rank}.txt").read_text() == "False"
     saved = torch.load(tmp_path / "2d_expected.pt", weights_only=False)
     model = build_model(cases.tiny("gpt", bias=False))
     load_distributed(saved["path"], model, None, init_distributed(ParallelConfig()))

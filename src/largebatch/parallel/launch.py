@@ -2,7 +2,8 @@
 
 ``spawn(fn, nprocs, *args)`` runs ``fn(*args)`` in ``nprocs`` fresh processes with torchrun's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set, so the worker calls
-``largebatch.parallel.init_distributed`` exactly as under ``torchrun``. A rank that raises ends the
+``largebatch.parallel.init_distributed`` exactly as under ``torchrun``. When ``fn`` returns, the rank
+leaves its process group (barrier, then ``destroy_process_group``) if ``fn`` did not. A rank that raises ends the
 whole job: the others are terminated and :class:`~largebatch.parallel.mesh.RankFailure` names the
 rank that failed FIRST (the root cause; peers that then fail in a collective come after), with its
 traceback. For real jobs use torchrun (multi-node rendezvous, restarts; its "first observed
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from largebatch.parallel.mesh import RankFailure
@@ -42,6 +44,19 @@ def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, 
         # when, and what: the parent reports the earliest failure as the root cause
         Path(error_dir, f"rank{local_rank}").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """After ``fn`` returned: a last barrier, then destroy the group, before the interpreter exits.
+
+    A gloo rank that exits with its group alive can abort (SIGABRT, "terminate called without an
+    active exception") when worker threads still hold tensors at interpreter teardown; this was seen
+    in CI after a 4-rank FSDP x TP case whose ``fn`` returned without calling ``shutdown``.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _failures(error_dir: str) -> list[tuple[float, int, str]]:
