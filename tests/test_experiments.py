@@ -69,7 +69,7 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
     report = (out / "report.md").read_text()
     assert f"largebatch experiment seesaw --smoke --out {out}" in report
     tables = [t for t in parse_tables(report) if t and "optimizer steps" in t[0]]
-    assert len(tables) == 2  # below and above the measured critical batch
+    assert len(tables) == 4  # below and above the measured critical batch, 2 seeds each (default)
     for table in tables:
         cosine_train, _ = load_jsonl(out / "runs" / table[0]["arm"] / "metrics.jsonl")
         cosine_steps = cosine_train[-1]["step"]
@@ -82,6 +82,28 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
             assert float(row["steps saved"].rstrip("%")) == pytest.approx(saved, abs=0.051)
             assert int(row["tokens"]) == train[-1]["tokens"] >= 12_288  # the budget, or just past it
     below = {row["arm"]: row for row in tables[0]}
+    # each seed's arms share that seed's init and data order, and the seeds differ
+    seven = json.loads((out / "runs" / "below-cosine-seed7" / "arm.json").read_text())["overrides"]
+    assert seven["run.seed"] == seven["data.seed"] == 7
+    assert [r["arm"] for r in tables[1]] == [r["arm"] + "-seed7" for r in tables[0]]
+    assert tables[1][0]["final val loss"] != tables[0][0]["final val loss"]
+    # the paired-gap summary over seeds, recomputed from the runs (numpy, sample sd)
+    summaries = [t for t in parse_tables(report) if t and "mean gap vs cosine" in t[0]]
+    assert len(summaries) == 2
+    for summary, per_seed in zip(summaries, (tables[:2], tables[2:])):
+        final = lambda arm: load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]  # noqa: E731
+        for i, row in enumerate(summary[1:], start=1):
+            gaps = np.array([final(t[i]["arm"]) - final(t[0]["arm"]) for t in per_seed])
+            assert float(row["mean gap vs cosine"]) == pytest.approx(gaps.mean(), abs=5.1e-5)
+            assert float(row["sd"]) == pytest.approx(gaps.std(ddof=1), abs=5.1e-5)
+            assert float(row["min"]) == pytest.approx(gaps.min(), abs=5.1e-5)
+            assert row["seeds at or below cosine"] == f"{int((gaps <= 0).sum())} of 2"
+        cosine = np.array([final(t[0]["arm"]) for t in per_seed])
+        assert float(summary[0]["sd"]) == pytest.approx(cosine.std(ddof=1), abs=5.1e-5)
+    # above the critical batch the budget gives cosine at least the size's minimum steps (8 here)
+    above_cosine, _ = load_jsonl(out / "runs" / tables[2][0]["arm"] / "metrics.jsonl")
+    above_batch = above_cosine[0]["batch_size"]
+    assert len(above_cosine) >= 8 and above_cosine[-1]["tokens"] >= max(12_288, 8 * above_batch * 32)
     # cosine at batch 8 x seq 32 over 12,288 tokens; Seesaw r=1/2 reaches 8 * 2**k_max with
     # k_max = floor(log(final/peak) / log r) = floor(log 0.1 / log 0.5) = 3 (PAPERS.md §3)
     assert int(below["below-cosine"]["optimizer steps"]) == 12_288 // (8 * 32)
@@ -153,6 +175,12 @@ def test_bad_input_names_the_argument(tmp_path):
         check_size("huge")
     with pytest.raises(SystemExit):
         cli.main(["seesaw", "--quick", "--smoke"])
+    with pytest.raises(ValueError, match="seeds=2: only the seesaw experiment"):
+        cli.run_experiment("optimizers", "smoke", tmp_path, seeds=2)
+    with pytest.raises(ValueError, match="seeds=0: must be an integer from 1 to 8"):
+        cli.run_experiment("seesaw", "smoke", tmp_path, seeds=0)
+    with pytest.raises(SystemExit):
+        cli.main(["recompute", "--smoke", "--seeds", "3"])
 
 
 def _losses(run_dir: Path) -> list[tuple]:

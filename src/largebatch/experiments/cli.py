@@ -7,6 +7,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
     largebatch experiment noise-scale --quick     # McCandlish et al. 2018
     largebatch experiment all --quick
     largebatch experiment optimizers --jobs 2 --resume   # full size: 2 arms at once; keep finished arms
+    largebatch experiment seesaw --quick --seeds 5       # every arm at 5 seeds: paired gaps, mean +- sd
 """
 
 from __future__ import annotations
@@ -26,21 +27,32 @@ def _module(name: str):
 
 
 def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = None,
-                   log=print, jobs: int = 1, resume: bool = False) -> Path:
+                   log=print, jobs: int = 1, resume: bool = False, seeds: int | None = None) -> Path:
     """Run one experiment at a size (smoke | quick | full); returns the path of its report.md.
-    ``jobs``: arms trained at once (processes); ``resume``: keep arms that already finished."""
+    ``jobs``: arms trained at once (processes); ``resume``: keep arms that already finished;
+    ``seeds``: seeds per arm (seesaw only; default: the size's)."""
     from largebatch.experiments.runner import Execution, check_size
 
     if name not in EXPERIMENTS:
         raise ValueError(f"experiment {name!r}: choose one of {', '.join(EXPERIMENTS)}")
     check_size(size)
+    extra = {}
+    if seeds is not None:
+        if name != "seesaw":
+            raise ValueError(f"seeds={seeds!r}: only the seesaw experiment repeats its arms over seeds; "
+                             f"drop --seeds for {name!r}")
+        from largebatch.experiments.seesaw import check_seeds
+
+        extra["seeds"] = check_seeds(seeds)
     execution = Execution(jobs=jobs, resume=resume)
     out = Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
     out.mkdir(parents=True, exist_ok=True)
     flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
-    command = f"largebatch experiment {name}{flag} --out {shlex.quote(str(out))}{execution.flags()}"
+    seeds_flag = f" --seeds {seeds}" if seeds is not None else ""
+    command = (f"largebatch experiment {name}{flag}{seeds_flag} --out {shlex.quote(str(out))}"
+               f"{execution.flags()}")
     start = time.perf_counter()
-    report = _module(name).run(size, out, command, log=log, execution=execution)
+    report = _module(name).run(size, out, command, log=log, execution=execution, **extra)
     report.seconds = time.perf_counter() - start
     path = report.write(out)
     log(f"{name}: report {path} ({report.seconds:.0f} s)")
@@ -62,12 +74,17 @@ def main(argv: list[str] | None = None) -> int:
                              "per hour of one job")
     parser.add_argument("--resume", action="store_true",
                         help="keep arms whose run directory holds a finished run of the same config")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seesaw only: seeds per arm, 1-8 (default 2); the report gives the mean, "
+                             "sd and range of each arm's paired gap to cosine")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
+    if args.seeds is not None and args.name != "seesaw":
+        parser.error(f"--seeds {args.seeds}: only the seesaw experiment repeats its arms over seeds")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     for name in names:
         out = args.out if args.name != "all" or args.out is None else Path(args.out) / name
-        run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume)
+        run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
     return 0

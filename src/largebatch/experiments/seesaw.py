@@ -5,21 +5,27 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
   seesaw-r0.5   -- Seesaw, r = 1/2: at each milestone LR x sqrt(r), batch x 1/r
   seesaw-r0.91  -- Seesaw, r = 1/1.1 (the paper's main runs)
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
-  *-seed7       -- cosine and seesaw-r0.5 again with another init seed and data order: the
-                   unpaired seed spread, and whether the paired Seesaw-vs-cosine gap repeats
-The paper's claim: below the critical batch size Seesaw matches cosine's validation loss with
-~38% fewer optimizer steps (r = 1/1.1: 61.55% of cosine's steps); starting above it, Seesaw loses.
+Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
+the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
+is paired per seed; the report gives each seed's table and the mean, standard deviation and range
+of the paired gaps over seeds. The paper's claim: below the critical batch size Seesaw matches
+cosine's validation loss with ~38% fewer optimizer steps (r = 1/1.1: 61.55% of cosine's steps);
+starting above it, Seesaw loses.
 
-The critical batch is measured, not assumed: the cosine arm at B0 logs the gradient noise scale
-B_simple (McCandlish et al. 2018); its median over the second half of training is the estimate.
-The second group then starts at a batch above it (the larger of the size's default and the next
-power of two >= 2 x B_simple, capped so that cosine still takes >= 8 steps).
+The critical batch is measured, not assumed: the first seed's cosine arm at B0 logs the gradient
+noise scale B_simple (McCandlish et al. 2018); its median over the second half of training is the
+estimate. The second group then starts at a batch above it (the larger of the size's default and
+the next power of two >= 2 x B_simple, at most 4x the default). Its token budget is the larger of
+the first group's and what gives cosine the size's minimum number of steps at that batch: at equal
+tokens a start batch 8-16x larger leaves cosine so few steps that every arm is still near the
+unigram loss, which says nothing about the claim (measured: full size, batch 256, 48 steps).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from largebatch.experiments.report import (Report, fmt_loss, fmt_pct, markdown_table,
@@ -27,27 +33,59 @@ from largebatch.experiments.report import (Report, fmt_loss, fmt_pct, markdown_t
 from largebatch.experiments.runner import (Arm, ArmResult, Execution, base_overrides, run_arms,
                                            steps_to_reach)
 
-# (start batch below, micro-batch there, default start batch above, peak LR) per size
-SETTINGS = {"smoke": (8, 2, 64, 3e-3), "quick": (16, 4, 128, 3e-3), "full": (16, 4, 256, 2e-3)}
+
+@dataclass(frozen=True)
+class Setting:
+    below: int
+    """Start batch (sequences) of the first group, below the critical batch."""
+    micro_below: int
+    above: int
+    """Default start batch of the second group (raised if the measured critical batch needs it)."""
+    peak_lr: float
+    above_steps: int
+    """The second group's budget gives cosine at least this many optimizer steps."""
+    seeds: int
+    """Seeds per arm by default (``--seeds N`` changes it)."""
+
+
+SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2), "quick": Setting(16, 4, 128, 3e-3, 24, 2),
+            "full": Setting(16, 4, 128, 2e-3, 192, 2)}
+SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
         ("seesaw-r0.91", "seesaw", 1 / 1.1), ("smith-r0.5", "smith", 0.5))
 LABELS = {"cosine": "AdamW + cosine", "seesaw-r0.5": "Seesaw r=1/2",
           "seesaw-r0.91": "Seesaw r=1/1.1", "smith-r0.5": "constant LR, batch x2 (Smith)"}
 
 
-def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str) -> list[Arm]:
-    arms = []
-    for name, policy, ratio in ARMS:
-        overrides = {"optim.name": "adamw", "optim.weight_decay": 0.1,
-                     "schedule.peak_lr": peak_lr, "schedule.batch_size": start_batch,
-                     "schedule.batch_policy": policy, "schedule.ratio": ratio,
-                     "run.micro_batch": micro_batch}
-        arms.append(Arm(f"{group}-{name}", overrides, group=group, label=LABELS[name]))
-    # the seed check: cosine and Seesaw r=1/2 again with another initialisation and data order
-    for arm in arms[:2]:
-        reseeded = {**arm.overrides, "run.seed": 7, "data.seed": 7}
-        arms.append(Arm(f"{arm.name}-seed7", reseeded, group=group, label=f"{arm.label}, seed 7"))
-    return arms
+def check_seeds(seeds: int) -> int:
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= len(SEEDS):
+        raise ValueError(f"seeds={seeds!r}: must be an integer from 1 to {len(SEEDS)} (seeds per arm)")
+    return seeds
+
+
+def seed_name(seed: int | None) -> str:
+    return "1337" if seed is None else str(seed)
+
+
+def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str, seeds: int = 1,
+              extra: dict | None = None) -> list[list[Arm]]:
+    """The arms of one group, one list per seed (cosine first in each)."""
+    per_seed = []
+    for seed in SEEDS[:check_seeds(seeds)]:
+        arms = []
+        for name, policy, ratio in ARMS:
+            overrides = {"optim.name": "adamw", "optim.weight_decay": 0.1,
+                         "schedule.peak_lr": peak_lr, "schedule.batch_size": start_batch,
+                         "schedule.batch_policy": policy, "schedule.ratio": ratio,
+                         "run.micro_batch": micro_batch, **(extra or {})}
+            label = LABELS[name]
+            arm_name = f"{group}-{name}"
+            if seed is not None:
+                overrides.update({"run.seed": seed, "data.seed": seed})
+                label, arm_name = f"{label}, seed {seed}", f"{arm_name}-seed{seed}"
+            arms.append(Arm(arm_name, overrides, group=group, label=label))
+        per_seed.append(arms)
+    return per_seed
 
 
 def critical_batch(result: ArmResult) -> float | None:
@@ -57,13 +95,19 @@ def critical_batch(result: ArmResult) -> float | None:
     return statistics.median(values) if values else None
 
 
-def above_batch(default: int, b_crit: float | None, total_tokens: int, seq_len: int) -> int:
-    """A starting batch above the measured critical batch that still leaves cosine >= 8 steps."""
+def above_batch(default: int, b_crit: float | None) -> int:
+    """The second group's start batch: the default, or the next power of two >= 2 x B_simple if
+    that is larger, at most 4x the default (each doubling doubles that group's budget)."""
     batch = default
     if b_crit is not None:
         batch = max(batch, 2 ** math.ceil(math.log2(max(2.0, 2 * b_crit))))
-    most = total_tokens // (seq_len * 8)
-    return min(batch, 2 ** int(math.log2(most)))
+    return min(batch, 4 * default)
+
+
+def above_budget(total_tokens: int, batch: int, seq_len: int, min_steps: int) -> int:
+    """Tokens per arm of the second group: cosine gets >= min_steps steps, and never fewer tokens
+    than the first group."""
+    return max(total_tokens, min_steps * batch * seq_len)
 
 
 def group_table(results: list[ArmResult]) -> str:
@@ -83,51 +127,134 @@ def group_table(results: list[ArmResult]) -> str:
     return markdown_table(headers, rows)
 
 
-def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution()) -> Report:
+@dataclass(frozen=True)
+class PairedGaps:
+    """One arm's final validation loss minus cosine's at the same seed, over seeds."""
+
+    arm: str
+    gaps: list[float]
+    steps_saved: list[float]
+
+    @property
+    def finite(self) -> list[float]:
+        return [g for g in self.gaps if math.isfinite(g)]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.finite) if self.finite else None
+
+    @property
+    def sd(self) -> float | None:
+        """Sample standard deviation (n - 1); None below two finite gaps."""
+        return statistics.stdev(self.finite) if len(self.finite) >= 2 else None
+
+    @property
+    def ahead(self) -> int:
+        """Seeds at which the arm ends at or below cosine's loss."""
+        return sum(g <= 0 for g in self.gaps)
+
+
+def paired_gaps(per_seed: list[list[ArmResult]]) -> list[PairedGaps]:
+    """Per non-cosine arm: its gap to the same seed's cosine arm (index 0), for every seed."""
+    out = []
+    for i in range(1, len(per_seed[0])):
+        out.append(PairedGaps(LABELS[ARMS[i][0]],
+                              [s[i].final_val_loss - s[0].final_val_loss for s in per_seed],
+                              [100 * (1 - s[i].steps / s[0].steps) for s in per_seed]))
+    return out
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.4f}"
+
+
+def seed_table(per_seed: list[list[ArmResult]]) -> str:
+    """Mean, sample sd and range over seeds of each arm's paired gap to cosine; cosine's own spread."""
+    cosine = [s[0].final_val_loss for s in per_seed]
+    finite = [c for c in cosine if math.isfinite(c)]
+    rows = [[LABELS["cosine"] + " (final loss itself)", len(cosine),
+             fmt_loss(statistics.fmean(finite)) if finite else "n/a",
+             f"{statistics.stdev(finite):.4f}" if len(finite) >= 2 else "n/a",
+             fmt_loss(min(cosine)), fmt_loss(max(cosine)), "", ""]]
+    for p in paired_gaps(per_seed):
+        diverged = len(p.gaps) - len(p.finite)
+        rows.append([p.arm, len(p.gaps), _signed(p.mean), "n/a" if p.sd is None else f"{p.sd:.4f}",
+                     _signed(min(p.finite)) if p.finite else "n/a",
+                     _signed(max(p.finite)) if p.finite else "n/a",
+                     f"{p.ahead} of {len(p.gaps)}" + (f" ({diverged} diverged)" if diverged else ""),
+                     f"{statistics.fmean(p.steps_saved):.1f}%"])
+    headers = ["arm", "seeds", "mean gap vs cosine", "sd", "min", "max", "seeds at or below cosine",
+               "steps saved (mean)"]
+    return markdown_table(headers, rows)
+
+
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
+        seeds: int | None = None) -> Report:
     base = base_overrides(size)
-    below, micro_below, default_above, peak_lr = SETTINGS[size]
+    setting = SETTINGS[size]
+    seeds = check_seeds(setting.seeds if seeds is None else seeds)
     report = Report("seesaw", "Seesaw vs cosine at equal tokens (Meterez et al. 2025)", command)
     seq_len, total = base["model.seq_len"], base["run.total_tokens"]
-    log(f"seesaw ({size}): start batch {below} (below)")
-    low = run_arms(arms_from(below, micro_below, peak_lr, "below"), base, out_dir, log, execution)
-    b_crit = critical_batch(low[0])
-    above = above_batch(default_above, b_crit, total, seq_len)
-    log(f"seesaw ({size}): measured B_simple {b_crit}; start batch {above} (above)")
-    high = run_arms(arms_from(above, max(micro_below, above // 8), peak_lr, "above"), base, out_dir, log,
-                    execution)
-    report.add(f"""AdamW (weight decay 0.1), peak LR {peak_lr:g} for every arm, 10% warmup, cosine to
-0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
-vocab {base['data.vocab_size']}, {total:,} tokens of Shakespeare per arm. Measured critical batch
-(median B_simple of the cosine arm at batch {below}, second half of training):
-**{'n/a' if b_crit is None else f'{b_crit:.1f}'} sequences**.""")
-    for title, results in (("below", low), ("above", high)):
-        start = results[0].arm.overrides["schedule.batch_size"]
+    log(f"seesaw ({size}): start batch {setting.below} (below), {seeds} seed(s)")
+    low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds)
+    low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
+                   len(ARMS))
+    b_crit = critical_batch(low[0][0])
+    above = above_batch(setting.above, b_crit)
+    above_total = above_budget(total, above, seq_len, setting.above_steps)
+    log(f"seesaw ({size}): measured B_simple {b_crit}; start batch {above} (above), "
+        f"{above_total:,} tokens per arm")
+    budget = {"run.total_tokens": above_total, "run.eval_every_tokens": above_total // 20}
+    high_arms = arms_from(above, max(setting.micro_below, above // 8), setting.peak_lr, "above", seeds,
+                          extra=budget if above_total != total else None)
+    high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
+                    len(ARMS))
+    report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm, 10% warmup,
+cosine to 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
+vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.join(
+        seed_name(s) for s in SEEDS[:seeds])}: init and data order). Tokens per arm: {total:,} from
+batch {setting.below}, {above_total:,} from batch {above} (at least {setting.above_steps} cosine steps).
+Measured critical batch (median B_simple of the seed-1337 cosine arm at batch {setting.below},
+second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} sequences**.""")
+    for per_seed in (low, high):
+        start = per_seed[0][0].arm.overrides["schedule.batch_size"]
         side = "n/a" if b_crit is None else ("below" if start < b_crit else "above")
-        report.add(f"## Start batch {start} ({side} the measured critical batch)\n\n"
-                   + group_table(results))
+        section = f"## Start batch {start} ({side} the measured critical batch)"
+        for seed, results in zip(SEEDS, per_seed):
+            section += f"\n\nSeed {seed_name(seed)}:\n\n" + group_table(results)
+        if seeds > 1:
+            section += (f"\n\nOver {seeds} seeds, each arm's final loss minus the same seed's cosine "
+                        f"(paired):\n\n" + seed_table(per_seed))
+        report.add(section)
     report.add(findings(low, high))
-    everything = low + high
-    report.plots.append(plot_validation(everything, out_dir / "val_loss.png",
-                                        "Seesaw vs cosine: validation loss").name)
-    report.plots.append(plot_schedules(everything, out_dir / "schedules.png",
+    shown = low[0] + high[0]
+    report.plots.append(plot_validation(shown, out_dir / "val_loss.png",
+                                        "Seesaw vs cosine: validation loss (seed 1337)").name)
+    report.plots.append(plot_schedules(shown, out_dir / "schedules.png",
                                        "Realised LR and batch schedules").name)
     return report
 
 
-def findings(low: list[ArmResult], high: list[ArmResult]) -> str:
+def _by_seed(results: list[ArmResult], per_seed: int) -> list[list[ArmResult]]:
+    return [results[i:i + per_seed] for i in range(0, len(results), per_seed)]
+
+
+def findings(low: list[list[ArmResult]], high: list[list[ArmResult]]) -> str:
     lines = ["## What this shows\n"]
-    for label, results in (("below", low), ("above", high)):
-        cosine, *arms, cosine7, seesaw7 = results
-        for r in arms:
-            delta = r.final_val_loss - cosine.final_val_loss
-            saved = 100 * (1 - r.steps / cosine.steps)
-            lines.append(f"- {label}: {r.arm.legend} ends {fmt_pct(100 * delta / cosine.final_val_loss)}"
-                         f" in loss vs cosine ({delta:+.4f} nats) with {saved:.1f}% fewer steps.")
-        lines.append(f"- {label}, seed 7 (other init and data order): Seesaw r=1/2 vs cosine "
-                     f"{seesaw7.final_val_loss - cosine7.final_val_loss:+.4f} nats (paired); cosine "
-                     f"seed 7 vs seed 1337 {cosine7.final_val_loss - cosine.final_val_loss:+.4f} nats "
-                     f"(unpaired spread).")
+    for label, per_seed in (("below", low), ("above", high)):
+        n = len(per_seed)
+        for p in paired_gaps(per_seed):
+            spread = "" if p.sd is None else f" ± {p.sd:.4f} (sd)"
+            where = f" over {n} seeds, at or below cosine at {p.ahead} of {n}" if n > 1 else ""
+            lines.append(f"- {label}: {p.arm} ends {_signed(p.mean)}{spread} nats vs cosine{where}, with "
+                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps.")
+        if n > 1:
+            cosine = [s[0].final_val_loss for s in per_seed if math.isfinite(s[0].final_val_loss)]
+            if len(cosine) >= 2:
+                lines.append(f"- {label}: cosine's own final loss over the seeds spans "
+                             f"{max(cosine) - min(cosine):.4f} nats (sd {statistics.stdev(cosine):.4f}): "
+                             f"the unpaired seed spread the paired gaps are measured against.")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
-                 "batch; a loss gap starting above it. Two seeds for cosine and Seesaw r=1/2, one for "
-                 "the other arms: a gap that does not repeat across seeds is not established.")
+                 "batch; a loss gap starting above it. A gap whose sign changes across seeds is not "
+                 "established at this scale.")
     return "\n".join(lines)
