@@ -76,3 +76,42 @@ def test_cli_bad_input(args, needle, capsys):
     err = capsys.readouterr().err
     assert err.startswith("largebatch train: error:") and needle in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--optim.name=lars", '--optim.adapt=["weight", "bais"]'], "optim.adapt = ['weight', 'bais']"),
+    (["--optim.name=lamb", '--optim.adapt=["bias", "bias"]'], "distinct categories"),
+    (["--optim.name=adamw", '--optim.adapt=["bias"]'], "AdamW has no trust ratio"),
+])
+def test_cli_bad_adapt(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+
+
+def test_trust_ratio_categories_follow_the_optimizer():
+    """LARS adapts every tensor by default (Alg. 1); LAMB/LANS leave biases and norm weights out."""
+    from largebatch.models import build_model
+    from largebatch.train.optimizer import build_optimizer
+
+    def adapted(overrides):
+        cfg = load_config(None, {"model.n_layer": 1, "model.n_embd": 16, "model.n_head": 2,
+                                 "model.seq_len": 8, "data.vocab_size": 512, "model.bias": True,
+                                 **overrides})
+        model = build_model(cfg.model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        optimizer = build_optimizer(model, cfg.optim)
+        flags = {names[id(p)]: g["adapt"] for g in optimizer.param_groups for p in g["params"]}
+        assert len(flags) == len(names)  # every parameter once
+        return flags
+
+    lars = adapted({"optim.name": "lars"})
+    assert all(lars.values())
+    for name in ("lamb", "lans"):
+        flags = adapted({"optim.name": name})
+        norms_and_biases = [n for n in flags if "ln" in n or "norm" in n or n.endswith(".bias")]
+        assert norms_and_biases and not any(flags[n] for n in norms_and_biases)
+        assert all(v for n, v in flags.items() if n not in norms_and_biases)
+    assert all(adapted({"optim.name": "lamb", "optim.adapt": ["weight", "embedding", "bias", "norm"]}).values())
+    only_weights = adapted({"optim.name": "lars", "optim.adapt": ["weight"]})
+    assert not all(only_weights.values()) and any(only_weights.values())

@@ -47,6 +47,12 @@ class OptimConfig:
     the gradient norm is logged either way). Explicit here because apex/timm LAMB do it silently."""
     fused: bool = False
     """Fused per-tensor kernels (torch.compile), like torch.optim.AdamW(fused=True)."""
+    adapt: tuple[str, ...] | None = None
+    """Parameter categories whose step is scaled by the trust ratio (weight, embedding, bias, norm;
+    see largebatch.optim.param_groups); the rest take the plain step at the scheduled LR. None: the
+    optimizer's default -- LAMB and LANS: weight and embedding (the LAMB authors' BERT recipe);
+    LARS: all four, as in its Algorithm 1 (a bias or norm weight left out would take plain SGD at a
+    LARS-sized LR, ~1-30; see docs/results.md). Not used by AdamW."""
     log_trust_ratios: bool = True
     """Log min / median / max trust ratio per step (one extra device->host copy per step)."""
 
@@ -55,6 +61,22 @@ class OptimConfig:
             raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"optim.grad_clip = {self.grad_clip}: must be > 0, or omitted to disable")
+        if self.adapt is not None:
+            from largebatch.optim.groups import CATEGORIES
+
+            unknown = [c for c in self.adapt if c not in CATEGORIES]
+            if unknown or len(set(self.adapt)) != len(self.adapt):
+                raise ValueError(f"optim.adapt = {list(self.adapt)}: expected distinct categories from "
+                                 f"{', '.join(CATEGORIES)} (unknown: {', '.join(unknown) or 'none'})")
+            if self.name == "adamw":
+                raise ValueError(f"optim.adapt = {list(self.adapt)}: AdamW has no trust ratio; remove "
+                                 f"optim.adapt or choose lamb, lans or lars")
+
+    def adapted_categories(self) -> tuple[str, ...]:
+        """``adapt``, or the optimizer's default when it is None."""
+        if self.adapt is not None:
+            return tuple(self.adapt)
+        return ("weight", "embedding", "bias", "norm") if self.name == "lars" else ("weight", "embedding")
 
 
 @dataclass

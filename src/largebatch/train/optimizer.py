@@ -1,4 +1,5 @@
-"""From ``[optim]`` to an optimizer: parameter groups by largebatch.optim.param_groups."""
+"""From ``[optim]`` to an optimizer: parameter groups by largebatch.optim.param_groups (weight decay
+on weights and embeddings; trust ratios on the categories of ``optim.adapt``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from largebatch.train.config import OptimConfig
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The configured optimizer over ``model``'s parameters; LR is set by the schedule each step."""
-    groups = param_groups(model, weight_decay=cfg.weight_decay)
+    groups = param_groups(model, weight_decay=cfg.weight_decay, adapt=cfg.adapted_categories())
     lr = 0.0  # placeholder: the trainer writes the scheduled LR into every group before each step
     if cfg.name == "lamb":
         return LAMB(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
