@@ -52,7 +52,7 @@ class OptimConfig:
     see largebatch.optim.param_groups); the rest take the plain step at the scheduled LR. None: the
     optimizer's default -- LAMB and LANS: weight and embedding (the LAMB authors' BERT recipe);
     LARS: all four, as in its Algorithm 1 (a bias or norm weight left out would take plain SGD at a
-    LARS-sized LR, ~1-30; see docs/results.md). Not used by AdamW."""
+    LARS-sized LR, ~1-30; measured in docs/optim.md). Not used by AdamW."""
     log_trust_ratios: bool = True
     """Log min / median / max trust ratio per step (one extra device->host copy per step)."""
 
