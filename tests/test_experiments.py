@@ -98,6 +98,9 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
             assert float(row["sd"]) == pytest.approx(gaps.std(ddof=1), abs=5.1e-5)
             assert float(row["min"]) == pytest.approx(gaps.min(), abs=5.1e-5)
             assert row["seeds at or below cosine"] == f"{int((gaps <= 0).sum())} of 2"
+            half = 12.706 * gaps.std(ddof=1) / np.sqrt(2)  # Student t(0.975, 1 degree of freedom)
+            low, high = (float(v) for v in re.findall(r"[-+][\d.]+", row["95% CI of the mean"]))
+            assert (low, high) == pytest.approx((gaps.mean() - half, gaps.mean() + half), abs=5.1e-5)
         cosine = np.array([final(t[0]["arm"]) for t in per_seed])
         assert float(summary[0]["sd"]) == pytest.approx(cosine.std(ddof=1), abs=5.1e-5)
     # above the critical batch the budget gives cosine at least the size's minimum steps (8 here)

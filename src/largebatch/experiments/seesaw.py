@@ -51,6 +51,8 @@ class Setting:
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2), "quick": Setting(16, 4, 128, 3e-3, 24, 2),
             "full": Setting(16, 4, 128, 2e-3, 192, 2)}
 SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
+# Student t 0.975 quantiles by degrees of freedom (1-7): the 95% interval of a mean over 2-8 seeds
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
         ("seesaw-r0.91", "seesaw", 1 / 1.1), ("smith-r0.5", "smith", 0.5))
 LABELS = {"cosine": "AdamW + cosine", "seesaw-r0.5": "Seesaw r=1/2",
@@ -149,6 +151,14 @@ class PairedGaps:
         return statistics.stdev(self.finite) if len(self.finite) >= 2 else None
 
     @property
+    def ci95(self) -> tuple[float, float] | None:
+        """95% confidence interval of the mean paired gap (Student t, n - 1 degrees of freedom)."""
+        if self.sd is None:
+            return None
+        half = T_975[len(self.finite) - 1] * self.sd / math.sqrt(len(self.finite))
+        return self.mean - half, self.mean + half
+
+    @property
     def ahead(self) -> int:
         """Seeds at which the arm ends at or below cosine's loss."""
         return sum(g <= 0 for g in self.gaps)
@@ -168,6 +178,20 @@ def _signed(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.4f}"
 
 
+def _interval(ci: tuple[float, float] | None) -> str:
+    return "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
+def _verdict(ci: tuple[float, float] | None) -> str:
+    if ci is None:
+        return ""
+    if ci[0] > 0:
+        return f"; 95% CI {_interval(ci)}: worse than cosine"
+    if ci[1] < 0:
+        return f"; 95% CI {_interval(ci)}: better than cosine"
+    return f"; 95% CI {_interval(ci)} contains 0: no difference established"
+
+
 def seed_table(per_seed: list[list[ArmResult]]) -> str:
     """Mean, sample sd and range over seeds of each arm's paired gap to cosine; cosine's own spread."""
     cosine = [s[0].final_val_loss for s in per_seed]
@@ -176,15 +200,16 @@ def seed_table(per_seed: list[list[ArmResult]]) -> str:
              fmt_loss(statistics.fmean(finite)) if finite else "n/a",
              f"{statistics.stdev(finite):.4f}" if len(finite) >= 2 else "n/a",
              fmt_loss(min(cosine)), fmt_loss(max(cosine)), "", ""]]
+    rows[0].insert(4, "")
     for p in paired_gaps(per_seed):
         diverged = len(p.gaps) - len(p.finite)
         rows.append([p.arm, len(p.gaps), _signed(p.mean), "n/a" if p.sd is None else f"{p.sd:.4f}",
-                     _signed(min(p.finite)) if p.finite else "n/a",
+                     _interval(p.ci95), _signed(min(p.finite)) if p.finite else "n/a",
                      _signed(max(p.finite)) if p.finite else "n/a",
                      f"{p.ahead} of {len(p.gaps)}" + (f" ({diverged} diverged)" if diverged else ""),
                      f"{statistics.fmean(p.steps_saved):.1f}%"])
-    headers = ["arm", "seeds", "mean gap vs cosine", "sd", "min", "max", "seeds at or below cosine",
-               "steps saved (mean)"]
+    headers = ["arm", "seeds", "mean gap vs cosine", "sd", "95% CI of the mean", "min", "max",
+               "seeds at or below cosine", "steps saved (mean)"]
     return markdown_table(headers, rows)
 
 
@@ -247,7 +272,7 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]]) -> str:
             spread = "" if p.sd is None else f" ± {p.sd:.4f} (sd)"
             where = f" over {n} seeds, at or below cosine at {p.ahead} of {n}" if n > 1 else ""
             lines.append(f"- {label}: {p.arm} ends {_signed(p.mean)}{spread} nats vs cosine{where}, with "
-                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps.")
+                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps{_verdict(p.ci95)}.")
         if n > 1:
             cosine = [s[0].final_val_loss for s in per_seed if math.isfinite(s[0].final_val_loss)]
             if len(cosine) >= 2:
@@ -255,6 +280,6 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]]) -> str:
                              f"{max(cosine) - min(cosine):.4f} nats (sd {statistics.stdev(cosine):.4f}): "
                              f"the unpaired seed spread the paired gaps are measured against.")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
-                 "batch; a loss gap starting above it. A gap whose sign changes across seeds is not "
+                 "batch; a loss gap starting above it. A gap whose 95% interval contains 0 is not "
                  "established at this scale.")
     return "\n".join(lines)
