@@ -122,6 +122,16 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
     assert {"val_loss.png", "schedules.png"} <= set(plots)
     for name in plots:
         assert_png(out / name)
+    # benchmarks/seesaw_lr_check.py: an arm re-run at its own LR gives its loss bit for bit
+    spec = importlib.util.spec_from_file_location("lr_check", ROOT / "benchmarks" / "seesaw_lr_check.py")
+    lr_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr_check)
+    assert lr_check.main([str(out), "--arms", "below-cosine", "--lrs", "3e-3", "1e-2"]) == 0
+    _, original = load_jsonl(out / "runs" / "below-cosine" / "metrics.jsonl")
+    _, same = load_jsonl(out / "lr-check" / "runs" / "below-cosine-lr0.003" / "metrics.jsonl")
+    _, other = load_jsonl(out / "lr-check" / "runs" / "below-cosine-lr0.01" / "metrics.jsonl")
+    assert [v["val_loss"] for v in same] == [v["val_loss"] for v in original]
+    assert other[-1]["val_loss"] != original[-1]["val_loss"]
 
 
 def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
