@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1)
     args = parser.parse_args(argv)
     out = args.out or args.experiment / "lr-check"
-    arms = []
+    arms, recorded_lr = [], {}
     for name in args.arms:
         record = args.experiment / "runs" / name / "arm.json"
         if not record.exists():
             parser.error(f"--arms {name}: no {record} (a finished arm of this experiment)")
         overrides = {k: v for k, v in json.loads(record.read_text())["overrides"].items()
                      if k != "run.peak_flops"}
+        recorded_lr[name] = overrides["schedule.peak_lr"]
         for lr in args.lrs:
             if not lr > 0:
                 parser.error(f"--lrs {lr}: must be > 0")
@@ -46,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'arm':<32} {'peak lr':>9} {'final val loss':>15}")
     for name in args.arms:
         _, val = read_metrics(args.experiment / "runs" / name)
-        lr = json.loads((args.experiment / "runs" / name / "arm.json").read_text())["overrides"]["schedule.peak_lr"]
-        print(f"{name:<32} {lr:>9g} {val[-1]['val_loss']:>15.4f}  (the experiment's)")
+        print(f"{name:<32} {recorded_lr[name]:>9g} {val[-1]['val_loss']:>15.4f}  (the experiment's)")
         for r in results:
             if r.arm.group == name:
                 print(f"{name:<32} {r.arm.overrides['schedule.peak_lr']:>9g} {r.final_val_loss:>15.4f}")

@@ -80,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
-    if args.seeds is not None and args.name != "seesaw":
-        parser.error(f"--seeds {args.seeds}: only the seesaw experiment repeats its arms over seeds")
+    if args.seeds is not None:
+        if args.name != "seesaw":
+            parser.error(f"--seeds {args.seeds}: only the seesaw experiment repeats its arms over seeds")
+        from largebatch.experiments.seesaw import check_seeds
+
+        try:
+            check_seeds(args.seeds)
+        except ValueError as exc:
+            parser.error(f"--seeds {args.seeds}: {exc}")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     for name in names:

@@ -198,9 +198,8 @@ def seed_table(per_seed: list[list[ArmResult]]) -> str:
     finite = [c for c in cosine if math.isfinite(c)]
     rows = [[LABELS["cosine"] + " (final loss itself)", len(cosine),
              fmt_loss(statistics.fmean(finite)) if finite else "n/a",
-             f"{statistics.stdev(finite):.4f}" if len(finite) >= 2 else "n/a",
+             f"{statistics.stdev(finite):.4f}" if len(finite) >= 2 else "n/a", "",
              fmt_loss(min(cosine)), fmt_loss(max(cosine)), "", ""]]
-    rows[0].insert(4, "")
     for p in paired_gaps(per_seed):
         diverged = len(p.gaps) - len(p.finite)
         rows.append([p.arm, len(p.gaps), _signed(p.mean), "n/a" if p.sd is None else f"{p.sd:.4f}",

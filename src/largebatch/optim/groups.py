@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 CATEGORIES = ("weight", "embedding", "bias", "norm")
+ADAPT_DEFAULT = ("weight", "embedding")  # the LAMB authors' BERT recipe: no ratio for biases and norms
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm,
                *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
@@ -65,7 +66,7 @@ class ParamGroups(list):
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.01, *, decay: tuple[str, ...] = ("weight", "embedding"),
-                 adapt: tuple[str, ...] = ("weight", "embedding")) -> ParamGroups:
+                 adapt: tuple[str, ...] = ADAPT_DEFAULT) -> ParamGroups:
     """Group ``model``'s trainable parameters by (weight decay, adapt); see the module docstring.
 
     ``decay``: categories that get ``weight_decay`` (others 0.0). ``adapt``: categories whose step is

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from largebatch.parallel.mesh import RankFailure
+from largebatch.parallel.mesh import RankFailure, leave_process_group
 
 
 def free_port() -> int:
@@ -44,19 +43,7 @@ def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, 
         # when, and what: the parent reports the earliest failure as the root cause
         Path(error_dir, f"rank{local_rank}").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
-    _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    """After ``fn`` returned: a last barrier, then destroy the group, before the interpreter exits.
-
-    A gloo rank that exits with its group alive can abort (SIGABRT, "terminate called without an
-    active exception") when worker threads still hold tensors at interpreter teardown; this was seen
-    in CI after a 4-rank FSDP x TP case whose ``fn`` returned without calling ``shutdown``.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()  # if fn did not; seen in CI: a 4-rank case's rank aborted at exit
 
 
 def _failures(error_dir: str) -> list[tuple[float, int, str]]:

@@ -159,7 +159,15 @@ def seed_ranks(seed: int, state: ParallelState) -> int:
 
 def shutdown(state: ParallelState) -> None:
     """Leave the process group (after a last barrier, so no rank exits while others still talk)."""
-    if state.distributed and dist.is_initialized():
+    if state.distributed:
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """A last barrier, then destroy the default group, if one is initialised. A gloo rank that exits
+    with its group alive can abort at interpreter teardown (SIGABRT, "terminate called without an
+    active exception"): worker threads still hold tensors then."""
+    if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

@@ -74,9 +74,11 @@ class OptimConfig:
 
     def adapted_categories(self) -> tuple[str, ...]:
         """``adapt``, or the optimizer's default when it is None."""
+        from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
+
         if self.adapt is not None:
             return tuple(self.adapt)
-        return ("weight", "embedding", "bias", "norm") if self.name == "lars" else ("weight", "embedding")
+        return CATEGORIES if self.name == "lars" else ADAPT_DEFAULT
 
 
 @dataclass
