@@ -1,10 +1,11 @@
 """The sharding hook under real torch.distributed (gloo, 2 processes): each rank holds half of every
-tensor (rows split, as FSDP / tensor parallelism would); a one-method subclass all-reduces the stacked
-squared norms; the result must equal LAMB and LANS on the whole, unsharded tensors (PAPERS.md §1
-"Sharding"). Without the hook the ratios would be per shard: the test checks that this differs."""
+tensor (rows split, as FSDP / tensor parallelism would); a ``reduce_norms`` callable all-reduces the
+stacked squared norms; the result must equal LAMB and LANS on the whole, unsharded tensors (docs/papers.md,
+sharding). Without the hook the ratios would be per shard: the test checks that this differs."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -25,12 +26,13 @@ def _problem():
     return params, steps
 
 
+def _sum_over_ranks(squared_norms, params):
+    dist.all_reduce(squared_norms)  # sum of the shards' partial squared norms
+    return squared_norms
+
+
 def _sharded(optimizer_class):
-    class Sharded(optimizer_class):
-        def _reduce_squared_norms(self, squared_norms, params):
-            dist.all_reduce(squared_norms)  # sum of the shards' partial squared norms
-            return squared_norms
-    return Sharded
+    return functools.partial(optimizer_class, reduce_norms=_sum_over_ranks)
 
 
 def _run(optimizer_class, params, steps, rank=None, world=1):

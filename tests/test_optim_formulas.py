@@ -1,15 +1,19 @@
-"""LAMB, LANS and LARS against independent float64 references of PAPERS.md §1 (tests/optim_references.py):
+"""LAMB, LANS and LARS against independent float64 references (docs/papers.md; tests/optim_references.py):
 several steps, a zero tensor, a zero-gradient step, a step without a gradient; every switch; every
-execution path (foreach, foreach in tiny CPU tiles that split tensors and mix them, per-tensor) and
-their agreement; param_groups edits between steps."""
+execution path (flat buckets of small tensors, several buckets, multi-tensor, multi-tensor in tiny CPU
+tiles that split tensors and mix them, per-tensor, and the GPU forms of each) and their agreement;
+param_groups edits between steps."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
 
 from largebatch.optim import LAMB, LANS, LARS
-from largebatch.optim.core import make_tiles
+from largebatch.optim import kernels, tiling
 from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
 
 CASES = {
@@ -40,23 +44,39 @@ LAMB_SWITCHES = [
 ]
 
 
-PATHS = ["foreach", "tiled", "per_tensor", "foreach_gpu_like", "per_tensor_gpu_like"]
+PATHS = ["foreach", "flat_chunks", "multi_tensor", "tiled", "per_tensor", "multi_tensor_gpu_like",
+         "per_tensor_gpu_like"]
+
+
+@contextlib.contextmanager
+def _path_settings(path):
+    """The layout knobs for ``path`` on this problem, whose tensors are all small. "foreach": the default
+    (small tensors in one flat bucket); "flat_chunks": buckets of <= 16 elements; "multi_tensor": no
+    flat bucket (every tensor on the foreach path, one tile); "tiled": that path in 7-element CPU
+    tiles, so the 30-element tensor is split over tiles and small tensors share one; "*_gpu_like": the
+    code a GPU runs, here on CPU: no kept work buffers, one tile of whole tensors, directions
+    recomputed in pass 2 instead of stored."""
+    patches = {"flat_chunks": [(kernels, "FLAT_BUCKET_ELEMENTS", 16)],
+               "multi_tensor": [(kernels, "FLAT_MAX_ELEMENTS", 0)],
+               "tiled": [(kernels, "FLAT_MAX_ELEMENTS", 0), (tiling, "CPU_TILE_ELEMENTS", 7)],
+               "multi_tensor_gpu_like": [(kernels, "FLAT_MAX_ELEMENTS", 0), (tiling, "CPU_TILE_ELEMENTS", None)]
+               }.get(path, [])
+    if path.endswith("gpu_like"):
+        patches.append((tiling.Workspace, "buffers", lambda self, keys, like, slot: None))
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in patches:
+            stack.enter_context(mock.patch.object(owner, name, value))
+        yield
+
+
+def _run(optimizer_class, path, params, steps, dtype=torch.float32, **kwargs):
+    with _path_settings(path):
+        return run_optimizer(_make(optimizer_class, path, **kwargs), params, steps, dtype)
 
 
 def _make(optimizer_class, path, **kwargs):
-    """A factory for run_optimizer. "tiled": the foreach path in 7-element CPU tiles, so the 30-element
-    tensor is split over tiles and small tensors share one (the default tile holds this whole problem).
-    "*_gpu_like": the code a GPU runs, here on CPU: no kept work buffers, one tile of whole tensors,
-    directions recomputed in pass 2 instead of stored."""
-    def make(params):
-        optimizer = optimizer_class(params, foreach=not path.startswith("per_tensor"), **kwargs)
-        if path == "tiled":
-            optimizer.cpu_tile_elements = 7
-        if path.endswith("gpu_like"):
-            optimizer._scratch = lambda b, slot: None
-            optimizer._tiles = lambda b: make_tiles(b.x, None)
-        return optimizer
-    return make
+    """A factory for run_optimizer (the layout knobs: _path_settings)."""
+    return lambda params: optimizer_class(params, foreach=not path.startswith("per_tensor"), **kwargs)
 
 
 def _max_error(actual, expected):
@@ -69,9 +89,9 @@ def test_matches_float64_reference(case, path):
     optimizer_class, reference, kwargs = CASES[case]
     params, steps = random_problem()
     expected = reference(params, steps, **kwargs)
-    actual64, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps, torch.float64)
+    actual64, _ = _run(optimizer_class, path, params, steps, torch.float64, **kwargs)
     assert _max_error(actual64, expected) < 1e-12
-    actual32, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps)
+    actual32, _ = _run(optimizer_class, path, params, steps, **kwargs)
     assert _max_error(actual32, expected) < 2e-6
     assert _max_error(actual64, [p.double() for p in params]) > 1e-3  # the problem really moved
 
@@ -82,7 +102,7 @@ def test_lamb_switches_match_reference(switches, path):
     params, steps = random_problem(seed=1)
     kwargs = {"lr": 0.02, **switches}
     expected = lamb_reference(params, steps, **kwargs)
-    actual, _ = run_optimizer(_make(LAMB, path, **kwargs), params, steps, torch.float64)
+    actual, _ = _run(LAMB, path, params, steps, torch.float64, **kwargs)
     assert _max_error(actual, expected) < 1e-12
 
 
@@ -103,9 +123,9 @@ def test_switches_change_the_update():
 ], ids=["lamb", "lans", "lars"])
 def test_foreach_and_per_tensor_paths_agree_in_float32(optimizer_class, kwargs):
     params, steps = random_problem(seed=2, n_steps=6)
-    single, _ = run_optimizer(_make(optimizer_class, "per_tensor", **kwargs), params, steps)
-    for path in PATHS[:2] + PATHS[3:]:
-        multi, _ = run_optimizer(_make(optimizer_class, path, **kwargs), params, steps)
+    single, _ = _run(optimizer_class, "per_tensor", params, steps, **kwargs)
+    for path in PATHS:
+        multi, _ = _run(optimizer_class, path, params, steps, **kwargs)
         assert _max_error(multi, [s.double() for s in single]) < 1e-6, path
 
 
@@ -128,10 +148,11 @@ def test_per_group_adapt_and_weight_decay(path):
     live = [torch.nn.Parameter(p.clone().double()) for p in params]
     optimizer = _make(LAMB, path, lr=0.02)([{"params": live[:3]},
                                              {"params": live[3:], "adapt": False, "weight_decay": 0.0}])
-    for grads in steps:
-        for p, g in zip(live, grads):
-            p.grad = None if g is None else g.double()
-        optimizer.step()
+    with _path_settings(path):
+        for grads in steps:
+            for p, g in zip(live, grads):
+                p.grad = None if g is None else g.double()
+            optimizer.step()
     first = lamb_reference(params[:3], [g[:3] for g in steps], lr=0.02)
     second = lamb_reference(params[3:], [g[3:] for g in steps], lr=0.02, adapt=False, weight_decay=0.0)
     assert _max_error([p.detach() for p in live], first + second) < 1e-12
@@ -148,5 +169,5 @@ def test_lans_tensors_with_tiny_gradients_share_tiles_with_others(path):
              for grads in steps]
     kwargs = {"lr": 0.02, "weight_decay": 1e-6}
     expected = lans_reference(params, steps, **kwargs)
-    actual, _ = run_optimizer(_make(LANS, path, **kwargs), params, steps, torch.float64)
+    actual, _ = _run(LANS, path, params, steps, torch.float64, **kwargs)
     assert _max_error(actual, expected) < 1e-12

@@ -5,13 +5,15 @@
     print(groups.report())
     optimizer = LAMB(groups, lr=2e-3)
 
-See docs/optim.md for every switch, preset and measured number, and core.py for the sharding hook.
+``lamb``, ``lans`` and ``lars`` are the functional forms (as torch's ``adamw``). See docs/optim.md for
+every switch, preset and measured number, and core.py for ``reduce_norms`` (sharded models).
 """
 
 from .core import LayerwiseOptimizer, trust_ratio
 from .groups import ParamGroups, param_groups
-from .lamb import LAMB, PRESETS
-from .lans import LANS
-from .lars import LARS
+from .lamb import LAMB, PRESETS, lamb
+from .lans import LANS, lans
+from .lars import LARS, lars
 
-__all__ = ["LAMB", "LANS", "LARS", "LayerwiseOptimizer", "PRESETS", "ParamGroups", "param_groups", "trust_ratio"]
+__all__ = ["LAMB", "LANS", "LARS", "LayerwiseOptimizer", "PRESETS", "ParamGroups", "lamb", "lans", "lars",
+           "param_groups", "trust_ratio"]

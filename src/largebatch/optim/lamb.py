@@ -1,5 +1,5 @@
 """LAMB -- You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
-Algorithm 2 (LAMB) with phi = identity; the formula as written in PAPERS.md §1 (LAMB):
+Algorithm 2 (LAMB) with phi = identity; docs/papers.md, LAMB:
 
     m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g^2
     m^ = m/(1-b1^t) ;  v^ = v/(1-b2^t)
@@ -19,19 +19,24 @@ libraries do silently is a keyword here, off by default:
 ====================================  ==========================================================
 
 ``LAMB.from_preset(name, params, **kwargs)`` sets those switches to reproduce a library (PRESETS).
+``lamb(...)`` is the functional form (as torch's ``adamw``), usable without the class.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .core import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, GroupTensors, LayerwiseOptimizer, adam_hyperparameters,
-                   adam_moments, add_scaled_, bias_corrections, direction_plus_decay, divide_into,
-                   foreach_adam_moments_,
-                   foreach_folded_denominator, per_tensor, scaled_copy, tile_scalars)
+from . import checks
+from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
+from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, adam_hyperparameters,
+                      adam_moments, at, bias_corrections, fresh_buffers, sums)
+from .multi_tensor import (direction_plus_decay, divide_into, foreach_adam_moments_, foreach_folded_denominator,
+                           scaled_copy, sum_tile_pieces, tile_squared_norms)
+from .tiling import cpu_tiles, tile_scalars
 
 # Library behaviour as switches. Each preset's equality with its library is a test (tests/test_optim_presets.py).
 PRESETS: dict[str, dict] = {
@@ -45,55 +50,156 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def lamb_direction(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, l2_decay: bool) -> Tensor:
-    """r = m^/(sqrt(v^) + eps) (+ wd*x when decay is decoupled). All 1-D, hp: (9,)."""
-    r = (m * hp[HP_INV_BC1]) / ((v * hp[HP_INV_BC2]).sqrt() + hp[HP_EPS])
-    return r if l2_decay else r + hp[HP_WD] * x
+# ------------------------------------------------------------------------------ the math, per tensor
+def lamb_direction(x: Tensor, m: Tensor, v: Tensor, h: Tensor, l2_decay: bool) -> Tensor:
+    """r = m^/(sqrt(v^) + eps) (+ wd*x when decay is decoupled); h: hyperparameters at every element."""
+    r = (m * h[..., HP_INV_BC1]) / ((v * h[..., HP_INV_BC2]).sqrt() + h[..., HP_EPS])
+    return r if l2_decay else r + h[..., HP_WD] * x
 
 
-def lamb_moments_kernel(x: Tensor, g: Tensor, m: Tensor, v: Tensor, hp: Tensor, grad_scale: Tensor | None,
-                        l2_decay: bool, out: Tensor | None = None) -> Tensor:
-    """Pass 1 for one tensor: update m, v in place; return [||x||^2, ||r||^2] (2,). With ``out``, r is
-    also written there, for pass 2 to read instead of recomputing (see LayerwiseOptimizer._stored_directions)."""
+def lamb_moments_kernel(x, g, m, v, r, hp, grad_scale, l2_decay, seg, n):
+    """Pass 1: update m, v in place; return [||x||^2, ||r||^2]. With a buffer ``r``, r is also stored
+    there for pass 2 to read instead of recomputing it (CPU; see kernels.py)."""
+    h = at(hp, seg)
     if grad_scale is not None:
         g = g * grad_scale
     if l2_decay:
-        g = g + hp[HP_WD] * x
-    m_new, v_new = adam_moments(m, v, g, hp)
-    r = lamb_direction(x, m_new, v_new, hp, l2_decay)
+        g = g + h[..., HP_WD] * x
+    m_new, v_new = adam_moments(m, v, g, h)
+    direction = lamb_direction(x, m_new, v_new, h, l2_decay)
     m.copy_(m_new)
     v.copy_(v_new)
-    if out is not None:
-        out.copy_(r)
-    return torch.stack([x.square().sum(), r.square().sum()])
+    if r is not None:
+        r.copy_(direction)
+    return torch.stack([sums(x * x, seg, n), sums(direction * direction, seg, n)])
 
 
-def lamb_apply_kernel(x: Tensor, m: Tensor, v: Tensor, hp: Tensor, step_scale: Tensor, l2_decay: bool) -> None:
-    """Pass 2 for one tensor: x += step_scale * r, r recomputed from m and v, with step_scale = -lr *
-    trust_ratio (0-d). (Where pass 1 stored r, pass 2 is a plain x.addcmul_(r, step_scale).)"""
-    x.copy_(x + lamb_direction(x, m, v, hp, l2_decay) * step_scale)
+def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
+    """Pass 2: x += step_scale * r with step_scale = -lr * trust_ratio; r stored by pass 1 or recomputed."""
+    if r is None:
+        r = lamb_direction(x, m, v, at(hp, seg), l2_decay)
+    x.addcmul_(r, at(step_scale, seg))
 
 
+# ------------------------------------------------------------------------------ the functional form
+def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+         steps: list[int], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
+         trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
+         grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
+         foreach: bool = True, fused: bool = False,
+         work_buffers: Callable[[int], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+    """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
+    t per tensor after this update. Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
+    ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
+    slot -> kept CPU buffers (None: fresh ones)."""
+    if not params:
+        return None
+    layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
+    work = work_buffers or fresh_buffers(params)
+    hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)
+    squared = params[0].new_zeros(2, len(params))  # [||x||^2, ||r||^2] per tensor
+    run = KernelRun(layout, {"x": params, "g": grads, "m": exp_avgs, "v": exp_avg_sqs}, write=("x", "m", "v"))
+    run.add("r", work(0))
+    run(lamb_moments_kernel, ("x", "g", "m", "v", "r"), (hp,), (grad_scale, l2_decay), out=squared)
+    multi = _MultiTensorLAMB(layout.foreach, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps,
+                             weight_decay, bias_correction, l2_decay, grad_scale, work)
+    multi.pass1(squared)
+    if adapt:  # (an unadapted step needs no norms: no reduction, no collective)
+        x_norm, r_norm = hooked_norms(squared, reduce_norms)
+        ratio, pinned = trust_ratio(x_norm, r_norm, numerator_clip=weight_norm_clip, ratio_clip=trust_clip)
+    else:
+        ratio, pinned = squared.new_ones(len(params)), None
+    step_scale = ratio * (-lr)  # (n,)
+    run(lamb_apply_kernel, ("x", "m", "v", "r"), (hp, step_scale), (l2_decay,))
+    multi.pass2(step_scale)
+    run.finish()
+    return None if pinned is None else (ratio, pinned)
+
+
+class _MultiTensorLAMB:
+    """The multi-tensor path of the large tensors ``index``: foreach operations, on CPU tile by tile.
+
+    Bias corrections are folded into per-tensor scalars (saves two passes): with denom = sqrt(v) +
+    eps*sqrt(bc2), r = k*m/denom + wd*x, k = sqrt(bc2)/bc1, computed as r = scale*u by
+    direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass)."""
+
+    def __init__(self, index, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps, weight_decay,
+                 bias_correction, l2_decay, grad_scale, work):
+        pick = (lambda ts: [ts[i] for i in index])
+        self.index, self.x, self.g, self.m, self.v = index, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
+        self.betas, self.eps, self.wd, self.l2_decay, self.grad_scale = betas, eps, weight_decay, l2_decay, grad_scale
+        bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
+        self.bc2, self.k = bc2, [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
+        buffers = work(0) if index else None
+        self.scratch = None if buffers is None else pick(buffers)
+        self.tiles = cpu_tiles(self.x)
+        self.directions: list[list[Tensor]] = []
+        self.r_scale: list[float] = list(self.k)
+
+    def pass1(self, squared: Tensor) -> None:
+        """Moments, u and the squared norms [||x||^2, ||r||^2] into ``squared``'s columns ``index``."""
+        if not self.index:
+            return
+        partial = []
+        for tile in self.tiles:
+            x, s = tile.views(self.x), None if self.scratch is None else tile.views(self.scratch)
+            grads = tile.views(self.g)
+            if self.grad_scale is not None or (self.l2_decay and self.wd != 0):
+                grads = scaled_copy(grads, 1.0 if self.grad_scale is None else self.grad_scale, s)
+                if self.l2_decay and self.wd != 0:
+                    torch._foreach_add_(grads, x, alpha=self.wd)
+            m = tile.views(self.m)
+            foreach_adam_moments_(m, tile.views(self.v), grads, self.betas)
+            denom = foreach_folded_denominator(tile.views(self.v), self.eps, tile.pick(self.bc2), s)
+            if self.l2_decay:  # the decay is already in g: r = k*m/denom
+                u = divide_into(m, denom, s)
+            else:
+                u, scales = direction_plus_decay(x, m, denom, tile.pick(self.k), self.wd, s)
+                for i, scale in zip(tile.index, scales):
+                    self.r_scale[i] = scale
+            partial.append(tile_squared_norms([x, u]))
+            self.directions.append(u)
+        sq = sum_tile_pieces(self.tiles, partial, len(self.x))  # (2, n_large)
+        sq[1] *= sq.new_tensor(self.r_scale).square()
+        squared[:, self.index] = sq
+
+    def pass2(self, step_scale: Tensor) -> None:
+        """x += step_scale * r = (step_scale * r_scale) * u, tile by tile."""
+        if not self.index:
+            return
+        scale = step_scale[self.index] * step_scale.new_tensor(self.r_scale)
+        for tile, u in zip(self.tiles, self.directions):
+            torch._foreach_addcmul_(tile.views(self.x), u, tile_scalars(scale, tile))
+
+
+# ------------------------------------------------------------------------------------- the class
 class LAMB(LayerwiseOptimizer):
     """LAMB (You et al. 2019, Alg. 2). See the module docstring for the switches and PRESETS.
 
     Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adapt`` (trust ratio on/off) and the
-    switches; edits to ``param_groups`` apply at the next step. ``foreach`` (default) / per-tensor /
-    ``fused=True`` (torch.compile) paths compute the same update.
+    switches; edits to ``param_groups`` apply at the next step. ``foreach`` (default) / per-tensor
+    (``foreach=False``) / ``fused=True`` (torch.compile) paths compute the same update.
+    ``reduce_norms``: see largebatch.optim.core (sharded models).
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
+                 adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
+                 trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive, l2_decay=checks.flag)
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
-                 foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt=adapt,
-                        bias_correction=bias_correction, skip_adapt_if_no_decay=skip_adapt_if_no_decay,
-                        trust_clip=trust_clip, weight_norm_clip=weight_norm_clip, l2_decay=l2_decay)
+                 foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
+                 reduce_norms: NormReduction | None = None) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+                        weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
+                        skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
+                        weight_norm_clip=weight_norm_clip, l2_decay=l2_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
 
     @classmethod
     def from_preset(cls, name: str, params, **kwargs) -> "LAMB":
@@ -102,72 +208,9 @@ class LAMB(LayerwiseOptimizer):
             raise ValueError(f"preset={name!r}: unknown; choose one of {sorted(PRESETS)}")
         return cls(params, **{**PRESETS[name], **kwargs})
 
-    def _update_group(self, group: dict, batch: GroupTensors, grad_scale: Tensor | None):
-        update = self._foreach_update if self.foreach else self._per_tensor_update
-        return update(group, batch, grad_scale, self._adapts(group))
-
-    def _foreach_update(self, group, b: GroupTensors, grad_scale, adapt):
-        lr, eps, wd, l2_decay = group["lr"], group["eps"], group["weight_decay"], group["l2_decay"]
-        exp_avg, exp_avg_sq = b.state_list("exp_avg"), b.state_list("exp_avg_sq")
-        scratch = self._scratch(b, 0)  # CPU: one kept work buffer per tensor; else None
-        # Bias corrections folded into per-tensor scalars (saves two passes): with
-        # denom = sqrt(v) + eps*sqrt(bc2), r = k*m/denom + wd*x, k = sqrt(bc2)/bc1, computed as
-        # r = scale*u by direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass).
-        bc1, bc2 = bias_corrections(b.steps, group["betas"], group["bias_correction"])
-        k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        r_scale = list(k)  # per tensor: r = r_scale * u
-        tiles = self._tiles(b)  # CPU: cache-sized tiles; else one tile of the whole group
-        directions, squared = [], []
-        for tile in tiles:  # pass 1: moments, u and the partial squared norms, tile by tile
-            x, s = tile.views(b.x), None if scratch is None else tile.views(scratch)
-            grads = tile.views(b.grads)
-            if grad_scale is not None or (l2_decay and wd != 0):
-                grads = scaled_copy(grads, 1.0 if grad_scale is None else grad_scale, s)
-                if l2_decay and wd != 0:
-                    torch._foreach_add_(grads, x, alpha=wd)
-            m = tile.views(exp_avg)
-            foreach_adam_moments_(m, tile.views(exp_avg_sq), grads, group["betas"])
-            denom = foreach_folded_denominator(tile.views(exp_avg_sq), eps, tile.pick(bc2), s)
-            if l2_decay:  # the decay is already in g: r = k*m/denom
-                u = divide_into(m, denom, s)
-            else:
-                u, scales = direction_plus_decay(x, m, denom, tile.pick(k), wd, s)
-                for i, scale in zip(tile.index, scales):
-                    r_scale[i] = scale
-            if not adapt:
-                add_scaled_(x, u, [-lr * r_scale[i] for i in tile.index])
-                continue
-            squared.append(self._tile_squared_norms([x, u], self.foreach))  # (2, pieces)
-            directions.append(u)
-        if not adapt:
-            return None
-        x_norm, u_norm = self._reduced_tiled_norms(tiles, squared, b.params)  # (n,), (n,)
-        scale = per_tensor(r_scale, u_norm)  # float, or (n,) when it differs within the group
-        ratio, pinned = self._group_trust_ratio(group, x_norm, u_norm * scale)
-        step_scale = (ratio * (-lr) * scale).to(b.x[0].dtype)  # (n,)
-        for tile, u in zip(tiles, directions):  # pass 2: x += step_scale * u
-            torch._foreach_addcmul_(tile.views(b.x), u, tile_scalars(step_scale, tile))
-        return ratio, pinned
-
-    def _per_tensor_update(self, group, b: GroupTensors, grad_scale, adapt):
-        lr, l2_decay = group["lr"], group["l2_decay"]
-        hp = adam_hyperparameters(group, b.steps, b.x[0])  # (n, 9)
-        x, g = self._flat(b.x), self._flat(b.grads)
-        m, v = self._flat(b.state_list("exp_avg")), self._flat(b.state_list("exp_avg_sq"))
-        moments, apply = self._kernel(lamb_moments_kernel), self._kernel(lamb_apply_kernel)
-        r = self._stored_directions(b, 0)  # CPU: r kept from pass 1 (see there); else None: recomputed
-        squared = torch.stack([moments(x[i], g[i], m[i], v[i], hp[i], grad_scale, l2_decay,
-                                       None if r is None else r[i])
-                               for i in range(len(x))])  # (n, 2)
-        if adapt:
-            x_norm, r_norm = self._reduced_kernel_norms(squared, b.params)  # (n,), (n,)
-            ratio, pinned = self._group_trust_ratio(group, x_norm, r_norm)
-        else:
-            ratio, pinned = torch.ones_like(squared[:, 0]), None
-        step_scale = ratio * (-lr)  # (n,)
-        for i in range(len(x)):
-            if r is None:
-                apply(x[i], m[i], v[i], hp[i], step_scale[i], l2_decay)
-            else:  # as fast as a compiled kernel: one memory-bound pass
-                x[i].addcmul_(r[i], step_scale[i])
-        return None if pinned is None else (ratio, pinned)
+    def _update(self, h, b, grad_scale, reduce):
+        return lamb(b.x, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.steps, lr=h["lr"],
+                    betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], adapt=self._adapts(h),
+                    bias_correction=h["bias_correction"], trust_clip=h["trust_clip"],
+                    weight_norm_clip=h["weight_norm_clip"], l2_decay=h["l2_decay"], grad_scale=grad_scale,
+                    reduce_norms=reduce, work_buffers=self._work_buffers(b), **self._paths())

@@ -10,16 +10,16 @@ the tensor is sharded; along a dimension where the tensor is replicated (a DTens
 ``Replicate()``, a plain tensor under DDP or tensor parallel) only the rank at coordinate 0
 contributes, so the single all-reduce over the job counts every element exactly once.
 
-``shard_optimizer(optimizer, state)`` installs this on a largebatch.optim optimizer (the core's
-``_reduce_squared_norms`` hook) and makes its element-wise math run on the local shards: the
-optimizer state stays DTensors shaped like the parameters (so distributed checkpoints reshard it),
-the arithmetic is the unchanged single-process algorithm. ``global_grad_norm`` and
+``sharded_norms(state)`` is this reduction as the optimizers' public ``reduce_norms`` argument
+(``shard_optimizer(optimizer, state)`` sets it on an existing optimizer). The optimizers run their
+element-wise math on the local shards of DTensor parameters: the optimizer state stays DTensors
+shaped like the parameters (so distributed checkpoints reshard it), the arithmetic is the unchanged
+single-process algorithm. ``global_grad_norm`` and
 ``clip_grad_norm_`` are the same reduction for the trainer (logging, clipping, noise scale).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
 
-from largebatch.optim.core import GroupTensors, LayerwiseOptimizer
+from largebatch.optim.core import LayerwiseOptimizer
 from largebatch.parallel.mesh import ParallelState
 
 
@@ -62,72 +62,51 @@ def contributes(param: Tensor, state: ParallelState) -> bool:
 
 
 class ShardedSquaredNorms:
-    """The optim core's ``_reduce_squared_norms(squared_norms, params)`` hook for a sharded model.
+    """A ``reduce_norms(squared_norms, params)`` for largebatch.optim optimizers on a sharded model.
 
-    ``squared_norms`` is (k * n,): k quantities (||x||^2, ||r||^2, ...) for the n ``params``, each
-    entry the sum of squares over the local shard. Returns the job-wide sums with one all-reduce.
+    ``squared_norms`` is (k * n,): k quantities (||x||^2, ||r||^2, ...) for the n ``params`` (the
+    parameters as given to the optimizer, DTensors or plain), each entry the sum of squares over the
+    local shard. Returns the job-wide sums with one all-reduce.
     """
 
     def __init__(self, state: ParallelState):
         self.state = state
-        self.flags: dict[int, bool] = {}  # id(local tensor) -> contributes; filled by register()
-        self.sharded = False  # whether any registered parameter is a DTensor
+        self.flags: dict[int, bool] = {}  # id(param) -> contributes
 
-    def register(self, param: Tensor) -> Tensor:
-        """Record ``param``'s contribution flag; return its local tensor (what the math sees)."""
-        local = _local(param)
-        self.flags[id(local)] = contributes(param, self.state)
-        self.sharded |= isinstance(param, DTensor)
-        return local
+    def __deepcopy__(self, memo):  # a copied optimizer reduces over the same process group
+        return self
 
     def __call__(self, squared_norms: Tensor, params: list[Tensor]) -> Tensor:
-        if self.state.mesh is None or not self.sharded:
+        if self.state.mesh is None or not any(isinstance(p, DTensor) for p in params):
             return squared_norms  # plain replicas (DDP) already hold identical whole tensors
         n = len(params)
-        keep = torch.tensor([self.flags.get(id(p), contributes(p, self.state)) for p in params],
-                            device=squared_norms.device)  # (n,)
+        keep = torch.tensor([self._contributes(p) for p in params], device=squared_norms.device)  # (n,)
         keep = keep.repeat(squared_norms.numel() // n)  # (k * n,)
         summed = torch.where(keep, squared_norms, torch.zeros_like(squared_norms))  # no 0 * inf = nan
-        dist.all_reduce(summed)  # ONE collective for every norm of the group: sum over shards
+        dist.all_reduce(summed)  # ONE collective for every norm of the bucket: sum over shards
         return summed
+
+    def _contributes(self, p: Tensor) -> bool:
+        if id(p) not in self.flags:
+            self.flags[id(p)] = contributes(p, self.state)
+        return self.flags[id(p)]
+
+
+def sharded_norms(state: ParallelState) -> ShardedSquaredNorms | None:
+    """The ``reduce_norms`` argument of LAMB/LANS/LARS for ``state``'s mesh (None on one process)."""
+    return None if state.mesh is None else ShardedSquaredNorms(state)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> torch.optim.Optimizer:
-    """Make a largebatch.optim optimizer (LAMB, LANS, LARS) shard-correct for ``state``'s mesh.
-
-    Installs, on this instance, the core's reduction hook and a ``_collect`` that hands the update
-    the local shards of parameters, gradients and state. A no-op at world size 1, and for
-    element-wise optimizers (torch.optim.AdamW, SGD, ...): they run on DTensor parameters as they
-    are (every parameter of a parallelized model is a DTensor).
+    """Make a largebatch.optim optimizer (LAMB, LANS, LARS) shard-correct for ``state``'s mesh: sets its
+    public ``reduce_norms`` (the optimizers already compute on the local shards of DTensor parameters,
+    gradients and state). A no-op at world size 1, and for element-wise optimizers
+    (torch.optim.AdamW, SGD, ...): they run on DTensor parameters as they are.
     """
     if state.mesh is None or not isinstance(optimizer, LayerwiseOptimizer):
         return optimizer
-    reducer = ShardedSquaredNorms(state)
-    collect_global = optimizer._collect
-
-    def collect_local(group):
-        batch = collect_global(group)
-        local = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # every field kept
-        local.update(params=[reducer.register(p) for p in batch.params],
-                     x=[_local(x) for x in batch.x],  # the local params, or fp32 copies of their shards
-                     grads=[_as_compute(local_grad(p), _local(x)) for p, x in zip(batch.params, batch.x)])
-        return _LocalGroupTensors(**local)
-
-    optimizer._collect = collect_local
-    optimizer._reduce_squared_norms = reducer
+    optimizer.reduce_norms = sharded_norms(state)
     return optimizer
-
-
-def _as_compute(grad: Tensor, x: Tensor) -> Tensor:
-    """The gradient shard in x's dtype and layout (the core computes on contiguous tensors)."""
-    return grad.to(x.dtype, memory_format=torch.contiguous_format)
-
-
-class _LocalGroupTensors(GroupTensors):
-    """GroupTensors whose optimizer state is handed out as local shards."""
-
-    def state_list(self, key: str) -> list[Tensor]:
-        return [_local(s[key]) for s in self.states]
 
 
 def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:

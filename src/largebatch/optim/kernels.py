@@ -1,0 +1,183 @@
+"""The per-tensor math of the optimizers, written once, and the three ways it runs.
+
+A kernel is a plain function of tensors: the update of ONE tensor (``seg is None``: per-tensor
+values are 0-d, sums are ``t.sum()``), or of a flat BUCKET of many small tensors concatenated
+(``seg``: the (N,) tensor index of every element; per-tensor values (n, ...) are gathered with
+``at(values, seg)``; sums are per-tensor segment sums). The same function serves
+
+* the single-tensor path (``foreach=False``): eager, one call per tensor;
+* small tensors on the default path: eager, one call per flat bucket (a few operations for any
+  number of tensors, instead of a few per tensor);
+* the fused path (``fused=True``): compiled by ``torch.compile`` -- one graph per kernel for all
+  large tensors (dynamic shapes, every tensor seen as 1-D) and one per kernel for all flat
+  buckets, so the number of graphs does not grow with the number of distinct parameter shapes.
+  Hyperparameters arrive as device tensors, so a new learning rate never recompiles.
+
+The multi-tensor path of large tensors (multi_tensor.py, tiling.py) restates the same formulas in
+``torch._foreach_*`` operations for speed; tests check every path against float64 references.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# Tensors below this many elements are updated in flat buckets on the default and fused paths; a
+# bucket holds at most FLAT_BUCKET_ELEMENTS elements (CPU: it stays in cache between operations).
+FLAT_MAX_ELEMENTS = 1 << 15
+FLAT_BUCKET_ELEMENTS = 1 << 20
+
+# Column layout of the (n, 9) hyperparameter tensor of the Adam-style kernels (LAMB, LANS).
+(HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_INV_BC1,
+ HP_INV_BC2) = range(9)  # HP_INV_BC*: 1/(1 - beta^t)
+
+
+def device_tensor(rows: list, like: Tensor) -> Tensor:
+    """Host numbers as a tensor on ``like``'s device and dtype, copied without a host sync."""
+    host = torch.tensor(rows, dtype=like.dtype)
+    if like.device.type == "cuda":
+        return host.pin_memory().to(like.device, non_blocking=True)
+    return host.to(like.device)
+
+
+def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float], list[float]]:
+    """(1 - beta1^t, 1 - beta2^t) per tensor in float64 on the host; ones when disabled."""
+    if not enabled:
+        return [1.0] * len(steps), [1.0] * len(steps)
+    beta1, beta2 = betas
+    return [1.0 - beta1**t for t in steps], [1.0 - beta2**t for t in steps]
+
+
+def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
+                         steps: list[int], like: Tensor) -> Tensor:
+    """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step."""
+    beta1, beta2 = betas
+    bc1, bc2 = bias_corrections(steps, betas, bias_correction)
+    rows = [[lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 / c1, 1 / c2]
+            for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
+    return device_tensor(rows, like)
+
+
+def at(values: Tensor, seg: Tensor | None) -> Tensor:
+    """Per-tensor ``values`` at every element: as given for one tensor, gathered by ``seg`` for a bucket."""
+    return values if seg is None else values[seg]
+
+
+def sums(t: Tensor, seg: Tensor | None, n: int | None) -> Tensor:
+    """Sum of ``t`` per tensor: 0-d for one tensor, (n,) segment sums for a bucket."""
+    return t.sum() if seg is None else t.new_zeros(n).index_add_(0, seg, t)
+
+
+def adam_moments(m: Tensor, v: Tensor, g: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """The new b1*m + (1-b1)*g and b2*v + (1-b2)*g^2 (h: hyperparameters at every element, (..., 9)).
+    Functional: the kernels write them back with copy_ at their end, which inductor fuses into the
+    kernel's one loop."""
+    return (m * h[..., HP_BETA1] + g * h[..., HP_ONE_MINUS_BETA1],
+            v * h[..., HP_BETA2] + g * g * h[..., HP_ONE_MINUS_BETA2])
+
+
+def squared_norms_kernel(t: Tensor, seg: Tensor | None, n: int | None) -> Tensor:
+    """[||t||^2] per tensor: (1,) or (1, n)."""
+    return torch.stack([sums(t * t, seg, n)])
+
+
+def fresh_buffers(like: list[Tensor]) -> Callable[[int], list[Tensor] | None]:
+    """Work buffers for callers of the functional forms that keep none: new ones on CPU (where the
+    single-tensor path stores directions), none elsewhere (the kernels recompute)."""
+    return lambda slot: [torch.empty_like(t) for t in like] if like[0].device.type == "cpu" else None
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(kernel: Callable) -> Callable:
+    """The torch.compile'd version of a kernel, built once per process and shared by all instances."""
+    if kernel not in _COMPILED:
+        _COMPILED[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True)
+    return _COMPILED[kernel]
+
+
+class Layout:
+    """Which tensors of a same-device, same-dtype bucket run how: ``kernel`` indices one tensor per
+    call; ``chunks``: flat buckets of small tensors; ``foreach``: indices for the multi-tensor path.
+
+    mode "single": every tensor through the kernels, one at a time; "foreach": small tensors in flat
+    buckets, the rest multi-tensor; "fused": small tensors in flat buckets, the rest one at a time,
+    everything compiled."""
+
+    def __init__(self, tensors: list[Tensor], mode: str):
+        self.n, self.mode = len(tensors), mode
+        self.kernel: list[int] = []
+        self.foreach: list[int] = []
+        self.chunks: list[list[int]] = []
+        filled = FLAT_BUCKET_ELEMENTS
+        for i, t in enumerate(tensors):
+            if mode == "single" or t.numel() >= FLAT_MAX_ELEMENTS:
+                (self.foreach if mode == "foreach" else self.kernel).append(i)
+                continue
+            if filled + t.numel() > FLAT_BUCKET_ELEMENTS:
+                self.chunks.append([])
+                filled = 0
+            self.chunks[-1].append(i)
+            filled += t.numel()
+        for chunk in [c for c in self.chunks if len(c) == 1]:  # a bucket of one is just that tensor
+            self.chunks.remove(chunk)
+            self.kernel.extend(chunk)
+        self.kernel.sort()
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode == "fused"
+
+
+class KernelRun:
+    """Runs kernels over a Layout's ``kernel`` tensors (one call each, on 1-D views: one dynamic shape for
+    every tensor) and ``chunks`` (one call per flat bucket), then writes the flat buckets back into the tensors they were gathered from.
+
+    ``tensors``: name -> one tensor per bucket index (all same device and dtype, contiguous). Names in
+    ``write`` are written back by ``finish()``."""
+
+    def __init__(self, layout: Layout, tensors: dict[str, list[Tensor] | None], write: tuple[str, ...]):
+        self.layout, self.tensors, self.write = layout, tensors, write
+        like = next(t for ts in tensors.values() if ts for t in ts)
+        self.flat: list[dict[str, Tensor | None]] = []
+        self.segments: list[tuple[Tensor, Tensor]] = []  # (indices (n_c,), seg (N_c,))
+        for chunk in layout.chunks:
+            sizes = torch.tensor([tensors["x"][i].numel() for i in chunk], device=like.device)
+            index = torch.tensor(chunk, device=like.device)
+            seg = torch.repeat_interleave(torch.arange(len(chunk), device=like.device), sizes)
+            self.segments.append((index, seg))
+            self.flat.append({name: None if ts is None else torch.cat([ts[i].reshape(-1) for i in chunk])
+                              for name, ts in tensors.items()})
+
+    def add(self, name: str, buffers: list[Tensor] | None) -> None:
+        """A work tensor per index (e.g. a direction stored by pass 1): ``buffers`` for the one-at-a-time
+        tensors (None: the kernels recompute instead), a fresh flat buffer for every bucket."""
+        self.tensors[name] = buffers
+        for flat in self.flat:
+            flat[name] = torch.empty_like(flat["x"])
+
+    def __call__(self, kernel: Callable, names: tuple[str, ...], per_tensor: tuple, shared: tuple,
+                 out: Tensor | None = None) -> None:
+        """``kernel(*tensors[names], *per_tensor values, *shared, seg, n)`` everywhere; where it returns
+        (k,) / (k, n_c) sums, they are written into the columns of ``out`` (k, layout.n)."""
+        fn = compiled(kernel) if self.layout.compiled else kernel
+        for i in self.layout.kernel:
+            args = [None if self.tensors[name] is None else self.tensors[name][i].view(-1) for name in names]
+            result = fn(*args, *(None if v is None else v[i] for v in per_tensor), *shared, None, None)
+            if out is not None:
+                out[:, i] = result
+        for (index, seg), flat in zip(self.segments, self.flat):
+            values = (None if v is None else v[index] for v in per_tensor)
+            result = fn(*(flat[name] for name in names), *values, *shared, seg, len(index))
+            if out is not None:
+                out[:, index] = result
+
+    def finish(self) -> None:
+        """Write the flat buckets' updated tensors back (one multi-tensor copy per name and bucket)."""
+        for chunk, flat in zip(self.layout.chunks, self.flat):
+            for name in self.write:
+                targets = [self.tensors[name][i].view(-1) for i in chunk]
+                torch._foreach_copy_(targets, list(flat[name].split([t.numel() for t in targets])))
