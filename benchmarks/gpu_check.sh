@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-process GPU check for one H200, <= 8 minutes (issue 7): bf16 tokens/s, MFU and peak memory of
+# One-process GPU check for one H200, <= 8 minutes: bf16 tokens/s, MFU and peak memory of
 # a ~350M GPT at seq 2048 under none/selective/full recompute with SDPA and explicit attention, next
-# to the memory model; LAMB/LANS step time vs torch.optim.AdamW(fused=True); Seesaw vs cosine
+# to the memory model; LAMB/LANS step time vs torch.optim.AdamW on the GPT's shapes and on 2000 small
+# tensors of 200 distinct shapes (with the fused paths' first-step compile time); Seesaw vs cosine
 # wall-clock at equal tokens. Prints one summary table per part. The same code runs on CPU with
 #   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments.py)
 set -euo pipefail

@@ -145,6 +145,7 @@ def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
                  "LANS(fused=True)", "cosine", "seesaw r=1/2"):
         assert re.search(rf"^{re.escape(name)}\s", text, re.M), name
     assert "OOM" not in text
+    assert "optimizer (model)" in text and "optimizer (small tensors)" in text
     # the ~350M GPT the GPU run uses really is ~350M parameters (12 L h^2 + embeddings)
     big = gpu_check.BIG
     approx = 12 * big.n_layer * big.n_embd ** 2 + (big.vocab_size + big.seq_len) * big.n_embd

@@ -33,11 +33,13 @@ sums over the shards, e.g. ``largebatch.parallel.sharded_norms(state)``, or::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
 
 from . import checks
@@ -81,14 +83,14 @@ def hooked_norms(squared: Tensor, reduce: Callable[[Tensor], Tensor] | None) -> 
 
 def _local(t: Tensor) -> Tensor:
     """A DTensor's local shard; any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _local_grad(p: Tensor) -> Tensor:
     """The gradient of ``p`` on this rank's shard (a DTensor gradient with a pending partial sum, or
     placed unlike its parameter, is redistributed first)."""
     g = p.grad
-    if hasattr(g, "placements") and hasattr(p, "placements") and g.placements != p.placements:
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
         g = p.grad = g.redistribute(p.device_mesh, p.placements)
     return _local(g)
 
@@ -201,14 +203,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         work = [(h, bucket) for group, h in zip(self.param_groups, resolved) for bucket in self._buckets(group)]
         grad_scale = self._global_grad_scale([b for _, b in work])  # 0-d float64 tensor or None
         self._last_ratios = []
-        for h, bucket in work:
-            scale = None if grad_scale is None else grad_scale.to(bucket.x[0].dtype)
-            ratios = self._update(h, bucket, scale, self._reduction(bucket))
-            if bucket.copies:
-                torch._foreach_copy_([target for target, _ in bucket.copies], [x for _, x in bucket.copies])
-            if self.track_trust_ratios and ratios is not None:
-                self._last_ratios.append(ratios)
+        with self._compile_limits():
+            for h, bucket in work:
+                scale = None if grad_scale is None else grad_scale.to(bucket.x[0].dtype)
+                ratios = self._update(h, bucket, scale, self._reduction(bucket))
+                if bucket.copies:
+                    torch._foreach_copy_([target for target, _ in bucket.copies], [x for _, x in bucket.copies])
+                if self.track_trust_ratios and ratios is not None:
+                    self._last_ratios.append(ratios)
         return loss
+
+    def _compile_limits(self):
+        """fused=True: room for the kernels' few specialisations. Besides the dtype, a compiled kernel
+        specialises on a bucket's shared or per-tensor hyperparameter row, a tensor below inductor's
+        4097-element reduction threshold, and the None-or-tensor arguments (global clip scale, stored
+        direction): a few dozen variants per kernel at most, whatever the shapes, each compiled once,
+        against dynamo's default limit of 8 per function (past it, fullgraph=True fails)."""
+        if not self.fused:
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
 
     def _check_gradient(self, p: Tensor, index: int) -> None:
         if p.grad is not None and p.grad.is_sparse:
@@ -220,32 +233,43 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _buckets(self, group: dict) -> list[Bucket]:
         """The group's parameters with a gradient, bucketed by (device, compute dtype); state created
-        on first use, step counts advanced."""
+        on first use, step counts advanced. (Runs once per parameter and step: kept lean.)"""
         buckets: dict[tuple, Bucket] = {}
+        keys = self._state_keys
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                for key in self._state_keys:
+                for key in keys:
                     state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
             state["step"] += 1
-            target = _real(_local(p))  # the parameter's values, as a real local tensor (a view)
-            compute = torch.float32 if target.dtype in _LOW_PRECISION else target.dtype
-            b = buckets.setdefault((target.device, compute), Bucket(states={key: [] for key in self._state_keys}))
-            if target.dtype != compute or not target.is_contiguous():  # fp32 math on a contiguous copy
+            plain = not isinstance(p, DTensor) and not p.is_complex()
+            target = p if plain else _real(_local(p))  # the parameter's values as a real local tensor
+            dtype = target.dtype
+            compute = torch.float32 if dtype in _LOW_PRECISION else dtype
+            b = buckets.get((target.device, compute))
+            if b is None:
+                b = buckets[(target.device, compute)] = Bucket(states={key: [] for key in keys})
+            if dtype == compute and target.is_contiguous():
+                x = target
+            else:  # fp32 math on a contiguous copy, written back after the update
                 x = target.to(compute, memory_format=torch.contiguous_format, copy=True)
                 b.copies.append((target, x))
-            else:
-                x = target
+            if not plain:
+                grad = _real(_local_grad(p))
+            if grad.dtype != compute or not grad.is_contiguous():
+                grad = grad.to(compute).contiguous()
             b.params.append(p)
             b.x.append(x)
-            b.grads.append(_real(_local_grad(p)).to(compute).contiguous())
-            for key in self._state_keys:
-                if not state[key].is_contiguous():
-                    state[key] = state[key].contiguous()
-                b.states[key].append(_real(_local(state[key])))
+            b.grads.append(grad)
+            for key in keys:
+                value = state[key]
+                if not value.is_contiguous():
+                    value = state[key] = value.contiguous()
+                b.states[key].append(value if plain else _real(_local(value)))
             b.steps.append(state["step"])
         return list(buckets.values())
 
@@ -271,9 +295,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Update one bucket in place; return (trust ratios (n,), pinned (n,)) or None."""
         raise NotImplementedError
 
-    def _work_buffers(self, bucket: Bucket) -> Callable[[int], list[Tensor] | None]:
-        """slot -> one kept CPU work buffer per tensor of the bucket (None off CPU)."""
-        return lambda slot: self._workspace.buffers(bucket.params, bucket.x, slot)
+    def _work_buffers(self, bucket: Bucket) -> Callable[[int, list[int]], list[Tensor] | None]:
+        """(slot, indices) -> one kept CPU work buffer per listed tensor of the bucket (None off CPU)."""
+        return lambda slot, index: self._workspace.buffers([bucket.params[i] for i in index],
+                                                           [bucket.x[i] for i in index], slot)
 
     def _paths(self) -> dict:
         return {"foreach": self.foreach, "fused": self.fused}

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 # Tensors below this many elements are updated in flat buckets on the default and fused paths; a
 # bucket holds at most FLAT_BUCKET_ELEMENTS elements (CPU: it stays in cache between operations).
@@ -50,19 +51,40 @@ def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float
     return [1.0 - beta1**t for t in steps], [1.0 - beta2**t for t in steps]
 
 
+class Rows:
+    """Per-tensor hyperparameter rows (n, k) on the device, with their host copy: a flat bucket whose
+    tensors share one row (the usual case: one group, one step count) gets that row alone, (k,), so
+    its kernels read scalars instead of gathering a row per element."""
+
+    def __init__(self, rows: list[list[float]], like: Tensor):
+        self.host, self.device = rows, device_tensor(rows, like)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.device[i]
+
+    def for_bucket(self, chunk: list[int], index: Tensor) -> Tensor:
+        first = self.host[chunk[0]]
+        return self.device[chunk[0]] if all(self.host[i] == first for i in chunk) else self.device[index]
+
+
 def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
-                         steps: list[int], like: Tensor) -> Tensor:
+                         steps: list[int], like: Tensor) -> Rows:
     """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step."""
     beta1, beta2 = betas
     bc1, bc2 = bias_corrections(steps, betas, bias_correction)
     rows = [[lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 / c1, 1 / c2]
             for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
-    return device_tensor(rows, like)
+    return Rows(rows, like)
 
 
 def at(values: Tensor, seg: Tensor | None) -> Tensor:
     """Per-tensor ``values`` at every element: as given for one tensor, gathered by ``seg`` for a bucket."""
     return values if seg is None else values[seg]
+
+
+def row(rows: Tensor, seg: Tensor | None) -> Tensor:
+    """Hyperparameters at every element: one row (k,) serves all, (n, k) rows are gathered by ``seg``."""
+    return rows if seg is None or rows.dim() == 1 else rows[seg]
 
 
 def sums(t: Tensor, seg: Tensor | None, n: int | None) -> Tensor:
@@ -83,10 +105,10 @@ def squared_norms_kernel(t: Tensor, seg: Tensor | None, n: int | None) -> Tensor
     return torch.stack([sums(t * t, seg, n)])
 
 
-def fresh_buffers(like: list[Tensor]) -> Callable[[int], list[Tensor] | None]:
-    """Work buffers for callers of the functional forms that keep none: new ones on CPU (where the
-    single-tensor path stores directions), none elsewhere (the kernels recompute)."""
-    return lambda slot: [torch.empty_like(t) for t in like] if like[0].device.type == "cpu" else None
+def fresh_buffers(like: list[Tensor]) -> Callable[[int, list[int]], list[Tensor] | None]:
+    """Work buffers for callers of the functional forms that keep none: (slot, indices) -> new ones
+    for those tensors on CPU (where pass 1 stores what pass 2 reads), None elsewhere (recomputed)."""
+    return lambda slot, index: [torch.empty_like(like[i]) for i in index] if like[0].device.type == "cpu" else None
 
 
 _COMPILED: dict[Callable, Callable] = {}
@@ -149,13 +171,20 @@ class KernelRun:
             index = torch.tensor(chunk, device=like.device)
             seg = torch.repeat_interleave(torch.arange(len(chunk), device=like.device), sizes)
             self.segments.append((index, seg))
-            self.flat.append({name: None if ts is None else torch.cat([ts[i].reshape(-1) for i in chunk])
+            self.flat.append({name: None if ts is None else _flatten_dense_tensors([ts[i] for i in chunk])
                               for name, ts in tensors.items()})
 
     def add(self, name: str, buffers: list[Tensor] | None) -> None:
-        """A work tensor per index (e.g. a direction stored by pass 1): ``buffers`` for the one-at-a-time
-        tensors (None: the kernels recompute instead), a fresh flat buffer for every bucket."""
-        self.tensors[name] = buffers
+        """A work tensor (e.g. a direction stored by pass 1): ``buffers`` for the one-at-a-time tensors,
+        in the order of ``layout.kernel`` (None: the kernels recompute instead), a fresh flat buffer for
+        every bucket."""
+        if buffers is None:
+            self.tensors[name] = None
+        else:
+            full: list = [None] * self.layout.n
+            for i, buffer in zip(self.layout.kernel, buffers):
+                full[i] = buffer
+            self.tensors[name] = full
         for flat in self.flat:
             flat[name] = torch.empty_like(flat["x"])
 
@@ -169,8 +198,9 @@ class KernelRun:
             result = fn(*args, *(None if v is None else v[i] for v in per_tensor), *shared, None, None)
             if out is not None:
                 out[:, i] = result
-        for (index, seg), flat in zip(self.segments, self.flat):
-            values = (None if v is None else v[index] for v in per_tensor)
+        for chunk, (index, seg), flat in zip(self.layout.chunks, self.segments, self.flat):
+            values = (None if v is None else v.for_bucket(chunk, index) if isinstance(v, Rows) else v[index]
+                      for v in per_tensor)
             result = fn(*(flat[name] for name in names), *values, *shared, seg, len(index))
             if out is not None:
                 out[:, index] = result
@@ -179,5 +209,5 @@ class KernelRun:
         """Write the flat buckets' updated tensors back (one multi-tensor copy per name and bucket)."""
         for chunk, flat in zip(self.layout.chunks, self.flat):
             for name in self.write:
-                targets = [self.tensors[name][i].view(-1) for i in chunk]
-                torch._foreach_copy_(targets, list(flat[name].split([t.numel() for t in targets])))
+                targets = [self.tensors[name][i] for i in chunk]
+                torch._foreach_copy_(targets, _unflatten_dense_tensors(flat[name], targets))

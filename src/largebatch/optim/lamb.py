@@ -33,7 +33,7 @@ from torch import Tensor
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
 from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, adam_hyperparameters,
-                      adam_moments, at, bias_corrections, fresh_buffers, sums)
+                      adam_moments, at, row, bias_corrections, fresh_buffers, sums)
 from .multi_tensor import (direction_plus_decay, divide_into, foreach_adam_moments_, foreach_folded_denominator,
                            scaled_copy, sum_tile_pieces, tile_squared_norms)
 from .tiling import cpu_tiles, tile_scalars
@@ -60,7 +60,7 @@ def lamb_direction(x: Tensor, m: Tensor, v: Tensor, h: Tensor, l2_decay: bool) -
 def lamb_moments_kernel(x, g, m, v, r, hp, grad_scale, l2_decay, seg, n):
     """Pass 1: update m, v in place; return [||x||^2, ||r||^2]. With a buffer ``r``, r is also stored
     there for pass 2 to read instead of recomputing it (CPU; see kernels.py)."""
-    h = at(hp, seg)
+    h = row(hp, seg)
     if grad_scale is not None:
         g = g * grad_scale
     if l2_decay:
@@ -77,7 +77,7 @@ def lamb_moments_kernel(x, g, m, v, r, hp, grad_scale, l2_decay, seg, n):
 def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
     """Pass 2: x += step_scale * r with step_scale = -lr * trust_ratio; r stored by pass 1 or recomputed."""
     if r is None:
-        r = lamb_direction(x, m, v, at(hp, seg), l2_decay)
+        r = lamb_direction(x, m, v, row(hp, seg), l2_decay)
     x.addcmul_(r, at(step_scale, seg))
 
 
@@ -88,11 +88,11 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
     t per tensor after this update. Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
     ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
-    slot -> kept CPU buffers (None: fresh ones)."""
+    (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones)."""
     if not params:
         return None
     layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
@@ -100,7 +100,7 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)
     squared = params[0].new_zeros(2, len(params))  # [||x||^2, ||r||^2] per tensor
     run = KernelRun(layout, {"x": params, "g": grads, "m": exp_avgs, "v": exp_avg_sqs}, write=("x", "m", "v"))
-    run.add("r", work(0))
+    run.add("r", work(0, layout.kernel))
     run(lamb_moments_kernel, ("x", "g", "m", "v", "r"), (hp,), (grad_scale, l2_decay), out=squared)
     multi = _MultiTensorLAMB(layout.foreach, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps,
                              weight_decay, bias_correction, l2_decay, grad_scale, work)
@@ -131,8 +131,7 @@ class _MultiTensorLAMB:
         self.betas, self.eps, self.wd, self.l2_decay, self.grad_scale = betas, eps, weight_decay, l2_decay, grad_scale
         bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
         self.bc2, self.k = bc2, [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        buffers = work(0) if index else None
-        self.scratch = None if buffers is None else pick(buffers)
+        self.scratch = work(0, index) if index else None
         self.tiles = cpu_tiles(self.x)
         self.directions: list[list[Tensor]] = []
         self.r_scale: list[float] = list(self.k)

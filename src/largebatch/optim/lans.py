@@ -24,7 +24,7 @@ from torch import Tensor
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
 from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, adam_hyperparameters,
-                      adam_moments, at, bias_corrections, fresh_buffers, squared_norms_kernel, sums)
+                      adam_moments, at, row, bias_corrections, fresh_buffers, squared_norms_kernel, sums)
 from .multi_tensor import (adam_moments_scaled_, direction_plus_decay, foreach_adam_moments_,
                            foreach_folded_denominator, per_tensor, scaled_copy, stacked_squared_norms,
                            sum_tile_pieces, tile_squared_norms)
@@ -40,7 +40,7 @@ def lans_inverse_denominator(v: Tensor, h: Tensor) -> Tensor:
 def lans_moments_kernel(x, g, m, v, inverse_d, hp, grad_coef, seg, n):
     """Pass 1: g~ = grad_coef*g; update m, v in place; return [||x||^2, ||r||^2, ||c||^2] with
     r = m^/d + wd*x and c = g~/d + wd*x. With a buffer ``inverse_d``, 1/d is stored for pass 2."""
-    h = at(hp, seg)
+    h = row(hp, seg)
     g_normalized = g * at(grad_coef, seg)
     m_new, v_new = adam_moments(m, v, g_normalized, h)
     inv_d = lans_inverse_denominator(v_new, h)
@@ -57,7 +57,7 @@ def lans_moments_kernel(x, g, m, v, inverse_d, hp, grad_coef, seg, n):
 def lans_apply_kernel(x, g, m, v, inverse_d, hp, grad_coef, scale_r, scale_c, seg, n):
     """Pass 2: x += scale_r*r + scale_c*c (scale_r = -lr*b1*ratio_r, scale_c = -lr*(1-b1)*ratio_c),
     regrouped as x*(1 + (scale_r + scale_c)*wd) + (scale_r*m^ + scale_c*g~)/d."""
-    h = at(hp, seg)
+    h = row(hp, seg)
     if inverse_d is None:
         inverse_d = lans_inverse_denominator(v, h)
     s_r, s_c = at(scale_r, seg), at(scale_c, seg)
@@ -72,7 +72,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
     """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
     if not params:
         return None
@@ -92,7 +92,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
 
     hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)
     squared = params[0].new_zeros(3, n)  # [||x||^2, ||r||^2, ||c||^2]
-    run.add("inverse_d", work(0))
+    run.add("inverse_d", work(0, layout.kernel))
     run(lans_moments_kernel, ("x", "g", "m", "v", "inverse_d"), (hp, grad_coef), (), out=squared)
     multi = _MultiTensorLANS(layout.foreach, tensors, steps, betas, eps, weight_decay, bias_correction,
                              grad_coef, work)
@@ -133,7 +133,7 @@ class _MultiTensorLANS:
         self.bc2 = bc2
         self.k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
         self.q = [math.sqrt(c2) for c2 in bc2]
-        self.scratch_c, self.scratch_r = pick(work(0)), pick(work(1))
+        self.scratch_c, self.scratch_r = work(0, index), work(1, index)
         self.coef = grad_coef[index]
         self.host_coef = self.coef.tolist() if self.scratch_c is not None else None
         self.tiles = cpu_tiles(self.x)

@@ -20,7 +20,7 @@ from torch.optim.optimizer import required
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import KernelRun, Layout, at, device_tensor, sums
+from .kernels import KernelRun, Layout, Rows, at, row, sums
 from .multi_tensor import scaled_copy, stacked_squared_norms
 
 _MOMENTUM, _WD = range(2)  # columns of the (n, 2) hyperparameter tensor of the kernels
@@ -34,7 +34,7 @@ def lars_norms_kernel(x, g, seg, n):
 
 def lars_apply_kernel(x, g, buf, hp, step_scale, grad_scale, seg, n):
     """Pass 2: buf = m*buf + step_scale*(g + wd*x) ; x -= buf (step_scale = lr*local)."""
-    h = at(hp, seg)
+    h = row(hp, seg)
     if grad_scale is not None:
         g = g * grad_scale
     buf.copy_(buf * h[..., _MOMENTUM] + (g + h[..., _WD] * x) * at(step_scale, seg))
@@ -46,7 +46,7 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
          momentum: float = 0.9, weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 1e-8,
          adapt: bool = True, trust_clip: float | None = None, grad_scale: Tensor | None = None,
          reduce_norms: Callable[[Tensor], Tensor] | None = None, foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
     """One LARS step on same-device, same-dtype, contiguous real tensors (updated in place). Returns
     (local LRs (n,), pinned (n,)), or None when not ``adapt``; other arguments as ``lamb``."""
     if not params:
@@ -72,13 +72,13 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
         step_scale = local * lr  # (n,)
     else:
         step_scale = torch.full((n,), float(lr), dtype=params[0].dtype, device=params[0].device)
-    hp = device_tensor([[momentum, weight_decay]] * n, params[0])  # (n, 2)
+    hp = Rows([[momentum, weight_decay]] * n, params[0])  # (n, 2)
     run(lars_apply_kernel, ("x", "g", "buf"), (hp, step_scale), (grad_scale,))
     if large:
-        scratch = (work_buffers or (lambda slot: None))(0)
+        scratch = work_buffers(0, large) if work_buffers is not None else None
         _multi_tensor_apply([params[i] for i in large], [grads[i] for i in large],
                             [momentum_buffers[i] for i in large], momentum, weight_decay, grad_scale,
-                            step_scale[large], None if scratch is None else [scratch[i] for i in large])
+                            step_scale[large], scratch)
     run.finish()
     return diagnostics
 
