@@ -2,7 +2,7 @@
 
 Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop:
 
-    sched = Seesaw(Cosine(3e-4, total_tokens, warmup_tokens, final_lr=3e-5), batch_size=64,
+    sched = Seesaw(Cosine(3e-4, total_tokens, warmup_tokens, final_lr=0.1), batch_size=64,
                    ratio=1 / 1.1, micro_batch=8)
     while tokens_seen < total_tokens:
         batch, lr = sched.batch_size(tokens_seen), sched.lr(tokens_seen)

@@ -26,7 +26,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from largebatch.schedules.lr import LRSchedule, check_tokens
+from largebatch.schedules.lr import LRSchedule, check_tokens, upgrade_lr_state
 
 
 def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
@@ -127,8 +127,11 @@ class JointSchedule:
         if state.get("kind") != type(self).__name__:
             raise ValueError(f"checkpoint schedule kind={state.get('kind')!r} does not match this "
                              f"{type(self).__name__}; resume with the same [schedule] config")
-        mine = self._config()
-        for key, saved in state["config"].items():
+        mine, saved_config = self._config(), dict(state["config"])
+        if "lr_schedule" in saved_config:
+            saved_config["lr_schedule"] = upgrade_lr_state(saved_config["lr_schedule"],
+                                                           self.lr_schedule)
+        for key, saved in saved_config.items():
             if mine.get(key) != saved:
                 raise ValueError(f"checkpoint schedule has {key}={saved!r} but this one has "
                                  f"{key}={mine.get(key)!r}; resume with the same [schedule] config")
