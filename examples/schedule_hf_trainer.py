@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = schedule.lr_schedule if args.seesaw else schedule
     print(f"{len(train_set)} training sequences of {SEQ_LEN} tokens, {args.steps} steps of "
           f"{tokens_per_step} tokens ({time.perf_counter() - start:.1f} s)")
-    print(f"{'step':>5} {'tokens':>8} {'Trainer logged lr':>18} {'schedule(tokens)':>17} {'loss':>7}")
+    print(f"{'step':>5} {'tokens':>8} {'Trainer logged lr':>18} {'schedule(tokens)':>17} "
+          f"{'loss':>7}")
     for entry in trainer.state.log_history:
         if "learning_rate" in entry:
             step = entry["step"] - 1  # logged after the step: its LR was set at its start

@@ -95,7 +95,7 @@ def test_schedules_pickle_and_rebuild_from_state():
 @pytest.mark.parametrize("make, argument", [
     (lambda: Cosine(PEAK, TOTAL, warmup_tokens=TOTAL), "warmup_tokens"),
     (lambda: Cosine(PEAK, TOTAL, warmup_tokens=-1), "warmup_tokens"),
-    (lambda: Cosine(PEAK, TOTAL, final_lr=1.5), "final_lr=1.5 must lie in [0, 1]: it is a fraction"),
+    (lambda: Cosine(PEAK, TOTAL, final_lr=1.5), "final_lr=1.5 must lie in [0, 1]: it is a"),
     (lambda: Cosine(-1.0, TOTAL), "peak_lr"),
     (lambda: Cosine(PEAK), "total_tokens"),
     (lambda: WSD(PEAK, TOTAL, shape="sqrt"), "shape"),

@@ -78,9 +78,9 @@ class TokenScheduleCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.seq_len is None and args.include_num_input_tokens_seen in (False, "no"):
-            raise ValueError("TokenScheduleCallback(seq_len=None) reads state.num_input_tokens_seen:"
-                             " set TrainingArguments(include_num_input_tokens_seen=True) or pass "
-                             "seq_len=")
+            raise ValueError("TokenScheduleCallback(seq_len=None) reads "
+                             "state.num_input_tokens_seen: set TrainingArguments("
+                             "include_num_input_tokens_seen=True) or pass seq_len=")
 
     def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if self.seq_len is None:

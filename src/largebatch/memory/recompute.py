@@ -124,11 +124,11 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
     layers = transformer_layers(model)
     policies = per_layer_policies(policy, len(layers))
     if any(name != "none" for name in policies) and _hf_checkpointing_on(model):
-        fix = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
-               else "gradient_checkpointing_disable")
+        fix = "activation_checkpointing_disable"  # transformers >= 5; the old name before
+        fix = fix if hasattr(model, fix) else "gradient_checkpointing_disable"
         raise ValueError(
-            f"apply_recompute(model, {policy!r}): the model has transformers' gradient checkpointing "
-            "on, which recomputes whole layers on top of any policy; call "
+            f"apply_recompute(model, {policy!r}): the model has transformers' gradient "
+            "checkpointing on, which recomputes whole layers on top of any policy; call "
             f"model.{fix}() first (and keep TrainingArguments.gradient_checkpointing=False)")
     for layer, name in zip(layers, policies):
         _unwrap(layer)

@@ -235,7 +235,7 @@ def lr_schedule_from_state(state: dict) -> LRSchedule:
     fields = dict(state)
     kind = fields.pop("kind", None)
     if fields.pop("final_lr_of", None) is None and fields.get("final_lr") and fields.get("peak_lr"):
-        fields["final_lr"] = fields["final_lr"] / fields["peak_lr"]  # an absolute end LR (old state)
+        fields["final_lr"] = fields["final_lr"] / fields["peak_lr"]  # old state: absolute
     if kind not in LR_SCHEDULES:
         raise ValueError(f"state kind={kind!r} is not one of {sorted(LR_SCHEDULES)}")
     return LR_SCHEDULES[kind](**fields)

@@ -15,12 +15,13 @@ each parameter group's LR to
     lr_g = initial_lr_g * schedule(tokens_seen) / peak_lr * others_g
 
 so a group built with lr = 0.1 * peak stays at a tenth of the schedule; a group at ``peak_lr`` gets
-``schedule(tokens_seen)`` exactly. ``schedule`` is an LR schedule (``Cosine``, ``WSD`` ...) or a joint
-schedule (``Seesaw`` ...; its ``lr``). ``others_g`` is the factor by which anything else changed the
-group's LR since TokenLR last set it (another scheduler in a ``ChainedScheduler``, a manual edit):
-TokenLR is chainable the way torch's multiplicative schedulers are. A factor applied while the LR is
-0 (the first step of a warmup from 0) cannot be seen, as for any chainable scheduler: put TokenLR
-first in a ``ChainedScheduler``. In a ``SequentialLR`` a TokenLR's clock starts when it takes over.
+``schedule(tokens_seen)`` exactly. ``schedule`` is an LR schedule (``Cosine``, ``WSD`` ...) or a
+joint schedule (``Seesaw`` ...; its ``lr``). ``others_g`` is the factor by which anything else
+changed the group's LR since TokenLR last set it (another scheduler in a ``ChainedScheduler``, a
+manual edit): TokenLR is chainable the way torch's multiplicative schedulers are. A factor applied
+while the LR is 0 (the first step of a warmup from 0) cannot be seen, as for any chainable
+scheduler: put TokenLR first in a ``ChainedScheduler``. In a ``SequentialLR`` a TokenLR's clock
+starts when it takes over.
 
 When the batch grows (Seesaw, a ramp), pass each step's tokens: ``scheduler.step(tokens=
 plan.tokens)`` with ``plan`` from ``schedule.steps(seq_len)`` (see ``batch.py``).
@@ -70,6 +71,7 @@ class TokenLR(LRScheduler):
         n = len(optimizer.param_groups)
         self._others = [1.0] * n      # what other schedulers multiplied the LR by (chaining)
         self._written: list[float | None] = [None] * n  # the LR TokenLR last left in each group
+        self._started = False  # the constructor's own first step does not advance the clock
         super().__init__(optimizer, last_epoch)
 
     def schedule_lr(self, tokens: float) -> float:
@@ -81,7 +83,9 @@ class TokenLR(LRScheduler):
     def step(self, tokens: int | None = None) -> None:  # type: ignore[override]
         """Advance the clock by the tokens the optimizer step just taken consumed (default
         ``tokens_per_step``) and set the LR for the next step."""
-        if not self._is_initial:
+        initial = getattr(self, "_is_initial", False) or not self._started  # torch's first step
+        self._started = True
+        if not initial:
             if tokens is None and self.tokens_per_step is None:
                 raise ValueError("TokenLR was built with tokens_per_step=None: call "
                                  "step(tokens=...) with the tokens this optimizer step consumed")
