@@ -97,7 +97,7 @@ def test_transformers_layers_bit_identical(impl):
     # gradient checkpointing turns it off too)
     _assert_bit_identical(gpt2, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss,
                           ["selective", "op", "full", ["full", "selective", "none"]])
-    assert gpt2.config._attn_implementation == f"largebatch_selective_{impl}"
+    assert gpt2.config._attn_implementation == impl  # "none" gave the original back
     held = {}
     for policy in ("none", "selective", "full"):  # and it really drops what it should
         apply_recompute(gpt2, policy)
@@ -110,3 +110,66 @@ def test_transformers_layers_bit_identical(impl):
         attention_probs_dropout_prob=0.2, attn_implementation=impl)).train()
     _assert_bit_identical(bert, lambda m: m(input_ids=ids, labels=ids).loss,
                           ["selective", "op", "full"])
+
+
+def _tiny_hf_models(transformers, impl):
+    """Tiny GPT-2 and BERT with dropout on, and a loss function for each."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=32, n_layer=3, n_head=4, attn_pdrop=0.2,
+        resid_pdrop=0.2, embd_pdrop=0.2, attn_implementation=impl))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2, attn_implementation=impl))
+    ids = torch.randint(0, 50, (2, 16))
+    return [(gpt2, lambda m: m(input_ids=ids, labels=ids, use_cache=False)),
+            (bert, lambda m: m(input_ids=ids, labels=ids))]
+
+
+def _attributes(model):
+    """Every module's attribute names and plain values, and every config's (sub-configs too)."""
+    plain = (bool, int, float, str, type(None))
+    modules = {name: (sorted(vars(m)), {k: v for k, v in vars(m).items() if isinstance(v, plain)})
+               for name, m in model.named_modules()}
+    configs = {name: (m.config.to_dict(), m.config._attn_implementation)
+               for name, m in model.named_modules() if hasattr(m, "config")}
+    return modules, configs
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_none_restores_transformers_models_exactly(impl):
+    transformers = pytest.importorskip("transformers")
+    for model, run in _tiny_hf_models(transformers, impl):
+        before = _attributes(model)
+        model.eval()
+        reference_eval = run(model).logits
+        model.train()
+        ref_loss, ref_grads = _loss_and_grads(model, lambda m: run(m).loss)
+        assert apply_recompute(model, "selective")[0] == "selective"
+        assert model.config._attn_implementation == f"largebatch_selective_{impl}"
+        apply_recompute(model, "none")
+        assert _attributes(model) == before, type(model).__name__
+        model.eval()
+        assert torch.equal(run(model).logits, reference_eval)
+        model.train()
+        loss, grads = _loss_and_grads(model, lambda m: run(m).loss)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[name], g) for name, g in ref_grads.items())
+
+
+def test_refuses_on_top_of_transformers_gradient_checkpointing():
+    transformers = pytest.importorskip("transformers")
+    for model, _ in _tiny_hf_models(transformers, "eager"):
+        enable = getattr(model, "activation_checkpointing_enable", None) or \
+            model.gradient_checkpointing_enable
+        enable()
+        n = len(transformer_layers(model))
+        for policy in ("selective", "full", "op", ["none"] * (n - 1) + ["selective"]):
+            with pytest.raises(ValueError, match=r"gradient checkpointing on.*"
+                               r"model\.(activation|gradient)_checkpointing_disable\(\) first"):
+                apply_recompute(model, policy)
+        assert model.config._attn_implementation == "eager"  # refused before changing anything
+        assert apply_recompute(model, "none") == ["none"] * n  # nothing to undo: allowed
+        model.activation_checkpointing_disable()
+        assert apply_recompute(model, "selective") == ["selective"] * n
+        apply_recompute(model, "none")

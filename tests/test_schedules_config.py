@@ -63,6 +63,21 @@ def test_describe_reports_coupling_phase_table_and_steps():
     assert linear.coupled_peak_lr() == pytest.approx(4e-3)
 
 
+def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
+    # one meaning: the [schedule] field and the class argument are the same number, and the
+    # schedule ends at final_lr * peak_lr
+    from largebatch.schedules import Cosine, Seesaw
+
+    config = ScheduleConfig(peak_lr=6e-3, warmup=0.1, final_lr=0.1, lr_schedule="cosine")
+    built = config.build_lr(TOTAL)
+    assert built == Cosine(6e-3, TOTAL, TOTAL // 10, final_lr=0.1)
+    assert built(TOTAL) == pytest.approx(6e-4, rel=1e-12) and built.end_lr == 0.1 * 6e-3
+    # Seesaw's milestones depend on the fraction only: the same at any peak
+    milestones = [Seesaw(Cosine(peak, TOTAL, TOTAL // 10, 0.1), 64, ratio=0.5).milestones
+                  for peak in (1.0, 6e-3, 3e-4)]
+    assert milestones[0] == milestones[1] == milestones[2] and len(milestones[0]) == 3
+
+
 @pytest.mark.parametrize("overrides, build_args, fragment", [
     ({"warmup": 1.5}, {}, "[schedule] warmup=1.5"),
     ({"lr_schedule": "cosin"}, {}, "[schedule] lr_schedule='cosin'"),

@@ -10,7 +10,9 @@ from largebatch.schedules import (WSD, Constant, Cosine, InverseSqrt, LinearDeca
                                   WarmupHoldPolynomial, scale_lr_for_batch)
 from largebatch.schedules.lr import lr_schedule_from_state
 
-PEAK, FINAL, TOTAL, WARMUP = 2e-3, 2e-4, 1_000_000, 100_000
+PEAK, TOTAL, WARMUP = 2e-3, 1_000_000, 100_000
+FRACTION = 0.1  # final_lr is a fraction of peak_lr
+FINAL = FRACTION * PEAK  # the absolute end LR the references use
 
 
 def cosine_ref(t):
@@ -24,7 +26,7 @@ POINTS = [0, 1, 50_000, 99_999, 100_000, 123_457, 550_000, 777_777, 999_999, 1_0
 
 
 def test_cosine_matches_formula_and_landmarks():
-    sched = Cosine(PEAK, TOTAL, WARMUP, FINAL)
+    sched = Cosine(PEAK, TOTAL, WARMUP, FRACTION)
     for t in POINTS:
         assert sched(t) == pytest.approx(cosine_ref(t), rel=1e-12, abs=1e-15)
     assert sched(0) == 0.0
@@ -35,7 +37,7 @@ def test_cosine_matches_formula_and_landmarks():
 
 
 def test_linear_decay_and_constant():
-    lin = LinearDecay(PEAK, TOTAL, WARMUP, FINAL)
+    lin = LinearDecay(PEAK, TOTAL, WARMUP, FRACTION)
     assert lin(WARMUP + (TOTAL - WARMUP) // 4) == pytest.approx(PEAK - 0.25 * (PEAK - FINAL))
     assert lin(TOTAL) == pytest.approx(FINAL)
     const = Constant(PEAK, warmup_tokens=10)
@@ -46,7 +48,7 @@ def test_linear_decay_and_constant():
     ("linear", 0.5, 0.5), ("cosine", 0.5, 0.5), ("cosine", 0.25, (1 + math.cos(math.pi / 4)) / 2),
     ("1-sqrt", 0.25, 0.5), ("1-sqrt", 0.81, 0.1), ("exponential", 0.5, None)])
 def test_wsd_cooldown_shapes(shape, s, expected_fraction):
-    sched = WSD(PEAK, TOTAL, WARMUP, FINAL, cooldown_fraction=0.2, shape=shape)
+    sched = WSD(PEAK, TOTAL, WARMUP, FRACTION, cooldown_fraction=0.2, shape=shape)
     cooldown_start = 800_000
     assert sched(WARMUP) == PEAK and sched(cooldown_start) == pytest.approx(PEAK)
     assert sched(500_000) == PEAK  # stable phase
@@ -79,7 +81,8 @@ def test_inverse_sqrt():
 
 
 def test_schedules_pickle_and_rebuild_from_state():
-    schedules = (Cosine(PEAK, TOTAL, WARMUP, FINAL), WSD(PEAK, TOTAL, WARMUP, FINAL, 0.1, "1-sqrt"),
+    schedules = (Cosine(PEAK, TOTAL, WARMUP, FRACTION),
+                 WSD(PEAK, TOTAL, WARMUP, FRACTION, 0.1, "1-sqrt"),
                  WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, hold_tokens=5),
                  InverseSqrt(PEAK, None, 7))
     for sched in schedules:
@@ -92,7 +95,7 @@ def test_schedules_pickle_and_rebuild_from_state():
 @pytest.mark.parametrize("make, argument", [
     (lambda: Cosine(PEAK, TOTAL, warmup_tokens=TOTAL), "warmup_tokens"),
     (lambda: Cosine(PEAK, TOTAL, warmup_tokens=-1), "warmup_tokens"),
-    (lambda: Cosine(PEAK, TOTAL, final_lr=2 * PEAK), "final_lr"),
+    (lambda: Cosine(PEAK, TOTAL, final_lr=1.5), "final_lr=1.5 must lie in [0, 1]: it is a"),
     (lambda: Cosine(-1.0, TOTAL), "peak_lr"),
     (lambda: Cosine(PEAK), "total_tokens"),
     (lambda: WSD(PEAK, TOTAL, shape="sqrt"), "shape"),

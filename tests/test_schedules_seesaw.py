@@ -37,7 +37,7 @@ def test_reference_arithmetic_reproduces_the_paper():
 
 def test_seesaw_takes_61_55_percent_of_cosine_steps():
     total, base_batch = 10**10, 4096  # fine granularity: micro_batch 1, large base batch
-    cosine = Cosine(PEAK, total, total // 10, 0.1 * PEAK)
+    cosine = Cosine(PEAK, total, total // 10, 0.1)
     seesaw = Seesaw(cosine, base_batch, ratio=1 / 1.1)
     fraction = (count_optimizer_steps(seesaw, seq_len=1)
                 / count_optimizer_steps(ConstantBatch(cosine, base_batch), seq_len=1))
@@ -208,3 +208,19 @@ def test_seesaw_on_a_wsd_base_places_milestones_in_the_cooldown():
     for tokens, reference in zip(seesaw.milestones, expected):
         assert abs(tokens - reference) <= 1
     assert seesaw.lr(5 * 10**6) == PEAK and seesaw.batch_size(5 * 10**6) == 32  # stable phase
+
+
+def test_a_state_saved_with_an_absolute_final_lr_still_loads():
+    # states written before final_lr became a fraction of peak_lr lack "final_lr_of" and hold the
+    # absolute end LR (what the old code stored: fraction * peak)
+    from largebatch.schedules.lr import lr_schedule_from_state
+
+    seesaw = Seesaw(Cosine(6e-3, 10**6, 10**5, 0.1), 64, ratio=0.5)
+    old = seesaw.state_dict()
+    old_lr = {k: v for k, v in old["config"]["lr_schedule"].items() if k != "final_lr_of"}
+    old["config"]["lr_schedule"] = {**old_lr, "final_lr": 0.1 * 6e-3}
+    seesaw.load_state_dict(old)
+    assert lr_schedule_from_state(old["config"]["lr_schedule"]).final_lr == pytest.approx(0.1)
+    old["config"]["lr_schedule"] = {**old_lr, "final_lr": 0.2 * 6e-3}  # a different schedule
+    with pytest.raises(ValueError, match="checkpoint schedule has lr_schedule="):
+        seesaw.load_state_dict(old)

@@ -17,8 +17,10 @@ bit-identical to no recomputation) and create_selective_checkpoint_contexts. Wra
 module's instance `forward` to a picklable functools.partial, so parameter names, state_dict keys
 and tensor-parallel plans that address `blocks.N.attn.q` are unchanged. Works on largebatch's
 GPT/BERT and on transformers' GPT-2 / BERT layers (selective there goes through transformers'
-AttentionInterface). Apply after tensor parallelism and before torch.compile / FSDP (torchtitan's
-order).
+AttentionInterface, and ``"none"`` gives the config its ``_attn_implementation`` back). A
+transformers model with its own gradient checkpointing on is refused: it would recompute whole
+layers whatever the policy. Apply after tensor parallelism and before torch.compile / FSDP
+(torchtitan's order).
 """
 
 from __future__ import annotations
@@ -101,14 +103,33 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    """transformers' own gradient checkpointing (``model.is_gradient_checkpointing``, read without
+    the deprecated property): a layer whose ``gradient_checkpointing`` flag is set."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
     """Set each transformer layer's recomputation policy; returns the per-layer list applied.
 
     policy: "none" | "selective" | "op" | "full", or one of those per layer. Calling it again
-    replaces the previous policy (so "none" undoes it).
+    replaces the previous policy, and "none" restores everything an earlier call changed (wrapped
+    forwards, and a transformers config's ``_attn_implementation``).
+
+    A transformers model with its own gradient checkpointing on is refused for any policy but
+    "none": that recomputes every whole layer on top of the policy, so "selective" would silently
+    be full recomputation. Turn it off first (``model.gradient_checkpointing_disable()``) and leave
+    ``TrainingArguments(gradient_checkpointing=...)`` False.
     """
     layers = transformer_layers(model)
     policies = per_layer_policies(policy, len(layers))
+    if any(name != "none" for name in policies) and _hf_checkpointing_on(model):
+        fix = "activation_checkpointing_disable"  # transformers >= 5; the old name before
+        fix = fix if hasattr(model, fix) else "gradient_checkpointing_disable"
+        raise ValueError(
+            f"apply_recompute(model, {policy!r}): the model has transformers' gradient "
+            "checkpointing on, which recomputes whole layers on top of any policy; call "
+            f"model.{fix}() first (and keep TrainingArguments.gradient_checkpointing=False)")
     for layer, name in zip(layers, policies):
         _unwrap(layer)
         if name == "full":
@@ -119,6 +140,8 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
             _wrap(layer.attn.core)
         elif name == "selective":
             _select_foreign_attention(model, layer)
+    if not any(getattr(m, "_largebatch_selective", False) for m in model.modules()):
+        _restore_foreign_attention(model)
     return policies
 
 
@@ -164,3 +187,13 @@ def _select_foreign_attention(model: nn.Module, layer: nn.Module) -> None:
                 sub_config._attn_implementation = name
     for sub in layer.modules():
         sub._largebatch_selective = True
+
+
+def _restore_foreign_attention(model: nn.Module) -> None:
+    """Give every transformers config back the attention implementation it had before selective
+    recomputation registered its wrapper (the wrapper's name is the prefix + the original)."""
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        current = getattr(config, "_attn_implementation", None)
+        if isinstance(current, str) and current.startswith(_HF_PREFIX):
+            config._attn_implementation = current[len(_HF_PREFIX):]

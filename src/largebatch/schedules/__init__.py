@@ -2,29 +2,33 @@
 
 Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop:
 
-    sched = Seesaw(Cosine(3e-4, total_tokens, warmup_tokens, final_lr=3e-5), batch_size=64,
+    sched = Seesaw(Cosine(3e-4, total_tokens, warmup_tokens, final_lr=0.1), batch_size=64,
                    ratio=1 / 1.1, micro_batch=8)
-    while tokens_seen < total_tokens:
-        batch, lr = sched.batch_size(tokens_seen), sched.lr(tokens_seen)
-        ...                                   # accumulate batch // micro_batch micro-batches
-        tokens_seen += batch * seq_len
+    scheduler = TokenLR(optimizer, sched)     # a torch LRScheduler; optimizer built at lr=3e-4
+    for step in sched.steps(seq_len):         # step.batch_size, step.micro_batches, step.lr
+        ...                                   # accumulate step.micro_batches micro-batches
+        optimizer.step()
+        scheduler.step(tokens=step.tokens)
+
+``largebatch.integrations.hf`` applies the same schedules inside ``transformers.Trainer``.
 """
 
 from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp, Phase,
-                                        PiecewiseBatch, check_batch_size, count_optimizer_steps,
-                                        format_phase_table)
+                                        PiecewiseBatch, StepPlan, check_batch_size,
+                                        count_optimizer_steps, format_phase_table)
 from largebatch.schedules.config import ScheduleConfig
 from largebatch.schedules.lr import (WSD, Constant, Cosine, InverseSqrt, LinearDecay, LRSchedule,
                                      WarmupHoldPolynomial, scale_lr_for_batch)
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import (MilestoneSchedule, Seesaw, SeesawFamily, SmithRamp,
                                          find_milestones)
+from largebatch.schedules.token_lr import TokenLR
 
 __all__ = [
     "LRSchedule", "Constant", "Cosine", "LinearDecay", "WSD", "WarmupHoldPolynomial",
     "InverseSqrt", "scale_lr_for_batch",
-    "JointSchedule", "Phase", "ConstantBatch", "LinearRamp", "PiecewiseBatch",
+    "JointSchedule", "Phase", "StepPlan", "ConstantBatch", "LinearRamp", "PiecewiseBatch",
     "check_batch_size", "count_optimizer_steps", "format_phase_table",
     "MilestoneSchedule", "Seesaw", "SeesawFamily", "SmithRamp", "find_milestones",
-    "NoiseScale", "ScheduleConfig",
+    "NoiseScale", "ScheduleConfig", "TokenLR",
 ]

@@ -5,8 +5,10 @@ PAPERS.md §3.
 A joint schedule answers two questions about the token clock: ``lr(tokens)`` and
 ``batch_size(tokens)`` (in sequences). Optimizer steps are derived, never the key: step k starts at
 ``tokens_k`` and consumes ``batch_size(tokens_k) * seq_len`` tokens, so ``tokens_{k+1} = tokens_k +
-batch_size(tokens_k) * seq_len``. ``phases(seq_len)`` is the realised schedule as a table: token
-range, LR at both ends, batch size, and the optimizer steps that start inside the range.
+batch_size(tokens_k) * seq_len``. ``steps(seq_len)`` yields each step's ``StepPlan`` (batch size,
+micro-batches per rank, LR, tokens) for a plain training loop. ``phases(seq_len)`` is the realised
+schedule as a table: token range, LR at both ends, batch size, and the optimizer steps that start
+inside the range.
 
 Batch sizes here (following Megatron-LM's ``--rampup-batch-size start increment samples`` and
 PAPERS.md §3 "Batch ramps in practice") change the number of micro-batches accumulated, never the
@@ -23,10 +25,10 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from largebatch.schedules.lr import LRSchedule, check_tokens
+from largebatch.schedules.lr import LRSchedule, check_tokens, upgrade_lr_state
 
 
 def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
@@ -67,6 +69,24 @@ class Phase:
     label: str = ""
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step of a joint schedule: what a plain training loop needs to run it."""
+
+    tokens_seen: int
+    """Tokens consumed before this step: the schedule's clock."""
+    batch_size: int
+    """Sequences in this step, over all data-parallel ranks."""
+    micro_batch: int
+    """Sequences in one micro-batch (forward/backward)."""
+    micro_batches: int
+    """Micro-batches each rank accumulates: batch_size // (micro_batch * dp_size)."""
+    lr: float
+    """The schedule's LR for this step."""
+    tokens: int
+    """Tokens this step consumes: batch_size * seq_len (advance the clock by it)."""
+
+
 class JointSchedule:
     """LR and batch size as functions of tokens consumed. Subclasses set ``lr_schedule``,
     ``total_tokens``, ``micro_batch``, ``dp_size`` and implement ``lr``, ``batch_size``,
@@ -98,6 +118,23 @@ class JointSchedule:
         """Micro-batches each data-parallel rank accumulates for the step starting at ``tokens``."""
         return self.batch_size(tokens) // (self.micro_batch * self.dp_size)
 
+    def plan(self, tokens_seen: float, seq_len: int) -> StepPlan:
+        """The optimizer step that starts at ``tokens_seen``: batch size, micro-batches, LR."""
+        check_batch_size(seq_len, name="seq_len")
+        batch = self.batch_size(tokens_seen)
+        return StepPlan(int(tokens_seen), batch, self.micro_batch, self.micro_batches(tokens_seen),
+                        self.lr(tokens_seen), batch * seq_len)
+
+    def steps(self, seq_len: int, tokens_seen: int = 0) -> Iterator[StepPlan]:
+        """The optimizer steps from ``tokens_seen`` (resume) to the end of the budget, in order.
+
+        Each plan is computed when the loop asks for it, so an ``observe_noise_scale`` made during
+        a step shapes the next one. They are the steps ``count_optimizer_steps`` counts."""
+        while tokens_seen < self.total_tokens:
+            step = self.plan(tokens_seen, seq_len)
+            yield step
+            tokens_seen += step.tokens
+
     uses_noise_scale = False
     """True when the trainer should feed ``observe_noise_scale(tokens, b_simple)`` (adaptive)."""
 
@@ -127,8 +164,11 @@ class JointSchedule:
         if state.get("kind") != type(self).__name__:
             raise ValueError(f"checkpoint schedule kind={state.get('kind')!r} does not match this "
                              f"{type(self).__name__}; resume with the same [schedule] config")
-        mine = self._config()
-        for key, saved in state["config"].items():
+        mine, saved_config = self._config(), dict(state["config"])
+        if "lr_schedule" in saved_config:
+            saved_config["lr_schedule"] = upgrade_lr_state(saved_config["lr_schedule"],
+                                                           self.lr_schedule)
+        for key, saved in saved_config.items():
             if mine.get(key) != saved:
                 raise ValueError(f"checkpoint schedule has {key}={saved!r} but this one has "
                                  f"{key}={mine.get(key)!r}; resume with the same [schedule] config")

@@ -32,7 +32,8 @@ class ScheduleConfig:
     warmup: float = 0.1
     """Linear warmup from LR 0, as a fraction of the token budget (must be < 1)."""
     final_lr: float = 0.1
-    """End of the decay as a fraction of peak_lr (cosine, linear, wsd). Seesaw needs > 0."""
+    """End of the decay as a fraction of peak_lr, in [0, 1] (cosine, linear, wsd; 0.1 = a tenth of
+    the peak), as in the Python schedule classes. Seesaw needs > 0."""
     wsd_cooldown: float = 0.1
     """wsd: the cooldown's share of the token budget (MiniCPM: ~0.1)."""
     wsd_shape: str = "linear"
@@ -128,7 +129,7 @@ class ScheduleConfig:
         """The plain LR schedule (also Seesaw's base)."""
         self._validate()
         peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
-        final = self.final_lr * peak
+        final = self.final_lr  # a fraction of peak, as the classes take it
         kind = self.lr_schedule
         if kind == "constant":
             return lr_module.Constant(peak, total_tokens, warmup)

@@ -3,7 +3,8 @@
 Every schedule is a small frozen dataclass with ``__call__(tokens) -> lr``. Time is tokens, never
 steps: when the batch size changes mid-run (a ramp, Seesaw) a token-keyed schedule still ends where
 it should, while a step-keyed one would not. With ``t`` = tokens, ``T`` = total tokens, ``W`` =
-warmup tokens, ``peak`` and ``final`` the end points, and ``s`` the progress through the decay:
+warmup tokens, ``peak`` = ``peak_lr``, ``final`` = ``final_lr * peak_lr`` the end points, and ``s``
+the progress through the decay:
 
 * ``Constant``      lr = peak (after an optional linear warmup)
 * ``Cosine``        lr = final + (peak - final) * (1 + cos(pi * s)) / 2,  s = (t - W) / (T - W)
@@ -19,6 +20,11 @@ warmup tokens, ``peak`` and ``final`` the end points, and ``s`` the progress thr
                     u < w: peak * u / w;  w <= u < w + c: peak;
                     else peak * ((1 - u) / (1 - w - c)) ** power
 * ``InverseSqrt``   lr = peak * sqrt(W / t) after warmup (Vaswani et al. 2017)
+
+``final_lr`` is a fraction of ``peak_lr`` everywhere in largebatch (these classes, ``[schedule]``
+configs, the CLI): ``Cosine(3e-4, T, W, final_lr=0.1)`` ends at 3e-5. A shape relative to the peak
+survives an LR sweep or an ``lr_coupling`` rescale unchanged, and Seesaw's milestones depend only on
+it; ``end_lr`` is the absolute value.
 
 Warmup is linear from 0 at ``t = 0`` to ``peak`` at ``t = W``. Past ``total_tokens`` a schedule
 holds its final value (the last optimizer step may overshoot the budget by part of a batch).
@@ -46,7 +52,11 @@ def check_tokens(tokens: float, name: str = "tokens") -> float:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Shared fields and validation; subclasses implement ``_decay(tokens)`` after warmup."""
+    """Shared fields and validation; subclasses implement ``_decay(tokens)`` after warmup.
+
+    peak_lr: the LR after warmup. total_tokens: the token budget T. warmup_tokens: W.
+    final_lr: the end of the decay as a fraction of peak_lr (0.1 = a tenth of the peak), in [0, 1].
+    """
 
     peak_lr: float
     total_tokens: int | None = None
@@ -57,8 +67,10 @@ class LRSchedule:
     def __post_init__(self) -> None:
         if not math.isfinite(self.peak_lr) or self.peak_lr <= 0:
             raise ValueError(f"peak_lr={self.peak_lr!r} must be a positive finite number")
-        if not 0 <= self.final_lr <= self.peak_lr:
-            raise ValueError(f"final_lr={self.final_lr!r} must lie in [0, peak_lr={self.peak_lr}]")
+        if not 0 <= self.final_lr <= 1:
+            raise ValueError(
+                f"final_lr={self.final_lr!r} must lie in [0, 1]: it is a fraction of peak_lr; "
+                "for an absolute end LR e pass final_lr = e / peak_lr")
         check_tokens(self.warmup_tokens, "warmup_tokens")
         if self.needs_total and self.total_tokens is None:
             raise ValueError(f"{type(self).__name__} needs total_tokens (the token budget)")
@@ -68,6 +80,11 @@ class LRSchedule:
                 raise ValueError(
                     f"warmup_tokens={self.warmup_tokens} must be shorter than total_tokens="
                     f"{self.total_tokens}; use a smaller warmup or a larger token budget")
+
+    @property
+    def end_lr(self) -> float:
+        """The absolute LR at the end of the decay: ``final_lr * peak_lr``."""
+        return self.final_lr * self.peak_lr
 
     def __call__(self, tokens: float) -> float:
         check_tokens(tokens)
@@ -88,7 +105,8 @@ class LRSchedule:
         return [self.warmup_tokens] if self.warmup_tokens > 0 else []
 
     def state_dict(self) -> dict:
-        return {"kind": type(self).__name__, **asdict(self)}
+        # "final_lr_of" marks the fraction meaning; states written before it hold an absolute LR
+        return {"kind": type(self).__name__, **asdict(self), "final_lr_of": "peak_lr"}
 
 
 @dataclass(frozen=True)
@@ -103,20 +121,21 @@ class Constant(LRSchedule):
 
 @dataclass(frozen=True)
 class Cosine(LRSchedule):
-    """Linear warmup from 0, then cosine from peak_lr to final_lr at total_tokens."""
+    """Linear warmup from 0, then cosine from peak_lr to final_lr * peak_lr at total_tokens."""
 
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.warmup_tokens)
-        return self.final_lr + (self.peak_lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * s))
+        final = self.end_lr
+        return final + (self.peak_lr - final) * 0.5 * (1 + math.cos(math.pi * s))
 
 
 @dataclass(frozen=True)
 class LinearDecay(LRSchedule):
-    """Linear warmup from 0, then a straight line from peak_lr to final_lr at total_tokens."""
+    """Linear warmup from 0, then a straight line from peak_lr to final_lr * peak_lr."""
 
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.warmup_tokens)
-        return self.peak_lr + (self.final_lr - self.peak_lr) * s
+        return self.peak_lr + (self.end_lr - self.peak_lr) * s
 
 
 @dataclass(frozen=True)
@@ -147,7 +166,7 @@ class WSD(LRSchedule):
 
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.cooldown_start)
-        peak, final = self.peak_lr, self.final_lr
+        peak, final = self.peak_lr, self.end_lr
         if self.shape == "linear":
             return peak + (final - peak) * s
         if self.shape == "cosine":
@@ -215,9 +234,24 @@ def lr_schedule_from_state(state: dict) -> LRSchedule:
     """Rebuild an LR schedule from its ``state_dict()``."""
     fields = dict(state)
     kind = fields.pop("kind", None)
+    if fields.pop("final_lr_of", None) is None and fields.get("final_lr") and fields.get("peak_lr"):
+        fields["final_lr"] = fields["final_lr"] / fields["peak_lr"]  # old state: absolute
     if kind not in LR_SCHEDULES:
         raise ValueError(f"state kind={kind!r} is not one of {sorted(LR_SCHEDULES)}")
     return LR_SCHEDULES[kind](**fields)
+
+
+def upgrade_lr_state(saved: dict, current: LRSchedule) -> dict:
+    """``saved`` (an LR schedule's state) in today's meaning of final_lr, read against ``current``.
+
+    A state written before final_lr became a fraction of peak_lr has no "final_lr_of" key and holds
+    the absolute end LR; when it equals ``current.end_lr`` it is the same schedule."""
+    if "final_lr_of" in saved:
+        return saved
+    upgraded = {**saved, "final_lr_of": "peak_lr"}
+    if saved.get("final_lr") == current.end_lr:
+        upgraded["final_lr"] = current.final_lr
+    return upgraded
 
 
 def scale_lr_for_batch(lr: float, batch_size: int, reference_batch_size: int,

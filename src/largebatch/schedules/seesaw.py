@@ -59,9 +59,9 @@ def find_milestones(base: LRSchedule, ratio: float) -> list[int]:
     if base.total_tokens is None or base.final_lr <= 0:
         raise ValueError(
             f"the base schedule needs a token budget and final_lr > 0 (got final_lr="
-            f"{base.final_lr}): k_max = floor(log(final_lr / peak_lr) / log(ratio)) milestones; "
-            "set final_lr, e.g. 0.1 * peak_lr")
-    k_max = math.floor(math.log(base.final_lr / base.peak_lr) / math.log(ratio) + 1e-9)
+            f"{base.final_lr}): k_max = floor(log(final_lr) / log(ratio)) milestones (final_lr is "
+            "a fraction of peak_lr); set final_lr, e.g. 0.1")
+    k_max = math.floor(math.log(base.end_lr / base.peak_lr) / math.log(ratio) + 1e-9)
     milestones, lo = [], base.warmup_tokens
     for k in range(1, k_max + 1):
         target = base.peak_lr * ratio**k * (1 + 1e-12)

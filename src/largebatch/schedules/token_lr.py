@@ -1,0 +1,132 @@
+"""``TokenLR``: a token-keyed schedule as a ``torch.optim.lr_scheduler.LRScheduler``.
+
+    schedule = Cosine(3e-4, total_tokens, warmup_tokens, final_lr=0.1)
+    optimizer = LAMB(param_groups(model, weight_decay=0.01), lr=3e-4)
+    scheduler = TokenLR(optimizer, schedule, tokens_per_step=batch_size * seq_len)
+    for batch in loader:
+        loss(batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()                 # or scheduler.step(tokens=n) when steps differ in size
+
+It keeps the token clock ``tokens_seen`` (tokens consumed before the coming optimizer step) and sets
+each parameter group's LR to
+
+    lr_g = initial_lr_g * schedule(tokens_seen) / peak_lr * others_g
+
+so a group built with lr = 0.1 * peak stays at a tenth of the schedule; a group at ``peak_lr`` gets
+``schedule(tokens_seen)`` exactly. ``schedule`` is an LR schedule (``Cosine``, ``WSD`` ...) or a
+joint schedule (``Seesaw`` ...; its ``lr``). ``others_g`` is the factor by which anything else
+changed the group's LR since TokenLR last set it (another scheduler in a ``ChainedScheduler``, a
+manual edit): TokenLR is chainable the way torch's multiplicative schedulers are. A factor applied
+while the LR is 0 (the first step of a warmup from 0) cannot be seen, as for any chainable
+scheduler: put TokenLR first in a ``ChainedScheduler``. In a ``SequentialLR`` a TokenLR's clock
+starts when it takes over.
+
+When the batch grows (Seesaw, a ramp), pass each step's tokens: ``scheduler.step(tokens=
+plan.tokens)`` with ``plan`` from ``schedule.steps(seq_len)`` (see ``batch.py``).
+``state_dict()`` holds the clock and the schedule's own state; ``load_state_dict`` refuses a state
+from a different schedule, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from largebatch.schedules.batch import JointSchedule
+from largebatch.schedules.lr import LRSchedule, check_tokens, upgrade_lr_state
+
+
+def _check_tokens_per_step(value, name: str):
+    if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                              or value <= 0):
+        raise ValueError(f"{name}={value!r} must be a positive integer number of tokens "
+                         "(batch size x sequence length), or None to pass step(tokens=...)")
+    return value
+
+
+class TokenLR(LRScheduler):
+    """Drive ``optimizer``'s LR from a token-keyed ``schedule`` (see the module docstring).
+
+    tokens_per_step: tokens one optimizer step consumes (batch x seq_len x data-parallel ranks);
+        None when every ``step(tokens=...)`` says it (a growing batch).
+    tokens_seen: where the clock starts (0 for a fresh run).
+    """
+
+    def __init__(self, optimizer: Optimizer, schedule: LRSchedule | JointSchedule,
+                 tokens_per_step: int | None = None, tokens_seen: int = 0, last_epoch: int = -1):
+        if isinstance(schedule, JointSchedule):
+            self.peak_lr = schedule.lr_schedule.peak_lr
+        elif isinstance(schedule, LRSchedule):
+            self.peak_lr = schedule.peak_lr
+        else:
+            raise TypeError(f"schedule={schedule!r} must be an LR schedule (Cosine(...), WSD(...)) "
+                            "or a joint schedule (Seesaw(...), ConstantBatch(...))")
+        self.schedule = schedule
+        self.tokens_per_step = _check_tokens_per_step(tokens_per_step, "tokens_per_step")
+        self.tokens_seen = check_tokens(tokens_seen, "tokens_seen")
+        n = len(optimizer.param_groups)
+        self._others = [1.0] * n      # what other schedulers multiplied the LR by (chaining)
+        self._written: list[float | None] = [None] * n  # the LR TokenLR last left in each group
+        self._started = False  # the constructor's own first step does not advance the clock
+        super().__init__(optimizer, last_epoch)
+
+    def schedule_lr(self, tokens: float) -> float:
+        """The schedule's absolute LR at ``tokens`` (a group at lr = peak_lr gets this)."""
+        if isinstance(self.schedule, JointSchedule):
+            return self.schedule.lr(tokens)
+        return self.schedule(tokens)
+
+    def step(self, tokens: int | None = None) -> None:  # type: ignore[override]
+        """Advance the clock by the tokens the optimizer step just taken consumed (default
+        ``tokens_per_step``) and set the LR for the next step."""
+        initial = getattr(self, "_is_initial", False) or not self._started  # torch's first step
+        self._started = True
+        if not initial:
+            if tokens is None and self.tokens_per_step is None:
+                raise ValueError("TokenLR was built with tokens_per_step=None: call "
+                                 "step(tokens=...) with the tokens this optimizer step consumed")
+            tokens = self.tokens_per_step if tokens is None else tokens
+            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+                raise ValueError(f"step(tokens={tokens!r}): tokens must be an integer >= 0")
+            self.tokens_seen += int(tokens)
+        super().step()
+        self._written = [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def get_lr(self) -> list[float]:
+        for i, group in enumerate(self.optimizer.param_groups):
+            current, written = float(group["lr"]), self._written[i]
+            if written and current != written:  # another scheduler or the user scaled it
+                self._others[i] *= current / written
+        return self._lrs()
+
+    def _get_closed_form_lr(self) -> list[float]:
+        """What torch uses when SequentialLR hands over to this scheduler: the schedule at the
+        clock, with nothing carried over from the previous scheduler."""
+        self._others = [1.0] * len(self.optimizer.param_groups)
+        return self._lrs()
+
+    def _lrs(self) -> list[float]:
+        scale = self.schedule_lr(self.tokens_seen)
+        lrs = [scale * (float(base) / self.peak_lr) * other
+               for base, other in zip(self.base_lrs, self._others)]
+        self._written = list(lrs)
+        return lrs
+
+    def state_dict(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule")}
+        state["schedule"] = self.schedule.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        saved = state.pop("schedule")
+        if isinstance(self.schedule, JointSchedule):
+            self.schedule.load_state_dict(saved)  # checks the config, restores observations
+        elif upgrade_lr_state(saved, self.schedule) != self.schedule.state_dict():
+            raise ValueError(f"checkpoint TokenLR schedule {saved} does not match this one "
+                             f"{self.schedule.state_dict()}; resume with the same schedule")
+        self.__dict__.update(state)
