@@ -56,7 +56,7 @@ def _path_settings(path):
     tiles, so the 30-element tensor is split over tiles and small tensors share one; "*_gpu_like": the
     code a GPU runs, here on CPU: no kept work buffers, one tile of whole tensors, directions
     recomputed in pass 2 instead of stored."""
-    patches = {"flat_chunks": [(kernels, "FLAT_BUCKET_ELEMENTS", 16)],
+    patches = {"flat_chunks": [(kernels, "CPU_FLAT_BUCKET_ELEMENTS", 16)],
                "multi_tensor": [(kernels, "FLAT_MAX_ELEMENTS", 0)],
                "tiled": [(kernels, "FLAT_MAX_ELEMENTS", 0), (tiling, "CPU_TILE_ELEMENTS", 7)],
                "multi_tensor_gpu_like": [(kernels, "FLAT_MAX_ELEMENTS", 0), (tiling, "CPU_TILE_ELEMENTS", None)]

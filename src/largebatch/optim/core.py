@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
 
 from . import checks
+from .kernels import Rebind
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -124,6 +125,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ``_spec`` (hyperparameter checks) and ``_update(h, bucket, grad_scale, reduce)``."""
 
     _state_keys: tuple[str, ...] = ()
+    _kernel_names: tuple[str, ...] = ()  # what the functional form calls each state key
     _spec: dict[str, checks.Check] = {}
     _options = ("max_grad_norm", "foreach", "fused", "track_trust_ratios", "reduce_norms")
 
@@ -198,8 +200,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         resolved = [self._resolve(group, i) for i, group in enumerate(self.param_groups)]  # all, first
         for i, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                self._check_gradient(p, i)
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                self._refuse_sparse(group, i)
         work = [(h, bucket) for group, h in zip(self.param_groups, resolved) for bucket in self._buckets(group)]
         grad_scale = self._global_grad_scale([b for _, b in work])  # 0-d float64 tensor or None
         self._last_ratios = []
@@ -223,13 +225,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             return contextlib.nullcontext()
         return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
 
-    def _check_gradient(self, p: Tensor, index: int) -> None:
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(
-                f"param_groups[{index}]: sparse gradient for a parameter of shape {tuple(p.shape)}: "
-                f"{type(self).__name__} needs dense gradients (use torch.optim.SparseAdam, or "
-                "nn.Embedding(sparse=False))"
-            )
+    def _refuse_sparse(self, group: dict, index: int) -> None:
+        p = next(p for p in group["params"] if p.grad is not None and p.grad.is_sparse)
+        raise ValueError(
+            f"param_groups[{index}]: sparse gradient for a parameter of shape {tuple(p.shape)}: "
+            f"{type(self).__name__} needs dense gradients (use torch.optim.SparseAdam, or "
+            "nn.Embedding(sparse=False))"
+        )
 
     def _buckets(self, group: dict) -> list[Bucket]:
         """The group's parameters with a gradient, bucketed by (device, compute dtype); state created
@@ -265,13 +267,26 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             b.params.append(p)
             b.x.append(x)
             b.grads.append(grad)
-            for key in keys:
-                value = state[key]
-                if not value.is_contiguous():
-                    value = state[key] = value.contiguous()
-                b.states[key].append(value if plain else _real(_local(value)))
+            for key in keys:  # contiguous: created so, and made so by load_state_dict
+                b.states[key].append(state[key] if plain else _real(_local(state[key])))
             b.steps.append(state["step"])
         return list(buckets.values())
+
+    def _rebind(self, bucket: Bucket) -> Rebind:
+        """Let a flat bucket of small tensors keep their optimizer state as views of its flat buffer, so
+        from the next step on it updates the state in place instead of gathering and scattering it
+        (kernels.packed). Plain real tensors only: DTensor and complex state stay as they are."""
+        names = dict(zip(self._kernel_names, self._state_keys))
+
+        def rebind(name: str, index: list[int], views: list[Tensor]) -> bool:
+            key = names.get(name)
+            params = [bucket.params[i] for i in index]
+            if key is None or any(isinstance(p, DTensor) or p.is_complex() for p in params):
+                return False
+            for p, view in zip(params, views):
+                self.state[p][key] = view
+            return True
+        return rebind
 
     def _reduction(self, bucket: Bucket) -> Callable[[Tensor], Tensor] | None:
         """``reduce_norms`` bound to the bucket's parameters (None: the identity)."""
@@ -337,6 +352,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 p = params[index]
                 if p in self.state and key in self.state[p]:
                     self.state[p][key] = value.to(device=p.device, dtype=state_dtype(p), copy=True)
+            for state in self.state.values():  # the update works on contiguous state
+                for key in self._state_keys:
+                    if key in state and not state[key].is_contiguous():
+                        state[key] = state[key].contiguous()
 
         pre = self.register_load_state_dict_pre_hook(keep_fp32_moments)
         post = self.register_load_state_dict_post_hook(restore, prepend=True)

@@ -26,9 +26,12 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 # Tensors below this many elements are updated in flat buckets on the default and fused paths; a
-# bucket holds at most FLAT_BUCKET_ELEMENTS elements (CPU: it stays in cache between operations).
+# bucket holds at most FLAT_BUCKET_ELEMENTS elements on a GPU (one kernel launch per operation for
+# many tensors) and CPU_FLAT_BUCKET_ELEMENTS on CPU, where an operation below torch's parallel grain
+# (32768 elements) runs on one thread, in cache, without waiting for a thread pool.
 FLAT_MAX_ELEMENTS = 1 << 15
 FLAT_BUCKET_ELEMENTS = 1 << 20
+CPU_FLAT_BUCKET_ELEMENTS = 1 << 15
 
 # Column layout of the (n, 9) hyperparameter tensor of the Adam-style kernels (LAMB, LANS).
 (HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_INV_BC1,
@@ -121,6 +124,27 @@ def compiled(kernel: Callable) -> Callable:
     return _COMPILED[kernel]
 
 
+def packed(tensors: list[Tensor]) -> Tensor | None:
+    """The 1-D tensor that ``tensors`` are consecutive pieces of (in order, in one storage), or None.
+    Optimizer state of small tensors is kept that way (LayerwiseOptimizer._pack_state), so a flat
+    bucket reads and updates it in place instead of gathering and scattering it every step."""
+    first = tensors[0]
+    base = first._base  # views of one buffer share their base (checked before any pointer)
+    if base is None:
+        return None
+    expected, size = first.data_ptr(), first.element_size()
+    for t in tensors:
+        if t._base is not base or t.data_ptr() != expected or not t.is_contiguous():
+            return None
+        expected += t.numel() * size
+    total = (expected - first.data_ptr()) // size
+    return base.view(-1)[first.storage_offset() - base.storage_offset():][:total]
+
+
+# (name, bucket indices, views of the updated flat bucket) -> whether the caller now keeps the views
+Rebind = Callable[[str, list[int], list[Tensor]], bool]
+
+
 class Layout:
     """Which tensors of a same-device, same-dtype bucket run how: ``kernel`` indices one tensor per
     call; ``chunks``: flat buckets of small tensors; ``foreach``: indices for the multi-tensor path.
@@ -134,19 +158,24 @@ class Layout:
         self.kernel: list[int] = []
         self.foreach: list[int] = []
         self.chunks: list[list[int]] = []
-        filled = FLAT_BUCKET_ELEMENTS
+        self.sizes: list[list[int]] = []  # numel of each tensor of each chunk
+        limit = CPU_FLAT_BUCKET_ELEMENTS if tensors and tensors[0].device.type == "cpu" else FLAT_BUCKET_ELEMENTS
+        filled = limit
         for i, t in enumerate(tensors):
-            if mode == "single" or t.numel() >= FLAT_MAX_ELEMENTS:
+            numel = t.numel()
+            if mode == "single" or numel >= FLAT_MAX_ELEMENTS:
                 (self.foreach if mode == "foreach" else self.kernel).append(i)
                 continue
-            if filled + t.numel() > FLAT_BUCKET_ELEMENTS:
+            if filled + numel > limit:
                 self.chunks.append([])
+                self.sizes.append([])
                 filled = 0
             self.chunks[-1].append(i)
-            filled += t.numel()
-        for chunk in [c for c in self.chunks if len(c) == 1]:  # a bucket of one is just that tensor
-            self.chunks.remove(chunk)
-            self.kernel.extend(chunk)
+            self.sizes[-1].append(numel)
+            filled += numel
+        for c in [c for c, chunk in enumerate(self.chunks) if len(chunk) == 1][::-1]:  # a bucket of one is
+            self.kernel.extend(self.chunks.pop(c))  # just that tensor
+            self.sizes.pop(c)
         self.kernel.sort()
 
     @property
@@ -156,7 +185,8 @@ class Layout:
 
 class KernelRun:
     """Runs kernels over a Layout's ``kernel`` tensors (one call each, on 1-D views: one dynamic shape for
-    every tensor) and ``chunks`` (one call per flat bucket), then writes the flat buckets back into the tensors they were gathered from.
+    every tensor) and ``chunks`` (one call per flat bucket), then writes the flat buckets back into the
+    tensors they were gathered from (or lets the caller keep them, see ``finish``).
 
     ``tensors``: name -> one tensor per bucket index (all same device and dtype, contiguous). Names in
     ``write`` are written back by ``finish()``."""
@@ -166,13 +196,21 @@ class KernelRun:
         like = next(t for ts in tensors.values() if ts for t in ts)
         self.flat: list[dict[str, Tensor | None]] = []
         self.segments: list[tuple[Tensor, Tensor]] = []  # (indices (n_c,), seg (N_c,))
-        for chunk in layout.chunks:
-            sizes = torch.tensor([tensors["x"][i].numel() for i in chunk], device=like.device)
+        self.in_place: set[tuple[int, str]] = set()  # (bucket, name) whose flat tensor IS the tensors
+        for chunk, sizes in zip(layout.chunks, layout.sizes):
+            sizes = torch.tensor(sizes, device=like.device)
             index = torch.tensor(chunk, device=like.device)
             seg = torch.repeat_interleave(torch.arange(len(chunk), device=like.device), sizes)
             self.segments.append((index, seg))
-            self.flat.append({name: None if ts is None else _flatten_dense_tensors([ts[i] for i in chunk])
-                              for name, ts in tensors.items()})
+            flat = {}
+            for name, ts in tensors.items():
+                pieces = None if ts is None else [ts[i] for i in chunk]
+                flat[name] = None if pieces is None else packed(pieces)
+                if flat[name] is None and pieces is not None:
+                    flat[name] = _flatten_dense_tensors(pieces)
+                else:
+                    self.in_place.add((len(self.flat), name))
+            self.flat.append(flat)
 
     def add(self, name: str, buffers: list[Tensor] | None) -> None:
         """A work tensor (e.g. a direction stored by pass 1): ``buffers`` for the one-at-a-time tensors,
@@ -205,9 +243,15 @@ class KernelRun:
             if out is not None:
                 out[:, index] = result
 
-    def finish(self) -> None:
-        """Write the flat buckets' updated tensors back (one multi-tensor copy per name and bucket)."""
-        for chunk, flat in zip(self.layout.chunks, self.flat):
+    def finish(self, rebind: Rebind | None = None) -> None:
+        """Write the flat buckets' updated tensors back (one multi-tensor copy per name and bucket), or,
+        for the names ``rebind`` accepts, hand it views of the flat bucket to keep instead (optimizer
+        state: from then on the bucket updates it in place, see ``packed``)."""
+        for c, (chunk, flat) in enumerate(zip(self.layout.chunks, self.flat)):
             for name in self.write:
+                if (c, name) in self.in_place:
+                    continue
                 targets = [self.tensors[name][i] for i in chunk]
-                torch._foreach_copy_(targets, _unflatten_dense_tensors(flat[name], targets))
+                views = _unflatten_dense_tensors(flat[name], targets)
+                if rebind is None or not rebind(name, chunk, list(views)):
+                    torch._foreach_copy_(targets, views)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, adam_hyperparameters,
+from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, Rebind, adam_hyperparameters,
                       adam_moments, at, row, bias_corrections, fresh_buffers, sums)
 from .multi_tensor import (direction_plus_decay, divide_into, foreach_adam_moments_, foreach_folded_denominator,
                            scaled_copy, sum_tile_pieces, tile_squared_norms)
@@ -88,11 +88,13 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
+         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
     t per tensor after this update. Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
     ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
-    (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones)."""
+    (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones). ``rebind_state``: see
+    kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step)."""
     if not params:
         return None
     layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
@@ -113,7 +115,7 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     step_scale = ratio * (-lr)  # (n,)
     run(lamb_apply_kernel, ("x", "m", "v", "r"), (hp, step_scale), (l2_decay,))
     multi.pass2(step_scale)
-    run.finish()
+    run.finish(rebind_state)
     return None if pinned is None else (ratio, pinned)
 
 
@@ -183,6 +185,7 @@ class LAMB(LayerwiseOptimizer):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _kernel_names = ("m", "v")
     _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
                  adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
                  trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive, l2_decay=checks.flag)
@@ -212,4 +215,5 @@ class LAMB(LayerwiseOptimizer):
                     betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], adapt=self._adapts(h),
                     bias_correction=h["bias_correction"], trust_clip=h["trust_clip"],
                     weight_norm_clip=h["weight_norm_clip"], l2_decay=h["l2_decay"], grad_scale=grad_scale,
-                    reduce_norms=reduce, work_buffers=self._work_buffers(b), **self._paths())
+                    reduce_norms=reduce, work_buffers=self._work_buffers(b),
+                    rebind_state=self._rebind(b), **self._paths())

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, adam_hyperparameters,
+from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, Rebind, adam_hyperparameters,
                       adam_moments, at, row, bias_corrections, fresh_buffers, squared_norms_kernel, sums)
 from .multi_tensor import (adam_moments_scaled_, direction_plus_decay, foreach_adam_moments_,
                            foreach_folded_denominator, per_tensor, scaled_copy, stacked_squared_norms,
@@ -72,7 +72,8 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
+         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
     """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
     if not params:
         return None
@@ -109,7 +110,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     scale_r, scale_c = ratio_r * (-lr * beta1), ratio_c * (-lr * (1 - beta1))  # (n,), (n,)
     run(lans_apply_kernel, ("x", "g", "m", "v", "inverse_d"), (hp, grad_coef, scale_r, scale_c), ())
     multi.pass2(scale_r, scale_c)
-    run.finish()
+    run.finish(rebind_state)
     return diagnostics
 
 
@@ -194,6 +195,7 @@ class LANS(LayerwiseOptimizer):
     decoupled). With track_trust_ratios the summary covers both ratios of every adapted tensor (2n)."""
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _kernel_names = ("m", "v")
     _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
                  adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
                  trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive)
@@ -216,4 +218,5 @@ class LANS(LayerwiseOptimizer):
                     betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"], adapt=self._adapts(h),
                     bias_correction=h["bias_correction"], trust_clip=h["trust_clip"],
                     weight_norm_clip=h["weight_norm_clip"], grad_scale=grad_scale, reduce_norms=reduce,
-                    work_buffers=self._work_buffers(b), **self._paths())
+                    work_buffers=self._work_buffers(b), rebind_state=self._rebind(b),
+                    **self._paths())

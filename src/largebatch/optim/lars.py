@@ -20,7 +20,7 @@ from torch.optim.optimizer import required
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import KernelRun, Layout, Rows, at, row, sums
+from .kernels import KernelRun, Layout, Rebind, Rows, at, row, sums
 from .multi_tensor import scaled_copy, stacked_squared_norms
 
 _MOMENTUM, _WD = range(2)  # columns of the (n, 2) hyperparameter tensor of the kernels
@@ -46,7 +46,8 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
          momentum: float = 0.9, weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 1e-8,
          adapt: bool = True, trust_clip: float | None = None, grad_scale: Tensor | None = None,
          reduce_norms: Callable[[Tensor], Tensor] | None = None, foreach: bool = True, fused: bool = False,
-         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None) -> tuple[Tensor, Tensor] | None:
+         work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
+         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
     """One LARS step on same-device, same-dtype, contiguous real tensors (updated in place). Returns
     (local LRs (n,), pinned (n,)), or None when not ``adapt``; other arguments as ``lamb``."""
     if not params:
@@ -79,7 +80,7 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
         _multi_tensor_apply([params[i] for i in large], [grads[i] for i in large],
                             [momentum_buffers[i] for i in large], momentum, weight_decay, grad_scale,
                             step_scale[large], scratch)
-    run.finish()
+    run.finish(rebind_state)
     return diagnostics
 
 
@@ -104,6 +105,7 @@ class LARS(LayerwiseOptimizer):
     switches; paths as in LAMB (foreach default, per-tensor, fused=True)."""
 
     _state_keys = ("momentum_buffer",)
+    _kernel_names = ("buf",)
     _spec = dict(lr=checks.learning_rate, momentum=checks.unit_interval, weight_decay=checks.non_negative,
                  trust_coefficient=checks.positive, eps=checks.positive, adapt=checks.flag,
                  skip_adapt_if_no_decay=checks.flag, trust_clip=checks.optional_positive)
@@ -123,4 +125,5 @@ class LARS(LayerwiseOptimizer):
         return lars(b.x, b.grads, b.states["momentum_buffer"], lr=h["lr"], momentum=h["momentum"],
                     weight_decay=h["weight_decay"], trust_coefficient=h["trust_coefficient"], eps=h["eps"],
                     adapt=self._adapts(h), trust_clip=h["trust_clip"], grad_scale=grad_scale,
-                    reduce_norms=reduce, work_buffers=self._work_buffers(b), **self._paths())
+                    reduce_norms=reduce, work_buffers=self._work_buffers(b),
+                    rebind_state=self._rebind(b), **self._paths())
