@@ -1,7 +1,7 @@
 """One-process GPU check (<= 8 minutes on one H200): what the techniques buy on real hardware.
 
 1. throughput: bf16 tokens/s and MFU of a ~350M-parameter GPT (24 x 1024, 16 heads, seq 2048,
-   vocab 50304) under none / selective / full recomputation (Korthikanti et al. 2022, PAPERS.md §2),
+   vocab 50304) under none / selective / full recomputation (Korthikanti et al. 2022, docs/papers.md: memory),
    with SDPA and with explicit attention; measured peak memory (torch.cuda.max_memory_allocated)
    next to largebatch.memory.estimate's total and model_activation_bytes.
 2. optimizer: step time of LAMB (You et al. 2019) and LANS (Zheng et al. 2020) on that model's

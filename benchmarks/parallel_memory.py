@@ -5,7 +5,7 @@
 Two gloo ranks on CPU (tp = 2) run one training forward of the preset (fp32, dropout 0.1,
 explicit attention) and measure the bytes autograd saves for backward
 (largebatch.parallel.measure); the same on one process for the baseline. Printed next to
-largebatch.memory.model_activation_bytes (Korthikanti et al. 2022, PAPERS.md §2) and as ratios to
+largebatch.memory.model_activation_bytes (Korthikanti et al. 2022, docs/papers.md: memory) and as ratios to
 tensor parallel alone. Memory is counted in bytes, not timed, so a shared machine does not matter.
 """
 

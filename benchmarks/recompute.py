@@ -1,5 +1,5 @@
 """Step time and activation memory of each recomputation policy on the demo GPT, explicit and SDPA
-attention, in one run (Korthikanti et al. 2022, ../shared/PAPERS.md §2: selective recompute costs a
+attention, in one run (Korthikanti et al. 2022, docs/papers.md: memory: selective recompute costs a
 few percent of step time, full recompute about 35%).
 
 Timings are interleaved (each round runs every policy once, in rotating order) and reported as

@@ -1,5 +1,5 @@
 """Independent float64 references for tests/test_optim*.py, written from the formulas of
-../shared/PAPERS.md §1 (one tensor at a time, plain loops, no code shared with largebatch.optim).
+docs/papers.md: optimizers (one tensor at a time, plain loops, no code shared with largebatch.optim).
 
 Each reference takes the initial tensors and a list of steps; a step is a list of gradients, one per
 tensor, where None means "no gradient this step" (the tensor is skipped and its step count t does
@@ -33,7 +33,7 @@ def _ratio(numerator: float, denominator: float, numerator_clip=None, ratio_clip
 def lamb_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, adapt=True,
                    bias_correction=True, max_grad_norm=None, skip_adapt_if_no_decay=False, trust_clip=None,
                    weight_norm_clip=None, l2_decay=False):
-    """LAMB, You et al. 2019 Alg. 2 (PAPERS.md §1) plus each documented switch. ``lr`` may be a list
+    """LAMB, You et al. 2019 Alg. 2 (docs/papers.md: optimizers) plus each documented switch. ``lr`` may be a list
     (one learning rate per step)."""
     b1, b2 = betas
     x = [p.detach().double().clone() for p in params]
@@ -65,7 +65,7 @@ def lamb_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_de
 
 def lans_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, adapt=True,
                    bias_correction=True):
-    """LANS, Zheng et al. 2020 Alg. 2 (PAPERS.md §1)."""
+    """LANS, Zheng et al. 2020 Alg. 2 (docs/papers.md: optimizers)."""
     b1, b2 = betas
     x = [p.detach().double().clone() for p in params]
     m = [torch.zeros_like(t) for t in x]
@@ -95,7 +95,7 @@ def lans_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_de
 
 def lars_reference(params, steps, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8,
                    adapt=True):
-    """LARS, You, Gitman, Ginsburg 2017 Alg. 1 (PAPERS.md §1)."""
+    """LARS, You, Gitman, Ginsburg 2017 Alg. 1 (docs/papers.md: optimizers)."""
     x = [p.detach().double().clone() for p in params]
     buf = [torch.zeros_like(t) for t in x]
     for grads in steps:

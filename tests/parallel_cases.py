@@ -2,7 +2,7 @@
 
 Each case compares a sharded run with the single-process run of the same model, seed and batch,
 computed in the same process; rank 0 writes the measured differences to results.json and the
-test functions assert on them. Independent float64 references (from PAPERS.md) live here too.
+test functions assert on them. Independent float64 references (from docs/papers.md) live here too.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def forward_backward_cases(results: dict) -> None:
 
 # ------------------------------------------------------------------------------------ optimizers
 def lamb_float64(x, g, wd, adapt, lr, b1=0.9, b2=0.999, eps=1e-6):
-    """One LAMB step from a zero state, PAPERS.md §1, float64 (independent of largebatch.optim)."""
+    """One LAMB step from a zero state, docs/papers.md: optimizers, float64 (independent of largebatch.optim)."""
     x, g = x.double(), g.double()
     m, v = (1 - b1) * g, (1 - b2) * g * g
     r = (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + eps) + wd * x

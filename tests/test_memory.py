@@ -1,4 +1,4 @@
-"""The activation-memory model against an independent float64 transcription of PAPERS.md §2
+"""The activation-memory model against an independent float64 transcription of docs/papers.md: memory
 (Korthikanti et al. 2022, Table 2), the whole-model and state terms, and measured bytes on CPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from largebatch.models import GPT, ModelConfig, preset
 
 
 def paper_table(s, b, h, a, t):
-    """PAPERS.md §2 table, written out in float64 from the text (not from the code under test)."""
+    """docs/papers.md: memory table, written out in float64 from the text (not from the code under test)."""
     tp = t  # the key stays an int
     s, b, h, a, t = map(float, (s, b, h, a, t))
     return {

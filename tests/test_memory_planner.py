@@ -17,7 +17,7 @@ def test_cli_reproduces_gpt3_5_4x(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "tensor + sequence parallel + selective" in line)
     assert row.rstrip().endswith("5.4x")
-    # per layer, in MiB, from PAPERS.md §2 directly: 34 s b h / t and s b h (10 + 24/t + 5as/(ht))
+    # per layer, in MiB, from docs/papers.md: memory directly: 34 s b h / t and s b h (10 + 24/t + 5as/(ht))
     s, h, a, t = 2048, 12288, 96, 8
     assert f"{34 * s * h / t / 2**20:.1f} MiB" in row
     tp_row = next(line for line in out.splitlines() if line.strip().startswith("tensor parallel  "))

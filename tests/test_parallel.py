@@ -84,7 +84,7 @@ def test_global_grad_norm_and_clipping(ranks, mode):
 
 
 def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
-    """PAPERS.md §2: LayerNorm inputs and dropout masks are stored whole under tensor parallel
+    """docs/papers.md: memory: LayerNorm inputs and dropout masks are stored whole under tensor parallel
     alone (the 10sbh term is not divided by t) and divided by t with sequence parallel."""
     t = 2
     s, b, h = cases.T, cases.B, 32

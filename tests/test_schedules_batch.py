@@ -1,4 +1,4 @@
-"""Batch schedules, granularity, phase tables and step counting (PAPERS.md §3)."""
+"""Batch schedules, granularity, phase tables and step counting (docs/papers.md: schedules)."""
 
 import pickle
 

@@ -1,4 +1,4 @@
-"""LR schedules against hand-written float64 formulas (PAPERS.md §3, §1 LANS)."""
+"""LR schedules against hand-written float64 formulas (docs/papers.md: schedules, §1 LANS)."""
 
 import math
 import pickle

@@ -1,5 +1,5 @@
 """NoiseScale recovers B_simple = tr(Sigma) / |G|^2 of a synthetic problem (McCandlish et al.
-2018, App. A.1; PAPERS.md §3): per-sample gradients drawn from a known mean and covariance."""
+2018, App. A.1; docs/papers.md: schedules): per-sample gradients drawn from a known mean and covariance."""
 
 import pickle
 

@@ -1,5 +1,5 @@
 """Seesaw, its (alpha, beta) family, Smith's ramp, caps and granularity (Meterez et al. 2025;
-PAPERS.md §3). References are float64 formulas written here from the paper."""
+docs/papers.md: schedules). References are float64 formulas written here from the paper."""
 
 import math
 import pickle
@@ -83,7 +83,7 @@ def test_max_batch_size_cap_hands_the_whole_factor_to_the_lr():
 
 
 def test_granularity_rounds_the_ramp_away():
-    # PAPERS.md §3: r = 1/1.1, batch 16 in micro-batches of 16 cannot grow before milestone 8
+    # docs/papers.md: schedules: r = 1/1.1, batch 16 in micro-batches of 16 cannot grow before milestone 8
     cosine = Cosine(PEAK, 10**8, 10**7, 0.1)
     coarse = Seesaw(cosine, 16, ratio=1 / 1.1, micro_batch=16)
     assert coarse.batches[:9] == [16] * 8 + [32]

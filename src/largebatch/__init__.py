@@ -1,6 +1,6 @@
 """largebatch: fast transformer pretraining.
 
-Three published systems in one toolkit (specs in ../shared/PAPERS.md):
+Three published systems in one toolkit (formulas in docs/papers.md):
 
 * ``largebatch.optim`` -- LAMB, LANS, LARS layer-wise adaptive optimizers.
 * ``largebatch.memory`` -- activation recomputation policies and the Korthikanti et al. 2022

@@ -4,7 +4,7 @@ Training consumes one stream of global sample indices 0, 1, 2, ...; a step of B 
 position p takes indices p .. p+B-1. Index g belongs to epoch e = g // n and maps to sample
 ``permutation_e[g % n]``, where ``permutation_e`` is seeded by (seed, e) alone. So the sample
 order never depends on the batch schedule: changing the batch size (Seesaw, Sec. "Seesaw" in
-PAPERS.md; batch ramps) only changes how many indices form a step, and the whole data state of a
+docs/papers.md; batch ramps) only changes how many indices form a step, and the whole data state of a
 run is the one integer p (exact resume = restore p).
 
 Data parallel: ``shard_indices`` gives rank r of w ranks the CONTIGUOUS block r of a step's

@@ -10,7 +10,7 @@
 
 Each experiment trains its arms sequentially in-process through largebatch.train and writes
 OUT/report.md (tables + the reproducing command), PNG plots and OUT/runs/<arm>/ (metrics.jsonl,
-config.toml, summary.json). Formulas: ../shared/PAPERS.md §1-3. Results: docs/results.md.
+config.toml, summary.json). Formulas: docs/papers.md. Results: docs/results.md.
 """
 
 from largebatch.experiments.cli import EXPERIMENTS, run_experiment

@@ -1,6 +1,6 @@
 """The gradient noise scale over training, and Seesaw capped by it.
 
-McCandlish et al. 2018, "An Empirical Model of Large-Batch Training" (PAPERS.md §3): the simple
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training" (docs/papers.md: schedules): the simple
 noise scale B_simple = tr(Sigma) / |G|^2 predicts the critical batch size and grows as the loss
 falls. The trainer estimates it every step from the first micro-batch's gradient and the
 accumulated step's gradient (App. A; two batch sizes, EMA-smoothed numerator and denominator).

@@ -1,7 +1,7 @@
 """AdamW vs the layer-wise adaptive optimizers as the batch grows, at equal tokens.
 
 LAMB (You et al. 2019, Alg. 2), LANS (Zheng et al. 2020, Alg. 1), LARS (You, Gitman, Ginsburg 2017,
-Alg. 1) and torch.optim.AdamW (PAPERS.md §1), each at a small batch B and at 8B and 32B, with the
+Alg. 1) and torch.optim.AdamW (docs/papers.md: optimizers), each at a small batch B and at 8B and 32B, with the
 same token budget (so 8x / 32x fewer optimizer steps), warmup + cosine. The LR is tuned per
 optimizer and batch on a small grid (quick mode: 2 points, full mode: 4) centred by the square-root
 rule: at m x the small batch the grid is multiplied by sqrt(m). Each cell reports its best LR, marked

@@ -1,7 +1,7 @@
 """Memory and time of every activation-recomputation policy, next to the memory model.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-(PAPERS.md §2): selective recomputation (core attention only) removes the 5as^2b term for a few
+(docs/papers.md: memory): selective recomputation (core attention only) removes the 5as^2b term for a few
 percent of step time; full recomputation keeps only each layer's input (2sbh) for ~36-39%.
 Everything here comes from largebatch.memory -- the policies (``apply_recompute``), the
 measurement of what a forward leaves for backward (``measure_forward_bytes``) and the closed-form

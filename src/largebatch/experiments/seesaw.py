@@ -1,4 +1,4 @@
-"""Seesaw vs cosine at equal tokens (Meterez et al. 2025; PAPERS.md §3).
+"""Seesaw vs cosine at equal tokens (Meterez et al. 2025; docs/papers.md: schedules).
 
 Arms, each from the same starting batch B0 and the same token budget, AdamW:
   cosine        -- warmup + cosine to 0.1 x peak at constant batch B0 (the base)

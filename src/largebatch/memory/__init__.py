@@ -1,4 +1,4 @@
-"""Activation memory: the closed-form model of Korthikanti et al. 2022 (../shared/PAPERS.md §2),
+"""Activation memory: the closed-form model of Korthikanti et al. 2022 (docs/papers.md: memory),
 recomputation policies applied from outside the model, a measurement helper and the planner.
 
     from largebatch.memory import apply_recompute, activation_bytes_per_layer, estimate

@@ -1,5 +1,5 @@
 """Closed-form activation memory of a transformer: Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", §4 (Eqs. 1-6, Table 2), as in ../shared/PAPERS.md §2.
+Recomputation in Large Transformer Models", §4 (Eqs. 1-6, Table 2), as in docs/papers.md: memory.
 
 With its defaults (16-bit activations, 1-byte dropout masks, explicit attention, ffn = 4h) this
 reproduces the paper's table exactly, per layer:

@@ -1,5 +1,5 @@
 """``largebatch memory``: the activation-memory table of Korthikanti et al. 2022 (Table 2,
-../shared/PAPERS.md §2) for a model, its memory per device, and the recomputation plan with the
+docs/papers.md: memory) for a model, its memory per device, and the recomputation plan with the
 least recompute FLOPs that fits a budget.
 
     largebatch memory --model gpt3-175b --tp 8 --budget-gib 80

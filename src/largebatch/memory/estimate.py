@@ -2,7 +2,7 @@
 state -- parameters, gradients, fp32 master weights and optimizer state -- counted as in ZeRO
 (Rajbhandari et al. 2020 §3.1: 2 + 2 + K bytes per parameter in mixed precision, K = 12 for Adam).
 
-Optimizer state per parameter, fp32 (../shared/PAPERS.md §1): AdamW, LAMB and LANS keep m and v
+Optimizer state per parameter, fp32 (docs/papers.md: optimizers): AdamW, LAMB and LANS keep m and v
 (8 bytes); LARS and SGD-momentum keep one buffer (4 bytes). Mixed precision (dtype_bytes < 4) adds a
 4-byte fp32 master copy. ZeRO stage 1 shards master + optimizer state over data parallel ranks,
 stage 2 also the gradients, stage 3 also the parameters.

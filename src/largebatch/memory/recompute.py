@@ -1,5 +1,5 @@
 """Activation recomputation applied from outside the model: Korthikanti et al. 2022 §4.2 (selective
-recomputation) and the usual full-layer checkpointing, per layer (../shared/PAPERS.md §2).
+recomputation) and the usual full-layer checkpointing, per layer (docs/papers.md: memory).
 
     apply_recompute(model, "selective")                       # every layer
     apply_recompute(model, ["full", "full", "selective", "none"])  # one entry per layer

@@ -6,7 +6,7 @@
     model.flops_per_token()                   # model FLOPs (MFU)
     model.flops_per_token(recompute="full")   # hardware FLOPs (HFU)
 
-The layer layout and the FLOP formula follow Korthikanti et al. 2022 (../shared/PAPERS.md §2).
+The layer layout and the FLOP formula follow Korthikanti et al. 2022 (docs/papers.md: memory).
 """
 
 from __future__ import annotations

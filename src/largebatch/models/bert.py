@@ -1,6 +1,6 @@
 """BERT: a masked language model (Devlin et al. 2019) on the shared block.
 
-Default pre-LN with a final LayerNorm, as Cramming (Geiping & Goldstein 2022, PAPERS.md §4);
+Default pre-LN with a final LayerNorm, as Cramming (Geiping & Goldstein 2022, docs/papers.md: Cramming);
 norm_position="post" gives the original post-LN BERT (embedding LayerNorm, LN after each residual
 add), which matches transformers' BertForMaskedLM. The prediction head (dense, GeLU, LayerNorm,
 vocabulary projection tied to the embedding, bias) runs on masked positions only (Cramming's sparse

@@ -1,5 +1,5 @@
 """ModelConfig: the one description of a GPT or BERT that the model, the FLOP counter and the
-memory model (Korthikanti et al. 2022, ../shared/PAPERS.md §2) all read.
+memory model (Korthikanti et al. 2022, docs/papers.md: memory) all read.
 
 Notation follows the paper: L = n_layer, h = n_embd, a = n_head, s = seq_len, v = vocab_size,
 f = ffn_hidden (4h in the paper).
@@ -40,7 +40,7 @@ class ModelConfig:
     """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming: False)."""
     attention: str = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
-    activations PAPERS.md §2 counts (5 a s^2 b bytes per layer). "sdpa":
+    activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
     torch.nn.functional.scaled_dot_product_attention, which on a fused kernel stores no s^2 term."""
     norm_position: str = "pre"
     """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT; lets the BERT

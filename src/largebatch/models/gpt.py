@@ -2,7 +2,7 @@
 final LayerNorm, output projection tied to the token embedding).
 
 Its blocks are the shared ``largebatch.models.layers.Block``; its activation memory is the one
-PAPERS.md §2 (Korthikanti et al. 2022) writes down: L layers, the embedding dropout mask, and the
+docs/papers.md: memory (Korthikanti et al. 2022) writes down: L layers, the embedding dropout mask, and the
 output layer (final norm input, projection input, fp32 logits).
 """
 

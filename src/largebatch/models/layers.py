@@ -1,6 +1,6 @@
 """The transformer block GPT and BERT share, laid out as Korthikanti et al. 2022 count it.
 
-Every tensor the backward pass keeps is one of the terms of PAPERS.md §2 (34 s b h + 5 a s^2 b
+Every tensor the backward pass keeps is one of the terms of docs/papers.md: memory (34 s b h + 5 a s^2 b
 bytes per layer at 16 bits): the LayerNorm inputs, the Q/K/V input, Q, K and V, the softmax output,
 its dropout mask and output, the output-projection input, the MLP's fc1 input, GeLU input and fc2
 input, and the two 1-byte dropout masks. Keeping that true is why:
@@ -42,7 +42,7 @@ class Dropout(nn.Module):
 
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d)) V with dropout on the probabilities: the region selective
-    recomputation recomputes (it holds the 5 a s^2 b bytes of PAPERS.md §2)."""
+    recomputation recomputes (it holds the 5 a s^2 b bytes of docs/papers.md: memory)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Large-batch layer-wise adaptive optimizers (PAPERS.md §1): LAMB, LANS, LARS on one shared core.
+"""Large-batch layer-wise adaptive optimizers (docs/papers.md: optimizers): LAMB, LANS, LARS on one shared core.
 
     from largebatch.optim import LAMB, param_groups
     groups = param_groups(model, weight_decay=0.01)   # decay/adapt by module type and rank

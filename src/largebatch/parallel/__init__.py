@@ -6,7 +6,7 @@
     optimizer = shard_optimizer(LAMB(param_groups(unwrap(model)), lr=2e-3), state)
 
 The order of techniques is fixed (torchtitan): tensor/sequence parallel -> recomputation -> compile
--> DDP/FSDP2. Papers: PAPERS.md §1 "Sharding" (norms summed over shards before any trust ratio),
+-> DDP/FSDP2. Papers: docs/papers.md: sharding (norms summed over shards before any trust ratio),
 §2 and Korthikanti et al. 2022 §4.2.2 (sequence parallelism). See docs/parallel.md.
 """
 

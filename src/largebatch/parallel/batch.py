@@ -1,11 +1,11 @@
 """Variable batch under data parallel: splitting a step's batch, and the noise scale across ranks.
 
-The joint schedule (Seesaw, ramps; PAPERS.md §3) gives a global batch in sequences. Under data
+The joint schedule (Seesaw, ramps; docs/papers.md: schedules) gives a global batch in sequences. Under data
 parallel each of the dp ranks takes an equal contiguous slice of the step's sample ids and
 accumulates it as whole micro-batches, so a step is the same computation whatever dp is; a batch
-that does not split evenly is an error, not a silent rounding (PAPERS.md §3 "Granularity").
+that does not split evenly is an error, not a silent rounding (docs/papers.md: schedules "Granularity").
 
-Gradient noise scale (McCandlish et al. 2018, App. A; PAPERS.md §3 "Critical batch size") from
+Gradient noise scale (McCandlish et al. 2018, App. A; docs/papers.md: schedules "Critical batch size") from
 two batch sizes that data parallel gives for free: B_small = one rank's batch (its local gradient,
 before the all-reduce) and B_big = the global batch (the all-reduced gradient). The local squared
 norms of the dp ranks are averaged (dp unbiased estimates of |G_small|^2 instead of one). Under

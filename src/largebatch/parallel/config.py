@@ -1,7 +1,7 @@
 """ParallelConfig: the ``[parallel]`` table of a run -- how many ranks, and how they share the work.
 
 The world (``torchrun --nproc-per-node N``) is laid out as a 2-D device mesh ``dp x tp``
-(data parallel x tensor parallel, PAPERS.md §1 "Sharding" and §2, Korthikanti et al. 2022 §4.2.2
+(data parallel x tensor parallel, docs/papers.md: sharding and §2, Korthikanti et al. 2022 §4.2.2
 for sequence parallelism). ``dp`` may be left at 0 to take whatever ``world / tp`` is.
 """
 

@@ -4,7 +4,7 @@ largebatch.memory.measure_forward_bytes watches storages at the dispatcher, whic
 wrapper without storage) does not have; this counts, with autograd's saved-tensor hooks, every
 distinct storage the autograd graph keeps, parameters excluded. It does not see tensors cached by a
 selective-checkpoint context (measure with recompute = "none"). Used to check the activation
-memory of Korthikanti et al. 2022 (PAPERS.md §2) under tensor / sequence parallel.
+memory of Korthikanti et al. 2022 (docs/papers.md: memory) under tensor / sequence parallel.
 """
 
 from __future__ import annotations

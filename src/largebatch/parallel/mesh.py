@@ -2,7 +2,7 @@
 
 ``init_distributed(cfg)`` reads what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL on GPUs and gloo on CPUs, sets a collective timeout so that no rank waits
-forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (PAPERS.md §1
+forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (docs/papers.md: optimizers
 "Sharding"; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"). Ranks
 with consecutive numbers share a tensor-parallel group, so "tp" stays within a node.
 

@@ -1,6 +1,6 @@
 """Shard-correct norms: LAMB / LANS / LARS trust ratios and the global gradient norm under sharding.
 
-PAPERS.md §1 "Sharding": a trust ratio is defined on the WHOLE tensor. Under tensor parallel or
+docs/papers.md: sharding: a trust ratio is defined on the WHOLE tensor. Under tensor parallel or
 FSDP2 a parameter is a DTensor and each rank holds a shard, so every per-tensor squared norm must
 be summed over the shards (one SUM all-reduce of all the stacked partial norms) before any square
 root or ratio -- otherwise the optimizer silently computes a different algorithm.

@@ -7,7 +7,7 @@
 
 Why this order: recomputation wraps the already-sharded block (so it recomputes local shards and
 re-issues the block's collectives), compile sees the final per-block graph, and FSDP shards last so
-that its all-gathers wrap everything (PAPERS.md §1 "Sharding", §2; Korthikanti et al. 2022 §4.2.2).
+that its all-gathers wrap everything (docs/papers.md: sharding, §2; Korthikanti et al. 2022 §4.2.2).
 
 Gradient accumulation: ``gradient_sync(model, enabled)`` turns the data-parallel reduction off for
 all but the last micro-batch of a step (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``).

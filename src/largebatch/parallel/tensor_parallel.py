@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism for largebatch's GPT and BERT (torch.distributed.tensor.parallel).
 
-Tensor parallel (Megatron layout; PAPERS.md §2, Korthikanti et al. 2022 §2-§3): in every block the
+Tensor parallel (Megatron layout; docs/papers.md: memory, Korthikanti et al. 2022 §2-§3): in every block the
 q, k, v projections and mlp.fc1 are split by output columns (each rank owns n_head/t heads and
 ffn/t hidden units), attn.proj and mlp.fc2 by input rows; their partial outputs are summed by an
 all-reduce (the paper's g operator) and the input gradients of the column-parallel linears by
@@ -11,7 +11,7 @@ Sequence parallel (Korthikanti et al. 2022 §4.2.2): the LayerNorm, dropout and 
 between the tensor-parallel regions are split along the sequence across the same t ranks. Entering
 attention or the MLP all-gathers the sequence (reduce-scatter in backward), leaving it
 reduce-scatters instead of all-reducing (all-gather in backward): the same communication volume,
-and the norm/dropout activations of PAPERS.md §2 (LayerNorm inputs 4sbh, dropout masks 2sbh at
+and the norm/dropout activations of docs/papers.md: memory (LayerNorm inputs 4sbh, dropout masks 2sbh at
 16 bits) are divided by t.
 
 Everything no plan splits (the position embedding, LayerNorms outside SP, BERT's prediction head)

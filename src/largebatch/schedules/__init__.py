@@ -1,4 +1,4 @@
-"""Token-keyed LR and batch-size schedules, Seesaw, and the gradient noise scale (PAPERS.md §3).
+"""Token-keyed LR and batch-size schedules, Seesaw, and the gradient noise scale (docs/papers.md: schedules).
 
 Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop:
 

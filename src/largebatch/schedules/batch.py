@@ -1,6 +1,6 @@
 """Batch-size schedules and the joint (LR, batch) schedule interface, keyed on tokens.
 
-PAPERS.md §3.
+docs/papers.md: schedules.
 
 A joint schedule answers two questions about the token clock: ``lr(tokens)`` and
 ``batch_size(tokens)`` (in sequences). Optimizer steps are derived, never the key: step k starts at
@@ -11,7 +11,7 @@ schedule as a table: token range, LR at both ends, batch size, and the optimizer
 inside the range.
 
 Batch sizes here (following Megatron-LM's ``--rampup-batch-size start increment samples`` and
-PAPERS.md §3 "Batch ramps in practice") change the number of micro-batches accumulated, never the
+docs/papers.md: schedules "Batch ramps in practice") change the number of micro-batches accumulated, never the
 micro-batch shape: every batch is a whole multiple of ``micro_batch * dp_size`` sequences.
 
 * ``ConstantBatch``  a plain LR schedule with a constant batch.

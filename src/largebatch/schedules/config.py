@@ -3,7 +3,7 @@
 Token quantities are fractions of the token budget, so one config serves any budget; batch sizes
 are in sequences. ``build()`` turns it into a joint schedule (``batch.py``, ``seesaw.py``) and
 ``describe()`` into the start-up text: the LR-batch coupling that was applied and the realised
-phase table next to the base schedule's optimizer steps (PAPERS.md §3).
+phase table next to the base schedule's optimizer steps (docs/papers.md: schedules).
 """
 
 from __future__ import annotations

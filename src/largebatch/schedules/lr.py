@@ -1,4 +1,4 @@
-"""Learning-rate schedules as pure, picklable functions of tokens consumed (PAPERS.md §3).
+"""Learning-rate schedules as pure, picklable functions of tokens consumed (docs/papers.md: schedules).
 
 Every schedule is a small frozen dataclass with ``__call__(tokens) -> lr``. Time is tokens, never
 steps: when the batch size changes mid-run (a ramp, Seesaw) a token-keyed schedule still ends where

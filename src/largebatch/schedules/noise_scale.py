@@ -1,6 +1,6 @@
 """The gradient noise scale B_simple from squared gradient norms at two batch sizes.
 
-McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A.1 (PAPERS.md §3
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A.1 (docs/papers.md: schedules
 "Critical batch size"). With G the true gradient and Sigma the per-sample gradient covariance,
 B_simple = tr(Sigma) / |G|^2 is the batch size beyond which a larger batch stops paying for itself.
 A batch mean of B per-sample gradients has E|G_B|^2 = |G|^2 + tr(Sigma) / B, so two batch sizes

@@ -1,7 +1,7 @@
 """Seesaw and its relatives: trade LR decay for batch growth at the base schedule's milestones.
 
 Meterez et al. 2025, "Seesaw: Accelerating Training by Balancing Learning Rate and Batch Size
-Scheduling" (PAPERS.md §3). Take a base schedule with warmup and decay from ``peak`` to ``final``
+Scheduling" (docs/papers.md: schedules). Take a base schedule with warmup and decay from ``peak`` to ``final``
 and a ratio r in (0, 1). Milestone k (k = 1 .. k_max, k_max = floor(log(final / peak) / log r)) is
 the first token count after warmup at which the base LR reaches ``peak * r**k``. Seesaw replaces
 the base decay by steps: at each milestone the LR is multiplied by sqrt(r) and the batch by 1/r;
@@ -24,7 +24,7 @@ shrinking), the LR is
 
 which is exactly the paper's LR when B_k is the ideal batch, and hands the LR whatever share of
 the factor r the batch could not take when the batch is held -- at the cap, the LR falls by the
-whole r (PAPERS.md §3: "beyond a cap the batch must stop growing and the LR take the whole factor
+whole r (docs/papers.md: schedules: "beyond a cap the batch must stop growing and the LR take the whole factor
 r"). Granularity: with r = 1/1.1, a batch of 16 in micro-batches of 16 cannot grow before the 8th
 milestone: the LR decays like the base's steps meanwhile, and rises (by sqrt(2) * r) when the batch
 jumps 16 -> 32; the effective LR, lr * sqrt(B_0 / B), still falls by exactly r per milestone.
