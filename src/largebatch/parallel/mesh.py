@@ -2,8 +2,8 @@
 
 ``init_distributed(cfg)`` reads what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL on GPUs and gloo on CPUs, sets a collective timeout so that no rank waits
-forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (docs/papers.md: optimizers
-"Sharding"; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"). Ranks
+forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (docs/papers.md:
+sharding; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"). Ranks
 with consecutive numbers share a tensor-parallel group, so "tp" stays within a node.
 
 At world size 1 (plain ``python -m largebatch train``) nothing is initialised: the state says
