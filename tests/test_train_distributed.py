@@ -1,5 +1,8 @@
 """`torchrun -m largebatch train` for real (gloo, 2 processes): data parallel (DDP), tensor +
-sequence parallel, and FSDP stopped on 2 ranks and resumed on 1, each against one process."""
+sequence parallel, and FSDP stopped on 2 ranks and resumed on 1, each against one process. Every
+run clips the gradient norm (optim.grad_clip binds on most steps) and evaluates between steps, so
+the clipping norm must cover every parameter as each parallel mode holds it (FSDP2 leaves its root
+unsharded after a no-grad evaluation)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
+CLIP = 0.5
 
 
 def _overrides(cache: Path, out: Path, **extra) -> dict:
@@ -25,7 +29,7 @@ def _overrides(cache: Path, out: Path, **extra) -> dict:
          "schedule.batch_size": 8, "schedule.peak_lr": 3e-2, "schedule.final_lr": 0.2,
          "run.micro_batch": 2, "run.total_tokens": 6144, "run.eval_tokens": 512,
          "run.progress": "off", "run.sample_tokens": 0, "run.peak_flops": 1e11,
-         "run.tensorboard": False, "run.out_dir": str(out)}
+         "run.tensorboard": False, "run.out_dir": str(out), "optim.grad_clip": CLIP}
     o.update(extra)
     return o
 
@@ -42,6 +46,10 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
+def _grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
 def _val(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
@@ -52,6 +60,7 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "single"
     o = _overrides(cache, out)
     Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
+    assert sum(g > CLIP for g in _grad_norms(out)) >= 3  # clipping changes the trajectory
     return cache, out
 
 
@@ -66,6 +75,7 @@ def test_torchrun_matches_one_process(single, tmp_path, extra):
     ours, theirs = _losses(out), _losses(ref)
     assert len(ours) == len(theirs) and ours[-1] < ours[0] - 0.3  # it learned, same step count
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)     # the same algorithm, step by step
+    assert _grad_norms(out) == pytest.approx(_grad_norms(ref), rel=1e-5)  # the norm that was clipped
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
 
 
@@ -74,6 +84,7 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     out = tmp_path / "fsdp"
     _torchrun(_overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 7}))
     assert (out / "checkpoints" / "step_00000007.dcp" / ".metadata").is_file()
+    assert _grad_norms(out) == pytest.approx(_grad_norms(ref)[:7], rel=1e-5)  # FSDP's own steps
     o = _overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 0})
     Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None).fit()
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)

@@ -238,7 +238,6 @@ class Trainer:
         n_targets = global_sum(sum(int(_target_count(b)) for b in micro_batches), par)
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = par.dp_size / n_targets
-        params = [p for p in self.raw_model.parameters() if p.requires_grad]
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
@@ -251,7 +250,10 @@ class Trainer:
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
                 n_first = int(_target_count(batch))
-                small_sq = global_grad_norm(params, par).square() * (n_targets / n_first) ** 2
+                small_sq = global_grad_norm(self._live_params(), par).square() * (n_targets / n_first) ** 2
+        # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
+        # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
+        params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
         loss_value = global_sum(loss_sum, par) / n_targets
@@ -292,6 +294,10 @@ class Trainer:
         pos.tokens += batch_size * cfg.model.seq_len
         pos.samples += batch_size
         return record
+
+    def _live_params(self) -> list[torch.Tensor]:
+        """The parameters as the model holds them now (the ones the gradients were written to)."""
+        return [p for p in self.raw_model.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
