@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,14 +67,22 @@ def single(tmp_path_factory):
     return cache, out
 
 
-@pytest.mark.parametrize("extra", [
-    {},                                                          # dp = 2, DDP
-    {"parallel.tp": 2, "parallel.sequence_parallel": True},      # tp = 2 + SP
-], ids=["dp2-ddp", "tp2-sp"])
-def test_torchrun_matches_one_process(single, tmp_path, extra):
+@pytest.fixture(scope="module")
+def ddp_run(single, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank DDP run: the reference of the stopped-and-continued 2-rank runs."""
+    out = tmp_path_factory.mktemp("runs") / "ddp"
+    _torchrun(_overrides(single[0], out))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp"])
+def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     cache, ref = single
-    out = tmp_path / "run"
-    _torchrun(_overrides(cache, out, **extra))
+    if mode == "dp2-ddp":
+        out = request.getfixturevalue("ddp_run")
+    else:
+        out = tmp_path / "run"
+        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": True}))
     ours, theirs = _losses(out), _losses(ref)
     assert len(ours) == len(theirs) and ours[-1] < ours[0] - 0.3  # it learned, same step count
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)     # the same algorithm, step by step
@@ -106,38 +117,82 @@ def _rank_pid(rank: int, parent: int) -> int | None:
     return None
 
 
-def test_sigkilled_rank_is_named_and_the_job_resumes_exactly(single, tmp_path):
-    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the
-    rank, no partial checkpoint is left, and a resumed 2-rank run ends like one process."""
-    import signal
-    import time
-
-    cache, ref = single
-    out = tmp_path / "killed"
-    o = _overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+def _launch(overrides: dict, *torchrun_args: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            *torchrun_args, "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}"
+                                                              for k, v in overrides.items()]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline, victim = time.time() + 240, None
-    while time.time() < deadline and proc.poll() is None:
-        if list((out / "checkpoints").glob("step_*.dcp")):
-            victim = _rank_pid(1, parent=proc.pid)  # torchrun's agent is this child process
-            if victim:
-                os.kill(victim, signal.SIGKILL)
-                break
-        time.sleep(0.05)
-    _, err = proc.communicate(timeout=240)
-    assert victim is not None and proc.returncode != 0
-    import re
 
+
+def _wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never ready (exit {proc.poll()})")
+
+
+def _train_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"kind": "train"') if path.exists() else 0
+
+
+def _dcp_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.dcp"))
+
+
+def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, ddp_run, tmp_path):
+    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the rank,
+    no temporary is left, and the very same torchrun command line continues from the checkpoint to
+    the losses of the uninterrupted 2-rank run, to the bit."""
+    out = tmp_path / "killed"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, victim = _launch(o), []
+
+    def kill_rank_one() -> bool:
+        if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+            victim.append(pid)
+            return True
+        return False
+
+    _wait_until(proc, kill_rank_one)
+    _, err = proc.communicate(timeout=300)
+    assert victim and proc.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
     assert not list((out / "checkpoints").glob(".*.tmp"))  # no temporary left behind
-    o["run.checkpoint_every_tokens"] = 0
-    resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "largebatch", "train", f"--resume={out}"]
-    done = subprocess.run(resume, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
-    assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
+    again = _launch(o)
+    stdout, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout
+    assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
+
+
+def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
+    """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
+    after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
+    command line continues each time, and the whole trajectory equals the uninterrupted run's."""
+    out = tmp_path / "signals"
+    o = _overrides(single[0], out)
+    stops = []
+    for sig, target, after_steps in ((signal.SIGINT, "rank1", 3), (signal.SIGTERM, "torchrun", 3)):
+        proc = _launch(o)
+        start = _train_steps(out)
+        _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
+        os.kill(proc.pid if target == "torchrun" else _rank_pid(1, parent=proc.pid), sig)
+        stdout, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0, err[-3000:]
+        steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
+        assert _dcp_steps(out)[-1] == steps[-1], (stdout[-2000:], err[-2000:])
+        assert f"({sig.name}) at step {steps[-1]}" in stdout and f"--resume {out}" in stdout, stdout[-2000:]
+        if target == "rank1":  # torchrun's failure summary: the signalled worker's exit code
+            assert re.search(rf"exitcode\s*:\s*{128 + sig}\b", err), err[-3000:]
+        stops.append(steps[-1])
+    assert stops[0] < stops[1]
+    done = _launch(o)
+    stdout, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout
+    assert _losses(out) == _losses(ddp_run)  # every step, to the last bit

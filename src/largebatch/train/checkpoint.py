@@ -97,7 +97,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(
             f"could not write checkpoint {final}: {cause.strerror or cause}; {kept}. "
-            f"Free disk space (or point run.out_dir elsewhere) and resume with --resume {run_dir}"
+            f"Free disk space and run the same command again (or --resume {run_dir})"
         ) from exc
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
