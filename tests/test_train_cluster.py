@@ -96,15 +96,16 @@ def test_second_signal_exits_at_once(reference_run, tmp_path):
 def test_damaged_newest_checkpoint_is_passed_and_another_config_refused(reference_run, tmp_path, capsys):
     cache, ref_dir, _ = reference_run
     out = tmp_path / "damaged"
-    o = tiny_overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 2, "run.keep_checkpoints": 3})
+    # a wall-clock interval shorter than any step: a checkpoint after every step, the newest 3 kept
+    o = tiny_overrides(cache, out, **{"run.checkpoint_every_seconds": 1e-9, "run.keep_checkpoints": 3})
     assert _run({**o, "run.max_steps": 6})["stopped_early"]
     ckpts = list_checkpoints(out)
-    assert [_step(c) for c in ckpts] == [2, 4, 6]
+    assert [_step(c) for c in ckpts] == [4, 5, 6]
     ckpts[-1].write_bytes(ckpts[-1].read_bytes()[:1000])  # a newest checkpoint cut short
     assert main(_args({**o, "optim.name": "lamb"})) == 2  # another config: refused, fields named
     err = capsys.readouterr().err
     assert "holds checkpoints of another config (optim.name: 'lans' -> 'lamb')" in err, err
-    assert main(_args(o)) == 0  # the same command line continues from step 4
+    assert main(_args(o)) == 0  # the same command line continues from step 5
     text = capsys.readouterr().out
     assert f"checkpoint {ckpts[-1]} is damaged" in text and f"resumed from {ckpts[1]}" in text, text
     assert _train_losses(out) == _train_losses(ref_dir)
@@ -186,7 +187,39 @@ def test_full_disk_between_checkpoints_is_one_line_and_resumable(reference_run, 
     assert len(error_lines) == 1 and "No space left on device" in error_lines[0], r["err"][-2000:]
     assert "Traceback" not in r["err"] and r["first"] and r["kept"]  # the checkpoints written stay
     assert "is intact" in error_lines[0] and "run the same command again" in error_lines[0]
+    assert "checkpoints/step_00000002.pt" in error_lines[0]
     assert r["again_rc"] == 0, r["again_out"][-2000:]
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "metrics.jsonl").write_text(r["metrics"])
     assert _train_losses(tmp_path / "copy") == _train_losses(ref_dir)
+
+
+def test_write_error_between_checkpoints_is_one_line_and_resumable(reference_run, tmp_path):
+    """After the first checkpoint the process may write no more bytes to any file (RLIMIT_FSIZE set
+    on the live process, as `prlimit` does): the next metrics record fails. The run stops with one
+    line naming the intact checkpoint, and the same command continues it exactly."""
+    import resource
+
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "limited"
+    o = tiny_overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 2})
+    proc = _start(o)
+    _wait_until_checkpoint(out, proc)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1, 1))
+    _, err = proc.communicate(timeout=120)
+    error_lines = [line for line in err.splitlines() if line.startswith("largebatch train: error:")]
+    assert proc.returncode == 1 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert f"could not write {out / 'metrics.jsonl'}: File too large; the newest checkpoint" in err, err
+    assert main(_args(o)) == 0
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def _wait_until_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if list_checkpoints(out):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint: {proc.poll()}")

@@ -63,7 +63,7 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "single"
     o = _overrides(cache, out)
     Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
-    assert sum(g > CLIP for g in _grad_norms(out)) >= 3  # clipping changes the trajectory
+    assert sum(g > CLIP for g in _grad_norms(out)) >= 3  # clipping binds on several steps
     return cache, out
 
 

@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         kept = f"the newest checkpoint {last} is intact" if last else "no checkpoint was written"
         return _fail(f"could not write {exc.filename or run_dir}: {exc.strerror or exc}; {kept}. "
                      f"Free space and run the same command again (or --resume {run_dir})", 1)
-    except KeyboardInterrupt:  # Ctrl-C before the loop (setup): no step was lost
+    except KeyboardInterrupt:  # Ctrl-C during setup or the final plots: no step was lost
         last = latest_any_checkpoint(run_dir)
         kept = (f"the newest checkpoint {last} is intact (continue with --resume {run_dir})"
                 if last else "no checkpoint was written")
-        return _fail(f"interrupted during setup; {kept}", 130)
+        return _fail(f"interrupted outside the training loop; {kept}", 130)
     if summary.get("signal"):  # stopped by SIGTERM / SIGINT after a checkpoint (stopping.py)
         from largebatch.train.stopping import exit_code
 
