@@ -81,13 +81,15 @@ def continues_run(run_dir: Path, cfg) -> bool:
     the same config); ConfigError when it holds checkpoints of another config."""
     if not has_checkpoints(run_dir):
         return False
-    from largebatch.train.config import load_config
+    from largebatch.train.config import TrainConfig
+    from largebatch.typed_config import from_dict, load_toml
 
     saved_path = run_dir / "config.toml"
     if not saved_path.is_file():
         raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints but no config.toml; "
                           f"choose another --run.out_dir")
-    differences = config_differences(load_config(saved_path), cfg)
+    # not re-checked against this launch: its mesh may differ (checked for the new config only)
+    differences = config_differences(from_dict(TrainConfig, load_toml(saved_path)), cfg)
     if differences:
         raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints of another config "
                           f"({'; '.join(differences)}); choose another --run.out_dir, or continue "
