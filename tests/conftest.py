@@ -14,3 +14,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """The uninterrupted tiny GPT run of tests/test_train.py (cache dir, run dir, summary): the
+    reference every stopped-and-continued run is compared with, shared by the test modules."""
+    from test_train import _run, tiny_overrides
+
+    cache = tmp_path_factory.mktemp("cache")
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    summary = _run(tiny_overrides(cache, out))
+    return cache, out, summary

@@ -77,3 +77,14 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="could not read checkpoint"):
         load_checkpoint(path)
+
+
+def test_single_process_save_clears_a_killed_distributed_save(tmp_path):
+    """A torchrun save killed mid-way leaves `.step_N.dcp.tmp/`, a directory; a run resumed in one
+    process must clear it and save (a file-only cleanup failed on it, breaking every later save)."""
+    stale = tmp_path / "checkpoints" / ".step_00000005.dcp.tmp"
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"half a shard")
+    (tmp_path / "checkpoints" / ".step_00000004.pt.tmp").write_bytes(b"half a file")
+    save_checkpoint(tmp_path, 6, _state(10, 6))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000006.pt"]

@@ -49,14 +49,6 @@ def _run(overrides: dict, resume: bool = False) -> dict:
     return Trainer(cfg, overrides["run.out_dir"], resume=resume, log=lambda *_: None).fit()
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    out = tmp_path_factory.mktemp("runs") / "reference"
-    summary = _run(tiny_overrides(cache, out))
-    return cache, out, summary
-
-
 def test_reference_run_learns_and_grows_batch(reference_run):
     cache, out, summary = reference_run
     losses = _train_losses(out)

@@ -1,12 +1,18 @@
 """`torchrun -m largebatch train` for real (gloo, 2 processes): data parallel (DDP), tensor +
-sequence parallel, and FSDP stopped on 2 ranks and resumed on 1, each against one process."""
+sequence parallel, and FSDP stopped on 2 ranks and resumed on 1, each against one process. Every
+run clips the gradient norm (optim.grad_clip binds on most steps) and evaluates between steps, so
+the clipping norm must cover every parameter as each parallel mode holds it (FSDP2 leaves its root
+unsharded after a no-grad evaluation)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,7 @@ from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
+CLIP = 0.5
 
 
 def _overrides(cache: Path, out: Path, **extra) -> dict:
@@ -25,7 +32,7 @@ def _overrides(cache: Path, out: Path, **extra) -> dict:
          "schedule.batch_size": 8, "schedule.peak_lr": 3e-2, "schedule.final_lr": 0.2,
          "run.micro_batch": 2, "run.total_tokens": 6144, "run.eval_tokens": 512,
          "run.progress": "off", "run.sample_tokens": 0, "run.peak_flops": 1e11,
-         "run.tensorboard": False, "run.out_dir": str(out)}
+         "run.tensorboard": False, "run.out_dir": str(out), "optim.grad_clip": CLIP}
     o.update(extra)
     return o
 
@@ -42,6 +49,10 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
+def _grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
 def _val(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
@@ -52,20 +63,30 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "single"
     o = _overrides(cache, out)
     Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
+    assert sum(g > CLIP for g in _grad_norms(out)) >= 3  # clipping binds on several steps
     return cache, out
 
 
-@pytest.mark.parametrize("extra", [
-    {},                                                          # dp = 2, DDP
-    {"parallel.tp": 2, "parallel.sequence_parallel": True},      # tp = 2 + SP
-], ids=["dp2-ddp", "tp2-sp"])
-def test_torchrun_matches_one_process(single, tmp_path, extra):
+@pytest.fixture(scope="module")
+def ddp_run(single, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank DDP run: the reference of the stopped-and-continued 2-rank runs."""
+    out = tmp_path_factory.mktemp("runs") / "ddp"
+    _torchrun(_overrides(single[0], out))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp"])
+def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     cache, ref = single
-    out = tmp_path / "run"
-    _torchrun(_overrides(cache, out, **extra))
+    if mode == "dp2-ddp":
+        out = request.getfixturevalue("ddp_run")
+    else:
+        out = tmp_path / "run"
+        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": True}))
     ours, theirs = _losses(out), _losses(ref)
     assert len(ours) == len(theirs) and ours[-1] < ours[0] - 0.3  # it learned, same step count
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)     # the same algorithm, step by step
+    assert _grad_norms(out) == pytest.approx(_grad_norms(ref), rel=1e-5)  # the norm that was clipped
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
 
 
@@ -74,6 +95,7 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     out = tmp_path / "fsdp"
     _torchrun(_overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 7}))
     assert (out / "checkpoints" / "step_00000007.dcp" / ".metadata").is_file()
+    assert _grad_norms(out) == pytest.approx(_grad_norms(ref)[:7], rel=1e-5)  # FSDP's own steps
     o = _overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 0})
     Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None).fit()
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
@@ -95,38 +117,82 @@ def _rank_pid(rank: int, parent: int) -> int | None:
     return None
 
 
-def test_sigkilled_rank_is_named_and_the_job_resumes_exactly(single, tmp_path):
-    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the
-    rank, no partial checkpoint is left, and a resumed 2-rank run ends like one process."""
-    import signal
-    import time
-
-    cache, ref = single
-    out = tmp_path / "killed"
-    o = _overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+def _launch(overrides: dict, *torchrun_args: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            *torchrun_args, "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}"
+                                                              for k, v in overrides.items()]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline, victim = time.time() + 240, None
-    while time.time() < deadline and proc.poll() is None:
-        if list((out / "checkpoints").glob("step_*.dcp")):
-            victim = _rank_pid(1, parent=proc.pid)  # torchrun's agent is this child process
-            if victim:
-                os.kill(victim, signal.SIGKILL)
-                break
-        time.sleep(0.05)
-    _, err = proc.communicate(timeout=240)
-    assert victim is not None and proc.returncode != 0
-    import re
 
+
+def _wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never ready (exit {proc.poll()})")
+
+
+def _train_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"kind": "train"') if path.exists() else 0
+
+
+def _dcp_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.dcp"))
+
+
+def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, ddp_run, tmp_path):
+    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the rank,
+    no temporary is left, and the very same torchrun command line continues from the checkpoint to
+    the losses of the uninterrupted 2-rank run, to the bit."""
+    out = tmp_path / "killed"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, victim = _launch(o), []
+
+    def kill_rank_one() -> bool:
+        if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+            victim.append(pid)
+            return True
+        return False
+
+    _wait_until(proc, kill_rank_one)
+    _, err = proc.communicate(timeout=300)
+    assert victim and proc.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
     assert not list((out / "checkpoints").glob(".*.tmp"))  # no temporary left behind
-    o["run.checkpoint_every_tokens"] = 0
-    resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "largebatch", "train", f"--resume={out}"]
-    done = subprocess.run(resume, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
-    assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
+    again = _launch(o)
+    stdout, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout
+    assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
+
+
+def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
+    """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
+    after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
+    command line continues each time, and the whole trajectory equals the uninterrupted run's."""
+    out = tmp_path / "signals"
+    o = _overrides(single[0], out)
+    stops = []
+    for sig, target, after_steps in ((signal.SIGINT, "rank1", 3), (signal.SIGTERM, "torchrun", 3)):
+        proc = _launch(o)
+        start = _train_steps(out)
+        _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
+        os.kill(proc.pid if target == "torchrun" else _rank_pid(1, parent=proc.pid), sig)
+        stdout, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0, err[-3000:]
+        steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
+        assert _dcp_steps(out)[-1] == steps[-1], (stdout[-2000:], err[-2000:])
+        assert f"({sig.name}) at step {steps[-1]}" in stdout and f"--resume {out}" in stdout, stdout[-2000:]
+        if target == "rank1":  # torchrun's failure summary: the signalled worker's exit code
+            assert re.search(rf"exitcode\s*:\s*{128 + sig}\b", err), err[-3000:]
+        stops.append(steps[-1])
+    assert stops[0] < stops[1]
+    done = _launch(o)
+    stdout, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout
+    assert _losses(out) == _losses(ddp_run)  # every step, to the last bit

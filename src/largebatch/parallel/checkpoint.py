@@ -5,7 +5,7 @@ optimizer state, each tensor saved once, by the ranks that own its shards) plus 
 (rank 0's picklable state: schedule, noise scale, progress, RNG, config). Because DCP records the
 global shape and placement of every shard, a checkpoint written by 2 ranks (FSDP or tensor
 parallel) loads onto 1 rank, or onto another mesh, and the optimizer state (DTensors shaped like
-the parameters, see largebatch.parallel.norms) is resharded with the parameters (PAPERS.md §1
+the parameters, see largebatch.parallel.norms) is resharded with the parameters (docs/papers.md, layer-wise adaptive optimizers
 "Sharding").
 
 Crash safety, as the single-process checkpoints of largebatch.train.checkpoint: every rank writes
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 
 from largebatch.parallel.mesh import ParallelState
-from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints
+from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints, remove_temporaries
 from largebatch.parallel.parallelize import unwrap
 
 EXTRA = "extra.pt"
@@ -71,8 +71,7 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
     tmp = ckdir / f".{final.name}.tmp"
     if state.is_main:
         ckdir.mkdir(parents=True, exist_ok=True)
-        for stale in ckdir.glob(".step_*.dcp.tmp"):  # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_temporaries(ckdir)  # left by saves that were killed
     _barrier(state)
     model_state, optim_state = get_state_dict(unwrap(model), optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)

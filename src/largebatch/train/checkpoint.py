@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove_temporaries(ckdir: Path) -> None:
+    """Remove what killed saves left: ``.step_*.pt.tmp`` files and ``.step_*.dcp.tmp/`` directories
+    (a run resumed in one process after a crash during a torchrun save finds the latter)."""
+    for stale in ckdir.glob(".step_*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
     """Atomically write ``state`` as the checkpoint of ``step``; keep the newest ``keep_last``."""
     if keep_last < 1:
         raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
     ckdir = checkpoint_dir(run_dir)
     ckdir.mkdir(parents=True, exist_ok=True)
-    for stale in ckdir.glob(".step_*.tmp"):  # left by a save that was killed
-        stale.unlink(missing_ok=True)
+    remove_temporaries(ckdir)
     final = ckdir / f"step_{step:08d}.pt"
     tmp = ckdir / f".{final.name}.tmp"
     try:
@@ -87,7 +97,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(
             f"could not write checkpoint {final}: {cause.strerror or cause}; {kept}. "
-            f"Free disk space (or point run.out_dir elsewhere) and resume with --resume {run_dir}"
+            f"Free disk space and run the same command again (or --resume {run_dir})"
         ) from exc
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)

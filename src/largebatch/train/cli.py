@@ -5,11 +5,13 @@
     largebatch train my.toml                       # a config file
     largebatch train --optim.name=lans --run.total_tokens=2e6    # any field, from the command line
     largebatch train --resume runs/20261130-101500-gpt           # continue exactly where it stopped
+    largebatch train my.toml --run.out_dir=runs/a  # again after a stop: continues runs/a (same config)
     largebatch train --help-config                 # every field, its type, default and meaning
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,11 +52,13 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def _launch_time() -> str:
     """A timestamp every rank of a torchrun job agrees on (its run id), else the local time."""
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if _under_torchrun():
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if not run_id or run_id == "none":
             raise ConfigError("under torchrun without a run id, ranks cannot agree on '{time}' in "
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
               f"overrides some of these: {shipped_configs()[DEFAULT_CONFIG]}")
         print(describe_fields(TrainConfig))
         return 0
+
+    from largebatch.train.rundir import claim_new_dir, continues_run
 
     config_path, resume_dir, rest = None, None, []
     i = 0
@@ -113,31 +119,44 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": 0, **overrides})
-            run_dir = Path(resume_dir)
+            run_dir, resume = Path(resume_dir), True
         else:
             cfg = load_config(resolve_config(config_path), overrides)
             run_dir = Path(cfg.run.out_dir.format(time=_launch_time(), kind=cfg.model.kind))
-            if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-                return _fail(f"run directory {run_dir} already holds checkpoints; continue it with "
-                             f"--resume {run_dir}, or choose another --run.out_dir", 2)
+            if "{time}" in cfg.run.out_dir and not _under_torchrun():
+                run_dir = claim_new_dir(run_dir)  # two runs started in the same second: -2
+            # the same command line starts a run and restarts it (a scheduler, torchrun --max-restarts)
+            resume = continues_run(run_dir, cfg)
     except ConfigError as exc:
         return _fail(str(exc), 2)
 
     from largebatch.parallel import RankFailure
     from largebatch.train.checkpoint import CheckpointError
-    from largebatch.train.loop import NonFiniteLoss
+    from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
+    from largebatch.train.rundir import RunDirLocked
 
     try:
-        summary = _run(cfg, run_dir, resume=resume_dir is not None)
+        summary = _run(cfg, run_dir, resume=resume)
     except RankFailure as exc:  # the rank and its error were printed by rank_guard
         return _fail(str(exc).splitlines()[0], 1)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, RunDirLocked) as exc:
         return _fail(str(exc), 2)
     except (NonFiniteLoss, CheckpointError) as exc:
         return _fail(str(exc), 1)
-    except KeyboardInterrupt:
-        return _fail(f"interrupted; the last checkpoint in {run_dir} is intact "
-                     f"(continue with --resume {run_dir})", 130)
+    except OSError as exc:  # e.g. the disk filled up between checkpoints (metrics, summary)
+        last = latest_any_checkpoint(run_dir)
+        kept = f"the newest checkpoint {last} is intact" if last else "no checkpoint was written"
+        return _fail(f"could not write {exc.filename or run_dir}: {exc.strerror or exc}; {kept}. "
+                     f"Free space and run the same command again (or --resume {run_dir})", 1)
+    except KeyboardInterrupt:  # Ctrl-C during setup or the final plots: no step was lost
+        last = latest_any_checkpoint(run_dir)
+        kept = (f"the newest checkpoint {last} is intact (continue with --resume {run_dir})"
+                if last else "no checkpoint was written")
+        return _fail(f"interrupted outside the training loop; {kept}", 130)
+    if summary.get("signal"):  # stopped by SIGTERM / SIGINT after a checkpoint (stopping.py)
+        from largebatch.train.stopping import exit_code
+
+        return exit_code(summary["signal"])
     if not summary.get("stopped_early") and summary.get("is_main", True):
         print(format_summary(summary, run_dir))
     return 0
@@ -159,9 +178,7 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
         shutdown(trainer.par)
         return {**summary, "is_main": trainer.is_main}
 
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if _under_torchrun():
         run = record(run)  # torchrun's error file: its summary names the failing rank and error
     return run()
 

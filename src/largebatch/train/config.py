@@ -109,7 +109,11 @@ class RunConfig:
     log_every_steps: int = 1
     """Write a metrics record every this many optimizer steps."""
     checkpoint_every_tokens: int = 0
-    """Checkpoint interval in tokens (0: only at the end of the run)."""
+    """Checkpoint interval in tokens (0: none by tokens; see checkpoint_every_seconds)."""
+    checkpoint_every_seconds: float = 600.0
+    """Also checkpoint when this many seconds of wall time passed since the last checkpoint
+    (0: none by time). Under torchrun the ranks agree on it after every step. SIGTERM and SIGINT
+    always checkpoint before the run exits (largebatch.train.stopping)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
     max_steps: int = 0
@@ -136,7 +140,8 @@ class RunConfig:
                      "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be > 0")
-        for name in ("eval_every_tokens", "checkpoint_every_tokens", "max_steps", "sample_tokens"):
+        for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
+                     "max_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be >= 0 (0 disables)")
         if self.peak_flops is not None and self.peak_flops <= 0:
@@ -195,7 +200,10 @@ def check(cfg: TrainConfig) -> TrainConfig:
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(dump_toml(to_dict(cfg)))
+    """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it."""
+    from largebatch.train.rundir import atomic_write_text
+
+    atomic_write_text(path, dump_toml(to_dict(cfg)))
 
 
 def replace_section(cfg: TrainConfig, section: str, **changes: Any) -> TrainConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ from largebatch.parallel import (clip_grad_norm_, global_grad_norm, gradient_syn
                                  parallelize, seed_ranks, shard_optimizer, unwrap)
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
-from largebatch.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from largebatch.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
+                                         load_checkpoint, save_checkpoint)
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
                                       measure_peak_flops, memory_bytes, plot_run)
 from largebatch.train.optimizer import build_optimizer
+from largebatch.train.rundir import lock_run_dir
+from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
 
 
@@ -114,8 +118,7 @@ class Trainer:
         torch.manual_seed(run.seed)  # the same initial model on every rank
         random.seed(run.seed)
         np.random.seed(run.seed)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = lock_run_dir(self.run_dir, self.par)  # one run per directory; freed at death
         self.data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind=cfg.model.kind)
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
@@ -140,17 +143,15 @@ class Trainer:
         # -- 2. resume ------------------------------------------------------------------------
         resume_step = None
         if resume:
-            ckpt = latest_any_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint in "
-                                        f"{self.run_dir / 'checkpoints'}; start a new run instead")
-            self._load(ckpt)
+            ckpt = self._load_newest_intact()
             resume_step = self.pos.step
             self.log(f"resumed from {ckpt} at step {self.pos.step}, {human_count(self.pos.tokens)} tokens")
         self.metrics = None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
             self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step)
+            for note in self.metrics.notes:
+                self.log(f"note: {note}")
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
@@ -162,6 +163,25 @@ class Trainer:
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "rng": _gather_rng(_rng_state(self.device), self.par), "config": to_dict(self.cfg)}
+
+    def _load_newest_intact(self) -> Path:
+        """Load the newest checkpoint that reads back whole, saying which damaged ones were passed."""
+        ckpts = list_checkpoints(self.run_dir, kinds=(".pt", ".dcp"))
+        if not ckpts:
+            raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint in "
+                                    f"{self.run_dir / 'checkpoints'}; start a new run instead")
+        reasons = []
+        for ckpt in reversed(ckpts):
+            try:
+                self._load(ckpt)  # a later, whole load overwrites whatever a failed one half-set
+                return ckpt
+            except Exception as exc:  # noqa: BLE001 -- damaged in any way: try the one before
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                reasons.append(f"{ckpt.name}: {reason}")
+                self.log(f"warning: checkpoint {ckpt} is damaged ({reason}); falling back to the "
+                         f"one before it")
+        raise CheckpointError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} "
+                              f"({'; '.join(reasons)}); start a new run instead")
 
     def _load(self, path: Path) -> None:
         if path.suffix == ".dcp":  # from any number of ranks, onto this mesh
@@ -238,7 +258,6 @@ class Trainer:
         n_targets = global_sum(sum(int(_target_count(b)) for b in micro_batches), par)
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = par.dp_size / n_targets
-        params = [p for p in self.raw_model.parameters() if p.requires_grad]
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
@@ -251,7 +270,10 @@ class Trainer:
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
                 n_first = int(_target_count(batch))
-                small_sq = global_grad_norm(params, par).square() * (n_targets / n_first) ** 2
+                small_sq = global_grad_norm(self._live_params(), par).square() * (n_targets / n_first) ** 2
+        # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
+        # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
+        params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
         loss_value = global_sum(loss_sum, par) / n_targets
@@ -293,61 +315,90 @@ class Trainer:
         pos.samples += batch_size
         return record
 
+    def _live_params(self) -> list[torch.Tensor]:
+        """The parameters as the model holds them now (the ones the gradients were written to)."""
+        return [p for p in self.raw_model.parameters() if p.requires_grad]
+
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        try:
+            return self._fit()
+        finally:
+            self._close()
+
+    def _fit(self) -> dict[str, Any]:
         run, pos = self.cfg.run, self.pos
         self.log(self.describe())
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, t_log, tokens_log = 0, None, time.perf_counter(), pos.tokens
+        signum, time_due = None, False  # SIGTERM / SIGINT, and the wall-clock checkpoint interval
         self.model.train()
-        while pos.tokens < run.total_tokens:
-            # -- 3. top of the iteration: evaluate, checkpoint, stop ---------------------------
-            if pos.tokens >= pos.next_eval:
-                val_loss = self._log_eval()
-                pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
-            if pos.tokens >= pos.next_checkpoint and pos.step > 0:
-                every = run.checkpoint_every_tokens or run.total_tokens
-                pos.next_checkpoint = (pos.tokens // every + 1) * every
-                self.save()
-            if run.max_steps and steps_here >= run.max_steps:
-                path = self.save()
-                self.log(f"stopped after {steps_here} steps (run.max_steps); checkpoint {path}. "
-                         f"Continue with: largebatch train --resume {self.run_dir}")
-                progress.close()
-                self._close()
-                return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens}
-            t0 = time.perf_counter()
-            record = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            pos.train_seconds += time.perf_counter() - t0
-            steps_here += 1
-            if pos.step % run.log_every_steps == 0:
-                now = time.perf_counter()
-                tps = (pos.tokens - tokens_log) / max(now - t_log, 1e-9)
-                t_log, tokens_log = now, pos.tokens
-                record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                              mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
-                if self.metrics is not None:
-                    self.metrics.log(record)
-                progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
-                if not progress.enabled:
-                    self.log(_format_record(record))
+        with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
+            while pos.tokens < run.total_tokens:
+                # -- 3. top of the iteration: evaluate, checkpoint, stop -----------------------
+                if pos.tokens >= pos.next_eval:
+                    val_loss = self._log_eval()
+                    pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
+                stopping = signum is not None or (run.max_steps and steps_here >= run.max_steps)
+                if pos.tokens >= pos.next_checkpoint and pos.step > 0:
+                    every = run.checkpoint_every_tokens or run.total_tokens
+                    pos.next_checkpoint = (pos.tokens // every + 1) * every
+                    time_due = True
+                if (time_due or stopping) and pos.step > 0:
+                    path = self.save()
+                    stop.checkpointed()
+                    time_due = False
+                if stopping:
+                    reason = signal.Signals(signum).name if signum else "run.max_steps"
+                    self.log(f"stopped after {steps_here} steps ({reason}) at step {pos.step}; "
+                             f"checkpoint {path}. Continue with: {self._resume_command()}")
+                    progress.close()
+                    return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens,
+                            "signal": signum}
+                t0 = time.perf_counter()
+                record = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                pos.train_seconds += time.perf_counter() - t0
+                steps_here += 1
+                signum, due = stop.poll()  # the same answer on every rank
+                time_due |= due
+                if pos.step % run.log_every_steps == 0:
+                    now = time.perf_counter()
+                    tps = (pos.tokens - tokens_log) / max(now - t_log, 1e-9)
+                    t_log, tokens_log = now, pos.tokens
+                    record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
+                                  mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
+                    if self.metrics is not None:
+                        self.metrics.log(record)
+                    progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
+                    if not progress.enabled:
+                        self.log(_format_record(record))
         progress.close()
         # -- 4. the end -----------------------------------------------------------------------
         val_loss = self._log_eval()
         self.save()
-        summary = self._summary(val_loss)
-        self._close()
-        return summary
+        return self._summary(val_loss)
+
+    def _resume_command(self) -> str:
+        command = f"largebatch train --resume {self.run_dir}"
+        if self.par.distributed:
+            return f"the same torchrun command, with `{command}` (or the same arguments again)"
+        return f"{command} (or the same command again)"
 
     def _mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
         return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
 
     def _close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
+        """Close the logs and release the run directory (idempotent; also after a failure)."""
+        metrics, self.metrics = self.metrics, None
+        try:
+            if metrics is not None:
+                metrics.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _log_eval(self) -> float:
         val_loss = self.evaluate()

@@ -79,15 +79,26 @@ def human_count(n: float) -> str:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl plus optional TensorBoard scalars."""
+    """Append-only metrics.jsonl plus optional TensorBoard scalars.
+
+    At resume the records after the checkpoint are dropped (the resumed run writes them again) by an
+    atomic rewrite; lines that do not parse (a last line cut short by a kill or a full disk) are
+    dropped too and reported in ``notes``. A failed write raises the OSError (one line, see the CLI).
+    """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.notes: list[str] = []
+        self._failed = False
         if resume_step is not None and self.path.exists():
-            # records after the checkpoint will be produced again by the resumed run
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in kept))
+            records, bad = _parse_lines(self.path.read_text(errors="replace"))
+            if bad:
+                self.notes.append(f"{self.path}: dropped {bad} unreadable line(s) (a write cut short "
+                                  f"by a kill or a full disk)")
+            kept = [json.dumps(r) + "\n" for r in records if r.get("step", 0) <= resume_step]
+            from largebatch.train.rundir import atomic_write_text
+
+            atomic_write_text(self.path, "".join(kept))
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
@@ -101,7 +112,12 @@ class MetricsLog:
                 self._tb = None
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            self._failed = True
+            exc.filename = exc.filename or str(self.path)
+            raise
         if self._tb is not None:
             step = int(record.get("step", 0))
             for key, value in record.items():
@@ -109,14 +125,31 @@ class MetricsLog:
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            if not self._failed:  # after a failed write, flushing its remainder fails again
+                raise
         if self._tb is not None:
             self._tb.close()
 
 
+def _parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:
+    """(the records of a metrics.jsonl text, how many non-empty lines did not parse)."""
+    records, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            bad += 1
+    return records, bad
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run; a line cut short by a kill or a full disk is skipped."""
+    return _parse_lines((Path(run_dir) / "metrics.jsonl").read_text(errors="replace"))[0]
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

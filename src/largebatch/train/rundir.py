@@ -1,0 +1,163 @@
+"""Run directories on a shared cluster: one run per directory, one command line to start or restart.
+
+* **Start or continue.** ``largebatch train CONFIG --run.out_dir=D`` on a directory that holds
+  checkpoints of the same config continues from the newest intact one, so a job scheduler (or
+  ``torchrun --max-restarts N``) can relaunch the very same command line. A different config is
+  refused with the differing fields named. Fields that do not change the trajectory
+  (:data:`RESTART_FIELDS`: the mesh, logging, checkpoint cadence, this invocation's step limit) may
+  differ.
+* **A lock.** :class:`RunLock` holds an OS lock (``fcntl.flock``) on ``RUN_DIR/.lock`` for the life
+  of the run; the kernel releases it when the process dies, however it dies. A second run into a
+  locked directory (a second ``--resume``, a run started twice) fails at once naming the holder.
+* **Unique default directories.** ``runs/{time}-{kind}`` is claimed with an atomic ``mkdir``; two
+  runs started in the same second get ``...-gpt`` and ``...-gpt-2``.
+* **Atomic rewrites.** :func:`atomic_write_text` (temporary, fsync, rename) for config.toml and the
+  metrics history trimmed at resume: a kill leaves the old file or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from largebatch.typed_config import ConfigError, to_dict
+
+LOCK_NAME = ".lock"
+# may differ between the launch that wrote the checkpoints and the one that continues it
+RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
+                  "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard",
+                  "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
+                  "run.sample_prompt", "model.vocab_size", "parallel.")
+
+
+class RunDirLocked(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically: a temporary in the same directory, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(saved, new) -> list[str]:
+    """'table.field: saved -> new' for every field that differs and changes the trajectory."""
+    a, b = _flat(to_dict(saved)), _flat(to_dict(new))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f))
+                                               for f in RESTART_FIELDS)]
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    from largebatch.train.checkpoint import list_checkpoints
+
+    return bool(list_checkpoints(run_dir, kinds=(".pt", ".dcp")))
+
+
+def continues_run(run_dir: Path, cfg) -> bool:
+    """Whether launching ``cfg`` into ``run_dir`` continues the run there (it holds checkpoints of
+    the same config); ConfigError when it holds checkpoints of another config."""
+    if not has_checkpoints(run_dir):
+        return False
+    from largebatch.train.config import TrainConfig
+    from largebatch.typed_config import from_dict, load_toml
+
+    saved_path = run_dir / "config.toml"
+    if not saved_path.is_file():
+        raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints but no config.toml; "
+                          f"choose another --run.out_dir")
+    # not re-checked against this launch: its mesh may differ (checked for the new config only)
+    differences = config_differences(from_dict(TrainConfig, load_toml(saved_path)), cfg)
+    if differences:
+        raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints of another config "
+                          f"({'; '.join(differences)}); choose another --run.out_dir, or continue "
+                          f"that run with --resume {run_dir}")
+    return True
+
+
+def claim_new_dir(path: str | Path) -> Path:
+    """Create ``path`` (or ``path-2``, ``path-3``, ...) atomically; the first that did not exist."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ConfigError(f"run.out_dir = {str(path)!r}: 10000 directories of that name exist; "
+                      f"set --run.out_dir")
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held until :meth:`release` or death."""
+
+    def __init__(self, run_dir: str | Path):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / LOCK_NAME
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            self._fd = None
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirLocked(f"run directory {run_dir} is in use by another run (pid {holder}, "
+                               f"lock {self.path}); wait for it to end, or choose another "
+                               f"--run.out_dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the lock
+            self._fd = None
+
+    def __del__(self) -> None:  # a Trainer dropped without finishing (an exception in a library loop)
+        self.release()
+
+
+def lock_run_dir(run_dir: Path, par) -> RunLock | None:
+    """Rank 0 locks the run directory; every rank learns whether it could (a collective under
+    torchrun), so all ranks of a refused job fail with the same message."""
+    lock, error = None, None
+    if par.is_main:
+        try:
+            lock = RunLock(run_dir)
+        except RunDirLocked as exc:
+            error = str(exc)
+    if par.distributed:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise RunDirLocked(error)
+    return lock

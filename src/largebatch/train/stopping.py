@@ -1,0 +1,89 @@
+"""Stopping a run cleanly: SIGTERM / SIGINT, and checkpoints on a wall-clock interval.
+
+Slurm and Kubernetes send SIGTERM before they kill a job (Slurm: ``KillWait``, 30 s by default;
+Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default); a terminal sends SIGINT on Ctrl-C.
+While ``fit`` runs, :class:`StopRequest` turns either signal into a request: the step in progress
+finishes, a checkpoint is written, the resume command is printed and the process exits with
+128 + the signal number (143 for SIGTERM, 130 for SIGINT). A second signal exits at once (the
+checkpoint being written, if any, stays a temporary; the previous one is intact). A repeat of the
+same signal within ``REPEAT_WINDOW_S`` counts as the first: torchrun forwards the signal it gets to
+its workers, which a cluster may have signalled already.
+
+Under torchrun the ranks must stop at the same step, or the checkpoint (a collective) would hang:
+after every step one all-reduce (MAX) of [signal, checkpoint due] makes every rank take the same
+decision, whichever rank the signal reached first. The wall-clock interval
+(``run.checkpoint_every_seconds``) is decided the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from largebatch.parallel.mesh import ParallelState
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 2.0
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number."""
+    return 128 + signum
+
+
+class StopRequest:
+    """A context manager for the training loop: records SIGTERM / SIGINT, and says when to checkpoint."""
+
+    def __init__(self, par: ParallelState, checkpoint_every_seconds: float = 0.0):
+        self.par = par
+        self.every = checkpoint_every_seconds
+        self.signum: int | None = None
+        self._first_at = 0.0
+        self._last_checkpoint = time.monotonic()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum, self._first_at = signum, now
+            if self.par.is_main:
+                print(f"[largebatch] {name}: finishing this step, then checkpointing "
+                      f"(send a second signal to exit at once)", file=sys.stderr, flush=True)
+        elif signum != self.signum or now - self._first_at > REPEAT_WINDOW_S:
+            print(f"[largebatch] second signal ({name}): exiting now without a checkpoint; the "
+                  f"previous checkpoint is intact", file=sys.stderr, flush=True)
+            os._exit(exit_code(signum))
+
+    def poll(self) -> tuple[int | None, bool]:
+        """(the signal to stop on or None, whether a time-based checkpoint is due): the same on every
+        rank. Call once per step, on every rank (under torchrun it is one small all-reduce)."""
+        due = bool(self.every) and time.monotonic() - self._last_checkpoint >= self.every
+        signum = self.signum or 0
+        if self.par.distributed:
+            import torch.distributed as dist
+
+            flags = torch.tensor([signum, int(due)], dtype=torch.int64, device=self.par.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            signum, due = int(flags[0]), bool(flags[1])
+        return (signum or None), due
+
+    def checkpointed(self) -> None:
+        """A checkpoint was written: the wall-clock interval starts again."""
+        self._last_checkpoint = time.monotonic()

@@ -1,0 +1,225 @@
+"""A run on a shared cluster, with real processes and real signals: SIGTERM / SIGINT checkpoint and
+exit (a second signal at once), the same command line continues a stopped run (past a damaged
+newest checkpoint) and refuses another config, a live run locks its directory, a disk that fills up
+between checkpoints (a real tmpfs) stops the run with one line and it resumes. Every continued run
+is compared with the uninterrupted reference run of tests/test_train.py, step by step, to the bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.train.checkpoint import list_checkpoints
+from largebatch.train.cli import main
+from largebatch.train.metrics import MetricsLog, read_metrics
+from largebatch.train.rundir import claim_new_dir
+from test_train import _run, _train_losses, tiny_overrides
+
+# the reference run's thread count: a float sum split over other threads rounds differently
+ENV = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=os.pathsep.join(
+    [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+
+
+def _args(o: dict) -> list[str]:
+    return [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+
+
+def _start(o: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "largebatch", "train", *_args(o)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_train_records(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and path.read_text().count('"kind": "train"') >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} steps: {proc.poll()} {proc.stderr.read()[-2000:]}")
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.split("_")[1].split(".")[0])
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_path, capsys, sig, code):
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "run"
+    o = tiny_overrides(cache, out)
+    proc = _start(o)
+    _wait_for_train_records(out, 3, proc)
+    if sig == signal.SIGTERM:  # while it runs, the directory is locked: a second launch is refused
+        assert main(_args(o)) == 2 and main([f"--resume={out}"]) == 2
+        err = capsys.readouterr().err
+        assert f"in use by another run (pid {proc.pid} on" in err and "Traceback" not in err, err
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr[-2000:]
+    steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
+    ckpts = list_checkpoints(out)
+    assert [_step(c) for c in ckpts] == [steps[-1]] and steps[-1] < len(_train_losses(ref_dir))
+    assert f"({sig.name}) at step {steps[-1]}" in stdout and f"--resume {out}" in stdout, stdout[-1000:]
+    # SIGTERM: the same command line again; SIGINT: --resume
+    assert main(_args(o) if sig == signal.SIGTERM else [f"--resume={out}", "--run.progress=off"]) == 0
+    assert f"resumed from {ckpts[-1]}" in capsys.readouterr().out
+    assert _train_losses(out) == _train_losses(ref_dir)  # every step, to the last bit
+
+
+def test_second_signal_exits_at_once(reference_run, tmp_path):
+    out = tmp_path / "twice"
+    proc = _start(tiny_overrides(reference_run[0], out))
+    _wait_for_train_records(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    for line in proc.stderr:  # the first signal was taken: it will checkpoint after this step
+        if "SIGTERM: finishing this step" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "exiting now without a checkpoint" in stderr and "stopped after" not in stdout
+    assert list_checkpoints(out) == []  # nothing half-written is listed
+
+
+def test_damaged_newest_checkpoint_is_passed_and_another_config_refused(reference_run, tmp_path, capsys):
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "damaged"
+    # a wall-clock interval shorter than any step: a checkpoint after every step, the newest 3 kept
+    o = tiny_overrides(cache, out, **{"run.checkpoint_every_seconds": 1e-9, "run.keep_checkpoints": 3})
+    assert _run({**o, "run.max_steps": 6})["stopped_early"]
+    ckpts = list_checkpoints(out)
+    assert [_step(c) for c in ckpts] == [4, 5, 6]
+    ckpts[-1].write_bytes(ckpts[-1].read_bytes()[:1000])  # a newest checkpoint cut short
+    assert main(_args({**o, "optim.name": "lamb"})) == 2  # another config: refused, fields named
+    err = capsys.readouterr().err
+    assert "holds checkpoints of another config (optim.name: 'lans' -> 'lamb')" in err, err
+    assert main(_args(o)) == 0  # the same command line continues from step 5
+    text = capsys.readouterr().out
+    assert f"checkpoint {ckpts[-1]} is damaged" in text and f"resumed from {ckpts[1]}" in text, text
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def test_default_out_dirs_are_unique(tmp_path):
+    """Runs started in the same second race for one name: each gets its own directory."""
+    claimed, barrier = [], threading.Barrier(4)
+
+    def claim():
+        barrier.wait()
+        claimed.append(claim_new_dir(tmp_path / "runs" / "20261130-101500-gpt"))
+
+    threads = [threading.Thread(target=claim) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in claimed) == ["20261130-101500-gpt"] + [f"20261130-101500-gpt-{n}"
+                                                                         for n in (2, 3, 4)]
+
+
+def test_partial_metrics_line_is_dropped_and_reported(tmp_path):
+    records = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "step": 6, "lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert read_metrics(tmp_path) == records  # readers skip the cut line
+    log = MetricsLog(tmp_path, tensorboard=False, resume_step=3)
+    assert len(log.notes) == 1 and "dropped 1 unreadable line" in log.notes[0]
+    log.log({"kind": "train", "step": 4, "loss": 0.5})
+    log.close()
+    assert read_metrics(tmp_path) == records[:3] + [{"kind": "train", "step": 4, "loss": 0.5}]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+DRIVER = """
+import json, os, pathlib, signal, subprocess, sys, time
+args, disk, report = json.loads(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+out = disk / "run"
+cmd = [sys.executable, "-m", "largebatch", "train", *args]
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+while proc.poll() is None and not list((out / "checkpoints").glob("step_*.pt")):
+    time.sleep(0.02)
+first = sorted(p.name for p in (out / "checkpoints").glob("step_*.pt"))
+with open(disk / "filler", "wb") as f:  # another job fills the disk
+    try:
+        while True:
+            f.write(b"x" * 65536)
+            f.flush()
+    except OSError:
+        pass
+_, err = proc.communicate()
+kept = sorted(p.name for p in (out / "checkpoints").glob("step_*.pt"))
+(disk / "filler").unlink()
+again = subprocess.run(cmd, capture_output=True, text=True)
+report.write_text(json.dumps({"rc": proc.returncode, "err": err, "first": first, "kept": kept,
+                              "again_rc": again.returncode, "again_out": again.stdout + again.stderr,
+                              "metrics": (out / "metrics.jsonl").read_text()}))
+"""
+
+
+def test_full_disk_between_checkpoints_is_one_line_and_resumable(reference_run, tmp_path):
+    """A real 16 MiB tmpfs (mounted in a private mount namespace), filled by another writer after the
+    run's first checkpoint: the run stops with one line, keeps that checkpoint, and the same command
+    continues it once there is space again."""
+    cache, ref_dir, _ = reference_run
+    disk, report = tmp_path / "disk", tmp_path / "report.json"
+    disk.mkdir()
+    o = tiny_overrides(cache, disk / "run", **{"run.checkpoint_every_tokens": 32 * 8 * 2})
+    (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
+    script = (f"mount -t tmpfs -o size=16m tmpfs {disk} && exec {sys.executable} {tmp_path / 'driver.py'} "
+              f"'{json.dumps(_args(o))}' {disk} {report}")
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-2000:]
+    r = json.loads(report.read_text())
+    assert r["rc"] == 1, r["err"][-2000:]
+    error_lines = [line for line in r["err"].splitlines() if line.startswith("largebatch train: error:")]
+    assert len(error_lines) == 1 and "No space left on device" in error_lines[0], r["err"][-2000:]
+    assert "Traceback" not in r["err"] and r["first"] and r["kept"]  # the checkpoints written stay
+    assert "is intact" in error_lines[0] and "run the same command again" in error_lines[0]
+    assert "checkpoints/step_00000002.pt" in error_lines[0]
+    assert r["again_rc"] == 0, r["again_out"][-2000:]
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "metrics.jsonl").write_text(r["metrics"])
+    assert _train_losses(tmp_path / "copy") == _train_losses(ref_dir)
+
+
+def test_write_error_between_checkpoints_is_one_line_and_resumable(reference_run, tmp_path):
+    """After the first checkpoint the process may write no more bytes to any file (RLIMIT_FSIZE set
+    on the live process, as `prlimit` does): the next metrics record fails. The run stops with one
+    line naming the intact checkpoint, and the same command continues it exactly."""
+    import resource
+
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "limited"
+    o = tiny_overrides(cache, out, **{"run.checkpoint_every_tokens": 32 * 8 * 2})
+    proc = _start(o)
+    _wait_until_checkpoint(out, proc)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1, 1))
+    _, err = proc.communicate(timeout=120)
+    error_lines = [line for line in err.splitlines() if line.startswith("largebatch train: error:")]
+    assert proc.returncode == 1 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert f"could not write {out / 'metrics.jsonl'}: File too large; the newest checkpoint" in err, err
+    assert main(_args(o)) == 0
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def _wait_until_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if list_checkpoints(out):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint: {proc.poll()}")
