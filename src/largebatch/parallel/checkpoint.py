@@ -5,8 +5,8 @@ optimizer state, each tensor saved once, by the ranks that own its shards) plus 
 (rank 0's picklable state: schedule, noise scale, progress, RNG, config). Because DCP records the
 global shape and placement of every shard, a checkpoint written by 2 ranks (FSDP or tensor
 parallel) loads onto 1 rank, or onto another mesh, and the optimizer state (DTensors shaped like
-the parameters, see largebatch.parallel.norms) is resharded with the parameters (docs/papers.md, layer-wise adaptive optimizers
-"Sharding").
+the parameters, see largebatch.parallel.norms) is resharded with the parameters (docs/papers.md:
+sharding).
 
 Crash safety, as the single-process checkpoints of largebatch.train.checkpoint: every rank writes
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
