@@ -12,8 +12,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Every test starts from seed 0 and leaves the thread count as it found it (training results
+    depend on it: a test that ran later with another count would not reproduce a reference run)."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
