@@ -180,7 +180,8 @@ MEASURED = [  # kind, s, b, h, a, dtype, bool masks, band for measured / closed 
 ]
 
 
-@pytest.mark.parametrize("kind, s, b, h, a, dtype, bool_masks, band", MEASURED)
+@pytest.mark.parametrize("kind, s, b, h, a, dtype, bool_masks, band", MEASURED, ids=[
+    f"{m[0]}-s{m[1]}-h{m[3]}-a{m[4]}-{str(m[5])[6:]}-{'bool' if m[6] else 'float'}-masks" for m in MEASURED])
 def test_measured_hf_eager_layers(kind, s, b, h, a, dtype, bool_masks, band):
     torch.manual_seed(0)
     d = dtype.itemsize

@@ -115,8 +115,9 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
                                          device=device) for device in ("cuda", "cpu"))
     extras = "float dropout masks" + (", gelu_new intermediates" if gpu > closed else "")
     return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row on CPU "
-                f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured, docs/memory.md),",
-            f"  ~{gpu / closed:.2f}x with the 1-byte bool dropout masks GPUs keep (measured on CPU "
+                f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models, "
+                "docs/memory.md),",
+            f"  ~{gpu / closed:.2f}x with the 1-byte bool dropout masks GPUs keep (terms measured on CPU "
             "with that dropout, not on a GPU)."]
 
 
