@@ -155,6 +155,8 @@ def test_bad_paths_and_cli_errors(tmp_path, capsys):
     assert out.startswith("largebatch memory: hf config model_type='llama'") and out.count("\n") == 1
     assert memory_main(["--hf-config", str(tmp_path), "--config", "x.toml"]) == 2
     assert "give one" in capsys.readouterr().out
+    assert memory_main(["--hf-config", str(tmp_path), "--model", "gpt2-xl"]) == 2
+    assert capsys.readouterr().out.startswith("largebatch memory: --model 'gpt2-xl' and --hf-config")
 
 
 def test_config_from_hf_does_not_import_transformers(tmp_path):

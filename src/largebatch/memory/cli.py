@@ -26,7 +26,7 @@ TYPES = {"kind": str, "attention": str, "dropout": float}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo", help=f"preset: {', '.join(PRESETS)} (default demo)")
+    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
                    "[run] micro_batch and [parallel] tp / sequence_parallel / dp, so the prediction "
                    "is per rank of that run (flags given explicitly still override)")
@@ -55,11 +55,13 @@ def _config(args: argparse.Namespace) -> ModelConfig:
         changes["seq_len"] = args.seq_len
     if args.config and args.hf_config:
         raise ValueError(f"--config {args.config!r} and --hf-config {args.hf_config!r}: give one.")
+    if args.hf_config and args.model:
+        raise ValueError(f"--model {args.model!r} and --hf-config {args.hf_config!r}: give one.")
     if args.hf_config:
         return config_from_hf(args.hf_config).replace(**changes)
     if args.config:
         return _from_train_config(args).replace(**changes)
-    return preset(args.model, **changes)
+    return preset(args.model or "demo", **changes)
 
 
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:

@@ -120,7 +120,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     pass the result through `.replace(attention="sdpa")` for a fused kernel."""
     raw = _load(source)
     model_type = _model_type(raw)
-    for flag in ("add_cross_attention", "is_decoder", "reorder_and_upcast_attn"):
+    for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
         if raw.get(flag):
             raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
                              "fp32 attention tensors the closed form does not count); set it to false.")
