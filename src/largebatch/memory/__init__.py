@@ -5,6 +5,7 @@ recomputation policies applied from outside the model, a measurement helper and 
     apply_recompute(model, ["full", "full", "selective", "selective"])
     activation_bytes_per_layer(2048, 1, 12288, 96, tp=8, sequence_parallel=True, recompute="selective")
     estimate(preset("gpt3-175b"), micro_batch=1, tp=8, pp=16, sequence_parallel=True)
+    estimate(config_from_hf("path/to/gpt2-medium/config.json"), micro_batch=4)
 
 Nothing here imports largebatch.train: it drops into any PyTorch loop.
 """
@@ -14,9 +15,10 @@ from __future__ import annotations
 from largebatch.memory.activations import (activation_bytes_per_layer, config_layer_kwargs,
                                            model_activation_bytes)
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate
+from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.measure import measure_forward_bytes
 from largebatch.memory.recompute import apply_recompute, transformer_layers
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "activation_bytes_per_layer", "apply_recompute",
-           "config_layer_kwargs", "estimate", "measure_forward_bytes", "model_activation_bytes",
-           "transformer_layers"]
+           "config_from_hf", "config_layer_kwargs", "estimate", "hf_eager_bytes_per_layer",
+           "measure_forward_bytes", "model_activation_bytes", "transformer_layers"]

@@ -4,6 +4,7 @@ least recompute FLOPs that fits a budget.
 
     largebatch memory --model gpt3-175b --tp 8 --budget-gib 80
     largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
+    largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import replace
 
 from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
+from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
 
@@ -24,10 +26,12 @@ TYPES = {"kind": str, "attention": str, "dropout": float}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo", help=f"preset: {', '.join(PRESETS)} (default demo)")
+    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
                    "[run] micro_batch and [parallel] tp / sequence_parallel / dp, so the prediction "
                    "is per rank of that run (flags given explicitly still override)")
+    p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT config.json (or a directory "
+                   "holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag}", type=TYPES.get(flag, int), help=f"override the preset's {field}")
     p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
@@ -49,9 +53,15 @@ def _config(args: argparse.Namespace) -> ModelConfig:
                if getattr(args, flag) is not None}
     if args.seq_len is not None:
         changes["seq_len"] = args.seq_len
+    if args.config and args.hf_config:
+        raise ValueError(f"--config {args.config!r} and --hf-config {args.hf_config!r}: give one.")
+    if args.hf_config and args.model:
+        raise ValueError(f"--model {args.model!r} and --hf-config {args.hf_config!r}: give one.")
+    if args.hf_config:
+        return config_from_hf(args.hf_config).replace(**changes)
     if args.config:
         return _from_train_config(args).replace(**changes)
-    return preset(args.model, **changes)
+    return preset(args.model or "demo", **changes)
 
 
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
@@ -98,6 +108,21 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     return lines
 
 
+def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: float) -> list[str]:
+    """transformers' eager layers against the closed form, per layer, no parallelism or recompute."""
+    s = config.seq_len
+    closed = activation_bytes_per_layer(s, b, config.n_embd, config.n_head, ffn_hidden=config.ffn,
+                                        dtype_bytes=dtype_bytes, dropout=config.dropout > 0)
+    gpu, cpu = (hf_eager_bytes_per_layer(hf_config, b, seq_len=s, dtype_bytes=dtype_bytes,
+                                         device=device) for device in ("cuda", "cpu"))
+    extras = "float dropout masks" + (", gelu_new intermediates" if gpu > closed else "")
+    return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row on CPU "
+                f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models, "
+                "docs/memory.md),",
+            f"  ~{gpu / closed:.2f}x with the 1-byte bool dropout masks GPUs keep (terms measured on CPU "
+            "with that dropout, not on a GPU)."]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -109,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage)
         lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
+        if args.hf_config:
+            lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         lines += ["", f"Per device, no recompute: {setup.estimate(config, 'none')}"]
     except ValueError as err:
         print(f"largebatch memory: {err}")

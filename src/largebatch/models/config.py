@@ -93,13 +93,20 @@ def _nearest_divisor(n: int, near: int) -> int:
 
 # Named sizes. "demo" trains on 2 CPU cores in minutes; the large ones are for the memory planner
 # (instantiating them would need terabytes). Shapes of the big GPTs are Korthikanti et al. 2022,
-# Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small from Radford et al. 2019.
+# Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small to xl from Radford et al. 2019
+# (Table 2; the released configs' 1024 positions and 50257 tokens).
 PRESETS: dict[str, ModelConfig] = {
     "demo": ModelConfig(kind="gpt", n_layer=4, n_embd=256, n_head=4, seq_len=128, vocab_size=4096),
     "demo-bert": ModelConfig(kind="bert", n_layer=4, n_embd=256, n_head=4, seq_len=128,
                              vocab_size=4096),
     "gpt2-small": ModelConfig(kind="gpt", n_layer=12, n_embd=768, n_head=12, seq_len=1024,
                               vocab_size=50257, dropout=0.1),
+    "gpt2-medium": ModelConfig(kind="gpt", n_layer=24, n_embd=1024, n_head=16, seq_len=1024,
+                               vocab_size=50257, dropout=0.1),
+    "gpt2-large": ModelConfig(kind="gpt", n_layer=36, n_embd=1280, n_head=20, seq_len=1024,
+                              vocab_size=50257, dropout=0.1),
+    "gpt2-xl": ModelConfig(kind="gpt", n_layer=48, n_embd=1600, n_head=25, seq_len=1024,
+                           vocab_size=50257, dropout=0.1),
     "bert-base": ModelConfig(kind="bert", n_layer=12, n_embd=768, n_head=12, seq_len=512,
                              vocab_size=30522, dropout=0.1, norm_eps=1e-12),
     "bert-large": ModelConfig(kind="bert", n_layer=24, n_embd=1024, n_head=16, seq_len=512,

@@ -1,0 +1,171 @@
+"""Hugging Face configs for the memory model: `config_from_hf` maps a GPT-2 or BERT `config.json`
+(a path, a directory holding one, or the dict) to a ModelConfig, without importing transformers, and
+`hf_eager_bytes_per_layer` counts what transformers' own eager layers keep, which is more than the
+closed form of Korthikanti et al. 2022 (docs/papers.md: memory) counts for largebatch's layers.
+
+What transformers' eager GPT-2 / BERT layers keep beyond the closed form (found by walking the
+autograd graph of GPT2LMHeadModel and BertForMaskedLM, docs/memory.md):
+* activation "gelu_new" (GPT-2's default) is written as pointwise ops, 0.5 x (1 + tanh(...)), and
+  keeps three more f-wide tensors per token than a fused GeLU: the tanh output, 0.5 x and 1 + tanh.
+  BERT's "gelu" is torch's GeLU, which keeps only its input.
+* nn.Dropout calls F.dropout, which on CPU keeps a mask in the activation dtype (d bytes), not a
+  1-byte bool mask: three masks per layer (attention probabilities, two residual branches).
+No attention mask or bias is kept (transformers 5 adds the causal/padding mask), and the softmax
+runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from largebatch.memory.activations import activation_bytes_per_layer
+from largebatch.models.config import ModelConfig
+
+# Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
+_UNSUPPORTED = {
+    "llama": "gated MLP (SwiGLU: three f-wide projections), RMSNorm, rotary embeddings and "
+             "grouped-query attention (fewer K/V heads than Q heads)",
+    "mistral": "gated MLP (SwiGLU), RMSNorm, rotary embeddings, grouped-query and sliding-window "
+               "attention",
+    "mixtral": "mixture-of-experts gated MLPs, RMSNorm, rotary embeddings, grouped-query attention",
+    "qwen2": "gated MLP (SwiGLU), RMSNorm, rotary embeddings and grouped-query attention",
+    "gemma": "gated MLP (GeGLU), RMSNorm, rotary embeddings and multi-query attention",
+    "phi": "parallel attention and MLP branches, partial rotary embeddings",
+    "gpt_neox": "parallel attention and MLP branches and rotary embeddings",
+    "gptj": "parallel attention and MLP branches and rotary embeddings",
+    "falcon": "parallel attention and MLP branches, rotary embeddings and multi-query attention",
+    "t5": "an encoder-decoder with cross-attention, relative position biases and RMSNorm",
+    "bart": "an encoder-decoder with cross-attention",
+    "roberta": "a BERT layout under another model_type (not mapped: check its fields and map it "
+               "as bert by hand)",
+}
+
+_GELU_EXACT = ("gelu",)           # torch's GeLU: keeps its input only, as the closed form counts
+_GELU_POINTWISE = ("gelu_new",)   # transformers' NewGELUActivation: three more f-wide tensors
+
+
+def _load(source: str | Path | Mapping) -> dict:
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"hf config {str(source)!r}: no such file; give a config.json or a "
+                         "directory holding one.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"hf config {str(path)!r}: not valid JSON ({err.msg} at line {err.lineno}); "
+                         "give a Hugging Face config.json.") from None
+
+
+def _model_type(raw: dict) -> str:
+    model_type = raw.get("model_type")
+    if not model_type:
+        arch = " ".join(raw.get("architectures") or [])
+        model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else None
+    if model_type in ("gpt2", "bert"):
+        return model_type
+    why = _UNSUPPORTED.get(model_type)
+    what = f"model_type={model_type!r}" if model_type else \
+        f"architectures={raw.get('architectures')!r} (no model_type)"
+    raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
+                     "layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
+                     + (f", and this model has {why}" if why else "")
+                     + ". Describe the model with --layers/--hidden/--heads/--ffn only if its layers "
+                       "are that layout.")
+
+
+def _field(raw: dict, name: str, default=None):
+    value = raw.get(name, default)
+    if value is None:
+        raise ValueError(f"hf config field {name!r} is missing: a {raw.get('model_type')} "
+                         "config.json needs it.")
+    return value
+
+
+def _dropout(raw: dict, names: tuple[str, ...]) -> float:
+    """One dropout probability for the model: the memory model only needs to know whether the masks
+    exist, so equal-or-not probabilities are fine, but some on and some off is not describable."""
+    probs = {name: float(raw.get(name, 0.1)) for name in names}
+    on = [n for n, p in probs.items() if p > 0]
+    if on and len(on) < len(probs):
+        off = [n for n in probs if n not in on]
+        raise ValueError(f"hf config dropout {probs}: {', '.join(off)} = 0 while {', '.join(on)} > 0; "
+                         "the memory model puts dropout in every place or none: set them all to 0 or "
+                         "all above 0.")
+    return max(probs.values())
+
+
+def _activation(raw: dict, name: str, default: str) -> str:
+    act = raw.get(name, default)
+    if act not in _GELU_EXACT + _GELU_POINTWISE:
+        raise ValueError(f"hf config field {name!r}={act!r}: not supported; the closed form and the "
+                         f"measured transformers terms cover {', '.join(_GELU_EXACT + _GELU_POINTWISE)}.")
+    return act
+
+
+def _ffn(width, hidden) -> int | None:
+    """ModelConfig's ffn_hidden: None for the 4h default (as the presets write it)."""
+    return None if width is None or width == 4 * hidden else width
+
+
+def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
+    """A ModelConfig for a Hugging Face GPT-2 or BERT config: a config.json path, a directory holding
+    one, or its dict (e.g. `GPT2Config(...).to_dict()`). Refuses other architectures, naming what
+    in them the closed form does not describe. Attention is "explicit" (transformers' eager layout);
+    pass the result through `.replace(attention="sdpa")` for a fused kernel."""
+    raw = _load(source)
+    model_type = _model_type(raw)
+    for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
+        if raw.get(flag):
+            raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
+                             "fp32 attention tensors the closed form does not count); set it to false.")
+    if model_type == "gpt2":
+        _activation(raw, "activation_function", "gelu_new")
+        return ModelConfig(
+            kind="gpt", n_layer=_field(raw, "n_layer"), n_embd=_field(raw, "n_embd"),
+            n_head=_field(raw, "n_head"), ffn_hidden=_ffn(raw.get("n_inner"), raw["n_embd"]),
+            seq_len=_field(raw, "n_positions"), vocab_size=_field(raw, "vocab_size"),
+            dropout=_dropout(raw, ("attn_pdrop", "resid_pdrop", "embd_pdrop")),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="pre",
+            norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
+    _activation(raw, "hidden_act", "gelu")
+    position = raw.get("position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(f"hf config field 'position_embedding_type'={position!r}: not supported "
+                         "(relative position scores add tensors the closed form does not count); "
+                         "use 'absolute'.")
+    return ModelConfig(
+        kind="bert", n_layer=_field(raw, "num_hidden_layers"), n_embd=_field(raw, "hidden_size"),
+        n_head=_field(raw, "num_attention_heads"),
+        ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"]),
+        seq_len=_field(raw, "max_position_embeddings"), vocab_size=_field(raw, "vocab_size"),
+        dropout=_dropout(raw, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="post",
+        norm_eps=float(raw.get("layer_norm_eps", 1e-12)))
+
+
+def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,
+                             seq_len: int | None = None, dtype_bytes: float = 2,
+                             device: str = "cuda") -> float:
+    """Bytes one transformers eager GPT-2 / BERT layer keeps for backward in training (no
+    recomputation): the closed form with d-byte dropout masks on CPU (F.dropout's float mask; 1-byte
+    bool masks elsewhere), plus 3 f d bytes per token for GPT-2's pointwise "gelu_new". Both cases
+    are measured in tests/test_memory_hf.py on CPU (the GPU one with torch.native_dropout's bool
+    mask, which CUDA's F.dropout keeps), not on a GPU."""
+    raw = _load(source)
+    config = config_from_hf(raw)
+    s = config.seq_len if seq_len is None else seq_len
+    dropout = config.dropout > 0
+    mask_bytes = dtype_bytes if device == "cpu" else 1
+    base = activation_bytes_per_layer(s, micro_batch, config.n_embd, config.n_head,
+                                      ffn_hidden=config.ffn, dtype_bytes=dtype_bytes,
+                                      mask_bytes=mask_bytes, dropout=dropout)
+    act_key = "activation_function" if config.kind == "gpt" else "hidden_act"
+    default = "gelu_new" if config.kind == "gpt" else "gelu"
+    gelu_extra = 3 * config.ffn * dtype_bytes if raw.get(act_key, default) in _GELU_POINTWISE else 0
+    return base + s * micro_batch * gelu_extra

@@ -1,0 +1,221 @@
+"""Hugging Face configs in the memory model: the GPT-2 presets, `config_from_hf` / `--hf-config`
+against a float64 transcription of docs/papers.md: memory, refusals, and what transformers' eager
+GPT-2 and BERT layers really keep (measured on CPU) against the closed form."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.memory import (activation_bytes_per_layer, config_from_hf, config_layer_kwargs,
+                               hf_eager_bytes_per_layer, model_activation_bytes)
+from largebatch.memory.cli import main as memory_main
+from largebatch.models import preset
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+_spec = importlib.util.spec_from_file_location("hf_memory", ROOT / "benchmarks" / "hf_memory.py")
+hf_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_memory)
+
+
+def paper_per_layer(s, b, h, a):
+    """docs/papers.md: memory, no parallelism: s*b*h*(34 + 5*a*s/h) bytes (16-bit, 1-byte masks)."""
+    s, b, h, a = map(float, (s, b, h, a))
+    return s * b * h * (34 + 5 * a * s / h)
+
+
+def breakdown_per_layer(s, b, h, a, d, m, gelu_extra=0):
+    """The docs/papers.md breakdown with d-byte activations and m-byte dropout masks: attention
+    11sbh + 5as^2b (QKV input, Q, K, V, projection input: 5 h values; softmax output, its mask, dropout
+    output), MLP 19sbh (fc1 input h, GeLU input 4h, fc2 input 4h values; mask), LayerNorm inputs 2 h
+    values. gelu_extra: more 4h-wide tensors kept per token (transformers' gelu_new: 3)."""
+    s, b, h, a = map(float, (s, b, h, a))
+    values = 5 * h + (h + 8 * h) + 2 * h + gelu_extra * 4 * h
+    return s * b * (values * d + 2 * h * m) + a * s * s * b * (2 * d + m)
+
+
+def gpt2_dict(**kw):
+    return transformers.GPT2Config(**kw).to_dict()
+
+
+def bert_dict(**kw):
+    return transformers.BertConfig(**kw).to_dict()
+
+
+# (name, HF config dict, matching preset or None)
+CONFIGS = [
+    ("gpt2-tiny", gpt2_dict(vocab_size=64, n_positions=128, n_embd=128, n_layer=2, n_head=4), None),
+    ("gpt2", gpt2_dict(), "gpt2-small"),
+    ("gpt2-medium", gpt2_dict(n_layer=24, n_embd=1024, n_head=16), "gpt2-medium"),
+    ("gpt2-large", gpt2_dict(n_layer=36, n_embd=1280, n_head=20), "gpt2-large"),
+    ("gpt2-xl", gpt2_dict(n_layer=48, n_embd=1600, n_head=25), "gpt2-xl"),
+    ("bert-tiny", bert_dict(vocab_size=64, hidden_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=512,
+                            max_position_embeddings=128), None),
+    ("bert-base", bert_dict(), "bert-base"),
+    ("bert-large", bert_dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                             intermediate_size=4096), "bert-large"),
+]
+
+
+def test_gpt2_presets_are_the_released_sizes():
+    for name, (L, h, a) in {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16),
+                            "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}.items():
+        c = preset(name)
+        assert (c.kind, c.n_layer, c.n_embd, c.n_head, c.ffn, c.seq_len, c.vocab_size, c.dropout) == \
+            ("gpt", L, h, a, 4 * h, 1024, 50257, 0.1), name
+    c = preset("bert-large")  # Devlin et al. 2019
+    assert (c.kind, c.n_layer, c.n_embd, c.n_head, c.ffn, c.seq_len, c.vocab_size) == \
+        ("bert", 24, 1024, 16, 4096, 512, 30522)
+
+
+def _printed_rows(out: str) -> dict[str, float]:
+    """The 'per layer' MiB of each row of the printed table."""
+    return {m.group(1).strip(): float(m.group(2))
+            for m in re.finditer(r"^  (\S.*?)\s{2,}(\d+\.\d) MiB", out, re.M)}
+
+
+@pytest.mark.parametrize("name, raw, preset_name", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_hf_config_gives_the_paper_formula_and_the_preset(name, raw, preset_name, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    s, h, a = raw.get("n_positions", raw.get("max_position_embeddings")), \
+        raw.get("n_embd", raw.get("hidden_size")), raw.get("n_head", raw.get("num_attention_heads"))
+    L = raw.get("n_layer", raw.get("num_hidden_layers"))
+    b, t = 2, (4 if a % 4 == 0 else 5)  # gpt2-xl has 25 heads
+    for source in (tmp_path, tmp_path / "config.json", raw):  # directory, file, dict
+        c = config_from_hf(source)
+        kw = config_layer_kwargs(c)
+        assert activation_bytes_per_layer(s, b, **kw) == pytest.approx(paper_per_layer(s, b, h, a), rel=1e-12)
+        assert activation_bytes_per_layer(s, b, tp=t, sequence_parallel=True, recompute="selective",
+                                          **kw) == pytest.approx(34 * s * b * h / t, rel=1e-12)
+    if c.kind == "gpt":  # whole model: L layers + embedding mask + output layer (docs/papers.md)
+        v = raw["vocab_size"]
+        assert model_activation_bytes(c, b) == pytest.approx(
+            L * paper_per_layer(s, b, h, a) + s * b * h + 4 * s * b * h * (1 + v / h), rel=1e-12)
+    if preset_name:
+        expected = preset(preset_name)
+        if c.kind == "bert":  # transformers' BERT is post-LN; the presets are pre-LN
+            expected = expected.replace(norm_position="post")
+        assert c == expected
+    assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b)]) == 0
+    rows = _printed_rows(capsys.readouterr().out)
+    assert rows["no parallelism"] == pytest.approx(paper_per_layer(s, b, h, a) / 2**20, abs=0.051)
+    if preset_name:
+        assert memory_main(["--model", preset_name, "--micro-batch", str(b)]) == 0
+        assert _printed_rows(capsys.readouterr().out) == rows
+
+
+def test_preset_cli_prints_the_paper_table(capsys):
+    assert memory_main(["--model", "gpt2-medium"]) == 0
+    rows = _printed_rows(capsys.readouterr().out)
+    assert rows["no parallelism"] == pytest.approx(paper_per_layer(1024, 1, 1024, 16) / 2**20, abs=0.051)
+    assert rows["tensor parallel + selective recompute"] == 34 * 1024 * 1024 / 2**20
+
+
+@pytest.mark.parametrize("raw, match", [
+    (transformers.LlamaConfig().to_dict(), r"model_type='llama': not supported.*gated MLP.*RMSNorm"
+                                           r".*grouped-query"),
+    (transformers.MistralConfig().to_dict(), r"model_type='mistral': not supported"),
+    ({"model_type": "mamba"}, r"model_type='mamba': not supported; the closed form describes GPT-2"),
+    ({"architectures": ["FooForCausalLM"]}, r"architectures=\['FooForCausalLM'\] \(no model_type\)"),
+    (gpt2_dict(activation_function="relu"), r"'activation_function'='relu': not supported"),
+    (gpt2_dict(attn_pdrop=0.0), r"attn_pdrop = 0 while resid_pdrop, embd_pdrop > 0.*all to 0"),
+    (gpt2_dict(reorder_and_upcast_attn=True), r"'reorder_and_upcast_attn'=True: not supported"),
+    (bert_dict(position_embedding_type="relative_key"),
+     r"'position_embedding_type'='relative_key': not supported.*use 'absolute'"),
+    (bert_dict(is_decoder=True, add_cross_attention=True), r"'add_cross_attention'=True"),
+    ({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_positions": 8, "vocab_size": 8},
+     r"field 'n_embd' is missing"),
+    (gpt2_dict(n_embd=100, n_head=3), r"n_head=3 does not divide n_embd=100"),
+])
+def test_unsupported_configs_are_refused_by_name(raw, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(raw)
+
+
+def test_bad_paths_and_cli_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no such file; give a config.json or a directory"):
+        config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(transformers.LlamaConfig().to_dict()))
+    assert memory_main(["--hf-config", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("largebatch memory: hf config model_type='llama'") and out.count("\n") == 1
+    assert memory_main(["--hf-config", str(tmp_path), "--config", "x.toml"]) == 2
+    assert "give one" in capsys.readouterr().out
+    assert memory_main(["--hf-config", str(tmp_path), "--model", "gpt2-xl"]) == 2
+    assert capsys.readouterr().out.startswith("largebatch memory: --model 'gpt2-xl' and --hf-config")
+
+
+def test_config_from_hf_does_not_import_transformers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(gpt2_dict()))
+    code = ("import sys; from largebatch.memory import config_from_hf, hf_eager_bytes_per_layer; "
+            f"config_from_hf({str(tmp_path)!r}); hf_eager_bytes_per_layer({str(tmp_path)!r}, 1); "
+            "assert 'transformers' not in sys.modules, 'imported'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# Measured: transformers' eager layers on CPU (dropout 0.1, training), per layer, against the
+# closed form (ratio band) and against the breakdown with transformers' extra tensors (1%).
+# F.dropout on CPU keeps a d-byte mask; "bool" runs torch.native_dropout (CUDA's F.dropout mask).
+MEASURED = [  # kind, s, b, h, a, dtype, bool masks, band for measured / closed form
+    ("gpt2", 128, 4, 128, 4, torch.float32, False, (1.60, 1.70)),
+    ("gpt2", 64, 4, 256, 8, torch.float32, False, (1.67, 1.77)),
+    ("gpt2", 128, 4, 128, 4, torch.bfloat16, False, (1.51, 1.61)),
+    ("gpt2", 128, 4, 128, 4, torch.float32, True, (1.42, 1.52)),
+    ("bert", 128, 4, 128, 4, torch.float32, False, (1.15, 1.21)),
+    ("bert", 128, 4, 128, 4, torch.bfloat16, False, (1.09, 1.14)),
+    ("bert", 128, 4, 128, 4, torch.float32, True, (0.99, 1.02)),
+]
+
+
+@pytest.mark.parametrize("kind, s, b, h, a, dtype, bool_masks, band", MEASURED, ids=[
+    f"{m[0]}-s{m[1]}-h{m[3]}-a{m[4]}-{str(m[5])[6:]}-{'bool' if m[6] else 'float'}-masks" for m in MEASURED])
+def test_measured_hf_eager_layers(kind, s, b, h, a, dtype, bool_masks, band):
+    torch.manual_seed(0)
+    d = dtype.itemsize
+    if bool_masks:
+        with hf_memory.bool_mask_dropout():
+            tensors, allocator = hf_memory.measured_per_layer(kind, s, b, h, a, dtype)
+    else:
+        tensors, allocator = hf_memory.measured_per_layer(kind, s, b, h, a, dtype)
+    closed = breakdown_per_layer(s, b, h, a, d, m=1)
+    if d == 2:
+        assert closed == pytest.approx(paper_per_layer(s, b, h, a), rel=1e-12)
+    assert band[0] <= tensors / closed <= band[1], tensors / closed
+    # which tensors make the difference: d-byte dropout masks on CPU, 3 more 4h tensors for gelu_new
+    hf_terms = breakdown_per_layer(s, b, h, a, d, m=1 if bool_masks else d,
+                                   gelu_extra=3 if kind == "gpt2" else 0)
+    assert tensors == pytest.approx(hf_terms, rel=0.01)
+    if allocator is not None:
+        assert allocator == pytest.approx(hf_terms, rel=0.02)
+    raw = hf_memory.hf_config(kind, 1, s, h, a).to_dict()
+    assert hf_eager_bytes_per_layer(raw, b, dtype_bytes=d, device="cuda" if bool_masks else "cpu") \
+        == pytest.approx(hf_terms, rel=1e-12)
+
+
+def test_the_documented_cli_line_is_what_the_code_prints(tmp_path, capsys):
+    # docs/memory.md shows this command's output; the tiny config is written as the docs say
+    raw = gpt2_dict(vocab_size=64, n_positions=128, n_embd=128, n_layer=2, n_head=4)
+    (tmp_path / "tiny-gpt2.json").write_text(json.dumps(raw))
+    assert memory_main(["--hf-config", str(tmp_path / "tiny-gpt2.json"), "--micro-batch", "4",
+                        "--dtype-bytes", "4"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "HF eager" in line or "bool dropout" in line]
+    assert len(lines) == 2 and "~1.65x" in lines[0] and "~1.47x" in lines[1]
+    docs = (ROOT / "docs" / "memory.md").read_text()
+    for line in lines:
+        assert line in docs
