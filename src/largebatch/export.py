@@ -23,9 +23,9 @@ Options:
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,9 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"  # mkdir: the umask's permissions
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     try:
         info = save_hf(loaded.model, loaded.tokenizer, staging)
         if verify:
@@ -225,6 +227,15 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     return info
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers' save / load on the command line."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or "-h" in argv or "--help" in argv:
@@ -232,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         opts = _parse(argv)
+        _quiet_transformers()
         info = export(opts["run_dir"], opts["out"], opts["format"], force=opts["force"],
                       tokenizer_file=opts["tokenizer"], verify=opts["verify"],
                       log=lambda m: print(m, file=sys.stderr))
