@@ -4,7 +4,8 @@ with transformers' Auto classes offline, logits compared with largebatch's own f
 from __future__ import annotations
 
 import json
-import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -177,3 +178,14 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
         assert (out / "keep.txt").read_text() == "mine"
         assert export(run, out, "--force") == 0  # --force replaces it
         assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_missing_transformers_names_the_extra(gpt_run, tmp_path):
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from largebatch.cli import main\n"
+            f"raise SystemExit(main(['export', {str(gpt_run)!r}, {str(tmp_path / 'o')!r}, '--format', 'hf']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "largebatch export: error: export --format hf needs 'transformers', part of the [hf] extra: "
+        "pip install 'largebatch[hf]'"]

@@ -227,12 +227,15 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     return info
 
 
+# the package a format needs -> the extra that brings it
+EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "train"}
+
+
 def _quiet_transformers() -> None:
-    """No per-file progress bars from transformers' save / load on the command line."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
+    """Fail now if transformers is missing (before reading a checkpoint); no per-file progress
+    bars from its save / load on the command line."""
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
 
 
@@ -250,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as exc:
         return _fail(str(exc))
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] in ("transformers", "safetensors"):
-            return _fail(f"--format hf needs {exc.name.split('.')[0]!r}, part of the [hf] extra: "
-                         "pip install 'largebatch[hf]'")
+        package = (exc.name or "").split(".")[0]
+        if package in EXTRA_OF:
+            extra = EXTRA_OF[package]
+            return _fail(f"export --format hf needs {package!r}, part of the [{extra}] extra: "
+                         f"pip install 'largebatch[{extra}]'")
         raise
     checked = (f"; logits match largebatch's to {info['max_abs_diff']:.1e}"
                if "max_abs_diff" in info else "")
