@@ -66,6 +66,7 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu"
     assert config["layer_norm_epsilon"] == 1e-6 and config["n_positions"] == 48
+    assert config["resid_pdrop"] == 0.1 and config["tie_word_embeddings"] is True
 
     run = load_run(gpt_run)  # the reference: largebatch's model from the same checkpoint
     ours_ids = run.tokenizer.encode(TEXT).ids
@@ -115,6 +116,12 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
         ref = model(idx)[0]
         assert torch.allclose(hf(input_ids=idx).logits, ref, atol=1e-5, rtol=0)
         assert torch.allclose(reloaded.model(idx)[0], ref, atol=0, rtol=0)
+    # a damaged newest checkpoint (its DCP metadata gone) is skipped for the previous one
+    (reloaded.checkpoint / ".metadata").unlink()
+    notes = []
+    fallback = load_run(run_dir, log=notes.append)
+    assert fallback.checkpoint == pt.checkpoint and fallback.step == pt.step
+    assert len(notes) == 1 and "skipping unreadable checkpoint" in notes[0]
 
 
 def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):

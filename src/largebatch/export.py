@@ -96,8 +96,7 @@ def _load_checkpoint(path: Path):
     if "config" not in extra or "model" not in extra["config"]:
         raise ExportError(f"checkpoint {path} holds no run config: it was not written by "
                           "`largebatch train`")
-    mcfg = from_dict(ModelConfig, extra["config"]["model"]).replace(dropout=0.0)
-    model = build_model(mcfg)
+    model = build_model(from_dict(ModelConfig, extra["config"]["model"]))  # eval(): no dropout
     if path.suffix == ".dcp":  # DCP loads into a plain state dict in one process
         from largebatch.parallel.checkpoint import load_distributed
         from largebatch.parallel.mesh import ParallelState
