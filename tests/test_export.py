@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def tiny(cache, out, **extra) -> dict:
 def train(overrides: dict):
     cfg = load_config(resolve_config(None), overrides)
     Trainer(cfg, overrides["run.out_dir"], log=lambda *_: None).fit()
-    return overrides["run.out_dir"]
+    return Path(overrides["run.out_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,8 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
     assert not out.exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out"])
+@pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
+                                  "out_is_run"])
 def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     out, args = tmp_path / "out", []
     run = gpt_run
@@ -171,6 +173,8 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
         run = tmp_path / "empty_run"
         run.mkdir()
         expect = "has no checkpoint"
+    elif case == "out_is_run":
+        out, args, expect = run.parent, ["--format", "hf", "--force"], "would delete the run"
     elif case == "format":
         args, expect = ["--format", "gguf"], "--format 'gguf' is unknown: use one of hf"
     else:

@@ -201,6 +201,10 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is unknown: use one of {', '.join(FORMATS)}")
     out = Path(out)
+    run_path = Path(run_dir).resolve()
+    if out.resolve() == run_path or out.resolve() in run_path.parents:
+        raise ExportError(f"OUT {str(out)!r} is RUN_DIR or holds it: replacing it would delete the "
+                          "run; pick a path outside the run directory")
     if out.exists() and not out.is_dir():
         raise ExportError(f"OUT {str(out)!r} exists and is a file: pick a directory path")
     if out.is_dir() and any(out.iterdir()) and not force:
