@@ -163,8 +163,8 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
-                                  "out_is_run"])
-def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
+                                  "out_is_run", "tokenizer"])
+def test_bad_input_gives_one_line_errors(case, gpt_run, cache, tmp_path, capsys):
     out, args = tmp_path / "out", []
     run = gpt_run
     if case == "missing_run":
@@ -175,6 +175,9 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
         expect = "has no checkpoint"
     elif case == "out_is_run":
         out, args, expect = run.parent, ["--format", "hf", "--force"], "would delete the run"
+    elif case == "tokenizer":
+        args = ["--format", "hf", "--tokenizer", str(tmp_path / "missing.json")]
+        expect = "missing.json' does not exist"
     elif case == "format":
         args, expect = ["--format", "gguf"], "--format 'gguf' is unknown: use one of hf"
     else:
@@ -187,7 +190,9 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and expect in err and "Traceback" not in err, err
     if case == "non_empty_out":
         assert (out / "keep.txt").read_text() == "mine"
-        assert export(run, out, "--force") == 0  # --force replaces it
+        # --force replaces it; --tokenizer takes the run's tokenizer from a file
+        (trained,) = cache.glob("*/tokenizer.json")
+        assert export(run, out, "--force", "--tokenizer", str(trained)) == 0
         assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 
 
@@ -195,8 +200,9 @@ def test_missing_transformers_names_the_extra(gpt_run, tmp_path):
     code = ("import sys; sys.modules['transformers'] = None\n"
             "from largebatch.cli import main\n"
             f"raise SystemExit(main(['export', {str(gpt_run)!r}, {str(tmp_path / 'o')!r}, '--format', 'hf']))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "largebatch export: error: export --format hf needs 'transformers', part of the [hf] extra: "
-        "pip install 'largebatch[hf]'"]
+        ("largebatch export: error: export --format hf needs 'transformers', part of the [hf] "
+         "extra: pip install 'largebatch[hf]'")]

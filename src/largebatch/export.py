@@ -24,6 +24,7 @@ Options:
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import sys
 from dataclasses import dataclass
@@ -71,8 +72,9 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             model, extra = _load_checkpoint(path)
         except ExportError:
             raise
-        except Exception as exc:  # a damaged checkpoint: fall back to the previous one
-            problems.append(f"{path.name}: {str(exc).splitlines()[0]}")
+        except (OSError, RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
+            # a damaged checkpoint (CheckpointError is a RuntimeError): fall back to the previous
+            problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
             log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
             continue
         step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
@@ -136,7 +138,12 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
                           "without data.tokenizer_file: pass --tokenizer PATH to the "
                           "tokenizer.json that produced it")
     model = config["model"]
-    return build_data(data_cfg, seq_len=int(model["seq_len"]), kind=model["kind"]).tokenizer
+    try:
+        return build_data(data_cfg, seq_len=int(model["seq_len"]), kind=model["kind"]).tokenizer
+    except (OSError, ValueError) as exc:  # CorpusError is a ValueError: the corpus moved or changed
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"cannot rebuild the run's tokenizer from data.corpus={data_cfg.corpus!r} "
+                          f"({first}): pass --tokenizer PATH to the tokenizer.json it used") from exc
 
 
 def _usage() -> str:

@@ -57,8 +57,8 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
     from transformers import BertConfig, GPT2Config
 
     arch = check_exportable(cfg)
-    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
-                  architectures=[arch])
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "architectures": [arch]}
     if cfg.kind == "gpt":
         eot = special.get(EOT)
         return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
