@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("largebatch.schedules.cli", "print and plot a LR / batch-size schedule"),
     "memory": ("largebatch.memory.cli", "activation-memory table and recomputation planner"),
     "experiment": ("largebatch.experiments.cli", "reproduce a paper's claim at small scale"),
+    "export": ("largebatch.export", "write a trained run as a transformers model (--format hf)"),
 }
 
 

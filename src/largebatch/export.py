@@ -1,0 +1,280 @@
+"""``largebatch export RUN_DIR OUT --format hf``: a trained run as a model other tools load.
+
+    largebatch export runs/20261130-101500-gpt hf-gpt --format hf
+    largebatch export runs/bert-post hf-bert --format hf --force     # replace an existing OUT
+
+Reads the newest intact checkpoint of RUN_DIR (a single-process ``step_*.pt`` or a distributed
+``step_*.dcp``, loaded into one process), rebuilds the model from the config stored in that
+checkpoint, recovers the run's tokenizer, and writes OUT in the chosen format. ``--format hf``
+writes a transformers directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs) or ``AutoModelForMaskedLM`` (BERT
+runs with ``model.norm_position="post"``) and ``AutoTokenizer`` load it offline. Before OUT is put
+in place the written directory is loaded back with those Auto classes and its logits are compared
+with largebatch's on a sentence; a difference above the tolerance is an error (``--no-verify``
+skips it). See docs/models.md, "Exporting to transformers".
+
+Options:
+  --format hf          the output format (hf is the only one)
+  --force              replace OUT if it exists and is not empty
+  --tokenizer PATH     a tokenizer.json to export instead of the run's own (needed for runs on a
+                       pre-tokenized array without data.tokenizer_file)
+  --no-verify          skip loading OUT back and comparing logits
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("hf",)
+
+
+class ExportError(ValueError):
+    """Bad input for an export; the message names the field or value and the fix."""
+
+
+@dataclass
+class LoadedRun:
+    """A run's model (eval mode, fp32, on CPU) with the checkpoint and tokenizer it came from."""
+
+    model: Any  # largebatch.models.GPT | BERT
+    checkpoint: Path
+    step: int
+    tokenizer: Any | None  # tokenizers.Tokenizer
+    config: dict[str, Any]  # the run's TrainConfig as a dict (from the checkpoint)
+
+
+def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
+             log=print) -> LoadedRun:
+    """The newest intact checkpoint of ``run_dir`` loaded into a largebatch model on CPU.
+
+    A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata) is
+    skipped with a note, and the next older one is used.
+    """
+    from largebatch.train.checkpoint import list_checkpoints
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"RUN_DIR {str(run_dir)!r} is not a directory: pass a run directory "
+                          "written by `largebatch train` (it holds config.toml and checkpoints/)")
+    candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
+    if not candidates:
+        raise ExportError(f"RUN_DIR {str(run_dir)!r} has no checkpoint in "
+                          f"{run_dir / 'checkpoints'}: train it (or resume it) to the end first")
+    problems = []
+    for path in reversed(candidates):
+        try:
+            model, extra = _load_checkpoint(path)
+        except ExportError:
+            raise
+        except (OSError, RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
+            # a damaged checkpoint (CheckpointError is a RuntimeError): fall back to the previous
+            problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+            log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
+            continue
+        step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
+        tokenizer = run_tokenizer(extra["config"], tokenizer_file)
+        return LoadedRun(model, path, step, tokenizer, extra["config"])
+    raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
+
+
+def _load_checkpoint(path: Path):
+    import torch
+
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+
+    if path.suffix == ".dcp":
+        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+    else:
+        from largebatch.train.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(path)
+    if "config" not in extra or "model" not in extra["config"]:
+        raise ExportError(f"checkpoint {path} holds no run config: it was not written by "
+                          "`largebatch train`")
+    model = build_model(from_dict(ModelConfig, extra["config"]["model"]))  # eval(): no dropout
+    if path.suffix == ".dcp":  # DCP loads into a plain state dict in one process
+        from largebatch.parallel.checkpoint import load_distributed
+        from largebatch.parallel.mesh import ParallelState
+
+        load_distributed(path, model, None, ParallelState())
+    else:
+        state = {k.replace("_orig_mod.", ""): v for k, v in extra["model"].items()}
+        model.load_state_dict(state, strict=True)
+    return model.float().eval(), extra
+
+
+def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = None):
+    """The tokenizer a run trained with: ``tokenizer_file`` if given, else the run's
+    ``data.tokenizer_file``, else the one trained on its corpus (read from the data cache, or
+    trained again -- deterministic -- when the cache is gone)."""
+    from tokenizers import Tokenizer
+
+    if tokenizer_file is not None:
+        path = Path(tokenizer_file).expanduser()
+        if not path.is_file():
+            raise ExportError(f"--tokenizer {str(tokenizer_file)!r} does not exist: pass a "
+                              "tokenizer.json saved by HF tokenizers")
+        return Tokenizer.from_file(str(path))
+    from largebatch.data import DataConfig, build_data
+    from largebatch.data.corpus import is_token_array_path
+    from largebatch.typed_config import from_dict
+
+    data_cfg = from_dict(DataConfig, config.get("data", {}))
+    if data_cfg.tokenizer_file:
+        path = Path(data_cfg.tokenizer_file).expanduser()
+        if not path.is_file():
+            raise ExportError(f"the run's data.tokenizer_file={data_cfg.tokenizer_file!r} no "
+                              "longer exists: pass --tokenizer PATH to the same tokenizer.json")
+        return Tokenizer.from_file(str(path))
+    if is_token_array_path(data_cfg.corpus):
+        raise ExportError(f"the run trained on the token array data.corpus={data_cfg.corpus!r} "
+                          "without data.tokenizer_file: pass --tokenizer PATH to the "
+                          "tokenizer.json that produced it")
+    model = config["model"]
+    try:
+        return build_data(data_cfg, seq_len=int(model["seq_len"]), kind=model["kind"]).tokenizer
+    except (OSError, ValueError) as exc:  # CorpusError is a ValueError: the corpus moved or changed
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"cannot rebuild the run's tokenizer from data.corpus={data_cfg.corpus!r} "
+                          f"({first}): pass --tokenizer PATH to the tokenizer.json it used") from exc
+
+
+def _usage() -> str:
+    return (__doc__ or "").strip() + "\n"
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"largebatch export: error: {message}", file=sys.stderr)
+    return code
+
+
+def _parse(argv: list[str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"format": None, "force": False, "tokenizer": None, "verify": True}
+    positional: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            if name in ("force", "no-verify"):
+                raise ExportError(f"--{name} takes no value: write --{name} alone")
+        elif arg in ("--format", "--tokenizer"):
+            if i + 1 >= len(argv):
+                raise ExportError(f"{arg} needs a value, e.g. {arg} "
+                                  f"{'hf' if arg == '--format' else 'PATH/tokenizer.json'}")
+            name, value = arg[2:], argv[i + 1]
+            i += 1
+        elif arg == "--force":
+            name, value = "force", True
+        elif arg == "--no-verify":
+            name, value = "verify", False
+        elif arg.startswith("-"):
+            raise ExportError(f"unknown option {arg!r}: use --format, --force, --tokenizer or "
+                              "--no-verify (largebatch export --help)")
+        else:
+            positional.append(arg)
+            i += 1
+            continue
+        if name not in ("format", "tokenizer", "force", "verify"):
+            raise ExportError(f"unknown option '--{name}': use --format, --force, --tokenizer or "
+                              "--no-verify (largebatch export --help)")
+        opts[name] = value
+        i += 1
+    if len(positional) != 2:
+        raise ExportError(f"expected RUN_DIR and OUT, got {len(positional)} argument(s) "
+                          f"{positional}: largebatch export RUN_DIR OUT --format hf")
+    opts["run_dir"], opts["out"] = positional
+    if opts["format"] is None:
+        raise ExportError("--format is required: --format hf")
+    if opts["format"] not in FORMATS:
+        raise ExportError(f"--format {opts['format']!r} is unknown: use one of {', '.join(FORMATS)}")
+    return opts
+
+
+def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool = False,
+           tokenizer_file: str | Path | None = None, verify: bool = True, log=print) -> dict[str, Any]:
+    """Export the newest checkpoint of ``run_dir`` to ``out``; returns what was written.
+
+    ``out`` is written in a temporary sibling directory and renamed into place, so a failed export
+    never leaves a half-written OUT (with ``force`` an existing OUT is replaced only then).
+    """
+    if format not in FORMATS:
+        raise ExportError(f"format {format!r} is unknown: use one of {', '.join(FORMATS)}")
+    out = Path(out)
+    run_path = Path(run_dir).resolve()
+    if out.resolve() == run_path or out.resolve() in run_path.parents:
+        raise ExportError(f"OUT {str(out)!r} is RUN_DIR or holds it: replacing it would delete the "
+                          "run; pick a path outside the run directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"OUT {str(out)!r} exists and is a file: pick a directory path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"OUT {str(out)!r} exists and is not empty: pick another path, or pass "
+                          "--force to replace it")
+    loaded = load_run(run_dir, tokenizer_file, log=log)
+    from largebatch.integrations.hf_export import save_hf, verify_hf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"  # mkdir: the umask's permissions
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        info = save_hf(loaded.model, loaded.tokenizer, staging)
+        if verify:
+            info["max_abs_diff"] = verify_hf(loaded.model, loaded.tokenizer, staging)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    info.update(checkpoint=str(loaded.checkpoint), step=loaded.step, out=str(out))
+    return info
+
+
+# the package a format needs -> the extra that brings it
+EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "train"}
+
+
+def _quiet_transformers() -> None:
+    """Fail now if transformers is missing (before reading a checkpoint); no per-file progress
+    bars from its save / load on the command line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or "-h" in argv or "--help" in argv:
+        print(_usage())
+        return 0 if argv else 2
+    try:
+        opts = _parse(argv)
+        _quiet_transformers()
+        info = export(opts["run_dir"], opts["out"], opts["format"], force=opts["force"],
+                      tokenizer_file=opts["tokenizer"], verify=opts["verify"],
+                      log=lambda m: print(m, file=sys.stderr))
+    except ExportError as exc:
+        return _fail(str(exc))
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        if package in EXTRA_OF:
+            extra = EXTRA_OF[package]
+            return _fail(f"export --format hf needs {package!r}, part of the [{extra}] extra: "
+                         f"pip install 'largebatch[{extra}]'")
+        raise
+    checked = (f"; logits match largebatch's to {info['max_abs_diff']:.1e}"
+               if "max_abs_diff" in info else "")
+    print(f"exported {info['checkpoint']} (step {info['step']}) as {info['architecture']} to "
+          f"{info['out']}{checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` / ``BertForMaskedLM``.
+
+The layouts are the same network, so the export is a renaming plus two reshapes:
+
+* GPT -> GPT2LMHeadModel. Pre-LN blocks with a final LayerNorm, learned positions, an output
+  projection without bias (tied or not: ``tie_word_embeddings``). GPT-2 fuses q/k/v into one
+  ``Conv1D`` whose weight is (in, out): ``c_attn.weight = cat(q.W^T, k.W^T, v.W^T)``, and every
+  Conv1D is a transposed Linear.
+* BERT -> BertForMaskedLM, post-LN only (``model.norm_position="post"``): embedding LayerNorm, LN
+  after each residual add, the head dense -> GeLU -> LayerNorm -> decoder with bias. largebatch's
+  pre-LN BERT (the default, Cramming's layout) ends in a LayerNorm that BertForMaskedLM has no
+  place for, so it is refused. BERT's segment embedding (absent here) is exported as zeros.
+* The GeLU is the exact (erf) one: ``activation_function`` / ``hidden_act`` = "gelu" (GPT-2's own
+  default "gelu_new" is the tanh approximation, up to 4.7e-4 off per activation; on a
+  barely trained model that moves the logits by only ~2e-6, so the tests check the config too).
+* ``model.bias=False``: transformers' layers always have biases; they are exported as zeros,
+  which computes the same function.
+* The vocabulary is the model's ``vocab_size`` rows, all kept; the trainer sizes it to the
+  tokenizer, so the two match. A model with more rows than the tokenizer (padding) keeps them
+  (ids past the tokenizer are never produced); fewer rows than the tokenizer is refused.
+
+The tokenizer is written as a ``PreTrainedTokenizerFast`` (tokenizer.json + tokenizer_config.json)
+with the run's special tokens. GPT: ``<|endoftext|>`` is bos/eos/unk, text encodes to exactly
+largebatch's ids. BERT: [CLS]/[SEP]/[PAD]/[MASK], and a post-processor that adds [CLS] ... [SEP]
+as the BERT samples were built in training (``add_special_tokens=False`` gives the bare ids).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from largebatch.data.tokenizer import CLS, EOT, MASK, PAD, SEP
+from largebatch.export import ExportError
+from largebatch.models.config import ModelConfig
+
+VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "
+               "or close the wall up with our English dead.")
+
+
+def check_exportable(cfg: ModelConfig) -> str:
+    """The transformers architecture ``cfg`` maps to; raises naming the setting that prevents it."""
+    if cfg.kind == "gpt":
+        return "GPT2LMHeadModel"
+    if cfg.norm_position != "post":
+        raise ExportError(
+            f"model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm that "
+            "transformers' BertForMaskedLM cannot express; only post-LN BERT exports -- train "
+            "with --model.norm_position=post")
+    return "BertForMaskedLM"
+
+
+def hf_config(cfg: ModelConfig, special: dict[str, int]):
+    """The transformers config of the same network."""
+    from transformers import BertConfig, GPT2Config
+
+    arch = check_exportable(cfg)
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "architectures": [arch]}
+    if cfg.kind == "gpt":
+        eot = special.get(EOT)
+        return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_inner=cfg.ffn, activation_function="gelu",
+                          resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+                          layer_norm_epsilon=cfg.norm_eps, scale_attn_weights=True,
+                          scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                          bos_token_id=eot, eos_token_id=eot, **common)
+    return BertConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+                      num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn, hidden_act="gelu",
+                      hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+                      max_position_embeddings=cfg.seq_len, type_vocab_size=2,
+                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get(PAD), **common)
+
+
+def _bias(state: dict[str, torch.Tensor], name: str, size: int) -> torch.Tensor:
+    """``name`` or zeros (model.bias=False: the same function with a zero bias)."""
+    return state[name] if name in state else torch.zeros(size, dtype=torch.float32)
+
+
+def gpt_state_dict(model) -> dict[str, torch.Tensor]:
+    """largebatch GPT parameters under GPT2LMHeadModel's names and layouts."""
+    cfg: ModelConfig = model.config
+    s = {k: v.detach().float() for k, v in model.state_dict().items()}
+    h, f = cfg.n_embd, cfg.ffn
+    out = {"transformer.wte.weight": s["tok_emb.weight"], "transformer.wpe.weight": s["pos_emb.weight"],
+           "transformer.ln_f.weight": s["ln_f.weight"],
+           "transformer.ln_f.bias": _bias(s, "ln_f.bias", h),
+           "lm_head.weight": s["lm_head.weight"]}
+    for i in range(cfg.n_layer):
+        b, o = f"blocks.{i}.", f"transformer.h.{i}."
+        out[o + "ln_1.weight"], out[o + "ln_1.bias"] = s[b + "ln1.weight"], _bias(s, b + "ln1.bias", h)
+        out[o + "ln_2.weight"], out[o + "ln_2.bias"] = s[b + "ln2.weight"], _bias(s, b + "ln2.bias", h)
+        out[o + "attn.c_attn.weight"] = torch.cat(
+            [s[f"{b}attn.{n}.weight"].t() for n in "qkv"], dim=1).contiguous()  # (h, 3h)
+        out[o + "attn.c_attn.bias"] = torch.cat([_bias(s, f"{b}attn.{n}.bias", h) for n in "qkv"])
+        out[o + "attn.c_proj.weight"] = s[b + "attn.proj.weight"].t().contiguous()
+        out[o + "attn.c_proj.bias"] = _bias(s, b + "attn.proj.bias", h)
+        out[o + "mlp.c_fc.weight"] = s[b + "mlp.fc1.weight"].t().contiguous()  # (h, f)
+        out[o + "mlp.c_fc.bias"] = _bias(s, b + "mlp.fc1.bias", f)
+        out[o + "mlp.c_proj.weight"] = s[b + "mlp.fc2.weight"].t().contiguous()  # (f, h)
+        out[o + "mlp.c_proj.bias"] = _bias(s, b + "mlp.fc2.bias", h)
+    return out
+
+
+def bert_state_dict(model) -> dict[str, torch.Tensor]:
+    """largebatch post-LN BERT parameters under BertForMaskedLM's names."""
+    cfg: ModelConfig = model.config
+    check_exportable(cfg)
+    s = {k: v.detach().float() for k, v in model.state_dict().items()}
+    h, f = cfg.n_embd, cfg.ffn
+    e = "bert.embeddings."
+    out = {e + "word_embeddings.weight": s["tok_emb.weight"],
+           e + "position_embeddings.weight": s["pos_emb.weight"],
+           e + "token_type_embeddings.weight": torch.zeros(2, h),
+           e + "LayerNorm.weight": s["emb_norm.weight"],
+           e + "LayerNorm.bias": _bias(s, "emb_norm.bias", h)}
+    for i in range(cfg.n_layer):
+        b, o = f"blocks.{i}.", f"bert.encoder.layer.{i}."
+        for ours, theirs in (("q", "query"), ("k", "key"), ("v", "value")):
+            out[f"{o}attention.self.{theirs}.weight"] = s[f"{b}attn.{ours}.weight"]
+            out[f"{o}attention.self.{theirs}.bias"] = _bias(s, f"{b}attn.{ours}.bias", h)
+        pairs = (("attention.output.dense", "attn.proj", h), ("intermediate.dense", "mlp.fc1", f),
+                 ("output.dense", "mlp.fc2", h))
+        for theirs, ours, size in pairs:
+            out[f"{o}{theirs}.weight"] = s[f"{b}{ours}.weight"]
+            out[f"{o}{theirs}.bias"] = _bias(s, f"{b}{ours}.bias", size)
+        for theirs, ours in (("attention.output.LayerNorm", "ln1"), ("output.LayerNorm", "ln2")):
+            out[f"{o}{theirs}.weight"] = s[f"{b}{ours}.weight"]
+            out[f"{o}{theirs}.bias"] = _bias(s, f"{b}{ours}.bias", h)
+    c = "cls.predictions."
+    out.update({c + "transform.dense.weight": s["head.dense.weight"],
+                c + "transform.dense.bias": _bias(s, "head.dense.bias", h),
+                c + "transform.LayerNorm.weight": s["head.norm.weight"],
+                c + "transform.LayerNorm.bias": _bias(s, "head.norm.bias", h),
+                c + "decoder.weight": s["head.decoder.weight"],
+                c + "decoder.bias": s["head.decoder.bias"], c + "bias": s["head.decoder.bias"]})
+    return out
+
+
+def hf_model(model, special: dict[str, int]):
+    """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
+    from transformers import BertForMaskedLM, GPT2LMHeadModel
+
+    cfg: ModelConfig = model.config
+    config = hf_config(cfg, special)
+    if cfg.kind == "gpt":
+        hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)
+    else:
+        hf, state = BertForMaskedLM(config), bert_state_dict(model)
+    expected = hf.state_dict()
+    unknown = sorted(set(state) - set(expected))
+    # buffers transformers builds itself (position_ids, causal masks) are not weights to fill
+    missing = sorted(k for k in set(expected) - set(state) if k not in dict(hf.named_buffers()))
+    if unknown or missing:
+        raise RuntimeError(f"transformers {type(hf).__name__} layout changed: unknown {unknown[:4]}, "
+                           f"missing {missing[:4]}")
+    for name, tensor in state.items():
+        if tuple(expected[name].shape) != tuple(tensor.shape):
+            raise RuntimeError(f"{name}: shape {tuple(tensor.shape)} vs transformers "
+                               f"{tuple(expected[name].shape)}")
+    hf.load_state_dict(state, strict=False)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return hf.float().eval()
+
+
+def hf_tokenizer(tokenizer, kind: str):
+    """The run's ``tokenizers.Tokenizer`` as a transformers fast tokenizer with its special tokens."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
+    ids = {t: tok.token_to_id(t) for t in (EOT, PAD, CLS, SEP, MASK)}
+    if kind == "gpt":
+        tok.post_processor = None
+        special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if ids[EOT] is not None else {}
+        if ids[PAD] is not None:
+            special["pad_token"] = PAD
+        return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"],
+                                       clean_up_tokenization_spaces=False, **special)
+    missing = [t for t in (PAD, CLS, SEP, MASK) if ids[t] is None]
+    if missing:
+        raise ExportError(f"the run's tokenizer has no {', '.join(missing)} token, which a "
+                            "BERT tokenizer needs: pass --tokenizer PATH to the one it trained with")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B {SEP}",
+        special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token=CLS, sep_token=SEP, pad_token=PAD, mask_token=MASK,
+        unk_token=EOT if ids[EOT] is not None else None,
+        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False)
+
+
+def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
+    """Write config.json, model.safetensors and the tokenizer files for ``model`` into ``out``."""
+    cfg: ModelConfig = model.config
+    arch = check_exportable(cfg)
+    out = Path(out)
+    if tokenizer is not None and tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise ExportError(f"the tokenizer has {tokenizer.get_vocab_size()} entries but the "
+                            f"model's vocabulary model.vocab_size={cfg.vocab_size} is smaller: pass "
+                            "--tokenizer PATH to the tokenizer the run trained with")
+    special = ({t: i for t in (EOT, PAD, CLS, SEP, MASK)
+                if (i := tokenizer.token_to_id(t)) is not None} if tokenizer is not None else {})
+    hf = hf_model(model, special)
+    hf.save_pretrained(out)  # safetensors; tied weights stored once
+    if tokenizer is not None:
+        hf_tokenizer(tokenizer, cfg.kind).save_pretrained(out)
+    if not (out / "model.safetensors").is_file():
+        raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")
+    return {"architecture": arch, "vocab_size": cfg.vocab_size,
+            "tokenizer_vocab_size": tokenizer.get_vocab_size() if tokenizer is not None else None}
+
+
+def auto_class(kind: str):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForCausalLM if kind == "gpt" else AutoModelForMaskedLM
+
+
+@torch.no_grad()
+def verify_hf(model, tokenizer, out: str | Path, text: str = VERIFY_TEXT,
+              tolerance: float = 1e-4) -> float:
+    """Load ``out`` with the Auto classes and compare logits with largebatch's on ``text``;
+    returns the largest absolute difference (raises if it exceeds ``tolerance`` times the largest
+    logit magnitude, at least 1)."""
+    cfg: ModelConfig = model.config
+    hf = auto_class(cfg.kind).from_pretrained(str(out)).float().eval()
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(out))(text)["input_ids"][:cfg.seq_len]
+    else:
+        ids = list(range(min(cfg.seq_len, cfg.vocab_size, 32)))
+    idx = torch.tensor([ids], dtype=torch.long)
+    ours = model(idx)[0]
+    theirs = hf(input_ids=idx).logits
+    diff = float((ours - theirs).abs().max())
+    limit = tolerance * max(1.0, float(ours.abs().max()))
+    if not diff <= limit:
+        raise RuntimeError(f"exported logits differ from largebatch's by {diff:.3g} "
+                           f"(> {limit:.3g}) on {len(ids)} tokens: the export is wrong")
+    return diff

@@ -1,0 +1,208 @@
+"""`largebatch export --format hf` end to end: real tiny runs of the real trainer, exported, loaded
+with transformers' Auto classes offline, logits compared with largebatch's own forward."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.cli import main as cli_main
+from largebatch.export import load_run
+from largebatch.train.cli import resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.loop import Trainer
+
+TEXT = ("HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "
+        "to suffer the slings and arrows of outrageous fortune.")
+
+
+def tiny(cache, out, **extra) -> dict:
+    """A 2-layer model on Shakespeare: ~8 steps in a couple of seconds. Dropout, untied biases and
+    a non-default eps make a wrong mapping visible."""
+    o = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 48,
+         "model.dropout": 0.1, "model.norm_eps": 1e-6, "data.vocab_size": 400,
+         "data.cache_dir": str(cache), "schedule.lr_schedule": "cosine", "schedule.peak_lr": 2e-2,
+         "schedule.warmup": 0.1, "schedule.batch_policy": "constant", "schedule.batch_size": 8,
+         "run.micro_batch": 8, "run.total_tokens": 48 * 8 * 8, "run.eval_tokens": 48 * 8,
+         "run.tensorboard": False, "run.progress": "off", "run.sample_tokens": 0,
+         "run.out_dir": str(out), "run.peak_flops": 1e11, "run.device": "cpu"}
+    o.update(extra)
+    return o
+
+
+def train(overrides: dict):
+    cfg = load_config(resolve_config(None), overrides)
+    Trainer(cfg, overrides["run.out_dir"], log=lambda *_: None).fit()
+    return Path(overrides["run.out_dir"])
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def gpt_run(cache, tmp_path_factory):
+    return train(tiny(cache, tmp_path_factory.mktemp("runs") / "gpt"))
+
+
+def export(run, out, *extra) -> int:
+    return cli_main(["export", str(run), str(out), "--format", "hf", *extra])
+
+
+def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf-gpt"
+    assert export(gpt_run, out) == 0
+    printed = capsys.readouterr().out
+    assert "GPT2LMHeadModel" in printed and "logits match" in printed
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu"
+    assert config["layer_norm_epsilon"] == 1e-6 and config["n_positions"] == 48
+    assert config["resid_pdrop"] == 0.1 and config["tie_word_embeddings"] is True
+
+    run = load_run(gpt_run)  # the reference: largebatch's model from the same checkpoint
+    ours_ids = run.tokenizer.encode(TEXT).ids
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok(TEXT)["input_ids"] == ours_ids  # same ids, nothing added
+    assert tok.decode(ours_ids) == TEXT and tok.eos_token == "<|endoftext|>"
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    idx = torch.tensor([ours_ids[:48]])
+    with torch.no_grad():
+        ours, theirs = run.model(idx)[0], hf(input_ids=idx).logits
+    assert theirs.shape == ours.shape
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
+    assert ours.std() > 0.1  # trained, non-trivial logits
+    assert hf.transformer.wte.weight.data_ptr() == hf.lm_head.weight.data_ptr()  # still tied
+
+
+def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache, tmp_path):
+    """bias=False (zeros in transformers), untied output layer, and a .dcp checkpoint -- written by
+    the trainer's own distributed save -- newer than the .pt one."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.parallel.checkpoint import save_distributed
+    from largebatch.parallel.mesh import ParallelState
+
+    run_dir = train(tiny(cache, tmp_path / "run", **{"model.bias": False,
+                                                     "model.tie_embeddings": False}))
+    pt = load_run(run_dir)
+    model = pt.model
+    with torch.no_grad():  # a distinguishable newer state, saved as step+1 in DCP format
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    extra = torch.load(pt.checkpoint, weights_only=False)
+    extra = {k: v for k, v in extra.items() if k not in ("model", "optimizer")}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    save_distributed(run_dir, pt.step + 1, model, optimizer, extra, ParallelState())
+
+    out = tmp_path / "hf"
+    assert export(run_dir, out) == 0
+    reloaded = load_run(run_dir)
+    assert reloaded.checkpoint.suffix == ".dcp"
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not hf.config.tie_word_embeddings
+    assert float(hf.transformer.h[0].attn.c_attn.bias.detach().abs().max()) == 0.0
+    idx = torch.tensor([reloaded.tokenizer.encode(TEXT).ids[:48]])
+    with torch.no_grad():
+        ref = model(idx)[0]
+        assert torch.allclose(hf(input_ids=idx).logits, ref, atol=1e-5, rtol=0)
+        assert torch.allclose(reloaded.model(idx)[0], ref, atol=0, rtol=0)
+    # a damaged newest checkpoint (its DCP metadata gone) is skipped for the previous one
+    (reloaded.checkpoint / ".metadata").unlink()
+    notes = []
+    fallback = load_run(run_dir, log=notes.append)
+    assert fallback.checkpoint == pt.checkpoint and fallback.step == pt.step
+    assert len(notes) == 1 and "skipping unreadable checkpoint" in notes[0]
+
+
+def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    run_dir = train(tiny(cache, tmp_path / "bert", **{"model.kind": "bert",
+                                                      "model.norm_position": "post"}))
+    out = tmp_path / "hf-bert"
+    assert export(run_dir, out) == 0
+    run = load_run(run_dir)
+    tok = AutoTokenizer.from_pretrained(out)
+    bare = run.tokenizer.encode(TEXT).ids
+    cls, sep = run.tokenizer.token_to_id("[CLS]"), run.tokenizer.token_to_id("[SEP]")
+    # the BERT samples were [CLS] text [SEP]: the exported tokenizer adds them, and only them
+    assert tok(TEXT)["input_ids"] == [cls, *bare, sep]
+    assert tok(TEXT, add_special_tokens=False)["input_ids"] == bare
+    assert tok.mask_token_id == run.tokenizer.token_to_id("[MASK]")
+    hf = AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "BertForMaskedLM" and hf.config.hidden_act == "gelu"
+    ids = [cls, *bare[:46], sep]
+    ids[5] = tok.mask_token_id
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        ours, theirs = run.model(idx)[0], hf(input_ids=idx).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
+    assert ours.std() > 0.1
+
+
+def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
+    run_dir = train(tiny(cache, tmp_path / "bert-pre", **{"model.kind": "bert",
+                                                          "run.total_tokens": 48 * 8 * 2}))
+    out = tmp_path / "out"
+    assert export(run_dir, out) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "model.norm_position='pre'" in err and "--model.norm_position=post" in err
+    assert not out.exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
+                                  "out_is_run", "tokenizer"])
+def test_bad_input_gives_one_line_errors(case, gpt_run, cache, tmp_path, capsys):
+    out, args = tmp_path / "out", []
+    run = gpt_run
+    if case == "missing_run":
+        run, expect = tmp_path / "nope", "is not a directory"
+    elif case == "no_checkpoint":
+        run = tmp_path / "empty_run"
+        run.mkdir()
+        expect = "has no checkpoint"
+    elif case == "out_is_run":
+        out, args, expect = run.parent, ["--format", "hf", "--force"], "would delete the run"
+    elif case == "tokenizer":
+        args = ["--format", "hf", "--tokenizer", str(tmp_path / "missing.json")]
+        expect = "missing.json' does not exist"
+    elif case == "format":
+        args, expect = ["--format", "gguf"], "--format 'gguf' is unknown: use one of hf"
+    else:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+        expect = "--force"
+    argv = ["export", str(run), str(out), *(args or ["--format", "hf"])]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expect in err and "Traceback" not in err, err
+    if case == "non_empty_out":
+        assert (out / "keep.txt").read_text() == "mine"
+        # --force replaces it; --tokenizer takes the run's tokenizer from a file
+        (trained,) = cache.glob("*/tokenizer.json")
+        assert export(run, out, "--force", "--tokenizer", str(trained)) == 0
+        assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_missing_transformers_names_the_extra(gpt_run, tmp_path):
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from largebatch.cli import main\n"
+            f"raise SystemExit(main(['export', {str(gpt_run)!r}, {str(tmp_path / 'o')!r}, '--format', 'hf']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        ("largebatch export: error: export --format hf needs 'transformers', part of the [hf] "
+         "extra: pip install 'largebatch[hf]'")]
