@@ -1,5 +1,5 @@
 # make demo  -- train the default model on the bundled corpus (creates .venv on first use)
-# make test  -- run the test suite (creates .venv on first use)
+# make test  -- lint (ruff) and run the test suite (creates .venv on first use)
 # GPU users: install your CUDA build of torch into .venv first and pass CONSTRAINTS= (empty).
 
 PYTHON ?= python3
@@ -27,6 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/largebatch train
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
 
 bench: $(STAMP)

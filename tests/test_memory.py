@@ -8,8 +8,13 @@ import itertools
 import pytest
 import torch
 
-from largebatch.memory import (activation_bytes_per_layer, apply_recompute, estimate,
-                               measure_forward_bytes, model_activation_bytes)
+from largebatch.memory import (
+    activation_bytes_per_layer,
+    apply_recompute,
+    estimate,
+    measure_forward_bytes,
+    model_activation_bytes,
+)
 from largebatch.models import GPT, ModelConfig, preset
 
 

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from largebatch.memory import (activation_bytes_per_layer, config_from_hf, config_layer_kwargs,
-                               hf_eager_bytes_per_layer, model_activation_bytes)
+from largebatch.memory import (
+    activation_bytes_per_layer,
+    config_from_hf,
+    config_layer_kwargs,
+    hf_eager_bytes_per_layer,
+    model_activation_bytes,
+)
 from largebatch.memory.cli import main as memory_main
 from largebatch.models import preset
 

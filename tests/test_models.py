@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from largebatch.models import (BERT, GPT, ModelConfig, build_model, flops_per_token, preset,
-                               utilization)
+from largebatch.models import BERT, GPT, ModelConfig, build_model, flops_per_token, preset, utilization
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

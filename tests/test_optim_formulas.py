@@ -12,8 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from largebatch.optim import LAMB, LANS, LARS
-from largebatch.optim import kernels, tiling
+from largebatch.optim import LAMB, LANS, LARS, kernels, tiling
 from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
 
 CASES = {

@@ -97,7 +97,8 @@ def test_tiny_model_loss_falls_on_shakespeare(make_optimizer):
     model = ByteMLP()
     optimizer = make_optimizer(param_groups(model, weight_decay=0.01))
     held_out = _batch(data, torch.Generator().manual_seed(123), batch_size=512)
-    loss_of = lambda batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    def loss_of(batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
     with torch.no_grad():
         before = loss_of(held_out).item()
     for _ in range(60):

@@ -7,8 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from largebatch.schedules import (ConstantBatch, Cosine, LinearRamp, PiecewiseBatch, Seesaw,
-                                  check_batch_size, count_optimizer_steps)
+from largebatch.schedules import (
+    ConstantBatch,
+    Cosine,
+    LinearRamp,
+    PiecewiseBatch,
+    Seesaw,
+    check_batch_size,
+    count_optimizer_steps,
+)
 
 
 def simulate_steps(schedule, seq_len):

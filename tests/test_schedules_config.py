@@ -5,8 +5,15 @@ import math
 
 import pytest
 
-from largebatch.schedules import (ConstantBatch, LinearRamp, PiecewiseBatch, ScheduleConfig, Seesaw,
-                                  SeesawFamily, SmithRamp)
+from largebatch.schedules import (
+    ConstantBatch,
+    LinearRamp,
+    PiecewiseBatch,
+    ScheduleConfig,
+    Seesaw,
+    SeesawFamily,
+    SmithRamp,
+)
 from largebatch.schedules.cli import main
 from largebatch.typed_config import field_docs
 

@@ -6,8 +6,15 @@ import re
 
 import pytest
 
-from largebatch.schedules import (WSD, Constant, Cosine, InverseSqrt, LinearDecay,
-                                  WarmupHoldPolynomial, scale_lr_for_batch)
+from largebatch.schedules import (
+    WSD,
+    Constant,
+    Cosine,
+    InverseSqrt,
+    LinearDecay,
+    WarmupHoldPolynomial,
+    scale_lr_for_batch,
+)
 from largebatch.schedules.lr import lr_schedule_from_state
 
 PEAK, TOTAL, WARMUP = 2e-3, 1_000_000, 100_000

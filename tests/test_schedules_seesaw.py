@@ -6,8 +6,7 @@ import pickle
 
 import pytest
 
-from largebatch.schedules import (ConstantBatch, Cosine, Seesaw, SeesawFamily, SmithRamp,
-                                  count_optimizer_steps)
+from largebatch.schedules import ConstantBatch, Cosine, Seesaw, SeesawFamily, SmithRamp, count_optimizer_steps
 
 PEAK = 1.0
 

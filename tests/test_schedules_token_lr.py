@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from largebatch.optim import LAMB
-from largebatch.schedules import (WSD, ConstantBatch, Cosine, Seesaw, TokenLR,
-                                  count_optimizer_steps)
+from largebatch.schedules import WSD, ConstantBatch, Cosine, Seesaw, TokenLR, count_optimizer_steps
 
 PEAK, TOTAL, WARMUP, FRACTION = 2e-3, 200_000, 20_000, 0.1
 SEQ, BATCH = 64, 8

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from largebatch.train.checkpoint import list_checkpoints

@@ -7,8 +7,16 @@ from typing import Literal
 
 import pytest
 
-from largebatch.typed_config import (ConfigError, describe_fields, dump_toml, field_docs,
-                                           from_dict, parse_overrides, parse_value, to_dict)
+from largebatch.typed_config import (
+    ConfigError,
+    describe_fields,
+    dump_toml,
+    field_docs,
+    from_dict,
+    parse_overrides,
+    parse_value,
+    to_dict,
+)
 
 
 @dataclass

@@ -12,8 +12,16 @@ Modules: ``config`` (DataConfig), ``corpus`` (documents, split by document), ``t
 
 from .build import Data, DataStats, build_data
 from .config import DataConfig
-from .corpus import (CorpusError, Document, bible_documents, load_documents, load_token_array,
-                     shakespeare_documents, split_documents, strip_gutenberg_boilerplate)
+from .corpus import (
+                     CorpusError,
+                     Document,
+                     bible_documents,
+                     load_documents,
+                     load_token_array,
+                     shakespeare_documents,
+                     split_documents,
+                     strip_gutenberg_boilerplate,
+)
 from .dataset import BERTDataset, GPTDataset, PackedDataset
 from .masking import IGNORE_INDEX, mask_tokens
 from .sampler import Sampler, shard_indices, step_indices

@@ -25,8 +25,15 @@ from tokenizers import Tokenizer
 
 from . import tokenizer as tokenizer_lib
 from .config import DataConfig
-from .corpus import (CorpusError, Document, fingerprint, is_token_array_path, load_documents,
-                     load_token_array, split_documents)
+from .corpus import (
+    CorpusError,
+    Document,
+    fingerprint,
+    is_token_array_path,
+    load_documents,
+    load_token_array,
+    split_documents,
+)
 from .dataset import BERTDataset, GPTDataset, PackedDataset
 
 KINDS = ("gpt", "bert")

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from largebatch.experiments.report import (Report, finish_figure, fmt_loss, markdown_table,
-                                           plot_schedules)
+from largebatch.experiments.report import Report, finish_figure, fmt_loss, markdown_table, plot_schedules
 from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
 
 SETTINGS = {"smoke": (8, 2), "quick": (16, 4), "full": (16, 4)}  # start batch, micro-batch

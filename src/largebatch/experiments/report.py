@@ -8,7 +8,6 @@ reader -- or the test -- can recompute each from the run's metrics.jsonl.
 from __future__ import annotations
 
 import math
-
 import platform
 from dataclasses import dataclass, field
 from datetime import datetime, timezone

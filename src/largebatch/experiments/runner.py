@@ -172,7 +172,8 @@ def _finished(run_dir: Path, overrides: dict[str, Any]) -> tuple[float, str | No
     record = json.loads(record_path.read_text())
     if not (record.get("diverged") or (run_dir / "summary.json").exists()):
         return None
-    strip = (lambda o: {k: v for k, v in o.items() if k != "run.peak_flops"})
+    def strip(o):
+        return ({k: v for k, v in o.items() if k != "run.peak_flops"})
     same = strip(record.get("overrides", {})) == json.loads(json.dumps(strip(overrides)))
     return (float(record["wall_seconds"]), record.get("diverged")) if same else None
 

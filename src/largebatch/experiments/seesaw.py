@@ -28,10 +28,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from largebatch.experiments.report import (Report, fmt_loss, fmt_pct, markdown_table,
-                                           plot_schedules, plot_validation)
-from largebatch.experiments.runner import (Arm, ArmResult, Execution, base_overrides, run_arms,
-                                           steps_to_reach)
+from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
+from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms, steps_to_reach
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ Nothing here imports largebatch.train: it drops into any PyTorch loop.
 
 from __future__ import annotations
 
-from largebatch.memory.activations import (activation_bytes_per_layer, config_layer_kwargs,
-                                           model_activation_bytes)
+from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, model_activation_bytes
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.measure import measure_forward_bytes

@@ -31,8 +31,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from largebatch.models.flops import per_layer_policies
 from largebatch.models.layers import Block

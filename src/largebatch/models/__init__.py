@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from largebatch.models.bert import BERT
 from largebatch.models.config import PRESETS, ModelConfig, preset
-from largebatch.models.flops import (RECOMPUTE_POLICIES, flops_per_token, per_layer_policies,
-                                     utilization)
+from largebatch.models.flops import RECOMPUTE_POLICIES, flops_per_token, per_layer_policies, utilization
 from largebatch.models.gpt import GPT
 from largebatch.models.layers import Block, CoreAttention
 

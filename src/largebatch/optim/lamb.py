@@ -32,10 +32,31 @@ from torch import Tensor
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, Rebind, adam_hyperparameters,
-                      adam_moments, at, row, bias_corrections, fresh_buffers, sums)
-from .multi_tensor import (direction_plus_decay, divide_into, foreach_adam_moments_, foreach_folded_denominator,
-                           scaled_copy, sum_tile_pieces, tile_squared_norms)
+from .kernels import (
+    HP_EPS,
+    HP_INV_BC1,
+    HP_INV_BC2,
+    HP_WD,
+    KernelRun,
+    Layout,
+    Rebind,
+    adam_hyperparameters,
+    adam_moments,
+    at,
+    bias_corrections,
+    fresh_buffers,
+    row,
+    sums,
+)
+from .multi_tensor import (
+    direction_plus_decay,
+    divide_into,
+    foreach_adam_moments_,
+    foreach_folded_denominator,
+    scaled_copy,
+    sum_tile_pieces,
+    tile_squared_norms,
+)
 from .tiling import cpu_tiles, tile_scalars
 
 # Library behaviour as switches. Each preset's equality with its library is a test (tests/test_optim_presets.py).
@@ -128,7 +149,8 @@ class _MultiTensorLAMB:
 
     def __init__(self, index, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps, weight_decay,
                  bias_correction, l2_decay, grad_scale, work):
-        pick = (lambda ts: [ts[i] for i in index])
+        def pick(ts):
+            return ([ts[i] for i in index])
         self.index, self.x, self.g, self.m, self.v = index, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
         self.betas, self.eps, self.wd, self.l2_decay, self.grad_scale = betas, eps, weight_decay, l2_decay, grad_scale
         bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)

@@ -23,11 +23,34 @@ from torch import Tensor
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
-from .kernels import (HP_EPS, HP_INV_BC1, HP_INV_BC2, HP_WD, KernelRun, Layout, Rebind, adam_hyperparameters,
-                      adam_moments, at, row, bias_corrections, fresh_buffers, squared_norms_kernel, sums)
-from .multi_tensor import (adam_moments_scaled_, direction_plus_decay, foreach_adam_moments_,
-                           foreach_folded_denominator, per_tensor, scaled_copy, stacked_squared_norms,
-                           sum_tile_pieces, tile_squared_norms)
+from .kernels import (
+    HP_EPS,
+    HP_INV_BC1,
+    HP_INV_BC2,
+    HP_WD,
+    KernelRun,
+    Layout,
+    Rebind,
+    adam_hyperparameters,
+    adam_moments,
+    at,
+    bias_corrections,
+    fresh_buffers,
+    row,
+    squared_norms_kernel,
+    sums,
+)
+from .multi_tensor import (
+    adam_moments_scaled_,
+    direction_plus_decay,
+    foreach_adam_moments_,
+    foreach_folded_denominator,
+    per_tensor,
+    scaled_copy,
+    stacked_squared_norms,
+    sum_tile_pieces,
+    tile_squared_norms,
+)
 from .tiling import cpu_tiles, tile_scalars
 
 
@@ -127,7 +150,8 @@ class _MultiTensorLANS:
         self.index = index
         if not index:
             return
-        pick = (lambda ts: None if ts is None else [ts[i] for i in index])
+        def pick(ts):
+            return (None if ts is None else [ts[i] for i in index])
         self.x, self.g, self.m, self.v = (pick(tensors[key]) for key in ("x", "g", "m", "v"))
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)

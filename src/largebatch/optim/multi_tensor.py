@@ -15,6 +15,7 @@ from torch import Tensor
 from .kernels import device_tensor
 from .tiling import Tile
 
+
 def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
     """Squared L2 norms of ``tensors`` as one 1-D tensor (len(tensors),), no host sync.
 

@@ -12,8 +12,7 @@ The order of techniques is fixed (torchtitan): tensor/sequence parallel -> recom
 
 from largebatch.parallel.config import ParallelConfig
 from largebatch.parallel.launch import spawn
-from largebatch.parallel.mesh import (ParallelState, RankFailure, init_distributed, rank_guard, seed_ranks,
-                                     shutdown)
+from largebatch.parallel.mesh import ParallelState, RankFailure, init_distributed, rank_guard, seed_ranks, shutdown
 from largebatch.parallel.norms import clip_grad_norm_, global_grad_norm, shard_optimizer, sharded_norms
 from largebatch.parallel.parallelize import gradient_sync, parallelize, unwrap
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel

@@ -25,12 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from largebatch.parallel.mesh import ParallelState
-from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints, remove_temporaries
 from largebatch.parallel.parallelize import unwrap
+from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints, remove_temporaries
 
 EXTRA = "extra.pt"
 

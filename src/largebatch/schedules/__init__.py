@@ -13,15 +13,30 @@ Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop
 ``largebatch.integrations.hf`` applies the same schedules inside ``transformers.Trainer``.
 """
 
-from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp, Phase,
-                                        PiecewiseBatch, StepPlan, check_batch_size,
-                                        count_optimizer_steps, format_phase_table)
+from largebatch.schedules.batch import (
+                                        ConstantBatch,
+                                        JointSchedule,
+                                        LinearRamp,
+                                        Phase,
+                                        PiecewiseBatch,
+                                        StepPlan,
+                                        check_batch_size,
+                                        count_optimizer_steps,
+                                        format_phase_table,
+)
 from largebatch.schedules.config import ScheduleConfig
-from largebatch.schedules.lr import (WSD, Constant, Cosine, InverseSqrt, LinearDecay, LRSchedule,
-                                     WarmupHoldPolynomial, scale_lr_for_batch)
+from largebatch.schedules.lr import (
+                                        WSD,
+                                        Constant,
+                                        Cosine,
+                                        InverseSqrt,
+                                        LinearDecay,
+                                        LRSchedule,
+                                        WarmupHoldPolynomial,
+                                        scale_lr_for_batch,
+)
 from largebatch.schedules.noise_scale import NoiseScale
-from largebatch.schedules.seesaw import (MilestoneSchedule, Seesaw, SeesawFamily, SmithRamp,
-                                         find_milestones)
+from largebatch.schedules.seesaw import MilestoneSchedule, Seesaw, SeesawFamily, SmithRamp, find_milestones
 from largebatch.schedules.token_lr import TokenLR
 
 __all__ = [

@@ -11,8 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from largebatch.schedules import lr as lr_module
-from largebatch.schedules.batch import (ConstantBatch, JointSchedule, LinearRamp, PiecewiseBatch,
-                                        count_optimizer_steps, format_phase_table)
+from largebatch.schedules.batch import (
+    ConstantBatch,
+    JointSchedule,
+    LinearRamp,
+    PiecewiseBatch,
+    count_optimizer_steps,
+    format_phase_table,
+)
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
 from largebatch.typed_config import from_dict

@@ -19,7 +19,6 @@ from pathlib import Path
 from largebatch.cli import TRAIN_EXTRA
 from largebatch.typed_config import ConfigError, describe_fields, parse_overrides
 
-
 DEFAULT_CONFIG = "gpt-demo"
 
 

@@ -22,8 +22,7 @@ from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
 from largebatch.parallel.config import ParallelConfig
 from largebatch.schedules import ScheduleConfig
-from largebatch.typed_config import (ConfigError, dump_toml, from_dict, load_toml,
-                                           set_dotted, to_dict)
+from largebatch.typed_config import ConfigError, dump_toml, from_dict, load_toml, set_dotted, to_dict
 
 
 @dataclass

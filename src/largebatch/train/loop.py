@@ -32,15 +32,35 @@ import torch
 
 from largebatch.data import build_data
 from largebatch.models import build_model
-from largebatch.parallel import (clip_grad_norm_, global_grad_norm, gradient_sync, init_distributed,
-                                 parallelize, seed_ranks, shard_optimizer, unwrap)
+from largebatch.parallel import (
+    clip_grad_norm_,
+    global_grad_norm,
+    gradient_sync,
+    init_distributed,
+    parallelize,
+    seed_ranks,
+    shard_optimizer,
+    unwrap,
+)
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
-from largebatch.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
-                                         load_checkpoint, save_checkpoint)
+from largebatch.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from largebatch.train.config import TrainConfig, save_config
-from largebatch.train.metrics import (MetricsLog, Progress, human_bytes, human_count,
-                                      measure_peak_flops, memory_bytes, plot_run)
+from largebatch.train.metrics import (
+    MetricsLog,
+    Progress,
+    human_bytes,
+    human_count,
+    measure_peak_flops,
+    memory_bytes,
+    plot_run,
+)
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.rundir import lock_run_dir
 from largebatch.train.stopping import StopRequest
