@@ -137,3 +137,17 @@ def test_bf16_skip_nonfinite_and_tensorboard(tmp_path, reference_run):
     records = [r for r in read_metrics(tmp_path / "skip") if r["kind"] == "train"]
     assert summary["skipped_steps"] >= 1 and any(r.get("skipped") for r in records)
     assert len(records) == 6  # the run went on to the end of its budget
+
+
+def test_skip_gives_up_after_consecutive_nonfinite_steps(tmp_path, reference_run, capsys):
+    """run.on_nonfinite='skip' does not run a NaN model to the end: after run.max_skipped_steps
+    consecutive skips it exits 1 naming the step, the count and the last good checkpoint."""
+    o = tiny_overrides(reference_run[0], tmp_path / "nan", **{
+        "schedule.peak_lr": 1e30, "schedule.batch_policy": "constant", "optim.name": "adamw",
+        "run.on_nonfinite": "skip", "run.max_skipped_steps": 3})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 1
+    err = capsys.readouterr().err
+    assert "3 consecutive non-finite steps" in err and "Last good checkpoint" in err, err
+    assert "Traceback" not in err
+    records = [r for r in read_metrics(tmp_path / "nan") if r["kind"] == "train"]
+    assert len(records) < 24 and records[-1].get("skipped")  # stopped well before the budget

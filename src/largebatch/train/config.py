@@ -122,6 +122,9 @@ class RunConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss either stops the run (naming the step and the last good checkpoint) or
     skips that step's update."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite='skip': stop the run (exit 1, naming the step, the count and the last good
+    checkpoint) after this many consecutive skipped steps. 0: never give up."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU (e.g. 989e12 for H100 bf16). None: measured here with a
     matmul in the run's dtype, and printed as such."""
@@ -140,7 +143,7 @@ class RunConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be > 0")
         for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
-                     "max_steps", "sample_tokens"):
+                     "max_steps", "max_skipped_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be >= 0 (0 disables)")
         if self.peak_flops is not None and self.peak_flops <= 0:

@@ -82,6 +82,7 @@ class Progression:
     next_checkpoint: int = 0
     train_seconds: float = 0.0  # wall time spent in optimizer steps (not eval or checkpoints)
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # consecutive non-finite steps (run.max_skipped_steps)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -316,8 +317,18 @@ class Trainer:
                     f"{pos.tokens} tokens. Last good checkpoint: {last_ckpt or 'none'}. Lower "
                     f"schedule.peak_lr, set optim.grad_clip, or run.on_nonfinite='skip'.")
             pos.skipped_steps += 1
+            pos.skipped_in_a_row += 1
             record["skipped"] = True
+            limit = cfg.run.max_skipped_steps
+            if limit and pos.skipped_in_a_row >= limit:
+                last_ckpt = latest_any_checkpoint(self.run_dir)
+                raise NonFiniteLoss(
+                    f"{pos.skipped_in_a_row} consecutive non-finite steps skipped, the last at step "
+                    f"{pos.step + 1} ({pos.skipped_steps} skipped in all). Last good checkpoint: "
+                    f"{last_ckpt or 'none'}. Lower schedule.peak_lr, set optim.grad_clip, or raise "
+                    f"run.max_skipped_steps.")
         else:
+            pos.skipped_in_a_row = 0
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if noise_inputs is not None:
