@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,3 +152,17 @@ def test_skip_gives_up_after_consecutive_nonfinite_steps(tmp_path, reference_run
     assert "Traceback" not in err
     records = [r for r in read_metrics(tmp_path / "nan") if r["kind"] == "train"]
     assert len(records) < 24 and records[-1].get("skipped")  # stopped well before the budget
+
+
+def test_finished_run_relaunched_is_already_complete(tmp_path, reference_run, capsys):
+    """The same command (or --resume) on a finished run says so and changes no file."""
+    cache, ref, summary = reference_run
+    out = tmp_path / "done"
+    shutil.copytree(ref, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    o = tiny_overrides(cache, out)
+    for args in ([f"--{k}={json.dumps(v)}" for k, v in o.items()], ["--resume", str(out)]):
+        assert main(args) == 0
+        stdout = capsys.readouterr().out
+        assert "already complete" in stdout and f"{summary['tokens']} tokens" in stdout, stdout
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -133,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     from largebatch.train.checkpoint import CheckpointError
     from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
     from largebatch.train.rundir import RunDirLocked
+
+    done = run_dir / "summary.json"
+    if resume and done.is_file():  # written only at the end: relaunching a finished run is a no-op
+        finished = json.loads(done.read_text())
+        if finished.get("tokens", 0) >= cfg.run.total_tokens:
+            print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
+                  f"{finished['tokens']} tokens); nothing changed")
+            return 0
 
     try:
         summary = _run(cfg, run_dir, resume=resume)
