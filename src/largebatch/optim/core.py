@@ -82,18 +82,18 @@ def hooked_norms(squared: Tensor, reduce: Callable[[Tensor], Tensor] | None) -> 
     return list(flat.sqrt().view(k, -1))
 
 
-def _local(t: Tensor) -> Tensor:
+def local_shard(t: Tensor) -> Tensor:
     """A DTensor's local shard; any other tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _local_grad(p: Tensor) -> Tensor:
+def local_grad(p: Tensor) -> Tensor:
     """The gradient of ``p`` on this rank's shard (a DTensor gradient with a pending partial sum, or
     placed unlike its parameter, is redistributed first)."""
     g = p.grad
     if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
         g = p.grad = g.redistribute(p.device_mesh, p.placements)
-    return _local(g)
+    return local_shard(g)
 
 
 def _real(t: Tensor) -> Tensor:
@@ -249,7 +249,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
             state["step"] += 1
             plain = not isinstance(p, DTensor) and not p.is_complex()
-            target = p if plain else _real(_local(p))  # the parameter's values as a real local tensor
+            target = p if plain else _real(local_shard(p))  # the parameter's values as a real local tensor
             dtype = target.dtype
             compute = torch.float32 if dtype in _LOW_PRECISION else dtype
             b = buckets.get((target.device, compute))
@@ -261,14 +261,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 x = target.to(compute, memory_format=torch.contiguous_format, copy=True)
                 b.copies.append((target, x))
             if not plain:
-                grad = _real(_local_grad(p))
+                grad = _real(local_grad(p))
             if grad.dtype != compute or not grad.is_contiguous():
                 grad = grad.to(compute).contiguous()
             b.params.append(p)
             b.x.append(x)
             b.grads.append(grad)
             for key in keys:  # contiguous: created so, and made so by load_state_dict
-                b.states[key].append(state[key] if plain else _real(_local(state[key])))
+                b.states[key].append(state[key] if plain else _real(local_shard(state[key])))
             b.steps.append(state["step"])
         return list(buckets.values())
 

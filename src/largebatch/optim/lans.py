@@ -21,7 +21,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
 from .kernels import (
     HP_EPS,
@@ -40,6 +39,7 @@ from .kernels import (
     squared_norms_kernel,
     sums,
 )
+from .lamb import LAMB
 from .multi_tensor import (
     adam_moments_scaled_,
     direction_plus_decay,
@@ -220,9 +220,7 @@ class LANS(LayerwiseOptimizer):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _kernel_names = ("m", "v")
-    _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
-                 adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
-                 trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive)
+    _spec = {key: check for key, check in LAMB._spec.items() if key != "l2_decay"}  # the decay is decoupled
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,

@@ -28,20 +28,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
 
-from largebatch.optim.core import LayerwiseOptimizer
+from largebatch.optim.core import LayerwiseOptimizer, local_grad
 from largebatch.parallel.mesh import ParallelState
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_grad(p: Tensor) -> Tensor:
-    """The gradient of ``p`` on this rank's shard (a pending partial sum is reduced first)."""
-    g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-        g = p.grad = g.redistribute(p.device_mesh, p.placements)
-    return _local(g)
 
 
 def contributes(param: Tensor, state: ParallelState) -> bool:
