@@ -80,11 +80,16 @@ def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float],
 
 
 def sqrt_into(v: list[Tensor], scratch: list[Tensor] | None) -> list[Tensor]:
-    """sqrt(v) written into ``scratch`` (CPU) or into fresh tensors from the caching allocator."""
+    """sqrt(v) written into ``scratch`` (CPU) or into fresh tensors from the caching allocator.
+
+    On CPU as 1/rsqrt(v): torch's float32 sqrt kernel is the slowest element-wise operation of the step
+    there (2^20 elements, 2 threads, in cache: sqrt 401 us against rsqrt 200 us + reciprocal 81 us), and
+    the two roundings stay within 1.3e-7 relative error (sqrt alone: 8.9e-8); zeros and infinities map
+    to themselves (1/inf = 0, 1/0 = inf)."""
     if scratch is None:
         return torch._foreach_sqrt(v)
     for vi, out in zip(v, scratch):
-        torch.sqrt(vi, out=out)
+        torch.rsqrt(vi, out=out).reciprocal_()
     return scratch
 
 
