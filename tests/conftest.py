@@ -30,3 +30,10 @@ def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "reference"
     summary = _run(tiny_overrides(cache, out))
     return cache, out, summary
+
+
+@pytest.fixture(scope="session")
+def tiny_data_cache(tmp_path_factory):
+    """One data cache for the modules that train tiny runs on Shakespeare (entries are keyed on their
+    content, so sharing changes no result; it saves a tokenizer training and encoding per module)."""
+    return tmp_path_factory.mktemp("tiny-data-cache")

@@ -42,8 +42,8 @@ def train(overrides: dict):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tiny_data_cache):
+    return tiny_data_cache
 
 
 @pytest.fixture(scope="module")

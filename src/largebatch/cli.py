@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("largebatch.memory.cli", "activation-memory table and recomputation planner"),
     "experiment": ("largebatch.experiments.cli", "reproduce a paper's claim at small scale"),
     "export": ("largebatch.export", "write a trained run as a transformers model (--format hf)"),
+    "finetune": ("largebatch.finetune", "fine-tune a run on a downstream task: pretrained vs scratch accuracy"),
 }
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
 from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms, steps_to_reach
+from largebatch.experiments.stats import ci95
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,6 @@ class Setting:
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2), "quick": Setting(16, 4, 128, 3e-3, 24, 2),
             "full": Setting(16, 4, 128, 2e-3, 192, 2)}
 SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
-# Student t 0.975 quantiles by degrees of freedom (1-7): the 95% interval of a mean over 2-8 seeds
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
         ("seesaw-r0.91", "seesaw", 1 / 1.1), ("smith-r0.5", "smith", 0.5))
 LABELS = {"cosine": "AdamW + cosine", "seesaw-r0.5": "Seesaw r=1/2",
@@ -151,10 +150,7 @@ class PairedGaps:
     @property
     def ci95(self) -> tuple[float, float] | None:
         """95% confidence interval of the mean paired gap (Student t, n - 1 degrees of freedom)."""
-        if self.sd is None:
-            return None
-        half = T_975[len(self.finite) - 1] * self.sd / math.sqrt(len(self.finite))
-        return self.mean - half, self.mean + half
+        return ci95(self.finite)
 
     @property
     def ahead(self) -> int:

@@ -45,13 +45,17 @@ class BERT(TransformerBase):
         if config.tie_embeddings:
             self.head.decoder.weight = self.tok_emb.weight
 
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, T, C) the prediction head reads: what a downstream head
+        (largebatch.finetune) pools."""
+        return self.ln_f(self.run_blocks(self.drop(self.emb_norm(self.embed(input_ids)))))
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, labels: (B, T); labels == -100 marks positions not predicted.
         With labels: logits (n_masked, v) for the positions labels != -100, and the loss.
         Without labels: logits (B, T, v) for every position, loss None."""
-        x = self.drop(self.emb_norm(self.embed(input_ids)))
-        x = self.ln_f(self.run_blocks(x))  # (B, T, C)
+        x = self.hidden_states(input_ids)  # (B, T, C)
         if labels is None:
             return self.head(x), None
         if labels.shape != input_ids.shape:

@@ -85,10 +85,14 @@ class GPT(TransformerBase):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
-        x = self.run_blocks(self.drop(self.embed(idx)))  # (B, T, C)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, v)
+        logits = self.lm_head(self.hidden_states(idx))  # (B, T, v)
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final (normalised) hidden states (B, T, C) the output layer reads: what a downstream
+        head (largebatch.finetune) pools."""
+        return self.ln_f(self.run_blocks(self.drop(self.embed(idx))))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

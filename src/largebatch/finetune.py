@@ -1,0 +1,274 @@
+"""``largebatch finetune RUN_DIR``: did pretraining help? Fine-tune the run's encoder on a downstream
+classification task, and the same model from random initialisation, and compare test accuracy.
+
+    largebatch finetune runs/bert-lans-demo                       # folio-genre, 3 seeds
+    largebatch finetune runs/bert-lans-demo --task bible-division --seeds 5 --epochs 4
+
+The task (largebatch.data.tasks) labels passages of the bundled corpora and holds out whole
+documents, so the test passages come from works the classifier never saw. Each seed fine-tunes two
+arms that differ ONLY in the encoder's starting weights: "pretrained" (the run's newest intact
+checkpoint) and "scratch" (the same architecture, freshly initialised). Both get the same head
+initialisation, data order, dropout masks and hyperparameters: AdamW, linear warmup over the first
+10% of steps then linear decay to 0, a mean-pooled linear head on the final hidden states.
+
+The report (RUN_DIR/finetune/TASK.md and .json, also printed) gives each arm's test accuracy per
+seed, its mean with a 95% t interval, and the paired gap pretrained - scratch with its interval:
+pretraining "helped" only when that interval lies above 0. The majority-class rate is the chance
+line. This stands in for the paper's SQuAD evaluation (Zheng et al. 2020 judge LANS pretraining by
+downstream F1; docs/papers.md: LANS), which cannot be fetched here.
+
+Options:
+  --task NAME                 folio-genre (default) or bible-division
+  --seeds N                   seeds per arm, 2-10 (default 3)
+  --epochs N                  passes over the training passages (default 3)
+  --lr LR                     peak AdamW learning rate (default 1e-4)
+  --batch-size N              passages per step (default 32)
+  --passage-len N             tokens per passage (default min(128, the model's seq_len))
+  --passages-per-document N   passages kept per document (default 32)
+  --weight-decay WD           AdamW weight decay (default 0.01)
+  --dropout P                 dropout before the head (default 0.1)
+  --tokenizer PATH            the run's tokenizer.json when it cannot be rebuilt from the run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task
+from largebatch.experiments.stats import T_975, ci95
+
+
+class FinetuneError(ValueError):
+    """Bad input for finetune; the message names the option, the value and the fix."""
+
+
+class SequenceClassifier(nn.Module):
+    """A GPT or BERT encoder with a mean-pooled linear head: logits (B, classes) for ids (B, T)."""
+
+    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float):
+        super().__init__()
+        self.encoder = encoder
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(encoder.config.n_embd, n_classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.encoder.hidden_states(ids).mean(dim=1)))
+
+
+@dataclass
+class Settings:
+    task: str = "folio-genre"
+    seeds: int = 3
+    epochs: int = 3
+    lr: float = 1e-4
+    batch_size: int = 32
+    passage_len: int | None = None
+    passages_per_document: int = 32
+    weight_decay: float = 0.01
+    dropout: float = 0.1
+
+
+def check_settings(s: Settings, seq_len: int) -> Settings:
+    """One-line errors naming the option; fills passage_len from the model."""
+    def integer(name, low, high=None):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+            bound = f"from {low} to {high}" if high else f">= {low}"
+            raise FinetuneError(f"--{name.replace('_', '-')} {value!r}: must be an integer {bound}")
+
+    integer("seeds", 2, max(T_975) + 1)
+    integer("epochs", 1)
+    integer("batch_size", 1)
+    integer("passages_per_document", 1)
+    for name, ok, rule in (("lr", lambda v: 0 < v < math.inf, "a finite number > 0"),
+                           ("weight_decay", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+                           ("dropout", lambda v: 0 <= v < 1, "in [0, 1)")):
+        if not ok(getattr(s, name)):
+            raise FinetuneError(f"--{name.replace('_', '-')} {getattr(s, name)!r}: must be {rule}")
+    if s.task not in TASKS:
+        raise FinetuneError(f"--task {s.task!r}: unknown; choose one of {', '.join(TASKS)}")
+    if s.passage_len is None:
+        s.passage_len = min(128, seq_len)
+    integer("passage_len", 8)
+    if s.passage_len > seq_len:
+        raise FinetuneError(f"--passage-len {s.passage_len}: longer than the model's seq_len {seq_len} "
+                            f"(its position table); use --passage-len {seq_len} or less")
+    return s
+
+
+def _schedule(step: int, total: int) -> float:
+    """Linear warmup over the first 10% of steps, then linear decay to 0 (BERT's fine-tuning schedule)."""
+    warmup = max(1, round(0.1 * total))
+    return (step + 1) / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
+
+
+def finetune_arm(encoder: nn.Module, data: TaskData, s: Settings, seed: int) -> dict:
+    """Fine-tune ``encoder`` (modified in place) with a fresh head; returns test accuracy and losses."""
+    torch.manual_seed(seed)  # the head's initialisation: the same in both arms of a seed
+    model = SequenceClassifier(encoder, len(data.classes), s.dropout).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr)
+    x, y = torch.from_numpy(data.train_ids), torch.from_numpy(data.train_labels)
+    order = torch.Generator().manual_seed(seed)
+    per_epoch = math.ceil(len(x) / s.batch_size)
+    total, step, losses = per_epoch * s.epochs, 0, []
+    torch.manual_seed(seed + 1)  # dropout masks
+    for _ in range(s.epochs):
+        perm = torch.randperm(len(x), generator=order)
+        for start in range(0, len(x), s.batch_size):
+            idx = perm[start:start + s.batch_size]
+            for group in opt.param_groups:
+                group["lr"] = s.lr * _schedule(step, total)
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            step += 1
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        test_x, test_y = torch.from_numpy(data.test_ids), torch.from_numpy(data.test_labels)
+        for start in range(0, len(test_x), 64):
+            logits = model(test_x[start:start + 64])
+            correct += int((logits.argmax(-1) == test_y[start:start + 64]).sum())
+    k = max(1, per_epoch)
+    return {"test_accuracy": correct / len(data.test_ids), "first_epoch_loss": statistics.fmean(losses[:k]),
+            "last_epoch_loss": statistics.fmean(losses[-k:])}
+
+
+def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> dict:
+    """Both arms at every seed; the per-seed results, the intervals and the verdict."""
+    from largebatch.models import build_model
+
+    seeds = [1000 + i for i in range(s.seeds)]
+    arms: dict[str, list[dict]] = {"pretrained": [], "scratch": []}
+    for seed in seeds:
+        for arm in arms:
+            torch.manual_seed(seed)
+            encoder = copy.deepcopy(pretrained) if arm == "pretrained" else build_model(pretrained.config)
+            start = time.perf_counter()
+            result = finetune_arm(encoder, data, s, seed)
+            result["seconds"] = round(time.perf_counter() - start, 1)
+            arms[arm].append(result)
+            log(f"  seed {seed} {arm:<10} test accuracy {result['test_accuracy']:.4f} "
+                f"(train loss {result['first_epoch_loss']:.3f} -> {result['last_epoch_loss']:.3f}, "
+                f"{result['seconds']:.0f} s)")
+    acc = {arm: [r["test_accuracy"] for r in rs] for arm, rs in arms.items()}
+    gaps = [p - q for p, q in zip(acc["pretrained"], acc["scratch"])]
+    gap_ci = ci95(gaps)
+    verdict = ("pretraining helped" if gap_ci[0] > 0 else "pretraining hurt" if gap_ci[1] < 0
+               else "no difference established")
+    return {"seeds": seeds, "arms": arms,
+            "summary": {arm: {"mean": statistics.fmean(a), "ci95": ci95(a)} for arm, a in acc.items()},
+            "gap": {"per_seed": gaps, "mean": statistics.fmean(gaps), "ci95": gap_ci},
+            "verdict": verdict, "majority_rate": data.majority_rate()}
+
+
+def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
+    def ci(pair):
+        return f"[{pair[0]:.4f}, {pair[1]:.4f}]"
+
+    held_out = ", ".join(d.split("/", 1)[1] for d in data.test_documents)
+
+    rows = [f"| {arm} | " + " | ".join(f"{r['test_accuracy']:.4f}" for r in result["arms"][arm])
+            + f" | {result['summary'][arm]['mean']:.4f} | {ci(result['summary'][arm]['ci95'])} |"
+            for arm in ("pretrained", "scratch")]
+    gap = result["gap"]
+    lines = [
+        f"# Fine-tuning {run} on {data.name}", "",
+        f"Command: `{command}` (torch {torch.__version__}, {torch.get_num_threads()} threads). "
+        f"Checkpoint: {checkpoint}.", "",
+        f"Task: {TASKS[data.name].description}; {len(data.train_ids)} training passages from "
+        f"{len(data.train_documents)} documents, {len(data.test_ids)} test passages from "
+        f"{len(data.test_documents)} held-out documents ({held_out}); "
+        f"{s.passage_len} tokens each. Majority-class rate on test: {result['majority_rate']:.4f}.", "",
+        f"Fine-tuning: {s.epochs} epochs, AdamW lr {s.lr:g} (10% warmup, linear decay), batch {s.batch_size}, "
+        f"weight decay {s.weight_decay:g}, head dropout {s.dropout:g}.", "",
+        "| arm | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean | 95% CI |",
+        "|---|" + "---|" * (len(result["seeds"]) + 2), *rows, "",
+        f"Paired gap pretrained - scratch: {gap['mean']:+.4f}, 95% CI [{gap['ci95'][0]:+.4f}, "
+        f"{gap['ci95'][1]:+.4f}] over {len(result['seeds'])} seeds: **{result['verdict']}**.", ""]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="largebatch finetune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--task", default=Settings.task)
+    for name, kind in (("seeds", int), ("epochs", int), ("lr", float), ("batch-size", int),
+                       ("passage-len", int), ("passages-per-document", int), ("weight-decay", float),
+                       ("dropout", float)):
+        p.add_argument(f"--{name}", type=kind, default=getattr(Settings, name.replace("-", "_")))
+    p.add_argument("--tokenizer")
+    return p
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own: usage + message; ours: one line, exit 2
+        raise FinetuneError(f"{message} (largebatch finetune --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    parser.__class__ = _OneLineParser
+    try:
+        args = parser.parse_args(argv)
+        settings = Settings(**{k: v for k, v in vars(args).items() if k not in ("run_dir", "tokenizer")})
+        return run(args.run_dir, settings, args.tokenizer, "largebatch finetune " + " ".join(argv))
+    except (FinetuneError, TaskError) as exc:
+        print(f"largebatch finetune: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "") -> int:
+    from largebatch.export import ExportError, load_run
+
+    if settings.task not in TASKS:  # before the (slow) load
+        raise FinetuneError(f"--task {settings.task!r}: unknown; choose one of {', '.join(TASKS)}")
+    try:
+        loaded = load_run(run_dir, tokenizer_file)
+    except ExportError as exc:
+        raise FinetuneError(str(exc)) from None
+    if loaded.tokenizer is None:
+        raise FinetuneError(f"RUN_DIR {run_dir!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
+    s = check_settings(settings, loaded.model.config.seq_len)
+    data = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)
+    if int(max(data.train_ids.max(), data.test_ids.max())) >= loaded.model.config.vocab_size:
+        raise FinetuneError(f"the tokenizer's ids exceed the model's vocab_size {loaded.model.config.vocab_size}: "
+                            "pass --tokenizer PATH to the tokenizer.json the run trained with")
+    print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {len(data.train_ids)} train / "
+          f"{len(data.test_ids)} test passages, {s.seeds} seeds x 2 arms")
+    result = compare(loaded.model.train(), data, s)
+    out = Path(run_dir) / "finetune"
+    out.mkdir(exist_ok=True)
+    text = report_markdown(result, data, s, Path(run_dir).name, loaded.checkpoint.name, command)
+    payload = {"settings": asdict(s), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
+               "classes": data.classes, "train_documents": data.train_documents,
+               "test_documents": data.test_documents, **result}
+    for path, content in ((out / f"{s.task}.md", text), (out / f"{s.task}.json", json.dumps(payload, indent=1))):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(content)
+        tmp.replace(path)
+    print("\n" + text)
+    print(f"report: {out / (s.task + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

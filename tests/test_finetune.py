@@ -1,0 +1,128 @@
+"""`largebatch finetune`: downstream tasks that hold out whole documents, the paired interval, and
+a real tiny BERT run fine-tuned against the same model from scratch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from largebatch.cli import main as cli_main
+from largebatch.data.corpus import bible_documents, shakespeare_documents
+from largebatch.data.tasks import FOLIO, build_task
+from largebatch.data.tokenizer import train_tokenizer
+from largebatch.experiments.stats import T_975, ci95
+from test_export import tiny, train
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    docs = shakespeare_documents() + bible_documents()
+    return train_tokenizer([d.text[:20_000] for d in docs], 600)  # byte-level BPE, ~3 s
+
+
+def test_folio_classes_are_the_first_folio_catalogue():
+    """The 1623 Folio prints 14 comedies, 10 histories and 12 tragedies (36 plays); every one of them is
+    in the corpus, and none is listed twice."""
+    assert {c: len(p) for c, p in FOLIO.items()} == {"comedy": 14, "history": 10, "tragedy": 12}
+    plays = [p for ps in FOLIO.values() for p in ps]
+    names = {d.name.split("/", 1)[1] for d in shakespeare_documents()}
+    assert len(set(plays)) == 36 and set(plays) <= names
+    assert "pericles" in names - set(plays)  # not in the Folio
+
+
+@pytest.mark.parametrize("task", ["folio-genre", "bible-division"])
+def test_tasks_hold_out_whole_documents_and_cut_real_windows(task, tokenizer):
+    data = build_task(task, tokenizer, passage_len=64, passages_per_document=5, test_fraction=0.2, seed=3)
+    assert not set(data.train_documents) & set(data.test_documents)
+    for labels in (data.train_labels, data.test_labels):  # every class on both sides
+        assert set(labels.tolist()) == set(range(len(data.classes)))
+    assert data.train_ids.shape[1] == data.test_ids.shape[1] == 64
+    assert len(data.train_ids) == len(data.train_labels) and len(data.test_ids) == len(data.test_labels)
+    # every passage is real text of the document it is attributed to (byte-level BPE decodes losslessly)
+    docs = {d.name: d.text for d in shakespeare_documents() + bible_documents()}
+    for ids, source in [*zip(data.train_ids, data.train_sources), *zip(data.test_ids, data.test_sources)]:
+        assert tokenizer.decode(ids.tolist()) in docs[source]
+    assert max(data.train_sources.count(n) for n in data.train_documents) == 5
+    # a different split seed holds out different documents
+    other = build_task(task, tokenizer, passage_len=64, passages_per_document=5, test_fraction=0.2, seed=4)
+    assert other.test_documents != data.test_documents
+
+
+def _t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t from its density, integrated in float64 (Simpson, bisection)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf_above_zero(t, n=4000):
+        h = t / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf_above_zero(mid) < 0.475 else (lo, mid)
+    return lo
+
+
+def test_interval_matches_students_t_from_its_density():
+    for df, t in T_975.items():
+        assert t == pytest.approx(_t_quantile_975(df), abs=1.5e-3)
+    values = [0.61, 0.55, 0.70, 0.64]
+    mean = sum(values) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
+    half = _t_quantile_975(3) * sd / 2
+    lo, hi = ci95(values)
+    assert (lo, hi) == pytest.approx((mean - half, mean + half), rel=2e-4)
+    assert ci95([0.5]) is None
+
+
+@pytest.fixture(scope="module")
+def bert_run(tiny_data_cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "bert"
+    return train(tiny(tiny_data_cache, run, **{"model.kind": "bert", "model.seq_len": 64, "model.dropout": 0.0,
+                                     "optim.name": "lans", "schedule.lr_schedule": "lans"}))
+
+
+def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run, capsys):
+    code = cli_main(["finetune", str(bert_run), "--seeds", "2", "--epochs", "2", "--passages-per-document", "3",
+                     "--passage-len", "32", "--lr", "1e-3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((bert_run / "finetune" / "folio-genre.json").read_text())
+    assert (bert_run / "finetune" / "folio-genre.md").read_text() in out
+    n_test = len(report["test_documents"]) * 3
+    for arm in ("pretrained", "scratch"):
+        for r in report["arms"][arm]:
+            assert r["test_accuracy"] * n_test == pytest.approx(round(r["test_accuracy"] * n_test))
+    acc = {arm: [r["test_accuracy"] for r in report["arms"][arm]] for arm in ("pretrained", "scratch")}
+    assert report["gap"]["per_seed"] == pytest.approx([p - s for p, s in zip(acc["pretrained"], acc["scratch"])])
+    assert report["gap"]["ci95"] == pytest.approx(list(ci95(report["gap"]["per_seed"])))
+    # the arms differ only in the encoder's start: had the checkpoint not been loaded, the first
+    # epoch's losses of a seed would be identical
+    for p, s in zip(report["arms"]["pretrained"], report["arms"]["scratch"]):
+        assert p["first_epoch_loss"] != s["first_epoch_loss"]
+    assert not set(report["train_documents"]) & set(report["test_documents"])
+    assert report["verdict"] in out and np.isfinite(report["gap"]["mean"])
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--seeds", "1"], "--seeds 1"),
+    (["--passage-len", "999"], "--passage-len 999"),
+    (["--task", "squad"], "--task 'squad'"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--epochs", "x"], "--epochs"),
+    (["--bogus", "1"], "--bogus"),
+])
+def test_bad_input_gives_one_line_errors(args, names, bert_run, capsys):
+    assert cli_main(["finetune", str(bert_run), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and names in err, err
+
+
+def test_missing_run_dir_is_one_line(tmp_path, capsys):
+    assert cli_main(["finetune", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "RUN_DIR" in err
