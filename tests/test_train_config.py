@@ -18,8 +18,11 @@ def _leaf_fields() -> list[tuple[str, typing.Any]]:
     out = []
     for section in dataclasses.fields(TrainConfig):
         cls = typing.get_type_hints(TrainConfig)[section.name]
+        prefix = section.name
+        if typing.get_origin(cls) is list:  # an array of tables ([[phases]]): its first entry
+            cls, prefix = typing.get_args(cls)[0], f"{section.name}.0"
         hints = typing.get_type_hints(cls)
-        out += [(f"{section.name}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
+        out += [(f"{prefix}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
     return out
 
 

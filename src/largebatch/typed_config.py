@@ -104,6 +104,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: expected a table, e.g. {{ name = value }}")
+        return dict(value)
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} = {value!r}: expected a list, e.g. [1, 2]")
@@ -189,14 +193,29 @@ def replace(obj: Any, dotted: dict[str, Any]) -> Any:
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """``tree[a][b][c] = value`` for ``key = "a.b.c"``; a number picks an entry of an array of tables
+    (``phases.1.total_tokens``), which must exist."""
     *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
+    node: Any = tree
+    for i, part in enumerate(parents):
+        if isinstance(node, list):
+            node = _list_entry(node, part, ".".join(parents[:i]), key)
+            continue
         child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"'{key}': '{part}' is a value, not a section")
         node = child
+    if isinstance(node, list):
+        raise ConfigError(f"'{key}': '{'.'.join(parents)}' is an array of tables; name an entry and a field, "
+                          f"e.g. {'.'.join(parents)}.0.{leaf}")
     node[leaf] = value
+
+
+def _list_entry(node: list, part: str, name: str, key: str) -> Any:
+    if not part.isdigit() or int(part) >= len(node) or not isinstance(node[int(part)], dict):
+        raise ConfigError(f"'{key}': '{name}' has {len(node)} entries; pick one by number, 0 to "
+                          f"{len(node) - 1}, and declare new ones in the config file")
+    return node[int(part)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,7 +262,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def dump_toml(tree: dict[str, Any]) -> str:
-    """Minimal TOML writer for the resolved config (scalars, lists, one level of tables)."""
+    """Minimal TOML writer for the resolved config (scalars, lists, inline tables, one level of tables)."""
 
     def value(v: Any) -> str:
         if isinstance(v, bool):
@@ -254,6 +273,8 @@ def dump_toml(tree: dict[str, Any]) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table (e.g. one of [[phases]] and its schedule overrides)
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {v!r} as TOML")
 
     lines, tables = [], []
@@ -281,6 +302,11 @@ def describe_fields(cls: type, prefix: str = "") -> str:
         if dataclasses.is_dataclass(tp):
             out.append(f"\n[{key}]  {docs.get(f.name, '')}".rstrip())
             out.append(describe_fields(tp, prefix=f"{key}."))
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if item is not None and dataclasses.is_dataclass(item):  # an array of tables: [[key]]
+            out.append(f"\n[[{key}]]  {docs.get(f.name, '')}".rstrip())
+            out.append(describe_fields(item, prefix=f"{key}.N."))
             continue
         if f.default is not dataclasses.MISSING:
             default = f.default

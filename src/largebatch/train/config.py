@@ -22,6 +22,7 @@ from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
 from largebatch.parallel.config import ParallelConfig
 from largebatch.schedules import ScheduleConfig
+from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
 from largebatch.typed_config import ConfigError, dump_toml, from_dict, load_toml, set_dotted, to_dict
 
 
@@ -164,6 +165,11 @@ class TrainConfig:
     """Budget, precision, recomputation, logging and checkpoints."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Data / tensor / sequence parallel sizes, used when launched with torchrun."""
+    phases: list[PhaseConfig] = field(default_factory=list)
+    """Training phases ([[phases]] tables, largebatch.train.phases): each with its own seq_len (<=
+    model.seq_len), total_tokens, micro_batch, [schedule] overrides and optimizer_state. Empty: one
+    phase at model.seq_len with [schedule] and run.total_tokens. With phases the run's budget is
+    their sum."""
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -182,10 +188,22 @@ def check(cfg: TrainConfig) -> TrainConfig:
 
     from largebatch.parallel.mesh import resolve_sizes
 
+    if cfg.phases:
+        total = phases_total(cfg.phases)
+        if cfg.run.total_tokens not in (total, RunConfig.total_tokens):
+            raise ConfigError(f"run.total_tokens = {cfg.run.total_tokens} but the phases sum to {total}: with "
+                              "[[phases]] the budget is their sum; remove run.total_tokens")
+        cfg = dataclasses.replace(cfg, run=with_phase_total(cfg.run, cfg.phases))
     try:
         dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-        cfg.schedule.build(total_tokens=cfg.run.total_tokens, seq_len=cfg.model.seq_len,
-                           micro_batch=cfg.run.micro_batch, dp_size=dp)
+        for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
+                                    cfg.run.micro_batch):
+            where = f"phases[{phase.index}]: " if cfg.phases else ""
+            try:
+                phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
+                                     micro_batch=phase.micro_batch, dp_size=dp)
+            except ValueError as exc:
+                raise ValueError(f"{where}{exc}") from exc
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     policies = [p.strip() for p in cfg.run.recompute.split(",")]

@@ -32,6 +32,7 @@ import torch
 
 from largebatch.data import build_data
 from largebatch.models import build_model
+from largebatch.models.flops import flops_per_token
 from largebatch.parallel import (
     clip_grad_norm_,
     global_grad_norm,
@@ -62,6 +63,8 @@ from largebatch.train.metrics import (
     plot_run,
 )
 from largebatch.train.optimizer import build_optimizer
+from largebatch.train.phases import Phase, resolve_phases
+from largebatch.train.phases import describe as describe_phases
 from largebatch.train.rundir import lock_run_dir
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
@@ -83,6 +86,8 @@ class Progression:
     train_seconds: float = 0.0  # wall time spent in optimizer steps (not eval or checkpoints)
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # consecutive non-finite steps (run.max_skipped_steps)
+    phase: int = 0  # the current phase (largebatch.train.phases); ``samples`` counts within it
+    phase_start: int = 0  # tokens at which the current phase began (its schedule's zero)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -140,7 +145,10 @@ class Trainer:
         random.seed(run.seed)
         np.random.seed(run.seed)
         self.lock = lock_run_dir(self.run_dir, self.par)  # one run per directory; freed at death
-        self.data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind=cfg.model.kind)
+        self.phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, run.total_tokens,
+                                     run.micro_batch)
+        self.phase = self.phases[0]
+        self.data = build_data(cfg.data, seq_len=self.phase.seq_len, kind=cfg.model.kind)
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): tensor/sequence parallel -> recompute -> compile -> DDP/FSDP
@@ -150,9 +158,10 @@ class Trainer:
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
-        self.schedule = cfg.schedule.build(total_tokens=run.total_tokens, seq_len=cfg.model.seq_len,
-                                           micro_batch=run.micro_batch, dp_size=self.par.dp_size)
+        self.schedule_dp = self.par.dp_size  # the batch granularity's replica count (see _load)
+        self.schedule = self._build_schedule()
         self.noise = cfg.schedule.build_noise_scale()
+        self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
@@ -176,13 +185,14 @@ class Trainer:
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
-        self.flops_per_token = self.raw_model.flops_per_token()
+        self.flops_per_token = flops_per_token(cfg.model, seq_len=self.phase.seq_len)
 
     # ------------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
+                "phase_val_losses": list(self.phase_val_losses),
                 "rng": _gather_rng(_rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
     def _load_newest_intact(self) -> Path:
@@ -218,13 +228,13 @@ class Trainer:
             if saved_dp % self.par.dp_size:
                 raise ValueError(f"checkpoint {path} was written with {saved_dp} data-parallel "
                                  f"replicas; resume on a number that divides {saved_dp}")
-            run = self.cfg.run
-            self.schedule = self.cfg.schedule.build(total_tokens=run.total_tokens,
-                                                    seq_len=self.cfg.model.seq_len,
-                                                    micro_batch=run.micro_batch, dp_size=saved_dp)
+            self.schedule_dp = saved_dp
+        self.pos = Progression(**extra["progress"])
+        self.phase_val_losses = list(extra.get("phase_val_losses", []))
+        if self.pos.phase != self.phase.index or saved_dp != self.par.dp_size:
+            self._set_phase(self.phases[self.pos.phase])
         self.schedule.load_state_dict(extra["schedule"])
         self.noise.load_state_dict(extra["noise_scale"])
-        self.pos = Progression(**extra["progress"])
         rngs = extra["rng"]
         if len(rngs) == self.par.world_size:
             _set_rng_state(rngs[self.par.rank], self.device)
@@ -254,7 +264,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss (nats/token) over a fixed slice of the validation split."""
         self.model.eval()
-        seq_len, mb = self.cfg.model.seq_len, self.cfg.run.micro_batch
+        seq_len, mb = self.phase.seq_len, self.phase.micro_batch
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
         total, count = 0.0, 0
         for start in range(0, n, mb):
@@ -267,11 +277,12 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record."""
         cfg, pos, par = self.cfg, self.pos, self.par
-        batch_size = self.schedule.batch_size(pos.tokens)
-        lr = self.schedule.lr(pos.tokens)
+        in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
+        batch_size = self.schedule.batch_size(in_phase)
+        lr = self.schedule.lr(in_phase)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        mb = cfg.run.micro_batch
+        mb = self.phase.micro_batch
         # global sample indices: the data order never depends on how batches are cut; each
         # data-parallel rank takes a contiguous share of the step
         indices = rank_samples(range(pos.samples, pos.samples + batch_size), par)
@@ -298,7 +309,8 @@ class Trainer:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
         loss_value = global_sum(loss_sum, par) / n_targets
-        record: dict[str, Any] = {"kind": "train", "loss": loss_value, "lr": lr,
+        record: dict[str, Any] = {"kind": "train", "phase": self.phase.index, "seq_len": self.phase.seq_len,
+                                  "loss": loss_value, "lr": lr,
                                   "batch_size": batch_size, "micro_batches": len(micro_batches),
                                   "grad_norm": grad_norm}
         if self.local_grad_norm is not None:  # DDP: this rank's batch vs all ranks' batch
@@ -335,14 +347,14 @@ class Trainer:
                 self.noise.update(*noise_inputs)
                 if self.schedule.uses_noise_scale and self.noise.b_simple is not None:
                     # adaptive Seesaw: caps only milestones after this token count (deterministic)
-                    self.schedule.observe_noise_scale(pos.tokens, self.noise.b_simple)
+                    self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         if cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             summary = self.optimizer.trust_ratio_summary()
             if summary:
                 record.update({f"trust_{k}": v for k, v in summary.items()})
         record["noise_scale"] = self.noise.b_simple
         pos.step += 1
-        pos.tokens += batch_size * cfg.model.seq_len
+        pos.tokens += batch_size * self.phase.seq_len
         pos.samples += batch_size
         return record
 
@@ -365,8 +377,14 @@ class Trainer:
         signum, time_due = None, False  # SIGTERM / SIGINT, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
-            while pos.tokens < run.total_tokens:
-                # -- 3. top of the iteration: evaluate, checkpoint, stop -----------------------
+            while True:
+                # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
+                if pos.tokens - pos.phase_start >= self.phase.total_tokens:
+                    if self.phase.index + 1 == len(self.phases):
+                        break
+                    self.phase_val_losses.append(self._log_eval())  # at the ending phase's length
+                    self._begin_next_phase()
+                    pos.next_eval = pos.tokens  # and at the new length
                 if pos.tokens >= pos.next_eval:
                     val_loss = self._log_eval()
                     pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
@@ -411,6 +429,29 @@ class Trainer:
         self.save()
         return self._summary(val_loss)
 
+    def _build_schedule(self):
+        p = self.phase
+        return p.schedule.build(total_tokens=p.total_tokens, seq_len=p.seq_len, micro_batch=p.micro_batch,
+                                dp_size=self.schedule_dp)
+
+    def _set_phase(self, phase: Phase) -> None:
+        """Data packed at the phase's length, its schedule and its FLOPs per token."""
+        if phase.seq_len != self.phase.seq_len:
+            self.data = build_data(self.cfg.data, seq_len=phase.seq_len, kind=self.cfg.model.kind)
+        self.phase = phase
+        self.schedule = self._build_schedule()
+        self.flops_per_token = flops_per_token(self.cfg.model, seq_len=phase.seq_len)
+
+    def _begin_next_phase(self) -> None:
+        pos = self.pos
+        self._set_phase(self.phases[pos.phase + 1])
+        pos.phase, pos.phase_start, pos.samples = self.phase.index, pos.tokens, 0
+        self.noise = self.cfg.schedule.build_noise_scale()  # B_noise is in sequences of the old length
+        if self.phase.optimizer_state == "reset":
+            self.optimizer = shard_optimizer(build_optimizer(self.raw_model, self.cfg.optim), self.par)
+        self.log(f"phase {self.phase.index} begins at {human_count(pos.tokens)} tokens: "
+                 + describe_phases([self.phase])[0].split(": ", 1)[1])
+
     def _resume_command(self) -> str:
         command = f"largebatch train --resume {self.run_dir}"
         if self.par.distributed:
@@ -434,7 +475,8 @@ class Trainer:
     def _log_eval(self) -> float:
         val_loss = self.evaluate()
         if self.metrics is not None:
-            self.metrics.log({"kind": "val", "step": self.pos.step, "tokens": self.pos.tokens,
+            self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
+                              "step": self.pos.step, "tokens": self.pos.tokens,
                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}")
@@ -454,9 +496,11 @@ class Trainer:
                  f"parallel     {self.par.world_size} process(es): dp {self.par.dp_size} "
                  f"({self.par.dp_mode}) x tp {self.par.tp_size}"
                  f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
-                 f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}",
-                 cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch,
-                                       self.par.dp_size)]
+                 f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}"]
+        if cfg.phases:
+            lines += [f"phases       {line}" for line in describe_phases(self.phases)]
+        lines += [p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, self.par.dp_size)
+                  for p in self.phases]
         return "\n".join(line for line in lines if line)
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
@@ -469,6 +513,8 @@ class Trainer:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        if self.cfg.phases:
+            summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
         if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
             if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
                 summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"

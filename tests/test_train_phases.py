@@ -1,0 +1,162 @@
+"""Training phases ([[phases]]): a BERT run at sequence length 32 then 64, each phase with its own
+batch, micro-batch and LANS schedule; exact resume across the boundary; bad phase lists refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.train.checkpoint import list_checkpoints, load_checkpoint
+from largebatch.train.cli import main
+from largebatch.train.metrics import read_metrics
+
+CONFIG = """
+[model]
+kind = "bert"
+n_layer = 2
+n_embd = 32
+n_head = 2
+seq_len = 64
+dropout = 0.1
+
+[data]
+corpus = "shakespeare"
+vocab_size = 400
+cache_dir = "{cache}"
+
+[schedule]
+lr_schedule = "lans"
+peak_lr = 1e-2
+warmup = 0.25
+batch_policy = "constant"
+batch_size = 8
+
+[optim]
+name = "lans"
+
+[run]
+micro_batch = 8
+eval_tokens = 1024
+eval_every_tokens = 1024
+tensorboard = false
+progress = "off"
+peak_flops = 1e11
+device = "cpu"
+{run_extra}
+
+[[phases]]
+seq_len = 32
+total_tokens = 2048
+schedule = {{ batch_size = 16 }}
+
+[[phases]]
+seq_len = 64
+total_tokens = 2048
+micro_batch = 4
+schedule = {{ batch_size = 8, peak_lr = 5e-3 }}
+{phase_extra}
+"""
+
+
+def write_config(tmp: Path, cache: Path, run_extra: str = "", phase_extra: str = "") -> Path:
+    path = tmp / f"phases-{abs(hash((run_extra, phase_extra)))}.toml"
+    path.write_text(CONFIG.format(cache=cache, run_extra=run_extra, phase_extra=phase_extra))
+    return path
+
+
+def train_records(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run) if r["kind"] == "train"]
+
+
+def lans_lr(peak: float, warmup: float, u: float) -> float:
+    """The LANS schedule (docs/papers.md: LANS) with no hold and linear decay, at budget fraction u."""
+    return peak * u / warmup if u < warmup else peak * (1 - u) / (1 - warmup)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data_cache, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("phases")
+    config = write_config(tmp, tiny_data_cache)
+    run = tmp / "ref"
+    assert main([str(config), f"--run.out_dir={run}"]) == 0
+    return tmp, config, run
+
+
+def test_each_phase_runs_at_its_length_batch_and_schedule(reference):
+    _, _, run = reference
+    records = train_records(run)
+    phase0 = [r for r in records if r["phase"] == 0]
+    phase1 = [r for r in records if r["phase"] == 1]
+    assert [r["seq_len"] for r in phase0] == [32] * 4 and [r["batch_size"] for r in phase0] == [16] * 4
+    assert [r["seq_len"] for r in phase1] == [64] * 4 and [r["batch_size"] for r in phase1] == [8] * 4
+    assert [r["micro_batches"] for r in phase1] == [2] * 4  # phase micro-batch 4
+    assert phase1[0]["tokens"] == 2048 + 8 * 64  # the token clock runs on
+    # each phase's LR follows its own schedule from the phase's first token (the LR re-warms)
+    for records_, peak, tokens_per_step in ((phase0, 1e-2, 16 * 32), (phase1, 5e-3, 8 * 64)):
+        expected = [lans_lr(peak, 0.25, i * tokens_per_step / 2048) for i in range(4)]
+        assert [r["lr"] for r in records_] == pytest.approx(expected, rel=1e-6)
+    vals = [r for r in read_metrics(run) if r["kind"] == "val"]
+    at_boundary = [r for r in vals if r["tokens"] == 2048]
+    assert sorted(r["seq_len"] for r in at_boundary) == [32, 64]  # phase 0's last eval, phase 1's first
+
+
+def test_resume_is_exact_across_the_phase_boundary(reference, tiny_data_cache):
+    tmp, config, ref = reference
+    run = tmp / "stopped"
+    # stop after step 3 (inside phase 0), then after step 5 (the boundary crossed), then finish
+    for max_steps in (3, 2, 0):
+        assert main([str(config), f"--run.out_dir={run}", f"--run.max_steps={max_steps}"]) == 0
+    got = [(r["step"], r["phase"], r["loss"], r["lr"]) for r in train_records(run)]
+    want = [(r["step"], r["phase"], r["loss"], r["lr"]) for r in train_records(ref)]
+    assert got == want  # bit for bit, dropout included
+
+
+def test_optimizer_state_reset_starts_the_moments_afresh(reference, tiny_data_cache):
+    tmp, _, ref = reference
+    config = write_config(tmp, tiny_data_cache, phase_extra='optimizer_state = "reset"')
+    run = tmp / "reset"
+    assert main([str(config), f"--run.out_dir={run}"]) == 0
+    state = load_checkpoint(list_checkpoints(run)[-1])["optimizer"]["state"]
+    steps = {int(torch.as_tensor(s["step"]).item()) for s in state.values()}
+    assert steps == {4}  # phase 1's four steps only; carried over they would be 8
+    carried = load_checkpoint(list_checkpoints(ref)[-1])["optimizer"]["state"]
+    assert {int(torch.as_tensor(s["step"]).item()) for s in carried.values()} == {8}
+    # identical until phase 1's first update with a non-zero LR (its warmup starts at 0, so the
+    # loss of step 7 is the first to see the restarted moments)
+    a, b = train_records(ref), train_records(run)
+    assert [r["loss"] for r in a[:6]] == [r["loss"] for r in b[:6]]
+    assert a[6]["loss"] != b[6]["loss"]
+
+
+@pytest.mark.parametrize("run_extra, phase_extra, expected", [
+    ("", "seq_len = 128", "phases[1].seq_len = 128: longer than model.seq_len = 64"),
+    ("", "total_tokens = 0", "total_tokens = 0: must be > 0"),
+    ("", "warmup = 0.1", "unknown key 'phases[1].warmup'"),
+    ("", "schedule = { batch_sise = 8 }", "unknown key 'phases[1].schedule.batch_sise'"),
+    ("total_tokens = 5000", "", "run.total_tokens = 5000 but the phases sum to 4096"),
+])
+def test_bad_phase_lists_are_one_line_errors(run_extra, phase_extra, expected, reference, tiny_data_cache,
+                                             capsys):
+    tmp, _, _ = reference
+    # a repeated key in the second [[phases]] table replaces it (TOML forbids duplicates): rewrite
+    text = CONFIG.format(cache=tiny_data_cache, run_extra=run_extra, phase_extra="")
+    if phase_extra:
+        key = phase_extra.split(" =")[0]
+        head, tail = text.rsplit("[[phases]]", 1)
+        tail = "\n".join(line for line in tail.splitlines() if not line.startswith(key + " "))
+        text = head + "[[phases]]" + tail + "\n" + phase_extra + "\n"
+    config = tmp / "bad.toml"
+    config.write_text(text)
+    assert main([str(config), f"--run.out_dir={tmp / 'bad'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1, err
+    assert not (tmp / "bad").exists()
+
+
+def test_a_changed_phase_list_is_refused_on_resume(reference, capsys):
+    tmp, config, ref = reference
+    code = main([str(config), f"--run.out_dir={ref}", "--phases.1.total_tokens=4096"])
+    err = capsys.readouterr().err
+    assert code == 2 and "phases" in err, err
