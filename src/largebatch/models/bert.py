@@ -30,6 +30,9 @@ class MaskedLMHead(nn.Module):
 
 
 class BERT(TransformerBase):
+    pipeline_first = ("tok_emb", "pos_emb", "emb_norm", "drop")
+    pipeline_last = ("ln_f", "head")
+
     def __init__(self, config: ModelConfig):
         if config.kind != "bert":
             raise ValueError(f"BERT needs ModelConfig.kind='bert', got {config.kind!r}: use GPT "
@@ -50,8 +53,7 @@ class BERT(TransformerBase):
         """input_ids, labels: (B, T); labels == -100 marks positions not predicted.
         With labels: logits (n_masked, v) for the positions labels != -100, and the loss.
         Without labels: logits (B, T, v) for every position, loss None."""
-        x = self.drop(self.emb_norm(self.embed(input_ids)))
-        x = self.ln_f(self.run_blocks(x))  # (B, T, C)
+        x = self.ln_f(self.run_blocks(self.embed_input(input_ids)))  # (B, T, C)
         if labels is None:
             return self.head(x), None
         if labels.shape != input_ids.shape:
@@ -60,3 +62,11 @@ class BERT(TransformerBase):
         predicted = labels != -100  # (B, T) bool
         logits = self.head(x[predicted])  # (n_masked, v)
         return logits, token_loss(logits, labels[predicted], reduction)
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.emb_norm(self.embed(input_ids)))  # (B, T) -> (B, T, C)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Every position's logits (B, T, v): under pipeline parallel the last stage does not see the
+        labels, so the loss picks the predicted positions (the same values, more compute)."""
+        return self.head(self.ln_f(x))

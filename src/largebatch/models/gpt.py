@@ -20,7 +20,16 @@ from largebatch.models.layers import Block, Dropout, init_weights
 
 
 class TransformerBase(nn.Module):
-    """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts."""
+    """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts.
+
+    Pipeline parallel (largebatch.parallel.pipeline) cuts the model at block boundaries; each model
+    declares the modules that run before its blocks (on the first stage, ``pipeline_first``, run by
+    ``embed_input``) and after them (on the last stage, ``pipeline_last``, run by
+    ``output_logits``), as torchtitan's models declare theirs.
+    """
+
+    pipeline_first: tuple[str, ...] = ("tok_emb", "pos_emb", "drop")
+    pipeline_last: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -43,6 +52,14 @@ class TransformerBase(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+    def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
+        """The first pipeline stage's part: token ids (B, T) -> hidden states (B, T, C)."""
+        raise NotImplementedError
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's part: hidden states (B, T, C) -> logits (B, T, v)."""
+        raise NotImplementedError
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). non_embedding drops the token and position
@@ -69,6 +86,8 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 
 
 class GPT(TransformerBase):
+    pipeline_last = ("ln_f", "lm_head")
+
     def __init__(self, config: ModelConfig):
         if config.kind != "gpt":
             raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {config.kind!r}: use BERT "
@@ -85,10 +104,15 @@ class GPT(TransformerBase):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
-        x = self.run_blocks(self.drop(self.embed(idx)))  # (B, T, C)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, v)
+        logits = self.output_logits(self.run_blocks(self.embed_input(idx)))  # (B, T, v)
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
+
+    def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.embed(idx))  # (B, T) -> (B, T, C)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, v)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

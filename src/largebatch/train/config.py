@@ -183,9 +183,11 @@ def check(cfg: TrainConfig) -> TrainConfig:
     from largebatch.parallel.mesh import resolve_sizes
 
     try:
-        dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-        cfg.schedule.build(total_tokens=cfg.run.total_tokens, seq_len=cfg.model.seq_len,
-                           micro_batch=cfg.run.micro_batch, dp_size=dp)
+        pp, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        schedule = cfg.schedule.build(total_tokens=cfg.run.total_tokens, seq_len=cfg.model.seq_len,
+                                      micro_batch=cfg.run.micro_batch, dp_size=dp)
+        if pp > 1:
+            check_pipeline(cfg, schedule, dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     policies = [p.strip() for p in cfg.run.recompute.split(",")]
@@ -199,6 +201,21 @@ def check(cfg: TrainConfig) -> TrainConfig:
                           f"policies for a model of {cfg.model.n_layer} layers; give one policy, "
                           f"or exactly {cfg.model.n_layer}")
     return cfg
+
+
+def check_pipeline(cfg: TrainConfig, schedule, dp: int) -> None:
+    """The pipeline layout against the model and the batch schedule (ValueError, one line)."""
+    from largebatch.parallel.pipeline import check_micro_batches, stage_layers
+
+    par = cfg.parallel
+    if cfg.model.tie_embeddings:
+        raise ValueError(f"model.tie_embeddings = true with parallel.pp = {par.pp}: the token embedding (first "
+                         "stage) and the output layer (last stage) sit on different ranks; set "
+                         "model.tie_embeddings = false")
+    stage_layers(cfg.model.n_layer, par.pp, par.pp_virtual_stages, par.pp_split)
+    step_tokens = cfg.run.total_tokens / 64  # the batch sizes the schedule goes through
+    sizes = {schedule.batch_size(i * step_tokens) for i in range(64)}
+    check_micro_batches(par.pp_schedule, par.pp, {size // (cfg.run.micro_batch * dp) for size in sizes})
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

@@ -44,6 +44,7 @@ from largebatch.parallel import (
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
+from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -143,10 +144,13 @@ class Trainer:
         self.data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind=cfg.model.kind)
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
-        # fixed order (torchtitan): tensor/sequence parallel -> recompute -> compile -> DDP/FSDP
-        self.model = parallelize(build_model(cfg.model).to(self.device), self.par,
-                                 recompute=_recompute_policy(run.recompute, cfg.model.n_layer),
-                                 compile=run.compile)
+        # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
+        # compile -> DDP/FSDP
+        model = build_model(cfg.model).to(self.device)
+        self.n_params = model.num_params()
+        techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
+        self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
+        self.model = self.pipeline.model if self.pipeline else parallelize(model, self.par, **techniques)
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
@@ -155,7 +159,8 @@ class Trainer:
         self.noise = cfg.schedule.build_noise_scale()
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
-        self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
+        ddp_modules = self.pipeline.modules if self.pipeline else [self.model]
+        self.local_grad_norm = (LocalGradNorm.install(ddp_modules, self.par)
                                 if self.par.dp_size > 1 and self.par.dp_mode == "ddp" else None)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if run.dtype == "bf16" else nullcontext())
@@ -246,6 +251,9 @@ class Trainer:
     def _forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = batch["input_ids"].to(self.device, non_blocking=True)
         targets = batch["targets"] if "targets" in batch else batch["labels"]
+        if self.pipeline:  # forward only, through every stage
+            with self.autocast:
+                return self.pipeline.eval_loss(inputs, targets.to(self.device))
         with self.autocast, self.par.loss_context():
             _, loss_sum = self.model(inputs, targets.to(self.device, non_blocking=True), reduction="sum")
         return loss_sum
@@ -282,6 +290,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
+        if self.pipeline:  # the step's micro-batches are the pipeline's
+            with self.autocast:
+                loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
+            micro_batches = []
         for i, batch in enumerate(micro_batches):
             with gradient_sync(self.model, i == last):
                 loss = self._forward_loss(batch)
@@ -441,18 +453,20 @@ class Trainer:
         return val_loss
 
     def describe(self) -> str:
-        cfg, m = self.cfg, self.raw_model
+        cfg = self.cfg
         lines = [f"run dir      {self.run_dir}",
                  f"data         {self.data.stats}",
-                 f"model        {cfg.model.kind} {human_count(m.num_params())} parameters, "
+                 f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
                  f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip})",
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
-                 f"parallel     {self.par.world_size} process(es): dp {self.par.dp_size} "
-                 f"({self.par.dp_mode}) x tp {self.par.tp_size}"
+                 f"parallel     {self.par.world_size} process(es): "
+                 + (f"pp {self.par.pp_size} ({self.par.pp_schedule}, {self.par.pp_virtual_stages} stage(s) "
+                    f"per rank) x " if self.par.pp_size > 1 else "")
+                 + f"dp {self.par.dp_size} ({self.par.dp_mode}) x tp {self.par.tp_size}"
                  f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
                  f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}",
                  cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch,
@@ -472,6 +486,8 @@ class Trainer:
         if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
             if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
                 summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
+            elif self.pipeline:
+                summary["sample"] = "(no sample: generation under pipeline parallel is not supported)"
             else:  # every rank generates: tensor-parallel and FSDP forwards are collective
                 summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
         if not self.is_main:
@@ -501,6 +517,13 @@ def _target_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "targets" in batch:
         return (batch["targets"] != -100).sum()
     return (batch["labels"] != -100).sum()
+
+
+def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches as one (n x mb, T) batch of inputs and one of targets."""
+    key = "targets" if "targets" in micro_batches[0] else "labels"
+    return (torch.cat([b["input_ids"] for b in micro_batches]).to(device),
+            torch.cat([b[key] for b in micro_batches]).to(device))
 
 
 def _recompute_policy(spec: str, n_layer: int) -> str | list[str]:
