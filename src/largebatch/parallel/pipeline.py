@@ -126,7 +126,7 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, targets, "sum") * self.scale
 
-    def _schedule(self, name: str, n_microbatches: int):
+    def _schedule(self, name: str, n_microbatches: int, shape: tuple[int, ...]):
         key = (name, n_microbatches)
         if key not in self._cache:
             from torch.distributed.pipelining.schedules import get_schedule_class
@@ -136,14 +136,15 @@ class Pipeline:
             self._cache[key] = cls(self.stages if multi else self.stages[0], n_microbatches=n_microbatches,
                                    loss_fn=self._loss, scale_grads=False)
         schedule = self._cache[key]
-        if self._last is not None and self._last is not schedule:
-            # the stages are shared: another schedule sized their per-micro-batch buffers since
-            # this one last ran, so it prepares them again (torch keeps that flag privately)
+        if self._last is not None and self._last != (schedule, shape):
+            # the stages are shared: another schedule (or a batch of another shape, the last
+            # evaluation batch) sized their per-micro-batch buffers since this one last ran, so it
+            # prepares them again (torch keeps that flag privately)
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
                          "_stages_forward_initialized", "_stages_backward_initialized"):
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
-        self._last = schedule
+        self._last = (schedule, shape)
         return schedule
 
     def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
@@ -163,14 +164,15 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int, scale: float) -> torch.Tensor:
         """Forward and backward of one step's micro-batches (inputs, targets: (n x mb, T))."""
         self.scale = scale
-        return self._run(self._schedule(self.schedule, n_microbatches), inputs, targets, forward_only=False)
+        schedule = self._schedule(self.schedule, n_microbatches, tuple(inputs.shape))
+        return self._run(schedule, inputs, targets, forward_only=False)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed loss of one micro-batch, forward only (a one-micro-batch schedule)."""
         self.scale = 1.0
         name = "GPipe" if len(self.stages) == 1 else "LoopedBFS"
-        return self._run(self._schedule(name, 1), inputs, targets, forward_only=True)
+        return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
 
 
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
