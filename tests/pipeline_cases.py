@@ -4,11 +4,17 @@ runs of the same config."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from largebatch.models import ModelConfig, build_model
+from largebatch.parallel import ParallelConfig, init_distributed
+from largebatch.parallel.measure import peak_saved_activation_bytes
+from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
@@ -21,6 +27,10 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
 STOP_AT = 5  # the resumed case stops after this many steps
+MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
+                           tie_embeddings=False)  # fp32, no dropout, explicit attention
+MEMORY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1)]
+MICRO_BATCH, MICRO_BATCHES = 2, 4
 
 
 def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **extra) -> dict:
@@ -40,8 +50,27 @@ def train(o: dict, out: str | Path, resume: bool = False) -> None:
     Trainer(load_config(resolve_config(None), o), out, resume=resume, log=lambda *_: None).fit()
 
 
+def first_stage_peak_bytes() -> dict[str, int]:
+    """Peak bytes autograd holds on the first stage's rank during a step, per schedule."""
+    peaks = {}
+    for schedule, virtual in MEMORY_CASES:
+        state = init_distributed(ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual))
+        torch.manual_seed(0)
+        model = build_model(MEMORY_MODEL)
+        pipe = pipeline_parallelize(model, state)
+        gen = torch.Generator().manual_seed(1)
+        idx, targets = (torch.randint(0, 64, (MICRO_BATCHES * MICRO_BATCH, 32), generator=gen) for _ in range(2))
+        pipe.step(idx, targets, MICRO_BATCHES, 1.0)  # the first step also infers the stages' shapes
+        _, peaks[schedule] = peak_saved_activation_bytes(
+            lambda: pipe.step(idx, targets, MICRO_BATCHES, 1.0), model)
+    return peaks
+
+
 def run_all(out_dir: str, cache: str) -> None:
     out = Path(out_dir)
+    peaks = first_stage_peak_bytes()
+    if dist.get_rank() == 0:
+        (out / "first_stage_peak_bytes.json").write_text(json.dumps(peaks))
     for name, kind, optim, schedule, virtual in CASES:
         train(overrides(cache, str(out / name), kind, optim, **{
             "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual}), out / name)

@@ -67,6 +67,21 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
     _assert_same_trajectory(one, ref)
 
 
+@pytest.mark.parametrize("schedule, virtual", cases.MEMORY_CASES)
+def test_first_stage_activations_match_the_memory_model(runs, schedule, virtual):
+    """Korthikanti et al. 2022 §4.2.3: 1F1B keeps p micro-batches of L/p layers (L layers' worth), the
+    interleaved schedule L (1 + (p - 1) / (p V)), GPipe all m micro-batches (m L / p)."""
+    from largebatch.memory.activations import first_stage_layers, model_activation_bytes
+
+    _, out = runs
+    measured = json.loads((out / "first_stage_peak_bytes.json").read_text())[schedule]
+    m, L = cases.MICRO_BATCHES, cases.MEMORY_MODEL.n_layer
+    expected = model_activation_bytes(cases.MEMORY_MODEL, cases.MICRO_BATCH, pp=2, dtype_bytes=4, device="cpu",
+                                      schedule=schedule, virtual_stages=virtual, micro_batches=m)
+    assert first_stage_layers(L, 2, schedule, virtual, m) == {"1f1b": 4, "interleaved-1f1b": 5, "gpipe": 8}[schedule]
+    assert measured == pytest.approx(expected, rel=0.05)
+
+
 def _config(monkeypatch, world: int, **extra):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     return load_config(resolve_config(None), cases.overrides("unused", "unused", **extra))
