@@ -83,3 +83,9 @@ def run_all(out_dir: str, cache: str) -> None:
         shutil.copytree(out / "resume", out / "resume-on-one")
     dist.barrier()
     train(overrides(cache, str(out / "resume"), **pp), out / "resume", resume=True)
+
+
+def run_pp_dp(out_dir: str, cache: str) -> None:
+    """4 ranks: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), 1F1B."""
+    out = Path(out_dir) / "pp2-dp2"
+    train(overrides(cache, str(out), **{"parallel.pp": 2, "parallel.dp_mode": "fsdp"}), out)

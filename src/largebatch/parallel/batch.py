@@ -51,9 +51,8 @@ def rank_samples(sample_ids: Sequence[int], state: ParallelState) -> Sequence[in
 class LocalGradNorm:
     """Squared L2 norm of this rank's accumulated gradient before DDP's all-reduce.
 
-    ``LocalGradNorm.install(ddp_models, state)`` registers the comm hook on each DDP module (one, or
-    one per pipeline stage of the rank); read ``take()`` after the step's last (synchronising)
-    backward: it returns the squared norm and resets.
+    ``LocalGradNorm.install(ddp_model, state)`` registers the comm hook; read ``take()`` after the
+    step's last (synchronising) backward: it returns the squared norm and resets.
     """
 
     def __init__(self, state: ParallelState):
@@ -61,11 +60,9 @@ class LocalGradNorm:
         self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
 
     @classmethod
-    def install(cls, ddp_models: torch.nn.Module | Sequence[torch.nn.Module],
-                state: ParallelState) -> "LocalGradNorm":
+    def install(cls, ddp_model: torch.nn.Module, state: ParallelState) -> "LocalGradNorm":
         recorder = cls(state)
-        for ddp_model in ([ddp_models] if isinstance(ddp_models, torch.nn.Module) else ddp_models):
-            ddp_model.register_comm_hook(recorder, _record_then_allreduce)
+        ddp_model.register_comm_hook(recorder, _record_then_allreduce)
         return recorder
 
     def take(self) -> torch.Tensor:
@@ -84,15 +81,12 @@ def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor
 
     local_squared: this rank's squared gradient norm over its ``local_batch`` sequences (before
     the all-reduce); global_squared: the squared norm of the all-reduced gradient (same on every
-    rank). One all-reduce over the dp group averages the local norms; under pipeline parallel one
-    over the pp group first adds the stages' parts of the local norm.
+    rank). One all-reduce over the dp group averages the local norms.
     """
     if state.dp_size < 2:
         raise ValueError("noise_scale_inputs needs dp >= 2 (two batch sizes); at dp = 1 estimate from "
                          "one micro-batch vs the accumulated step instead")
     mean_local = local_squared.detach().double().clone()
-    if state.pp_size > 1:
-        dist.all_reduce(mean_local, group=state.pp_group)
     dist.all_reduce(mean_local, group=state.dp_group)
     mean_local /= state.dp_size
     return float(mean_local), local_batch, float(global_squared), local_batch * state.dp_size

@@ -103,6 +103,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "
                              f"several stages per rank need an interleaved schedule "
                              f"({', '.join(MULTI_STAGE)}); set pp_virtual_stages = 1 or change the schedule")
+        if self.pp > 1 and self.dp_mode == "ddp" and self.dp not in (0, 1):
+            raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {self.pp} and dp = {self.dp}: DDP's reducer "
+                             "does not support the many backwards of a pipeline stage (torchtitan neither); use "
+                             "parallel.dp_mode = 'fsdp' for pipeline x data parallel")
         if self.pp > 1 and self.tp > 1:
             raise ValueError(f"parallel.pp = {self.pp} with tp = {self.tp}: pipeline x tensor parallel is not "
                              "supported yet; use pp with data parallel only (tp = 1)")

@@ -110,7 +110,6 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, stages: list, state: ParallelState, schedule: str):
         self.model, self.stages, self.state, self.schedule = model, stages, state, schedule
-        self.modules = [stage.submod for stage in stages]  # DDP/FSDP-wrapped stage modules
         self.scale = 1.0  # the step's loss scale, read by the loss function
         self._cache: dict[tuple[str, int], object] = {}
         self._last = None  # the schedule that last prepared the stages' buffers
@@ -178,10 +177,10 @@ class Pipeline:
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
                          compile: bool = False) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then recomputation, compile
-    and data parallel (DDP or FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
+    and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
     from torch.distributed.pipelining import PipelineStage
 
-    from largebatch.parallel.parallelize import apply_ddp, apply_fsdp
+    from largebatch.parallel.parallelize import apply_fsdp
 
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
@@ -198,7 +197,7 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     stages = []
     for index in mine:
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
-        if state.dp_size > 1:
-            module = apply_fsdp(module, state.dp_mesh) if state.dp_mode == "fsdp" else apply_ddp(module, state)
+        if state.dp_size > 1:  # FSDP2 only: DDP's reducer breaks on a stage's many backwards (see config)
+            module = apply_fsdp(module, state.dp_mesh)
         stages.append(PipelineStage(module, index, n_stages, state.device, group=state.pp_group))
     return Pipeline(model, stages, state, state.pp_schedule)

@@ -47,16 +47,19 @@ from largebatch.parallel.checkpoint import load_distributed, save_distributed
 from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.checkpoint import (
     CheckpointError,
+    gather_rng,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
 )
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (
     MetricsLog,
     Progress,
-    human_bytes,
+    format_record,
     human_count,
     measure_peak_flops,
     memory_bytes,
@@ -95,36 +98,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def latest_any_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of a run, single-process (.pt) or distributed (.dcp), by step."""
     return latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
-
-
-def _gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
-    """Every rank's RNG state (dropout streams differ across data-parallel ranks)."""
-    if not pstate.distributed:
-        return [state_rng]
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * pstate.world_size
-    dist.all_gather_object(gathered, state_rng)
-    return gathered
 
 
 class Trainer:
@@ -159,8 +135,7 @@ class Trainer:
         self.noise = cfg.schedule.build_noise_scale()
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
-        ddp_modules = self.pipeline.modules if self.pipeline else [self.model]
-        self.local_grad_norm = (LocalGradNorm.install(ddp_modules, self.par)
+        self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
                                 if self.par.dp_size > 1 and self.par.dp_mode == "ddp" else None)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if run.dtype == "bf16" else nullcontext())
@@ -188,7 +163,7 @@ class Trainer:
         """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
-                "rng": _gather_rng(_rng_state(self.device), self.par), "config": to_dict(self.cfg)}
+                "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
     def _load_newest_intact(self) -> Path:
         """Load the newest checkpoint that reads back whole, saying which damaged ones were passed."""
@@ -232,7 +207,7 @@ class Trainer:
         self.pos = Progression(**extra["progress"])
         rngs = extra["rng"]
         if len(rngs) == self.par.world_size:
-            _set_rng_state(rngs[self.par.rank], self.device)
+            set_rng_state(rngs[self.par.rank], self.device)
         else:  # another number of ranks: the data order is exact, dropout streams restart
             seed_ranks(self.cfg.run.seed + self.pos.step, self.par)
             self.log(f"note: checkpoint from {len(rngs)} ranks resumed on {self.par.world_size}: "
@@ -416,7 +391,7 @@ class Trainer:
                         self.metrics.log(record)
                     progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
                     if not progress.enabled:
-                        self.log(_format_record(record))
+                        self.log(format_record(record))
         progress.close()
         # -- 4. the end -----------------------------------------------------------------------
         val_loss = self._log_eval()
@@ -536,16 +511,3 @@ def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     from largebatch.train.config import replace_section
 
     return replace_section(cfg, "model", vocab_size=vocab_size)
-
-
-def _format_record(r: dict[str, Any]) -> str:
-    text = (f"step {r['step']:>5}  tokens {human_count(r['tokens']):>7}  loss {r['loss']:.4f}  "
-            f"lr {r['lr']:.2e}  batch {r['batch_size']:>4}  tok/s {r['tokens_per_s']:,.0f}  "
-            f"mfu {100 * r['mfu']:.1f}%  mem {human_bytes(r['memory_bytes'])}  "
-            f"|g| {r['grad_norm']:.3f}")
-    if "trust_median" in r:
-        text += (f"  trust {r['trust_min']:.3g}/{r['trust_median']:.3g}/{r['trust_max']:.3g}"
-                 f" pinned {r['trust_pinned']}")
-    if r.get("noise_scale") is not None:
-        text += f"  B_noise {r['noise_scale']:.0f}"
-    return text
