@@ -32,6 +32,8 @@ class MaskedLMHead(nn.Module):
 class BERT(TransformerBase):
     pipeline_first = ("tok_emb", "pos_emb", "emb_norm", "drop")
     pipeline_last = ("ln_f", "head")
+    tp_output = "head.decoder"
+    tp_head_whole_sequence = True  # the head picks the masked positions (x[mask])
 
     def __init__(self, config: ModelConfig):
         if config.kind != "bert":

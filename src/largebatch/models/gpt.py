@@ -30,6 +30,10 @@ class TransformerBase(nn.Module):
 
     pipeline_first: tuple[str, ...] = ("tok_emb", "pos_emb", "drop")
     pipeline_last: tuple[str, ...] = ()
+    # tensor parallel (largebatch.parallel.tensor_parallel) asks the model, not a name table: the
+    # output projection split over the vocabulary, and whether the head needs the whole sequence
+    tp_output: str = ""
+    tp_head_whole_sequence: bool = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -87,6 +91,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 
 class GPT(TransformerBase):
     pipeline_last = ("ln_f", "lm_head")
+    tp_output = "lm_head"  # the final norm stays in the sequence-parallel region
 
     def __init__(self, config: ModelConfig):
         if config.kind != "gpt":

@@ -117,16 +117,17 @@ def _head_plan(model: nn.Module, sequence_parallel: bool,
         plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                           use_local_output=True)
     between = Shard(1) if sequence_parallel else Replicate()
-    if hasattr(model, "lm_head"):  # GPT: final norm in the sequence-parallel region, vocab-parallel logits
+    output = model.tp_output  # the model names its output projection
+    if not model.tp_head_whole_sequence:  # GPT: final norm in the sequence-parallel region
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel(use_local_output=True)
-        plan["lm_head"] = ColwiseParallel(input_layouts=between, **logits)
-        return plan, ["lm_head"]
+        plan[output] = ColwiseParallel(input_layouts=between, **logits)
+        return plan, [output]
     # BERT: the head picks the masked positions (x[mask]), so it runs on the whole sequence
     if sequence_parallel:
         plan["ln_f"] = ReplicateParallel(input_layout=Shard(1))
-    plan["head.decoder"] = ColwiseParallel(**logits)
-    return plan, ["head.decoder"]
+    plan[output] = ColwiseParallel(**logits)
+    return plan, [output]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
