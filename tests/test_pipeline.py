@@ -67,10 +67,11 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
     _assert_same_trajectory(one, ref)
 
 
-def test_pp2_x_dp2_fsdp_on_four_ranks_equals_one_process(runs):
+def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(runs):
     cache, out = runs
-    spawn(cases.run_pp_dp, 4, str(out), cache)
-    _assert_same_trajectory(out / "pp2-dp2", out / "one-gpt-lamb")
+    spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for both layouts
+    for name in cases.FOUR_RANK_CASES:
+        _assert_same_trajectory(out / name, out / "one-gpt-lamb")
 
 
 @pytest.mark.parametrize("schedule, virtual", cases.MEMORY_CASES)
@@ -104,6 +105,7 @@ def _config(monkeypatch, world: int, **extra):
     (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
     (2, {"parallel.pp": 2, "parallel.pp_virtual_stages": 2}, "several stages per rank need an interleaved"),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
+    (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.loss_parallel": True}, "turn loss_parallel off"),
     (4, {"parallel.pp": 2}, "set parallel.dp_mode = 'fsdp'"),
 ])
 def test_bad_layouts_fail_in_one_line_naming_the_fix(monkeypatch, world, extra, message):

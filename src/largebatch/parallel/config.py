@@ -107,9 +107,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {self.pp} and dp = {self.dp}: DDP's reducer "
                              "does not support the many backwards of a pipeline stage (torchtitan neither); use "
                              "parallel.dp_mode = 'fsdp' for pipeline x data parallel")
-        if self.pp > 1 and self.tp > 1:
-            raise ValueError(f"parallel.pp = {self.pp} with tp = {self.tp}: pipeline x tensor parallel is not "
-                             "supported yet; use pp with data parallel only (tp = 1)")
+        if self.pp > 1 and self.loss_parallel:
+            raise ValueError(f"parallel.loss_parallel = true with pp = {self.pp}: the vocabulary-parallel loss is "
+                             "not supported on a pipeline's last stage; turn loss_parallel off")
         split = self.pp_split
         if split is None:
             return

@@ -176,8 +176,8 @@ class Pipeline:
 
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
                          compile: bool = False) -> Pipeline:
-    """Cut ``model`` (identical on every rank) into this rank's stages; then recomputation, compile
-    and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
+    """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
+    recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
     from torch.distributed.pipelining import PipelineStage
 
     from largebatch.parallel.parallelize import apply_fsdp
@@ -186,6 +186,10 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
     keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
+    if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
+        from largebatch.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel)
     if recompute != "none":
         from largebatch.memory import apply_recompute
 
