@@ -57,7 +57,7 @@ class ParallelConfig:
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (DistributedDataParallel: full replicas,
     gradients all-reduced) or 'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer
-    state sharded across the dp ranks, gathered layer by layer). With tp > 1 use 'fsdp'."""
+    state sharded across the dp ranks, gathered layer by layer). With tp > 1 or pp > 1 use 'fsdp'."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: 'auto' (NCCL when CUDA is available, else gloo), 'nccl' (GPUs) or 'gloo'
     (CPU)."""
