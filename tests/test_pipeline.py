@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
 
 def _assert_same_trajectory(ours_dir, ref_dir) -> None:
     ours, ref = _train_records(ours_dir), _train_records(ref_dir)
-    assert [r["batch_size"] for r in ours] == [r["batch_size"] for r in ref]
+    assert [(r["batch_size"], r["micro_batches"]) for r in ours] == [(r["batch_size"], r["micro_batches"]) for r in ref]
     assert len({r["batch_size"] for r in ref}) >= 2  # the run crosses a Seesaw batch change
     assert ours[-1]["loss"] < ours[0]["loss"] - 0.1  # it learned
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in ref], rel=TOL, abs=TOL)

@@ -268,8 +268,7 @@ class Trainer:
         if self.pipeline:  # the step's micro-batches are the pipeline's
             with self.autocast:
                 loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
-            micro_batches = []
-        for i, batch in enumerate(micro_batches):
+        for i, batch in enumerate([] if self.pipeline else micro_batches):
             with gradient_sync(self.model, i == last):
                 loss = self._forward_loss(batch)
                 with par.loss_context():
