@@ -85,11 +85,12 @@ def run_all(out_dir: str, cache: str) -> None:
     train(overrides(cache, str(out / "resume"), **pp), out / "resume", resume=True)
 
 
-FOUR_RANK_CASES = {"pp2-dp2-fsdp": {"parallel.pp": 2, "parallel.dp_mode": "fsdp"},
-                   "pp2-tp2-sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}}
+FOUR_RANK_CASES = {  # name: (dp, layout)
+    "pp2-dp2-fsdp": (2, {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}),
+    "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
     """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), pp = 2 x tp = 2 + SP."""
-    for name, layout in FOUR_RANK_CASES.items():
+    for name, (_, layout) in FOUR_RANK_CASES.items():
         train(overrides(cache, str(Path(out_dir) / name), **layout), Path(out_dir) / name)

@@ -40,9 +40,10 @@ def runs(tmp_path_factory):
     return cache, out
 
 
-def _assert_same_trajectory(ours_dir, ref_dir) -> None:
+def _assert_same_trajectory(ours_dir, ref_dir, dp: int = 1) -> None:
     ours, ref = _train_records(ours_dir), _train_records(ref_dir)
-    assert [(r["batch_size"], r["micro_batches"]) for r in ours] == [(r["batch_size"], r["micro_batches"]) for r in ref]
+    assert [(r["batch_size"], r["micro_batches"] * dp) for r in ours] == \
+        [(r["batch_size"], r["micro_batches"]) for r in ref]  # micro-batches per rank
     assert len({r["batch_size"] for r in ref}) >= 2  # the run crosses a Seesaw batch change
     assert ours[-1]["loss"] < ours[0]["loss"] - 0.1  # it learned
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in ref], rel=TOL, abs=TOL)
@@ -70,8 +71,8 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
 def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(runs):
     cache, out = runs
     spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for both layouts
-    for name in cases.FOUR_RANK_CASES:
-        _assert_same_trajectory(out / name, out / "one-gpt-lamb")
+    for name, (dp, _) in cases.FOUR_RANK_CASES.items():
+        _assert_same_trajectory(out / name, out / "one-gpt-lamb", dp=dp)
 
 
 @pytest.mark.parametrize("schedule, virtual", cases.MEMORY_CASES)
