@@ -170,7 +170,7 @@ def test_config_errors_name_the_field(kwargs, field):
 
 
 def test_mesh_sizes_must_match_the_launch():
-    assert resolve_sizes(ParallelConfig(tp=2, dp_mode="fsdp"), 8) == (4, 2)
+    assert resolve_sizes(ParallelConfig(tp=2, dp_mode="fsdp"), 8) == (1, 4, 2)
     with pytest.raises(ValueError, match="set parallel.dp_mode = 'fsdp'"):
         resolve_sizes(ParallelConfig(tp=2), 8)
     with pytest.raises(ValueError, match="parallel.tp = 3 does not divide the 4 processes"):

@@ -28,6 +28,11 @@ Whole model (Korthikanti et al. 2022 §4.3): the first pipeline stage holds L la
 for each of p micro-batches in flight), p embedding dropout masks (s b h m), and, without pipeline
 parallelism, the output layer (GPT): final-norm input and projection input (2 s b h d) plus fp32 logits
 (4 s b v, vocabulary-parallel so / t).
+
+Per pipeline schedule (Korthikanti et al. 2022 §4.2.3, citing Narayanan et al. 2021), the first
+stage's layers' worth (``first_stage_layers``): 1F1B keeps p micro-batches of its L/p layers, L; the
+interleaved schedule with V stages per rank keeps L (1 + (p - 1) / (p V)); GPipe keeps all m
+micro-batches of the step, m L / p. The embedding masks follow the same count of micro-batches.
 """
 
 from __future__ import annotations
@@ -119,15 +124,37 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout)
 
 
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+
+
+def first_stage_layers(n_layer: int, pp: int, schedule: str = "1f1b", virtual_stages: int = 1,
+                       micro_batches: int | None = None) -> float:
+    """Layers' worth of activations the first pipeline stage keeps (Korthikanti et al. 2022
+    §4.2.3): 1F1B L; interleaved with V stages per rank L (1 + (p - 1) / (p V)); GPipe m L / p."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: must be one of {', '.join(PP_SCHEDULES)}.")
+    if pp == 1:
+        return float(n_layer)
+    if schedule == "gpipe":
+        if not micro_batches:
+            raise ValueError("schedule='gpipe' keeps every micro-batch of the step: give micro_batches.")
+        return micro_batches * n_layer / pp
+    if schedule == "interleaved-1f1b":
+        return n_layer * (1 + (pp - 1) / (pp * virtual_stages))
+    return float(n_layer)
+
+
 def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str | Sequence[str] = "none",
                            tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                            seq_len: int | None = None, *, dtype_bytes: float = 2,
                            device: str = "cuda", training: bool = True,
-                           mask_fraction: float = 0.15) -> float:
+                           mask_fraction: float = 0.15, schedule: str = "1f1b", virtual_stages: int = 1,
+                           micro_batches: int | None = None) -> float:
     """Activation bytes on the first pipeline stage for `config` (Korthikanti et al. 2022 §4.3).
 
     recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
-    the same mix); the stage holds pp micro-batches in flight, hence L layers' worth. For BERT
+    the same mix); with 1F1B the stage holds pp micro-batches in flight, hence L layers' worth
+    (other schedules: ``first_stage_layers``). For BERT
     the head (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the
     positions.
     """
@@ -136,15 +163,16 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     s = config.seq_len if seq_len is None else seq_len
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
     policies = per_layer_policies(recompute, config.n_layer // pp)
-    layers = pp * sum(policies.count(p) * activation_bytes_per_layer(
+    in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
+    layers = in_flight * sum(policies.count(p) * activation_bytes_per_layer(
         s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw)
         for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     h, v = config.n_embd, config.vocab_size
     mask = 1 if kw["dropout"] else 0
-    embedding = pp * s * micro_batch * h * mask / t_rep
+    embedding = in_flight * s * micro_batch * h * mask / t_rep
     if config.kind == "bert" and config.norm_position == "post":
-        embedding += pp * s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
+        embedding += in_flight * s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
     output = 0.0
     if pp == 1 and config.kind == "gpt":
         output = s * micro_batch * (2 * h * dtype_bytes / t_rep + 4 * v / tp)

@@ -5,6 +5,7 @@ least recompute FLOPs that fits a budget.
     largebatch memory --model gpt3-175b --tp 8 --budget-gib 80
     largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
     largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
+    largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
+from largebatch.memory.activations import (
+    activation_bytes_per_layer,
+    config_layer_kwargs,
+    first_stage_layers,
+    model_activation_bytes,
+)
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, what_would_fit
@@ -28,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
-                   "[run] micro_batch and [parallel] tp / sequence_parallel / dp, so the prediction "
+                   "[run] micro_batch and [parallel] tp / pp / sequence_parallel / dp, so the prediction "
                    "is per rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT config.json (or a directory "
                    "holding one); also prints what transformers' eager layers keep")
@@ -38,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", default="1", help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p")
+    p.add_argument("--pp-virtual-stages", type=int, default=2,
+                   help="V, stages per rank of the interleaved schedule in the --pp table (default 2)")
+    p.add_argument("--pp-micro-batches", type=int,
+                   help="m, micro-batches per step for the GPipe row of the --pp table (default 2 p)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --zero-stage)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument("--budget-gib", type=float, help="memory per device in GiB; omit for the table only")
@@ -78,6 +88,10 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         args.micro_batch = str(run["micro_batch"])
     if args.tp == 1:
         args.tp = par.get("tp", 1)
+    if args.pp == 1:
+        args.pp = par.get("pp", 1)
+    if args.pp_virtual_stages == 2 and par.get("pp_virtual_stages", 1) > 1:
+        args.pp_virtual_stages = par["pp_virtual_stages"]
     if args.dp == 1:
         args.dp = par.get("dp", 0) or 1
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
@@ -105,6 +119,26 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
         bytes_ = per_layer[name]
         lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {L * bytes_ / GIB:>7.2f} GiB  "
                      f"{reference / bytes_:>6.1f}x")
+    return lines
+
+
+def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int) -> list[str]:
+    """The first pipeline stage's activations per schedule (Korthikanti et al. 2022 §4.2.3)."""
+    p, L = setup.pp, config.n_layer
+    if virtual < 1 or (L // p) % virtual:
+        raise ValueError(f"--pp-virtual-stages {virtual}: must be a positive divisor of the {L // p} layers "
+                         f"per stage")
+    rows = [("1f1b", 1, f"p micro-batches x L/p = {L}"),
+            ("interleaved-1f1b", virtual, f"L (1 + (p-1)/(pV)), V = {virtual}"),
+            ("gpipe", 1, f"m L/p, m = {m}")]
+    lines = ["", f"First pipeline stage, p = {p}, no recompute (Korthikanti et al. 2022 §4.2.3):",
+             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  rule"]
+    for name, v, rule in rows:
+        worth = first_stage_layers(L, p, name, v, m)
+        acts = model_activation_bytes(config, setup.micro_batch, "none", tp=setup.tp, pp=p,
+                                      sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes,
+                                      schedule=name, virtual_stages=v, micro_batches=m)
+        lines.append(f"  {name:<17} {worth:>12.2f}  {acts / GIB:>7.2f} GiB  {rule}")
     return lines
 
 
@@ -136,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
         if args.hf_config:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
+        if args.pp > 1:
+            lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp)
         lines += ["", f"Per device, no recompute: {setup.estimate(config, 'none')}"]
     except ValueError as err:
         print(f"largebatch memory: {err}")

@@ -130,6 +130,8 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
             "checkpointing on, which recomputes whole layers on top of any policy; call "
             f"model.{fix}() first (and keep TrainingArguments.gradient_checkpointing=False)")
     for layer, name in zip(layers, policies):
+        if layer is None:  # a block another pipeline stage holds
+            continue
         _unwrap(layer)
         if name == "full":
             _wrap(layer)

@@ -30,6 +30,11 @@ class MaskedLMHead(nn.Module):
 
 
 class BERT(TransformerBase):
+    pipeline_first = ("tok_emb", "pos_emb", "emb_norm", "drop")
+    pipeline_last = ("ln_f", "head")
+    tp_output = "head.decoder"
+    tp_head_whole_sequence = True  # the head picks the masked positions (x[mask])
+
     def __init__(self, config: ModelConfig):
         if config.kind != "bert":
             raise ValueError(f"BERT needs ModelConfig.kind='bert', got {config.kind!r}: use GPT "
@@ -48,7 +53,7 @@ class BERT(TransformerBase):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final hidden states (B, T, C) the prediction head reads: what a downstream head
         (largebatch.finetune) pools."""
-        return self.ln_f(self.run_blocks(self.drop(self.emb_norm(self.embed(input_ids)))))
+        return self.ln_f(self.run_blocks(self.embed_input(input_ids)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,3 +69,11 @@ class BERT(TransformerBase):
         predicted = labels != -100  # (B, T) bool
         logits = self.head(x[predicted])  # (n_masked, v)
         return logits, token_loss(logits, labels[predicted], reduction)
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.emb_norm(self.embed(input_ids)))  # (B, T) -> (B, T, C)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Every position's logits (B, T, v): under pipeline parallel the last stage does not see the
+        labels, so the loss picks the predicted positions (the same values, more compute)."""
+        return self.head(self.ln_f(x))

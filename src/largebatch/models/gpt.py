@@ -20,7 +20,20 @@ from largebatch.models.layers import Block, Dropout, init_weights
 
 
 class TransformerBase(nn.Module):
-    """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts."""
+    """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts.
+
+    Pipeline parallel (largebatch.parallel.pipeline) cuts the model at block boundaries; each model
+    declares the modules that run before its blocks (on the first stage, ``pipeline_first``, run by
+    ``embed_input``) and after them (on the last stage, ``pipeline_last``, run by
+    ``output_logits``), as torchtitan's models declare theirs.
+    """
+
+    pipeline_first: tuple[str, ...] = ("tok_emb", "pos_emb", "drop")
+    pipeline_last: tuple[str, ...] = ()
+    # tensor parallel (largebatch.parallel.tensor_parallel) asks the model, not a name table: the
+    # output projection split over the vocabulary, and whether the head needs the whole sequence
+    tp_output: str = ""
+    tp_head_whole_sequence: bool = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -43,6 +56,14 @@ class TransformerBase(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+    def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
+        """The first pipeline stage's part: token ids (B, T) -> hidden states (B, T, C)."""
+        raise NotImplementedError
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's part: hidden states (B, T, C) -> logits (B, T, v)."""
+        raise NotImplementedError
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). non_embedding drops the token and position
@@ -69,6 +90,9 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 
 
 class GPT(TransformerBase):
+    pipeline_last = ("ln_f", "lm_head")
+    tp_output = "lm_head"  # the final norm stays in the sequence-parallel region
+
     def __init__(self, config: ModelConfig):
         if config.kind != "gpt":
             raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {config.kind!r}: use BERT "
@@ -85,14 +109,20 @@ class GPT(TransformerBase):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
-        logits = self.lm_head(self.hidden_states(idx))  # (B, T, v)
+        logits = self.output_logits(self.run_blocks(self.embed_input(idx)))  # (B, T, v)
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
+
+    def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.embed(idx))  # (B, T) -> (B, T, C)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, v)
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final (normalised) hidden states (B, T, C) the output layer reads: what a downstream
         head (largebatch.finetune) pools."""
-        return self.ln_f(self.run_blocks(self.drop(self.embed(idx))))
+        return self.ln_f(self.run_blocks(self.embed_input(idx)))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

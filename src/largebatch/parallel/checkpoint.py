@@ -6,7 +6,10 @@ optimizer state, each tensor saved once, by the ranks that own its shards) plus 
 global shape and placement of every shard, a checkpoint written by 2 ranks (FSDP or tensor
 parallel) loads onto 1 rank, or onto another mesh, and the optimizer state (DTensors shaped like
 the parameters, see largebatch.parallel.norms) is resharded with the parameters (docs/papers.md:
-sharding).
+sharding). Under pipeline parallel each rank saves the parameters of its stages under their
+one-process names; the optimizer state is flattened to one entry per parameter (torchtitan's
+``flatten_optimizer_state_dict``: each stage's hyperparameters are saved with its own parameters,
+not once as rank 0's param_groups), so a checkpoint written on pp = 2 loads on pp = 1 or another pp.
 
 Crash safety, as the single-process checkpoints of largebatch.train.checkpoint: every rank writes
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -37,6 +41,7 @@ from largebatch.parallel.parallelize import unwrap
 from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints, remove_temporaries
 
 EXTRA = "extra.pt"
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def list_distributed_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -77,7 +82,7 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
         ckdir.mkdir(parents=True, exist_ok=True)
         remove_temporaries(ckdir)  # left by saves that were killed
     _barrier(state)
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     _barrier(state)  # every shard is written
     if state.is_main:
@@ -109,9 +114,13 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
         dcp.load(target, checkpoint_id=path)
         set_model_state_dict(module, target["model"])
     else:
-        model_state, optim_state = get_state_dict(module, optimizer)  # templates with the current sharding
+        # templates with the current sharding; checkpoints written before the flat layout load too
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        options = FLAT if any(key.startswith("optim.param_groups.") for key in keys) else None
+        model_state, optim_state = get_state_dict(module, optimizer, options=options)
         target = {"model": model_state, "optim": optim_state}
         dcp.load(target, checkpoint_id=path)
-        set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                       options=options)
     # weights_only=False: extra.pt holds RNG states and config dicts written by this run's rank 0
     return torch.load(path / EXTRA, map_location="cpu", weights_only=False)

@@ -1,8 +1,9 @@
 """ParallelConfig: the ``[parallel]`` table of a run -- how many ranks, and how they share the work.
 
-The world (``torchrun --nproc-per-node N``) is laid out as a 2-D device mesh ``dp x tp``
-(data parallel x tensor parallel, docs/papers.md: sharding and §2, Korthikanti et al. 2022 §4.2.2
-for sequence parallelism). ``dp`` may be left at 0 to take whatever ``world / tp`` is.
+The world (``torchrun --nproc-per-node N``) is laid out as a 3-D device mesh ``pp x dp x tp``
+(pipeline x data x tensor parallel; docs/papers.md: sharding and §2, Korthikanti et al. 2022 §4.2.2
+for sequence parallelism, Narayanan et al. 2021 for the pipeline schedules). ``dp`` may be left at 0
+to take whatever ``world / (pp x tp)`` is.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 DP_MODES = ("ddp", "fsdp")
+# pipeline schedules of torch.distributed.pipelining, by the name the config uses
+PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                "interleaved-zb": "InterleavedZeroBubble"}
+MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb")  # may hold several stages per rank
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -18,8 +23,24 @@ BACKENDS = ("auto", "nccl", "gloo")
 class ParallelConfig:
     dp: int = 0
     """Data-parallel degree: ranks that each see a different slice of every batch. 0 (default):
-    the world size divided by ``tp`` (so a plain ``torchrun --nproc-per-node N`` is N-way data
-    parallel). dp x tp must equal the number of processes torchrun started."""
+    the world size divided by ``pp x tp`` (so a plain ``torchrun --nproc-per-node N`` is N-way data
+    parallel). pp x dp x tp must equal the number of processes torchrun started."""
+    pp: int = 1
+    """Pipeline-parallel degree p: ranks that each hold a contiguous slice of the layers (the first
+    also the embedding, the last the final norm, output layer and loss) and pass activations on.
+    A step's micro-batches are the pipeline's micro-batches."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining): 'gpipe' (all forwards, then all backwards:
+    keeps every micro-batch), '1f1b' (one forward one backward: the first stage keeps p
+    micro-batches), 'interleaved-1f1b' (pp_virtual_stages stages per rank, smaller bubble) or
+    'interleaved-zb' (interleaved zero bubble: backward split into input and weight parts). 1F1B and
+    the interleaved ones need at least p micro-batches per step."""
+    pp_virtual_stages: int = 1
+    """V: pipeline stages per rank (interleaved schedules). The model is cut into
+    p x V stages, rank r holding stages r, r + p, ... (Narayanan et al. 2021)."""
+    pp_split: list[int] | None = None
+    """Optional layer indices where each stage after the first begins (p x V - 1 increasing
+    numbers), e.g. [3] for 2 stages of 3 and L - 3 layers; omitted: L / (p x V) layers each."""
     tp: int = 1
     """Tensor-parallel degree t: ranks that split every linear layer (q/k/v and fc1 by output
     columns, attn.proj and fc2 by input rows) and the vocabulary. Must divide n_head, the MLP
@@ -36,7 +57,7 @@ class ParallelConfig:
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (DistributedDataParallel: full replicas,
     gradients all-reduced) or 'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer
-    state sharded across the dp ranks, gathered layer by layer). With tp > 1 use 'fsdp'."""
+    state sharded across the dp ranks, gathered layer by layer). With tp > 1 or pp > 1 use 'fsdp'."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: 'auto' (NCCL when CUDA is available, else gloo), 'nccl' (GPUs) or 'gloo'
     (CPU)."""
@@ -45,11 +66,12 @@ class ParallelConfig:
     one died). Checkpoint saves of large models may need more."""
 
     def __post_init__(self):
-        for name in ("dp", "tp"):
+        for name in ("dp", "tp", "pp", "pp_virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "dp" else 1):
-                bound = ">= 0 (0: world size / tp)" if name == "dp" else ">= 1"
+                bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
                 raise ValueError(f"parallel.{name} = {value!r}: must be an integer {bound}")
+        self._check_pipeline()
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"parallel.dp_mode = {self.dp_mode!r}: must be one of {', '.join(DP_MODES)}")
         if self.backend not in BACKENDS:
@@ -66,3 +88,36 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_mode = 'ddp' with tp = {self.tp} and dp = {self.dp}: DDP "
                              "cannot replicate tensor-parallel (DTensor) parameters; use "
                              "parallel.dp_mode = 'fsdp' for data x tensor parallel")
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: p x V."""
+        return self.pp * self.pp_virtual_stages
+
+    def _check_pipeline(self) -> None:
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule = {self.pp_schedule!r}: must be one of "
+                             f"{', '.join(PP_SCHEDULES)}")
+        v = self.pp_virtual_stages
+        if v > 1 and self.pp_schedule not in MULTI_STAGE:
+            raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "
+                             f"several stages per rank need an interleaved schedule "
+                             f"({', '.join(MULTI_STAGE)}); set pp_virtual_stages = 1 or change the schedule")
+        if self.pp > 1 and self.dp_mode == "ddp" and self.dp not in (0, 1):
+            raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {self.pp} and dp = {self.dp}: DDP's reducer "
+                             "does not support the many backwards of a pipeline stage (torchtitan neither); use "
+                             "parallel.dp_mode = 'fsdp' for pipeline x data parallel")
+        if self.pp > 1 and self.loss_parallel:
+            raise ValueError(f"parallel.loss_parallel = true with pp = {self.pp}: the vocabulary-parallel loss is "
+                             "not supported on a pipeline's last stage; turn loss_parallel off")
+        split = self.pp_split
+        if split is None:
+            return
+        stages = self.pp_stages
+        if (not isinstance(split, list) or len(split) != stages - 1
+                or any(not isinstance(i, int) or isinstance(i, bool) for i in split)):
+            raise ValueError(f"parallel.pp_split = {split!r}: give {stages - 1} layer indices (one per "
+                             f"stage after the first of pp x pp_virtual_stages = {stages}), or omit it")
+        if split[0] < 1 or any(b <= a for a, b in zip(split, split[1:])):
+            raise ValueError(f"parallel.pp_split = {split!r}: indices must increase from >= 1 (every stage "
+                             "needs at least one layer)")

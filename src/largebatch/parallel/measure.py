@@ -34,3 +34,30 @@ def saved_activation_bytes(forward: Callable[[], object], model: torch.nn.Module
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = forward()
     return result, sum(seen.values())
+
+
+def peak_saved_activation_bytes(run: Callable[[], object], model: torch.nn.Module) -> tuple[object, int]:
+    """Run ``run()`` -- forward AND backward, e.g. a pipeline schedule's step -- and return (its
+    result, the PEAK over the run of the bytes of distinct non-parameter storages autograd holds for
+    backward on this rank). A storage counts from when it is saved until it is freed (its backward
+    ran), so this is the activation memory of the micro-batches in flight (Korthikanti et al. 2022
+    §4.2.3)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    params = {_storage(p).data_ptr() for p in model.parameters()}
+    live: dict[int, tuple[StorageWeakRef, int]] = {}
+    peak = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal peak
+        storage = _storage(t)
+        if storage.data_ptr() not in params:
+            for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:
+                del live[ptr]  # freed by its backward (the address may be reused)
+            live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            peak = max(peak, sum(n for _, n in live.values()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return result, peak

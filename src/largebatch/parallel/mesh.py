@@ -1,10 +1,14 @@
-"""The process group and the ``dp x tp`` device mesh, from torchrun's environment.
+"""The process group and the ``pp x dp x tp`` device mesh, from torchrun's environment.
 
 ``init_distributed(cfg)`` reads what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL on GPUs and gloo on CPUs, sets a collective timeout so that no rank waits
-forever on a peer that died, and builds a 2-D mesh with dimensions ("dp", "tp") (docs/papers.md:
-sharding; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"). Ranks
-with consecutive numbers share a tensor-parallel group, so "tp" stays within a node.
+forever on a peer that died, and builds a 3-D mesh with dimensions ("pp", "dp", "tp")
+(docs/papers.md: sharding; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along
+"tp"; Narayanan et al. 2021 pipeline stages along "pp"). Ranks with consecutive numbers share a
+tensor-parallel group, so "tp" stays within a node; "pp" is outermost, as in torchtitan.
+
+``ParallelState`` is the one mesh object: every part (batching, norms, checkpoints, noise scale,
+the trainer) reads its sizes, coordinates and groups from it, by dimension name (``DIMS``).
 
 At world size 1 (plain ``python -m largebatch train``) nothing is initialised: the state says
 rank 0 of 1 and every parallel function is a no-op on it.
@@ -28,6 +32,8 @@ import torch.distributed as dist
 
 from largebatch.parallel.config import ParallelConfig
 
+DIMS = ("pp", "dp", "tp")  # outermost first: the mesh's dimension names
+
 
 class RankFailure(RuntimeError):
     """A rank of a distributed job failed; the message names the rank and the cause."""
@@ -40,6 +46,8 @@ class ParallelState:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
     tp_rank: int = 0
@@ -47,8 +55,27 @@ class ParallelState:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     dp_mode: str = "ddp"
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_split: list[int] | None = None
     device: torch.device = torch.device("cpu")
-    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("dp", "tp")
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("pp", "dp", "tp")
+
+    def size(self, dim: str) -> int:
+        return getattr(self, f"{dim}_size")
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate along every mesh dimension."""
+        return {dim: getattr(self, f"{dim}_rank") for dim in DIMS}
+
+    def group(self, dim: str):
+        """The process group along one mesh dimension (None at world size 1)."""
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def stage_group(self):
+        """The ranks that hold the same pipeline stage(s) (dp x tp): per-tensor norms reduce here."""
+        return None if self.mesh is None else self.mesh["dp_tp"].get_group()
 
     @property
     def distributed(self) -> bool:
@@ -69,11 +96,15 @@ class ParallelState:
 
     @property
     def tp_group(self):
-        return None if self.mesh is None else self.mesh.get_group("tp")
+        return self.group("tp")
 
     @property
     def dp_group(self):
-        return None if self.mesh is None else self.mesh.get_group("dp")
+        return self.group("dp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
 
     def loss_context(self):
         """Wrap forward AND backward in this: the vocabulary-parallel loss when it is on."""
@@ -84,8 +115,9 @@ class ParallelState:
         return nullcontext()
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
-                f"tp {self.tp_rank}/{self.tp_size}) on {socket.gethostname()}")
+        where = ", ".join(f"{dim} {rank}/{self.size(dim)}" for dim, rank in self.coords().items()
+                          if dim != "pp" or self.pp_size > 1)
+        return f"rank {self.rank}/{self.world_size} ({where}) on {socket.gethostname()}"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -99,26 +131,36 @@ def _env_int(name: str, default: int) -> int:
                          "torchrun (launch with: torchrun --nproc-per-node N -m largebatch ...)") from None
 
 
-def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
-    """(dp, tp) for this world size, or ValueError saying how to fix the config or the launch."""
-    if world_size % cfg.tp:
-        raise ValueError(f"parallel.tp = {cfg.tp} does not divide the {world_size} processes started; "
-                         f"launch a multiple of {cfg.tp} processes (torchrun --nproc-per-node) or change tp")
-    dp = cfg.dp or world_size // cfg.tp
-    if dp * cfg.tp != world_size:
-        raise ValueError(f"parallel.dp x parallel.tp = {dp} x {cfg.tp} = {dp * cfg.tp}, but {world_size} "
-                         f"processes were started; set dp = 0 (automatic) or launch {dp * cfg.tp} processes")
+def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) for this world size, or ValueError saying how to fix the config or the launch."""
+    model_ranks = cfg.pp * cfg.tp
+    if world_size % model_ranks:
+        what = f"parallel.tp = {cfg.tp}" if cfg.pp == 1 else f"parallel.pp x parallel.tp = {model_ranks}"
+        raise ValueError(f"{what} does not divide the {world_size} processes started; launch a "
+                         f"multiple of {model_ranks} processes (torchrun --nproc-per-node) or change "
+                         f"{'tp' if cfg.pp == 1 else 'pp or tp'}")
+    dp = cfg.dp or world_size // model_ranks
+    if dp * model_ranks != world_size:
+        if cfg.pp == 1:
+            raise ValueError(f"parallel.dp x parallel.tp = {dp} x {cfg.tp} = {dp * cfg.tp}, but {world_size} "
+                             f"processes were started; set dp = 0 (automatic) or launch {dp * cfg.tp} processes")
+        raise ValueError(f"parallel.pp x dp x tp = {cfg.pp} x {dp} x {cfg.tp} = {dp * model_ranks}, but "
+                         f"{world_size} processes were started; set dp = 0 (automatic) or launch "
+                         f"{dp * model_ranks} processes")
+    if cfg.pp > 1 and dp > 1 and cfg.dp_mode == "ddp":
+        raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {cfg.pp} and dp = {dp}: DDP's reducer does not "
+                         "support the many backwards of a pipeline stage; set parallel.dp_mode = 'fsdp'")
     if cfg.tp > 1 and dp > 1 and cfg.dp_mode == "ddp":
         raise ValueError(f"parallel.dp_mode = 'ddp' with dp = {dp} and tp = {cfg.tp}: DDP cannot replicate "
                          "tensor-parallel (DTensor) parameters; set parallel.dp_mode = 'fsdp'")
-    return dp, cfg.tp
+    return cfg.pp, dp, cfg.tp
 
 
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
-    """Join the job torchrun started and build the ("dp", "tp") mesh; a no-op at world size 1."""
+    """Join the job torchrun started and build the ("pp", "dp", "tp") mesh; a no-op at world size 1."""
     cfg = cfg or ParallelConfig()
     world_size = _env_int("WORLD_SIZE", 1)
-    dp, tp = resolve_sizes(cfg, world_size)
+    pp, dp, tp = resolve_sizes(cfg, world_size)
     use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
@@ -133,12 +175,15 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
                                 **({"device_id": device} if use_cuda else {}))
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=DIMS)
+    mesh["dp", "tp"]._flatten("dp_tp")  # ParallelState.stage_group
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                         pp_rank=mesh.get_local_rank("pp"), pp_size=pp,
                          dp_rank=mesh.get_local_rank("dp"), dp_size=dp, tp_rank=mesh.get_local_rank("tp"),
                          tp_size=tp, sequence_parallel=cfg.sequence_parallel and tp > 1,
                          loss_parallel=cfg.loss_parallel and tp > 1,
-                         dp_mode=cfg.dp_mode, device=device, mesh=mesh)
+                         dp_mode=cfg.dp_mode, pp_schedule=cfg.pp_schedule,
+                         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=cfg.pp_split, device=device, mesh=mesh)
 
 
 def seed_ranks(seed: int, state: ParallelState) -> int:

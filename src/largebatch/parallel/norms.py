@@ -8,7 +8,9 @@ root or ratio -- otherwise the optimizer silently computes a different algorithm
 How a rank contributes: the squared norm of its local shard, for every mesh dimension along which
 the tensor is sharded; along a dimension where the tensor is replicated (a DTensor with
 ``Replicate()``, a plain tensor under DDP or tensor parallel) only the rank at coordinate 0
-contributes, so the single all-reduce over the job counts every element exactly once.
+contributes, so the single all-reduce counts every element exactly once. Pipeline stages hold
+disjoint tensors: a per-tensor norm reduces over the ranks of one stage (``ParallelState.stage_group``,
+dp x tp), the global gradient norm over the whole job.
 
 ``sharded_norms(state)`` is this reduction as the optimizers' public ``reduce_norms`` argument
 (``shard_optimizer(optimizer, state)`` sets it on an existing optimizer). The optimizers run their
@@ -36,7 +38,7 @@ def contributes(param: Tensor, state: ParallelState) -> bool:
     """Whether this rank's local squared norm of ``param`` enters the job-wide sum (see module doc)."""
     if state.mesh is None:
         return True
-    coords = {"dp": state.dp_rank, "tp": state.tp_rank}
+    coords = {dim: rank for dim, rank in state.coords().items() if dim != "pp"}  # stages are disjoint
     sharded_dims: set[str] = set()
     if isinstance(param, DTensor):
         names = param.device_mesh.mesh_dim_names or ()
@@ -71,7 +73,7 @@ class ShardedSquaredNorms:
         keep = torch.tensor([self._contributes(p) for p in params], device=squared_norms.device)  # (n,)
         keep = keep.repeat(squared_norms.numel() // n)  # (k * n,)
         summed = torch.where(keep, squared_norms, torch.zeros_like(squared_norms))  # no 0 * inf = nan
-        dist.all_reduce(summed)  # ONE collective for every norm of the bucket: sum over shards
+        dist.all_reduce(summed, group=self.state.stage_group)  # ONE collective for the bucket: sum over shards
         return summed
 
     def _contributes(self, p: Tensor) -> bool:
@@ -101,18 +103,21 @@ def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:
     """L2 norm of all gradients of the (possibly sharded) model, identical on every rank: (,) fp64.
 
     One all-reduce. Parameters without a gradient are skipped. Under DDP, call it after the
-    gradients were all-reduced (it then needs no communication).
+    gradients were all-reduced (it then needs no communication, except to sum pipeline stages).
     """
     with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        return torch.zeros((), dtype=torch.float64, device=state.device)
-    grads = [local_grad(p) for p in with_grad]
-    squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
-    if any(isinstance(p, DTensor) for p in with_grad) and state.mesh is not None:
-        keep = torch.tensor([contributes(p, state) for p in with_grad], device=squared.device)
-        squared = torch.where(keep, squared, torch.zeros_like(squared))
-        dist.all_reduce(squared)
-    return squared.sum().sqrt()
+    total = torch.zeros((), dtype=torch.float64, device=state.device)
+    if with_grad:
+        grads = [local_grad(p) for p in with_grad]
+        squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
+        total = squared.sum()
+    sharded = any(isinstance(p, DTensor) for p in with_grad)
+    if state.mesh is not None and (sharded or state.pp_size > 1):
+        if with_grad:  # every element once: replicas along dp/tp leave it to coordinate 0
+            keep = torch.tensor([contributes(p, state) for p in with_grad], device=squared.device)
+            total = torch.where(keep, squared, torch.zeros_like(squared)).sum()
+        dist.all_reduce(total)  # over the job: shards and pipeline stages
+    return total.sqrt()
 
 
 @torch.no_grad()

@@ -117,16 +117,17 @@ def _head_plan(model: nn.Module, sequence_parallel: bool,
         plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                           use_local_output=True)
     between = Shard(1) if sequence_parallel else Replicate()
-    if hasattr(model, "lm_head"):  # GPT: final norm in the sequence-parallel region, vocab-parallel logits
+    output = model.tp_output  # the model names its output projection
+    if not model.tp_head_whole_sequence:  # GPT: final norm in the sequence-parallel region
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel(use_local_output=True)
-        plan["lm_head"] = ColwiseParallel(input_layouts=between, **logits)
-        return plan, ["lm_head"]
+        plan[output] = ColwiseParallel(input_layouts=between, **logits)
+        return plan, [output]
     # BERT: the head picks the masked positions (x[mask]), so it runs on the whole sequence
     if sequence_parallel:
         plan["ln_f"] = ReplicateParallel(input_layout=Shard(1))
-    plan["head.decoder"] = ColwiseParallel(**logits)
-    return plan, ["head.decoder"]
+    plan[output] = ColwiseParallel(**logits)
+    return plan, [output]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
@@ -140,10 +141,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
     plan, head_names = _head_plan(model, sequence_parallel, loss_parallel)
-    tied = [name for name in head_names if model.get_submodule(name).weight is model.tok_emb.weight]
+    # a pipeline stage holds only some of the modules (the others are None)
+    plan = {name: style for name, style in plan.items() if _holds(model, name)}
+    tied = [name for name in head_names if _holds(model, name) and model.tok_emb is not None
+            and model.get_submodule(name).weight is model.tok_emb.weight]
     parallelize_module(model, tp_mesh, plan)
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        if block is not None:
+            parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
     for name in tied:  # both were sharded Shard(0) over the vocabulary: share one DTensor again
         model.get_submodule(name).weight = model.tok_emb.weight
     for module in list(model.modules()):  # what no plan split (positions, norms outside SP, heads)
@@ -152,6 +157,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     if loss_parallel:
         model.register_forward_hook(_local_loss)
     return model
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False
 
 
 def _local_loss(module, args, output):

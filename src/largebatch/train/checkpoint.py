@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 _NAME = re.compile(r"^step_(\d{8,})(\.pt|\.dcp)$")
@@ -120,3 +122,30 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
+    """Every rank's RNG state (dropout streams differ across data-parallel ranks)."""
+    if not pstate.distributed:
+        return [state_rng]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * pstate.world_size
+    dist.all_gather_object(gathered, state_rng)
+    return gathered

@@ -195,13 +195,15 @@ def check(cfg: TrainConfig) -> TrainConfig:
                               "[[phases]] the budget is their sum; remove run.total_tokens")
         cfg = dataclasses.replace(cfg, run=with_phase_total(cfg.run, cfg.phases))
     try:
-        dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        pp, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
             try:
-                phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
-                                     micro_batch=phase.micro_batch, dp_size=dp)
+                schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
+                                                micro_batch=phase.micro_batch, dp_size=dp)
+                if pp > 1:
+                    check_pipeline(cfg, schedule, dp, phase.total_tokens, phase.micro_batch)
             except ValueError as exc:
                 raise ValueError(f"{where}{exc}") from exc
     except ValueError as exc:
@@ -217,6 +219,21 @@ def check(cfg: TrainConfig) -> TrainConfig:
                           f"policies for a model of {cfg.model.n_layer} layers; give one policy, "
                           f"or exactly {cfg.model.n_layer}")
     return cfg
+
+
+def check_pipeline(cfg: TrainConfig, schedule, dp: int, total_tokens: int, micro_batch: int) -> None:
+    """The pipeline layout against the model and the batch schedule (ValueError, one line)."""
+    from largebatch.parallel.pipeline import check_micro_batches, stage_layers
+
+    par = cfg.parallel
+    if cfg.model.tie_embeddings:
+        raise ValueError(f"model.tie_embeddings = true with parallel.pp = {par.pp}: the token embedding (first "
+                         "stage) and the output layer (last stage) sit on different ranks; set "
+                         "model.tie_embeddings = false")
+    stage_layers(cfg.model.n_layer, par.pp, par.pp_virtual_stages, par.pp_split)
+    step_tokens = total_tokens / 64  # the batch sizes the schedule goes through
+    sizes = {schedule.batch_size(i * step_tokens) for i in range(64)}
+    check_micro_batches(par.pp_schedule, par.pp, {size // (micro_batch * dp) for size in sizes})
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

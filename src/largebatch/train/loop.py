@@ -45,18 +45,22 @@ from largebatch.parallel import (
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.checkpoint import load_distributed, save_distributed
+from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.checkpoint import (
     CheckpointError,
+    gather_rng,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
 )
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.metrics import (
     MetricsLog,
     Progress,
-    human_bytes,
+    format_record,
     human_count,
     measure_peak_flops,
     memory_bytes,
@@ -99,36 +103,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def latest_any_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of a run, single-process (.pt) or distributed (.dcp), by step."""
     return latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
-
-
-def _gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
-    """Every rank's RNG state (dropout streams differ across data-parallel ranks)."""
-    if not pstate.distributed:
-        return [state_rng]
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * pstate.world_size
-    dist.all_gather_object(gathered, state_rng)
-    return gathered
 
 
 class Trainer:
@@ -151,10 +128,13 @@ class Trainer:
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, kind=cfg.model.kind)
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
-        # fixed order (torchtitan): tensor/sequence parallel -> recompute -> compile -> DDP/FSDP
-        self.model = parallelize(build_model(cfg.model).to(self.device), self.par,
-                                 recompute=_recompute_policy(run.recompute, cfg.model.n_layer),
-                                 compile=run.compile)
+        # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
+        # compile -> DDP/FSDP
+        model = build_model(cfg.model).to(self.device)
+        self.n_params = model.num_params()
+        techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
+        self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
+        self.model = self.pipeline.model if self.pipeline else parallelize(model, self.par, **techniques)
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
@@ -193,7 +173,7 @@ class Trainer:
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "phase_val_losses": list(self.phase_val_losses),
-                "rng": _gather_rng(_rng_state(self.device), self.par), "config": to_dict(self.cfg)}
+                "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
     def _load_newest_intact(self) -> Path:
         """Load the newest checkpoint that reads back whole, saying which damaged ones were passed."""
@@ -237,7 +217,7 @@ class Trainer:
         self.noise.load_state_dict(extra["noise_scale"])
         rngs = extra["rng"]
         if len(rngs) == self.par.world_size:
-            _set_rng_state(rngs[self.par.rank], self.device)
+            set_rng_state(rngs[self.par.rank], self.device)
         else:  # another number of ranks: the data order is exact, dropout streams restart
             seed_ranks(self.cfg.run.seed + self.pos.step, self.par)
             self.log(f"note: checkpoint from {len(rngs)} ranks resumed on {self.par.world_size}: "
@@ -256,6 +236,9 @@ class Trainer:
     def _forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = batch["input_ids"].to(self.device, non_blocking=True)
         targets = batch["targets"] if "targets" in batch else batch["labels"]
+        if self.pipeline:  # forward only, through every stage
+            with self.autocast:
+                return self.pipeline.eval_loss(inputs, targets.to(self.device))
         with self.autocast, self.par.loss_context():
             _, loss_sum = self.model(inputs, targets.to(self.device, non_blocking=True), reduction="sum")
         return loss_sum
@@ -293,7 +276,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
+        if self.pipeline:  # the step's micro-batches are the pipeline's
+            with self.autocast:
+                loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
+        for i, batch in enumerate([] if self.pipeline else micro_batches):
             with gradient_sync(self.model, i == last):
                 loss = self._forward_loss(batch)
                 with par.loss_context():
@@ -422,7 +408,7 @@ class Trainer:
                         self.metrics.log(record)
                     progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
                     if not progress.enabled:
-                        self.log(_format_record(record))
+                        self.log(format_record(record))
         progress.close()
         # -- 4. the end -----------------------------------------------------------------------
         val_loss = self._log_eval()
@@ -483,18 +469,20 @@ class Trainer:
         return val_loss
 
     def describe(self) -> str:
-        cfg, m = self.cfg, self.raw_model
+        cfg = self.cfg
         lines = [f"run dir      {self.run_dir}",
                  f"data         {self.data.stats}",
-                 f"model        {cfg.model.kind} {human_count(m.num_params())} parameters, "
+                 f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
                  f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip})",
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
-                 f"parallel     {self.par.world_size} process(es): dp {self.par.dp_size} "
-                 f"({self.par.dp_mode}) x tp {self.par.tp_size}"
+                 f"parallel     {self.par.world_size} process(es): "
+                 + (f"pp {self.par.pp_size} ({self.par.pp_schedule}, {self.par.pp_virtual_stages} stage(s) "
+                    f"per rank) x " if self.par.pp_size > 1 else "")
+                 + f"dp {self.par.dp_size} ({self.par.dp_mode}) x tp {self.par.tp_size}"
                  f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
                  f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}"]
         if cfg.phases:
@@ -518,6 +506,8 @@ class Trainer:
         if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
             if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
                 summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
+            elif self.pipeline:
+                summary["sample"] = "(no sample: generation under pipeline parallel is not supported)"
             else:  # every rank generates: tensor-parallel and FSDP forwards are collective
                 summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
         if not self.is_main:
@@ -549,6 +539,13 @@ def _target_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"] != -100).sum()
 
 
+def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches as one (n x mb, T) batch of inputs and one of targets."""
+    key = "targets" if "targets" in micro_batches[0] else "labels"
+    return (torch.cat([b["input_ids"] for b in micro_batches]).to(device),
+            torch.cat([b[key] for b in micro_batches]).to(device))
+
+
 def _recompute_policy(spec: str, n_layer: int) -> str | list[str]:
     """'selective' -> 'selective'; 'full,selective' -> per-layer list (checked by config.check)."""
     parts = [p.strip() for p in spec.split(",")]
@@ -559,16 +556,3 @@ def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     from largebatch.train.config import replace_section
 
     return replace_section(cfg, "model", vocab_size=vocab_size)
-
-
-def _format_record(r: dict[str, Any]) -> str:
-    text = (f"step {r['step']:>5}  tokens {human_count(r['tokens']):>7}  loss {r['loss']:.4f}  "
-            f"lr {r['lr']:.2e}  batch {r['batch_size']:>4}  tok/s {r['tokens_per_s']:,.0f}  "
-            f"mfu {100 * r['mfu']:.1f}%  mem {human_bytes(r['memory_bytes'])}  "
-            f"|g| {r['grad_norm']:.3f}")
-    if "trust_median" in r:
-        text += (f"  trust {r['trust_min']:.3g}/{r['trust_median']:.3g}/{r['trust_max']:.3g}"
-                 f" pinned {r['trust_pinned']}")
-    if r.get("noise_scale") is not None:
-        text += f"  B_noise {r['noise_scale']:.0f}"
-    return text

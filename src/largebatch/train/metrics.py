@@ -228,3 +228,17 @@ def format_seconds(s: float) -> str:
         return "--:--"
     s = int(round(s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+def format_record(r: dict[str, Any]) -> str:
+    """One train record as the log line the trainer prints."""
+    text = (f"step {r['step']:>5}  tokens {human_count(r['tokens']):>7}  loss {r['loss']:.4f}  "
+            f"lr {r['lr']:.2e}  batch {r['batch_size']:>4}  tok/s {r['tokens_per_s']:,.0f}  "
+            f"mfu {100 * r['mfu']:.1f}%  mem {human_bytes(r['memory_bytes'])}  "
+            f"|g| {r['grad_norm']:.3f}")
+    if "trust_median" in r:
+        text += (f"  trust {r['trust_min']:.3g}/{r['trust_median']:.3g}/{r['trust_max']:.3g}"
+                 f" pinned {r['trust_pinned']}")
+    if r.get("noise_scale") is not None:
+        text += f"  B_noise {r['noise_scale']:.0f}"
+    return text

@@ -1,0 +1,130 @@
+"""Pipeline parallel step time and first-stage activation memory, pp = 2 against one process.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline.py                 # 8 layers, m = 8
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline.py --micro-batches 4 --rounds 3   # quick
+
+One process (1 thread) runs a step of m micro-batches through the whole GPT (gradient accumulation);
+then 2 gloo ranks (1 thread each, one spawn) run the same step through a 2-stage pipeline with each
+schedule. Per schedule: the median step time, its ratio to one process, and the measured bubble
+fraction 1 - T_one / (p T_pp) (the share of a rank's step not spent on its 1/p of the work, p2p
+communication included) against the schedule's (p - 1) / (m + p - 1) (interleaved: (p - 1) /
+(V m + p - 1); Narayanan et al. 2021). And the first stage's peak saved activations against
+largebatch.memory's model (Korthikanti et al. 2022 §4.2.3), in fp32 without dropout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from largebatch.memory.activations import model_activation_bytes  # noqa: E402
+from largebatch.models import ModelConfig, build_model  # noqa: E402
+from largebatch.models.gpt import token_loss  # noqa: E402
+from largebatch.parallel import ParallelConfig, init_distributed, spawn  # noqa: E402
+from largebatch.parallel.measure import peak_saved_activation_bytes  # noqa: E402
+from largebatch.parallel.pipeline import pipeline_parallelize  # noqa: E402
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(kind="gpt", n_layer=args.layers, n_embd=args.width, n_head=args.heads, seq_len=args.seq_len,
+                       vocab_size=args.vocab, tie_embeddings=False)
+
+
+def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.micro_batches * args.micro_batch, args.seq_len)
+    return torch.randint(0, args.vocab, shape, generator=gen), torch.randint(0, args.vocab, shape, generator=gen)
+
+
+def one_process_times(args) -> list[float]:
+    torch.manual_seed(0)
+    model = build_model(model_config(args))
+    idx, targets = batch(args)
+    times = []
+    for _ in range(args.rounds + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        for i in range(0, len(idx), args.micro_batch):
+            logits, _ = model(idx[i:i + args.micro_batch])
+            token_loss(logits, targets[i:i + args.micro_batch], "sum").backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return times[1:]
+
+
+def pipeline_worker(args, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    results = {}
+    for schedule, virtual in SCHEDULES:
+        state = init_distributed(ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual))
+        torch.manual_seed(0)
+        model = build_model(model_config(args))
+        pipe = pipeline_parallelize(model, state)
+        idx, targets = batch(args)
+
+        def step():
+            pipe.step(idx, targets, args.micro_batches, 1.0)
+            for p in model.parameters():
+                p.grad = None
+
+        step()  # the first step infers the stages' shapes
+        times = []
+        for _ in range(args.rounds):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()  # the step ends when the last rank is done
+            times.append(time.perf_counter() - t0)
+        _, peak = peak_saved_activation_bytes(step, model)
+        results[schedule] = {"times": times, "peak": peak, "virtual": virtual}
+    if dist.get_rank() == 0:
+        Path(out_dir, "pipeline.json").write_text(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8, help="m, micro-batches per step")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    p, m = 2, args.micro_batches
+    one = statistics.median(one_process_times(args))
+    with tempfile.TemporaryDirectory() as out:
+        spawn(pipeline_worker, p, args, out)
+        results = json.loads(Path(out, "pipeline.json").read_text())
+    cfg = model_config(args)
+    print(f"GPT {args.layers} layers x {args.width}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+          f"m = {m} micro-batches, p = {p}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    print(f"one process: {one * 1e3:.0f} ms per step (median of {args.rounds})")
+    print(f"{'schedule':<17} {'step ms':>8} {'vs one':>7} {'bubble':>7} {'theory':>7} "
+          f"{'1st-stage MiB':>13} {'model MiB':>9} {'ratio':>6}")
+    for schedule, r in results.items():
+        t = statistics.median(r["times"])
+        v = r["virtual"]
+        theory = "-" if schedule == "interleaved-zb" else f"{(p - 1) / (v * m + p - 1):.3f}"
+        model_bytes = model_activation_bytes(cfg, args.micro_batch, pp=p, dtype_bytes=4, device="cpu",
+                                             schedule=schedule if schedule != "interleaved-zb" else "interleaved-1f1b",
+                                             virtual_stages=v, micro_batches=m)
+        print(f"{schedule:<17} {t * 1e3:>8.0f} {one / t:>6.2f}x {1 - one / (p * t):>7.3f} {theory:>7} "
+              f"{r['peak'] / 2**20:>13.1f} {model_bytes / 2**20:>9.1f} {r['peak'] / model_bytes:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()

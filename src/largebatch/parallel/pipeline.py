@@ -1,0 +1,207 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model's layers cut into stages.
+
+The L blocks are cut into p x V contiguous stages (evenly, or where ``parallel.pp_split`` says);
+the first stage also runs the modules the model declares before its blocks (``pipeline_first``:
+the embeddings), the last those after them (``pipeline_last``: final norm, output layer) and the
+loss. Rank r of the "pp" dimension holds stage r (V = 1) or stages r, r + p, ... (interleaved,
+Narayanan et al. 2021 §2.2). The schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero
+bubble) is torch's; this module only builds the stages and
+feeds them. Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per schedule
+(largebatch.memory.estimate).
+
+A step's micro-batches are the pipeline's micro-batches: the batch schedule decides how many (a
+Seesaw batch change changes the count; one torch schedule is built per count and kept). The loss
+is the trainer's: each micro-batch's summed token loss times ``dp / n_targets`` of the step, so
+the accumulated gradient is the one-process gradient of the step's mean loss.
+
+Each rank keeps ONE copy of the model with the modules of other ranks' stages set to None: its
+parameter names are the one-process names, so the optimizer's parameter groups and distributed
+checkpoints (DCP, by name) are those of one process, and a checkpoint moves between pp sizes.
+Tied embeddings are refused (the embedding and the output layer sit on different ranks), as
+torchtitan refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from largebatch.models.gpt import token_loss
+from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
+from largebatch.parallel.mesh import ParallelState
+
+
+def stage_layers(n_layer: int, pp: int, virtual: int = 1, split: list[int] | None = None) -> list[range]:
+    """The layers of each of the pp x V stages: evenly, or starting where ``split`` says."""
+    n_stages = pp * virtual
+    if split is None:
+        if n_layer % pp:
+            raise ValueError(f"parallel.pp = {pp} does not divide model.n_layer = {n_layer}: choose pp among "
+                             f"the divisors of {n_layer}, or give parallel.pp_split")
+        if n_layer // pp % virtual:
+            raise ValueError(f"parallel.pp_virtual_stages = {virtual} does not divide the {n_layer // pp} layers "
+                             f"per rank: choose a divisor of {n_layer // pp}, or give parallel.pp_split")
+        split = list(range(n_layer // n_stages, n_layer, n_layer // n_stages))
+    if len(split) != n_stages - 1 or split[-1:] and split[-1] >= n_layer:
+        raise ValueError(f"parallel.pp_split = {split}: needs {n_stages - 1} indices below model.n_layer = "
+                         f"{n_layer} (one per stage after the first)")
+    bounds = [0, *split, n_layer]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """Stage indices rank ``pp_rank`` holds: r, r + p, ..., r + (V - 1) p (a loop)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def check_micro_batches(schedule: str, pp: int, counts: set[int]) -> None:
+    """ValueError if a step's micro-batch count does not fit the schedule (before any work)."""
+    for n in sorted(counts):
+        if schedule != "gpipe" and n < pp:
+            raise ValueError(f"parallel.pp_schedule = {schedule!r} with pp = {pp} needs at least {pp} "
+                             f"micro-batches per step, but a step has {n}: lower run.micro_batch, raise "
+                             f"schedule.batch_size, or use pp_schedule = 'gpipe'")
+        rounds = max(1, n // pp)
+        if schedule in MULTI_STAGE and n % rounds:
+            raise ValueError(f"parallel.pp_schedule = {schedule!r}: a step of {n} micro-batches is not a "
+                             f"multiple of {rounds} rounds of pp = {pp}; use batch sizes with a multiple of "
+                             f"pp micro-batches per step")
+
+
+class StageModule(nn.Module):
+    """One stage: its blocks, plus the first or last modules of the model when it is first or last.
+
+    The submodules are the model's own objects (shared, not copied), so the model and its
+    optimizer see the weights the stage trains.
+    """
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.parts = nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for name in
+                                    (model.pipeline_first if first else ()) + (model.pipeline_last if last else ())})
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)  # the name apply_fsdp shards by
+        self._model = [model]  # a list: not registered, its methods run the first and last parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        if self.first:
+            x = model.embed_input(x)  # (B, T) ids -> (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return model.output_logits(x) if self.last else x  # (B, T, v) or (B, T, C)
+
+
+def keep_only(model: nn.Module, layers: set[int], first: bool, last: bool) -> nn.Module:
+    """Set the modules this rank does not hold to None (names of the rest unchanged); in place."""
+    for i in range(len(model.blocks)):
+        if i not in layers:
+            model.blocks[i] = None
+    for names, kept in ((model.pipeline_first, first), (model.pipeline_last, last)):
+        if not kept:
+            for name in names:
+                setattr(model, name, None)
+    return model
+
+
+class Pipeline:
+    """This rank's stages and the torch schedules that run them (one per micro-batch count)."""
+
+    def __init__(self, model: nn.Module, stages: list, state: ParallelState, schedule: str):
+        self.model, self.stages, self.state, self.schedule = model, stages, state, schedule
+        self.scale = 1.0  # the step's loss scale, read by the loss function
+        self._cache: dict[tuple[str, int], object] = {}
+        self._last = None  # the schedule that last prepared the stages' buffers
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, targets, "sum") * self.scale
+
+    def _schedule(self, name: str, n_microbatches: int, shape: tuple[int, ...]):
+        key = (name, n_microbatches)
+        if key not in self._cache:
+            from torch.distributed.pipelining.schedules import get_schedule_class
+
+            cls = get_schedule_class(PP_SCHEDULES.get(name, name))
+            multi = name in MULTI_STAGE or name == "LoopedBFS"
+            self._cache[key] = cls(self.stages if multi else self.stages[0], n_microbatches=n_microbatches,
+                                   loss_fn=self._loss, scale_grads=False)
+        schedule = self._cache[key]
+        if self._last is not None and self._last != (schedule, shape):
+            # the stages are shared: another schedule (or a batch of another shape, the last
+            # evaluation batch) sized their per-micro-batch buffers since this one last ran, so it
+            # prepares them again (torch keeps that flag privately)
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                         "_stages_forward_initialized", "_stages_backward_initialized"):
+                if hasattr(schedule, flag):
+                    setattr(schedule, flag, False)
+        self._last = (schedule, shape)
+        return schedule
+
+    def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
+        """Feed the stages; returns the summed (unscaled) loss, the same on every pp rank: (,) fp64."""
+        args = (inputs,) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = dict(target=targets, losses=losses) if self.has_last else {}
+        if forward_only:
+            schedule.eval(*args, **kwargs)
+        else:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        total = sum((loss.detach().double() for loss in losses),
+                    torch.zeros((), dtype=torch.float64, device=self.state.device)) / self.scale
+        dist.all_reduce(total, group=self.state.pp_group)  # only the last stage has it
+        return total
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int, scale: float) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches (inputs, targets: (n x mb, T))."""
+        self.scale = scale
+        schedule = self._schedule(self.schedule, n_microbatches, tuple(inputs.shape))
+        return self._run(schedule, inputs, targets, forward_only=False)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed loss of one micro-batch, forward only (a one-micro-batch schedule)."""
+        self.scale = 1.0
+        name = "GPipe" if len(self.stages) == 1 else "LoopedBFS"
+        return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
+
+
+def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
+                         compile: bool = False) -> Pipeline:
+    """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
+    recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from largebatch.parallel.parallelize import apply_fsdp
+
+    n_stages = state.pp_size * state.pp_virtual_stages
+    layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
+    mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
+    keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
+    if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
+        from largebatch.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel)
+    if recompute != "none":
+        from largebatch.memory import apply_recompute
+
+        apply_recompute(model, recompute)
+    if compile:
+        for block in model.blocks:
+            if block is not None:
+                block.compile()
+    stages = []
+    for index in mine:
+        module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
+        if state.dp_size > 1:  # FSDP2 only: DDP's reducer breaks on a stage's many backwards (see config)
+            module = apply_fsdp(module, state.dp_mesh)
+        stages.append(PipelineStage(module, index, n_stages, state.device, group=state.pp_group))
+    return Pipeline(model, stages, state, state.pp_schedule)

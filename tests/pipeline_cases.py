@@ -1,0 +1,96 @@
+"""Worker code for tests/test_pipeline.py: `largebatch train` runs INSIDE 2 spawned gloo ranks (1 thread
+each), one spawn for every case; each run writes its metrics, the tests compare them with one-process
+runs of the same config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from largebatch.models import ModelConfig, build_model
+from largebatch.parallel import ParallelConfig, init_distributed
+from largebatch.parallel.measure import peak_saved_activation_bytes
+from largebatch.parallel.pipeline import pipeline_parallelize
+from largebatch.train.cli import resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.loop import Trainer
+
+# (name, model kind, optimizer, pp_schedule, virtual stages per rank)
+CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt", "lans", "gpipe", 1),
+         ("gpt-1f1b-lans", "gpt", "lans", "1f1b", 1),  # 1F1B with LAMB: the resumed case below
+         ("gpt-interleaved-lamb", "gpt", "lamb", "interleaved-1f1b", 2),
+         ("gpt-interleaved-lans", "gpt", "lans", "interleaved-1f1b", 2),
+         ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
+         ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
+STOP_AT = 5  # the resumed case stops after this many steps
+MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
+                           tie_embeddings=False)  # fp32, no dropout, explicit attention
+MEMORY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1)]
+MICRO_BATCH, MICRO_BATCHES = 2, 4
+
+
+def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **extra) -> dict:
+    """A 4-layer model, a Seesaw batch doubling within ~10 steps, clipping that binds."""
+    o = {"model.kind": kind, "model.n_layer": 4, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
+         "model.tie_embeddings": False, "data.vocab_size": 512, "data.cache_dir": cache,
+         "schedule.batch_policy": "seesaw", "schedule.batch_size": 8, "schedule.peak_lr": 3e-2,
+         "schedule.final_lr": 0.2, "optim.name": optim, "optim.grad_clip": 0.5, "run.micro_batch": 2,
+         "run.total_tokens": 3072, "run.eval_tokens": 160, "run.eval_every_tokens": 3072,
+         "run.progress": "off", "run.sample_tokens": 0, "run.peak_flops": 1e11, "run.tensorboard": False,
+         "run.out_dir": out}
+    o.update(extra)
+    return o
+
+
+def train(o: dict, out: str | Path, resume: bool = False) -> None:
+    Trainer(load_config(resolve_config(None), o), out, resume=resume, log=lambda *_: None).fit()
+
+
+def first_stage_peak_bytes() -> dict[str, int]:
+    """Peak bytes autograd holds on the first stage's rank during a step, per schedule."""
+    peaks = {}
+    for schedule, virtual in MEMORY_CASES:
+        state = init_distributed(ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual))
+        torch.manual_seed(0)
+        model = build_model(MEMORY_MODEL)
+        pipe = pipeline_parallelize(model, state)
+        gen = torch.Generator().manual_seed(1)
+        idx, targets = (torch.randint(0, 64, (MICRO_BATCHES * MICRO_BATCH, 32), generator=gen) for _ in range(2))
+        pipe.step(idx, targets, MICRO_BATCHES, 1.0)  # the first step also infers the stages' shapes
+        _, peaks[schedule] = peak_saved_activation_bytes(
+            lambda: pipe.step(idx, targets, MICRO_BATCHES, 1.0), model)
+    return peaks
+
+
+def run_all(out_dir: str, cache: str) -> None:
+    out = Path(out_dir)
+    peaks = first_stage_peak_bytes()
+    if dist.get_rank() == 0:
+        (out / "first_stage_peak_bytes.json").write_text(json.dumps(peaks))
+    for name, kind, optim, schedule, virtual in CASES:
+        train(overrides(cache, str(out / name), kind, optim, **{
+            "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual}), out / name)
+    # stopped after STOP_AT steps on pp = 2 with uneven stages (1 + 3 layers), then resumed on pp = 2; a
+    # copy of the stopped run is resumed on one process by the test
+    pp = {"parallel.pp": 2, "parallel.pp_split": [1]}
+    train(overrides(cache, str(out / "resume"), **pp, **{"run.max_steps": STOP_AT}), out / "resume")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(out / "resume", out / "resume-on-one")
+    dist.barrier()
+    train(overrides(cache, str(out / "resume"), **pp), out / "resume", resume=True)
+
+
+FOUR_RANK_CASES = {  # name: (dp, layout)
+    "pp2-dp2-fsdp": (2, {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}),
+    "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
+
+
+def run_four_ranks(out_dir: str, cache: str) -> None:
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), pp = 2 x tp = 2 + SP."""
+    for name, (_, layout) in FOUR_RANK_CASES.items():
+        train(overrides(cache, str(Path(out_dir) / name), **layout), Path(out_dir) / name)

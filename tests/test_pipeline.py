@@ -1,0 +1,122 @@
+"""Pipeline parallel (torch.distributed.pipelining) in `largebatch train`, with REAL processes: 2 gloo
+ranks, 1 thread each, spawned ONCE for every case of tests/pipeline_cases.py; each case's losses are
+compared step by step with a one-process run of the same config (GPT and BERT, LAMB and LANS, every
+schedule, across a Seesaw batch change). Bad layouts are refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pipeline_cases as cases
+from largebatch.parallel import spawn
+from largebatch.train.cli import resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.metrics import read_metrics
+from largebatch.typed_config import ConfigError
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5
+
+
+def _train_records(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def _val(run_dir) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One-process references (per model kind and optimizer), then every pp = 2 case in one spawn."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    out = tmp_path_factory.mktemp("pp")
+    for kind, optim in sorted({(kind, optim) for _, kind, optim, _, _ in cases.CASES}):
+        ref = out / f"one-{kind}-{optim}"
+        cases.train(cases.overrides(cache, str(ref), kind, optim), ref)
+    spawn(cases.run_all, 2, str(out), cache)
+    return cache, out
+
+
+def _assert_same_trajectory(ours_dir, ref_dir, dp: int = 1) -> None:
+    ours, ref = _train_records(ours_dir), _train_records(ref_dir)
+    assert [(r["batch_size"], r["micro_batches"] * dp) for r in ours] == \
+        [(r["batch_size"], r["micro_batches"]) for r in ref]  # micro-batches per rank
+    assert len({r["batch_size"] for r in ref}) >= 2  # the run crosses a Seesaw batch change
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1  # it learned
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in ref], rel=TOL, abs=TOL)
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in ref], rel=TOL)
+    assert _val(ours_dir) == pytest.approx(_val(ref_dir), abs=TOL)
+
+
+@pytest.mark.parametrize("name, kind, optim", [c[:3] for c in cases.CASES])
+def test_pp2_loss_at_every_step_equals_one_process(runs, name, kind, optim):
+    _, out = runs
+    _assert_same_trajectory(out / name, out / f"one-{kind}-{optim}")
+    assert any(r["grad_norm"] > 0.5 for r in _train_records(out / name))  # the clipped norm covers both stages
+
+
+def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
+    cache, out = runs
+    ref = out / "one-gpt-lamb"
+    assert [r["step"] for r in _train_records(out / "resume-on-one")][-1] == cases.STOP_AT
+    _assert_same_trajectory(out / "resume", ref)  # stopped and resumed on pp = 2
+    one = out / "resume-on-one"
+    cases.train(cases.overrides(cache, str(one)), one, resume=True)  # the pp = 2 checkpoint on 1 process
+    _assert_same_trajectory(one, ref)
+
+
+def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(runs):
+    cache, out = runs
+    spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for both layouts
+    for name, (dp, _) in cases.FOUR_RANK_CASES.items():
+        _assert_same_trajectory(out / name, out / "one-gpt-lamb", dp=dp)
+
+
+@pytest.mark.parametrize("schedule, virtual", cases.MEMORY_CASES)
+def test_first_stage_activations_match_the_memory_model(runs, schedule, virtual):
+    """Korthikanti et al. 2022 §4.2.3: 1F1B keeps p micro-batches of L/p layers (L layers' worth), the
+    interleaved schedule L (1 + (p - 1) / (p V)), GPipe all m micro-batches (m L / p)."""
+    from largebatch.memory.activations import first_stage_layers, model_activation_bytes
+
+    _, out = runs
+    measured = json.loads((out / "first_stage_peak_bytes.json").read_text())[schedule]
+    m, L = cases.MICRO_BATCHES, cases.MEMORY_MODEL.n_layer
+    expected = model_activation_bytes(cases.MEMORY_MODEL, cases.MICRO_BATCH, pp=2, dtype_bytes=4, device="cpu",
+                                      schedule=schedule, virtual_stages=virtual, micro_batches=m)
+    assert first_stage_layers(L, 2, schedule, virtual, m) == {"1f1b": 4, "interleaved-1f1b": 5, "gpipe": 8}[schedule]
+    assert measured == pytest.approx(expected, rel=0.05)
+
+
+def _config(monkeypatch, world: int, **extra):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return load_config(resolve_config(None), cases.overrides("unused", "unused", **extra))
+
+
+@pytest.mark.parametrize("world, extra, message", [
+    (2, {"parallel.pp": 2, "model.n_layer": 3}, "parallel.pp = 2 does not divide model.n_layer = 3: "),
+    (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 3},
+     "parallel.pp_virtual_stages = 3 does not divide the 2 layers per rank"),
+    (2, {"parallel.pp": 2, "run.micro_batch": 8}, "needs at least 2 micro-batches per step, but a step has 1"),
+    (4, {"parallel.pp": 3}, "parallel.pp x parallel.tp = 3 does not divide the 4 processes"),
+    (4, {"parallel.pp": 2, "parallel.dp": 3, "parallel.dp_mode": "fsdp"}, "pp x dp x tp = 2 x 3 x 1 = 6, but 4"),
+    (2, {"parallel.pp": 2, "model.tie_embeddings": True}, "set model.tie_embeddings = false"),
+    (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
+    (2, {"parallel.pp": 2, "parallel.pp_virtual_stages": 2}, "several stages per rank need an interleaved"),
+    (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
+    (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.loss_parallel": True}, "turn loss_parallel off"),
+    (4, {"parallel.pp": 2}, "set parallel.dp_mode = 'fsdp'"),
+])
+def test_bad_layouts_fail_in_one_line_naming_the_fix(monkeypatch, world, extra, message):
+    with pytest.raises(ConfigError) as err:
+        _config(monkeypatch, world, **extra)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_uneven_split_list_runs_where_pp_does_not_divide_the_layers(monkeypatch):
+    cfg = _config(monkeypatch, 2, **{"parallel.pp": 2, "model.n_layer": 3, "parallel.pp_split": [1]})
+    from largebatch.parallel.pipeline import stage_layers
+
+    assert stage_layers(3, 2, 1, cfg.parallel.pp_split) == [range(0, 1), range(1, 3)]
