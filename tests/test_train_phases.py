@@ -3,6 +3,9 @@ batch, micro-batch and LANS schedule; exact resume across the boundary; bad phas
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,3 +163,24 @@ def test_a_changed_phase_list_is_refused_on_resume(reference, capsys):
     code = main([str(config), f"--run.out_dir={ref}", "--phases.1.total_tokens=4096"])
     err = capsys.readouterr().err
     assert code == 2 and "phases" in err, err
+
+
+@pytest.mark.distributed
+def test_torchrun_crosses_and_resumes_across_the_boundary(reference, tmp_path):
+    """2 data-parallel ranks (DDP), stopped inside phase 0 and again just past the boundary, then
+    finished: every step's loss equals one process's (no dropout: replicas draw different masks)."""
+    tmp, config, _ = reference
+    single = tmp_path / "single"
+    assert main([str(config), f"--run.out_dir={single}", "--model.dropout=0.0"]) == 0
+    run = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for max_steps in (3, 2, 0):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", "-m", "largebatch", "train", str(config), f"--run.out_dir={run}",
+                               "--model.dropout=0.0", f"--run.max_steps={max_steps}"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got, want = train_records(run), train_records(single)
+    assert [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in got] == \
+        [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
