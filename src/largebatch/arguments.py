@@ -57,14 +57,19 @@ def _unwritable_reason(path: Path, what: str) -> str | None:
     return None
 
 
+def _named(field: str, path: Path) -> str:
+    """'--out 'x'' for a flag, "run.out_dir = 'x'" for a config field."""
+    return f"{field} {str(path)!r}" if field.startswith("-") else f"{field} = {str(path)!r}"
+
+
 def check_output_dir(path: str | Path, field: str) -> None:
     """Raise ValueError naming ``field`` unless ``path`` is, or can be made, a writable directory."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{field} = {str(path)!r} is a file, not a directory; choose a directory path")
+        raise ValueError(f"{_named(field, path)} is a file, not a directory; choose a directory path")
     reason = _unwritable_reason(path, "the directory")
     if reason:
-        raise ValueError(f"{field} = {str(path)!r}: {reason}; choose a writable directory")
+        raise ValueError(f"{_named(field, path)}: {reason}; choose a writable directory")
 
 
 def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = ()) -> None:
@@ -72,13 +77,13 @@ def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = 
     writable, it is not a directory, and its suffix is one of ``suffixes`` (when given)."""
     path = Path(path)
     if suffixes and path.suffix.lower() not in suffixes:
-        raise ValueError(f"{field} {str(path)!r}: the file name must end in {' or '.join(suffixes)}")
+        raise ValueError(f"{_named(field, path)}: the file name must end in {' or '.join(suffixes)}")
     if path.is_dir():
-        raise ValueError(f"{field} {str(path)!r} is a directory; give a file name, e.g. {path / 'out'}"
+        raise ValueError(f"{_named(field, path)} is a directory; give a file name, e.g. {path / 'out'}"
                          f"{suffixes[0] if suffixes else ''}")
     parent = Path(os.path.abspath(path)).parent
     if not parent.is_dir():
-        raise ValueError(f"{field} {str(path)!r}: the directory {parent} does not exist; create it first")
+        raise ValueError(f"{_named(field, path)}: the directory {parent} does not exist; create it first")
     reason = _unwritable_reason(parent, "the file")
     if reason:
-        raise ValueError(f"{field} {str(path)!r}: {reason}; choose a writable directory")
+        raise ValueError(f"{_named(field, path)}: {reason}; choose a writable directory")
