@@ -17,7 +17,7 @@ from largebatch.arguments import OneLineParser, finite_float
 from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
-from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, what_would_fit
+from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage)
+        if args.budget_gib is not None:
+            check_plannable(config, setup)
         lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
         if args.hf_config:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
