@@ -28,14 +28,33 @@ def _flags(parser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
 
 
-def _train_keys() -> list[str]:
-    keys = []
+def _train_fields() -> dict[str, typing.Any]:
+    fields = {}
     for section in dataclasses.fields(TrainConfig):
         cls = typing.get_type_hints(TrainConfig)[section.name]
-        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls)]
-    return keys
+        hints = typing.get_type_hints(cls)
+        fields.update({f"{section.name}.{f.name}": hints[f.name] for f in dataclasses.fields(cls)})
+    return fields
 
 
+def _plausible(tp) -> st.SearchStrategy:
+    """A value of about the right kind for a config field or a flag: the deep paths get reached."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Literal or (isinstance(tp, (list, tuple)) and tp):
+        return st.sampled_from([str(c) for c in (typing.get_args(tp) or tp)])
+    if args and typing.get_origin(tp) is not typing.Literal:
+        return st.one_of([_plausible(a) for a in args])
+    if tp is bool:
+        return st.sampled_from(["true", "false"])
+    if tp is int:
+        return st.one_of(st.integers(0, 64).map(str), st.sampled_from(["1e3", "1e5", "100000000"]))
+    if tp is float:
+        return st.sampled_from(["0", "0.1", "0.5", "1", "3e-4", "1e6", "1e300"])
+    return WORDS
+
+
+ACTIONS = {s: a for parser in (schedule_parser(), memory_parser()) for a in parser._actions
+           for s in a.option_strings}
 NUMBERS = st.one_of(
     st.integers(-10, 10_000).map(str),
     st.sampled_from(["inf", "-inf", "nan", "1e300", "-1e300", "1e-300", "0", "-0", "1e8", "2**31",
@@ -62,12 +81,15 @@ def _value(tmp: str) -> st.SearchStrategy:
 def argv(draw, tmp: str):
     command = draw(st.sampled_from(["train", "schedule", "memory", "experiment"]))
     if command == "train":
-        flags = [f"--{k}" for k in _train_keys()] + ["--run.zz_unknown", "--modle.n_layer", "--resume"]
+        fields = _train_fields()
+        flags = [f"--{k}" for k in fields] + ["--run.zz_unknown", "--modle.n_layer", "--resume"]
         args = draw(st.lists(st.sampled_from(["gpt-demo", "bert-demo", "nope.toml", f"{tmp}/bad.toml"]),
                              max_size=1))
         # --check: validate everything, train nothing
         args.append("--check")
-        for flag, value in draw(st.lists(st.tuples(st.sampled_from(flags), _value(tmp)), max_size=4)):
+        for flag in draw(st.lists(st.sampled_from(flags), max_size=4)):
+            tp = fields.get(flag[2:], str)
+            value = draw(_plausible(tp) if draw(st.booleans()) else _value(tmp))
             if flag != "--resume" and draw(st.booleans()):
                 args.append(f"{flag}={value}")
             else:
@@ -86,8 +108,13 @@ def argv(draw, tmp: str):
             args = [draw(st.sampled_from(EXPERIMENTS + ("all", "bogus"))), "--check"]
         for flag in draw(st.lists(st.sampled_from(flags), max_size=4)):
             args.append(flag)
+            action = ACTIONS.get(flag)
+            if action is not None and action.nargs == 0 and draw(st.integers(0, 4)):
+                continue  # a switch, mostly given alone
             if draw(st.integers(0, 9)):  # now and then the value is missing
-                args.append(draw(_value(tmp)))
+                plausible = _plausible(action.choices if action is not None and action.choices
+                                       else {int: int, None: float}.get(getattr(action, "type", None), float))
+                args.append(draw(plausible if draw(st.booleans()) else _value(tmp)))
     if command == "schedule" and "--plot" in args:  # plotting is real work: rarely, small budgets
         args += ["--total-tokens", "1e5", "--seq-len", "64"]
     if command == "schedule" and "--batch-policy" in args:
@@ -108,7 +135,7 @@ def test_cli_fuzz_success_or_one_line_error(fuzz_dir, monkeypatch):
     monkeypatch.chdir(fuzz_dir)  # default run and report directories (never created: --check)
     tmp = str(fuzz_dir)
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(argv(tmp))
     def check(args):
