@@ -109,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
         return 0
+    from largebatch.experiments.runner import ArmsInterrupted
+
     for name, out in outs.items():
-        run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+        try:
+            run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+        except ArmsInterrupted as exc:
+            import signal
+            import sys
+
+            print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
+                  f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "
+                  f"{', '.join(exc.not_started) or 'none'}. Run the same command with --resume to keep "
+                  f"the finished arms", file=sys.stderr)
+            return 128 + exc.signum
     return 0

@@ -212,7 +212,7 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
 
 
 def format_summary(s: dict, run_dir: Path) -> str:
-    from largebatch.train.metrics import human_bytes, human_count
+    from largebatch.train.metrics import human_bytes, human_count, mfu_over_peak
 
     lines = [
         "",
@@ -225,6 +225,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
         f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
         f"memory            {human_bytes(s['memory_bytes'])}",
     ]
+    if s["mfu"] > 1:
+        warning = mfu_over_peak(s["mfu"], s["peak_flops"], s["peak_flops_source"])
+        lines.insert(-1, f"                  warning: {warning}")
     if s.get("noise_scale") is not None:
         lines.append(f"noise scale       B_simple ~ {s['noise_scale']:.0f} sequences")
     if s.get("skipped_steps"):
