@@ -14,6 +14,8 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
 from __future__ import annotations
 
 import shlex
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -115,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
         except ArmsInterrupted as exc:
-            import signal
-            import sys
-
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
                   f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "
                   f"{', '.join(exc.not_started) or 'none'}. Run the same command with --resume to keep "
                   f"the finished arms", file=sys.stderr)
             return 128 + exc.signum
+        except KeyboardInterrupt:  # Ctrl-C between arms (setup, a report): no arm was running
+            print(f"largebatch experiment: error: SIGINT: {name} stopped between arms. Run the same "
+                  f"command with --resume to keep the finished arms", file=sys.stderr)
+            return 130
     return 0

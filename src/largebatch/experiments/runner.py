@@ -139,10 +139,11 @@ class Execution:
     """How an experiment's arms are run; never what they compute."""
 
     jobs: int = 1
-    """Arms trained at once, each in its own process with threads/jobs torch threads. Small models
-    scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with 2 jobs, their
-    own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s process
-    start-up dominates."""
+    """Arms trained at once, each in a fresh process of its own with threads/jobs torch threads.
+    Small models scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with
+    2 jobs, their own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s
+    process start-up dominates. SIGTERM or Ctrl-C: no arm is started after it, the running ones are
+    sent SIGTERM (they checkpoint) and waited for, then ArmsInterrupted is raised."""
     resume: bool = False
     """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
     stopped or crashed full-size experiment continues where it stopped."""
