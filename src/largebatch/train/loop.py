@@ -92,6 +92,9 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"run.device = {name!r}: CUDA is not available here; use 'cpu' or 'auto'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"run.device = {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s); use 'cuda' or 'cuda:N' with N < {torch.cuda.device_count()}")
     return device
 
 
