@@ -156,12 +156,12 @@ def test_bad_paths_and_cli_errors(tmp_path, capsys):
         config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(transformers.LlamaConfig().to_dict()))
     assert memory_main(["--hf-config", str(tmp_path)]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("largebatch memory: hf config model_type='llama'") and out.count("\n") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("largebatch memory: error: hf config model_type='llama'") and err.count("\n") == 1
     assert memory_main(["--hf-config", str(tmp_path), "--config", "x.toml"]) == 2
-    assert "give one" in capsys.readouterr().out
+    assert "give one" in capsys.readouterr().err
     assert memory_main(["--hf-config", str(tmp_path), "--model", "gpt2-xl"]) == 2
-    assert capsys.readouterr().out.startswith("largebatch memory: --model 'gpt2-xl' and --hf-config")
+    assert capsys.readouterr().err.startswith("largebatch memory: error: --model 'gpt2-xl' and --hf-config")
 
 
 def test_config_from_hf_does_not_import_transformers(tmp_path):

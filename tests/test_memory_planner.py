@@ -61,7 +61,7 @@ def test_cli_says_what_would_fit(capsys):
     (["--pp", "3"], "pp=3")])
 def test_cli_bad_input(argv, words, capsys):
     assert main(argv) == 2
-    assert words in capsys.readouterr().out
+    assert words in capsys.readouterr().err
 
 
 def test_planner_reads_a_training_config(capsys, tmp_path):

@@ -11,7 +11,8 @@ Rules that keep a run reproducible and mistakes loud:
 
 * unknown keys are rejected with a did-you-mean suggestion (``ConfigError``), never ignored;
 * values are checked against the field's annotation (``int``, ``float``, ``bool``, ``str``,
-  ``Optional``, ``Literal``, ``list``/``tuple``); ``1`` is accepted for a float, ``"1"`` is not;
+  ``Optional``, ``Literal``, ``list``/``tuple``); ``1`` is accepted for a float, ``"1"`` is not,
+  nor ``inf`` or ``nan``;
 * ``--section.field=value`` overrides parse ``value`` as a TOML value (``--run.seed=3``,
   ``--optim.betas=[0.9,0.98]``), falling back to a bare string (``--optim.name=lans``).
 """
@@ -22,6 +23,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import textwrap
 import types
@@ -131,6 +133,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key} = {value!r}: expected a whole number")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML reads inf and nan; no setting means either
+                raise ConfigError(f"{key} = {value!r}: expected a finite number")
             return float(value)
         raise ConfigError(f"{key} = {value!r}: expected a number")
     if tp is str:

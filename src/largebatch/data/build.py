@@ -188,7 +188,7 @@ def _text_streams(cfg: DataConfig):
 def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                        val_docs: list[Document]) -> None:
     if cfg.tokenizer_file:
-        tokenizer = Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+        tokenizer = read_tokenizer_file(cfg)
     else:  # trained on the TRAINING split only: validation text must stay unseen
         tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
     eot_id = tokenizer.token_to_id(tokenizer_lib.EOT)
@@ -231,6 +231,18 @@ def _read_tokenizer_bytes(cfg: DataConfig) -> bytes:
     return path.read_bytes()
 
 
+def read_tokenizer_file(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer of ``cfg.tokenizer_file``; CorpusError naming the field if it is not one."""
+    try:
+        return Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+    except CorpusError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception (or a decode error)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} is not a tokenizer.json "
+                          f"({reason}): pass one saved by HF tokenizers, or None to train one") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # pre-tokenized corpora: no documents, so split by position unless val_corpus is given
 
@@ -251,7 +263,7 @@ def _token_array_streams(cfg: DataConfig):
         split = "by position: last val_fraction of tokens"
     tokenizer = None
     if cfg.tokenizer_file:
-        tokenizer = Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+        tokenizer = read_tokenizer_file(cfg)
     stats = DataStats(cfg.corpus, None, None, len(train_tokens), len(val_tokens), 0, 0,
                       split=split)
     return tokenizer, train_tokens, val_tokens, stats

@@ -8,14 +8,18 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
     largebatch experiment all --quick
     largebatch experiment optimizers --jobs 2 --resume   # full size: 2 arms at once; keep finished arms
     largebatch experiment seesaw --quick --seeds 5       # every arm at 5 seeds: paired gaps, mean +- sd
+    largebatch experiment all --quick --check            # check the arguments and --out only; exit
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
+import signal
+import sys
 import time
 from pathlib import Path
+
+from largebatch.arguments import OneLineParser, check_output_dir
 
 EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale")
 
@@ -45,7 +49,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
 
         extra["seeds"] = check_seeds(seeds)
     execution = Execution(jobs=jobs, resume=resume)
-    out = Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
+    out = _report_dir(name, size, out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
     seeds_flag = f" --seeds {seeds}" if seeds is not None else ""
@@ -59,8 +63,12 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
     return path
 
 
+def _report_dir(name: str, size: str, out_dir: str | Path | None) -> Path:
+    return Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="largebatch experiment", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="largebatch experiment", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=EXPERIMENTS + ("all",))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny model, <= 10 minutes on 2 CPU cores")
@@ -77,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None,
                         help="seesaw only: seeds per arm, 1-8 (default 2); the report gives the mean, "
                              "sd and range of each arm's paired gap to cosine")
+    parser.add_argument("--check", action="store_true",
+                        help="check the arguments and the report directory, print what would run, exit")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
@@ -91,7 +101,29 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seeds {args.seeds}: {exc}")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = EXPERIMENTS if args.name == "all" else (args.name,)
-    for name in names:
-        out = args.out if args.name != "all" or args.out is None else Path(args.out) / name
-        run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+    outs = {name: _report_dir(name, size_name, args.out if args.name != "all" or args.out is None
+                              else Path(args.out) / name) for name in names}
+    for name, out in outs.items():  # every report directory, before the first arm trains
+        try:
+            check_output_dir(out, "--out")
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.check:
+        print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
+        return 0
+    from largebatch.experiments.runner import ArmsInterrupted
+
+    for name, out in outs.items():
+        try:
+            run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+        except ArmsInterrupted as exc:
+            print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
+                  f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "
+                  f"{', '.join(exc.not_started) or 'none'}. Run the same command with --resume to keep "
+                  f"the finished arms", file=sys.stderr)
+            return 128 + exc.signum
+        except KeyboardInterrupt:  # Ctrl-C between arms (setup, a report): no arm was running
+            print(f"largebatch experiment: error: SIGINT: {name} stopped between arms. Run the same "
+                  f"command with --resume to keep the finished arms", file=sys.stderr)
+            return 130
     return 0

@@ -139,10 +139,11 @@ class Execution:
     """How an experiment's arms are run; never what they compute."""
 
     jobs: int = 1
-    """Arms trained at once, each in its own process with threads/jobs torch threads. Small models
-    scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with 2 jobs, their
-    own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s process
-    start-up dominates."""
+    """Arms trained at once, each in a fresh process of its own with threads/jobs torch threads.
+    Small models scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with
+    2 jobs, their own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s
+    process start-up dominates. SIGTERM or Ctrl-C: no arm is started after it, the running ones are
+    sent SIGTERM (they checkpoint) and waited for, then ArmsInterrupted is raised."""
     resume: bool = False
     """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
     stopped or crashed full-size experiment continues where it stopped."""
@@ -195,7 +196,9 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     start, diverged = time.perf_counter(), None
     with open(run_dir / "train.log", "w") as log_file:
         try:
-            Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+            summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+            if summary.get("signal"):  # SIGTERM / SIGINT: the trainer checkpointed; end the experiment
+                raise ArmsInterrupted(summary["signal"], [run_dir.name], [])
         except NonFiniteLoss as exc:
             diverged = str(exc)
             print(f"diverged: {exc}", file=log_file)
@@ -236,20 +239,100 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
         else:
             results[arm.name] = _result(arm, run_dir, *finished, log, "  (kept: finished earlier)")
     if execution.jobs == 1 or len(todo) <= 1:
-        for arm, run_dir, overrides in todo:
-            results[arm.name] = _result(arm, run_dir, *_train(run_dir, overrides), log)
+        for k, (arm, run_dir, overrides) in enumerate(todo):
+            try:
+                outcome = _train(run_dir, overrides)
+            except ArmsInterrupted as exc:
+                raise ArmsInterrupted(exc.signum, [arm.name], [a.name for a, _, _ in todo[k + 1:]]) from None
+            results[arm.name] = _result(arm, run_dir, *outcome, log)
     else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        import torch
-
-        threads = max(1, torch.get_num_threads() // execution.jobs)
-        with ProcessPoolExecutor(max_workers=min(execution.jobs, len(todo)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_train, run_dir, overrides, threads): (arm, run_dir)
-                       for arm, run_dir, overrides in todo}
-            for future in as_completed(futures):
-                arm, run_dir = futures[future]
-                results[arm.name] = _result(arm, run_dir, *future.result(), log)
+        for arm, run_dir, outcome in _train_in_processes(todo, execution.jobs):
+            results[arm.name] = _result(arm, run_dir, *outcome, log)
     return [results[arm.name] for arm in arms]
+
+
+class ArmsInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached an experiment training arms in processes: none more was started
+    and the running ones were sent SIGTERM (they checkpoint and exit) and waited for."""
+
+    def __init__(self, signum: int, stopped: list[str], not_started: list[str]):
+        super().__init__(signum, stopped, not_started)
+        self.signum, self.stopped, self.not_started = signum, stopped, not_started
+
+
+def _arm_process(queue, index: int, run_dir: Path, overrides: dict[str, Any], threads: int) -> None:
+    import os
+
+    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
+    try:
+        queue.put((index, _train(run_dir, overrides, threads)))
+    except ArmsInterrupted:  # the parent sent SIGTERM and knows; the trainer checkpointed
+        pass
+
+
+def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int):
+    """Yield (arm, run_dir, (wall, diverged)) as arms finish, ``jobs`` processes at a time.
+
+    SIGTERM or SIGINT (Ctrl-C) to this process: no arm is started after it, every running arm gets
+    SIGTERM (its trainer checkpoints and exits) and is waited for, then ArmsInterrupted is raised --
+    no process is left behind training on its own."""
+    import multiprocessing
+    import queue as queue_lib
+    import signal
+
+    import torch
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    threads = max(1, torch.get_num_threads() // jobs)
+    pending, running = list(enumerate(todo)), {}
+
+    def interrupt(signum, frame):
+        raise ArmsInterrupted(signum, [], [])
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                index, (arm, run_dir, overrides) = pending.pop(0)
+                process = ctx.Process(target=_arm_process, args=(results, index, run_dir, overrides, threads),
+                                      name=f"arm-{arm.name}")
+                process.start()
+                running[index] = process
+            try:
+                index, outcome = results.get(timeout=1.0)
+            except queue_lib.Empty:
+                dead = [i for i, p in running.items() if not p.is_alive() and p.exitcode != 0]
+                if dead:
+                    raise RuntimeError(f"arm {todo[dead[0]][0].name!r} died (exit code "
+                                       f"{running[dead[0]].exitcode}); see {todo[dead[0]][1] / 'train.log'}")
+                continue
+            running.pop(index).join()
+            arm, run_dir, _ = todo[index]
+            yield arm, run_dir, outcome
+    except ArmsInterrupted as exc:
+        for sig, handler in previous.items():  # a second signal now ends this process at once
+            signal.signal(sig, handler)
+        _stop(running.values())
+        raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in running],
+                              [todo[i][0].name for i, _ in pending]) from None
+    except BaseException:
+        _stop(running.values())
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(processes, grace_s: float = 120.0) -> None:
+    """SIGTERM each process, wait for it (a trainer finishes its step and checkpoints), else kill."""
+    processes = list(processes)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()

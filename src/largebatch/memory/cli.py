@@ -11,8 +11,10 @@ least recompute FLOPs that fits a budget.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
+from largebatch.arguments import OneLineParser, finite_float
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
     config_layer_kwargs,
@@ -21,16 +23,16 @@ from largebatch.memory.activations import (
 )
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
-from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep, what_would_fit
+from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
-TYPES = {"kind": str, "attention": str, "dropout": float}
+TYPES = {"kind": str, "attention": str, "dropout": finite_float}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
@@ -50,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="m, micro-batches per step for the GPipe row of the --pp table (default 2 p)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --zero-stage)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
-    p.add_argument("--budget-gib", type=float, help="memory per device in GiB; omit for the table only")
+    p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
-    p.add_argument("--dtype-bytes", type=float, default=2,
+    p.add_argument("--dtype-bytes", type=finite_float, default=2,
                    help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     return p
@@ -160,6 +162,9 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.budget_gib is not None and args.budget_gib <= 0:
+            raise ValueError(f"--budget-gib {args.budget_gib:g}: must be > 0 (memory per device in GiB, "
+                             f"e.g. 80)")
         config = _config(args)
         auto = args.micro_batch == "auto"
         if not auto and not args.micro_batch.isdigit():
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage)
+        if args.budget_gib is not None:
+            check_plannable(config, setup)
         lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
         if args.hf_config:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp)
         lines += ["", f"Per device, no recompute: {setup.estimate(config, 'none')}"]
     except ValueError as err:
-        print(f"largebatch memory: {err}")
+        print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     if args.budget_gib is None:

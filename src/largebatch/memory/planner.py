@@ -63,8 +63,23 @@ def mixes(n_layers: int) -> Iterator[list[str]]:
             yield ["full"] * n_full + ["selective"] * n_sel + ["none"] * (n_layers - n_full - n_sel)
 
 
+# the search below visits every (full, selective, none) mix of a stage: O(L^2) mixes of L layers
+# each; 400 layers take ~10 s on one CPU core (docs/memory.md), real models have <= ~200 per stage
+MAX_STAGE_LAYERS = 512
+
+
+def check_plannable(config: ModelConfig, setup: Setup) -> None:
+    """ValueError naming the layers per stage when the exhaustive search would not end in minutes."""
+    stage = config.n_layer // setup.pp
+    if stage > MAX_STAGE_LAYERS:
+        raise ValueError(f"n_layer={config.n_layer} with pp={setup.pp}: {stage} layers per pipeline "
+                         f"stage; the recomputation planner searches at most {MAX_STAGE_LAYERS} "
+                         f"(raise pp, or drop the budget for the table only)")
+
+
 def cheapest_plan(config: ModelConfig, setup: Setup, budget_bytes: float) -> Plan | None:
     """The fitting mix with the least recompute FLOPs (ties: least memory), or None."""
+    check_plannable(config, setup)
     stage = config.n_layer // setup.pp
     base = flops_per_token(config, seq_len=setup.seq_len)
     best = None

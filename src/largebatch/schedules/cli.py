@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
+from largebatch.arguments import OneLineParser, check_output_file
 from largebatch.schedules.config import CHOICES, ScheduleConfig
 from largebatch.typed_config import field_docs
 
@@ -29,6 +31,8 @@ def parse_tokens(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 2e9, 300M)")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite token count (e.g. 2e9, 300M)")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the token count must be positive")
     return int(round(value))
@@ -38,21 +42,27 @@ def parse_number(text: str) -> float:
     """A float, or a fraction such as '1/1.1' (Seesaw's ratio)."""
     try:
         numerator, _, denominator = text.partition("/")
-        return float(numerator) / float(denominator) if denominator else float(text)
+        value = float(numerator) / float(denominator) if denominator else float(text)
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or a fraction like 1/1.1")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number")
+    return value
 
 
 def parse_table(text: str) -> list[list[float]]:
     """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size)."""
     try:
-        return [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
+        table = [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected FRACTION:BATCH,... e.g. 0:64,0.5:128")
+    if not all(math.isfinite(f) for f, _ in table):
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions must be finite, e.g. 0:64,0.5:128")
+    return table
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="largebatch schedule", description=__doc__,
+    parser = OneLineParser(prog="largebatch schedule", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-tokens", type=parse_tokens, required=True,
                         help="token budget, e.g. 2e9 or 300M")
@@ -103,13 +113,15 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     names = [f.name for f in dataclasses.fields(ScheduleConfig)]
-    config = ScheduleConfig(**{name: getattr(args, name) for name in names})
     try:
+        config = ScheduleConfig(**{name: getattr(args, name) for name in names})
+        if args.plot:  # before the work: a plot that cannot be written is known now
+            check_output_file(args.plot, "--plot", suffixes=(".png", ".pdf", ".svg"))
         print(config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp))
         if args.plot:
             plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)
             print(f"wrote {args.plot}")
     except ValueError as exc:
-        print(f"largebatch schedule: {exc}", file=sys.stderr)
+        print(f"largebatch schedule: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -10,6 +10,7 @@ save. A failed write (no space, file-size limit, I/O error) removes its temporar
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -20,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from largebatch.train.rundir import remove_quietly
 
 _NAME = re.compile(r"^step_(\d{8,})(\.pt|\.dcp)$")
 
@@ -91,15 +94,17 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         os.replace(tmp, final)
         _fsync_dir(ckdir)
     except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)  # the write's error is the one to report, not the cleanup's
         cause = _os_error_in(exc)
         if cause is None:
             raise
         previous = latest_checkpoint(run_dir)
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        fix = ("Make it writable" if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+               else "Free disk space")
         raise CheckpointError(
             f"could not write checkpoint {final}: {cause.strerror or cause}; {kept}. "
-            f"Free disk space and run the same command again (or --resume {run_dir})"
+            f"{fix} and run the same command again (or --resume {run_dir})"
         ) from exc
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)

@@ -7,6 +7,10 @@
     largebatch train --resume runs/20261130-101500-gpt           # continue exactly where it stopped
     largebatch train my.toml --run.out_dir=runs/a  # again after a stop: continues runs/a (same config)
     largebatch train --help-config                 # every field, its type, default and meaning
+    largebatch train my.toml --check               # check config, run dir, device and memory; exit
+
+Every check that needs no data and no model runs before any work starts (largebatch.train.preflight);
+a bad value is one line naming the field, the value and the fix, exit code 2.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from pathlib import Path
 
 from largebatch.cli import TRAIN_EXTRA
-from largebatch.typed_config import ConfigError, describe_fields, parse_overrides
+from largebatch.typed_config import ConfigError, describe_fields, from_dict, load_toml, parse_overrides
 
 DEFAULT_CONFIG = "gpt-demo"
 
@@ -88,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields(TrainConfig))
         return 0
 
-    from largebatch.train.rundir import claim_new_dir, continues_run
+    from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight
+    from largebatch.train.rundir import continues_run
 
-    config_path, resume_dir, rest = None, None, []
+    config_path, resume_dir, rest, check_only = None, None, [], False
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--resume" or arg.startswith("--resume="):
+        if arg == "--check":
+            check_only = True
+        elif arg == "--resume" or arg.startswith("--resume="):
             if "=" in arg:
                 resume_dir = arg.split("=", 1)[1]
             elif i + 1 < len(argv):
@@ -120,15 +127,28 @@ def main(argv: list[str] | None = None) -> int:
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": 0, **overrides})
             run_dir, resume = Path(resume_dir), True
+            check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
+            check_run_dir(run_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides)
             run_dir = Path(cfg.run.out_dir.format(time=_launch_time(), kind=cfg.model.kind))
-            if "{time}" in cfg.run.out_dir and not _under_torchrun():
-                run_dir = claim_new_dir(run_dir)  # two runs started in the same second: -2
+            check_run_dir(run_dir)
+        state = preflight(cfg, distributed=_under_torchrun())  # before anything is created
+        if resume_dir is None:
+            if not check_only:  # two runs started in the same second: -2
+                run_dir = make_run_dir(run_dir, unique="{time}" in cfg.run.out_dir and not _under_torchrun())
             # the same command line starts a run and restarts it (a scheduler, torchrun --max-restarts)
             resume = continues_run(run_dir, cfg)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    if check_only:
+        from largebatch.train.metrics import human_bytes, human_count
+
+        print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
+              f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
+              f"gradients and {cfg.optim.name} state per process, {human_bytes(state.available)} "
+              f"available ({state.source})")
+        return 0
 
     from largebatch.parallel import RankFailure
     from largebatch.train.checkpoint import CheckpointError
@@ -192,7 +212,7 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
 
 
 def format_summary(s: dict, run_dir: Path) -> str:
-    from largebatch.train.metrics import human_bytes, human_count
+    from largebatch.train.metrics import human_bytes, human_count, mfu_over_peak
 
     lines = [
         "",
@@ -205,6 +225,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
         f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
         f"memory            {human_bytes(s['memory_bytes'])}",
     ]
+    if s["mfu"] > 1:
+        warning = mfu_over_peak(s["mfu"], s["peak_flops"], s["peak_flops_source"])
+        lines.insert(-1, f"                  warning: {warning}")
     if s.get("noise_scale") is not None:
         lines.append(f"noise scale       B_simple ~ {s['noise_scale']:.0f} sequences")
     if s.get("skipped_steps"):

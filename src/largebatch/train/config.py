@@ -14,6 +14,8 @@ is written to ``RUN_DIR/config.toml`` and is what ``--resume`` reads back.
 from __future__ import annotations
 
 import dataclasses
+import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -149,6 +151,27 @@ class RunConfig:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be >= 0 (0 disables)")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ValueError(f"run.peak_flops = {self.peak_flops}: must be > 0, or omitted to measure")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _check_out_dir_template(self.out_dir)
+
+
+OUT_DIR_FIELDS = ("time", "kind")  # what run.out_dir may hold in braces
+
+
+def _check_out_dir_template(out_dir: str) -> None:
+    """run.out_dir may name only {time} and {kind}; anything else in braces is refused up front."""
+    fix = "use only {time} and {kind} in braces (write {{ and }} for literal braces)"
+    if not out_dir.strip():
+        raise ValueError("run.out_dir = '': give a directory, e.g. runs/{time}-{kind}")
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(out_dir)
+                  if name is not None]
+    except ValueError as exc:  # a single '{' or '}'
+        raise ValueError(f"run.out_dir = {out_dir!r}: {exc}; {fix}") from None
+    for name, spec, conv in fields:
+        if name not in OUT_DIR_FIELDS or spec or conv:
+            raise ValueError(f"run.out_dir = {out_dir!r}: unknown placeholder {{{name}}}; {fix}")
 
 
 @dataclass

@@ -64,6 +64,7 @@ from largebatch.train.metrics import (
     human_count,
     measure_peak_flops,
     memory_bytes,
+    mfu_over_peak,
     plot_run,
 )
 from largebatch.train.optimizer import build_optimizer
@@ -100,6 +101,9 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"run.device = {name!r}: CUDA is not available here; use 'cpu' or 'auto'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"run.device = {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s); use 'cuda' or 'cuda:N' with N < {torch.cuda.device_count()}")
     return device
 
 
@@ -359,7 +363,10 @@ class Trainer:
         run, pos = self.cfg.run, self.pos
         self.log(self.describe())
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
-        steps_here, val_loss, t_log, tokens_log = 0, None, time.perf_counter(), pos.tokens
+        # tokens/s and MFU over the optimizer steps' own time since the last record: evaluations
+        # and checkpoints in between are not training throughput
+        steps_here, val_loss, seconds_log, tokens_log = 0, None, pos.train_seconds, pos.tokens
+        warned_mfu = False
         signum, time_due = None, False  # SIGTERM / SIGINT, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
@@ -399,11 +406,13 @@ class Trainer:
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
                 if pos.step % run.log_every_steps == 0:
-                    now = time.perf_counter()
-                    tps = (pos.tokens - tokens_log) / max(now - t_log, 1e-9)
-                    t_log, tokens_log = now, pos.tokens
+                    tps = (pos.tokens - tokens_log) / max(pos.train_seconds - seconds_log, 1e-9)
+                    seconds_log, tokens_log = pos.train_seconds, pos.tokens
                     record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
                                   mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
+                    if record["mfu"] > 1 and not warned_mfu:
+                        warned_mfu = True
+                        self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
                     if self.metrics is not None:
                         self.metrics.log(record)
                     progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")

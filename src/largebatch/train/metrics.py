@@ -63,6 +63,13 @@ def memory_bytes(device: torch.device) -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def mfu_over_peak(mfu: float, peak_flops: float, source: str) -> str:
+    """Why an MFU above 100% is not a result: the peak it divides by is too low."""
+    return (f"MFU {100 * mfu:.0f}% is above 100%: the peak of {peak_flops / 1e12:.3g} TFLOP/s it "
+            f"divides by was {source}, so it is too low (a matmul measured under load, or a wrong "
+            f"declaration); declare the device's peak with --run.peak_flops")
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -22,6 +22,7 @@ import fcntl
 import os
 import socket
 from pathlib import Path
+from typing import Callable
 
 from largebatch.typed_config import ConfigError, to_dict
 
@@ -48,8 +49,17 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
         raise
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a temporary after a failed write, never hiding that failure: on a read-only file
+    system even unlinking a file that was never created fails (EROFS)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -62,12 +72,17 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def config_differences(saved, new) -> list[str]:
-    """'table.field: saved -> new' for every field that differs and changes the trajectory."""
+def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
+    """'table.field: saved -> new' for every ``selected`` field that differs between two configs."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f))
-                                               for f in RESTART_FIELDS)]
+            if a.get(k) != b.get(k) and selected(k)]
+
+
+def config_differences(saved, new) -> list[str]:
+    """'table.field: saved -> new' for every field that differs and changes the trajectory."""
+    return differing_fields(saved, new, lambda k: not any(
+        k == f or (f.endswith(".") and k.startswith(f)) for f in RESTART_FIELDS))
 
 
 def has_checkpoints(run_dir: Path) -> bool:
@@ -116,10 +131,11 @@ class RunLock:
     """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held until :meth:`release` or death."""
 
     def __init__(self, run_dir: str | Path):
+        self._fd: int | None = None  # set first: __del__ runs even when mkdir below fails
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

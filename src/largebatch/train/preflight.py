@@ -1,0 +1,158 @@
+"""Checks before any work starts: what would otherwise fail after the data, the model or hours of
+training are built is refused in one line naming the field, the value and the fix.
+
+* the run directory can be made and written (not a file, not on a read-only disk);
+* ``run.device`` exists on this machine (outside torchrun, where each rank takes its local GPU);
+* ``data.tokenizer_file`` is a tokenizer.json;
+* the model fits: fp32 parameters, gradients and optimizer state, counted from the config by the
+  closed-form estimator of largebatch.memory (ZeRO accounting, Rajbhandari et al. 2020 §3.1; see
+  docs/papers.md: memory) BEFORE the model is built, against the memory this machine has free --
+  ``model.n_layer=1e8`` is refused in a second instead of growing until the kernel kills the job;
+* a ``--resume`` keeps what its checkpoints' state was built for (model shapes, the optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from largebatch.arguments import check_output_dir
+from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, stage_parameters
+from largebatch.train.config import TrainConfig
+from largebatch.typed_config import ConfigError
+
+# the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
+STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
+                "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position",
+                "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
+FP32_BYTES = 4  # parameters and gradients stay fp32 (bf16 runs autocast the compute only)
+
+
+@dataclass(frozen=True)
+class StateEstimate:
+    """Bytes of model state one process holds while training (before activations)."""
+
+    parameters: float
+    """Parameters held by one process (its tensor-parallel share)."""
+    bytes: float
+    """Parameters + gradients + optimizer state, fp32."""
+    available: float
+    """Memory free for them: the device's on CUDA, the machine's (shared by its local ranks) on CPU."""
+    source: str
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be created and written (a file there or a read-only disk: refused)."""
+    try:
+        check_output_dir(run_dir, "run.out_dir")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def make_run_dir(run_dir: Path, unique: bool) -> Path:
+    """Create the run directory now (``unique``: ``-2``, ``-3``... when taken; see claim_new_dir),
+    so a directory that cannot be made (a read-only or special file system) is refused here."""
+    from largebatch.train.rundir import claim_new_dir
+
+    try:
+        if unique:
+            return claim_new_dir(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    except OSError as exc:
+        raise ConfigError(f"run.out_dir = {str(run_dir)!r}: cannot create {exc.filename or run_dir} "
+                          f"({exc.strerror or exc}); choose a writable directory") from None
+
+
+def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse a ``--resume`` override that changes what the checkpoints' state was built for."""
+    from largebatch.train.rundir import differing_fields
+
+    changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS)
+    if changed:
+        raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
+                          f"optimizer state its checkpoints hold; resume without that override, or "
+                          f"start a new run with another --run.out_dir")
+
+
+def check_device(cfg: TrainConfig, distributed: bool) -> None:
+    if distributed:  # each rank takes its local GPU (largebatch.parallel.mesh)
+        return
+    from largebatch.train.loop import resolve_device
+
+    try:
+        resolve_device(cfg.run.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_tokenizer_file(cfg: TrainConfig) -> int | None:
+    """The vocabulary size of ``data.tokenizer_file`` (None without one); ConfigError if unreadable."""
+    if not cfg.data.tokenizer_file:
+        return None
+    from largebatch.data.build import read_tokenizer_file
+
+    try:
+        return read_tokenizer_file(cfg.data).get_vocab_size()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
+    """fp32 parameters + gradients + optimizer state of one process, from the config alone."""
+    model = cfg.model.replace(vocab_size=vocab_size or cfg.data.vocab_size)  # the trainer's vocabulary
+    n = stage_parameters(model, tp=cfg.parallel.tp)
+    per_parameter = 2 * FP32_BYTES + OPTIMIZER_STATE_BYTES[cfg.optim.name]
+    available, source = _available_bytes(cfg)
+    return StateEstimate(n, n * per_parameter, available, source)
+
+
+def _available_bytes(cfg: TrainConfig) -> tuple[float, str]:
+    import torch
+
+    from largebatch.train.loop import resolve_device
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if distributed and torch.cuda.is_available() else resolve_device(cfg.run.device))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {device}"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1
+    free = _mem_available()
+    return free / local_ranks, ("MemAvailable of this machine" +
+                                (f" / {local_ranks} local ranks" if local_ranks > 1 else ""))
+
+
+def _mem_available() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
+    """Refuse a model whose state alone exceeds the memory free for it, naming the size fields."""
+    est = estimate_state(cfg, vocab_size)
+    if est.bytes > est.available:
+        m = cfg.model
+        raise ConfigError(
+            f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd} (vocabulary "
+            f"{vocab_size or cfg.data.vocab_size}): {est.parameters:.3g} parameters per process need "
+            f"{est.bytes / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state, "
+            f"more than the {est.available / GIB:,.1f} GiB available ({est.source}); lower "
+            f"model.n_layer or model.n_embd, or split the model with parallel.tp")
+    return est
+
+
+def preflight(cfg: TrainConfig, distributed: bool) -> StateEstimate:
+    """Every check that needs no data and no model (the run directory is checked by the caller
+    before it creates the directory)."""
+    check_device(cfg, distributed)
+    vocab = check_tokenizer_file(cfg)
+    return check_memory(cfg, vocab)

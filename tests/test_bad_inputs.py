@@ -1,0 +1,191 @@
+"""Every bad input of every command is one line naming the field, the value and the fix, exit code 2,
+no traceback, found before any work starts: inf/nan numbers, unwritable outputs (a file where a
+directory goes, a missing directory, a real read-only file system), an unknown device, a non-JSON
+tokenizer, a model whose state exceeds the machine's memory, a resume that would load checkpoint
+state into another shape or optimizer. A checkpoint save on a read-only disk reports its own error
+and keeps the previous checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.cli import main as cli_main
+from largebatch.train.config import load_config
+from test_train import tiny_overrides
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+    [str(Path(__file__).parents[1] / "src"), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`largebatch ARGV` in this process: (exit code, stdout, stderr); argparse's exit included."""
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *needles: str) -> None:
+    assert code == 2 and "Traceback" not in out + err, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and " error: " in lines[0], err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture
+def paths(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "tokenizer.json").write_text("this is not JSON")
+    return tmp_path
+
+
+CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
+    (["schedule", "--total-tokens", "inf", "--seq-len", "64"], ["--total-tokens", "'inf'", "finite"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--ratio", "nan"], ["--ratio", "'nan'"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/missing/x.png"],
+     ["--plot", "missing", "does not exist; create it first"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/x.txt"], ["--plot", ".png"]),
+    (["memory", "--budget-gib", "nan"], ["--budget-gib", "'nan'", "finite"]),
+    (["memory", "--budget-gib", "-1"], ["--budget-gib -1", "must be > 0"]),
+    (["memory", "--dtype-bytes", "inf"], ["--dtype-bytes", "'inf'"]),
+    (["experiment", "seesaw", "--smoke", "--out", "{tmp}/file"], ["--out", "is a file"]),
+    (["experiment", "all", "--smoke", "--out", "{tmp}/file"], ["--out", "file/seesaw", "is a file"]),
+    (["train", "--run.out_dir={tmp}/file"], ["run.out_dir", "is a file, not a directory"]),
+    (["train", "--run.out_dir={tmp}/file/run"], ["run.out_dir", "is a file, so the directory cannot"]),
+    (["train", "--run.out_dir=runs/{foo}"], ["run.out_dir", "{foo}", "use only {time} and {kind}"]),
+    (["train", "--run.out_dir=runs/{time"], ["run.out_dir", "'runs/{time'"]),
+    (["train", "--run.device=tpu"], ["run.device", "'tpu'", "'cuda:N'"]),
+    (["train", "--data.tokenizer_file={tmp}/tokenizer.json"], ["tokenizer_file", "not a tokenizer.json"]),
+    (["train", "--optim.weight_decay=nan"], ["optim.weight_decay", "nan", "finite"]),
+    (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),
+    (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),
+]
+
+
+@pytest.mark.parametrize("argv, needles", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_bad_input_is_one_line(argv, needles, paths, capsys, monkeypatch):
+    monkeypatch.chdir(paths)  # a default run directory would go here; none may be made
+    before = sorted(paths.rglob("*"))
+    start = time.perf_counter()
+    code, out, err = run_cli([a.replace("{tmp}", str(paths)) for a in argv], capsys)
+    assert_one_line_error(code, out, err, *needles)
+    assert sorted(paths.rglob("*")) == before  # refused before any work: nothing was created
+    assert time.perf_counter() - start < 15  # n_layer=1e8 is refused from the config, not by building
+
+
+def test_state_estimate_is_the_real_model_and_optimizer(tmp_path):
+    """The refusal's numbers are the real ones: parameters of the built model, and fp32 parameters +
+    gradients + optimizer state summed over the tensors a real optimizer step leaves (LAMB keeps
+    two moments per parameter, LARS one momentum buffer)."""
+    from largebatch.models import build_model
+    from largebatch.train.optimizer import build_optimizer
+    from largebatch.train.preflight import estimate_state
+
+    for kind, optim in (("gpt", "lamb"), ("bert", "lars")):
+        cfg = load_config(None, {"model.kind": kind, "model.n_layer": 2, "model.n_embd": 32,
+                                 "model.n_head": 2, "model.seq_len": 16, "data.vocab_size": 512,
+                                 "optim.name": optim, "run.micro_batch": 8})
+        model = build_model(cfg.model.replace(vocab_size=cfg.data.vocab_size))
+        optimizer = build_optimizer(model, cfg.optim)
+        idx = torch.randint(0, 512, (2, 16))
+        model(idx, idx)[1].backward()
+        optimizer.step()
+        params = list(model.parameters())
+        state = [t for s in optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.numel() > 1]
+        real = sum(t.numel() * t.element_size() for t in params + [p.grad for p in params] + state)
+        est = estimate_state(cfg)
+        assert est.parameters == sum(p.numel() for p in params)
+        assert est.bytes == real, (kind, optim, est.bytes, real)
+        assert 0 < est.available
+
+
+def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
+    monkeypatch.chdir(paths)
+    code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)
+    assert code == 0 and out.startswith("ok: runs/") and "a new run" in out and "parameters" in out, err
+    assert not (paths / "runs").exists()
+
+
+def test_resume_that_changes_the_state_is_refused(reference_run, tmp_path, capsys):
+    """A --resume override of the optimizer would load LANS/LAMB moments into AdamW; one of the
+    model's shape would fail with a size-mismatch traceback. Both are refused and change no file."""
+    import shutil
+
+    _, ref, _ = reference_run
+    out = tmp_path / "run"
+    shutil.copytree(ref, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    saved_optim = load_config(out / "config.toml").optim.name
+    for override, needle in ((["--optim.name=adamw"], f"optim.name: '{saved_optim}' -> 'adamw'"),
+                             (["--model.n_embd=64"], "model.n_embd: 32 -> 64"),
+                             (["--data.vocab_size=1024"], "data.vocab_size: 512 -> 1024")):
+        code, stdout, err = run_cli(["train", "--resume", str(out), *override], capsys)
+        assert_one_line_error(code, stdout, err, f"--resume {out}", needle, "another --run.out_dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+READ_ONLY_DRIVER = """
+import json, subprocess, sys
+from pathlib import Path
+from largebatch.train.checkpoint import CheckpointError, load_checkpoint
+from largebatch.train.cli import main
+from largebatch.train.config import load_config
+from largebatch.train.loop import Trainer
+
+overrides, disk, report = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+cfg = load_config(None, overrides)
+trainer = Trainer(cfg, overrides["run.out_dir"], log=lambda *_: None)
+trainer.train_step()
+first = trainer.save()
+# the checkpoints' own file system goes read-only (the run directory's open files live above it)
+subprocess.run(["mount", "-o", "remount,ro", str(first.parent)], check=True)
+trainer.train_step()
+try:
+    trainer.save()
+    error = None
+except CheckpointError as exc:
+    error = str(exc)
+intact = load_checkpoint(first)["progress"]["step"]
+trainer._close()  # its lock and metrics files are open for writing: a remount would be busy
+subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+code = main([f"--{k}={json.dumps(v)}" for k, v in {**overrides, "run.out_dir": str(disk / "new")}.items()])
+report.write_text(json.dumps({"error": error, "first": str(first), "intact_step": intact, "code": code}))
+"""
+
+
+def test_read_only_disk_is_one_line_and_keeps_the_previous_checkpoint(reference_run, tmp_path):
+    """Real read-only file systems (tmpfs remounted ro in a private mount namespace): a checkpoint
+    save reports EROFS itself (the cleanup of its temporary used to raise instead) and names the
+    intact previous checkpoint; a new run into a read-only disk is refused before it starts."""
+    cache, _, _ = reference_run
+    disk, report, driver = tmp_path / "disk", tmp_path / "report.json", tmp_path / "driver.py"
+    disk.mkdir()
+    o = tiny_overrides(cache, disk / "run")
+    driver.write_text(textwrap.dedent(READ_ONLY_DRIVER))
+    ckdir = disk / "run" / "checkpoints"
+    script = (f"mount -t tmpfs -o size=16m tmpfs {disk} && mkdir -p {ckdir} && "
+              f"mount -t tmpfs -o size=16m tmpfs {ckdir} && "
+              f"exec {sys.executable} {driver} '{json.dumps(o)}' {disk} {report}")
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["error"] and "Read-only file system" in r["error"], r
+    assert f"the previous checkpoint {r['first']} is intact" in r["error"] and "Make it writable" in r["error"]
+    assert r["intact_step"] == 1 and r["code"] == 2, r
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "run.out_dir" in errors[0] and "not writable" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,107 @@
+"""Honest reports: tokens/s and MFU measure the optimizer steps only (an evaluation and a checkpoint
+before every step, made slow, stay out of the window), an MFU above 100% is flagged with the source
+of its peak, and `experiment --jobs 2` stopped by a real SIGTERM starts no more arms and leaves no
+arm process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from largebatch.train.cli import format_summary, resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.loop import Trainer
+from largebatch.train.metrics import read_metrics
+from test_train import tiny_overrides
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+    [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_throughput_excludes_evaluation_and_checkpoints(reference_run, tmp_path):
+    """Evaluate 3,072 tokens and checkpoint before every step. The log line of an evaluation is
+    written after it ends and the step's record after the step: a step's window (its tokens / its
+    tokens/s) must fit between the two, by the wall clock. Counting the evaluation breaks that bound
+    by the evaluation's length, which the test checks is longer than a step."""
+    cache, _, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "run", **{
+        "run.eval_every_tokens": 1, "run.eval_tokens": 32 * 96, "run.checkpoint_every_tokens": 1,
+        "run.total_tokens": 32 * 8 * 3, "schedule.batch_policy": "constant", "run.peak_flops": 1e3})
+    stamps: list[tuple[float, str]] = []
+    trainer = Trainer(load_config(resolve_config(None), o), o["run.out_dir"],
+                      log=lambda line: stamps.append((time.perf_counter(), line)))
+    summary = trainer.fit()
+    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert len(train) == 3
+    eval_at = [t for t, line in stamps if line.startswith("  eval")]
+    step_at = [t for t, line in stamps if line.startswith("step ")]
+    assert len(step_at) == 3 and len(eval_at) == 4  # before each step, and the final one
+    tokens_before = 0
+    for k, record in enumerate(train):
+        window = (record["tokens"] - tokens_before) / record["tokens_per_s"]
+        tokens_before = record["tokens"]
+        assert 0 < window <= step_at[k] - eval_at[k], (k, window, step_at[k] - eval_at[k])
+        if k:  # the evaluation (and checkpoint) between two steps outlasts a step
+            assert eval_at[k] - step_at[k - 1] > window
+    assert abs(sum((r["tokens"] - p) / r["tokens_per_s"] for r, p in
+                   zip(train, [0] + [r["tokens"] for r in train])) - summary["train_seconds"]) < 1e-6
+    # a peak of 1 kFLOP/s makes the MFU absurd: it is flagged once, naming the peak's source
+    warnings = [line for _, line in stamps if line.startswith("warning: MFU")]
+    assert len(warnings) == 1 and "was declared" in warnings[0] and "--run.peak_flops" in warnings[0]
+    assert train[0]["mfu"] > 1 and "above 100%: the peak of 1e-09 TFLOP/s" in format_summary(summary, tmp_path)
+
+
+DRIVER = """
+import json, sys
+from pathlib import Path
+from largebatch.experiments.runner import Arm, ArmsInterrupted, Execution, base_overrides, run_arms
+
+if __name__ == "__main__":  # the arms' processes are spawned: they import this file
+    cache, out = sys.argv[1], Path(sys.argv[2])
+    base = {**base_overrides("smoke"), "data.cache_dir": cache, "run.total_tokens": 10_000_000}
+    arms = [Arm(f"arm{i}", {"run.seed": i}) for i in range(3)]
+    try:
+        run_arms(arms, base, out, log=lambda _: None, execution=Execution(jobs=2))
+    except ArmsInterrupted as exc:
+        print(json.dumps({"signum": exc.signum, "stopped": exc.stopped, "not_started": exc.not_started}))
+        sys.exit(128 + exc.signum)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_experiment_jobs_sigterm_stops_arms_and_leaves_no_process(reference_run, tmp_path):
+    cache, _, _ = reference_run
+    (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
+    out = tmp_path / "exp"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(cache), str(out)],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    metrics = [out / "runs" / f"arm{i}" / "metrics.jsonl" for i in (0, 1)]
+    while not all(m.is_file() and '"train"' in m.read_text() for m in metrics):  # both arms training
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    arm_pids = [p for p in _children(proc.pid)
+                if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(arm_pids) == 2
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report == {"signum": 15, "stopped": ["arm0", "arm1"], "not_started": ["arm2"]}
+    assert not (out / "runs" / "arm2").exists()
+    for pid in arm_pids:  # reaped by the parent: gone, not orphaned and training on
+        assert not Path(f"/proc/{pid}").exists(), pid
+    for run in ("arm0", "arm1"):  # each arm took the SIGTERM as a trainer does: checkpoint, exit
+        assert list((out / "runs" / run / "checkpoints").glob("step_*.pt")), run
