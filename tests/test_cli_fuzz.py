@@ -1,5 +1,5 @@
-"""A property-based fuzz of the command line of all four commands (train, schedule, memory,
-experiment): generated flags and values -- numbers including inf, nan, negative and huge ones,
+"""A property-based fuzz of the command line of the commands (train, schedule, memory, experiment,
+finetune): generated flags and values -- numbers including inf, nan, negative and huge ones,
 strings, unknown keys, missing values, paths that are files, missing or not writable -- end either
 in success or in ONE line on stderr with exit code 2. Never a traceback, never an exception.
 
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from largebatch.cli import main as cli_main
 from largebatch.experiments.cli import EXPERIMENTS
+from largebatch.finetune import build_parser as finetune_parser
 from largebatch.memory.cli import build_parser as memory_parser
 from largebatch.schedules.cli import build_parser as schedule_parser
 from largebatch.train.config import TrainConfig
@@ -32,8 +33,11 @@ def _train_fields() -> dict[str, typing.Any]:
     fields = {}
     for section in dataclasses.fields(TrainConfig):
         cls = typing.get_type_hints(TrainConfig)[section.name]
+        prefix = section.name
+        if typing.get_origin(cls) is list:  # an array of tables ([[phases]]): its first entry
+            cls, prefix = typing.get_args(cls)[0], f"{section.name}.0"
         hints = typing.get_type_hints(cls)
-        fields.update({f"{section.name}.{f.name}": hints[f.name] for f in dataclasses.fields(cls)})
+        fields.update({f"{prefix}.{f.name}": hints[f.name] for f in dataclasses.fields(cls)})
     return fields
 
 
@@ -53,7 +57,7 @@ def _plausible(tp) -> st.SearchStrategy:
     return WORDS
 
 
-ACTIONS = {s: a for parser in (schedule_parser(), memory_parser()) for a in parser._actions
+ACTIONS = {s: a for parser in (schedule_parser(), memory_parser(), finetune_parser()) for a in parser._actions
            for s in a.option_strings}
 NUMBERS = st.one_of(
     st.integers(-10, 10_000).map(str),
@@ -79,7 +83,7 @@ def _value(tmp: str) -> st.SearchStrategy:
 
 @st.composite
 def argv(draw, tmp: str):
-    command = draw(st.sampled_from(["train", "schedule", "memory", "experiment"]))
+    command = draw(st.sampled_from(["train", "schedule", "memory", "experiment", "finetune"]))
     if command == "train":
         fields = _train_fields()
         flags = [f"--{k}" for k in fields] + ["--run.zz_unknown", "--modle.n_layer", "--resume"]
@@ -103,6 +107,9 @@ def argv(draw, tmp: str):
         elif command == "memory":
             flags = _flags(memory_parser()) + ["--zz-unknown"]
             args = []
+        elif command == "finetune":  # no run directory here: every path ends in a one-line error
+            flags = _flags(finetune_parser()) + ["--zz-unknown"]
+            args = [draw(_paths(tmp))]
         else:
             flags = ["--quick", "--smoke", "--out", "--jobs", "--resume", "--seeds", "--zz-unknown"]
             args = [draw(st.sampled_from(EXPERIMENTS + ("all", "bogus"))), "--check"]

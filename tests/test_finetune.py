@@ -112,7 +112,8 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
     (["--seeds", "1"], "--seeds 1"),
     (["--passage-len", "999"], "--passage-len 999"),
     (["--task", "squad"], "--task 'squad'"),
-    (["--lr", "nan"], "--lr nan"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "-1"], "--lr -1.0"),
     (["--epochs", "x"], "--epochs"),
     (["--bogus", "1"], "--bogus"),
 ])

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from largebatch.arguments import OneLineParser, finite_float
 from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task
 from largebatch.experiments.stats import T_975, ci95
 
@@ -79,8 +80,9 @@ class Settings:
     dropout: float = 0.1
 
 
-def check_settings(s: Settings, seq_len: int) -> Settings:
-    """One-line errors naming the option; fills passage_len from the model."""
+def check_settings(s: Settings, seq_len: int | None = None) -> Settings:
+    """One-line errors naming the option; with the model's ``seq_len``, also checks (or fills in)
+    passage_len against it."""
     def integer(name, low, high=None):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
@@ -91,16 +93,18 @@ def check_settings(s: Settings, seq_len: int) -> Settings:
     integer("epochs", 1)
     integer("batch_size", 1)
     integer("passages_per_document", 1)
-    for name, ok, rule in (("lr", lambda v: 0 < v < math.inf, "a finite number > 0"),
-                           ("weight_decay", lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    for name, ok, rule in (("lr", lambda v: v > 0, "> 0"), ("weight_decay", lambda v: v >= 0, ">= 0"),
                            ("dropout", lambda v: 0 <= v < 1, "in [0, 1)")):
         if not ok(getattr(s, name)):
             raise FinetuneError(f"--{name.replace('_', '-')} {getattr(s, name)!r}: must be {rule}")
     if s.task not in TASKS:
         raise FinetuneError(f"--task {s.task!r}: unknown; choose one of {', '.join(TASKS)}")
+    if s.passage_len is not None:
+        integer("passage_len", 8)
+    if seq_len is None:
+        return s
     if s.passage_len is None:
         s.passage_len = min(128, seq_len)
-    integer("passage_len", 8)
     if s.passage_len > seq_len:
         raise FinetuneError(f"--passage-len {s.passage_len}: longer than the model's seq_len {seq_len} "
                             f"(its position table); use --passage-len {seq_len} or less")
@@ -205,30 +209,26 @@ def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpo
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="largebatch finetune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="largebatch finetune", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--task", default=Settings.task)
-    for name, kind in (("seeds", int), ("epochs", int), ("lr", float), ("batch-size", int),
-                       ("passage-len", int), ("passages-per-document", int), ("weight-decay", float),
-                       ("dropout", float)):
+    for name, kind in (("seeds", int), ("epochs", int), ("lr", finite_float), ("batch-size", int),
+                       ("passage-len", int), ("passages-per-document", int), ("weight-decay", finite_float),
+                       ("dropout", finite_float)):
         p.add_argument(f"--{name}", type=kind, default=getattr(Settings, name.replace("-", "_")))
     p.add_argument("--tokenizer")
     return p
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own: usage + message; ours: one line, exit 2
-        raise FinetuneError(f"{message} (largebatch finetune --help)")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    parser.__class__ = _OneLineParser
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
+    try:
         settings = Settings(**{k: v for k, v in vars(args).items() if k not in ("run_dir", "tokenizer")})
         return run(args.run_dir, settings, args.tokenizer, "largebatch finetune " + " ".join(argv))
     except (FinetuneError, TaskError) as exc:
@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "") -> int:
     from largebatch.export import ExportError, load_run
 
-    if settings.task not in TASKS:  # before the (slow) load
-        raise FinetuneError(f"--task {settings.task!r}: unknown; choose one of {', '.join(TASKS)}")
+    check_settings(settings)  # everything that does not need the model, before the (slow) load
     try:
         loaded = load_run(run_dir, tokenizer_file)
     except ExportError as exc:
