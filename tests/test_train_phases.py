@@ -184,3 +184,33 @@ def test_torchrun_crosses_and_resumes_across_the_boundary(reference, tmp_path):
     assert [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in got] == \
         [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in want]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
+
+
+def test_masked_lm_accuracy_is_logged_per_phase_and_recomputes_from_the_checkpoint(reference, tiny_data_cache):
+    """The last evaluation's accuracy equals argmax-vs-label counted here from the final weights, on the
+    same validation sequences at the last phase's length (the masking depends only on the index)."""
+    from largebatch.data import DataConfig, build_data
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+
+    _, _, run = reference
+    vals = [r for r in read_metrics(run) if r["kind"] == "val"]
+    assert all(0 <= r["val_accuracy"] <= 1 for r in vals) and {r["phase"] for r in vals} == {0, 1}
+    extra = load_checkpoint(list_checkpoints(run)[-1])
+    model = build_model(from_dict(ModelConfig, extra["config"]["model"])).eval()
+    model.load_state_dict(extra["model"])
+    data = build_data(from_dict(DataConfig, extra["config"]["data"]), seq_len=64, kind="bert")
+    n = 1024 // 64
+    correct = total = 0
+    with torch.no_grad():
+        for start in range(0, n, 4):
+            batch = data.val.get_batch(range(start, min(n, start + 4)))
+            labels = batch["labels"]
+            logits, _ = model(batch["input_ids"])  # every position's logits, (B, T, v)
+            masked = labels != -100
+            correct += int((logits.argmax(-1)[masked] == labels[masked]).sum())
+            total += int(masked.sum())
+    assert vals[-1]["val_accuracy"] == pytest.approx(correct / total, abs=1e-12)
+    tokens = data.val.tokens
+    most = max(range(400), key=lambda t: int((data.train.tokens == t).sum()))
+    assert data.unigram_accuracy() == pytest.approx(float((tokens == most).mean()))

@@ -93,6 +93,12 @@ class Data:
         val_counts = np.bincount(self.val.tokens, minlength=self.vocab_size).astype(np.float64)
         return float(-(val_counts * log_prob).sum() / val_counts.sum())
 
+    def unigram_accuracy(self) -> float:
+        """Share of validation tokens equal to the train split's most frequent token: the accuracy of
+        a model that ignores context (the floor a trained model's accuracy should clear)."""
+        most = np.bincount(self.train.tokens, minlength=self.vocab_size).argmax()
+        return float((np.asarray(self.val.tokens) == most).mean())
+
     def decode(self, ids) -> str:
         return self.train.decode(ids)
 

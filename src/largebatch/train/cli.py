@@ -219,6 +219,8 @@ def format_summary(s: dict, run_dir: Path) -> str:
         "== summary ==",
         f"validation loss   {s['final_val_loss']:.4f} nats/token (ppl {s['final_val_ppl']:.1f}); "
         f"unigram baseline {s['unigram_val_loss']:.4f}",
+        *([f"val accuracy      {s['final_val_accuracy']:.4f} of predicted tokens ranked first; unigram "
+            f"baseline {s['unigram_val_accuracy']:.4f}"] if s.get("final_val_accuracy") is not None else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
         f"{s['train_seconds']:.1f} s",
         f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "

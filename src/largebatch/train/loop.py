@@ -146,6 +146,7 @@ class Trainer:
         self.schedule = self._build_schedule()
         self.noise = cfg.schedule.build_noise_scale()
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
+        self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
@@ -247,18 +248,36 @@ class Trainer:
             _, loss_sum = self.model(inputs, targets.to(self.device, non_blocking=True), reduction="sum")
         return loss_sum
 
+    def _eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summed loss and the number of predicted tokens whose most likely token is the target (None
+        where the logits are not whole on this rank: pipeline stages, vocabulary-parallel loss)."""
+        if self.pipeline or self.par.loss_parallel:
+            return self._forward_loss(batch), None
+        inputs = batch["input_ids"].to(self.device, non_blocking=True)
+        targets = (batch["targets"] if "targets" in batch else batch["labels"]).to(self.device, non_blocking=True)
+        with self.autocast:
+            logits, loss_sum = self.model(inputs, targets, reduction="sum")
+        predicted = targets != -100
+        if self.cfg.model.kind == "bert":  # the logits are those of the masked positions only
+            return loss_sum, (logits.argmax(-1) == targets[predicted]).sum()
+        return loss_sum, ((logits.argmax(-1) == targets) & predicted).sum()
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss (nats/token) over a fixed slice of the validation split."""
+        """Mean validation loss (nats/token) over a fixed slice of the validation split; the share of
+        predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``."""
         self.model.eval()
         seq_len, mb = self.phase.seq_len, self.phase.micro_batch
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
-        total, count = 0.0, 0
+        total, count, correct = 0.0, 0, 0
         for start in range(0, n, mb):
             batch = self.data.val.get_batch(range(start, min(n, start + mb)))
-            total += float(self._forward_loss(batch))
+            loss_sum, right = self._eval_batch(batch)
+            total += float(loss_sum)
             count += int(_target_count(batch))
+            correct = None if right is None or correct is None else correct + int(right)
         self.model.train()
+        self.val_accuracy = None if correct is None else correct / max(1, count)
         return total / max(1, count)
 
     def train_step(self) -> dict[str, Any]:
@@ -472,9 +491,11 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
-                              "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                              "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
+                              "val_accuracy": self.val_accuracy})
+        accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
-                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}")
+                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
         return val_loss
 
     def describe(self) -> str:
@@ -510,6 +531,8 @@ class Trainer:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        summary["final_val_accuracy"] = self.val_accuracy
+        summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
         if self.cfg.phases:
             summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
         if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
