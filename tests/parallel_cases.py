@@ -316,6 +316,7 @@ def noise_scale_cases(results: dict) -> None:
         (loss_sum * state.dp_size / targets.numel()).backward()
         refs.append(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
     results["noise/local_sq_rel_err"] = abs(float(local_sq) - refs[state.dp_rank]) / refs[state.dp_rank]
+    small = float(small)  # a device tensor: the trainer reads it only when it logs
     results["noise/mean_small_rel_err"] = abs(small - sum(refs) / len(refs)) / small
     results["noise/batches"] = [b_small, b_big]
 

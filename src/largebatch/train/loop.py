@@ -52,6 +52,7 @@ from largebatch.train.checkpoint import (
     save_checkpoint,
 )
 from largebatch.train.config import TrainConfig, save_config
+from largebatch.train.deferred import Deferred, read_record, target_count
 from largebatch.train.metrics import (
     MetricsLog,
     Progress,
@@ -153,6 +154,7 @@ class Trainer:
         self.schedule = cfg.schedule.build(total_tokens=run.total_tokens, seq_len=cfg.model.seq_len,
                                            micro_batch=run.micro_batch, dp_size=self.par.dp_size)
         self.noise = cfg.schedule.build_noise_scale()
+        self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
@@ -234,6 +236,7 @@ class Trainer:
                      f"data position and state are exact, dropout streams are re-seeded")
 
     def save(self) -> Path:
+        self.settle()  # never a checkpoint past a non-finite step; the estimator up to date
         keep = self.cfg.run.keep_checkpoints
         if self.par.distributed:
             return save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
@@ -260,12 +263,16 @@ class Trainer:
         for start in range(0, n, mb):
             batch = self.data.val.get_batch(range(start, min(n, start + mb)))
             total += float(self._forward_loss(batch))
-            count += int(_target_count(batch))
+            count += target_count(batch)
         self.model.train()
         return total / max(1, count)
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step at the current token position; returns its log record."""
+        """One optimizer step at the current token position; returns its log record. The loss and
+        gradient norm stay device tensors (deferred.read_record reads them when the loop logs), so
+        a step that does not log never waits for the device -- except with on_nonfinite='skip'
+        (whether to apply the update is decided on the host) and an adaptive Seesaw schedule (the
+        noise scale caps the next milestone), which read one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         batch_size = self.schedule.batch_size(pos.tokens)
         lr = self.schedule.lr(pos.tokens)
@@ -276,7 +283,7 @@ class Trainer:
         # data-parallel rank takes a contiguous share of the step
         indices = rank_samples(range(pos.samples, pos.samples + batch_size), par)
         micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, len(indices), mb)]
-        n_targets = global_sum(sum(int(_target_count(b)) for b in micro_batches), par)
+        n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = par.dp_size / n_targets
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -286,36 +293,31 @@ class Trainer:
             with gradient_sync(self.model, i == last):
                 loss = self._forward_loss(batch)
                 with par.loss_context():
-                    (loss * scale).backward()
+                    (loss * scale.to(loss.dtype)).backward()
             loss_sum += loss.detach()
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
-                n_first = int(_target_count(batch))
-                small_sq = global_grad_norm(self._live_params(), par).square() * (n_targets / n_first) ** 2
+                norm = global_grad_norm(self._live_params(), par)
+                small_sq = norm.square() * ((n_targets / target_count(batch)) ** 2).to(norm.dtype)
         # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
-        grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
+        grad_norm = clip_grad_norm_(params, max_norm, par)  # (), identical on every rank
         loss_value = global_sum(loss_sum, par) / n_targets
         record: dict[str, Any] = {"kind": "train", "loss": loss_value, "lr": lr,
                                   "batch_size": batch_size, "micro_batches": len(micro_batches),
                                   "grad_norm": grad_norm}
         if self.local_grad_norm is not None:  # DDP: this rank's batch vs all ranks' batch
-            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm**2,
+            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm.square(),
                                               len(indices), par)
         elif small_sq is not None:
-            noise_inputs = (float(small_sq), mb, grad_norm**2, batch_size)
+            noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
             noise_inputs = None
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
+        if cfg.run.on_nonfinite == "skip" and not bool(finite):  # the one per-step read of 'skip'
             self.optimizer.zero_grad(set_to_none=True)
-            if cfg.run.on_nonfinite == "stop":
-                last_ckpt = latest_any_checkpoint(self.run_dir)
-                raise NonFiniteLoss(
-                    f"loss is {loss_value} (gradient norm {grad_norm}) at step {pos.step + 1}, "
-                    f"{pos.tokens} tokens. Last good checkpoint: {last_ckpt or 'none'}. Lower "
-                    f"schedule.peak_lr, set optim.grad_clip, or run.on_nonfinite='skip'.")
             pos.skipped_steps += 1
             pos.skipped_in_a_row += 1
             record["skipped"] = True
@@ -328,22 +330,45 @@ class Trainer:
                     f"{last_ckpt or 'none'}. Lower schedule.peak_lr, set optim.grad_clip, or raise "
                     f"run.max_skipped_steps.")
         else:
+            if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
+                self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
             pos.skipped_in_a_row = 0
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if noise_inputs is not None:
-                self.noise.update(*noise_inputs)
-                if self.schedule.uses_noise_scale and self.noise.b_simple is not None:
-                    # adaptive Seesaw: caps only milestones after this token count (deterministic)
-                    self.schedule.observe_noise_scale(pos.tokens, self.noise.b_simple)
-        if cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
+                self.deferred.add_noise_inputs(*noise_inputs)
+                if self.schedule.uses_noise_scale:
+                    self.settle()
+                    if self.noise.b_simple is not None:
+                        # adaptive Seesaw: caps only milestones after this token count (deterministic)
+                        self.schedule.observe_noise_scale(pos.tokens, self.noise.b_simple)
+        pos.step += 1
+        pos.tokens += batch_size * cfg.model.seq_len
+        pos.samples += batch_size
+        return record
+
+    def settle(self) -> None:
+        """Read what the steps since the last read left on the device: stop on a non-finite step
+        (run.on_nonfinite='stop'), feed the noise-scale estimator. Before every log, evaluation and
+        checkpoint, so none of them sees a model past a non-finite step."""
+        bad = self.deferred.settle(self.noise)
+        if bad is not None:
+            step, tokens, loss, grad_norm = bad
+            last_ckpt = latest_any_checkpoint(self.run_dir)
+            raise NonFiniteLoss(
+                f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens. Last "
+                f"good checkpoint: {last_ckpt or 'none'}. Lower schedule.peak_lr, set "
+                f"optim.grad_clip, or run.on_nonfinite='skip'.")
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
+        self.settle()
+        record = read_record(record)
+        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             summary = self.optimizer.trust_ratio_summary()
             if summary:
                 record.update({f"trust_{k}": v for k, v in summary.items()})
         record["noise_scale"] = self.noise.b_simple
-        pos.step += 1
-        pos.tokens += batch_size * cfg.model.seq_len
-        pos.samples += batch_size
         return record
 
     def _live_params(self) -> list[torch.Tensor]:
@@ -388,13 +413,16 @@ class Trainer:
                             "signal": signum}
                 t0 = time.perf_counter()
                 record = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                logs = pos.step % run.log_every_steps == 0
+                if self.device.type == "cuda" and (logs or pos.tokens >= min(pos.next_eval,
+                                                                               pos.next_checkpoint)):
+                    torch.cuda.synchronize(self.device)  # the queued steps' time, before a read
                 pos.train_seconds += time.perf_counter() - t0
                 steps_here += 1
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
-                if pos.step % run.log_every_steps == 0:
+                if logs:
+                    record = self.log_record(record)
                     now = time.perf_counter()
                     tps = (pos.tokens - tokens_log) / max(now - t_log, 1e-9)
                     t_log, tokens_log = now, pos.tokens
@@ -432,6 +460,7 @@ class Trainer:
                 self.lock.release()
 
     def _log_eval(self) -> float:
+        self.settle()
         val_loss = self.evaluate()
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "step": self.pos.step, "tokens": self.pos.tokens,
@@ -495,12 +524,6 @@ class Trainer:
             out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
         self.raw_model.train()
         return self.data.tokenizer.decode(out[0].tolist())
-
-
-def _target_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    if "targets" in batch:
-        return (batch["targets"] != -100).sum()
-    return (batch["labels"] != -100).sum()
 
 
 def _recompute_policy(spec: str, n_layer: int) -> str | list[str]:

@@ -1,0 +1,93 @@
+"""The training step as a GPU needs it, checked on CPU: no host read of a device value in a step
+that does not log (counted at the dispatcher, where every .item(), float(t), int(t) and bool(t)
+lands as aten._local_scalar_dense), and the reads it defers still stop a run at the right step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from largebatch.train.cli import main, resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.loop import Trainer
+from test_train import tiny_overrides
+
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__,
+              torch.Tensor.__float__, torch.Tensor.__int__}
+
+
+class CountHostReads(TorchDispatchMode):
+    """aten._local_scalar_dense calls (every scalar read of a tensor's value on the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+class CountTensorReads(TorchFunctionMode):
+    """Python-level reads (.item(), .tolist(), .cpu(), bool/float/int of a tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _trainer(cache, out, **extra) -> Trainer:
+    o = tiny_overrides(cache, out, **{"run.log_every_steps": 100, **extra})
+    return Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("optim", [
+    {"optim.name": "lamb"},
+    {"optim.name": "lans", "optim.grad_clip": 0.5},
+    {"optim.name": "adamw", "optim.fused": True, "optim.grad_clip": 0.5},
+])
+def test_a_step_that_does_not_log_reads_nothing_from_the_device(tmp_path, reference_run, optim):
+    trainer = _trainer(reference_run[0], tmp_path / "run", **optim)
+    try:
+        trainer.train_step()  # the first step creates the optimizer state
+        start = [p.detach().clone() for p in trainer.raw_model.parameters()]
+        with CountHostReads() as dispatched, CountTensorReads() as python:
+            record = trainer.train_step()  # two micro-batches: the noise-scale inputs are taken too
+        assert dispatched.calls == 0 and python.calls == [], (dispatched.calls, python.calls)
+        assert isinstance(record["loss"], torch.Tensor) and len(trainer.deferred.noise_inputs) == 2
+        moved = [not torch.equal(a, p) for a, p in zip(start, trainer.raw_model.parameters())]
+        assert all(moved)  # the step did update every parameter
+        assert trainer.noise.updates == 0
+        logged = trainer.log_record(record)  # the log reads what the steps left on the device
+        assert isinstance(logged["loss"], float) and logged["loss"] > 0
+        assert trainer.noise.updates == 2 and not trainer.deferred.noise_inputs
+    finally:
+        trainer._close()
+
+
+def test_deferred_nonfinite_stop_names_the_first_bad_step(tmp_path, reference_run, capsys):
+    """With reads deferred to every 4th step, a diverging run still stops naming the step where the
+    loss first went non-finite (the same step a run that reads every step names) and writes no
+    checkpoint of the diverged model."""
+    messages = []
+    for every in (1, 4):
+        o = tiny_overrides(reference_run[0], tmp_path / f"nan{every}", **{
+            "schedule.peak_lr": 1e30, "schedule.batch_policy": "constant", "optim.name": "adamw",
+            "run.log_every_steps": every, "run.checkpoint_every_tokens": 32 * 8})
+        assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 1
+        err = capsys.readouterr().err
+        messages.append(err[err.index("at step"):].split(",")[0])
+        assert "Traceback" not in err and "Last good checkpoint: " in err
+    assert messages[0] == messages[1], messages
+    step = int(messages[0].split()[-1])
+    saved = sorted((tmp_path / "nan4" / "checkpoints").glob("step_*"))
+    assert all(int(p.stem.split("_")[1]) < step for p in saved), (saved, step)
