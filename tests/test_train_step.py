@@ -91,3 +91,48 @@ def test_deferred_nonfinite_stop_names_the_first_bad_step(tmp_path, reference_ru
     step = int(messages[0].split()[-1])
     saved = sorted((tmp_path / "nan4" / "checkpoints").glob("step_*"))
     assert all(int(p.stem.split("_")[1]) < step for p in saved), (saved, step)
+
+
+def test_group_lr_multipliers_scale_the_schedule_and_survive_resume(tmp_path, reference_run):
+    """Each group's LR is the scheduled LR x its lr_mult: a first Adam-type step moves a no-decay
+    tensor by lr x mult x m^/(sqrt(v^) + eps), so its displacement is mult times the one at mult 1,
+    while every other tensor moves as before; the multipliers are in the checkpoint and a resumed
+    step equals the uninterrupted one."""
+    cache, deltas = reference_run[0], {}
+    for mult in (1.0, 0.25):
+        trainer = _trainer(cache, tmp_path / f"m{mult}", **{"optim.name": "adamw",
+                                                            "optim.no_decay_lr_mult": mult})
+        start = {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
+        trainer.train_step()
+        lr = trainer.schedule.lr(0)
+        assert [g["lr"] for g in trainer.optimizer.param_groups] == [
+            lr * (mult if g["weight_decay"] == 0 else 1.0) for g in trainer.optimizer.param_groups]
+        deltas[mult] = {n: (p.detach() - start[n]).double() for n, p in trainer.raw_model.named_parameters()}
+        no_decay = {n for g in trainer.optimizer.param_groups if g["weight_decay"] == 0 for n in g["names"]}
+        trainer._close()
+    assert no_decay and len(no_decay) < len(deltas[1.0])
+    for name, delta in deltas[1.0].items():
+        if name in no_decay:
+            torch.testing.assert_close(deltas[0.25][name], 0.25 * delta, rtol=1e-5, atol=1e-12)
+        else:
+            assert torch.equal(deltas[0.25][name], delta), name
+
+    out = tmp_path / "lans"
+    extra = {"optim.name": "lans", "optim.no_decay_lr_mult": 0.5, "optim.unadapted_lr_mult": 0.1}
+    trainer = _trainer(cache, out, **extra)
+    trainer.train_step()
+    trainer.save()
+    ref = trainer.log_record(trainer.train_step())["loss"]
+    ref_params = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    mults = [g["lr_mult"] for g in trainer.optimizer.param_groups]
+    trainer._close()
+    assert sorted(mults) == [0.5 * 0.1, 1.0]  # no decay + no trust ratio; decay + trust ratio
+    cfg = load_config(resolve_config(None), tiny_overrides(cache, out, **{
+        **extra, "run.log_every_steps": 100}))
+    resumed = Trainer(cfg, out, resume=True, log=lambda *_: None)
+    try:
+        assert [g["lr_mult"] for g in resumed.optimizer.param_groups] == mults
+        assert resumed.log_record(resumed.train_step())["loss"] == ref
+        assert all(torch.equal(a, p) for a, p in zip(ref_params, resumed.raw_model.parameters()))
+    finally:
+        resumed._close()

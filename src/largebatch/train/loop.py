@@ -276,8 +276,8 @@ class Trainer:
         cfg, pos, par = self.cfg, self.pos, self.par
         batch_size = self.schedule.batch_size(pos.tokens)
         lr = self.schedule.lr(pos.tokens)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a group's LR ratio to the schedule survives
+            group["lr"] = lr * group.get("lr_mult", 1.0)
         mb = cfg.run.micro_batch
         # global sample indices: the data order never depends on how batches are cut; each
         # data-parallel rank takes a contiguous share of the step
@@ -477,7 +477,8 @@ class Trainer:
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
                  f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
-                 f"grad clip {cfg.optim.grad_clip})",
+                 f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
+                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
                  f"parallel     {self.par.world_size} process(es): dp {self.par.dp_size} "
