@@ -255,17 +255,25 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss (nats/token) over a fixed slice of the validation split."""
+        """Mean validation loss (nats/token) over a fixed slice of the validation split. Data-parallel
+        rank r evaluates micro-batches r, r + dp, ...; the loss and token sums are all-reduced."""
         self.model.eval()
-        seq_len, mb = self.cfg.model.seq_len, self.cfg.run.micro_batch
+        seq_len, mb, par = self.cfg.model.seq_len, self.cfg.run.micro_batch, self.par
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
-        total, count = 0.0, 0
-        for start in range(0, n, mb):
+        starts = range(0, n, mb)
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        for first in range(0, len(starts), par.dp_size):
+            # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
+            # past the end repeats the last micro-batch and is not counted
+            mine = first + par.dp_rank
+            start = starts[min(mine, len(starts) - 1)]
             batch = self.data.val.get_batch(range(start, min(n, start + mb)))
-            total += float(self._forward_loss(batch))
-            count += target_count(batch)
+            loss = self._forward_loss(batch)
+            if mine < len(starts):
+                total += loss.double()
+                count += target_count(batch)
         self.model.train()
-        return total / max(1, count)
+        return float(global_sum(total, par) / global_sum(count, par))
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
