@@ -136,3 +136,40 @@ def test_group_lr_multipliers_scale_the_schedule_and_survive_resume(tmp_path, re
         assert all(torch.equal(a, p) for a, p in zip(ref_params, resumed.raw_model.parameters()))
     finally:
         resumed._close()
+
+
+def test_next_batch_is_built_on_a_background_thread_and_changes_nothing(tmp_path, reference_run):
+    """Across a Seesaw batch doubling, every step after the first takes the micro-batches built on
+    the prefetch thread during the step before, and the losses equal those of a trainer that builds
+    every batch when it needs it."""
+    import threading
+
+    losses = {}
+    for prefetching in (True, False):
+        trainer = _trainer(reference_run[0], tmp_path / f"p{prefetching}",
+                           **{"run.total_tokens": 32 * 8 * 8})
+        built_on = []
+        get_batch = trainer.prefetch.get_batch
+
+        def recording(indices, get_batch=get_batch, built_on=built_on):
+            built_on.append((threading.current_thread().name, list(indices)))
+            return get_batch(indices)
+
+        trainer.prefetch.get_batch = recording
+        if not prefetching:
+            trainer.prefetch.prefetch = lambda chunks: None
+        try:
+            steps = 6
+            records = [trainer.log_record(trainer.train_step()) for _ in range(steps)]
+            assert [r["batch_size"] for r in records] == [8] * 5 + [16]  # across the first doubling
+            losses[prefetching] = [r["loss"] for r in records]
+            if prefetching:
+                assert trainer.prefetch.hits == steps - 1 and trainer.prefetch.misses == 1
+                threads = [name for name, _ in built_on]
+                assert threads[:2] == ["MainThread"] * 2  # step 1's two micro-batches
+                assert all(n.startswith("largebatch-prefetch") for n in threads[2:]), threads
+            else:
+                assert trainer.prefetch.hits == 0 and {n for n, _ in built_on} == {"MainThread"}
+        finally:
+            trainer._close()
+    assert losses[True] == losses[False]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from largebatch.data import build_data
+from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model
 from largebatch.parallel import (
     clip_grad_norm_,
@@ -142,12 +143,14 @@ class Trainer:
         np.random.seed(run.seed)
         self.lock = lock_run_dir(self.run_dir, self.par)  # one run per directory; freed at death
         self.data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind=cfg.model.kind)
+        self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): tensor/sequence parallel -> recompute -> compile -> DDP/FSDP
         self.model = parallelize(build_model(cfg.model).to(self.device), self.par,
                                  recompute=_recompute_policy(run.recompute, cfg.model.n_layer),
-                                 compile=run.compile)
+                                 compile=run.compile,
+                                 param_dtype=torch.bfloat16 if run.dtype == "bf16" else None)
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
@@ -290,7 +293,12 @@ class Trainer:
         # global sample indices: the data order never depends on how batches are cut; each
         # data-parallel rank takes a contiguous share of the step
         indices = rank_samples(range(pos.samples, pos.samples + batch_size), par)
-        micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, len(indices), mb)]
+        micro_batches = self.prefetch.get([indices[i:i + mb] for i in range(0, len(indices), mb)])
+        ends_at = pos.tokens + batch_size * cfg.model.seq_len
+        if ends_at < cfg.run.total_tokens:  # the next step's batch, built while this one computes
+            after = rank_samples(range(pos.samples + batch_size,
+                                       pos.samples + batch_size + self.schedule.batch_size(ends_at)), par)
+            self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
         n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = par.dp_size / n_targets
@@ -460,6 +468,7 @@ class Trainer:
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""
         metrics, self.metrics = self.metrics, None
+        self.prefetch.close()
         try:
             if metrics is not None:
                 metrics.close()
