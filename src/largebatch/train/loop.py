@@ -6,7 +6,9 @@ Read top to bottom, a run is:
   2. resume    -- model, optimizer, schedule, noise-scale estimator, data position and every RNG
   3. the loop  -- at the top of each iteration: evaluate, checkpoint, maybe stop; then one
                   optimizer step accumulated over micro-batches, loss normalised by the step's
-                  target tokens, so a step is the same whatever the micro-batch split
+                  target tokens, so a step is the same whatever the micro-batch split; the next
+                  step's batch is built meanwhile (data.prefetch), and what the step leaves on
+                  the device is read only when it logs (train.deferred)
   4. the end   -- final evaluation and checkpoint, plots, a generated sample, the summary
 
 Time is tokens: the schedule gives the LR and the batch size (in sequences) at the tokens seen so
