@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One-process GPU check for one H200, <= 8 minutes: bf16 tokens/s, MFU and peak memory of
+# One-process GPU check for one H200, <= 10 minutes: bf16 tokens/s, MFU and peak memory of
 # a ~350M GPT at seq 2048 under none/selective/full recompute with SDPA and explicit attention, next
 # to the memory model; LAMB/LANS step time vs torch.optim.AdamW on the GPT's shapes and on 2000 small
 # tensors of 200 distinct shapes (with the fused paths' first-step compile time); Seesaw vs cosine
-# wall-clock at equal tokens. Prints one summary table per part. The same code runs on CPU with
+# wall-clock at equal tokens; the trainer's step time with device reads every step vs deferred to
+# the log (benchmarks/step_sync.py). Prints one summary table per part. The same code runs on CPU with
 #   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +12,7 @@ PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo py
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 echo "gpu_check $(date -u '+%Y-%m-%d %H:%M UTC') $(git rev-parse --short HEAD 2>/dev/null || true)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec timeout 480 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"
+timeout 480 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"
+# the trainer's step reading the device every step vs only when it logs (what only a GPU shows:
+# the host stops queueing kernels at each read); the CPU run of the same script shows equal times
+timeout 120 "$PYTHON" benchmarks/step_sync.py --device cuda --layers 12 --embd 768 --steps 20

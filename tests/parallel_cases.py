@@ -316,6 +316,7 @@ def noise_scale_cases(results: dict) -> None:
         (loss_sum * state.dp_size / targets.numel()).backward()
         refs.append(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
     results["noise/local_sq_rel_err"] = abs(float(local_sq) - refs[state.dp_rank]) / refs[state.dp_rank]
+    small = float(small)  # a device tensor: the trainer reads it only when it logs
     results["noise/mean_small_rel_err"] = abs(small - sum(refs) / len(refs)) / small
     results["noise/batches"] = [b_small, b_big]
 
@@ -368,6 +369,43 @@ def seed_cases(results: dict) -> None:
         results[f"seed/{mode}/same_draw_on_both_ranks"] = bool(draws[0] == draws[1])
 
 
+def mixed_precision_cases(results: dict) -> None:
+    """FSDP2 with param_dtype=bf16 (what run.dtype='bf16' selects): the forward computes with bf16
+    parameters, the reduce-scatter carries fp32 gradients, the sharded parameters and gradients stay
+    fp32, and the loss is the one-process loss of the bf16-cast model."""
+    import torch.distributed as dist
+
+    idx, targets = batch("gpt")
+    torch.manual_seed(0)
+    model0 = build_model(tiny("gpt"))
+    state = states("fsdp")
+    model = parallelize(copy.deepcopy(model0), state, param_dtype=torch.bfloat16)
+    seen = []
+    hook = unwrap(model).blocks[0].attn.q.register_forward_pre_hook(
+        lambda module, args: seen.append(module.weight.dtype))
+    reduced, real = [], dist.reduce_scatter_single  # what FSDP2's reduce-scatter calls
+
+    def recording(*args, **kwargs):
+        reduced.append(str(kwargs["input"].dtype if "input" in kwargs else args[1].dtype))
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = recording
+    try:
+        loss_sum = loss_and_backward(model, state, idx, targets)
+    finally:
+        dist.reduce_scatter_single = real
+        hook.remove()
+    total = loss_sum.double().clone()
+    dist.all_reduce(total)
+    reference = copy.deepcopy(model0).to(torch.bfloat16)
+    _, ref_loss = reference(idx, targets, reduction="sum")
+    results["mp/forward_param_dtype"] = str(seen[0])
+    results["mp/reduce_dtypes"] = sorted(set(reduced))
+    results["mp/sharded_dtypes"] = sorted({str(p.dtype) for p in unwrap(model).parameters()}
+                                          | {str(p.grad.dtype) for p in unwrap(model).parameters()})
+    results["mp/loss_rel_err"] = abs(float(total) - float(ref_loss)) / float(ref_loss)
+
+
 def run_all(out_dir: str, compile_too: bool = True) -> None:
     out = Path(out_dir)
     state = init_distributed(ParallelConfig(tp=2))
@@ -380,6 +418,7 @@ def run_all(out_dir: str, compile_too: bool = True) -> None:
         collective_count_cases(results)
         memory_cases(results)
         noise_scale_cases(results)
+        mixed_precision_cases(results)
         checkpoint_cases(results, out)
         seed_cases(results)
         if compile_too:

@@ -109,6 +109,14 @@ def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):
         assert rank_results["noise/batches"] == [cases.B // 2, cases.B]
 
 
+def test_fsdp_mixed_precision_computes_in_bf16_and_reduces_in_fp32(ranks):
+    for rank_results in ranks[1]:
+        assert rank_results["mp/forward_param_dtype"] == "torch.bfloat16"
+        assert rank_results["mp/reduce_dtypes"] == ["torch.float32"]  # every reduce-scatter
+        assert rank_results["mp/sharded_dtypes"] == ["torch.float32"]  # parameters and gradients
+        assert rank_results["mp/loss_rel_err"] < 1e-2  # bf16 sums over half-batches vs the whole
+
+
 @pytest.mark.parametrize("mode", ["fsdp", "sp"])
 def test_two_rank_resume_continues_exactly(ranks, mode):
     for rank_results in ranks[1]:

@@ -88,6 +88,10 @@ def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)     # the same algorithm, step by step
     assert _grad_norms(out) == pytest.approx(_grad_norms(ref), rel=1e-5)  # the norm that was clipped
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
+    # before the first step the models are equal: the validation split over the dp ranks (each
+    # evaluates every dp-th micro-batch, sums all-reduced) gives the one-process mean
+    first_val = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "val"][0] for run in (out, ref)]
+    assert first_val[0] == pytest.approx(first_val[1], rel=1e-6)
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):

@@ -76,12 +76,13 @@ def _record_then_allreduce(recorder, bucket):  # no annotations: DDP checks them
 
 
 def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor, local_batch: int,
-                       state: ParallelState) -> tuple[float, int, float, int]:
+                       state: ParallelState) -> tuple[torch.Tensor, int, torch.Tensor, int]:
     """(|G_small|^2, B_small, |G_big|^2, B_big) for largebatch.schedules.NoiseScale.update.
 
     local_squared: this rank's squared gradient norm over its ``local_batch`` sequences (before
     the all-reduce); global_squared: the squared norm of the all-reduced gradient (same on every
-    rank). One all-reduce over the dp group averages the local norms.
+    rank). One all-reduce over the dp group averages the local norms. The norms stay device tensors
+    (no host read): the trainer feeds them to the estimator when it logs.
     """
     if state.dp_size < 2:
         raise ValueError("noise_scale_inputs needs dp >= 2 (two batch sizes); at dp = 1 estimate from "
@@ -89,15 +90,18 @@ def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor
     mean_local = local_squared.detach().double().clone()
     dist.all_reduce(mean_local, group=state.dp_group)
     mean_local /= state.dp_size
-    return float(mean_local), local_batch, float(global_squared), local_batch * state.dp_size
+    return mean_local, local_batch, global_squared.detach(), local_batch * state.dp_size
 
 
-def global_sum(local: int | float | torch.Tensor, state: ParallelState) -> float:
+def global_sum(local: int | float | torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Sum of a per-rank count over the dp ranks (e.g. the step's target tokens, for the loss scale
     ``dp_size / n_targets``: DDP and FSDP average gradients over dp ranks, so each rank's summed
-    loss is divided by n_targets / dp_size to give the gradient of the global mean loss)."""
-    if state.dp_size == 1:
-        return float(local)
-    total = torch.as_tensor(local, dtype=torch.float64, device=state.device).clone()
-    dist.all_reduce(total, group=state.dp_group)
-    return float(total)
+    loss is divided by n_targets / dp_size to give the gradient of the global mean loss). A 0-d
+    float64 tensor on the device: summed there, never read back to the host."""
+    if isinstance(local, torch.Tensor):
+        total = local.detach().to(device=state.device, dtype=torch.float64, copy=True)
+    else:  # a fill on the device: a blocking host-to-device copy would wait for the queue
+        total = torch.full((), local, dtype=torch.float64, device=state.device)
+    if state.dp_size > 1:
+        dist.all_reduce(total, group=state.dp_group)
+    return total

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,13 +25,17 @@ from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def apply_fsdp(model: nn.Module, dp_mesh) -> nn.Module:
-    """FSDP2: each block is one all-gather/reduce-scatter unit, the rest (embeddings, head) the root."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2: each block is one all-gather/reduce-scatter unit, the rest (embeddings, head) the root.
+    ``param_dtype`` (e.g. bf16): FSDP2's MixedPrecisionPolicy -- the sharded parameters, their
+    gradients and the optimizer stay fp32; the unsharded parameters of the forward and backward are
+    cast to ``param_dtype`` (half the all-gather bytes) and gradients are reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return model
 
 
@@ -40,12 +45,13 @@ def apply_ddp(model: nn.Module, state: ParallelState) -> nn.Module:
 
 
 def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list[str] = "none",
-                compile: bool = False) -> nn.Module:
+                compile: bool = False, param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard ``model`` for ``state``'s mesh; returns the module to call (a DDP wrapper under DDP).
 
     ``model`` must already be on ``state.device`` and initialised identically on every rank (same
     seed): tensor parallel distributes rank 0's values, FSDP shards each rank's own copy.
-    Checkpoints and the optimizer use ``unwrap(result)`` (the model itself).
+    Checkpoints and the optimizer use ``unwrap(result)`` (the model itself). ``param_dtype``: the
+    compute dtype of FSDP's unsharded parameters (see apply_fsdp); ignored by the other modes.
     """
     if state.tp_size > 1:
         apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
@@ -58,7 +64,7 @@ def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list
             block.compile()
     if state.dp_size > 1:
         if state.dp_mode == "fsdp":
-            return apply_fsdp(model, state.dp_mesh)
+            return apply_fsdp(model, state.dp_mesh, param_dtype)
         return apply_ddp(model, state)
     return model
 

@@ -14,6 +14,7 @@ is written to ``RUN_DIR/config.toml`` and is what ``--resume`` reads back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import string
 from dataclasses import dataclass, field
@@ -55,6 +56,12 @@ class OptimConfig:
     optimizer's default -- LAMB and LANS: weight and embedding (the LAMB authors' BERT recipe);
     LARS: all four, as in its Algorithm 1 (a bias or norm weight left out would take plain SGD at a
     LARS-sized LR, ~1-30; measured in docs/optim.md). Not used by AdamW."""
+    no_decay_lr_mult: float = 1.0
+    """LR multiplier of the parameter groups without weight decay (biases, norms): each group's LR
+    is the scheduled LR times its ``lr_mult``, so the ratio survives every schedule and a resume."""
+    unadapted_lr_mult: float = 1.0
+    """LR multiplier of the groups outside ``adapt`` (no trust ratio): e.g. 0.01 under LARS, whose
+    scheduled LR (~1-30) is sized for trust-ratio steps. Multiplies with no_decay_lr_mult."""
     log_trust_ratios: bool = True
     """Log min / median / max trust ratio per step (one extra device->host copy per step)."""
 
@@ -63,6 +70,14 @@ class OptimConfig:
             raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"optim.grad_clip = {self.grad_clip}: must be > 0, or omitted to disable")
+        for name in ("no_decay_lr_mult", "unadapted_lr_mult"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"optim.{name} = {value!r}: must be a finite number > 0 (1: the "
+                                 f"scheduled LR)")
+        if self.name == "adamw" and self.unadapted_lr_mult != 1:
+            raise ValueError(f"optim.unadapted_lr_mult = {self.unadapted_lr_mult}: AdamW has no trust "
+                             f"ratio; use optim.no_decay_lr_mult, or choose lamb, lans or lars")
         if self.adapt is not None:
             from largebatch.optim.groups import CATEGORIES
 

@@ -6,7 +6,9 @@ Read top to bottom, a run is:
   2. resume    -- model, optimizer, schedule, noise-scale estimator, data position and every RNG
   3. the loop  -- at the top of each iteration: evaluate, checkpoint, maybe stop; then one
                   optimizer step accumulated over micro-batches, loss normalised by the step's
-                  target tokens, so a step is the same whatever the micro-batch split
+                  target tokens, so a step is the same whatever the micro-batch split; the next
+                  step's batch is built meanwhile (data.prefetch), and what the step leaves on
+                  the device is read only when it logs (train.deferred)
   4. the end   -- final evaluation and checkpoint, plots, a generated sample, the summary
 
 Time is tokens: the schedule gives the LR and the batch size (in sequences) at the tokens seen so
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from largebatch.data import build_data
+from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model
 from largebatch.models.flops import flops_per_token
 from largebatch.parallel import (
@@ -57,6 +60,7 @@ from largebatch.train.checkpoint import (
     set_rng_state,
 )
 from largebatch.train.config import TrainConfig, save_config
+from largebatch.train.deferred import Deferred, read_record, target_count
 from largebatch.train.metrics import (
     MetricsLog,
     Progress,
@@ -130,6 +134,7 @@ class Trainer:
                                      run.micro_batch)
         self.phase = self.phases[0]
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, kind=cfg.model.kind)
+        self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
@@ -138,7 +143,9 @@ class Trainer:
         self.n_params = model.num_params()
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
         self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
-        self.model = self.pipeline.model if self.pipeline else parallelize(model, self.par, **techniques)
+        self.model = (self.pipeline.model if self.pipeline else
+                      parallelize(model, self.par, **techniques,
+                                  param_dtype=torch.bfloat16 if run.dtype == "bf16" else None))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
@@ -147,6 +154,7 @@ class Trainer:
         self.noise = cfg.schedule.build_noise_scale()
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
+        self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
         # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
@@ -229,6 +237,7 @@ class Trainer:
                      f"data position and state are exact, dropout streams are re-seeded")
 
     def save(self) -> Path:
+        self.settle()  # never a checkpoint past a non-finite step; the estimator up to date
         keep = self.cfg.run.keep_checkpoints
         if self.par.distributed:
             return save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
@@ -265,35 +274,56 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss (nats/token) over a fixed slice of the validation split; the share of
-        predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``."""
+        predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``.
+        Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced."""
         self.model.eval()
-        seq_len, mb = self.phase.seq_len, self.phase.micro_batch
+        seq_len, mb, par = self.phase.seq_len, self.phase.micro_batch, self.par
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
-        total, count, correct = 0.0, 0, 0
-        for start in range(0, n, mb):
+        starts = range(0, n, mb)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct, count, accuracy = torch.zeros_like(total), 0, True
+        for first in range(0, len(starts), par.dp_size):
+            # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
+            # past the end repeats the last micro-batch and is not counted
+            mine = first + par.dp_rank
+            start = starts[min(mine, len(starts) - 1)]
             batch = self.data.val.get_batch(range(start, min(n, start + mb)))
-            loss_sum, right = self._eval_batch(batch)
-            total += float(loss_sum)
-            count += int(_target_count(batch))
-            correct = None if right is None or correct is None else correct + int(right)
+            loss, right = self._eval_batch(batch)
+            if mine < len(starts):
+                total += loss.double()
+                count += target_count(batch)
+                if right is None:
+                    accuracy = False
+                else:
+                    correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
         self.model.train()
-        self.val_accuracy = None if correct is None else correct / max(1, count)
-        return total / max(1, count)
+        count = global_sum(count, par)
+        self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
+        return float(global_sum(total, par) / count)
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step at the current token position; returns its log record."""
+        """One optimizer step at the current token position; returns its log record. The loss and
+        gradient norm stay device tensors (deferred.read_record reads them when the loop logs), so
+        a step that does not log never waits for the device -- except with on_nonfinite='skip'
+        (whether to apply the update is decided on the host) and an adaptive Seesaw schedule (the
+        noise scale caps the next milestone), which read one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
         batch_size = self.schedule.batch_size(in_phase)
         lr = self.schedule.lr(in_phase)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a group's LR ratio to the schedule survives
+            group["lr"] = lr * group.get("lr_mult", 1.0)
         mb = self.phase.micro_batch
         # global sample indices: the data order never depends on how batches are cut; each
         # data-parallel rank takes a contiguous share of the step
         indices = rank_samples(range(pos.samples, pos.samples + batch_size), par)
-        micro_batches = [self.data.train.get_batch(indices[i:i + mb]) for i in range(0, len(indices), mb)]
-        n_targets = global_sum(sum(int(_target_count(b)) for b in micro_batches), par)
+        micro_batches = self.prefetch.get([indices[i:i + mb] for i in range(0, len(indices), mb)])
+        ends_at = in_phase + batch_size * self.phase.seq_len
+        if ends_at < self.phase.total_tokens:  # the next step's batch, built while this one computes
+            after = rank_samples(range(pos.samples + batch_size,
+                                       pos.samples + batch_size + self.schedule.batch_size(ends_at)), par)
+            self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
+        n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = par.dp_size / n_targets
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -306,37 +336,32 @@ class Trainer:
             with gradient_sync(self.model, i == last):
                 loss = self._forward_loss(batch)
                 with par.loss_context():
-                    (loss * scale).backward()
+                    (loss * scale.to(loss.dtype)).backward()
             loss_sum += loss.detach()
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
-                n_first = int(_target_count(batch))
-                small_sq = global_grad_norm(self._live_params(), par).square() * (n_targets / n_first) ** 2
+                norm = global_grad_norm(self._live_params(), par)
+                small_sq = norm.square() * ((n_targets / target_count(batch)) ** 2).to(norm.dtype)
         # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
-        grad_norm = float(clip_grad_norm_(params, max_norm, par))  # identical on every rank
+        grad_norm = clip_grad_norm_(params, max_norm, par)  # (), identical on every rank
         loss_value = global_sum(loss_sum, par) / n_targets
         record: dict[str, Any] = {"kind": "train", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                                   "loss": loss_value, "lr": lr,
                                   "batch_size": batch_size, "micro_batches": len(micro_batches),
                                   "grad_norm": grad_norm}
         if self.local_grad_norm is not None:  # DDP: this rank's batch vs all ranks' batch
-            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm**2,
+            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm.square(),
                                               len(indices), par)
         elif small_sq is not None:
-            noise_inputs = (float(small_sq), mb, grad_norm**2, batch_size)
+            noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
             noise_inputs = None
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
+        if cfg.run.on_nonfinite == "skip" and not bool(finite):  # the one per-step read of 'skip'
             self.optimizer.zero_grad(set_to_none=True)
-            if cfg.run.on_nonfinite == "stop":
-                last_ckpt = latest_any_checkpoint(self.run_dir)
-                raise NonFiniteLoss(
-                    f"loss is {loss_value} (gradient norm {grad_norm}) at step {pos.step + 1}, "
-                    f"{pos.tokens} tokens. Last good checkpoint: {last_ckpt or 'none'}. Lower "
-                    f"schedule.peak_lr, set optim.grad_clip, or run.on_nonfinite='skip'.")
             pos.skipped_steps += 1
             pos.skipped_in_a_row += 1
             record["skipped"] = True
@@ -349,22 +374,45 @@ class Trainer:
                     f"{last_ckpt or 'none'}. Lower schedule.peak_lr, set optim.grad_clip, or raise "
                     f"run.max_skipped_steps.")
         else:
+            if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
+                self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
             pos.skipped_in_a_row = 0
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if noise_inputs is not None:
-                self.noise.update(*noise_inputs)
-                if self.schedule.uses_noise_scale and self.noise.b_simple is not None:
-                    # adaptive Seesaw: caps only milestones after this token count (deterministic)
-                    self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
-        if cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
+                self.deferred.add_noise_inputs(*noise_inputs)
+                if self.schedule.uses_noise_scale:
+                    self.settle()
+                    if self.noise.b_simple is not None:
+                        # adaptive Seesaw: caps only milestones after this token count (deterministic)
+                        self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
+        pos.step += 1
+        pos.tokens += batch_size * self.phase.seq_len
+        pos.samples += batch_size
+        return record
+
+    def settle(self) -> None:
+        """Read what the steps since the last read left on the device: stop on a non-finite step
+        (run.on_nonfinite='stop'), feed the noise-scale estimator. Before every log, evaluation and
+        checkpoint, so none of them sees a model past a non-finite step."""
+        bad = self.deferred.settle(self.noise)
+        if bad is not None:
+            step, tokens, loss, grad_norm = bad
+            last_ckpt = latest_any_checkpoint(self.run_dir)
+            raise NonFiniteLoss(
+                f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens. Last "
+                f"good checkpoint: {last_ckpt or 'none'}. Lower schedule.peak_lr, set "
+                f"optim.grad_clip, or run.on_nonfinite='skip'.")
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
+        self.settle()
+        record = read_record(record)
+        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             summary = self.optimizer.trust_ratio_summary()
             if summary:
                 record.update({f"trust_{k}": v for k, v in summary.items()})
         record["noise_scale"] = self.noise.b_simple
-        pos.step += 1
-        pos.tokens += batch_size * self.phase.seq_len
-        pos.samples += batch_size
         return record
 
     def _live_params(self) -> list[torch.Tensor]:
@@ -418,13 +466,16 @@ class Trainer:
                             "signal": signum}
                 t0 = time.perf_counter()
                 record = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                logs = pos.step % run.log_every_steps == 0
+                if self.device.type == "cuda" and (logs or pos.tokens >= min(pos.next_eval,
+                                                                               pos.next_checkpoint)):
+                    torch.cuda.synchronize(self.device)  # the queued steps' time, before a read
                 pos.train_seconds += time.perf_counter() - t0
                 steps_here += 1
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
-                if pos.step % run.log_every_steps == 0:
+                if logs:
+                    record = self.log_record(record)
                     tps = (pos.tokens - tokens_log) / max(pos.train_seconds - seconds_log, 1e-9)
                     seconds_log, tokens_log = pos.train_seconds, pos.tokens
                     record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
@@ -452,6 +503,8 @@ class Trainer:
         """Data packed at the phase's length, its schedule and its FLOPs per token."""
         if phase.seq_len != self.phase.seq_len:
             self.data = build_data(self.cfg.data, seq_len=phase.seq_len, kind=self.cfg.model.kind)
+            self.prefetch.close()
+            self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         self.phase = phase
         self.schedule = self._build_schedule()
         self.flops_per_token = flops_per_token(self.cfg.model, seq_len=phase.seq_len)
@@ -479,6 +532,7 @@ class Trainer:
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""
         metrics, self.metrics = self.metrics, None
+        self.prefetch.close()
         try:
             if metrics is not None:
                 metrics.close()
@@ -487,6 +541,7 @@ class Trainer:
                 self.lock.release()
 
     def _log_eval(self) -> float:
+        self.settle()
         val_loss = self.evaluate()
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
@@ -506,7 +561,8 @@ class Trainer:
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
                  f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
-                 f"grad clip {cfg.optim.grad_clip})",
+                 f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
+                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
                  f"parallel     {self.par.world_size} process(es): "
@@ -563,12 +619,6 @@ class Trainer:
             out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
         self.raw_model.train()
         return self.data.tokenizer.decode(out[0].tolist())
-
-
-def _target_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    if "targets" in batch:
-        return (batch["targets"] != -100).sum()
-    return (batch["labels"] != -100).sum()
 
 
 def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,73 @@
+"""What a training step leaves on the device until the loop logs: a step that does not log never
+waits for the accelerator.
+
+Reading a device value on the host (``.item()``, ``float(t)``, ``bool(t)``) waits until every
+kernel queued before it has run, so the host stops queueing the next step and the device idles
+while it does. The step therefore keeps its loss, gradient norm, noise-scale inputs and
+non-finite flag as tensors; the loop reads them together when it logs, evaluates or checkpoints
+(``Deferred.settle``). What stays exact:
+
+* ``run.on_nonfinite = "stop"``: the first non-finite step (its number, tokens, loss and gradient
+  norm) is recorded on the device with ``torch.where``, and the run stops at the next read,
+  naming that step; no checkpoint is written after it (checkpoints read first).
+* the noise-scale estimator (McCandlish et al. 2018, App. A.1) receives the same inputs in the same
+  order, later: its state at any log, evaluation or checkpoint is the one a per-step update gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def target_count(batch: dict[str, torch.Tensor]) -> int:
+    """Positions with a target (label != -100) in a host batch, counted on the host (no device read)."""
+    labels = batch["targets"] if "targets" in batch else batch["labels"]
+    return int(np.count_nonzero(labels.numpy() != -100))
+
+
+class Deferred:
+    """The step's device values awaiting the next host read."""
+
+    def __init__(self, device: torch.device):
+        # (step, tokens, loss, gradient norm) of the first non-finite step; step -1: none yet
+        self.first_nonfinite = torch.full((4,), -1.0, dtype=torch.float64, device=device)
+        self.noise_inputs: list[tuple] = []  # ([|G_small|^2, |G_big|^2], B_small, B_big), step order
+
+    def watch(self, finite: torch.Tensor, step: int, tokens: int, loss: torch.Tensor,
+              grad_norm: torch.Tensor) -> None:
+        """Record this step if it is the first whose loss or gradient norm is not finite (on device)."""
+        this = torch.stack([loss.new_full((), step, dtype=torch.float64),  # fills: no host copy
+                            loss.new_full((), tokens, dtype=torch.float64),
+                            loss.double(), grad_norm.double()])
+        first = ~finite & (self.first_nonfinite[0] < 0)
+        self.first_nonfinite = torch.where(first, this, self.first_nonfinite)
+
+    def add_noise_inputs(self, small_sq, small_batch: int, big_sq, big_batch: int) -> None:
+        """Queue one step's noise-scale inputs (device tensors) for the next ``settle``."""
+        norms = torch.stack([torch.as_tensor(small_sq).double(), torch.as_tensor(big_sq).double()])
+        self.noise_inputs.append((norms, small_batch, big_batch))
+
+    def settle(self, noise) -> tuple[int, int, float, float] | None:
+        """One host read: the first non-finite (step, tokens, loss, grad norm), or None after feeding
+        the pending noise-scale inputs to ``noise`` (a NoiseScale)."""
+        step, tokens, loss, grad_norm = self.first_nonfinite.tolist()
+        if step >= 0:
+            return int(step), int(tokens), loss, grad_norm
+        pending, self.noise_inputs = self.noise_inputs, []
+        if pending:
+            norms = torch.stack([n.to(self.first_nonfinite.device) for n, _, _ in pending]).tolist()
+            for (small_sq, big_sq), (_, small_batch, big_batch) in zip(norms, pending):
+                noise.update(small_sq, small_batch, big_sq, big_batch)
+        return None
+
+
+def read_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its 0-d device tensors as Python floats, read in one transfer."""
+    keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return record
+    values = torch.stack([record[k].detach().double() for k in keys]).tolist()
+    return {**record, **dict(zip(keys, values))}
