@@ -127,6 +127,8 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
 def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int) -> list[str]:
     """The first pipeline stage's activations per schedule (Korthikanti et al. 2022 §4.2.3)."""
     p, L = setup.pp, config.n_layer
+    if L % p:
+        raise ValueError(f"pp={p}: must divide n_layer={L} (each stage holds L/p layers); choose a divisor of {L}")
     if virtual < 1 or (L // p) % virtual:
         raise ValueError(f"--pp-virtual-stages {virtual}: must be a positive divisor of the {L // p} layers "
                          f"per stage")
