@@ -6,6 +6,7 @@ least recompute FLOPs that fits a budget.
     largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
     largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
+    largebatch memory --config configs/bert-large-lans.toml --phase 1 --dp 1536 --budget-gib 32   # one phase
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag}", type=TYPES.get(flag, int), help=f"override the preset's {field}")
+    p.add_argument("--phase", type=int, help="with --config holding [[phases]]: plan phase N (0, 1, ...) "
+                   "at its own sequence length and micro-batch (default: the model's context, run.micro_batch)")
     p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
     p.add_argument("--micro-batch", default="1", help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")
@@ -69,6 +72,8 @@ def _config(args: argparse.Namespace) -> ModelConfig:
         raise ValueError(f"--config {args.config!r} and --hf-config {args.hf_config!r}: give one.")
     if args.hf_config and args.model:
         raise ValueError(f"--model {args.model!r} and --hf-config {args.hf_config!r}: give one.")
+    if args.phase is not None and not args.config:
+        raise ValueError(f"--phase {args.phase}: needs --config, a `largebatch train` TOML with [[phases]].")
     if args.hf_config:
         return config_from_hf(args.hf_config).replace(**changes)
     if args.config:
@@ -80,6 +85,7 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
     from largebatch.typed_config import from_dict, load_toml
 
+    explicit_micro_batch = args.micro_batch != "1"
     tree = load_toml(args.config)
     model = dict(tree.get("model", {}))
     if "vocab_size" in tree.get("data", {}):  # the trainer sizes the model to its tokenizer
@@ -97,6 +103,24 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     if args.dp == 1:
         args.dp = par.get("dp", 0) or 1
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
+    if args.phase is not None:
+        config = _phase(args, tree, config, explicit_micro_batch)
+    return config
+
+
+def _phase(args: argparse.Namespace, tree: dict, config: ModelConfig, explicit_micro_batch: bool) -> ModelConfig:
+    """The model at phase ``args.phase``'s sequence length; its micro-batch fills --micro-batch unless
+    given."""
+    phases = tree.get("phases") or []
+    if not 0 <= args.phase < len(phases):
+        have = f"phases 0..{len(phases) - 1}" if phases else "no [[phases]]"
+        raise ValueError(f"--phase {args.phase}: {args.config} has {have}; give one of those, or leave "
+                         "--phase out to plan at the model's context.")
+    phase = phases[args.phase]
+    if not explicit_micro_batch and phase.get("micro_batch"):
+        args.micro_batch = str(phase["micro_batch"])
+    if args.seq_len is None and "seq_len" in phase:
+        return config.replace(seq_len=phase["seq_len"])
     return config
 
 
