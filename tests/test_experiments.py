@@ -189,7 +189,7 @@ def test_bad_input_names_the_argument(tmp_path):
         check_size("huge")
     with pytest.raises(SystemExit):
         cli.main(["seesaw", "--quick", "--smoke"])
-    with pytest.raises(ValueError, match="seeds=2: only the seesaw experiment"):
+    with pytest.raises(ValueError, match="seeds=2: only seesaw and bert-lans repeat"):
         cli.run_experiment("optimizers", "smoke", tmp_path, seeds=2)
     with pytest.raises(ValueError, match="seeds=0: must be an integer from 1 to 8"):
         cli.run_experiment("seesaw", "smoke", tmp_path, seeds=0)
@@ -254,3 +254,36 @@ def test_a_diverging_arm_is_recorded_and_the_experiment_goes_on(tmp_path, one_th
     again = runner.run_arms(arms, base, tmp_path, logged.append, runner.Execution(resume=True))
     assert (huge.run_dir / "arm.json").stat().st_mtime_ns == mtime
     assert again[0].diverged == huge.diverged and again[1].final_val_loss == ok.final_val_loss
+
+
+def test_bert_lans_smoke_two_phases_three_optimizers_and_downstream(tmp_path, one_thread):
+    """Each arm is the two-phase recipe with only the optimizer (and AdamW's LR scale) changed; the
+    report's losses are the runs' last validation records, its per-phase losses the records at each
+    phase's end, and its downstream accuracies lie in [0, 1] with scratch reported beside them."""
+    from largebatch.experiments import bert_lans
+
+    out = tmp_path / "bert"
+    assert cli.main(["bert-lans", "--smoke", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    means, pairs, every = parse_tables(report)
+    lrs = bert_lans.recipe_lrs()
+    for row in every:
+        name = row["arm"]
+        run_dir = out / "runs" / name
+        cfg = (run_dir / "config.toml").read_text()
+        assert f'name = "{name}"' in cfg
+        train, val = load_jsonl(run_dir / "metrics.jsonl")
+        assert {r["phase"] for r in train} == {0, 1}
+        assert {r["seq_len"] for r in train} == {16, 32}
+        assert row["final val loss"] == fmt_loss(val[-1]["val_loss"])
+        scale = bert_lans.ADAMW_LR_SCALE if name == "adamw" else 1.0
+        peak = max(r["lr"] for r in train if r["phase"] == 0)
+        assert peak <= lrs[0] * scale * (1 + 1e-9) and peak > 0.5 * lrs[0] * scale
+        mean_row = next(r for r in means if r["optimizer"] == name)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert mean_row["val loss at each phase's end"] == " / ".join(map(fmt_loss, summary["phase_val_losses"]))
+        accuracies = [float(a) for a in row["downstream accuracy per seed"].split(", ")]
+        assert len(accuracies) == 2 and all(0 <= a <= 1 for a in accuracies)
+    assert [r["pair"] for r in pairs] == ["lans - lamb", "lans - adamw", "lamb - adamw"]
+    assert "Downstream from random init (scratch)" in report
+    assert_png(out / "val_loss.png")

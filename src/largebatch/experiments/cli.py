@@ -5,6 +5,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
     largebatch experiment optimizers --quick      # You et al. 2017/2019, Zheng et al. 2020
     largebatch experiment recompute --quick       # Korthikanti et al. 2022
     largebatch experiment noise-scale --quick     # McCandlish et al. 2018
+    largebatch experiment bert-lans --quick       # Zheng et al. 2020: LANS / LAMB / AdamW, two-phase BERT
     largebatch experiment all --quick
     largebatch experiment optimizers --jobs 2 --resume   # full size: 2 arms at once; keep finished arms
     largebatch experiment seesaw --quick --seeds 5       # every arm at 5 seeds: paired gaps, mean +- sd
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from largebatch.arguments import OneLineParser, check_output_dir
 
-EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale")
+EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale", "bert-lans")
+SEEDED = ("seesaw", "bert-lans")  # the experiments that repeat their arms over --seeds
 
 
 def _module(name: str):
@@ -34,7 +36,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
                    log=print, jobs: int = 1, resume: bool = False, seeds: int | None = None) -> Path:
     """Run one experiment at a size (smoke | quick | full); returns the path of its report.md.
     ``jobs``: arms trained at once (processes); ``resume``: keep arms that already finished;
-    ``seeds``: seeds per arm (seesaw only; default: the size's)."""
+    ``seeds``: seeds per arm (seesaw and bert-lans; default: the size's)."""
     from largebatch.experiments.runner import Execution, check_size
 
     if name not in EXPERIMENTS:
@@ -42,12 +44,10 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
     check_size(size)
     extra = {}
     if seeds is not None:
-        if name != "seesaw":
-            raise ValueError(f"seeds={seeds!r}: only the seesaw experiment repeats its arms over seeds; "
+        if name not in SEEDED:
+            raise ValueError(f"seeds={seeds!r}: only {' and '.join(SEEDED)} repeat their arms over seeds; "
                              f"drop --seeds for {name!r}")
-        from largebatch.experiments.seesaw import check_seeds
-
-        extra["seeds"] = check_seeds(seeds)
+        extra["seeds"] = _module(name).check_seeds(seeds)
     execution = Execution(jobs=jobs, resume=resume)
     out = _report_dir(name, size, out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,20 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep arms whose run directory holds a finished run of the same config")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seesaw only: seeds per arm, 1-8 (default 2); the report gives the mean, "
-                             "sd and range of each arm's paired gap to cosine")
+                        help="seesaw and bert-lans: seeds per arm (seesaw 1-8, bert-lans 1-5; default 2); "
+                             "the report gives each arm's paired gaps with their intervals")
     parser.add_argument("--check", action="store_true",
                         help="check the arguments and the report directory, print what would run, exit")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
     if args.seeds is not None:
-        if args.name != "seesaw":
-            parser.error(f"--seeds {args.seeds}: only the seesaw experiment repeats its arms over seeds")
-        from largebatch.experiments.seesaw import check_seeds
-
+        if args.name not in SEEDED:
+            parser.error(f"--seeds {args.seeds}: only {' and '.join(SEEDED)} repeat their arms over seeds")
         try:
-            check_seeds(args.seeds)
+            _module(args.name).check_seeds(args.seeds)
         except ValueError as exc:
             parser.error(f"--seeds {args.seeds}: {exc}")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"

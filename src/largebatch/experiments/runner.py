@@ -157,6 +157,10 @@ class Execution:
         return (f" --jobs {self.jobs}" if self.jobs > 1 else "") + (" --resume" if self.resume else "")
 
 
+BASE_CONFIG = "config"
+"""An experiment's base may name a config file under this key (no dot, so it is no config field): its
+arms are that file plus the overrides, instead of the default config plus the overrides."""
+
 _ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
 
 
@@ -189,7 +193,8 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
 
     if threads is not None:
         torch.set_num_threads(threads)
-    cfg = load_config(None, overrides)
+    fields = {k: v for k, v in overrides.items() if k != BASE_CONFIG}
+    cfg = load_config(overrides.get(BASE_CONFIG), fields)
     if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)

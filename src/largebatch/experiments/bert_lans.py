@@ -1,0 +1,222 @@
+"""LANS vs LAMB vs AdamW on the two-phase BERT recipe, judged by the loss and downstream
+(Zheng et al. 2020; docs/papers.md: LANS).
+
+The LANS paper pretrains BERT in two phases (most tokens at a short sequence length with a large
+batch, then the full length with a smaller one, the LR re-warmed per phase) and judges the result by
+SQuAD F1. Here every arm is the shipped recipe (configs/bert-lans-demo.toml at full size, the same
+shape scaled down for quick and smoke), with equal tokens in each phase, and differs only in the
+optimizer: LANS and LAMB at the recipe's peak LRs, AdamW at ADAMW_LR_SCALE times them (an Adam step
+is not a fraction of the weight norm, so the same number would be a different step; not tuned).
+Each arm runs at ``seeds`` pretraining seeds (init, data order and masking).
+
+Judged by: the final masked-LM validation loss and accuracy (against the unigram baseline), the
+loss at the end of each phase, and downstream test accuracy on a bundled classification task whose
+test passages come from documents the classifier never saw (largebatch.finetune). The fine-tuning
+runs at FINETUNE_SEED for every arm, and the same architecture from random initialisation
+("scratch", once per experiment, same fine-tuning seeds) is the line pretraining has to beat.
+Optimizers are compared paired by pretraining seed with a 95% t interval (experiments/stats.py);
+a difference is stated only when the interval excludes 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
+from largebatch.experiments.runner import BASE_CONFIG, COMMON_OVERRIDES, Arm, ArmResult, Execution, run_arms
+from largebatch.experiments.stats import ci95
+
+OPTIMIZERS = ("lans", "lamb", "adamw")
+ADAMW_LR_SCALE = 0.1
+SEEDS = (None, 7, 11, 23, 42)  # None: the config's defaults (run.seed 1337)
+RECIPE = "bert-lans-demo"
+
+
+@dataclass(frozen=True)
+class Setting:
+    overrides: dict[str, Any]
+    """Changes to the recipe for this size (model, phases' tokens and batches)."""
+    seeds: int
+    finetune: dict[str, Any]
+    """largebatch.finetune.Settings fields."""
+
+
+_FINETUNE_FULL = {"task": "folio-genre", "seeds": 3, "epochs": 3}
+SETTINGS = {
+    "smoke": Setting({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
+                      "data.vocab_size": 512, "data.corpus": "shakespeare", "run.eval_tokens": 2_048,
+                      "run.micro_batch": 8,
+                      "phases.0.seq_len": 16, "phases.0.total_tokens": 4_096,
+                      "phases.1.seq_len": 32, "phases.1.total_tokens": 2_048,
+                      "phases.1.micro_batch": 4, "schedule.batch_size": 8,
+                      "phases.1.schedule.batch_size": 4},
+                     1, {"task": "folio-genre", "seeds": 2, "epochs": 1, "passages_per_document": 2,
+                         "batch_size": 8}),
+    "quick": Setting({"model.n_layer": 2, "model.n_embd": 128, "model.n_head": 2, "model.seq_len": 128,
+                      "data.vocab_size": 2048, "run.eval_tokens": 16_384,
+                      "phases.0.total_tokens": 262_144, "phases.1.seq_len": 128,
+                      "phases.1.total_tokens": 65_536},
+                     2, {"task": "folio-genre", "seeds": 2, "epochs": 2, "passages_per_document": 8,
+                         "passage_len": 64}),
+    "full": Setting({}, 2, _FINETUNE_FULL),
+}
+
+
+def check_seeds(seeds: int) -> int:
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= len(SEEDS):
+        raise ValueError(f"seeds={seeds!r}: must be an integer from 1 to {len(SEEDS)} (seeds per arm)")
+    return seeds
+
+
+def recipe_lrs() -> list[float]:
+    """The recipe's peak LR per phase (a phase without its own keeps [schedule]'s)."""
+    from largebatch.train.cli import shipped_configs
+    from largebatch.train.config import load_config
+
+    cfg = load_config(shipped_configs()[RECIPE])
+    return [float(p.schedule.get("peak_lr", cfg.schedule.peak_lr)) for p in cfg.phases]
+
+
+def arms(size: str, seeds: int) -> list[Arm]:
+    lrs = recipe_lrs()
+    out = []
+    for seed in SEEDS[:check_seeds(seeds)]:
+        for name in OPTIMIZERS:
+            scale = ADAMW_LR_SCALE if name == "adamw" else 1.0
+            overrides: dict[str, Any] = {"optim.name": name, "schedule.peak_lr": lrs[0] * scale}
+            for i, lr in enumerate(lrs):
+                overrides[f"phases.{i}.schedule.peak_lr"] = lr * scale
+            arm_name, label = name, name
+            if seed is not None:
+                overrides.update({"run.seed": seed, "data.seed": seed})
+                arm_name, label = f"{name}-seed{seed}", f"{name}, seed {seed}"
+            out.append(Arm(arm_name, overrides, group=str(seed or 1337), label=label))
+    return out
+
+
+def base(size: str) -> dict[str, Any]:
+    from largebatch.train.cli import shipped_configs
+
+    common = {k: v for k, v in COMMON_OVERRIDES.items() if not k.startswith(("schedule.", "model.kind"))}
+    common["data.corpus"] = "shakespeare+bible"
+    return {BASE_CONFIG: str(shipped_configs()[RECIPE]), **common, **SETTINGS[size].overrides}
+
+
+def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print) -> tuple[dict, dict]:
+    """Downstream test accuracy per arm ({arm name: [per fine-tuning seed]}), and the scratch line
+    (same architecture, random init, same fine-tuning seeds), with the task's chance rate."""
+    import torch
+
+    from largebatch.export import load_run
+    from largebatch.finetune import Settings, build_task, check_settings, finetune_arm
+    from largebatch.models import build_model
+
+    accuracy: dict[str, list[float]] = {}
+    task = None
+    first = None
+    for result in results:
+        if result.diverged:
+            continue
+        loaded = load_run(result.run_dir)
+        s = check_settings(Settings(**settings), loaded.model.config.seq_len)
+        if task is None:
+            task, first = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document), loaded
+        accuracy[result.arm.name] = []
+        for k in range(s.seeds):
+            torch.manual_seed(1000 + k)
+            accuracy[result.arm.name].append(finetune_arm(loaded.model.train(), task, s, 1000 + k)["test_accuracy"])
+        log(f"  {result.arm.name}: fine-tuned test accuracy {statistics.fmean(accuracy[result.arm.name]):.4f}")
+    scratch = []
+    if first is not None:
+        s = check_settings(Settings(**settings), first.model.config.seq_len)
+        for k in range(s.seeds):
+            torch.manual_seed(1000 + k)
+            scratch.append(finetune_arm(build_model(first.model.config), task, s, 1000 + k)["test_accuracy"])
+    return accuracy, {"scratch": scratch, "chance": task.majority_rate() if task else None}
+
+
+def _mean(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.4f}" if values else "-"
+
+
+def _interval(values: list[float]) -> str:
+    ci = ci95(values)
+    return "" if ci is None else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
+def _verdict(values: list[float], lower_is_better: bool) -> str:
+    ci = ci95(values)
+    if ci is None:
+        return "one seed: no interval"
+    if ci[0] > 0:
+        return "first worse" if lower_is_better else "first better"
+    if ci[1] < 0:
+        return "first better" if lower_is_better else "first worse"
+    return "no difference established"
+
+
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
+        seeds: int | None = None) -> Report:
+    setting = SETTINGS[size]
+    n_seeds = check_seeds(seeds or setting.seeds)
+    results = run_arms(arms(size, n_seeds), base(size), out_dir, log, execution)
+    downstream, line = finetune_arms(results, setting.finetune, log)
+    by_name = {r.arm.name: r for r in results}
+    report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command)
+    first = results[0]
+    report.add(f"""The {RECIPE} recipe (two phases, LANS's warmup-hold-decay schedule per phase) with
+{', '.join(f'{k} = {v}' for k, v in setting.overrides.items()) or 'no changes'}; {first.tokens:,}
+tokens per arm; LANS and LAMB at the recipe's peak LRs {recipe_lrs()}, AdamW at {ADAMW_LR_SCALE}x
+them (not tuned). {n_seeds} pretraining seed(s). Downstream: {setting.finetune['task']}, fine-tuned
+at {setting.finetune['seeds']} seeds per arm (largebatch.finetune; whole documents held out).""")
+    rows = []
+    for name in OPTIMIZERS:
+        mine = [r for r in results if r.arm.overrides["optim.name"] == name]
+        finite = [r for r in mine if not r.diverged]
+        phases = [r.summary.get("phase_val_losses", []) for r in finite]
+        per_phase = " / ".join(fmt_loss(statistics.fmean(p[i] for p in phases))
+                               for i in range(min(map(len, phases), default=0)))
+        acc = [a for r in finite for a in downstream.get(r.arm.name, [])]
+        rows.append([name, f"{len(finite)}/{len(mine)}",
+                     _mean([r.final_val_loss for r in finite]),
+                     _mean([r.summary.get("final_val_accuracy") for r in finite]),
+                     per_phase or "-", _mean(acc) + _interval(acc)])
+    unigram_loss, unigram_acc = first.summary.get("unigram_val_loss"), first.summary.get("unigram_val_accuracy")
+    chance = line["chance"]
+    report.add("## Mean over pretraining seeds\n\n" + markdown_table(
+        ["optimizer", "finished", "final val MLM loss", "final val MLM accuracy",
+         "val loss at each phase's end", "downstream test accuracy [95% CI over fine-tuning runs]"], rows)
+        + f"\n\nUnigram baseline: loss {fmt_loss(unigram_loss)}, accuracy "
+        f"{'-' if unigram_acc is None else f'{unigram_acc:.4f}'}. Downstream from random init "
+        f"(scratch): {_mean(line['scratch'])}{_interval(line['scratch'])}; majority class "
+        f"{'-' if chance is None else f'{chance:.4f}'}.")
+    pairs = []
+    for a, b in (("lans", "lamb"), ("lans", "adamw"), ("lamb", "adamw")):
+        loss_gaps, acc_gaps = [], []
+        for seed in SEEDS[:n_seeds]:
+            suffix = "" if seed is None else f"-seed{seed}"
+            ra, rb = by_name[a + suffix], by_name[b + suffix]
+            if ra.diverged or rb.diverged:
+                continue
+            loss_gaps.append(ra.final_val_loss - rb.final_val_loss)
+            acc_gaps.append(statistics.fmean(downstream[ra.arm.name]) - statistics.fmean(downstream[rb.arm.name]))
+        pairs.append([f"{a} - {b}", len(loss_gaps),
+                      (f"{statistics.fmean(loss_gaps):+.4f}" if loss_gaps else "-") + _interval(loss_gaps),
+                      _verdict(loss_gaps, lower_is_better=True),
+                      (f"{statistics.fmean(acc_gaps):+.4f}" if acc_gaps else "-") + _interval(acc_gaps),
+                      _verdict(acc_gaps, lower_is_better=False)])
+    report.add("## Paired by pretraining seed\n\n" + markdown_table(
+        ["pair", "seeds", "val loss gap [95% CI]", "loss verdict", "downstream accuracy gap [95% CI]",
+         "downstream verdict"], pairs))
+    report.add("## Every run\n\n" + markdown_table(
+        ["arm", "final val loss", "final val accuracy", "optimizer steps", "downstream accuracy per seed"],
+        [[r.arm.name, fmt_loss(r.final_val_loss),
+          "-" if r.diverged else f"{r.summary.get('final_val_accuracy', float('nan')):.4f}", r.steps,
+          ", ".join(f"{a:.4f}" for a in downstream.get(r.arm.name, []))] for r in results]))
+    report.plots.append(plot_validation(results, out_dir / "val_loss.png",
+                                        "Two-phase BERT: validation MLM loss per optimizer").name)
+    return report
+
