@@ -103,6 +103,20 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
             assert (low, high) == pytest.approx((gaps.mean() - half, gaps.mean() + half), abs=5.1e-5)
         cosine = np.array([final(t[0]["arm"]) for t in per_seed])
         assert float(summary[0]["sd"]) == pytest.approx(cosine.std(ddof=1), abs=5.1e-5)
+    # the noise floor: every seed-1337 arm re-run with another data order, gaps recomputed from the runs
+    floors = [t for t in parse_tables(report) if t and "noise floor" in t[0]]
+    assert len(floors) == 2
+    for floor_rows, table in zip(floors, (tables[0], tables[2])):
+        final = lambda arm: load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]  # noqa: E731
+        cosine = table[0]["arm"]
+        for row in floor_rows:
+            gap = final(row["arm"]) - final(cosine)
+            moved = final(row["arm"] + "-data") - final(cosine + "-data")
+            assert float(row["gap vs cosine"]) == pytest.approx(gap, abs=5.1e-5)
+            assert float(row["gap, other data order"]) == pytest.approx(moved, abs=5.1e-5)
+            assert float(row["noise floor"]) == pytest.approx(abs(moved - gap), abs=5.1e-5)
+        data = json.loads((out / "runs" / (cosine + "-data") / "arm.json").read_text())["overrides"]
+        assert data["data.seed"] == 1 and data.get("run.seed", 1337) == 1337
     # above the critical batch the budget gives cosine at least the size's minimum steps (8 here)
     above_cosine, _ = load_jsonl(out / "runs" / tables[2][0]["arm"] / "metrics.jsonl")
     above_batch = above_cosine[0]["batch_size"]
@@ -287,3 +301,24 @@ def test_bert_lans_smoke_two_phases_three_optimizers_and_downstream(tmp_path, on
     assert [r["pair"] for r in pairs] == ["lans - lamb", "lans - adamw", "lamb - adamw"]
     assert "Downstream from random init (scratch)" in report
     assert_png(out / "val_loss.png")
+
+
+def _verdicts(report: str) -> list[str]:
+    return [line.rsplit(": ", 1)[1] for line in report.splitlines()
+            if line.startswith(("- below:", "- above:")) and "noise floor" in line]
+
+
+def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path):
+    """Each comparison's verdict (seed interval and noise floor together) is the same at 1 and at 2
+    torch threads, where only the summation order differs."""
+    threads = torch.get_num_threads()
+    verdicts = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = tmp_path / f"threads{n}"
+            assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
+            verdicts.append(_verdicts((out / "report.md").read_text()))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(verdicts[0]) == 6 and verdicts[0] == verdicts[1]

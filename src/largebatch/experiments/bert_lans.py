@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
 from largebatch.experiments.runner import BASE_CONFIG, COMMON_OVERRIDES, Arm, ArmResult, Execution, run_arms
 from largebatch.experiments.stats import ci95
@@ -148,14 +149,10 @@ def _interval(values: list[float]) -> str:
 
 
 def _verdict(values: list[float], lower_is_better: bool) -> str:
-    ci = ci95(values)
-    if ci is None:
-        return "one seed: no interval"
-    if ci[0] > 0:
-        return "first worse" if lower_is_better else "first better"
-    if ci[1] < 0:
-        return "first better" if lower_is_better else "first worse"
-    return "no difference established"
+    mean = statistics.fmean(values) if values else None
+    first_worse, first_better = ("first worse", "first better") if lower_is_better else ("first better",
+                                                                                        "first worse")
+    return noise_floor.verdict(mean, ci95(values), None, first_worse, first_better)
 
 
 def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),

@@ -161,6 +161,10 @@ BASE_CONFIG = "config"
 """An experiment's base may name a config file under this key (no dot, so it is no config field): its
 arms are that file plus the overrides, instead of the default config plus the overrides."""
 
+THREADS = "threads"
+"""An arm may pin its torch thread count under this key (no dot: no config field), e.g. the noise
+floor's thread-count perturbation (experiments/floor.py); other arms run with the experiment's."""
+
 _ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
 
 
@@ -191,10 +195,12 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     from largebatch.train.config import load_config
     from largebatch.train.loop import NonFiniteLoss, Trainer
 
+    fields = {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)}
+    cfg = load_config(overrides.get(BASE_CONFIG), fields)
+    threads = overrides.get(THREADS, threads)
+    previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    fields = {k: v for k, v in overrides.items() if k != BASE_CONFIG}
-    cfg = load_config(overrides.get(BASE_CONFIG), fields)
     if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -207,6 +213,8 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
         except NonFiniteLoss as exc:
             diverged = str(exc)
             print(f"diverged: {exc}", file=log_file)
+        finally:
+            torch.set_num_threads(previous)
     wall = time.perf_counter() - start
     record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged}
     (run_dir / _ARM_RECORD).write_text(json.dumps(record, indent=2))

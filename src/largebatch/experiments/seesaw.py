@@ -28,6 +28,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
 from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms, steps_to_reach
 from largebatch.experiments.stats import ci95
@@ -45,9 +46,11 @@ class Setting:
     """The second group's budget gives cosine at least this many optimizer steps."""
     seeds: int
     """Seeds per arm by default (``--seeds N`` changes it)."""
+    floor: tuple[str, ...] = noise_floor.PERTURBATIONS
+    """Perturbations that measure each group's noise floor (experiments/floor.py)."""
 
 
-SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2), "quick": Setting(16, 4, 128, 3e-3, 24, 2),
+SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)), "quick": Setting(16, 4, 128, 3e-3, 24, 2),
             "full": Setting(16, 4, 128, 2e-3, 192, 2)}
 SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
@@ -176,14 +179,22 @@ def _interval(ci: tuple[float, float] | None) -> str:
     return "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
 
 
-def _verdict(ci: tuple[float, float] | None) -> str:
-    if ci is None:
+def _verdict(p: PairedGaps, floor: noise_floor.Floor | None) -> str:
+    if p.ci95 is None:
         return ""
-    if ci[0] > 0:
-        return f"; 95% CI {_interval(ci)}: worse than cosine"
-    if ci[1] < 0:
-        return f"; 95% CI {_interval(ci)}: better than cosine"
-    return f"; 95% CI {_interval(ci)} contains 0: no difference established"
+    return (f"; 95% CI {_interval(p.ci95)}, noise floor {'n/a' if floor is None else f'{floor.floor:.4f}'}: "
+            + noise_floor.verdict(p.mean, p.ci95, None if floor is None else floor.floor,
+                                  "worse than cosine", "better than cosine"))
+
+
+def floor_table(floors: list[noise_floor.Floor], threads: int) -> str:
+    """Each arm's gap to cosine (seed 1337) unperturbed and under each perturbation, and the floor."""
+    kinds = list(floors[0].perturbed) if floors else []
+    names = {"threads": f"gap at {noise_floor.other_threads(threads)} thread(s) (not {threads})",
+             "data": "gap, other data order", "init": "gap, other initialisation"}
+    rows = [[f.arm, _signed(f.gap)] + [_signed(f.perturbed[k]) for k in kinds] + [f"{f.floor:.4f}"]
+            for f in floors]
+    return markdown_table(["arm", "gap vs cosine"] + [names[k] for k in kinds] + ["noise floor"], rows)
 
 
 def seed_table(per_seed: list[list[ArmResult]]) -> str:
@@ -217,6 +228,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds)
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
                    len(ARMS))
+    threads = _arm_threads(execution)
+    low_floor = _floors(low_arms[0], low[0], setting.floor, threads, base, out_dir, log, execution)
     b_crit = critical_batch(low[0][0])
     above = above_batch(setting.above, b_crit)
     above_total = above_budget(total, above, seq_len, setting.above_steps)
@@ -227,6 +240,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                           extra=budget if above_total != total else None)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
                     len(ARMS))
+    high_floor = _floors(high_arms[0], high[0], setting.floor, threads, base, out_dir, log, execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm, 10% warmup,
 cosine to 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
 vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.join(
@@ -234,7 +248,7 @@ vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.joi
 batch {setting.below}, {above_total:,} from batch {above} (at least {setting.above_steps} cosine steps).
 Measured critical batch (median B_simple of the seed-1337 cosine arm at batch {setting.below},
 second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} sequences**.""")
-    for per_seed in (low, high):
+    for per_seed, floors in ((low, low_floor), (high, high_floor)):
         start = per_seed[0][0].arm.overrides["schedule.batch_size"]
         side = "n/a" if b_crit is None else ("below" if start < b_crit else "above")
         section = f"## Start batch {start} ({side} the measured critical batch)"
@@ -243,8 +257,12 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
         if seeds > 1:
             section += (f"\n\nOver {seeds} seeds, each arm's final loss minus the same seed's cosine "
                         f"(paired):\n\n" + seed_table(per_seed))
+        if floors:
+            section += ("\n\nNoise floor (seed 1337, every arm re-run with one harmless change; the floor "
+                        "is the largest move of its gap to cosine; a difference must exceed it):\n\n"
+                        + floor_table(floors, threads))
         report.add(section)
-    report.add(findings(low, high))
+    report.add(findings(low, high, low_floor, high_floor))
     shown = low[0] + high[0]
     report.plots.append(plot_validation(shown, out_dir / "val_loss.png",
                                         "Seesaw vs cosine: validation loss (seed 1337)").name)
@@ -253,19 +271,39 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
     return report
 
 
+def _arm_threads(execution: Execution) -> int:
+    """The torch threads each arm runs with (the parallel runner splits them between jobs)."""
+    import torch
+
+    return max(1, torch.get_num_threads() // execution.jobs) if execution.jobs > 1 else torch.get_num_threads()
+
+
+def _floors(arms: list[Arm], results: list[ArmResult], kinds: tuple[str, ...], threads: int,
+            base: dict, out_dir: Path, log, execution: Execution) -> list[noise_floor.Floor]:
+    """The group's noise floors: its first seed's arms re-run once per perturbation."""
+    if not kinds:
+        return []
+    perturbed = noise_floor.perturbed_arms(arms, kinds, threads)
+    ran = run_arms([a for group in perturbed.values() for a in group], base, out_dir, log, execution)
+    by_kind = {kind: ran[i * len(arms):(i + 1) * len(arms)] for i, kind in enumerate(perturbed)}
+    return noise_floor.gap_floors(results, by_kind)
+
+
 def _by_seed(results: list[ArmResult], per_seed: int) -> list[list[ArmResult]]:
     return [results[i:i + per_seed] for i in range(0, len(results), per_seed)]
 
 
-def findings(low: list[list[ArmResult]], high: list[list[ArmResult]]) -> str:
+def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
+             low_floor: list[noise_floor.Floor] = (), high_floor: list[noise_floor.Floor] = ()) -> str:
     lines = ["## What this shows\n"]
-    for label, per_seed in (("below", low), ("above", high)):
+    for label, per_seed, floors in (("below", low, low_floor), ("above", high, high_floor)):
         n = len(per_seed)
-        for p in paired_gaps(per_seed):
+        for i, p in enumerate(paired_gaps(per_seed)):
+            floor = floors[i] if floors else None
             spread = "" if p.sd is None else f" ± {p.sd:.4f} (sd)"
             where = f" over {n} seeds, at or below cosine at {p.ahead} of {n}" if n > 1 else ""
             lines.append(f"- {label}: {p.arm} ends {_signed(p.mean)}{spread} nats vs cosine{where}, with "
-                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps{_verdict(p.ci95)}.")
+                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps{_verdict(p, floor)}.")
         if n > 1:
             cosine = [s[0].final_val_loss for s in per_seed if math.isfinite(s[0].final_val_loss)]
             if len(cosine) >= 2:
@@ -273,6 +311,6 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]]) -> str:
                              f"{max(cosine) - min(cosine):.4f} nats (sd {statistics.stdev(cosine):.4f}): "
                              f"the unpaired seed spread the paired gaps are measured against.")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
-                 "batch; a loss gap starting above it. A gap whose 95% interval contains 0 is not "
-                 "established at this scale.")
+                 "batch; a loss gap starting above it. A gap is established only when its 95% interval "
+                 "excludes 0 and it exceeds the noise floor.")
     return "\n".join(lines)
