@@ -28,7 +28,8 @@ class Reporting:
         self.settle()
         record = read_record(record)
         if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
-            summary = self.optimizer.trust_ratio_summary()
+            # under pipeline parallel each rank steps its own stages: the summary covers them all
+            summary = self.optimizer.trust_ratio_summary(self.par.pp_group if self.pipeline else None)
             if summary:
                 record.update({f"trust_{k}": v for k, v in summary.items()})
         record["noise_scale"] = self.noise.b_simple
