@@ -7,8 +7,8 @@
 A read of a device value (``.item()``, ``float(t)``) makes the host wait for every queued kernel,
 so the next step's kernels are queued only after the device drains: on a GPU the deferred reads
 show as a shorter step; on CPU (no queue) the two match and only the read count differs.
-Reads are counted as aten._local_scalar_dense calls (every scalar read lands there) plus .tolist()
-calls (one read of several values).
+Reads are counted by largebatch.train.deferred.HostReads: aten._local_scalar_dense calls (every
+scalar read lands there) plus .tolist() calls (one read of several values).
 """
 
 from __future__ import annotations
@@ -21,34 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
+from largebatch.train.deferred import HostReads
 from largebatch.train.loop import Trainer
-
-
-class CountReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
-class CountTolist(TorchFunctionMode):
-    """.tolist() of a CPU tensor reads its memory without the dispatcher: counted here."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.Tensor.tolist
-        return func(*args, **(kwargs or {}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             trainers[every].train_step()  # warm up: optimizer state, allocator
         for _ in range(args.rounds):
             for every, trainer in trainers.items():
-                with CountReads() as counter, CountTolist() as tolist:
+                with HostReads() as host_reads:
                     t0 = time.perf_counter()
                     for _ in range(args.steps):
                         record = trainer.train_step()
@@ -86,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
                     if trainer.device.type == "cuda":
                         torch.cuda.synchronize()
                     times[every].append((time.perf_counter() - t0) / args.steps)
-                reads[every] = (counter.calls + tolist.calls) / args.steps
+                reads[every] = host_reads.total / args.steps
         for trainer in trainers.values():
             trainer._close()
     print(f"{args.optim}, {args.layers} layers x {args.embd}, batch 8 x 128 (2 micro-batches), "

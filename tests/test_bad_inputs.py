@@ -85,6 +85,34 @@ def test_bad_input_is_one_line(argv, needles, paths, capsys, monkeypatch):
     assert time.perf_counter() - start < 15  # n_layer=1e8 is refused from the config, not by building
 
 
+NAMED_ONCE = [  # (train overrides or a config file's text, how the error line must begin)
+    (["--run.device=tpu"], "run.device = 'tpu': "),
+    (["--run.micro_batch=0"], "run.micro_batch = 0: "),
+    (["--optim.weight_decay=-1"], "optim.weight_decay = -1.0: "),
+    (["--parallel.tp=0"], "parallel.tp = 0: "),
+    (["--data.seed=-1"], "data.seed=-1 is invalid: "),
+    (["--data.mlm_probability=2"], "data.mlm_probability=2.0 is invalid: "),
+    (["--model.n_head=3"], "model.n_head=3 does not divide"),
+    ("[[phases]]\nseq_len = 64\ntotal_tokens = 1000\n[[phases]]\nseq_len = 0\ntotal_tokens = 1000\n",
+     "phases[1].seq_len = 0: "),
+]
+
+
+@pytest.mark.parametrize("args, start", NAMED_ONCE, ids=[str(a)[:40] for a, _ in NAMED_ONCE])
+def test_a_config_error_names_the_field_once_as_the_config_writes_it(args, start, tmp_path, capsys):
+    """``run.device``, ``data.seed``: the section and the field once, as in the TOML file and the
+    override -- not ``[run] run.device`` nor ``DataConfig.seed``."""
+    if isinstance(args, str):
+        (tmp_path / "phases.toml").write_text(args)
+        args = [str(tmp_path / "phases.toml")]
+    code, out, err = run_cli(["train", *args], capsys)
+    assert_one_line_error(code, out, err)
+    message = err.strip().split(" error: ", 1)[1]
+    assert message.startswith(start), message
+    field = start.split("=")[0].strip()
+    assert message.count(field) == 1 and "Config." not in message, message
+
+
 def test_state_estimate_is_the_real_model_and_optimizer(tmp_path):
     """The refusal's numbers are the real ones: parameters of the built model, and fp32 parameters +
     gradients + optimizer state summed over the tensors a real optimizer step leaves (LAMB keeps

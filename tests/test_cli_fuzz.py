@@ -9,7 +9,6 @@ before any work starts, which is what this fuzzes. schedule and memory run for r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import typing
 
@@ -17,28 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from config_fields import train_config_fields
 from largebatch.cli import main as cli_main
 from largebatch.experiments.cli import EXPERIMENTS
 from largebatch.finetune import build_parser as finetune_parser
 from largebatch.memory.cli import build_parser as memory_parser
 from largebatch.schedules.cli import build_parser as schedule_parser
-from largebatch.train.config import TrainConfig
 
 
 def _flags(parser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
-
-
-def _train_fields() -> dict[str, typing.Any]:
-    fields = {}
-    for section in dataclasses.fields(TrainConfig):
-        cls = typing.get_type_hints(TrainConfig)[section.name]
-        prefix = section.name
-        if typing.get_origin(cls) is list:  # an array of tables ([[phases]]): its first entry
-            cls, prefix = typing.get_args(cls)[0], f"{section.name}.0"
-        hints = typing.get_type_hints(cls)
-        fields.update({f"{prefix}.{f.name}": hints[f.name] for f in dataclasses.fields(cls)})
-    return fields
 
 
 def _plausible(tp) -> st.SearchStrategy:
@@ -85,7 +72,7 @@ def _value(tmp: str) -> st.SearchStrategy:
 def argv(draw, tmp: str):
     command = draw(st.sampled_from(["train", "schedule", "memory", "experiment", "finetune"]))
     if command == "train":
-        fields = _train_fields()
+        fields = dict(train_config_fields())
         flags = [f"--{k}" for k in fields] + ["--run.zz_unknown", "--modle.n_layer", "--resume"]
         args = draw(st.lists(st.sampled_from(["gpt-demo", "bert-demo", "nope.toml", f"{tmp}/bad.toml"]),
                              max_size=1))

@@ -18,6 +18,7 @@ from largebatch.typed_config import ConfigError
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
+TRUST_TOL = 1e-4  # ratios of norms of the same weights and updates
 
 
 def _train_records(run_dir) -> list[dict]:
@@ -49,6 +50,11 @@ def _assert_same_trajectory(ours_dir, ref_dir, dp: int = 1) -> None:
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in ref], rel=TOL, abs=TOL)
     assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in ref], rel=TOL)
     assert _val(ours_dir) == pytest.approx(_val(ref_dir), abs=TOL)
+    # the trust-ratio summary covers every stage's tensors (gathered over pp), as one process's does
+    assert [(r["trust_count"], r["trust_pinned"]) for r in ours] == \
+        [(r["trust_count"], r["trust_pinned"]) for r in ref]
+    for key in ("trust_min", "trust_median", "trust_max"):
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in ref], rel=TRUST_TOL), key
 
 
 @pytest.mark.parametrize("name, kind, optim", [c[:3] for c in cases.CASES])

@@ -9,24 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from config_fields import train_config_fields
 from largebatch.train.cli import main
 from largebatch.train.config import TrainConfig, load_config
 from largebatch.typed_config import ConfigError
 
-
-def _leaf_fields() -> list[tuple[str, typing.Any]]:
-    out = []
-    for section in dataclasses.fields(TrainConfig):
-        cls = typing.get_type_hints(TrainConfig)[section.name]
-        prefix = section.name
-        if typing.get_origin(cls) is list:  # an array of tables ([[phases]]): its first entry
-            cls, prefix = typing.get_args(cls)[0], f"{section.name}.0"
-        hints = typing.get_type_hints(cls)
-        out += [(f"{prefix}.{f.name}", hints[f.name]) for f in dataclasses.fields(cls)]
-    return out
-
-
-LEAVES = _leaf_fields()
+LEAVES = train_config_fields()
 
 
 def _wrong_value(tp) -> st.SearchStrategy:

@@ -8,41 +8,12 @@ import json
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from largebatch.train.cli import main, resolve_config
 from largebatch.train.config import load_config
+from largebatch.train.deferred import HostReads
 from largebatch.train.loop import Trainer
 from test_train import tiny_overrides
-
-HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__,
-              torch.Tensor.__float__, torch.Tensor.__int__}
-
-
-class CountHostReads(TorchDispatchMode):
-    """aten._local_scalar_dense calls (every scalar read of a tensor's value on the host)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
-class CountTensorReads(TorchFunctionMode):
-    """Python-level reads (.item(), .tolist(), .cpu(), bool/float/int of a tensor)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
-            self.calls.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _trainer(cache, out, **extra) -> Trainer:
@@ -60,9 +31,9 @@ def test_a_step_that_does_not_log_reads_nothing_from_the_device(tmp_path, refere
     try:
         trainer.train_step()  # the first step creates the optimizer state
         start = [p.detach().clone() for p in trainer.raw_model.parameters()]
-        with CountHostReads() as dispatched, CountTensorReads() as python:
+        with HostReads() as reads:
             record = trainer.train_step()  # two micro-batches: the noise-scale inputs are taken too
-        assert dispatched.calls == 0 and python.calls == [], (dispatched.calls, python.calls)
+        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
         assert isinstance(record["loss"], torch.Tensor) and len(trainer.deferred.noise_inputs) == 2
         moved = [not torch.equal(a, p) for a, p in zip(start, trainer.raw_model.parameters())]
         assert all(moved)  # the step did update every parameter
@@ -173,3 +144,16 @@ def test_next_batch_is_built_on_a_background_thread_and_changes_nothing(tmp_path
         finally:
             trainer._close()
     assert losses[True] == losses[False]
+
+
+def test_host_reads_counts_each_kind_of_read():
+    """The counter the step checks rely on sees every way a value reaches the host, and nothing else."""
+    t = torch.arange(4.0)
+    with HostReads() as reads:
+        (t * 2 + 1).sum()  # device work only
+    assert reads.scalar == 0 and reads.calls == [] and reads.total == 0
+    with HostReads() as reads:
+        t[0].item(), float(t[1]), int(t[2]), bool(t[3]), t.tolist(), t.cpu()
+    assert reads.scalar == 4  # item, float, int, bool: one aten._local_scalar_dense each
+    assert sorted(reads.calls) == sorted(["item", "__float__", "__int__", "__bool__", "tolist", "cpu"])
+    assert reads.total == 5  # and the one .tolist() read

@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import sys
 import textwrap
 import types
@@ -156,7 +157,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys and wrong types.
 
     The dataclass's own ``__post_init__`` validation runs too; a ValueError it raises is re-raised
-    as ConfigError with the section prefixed, so the user sees which table it came from.
+    as ConfigError naming the field as the config writes it (``_named_as_written``).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -175,8 +176,22 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        where = f"[{prefix}] " if prefix else ""
-        raise ConfigError(f"{where}{exc}") from exc
+        raise ConfigError(_named_as_written(str(exc), cls, prefix, fields)) from exc
+
+
+def _named_as_written(message: str, cls: type, prefix: str, fields: Any) -> str:
+    """A dataclass's validation message with its fields named once, as the config writes them:
+    ``ModelConfig.n_head=3`` -> ``model.n_head=3``; ``micro_batch = 0`` -> ``phases[1].micro_batch
+    = 0``; ``run.device = 'tpu'`` (already named so) stays; any other message gets ``[prefix] ``."""
+    if not prefix:
+        return message
+    message = message.replace(f"{cls.__name__}.", f"{prefix}.")
+    if message.startswith(f"{prefix}."):
+        return message
+    first = re.match(r"\w+", message)
+    if first and first.group() in fields:
+        return f"{prefix}.{message}"
+    return f"[{prefix}] {message}"
 
 
 def to_dict(obj: Any) -> Any:

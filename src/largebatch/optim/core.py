@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
@@ -319,13 +320,26 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return {"foreach": self.foreach, "fused": self.fused}
 
     # ---------------------------------------------------------------------------------- diagnostics
-    def trust_ratio_summary(self) -> dict | None:
+    def trust_ratio_summary(self, group=None) -> dict | None:
         """min / median / max of the last step's trust ratios and how many were pinned to 1 by a zero
-        norm (adapted tensors only). One host sync, here. None unless track_trust_ratios=True."""
-        if not self.track_trust_ratios or not self._last_ratios:
+        norm (adapted tensors only). One host sync, here. None unless track_trust_ratios=True.
+
+        ``group``: a process group whose ranks hold the model's other parts (pipeline stages): their
+        ratios join this rank's first, so every rank of the group summarises the whole model (every
+        rank of it must call)."""
+        if not self.track_trust_ratios:
             return None
-        ratio = torch.cat([r.float().to(self._last_ratios[0][0].device) for r, _ in self._last_ratios])
-        pinned = torch.cat([p.to(ratio.device) for _, p in self._last_ratios])
+        if self._last_ratios:
+            ratio = torch.cat([r.float().to(self._last_ratios[0][0].device) for r, _ in self._last_ratios])
+            pinned = torch.cat([p.to(ratio.device) for _, p in self._last_ratios])
+        else:
+            ratio, pinned = torch.empty(0), torch.empty(0, dtype=torch.bool)
+        if group is not None and dist.get_world_size(group) > 1:
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, (ratio.cpu(), pinned.cpu()), group=group)
+            ratio, pinned = torch.cat([r for r, _ in parts]), torch.cat([p for _, p in parts])
+        if not ratio.numel():
+            return None
         stats = torch.stack([ratio.min(), ratio.median(), ratio.max(), pinned.sum().float()]).tolist()
         return {"min": stats[0], "median": stats[1], "max": stats[2], "pinned": int(stats[3]),
                 "count": int(ratio.numel())}

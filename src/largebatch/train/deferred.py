@@ -12,6 +12,8 @@ non-finite flag as tensors; the loop reads them together when it logs, evaluates
   naming that step; no checkpoint is written after it (checkpoints read first).
 * the noise-scale estimator (McCandlish et al. 2018, App. A.1) receives the same inputs in the same
   order, later: its state at any log, evaluation or checkpoint is the one a per-step update gives.
+
+:class:`HostReads` counts the host reads of a block of code, to check that a step makes none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def target_count(batch: dict[str, torch.Tensor]) -> int:
@@ -71,3 +75,56 @@ def read_record(record: dict[str, Any]) -> dict[str, Any]:
         return record
     values = torch.stack([record[k].detach().double() for k in keys]).tolist()
     return {**record, **dict(zip(keys, values))}
+
+
+_PYTHON_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.__bool__,
+                 torch.Tensor.__float__, torch.Tensor.__int__}
+
+
+class HostReads:
+    """Count host reads of tensor values in a block: ``with HostReads() as reads: ...``.
+
+    ``reads.scalar`` counts aten._local_scalar_dense calls, where every ``.item()``, ``float(t)``,
+    ``int(t)`` and ``bool(t)`` lands at the dispatcher, whatever the device; ``reads.calls`` names
+    the Python-level reads (``item``, ``tolist``, ``cpu``, ``__bool__``, ``__float__``,
+    ``__int__``), which also catch a ``.tolist()`` of a CPU tensor (it reads memory without the
+    dispatcher). ``reads.total``: scalar reads plus ``.tolist()`` calls, each one read."""
+
+    def __init__(self):
+        self.scalar = 0
+        self.calls: list[str] = []
+        self._modes = (_ScalarReads(self), _PythonReads(self))
+
+    @property
+    def total(self) -> int:
+        return self.scalar + self.calls.count("tolist")
+
+    def __enter__(self) -> HostReads:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+class _ScalarReads(TorchDispatchMode):
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads.scalar += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+class _PythonReads(TorchFunctionMode):
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PYTHON_READS:
+            self.reads.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -16,6 +16,9 @@ far; the data order is keyed on the global sample index, so a batch-size change 
 changes how many samples form a step, and a resumed run continues bit-identically.
 The gradient noise scale (McCandlish et al. 2018, App. A) is estimated from the first
 micro-batch's gradient and the accumulated step's gradient.
+
+The Trainer's other parts have modules of their own: phase switching (train.phases.PhaseSwitch),
+evaluation (train.evaluate.Evaluation), and what it logs and reports (train.report.Reporting).
 """
 
 from __future__ import annotations
@@ -60,20 +63,17 @@ from largebatch.train.checkpoint import (
     set_rng_state,
 )
 from largebatch.train.config import TrainConfig, save_config
-from largebatch.train.deferred import Deferred, read_record, target_count
+from largebatch.train.deferred import Deferred, target_count
+from largebatch.train.evaluate import Evaluation
 from largebatch.train.metrics import (
     MetricsLog,
     Progress,
-    format_record,
     human_count,
     measure_peak_flops,
-    memory_bytes,
-    mfu_over_peak,
-    plot_run,
 )
 from largebatch.train.optimizer import build_optimizer
-from largebatch.train.phases import Phase, resolve_phases
-from largebatch.train.phases import describe as describe_phases
+from largebatch.train.phases import PhaseSwitch, resolve_phases
+from largebatch.train.report import Reporting
 from largebatch.train.rundir import lock_run_dir
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
@@ -116,7 +116,7 @@ def latest_any_checkpoint(run_dir: Path) -> Path | None:
     return latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
 
 
-class Trainer:
+class Trainer(PhaseSwitch, Evaluation, Reporting):
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         run = cfg.run
@@ -247,59 +247,20 @@ class Trainer:
         return save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
 
     # ------------------------------------------------------------------------------------------
-    def _forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """One forward of a host batch, for training and evaluation alike: (logits, summed loss,
+        targets on the device). The logits are None where they are not whole on this rank: pipeline
+        stages (a forward only, through every stage) and the vocabulary-parallel loss."""
         inputs = batch["input_ids"].to(self.device, non_blocking=True)
         targets = batch["targets"] if "targets" in batch else batch["labels"]
-        if self.pipeline:  # forward only, through every stage
+        if self.pipeline:
+            targets = targets.to(self.device)
             with self.autocast:
-                return self.pipeline.eval_loss(inputs, targets.to(self.device))
+                return None, self.pipeline.eval_loss(inputs, targets), targets
+        targets = targets.to(self.device, non_blocking=True)
         with self.autocast, self.par.loss_context():
-            _, loss_sum = self.model(inputs, targets.to(self.device, non_blocking=True), reduction="sum")
-        return loss_sum
-
-    def _eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Summed loss and the number of predicted tokens whose most likely token is the target (None
-        where the logits are not whole on this rank: pipeline stages, vocabulary-parallel loss)."""
-        if self.pipeline or self.par.loss_parallel:
-            return self._forward_loss(batch), None
-        inputs = batch["input_ids"].to(self.device, non_blocking=True)
-        targets = (batch["targets"] if "targets" in batch else batch["labels"]).to(self.device, non_blocking=True)
-        with self.autocast:
             logits, loss_sum = self.model(inputs, targets, reduction="sum")
-        predicted = targets != -100
-        if self.cfg.model.kind == "bert":  # the logits are those of the masked positions only
-            return loss_sum, (logits.argmax(-1) == targets[predicted]).sum()
-        return loss_sum, ((logits.argmax(-1) == targets) & predicted).sum()
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss (nats/token) over a fixed slice of the validation split; the share of
-        predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``.
-        Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced."""
-        self.model.eval()
-        seq_len, mb, par = self.phase.seq_len, self.phase.micro_batch, self.par
-        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
-        starts = range(0, n, mb)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct, count, accuracy = torch.zeros_like(total), 0, True
-        for first in range(0, len(starts), par.dp_size):
-            # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
-            # past the end repeats the last micro-batch and is not counted
-            mine = first + par.dp_rank
-            start = starts[min(mine, len(starts) - 1)]
-            batch = self.data.val.get_batch(range(start, min(n, start + mb)))
-            loss, right = self._eval_batch(batch)
-            if mine < len(starts):
-                total += loss.double()
-                count += target_count(batch)
-                if right is None:
-                    accuracy = False
-                else:
-                    correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
-        self.model.train()
-        count = global_sum(count, par)
-        self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
-        return float(global_sum(total, par) / count)
+        return (None if self.par.loss_parallel else logits), loss_sum, targets
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
@@ -334,7 +295,7 @@ class Trainer:
                 loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
         for i, batch in enumerate([] if self.pipeline else micro_batches):
             with gradient_sync(self.model, i == last):
-                loss = self._forward_loss(batch)
+                _, loss, _ = self._forward(batch)
                 with par.loss_context():
                     (loss * scale.to(loss.dtype)).backward()
             loss_sum += loss.detach()
@@ -404,17 +365,6 @@ class Trainer:
                 f"good checkpoint: {last_ckpt or 'none'}. Lower schedule.peak_lr, set "
                 f"optim.grad_clip, or run.on_nonfinite='skip'.")
 
-    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
-        self.settle()
-        record = read_record(record)
-        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
-            summary = self.optimizer.trust_ratio_summary()
-            if summary:
-                record.update({f"trust_{k}": v for k, v in summary.items()})
-        record["noise_scale"] = self.noise.b_simple
-        return record
-
     def _live_params(self) -> list[torch.Tensor]:
         """The parameters as the model holds them now (the ones the gradients were written to)."""
         return [p for p in self.raw_model.parameters() if p.requires_grad]
@@ -430,21 +380,15 @@ class Trainer:
         run, pos = self.cfg.run, self.pos
         self.log(self.describe())
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
-        # tokens/s and MFU over the optimizer steps' own time since the last record: evaluations
-        # and checkpoints in between are not training throughput
-        steps_here, val_loss, seconds_log, tokens_log = 0, None, pos.train_seconds, pos.tokens
-        warned_mfu = False
+        steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens)  # mark: the last record
+        self._warned_mfu = False
         signum, time_due = None, False  # SIGTERM / SIGINT, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
             while True:
                 # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
-                if pos.tokens - pos.phase_start >= self.phase.total_tokens:
-                    if self.phase.index + 1 == len(self.phases):
-                        break
-                    self.phase_val_losses.append(self._log_eval())  # at the ending phase's length
-                    self._begin_next_phase()
-                    pos.next_eval = pos.tokens  # and at the new length
+                if pos.tokens - pos.phase_start >= self.phase.total_tokens and not self._next_phase():
+                    break  # the last phase ended
                 if pos.tokens >= pos.next_eval:
                     val_loss = self._log_eval()
                     pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
@@ -475,59 +419,12 @@ class Trainer:
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
                 if logs:
-                    record = self.log_record(record)
-                    tps = (pos.tokens - tokens_log) / max(pos.train_seconds - seconds_log, 1e-9)
-                    seconds_log, tokens_log = pos.train_seconds, pos.tokens
-                    record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                                  mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
-                    if record["mfu"] > 1 and not warned_mfu:
-                        warned_mfu = True
-                        self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
-                    if self.metrics is not None:
-                        self.metrics.log(record)
-                    progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
-                    if not progress.enabled:
-                        self.log(format_record(record))
+                    mark = self._log_step(record, progress, mark)
         progress.close()
         # -- 4. the end -----------------------------------------------------------------------
         val_loss = self._log_eval()
         self.save()
         return self._summary(val_loss)
-
-    def _build_schedule(self):
-        p = self.phase
-        return p.schedule.build(total_tokens=p.total_tokens, seq_len=p.seq_len, micro_batch=p.micro_batch,
-                                dp_size=self.schedule_dp)
-
-    def _set_phase(self, phase: Phase) -> None:
-        """Data packed at the phase's length, its schedule and its FLOPs per token."""
-        if phase.seq_len != self.phase.seq_len:
-            self.data = build_data(self.cfg.data, seq_len=phase.seq_len, kind=self.cfg.model.kind)
-            self.prefetch.close()
-            self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
-        self.phase = phase
-        self.schedule = self._build_schedule()
-        self.flops_per_token = flops_per_token(self.cfg.model, seq_len=phase.seq_len)
-
-    def _begin_next_phase(self) -> None:
-        pos = self.pos
-        self._set_phase(self.phases[pos.phase + 1])
-        pos.phase, pos.phase_start, pos.samples = self.phase.index, pos.tokens, 0
-        self.noise = self.cfg.schedule.build_noise_scale()  # B_noise is in sequences of the old length
-        if self.phase.optimizer_state == "reset":
-            self.optimizer = shard_optimizer(build_optimizer(self.raw_model, self.cfg.optim), self.par)
-        self.log(f"phase {self.phase.index} begins at {human_count(pos.tokens)} tokens: "
-                 + describe_phases([self.phase])[0].split(": ", 1)[1])
-
-    def _resume_command(self) -> str:
-        command = f"largebatch train --resume {self.run_dir}"
-        if self.par.distributed:
-            return f"the same torchrun command, with `{command}` (or the same arguments again)"
-        return f"{command} (or the same command again)"
-
-    def _mfu(self, tokens_per_s: float) -> float:
-        """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
-        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
 
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""
@@ -539,87 +436,6 @@ class Trainer:
         finally:
             if self.lock is not None:
                 self.lock.release()
-
-    def _log_eval(self) -> float:
-        self.settle()
-        val_loss = self.evaluate()
-        if self.metrics is not None:
-            self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
-                              "step": self.pos.step, "tokens": self.pos.tokens,
-                              "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                              "val_accuracy": self.val_accuracy})
-        accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
-        self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
-                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
-        return val_loss
-
-    def describe(self) -> str:
-        cfg = self.cfg
-        lines = [f"run dir      {self.run_dir}",
-                 f"data         {self.data.stats}",
-                 f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
-                 f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
-                 f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
-                 f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
-                 f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
-                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
-                 f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
-                 f"({self.peak_source})",
-                 f"parallel     {self.par.world_size} process(es): "
-                 + (f"pp {self.par.pp_size} ({self.par.pp_schedule}, {self.par.pp_virtual_stages} stage(s) "
-                    f"per rank) x " if self.par.pp_size > 1 else "")
-                 + f"dp {self.par.dp_size} ({self.par.dp_mode}) x tp {self.par.tp_size}"
-                 f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
-                 f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}"]
-        if cfg.phases:
-            lines += [f"phases       {line}" for line in describe_phases(self.phases)]
-        lines += [p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, self.par.dp_size)
-                  for p in self.phases]
-        return "\n".join(line for line in lines if line)
-
-    def _summary(self, val_loss: float) -> dict[str, Any]:
-        pos = self.pos
-        tps = pos.tokens / max(pos.train_seconds, 1e-9)
-        summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
-                   "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
-                   "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
-                   "mfu": self._mfu(tps), "world_size": self.par.world_size,
-                   "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
-                   "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
-                   "noise_scale": self.noise.b_simple}
-        summary["final_val_accuracy"] = self.val_accuracy
-        summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
-        if self.cfg.phases:
-            summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
-        if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
-            if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
-                summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
-            elif self.pipeline:
-                summary["sample"] = "(no sample: generation under pipeline parallel is not supported)"
-            else:  # every rank generates: tensor-parallel and FSDP forwards are collective
-                summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
-        if not self.is_main:
-            return summary
-        try:
-            plot_run(self.run_dir)
-        except Exception as exc:  # plots are a convenience; never fail a finished run on them
-            self.log(f"(plots skipped: {exc})")
-        import json
-
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-
-    @torch.no_grad()
-    def generate(self, prompt: str, n_tokens: int) -> str:
-        self.raw_model.eval()
-        ids = self.data.tokenizer.encode(prompt).ids
-        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights
-            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
-        self.raw_model.train()
-        return self.data.tokenizer.decode(out[0].tolist())
-
 
 def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batches as one (n x mb, T) batch of inputs and one of targets."""

@@ -22,6 +22,10 @@ trained in it, as in BERT's phase 1). The run's token clock runs on; a phase's s
 the tokens since the phase began, and its sample order on the sample index within the phase (the
 data are re-packed at the phase's length, with the same split and masking rule). A run without
 ``[[phases]]`` is one phase at ``model.seq_len`` with ``[schedule]`` and ``run.total_tokens``.
+
+:class:`PhaseSwitch` is how the trainer moves from one phase to the next (and onto the phase a
+checkpoint was written in): data re-packed, the phase's schedule, a fresh noise-scale estimator,
+the optimizer's state carried or reset.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from largebatch.data import build_data
+from largebatch.data.prefetch import Prefetcher
+from largebatch.models.flops import flops_per_token
+from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
+from largebatch.train.metrics import human_count
 from largebatch.typed_config import ConfigError, from_dict, to_dict
 
 
@@ -109,3 +118,46 @@ def with_phase_total(cfg_run, phases: list[PhaseConfig]):
     if not phases:
         return cfg_run
     return dataclasses.replace(cfg_run, total_tokens=phases_total(phases))
+
+
+class PhaseSwitch:
+    """The Trainer's phase switching (a mixin of ``largebatch.train.loop.Trainer``): it sets the
+    trainer's ``phase``, ``data``, ``prefetch``, ``schedule``, ``flops_per_token``, ``noise`` and
+    (on a reset) ``optimizer``, and the phase fields of its position ``pos``."""
+
+    def _build_schedule(self):
+        p = self.phase
+        return p.schedule.build(total_tokens=p.total_tokens, seq_len=p.seq_len, micro_batch=p.micro_batch,
+                                dp_size=self.schedule_dp)
+
+    def _set_phase(self, phase: Phase) -> None:
+        """Data packed at the phase's length, its schedule and its FLOPs per token."""
+        if phase.seq_len != self.phase.seq_len:
+            self.data = build_data(self.cfg.data, seq_len=phase.seq_len, kind=self.cfg.model.kind)
+            self.prefetch.close()
+            self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
+        self.phase = phase
+        self.schedule = self._build_schedule()
+        self.flops_per_token = flops_per_token(self.cfg.model, seq_len=phase.seq_len)
+
+    def _next_phase(self) -> bool:
+        """At the end of a phase: evaluate at its length (the summary's phase_val_losses), begin the
+        next one and evaluate again at the new length. False after the last phase: the run ends."""
+        if self.phase.index + 1 == len(self.phases):
+            return False
+        self.phase_val_losses.append(self._log_eval())  # at the ending phase's length
+        self._begin_next_phase()
+        self.pos.next_eval = self.pos.tokens  # and at the new length
+        return True
+
+    def _begin_next_phase(self) -> None:
+        from largebatch.train.optimizer import build_optimizer  # it imports train.config, which imports us
+
+        pos = self.pos
+        self._set_phase(self.phases[pos.phase + 1])
+        pos.phase, pos.phase_start, pos.samples = self.phase.index, pos.tokens, 0
+        self.noise = self.cfg.schedule.build_noise_scale()  # B_noise is in sequences of the old length
+        if self.phase.optimizer_state == "reset":
+            self.optimizer = shard_optimizer(build_optimizer(self.raw_model, self.cfg.optim), self.par)
+        self.log(f"phase {self.phase.index} begins at {human_count(pos.tokens)} tokens: "
+                 + describe([self.phase])[0].split(": ", 1)[1])

@@ -1,0 +1,79 @@
+"""Evaluation: the validation loss and accuracy of the trainer's model, split over data-parallel ranks.
+
+The validation slice is fixed (``run.eval_tokens`` from the start of the validation split, packed at
+the current phase's length), so every evaluation of a run, and of a resumed run, sees the same
+tokens. Accuracy is the share of predicted tokens whose most likely token is the target (BERT: the
+masked-LM accuracy over the masked positions); it is None where the logits are not whole on a rank
+(pipeline stages, the vocabulary-parallel loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from largebatch.parallel.batch import global_sum
+from largebatch.train.deferred import target_count
+from largebatch.train.metrics import human_count
+
+
+class Evaluation:
+    """The Trainer's evaluation (a mixin of ``largebatch.train.loop.Trainer``): it uses the
+    trainer's ``model``, ``data``, ``phase``, ``par``, ``pos``, ``metrics`` and its ``_forward``,
+    the same forward a training step runs."""
+
+    def _eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summed loss and the number of predicted tokens whose most likely token is the target (None
+        where the logits are not whole on this rank: pipeline stages, vocabulary-parallel loss)."""
+        logits, loss_sum, targets = self._forward(batch)
+        if logits is None:
+            return loss_sum, None
+        predicted = targets != -100
+        if self.cfg.model.kind == "bert":  # the logits are those of the masked positions only
+            return loss_sum, (logits.argmax(-1) == targets[predicted]).sum()
+        return loss_sum, ((logits.argmax(-1) == targets) & predicted).sum()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/token) over a fixed slice of the validation split; the share of
+        predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``.
+        Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced."""
+        self.model.eval()
+        seq_len, mb, par = self.phase.seq_len, self.phase.micro_batch, self.par
+        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
+        starts = range(0, n, mb)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct, count, accuracy = torch.zeros_like(total), 0, True
+        for first in range(0, len(starts), par.dp_size):
+            # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
+            # past the end repeats the last micro-batch and is not counted
+            mine = first + par.dp_rank
+            start = starts[min(mine, len(starts) - 1)]
+            batch = self.data.val.get_batch(range(start, min(n, start + mb)))
+            loss, right = self._eval_batch(batch)
+            if mine < len(starts):
+                total += loss.double()
+                count += target_count(batch)
+                if right is None:
+                    accuracy = False
+                else:
+                    correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
+        self.model.train()
+        count = global_sum(count, par)
+        self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
+        return float(global_sum(total, par) / count)
+
+    def _log_eval(self) -> float:
+        """Evaluate after reading what the steps left on the device; log and return the loss."""
+        self.settle()
+        val_loss = self.evaluate()
+        if self.metrics is not None:
+            self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
+                              "step": self.pos.step, "tokens": self.pos.tokens,
+                              "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
+                              "val_accuracy": self.val_accuracy})
+        accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
+        self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
+                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
+        return val_loss

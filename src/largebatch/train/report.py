@@ -1,0 +1,133 @@
+"""What a run tells its user: the start-up description, each logged step (read from the device,
+with tokens/s, MFU and memory), the resume command, the end-of-run summary and a sample.
+
+MFU (model FLOPs utilisation) is the model's FLOPs per token (largebatch.models.flops) times
+tokens/s over the peak of all devices of the job (Korthikanti et al. 2022 §6; PaLM App. B).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import torch
+
+from largebatch.train.deferred import read_record
+from largebatch.train.metrics import format_record, human_count, memory_bytes, mfu_over_peak, plot_run
+from largebatch.train.phases import describe as describe_phases
+
+
+class Reporting:
+    """The Trainer's reports (a mixin of ``largebatch.train.loop.Trainer``): it reads the trainer's
+    config, position, data, optimizer and parallel layout, and writes the log (console and
+    metrics), ``summary.json`` and the plots of the run directory."""
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
+        self.settle()
+        record = read_record(record)
+        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
+            # under pipeline parallel each rank steps its own stages: the summary covers them all
+            summary = self.optimizer.trust_ratio_summary(self.par.pp_group if self.pipeline else None)
+            if summary:
+                record.update({f"trust_{k}": v for k, v in summary.items()})
+        record["noise_scale"] = self.noise.b_simple
+        return record
+
+    def _log_step(self, record: dict[str, Any], progress, mark: tuple[float, int]) -> tuple[float, int]:
+        """Log a step's record with tokens/s and MFU over the optimizer steps' own time since
+        ``mark`` (train seconds, tokens) of the last record -- evaluations and checkpoints in between
+        are not training throughput -- and memory; returns the new mark."""
+        pos = self.pos
+        record = self.log_record(record)
+        tps = (pos.tokens - mark[1]) / max(pos.train_seconds - mark[0], 1e-9)
+        record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
+                      mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
+        if record["mfu"] > 1 and not self._warned_mfu:
+            self._warned_mfu = True
+            self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
+        if self.metrics is not None:
+            self.metrics.log(record)
+        progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
+        if not progress.enabled:
+            self.log(format_record(record))
+        return pos.train_seconds, pos.tokens
+
+    def _resume_command(self) -> str:
+        """How to continue a stopped run."""
+        command = f"largebatch train --resume {self.run_dir}"
+        if self.par.distributed:
+            return f"the same torchrun command, with `{command}` (or the same arguments again)"
+        return f"{command} (or the same command again)"
+
+    def _mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
+        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
+
+    def describe(self) -> str:
+        """The run's header: data, model, optimizer, device, parallel layout, budget, schedules."""
+        cfg = self.cfg
+        lines = [f"run dir      {self.run_dir}",
+                 f"data         {self.data.stats}",
+                 f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
+                 f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
+                 f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
+                 f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
+                 f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
+                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
+                 f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
+                 f"({self.peak_source})",
+                 f"parallel     {self.par.world_size} process(es): "
+                 + (f"pp {self.par.pp_size} ({self.par.pp_schedule}, {self.par.pp_virtual_stages} stage(s) "
+                    f"per rank) x " if self.par.pp_size > 1 else "")
+                 + f"dp {self.par.dp_size} ({self.par.dp_mode}) x tp {self.par.tp_size}"
+                 f"{' + sequence parallel' if self.par.sequence_parallel else ''}",
+                 f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}"]
+        if cfg.phases:
+            lines += [f"phases       {line}" for line in describe_phases(self.phases)]
+        lines += [p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, self.par.dp_size)
+                  for p in self.phases]
+        return "\n".join(line for line in lines if line)
+
+    def _summary(self, val_loss: float) -> dict[str, Any]:
+        """The end-of-run numbers (written to summary.json by rank 0, with the plots)."""
+        pos = self.pos
+        tps = pos.tokens / max(pos.train_seconds, 1e-9)
+        summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
+                   "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
+                   "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
+                   "mfu": self._mfu(tps), "world_size": self.par.world_size,
+                   "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
+                   "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
+                   "noise_scale": self.noise.b_simple}
+        summary["final_val_accuracy"] = self.val_accuracy
+        summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
+        if self.cfg.phases:
+            summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
+        if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
+            if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
+                summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
+            elif self.pipeline:
+                summary["sample"] = "(no sample: generation under pipeline parallel is not supported)"
+            else:  # every rank generates: tensor-parallel and FSDP forwards are collective
+                summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
+        if not self.is_main:
+            return summary
+        try:
+            plot_run(self.run_dir)
+        except Exception as exc:  # plots are a convenience; never fail a finished run on them
+            self.log(f"(plots skipped: {exc})")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    @torch.no_grad()
+    def generate(self, prompt: str, n_tokens: int) -> str:
+        self.raw_model.eval()
+        ids = self.data.tokenizer.encode(prompt).ids
+        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights
+            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
+        self.raw_model.train()
+        return self.data.tokenizer.decode(out[0].tolist())
