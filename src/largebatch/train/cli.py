@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
               f"available ({state.source})")
         return 0
 
+    from largebatch.checkpoint import CheckpointError
     from largebatch.parallel import RankFailure
-    from largebatch.train.checkpoint import CheckpointError
     from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
     from largebatch.train.rundir import RunDirLocked
 

@@ -32,6 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from largebatch.checkpoint import (
+    CheckpointError,
+    gather_rng,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model
@@ -47,18 +58,7 @@ from largebatch.parallel import (
     unwrap,
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
-from largebatch.parallel.checkpoint import load_distributed, save_distributed
 from largebatch.parallel.pipeline import pipeline_parallelize
-from largebatch.train.checkpoint import (
-    CheckpointError,
-    gather_rng,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, read_record, target_count
 from largebatch.train.metrics import (

@@ -24,6 +24,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
+from largebatch.checkpoint.files import list_checkpoints, remove_quietly
 from largebatch.typed_config import ConfigError, to_dict
 
 LOCK_NAME = ".lock"
@@ -53,15 +54,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-def remove_quietly(path: Path) -> None:
-    """Remove a temporary after a failed write, never hiding that failure: on a read-only file
-    system even unlinking a file that was never created fails (EROFS)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in tree.items():
@@ -86,8 +78,6 @@ def config_differences(saved, new) -> list[str]:
 
 
 def has_checkpoints(run_dir: Path) -> bool:
-    from largebatch.train.checkpoint import list_checkpoints
-
     return bool(list_checkpoints(run_dir, kinds=(".pt", ".dcp")))
 
 
