@@ -125,8 +125,8 @@ def _peak_flops() -> float:
     measured once per process, so every arm's MFU has the same denominator."""
     import torch
 
+    from largebatch.models.flops import measure_peak_flops
     from largebatch.train.loop import resolve_device
-    from largebatch.train.metrics import measure_peak_flops
 
     device = resolve_device("auto")
     if device.type not in _PEAK_FLOPS:

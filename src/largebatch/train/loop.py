@@ -45,8 +45,9 @@ from largebatch.checkpoint import (
 from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
+from largebatch.memory.measure import memory_bytes
 from largebatch.models import build_model
-from largebatch.models.flops import flops_per_token
+from largebatch.models.flops import flops_per_token, measure_peak_flops, mfu_over_peak
 from largebatch.parallel import (
     clip_grad_norm_,
     global_grad_norm,
@@ -61,19 +62,12 @@ from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inp
 from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, read_record, target_count
-from largebatch.train.metrics import (
-    MetricsLog,
-    Progress,
-    format_record,
-    human_count,
-    measure_peak_flops,
-    memory_bytes,
-    mfu_over_peak,
-    plot_run,
-)
+from largebatch.train.metrics import MetricsLog
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import Phase, resolve_phases
 from largebatch.train.phases import describe as describe_phases
+from largebatch.train.plots import plot_run
+from largebatch.train.progress import Progress, format_record, human_count
 from largebatch.train.rundir import lock_run_dir
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
