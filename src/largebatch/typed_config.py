@@ -90,14 +90,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                pass
         raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
@@ -186,14 +185,6 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     return obj
-
-
-def replace(obj: Any, dotted: dict[str, Any]) -> Any:
-    """Return a copy of dataclass ``obj`` with dotted-key updates applied and re-validated."""
-    merged = to_dict(obj)
-    for key, value in dotted.items():
-        set_dotted(merged, key, value)
-    return from_dict(type(obj), merged)
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -4,6 +4,8 @@ Layout: ``RUN_DIR/checkpoints/step_00000123.pt`` (one file, :mod:`largebatch.che
 ``RUN_DIR/checkpoints/step_00000123.dcp/`` (a directory, :mod:`largebatch.checkpoint.distributed`).
 Both formats are written as a temporary ``.step_00000123.<kind>.tmp`` renamed into place, so a
 reader that lists only names matching ``step_N.pt`` / ``step_N.dcp`` never sees a partial one.
+:func:`atomic_write_text` gives the same guarantee to a run's small text files (config.toml, the
+metrics history trimmed at resume).
 """
 
 from __future__ import annotations
@@ -69,3 +71,18 @@ def remove_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically: a temporary in the same directory, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -30,8 +31,6 @@ def gather_rng(state_rng: dict[str, Any], pstate) -> list[dict[str, Any]]:
     """Every rank's RNG state (dropout streams differ across data-parallel ranks)."""
     if not pstate.distributed:
         return [state_rng]
-    import torch.distributed as dist
-
     gathered: list[Any] = [None] * pstate.world_size
     dist.all_gather_object(gathered, state_rng)
     return gathered

@@ -13,6 +13,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
 
 from __future__ import annotations
 
+import importlib
 import shlex
 import signal
 import sys
@@ -25,8 +26,6 @@ EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale")
 
 
 def _module(name: str):
-    import importlib
-
     return importlib.import_module(f"largebatch.experiments.{name.replace('-', '_')}")
 
 

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
+import queue as queue_lib
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,8 +265,6 @@ class ArmsInterrupted(KeyboardInterrupt):
 
 
 def _arm_process(queue, index: int, run_dir: Path, overrides: dict[str, Any], threads: int) -> None:
-    import os
-
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
     try:
         queue.put((index, _train(run_dir, overrides, threads)))
@@ -276,10 +278,6 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     SIGTERM or SIGINT (Ctrl-C) to this process: no arm is started after it, every running arm gets
     SIGTERM (its trainer checkpoints and exits) and is waited for, then ArmsInterrupted is raised --
     no process is left behind training on its own."""
-    import multiprocessing
-    import queue as queue_lib
-    import signal
-
     import torch
 
     ctx = multiprocessing.get_context("spawn")

@@ -25,6 +25,7 @@ from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
+from largebatch.typed_config import from_dict, load_toml
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
@@ -78,8 +79,6 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
-    from largebatch.typed_config import from_dict, load_toml
-
     tree = load_toml(args.config)
     model = dict(tree.get("model", {}))
     if "vocab_size" in tree.get("data", {}):  # the trainer sizes the model to its tokenizer

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from largebatch.train.rundir import atomic_write_text
+from largebatch.checkpoint.files import atomic_write_text
 
 
 class MetricsLog:

@@ -20,6 +20,7 @@ from pathlib import Path
 from largebatch.arguments import check_output_dir
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, stage_parameters
 from largebatch.train.config import TrainConfig
+from largebatch.train.rundir import claim_new_dir, differing_fields
 from largebatch.typed_config import ConfigError
 
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
@@ -53,8 +54,6 @@ def check_run_dir(run_dir: Path) -> None:
 def make_run_dir(run_dir: Path, unique: bool) -> Path:
     """Create the run directory now (``unique``: ``-2``, ``-3``... when taken; see claim_new_dir),
     so a directory that cannot be made (a read-only or special file system) is refused here."""
-    from largebatch.train.rundir import claim_new_dir
-
     try:
         if unique:
             return claim_new_dir(run_dir)
@@ -67,8 +66,6 @@ def make_run_dir(run_dir: Path, unique: bool) -> Path:
 
 def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a ``--resume`` override that changes what the checkpoints' state was built for."""
-    from largebatch.train.rundir import differing_fields
-
     changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS)
     if changed:
         raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
