@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from largebatch.arguments import check_output_dir
-from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, stage_parameters
+from largebatch.memory.estimate import GIB, stage_parameters
 from largebatch.train.config import TrainConfig
+from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.rundir import claim_new_dir, differing_fields
 from largebatch.typed_config import ConfigError
 
@@ -100,7 +101,7 @@ def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEsti
     """fp32 parameters + gradients + optimizer state of one process, from the config alone."""
     model = cfg.model.replace(vocab_size=vocab_size or cfg.data.vocab_size)  # the trainer's vocabulary
     n = stage_parameters(model, tp=cfg.parallel.tp)
-    per_parameter = 2 * FP32_BYTES + OPTIMIZER_STATE_BYTES[cfg.optim.name]
+    per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
     available, source = _available_bytes(cfg)
     return StateEstimate(n, n * per_parameter, available, source)
 
