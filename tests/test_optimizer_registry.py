@@ -73,11 +73,12 @@ def test_unregistered_it_is_refused(capsys):
         load_config(None, {"optim.name": NAME})
 
 
-def test_the_trainer_trains_with_it(sign_sgd, tiny_data_cache, tmp_path, capsys):
+def test_the_trainer_trains_with_it(sign_sgd, reference_run, tmp_path, capsys):
     """`largebatch train --optim.name=sign-sgd`: three steps at a constant LR of 1e-3, groups without
     weight decay at half of it (optim.no_decay_lr_mult), each update x - lr * sign(g) exactly."""
     out = tmp_path / "run"
-    o = tiny_overrides(tiny_data_cache, out, **{
+    # the reference run's data cache: the same data config, so no second tokenizer lands in a shared cache
+    o = tiny_overrides(reference_run[0], out, **{
         "optim.name": NAME, "optim.no_decay_lr_mult": 0.5, "schedule.lr_schedule": "constant",
         "schedule.warmup": 0.0, "schedule.peak_lr": 1e-3, "schedule.batch_policy": "constant",
         "run.total_tokens": 32 * 8 * 3, "run.eval_every_tokens": 32 * 8 * 3, "model.dropout": 0.0})

@@ -36,7 +36,7 @@ CHOICES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES,
 class ScheduleConfig:
     lr_schedule: str = "cosine"
     """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt, or one added
-    with register_lr_schedule (LR_BUILDERS in this module)."""
+    with largebatch.schedules.config.register_lr_schedule."""
     peak_lr: float = 3e-4
     """Peak LR after warmup, as tuned at reference_batch_size (see lr_coupling)."""
     warmup: float = 0.1
