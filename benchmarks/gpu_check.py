@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from largebatch.experiments.timing import time_interleaved  # noqa: E402
 from largebatch.memory import apply_recompute, estimate, model_activation_bytes  # noqa: E402
 from largebatch.models import GPT, ModelConfig, utilization  # noqa: E402
+from largebatch.models.flops import measure_peak_flops  # noqa: E402
 from largebatch.optim import LAMB, LANS  # noqa: E402
-from largebatch.train.metrics import measure_peak_flops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optim_step import small_shapes  # noqa: E402

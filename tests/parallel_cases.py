@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.models import ModelConfig, build_model
 from largebatch.optim import LAMB, LANS, LARS, param_groups
 from largebatch.parallel import (
@@ -38,7 +39,6 @@ from largebatch.parallel.batch import (
     noise_scale_inputs,
     rank_samples,
 )
-from largebatch.parallel.checkpoint import load_distributed, save_distributed
 
 B, T = 4, 16  # global batch (sequences) and sequence length of every case
 

@@ -168,7 +168,7 @@ def test_resume_that_changes_the_state_is_refused(reference_run, tmp_path, capsy
 READ_ONLY_DRIVER = """
 import json, subprocess, sys
 from pathlib import Path
-from largebatch.train.checkpoint import CheckpointError, load_checkpoint
+from largebatch.checkpoint import CheckpointError, load_checkpoint
 from largebatch.train.cli import main
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from largebatch.train.checkpoint import (
+from largebatch.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -36,7 +36,7 @@ def test_kill_during_save_keeps_previous(tmp_path):
     # a real process, killed with SIGKILL while it writes a large checkpoint
     script = textwrap.dedent(f"""
         import torch, sys
-        from largebatch.train.checkpoint import save_checkpoint
+        from largebatch.checkpoint import save_checkpoint
         print("saving", flush=True)
         save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.randn(150_000_000)}})
     """)
@@ -60,7 +60,7 @@ def test_full_disk_error_keeps_previous(tmp_path):
     # RLIMIT_FSIZE makes the kernel refuse writes past 1 MB (EFBIG), as a full disk would (ENOSPC)
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from largebatch.train.checkpoint import save_checkpoint, CheckpointError
+        from largebatch.checkpoint import save_checkpoint, CheckpointError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         try:

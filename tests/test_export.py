@@ -90,7 +90,7 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
     the trainer's own distributed save -- newer than the .pt one."""
     from transformers import AutoModelForCausalLM
 
-    from largebatch.parallel.checkpoint import save_distributed
+    from largebatch.checkpoint.distributed import save_distributed
     from largebatch.parallel.mesh import ParallelState
 
     run_dir = train(tiny(cache, tmp_path / "run", **{"model.bias": False,

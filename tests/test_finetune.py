@@ -13,7 +13,7 @@ from largebatch.cli import main as cli_main
 from largebatch.data.corpus import bible_documents, shakespeare_documents
 from largebatch.data.tasks import FOLIO, build_task
 from largebatch.data.tokenizer import train_tokenizer
-from largebatch.experiments.stats import T_975, ci95
+from largebatch.stats import T_975, ci95
 from test_export import tiny, train
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import parallel_cases as cases
+from largebatch.checkpoint.distributed import latest_distributed_checkpoint, load_distributed
 from largebatch.models import build_model
 from largebatch.optim import LAMB, param_groups
 from largebatch.parallel import ParallelConfig, ParallelState, init_distributed, parallelize, spawn
 from largebatch.parallel.batch import micro_batches_per_rank
-from largebatch.parallel.checkpoint import latest_distributed_checkpoint, load_distributed
 from largebatch.parallel.mesh import resolve_sizes
 
 TOL = 1e-5

@@ -129,3 +129,26 @@ def test_cli_bad_value_exits_2_with_the_field(capsys):
                  "--micro-batch", "8"])
     assert code == 2
     assert "batch_size=60" in capsys.readouterr().err
+
+
+def test_a_registered_lr_schedule_is_a_choice_of_the_config_and_the_cli(capsys):
+    """register_lr_schedule declares a shape in one place: ScheduleConfig builds it, the CLI lists
+    it; its LR follows the cosine-to-zero formula written here in float64."""
+    from largebatch.schedules import lr as lr_module
+    from largebatch.schedules.config import LR_BUILDERS, register_lr_schedule
+
+    register_lr_schedule("cosine-to-zero", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, 0.0))
+    try:
+        cfg = ScheduleConfig(lr_schedule="cosine-to-zero", peak_lr=1e-3, warmup=0.1)
+        sched = cfg.build(TOTAL, SEQ)
+        warmup = TOTAL // 10
+        for t in (warmup, TOTAL // 2, 0.9 * TOTAL, TOTAL):
+            expected = 1e-3 * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (TOTAL - warmup)))
+            assert sched.lr(t) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert "cosine-to-zero" in capsys.readouterr().out
+    finally:
+        LR_BUILDERS.pop("cosine-to-zero")
+    with pytest.raises(ValueError, match="lr_schedule='cosine-to-zero': must be one of constant"):
+        ScheduleConfig(lr_schedule="cosine-to-zero").build(TOTAL, SEQ)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from largebatch.train.checkpoint import list_checkpoints
+from largebatch.checkpoint import list_checkpoints
 from largebatch.train.cli import main, resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from largebatch.train.checkpoint import list_checkpoints
+from largebatch.checkpoint import list_checkpoints
 from largebatch.train.cli import main
 from largebatch.train.metrics import MetricsLog, read_metrics
 from largebatch.train.rundir import claim_new_dir

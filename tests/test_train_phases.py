@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from largebatch.train.checkpoint import list_checkpoints, load_checkpoint
+from largebatch.checkpoint import list_checkpoints, load_checkpoint
 from largebatch.train.cli import main
 from largebatch.train.metrics import read_metrics
 

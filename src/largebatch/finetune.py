@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from largebatch.arguments import OneLineParser, finite_float
 from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task
-from largebatch.experiments.stats import T_975, ci95
+from largebatch.stats import T_975, ci95
 
 
 class FinetuneError(ValueError):

@@ -91,22 +91,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                pass
         raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
     if origin is typing.Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
+        return _choice(value, typing.get_args(tp), key)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r}: expected a table, e.g. {{ name = value }}")
@@ -149,6 +143,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _choice(value: Any, choices: Any, key: str) -> Any:
+    """``value`` if it is one of ``choices`` (a Literal's arguments, or a registry's names)."""
+    if value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
+
+
 # ----------------------------------------------------------------------------------------------
 # building dataclasses from dicts
 
@@ -156,8 +159,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys and wrong types.
 
-    The dataclass's own ``__post_init__`` validation runs too; a ValueError it raises is re-raised
-    as ConfigError naming the field as the config writes it (``_named_as_written``).
+    A field declared ``field(metadata={"choices": REGISTRY})`` takes one of the registry's names,
+    read when the config is loaded, so a name registered later is accepted (and listed by
+    :func:`describe_fields`). The dataclass's own ``__post_init__`` validation runs too; a
+    ValueError it raises is re-raised as ConfigError naming the field as the config writes it
+    (``_named_as_written``).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -171,6 +177,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             raise ConfigError(f"unknown key '{full}' in {where}.{hint} "
                               f"Valid keys: {', '.join(sorted(fields))}.")
         kwargs[key] = _coerce(value, hints[key], full)
+        if "choices" in fields[key].metadata:
+            kwargs[key] = _choice(kwargs[key], fields[key].metadata["choices"], full)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -201,14 +209,6 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     return obj
-
-
-def replace(obj: Any, dotted: dict[str, Any]) -> Any:
-    """Return a copy of dataclass ``obj`` with dotted-key updates applied and re-validated."""
-    merged = to_dict(obj)
-    for key, value in dotted.items():
-        set_dotted(merged, key, value)
-    return from_dict(type(obj), merged)
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -334,7 +334,13 @@ def describe_fields(cls: type, prefix: str = "") -> str:
         else:
             default = "(required)"
         doc = docs.get(f.name, "")
-        out.append(f"  --{key}  ({_type_name(tp)}, default {default!r})")
+        choices = f.metadata.get("choices")
+        kind = " | ".join(map(repr, choices)) if choices is not None else _type_name(tp)
+        out.append(f"  --{key}  ({kind}, default {default!r})")
         if doc:
             out.append(textwrap.indent(textwrap.fill(doc, 92), "      "))
+        for name, entry in (choices.items() if isinstance(choices, dict) else ()):
+            if getattr(entry, "help", None):  # a registry entry that describes itself
+                out.append(textwrap.fill(f"{name}: {entry.help}", 100, initial_indent=" " * 8,
+                                         subsequent_indent=" " * 10))
     return "\n".join(out)

@@ -14,7 +14,7 @@ loss at the end of each phase, and downstream test accuracy on a bundled classif
 test passages come from documents the classifier never saw (largebatch.finetune). The fine-tuning
 runs at FINETUNE_SEED for every arm, and the same architecture from random initialisation
 ("scratch", once per experiment, same fine-tuning seeds) is the line pretraining has to beat.
-Optimizers are compared paired by pretraining seed with a 95% t interval (experiments/stats.py);
+Optimizers are compared paired by pretraining seed with a 95% t interval (largebatch/stats.py);
 a difference is stated only when the interval excludes 0.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
 from largebatch.experiments.runner import BASE_CONFIG, COMMON_OVERRIDES, Arm, ArmResult, Execution, run_arms
-from largebatch.experiments.stats import ci95
+from largebatch.stats import ci95
 
 OPTIMIZERS = ("lans", "lamb", "adamw")
 ADAMW_LR_SCALE = 0.1

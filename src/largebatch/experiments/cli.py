@@ -14,6 +14,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
 
 from __future__ import annotations
 
+import importlib
 import shlex
 import signal
 import sys
@@ -27,8 +28,6 @@ SEEDED = ("seesaw", "bert-lans")  # the experiments that repeat their arms over 
 
 
 def _module(name: str):
-    import importlib
-
     return importlib.import_module(f"largebatch.experiments.{name.replace('-', '_')}")
 
 

@@ -28,10 +28,6 @@ def fmt_loss(x: float | None) -> str:
     return "diverged" if math.isinf(x) else f"{x:.4f}"
 
 
-def fmt_pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.1f}%"
-
-
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

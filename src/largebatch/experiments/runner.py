@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
+import queue as queue_lib
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,8 +129,8 @@ def _peak_flops() -> float:
     measured once per process, so every arm's MFU has the same denominator."""
     import torch
 
+    from largebatch.models.flops import measure_peak_flops
     from largebatch.train.loop import resolve_device
-    from largebatch.train.metrics import measure_peak_flops
 
     device = resolve_device("auto")
     if device.type not in _PEAK_FLOPS:
@@ -274,8 +278,6 @@ class ArmsInterrupted(KeyboardInterrupt):
 
 
 def _arm_process(queue, index: int, run_dir: Path, overrides: dict[str, Any], threads: int) -> None:
-    import os
-
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
     try:
         queue.put((index, _train(run_dir, overrides, threads)))
@@ -289,10 +291,6 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     SIGTERM or SIGINT (Ctrl-C) to this process: no arm is started after it, every running arm gets
     SIGTERM (its trainer checkpoints and exits) and is waited for, then ArmsInterrupted is raised --
     no process is left behind training on its own."""
-    import multiprocessing
-    import queue as queue_lib
-    import signal
-
     import torch
 
     ctx = multiprocessing.get_context("spawn")

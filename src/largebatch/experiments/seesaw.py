@@ -31,7 +31,7 @@ from pathlib import Path
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
 from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms, steps_to_reach
-from largebatch.experiments.stats import ci95
+from largebatch.stats import ci95
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ rotated by one each round, so a slow spell hits all candidates alike; results ar
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -32,7 +33,5 @@ def time_interleaved(candidates: dict[str, Callable[[], object]], rounds: int,
 
 def median_ratios(times: dict[str, list[float]], reference: str) -> dict[str, float]:
     """Median over rounds of each candidate's time divided by the reference's in the same round."""
-    import statistics
-
     return {name: statistics.median(t / b for t, b in zip(series, times[reference]))
             for name, series in times.items()}

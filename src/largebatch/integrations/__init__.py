@@ -3,4 +3,9 @@
 
 * ``largebatch.integrations.hf``  ``TokenScheduleCallback``: token-keyed schedules in
   ``transformers.Trainer``.
+* ``largebatch.integrations.hf_export``  a run as a transformers model (``largebatch export``).
 """
+
+
+class ExportError(ValueError):
+    """Bad input for an export; the message names the field or value and the fix."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from largebatch.data.tokenizer import CLS, EOT, MASK, PAD, SEP
-from largebatch.export import ExportError
+from largebatch.integrations import ExportError
 from largebatch.models.config import ModelConfig
 
 VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "

@@ -26,6 +26,7 @@ from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
+from largebatch.typed_config import from_dict, load_toml
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
@@ -83,8 +84,6 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
-    from largebatch.typed_config import from_dict, load_toml
-
     explicit_micro_batch = args.micro_batch != "1"
     tree = load_toml(args.config)
     model = dict(tree.get("model", {}))

@@ -7,12 +7,16 @@ Two independent views, both after the forward pass, both excluding the tensors i
   alive: exactly what autograd and the checkpoint machinery hold.
 * allocator_bytes: what the allocator holds -- torch.cuda.memory_allocated() on GPU, glibc
   mallinfo2() on Linux CPUs (includes allocator headers and small Python objects); None elsewhere.
+
+And the whole process, for a run's log: :func:`memory_bytes`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,3 +96,14 @@ def measure_forward_bytes(forward: Callable[[], object], device: str = "cpu") ->
                 for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
     allocator = None if before is None else after - before - sum(returned.values())
     return result, ForwardMemory(tracker.alive_bytes(set(returned)), allocator)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; current resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -73,10 +73,6 @@ class ModelConfig:
         """The MLP width actually used: ffn_hidden, or 4 * n_embd when that is None."""
         return 4 * self.n_embd if self.ffn_hidden is None else self.ffn_hidden
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
     def replace(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -8,11 +8,19 @@ and hardware FLOPs add one more forward of whatever is recomputed: the whole lay
 recomputation (-> 96 B s L h^2 (1 + s/(6h) + v/(16 h L))), only the two attention matmuls
 (4 B s^2 h) under selective recomputation, nothing under the op-level policy (it recomputes
 pointwise ops only). Pointwise ops, softmax and LayerNorm are not counted, as in the paper.
+
+The denominator of MFU is the device's peak: declared by the user, or measured by
+:func:`measure_peak_flops` with a large matmul in the run's dtype (Chowdhery et al. 2022, PaLM
+App. B: MFU = model FLOPs per token x tokens/s / peak FLOP/s).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
+
+import torch
 
 from largebatch.models.config import ModelConfig
 
@@ -74,3 +82,37 @@ def utilization(config: ModelConfig, tokens_per_second: float, peak_flops_per_se
         raise ValueError(f"peak_flops_per_second={peak_flops_per_second!r}: must be > 0 (e.g. "
                          "989e12 for one H100 in bf16, times the number of devices).")
     return tokens_per_second * flops_per_token(config, recompute, seq_len) / peak_flops_per_second
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
+                       seconds: float = 1.5) -> float:
+    """Best achieved FLOP/s of an n x n x n matmul on ``device`` -- an honest MFU denominator.
+
+    The best of many repetitions, so a busy moment on a shared machine lowers it little; on a
+    machine shared with other jobs it can still be low (and MFU then high): declare the peak with
+    ``run.peak_flops`` for numbers to compare across machines.
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):  # warm up kernels and caches
+        a @ b
+    best = math.inf
+    deadline = time.perf_counter() + seconds
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2.0 * n**3 / best
+
+
+def mfu_over_peak(mfu: float, peak_flops: float, source: str) -> str:
+    """Why an MFU above 100% is not a result: the peak it divides by is too low."""
+    return (f"MFU {100 * mfu:.0f}% is above 100%: the peak of {peak_flops / 1e12:.3g} TFLOP/s it "
+            f"divides by was {source}, so it is too low (a matmul measured under load, or a wrong "
+            f"declaration); declare the device's peak with --run.peak_flops")

@@ -33,9 +33,10 @@ FLAT_MAX_ELEMENTS = 1 << 15
 FLAT_BUCKET_ELEMENTS = 1 << 20
 CPU_FLAT_BUCKET_ELEMENTS = 1 << 15
 
-# Column layout of the (n, 9) hyperparameter tensor of the Adam-style kernels (LAMB, LANS).
-(HP_LR, HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_INV_BC1,
- HP_INV_BC2) = range(9)  # HP_INV_BC*: 1/(1 - beta^t)
+# Column layout of the (n, 9) hyperparameter tensor of the Adam-style kernels (LAMB, LANS): column 0
+# is the LR (applied by the caller's step, not read inside a kernel), then these.
+(HP_BETA1, HP_ONE_MINUS_BETA1, HP_BETA2, HP_ONE_MINUS_BETA2, HP_EPS, HP_WD, HP_INV_BC1,
+ HP_INV_BC2) = range(1, 9)  # HP_INV_BC*: 1/(1 - beta^t)
 
 
 def device_tensor(rows: list, like: Tensor) -> Tensor:

@@ -95,10 +95,6 @@ class ParallelState:
         return None if self.mesh is None else self.mesh["tp"]
 
     @property
-    def tp_group(self):
-        return self.group("tp")
-
-    @property
     def dp_group(self):
         return self.group("dp")
 

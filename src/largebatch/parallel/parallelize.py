@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from largebatch.memory import apply_recompute
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -56,8 +57,6 @@ def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list
     if state.tp_size > 1:
         apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
     if recompute != "none":
-        from largebatch.memory import apply_recompute
-
         apply_recompute(model, recompute)
     if compile:
         for block in model.blocks:

@@ -27,9 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
 from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
 from largebatch.parallel.mesh import ParallelState
+from largebatch.parallel.parallelize import apply_fsdp
+from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def stage_layers(n_layer: int, pp: int, virtual: int = 1, split: list[int] | None = None) -> list[range]:
@@ -180,19 +183,13 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
     from torch.distributed.pipelining import PipelineStage
 
-    from largebatch.parallel.parallelize import apply_fsdp
-
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
     keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
     if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
-        from largebatch.parallel.tensor_parallel import apply_tensor_parallel
-
         apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel)
     if recompute != "none":
-        from largebatch.memory import apply_recompute
-
         apply_recompute(model, recompute)
     if compile:
         for block in model.blocks:

@@ -9,6 +9,7 @@ phase table next to the base schedule's optimizer steps (docs/papers.md: schedul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from largebatch.schedules import lr as lr_module
 from largebatch.schedules.batch import (
@@ -23,16 +24,19 @@ from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
 from largebatch.typed_config import from_dict
 
-LR_KINDS = ("constant", "cosine", "linear", "wsd", "lans", "inverse-sqrt")
+# lr_schedule name -> builder(config, peak LR, token budget, warmup tokens): the one place an LR
+# shape is declared (register_lr_schedule, below the class); the choices, --help and build_lr read it
+LR_BUILDERS: dict[str, Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]] = {}
 BATCH_POLICIES = ("constant", "ramp", "table", "seesaw", "seesaw-family", "smith")
-CHOICES = {"lr_schedule": LR_KINDS, "batch_policy": BATCH_POLICIES,
+CHOICES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES,
            "wsd_shape": lr_module.WSD_SHAPES, "lr_coupling": lr_module.COUPLING_POLICIES}
 
 
 @dataclass
 class ScheduleConfig:
     lr_schedule: str = "cosine"
-    """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt."""
+    """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt, or one added
+    with largebatch.schedules.config.register_lr_schedule."""
     peak_lr: float = 3e-4
     """Peak LR after warmup, as tuned at reference_batch_size (see lr_coupling)."""
     warmup: float = 0.1
@@ -135,22 +139,7 @@ class ScheduleConfig:
         """The plain LR schedule (also Seesaw's base)."""
         self._validate()
         peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
-        final = self.final_lr  # a fraction of peak, as the classes take it
-        kind = self.lr_schedule
-        if kind == "constant":
-            return lr_module.Constant(peak, total_tokens, warmup)
-        if kind == "cosine":
-            return lr_module.Cosine(peak, total_tokens, warmup, final)
-        if kind == "linear":
-            return lr_module.LinearDecay(peak, total_tokens, warmup, final)
-        if kind == "wsd":
-            return lr_module.WSD(peak, total_tokens, warmup, final, self.wsd_cooldown,
-                                 self.wsd_shape)
-        if kind == "lans":
-            return lr_module.WarmupHoldPolynomial(peak, total_tokens, warmup, 0.0,
-                                                  round(self.lans_hold * total_tokens),
-                                                  self.lans_power)
-        return lr_module.InverseSqrt(peak, total_tokens, warmup)
+        return LR_BUILDERS[self.lr_schedule](self, peak, total_tokens, warmup)
 
     def build(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
               dp_size: int = 1) -> JointSchedule:
@@ -210,3 +199,20 @@ class ScheduleConfig:
             f"optimizer steps; this schedule: {steps:,} ({100 * steps / base_steps:.2f}% of base)",
         ]
         return "\n".join(lines)
+
+
+def register_lr_schedule(name: str, build: Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]) -> None:
+    """Declare ``schedule.lr_schedule = name``: ``build(config, peak_lr, total_tokens, warmup_tokens)``
+    returns the schedule (``config.final_lr`` is a fraction of the peak, as the classes take it)."""
+    LR_BUILDERS[name] = build
+
+
+register_lr_schedule("constant", lambda c, peak, total, warmup: lr_module.Constant(peak, total, warmup))
+register_lr_schedule("cosine", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, c.final_lr))
+register_lr_schedule("linear", lambda c, peak, total, warmup: lr_module.LinearDecay(peak, total, warmup,
+                                                                                    c.final_lr))
+register_lr_schedule("wsd", lambda c, peak, total, warmup: lr_module.WSD(peak, total, warmup, c.final_lr,
+                                                                         c.wsd_cooldown, c.wsd_shape))
+register_lr_schedule("lans", lambda c, peak, total, warmup: lr_module.WarmupHoldPolynomial(
+    peak, total, warmup, 0.0, round(c.lans_hold * total), c.lans_power))
+register_lr_schedule("inverse-sqrt", lambda c, peak, total, warmup: lr_module.InverseSqrt(peak, total, warmup))

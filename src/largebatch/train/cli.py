@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from largebatch.cli import TRAIN_EXTRA
+from largebatch.arguments import TRAIN_EXTRA
 from largebatch.typed_config import ConfigError, describe_fields, from_dict, load_toml, parse_overrides
 
 DEFAULT_CONFIG = "gpt-demo"
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc), 2)
     if check_only:
-        from largebatch.train.metrics import human_bytes, human_count
+        from largebatch.train.progress import human_bytes, human_count
 
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
               f"available ({state.source})")
         return 0
 
+    from largebatch.checkpoint import CheckpointError
     from largebatch.parallel import RankFailure
-    from largebatch.train.checkpoint import CheckpointError
     from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
     from largebatch.train.rundir import RunDirLocked
 
@@ -212,7 +212,8 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
 
 
 def format_summary(s: dict, run_dir: Path) -> str:
-    from largebatch.train.metrics import human_bytes, human_count, mfu_over_peak
+    from largebatch.models.flops import mfu_over_peak
+    from largebatch.train.progress import human_bytes, human_count
 
     lines = [
         "",

@@ -15,25 +15,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
+from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
 from largebatch.parallel.config import ParallelConfig
+from largebatch.parallel.mesh import resolve_sizes
+from largebatch.parallel.pipeline import check_micro_batches, stage_layers
 from largebatch.schedules import ScheduleConfig
+from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
 from largebatch.typed_config import ConfigError, dump_toml, from_dict, load_toml, set_dotted, to_dict
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["lamb", "lans", "lars", "adamw"] = "lamb"
-    """Optimizer: 'lamb' (You et al. 2019), 'lans' (Zheng et al. 2020), 'lars' (You et al. 2017),
-    or 'adamw' (torch.optim.AdamW, the baseline)."""
+    name: str = field(default="lamb", metadata={"choices": OPTIMIZERS})
+    """Optimizer, by name from largebatch.train.optimizer.OPTIMIZERS (the shipped ones below; add
+    one with register_optimizer)."""
     weight_decay: float = 0.01
     """Decoupled weight decay. Biases, norm weights and embeddings get none (see
     largebatch.optim.param_groups, which also decides which tensors get a trust ratio)."""
@@ -75,27 +81,27 @@ class OptimConfig:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"optim.{name} = {value!r}: must be a finite number > 0 (1: the "
                                  f"scheduled LR)")
-        if self.name == "adamw" and self.unadapted_lr_mult != 1:
-            raise ValueError(f"optim.unadapted_lr_mult = {self.unadapted_lr_mult}: AdamW has no trust "
-                             f"ratio; use optim.no_decay_lr_mult, or choose lamb, lans or lars")
+        spec = OPTIMIZERS.get(self.name)  # an unknown name is refused by from_dict, naming the choices
+        adaptive = ", ".join(n for n, s in OPTIMIZERS.items() if s.adapt_default is not None)
+        if spec is not None and spec.adapt_default is None and self.unadapted_lr_mult != 1:
+            raise ValueError(f"optim.unadapted_lr_mult = {self.unadapted_lr_mult}: {spec.title} has no "
+                             f"trust ratio; use optim.no_decay_lr_mult, or choose {adaptive}")
         if self.adapt is not None:
-            from largebatch.optim.groups import CATEGORIES
-
             unknown = [c for c in self.adapt if c not in CATEGORIES]
             if unknown or len(set(self.adapt)) != len(self.adapt):
                 raise ValueError(f"optim.adapt = {list(self.adapt)}: expected distinct categories from "
                                  f"{', '.join(CATEGORIES)} (unknown: {', '.join(unknown) or 'none'})")
-            if self.name == "adamw":
-                raise ValueError(f"optim.adapt = {list(self.adapt)}: AdamW has no trust ratio; remove "
-                                 f"optim.adapt or choose lamb, lans or lars")
+            if spec is not None and spec.adapt_default is None:
+                raise ValueError(f"optim.adapt = {list(self.adapt)}: {spec.title} has no trust ratio; "
+                                 f"remove optim.adapt or choose {adaptive}")
 
     def adapted_categories(self) -> tuple[str, ...]:
         """``adapt``, or the optimizer's default when it is None."""
-        from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
-
         if self.adapt is not None:
             return tuple(self.adapt)
-        return CATEGORIES if self.name == "lars" else ADAPT_DEFAULT
+        default = OPTIMIZERS[self.name].adapt_default
+        # an optimizer without a trust ratio ignores the groups' 'adapt'; they split as LAMB's do
+        return ADAPT_DEFAULT if default is None else default
 
 
 @dataclass
@@ -222,10 +228,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def check(cfg: TrainConfig) -> TrainConfig:
     """Cross-table checks that need no data or model: fail in a second, not after setup."""
-    import os
-
-    from largebatch.parallel.mesh import resolve_sizes
-
     if cfg.phases:
         total = phases_total(cfg.phases)
         if cfg.run.total_tokens not in (total, RunConfig.total_tokens):
@@ -261,8 +263,6 @@ def check(cfg: TrainConfig) -> TrainConfig:
 
 def check_pipeline(cfg: TrainConfig, schedule, dp: int, total_tokens: int, micro_batch: int) -> None:
     """The pipeline layout against the model and the batch schedule (ValueError, one line)."""
-    from largebatch.parallel.pipeline import check_micro_batches, stage_layers
-
     par = cfg.parallel
     if cfg.model.tie_embeddings:
         raise ValueError(f"model.tie_embeddings = true with parallel.pp = {par.pp}: the token embedding (first "
@@ -276,8 +276,6 @@ def check_pipeline(cfg: TrainConfig, schedule, dp: int, total_tokens: int, micro
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it."""
-    from largebatch.train.rundir import atomic_write_text
-
     atomic_write_text(path, dump_toml(to_dict(cfg)))
 
 

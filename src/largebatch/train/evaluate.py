@@ -15,7 +15,7 @@ import torch
 
 from largebatch.parallel.batch import global_sum
 from largebatch.train.deferred import target_count
-from largebatch.train.metrics import human_count
+from largebatch.train.progress import human_count
 
 
 class Evaluation:

@@ -35,10 +35,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from largebatch.checkpoint import (
+    CheckpointError,
+    gather_rng,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model
-from largebatch.models.flops import flops_per_token
+from largebatch.models.flops import flops_per_token, measure_peak_flops
 from largebatch.parallel import (
     clip_grad_norm_,
     global_grad_norm,
@@ -50,29 +61,14 @@ from largebatch.parallel import (
     unwrap,
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
-from largebatch.parallel.checkpoint import load_distributed, save_distributed
 from largebatch.parallel.pipeline import pipeline_parallelize
-from largebatch.train.checkpoint import (
-    CheckpointError,
-    gather_rng,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
 from largebatch.train.evaluate import Evaluation
-from largebatch.train.metrics import (
-    MetricsLog,
-    Progress,
-    human_count,
-    measure_peak_flops,
-)
+from largebatch.train.metrics import MetricsLog
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
+from largebatch.train.progress import Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import lock_run_dir
 from largebatch.train.stopping import StopRequest

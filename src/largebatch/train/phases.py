@@ -39,7 +39,7 @@ from largebatch.data.prefetch import Prefetcher
 from largebatch.models.flops import flops_per_token
 from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
-from largebatch.train.metrics import human_count
+from largebatch.train.progress import human_count
 from largebatch.typed_config import ConfigError, from_dict, to_dict
 
 

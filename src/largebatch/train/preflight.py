@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from largebatch.arguments import check_output_dir
-from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, stage_parameters
+from largebatch.memory.estimate import GIB, stage_parameters
 from largebatch.train.config import TrainConfig
+from largebatch.train.optimizer import OPTIMIZERS
+from largebatch.train.rundir import claim_new_dir, differing_fields
 from largebatch.typed_config import ConfigError
 
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
@@ -53,8 +55,6 @@ def check_run_dir(run_dir: Path) -> None:
 def make_run_dir(run_dir: Path, unique: bool) -> Path:
     """Create the run directory now (``unique``: ``-2``, ``-3``... when taken; see claim_new_dir),
     so a directory that cannot be made (a read-only or special file system) is refused here."""
-    from largebatch.train.rundir import claim_new_dir
-
     try:
         if unique:
             return claim_new_dir(run_dir)
@@ -67,8 +67,6 @@ def make_run_dir(run_dir: Path, unique: bool) -> Path:
 
 def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a ``--resume`` override that changes what the checkpoints' state was built for."""
-    from largebatch.train.rundir import differing_fields
-
     changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS)
     if changed:
         raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
@@ -103,7 +101,7 @@ def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEsti
     """fp32 parameters + gradients + optimizer state of one process, from the config alone."""
     model = cfg.model.replace(vocab_size=vocab_size or cfg.data.vocab_size)  # the trainer's vocabulary
     n = stage_parameters(model, tp=cfg.parallel.tp)
-    per_parameter = 2 * FP32_BYTES + OPTIMIZER_STATE_BYTES[cfg.optim.name]
+    per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
     available, source = _available_bytes(cfg)
     return StateEstimate(n, n * per_parameter, available, source)
 

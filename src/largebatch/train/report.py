@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from largebatch.memory.measure import memory_bytes
+from largebatch.models.flops import mfu_over_peak
 from largebatch.train.deferred import read_record
-from largebatch.train.metrics import format_record, human_count, memory_bytes, mfu_over_peak, plot_run
 from largebatch.train.phases import describe as describe_phases
+from largebatch.train.plots import plot_run
+from largebatch.train.progress import format_record, human_count
 
 
 class Reporting:

@@ -11,8 +11,9 @@
   locked directory (a second ``--resume``, a run started twice) fails at once naming the holder.
 * **Unique default directories.** ``runs/{time}-{kind}`` is claimed with an atomic ``mkdir``; two
   runs started in the same second get ``...-gpt`` and ``...-gpt-2``.
-* **Atomic rewrites.** :func:`atomic_write_text` (temporary, fsync, rename) for config.toml and the
-  metrics history trimmed at resume: a kill leaves the old file or the new one, never a mix.
+* **Atomic rewrites.** ``largebatch.checkpoint.files.atomic_write_text`` (temporary, fsync, rename)
+  for config.toml and the metrics history trimmed at resume: a kill leaves the old file or the new
+  one, never a mix.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from largebatch.typed_config import ConfigError, to_dict
+import torch.distributed as dist
+
+from largebatch.checkpoint.files import list_checkpoints
+from largebatch.train.config import TrainConfig
+from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
 # may differ between the launch that wrote the checkpoints and the one that continues it
@@ -36,30 +41,6 @@ RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoin
 
 class RunDirLocked(RuntimeError):
     """Another live process holds the run directory."""
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Replace ``path`` by ``text`` atomically: a temporary in the same directory, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-
-
-def remove_quietly(path: Path) -> None:
-    """Remove a temporary after a failed write, never hiding that failure: on a read-only file
-    system even unlinking a file that was never created fails (EROFS)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -86,8 +67,6 @@ def config_differences(saved, new) -> list[str]:
 
 
 def has_checkpoints(run_dir: Path) -> bool:
-    from largebatch.train.checkpoint import list_checkpoints
-
     return bool(list_checkpoints(run_dir, kinds=(".pt", ".dcp")))
 
 
@@ -96,9 +75,6 @@ def continues_run(run_dir: Path, cfg) -> bool:
     the same config); ConfigError when it holds checkpoints of another config."""
     if not has_checkpoints(run_dir):
         return False
-    from largebatch.train.config import TrainConfig
-    from largebatch.typed_config import from_dict, load_toml
-
     saved_path = run_dir / "config.toml"
     if not saved_path.is_file():
         raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints but no config.toml; "
@@ -169,8 +145,6 @@ def lock_run_dir(run_dir: Path, par) -> RunLock | None:
         except RunDirLocked as exc:
             error = str(exc)
     if par.distributed:
-        import torch.distributed as dist
-
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]

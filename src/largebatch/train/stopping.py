@@ -24,6 +24,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from largebatch.parallel.mesh import ParallelState
 
@@ -77,8 +78,6 @@ class StopRequest:
         due = bool(self.every) and time.monotonic() - self._last_checkpoint >= self.every
         signum = self.signum or 0
         if self.par.distributed:
-            import torch.distributed as dist
-
             flags = torch.tensor([signum, int(due)], dtype=torch.int64, device=self.par.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             signum, due = int(flags[0]), bool(flags[1])

@@ -11,7 +11,7 @@ one-process names; the optimizer state is flattened to one entry per parameter (
 ``flatten_optimizer_state_dict``: each stage's hyperparameters are saved with its own parameters,
 not once as rank 0's param_groups), so a checkpoint written on pp = 2 loads on pp = 1 or another pp.
 
-Crash safety, as the single-process checkpoints of largebatch.train.checkpoint: every rank writes
+Crash safety, as the single-process checkpoints of largebatch.checkpoint.local: every rank writes
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
 directory into place (atomic on POSIX); only then are older checkpoints beyond ``keep_last``
 removed. A reader never lists temporaries, and a temporary left by a killed save is removed by the
@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from largebatch.checkpoint.files import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_temporaries
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.parallelize import unwrap
-from largebatch.train.checkpoint import latest_checkpoint, list_checkpoints, remove_temporaries
 
 EXTRA = "extra.pt"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -75,7 +75,7 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
     """Save model + optimizer (sharded, every rank) and ``extra`` (rank 0) atomically; collective."""
     if keep_last < 1:
         raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
-    ckdir = Path(run_dir) / "checkpoints"
+    ckdir = checkpoint_dir(run_dir)
     final = ckdir / f"step_{step:08d}.dcp"
     tmp = ckdir / f".{final.name}.tmp"
     if state.is_main:

@@ -1,0 +1,88 @@
+"""Where checkpoints live and which are complete: listing, selection and the cleanup of temporaries.
+
+Layout: ``RUN_DIR/checkpoints/step_00000123.pt`` (one file, :mod:`largebatch.checkpoint.local`) or
+``RUN_DIR/checkpoints/step_00000123.dcp/`` (a directory, :mod:`largebatch.checkpoint.distributed`).
+Both formats are written as a temporary ``.step_00000123.<kind>.tmp`` renamed into place, so a
+reader that lists only names matching ``step_N.pt`` / ``step_N.dcp`` never sees a partial one.
+:func:`atomic_write_text` gives the same guarantee to a run's small text files (config.toml, the
+metrics history trimmed at resume).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+_NAME = re.compile(r"^step_(\d{8,})(\.pt|\.dcp)$")
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporaries of killed saves are ignored).
+
+    ``kinds``: ".pt" files written by largebatch.checkpoint.local, ".dcp" directories written by
+    largebatch.checkpoint.distributed under torchrun, or both.
+    """
+    ckdir = checkpoint_dir(run_dir)
+    if not ckdir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckdir.iterdir()
+             if (m := _NAME.match(p.name)) and m.group(2) in kinds]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> Path | None:
+    ckpts = list_checkpoints(run_dir, kinds)
+    return ckpts[-1] if ckpts else None
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_temporaries(ckdir: Path) -> None:
+    """Remove what killed saves left: ``.step_*.pt.tmp`` files and ``.step_*.dcp.tmp/`` directories
+    (a run resumed in one process after a crash during a torchrun save finds the latter)."""
+    for stale in ckdir.glob(".step_*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a temporary after a failed write, never hiding that failure: on a read-only file
+    system even unlinking a file that was never created fails (EROFS)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically: a temporary in the same directory, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise

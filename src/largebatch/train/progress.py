@@ -1,0 +1,70 @@
+"""What the trainer prints: a progress bar in tokens, one log line per record, human-readable
+counts and sizes."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+class Progress:
+    """A progress bar in tokens. The ETA uses recent tokens/s, so it stays right as batches grow."""
+
+    def __init__(self, total_tokens: int, enabled: bool | None = None, stream=sys.stderr):
+        self.total = total_tokens
+        self.stream = stream
+        self.enabled = stream.isatty() if enabled is None else enabled
+        self._rate = None  # EMA of tokens/s
+
+    def update(self, tokens: int, tokens_per_s: float, text: str = "") -> None:
+        if not self.enabled:
+            return
+        self._rate = tokens_per_s if self._rate is None else 0.8 * self._rate + 0.2 * tokens_per_s
+        frac = min(1.0, tokens / self.total)
+        eta = (self.total - tokens) / self._rate if self._rate else float("nan")
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        self.stream.write(f"\r[{bar}] {100 * frac:5.1f}% {human_count(tokens)}/"
+                          f"{human_count(self.total)} tok  ETA {format_seconds(eta)}  {text}\x1b[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def format_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "--:--"
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+def format_record(r: dict[str, Any]) -> str:
+    """One train record as the log line the trainer prints."""
+    text = (f"step {r['step']:>5}  tokens {human_count(r['tokens']):>7}  loss {r['loss']:.4f}  "
+            f"lr {r['lr']:.2e}  batch {r['batch_size']:>4}  tok/s {r['tokens_per_s']:,.0f}  "
+            f"mfu {100 * r['mfu']:.1f}%  mem {human_bytes(r['memory_bytes'])}  "
+            f"|g| {r['grad_norm']:.3f}")
+    if "trust_median" in r:
+        text += (f"  trust {r['trust_min']:.3g}/{r['trust_median']:.3g}/{r['trust_max']:.3g}"
+                 f" pinned {r['trust_pinned']}")
+    if r.get("noise_scale") is not None:
+        text += f"  B_noise {r['noise_scale']:.0f}"
+    return text
