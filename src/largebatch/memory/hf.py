@@ -24,7 +24,7 @@ from largebatch.memory.activations import activation_bytes_per_layer
 from largebatch.models.config import ModelConfig
 
 # Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
-_UNSUPPORTED = {
+UNSUPPORTED = {
     "llama": "gated MLP (SwiGLU: three f-wide projections), RMSNorm, rotary embeddings and "
              "grouped-query attention (fewer K/V heads than Q heads)",
     "mistral": "gated MLP (SwiGLU), RMSNorm, rotary embeddings, grouped-query and sliding-window "
@@ -69,7 +69,7 @@ def _model_type(raw: dict) -> str:
         model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else None
     if model_type in ("gpt2", "bert"):
         return model_type
-    why = _UNSUPPORTED.get(model_type)
+    why = UNSUPPORTED.get(model_type)
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "

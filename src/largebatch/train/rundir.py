@@ -13,6 +13,9 @@
   runs started in the same second get ``...-gpt`` and ``...-gpt-2``.
 * **Atomic rewrites.** :func:`atomic_write_text` (temporary, fsync, rename) for config.toml and the
   metrics history trimmed at resume: a kill leaves the old file or the new one, never a mix.
+* **The tokenizer travels with the run.** :func:`keep_tokenizer` writes ``RUN_DIR/tokenizer.json``
+  (the one trained on the corpus or read from data.tokenizer_file), which export and finetune read
+  first: a deleted data cache or a moved tokenizer file no longer means retraining it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         remove_quietly(tmp)
         raise
+
+
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True) -> None:
+    """Write the run's tokenizer to ``RUN_DIR/tokenizer.json`` (atomically; rank 0 only; unchanged
+    files are not rewritten). ``tokenizer`` None (a token array without one): nothing to keep."""
+    if tokenizer is None or not is_main:
+        return
+    path = Path(run_dir) / TOKENIZER_NAME
+    text = tokenizer.to_str()
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
 
 
 def remove_quietly(path: Path) -> None:
