@@ -7,11 +7,11 @@ Reads the newest intact checkpoint of RUN_DIR (a single-process ``step_*.pt`` or
 ``step_*.dcp``, loaded into one process), rebuilds the model from the config stored in that
 checkpoint, recovers the run's tokenizer (RUN_DIR/tokenizer.json, which the trainer keeps), and
 writes OUT in the chosen format. ``--format hf`` writes a transformers directory (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs)
-or ``AutoModelForMaskedLM`` (BERT runs with ``model.norm_position="post"``) and ``AutoTokenizer`` load it offline. Before OUT is put
-in place the written directory is loaded back with those Auto classes and its logits are compared
-with largebatch's on a sentence; a difference above the tolerance is an error (``--no-verify``
-skips it). See docs/models.md, "Exporting to transformers".
+model.safetensors, tokenizer.json, tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs) or
+``AutoModelForMaskedLM`` (BERT runs with ``model.norm_position="post"``) and ``AutoTokenizer``
+load it offline. Before OUT is put in place the written directory is loaded back with those Auto
+classes and its logits are compared with largebatch's on a sentence; a difference above the
+tolerance is an error (``--no-verify`` skips it). See docs/models.md, "Exporting to transformers".
 
 Options:
   --format hf          the output format (hf is the only one)
