@@ -145,8 +145,6 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
     """The directory's tokenizer.json, or the user's data.tokenizer_file when it is the same
     vocabulary; the vocabulary must have exactly the model's vocab_size entries (the trainer sizes
     the embedding to the tokenizer)."""
-    from tokenizers import Tokenizer
-
     theirs = path / "tokenizer.json"
     mine = cfg.data.tokenizer_file if "data.tokenizer_file" in given else None
     if not theirs.is_file() and not mine:
@@ -157,9 +155,9 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
     if not chosen.is_file():
         raise ConfigError(f"data.tokenizer_file={mine!r} does not exist: give a tokenizer.json, or "
                           f"leave it out to use {theirs}")
-    tokenizer = Tokenizer.from_file(str(chosen))
+    tokenizer = _read_tokenizer(chosen)
     if mine and theirs.is_file() and chosen.resolve() != theirs.resolve():
-        if tokenizer.get_vocab() != Tokenizer.from_file(str(theirs)).get_vocab():
+        if tokenizer.get_vocab() != _read_tokenizer(theirs).get_vocab():
             raise ConfigError(f"data.tokenizer_file={mine!r} is not the vocabulary of "
                               f"{cfg.model.init_from} ({theirs}): leave data.tokenizer_file out to "
                               "use the model's own")
@@ -170,17 +168,34 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
     return str(chosen)
 
 
+def _read_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+        raise ConfigError(f"{path} is not a tokenizer.json ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
+                          "give one saved by HF tokenizers as data.tokenizer_file") from None
+
+
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The tensors of the directory's model.safetensors (preferred) or pytorch_model.bin."""
     for name in WEIGHT_FILES:
         file = path / name
         if not file.is_file():
             continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
 
-            return load_file(str(file)), file
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+                return load_file(str(file)), file
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+        except ImportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and zip errors alike
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"model.init_from: {file} cannot be read ({first}): save the model "
+                              "again with save_pretrained") from None
     raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)} (a sharded "
                       "checkpoint is not read): save the model with save_pretrained")
 
