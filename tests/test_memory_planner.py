@@ -79,3 +79,52 @@ def test_planner_reads_a_training_config(capsys, tmp_path):
                         "--budget-gib", "1"]) == 0
     assert from_config == capsys.readouterr().out
     assert "s=64 b=4 h=128 a=4 t=2 L=3" in from_config
+
+
+def _hand_hf_gpt2_bytes(s, b, h, a, f, v, L, d, policies):
+    """A transformers eager GPT-2 (dropout on, 1-byte GPU masks), written from what each op keeps
+    (docs/memory.md): per token of a layer, LayerNorm inputs, Q/K/V input, fc1 input (4 h d); Q, K,
+    V and the projection input (4 h d); GeLU input and fc2 input (2 f d); gelu_new's tanh output,
+    0.5 x and 1 + tanh (3 f d); two residual dropout masks (2 h); softmax output, its mask and its
+    dropout output (a s (2 d + 1)). Selective drops the last term, full keeps the input (h d).
+    Outside the layers: the embedding dropout mask (h), the final-norm and projection inputs (2 h d)
+    and the fp32 logits (4 v)."""
+    none = 8 * h * d + 5 * f * d + 2 * h + a * s * (2 * d + 1)
+    per_token = {"none": none, "selective": none - a * s * (2 * d + 1), "full": h * d}
+    layers = sum(per_token[p] for p in policies)
+    return s * b * (layers + h + 2 * h * d + 4 * v)
+
+
+def test_planner_counts_transformers_eager_layers_by_hand(capsys, tmp_path):
+    import json
+
+    from largebatch.memory.hf import config_from_hf
+
+    raw = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "n_positions": 256,
+           "vocab_size": 100}  # transformers' defaults: gelu_new, dropout 0.1
+    config = config_from_hf(raw)
+    s, b, h, a, f, v, d = 256, 2, 64, 4, 256, 100, 2
+    eager = Setup(micro_batch=b, seq_len=s, hf_activation="gelu_new")
+    closed = Setup(micro_batch=b, seq_len=s)
+    for policies in (["none"] * 4, ["full", "selective", "none", "none"], ["full"] * 4):
+        hand = _hand_hf_gpt2_bytes(s, b, h, a, f, v, 4, d, policies)
+        assert eager.estimate(config, policies).activations == pytest.approx(hand, rel=1e-12)
+    # a budget the closed form meets with no recomputation but transformers' layers do not
+    fits_closed = closed.estimate(config, "none").total
+    assert eager.estimate(config, "none").total > fits_closed
+    plan = cheapest_plan(config, eager, fits_closed)
+    assert plan is not None and plan.policies != ["none"] * 4
+    assert cheapest_plan(config, closed, fits_closed).policies == ["none"] * 4
+    # the CLI plans the same way and says so
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert main(["--hf-config", str(path), "--micro-batch", str(b), "--budget-gib",
+                 str(fits_closed / GIB)]) == 0
+    out = capsys.readouterr().out
+    assert "Per-layer bytes of the estimates and the plan: transformers eager layers (gelu_new" in out
+    policy = out.strip().splitlines()[-1]
+    assert policy.startswith("apply_recompute policy") and not policy.endswith('["none"] * 4')
+    assert main(["--hf-config", str(path), "--attention", "sdpa", "--budget-gib", "1"]) == 0
+    assert "the plan: closed form" in capsys.readouterr().out
+    assert main(["--hf-config", str(path), "--tp", "2", "--budget-gib", "1"]) == 2
+    assert "transformers' eager layers are counted unsharded" in capsys.readouterr().err

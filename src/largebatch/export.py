@@ -5,13 +5,13 @@
 
 Reads the newest intact checkpoint of RUN_DIR (a single-process ``step_*.pt`` or a distributed
 ``step_*.dcp``, loaded into one process), rebuilds the model from the config stored in that
-checkpoint, recovers the run's tokenizer, and writes OUT in the chosen format. ``--format hf``
-writes a transformers directory (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs) or ``AutoModelForMaskedLM`` (BERT
-runs with ``model.norm_position="post"``) and ``AutoTokenizer`` load it offline. Before OUT is put
-in place the written directory is loaded back with those Auto classes and its logits are compared
-with largebatch's on a sentence; a difference above the tolerance is an error (``--no-verify``
-skips it). See docs/models.md, "Exporting to transformers".
+checkpoint, recovers the run's tokenizer (RUN_DIR/tokenizer.json, which the trainer keeps), and
+writes OUT in the chosen format. ``--format hf`` writes a transformers directory (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs) or
+``AutoModelForMaskedLM`` (BERT runs with ``model.norm_position="post"``) and ``AutoTokenizer``
+load it offline. Before OUT is put in place the written directory is loaded back with those Auto
+classes and its logits are compared with largebatch's on a sentence; a difference above the
+tolerance is an error (``--no-verify`` skips it). See docs/models.md, "Exporting to transformers".
 
 Options:
   --format hf          the output format (hf is the only one)
@@ -76,7 +76,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
             continue
         step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
-        tokenizer = run_tokenizer(extra["config"], tokenizer_file)
+        tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
         return LoadedRun(model, path, step, tokenizer, extra["config"])
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
 
@@ -108,11 +108,15 @@ def _load_checkpoint(path: Path):
     return model.float().eval(), extra
 
 
-def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = None):
-    """The tokenizer a run trained with: ``tokenizer_file`` if given, else the run's
-    ``data.tokenizer_file``, else the one trained on its corpus (read from the data cache, or
-    trained again -- deterministic -- when the cache is gone)."""
+def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = None,
+                  run_dir: str | Path | None = None):
+    """The tokenizer a run trained with: ``tokenizer_file`` if given, else the copy the trainer
+    keeps in ``RUN_DIR/tokenizer.json``, else the run's ``data.tokenizer_file``, else the one
+    trained on its corpus (read from the data cache, or trained again -- deterministic -- when the
+    cache is gone: runs from before the trainer kept its copy)."""
     from tokenizers import Tokenizer
+
+    from largebatch.train.rundir import TOKENIZER_NAME
 
     if tokenizer_file is not None:
         path = Path(tokenizer_file).expanduser()
@@ -120,6 +124,8 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
             raise ExportError(f"--tokenizer {str(tokenizer_file)!r} does not exist: pass a "
                               "tokenizer.json saved by HF tokenizers")
         return Tokenizer.from_file(str(path))
+    if run_dir is not None and (Path(run_dir) / TOKENIZER_NAME).is_file():
+        return Tokenizer.from_file(str(Path(run_dir) / TOKENIZER_NAME))
     from largebatch.data import DataConfig, build_data
     from largebatch.data.corpus import is_token_array_path
     from largebatch.typed_config import from_dict

@@ -10,9 +10,10 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   after each residual add, the head dense -> GeLU -> LayerNorm -> decoder with bias. largebatch's
   pre-LN BERT (the default, Cramming's layout) ends in a LayerNorm that BertForMaskedLM has no
   place for, so it is refused. BERT's segment embedding (absent here) is exported as zeros.
-* The GeLU is the exact (erf) one: ``activation_function`` / ``hidden_act`` = "gelu" (GPT-2's own
-  default "gelu_new" is the tanh approximation, up to 4.7e-4 off per activation; on a
-  barely trained model that moves the logits by only ~2e-6, so the tests check the config too).
+* The GeLU follows ``model.activation``: "gelu" (exact, erf) -> ``activation_function`` /
+  ``hidden_act`` = "gelu"; "gelu_tanh" -> "gelu_new" (GPT-2's own tanh approximation; the two
+  differ by up to 4.7e-4 per activation, which on a barely trained model moves the logits by only
+  ~2e-6, so the tests check the config too). ``HF_ACTIVATION`` is the table.
 * ``model.bias=False``: transformers' layers always have biases; they are exported as zeros,
   which computes the same function.
 * The vocabulary is the model's ``vocab_size`` rows, all kept; the trainer sizes it to the
@@ -40,6 +41,10 @@ VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; 
                "or close the wall up with our English dead.")
 
 
+# model.activation -> transformers' name (activation_function / hidden_act)
+HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+
+
 def check_exportable(cfg: ModelConfig) -> str:
     """The transformers architecture ``cfg`` maps to; raises naming the setting that prevents it."""
     if cfg.kind == "gpt":
@@ -62,13 +67,15 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
     if cfg.kind == "gpt":
         eot = special.get(EOT)
         return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_inner=cfg.ffn, activation_function="gelu",
+                          n_head=cfg.n_head, n_inner=cfg.ffn,
+                          activation_function=HF_ACTIVATION[cfg.activation],
                           resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
                           layer_norm_epsilon=cfg.norm_eps, scale_attn_weights=True,
                           scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                           bos_token_id=eot, eos_token_id=eot, **common)
     return BertConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-                      num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn, hidden_act="gelu",
+                      num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn,
+                      hidden_act=HF_ACTIVATION[cfg.activation],
                       hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
                       max_position_embeddings=cfg.seq_len, type_vocab_size=2,
                       layer_norm_eps=cfg.norm_eps, pad_token_id=special.get(PAD), **common)

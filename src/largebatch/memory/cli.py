@@ -5,6 +5,7 @@ least recompute FLOPs that fits a budget.
     largebatch memory --model gpt3-175b --tp 8 --budget-gib 80
     largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
     largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
+    largebatch memory --hf-config path/to/gpt2-medium --budget-gib 16   # planned with its eager layers
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
     largebatch memory --config configs/bert-large-lans.toml --phase 1 --dp 1536 --budget-gib 32   # one phase
 """
@@ -23,7 +24,7 @@ from largebatch.memory.activations import (
     model_activation_bytes,
 )
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
-from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer
+from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models.config import PRESETS, ModelConfig, preset
 from largebatch.typed_config import from_dict, load_toml
@@ -194,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         auto = args.micro_batch == "auto"
         if not auto and not args.micro_batch.isdigit():
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
+        # an HF config with eager (explicit) attention is a transformers eager model: its layers
+        # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel
+        eager = args.hf_config and config.attention == "explicit"
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
-                      optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage)
+                      optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
+                      hf_activation=hf_activation(args.hf_config) if eager else None)
         if args.budget_gib is not None:
             check_plannable(config, setup)
         lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
@@ -204,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp)
-        lines += ["", f"Per device, no recompute: {setup.estimate(config, 'none')}"]
+        lines += ["", f"Per-layer bytes of the estimates and the plan: {setup.formula}",
+                  f"Per device, no recompute: {setup.estimate(config, 'none')}"]
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2

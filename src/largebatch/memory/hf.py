@@ -24,7 +24,7 @@ from largebatch.memory.activations import activation_bytes_per_layer
 from largebatch.models.config import ModelConfig
 
 # Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
-_UNSUPPORTED = {
+UNSUPPORTED = {
     "llama": "gated MLP (SwiGLU: three f-wide projections), RMSNorm, rotary embeddings and "
              "grouped-query attention (fewer K/V heads than Q heads)",
     "mistral": "gated MLP (SwiGLU), RMSNorm, rotary embeddings, grouped-query and sliding-window "
@@ -69,7 +69,7 @@ def _model_type(raw: dict) -> str:
         model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else None
     if model_type in ("gpt2", "bert"):
         return model_type
-    why = _UNSUPPORTED.get(model_type)
+    why = UNSUPPORTED.get(model_type)
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
@@ -149,6 +149,36 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
         norm_eps=float(raw.get("layer_norm_eps", 1e-12)))
 
 
+def hf_activation(source: str | Path | Mapping) -> str:
+    """transformers' activation name of a GPT-2 / BERT config ("gelu_new" is GPT-2's default)."""
+    raw = _load(source)
+    if _model_type(raw) == "gpt2":
+        return _activation(raw, "activation_function", "gelu_new")
+    return _activation(raw, "hidden_act", "gelu")
+
+
+def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
+                         recompute: str = "none", *, seq_len: int | None = None,
+                         dtype_bytes: float = 2, device: str = "cuda") -> float:
+    """Bytes one transformers eager layer of ``config`` keeps under a recompute policy:
+    "none" the measured terms below (hf_eager_bytes_per_layer); "selective" those minus the core
+    attention (softmax output, its dropout mask and output, recomputed as in the closed form);
+    "full" the layer input, s b h d. ``activation``: transformers' name ("gelu" or "gelu_new")."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: transformers' eager layers are counted for "
+                         "none, selective and full only.")
+    s = config.seq_len if seq_len is None else seq_len
+    h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
+    if recompute == "full":
+        return s * b * h * d
+    dropout = config.dropout > 0
+    mask_bytes = dtype_bytes if device == "cpu" else 1
+    base = activation_bytes_per_layer(s, b, h, a, ffn_hidden=f, dtype_bytes=d,
+                                      mask_bytes=mask_bytes, dropout=dropout, recompute=recompute)
+    gelu_extra = 3 * f * d if activation in _GELU_POINTWISE else 0
+    return base + s * b * gelu_extra
+
+
 def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,
                              seq_len: int | None = None, dtype_bytes: float = 2,
                              device: str = "cuda") -> float:
@@ -158,14 +188,5 @@ def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,
     are measured in tests/test_memory_hf.py on CPU (the GPU one with torch.native_dropout's bool
     mask, which CUDA's F.dropout keeps), not on a GPU."""
     raw = _load(source)
-    config = config_from_hf(raw)
-    s = config.seq_len if seq_len is None else seq_len
-    dropout = config.dropout > 0
-    mask_bytes = dtype_bytes if device == "cpu" else 1
-    base = activation_bytes_per_layer(s, micro_batch, config.n_embd, config.n_head,
-                                      ffn_hidden=config.ffn, dtype_bytes=dtype_bytes,
-                                      mask_bytes=mask_bytes, dropout=dropout)
-    act_key = "activation_function" if config.kind == "gpt" else "hidden_act"
-    default = "gelu_new" if config.kind == "gpt" else "gelu"
-    gelu_extra = 3 * config.ffn * dtype_bytes if raw.get(act_key, default) in _GELU_POINTWISE else 0
-    return base + s * micro_batch * gelu_extra
+    return hf_eager_layer_bytes(config_from_hf(raw), hf_activation(raw), micro_batch, seq_len=seq_len,
+                                dtype_bytes=dtype_bytes, device=device)

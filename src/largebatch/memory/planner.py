@@ -2,7 +2,9 @@
 recompute FLOPs whose memory fits a per-device budget (Korthikanti et al. 2022 §4.2 and §6: selective
 recomputation first, then full recomputation on only as many layers as needed).
 
-Memory comes from estimate() (activations of the first pipeline stage + model state); the cost of a
+Memory comes from estimate() (activations of the first pipeline stage + model state), or for a
+transformers eager model (``Setup.hf_activation``) with its layers counted by the measured
+transformers terms (largebatch.memory.hf, docs/memory.md); the cost of a
 mix is its hardware FLOPs minus model FLOPs (largebatch.models.flops). Layers are interchangeable,
 so a mix is just (n_full, n_selective, n_none) per pipeline stage. The op-level policy is left out:
 it recomputes no matmuls, so FLOPs cannot rank it -- measure it (benchmarks/recompute.py).
@@ -13,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
 from largebatch.memory.estimate import MemoryEstimate, estimate
+from largebatch.memory.hf import hf_eager_layer_bytes
 from largebatch.models.config import ModelConfig
-from largebatch.models.flops import flops_per_token
+from largebatch.models.flops import flops_per_token, per_layer_policies
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,38 @@ class Setup:
     optimizer: str = "adamw"
     dtype_bytes: float = 2
     zero_stage: int = 0
+    hf_activation: str | None = None
+    """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
+    layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
+    not the closed form. None: largebatch's own layers, the closed form."""
+
+    @property
+    def formula(self) -> str:
+        """Which per-layer count the estimates use, in words."""
+        if self.hf_activation is None:
+            return "closed form (Korthikanti et al. 2022, Table 2)"
+        return (f"transformers eager layers ({self.hf_activation}; the closed form plus the measured "
+                "terms of largebatch.memory.hf_eager_layer_bytes, 1-byte GPU dropout masks)")
 
     def estimate(self, config: ModelConfig, policies: list[str] | str) -> MemoryEstimate:
-        return estimate(config, self.micro_batch, tp=self.tp, pp=self.pp, dp=self.dp,
-                        sequence_parallel=self.sequence_parallel, recompute=policies,
-                        optimizer=self.optimizer, seq_len=self.seq_len,
-                        dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage)
+        est = estimate(config, self.micro_batch, tp=self.tp, pp=self.pp, dp=self.dp,
+                       sequence_parallel=self.sequence_parallel, recompute=policies,
+                       optimizer=self.optimizer, seq_len=self.seq_len,
+                       dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage)
+        if self.hf_activation is None:
+            return est
+        if self.tp > 1 or self.pp > 1 or self.sequence_parallel or config.attention != "explicit":
+            raise ValueError(f"tp={self.tp}, pp={self.pp}, sequence_parallel={self.sequence_parallel}, "
+                             f"attention={config.attention!r}: transformers' eager layers are counted "
+                             "unsharded with explicit attention only; plan them with tp=1, pp=1")
+        # swap each layer's closed-form bytes for the transformers terms (first stage = all layers)
+        kw = config_layer_kwargs(config, dtype_bytes=self.dtype_bytes)
+        s = config.seq_len if self.seq_len is None else self.seq_len
+        layers = per_layer_policies(policies, config.n_layer)
+        delta = sum(hf_eager_layer_bytes(config, self.hf_activation, self.micro_batch, p, seq_len=s,
+                                         dtype_bytes=self.dtype_bytes)
+                    - activation_bytes_per_layer(s, self.micro_batch, recompute=p, **kw) for p in layers)
+        return replace(est, activations=est.activations + delta)
 
 
 @dataclass(frozen=True)
@@ -114,6 +144,8 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
     which micro-batch 1 with full recomputation fits."""
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.n_head % t == 0]
     pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
+    if setup.hf_activation is not None:  # transformers' eager layers: ZeRO only
+        tps, pps = [1], [1]
     zeros = range(setup.zero_stage, 4 if setup.dp > 1 else setup.zero_stage + 1)
     grid = sorted(((tp * pp, tp, pp, z) for tp in tps for pp in pps for z in zeros))
     found = []

@@ -14,14 +14,14 @@ import torch.nn as nn
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.gpt import TransformerBase, token_loss
-from largebatch.models.layers import init_weights
+from largebatch.models.layers import gelu, init_weights
 
 
 class MaskedLMHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dense = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.act = nn.GELU()
+        self.act = gelu(config)
         self.norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
         self.decoder = nn.Linear(config.n_embd, config.vocab_size, bias=True)
 

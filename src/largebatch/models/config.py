@@ -13,6 +13,7 @@ from dataclasses import dataclass
 ATTENTION_KINDS = ("explicit", "sdpa")
 MODEL_KINDS = ("gpt", "bert")
 NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,21 @@ class ModelConfig:
     here match transformers' BertForMaskedLM exactly). The memory model counts both the same."""
     norm_eps: float = 1e-5
     """LayerNorm epsilon (GPT-2: 1e-5, BERT: 1e-12)."""
+    activation: str = "gelu"
+    """The MLP's (and BERT head's) GeLU: "gelu" is the exact erf form (BERT, transformers' "gelu");
+    "gelu_tanh" the tanh approximation GPT-2 was trained with (transformers' "gelu_new"). Both keep
+    only their input for backward, so the memory model counts them the same."""
+    init_from: str | None = None
+    """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
+    GPT2Model or post-LN BertForMaskedLM directory (config.json + model.safetensors or
+    pytorch_model.bin). The shape fields above and data.tokenizer_file then come from it
+    (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
 
     def __post_init__(self) -> None:
         _check_choice("kind", self.kind, MODEL_KINDS)
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -97,7 +97,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.fc1 = nn.Linear(config.n_embd, config.ffn, bias=config.bias)
-        self.act = nn.GELU()  # exact (erf) GELU, as BERT and transformers' "gelu"
+        self.act = gelu(config)
         self.fc2 = nn.Linear(config.ffn, config.n_embd, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
@@ -124,6 +124,12 @@ class Block(nn.Module):
             return x + self.mlp(self.ln2(x))
         x = self.ln1(x + self.attn(x))
         return self.ln2(x + self.mlp(x))
+
+
+def gelu(config: ModelConfig) -> nn.GELU:
+    """exact (erf) GeLU, as BERT and transformers' "gelu"; or GPT-2's tanh approximation
+    (transformers' "gelu_new", the same formula)."""
+    return nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
 
 
 def init_weights(model: nn.Module, n_layer: int) -> None:

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if not saved.is_file():
                 return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
-            cfg = load_config(saved, {"run.max_steps": 0, **overrides})
+            cfg = load_config(saved, {"run.max_steps": 0, **overrides}, resolve_init=False)
             run_dir, resume = Path(resume_dir), True
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             check_run_dir(run_dir)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(resolve_config(config_path), overrides)
             run_dir = Path(cfg.run.out_dir.format(time=_launch_time(), kind=cfg.model.kind))
             check_run_dir(run_dir)
-        state = preflight(cfg, distributed=_under_torchrun())  # before anything is created
+        state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
         if resume_dir is None:
             if not check_only:  # two runs started in the same second: -2
                 run_dir = make_run_dir(run_dir, unique="{time}" in cfg.run.out_dir and not _under_torchrun())

@@ -216,14 +216,32 @@ class TrainConfig:
     their sum."""
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults <- TOML file <- dotted overrides, validated (ConfigError on any problem)."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                resolve_init: bool = True) -> TrainConfig:
+    """Defaults <- TOML file <- dotted overrides, validated (ConfigError on any problem).
+
+    With ``model.init_from`` the model's shape fields and data.tokenizer_file come from that
+    directory (largebatch.train.hf_import); a field the user's file or the overrides set
+    otherwise is refused. A shipped recipe's model fields are defaults, not requests: they give
+    way. ``resolve_init=False`` (a ``--resume``, whose saved config is already resolved) skips it."""
     tree: dict[str, Any] = load_toml(path) if path else {}
+    given = set() if path is None or _is_shipped(path) else {
+        f"{table}.{name}" for table, fields in tree.items() if isinstance(fields, dict) for name in fields}
     for key, value in (overrides or {}).items():
         if "." not in key:
             raise ConfigError(f"override '--{key}' must name a table and a field, e.g. --run.{key}")
         set_dotted(tree, key, value)
-    return check(from_dict(TrainConfig, tree))
+        given.add(key)
+    cfg = from_dict(TrainConfig, tree)
+    if cfg.model.init_from and resolve_init:
+        from largebatch.train.hf_import import resolve_init as resolve
+
+        cfg = resolve(cfg, given)
+    return check(cfg)
+
+
+def _is_shipped(path: str | Path) -> bool:
+    return Path(path).resolve().parent == (Path(__file__).resolve().parent.parent / "configs")
 
 
 def check(cfg: TrainConfig) -> TrainConfig:

@@ -65,12 +65,13 @@ from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
 from largebatch.train.evaluate import Evaluation
+from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.progress import Progress, human_count
 from largebatch.train.report import Reporting
-from largebatch.train.rundir import lock_run_dir
+from largebatch.train.rundir import keep_tokenizer, lock_run_dir
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
 
@@ -130,12 +131,15 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                      run.micro_batch)
         self.phase = self.phases[0]
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, kind=cfg.model.kind)
+        keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         if cfg.model.vocab_size != self.data.vocab_size:
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
         model = build_model(cfg.model).to(self.device)
+        if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
+            init_from_pretrained(model)
         self.n_params = model.num_params()
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
         self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None

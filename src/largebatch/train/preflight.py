@@ -4,6 +4,7 @@ training are built is refused in one line naming the field, the value and the fi
 * the run directory can be made and written (not a file, not on a read-only disk);
 * ``run.device`` exists on this machine (outside torchrun, where each rank takes its local GPU);
 * ``data.tokenizer_file`` is a tokenizer.json;
+* ``model.init_from``'s weights map onto the model (names and shapes), on a fresh start;
 * the model fits: fp32 parameters, gradients and optimizer state, counted from the config by the
   closed-form estimator of largebatch.memory (ZeRO accounting, Rajbhandari et al. 2020 §3.1; see
   docs/papers.md: memory) BEFORE the model is built, against the memory this machine has free --
@@ -26,7 +27,7 @@ from largebatch.typed_config import ConfigError
 
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
 STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
-                "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position",
+                "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position", "model.activation",
                 "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
 FP32_BYTES = 4  # parameters and gradients stay fp32 (bf16 runs autocast the compute only)
 
@@ -148,9 +149,14 @@ def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstima
     return est
 
 
-def preflight(cfg: TrainConfig, distributed: bool) -> StateEstimate:
+def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateEstimate:
     """Every check that needs no data and no model (the run directory is checked by the caller
-    before it creates the directory)."""
+    before it creates the directory). ``fresh``: not a ``--resume``, so ``model.init_from``'s
+    weights are read and mapped now (a resume loads its checkpoint instead)."""
     check_device(cfg, distributed)
     vocab = check_tokenizer_file(cfg)
+    if fresh and cfg.model.init_from:
+        from largebatch.train.hf_import import check_init
+
+        check_init(cfg.model)
     return check_memory(cfg, vocab)

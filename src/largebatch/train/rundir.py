@@ -14,6 +14,9 @@
 * **Atomic rewrites.** ``largebatch.checkpoint.files.atomic_write_text`` (temporary, fsync, rename)
   for config.toml and the metrics history trimmed at resume: a kill leaves the old file or the new
   one, never a mix.
+* **The tokenizer travels with the run.** :func:`keep_tokenizer` writes ``RUN_DIR/tokenizer.json``
+  (the one trained on the corpus or read from data.tokenizer_file), which export and finetune read
+  first: a deleted data cache or a moved tokenizer file no longer means retraining it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from largebatch.checkpoint.files import list_checkpoints
+from largebatch.checkpoint.files import atomic_write_text, list_checkpoints
 from largebatch.train.config import TrainConfig
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
@@ -41,6 +44,20 @@ RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoin
 
 class RunDirLocked(RuntimeError):
     """Another live process holds the run directory."""
+
+
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True) -> None:
+    """Write the run's tokenizer to ``RUN_DIR/tokenizer.json`` (atomically; rank 0 only; unchanged
+    files are not rewritten). ``tokenizer`` None (a token array without one): nothing to keep."""
+    if tokenizer is None or not is_main:
+        return
+    path = Path(run_dir) / TOKENIZER_NAME
+    text = tokenizer.to_str()
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -1,0 +1,344 @@
+"""``model.init_from = "hf:PATH"``: continued pretraining from a transformers directory.
+
+    largebatch train my.toml --model.init_from=hf:path/to/gpt2      # config.json + weights
+
+The reverse of ``largebatch export --format hf`` (largebatch.integrations.hf_export), the same
+renaming and reshapes run backwards:
+
+* GPT2LMHeadModel / GPT2Model (``model_type="gpt2"``) -> GPT: ``c_attn`` (a Conv1D, weight (in,
+  out)) is cut into q, k, v and every Conv1D transposed. Tied or not (``tie_word_embeddings``);
+  GPT2Model has no ``lm_head`` and needs the tie. ``activation_function`` "gelu" -> exact GeLU,
+  "gelu_new" / "gelu_pytorch_tanh" -> ``model.activation="gelu_tanh"`` (the same tanh formula).
+* BertForMaskedLM (``model_type="bert"``) -> post-LN BERT. BERT's segment embedding has no place
+  here: its row 0 (the segment every sequence gets without ``token_type_ids``) is added to the
+  position embedding, which computes exactly what transformers computes for segment 0.
+
+Two steps, both before any training: ``resolve_init`` (from ``load_config``) reads config.json and
+fills the model's shape fields and ``data.tokenizer_file`` (the directory's tokenizer.json), refusing
+a field the config sets otherwise; ``check_init`` (preflight, ``--check`` too) reads the weights and
+refuses missing, unexpected or misshapen tensors. ``init_from_pretrained`` (the trainer, fresh start
+only) loads them into the full model before it is parallelized. Every refusal is one line naming
+what and why. transformers itself is not needed: config.json is JSON, the weights safetensors or a
+torch pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from largebatch.memory.hf import UNSUPPORTED
+from largebatch.models.config import ModelConfig
+from largebatch.typed_config import ConfigError
+
+PREFIX = "hf:"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# fields init_from sets from config.json (the tensors' shapes and the function they compute)
+SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
+                "tie_embeddings", "norm_eps", "norm_position", "activation")
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# buffers transformers builds itself (causal masks, position ids): not weights, skipped
+BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.position_ids)$")
+
+
+def hf_dir(init_from: str) -> Path:
+    """The directory of ``model.init_from = "hf:PATH"``; ConfigError naming the fix otherwise."""
+    if not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
+        raise ConfigError(f"model.init_from={init_from!r}: give hf:PATH, a transformers directory "
+                          "(config.json + model.safetensors or pytorch_model.bin)")
+    path = Path(init_from[len(PREFIX):]).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.init_from={init_from!r}: {path / 'config.json'} does not exist; "
+                          "give a directory written by save_pretrained or `largebatch export`")
+    return path
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model.init_from: {path / 'config.json'} is not JSON ({exc}); give a "
+                          "transformers config.json") from None
+
+
+def _need(raw: dict, name: str, where: Path):
+    if raw.get(name) is None:
+        raise ConfigError(f"model.init_from: {where / 'config.json'} has no {name!r}, which a "
+                          f"{raw.get('model_type')} config needs: write it with save_pretrained")
+    return raw[name]
+
+
+def _activation(raw: dict, key: str, default: str, where: Path) -> str:
+    act = raw.get(key, default)
+    if act not in HF_ACTIVATIONS:
+        raise ConfigError(f"model.init_from: {where / 'config.json'} has {key}={act!r}; largebatch "
+                          f"computes {', '.join(HF_ACTIVATIONS)} only, so this model cannot continue "
+                          "training here")
+    return HF_ACTIVATIONS[act]
+
+
+def _refuse(raw: dict, where: Path, flags: dict[str, Any]) -> None:
+    """Settings under which transformers computes something largebatch's blocks do not."""
+    for flag, ok in flags.items():
+        if raw.get(flag, ok) != ok:
+            raise ConfigError(f"model.init_from: {where / 'config.json'} has {flag}={raw[flag]!r}; "
+                              f"largebatch's blocks compute {flag}={ok!r} only, so it cannot be mapped")
+
+
+def model_fields(path: Path) -> dict[str, Any]:
+    """The ModelConfig fields of the transformers model in ``path`` (SHAPE_FIELDS)."""
+    raw = _raw_config(path)
+    model_type = raw.get("model_type")
+    if model_type not in ("gpt2", "bert"):
+        why = UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for")
+        raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
+                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model) and bert "
+                          "(post-LN BertForMaskedLM) only")
+    common = {"bias": True, "tie_embeddings": bool(raw.get("tie_word_embeddings", True)),
+              "vocab_size": _need(raw, "vocab_size", path)}
+    if model_type == "gpt2":
+        _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                            "add_cross_attention": False})
+        h = _need(raw, "n_embd", path)
+        return {"kind": "gpt", "n_layer": _need(raw, "n_layer", path), "n_embd": h,
+                "n_head": _need(raw, "n_head", path), "ffn_hidden": raw.get("n_inner") or 4 * h,
+                "seq_len": _need(raw, "n_positions", path), "norm_position": "pre",
+                "norm_eps": float(raw.get("layer_norm_epsilon", 1e-5)),
+                "activation": _activation(raw, "activation_function", "gelu_new", path), **common}
+    _refuse(raw, path, {"position_embedding_type": "absolute", "is_decoder": False,
+                        "add_cross_attention": False})
+    h = _need(raw, "hidden_size", path)
+    return {"kind": "bert", "n_layer": _need(raw, "num_hidden_layers", path), "n_embd": h,
+            "n_head": _need(raw, "num_attention_heads", path),
+            "ffn_hidden": raw.get("intermediate_size") or 4 * h,
+            "seq_len": _need(raw, "max_position_embeddings", path), "norm_position": "post",
+            "norm_eps": float(raw.get("layer_norm_eps", 1e-12)),
+            "activation": _activation(raw, "hidden_act", "gelu", path), **common}
+
+
+def resolve_init(cfg, given: set[str]):
+    """``cfg`` (a TrainConfig) with the model's shape fields and ``data.tokenizer_file`` taken from
+    ``model.init_from``. ``given``: the dotted fields the user's config or command line set; one
+    of them that disagrees with config.json is refused, naming both values and the fix."""
+    path = hf_dir(cfg.model.init_from)
+    fields = model_fields(path)
+    for name, value in fields.items():
+        mine = getattr(cfg.model, name)
+        if name == "ffn_hidden":
+            mine = cfg.model.ffn
+        if f"model.{name}" in given and mine != value:
+            raise ConfigError(f"model.{name}={mine!r} but {cfg.model.init_from} has {value!r} "
+                              f"(config.json): remove model.{name} (init_from sets it) or set it to "
+                              f"{value!r}")
+    fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
+    model = dataclasses.replace(cfg.model, **fields)
+    data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str:
+    """The directory's tokenizer.json, or the user's data.tokenizer_file when it is the same
+    vocabulary; the vocabulary must have exactly the model's vocab_size entries (the trainer sizes
+    the embedding to the tokenizer)."""
+    theirs = path / "tokenizer.json"
+    mine = cfg.data.tokenizer_file if "data.tokenizer_file" in given else None
+    if not theirs.is_file() and not mine:
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r} has no tokenizer.json: set "
+                          "data.tokenizer_file to the tokenizer.json the model was trained with "
+                          "(its ids index the embedding)")
+    chosen = Path(mine).expanduser() if mine else theirs
+    if not chosen.is_file():
+        raise ConfigError(f"data.tokenizer_file={mine!r} does not exist: give a tokenizer.json, or "
+                          f"leave it out to use {theirs}")
+    tokenizer = _read_tokenizer(chosen)
+    if mine and theirs.is_file() and chosen.resolve() != theirs.resolve():
+        if tokenizer.get_vocab() != _read_tokenizer(theirs).get_vocab():
+            raise ConfigError(f"data.tokenizer_file={mine!r} is not the vocabulary of "
+                              f"{cfg.model.init_from} ({theirs}): leave data.tokenizer_file out to "
+                              "use the model's own")
+    if tokenizer.get_vocab_size() != model.vocab_size:
+        raise ConfigError(f"the tokenizer {chosen} has {tokenizer.get_vocab_size()} entries but "
+                          f"{cfg.model.init_from} has vocab_size={model.vocab_size}: give "
+                          "data.tokenizer_file with exactly the model's vocabulary")
+    return str(chosen)
+
+
+def _read_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+        raise ConfigError(f"{path} is not a tokenizer.json ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
+                          "give one saved by HF tokenizers as data.tokenizer_file") from None
+
+
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The tensors of the directory's model.safetensors (preferred) or pytorch_model.bin."""
+    for name in WEIGHT_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file)), file
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+        except ImportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and zip errors alike
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"model.init_from: {file} cannot be read ({first}): save the model "
+                              "again with save_pretrained") from None
+    raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)} (a sharded "
+                      "checkpoint is not read): save the model with save_pretrained")
+
+
+class _Taker:
+    """Pops transformers tensors by name, recording missing names and wrong shapes."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        # old checkpoints: LayerNorm.gamma / beta; buffers are not weights
+        self.left = {re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k)): v
+                     for k, v in state.items() if not BUFFERS.search(k)}
+        self.missing: list[str] = []
+        self.misshapen: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name in self.left
+
+    def __call__(self, name: str, *shape: int) -> torch.Tensor:
+        if name not in self.left:
+            self.missing.append(name)
+            return torch.zeros(shape)
+        tensor = self.left.pop(name).float()
+        if tuple(tensor.shape) != shape:
+            self.misshapen.append(f"{name} {tuple(tensor.shape)} (expected {shape})")
+            return torch.zeros(shape)
+        return tensor
+
+
+def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+def _norm(out: dict, take: _Taker, ours: str, theirs: str, h: int) -> None:
+    out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{theirs}.weight", h), take(f"{theirs}.bias", h)
+
+
+def _gpt(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
+    out = {"tok_emb.weight": take("wte.weight", v, h), "pos_emb.weight": take("wpe.weight", cfg.seq_len, h),
+           "ln_f.weight": take("ln_f.weight", h), "ln_f.bias": take("ln_f.bias", h)}
+    if cfg.tie_embeddings:
+        if take.has("lm_head.weight") and not torch.equal(take("lm_head.weight", v, h), out["tok_emb.weight"]):
+            take.misshapen.append("lm_head.weight (differs from wte.weight under tie_word_embeddings)")
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight", v, h)
+    for i in range(cfg.n_layer):
+        o, b = f"h.{i}.", f"blocks.{i}."
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            _norm(out, take, b + ours, o + theirs, h)
+        qkv_w, qkv_b = take(o + "attn.c_attn.weight", h, 3 * h), take(o + "attn.c_attn.bias", 3 * h)
+        for j, n in enumerate("qkv"):  # Conv1D (in, out) -> Linear (out, in)
+            out[f"{b}attn.{n}.weight"] = qkv_w[:, j * h:(j + 1) * h].t().contiguous()
+            out[f"{b}attn.{n}.bias"] = qkv_b[j * h:(j + 1) * h]
+        for ours, theirs, n_in, n_out in (("attn.proj", "attn.c_proj", h, h), ("mlp.fc1", "mlp.c_fc", h, f),
+                                          ("mlp.fc2", "mlp.c_proj", f, h)):
+            out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_in, n_out).t().contiguous()
+            out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
+    return out
+
+
+def _bert(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
+    e, c = "embeddings.", "cls.predictions."
+    types = take.left.get(e + "token_type_embeddings.weight", torch.zeros(1, h))
+    segment = take(e + "token_type_embeddings.weight", max(1, types.shape[0]), h)
+    out = {"tok_emb.weight": take(e + "word_embeddings.weight", v, h),
+           # segment 0, the one every sequence gets without token_type_ids, folded into positions
+           "pos_emb.weight": take(e + "position_embeddings.weight", cfg.seq_len, h) + segment[0],
+           "emb_norm.weight": take(e + "LayerNorm.weight", h), "emb_norm.bias": take(e + "LayerNorm.bias", h)}
+    for i in range(cfg.n_layer):
+        o, b = f"encoder.layer.{i}.", f"blocks.{i}."
+        pairs = [(f"attn.{n}", f"attention.self.{t}", h) for n, t in (("q", "query"), ("k", "key"), ("v", "value"))]
+        pairs += [("attn.proj", "attention.output.dense", h), ("mlp.fc1", "intermediate.dense", f),
+                  ("mlp.fc2", "output.dense", h)]
+        for ours, theirs, n_out in pairs:
+            n_in = f if ours == "mlp.fc2" else h
+            out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
+            out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
+        for ours, theirs in (("ln1", "attention.output.LayerNorm"), ("ln2", "output.LayerNorm")):
+            _norm(out, take, b + ours, o + theirs, h)
+    out.update({"head.dense.weight": take(c + "transform.dense.weight", h, h),
+                "head.dense.bias": take(c + "transform.dense.bias", h),
+                "head.norm.weight": take(c + "transform.LayerNorm.weight", h),
+                "head.norm.bias": take(c + "transform.LayerNorm.bias", h)})
+    # the decoder bias may be stored twice (decoder.bias and the tied cls.predictions.bias)
+    names = [n for n in (c + "bias", c + "decoder.bias") if take.has(n)] or [c + "bias"]
+    biases = [take(n, v) for n in names]
+    if len(biases) == 2 and not torch.equal(*biases):
+        take.misshapen.append(f"{c}decoder.bias (differs from {c}bias)")
+    out["head.decoder.bias"] = biases[0]
+    if cfg.tie_embeddings:
+        if take.has(c + "decoder.weight"):
+            take(c + "decoder.weight", v, h)  # the tied copy of word_embeddings
+        out["head.decoder.weight"] = out["tok_emb.weight"]
+    else:
+        out["head.decoder.weight"] = take(c + "decoder.weight", v, h)
+    return out
+
+
+def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of ``cfg.init_from`` under largebatch's names; ConfigError (one line) for
+    missing, unexpected or misshapen tensors."""
+    path = hf_dir(cfg.init_from)
+    state, file = read_weights(path)
+    kind_prefix = "transformer." if cfg.kind == "gpt" else "bert."
+    take = _Taker(_strip(state, kind_prefix))
+    out = (_gpt if cfg.kind == "gpt" else _bert)(take, cfg)
+    problems = []
+    for what, names in (("missing", take.missing), ("wrong shape", take.misshapen),
+                        ("unexpected", sorted(take.left))):
+        if names:
+            more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+            problems.append(f"{what} {', '.join(names[:3])}{more}")
+    if problems:
+        raise ConfigError(f"model.init_from={cfg.init_from!r}: {file.name} does not fit the "
+                          f"{cfg.kind} its config.json describes: {'; '.join(problems)}; give a "
+                          f"directory saved from {'GPT2LMHeadModel' if cfg.kind == 'gpt' else 'BertForMaskedLM'}")
+    return out
+
+
+def _check_fields(cfg: ModelConfig) -> None:
+    """The shape fields of ``cfg`` are those of its init_from directory (a config built in Python,
+    not through load_config, may disagree)."""
+    for name, value in model_fields(hf_dir(cfg.init_from)).items():
+        mine = cfg.ffn if name == "ffn_hidden" else getattr(cfg, name)
+        if mine != value:
+            raise ConfigError(f"model.{name}={mine!r} but {cfg.init_from} has {value!r} (config.json): "
+                              f"remove model.{name} (init_from sets it) or set it to {value!r}")
+
+
+def check_init(cfg: ModelConfig) -> None:
+    """Before training (preflight, ``--check``): the directory maps onto ``cfg``, fields and weights."""
+    if cfg.init_from:
+        _check_fields(cfg)
+        largebatch_state(cfg)
+
+
+@torch.no_grad()
+def init_from_pretrained(model) -> None:
+    """Load ``model.config.init_from`` into ``model`` (the full, not yet parallelized model); a
+    no-op without it. The trainer calls it on a fresh start only: a resume loads its checkpoint."""
+    cfg: ModelConfig = model.config
+    if cfg.init_from:
+        _check_fields(cfg)
+        model.load_state_dict(largebatch_state(cfg), strict=True)

@@ -1,0 +1,226 @@
+"""``model.init_from = "hf:PATH"``: tiny real transformers models (random weights, saved with
+save_pretrained, offline) loaded into largebatch must compute transformers' logits and gradients;
+a real run exported and imported again must start where it ended; the run directory keeps its
+tokenizer; bad directories are refused in one line before training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from largebatch.cli import main as cli_main
+from largebatch.export import load_run
+from largebatch.models import build_model
+from largebatch.train.config import load_config
+from largebatch.train.hf_import import init_from_pretrained
+from largebatch.train.loop import Trainer
+from largebatch.train.metrics import read_metrics
+
+V, T = 64, 16
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _word_tokenizer(path: Path, size: int) -> None:
+    """A tokenizer.json with exactly ``size`` entries (the specials a BERT run needs included)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"]
+    words += [f"w{i}" for i in range(size - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _scramble(model: torch.nn.Module) -> None:
+    """Weights far from the init (LayerNorms, biases, segment embeddings too): logits of order 1-10,
+    so a wrong transpose, split, fold or activation shows far above 1e-5."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm_gain = name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "LayerNorm.weight"))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if norm_gain else 0.0))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0))  # gelu_new, tied
+    bert = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=48,
+                                      max_position_embeddings=T, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7))
+    dirs = {}
+    for name, hf in (("gpt", gpt), ("bert", bert)):
+        _scramble(hf)
+        dirs[name] = root / name
+        hf.save_pretrained(dirs[name])
+        _word_tokenizer(dirs[name], V)
+    return dirs, {"gpt": gpt.eval(), "bert": bert.eval()}
+
+
+def _imported(path: Path, **overrides):
+    cfg = load_config(None, {"model.init_from": f"hf:{path}", **overrides})
+    model = build_model(cfg.model)
+    init_from_pretrained(model)
+    return cfg, model
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
+    dirs, hf_models = hf_dirs
+    hf = hf_models[kind]
+    cfg, model = _imported(dirs[kind])
+    expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48)}[kind]
+    assert (cfg.model.norm_position, cfg.model.activation, cfg.model.norm_eps, cfg.model.ffn) == expected
+    assert cfg.data.tokenizer_file == str(dirs[kind] / "tokenizer.json")
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    theirs = hf(input_ids=idx).logits
+    ours = model.eval()(idx)[0]
+    assert theirs.abs().max() > 1.0  # logits far from zero: the comparison can fail
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    # the activation matters at this scale: the exact GeLU in GPT-2's place is far off
+    if kind == "gpt":
+        wrong = build_model(cfg.model.replace(activation="gelu", init_from=None))
+        wrong.load_state_dict(model.state_dict())
+        assert (wrong.eval()(idx)[0] - theirs).abs().max() > 1e-4  # 10x the tolerance
+    # train mode (dropout 0): the same loss and the same gradients, through the mapping
+    targets = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(3))
+    for m, logits_of in ((model, lambda x: model(x)[0]), (hf, lambda x: hf(input_ids=x).logits)):
+        m.train().zero_grad()
+        F.cross_entropy(logits_of(idx).reshape(-1, V), targets.reshape(-1)).backward()
+    if kind == "gpt":
+        pairs = [(model.tok_emb.weight.grad, hf.transformer.wte.weight.grad),
+                 (model.blocks[1].mlp.fc1.weight.grad, hf.transformer.h[1].mlp.c_fc.weight.grad.t()),
+                 (model.blocks[0].attn.k.weight.grad, hf.transformer.h[0].attn.c_attn.weight.grad[:, 32:64].t())]
+    else:
+        layer = hf.bert.encoder.layer[1]
+        pairs = [(model.tok_emb.weight.grad, hf.bert.embeddings.word_embeddings.weight.grad),
+                 (model.blocks[1].attn.v.weight.grad, layer.attention.self.value.weight.grad),
+                 (model.pos_emb.weight.grad, hf.bert.embeddings.position_embeddings.weight.grad)]
+    for ours_grad, theirs_grad in pairs:
+        torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
+
+
+def _corpus(tmp: Path) -> Path:
+    """Real English text that can be deleted after training: this repository's documentation."""
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        shutil.copy(path, corpus / path.name)
+    return corpus
+
+
+def _tiny(corpus: Path, cache: Path, out: Path, **extra) -> dict:
+    o = {"data.corpus": str(corpus), "data.cache_dir": str(cache), "data.vocab_size": 400,
+         "data.val_fraction": 0.2, "schedule.lr_schedule": "cosine", "schedule.peak_lr": 2e-2,
+         "schedule.warmup": 0.1, "schedule.batch_policy": "constant", "schedule.batch_size": 8,
+         "run.micro_batch": 4, "run.total_tokens": 32 * 8 * 4, "run.eval_tokens": 32 * 8,
+         "run.eval_every_tokens": 32 * 8 * 4,
+         "run.tensorboard": False, "run.progress": "off", "run.sample_tokens": 0,
+         "run.out_dir": str(out), "run.peak_flops": 1e11, "run.device": "cpu",
+         "optim.name": "lamb"}
+    o.update(extra)
+    return o
+
+
+def _train(overrides: dict, config=None) -> Path:
+    cfg = load_config(config, overrides)
+    Trainer(cfg, overrides["run.out_dir"], log=lambda *_: None).fit()
+    return Path(overrides["run.out_dir"])
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    """A tiny GPT (tanh GeLU, untied) trained, exported, and the export trained on from hf:."""
+    tmp = tmp_path_factory.mktemp("trip")
+    corpus, cache = _corpus(tmp), tmp / "cache"
+    shape = {"model.kind": "gpt", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2,
+             "model.seq_len": 32, "model.activation": "gelu_tanh", "model.tie_embeddings": False}
+    original = _train({**_tiny(corpus, cache, tmp / "original"), **shape})
+    assert (original / "tokenizer.json").is_file()
+    assert cli_main(["export", str(original), str(tmp / "hf"), "--format", "hf"]) == 0
+    assert json.loads((tmp / "hf" / "config.json").read_text())["activation_function"] == "gelu_new"
+    continued = _tiny(corpus, cache, tmp / "continued", **{"model.init_from": f"hf:{tmp / 'hf'}"})
+    _train(continued)
+    return tmp, original, continued
+
+
+def test_continued_run_starts_where_the_original_ended(round_trip):
+    from largebatch.data import build_data
+
+    _, original, continued = round_trip
+    cfg = load_config(None, continued)
+    assert (cfg.model.n_layer, cfg.model.activation, cfg.model.tie_embeddings) == (2, "gelu_tanh", False)
+    data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind="gpt")
+    batch = data.train.get_batch(range(8))  # the first step's batch of a fresh start
+    final = load_run(original).model  # the original run's final model, from its checkpoint
+    with torch.no_grad():
+        reference = float(final(batch["input_ids"], batch["targets"])[1])
+    assert _losses(Path(continued["run.out_dir"]))[0] == pytest.approx(reference, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.distributed
+def test_torchrun_ddp_from_hf_equals_one_process(round_trip):
+    from test_train_distributed import _torchrun
+
+    tmp, _, continued = round_trip  # before test_export_after_the_cache_and_corpus_are_gone
+    _torchrun({**continued, "run.out_dir": str(tmp / "ddp")})  # 2 ranks x micro-batch 4 = batch 8
+    assert _losses(tmp / "ddp") == pytest.approx(_losses(Path(continued["run.out_dir"])), rel=1e-5, abs=1e-5)
+
+
+def test_export_after_the_cache_and_corpus_are_gone(round_trip):
+    tmp, original, _ = round_trip
+    shutil.rmtree(tmp / "cache")
+    shutil.rmtree(tmp / "corpus")  # the tokenizer could not be trained again
+    assert cli_main(["export", str(original), str(tmp / "hf-again"), "--format", "hf"]) == 0
+    assert ((tmp / "hf-again" / "model.safetensors").read_bytes()
+            == (tmp / "hf" / "model.safetensors").read_bytes())
+
+
+def _train_cli(capsys, *args) -> tuple[int, str]:
+    code = cli_main(["train", *args])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys):
+    dirs, _ = hf_dirs
+    out = f"--run.out_dir={tmp_path / 'run'}"
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "num_key_value_heads": 2}))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(dirs["gpt"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    extra = tmp_path / "extra"
+    shutil.copytree(dirs["gpt"], extra)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(extra / "model.safetensors"))
+    save_file({**state, "transformer.h.0.attn.rotary.weight": torch.zeros(3)}, str(extra / "model.safetensors"))
+    cases = [((f"--model.init_from=hf:{llama}",), ["model_type='llama'", "grouped-query", "gpt2"]),
+             ((f"--model.init_from=hf:{dirs['gpt']}", "--model.n_layer=3"),
+              ["model.n_layer=3", "has 2", "remove model.n_layer"]),
+             ((f"--model.init_from=hf:{no_weights}", "--check"), ["no model.safetensors or pytorch_model.bin"]),
+             ((f"--model.init_from=hf:{extra}", "--check"), ["unexpected h.0.attn.rotary.weight"]),
+             ((f"--model.init_from={dirs['gpt']}",), ["give hf:PATH"])]
+    for args, words in cases:
+        code, err = _train_cli(capsys, *args, out)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert all(w in err for w in words), err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{dirs['bert']}", "--check", out)
+    assert code == 0, err  # a shipped recipe's model fields give way to the directory's
