@@ -309,7 +309,7 @@ class Trainer:
         noise scale caps the next milestone), which read one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
-        batch_size = self.schedule.batch_size(in_phase)
+        batch_size = self._step_batch(in_phase)  # the phase's last step: only what its budget needs
         lr = self.schedule.lr(in_phase)
         for group in self.optimizer.param_groups:  # a group's LR ratio to the schedule survives
             group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -321,7 +321,7 @@ class Trainer:
         ends_at = in_phase + batch_size * self.phase.seq_len
         if ends_at < self.phase.total_tokens:  # the next step's batch, built while this one computes
             after = rank_samples(range(pos.samples + batch_size,
-                                       pos.samples + batch_size + self.schedule.batch_size(ends_at)), par)
+                                       pos.samples + batch_size + self._step_batch(ends_at)), par)
             self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
         n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
@@ -498,6 +498,12 @@ class Trainer:
         p = self.phase
         return p.schedule.build(total_tokens=p.total_tokens, seq_len=p.seq_len, micro_batch=p.micro_batch,
                                 dp_size=self.schedule_dp)
+
+    def _step_batch(self, in_phase: int) -> int:
+        """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in
+        multiples of the dp replicas (pipeline: of whole micro-batch rounds, which its schedules need)."""
+        granularity = self.schedule_dp * (self.phase.micro_batch * self.par.pp_size if self.pipeline else 1)
+        return self.schedule.step_batch(in_phase, self.phase.seq_len, granularity)
 
     def _set_phase(self, phase: Phase) -> None:
         """Data packed at the phase's length, its schedule and its FLOPs per token."""
