@@ -171,14 +171,19 @@ def test_seesaw_from_a_plain_loop():
     scheduler = TokenLR(optimizer, seesaw)
     plans = list(seesaw.steps(SEQ))
     assert len(plans) == count_optimizer_steps(seesaw, SEQ)
-    assert [p.batch_size for p in plans[-1:]] == [32]  # 4 -> 8 -> 16 -> 32 over 3 milestones
+    # 4 -> 8 -> 16 -> 32 over 3 milestones; the last step takes only what the budget still needs
+    last = plans[-1]
+    assert seesaw.batch_size(last.tokens_seen) == 32
+    assert last.batch_size == min(32, -(-(TOTAL - last.tokens_seen) // SEQ))
+    assert sum(p.tokens for p in plans) == -(-TOTAL // SEQ) * SEQ
     clock = 0
     for plan in plans:
         assert plan.tokens_seen == clock and plan.tokens == plan.batch_size * SEQ
         milestone_near = any(abs(clock - m) <= plan.tokens for m in seesaw.milestones)
         if not milestone_near:  # a step that straddles a milestone may round either way
-            assert plan.batch_size == seesaw_batch_ref(clock, 4, 0.5, 0.1), clock
-        assert plan.micro_batches * plan.micro_batch == plan.batch_size
+            needed = -(-(TOTAL - clock) // SEQ)  # the budget's last step is trimmed to it
+            assert plan.batch_size == min(seesaw_batch_ref(clock, 4, 0.5, 0.1), needed), clock
+        assert plan.micro_batches == -(-plan.batch_size // plan.micro_batch)  # the last may be short
         assert optimizer.param_groups[0]["lr"] == plan.lr == seesaw.lr(clock)
         optimizer.step()
         scheduler.step(tokens=plan.tokens)

@@ -100,7 +100,9 @@ class ArmResult:
 
     @property
     def final_batch(self) -> int:
-        return self.train[-1]["batch_size"]
+        """The largest batch the schedule reached (batches never shrink here; the last step itself
+        may be shorter, trimmed to the token budget)."""
+        return max(r["batch_size"] for r in self.train)
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:

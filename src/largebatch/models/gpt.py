@@ -81,12 +81,13 @@ class TransformerBase(nn.Module):
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Cross-entropy over the last dim in fp32; targets == -100 are ignored. reduction="sum" lets a
-    trainer divide by the tokens of the whole (accumulated) batch."""
+    """Cross-entropy over the last dim in fp32 (float64 logits stay float64); targets == -100 are
+    ignored. reduction="sum" lets a trainer divide by the tokens of the whole (accumulated) batch."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: must be 'mean' or 'sum'.")
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                           ignore_index=-100, reduction=reduction)
+    logits = logits.reshape(-1, logits.size(-1))  # (B*T, v)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=-100, reduction=reduction)
 
 
 class GPT(TransformerBase):

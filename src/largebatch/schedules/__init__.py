@@ -23,6 +23,7 @@ from largebatch.schedules.batch import (
                                         check_batch_size,
                                         count_optimizer_steps,
                                         format_phase_table,
+                                        trim_to_budget,
 )
 from largebatch.schedules.config import ScheduleConfig
 from largebatch.schedules.lr import (
@@ -43,7 +44,7 @@ __all__ = [
     "LRSchedule", "Constant", "Cosine", "LinearDecay", "WSD", "WarmupHoldPolynomial",
     "InverseSqrt", "scale_lr_for_batch",
     "JointSchedule", "Phase", "StepPlan", "ConstantBatch", "LinearRamp", "PiecewiseBatch",
-    "check_batch_size", "count_optimizer_steps", "format_phase_table",
+    "check_batch_size", "trim_to_budget", "count_optimizer_steps", "format_phase_table",
     "MilestoneSchedule", "Seesaw", "SeesawFamily", "SmithRamp", "find_milestones",
     "NoiseScale", "ScheduleConfig", "TokenLR",
 ]

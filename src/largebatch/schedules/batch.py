@@ -6,7 +6,9 @@ A joint schedule answers two questions about the token clock: ``lr(tokens)`` and
 ``batch_size(tokens)`` (in sequences). Optimizer steps are derived, never the key: step k starts at
 ``tokens_k`` and consumes ``batch_size(tokens_k) * seq_len`` tokens, so ``tokens_{k+1} = tokens_k +
 batch_size(tokens_k) * seq_len``. ``steps(seq_len)`` yields each step's ``StepPlan`` (batch size,
-micro-batches per rank, LR, tokens) for a plain training loop. ``phases(seq_len)`` is the realised
+micro-batches per rank, LR, tokens) for a plain training loop; its last step takes only the
+sequences the budget still needs (``trim_to_budget``), so the steps consume the budget exactly.
+``phases(seq_len)`` is the realised
 schedule as a table: token range, LR at both ends, batch size, and the optimizer steps that start
 inside the range.
 
@@ -51,6 +53,22 @@ def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
     return batch_size
 
 
+def trim_to_budget(batch_size: int, tokens_left: int, seq_len: int, granularity: int = 1) -> int:
+    """The sequences of a step that starts ``tokens_left`` tokens before the end of the budget.
+
+    ``batch_size`` while the budget holds a whole step; the last step takes only the sequences still
+    needed, ``ceil(tokens_left / seq_len)``, rounded up to a multiple of ``granularity`` (the
+    data-parallel ranks, which must all take the same count), never more than ``batch_size``. So a
+    run ends exactly on its budget when the budget is a whole number of ``granularity`` sequences,
+    and at most ``granularity * seq_len - 1`` tokens past it otherwise; a schedule with bigger
+    batches (Seesaw) no longer overshoots more than one with small ones.
+    """
+    if tokens_left <= 0:
+        raise ValueError(f"tokens_left={tokens_left}: the budget is spent, there is no step to trim")
+    needed = -(-int(tokens_left) // seq_len)
+    return min(batch_size, -(-needed // granularity) * granularity)
+
+
 def round_down_to_multiple(batch: float, granularity: int) -> int:
     """The largest multiple of ``granularity`` not above ``batch`` (but at least one multiple)."""
     return max(granularity, int(math.floor(batch / granularity + 1e-9)) * granularity)
@@ -80,7 +98,8 @@ class StepPlan:
     micro_batch: int
     """Sequences in one micro-batch (forward/backward)."""
     micro_batches: int
-    """Micro-batches each rank accumulates: batch_size // (micro_batch * dp_size)."""
+    """Micro-batches each rank accumulates: ceil(batch_size / (micro_batch * dp_size)) (the last,
+    trimmed step's last micro-batch may be shorter)."""
     lr: float
     """The schedule's LR for this step."""
     tokens: int
@@ -118,12 +137,21 @@ class JointSchedule:
         """Micro-batches each data-parallel rank accumulates for the step starting at ``tokens``."""
         return self.batch_size(tokens) // (self.micro_batch * self.dp_size)
 
+    def step_batch(self, tokens: float, seq_len: int, granularity: int | None = None) -> int:
+        """Sequences of the step starting at ``tokens``: ``batch_size(tokens)``, except the budget's
+        last step, which takes only the sequences still needed (``trim_to_budget``; ``granularity``
+        defaults to ``dp_size``). The LR of that step is ``lr(tokens)`` as ever."""
+        return trim_to_budget(self.batch_size(tokens), self.total_tokens - int(tokens), seq_len,
+                              self.dp_size if granularity is None else granularity)
+
     def plan(self, tokens_seen: float, seq_len: int) -> StepPlan:
-        """The optimizer step that starts at ``tokens_seen``: batch size, micro-batches, LR."""
+        """The optimizer step that starts at ``tokens_seen``: batch size, micro-batches, LR (the last
+        step trimmed to the budget, see ``step_batch``)."""
         check_batch_size(seq_len, name="seq_len")
-        batch = self.batch_size(tokens_seen)
-        return StepPlan(int(tokens_seen), batch, self.micro_batch, self.micro_batches(tokens_seen),
-                        self.lr(tokens_seen), batch * seq_len)
+        batch = self.step_batch(tokens_seen, seq_len)
+        per_rank = -(-batch // (self.micro_batch * self.dp_size))
+        return StepPlan(int(tokens_seen), batch, self.micro_batch, per_rank, self.lr(tokens_seen),
+                        batch * seq_len)
 
     def steps(self, seq_len: int, tokens_seen: int = 0) -> Iterator[StepPlan]:
         """The optimizer steps from ``tokens_seen`` (resume) to the end of the budget, in order.

@@ -270,7 +270,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         noise scale caps the next milestone), which read one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
-        batch_size = self.schedule.batch_size(in_phase)
+        batch_size = self._step_batch(in_phase)  # the phase's last step: only what its budget needs
         lr = self.schedule.lr(in_phase)
         for group in self.optimizer.param_groups:  # a group's LR ratio to the schedule survives
             group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -282,7 +282,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         ends_at = in_phase + batch_size * self.phase.seq_len
         if ends_at < self.phase.total_tokens:  # the next step's batch, built while this one computes
             after = rank_samples(range(pos.samples + batch_size,
-                                       pos.samples + batch_size + self.schedule.batch_size(ends_at)), par)
+                                       pos.samples + batch_size + self._step_batch(ends_at)), par)
             self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
         n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
@@ -425,6 +425,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         val_loss = self._log_eval()
         self.save()
         return self._summary(val_loss)
+
+    def _step_batch(self, in_phase: int) -> int:
+        """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in
+        multiples of the dp replicas (pipeline: of whole micro-batch rounds, which its schedules need)."""
+        granularity = self.schedule_dp * (self.phase.micro_batch * self.par.pp_size if self.pipeline else 1)
+        return self.schedule.step_batch(in_phase, self.phase.seq_len, granularity)
 
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""

@@ -12,7 +12,10 @@ its workers, which a cluster may have signalled already.
 Under torchrun the ranks must stop at the same step, or the checkpoint (a collective) would hang:
 after every step one all-reduce (MAX) of [signal, checkpoint due] makes every rank take the same
 decision, whichever rank the signal reached first. The wall-clock interval
-(``run.checkpoint_every_seconds``) is decided the same way.
+(``run.checkpoint_every_seconds``) is decided the same way. That all-reduce is host traffic: its
+flag tensor lives on the CPU and goes over a gloo group (``control_group``: the default group when
+that is gloo, else one gloo side group over all ranks, created once), so under NCCL polling never
+queues a collective on the device nor waits for the device's queue to drain.
 """
 
 from __future__ import annotations
@@ -37,6 +40,23 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
+_SIDE_GROUPS: dict[int, object] = {}  # id(default group) -> its gloo side group
+
+
+def control_group(par: ParallelState):
+    """The process group for host-side control flags (CPU tensors): None (the default group) when the
+    default backend is gloo, else a gloo group over all ranks, created on first use -- collectively,
+    so every rank must call this at the same point (``StopRequest.__init__`` does)."""
+    import torch.distributed as dist
+
+    if not par.distributed or dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
+    return _SIDE_GROUPS[key]
+
+
 class StopRequest:
     """A context manager for the training loop: records SIGTERM / SIGINT, and says when to checkpoint."""
 
@@ -47,6 +67,7 @@ class StopRequest:
         self._first_at = 0.0
         self._last_checkpoint = time.monotonic()
         self._previous: dict[int, object] = {}
+        self.group = control_group(par)  # every rank builds its StopRequest at the same point
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
@@ -74,12 +95,13 @@ class StopRequest:
 
     def poll(self) -> tuple[int | None, bool]:
         """(the signal to stop on or None, whether a time-based checkpoint is due): the same on every
-        rank. Call once per step, on every rank (under torchrun it is one small all-reduce)."""
+        rank. Call once per step, on every rank (under torchrun it is one small all-reduce of a CPU
+        tensor over ``control_group``: no device sync)."""
         due = bool(self.every) and time.monotonic() - self._last_checkpoint >= self.every
         signum = self.signum or 0
         if self.par.distributed:
-            flags = torch.tensor([signum, int(due)], dtype=torch.int64, device=self.par.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = torch.tensor([signum, int(due)], dtype=torch.int64)  # on the CPU
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             signum, due = int(flags[0]), bool(flags[1])
         return (signum or None), due
 
