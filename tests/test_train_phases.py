@@ -14,6 +14,7 @@ import torch
 from largebatch.checkpoint import list_checkpoints, load_checkpoint
 from largebatch.train.cli import main
 from largebatch.train.metrics import read_metrics
+from largebatch.train.plots import phase_boundaries
 
 CONFIG = """
 [model]
@@ -100,6 +101,9 @@ def test_each_phase_runs_at_its_length_batch_and_schedule(reference):
     for records_, peak, tokens_per_step in ((phase0, 1e-2, 16 * 32), (phase1, 5e-3, 8 * 64)):
         expected = [lans_lr(peak, 0.25, i * tokens_per_step / 2048) for i in range(4)]
         assert [r["lr"] for r in records_] == pytest.approx(expected, rel=1e-6)
+    # the plots mark where phase 1 begins: at phase 0's budget, after its last step
+    assert phase_boundaries(records) == [(2048, phase0[-1]["step"], 1, 64)]
+    assert (run / "loss.png").stat().st_size > 0 and (run / "schedule.png").stat().st_size > 0
     vals = [r for r in read_metrics(run) if r["kind"] == "val"]
     at_boundary = [r for r in vals if r["tokens"] == 2048]
     assert sorted(r["seq_len"] for r in at_boundary) == [32, 64]  # phase 0's last eval, phase 1's first

@@ -1,11 +1,27 @@
 """A run's PNG plots, written at its end from metrics.jsonl: loss.png (loss vs tokens and vs steps)
-and schedule.png (LR and batch size vs tokens). matplotlib (the [train] extra) is imported on use."""
+and schedule.png (LR and batch size vs tokens), with a dashed line where each [[phases]] phase
+begins. matplotlib (the [train] extra) is imported on use."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from largebatch.train.metrics import read_metrics
+
+
+def phase_boundaries(train: list[dict]) -> list[tuple[int, int, int, int]]:
+    """(tokens, step, new phase, its seq_len) where a phase begins: the tokens and step at the end of
+    the phase before, read from consecutive train records."""
+    return [(a["tokens"], a["step"], b["phase"], b.get("seq_len")) for a, b in zip(train, train[1:])
+            if a.get("phase", 0) != b.get("phase", 0)]
+
+
+def _mark_phases(ax, boundaries: list[tuple[int, int, int, int]], by_step: bool = False) -> None:
+    for tokens, step, phase, seq_len in boundaries:
+        ax.axvline(step if by_step else tokens, color="grey", ls="--", lw=1)
+        ax.annotate(f"phase {phase}" + (f" (seq {seq_len})" if seq_len else ""),
+                    (step if by_step else tokens, 1), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -22,11 +38,13 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if not train:
         return []
     out = []
+    boundaries = phase_boundaries(train)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "tokens", "tokens seen"), (axes[1], "step", "optimizer step")):
         ax.plot([r[key] for r in train], [r["loss"] for r in train], lw=1, label="train")
         if val:
             ax.plot([r[key] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        _mark_phases(ax, boundaries, by_step=key == "step")
         ax.set_xlabel(label)
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -45,6 +63,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax2 = ax1.twinx()
     ax2.step(tokens, [r["batch_size"] for r in train], color="tab:orange", where="post")
     ax2.set_ylabel("batch size (sequences)", color="tab:orange")
+    _mark_phases(ax1, boundaries)
     ax1.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "schedule.png", dpi=110)
