@@ -64,14 +64,15 @@ def main(argv: list[str] | None = None) -> float:
     scheduler = TokenLR(optimizer, schedule)  # no fixed tokens_per_step: the batch grows
     generator, start, batch = torch.Generator().manual_seed(1), time.perf_counter(), None
     for k, step in enumerate(schedule.steps(SEQ_LEN)):
-        if step.batch_size != batch:  # a new phase: show what the plan asks for
+        if step.batch_size != batch:  # a new phase (or the last step, trimmed to the budget)
             batch = step.batch_size
             print(f"step {k:4d}  tokens {step.tokens_seen:8,}  batch {step.batch_size:3d} = "
                   f"{step.micro_batches} micro-batches of {step.micro_batch}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}")
-        for _ in range(step.micro_batches):  # accumulate: the loss is a mean over the step
-            x, y = windows(train_data, step.micro_batch, generator)
-            loss = model(x, y)[1] / step.micro_batches
+        for i in range(step.micro_batches):  # accumulate: the loss is a mean over the step's sequences
+            size = min(step.micro_batch, step.batch_size - i * step.micro_batch)  # the last may be short
+            x, y = windows(train_data, size, generator)
+            loss = model(x, y)[1] * size / step.batch_size
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
