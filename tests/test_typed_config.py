@@ -57,7 +57,7 @@ def test_roundtrip_and_coercion():
     ({"steps": 2.5}, "expected a whole number"),
     ({"inner": {"name": "lams"}}, "inner.name = 'lams'.*did you mean 'lans'"),
     ({"inner": {"betas": [0.9]}}, "expected 2 values"),
-    ({"inner": {"lr": -1.0}}, r"\[inner\] lr = -1.0: must be > 0"),
+    ({"inner": {"lr": -1.0}}, r"inner\.lr = -1.0: must be > 0"),
     ({"inner": 3}, r"\[inner\] must be a table"),
     ({"inner": {"clip": "x"}}, "inner.clip = 'x'"),
 ])
