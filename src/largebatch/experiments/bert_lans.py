@@ -20,6 +20,7 @@ a difference is stated only when the interval excludes 0.
 
 from __future__ import annotations
 
+import copy
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,15 @@ from typing import Any
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
-from largebatch.experiments.runner import BASE_CONFIG, COMMON_OVERRIDES, Arm, ArmResult, Execution, run_arms
+from largebatch.experiments.runner import (
+    BASE_CONFIG,
+    COMMON_OVERRIDES,
+    Arm,
+    ArmResult,
+    Execution,
+    check_seed_count,
+    run_arms,
+)
 from largebatch.stats import ci95
 
 OPTIMIZERS = ("lans", "lamb", "adamw")
@@ -67,9 +76,7 @@ SETTINGS = {
 
 
 def check_seeds(seeds: int) -> int:
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= len(SEEDS):
-        raise ValueError(f"seeds={seeds!r}: must be an integer from 1 to {len(SEEDS)} (seeds per arm)")
-    return seeds
+    return check_seed_count(seeds, len(SEEDS))
 
 
 def recipe_lrs() -> list[float]:
@@ -128,7 +135,8 @@ def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print)
         accuracy[result.arm.name] = []
         for k in range(s.seeds):
             torch.manual_seed(1000 + k)
-            accuracy[result.arm.name].append(finetune_arm(loaded.model.train(), task, s, 1000 + k)["test_accuracy"])
+            encoder = copy.deepcopy(loaded.model).train()  # finetune_arm changes the encoder in place
+            accuracy[result.arm.name].append(finetune_arm(encoder, task, s, 1000 + k)["test_accuracy"])
         log(f"  {result.arm.name}: fine-tuned test accuracy {statistics.fmean(accuracy[result.arm.name]):.4f}")
     scratch = []
     if first is not None:

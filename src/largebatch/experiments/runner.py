@@ -51,6 +51,13 @@ def check_size(size: str) -> str:
     return size
 
 
+def check_seed_count(seeds: int, available: int) -> int:
+    """``seeds`` if it is an integer from 1 to ``available`` (the experiment's seed list)."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= available:
+        raise ValueError(f"seeds={seeds!r}: must be an integer from 1 to {available} (seeds per arm)")
+    return seeds
+
+
 def base_overrides(size: str) -> dict[str, Any]:
     """The shared config of every arm of an experiment at this size."""
     overrides = {**COMMON_OVERRIDES, **SIZE_OVERRIDES[check_size(size)]}

@@ -30,7 +30,15 @@ from pathlib import Path
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
-from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms, steps_to_reach
+from largebatch.experiments.runner import (
+    Arm,
+    ArmResult,
+    Execution,
+    base_overrides,
+    check_seed_count,
+    run_arms,
+    steps_to_reach,
+)
 from largebatch.stats import ci95
 
 
@@ -60,9 +68,7 @@ LABELS = {"cosine": "AdamW + cosine", "seesaw-r0.5": "Seesaw r=1/2",
 
 
 def check_seeds(seeds: int) -> int:
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= len(SEEDS):
-        raise ValueError(f"seeds={seeds!r}: must be an integer from 1 to {len(SEEDS)} (seeds per arm)")
-    return seeds
+    return check_seed_count(seeds, len(SEEDS))
 
 
 def seed_name(seed: int | None) -> str:
