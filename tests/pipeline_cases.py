@@ -1,6 +1,7 @@
 """Worker code for tests/test_pipeline.py: `largebatch train` runs INSIDE 2 spawned gloo ranks (1 thread
-each), one spawn for every case; each run writes its metrics, the tests compare them with one-process
-runs of the same config."""
+each), one spawn for every case, and the 4-rank layouts of the mesh (pp x dp_replicate x dp_shard x
+tp) in one more; each run writes its metrics, the tests compare them with one-process runs of the
+same config."""
 
 from __future__ import annotations
 
@@ -46,8 +47,26 @@ def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **ex
     return o
 
 
-def train(o: dict, out: str | Path, resume: bool = False) -> None:
-    Trainer(load_config(resolve_config(None), o), out, resume=resume, log=lambda *_: None).fit()
+def train(o: dict, out: str | Path, resume: bool = False) -> Trainer:
+    trainer = Trainer(load_config(resolve_config(None), o), out, resume=resume, log=lambda *_: None)
+    trainer.fit()
+    return trainer
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors this rank holds (the local shards of DTensors)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes
+               for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def stop_then_resume(o: dict, out: Path, copy_to: Path | None = None) -> Trainer:
+    """Train STOP_AT steps (a checkpoint), copy the run directory for a resume elsewhere, resume here."""
+    train({**o, "run.max_steps": STOP_AT}, out)
+    dist.barrier()
+    if copy_to is not None and dist.get_rank() == 0:
+        shutil.copytree(out, copy_to)
+    dist.barrier()
+    return train(o, out, resume=True)
 
 
 def first_stage_peak_bytes() -> dict[str, int]:
@@ -77,12 +96,7 @@ def run_all(out_dir: str, cache: str) -> None:
     # stopped after STOP_AT steps on pp = 2 with uneven stages (1 + 3 layers), then resumed on pp = 2; a
     # copy of the stopped run is resumed on one process by the test
     pp = {"parallel.pp": 2, "parallel.pp_split": [1]}
-    train(overrides(cache, str(out / "resume"), **pp, **{"run.max_steps": STOP_AT}), out / "resume")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.copytree(out / "resume", out / "resume-on-one")
-    dist.barrier()
-    train(overrides(cache, str(out / "resume"), **pp), out / "resume", resume=True)
+    stop_then_resume(overrides(cache, str(out / "resume"), **pp), out / "resume", out / "resume-on-one")
 
 
 FOUR_RANK_CASES = {  # name: (dp, layout)
@@ -90,7 +104,19 @@ FOUR_RANK_CASES = {  # name: (dp, layout)
     "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
 
 
+HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica groups x 2 shards
+
+
 def run_four_ranks(out_dir: str, cache: str) -> None:
-    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), pp = 2 x tp = 2 + SP."""
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), pp = 2 x tp = 2 + SP; then
+    HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
+    writing each rank's optimizer state bytes."""
+    out = Path(out_dir)
     for name, (_, layout) in FOUR_RANK_CASES.items():
-        train(overrides(cache, str(Path(out_dir) / name), **layout), Path(out_dir) / name)
+        train(overrides(cache, str(out / name), **layout), out / name)
+    hsdp = stop_then_resume(overrides(cache, str(out / "hsdp"), **HSDP), out / "hsdp", out / "hsdp-on-one")
+    par = hsdp.par
+    (out / f"hsdp_rank{dist.get_rank()}.json").write_text(json.dumps({
+        "state_bytes": optimizer_state_bytes(hsdp.optimizer), "describe": par.describe(),
+        "sizes": [par.dp_replicate_size, par.dp_shard_size, par.dp_size],
+        "placements": sorted({str(p.placements) for p in hsdp.raw_model.parameters()})}))

@@ -74,11 +74,41 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
     _assert_same_trajectory(one, ref)
 
 
-def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(runs):
+@pytest.fixture(scope="module")
+def four_ranks(runs):
     cache, out = runs
-    spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for both layouts
+    spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for every 4-rank layout
+    return cache, out
+
+
+def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
+    _, out = four_ranks
     for name, (dp, _) in cases.FOUR_RANK_CASES.items():
         _assert_same_trajectory(out / name, out / "one-gpt-lamb", dp=dp)
+
+
+def test_hsdp_2x2_equals_one_process_shards_state_in_half_and_resumes_on_one(four_ranks):
+    """HSDP: FSDP2 on the (dp_replicate, dp_shard) = (2, 2) mesh, LAMB with clipping; stopped and
+    resumed on 4 ranks, and the stopped run's DCP checkpoint resumed on one process."""
+    from largebatch.models import build_model
+
+    cache, out = four_ranks
+    ref = out / "one-gpt-lamb"
+    _assert_same_trajectory(out / "hsdp", ref, dp=4)
+    ranks = [json.loads((out / f"hsdp_rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["sizes"] == [2, 2, 4] for r in ranks)
+    assert all(r["placements"] == ["(Replicate(), Shard(dim=0))"] for r in ranks)
+    assert "replica 1/2, shard 0/2" in ranks[2]["describe"]
+    cfg = load_config(resolve_config(None), cases.overrides(cache, "unused")).model
+    model = build_model(cfg.replace(vocab_size=512))  # the trainer sizes the vocabulary to its tokenizer
+    total = 2 * 4 * sum(p.numel() for p in model.parameters())  # LAMB: exp_avg and exp_avg_sq, fp32
+    assert [r["state_bytes"] for r in ranks] == [total // 2] * 4  # divided by the shard size only
+    one = out / "hsdp-on-one"
+    cases.train(cases.overrides(cache, str(one)), one, resume=True)  # the HSDP checkpoint on 1 process
+    ours, theirs = _train_records(one)[cases.STOP_AT:], _train_records(ref)[cases.STOP_AT:]
+    assert ours[0]["step"] == cases.STOP_AT + 1 and len(ours) == len(theirs) > 2
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], rel=TOL, abs=TOL)
+    assert _val(one) == pytest.approx(_val(ref), abs=TOL)
 
 
 @pytest.mark.parametrize("schedule, virtual", cases.MEMORY_CASES)
@@ -114,6 +144,13 @@ def _config(monkeypatch, world: int, **extra):
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
     (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.loss_parallel": True}, "turn loss_parallel off"),
     (4, {"parallel.pp": 2}, "set parallel.dp_mode = 'fsdp'"),
+    (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 3}, "parallel.dp_replicate = 3 with 4 data-parallel"),
+    (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 4}, "leave dp / R > 1 ranks to shard over"),
+    (4, {"parallel.dp_replicate": 2}, "parallel.dp_replicate = 2 with dp_mode = 'ddp'"),
+    (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2, "parallel.dp": 2},
+     "parallel.dp_replicate = 2 with dp = 2"),
+    (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2, "parallel.tp": 2, "parallel.pp": 2},
+     "parallel.dp_replicate = 2 with 1 data-parallel"),
 ])
 def test_bad_layouts_fail_in_one_line_naming_the_fix(monkeypatch, world, extra, message):
     with pytest.raises(ConfigError) as err:

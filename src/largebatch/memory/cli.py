@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="V, stages per rank of the interleaved schedule in the --pp table (default 2)")
     p.add_argument("--pp-micro-batches", type=int,
                    help="m, micro-batches per step for the GPipe row of the --pp table (default 2 p)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size (matters with --zero-stage)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over "
+                   "(matters with --zero-stage): dp, or under HSDP dp / dp_replicate")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
@@ -100,8 +101,8 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         args.pp = par.get("pp", 1)
     if args.pp_virtual_stages == 2 and par.get("pp_virtual_stages", 1) > 1:
         args.pp_virtual_stages = par["pp_virtual_stages"]
-    if args.dp == 1:
-        args.dp = par.get("dp", 0) or 1
+    if args.dp == 1:  # the ranks the state is sharded over: under HSDP one replica group's
+        args.dp = (par.get("dp", 0) or 1) // (par.get("dp_replicate", 1) if par.get("dp_mode") == "fsdp" else 1)
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
     if args.phase is not None:
         config = _phase(args, tree, config, explicit_micro_batch)

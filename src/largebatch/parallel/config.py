@@ -1,9 +1,11 @@
 """ParallelConfig: the ``[parallel]`` table of a run -- how many ranks, and how they share the work.
 
-The world (``torchrun --nproc-per-node N``) is laid out as a 3-D device mesh ``pp x dp x tp``
+The world (``torchrun --nproc-per-node N``) is laid out as a device mesh ``pp x dp x tp``
 (pipeline x data x tensor parallel; docs/papers.md: sharding and §2, Korthikanti et al. 2022 §4.2.2
-for sequence parallelism, Narayanan et al. 2021 for the pipeline schedules). ``dp`` may be left at 0
-to take whatever ``world / (pp x tp)`` is.
+for sequence parallelism, Narayanan et al. 2021 for the pipeline schedules), the data-parallel
+dimension itself ``dp_replicate x dp_shard`` (torchtitan's layout): FSDP2 shards over dp_shard and
+replicates over dp_replicate (HSDP); DDP is dp_shard = 1. ``dp`` may be left at 0 to take whatever
+``world / (pp x tp)`` is.
 """
 
 from __future__ import annotations
@@ -57,7 +59,13 @@ class ParallelConfig:
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (DistributedDataParallel: full replicas,
     gradients all-reduced) or 'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer
-    state sharded across the dp ranks, gathered layer by layer). With tp > 1 or pp > 1 use 'fsdp'."""
+    state sharded across the dp ranks, gathered layer by layer; with dp_replicate > 1, HSDP). With
+    tp > 1 or pp > 1 use 'fsdp'."""
+    dp_replicate: int = 1
+    """R, with dp_mode = 'fsdp': HSDP -- the dp ranks form R replica groups of dp / R ranks each;
+    FSDP2 shards parameters, gradients and optimizer state within a group (dp / R ways) and
+    all-reduces gradients across the groups (the sharding collectives stay inside a group, e.g. a
+    node). Must divide dp and leave dp / R > 1. 1 (default): plain FSDP over all dp ranks."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: 'auto' (NCCL when CUDA is available, else gloo), 'nccl' (GPUs) or 'gloo'
     (CPU)."""
@@ -66,7 +74,7 @@ class ParallelConfig:
     one died). Checkpoint saves of large models may need more."""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "pp_virtual_stages"):
+        for name in ("dp", "tp", "pp", "pp_virtual_stages", "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "dp" else 1):
                 bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
@@ -84,10 +92,21 @@ class ParallelConfig:
         if self.loss_parallel and self.tp == 1:
             raise ValueError("parallel.loss_parallel = true needs parallel.tp > 1 (it splits the vocabulary "
                              "across the tensor-parallel ranks); set tp, or turn it off")
+        self._check_replicate()
         if self.tp > 1 and self.dp_mode == "ddp" and self.dp not in (0, 1):
             raise ValueError(f"parallel.dp_mode = 'ddp' with tp = {self.tp} and dp = {self.dp}: DDP "
                              "cannot replicate tensor-parallel (DTensor) parameters; use "
                              "parallel.dp_mode = 'fsdp' for data x tensor parallel")
+
+    def _check_replicate(self) -> None:
+        r = self.dp_replicate
+        if r > 1 and self.dp_mode != "fsdp":
+            raise ValueError(f"parallel.dp_replicate = {r} with dp_mode = {self.dp_mode!r}: replica groups are "
+                             "HSDP (sharded within a group); DDP already replicates over every dp rank -- set "
+                             "dp_mode = 'fsdp' or dp_replicate = 1")
+        if r > 1 and self.dp and (self.dp % r or self.dp == r):
+            raise ValueError(f"parallel.dp_replicate = {r} with dp = {self.dp}: R must divide dp and leave "
+                             f"dp / R > 1 ranks to shard over; choose a proper divisor of {self.dp}")
 
     @property
     def pp_stages(self) -> int:

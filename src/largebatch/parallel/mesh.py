@@ -1,11 +1,14 @@
-"""The process group and the ``pp x dp x tp`` device mesh, from torchrun's environment.
+"""The process group and the ``pp x dp_replicate x dp_shard x tp`` device mesh, from torchrun's environment.
 
 ``init_distributed(cfg)`` reads what torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL on GPUs and gloo on CPUs, sets a collective timeout so that no rank waits
-forever on a peer that died, and builds a 3-D mesh with dimensions ("pp", "dp", "tp")
-(docs/papers.md: sharding; Korthikanti et al. 2022 §4.2.2 lays tensor/sequence parallel ranks along
-"tp"; Narayanan et al. 2021 pipeline stages along "pp"). Ranks with consecutive numbers share a
-tensor-parallel group, so "tp" stays within a node; "pp" is outermost, as in torchtitan.
+forever on a peer that died, and builds a 4-D mesh with dimensions ("pp", "dp_replicate",
+"dp_shard", "tp") -- torchtitan's parallel_dims layout (docs/papers.md: sharding; Korthikanti et
+al. 2022 §4.2.2 lays tensor/sequence parallel ranks along "tp"; Narayanan et al. 2021 pipeline
+stages along "pp"). Ranks with consecutive numbers share a tensor-parallel group, so "tp" stays
+within a node; "pp" is outermost. The data-parallel ranks are dp_replicate x dp_shard, flattened
+into "dp" (batch slices, loss scale, DDP): FSDP2 shards over "dp_shard" and, when dp_replicate > 1,
+replicates over "dp_replicate" (HSDP); DDP is dp_shard = 1.
 
 ``ParallelState`` is the one mesh object: every part (batching, norms, checkpoints, noise scale,
 the trainer) reads its sizes, coordinates and groups from it, by dimension name (``DIMS``).
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 from largebatch.parallel.config import ParallelConfig
 
-DIMS = ("pp", "dp", "tp")  # outermost first: the mesh's dimension names
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's dimension names
 
 
 class RankFailure(RuntimeError):
@@ -48,8 +51,12 @@ class ParallelState:
     local_rank: int = 0
     pp_rank: int = 0
     pp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
+    dp_rank: int = 0  # dp_replicate_rank x dp_shard_size + dp_shard_rank: the batch slice
+    dp_size: int = 1  # dp_replicate x dp_shard: the data-parallel degree
+    dp_replicate_rank: int = 0
+    dp_replicate_size: int = 1
+    dp_shard_rank: int = 0
+    dp_shard_size: int = 1  # what FSDP2 divides parameters, gradients and optimizer state by
     tp_rank: int = 0
     tp_size: int = 1
     sequence_parallel: bool = False
@@ -59,7 +66,8 @@ class ParallelState:
     pp_virtual_stages: int = 1
     pp_split: list[int] | None = None
     device: torch.device = torch.device("cpu")
-    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("pp", "dp", "tp")
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh, dimensions DIMS
+    flat: dict | None = None  # the flattened meshes by name: "dp" (dp_replicate x dp_shard), "dp_tp"
 
     def size(self, dim: str) -> int:
         return getattr(self, f"{dim}_size")
@@ -68,14 +76,20 @@ class ParallelState:
         """This rank's coordinate along every mesh dimension."""
         return {dim: getattr(self, f"{dim}_rank") for dim in DIMS}
 
+    def submesh(self, dim: str):
+        """The mesh along one dimension of DIMS, or a flattened one ("dp", "dp_tp")."""
+        if self.mesh is None:
+            return None
+        return self.flat[dim] if self.flat and dim in self.flat else self.mesh[dim]
+
     def group(self, dim: str):
-        """The process group along one mesh dimension (None at world size 1)."""
-        return None if self.mesh is None else self.mesh.get_group(dim)
+        """The process group along one mesh dimension, or "dp" (None at world size 1)."""
+        return None if self.mesh is None else self.submesh(dim).get_group()
 
     @property
     def stage_group(self):
         """The ranks that hold the same pipeline stage(s) (dp x tp): per-tensor norms reduce here."""
-        return None if self.mesh is None else self.mesh["dp_tp"].get_group()
+        return self.group("dp_tp")
 
     @property
     def distributed(self) -> bool:
@@ -88,7 +102,10 @@ class ParallelState:
 
     @property
     def dp_mesh(self):
-        return None if self.mesh is None else self.mesh["dp"]
+        """What FSDP2 shards over: ("dp_replicate", "dp_shard") under HSDP (2-D), else "dp_shard"."""
+        if self.mesh is None:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate_size > 1 else self.mesh["dp_shard"]
 
     @property
     def tp_mesh(self):
@@ -110,9 +127,18 @@ class ParallelState:
             return loss_parallel()
         return nullcontext()
 
+    @property
+    def hsdp(self) -> bool:
+        """FSDP2 sharded within replica groups and replicated across them."""
+        return self.dp_mode == "fsdp" and self.dp_replicate_size > 1
+
     def describe(self) -> str:
-        where = ", ".join(f"{dim} {rank}/{self.size(dim)}" for dim, rank in self.coords().items()
+        coords = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank}
+        where = ", ".join(f"{dim} {rank}/{self.size(dim)}" for dim, rank in coords.items()
                           if dim != "pp" or self.pp_size > 1)
+        if self.hsdp:
+            where += (f"; replica {self.dp_replicate_rank}/{self.dp_replicate_size}, "
+                      f"shard {self.dp_shard_rank}/{self.dp_shard_size}")
         return f"rank {self.rank}/{self.world_size} ({where}) on {socket.gethostname()}"
 
 
@@ -128,7 +154,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
-    """(pp, dp, tp) for this world size, or ValueError saying how to fix the config or the launch."""
+    """(pp, dp, tp) for this world size, or ValueError saying how to fix the config or the launch.
+    dp = dp_replicate x dp_shard (``replica_sizes``)."""
     model_ranks = cfg.pp * cfg.tp
     if world_size % model_ranks:
         what = f"parallel.tp = {cfg.tp}" if cfg.pp == 1 else f"parallel.pp x parallel.tp = {model_ranks}"
@@ -149,14 +176,28 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
     if cfg.tp > 1 and dp > 1 and cfg.dp_mode == "ddp":
         raise ValueError(f"parallel.dp_mode = 'ddp' with dp = {dp} and tp = {cfg.tp}: DDP cannot replicate "
                          "tensor-parallel (DTensor) parameters; set parallel.dp_mode = 'fsdp'")
+    replica_sizes(cfg, dp)
     return cfg.pp, dp, cfg.tp
 
 
+def replica_sizes(cfg: ParallelConfig, dp: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) of ``dp`` data-parallel ranks: DDP replicates over all of them
+    (dp_shard = 1), FSDP2 shards over dp / R within each of R = parallel.dp_replicate groups."""
+    if cfg.dp_mode == "ddp":
+        return dp, 1
+    r = cfg.dp_replicate
+    if dp % r or (r > 1 and dp == r):
+        raise ValueError(f"parallel.dp_replicate = {r} with {dp} data-parallel ranks: R must divide dp and "
+                         f"leave dp / R > 1 ranks to shard over; choose a proper divisor of {dp} (or 1)")
+    return r, dp // r
+
+
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
-    """Join the job torchrun started and build the ("pp", "dp", "tp") mesh; a no-op at world size 1."""
+    """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1."""
     cfg = cfg or ParallelConfig()
     world_size = _env_int("WORLD_SIZE", 1)
     pp, dp, tp = resolve_sizes(cfg, world_size)
+    replicate, shard = replica_sizes(cfg, dp)
     use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
@@ -171,15 +212,20 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
                                 **({"device_id": device} if use_cuda else {}))
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=DIMS)
-    mesh["dp", "tp"]._flatten("dp_tp")  # ParallelState.stage_group
+    mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
+    flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
+            "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")}  # ParallelState.stage_group
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                          pp_rank=mesh.get_local_rank("pp"), pp_size=pp,
-                         dp_rank=mesh.get_local_rank("dp"), dp_size=dp, tp_rank=mesh.get_local_rank("tp"),
+                         dp_rank=flat["dp"].get_local_rank(), dp_size=dp,
+                         dp_replicate_rank=mesh.get_local_rank("dp_replicate"), dp_replicate_size=replicate,
+                         dp_shard_rank=mesh.get_local_rank("dp_shard"), dp_shard_size=shard,
+                         tp_rank=mesh.get_local_rank("tp"),
                          tp_size=tp, sequence_parallel=cfg.sequence_parallel and tp > 1,
                          loss_parallel=cfg.loss_parallel and tp > 1,
                          dp_mode=cfg.dp_mode, pp_schedule=cfg.pp_schedule,
-                         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=cfg.pp_split, device=device, mesh=mesh)
+                         pp_virtual_stages=cfg.pp_virtual_stages, pp_split=cfg.pp_split, device=device, mesh=mesh,
+                         flat=flat)
 
 
 def seed_ranks(seed: int, state: ParallelState) -> int:
