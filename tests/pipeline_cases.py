@@ -95,12 +95,15 @@ def run_all(out_dir: str, cache: str) -> None:
             "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual}), out / name)
     # stopped after STOP_AT steps on pp = 2 with uneven stages (1 + 3 layers), then resumed on pp = 2; a
     # copy of the stopped run is resumed on one process by the test
+    # data parallel without stages: the reference of the pp x dp (ddp) noise scale
+    train(overrides(cache, str(out / "dp2-ddp")), out / "dp2-ddp")
     pp = {"parallel.pp": 2, "parallel.pp_split": [1]}
     stop_then_resume(overrides(cache, str(out / "resume"), **pp), out / "resume", out / "resume-on-one")
 
 
 FOUR_RANK_CASES = {  # name: (dp, layout)
     "pp2-dp2-fsdp": (2, {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}),
+    "pp2-dp2-ddp": (2, {"parallel.pp": 2, "parallel.dp_mode": "ddp"}),
     "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
 
 
@@ -108,7 +111,7 @@ HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica gro
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
-    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 over each stage's replicas), pp = 2 x tp = 2 + SP; then
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas), pp = 2 x tp = 2 + SP; then
     HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
     writing each rank's optimizer state bytes."""
     out = Path(out_dir)

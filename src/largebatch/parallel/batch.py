@@ -80,15 +80,17 @@ def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor
     """(|G_small|^2, B_small, |G_big|^2, B_big) for largebatch.schedules.NoiseScale.update.
 
     local_squared: this rank's squared gradient norm over its ``local_batch`` sequences (before
-    the all-reduce); global_squared: the squared norm of the all-reduced gradient (same on every
-    rank). One all-reduce over the dp group averages the local norms. The norms stay device tensors
-    (no host read): the trainer feeds them to the estimator when it logs.
+    the all-reduce; of its stage's parameters under pipeline parallel); global_squared: the squared
+    norm of the all-reduced gradient (same on every rank). One all-reduce averages the local norms
+    over the dp group -- over the whole job under pp, which also sums the stages' parts (replicas
+    hold whole tensors: no tensor parallel). The norms stay device tensors (no host read): the
+    trainer feeds them to the estimator when it logs.
     """
     if state.dp_size < 2:
         raise ValueError("noise_scale_inputs needs dp >= 2 (two batch sizes); at dp = 1 estimate from "
                          "one micro-batch vs the accumulated step instead")
     mean_local = local_squared.detach().double().clone()
-    dist.all_reduce(mean_local, group=state.dp_group)
+    dist.all_reduce(mean_local, group=state.dp_group if state.pp_size == 1 else None)
     mean_local /= state.dp_size
     return mean_local, local_batch, global_squared.detach(), local_batch * state.dp_size
 

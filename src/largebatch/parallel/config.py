@@ -57,10 +57,10 @@ class ParallelConfig:
     gathered: that output-layer activation memory is divided by tp. The trainer then runs forward and
     backward inside ``ParallelState.loss_context()``."""
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
-    """How data-parallel ranks hold the model: 'ddp' (DistributedDataParallel: full replicas,
-    gradients all-reduced) or 'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer
-    state sharded across the dp ranks, gathered layer by layer; with dp_replicate > 1, HSDP). With
-    tp > 1 or pp > 1 use 'fsdp'."""
+    """How data-parallel ranks hold the model: 'ddp' (full replicas, gradients all-reduced:
+    DistributedDataParallel, or under pp > 1 one flat all-reduce per stage after the schedule) or
+    'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded across the dp
+    ranks, gathered layer by layer; with dp_replicate > 1, HSDP). With tp > 1 use 'fsdp'."""
     dp_replicate: int = 1
     """R, with dp_mode = 'fsdp': HSDP -- the dp ranks form R replica groups of dp / R ranks each;
     FSDP2 shards parameters, gradients and optimizer state within a group (dp / R ways) and
@@ -122,10 +122,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "
                              f"several stages per rank need an interleaved schedule "
                              f"({', '.join(MULTI_STAGE)}); set pp_virtual_stages = 1 or change the schedule")
-        if self.pp > 1 and self.dp_mode == "ddp" and self.dp not in (0, 1):
-            raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {self.pp} and dp = {self.dp}: DDP's reducer "
-                             "does not support the many backwards of a pipeline stage (torchtitan neither); use "
-                             "parallel.dp_mode = 'fsdp' for pipeline x data parallel")
         if self.pp > 1 and self.loss_parallel:
             raise ValueError(f"parallel.loss_parallel = true with pp = {self.pp}: the vocabulary-parallel loss is "
                              "not supported on a pipeline's last stage; turn loss_parallel off")

@@ -170,9 +170,6 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
         raise ValueError(f"parallel.pp x dp x tp = {cfg.pp} x {dp} x {cfg.tp} = {dp * model_ranks}, but "
                          f"{world_size} processes were started; set dp = 0 (automatic) or launch "
                          f"{dp * model_ranks} processes")
-    if cfg.pp > 1 and dp > 1 and cfg.dp_mode == "ddp":
-        raise ValueError(f"parallel.dp_mode = 'ddp' with pp = {cfg.pp} and dp = {dp}: DDP's reducer does not "
-                         "support the many backwards of a pipeline stage; set parallel.dp_mode = 'fsdp'")
     if cfg.tp > 1 and dp > 1 and cfg.dp_mode == "ddp":
         raise ValueError(f"parallel.dp_mode = 'ddp' with dp = {dp} and tp = {cfg.tp}: DDP cannot replicate "
                          "tensor-parallel (DTensor) parameters; set parallel.dp_mode = 'fsdp'")

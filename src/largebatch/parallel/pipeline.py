@@ -14,6 +14,19 @@ Seesaw batch change changes the count; one torch schedule is built per count and
 is the trainer's: each micro-batch's summed token loss times ``dp / n_targets`` of the step, so
 the accumulated gradient is the one-process gradient of the step's mean loss.
 
+Data parallel over pipeline stages: FSDP2 per stage (dp_mode = 'fsdp', HSDP included), or replicas
+(dp_mode = 'ddp'): DDP's reducer does not take a stage's many backwards, so ``ReplicaGradients``
+does what DDP computes -- the mean of the replicas' accumulated gradients -- as explicit flat
+all-reduces over the "dp" group after the schedule's step, in buckets of DDP's default size.
+
+Gradient noise scale (McCandlish et al. 2018, App. A; docs/papers.md: schedules "Critical batch
+size"): a stage holds part of the parameters, so both squared norms are sums over the stages. With
+replicas, |G_small|^2 is each replica's gradient before the all-reduce (read from the very buckets
+it reduces, as DDP's hook does); with one replica, ``FirstMicroBatchNorm`` records each parameter's
+gradient when the first micro-batch's backward writes it (a post-accumulate-grad hook; the zero
+bubble schedule writes weight gradients by hand, and tensor parallel leaves gradients as pending
+partial sums, so they give none).
+
 Each rank keeps ONE copy of the model with the modules of other ranks' stages set to None: its
 parameter names are the one-process names, so the optimizer's parameter groups and distributed
 checkpoints (DCP, by name) are those of one process, and a checkpoint moves between pp sizes.
@@ -26,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
@@ -108,6 +122,78 @@ def keep_only(model: nn.Module, layers: set[int], first: bool, last: bool) -> nn
     return model
 
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+class ReplicaGradients:
+    """Data-parallel replicas of this rank's stages: what DDP computes, after the schedule's step.
+
+    ``average()`` replaces every accumulated gradient by its mean over the "dp" group: the
+    gradients are packed into flat buckets of BUCKET_BYTES (one all-reduce each, in parameter order,
+    the same on every replica) and unpacked in place. It returns this replica's squared gradient
+    norm before the reduction (fp64, on the device), summed from the buckets it packs.
+    """
+
+    def __init__(self, params: list[torch.Tensor], state: ParallelState):
+        self.params, self.state = params, state
+
+    @torch.no_grad()
+    def average(self) -> torch.Tensor:
+        local = torch.zeros((), dtype=torch.float64, device=self.state.device)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        for bucket in _buckets(grads, BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket)  # (n,)
+            local += torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+            flat.div_(self.state.dp_size)
+            dist.all_reduce(flat, group=self.state.dp_group)
+            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
+        return local
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of at most ``cap`` bytes (a larger tensor alone)."""
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > cap:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return [g for g in groups if g]
+
+
+class FirstMicroBatchNorm:
+    """Squared norm of this rank's gradients as the step's first micro-batch's backward writes them.
+
+    A post-accumulate-grad hook on every parameter records the gradient the first time it is
+    written after ``reset()`` (the step's gradients start at None, and a stage runs its micro-batches'
+    backwards in order); ``take`` returns the job-wide sum (one all-reduce: stages hold disjoint
+    parameters). Whole (plain) parameters: one replica, no tensor parallel.
+    """
+
+    def __init__(self, params: list[torch.Tensor], state: ParallelState):
+        self.state = state
+        self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
+        self.seen: set[int] = set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._record)
+
+    @torch.no_grad()
+    def _record(self, param: torch.Tensor) -> None:
+        if id(param) not in self.seen:
+            self.seen.add(id(param))
+            self.squared += torch.linalg.vector_norm(param.grad, dtype=torch.float64).square()
+
+    def reset(self) -> None:
+        self.squared, self.seen = torch.zeros_like(self.squared), set()
+
+    def take(self) -> torch.Tensor:
+        value = self.squared.clone()
+        dist.all_reduce(value)
+        return value
+
+
 class Pipeline:
     """This rank's stages and the torch schedules that run them (one per micro-batch count)."""
 
@@ -116,6 +202,15 @@ class Pipeline:
         self.scale = 1.0  # the step's loss scale, read by the loss function
         self._cache: dict[tuple[str, int], object] = {}
         self._last = None  # the schedule that last prepared the stages' buffers
+        params = [p for p in model.parameters() if p.requires_grad]
+        replicas = state.dp_size > 1 and state.dp_mode == "ddp"
+        self.replicas = ReplicaGradients(params, state) if replicas else None
+        # one replica: the first micro-batch's gradient; not with zero bubble (it writes weight
+        # gradients by hand) nor tensor parallel (a replicated DTensor's gradient is a pending
+        # partial sum until a collective all tp ranks would have to enter from inside the hook)
+        self.first_norm = (FirstMicroBatchNorm(params, state) if state.dp_size == 1 and state.tp_size == 1
+                           and schedule != "interleaved-zb" else None)
+        self.local_squared: torch.Tensor | None = None  # this replica's, of the last step (ddp)
 
     @property
     def has_first(self) -> bool:
@@ -167,7 +262,12 @@ class Pipeline:
         """Forward and backward of one step's micro-batches (inputs, targets: (n x mb, T))."""
         self.scale = scale
         schedule = self._schedule(self.schedule, n_microbatches, tuple(inputs.shape))
-        return self._run(schedule, inputs, targets, forward_only=False)
+        if self.first_norm is not None:
+            self.first_norm.reset()
+        loss = self._run(schedule, inputs, targets, forward_only=False)
+        if self.replicas is not None:  # after every backward of the step, as DDP's last bucket
+            self.local_squared = self.replicas.average()
+        return loss
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -198,7 +298,7 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     stages = []
     for index in mine:
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
-        if state.dp_size > 1:  # FSDP2 only: DDP's reducer breaks on a stage's many backwards (see config)
+        if state.dp_size > 1 and state.dp_mode == "fsdp":  # ddp: Pipeline.replicas, after the step
             module = apply_fsdp(module, state.dp_mesh)
         stages.append(PipelineStage(module, index, n_stages, state.device, group=state.pp_group))
     return Pipeline(model, stages, state, state.pp_schedule)

@@ -155,10 +155,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
-        # noise-scale inputs: DDP -> one rank's gradient vs the all-reduced one; one replica ->
-        # the first micro-batch vs the accumulated step; FSDP over several replicas -> none
-        self.local_grad_norm = (LocalGradNorm.install(self.model, self.par)
-                                if self.par.dp_size > 1 and self.par.dp_mode == "ddp" else None)
+        # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
+        # one; one replica -> the first micro-batch vs the accumulated step (summed over pipeline
+        # stages); FSDP over several replicas -> none
+        self.local_grad_norm = (LocalGradNorm.install(self.model, self.par) if self.par.dp_size > 1
+                                and self.par.dp_mode == "ddp" and not self.pipeline else None)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                          if run.dtype == "bf16" else nullcontext())
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
@@ -293,6 +294,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if self.pipeline:  # the step's micro-batches are the pipeline's
             with self.autocast:
                 loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
+            if self.pipeline.first_norm is not None and last > 0:  # summed over the stages
+                small_sq = self.pipeline.first_norm.take() * _first_share(n_targets, micro_batches[0])
         for i, batch in enumerate([] if self.pipeline else micro_batches):
             with gradient_sync(self.model, i == last):
                 _, loss, _ = self._forward(batch)
@@ -301,8 +304,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             loss_sum += loss.detach()
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
-                norm = global_grad_norm(self._live_params(), par)
-                small_sq = norm.square() * ((n_targets / target_count(batch)) ** 2).to(norm.dtype)
+                small_sq = global_grad_norm(self._live_params(), par).square() * _first_share(n_targets, batch)
         # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
@@ -313,9 +315,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                   "loss": loss_value, "lr": lr,
                                   "batch_size": batch_size, "micro_batches": len(micro_batches),
                                   "grad_norm": grad_norm}
-        if self.local_grad_norm is not None:  # DDP: this rank's batch vs all ranks' batch
-            noise_inputs = noise_scale_inputs(self.local_grad_norm.take(), grad_norm.square(),
-                                              len(indices), par)
+        replica_sq = (self.local_grad_norm.take() if self.local_grad_norm is not None
+                      else self.pipeline.local_squared if self.pipeline else None)
+        if replica_sq is not None:  # DDP: this rank's batch vs all ranks' batch
+            noise_inputs = noise_scale_inputs(replica_sq, grad_norm.square(), len(indices), par)
         elif small_sq is not None:
             noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
@@ -442,6 +445,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+def _first_share(n_targets: torch.Tensor, first: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N_step / N_mb)^2: the accumulated gradient after the first micro-batch is its own mean
+    gradient times N_mb / N_step (the loss is scaled by the step's target count)."""
+    return ((n_targets / target_count(first)) ** 2).double()
+
 
 def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batches as one (n x mb, T) batch of inputs and one of targets."""
