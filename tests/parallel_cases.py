@@ -88,11 +88,13 @@ def max_param_diff(model, reference) -> float:
 
 
 def states(kind: str):
-    """The two meshes of the cases: tp = 2 (optionally with SP), and dp = 2 (DDP or FSDP)."""
+    """The meshes of the cases: tp = 2 (optionally with SP), and dp = 2 (DDP: 2 replicas, or FSDP: 2 shards)."""
+    if kind == "fsdp":  # the mode decides the layout (dp_replicate x dp_shard)
+        return init_distributed(ParallelConfig(dp=2, dp_mode="fsdp"))
     tp = init_distributed(ParallelConfig(tp=2))
     dp = init_distributed(ParallelConfig(dp=2))
     return {"tp": tp, "sp": replace(tp, sequence_parallel=True), "ddp": dp,
-            "fsdp": replace(dp, dp_mode="fsdp"), "tp_loss": replace(tp, loss_parallel=True),
+            "tp_loss": replace(tp, loss_parallel=True),
             "sp_loss": replace(tp, sequence_parallel=True, loss_parallel=True)}[kind]
 
 

@@ -105,6 +105,9 @@ class ParallelState:
         """What FSDP2 shards over: ("dp_replicate", "dp_shard") under HSDP (2-D), else "dp_shard"."""
         if self.mesh is None:
             return None
+        if self.dp_shard_size == 1 < self.dp_size:
+            raise ValueError(f"this mesh lays out its {self.dp_size} dp ranks as replicas (dp_mode = 'ddp'): "
+                             "build the state with init_distributed(ParallelConfig(dp_mode='fsdp')) to shard")
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate_size > 1 else self.mesh["dp_shard"]
 
     @property
