@@ -104,14 +104,16 @@ def run_all(out_dir: str, cache: str) -> None:
 FOUR_RANK_CASES = {  # name: (dp, layout)
     "pp2-dp2-fsdp": (2, {"parallel.pp": 2, "parallel.dp_mode": "fsdp"}),
     "pp2-dp2-ddp": (2, {"parallel.pp": 2, "parallel.dp_mode": "ddp"}),
-    "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True})}
+    "pp2-tp2-sp": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "pp2-tp2-loss-parallel": (1, {"parallel.pp": 2, "parallel.tp": 2, "parallel.loss_parallel": True})}
 
 
 HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica groups x 2 shards
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
-    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas), pp = 2 x tp = 2 + SP; then
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas), pp = 2 x tp = 2 (+ SP, or the
+    vocabulary-parallel loss on the last stage); then
     HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
     writing each rank's optimizer state bytes."""
     out = Path(out_dir)

@@ -98,13 +98,14 @@ def four_ranks(runs):
 
 def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
     """pp x dp with FSDP2 per stage, and with replicas (ddp: a flat all-reduce of each stage's
-    gradients after the schedule); pp x tp with sequence parallel. LAMB, clipping binds."""
+    gradients after the schedule); pp x tp with sequence parallel, and with the vocabulary-parallel
+    loss on the last stage. LAMB, clipping binds."""
     _, out = four_ranks
     for name, (dp, _) in cases.FOUR_RANK_CASES.items():
         _assert_same_trajectory(out / name, out / "one-gpt-lamb", dp=dp)
     # replicas: each one's gradient vs the all-reduced one, as DDP without pipeline stages gives it
     _assert_same_noise_scale(out / "pp2-dp2-ddp", out / "dp2-ddp")
-    for name in ("pp2-dp2-fsdp", "pp2-tp2-sp"):  # FSDP2 replicas, tensor parallel: no estimate
+    for name in ("pp2-dp2-fsdp", "pp2-tp2-sp", "pp2-tp2-loss-parallel"):  # FSDP2 replicas, tp: no estimate
         assert all(r["noise_scale"] is None for r in _train_records(out / name))
 
 
@@ -163,7 +164,6 @@ def _config(monkeypatch, world: int, **extra):
     (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
     (2, {"parallel.pp": 2, "parallel.pp_virtual_stages": 2}, "several stages per rank need an interleaved"),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
-    (4, {"parallel.pp": 2, "parallel.tp": 2, "parallel.loss_parallel": True}, "turn loss_parallel off"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 3}, "parallel.dp_replicate = 3 with 4 data-parallel"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 4}, "leave dp / R > 1 ranks to shard over"),
     (4, {"parallel.dp_replicate": 2}, "parallel.dp_replicate = 2 with dp_mode = 'ddp'"),

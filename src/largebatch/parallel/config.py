@@ -55,10 +55,11 @@ class ParallelConfig:
     """With tp > 1: keep the logits split over the vocabulary and compute the cross-entropy on the
     shards (Megatron's vocabulary-parallel loss), so the (batch x seq x vocab) fp32 logits are never
     gathered: that output-layer activation memory is divided by tp. The trainer then runs forward and
-    backward inside ``ParallelState.loss_context()``."""
+    backward inside ``ParallelState.loss_context()`` (under pp: the pipeline's step, on the last
+    stage's loss)."""
     dp_mode: Literal["ddp", "fsdp"] = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (full replicas, gradients all-reduced:
-    DistributedDataParallel, or under pp > 1 one flat all-reduce per stage after the schedule) or
+    DistributedDataParallel, or under pp > 1 bucketed flat all-reduces after the schedule's step) or
     'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded across the dp
     ranks, gathered layer by layer; with dp_replicate > 1, HSDP). With tp > 1 use 'fsdp'."""
     dp_replicate: int = 1
@@ -122,9 +123,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "
                              f"several stages per rank need an interleaved schedule "
                              f"({', '.join(MULTI_STAGE)}); set pp_virtual_stages = 1 or change the schedule")
-        if self.pp > 1 and self.loss_parallel:
-            raise ValueError(f"parallel.loss_parallel = true with pp = {self.pp}: the vocabulary-parallel loss is "
-                             "not supported on a pipeline's last stage; turn loss_parallel off")
         split = self.pp_split
         if split is None:
             return

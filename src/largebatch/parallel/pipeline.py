@@ -3,10 +3,11 @@
 The L blocks are cut into p x V contiguous stages (evenly, or where ``parallel.pp_split`` says);
 the first stage also runs the modules the model declares before its blocks (``pipeline_first``:
 the embeddings), the last those after them (``pipeline_last``: final norm, output layer) and the
-loss. Rank r of the "pp" dimension holds stage r (V = 1) or stages r, r + p, ... (interleaved,
-Narayanan et al. 2021 §2.2). The schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero
-bubble) is torch's; this module only builds the stages and
-feeds them. Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per schedule
+loss (with tp > 1 optionally the vocabulary-parallel one: the schedule's step then runs inside
+``ParallelState.loss_context()``). Rank r of the "pp" dimension holds stage r (V = 1) or stages
+r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2). The schedule (GPipe, 1F1B, interleaved
+1F1B, interleaved zero bubble) is torch's; this module only builds the stages and feeds them.
+Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per schedule
 (largebatch.memory.estimate).
 
 A step's micro-batches are the pipeline's micro-batches: the batch schedule decides how many (a
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
@@ -249,11 +251,12 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = dict(target=targets, losses=losses) if self.has_last else {}
-        if forward_only:
-            schedule.eval(*args, **kwargs)
-        else:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        total = sum((loss.detach().double() for loss in losses),
+        with self.state.loss_context():  # the last stage's vocabulary-parallel loss and its backward
+            if forward_only:
+                schedule.eval(*args, **kwargs)
+            else:
+                schedule.step(*args, return_outputs=False, **kwargs)
+        total = sum((_whole(loss).detach().double() for loss in losses),
                     torch.zeros((), dtype=torch.float64, device=self.state.device)) / self.scale
         dist.all_reduce(total, group=self.state.pp_group)  # only the last stage has it
         return total
@@ -277,6 +280,11 @@ class Pipeline:
         return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
 
 
+def _whole(loss: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a micro-batch's loss (the vocabulary-parallel loss is a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
                          compile: bool = False) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
@@ -288,7 +296,7 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
     keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
     if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
-        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel)
+        apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
     if recompute != "none":
         apply_recompute(model, recompute)
     if compile:
