@@ -92,17 +92,22 @@ def pipeline_worker(args, out_dir: str) -> None:
         Path(out_dir, "pipeline.json").write_text(json.dumps(results))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(description: str, micro_batch: int = 4, micro_batches: int = 8) -> argparse.ArgumentParser:
+    """The GPT and step shape flags of the pipeline benchmarks (``model_config`` reads them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8, help="m, micro-batches per step")
+    parser.add_argument("--micro-batch", type=int, default=micro_batch)
+    parser.add_argument("--micro-batches", type=int, default=micro_batches, help="m, micro-batches per step")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = model_arguments(__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(1)
     p, m = 2, args.micro_batches
     one = statistics.median(one_process_times(args))
