@@ -61,6 +61,7 @@ from largebatch.parallel import (
     unwrap,
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
+from largebatch.parallel.materialize import build_on_meta, materialize, meta_init_applies
 from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
@@ -137,15 +138,21 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
-        model = build_model(cfg.model).to(self.device)
-        if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
-            init_from_pretrained(model)
-        self.n_params = model.num_params()
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
-        self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
-        self.model = (self.pipeline.model if self.pipeline else
-                      parallelize(model, self.par, **techniques,
-                                  param_dtype=torch.bfloat16 if run.dtype == "bf16" else None))
+        param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
+        if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP: no rank holds the whole model
+            model, init_log = build_on_meta(lambda: build_model(cfg.model))
+            self.n_params = model.num_params()
+            self.pipeline, self.model = None, parallelize(model, self.par, **techniques, param_dtype=param_dtype)
+            materialize(unwrap(self.model), init_log, self.device)  # the one-process values, sharded
+        else:
+            model = build_model(cfg.model).to(self.device)
+            if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
+                init_from_pretrained(model)
+            self.n_params = model.num_params()
+            self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
+            self.model = (self.pipeline.model if self.pipeline else
+                          parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
