@@ -73,6 +73,7 @@ from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.progress import Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir
+from largebatch.train.skip import DeviceSkip
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
 
@@ -176,6 +177,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             ckpt = self._load_newest_intact()
             resume_step = self.pos.step
             self.log(f"resumed from {ckpt} at step {self.pos.step}, {human_count(self.pos.tokens)} tokens")
+        self.skip = (DeviceSkip(self.device, run.max_skipped_steps, self.pos.skipped_steps,
+                                self.pos.skipped_in_a_row) if run.on_nonfinite == "skip" else None)
         self.metrics = None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
@@ -272,9 +275,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
         gradient norm stay device tensors (deferred.read_record reads them when the loop logs), so
-        a step that does not log never waits for the device -- except with on_nonfinite='skip'
-        (whether to apply the update is decided on the host) and an adaptive Seesaw schedule (the
-        noise scale caps the next milestone), which read one value per step."""
+        a step that does not log never waits for the device, with on_nonfinite='skip' too (the
+        update is taken back on the device, train.skip) -- except under an adaptive Seesaw
+        schedule (the noise scale caps the next milestone), which reads one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
         batch_size = self._step_batch(in_phase)  # the phase's last step: only what its budget needs
@@ -328,32 +331,20 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         else:
             noise_inputs = None
         finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
-        if cfg.run.on_nonfinite == "skip" and not bool(finite):  # the one per-step read of 'skip'
-            self.optimizer.zero_grad(set_to_none=True)
-            pos.skipped_steps += 1
-            pos.skipped_in_a_row += 1
-            record["skipped"] = True
-            limit = cfg.run.max_skipped_steps
-            if limit and pos.skipped_in_a_row >= limit:
-                last_ckpt = latest_any_checkpoint(self.run_dir)
-                raise NonFiniteLoss(
-                    f"{pos.skipped_in_a_row} consecutive non-finite steps skipped, the last at step "
-                    f"{pos.step + 1} ({pos.skipped_steps} skipped in all). Last good checkpoint: "
-                    f"{last_ckpt or 'none'}. Lower schedule.peak_lr, set optim.grad_clip, or raise "
-                    f"run.max_skipped_steps.")
-        else:
-            if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
-                self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
-            pos.skipped_in_a_row = 0
+        if self.skip is not None:  # decided on the device: the update is taken back unless finite
+            self.skip.step(self.optimizer, finite, pos.step + 1)
+            record["skipped"] = ~finite
+        else:  # "stop": recorded on the device; the next read stops the run
+            self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if noise_inputs is not None:
-                self.deferred.add_noise_inputs(*noise_inputs)
-                if self.schedule.uses_noise_scale:
-                    self.settle()
-                    if self.noise.b_simple is not None:
-                        # adaptive Seesaw: caps only milestones after this token count (deterministic)
-                        self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
+        self.optimizer.zero_grad(set_to_none=True)
+        if noise_inputs is not None:
+            self.deferred.add_noise_inputs(*noise_inputs, keep=finite)
+            if self.schedule.uses_noise_scale:
+                self.settle()
+                if self.noise.b_simple is not None:
+                    # adaptive Seesaw: caps only milestones after this token count (deterministic)
+                    self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         pos.step += 1
         pos.tokens += batch_size * self.phase.seq_len
         pos.samples += batch_size
@@ -364,6 +355,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         (run.on_nonfinite='stop'), feed the noise-scale estimator. Before every log, evaluation and
         checkpoint, so none of them sees a model past a non-finite step."""
         bad = self.deferred.settle(self.noise)
+        if self.skip is not None:
+            pos = self.pos
+            pos.skipped_in_a_row, pos.skipped_steps, give_up = self.skip.settle(self.optimizer)
+            if give_up is not None:
+                step, in_a_row, total = give_up
+                last_ckpt = latest_any_checkpoint(self.run_dir)
+                raise NonFiniteLoss(
+                    f"{in_a_row} consecutive non-finite steps skipped, the last at step {step} "
+                    f"({total} skipped in all). Last good checkpoint: {last_ckpt or 'none'}. Lower "
+                    f"schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps.")
         if bad is not None:
             step, tokens, loss, grad_norm = bad
             last_ckpt = latest_any_checkpoint(self.run_dir)
