@@ -3,10 +3,11 @@ vs built on the meta device and materialised per rank (largebatch.parallel.mater
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/meta_init.py [--preset gpt2-small]
 
-Two gloo ranks on CPU, the vocabulary padded to 50304 (tensor parallel splits it); each start runs in fresh processes so the peak resident set (ru_maxrss) is
-its own. Printed per mode (FSDP over 2 replicas, tensor + sequence parallel over 2): the rank's
-parameter bytes after the start, the rise of its peak resident set during the start, and the
-seconds it took. Bytes are counted, not timed, so a shared machine changes only the seconds.
+Two gloo ranks on CPU, the vocabulary padded to 50304 (tensor parallel splits it); each start
+runs in fresh processes so the peak resident set (ru_maxrss) is its own. Printed per mode (FSDP over
+2 replicas, tensor + sequence parallel over 2): the rank's parameter bytes after the start, the rise
+of its peak resident set during the start, and the seconds it took. Bytes are counted, not timed,
+so a shared machine changes only the seconds.
 """
 
 from __future__ import annotations
