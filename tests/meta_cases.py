@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from largebatch.models import build_model
 from largebatch.optim import LAMB, param_groups
-from largebatch.parallel import parallelize, rank_guard, shard_optimizer, unwrap
+from largebatch.parallel import ParallelConfig, init_distributed, parallelize, rank_guard, shard_optimizer, unwrap
 from largebatch.parallel.materialize import build_on_meta, materialize
 from parallel_cases import batch, full, local_batch, loss_and_backward, states, tiny
 
@@ -131,4 +131,23 @@ def run_all(out_dir: str) -> None:
     results: dict = {}
     with rank_guard(state):
         meta_cases(results)
+    (Path(out_dir) / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
+
+
+def run_2d(out_dir: str) -> None:
+    """4 ranks, FSDP2 over tensor + sequence parallel: the strided shards FSDP lays over the TP
+    shards (``_StridedShard``) are cut by DTensor; the values must still equal one process."""
+    state = init_distributed(ParallelConfig(dp=2, tp=2, dp_mode="fsdp", sequence_parallel=True))
+    results: dict = {}
+    with rank_guard(state):
+        for kind in ("gpt", "bert"):
+            torch.manual_seed(0)
+            reference = dict(build_model(tiny(kind)).named_parameters())
+            torch.manual_seed(0)
+            model, log = build_on_meta(lambda: build_model(tiny(kind)))
+            model = parallelize(model, state)
+            materialize(unwrap(model), log, state.device)
+            results[f"param_diff/{kind}"] = max(float((full(p.detach()) - reference[n]).abs().max())
+                                                for n, p in unwrap(model).named_parameters())
+            results[f"placements/{kind}"] = sorted({str(p.placements) for p in unwrap(model).parameters()})
     (Path(out_dir) / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))

@@ -76,3 +76,14 @@ def test_a_parameter_the_constructor_never_fills_is_refused():
 
     with pytest.raises(ValueError, match="parameter scale is never filled in place"):
         build_on_meta(build)
+
+
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
+    """4 ranks (dp 2 x tp 2, FSDP2 over TP+SP): parameters laid out as strided shards over the
+    tensor-parallel shards still equal the one-process build exactly."""
+    spawn(cases.run_2d, 4, str(tmp_path))
+    for rank in range(4):
+        results = json.loads((tmp_path / f"results_rank{rank}.json").read_text())
+        for kind in ("gpt", "bert"):
+            assert results[f"param_diff/{kind}"] == 0.0
+            assert any("_StridedShard" in p for p in results[f"placements/{kind}"])
