@@ -341,8 +341,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if noise_inputs is not None:
             self.deferred.add_noise_inputs(*noise_inputs, keep=finite)
             if self.schedule.uses_noise_scale:
-                self.settle()
-                if self.noise.b_simple is not None:
+                self.settle()  # synchronised already: reading the flag below costs no extra wait
+                if self.noise.b_simple is not None and (self.skip is None or bool(finite)):
                     # adaptive Seesaw: caps only milestones after this token count (deterministic)
                     self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         pos.step += 1
