@@ -50,10 +50,17 @@ class CoreAttention(nn.Module):
         self.causal = config.kind == "gpt"
         self.dropout_p = config.dropout
         self.dropout = Dropout(config.dropout)
+        self.seq_len = config.seq_len
         if self.causal and self.kind == "explicit":
             # a view of this buffer is what masked_fill saves: no per-batch allocation
-            mask = torch.ones(config.seq_len, config.seq_len, dtype=torch.bool).triu(1)
-            self.register_buffer("future", mask, persistent=False)
+            self.register_buffer("future", self._future_mask(None), persistent=False)
+
+    def _future_mask(self, device) -> torch.Tensor:
+        return torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).triu(1)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Rebuild the causal mask on ``device`` (after a meta-device build, largebatch.parallel.materialize)."""
+        self.future = self._future_mask(device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: (B, a, T, d) -> (B, a, T, d)

@@ -38,7 +38,7 @@ class Deferred:
     def __init__(self, device: torch.device):
         # (step, tokens, loss, gradient norm) of the first non-finite step; step -1: none yet
         self.first_nonfinite = torch.full((4,), -1.0, dtype=torch.float64, device=device)
-        self.noise_inputs: list[tuple] = []  # ([|G_small|^2, |G_big|^2], B_small, B_big), step order
+        self.noise_inputs: list[tuple] = []  # ([|G_small|^2, |G_big|^2, kept], B_small, B_big), step order
 
     def watch(self, finite: torch.Tensor, step: int, tokens: int, loss: torch.Tensor,
               grad_norm: torch.Tensor) -> None:
@@ -49,9 +49,13 @@ class Deferred:
         first = ~finite & (self.first_nonfinite[0] < 0)
         self.first_nonfinite = torch.where(first, this, self.first_nonfinite)
 
-    def add_noise_inputs(self, small_sq, small_batch: int, big_sq, big_batch: int) -> None:
-        """Queue one step's noise-scale inputs (device tensors) for the next ``settle``."""
-        norms = torch.stack([torch.as_tensor(small_sq).double(), torch.as_tensor(big_sq).double()])
+    def add_noise_inputs(self, small_sq, small_batch: int, big_sq, big_batch: int,
+                         keep: torch.Tensor | None = None) -> None:
+        """Queue one step's noise-scale inputs (device tensors) for the next ``settle``; ``keep``
+        (0-d bool, default true): whether the step counts (false: a skipped non-finite step)."""
+        small_sq, big_sq = torch.as_tensor(small_sq).double(), torch.as_tensor(big_sq).double()
+        kept = big_sq.new_ones(()) if keep is None else keep.to(big_sq.device).double()  # a fill: no copy
+        norms = torch.stack([small_sq.to(big_sq.device), big_sq, kept])
         self.noise_inputs.append((norms, small_batch, big_batch))
 
     def settle(self, noise) -> tuple[int, int, float, float] | None:
@@ -63,8 +67,9 @@ class Deferred:
         pending, self.noise_inputs = self.noise_inputs, []
         if pending:
             norms = torch.stack([n.to(self.first_nonfinite.device) for n, _, _ in pending]).tolist()
-            for (small_sq, big_sq), (_, small_batch, big_batch) in zip(norms, pending):
-                noise.update(small_sq, small_batch, big_sq, big_batch)
+            for (small_sq, big_sq, keep), (_, small_batch, big_batch) in zip(norms, pending):
+                if keep:
+                    noise.update(small_sq, small_batch, big_sq, big_batch)
         return None
 
 

@@ -61,6 +61,7 @@ from largebatch.parallel import (
     unwrap,
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
+from largebatch.parallel.materialize import build_on_meta, materialize, meta_init_applies
 from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
@@ -72,6 +73,7 @@ from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.progress import Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir
+from largebatch.train.skip import DeviceSkip
 from largebatch.train.stopping import StopRequest
 from largebatch.typed_config import to_dict
 
@@ -137,15 +139,21 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
-        model = build_model(cfg.model).to(self.device)
-        if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
-            init_from_pretrained(model)
-        self.n_params = model.num_params()
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
-        self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
-        self.model = (self.pipeline.model if self.pipeline else
-                      parallelize(model, self.par, **techniques,
-                                  param_dtype=torch.bfloat16 if run.dtype == "bf16" else None))
+        param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
+        if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP: no rank holds the whole model
+            model, init_log = build_on_meta(lambda: build_model(cfg.model))
+            self.n_params = model.num_params()
+            self.pipeline, self.model = None, parallelize(model, self.par, **techniques, param_dtype=param_dtype)
+            materialize(unwrap(self.model), init_log, self.device)  # the one-process values, sharded
+        else:
+            model = build_model(cfg.model).to(self.device)
+            if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
+                init_from_pretrained(model)
+            self.n_params = model.num_params()
+            self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
+            self.model = (self.pipeline.model if self.pipeline else
+                          parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
@@ -170,6 +178,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             ckpt = self._load_newest_intact()
             resume_step = self.pos.step
             self.log(f"resumed from {ckpt} at step {self.pos.step}, {human_count(self.pos.tokens)} tokens")
+        self.skip = (DeviceSkip(self.device, run.max_skipped_steps, self.pos.skipped_steps,
+                                self.pos.skipped_in_a_row) if run.on_nonfinite == "skip" else None)
         self.metrics = None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
@@ -266,9 +276,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
         gradient norm stay device tensors (deferred.read_record reads them when the loop logs), so
-        a step that does not log never waits for the device -- except with on_nonfinite='skip'
-        (whether to apply the update is decided on the host) and an adaptive Seesaw schedule (the
-        noise scale caps the next milestone), which read one value per step."""
+        a step that does not log never waits for the device, with on_nonfinite='skip' too (the
+        update is taken back on the device, train.skip) -- except under an adaptive Seesaw
+        schedule (the noise scale caps the next milestone), which reads one value per step."""
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
         batch_size = self._step_batch(in_phase)  # the phase's last step: only what its budget needs
@@ -324,32 +334,20 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         else:
             noise_inputs = None
         finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
-        if cfg.run.on_nonfinite == "skip" and not bool(finite):  # the one per-step read of 'skip'
-            self.optimizer.zero_grad(set_to_none=True)
-            pos.skipped_steps += 1
-            pos.skipped_in_a_row += 1
-            record["skipped"] = True
-            limit = cfg.run.max_skipped_steps
-            if limit and pos.skipped_in_a_row >= limit:
-                last_ckpt = latest_any_checkpoint(self.run_dir)
-                raise NonFiniteLoss(
-                    f"{pos.skipped_in_a_row} consecutive non-finite steps skipped, the last at step "
-                    f"{pos.step + 1} ({pos.skipped_steps} skipped in all). Last good checkpoint: "
-                    f"{last_ckpt or 'none'}. Lower schedule.peak_lr, set optim.grad_clip, or raise "
-                    f"run.max_skipped_steps.")
-        else:
-            if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
-                self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
-            pos.skipped_in_a_row = 0
+        if self.skip is not None:  # decided on the device: the update is taken back unless finite
+            self.skip.step(self.optimizer, finite, pos.step + 1)
+            record["skipped"] = ~finite
+        else:  # "stop": recorded on the device; the next read stops the run
+            self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if noise_inputs is not None:
-                self.deferred.add_noise_inputs(*noise_inputs)
-                if self.schedule.uses_noise_scale:
-                    self.settle()
-                    if self.noise.b_simple is not None:
-                        # adaptive Seesaw: caps only milestones after this token count (deterministic)
-                        self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
+        self.optimizer.zero_grad(set_to_none=True)
+        if noise_inputs is not None:
+            self.deferred.add_noise_inputs(*noise_inputs, keep=finite)
+            if self.schedule.uses_noise_scale:
+                self.settle()  # synchronised already: reading the flag below costs no extra wait
+                if self.noise.b_simple is not None and (self.skip is None or bool(finite)):
+                    # adaptive Seesaw: caps only milestones after this token count (deterministic)
+                    self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         pos.step += 1
         pos.tokens += batch_size * self.phase.seq_len
         pos.samples += batch_size
@@ -360,6 +358,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         (run.on_nonfinite='stop'), feed the noise-scale estimator. Before every log, evaluation and
         checkpoint, so none of them sees a model past a non-finite step."""
         bad = self.deferred.settle(self.noise)
+        if self.skip is not None:
+            pos = self.pos
+            pos.skipped_in_a_row, pos.skipped_steps, give_up = self.skip.settle(self.optimizer)
+            if give_up is not None:
+                step, in_a_row, total = give_up
+                last_ckpt = latest_any_checkpoint(self.run_dir)
+                raise NonFiniteLoss(
+                    f"{in_a_row} consecutive non-finite steps skipped, the last at step {step} "
+                    f"({total} skipped in all). Last good checkpoint: {last_ckpt or 'none'}. Lower "
+                    f"schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps.")
         if bad is not None:
             step, tokens, loss, grad_norm = bad
             last_ckpt = latest_any_checkpoint(self.run_dir)

@@ -30,6 +30,9 @@ class Reporting:
         """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
         self.settle()
         record = read_record(record)
+        if "skipped" in record:  # a device flag (run.on_nonfinite='skip'): logged where true
+            if record.pop("skipped"):
+                record["skipped"] = True
         if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             # under pipeline parallel each rank steps its own stages: the summary covers them all
             summary = self.optimizer.trust_ratio_summary(self.par.pp_group if self.pipeline else None)

@@ -1,0 +1,105 @@
+"""run.on_nonfinite='skip' decided on the device (largebatch.train.skip): a step that does not log
+reads nothing from the device (counted at the dispatcher, as tests/test_train_step.py does), a
+non-finite step leaves the parameters and the optimizer state bit-identical, and a diverging run
+still gives up naming the step where the consecutive skips reached the limit."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from largebatch.train.cli import main
+from largebatch.train.deferred import HostReads
+from largebatch.train.metrics import read_metrics
+from test_train import tiny_overrides
+from test_train_step import _trainer
+
+OPTIMIZERS = [
+    {"optim.name": "lamb"},  # Python-int step counters: corrected at the next read
+    {"optim.name": "lans", "optim.grad_clip": 0.5},
+    {"optim.name": "adamw", "optim.fused": True, "optim.grad_clip": 0.5},  # tensor step counters
+]
+
+
+def _state(optimizer) -> dict:
+    """The optimizer state as plain values (tensors cloned), for an exact comparison."""
+    return copy.deepcopy({k: v for k, v in optimizer.state_dict()["state"].items()})
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for index in a:
+        assert a[index].keys() == b[index].keys()
+        for key, value in a[index].items():
+            other = b[index][key]
+            assert (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other), (index, key)
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_a_skip_enabled_step_reads_nothing_and_a_nonfinite_one_changes_nothing(tmp_path, reference_run, optim):
+    """A finite step that does not log: no host read, and the update applied. A step whose MLP output
+    is made infinite by a forward hook (so the loss and every gradient are non-finite): still no
+    host read, and after the next read the parameters and the whole optimizer state (moments and
+    step counts) equal those before it, bit for bit; the log marks it skipped."""
+    trainer = _trainer(reference_run[0], tmp_path / "run", **optim, **{"run.on_nonfinite": "skip"})
+    try:
+        trainer.train_step()  # creates the optimizer state
+        start = [p.detach().clone() for p in trainer.raw_model.parameters()]
+        with HostReads() as reads:
+            record = trainer.train_step()
+        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        assert all(not torch.equal(a, p) for a, p in zip(start, trainer.raw_model.parameters()))
+        assert "skipped" not in trainer.log_record(record)
+
+        params = [p.detach().clone() for p in trainer.raw_model.parameters()]
+        state = _state(trainer.optimizer)
+        hook = trainer.raw_model.blocks[0].mlp.register_forward_hook(lambda m, args, out: out * float("inf"))
+        try:
+            with HostReads() as reads:
+                record = trainer.train_step()
+        finally:
+            hook.remove()
+        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        logged = trainer.log_record(record)  # the read: counts settled, host step counters corrected
+        assert logged.get("skipped") is True and not torch.isfinite(torch.tensor(logged["loss"]))
+        assert all(torch.equal(a, p) for a, p in zip(params, trainer.raw_model.parameters()))
+        _assert_same_state(state, _state(trainer.optimizer))
+        assert (trainer.pos.skipped_steps, trainer.pos.skipped_in_a_row) == (1, 1)
+
+        trainer.train_step()  # a finite step again: applied, the consecutive count back to 0
+        assert "skipped" not in trainer.log_record(record := trainer.train_step())
+        assert (trainer.pos.skipped_steps, trainer.pos.skipped_in_a_row) == (1, 0)
+        assert all(not torch.equal(a, p) for a, p in zip(params, trainer.raw_model.parameters()))
+    finally:
+        trainer._close()
+
+
+def test_give_up_is_detected_at_the_next_read_naming_the_same_step(tmp_path, reference_run, capsys):
+    """At LR 1e30 the run diverges within a few steps: with reads every step and every 4th step the run exits 1
+    with the same message (the step where 3 consecutive skips were reached, the count, the last good
+    checkpoint; the deferred one detects it at its next read, here the checkpoint due after that
+    step), and neither writes a checkpoint or a log record past that step."""
+    messages, logged, saved = [], [], []
+    for every in (1, 4):
+        out = tmp_path / f"nan{every}"
+        o = tiny_overrides(reference_run[0], out, **{
+            "schedule.peak_lr": 1e30, "schedule.batch_policy": "constant", "optim.name": "adamw",
+            "run.on_nonfinite": "skip", "run.max_skipped_steps": 3, "run.log_every_steps": every,
+            "run.checkpoint_every_tokens": 32 * 8})
+        assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "Last good checkpoint: " in err, err
+        messages.append(err[err.index("3 consecutive non-finite steps skipped"):].split(" Last good")[0])
+        logged.append([r for r in read_metrics(out) if r["kind"] == "train"])
+        saved.append(sorted(int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("step_*")))
+    # the give-up step from the every-step run's own log: its first skipped step + 2 (3 in a row)
+    first_skipped = min(r["step"] for r in logged[0] if r.get("skipped"))
+    assert all(r.get("skipped") for r in logged[0] if r["step"] >= first_skipped)
+    give_up = first_skipped + 2
+    assert messages[0] == messages[1] == (f"3 consecutive non-finite steps skipped, the last at step "
+                                          f"{give_up} (3 skipped in all)."), messages
+    assert max(r["step"] for r in logged[1]) < give_up  # the deferred run logged nothing past it
+    assert all(step < give_up for steps in saved for step in steps), saved  # nor checkpointed
