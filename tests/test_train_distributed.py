@@ -174,6 +174,30 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
     assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
 
 
+def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(single, ddp_run, tmp_path):
+    """`torchrun --max-restarts 1`: SIGKILL rank 1 after the first periodic checkpoint; torchrun
+    restarts both workers with the same command line, which continue from the newest checkpoint on
+    their own (a fresh store key space per attempt: the killed attempt's gloo addresses are stale)
+    and finish with the uninterrupted 2-rank run's losses, to the bit."""
+    out = tmp_path / "restarted"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, victim = _launch(o, "--max-restarts", "1"), []
+
+    def kill_rank_one() -> bool:
+        if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+            victim.append(pid)
+            return True
+        return False
+
+    _wait_until(proc, kill_rank_one)
+    stdout, err = proc.communicate(timeout=300)
+    assert victim and proc.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout, stdout[-2000:]  # the second attempt
+    assert not list((out / "checkpoints").glob(".*.tmp"))
+    assert _losses(out) == _losses(ddp_run)  # every step once, as the uninterrupted run took it
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
     after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
