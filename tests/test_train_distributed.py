@@ -198,6 +198,44 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(
     assert _losses(out) == _losses(ddp_run)  # every step once, as the uninterrupted run took it
 
 
+def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):
+    """After the first checkpoint both ranks may write no file past 32 KiB (RLIMIT_FSIZE set on the
+    live workers, as `prlimit` does): the metrics still fit, the next DCP save's shards do not. Every
+    rank stops with one line naming the checkpoint, the cause and the intact one before it (DCP's
+    CheckpointException is a BaseException: it used to escape as a traceback per rank); nothing
+    half-written is left, and the same command continues the run exactly."""
+    import resource
+
+    out = tmp_path / "full"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, limited = _launch(o), []
+
+    def limit_both_ranks() -> bool:
+        pids = [_rank_pid(rank, parent=proc.pid) for rank in (0, 1)]
+        if _dcp_steps(out) and all(pids):
+            for pid in pids:
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (1 << 15, 1 << 15))
+            limited.append(_dcp_steps(out))
+            return True
+        return False
+
+    _wait_until(proc, limit_both_ranks)
+    _, err = proc.communicate(timeout=300)
+    assert limited == [[4]] and proc.returncode != 0, err[-3000:]
+    ckdir = out / "checkpoints"
+    errors = [line for line in err.splitlines() if line.startswith("largebatch train: error:")]
+    assert len(errors) == 2 and "CheckpointException" not in err, err[-3000:]  # one line per rank
+    for line in errors:
+        assert (f"could not write checkpoint {ckdir / 'step_00000008.dcp'}: File too large" in line
+                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact" in line), line
+    assert _dcp_steps(out) == [4] and not list(ckdir.glob(".*.tmp"))
+    again = _launch(o)
+    stdout, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {ckdir / 'step_00000004.dcp'}" in stdout
+    assert _losses(out) == _losses(ddp_run)
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
     after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
