@@ -236,6 +236,55 @@ def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, d
     assert _losses(out) == _losses(ddp_run)
 
 
+READ_ONLY_DRIVER = """
+import json, os, pathlib, subprocess, sys, time
+cmd, ckdir, report = json.loads(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+env = dict(os.environ, OMP_NUM_THREADS="1")
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+while proc.poll() is None and not list(ckdir.glob("step_*.dcp")):
+    time.sleep(0.02)
+subprocess.run(["mount", "-o", "remount,ro", str(ckdir)], check=True)  # the next save hits it
+_, err = proc.communicate()
+left = sorted(p.name for p in ckdir.iterdir())
+subprocess.run(["mount", "-o", "remount,rw", str(ckdir)], check=True)
+again = subprocess.run(cmd, capture_output=True, text=True, env=env)
+report.write_text(json.dumps({"rc": proc.returncode, "err": err, "left": left, "again_rc": again.returncode,
+                              "again_out": again.stdout, "again_err": again.stderr[-3000:]}))
+"""
+
+
+def test_read_only_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):
+    """The checkpoint directory is a real tmpfs (a private mount namespace) remounted read-only once
+    the first DCP checkpoint is in place: the next save fails on every rank with EROFS in one line,
+    the first checkpoint stays, and once the disk is writable again the same command continues."""
+    import textwrap
+
+    out = tmp_path / "ro"
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(parents=True)
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+    driver, report = tmp_path / "driver.py", tmp_path / "report.json"
+    driver.write_text(textwrap.dedent(READ_ONLY_DRIVER))
+    script = (f"mount -t tmpfs -o size=64m tmpfs {ckdir} && "
+              f"exec {sys.executable} {driver} '{json.dumps(cmd)}' {ckdir} {report}")
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
+    r = json.loads(report.read_text())
+    errors = [line for line in r["err"].splitlines() if line.startswith("largebatch train: error:")]
+    assert r["rc"] != 0 and len(errors) == 2 and "CheckpointException" not in r["err"], r["err"][-3000:]
+    for line in errors:
+        assert (f"could not write checkpoint {ckdir / 'step_00000008.dcp'}: Read-only file system" in line
+                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact. Make it writable"
+                in line), line
+    assert r["left"] == ["step_00000004.dcp"], r["left"]
+    assert r["again_rc"] == 0, r["again_err"]
+    assert f"resumed from {ckdir / 'step_00000004.dcp'}" in r["again_out"]
+    assert _losses(out) == _losses(ddp_run)
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
     after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
