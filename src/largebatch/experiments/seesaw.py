@@ -4,10 +4,10 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
   cosine        -- warmup + cosine to 0.1 x peak at constant batch B0 (the base)
   seesaw-r0.5   -- Seesaw, r = 1/2: at each milestone LR x sqrt(r), batch x 1/r
   seesaw-r0.91  -- Seesaw, r = 1/1.1 (the paper's main runs)
-  seesaw-r0.91-mb1 -- the same at micro-batch 1: a batch is a multiple of the micro-batch, so at
-                  micro-batch 4 the batch 16 grows only every few milestones (16, 16, 20, 20, ...);
-                  at micro-batch 1 it grows by the factor 1.1 at every milestone (16, 17, 19, 21, ...,
-                  whole sequences). The pair separates the schedule from the batch granularity.
+  seesaw-r0.91-mb1 -- the same at micro-batch 1. A batch is a multiple of the micro-batch: at
+                  micro-batch 4 the batch 16 grows only every few milestones (16, 16, 16, 20, 20,
+                  24, ...); at micro-batch 1 it grows by 1.1 at every milestone, in whole sequences
+                  (16, 17, 19, 21, ...). The pair separates the schedule from the batch granularity.
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
 Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
 the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
