@@ -5,6 +5,7 @@ on CPU, and the helpers' arithmetic against independent references."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import re
@@ -128,6 +129,26 @@ def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
     assert int(below["below-seesaw-r0.5"]["final batch"]) == 8 * 2 ** math.floor(
         math.log(0.1) / math.log(0.5)) // 2
     assert int(below["below-seesaw-r0.5"]["optimizer steps"]) < 48
+    # r = 1/1.1 at micro-batch 1: after milestone k the batch is floor(8 x 1.1**k) sequences (never
+    # shrinking); at the group's micro-batch 2 it is a multiple of 2, so it grows every few milestones
+    ideal = list(itertools.accumulate((math.floor(8 * 1.1**k + 1e-9) for k in range(25)), max))
+    batches = {}
+    for arm in ("below-seesaw-r0.91", "below-seesaw-r0.91-mb1"):
+        overrides = json.loads((out / "runs" / arm / "arm.json").read_text())["overrides"]
+        train, _ = load_jsonl(out / "runs" / arm / "metrics.jsonl")
+        batches[overrides["run.micro_batch"]] = [r["batch_size"] for r in train[:-1]]  # last: trimmed
+    assert set(batches[1]) <= set(ideal) and {9, 11} <= set(batches[1])
+    assert all(b % 2 == 0 for b in batches[2]) and len(set(batches[1])) > len(set(batches[2]))
+    # the report labels the arm and gives the granularity's own paired difference, from the runs
+    assert "Seesaw r=1/1.1, micro-batch 1 (batch x1.1 per milestone)" in report
+    for group, per_seed in (("below", tables[:2]), ("above", tables[2:])):
+        final = lambda arm: load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]  # noqa: E731
+        rows = [{r["arm"].split("-seed")[0].split("-", 1)[1]: r["arm"] for r in t} for t in per_seed]
+        diffs = [final(r["seesaw-r0.91-mb1"]) - final(r["seesaw-r0.91"]) for r in rows]
+        line = re.search(rf"^- {group}: batch granularity, .* at micro-batch \d+: ([-+][\d.]+) ± ([\d.]+)",
+                         report, re.M)
+        assert float(line.group(1)) == pytest.approx(statistics.fmean(diffs), abs=5.1e-5), line
+        assert float(line.group(2)) == pytest.approx(statistics.stdev(diffs), abs=5.1e-5)
     # the measured critical batch: median B_simple over the second half of the cosine run
     train, _ = load_jsonl(out / "runs" / "below-cosine" / "metrics.jsonl")
     noise = [r["noise_scale"] for r in train[len(train) // 2:] if r["noise_scale"] is not None]
@@ -322,4 +343,4 @@ def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path):
             verdicts.append(_verdicts((out / "report.md").read_text()))
     finally:
         torch.set_num_threads(threads)
-    assert len(verdicts[0]) == 6 and verdicts[0] == verdicts[1]
+    assert len(verdicts[0]) == 8 and verdicts[0] == verdicts[1]

@@ -174,6 +174,117 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
     assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
 
 
+def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(single, ddp_run, tmp_path):
+    """`torchrun --max-restarts 1`: SIGKILL rank 1 after the first periodic checkpoint; torchrun
+    restarts both workers with the same command line, which continue from the newest checkpoint on
+    their own (a fresh store key space per attempt: the killed attempt's gloo addresses are stale)
+    and finish with the uninterrupted 2-rank run's losses, to the bit."""
+    out = tmp_path / "restarted"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, victim = _launch(o, "--max-restarts", "1"), []
+
+    def kill_rank_one() -> bool:
+        if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
+            os.kill(pid, signal.SIGKILL)
+            victim.append(pid)
+            return True
+        return False
+
+    _wait_until(proc, kill_rank_one)
+    stdout, err = proc.communicate(timeout=300)
+    assert victim and proc.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout, stdout[-2000:]  # the second attempt
+    assert not list((out / "checkpoints").glob(".*.tmp"))
+    assert _losses(out) == _losses(ddp_run)  # every step once, as the uninterrupted run took it
+
+
+def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):
+    """After the first checkpoint both ranks may write no file past 32 KiB (RLIMIT_FSIZE set on the
+    live workers, as `prlimit` does): the metrics still fit, the next DCP save's shards do not. Every
+    rank stops with one line naming the checkpoint, the cause and the intact one before it (DCP's
+    CheckpointException is a BaseException: it used to escape as a traceback per rank); nothing
+    half-written is left, and the same command continues the run exactly."""
+    import resource
+
+    out = tmp_path / "full"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc, limited = _launch(o), []
+
+    def limit_both_ranks() -> bool:
+        pids = [_rank_pid(rank, parent=proc.pid) for rank in (0, 1)]
+        if _dcp_steps(out) and all(pids):
+            for pid in pids:
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (1 << 15, 1 << 15))
+            limited.append(_dcp_steps(out))
+            return True
+        return False
+
+    _wait_until(proc, limit_both_ranks)
+    _, err = proc.communicate(timeout=300)
+    assert limited == [[4]] and proc.returncode != 0, err[-3000:]
+    ckdir = out / "checkpoints"
+    errors = [line for line in err.splitlines() if line.startswith("largebatch train: error:")]
+    assert len(errors) == 2 and "CheckpointException" not in err, err[-3000:]  # one line per rank
+    for line in errors:
+        assert (f"could not write checkpoint {ckdir / 'step_00000008.dcp'}: File too large" in line
+                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact" in line), line
+    assert _dcp_steps(out) == [4] and not list(ckdir.glob(".*.tmp"))
+    again = _launch(o)
+    stdout, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {ckdir / 'step_00000004.dcp'}" in stdout
+    assert _losses(out) == _losses(ddp_run)
+
+
+READ_ONLY_DRIVER = """
+import json, os, pathlib, subprocess, sys, time
+cmd, ckdir, report = json.loads(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+env = dict(os.environ, OMP_NUM_THREADS="1")
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+while proc.poll() is None and not list(ckdir.glob("step_*.dcp")):
+    time.sleep(0.02)
+subprocess.run(["mount", "-o", "remount,ro", str(ckdir)], check=True)  # the next save hits it
+_, err = proc.communicate()
+left = sorted(p.name for p in ckdir.iterdir())
+subprocess.run(["mount", "-o", "remount,rw", str(ckdir)], check=True)
+again = subprocess.run(cmd, capture_output=True, text=True, env=env)
+report.write_text(json.dumps({"rc": proc.returncode, "err": err, "left": left, "again_rc": again.returncode,
+                              "again_out": again.stdout, "again_err": again.stderr[-3000:]}))
+"""
+
+
+def test_read_only_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):
+    """The checkpoint directory is a real tmpfs (a private mount namespace) remounted read-only once
+    the first DCP checkpoint is in place: the next save fails on every rank with EROFS in one line,
+    the first checkpoint stays, and once the disk is writable again the same command continues."""
+    import textwrap
+
+    out = tmp_path / "ro"
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(parents=True)
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+    driver, report = tmp_path / "driver.py", tmp_path / "report.json"
+    driver.write_text(textwrap.dedent(READ_ONLY_DRIVER))
+    script = (f"mount -t tmpfs -o size=64m tmpfs {ckdir} && "
+              f"exec {sys.executable} {driver} '{json.dumps(cmd)}' {ckdir} {report}")
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
+    r = json.loads(report.read_text())
+    errors = [line for line in r["err"].splitlines() if line.startswith("largebatch train: error:")]
+    assert r["rc"] != 0 and len(errors) == 2 and "CheckpointException" not in r["err"], r["err"][-3000:]
+    for line in errors:
+        assert (f"could not write checkpoint {ckdir / 'step_00000008.dcp'}: Read-only file system" in line
+                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact. Make it writable"
+                in line), line
+    assert r["left"] == ["step_00000004.dcp"], r["left"]
+    assert r["again_rc"] == 0, r["again_err"]
+    assert f"resumed from {ckdir / 'step_00000004.dcp'}" in r["again_out"]
+    assert _losses(out) == _losses(ddp_run)
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
     after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun

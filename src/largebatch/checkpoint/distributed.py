@@ -15,7 +15,9 @@ Crash safety, as the single-process checkpoints of largebatch.checkpoint.local: 
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
 directory into place (atomic on POSIX); only then are older checkpoints beyond ``keep_last``
 removed. A reader never lists temporaries, and a temporary left by a killed save is removed by the
-next save.
+next save. A failed write on any rank (a full or read-only disk) fails the save on every rank with
+one :class:`~largebatch.checkpoint.local.CheckpointError` naming the checkpoint, the cause and the
+checkpoint still intact; the partial temporary is removed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from largebatch.checkpoint.files import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_temporaries
+from largebatch.checkpoint.local import os_error_in, write_failure
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.parallelize import unwrap
 
@@ -83,18 +87,54 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
         remove_temporaries(ckdir)  # left by saves that were killed
     _barrier(state)
     model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    _barrier(state)  # every shard is written
+    failure: tuple[int, OSError] | None = None
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    except CheckpointException as exc:  # raised on every rank, with every rank's error
+        failure = _write_error(exc)
+    _barrier(state)  # every shard is written (or every rank knows it was not)
+    if state.is_main and failure is None:
+        try:
+            torch.save(extra, tmp / EXTRA)
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
+            cause = os_error_in(exc)
+            if cause is None:
+                raise
+            failure = (state.rank, cause)
+    failure = _agree(failure, state)
+    if failure is not None:
+        if state.is_main:  # the partial shards: a full disk gets its space back
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(state)
+        rank, cause = failure
+        raise write_failure(final, run_dir, cause, rank if state.distributed else None)
     if state.is_main:
-        torch.save(extra, tmp / EXTRA)
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         for old in list_distributed_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(state)
     return final
+
+
+def _write_error(exc: CheckpointException) -> tuple[int, OSError]:
+    """(rank, OSError) of the first rank whose write failed; other failures are re-raised as
+    they are (DCP's exception is a BaseException that no ``except Exception`` would catch)."""
+    for rank, (error, _trace) in sorted(exc.failures.items()):
+        if (cause := os_error_in(error)) is not None:
+            return rank, cause
+    raise RuntimeError(str(exc)) from None
+
+
+def _agree(failure: tuple[int, OSError] | None, state: ParallelState) -> tuple[int, OSError] | None:
+    """Rank 0's view of the save after its own writes: every rank raises, or none does."""
+    if not state.distributed:
+        return failure
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

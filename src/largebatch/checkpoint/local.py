@@ -50,23 +50,28 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         fsync_dir(ckdir)
     except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
         remove_quietly(tmp)  # the write's error is the one to report, not the cleanup's
-        cause = _os_error_in(exc)
+        cause = os_error_in(exc)
         if cause is None:
             raise
-        previous = latest_checkpoint(run_dir)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        fix = ("Make it writable" if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-               else "Free disk space")
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {cause.strerror or cause}; {kept}. "
-            f"{fix} and run the same command again (or --resume {run_dir})"
-        ) from exc
+        raise write_failure(final, run_dir, cause) from exc
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final
 
 
-def _os_error_in(exc: BaseException) -> OSError | None:
+def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | None = None) -> CheckpointError:
+    """The one-line error of a checkpoint that could not be written: which, why, what is still safe
+    (the newest complete checkpoint of either format), and the fix."""
+    previous = latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    fix = ("Make it writable" if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+           else "Free disk space")
+    where = f" (rank {rank})" if rank is not None else ""
+    return CheckpointError(f"could not write checkpoint {final}: {cause.strerror or cause}{where}; {kept}. "
+                           f"{fix} and run the same command again (or --resume {run_dir})")
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
     while exc is not None:
         if isinstance(exc, OSError):
             return exc

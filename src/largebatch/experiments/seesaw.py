@@ -4,6 +4,10 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
   cosine        -- warmup + cosine to 0.1 x peak at constant batch B0 (the base)
   seesaw-r0.5   -- Seesaw, r = 1/2: at each milestone LR x sqrt(r), batch x 1/r
   seesaw-r0.91  -- Seesaw, r = 1/1.1 (the paper's main runs)
+  seesaw-r0.91-mb1 -- the same at micro-batch 1. A batch is a multiple of the micro-batch: at
+                  micro-batch 4 the batch 16 grows only every few milestones (16, 16, 16, 20, 20,
+                  24, ...); at micro-batch 1 it grows by 1.1 at every milestone, in whole sequences
+                  (16, 17, 19, 21, ...). The pair separates the schedule from the batch granularity.
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
 Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
 the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
@@ -62,9 +66,14 @@ SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)), "quick": Setting(
             "full": Setting(16, 4, 128, 2e-3, 192, 2)}
 SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
-        ("seesaw-r0.91", "seesaw", 1 / 1.1), ("smith-r0.5", "smith", 0.5))
+        ("seesaw-r0.91", "seesaw", 1 / 1.1), ("seesaw-r0.91-mb1", "seesaw", 1 / 1.1),
+        ("smith-r0.5", "smith", 0.5))
 LABELS = {"cosine": "AdamW + cosine", "seesaw-r0.5": "Seesaw r=1/2",
-          "seesaw-r0.91": "Seesaw r=1/1.1", "smith-r0.5": "constant LR, batch x2 (Smith)"}
+          "seesaw-r0.91": "Seesaw r=1/1.1",
+          "seesaw-r0.91-mb1": "Seesaw r=1/1.1, micro-batch 1 (batch x1.1 per milestone)",
+          "smith-r0.5": "constant LR, batch x2 (Smith)"}
+MICRO_BATCH = {"seesaw-r0.91-mb1": 1}  # arms whose micro-batch is not the group's
+GRANULARITY_PAIR = ("seesaw-r0.91", "seesaw-r0.91-mb1")  # the same schedule, two batch granularities
 
 
 def check_seeds(seeds: int) -> int:
@@ -85,7 +94,7 @@ def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str, se
             overrides = {"optim.name": "adamw", "optim.weight_decay": 0.1,
                          "schedule.peak_lr": peak_lr, "schedule.batch_size": start_batch,
                          "schedule.batch_policy": policy, "schedule.ratio": ratio,
-                         "run.micro_batch": micro_batch, **(extra or {})}
+                         "run.micro_batch": MICRO_BATCH.get(name, micro_batch), **(extra or {})}
             label = LABELS[name]
             arm_name = f"{group}-{name}"
             if seed is not None:
@@ -316,7 +325,25 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
                 lines.append(f"- {label}: cosine's own final loss over the seeds spans "
                              f"{max(cosine) - min(cosine):.4f} nats (sd {statistics.stdev(cosine):.4f}): "
                              f"the unpaired seed spread the paired gaps are measured against.")
+    lines += [granularity_line(label, per_seed) for label, per_seed in (("below", low), ("above", high))]
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
                  "batch; a loss gap starting above it. A gap is established only when its 95% interval "
                  "excludes 0 and it exceeds the noise floor.")
     return "\n".join(lines)
+
+
+def granularity_line(label: str, per_seed: list[list[ArmResult]]) -> str:
+    """Seesaw r=1/1.1 at micro-batch 1 minus at the group's micro-batch, paired per seed: what the
+    batch granularity alone changes (the schedule, LR and tokens are the same)."""
+    names = [name for name, _, _ in ARMS]
+    coarse, fine = (names.index(n) for n in GRANULARITY_PAIR)
+    diffs = [s[fine].final_val_loss - s[coarse].final_val_loss for s in per_seed]
+    finite = [d for d in diffs if math.isfinite(d)]
+    spread = f" ± {statistics.stdev(finite):.4f} (sd)" if len(finite) >= 2 else ""
+    first = per_seed[0]
+    micro = first[coarse].arm.overrides["run.micro_batch"]
+    return (f"- {label}: batch granularity, {LABELS[GRANULARITY_PAIR[1]]} minus the same schedule at "
+            f"micro-batch {micro}: {_signed(statistics.fmean(finite) if finite else None)}{spread} nats"
+            f"{f' over {len(per_seed)} seeds' if len(per_seed) > 1 else ''}; final batch "
+            f"{first[fine].final_batch} vs {first[coarse].final_batch}, {first[fine].steps} vs "
+            f"{first[coarse].steps} optimizer steps (seed {seed_name(SEEDS[0])}).")

@@ -192,6 +192,25 @@ def replica_sizes(cfg: ParallelConfig, dp: int) -> tuple[int, int]:
     return r, dp // r
 
 
+def _restart_store(world_size: int, timeout: timedelta) -> dict:
+    """``store``/``rank``/``world_size`` for init_process_group under ``torchrun --max-restarts``.
+
+    torchrun's agent hosts one TCPStore for all of a job's attempts and its workers connect to it
+    without a per-attempt prefix (pytorch/pytorch#135712), so after a restart the new workers read
+    the addresses the killed ones published and fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused"; NCCL reads a stale unique id). Each attempt gets its own key space,
+    ``attempt_{TORCHELASTIC_RESTART_COUNT}``: the count is the agent's, the same for every worker of
+    one node (several nodes agree when they restart together after a failure). Empty (plain env://)
+    outside torchelastic's shared store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size,
+                          is_master=False, timeout=timeout)
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    return {"store": dist.PrefixStore(f"largebatch/attempt_{attempt}", store),
+            "rank": _env_int("RANK", 0), "world_size": world_size}
+
+
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1."""
     cfg = cfg or ParallelConfig()
@@ -210,7 +229,9 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
+        timeout = timedelta(seconds=cfg.timeout_s)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
+                                **_restart_store(world_size, timeout),
                                 **({"device_id": device} if use_cuda else {}))
     mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
