@@ -106,3 +106,41 @@ def test_trust_ratio_categories_follow_the_optimizer():
     assert all(adapted({"optim.name": "lamb", "optim.adapt": ["weight", "embedding", "bias", "norm"]}).values())
     only_weights = adapted({"optim.name": "lars", "optim.adapt": ["weight"]})
     assert not all(only_weights.values()) and any(only_weights.values())
+
+
+OFF_FIELDS = ["schedule.max_batch_size", "schedule.noise_scale_multiple", "schedule.reference_batch_size",
+              "schedule.alpha", "schedule.beta", "schedule.ramp_start", "schedule.ramp_increment",
+              "run.eval_every_tokens", "run.checkpoint_every_tokens", "run.checkpoint_every_seconds",
+              "run.max_steps", "run.max_skipped_steps", "run.peak_flops", "optim.grad_clip"]
+
+
+@pytest.mark.parametrize("key", OFF_FIELDS)
+def test_zero_where_none_is_off_is_one_line_naming_the_fix(key, tmp_path, capsys):
+    """Off is None (the key omitted, or --key=none); the old 0 is refused, from a file and a flag."""
+    assert load_config(None, {key: "none"}).__dict__[key.split(".")[0]].__dict__[key.split(".")[1]] is None
+    section, name = key.split(".")
+    config = tmp_path / "old.toml"
+    config.write_text(f"[{section}]\n{name} = 0\n")
+    for args in ([str(config)], [f"--{key}=0"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err == f"largebatch train: error: {key} = 0: 0 does not mean off; omit it or give none to turn it off\n"
+
+
+def test_recompute_is_a_list_from_toml_or_comma_separated(tmp_path):
+    config = tmp_path / "r.toml"
+    config.write_text('[model]\nn_layer = 3\n[run]\nrecompute = ["full", "selective", "none"]\n')
+    from_file = load_config(config).run.recompute
+    from_flag = load_config(None, {"model.n_layer": 3, "run.recompute": "full, selective,none"}).run.recompute
+    assert from_file == from_flag == ["full", "selective", "none"]
+    with pytest.raises(ConfigError, match=r"recompute\[1\] = 'selctive': .*did you mean 'selective'"):
+        load_config(None, {"run.recompute": "full,selctive"})
+
+
+def test_help_config_lists_literal_choices_and_none_defaults(capsys):
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "--model.kind  ('gpt' | 'bert', default 'gpt')" in out
+    assert "--run.recompute  (list of 'none' | 'selective' | 'op' | 'full', default ['none'])" in out
+    assert "--schedule.max_batch_size  (int | none, default none (off))" in out
+    assert "--parallel.pp_schedule  ('gpipe' | '1f1b' | 'interleaved-1f1b' | 'interleaved-zb'" in out

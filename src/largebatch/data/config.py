@@ -6,9 +6,11 @@ A bad value raises ``ValueError`` naming the field, the value and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 NAMED_CORPORA = ("shakespeare", "bible", "shakespeare+bible")
-BIN_DTYPES = ("uint16", "uint32")
+BinDtype = Literal["uint16", "uint32"]
+BIN_DTYPES = get_args(BinDtype)
 MIN_VOCAB_SIZE = 300  # 256 byte symbols + the special tokens + a few merges
 
 
@@ -57,7 +59,7 @@ class DataConfig:
     ``decode`` and for BERT masking on pre-tokenized arrays; its vocabulary size then replaces
     ``vocab_size``."""
 
-    bin_dtype: str = "uint16"
+    bin_dtype: BinDtype = "uint16"
     """Element type of raw ``.bin`` token files ("uint16" as in nanoGPT, or "uint32")."""
 
     cache_dir: str = ".cache/largebatch"

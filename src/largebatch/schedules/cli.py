@@ -14,9 +14,10 @@ import argparse
 import dataclasses
 import math
 import sys
+import typing
 
 from largebatch.arguments import OneLineParser, check_output_file
-from largebatch.schedules.config import CHOICES, ScheduleConfig
+from largebatch.schedules.config import REGISTRIES, ScheduleConfig
 from largebatch.typed_config import field_docs
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -71,15 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     parser.add_argument("--plot", metavar="OUT.png", help="write LR and batch size vs tokens")
     docs = field_docs(ScheduleConfig)
+    hints = typing.get_type_hints(ScheduleConfig)
     for f in dataclasses.fields(ScheduleConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "batch_table":
             parser.add_argument(flag, type=parse_table, default=[], help=docs[f.name]
                                 + " Given as FRACTION:BATCH,...")
             continue
-        kind = parse_number if isinstance(f.default, float) else type(f.default)
+        tp = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        kind = parse_number if tp[0] is float else int if tp[0] is int else str
+        literal = typing.get_args(tp[0]) if typing.get_origin(tp[0]) is typing.Literal else None
         parser.add_argument(flag, type=kind, default=f.default,
-                            choices=CHOICES.get(f.name), help=docs[f.name])
+                            choices=REGISTRIES.get(f.name, literal), help=docs[f.name])
     return parser
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if not saved.is_file():
                 return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
-            cfg = load_config(saved, {"run.max_steps": 0, **overrides}, resolve_init=False)
+            cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False)
             run_dir, resume = Path(resume_dir), True
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             check_run_dir(run_dir)
