@@ -152,3 +152,22 @@ def test_a_registered_lr_schedule_is_a_choice_of_the_config_and_the_cli(capsys):
         LR_BUILDERS.pop("cosine-to-zero")
     with pytest.raises(ValueError, match="lr_schedule = 'cosine-to-zero': must be one of 'constant'"):
         ScheduleConfig(lr_schedule="cosine-to-zero").build(TOTAL, SEQ)
+
+
+def test_cli_takes_the_train_spelling_and_the_old_one_alike(capsys):
+    """`schedule --schedule.FIELD` (as `train` spells it) and the older `--field` alias print what
+    ScheduleConfig built in Python describes."""
+    expected = ScheduleConfig(batch_size=64, batch_policy="seesaw", ratio=1 / 1.1, max_batch_size=256,
+                              lr_schedule="wsd", wsd_shape="1-sqrt").describe(10_000_000, 128, 8, 2)
+    new = ["--run.total_tokens", "10M", "--model.seq_len", "128", "--run.micro_batch", "8", "--parallel.dp=2",
+           "--schedule.batch_size", "64", "--schedule.batch_policy=seesaw", "--schedule.ratio", "1/1.1",
+           "--schedule.max_batch_size=256", "--schedule.lr_schedule", "wsd", "--schedule.wsd_shape=1-sqrt"]
+    old = ["--total-tokens", "10M", "--seq-len", "128", "--micro-batch", "8", "--dp", "2", "--batch-size", "64",
+           "--batch-policy", "seesaw", "--ratio", "1/1.1", "--max-batch-size", "256", "--lr-schedule", "wsd",
+           "--wsd-shape", "1-sqrt"]
+    for argv in (new, old):
+        assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == expected
+    assert main(old[:8] + ["--schedule.max_batch_size=0", "--batch-policy", "seesaw"]) == 2
+    assert capsys.readouterr().err == ("largebatch schedule: error: schedule.max_batch_size = 0: 0 does not mean "
+                                       "off; omit it or give none to turn it off\n")

@@ -144,3 +144,40 @@ def test_help_config_lists_literal_choices_and_none_defaults(capsys):
     assert "--run.recompute  (list of 'none' | 'selective' | 'op' | 'full', default ['none'])" in out
     assert "--schedule.max_batch_size  (int | none, default none (off))" in out
     assert "--parallel.pp_schedule  ('gpipe' | '1f1b' | 'interleaved-1f1b' | 'interleaved-zb'" in out
+
+
+def test_help_lists_every_field_with_its_kind_and_default(capsys):
+    """`train --help` is generated from the dataclasses: every leaf field, none missing."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    for key, _ in LEAVES:
+        if not key.startswith("phases."):
+            assert f"--{key} VALUE" in out, key
+    assert "--model.kind VALUE ('gpt' | 'bert', default 'gpt')" in out
+    assert "--optim.grad_clip VALUE (float | none, default none (off))" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--chek"], "unknown option '--chek'; did you mean '--check'?"),
+    (["--help-confg"], "did you mean '--help-config'?"),
+    (["--run.seed"], "--run.seed: expected one argument"),
+])
+def test_unknown_or_incomplete_flag_is_one_line(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_flag_spellings_parse_as_a_config_file_does(tmp_path):
+    """--key=value, --key value and the same keys in a TOML file load the same config."""
+    from largebatch.train.cli import _unknown_options, build_parser
+    from largebatch.typed_config import config_overrides
+
+    parser = build_parser(TrainConfig)
+    args, unknown = parser.parse_known_args(["--run.seed", "7", "--optim.betas=[0.9, 0.98]",
+                                             "--schedule.max_batch_size=none", "--run.recompute=full"])
+    flags = load_config(None, {**config_overrides(args), **_unknown_options(parser, unknown)})
+    config = tmp_path / "c.toml"
+    config.write_text('[run]\nseed = 7\nrecompute = ["full"]\n[optim]\nbetas = [0.9, 0.98]\n')
+    assert flags == load_config(config)
+    assert flags.run.seed == 7 and flags.optim.betas == (0.9, 0.98) and flags.schedule.max_batch_size is None

@@ -28,6 +28,7 @@ Conventions every config dataclass follows (docs/architecture.md):
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -410,3 +411,41 @@ def describe_fields(cls: type, prefix: str = "") -> str:
                 out.append(textwrap.fill(f"{name}: {entry.help}", 100, initial_indent=" " * 8,
                                          subsequent_indent=" " * 10))
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# command lines generated from the dataclasses
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                         aliases: dict[str, tuple[str, ...]] | None = None,
+                         types: dict[str, Any] | None = None) -> None:
+    """``--prefix.field`` for every field of dataclass ``cls`` (nested sections too, one argument group
+    each), with its type, choices, default and docstring as help. The value is kept as text and read
+    by :func:`config_overrides` like a config file's value; ``aliases`` adds older spellings of a
+    key (``{"schedule.peak_lr": ("--peak-lr",)}``) and ``types`` an argparse type for a key.
+    An array of tables (``[[phases]]``) is left to the caller: ``--phases.N.field`` names an entry."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    group = parser.add_argument_group(f"[{prefix[:-1]}]" if prefix else "config fields")
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            add_config_arguments(parser, tp, f"{key}.", aliases, types)
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if item is not None and dataclasses.is_dataclass(item):
+            continue  # --phases.N.field: entries exist only in the file
+        doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
+        group.add_argument(f"--{key}", *(aliases or {}).get(key, ()), dest=key, metavar="VALUE",
+                           default=argparse.SUPPRESS, type=(types or {}).get(key, str),
+                           help=f"({field_kind(f, tp)}, default {_default_text(f)}) {doc}")
+
+
+def config_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The dotted keys :func:`add_config_arguments` declared and the command line gave, read as
+    TOML values (a value an alias's ``type`` already converted is kept)."""
+    return {k: parse_value(v) if isinstance(v, str) else v for k, v in vars(namespace).items() if "." in k}
+
