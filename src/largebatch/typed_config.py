@@ -219,7 +219,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
     A field declared ``field(metadata={"choices": REGISTRY})`` takes one of the registry's names,
     read when the config is loaded, so a name registered later is accepted (and listed by
-    :func:`describe_fields`). The dataclass's own ``__post_init__`` validation runs too; a
+    :func:`describe_fields`); ``metadata={"names": REGISTRY}`` lists them without restricting the
+    value to them (``data.corpus``: a name or a path). The dataclass's own ``__post_init__`` validation runs too; a
     ValueError it raises is re-raised as ConfigError naming the field as the config writes it
     (``_named_as_written``).
     """
@@ -369,6 +370,8 @@ def dump_toml(tree: dict[str, Any]) -> str:
 def field_kind(f: dataclasses.Field, tp: Any) -> str:
     """What a field takes, as help shows it: 'int | none', "'fp32' | 'bf16'", a registry's names."""
     choices = f.metadata.get("choices")
+    if "names" in f.metadata:  # a registry's names or anything else of the type (a corpus path)
+        return f"{' | '.join(map(repr, f.metadata['names']))} | {_type_name(tp)}"
     return " | ".join(map(repr, choices)) if choices is not None else _type_name(tp)
 
 
@@ -402,7 +405,7 @@ def describe_fields(cls: type, prefix: str = "") -> str:
             out.append(describe_fields(item, prefix=f"{key}.N."))
             continue
         doc = docs.get(f.name, "")
-        choices = f.metadata.get("choices")
+        choices = f.metadata.get("choices", f.metadata.get("names"))
         out.append(f"  --{key}  ({field_kind(f, tp)}, default {_default_text(f)})")
         if doc:
             out.append(textwrap.indent(textwrap.fill(doc, 92), "      "))
