@@ -54,8 +54,7 @@ class BatchPolicy:
 @dataclass
 class ScheduleConfig:
     lr_schedule: str = field(default="cosine", metadata={"choices": LR_BUILDERS})
-    """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt, or one added
-    with largebatch.schedules.config.register_lr_schedule."""
+    """LR shape against tokens (add one with largebatch.schedules.config.register_lr_schedule)."""
     peak_lr: float = 3e-4
     """Peak LR after warmup, as tuned at reference_batch_size (see lr_coupling)."""
     warmup: float = 0.1
@@ -72,7 +71,7 @@ class ScheduleConfig:
     lans_power: float = 1.0
     """lans: exponent of the polynomial decay to 0 (1 = linear)."""
     batch_policy: str = field(default="constant", metadata={"choices": BATCH_POLICIES})
-    """Batch size against tokens."""
+    """Batch size against tokens (add one with largebatch.schedules.config.register_batch_policy)."""
     batch_size: int = 64
     """Sequences per optimizer step: the constant batch; the final batch of a ramp; the starting
     batch of seesaw / seesaw-family / smith. A multiple of micro_batch x data-parallel ranks."""
