@@ -128,3 +128,18 @@ def test_planner_counts_transformers_eager_layers_by_hand(capsys, tmp_path):
     assert "the plan: closed form" in capsys.readouterr().out
     assert main(["--hf-config", str(path), "--tp", "2", "--budget-gib", "1"]) == 2
     assert "transformers' eager layers are counted unsharded" in capsys.readouterr().err
+
+
+def test_cli_takes_the_train_spelling_of_config_fields(capsys):
+    """`memory --model.n_layer ... --parallel.tp ... --optim.name` is `--layers ... --tp ... --optimizer`."""
+    new = ["--model", "gpt2-medium", "--model.n_layer", "8", "--model.seq_len", "512", "--run.micro_batch", "2",
+           "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--optim.name", "lans", "--budget-gib", "4"]
+    old = ["--model", "gpt2-medium", "--layers", "8", "--seq-len", "512", "--micro-batch", "2", "--tp", "2",
+           "--sequence-parallel", "--optimizer", "lans", "--budget-gib", "4"]
+    outputs = []
+    for argv in (new, old):
+        main(argv)
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "Cheapest recomputation" in outputs[0]
+    main(old[:2] + old[4:])  # the preset's 24 layers: the override was applied
+    assert capsys.readouterr().out != outputs[0]

@@ -194,9 +194,9 @@ def test_generate_extends_and_respects_context():
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("n_head", 5, "divide n_embd"), ("attention", "flash", "explicit, sdpa"),
-    ("kind", "t5", "gpt, bert"), ("dropout", 1.0, "[0, 1)"), ("n_layer", 0, "positive"),
-    ("norm_position", "sandwich", "pre, post"), ("ffn_hidden", -3, "positive")])
+    ("n_head", 5, "divide n_embd"), ("attention", "flash", "'explicit', 'sdpa'"),
+    ("kind", "t5", "'gpt', 'bert'"), ("dropout", 1.0, "[0, 1)"), ("n_layer", 0, "positive"),
+    ("norm_position", "sandwich", "'pre', 'post'"), ("ffn_hidden", -3, "positive")])
 def test_bad_config_names_field_value_and_fix(field, value, words):
     with pytest.raises(ValueError) as err:
         ModelConfig(**{**TINY, field: value})

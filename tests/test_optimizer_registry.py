@@ -5,10 +5,13 @@ trainer -- each step's update checked against signSGD's definition in float64.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from largebatch.memory.cli import main as memory_main
+from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES
 from largebatch.train.cli import main
 from largebatch.train.config import load_config
 from largebatch.train.optimizer import OPTIMIZERS, register_optimizer
@@ -51,6 +54,7 @@ def sign_sgd():
                        adapt_default=None, state_bytes=0)
     yield
     OPTIMIZERS.pop(NAME)
+    OPTIMIZER_STATE_BYTES.pop(NAME)
     BUILT.clear()
 
 
@@ -93,3 +97,20 @@ def test_the_trainer_trains_with_it(sign_sgd, reference_run, tmp_path, capsys):
             expected = before.double() - lr * torch.sign(grad.double())
             torch.testing.assert_close(after.double(), expected, rtol=0, atol=1e-7)
     assert any(not torch.equal(b, a) for (_, b, _), (_, a, _) in zip(optimizer.seen[0], optimizer.seen[-1]))
+
+
+def test_the_memory_command_sizes_it(capsys):
+    """`largebatch memory --optim.name` takes a registered optimizer and sizes its state as declared:
+    12 fp32 bytes per parameter are 3x the fp32 parameters (--dtype-bytes 4: no master copy)."""
+    name = "three-moments"
+    argv = ["--model", "gpt2-medium", "--dtype-bytes", "4", "--optim.name", name]
+    assert pytest.raises(SystemExit, memory_main, argv).value.code == 2  # not registered: not a choice
+    assert f"invalid choice: '{name}'" in capsys.readouterr().err
+    register_optimizer(name, _build, summary="a test's own", fields=(), adapt_default=None, state_bytes=12)
+    try:
+        assert memory_main(argv) == 0
+    finally:
+        OPTIMIZERS.pop(name), OPTIMIZER_STATE_BYTES.pop(name)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Per device, no recompute"))
+    parts = dict(re.findall(r"(parameters|gradients|optimizer) (\d+\.\d+)", line))
+    assert float(parts["optimizer"]) == pytest.approx(3 * float(parts["parameters"]), abs=0.02), line

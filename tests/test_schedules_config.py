@@ -86,21 +86,21 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
 
 
 @pytest.mark.parametrize("overrides, build_args, fragment", [
-    ({"warmup": 1.5}, {}, "[schedule] warmup=1.5"),
-    ({"lr_schedule": "cosin"}, {}, "[schedule] lr_schedule='cosin'"),
+    ({"warmup": 1.5}, {}, "schedule.warmup = 1.5: must lie in [0, 1)"),
+    ({"lr_schedule": "cosin"}, {}, "schedule.lr_schedule = 'cosin': must be one of"),
     ({"batch_size": 100}, {"micro_batch": 8},
-     "batch_size=100 is not a whole number of micro_batch (8)"),
-    ({"batch_policy": "seesaw", "ratio": 1.1}, {}, "[schedule] ratio=1.1"),
-    ({"batch_policy": "seesaw", "final_lr": 0.0}, {}, "[schedule] final_lr=0.0"),
-    ({"batch_policy": "seesaw-family"}, {}, "[schedule] alpha=0.0"),
-    ({"batch_policy": "seesaw-family", "alpha": 1.0, "beta": 4.0}, {}, "alpha=1.0 < sqrt(beta)"),
-    ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 20}, {}, "ramp_increment=20"),
-    ({"batch_policy": "ramp", "ramp_start": 0, "ramp_increment": 16}, {}, "ramp_start=0"),
-    ({"lr_schedule": "wsd", "wsd_cooldown": 0.95}, {}, "[schedule] wsd_cooldown=0.95"),
+     "schedule.batch_size=100 is not a whole number of micro_batch (8)"),
+    ({"batch_policy": "seesaw", "ratio": 1.1}, {}, "schedule.ratio=1.1"),
+    ({"batch_policy": "seesaw", "final_lr": 0.0}, {}, "schedule.final_lr = 0.0: Seesaw-type"),
+    ({"batch_policy": "seesaw-family"}, {}, "schedule.alpha = None: seesaw-family needs alpha and beta"),
+    ({"batch_policy": "seesaw-family", "alpha": 1.0, "beta": 4.0}, {}, "schedule.alpha=1.0 < sqrt(beta)"),
+    ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 20}, {}, "ramp_increment = 20: must be > 0"),
+    ({"batch_policy": "ramp", "ramp_start": 0, "ramp_increment": 16}, {}, "ramp_start = 0: 0 does not mean off"),
+    ({"lr_schedule": "wsd", "wsd_cooldown": 0.95}, {}, "schedule.wsd_cooldown = 0.95"),
     ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
      "table batch at token 5000000=62"),
-    ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "[schedule] max_batch_size=-4"),
-    ({"noise_scale_multiple": 2.0}, {}, "[schedule] noise_scale_multiple=2.0: only applies"),
+    ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "schedule.max_batch_size = -4: must be > 0"),
+    ({"noise_scale_multiple": 2.0}, {}, "schedule.noise_scale_multiple = 2.0: only applies"),
 ])
 def test_bad_config_names_the_field(overrides, build_args, fragment):
     with pytest.raises(ValueError) as err:
@@ -150,5 +150,24 @@ def test_a_registered_lr_schedule_is_a_choice_of_the_config_and_the_cli(capsys):
         assert "cosine-to-zero" in capsys.readouterr().out
     finally:
         LR_BUILDERS.pop("cosine-to-zero")
-    with pytest.raises(ValueError, match="lr_schedule='cosine-to-zero': must be one of constant"):
+    with pytest.raises(ValueError, match="lr_schedule = 'cosine-to-zero': must be one of 'constant'"):
         ScheduleConfig(lr_schedule="cosine-to-zero").build(TOTAL, SEQ)
+
+
+def test_cli_takes_the_train_spelling_and_the_old_one_alike(capsys):
+    """`schedule --schedule.FIELD` (as `train` spells it) and the older `--field` alias print what
+    ScheduleConfig built in Python describes."""
+    expected = ScheduleConfig(batch_size=64, batch_policy="seesaw", ratio=1 / 1.1, max_batch_size=256,
+                              lr_schedule="wsd", wsd_shape="1-sqrt").describe(10_000_000, 128, 8, 2)
+    new = ["--run.total_tokens", "10M", "--model.seq_len", "128", "--run.micro_batch", "8", "--parallel.dp=2",
+           "--schedule.batch_size", "64", "--schedule.batch_policy=seesaw", "--schedule.ratio", "1/1.1",
+           "--schedule.max_batch_size=256", "--schedule.lr_schedule", "wsd", "--schedule.wsd_shape=1-sqrt"]
+    old = ["--total-tokens", "10M", "--seq-len", "128", "--micro-batch", "8", "--dp", "2", "--batch-size", "64",
+           "--batch-policy", "seesaw", "--ratio", "1/1.1", "--max-batch-size", "256", "--lr-schedule", "wsd",
+           "--wsd-shape", "1-sqrt"]
+    for argv in (new, old):
+        assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == expected
+    assert main(old[:8] + ["--schedule.max_batch_size=0", "--batch-policy", "seesaw"]) == 2
+    assert capsys.readouterr().err == ("largebatch schedule: error: schedule.max_batch_size = 0: 0 does not mean "
+                                       "off; omit it or give none to turn it off\n")

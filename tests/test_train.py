@@ -72,7 +72,7 @@ def test_resume_is_bit_identical_across_batch_changes(reference_run, tmp_path):
     o = tiny_overrides(cache, out, **{"run.max_steps": stop_at})
     first = _run(o)
     assert first["stopped_early"] and first["step"] == stop_at
-    o["run.max_steps"] = 0
+    o["run.max_steps"] = None
     summary = _run(o, resume=True)
     assert _train_losses(out) == ref  # every step's loss equal to the last bit
     assert summary["final_val_loss"] == ref_summary["final_val_loss"]

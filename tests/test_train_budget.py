@@ -76,7 +76,7 @@ def test_gpt_seesaw_run_ends_on_a_budget_that_is_not_a_whole_batch(reference_run
     stopped = tiny_overrides(cache, tmp_path / "stopped", **{"run.total_tokens": budget,
                                                             "run.max_steps": len(records) - 1})
     assert _run(stopped)["stopped_early"]
-    stopped["run.max_steps"] = 0
+    stopped["run.max_steps"] = None
     resumed = _run(stopped, resume=True)
     assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "full")
     assert resumed["tokens"] == budget and resumed["final_val_loss"] == summary["final_val_loss"]

@@ -106,3 +106,78 @@ def test_trust_ratio_categories_follow_the_optimizer():
     assert all(adapted({"optim.name": "lamb", "optim.adapt": ["weight", "embedding", "bias", "norm"]}).values())
     only_weights = adapted({"optim.name": "lars", "optim.adapt": ["weight"]})
     assert not all(only_weights.values()) and any(only_weights.values())
+
+
+OFF_FIELDS = ["schedule.max_batch_size", "schedule.noise_scale_multiple", "schedule.reference_batch_size",
+              "schedule.alpha", "schedule.beta", "schedule.ramp_start", "schedule.ramp_increment",
+              "run.eval_every_tokens", "run.checkpoint_every_tokens", "run.checkpoint_every_seconds",
+              "run.max_steps", "run.max_skipped_steps", "run.peak_flops", "optim.grad_clip"]
+
+
+@pytest.mark.parametrize("key", OFF_FIELDS)
+def test_zero_where_none_is_off_is_one_line_naming_the_fix(key, tmp_path, capsys):
+    """Off is None (the key omitted, or --key=none); the old 0 is refused, from a file and a flag."""
+    assert load_config(None, {key: "none"}).__dict__[key.split(".")[0]].__dict__[key.split(".")[1]] is None
+    section, name = key.split(".")
+    config = tmp_path / "old.toml"
+    config.write_text(f"[{section}]\n{name} = 0\n")
+    for args in ([str(config)], [f"--{key}=0"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err == f"largebatch train: error: {key} = 0: 0 does not mean off; omit it or give none to turn it off\n"
+
+
+def test_recompute_is_a_list_from_toml_or_comma_separated(tmp_path):
+    config = tmp_path / "r.toml"
+    config.write_text('[model]\nn_layer = 3\n[run]\nrecompute = ["full", "selective", "none"]\n')
+    from_file = load_config(config).run.recompute
+    from_flag = load_config(None, {"model.n_layer": 3, "run.recompute": "full, selective,none"}).run.recompute
+    assert from_file == from_flag == ["full", "selective", "none"]
+    with pytest.raises(ConfigError, match=r"recompute\[1\] = 'selctive': .*did you mean 'selective'"):
+        load_config(None, {"run.recompute": "full,selctive"})
+
+
+def test_help_config_lists_literal_choices_and_none_defaults(capsys):
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "--model.kind  ('gpt' | 'bert', default 'gpt')" in out
+    assert "--run.recompute  (list of 'none' | 'selective' | 'op' | 'full', default ['none'])" in out
+    assert "--schedule.max_batch_size  (int | none, default none (off))" in out
+    assert "--parallel.pp_schedule  ('gpipe' | '1f1b' | 'interleaved-1f1b' | 'interleaved-zb'" in out
+
+
+def test_help_lists_every_field_with_its_kind_and_default(capsys):
+    """`train --help` is generated from the dataclasses: every leaf field, none missing."""
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    for key, _ in LEAVES:
+        if not key.startswith("phases."):
+            assert f"--{key} VALUE" in out, key
+    assert "--model.kind VALUE ('gpt' | 'bert', default 'gpt')" in out
+    assert "--optim.grad_clip VALUE (float | none, default none (off))" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--chek"], "unknown option '--chek'; did you mean '--check'?"),
+    (["--help-confg"], "did you mean '--help-config'?"),
+    (["--run.seed"], "--run.seed: expected one argument"),
+])
+def test_unknown_or_incomplete_flag_is_one_line(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_flag_spellings_parse_as_a_config_file_does(tmp_path):
+    """--key=value, --key value and the same keys in a TOML file load the same config."""
+    from largebatch.train.cli import _unknown_options, build_parser
+    from largebatch.typed_config import config_overrides
+
+    parser = build_parser(TrainConfig)
+    args, unknown = parser.parse_known_args(["--run.seed", "7", "--optim.betas=[0.9, 0.98]",
+                                             "--schedule.max_batch_size=none", "--run.recompute=full"])
+    flags = load_config(None, {**config_overrides(args), **_unknown_options(parser, unknown)})
+    config = tmp_path / "c.toml"
+    config.write_text('[run]\nseed = 7\nrecompute = ["full"]\n[optim]\nbetas = [0.9, 0.98]\n')
+    assert flags == load_config(config)
+    assert flags.run.seed == 7 and flags.optim.betas == (0.9, 0.98) and flags.schedule.max_batch_size is None

@@ -100,7 +100,7 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     _torchrun(_overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 7}))
     assert (out / "checkpoints" / "step_00000007.dcp" / ".metadata").is_file()
     assert _grad_norms(out) == pytest.approx(_grad_norms(ref)[:7], rel=1e-5)  # FSDP's own steps
-    o = _overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": 0})
+    o = _overrides(cache, out, **{"parallel.dp_mode": "fsdp", "run.max_steps": None})
     Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None).fit()
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)

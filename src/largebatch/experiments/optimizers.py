@@ -19,13 +19,18 @@ import matplotlib.pyplot as plt
 
 from largebatch.experiments.report import Report, finish_figure, fmt_loss, markdown_table, plot_validation
 from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
+from largebatch.train.optimizer import OPTIMIZERS as REGISTERED
 
-OPTIMIZERS = ("adamw", "lamb", "lans", "lars")
 MULTIPLES = (1, 8, 32)
 DEGRADE_NATS = 0.05
-# Per size: small batch, token budget, evaluations, LR grid per optimizer.
+# LR grid per optimizer, by its name in the optimizer registry (largebatch.train.optimizer)
 LR_GRID = {"adamw": (1e-3, 3e-3, 1e-2, 3e-2), "lamb": (3e-3, 1e-2, 3e-2, 1e-1),
            "lans": (3e-3, 1e-2, 3e-2, 1e-1), "lars": (1.0, 3.0, 10.0, 30.0)}
+if set(LR_GRID) - set(REGISTERED):  # a renamed or removed optimizer fails here, not mid-experiment
+    raise ImportError(f"experiments.optimizers: LR_GRID names {sorted(set(LR_GRID) - set(REGISTERED))}, "
+                      f"not registered optimizers ({', '.join(REGISTERED)})")
+OPTIMIZERS = tuple(LR_GRID)  # the registered optimizers this experiment has an LR grid for
+# Per size: small batch, token budget, LR grid per optimizer.
 SETTINGS = {"smoke": (2, 12_288, {k: v[2:3] for k, v in LR_GRID.items()}),
             "quick": (4, 98_304, {k: v[1:3] for k, v in LR_GRID.items()}),
             "full": (8, 1_048_576, LR_GRID)}

@@ -8,6 +8,12 @@ least recompute FLOPs that fits a budget.
     largebatch memory --hf-config path/to/gpt2-medium --budget-gib 16   # planned with its eager layers
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
     largebatch memory --config configs/bert-large-lans.toml --phase 1 --dp 1536 --budget-gib 32   # one phase
+
+A flag that sets a field of a training config is also spelled as in ``largebatch train``:
+``--model.n_layer`` (``--layers``), ``--model.n_embd`` (``--hidden``), ``--model.n_head`` (``--heads``),
+``--model.ffn_hidden`` (``--ffn``), ``--model.vocab_size`` (``--vocab``), ``--model.seq_len``,
+``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_virtual_stages`` /
+``sequence_parallel``, ``--optim.name`` (``--optimizer``).
 """
 
 from __future__ import annotations
@@ -34,8 +40,14 @@ OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": 
 TYPES = {"kind": str, "attention": str, "dropout": finite_float}
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return text.lower() == "true"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="largebatch memory", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="largebatch memory", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
@@ -44,22 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT config.json (or a directory "
                    "holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
-        p.add_argument(f"--{flag}", type=TYPES.get(flag, int), help=f"override the preset's {field}")
+        p.add_argument(f"--model.{field}", f"--{flag}", dest=flag, type=TYPES.get(flag, int),
+                       help=f"override the preset's {field}")
     p.add_argument("--phase", type=int, help="with --config holding [[phases]]: plan phase N (0, 1, ...) "
                    "at its own sequence length and micro-batch (default: the model's context, run.micro_batch)")
-    p.add_argument("--seq-len", type=int, help="sequence length s (default: the preset's)")
-    p.add_argument("--micro-batch", default="1", help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p")
-    p.add_argument("--pp-virtual-stages", type=int, default=2,
+    p.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=int,
+                   help="sequence length s (default: the preset's)")
+    p.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", default="1",
+                   help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
+    p.add_argument("--parallel.tp", "--tp", dest="tp", type=int, default=1, help="tensor-parallel size t")
+    p.add_argument("--parallel.pp", "--pp", dest="pp", type=int, default=1, help="pipeline-parallel size p")
+    p.add_argument("--parallel.pp_virtual_stages", "--pp-virtual-stages", dest="pp_virtual_stages", type=int,
+                   default=2,
                    help="V, stages per rank of the interleaved schedule in the --pp table (default 2)")
     p.add_argument("--pp-micro-batches", type=int,
                    help="m, micro-batches per step for the GPipe row of the --pp table (default 2 p)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over "
-                   "(matters with --zero-stage): dp, or under HSDP dp / dp_replicate")
+    p.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1,
+                   help="data-parallel ranks the state is sharded over (matters with --zero-stage): dp, "
+                   "or under HSDP dp / dp_replicate")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--parallel.sequence_parallel", dest="sequence_parallel", type=_boolean, metavar="true|false",
+                   help="the same, spelled as in largebatch train")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
-    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
+    p.add_argument("--optim.name", "--optimizer", dest="optimizer", default="adamw",
+                   choices=sorted(OPTIMIZER_STATE_BYTES),
+                   help="sizes its state; the optimizers register_optimizer declared (largebatch.train.optimizer)")
     p.add_argument("--dtype-bytes", type=finite_float, default=2,
                    help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from largebatch.memory.activations import model_activation_bytes
 from largebatch.models.config import ModelConfig
 
+# fp32 state bytes per parameter by optimizer name; largebatch.train.optimizer.register_optimizer adds
+# each optimizer it declares, so `largebatch memory --optim.name` takes every registered one
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lans": 8, "lars": 4, "sgd": 4}
 GIB = 1024 ** 3
 

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-ATTENTION_KINDS = ("explicit", "sdpa")
-MODEL_KINDS = ("gpt", "bert")
-NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_tanh")
+from largebatch.typed_config import check_literals
+
+ModelKind = Literal["gpt", "bert"]
+Attention = Literal["explicit", "sdpa"]
+NormPosition = Literal["pre", "post"]
+Activation = Literal["gelu", "gelu_tanh"]
+ATTENTION_KINDS, MODEL_KINDS = get_args(Attention), get_args(ModelKind)
+NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"
+    kind: ModelKind = "gpt"
     """"gpt" (causal language model) or "bert" (masked language model, bidirectional)."""
     n_layer: int = 4
     """L: number of transformer blocks."""
@@ -39,16 +44,16 @@ class ModelConfig:
     """Share the token embedding matrix with the output projection (GPT-2 and BERT do)."""
     bias: bool = True
     """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming: False)."""
-    attention: str = "explicit"
+    attention: Attention = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
     torch.nn.functional.scaled_dot_product_attention, which on a fused kernel stores no s^2 term."""
-    norm_position: str = "pre"
+    norm_position: NormPosition = "pre"
     """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT; lets the BERT
     here match transformers' BertForMaskedLM exactly). The memory model counts both the same."""
     norm_eps: float = 1e-5
     """LayerNorm epsilon (GPT-2: 1e-5, BERT: 1e-12)."""
-    activation: str = "gelu"
+    activation: Activation = "gelu"
     """The MLP's (and BERT head's) GeLU: "gelu" is the exact erf form (BERT, transformers' "gelu");
     "gelu_tanh" the tanh approximation GPT-2 was trained with (transformers' "gelu_new"). Both keep
     only their input for backward, so the memory model counts them the same."""
@@ -59,10 +64,7 @@ class ModelConfig:
     (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
 
     def __post_init__(self) -> None:
-        _check_choice("kind", self.kind, MODEL_KINDS)
-        _check_choice("attention", self.attention, ATTENTION_KINDS)
-        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
-        _check_choice("activation", self.activation, ACTIVATIONS)
+        check_literals(self, "ModelConfig")
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -87,11 +89,6 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"ModelConfig.{name}={value!r}: must be one of {', '.join(choices)}.")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -19,12 +19,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 
 from largebatch.models.config import ModelConfig
 
-RECOMPUTE_POLICIES = ("none", "selective", "op", "full")
+RecomputePolicy = Literal["none", "selective", "op", "full"]
+RECOMPUTE_POLICIES = get_args(RecomputePolicy)
 """none: keep everything; selective: recompute core attention (Korthikanti et al. 2022 §4.2);
 op: save matmul outputs, recompute pointwise ops; full: keep only each layer's input."""
 

@@ -11,14 +11,17 @@ replicates over dp_replicate (HSDP); DDP is dp_shard = 1. ``dp`` may be left at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-DP_MODES = ("ddp", "fsdp")
+from largebatch.typed_config import check_literals
+
+DPMode = Literal["ddp", "fsdp"]
+Backend = Literal["auto", "nccl", "gloo"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"]
+DP_MODES, BACKENDS = get_args(DPMode), get_args(Backend)
 # pipeline schedules of torch.distributed.pipelining, by the name the config uses
-PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-                "interleaved-zb": "InterleavedZeroBubble"}
+PP_SCHEDULES = dict(zip(get_args(PPSchedule), ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")))
 MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb")  # may hold several stages per rank
-BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -31,7 +34,7 @@ class ParallelConfig:
     """Pipeline-parallel degree p: ranks that each hold a contiguous slice of the layers (the first
     also the embedding, the last the final norm, output layer and loss) and pass activations on.
     A step's micro-batches are the pipeline's micro-batches."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: PPSchedule = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining): 'gpipe' (all forwards, then all backwards:
     keeps every micro-batch), '1f1b' (one forward one backward: the first stage keeps p
     micro-batches), 'interleaved-1f1b' (pp_virtual_stages stages per rank, smaller bubble) or
@@ -57,7 +60,7 @@ class ParallelConfig:
     gathered: that output-layer activation memory is divided by tp. The trainer then runs forward and
     backward inside ``ParallelState.loss_context()`` (under pp: the pipeline's step, on the last
     stage's loss)."""
-    dp_mode: Literal["ddp", "fsdp"] = "ddp"
+    dp_mode: DPMode = "ddp"
     """How data-parallel ranks hold the model: 'ddp' (full replicas, gradients all-reduced:
     DistributedDataParallel, or under pp > 1 bucketed flat all-reduces after the schedule's step) or
     'fsdp' (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded across the dp
@@ -67,7 +70,7 @@ class ParallelConfig:
     FSDP2 shards parameters, gradients and optimizer state within a group (dp / R ways) and
     all-reduces gradients across the groups (the sharding collectives stay inside a group, e.g. a
     node). Must divide dp and leave dp / R > 1. 1 (default): plain FSDP over all dp ranks."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    backend: Backend = "auto"
     """Collective backend: 'auto' (NCCL when CUDA is available, else gloo), 'nccl' (GPUs) or 'gloo'
     (CPU)."""
     timeout_s: float = 600.0
@@ -80,11 +83,8 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "dp" else 1):
                 bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
                 raise ValueError(f"parallel.{name} = {value!r}: must be an integer {bound}")
+        check_literals(self, "parallel")
         self._check_pipeline()
-        if self.dp_mode not in DP_MODES:
-            raise ValueError(f"parallel.dp_mode = {self.dp_mode!r}: must be one of {', '.join(DP_MODES)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"parallel.backend = {self.backend!r}: must be one of {', '.join(BACKENDS)}")
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds")
         if self.sequence_parallel and self.tp == 1:
@@ -115,9 +115,6 @@ class ParallelConfig:
         return self.pp * self.pp_virtual_stages
 
     def _check_pipeline(self) -> None:
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule = {self.pp_schedule!r}: must be one of "
-                             f"{', '.join(PP_SCHEDULES)}")
         v = self.pp_virtual_stages
         if v > 1 and self.pp_schedule not in MULTI_STAGE:
             raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "

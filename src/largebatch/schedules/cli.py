@@ -1,11 +1,15 @@
 """``largebatch schedule``: print a schedule's phase table and optimizer steps next to its base
 schedule's, and optionally plot LR and batch size against tokens.
 
-    largebatch schedule --total-tokens 1e9 --seq-len 1024 --batch-size 256 --micro-batch 8
-        --batch-policy seesaw --ratio 1/1.1 --plot seesaw.png   (one line)
+    largebatch schedule --run.total_tokens 1e9 --model.seq_len 1024 --schedule.batch_size 256
+        --run.micro_batch 8 --schedule.batch_policy seesaw --schedule.ratio 1/1.1 --plot seesaw.png
 
-Every ``ScheduleConfig`` field is an option (``--peak-lr``, ``--wsd-shape`` ...), with the field's
-docstring as its help.
+Every ``ScheduleConfig`` field is an option spelled as in ``largebatch train``
+(``--schedule.peak_lr``, ``--schedule.max_batch_size=none`` ...), generated from the dataclass with
+the field's type, default and docstring as its help; so are the budget and batch sizes the schedule
+needs (``--run.total_tokens``, ``--model.seq_len``, ``--run.micro_batch``, ``--parallel.dp``).
+Older spellings stay as aliases: ``--peak-lr`` for ``--schedule.peak_lr`` (every field, dashes for
+underscores), ``--total-tokens``, ``--seq-len``, ``--micro-batch``, ``--dp``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import math
 import sys
 
 from largebatch.arguments import OneLineParser, check_output_file
-from largebatch.schedules.config import CHOICES, ScheduleConfig
-from largebatch.typed_config import field_docs
+from largebatch.schedules.config import ScheduleConfig
+from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -51,7 +55,12 @@ def parse_number(text: str) -> float:
 
 
 def parse_table(text: str) -> list[list[float]]:
-    """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size)."""
+    """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size); a TOML array
+    '[[0, 64], [0.5, 128]]' as in a config file is read as such."""
+    if text.strip().startswith("["):
+        value = parse_value(text)
+        if isinstance(value, list):
+            return value
     try:
         table = [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
     except ValueError:
@@ -62,24 +71,20 @@ def parse_table(text: str) -> list[list[float]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="largebatch schedule", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--total-tokens", type=parse_tokens, required=True,
-                        help="token budget, e.g. 2e9 or 300M")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    parser = OneLineParser(prog="largebatch schedule", description=__doc__, allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run.total_tokens", "--total-tokens", dest="total_tokens", type=parse_tokens,
+                        required=True, help="token budget, e.g. 2e9 or 300M")
+    parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=int, required=True,
+                        help="tokens per sequence")
+    parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=int, default=1,
+                        help="sequences per micro-batch")
+    parser.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1, help="data-parallel ranks")
     parser.add_argument("--plot", metavar="OUT.png", help="write LR and batch size vs tokens")
-    docs = field_docs(ScheduleConfig)
-    for f in dataclasses.fields(ScheduleConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "batch_table":
-            parser.add_argument(flag, type=parse_table, default=[], help=docs[f.name]
-                                + " Given as FRACTION:BATCH,...")
-            continue
-        kind = parse_number if isinstance(f.default, float) else type(f.default)
-        parser.add_argument(flag, type=kind, default=f.default,
-                            choices=CHOICES.get(f.name), help=docs[f.name])
+    names = [f.name for f in dataclasses.fields(ScheduleConfig)]
+    add_config_arguments(parser, ScheduleConfig, "schedule.",
+                         aliases={f"schedule.{n}": ("--" + n.replace("_", "-"),) for n in names},
+                         types={"schedule.ratio": parse_number, "schedule.batch_table": parse_table})
     return parser
 
 
@@ -112,9 +117,9 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    names = [f.name for f in dataclasses.fields(ScheduleConfig)]
     try:
-        config = ScheduleConfig(**{name: getattr(args, name) for name in names})
+        fields = {key.split(".", 1)[1]: value for key, value in config_overrides(args).items()}
+        config = ScheduleConfig.from_dict(fields)
         if args.plot:  # before the work: a plot that cannot be written is known now
             check_output_file(args.plot, "--plot", suffixes=(".png", ".pdf", ".svg"))
         print(config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp))

@@ -20,23 +20,41 @@ from largebatch.schedules.batch import (
     count_optimizer_steps,
     format_phase_table,
 )
+from largebatch.schedules.lr import Coupling, WSDShape
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
-from largebatch.typed_config import from_dict
+from largebatch.typed_config import check_literals, check_off, from_dict
 
 # lr_schedule name -> builder(config, peak LR, token budget, warmup tokens): the one place an LR
 # shape is declared (register_lr_schedule, below the class); the choices, --help and build_lr read it
 LR_BUILDERS: dict[str, Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]] = {}
-BATCH_POLICIES = ("constant", "ramp", "table", "seesaw", "seesaw-family", "smith")
-CHOICES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES,
-           "wsd_shape": lr_module.WSD_SHAPES, "lr_coupling": lr_module.COUPLING_POLICIES}
+# batch_policy name -> BatchPolicy (register_batch_policy, below the class): the same shape
+BATCH_POLICIES: dict[str, BatchPolicy] = {}
+REGISTRIES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES}  # open sets, by name
+OFF_FIELDS = ("ramp_start", "ramp_increment", "alpha", "beta", "max_batch_size", "noise_scale_multiple",
+              "reference_batch_size")  # positive, or None (off / not given)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """A batch size against tokens, declared by name (:func:`register_batch_policy`)."""
+
+    build: Callable[[ScheduleConfig, lr_module.LRSchedule, int, dict], JointSchedule]
+    """(config, the LR schedule, token budget, sizes) -> the joint schedule; ``sizes`` holds
+    micro_batch and dp_size, and for a milestone policy max_batch_size and noise_scale_multiple."""
+    help: str
+    """One line for --help-config, with its paper."""
+    milestones: bool = False
+    """Seesaw-type: batch steps at the LR's milestones, placed down to final_lr (which must be > 0);
+    max_batch_size and noise_scale_multiple apply."""
+    validate: Callable[[ScheduleConfig], None] | None = None
+    """Its own field checks (ValueError via ``config._fail``), run before it is built."""
 
 
 @dataclass
 class ScheduleConfig:
-    lr_schedule: str = "cosine"
-    """LR shape against tokens: constant | cosine | linear | wsd | lans | inverse-sqrt, or one added
-    with largebatch.schedules.config.register_lr_schedule."""
+    lr_schedule: str = field(default="cosine", metadata={"choices": LR_BUILDERS})
+    """LR shape against tokens (add one with largebatch.schedules.config.register_lr_schedule)."""
     peak_lr: float = 3e-4
     """Peak LR after warmup, as tuned at reference_batch_size (see lr_coupling)."""
     warmup: float = 0.1
@@ -46,41 +64,42 @@ class ScheduleConfig:
     the peak), as in the Python schedule classes. Seesaw needs > 0."""
     wsd_cooldown: float = 0.1
     """wsd: the cooldown's share of the token budget (MiniCPM: ~0.1)."""
-    wsd_shape: str = "linear"
-    """wsd: cooldown shape: linear | cosine | 1-sqrt | exponential."""
+    wsd_shape: WSDShape = "linear"
+    """wsd: cooldown shape."""
     lans_hold: float = 0.0
     """lans: tokens held at peak after warmup, as a fraction of the budget."""
     lans_power: float = 1.0
     """lans: exponent of the polynomial decay to 0 (1 = linear)."""
-    batch_policy: str = "constant"
-    """Batch size against tokens: constant | ramp | table | seesaw | seesaw-family | smith."""
+    batch_policy: str = field(default="constant", metadata={"choices": BATCH_POLICIES})
+    """Batch size against tokens (add one with largebatch.schedules.config.register_batch_policy)."""
     batch_size: int = 64
     """Sequences per optimizer step: the constant batch; the final batch of a ramp; the starting
     batch of seesaw / seesaw-family / smith. A multiple of micro_batch x data-parallel ranks."""
-    ramp_start: int = 0
-    """ramp: first batch size in sequences (Megatron --rampup-batch-size START)."""
-    ramp_increment: int = 0
-    """ramp: sequences added at each increment (Megatron INCREMENT)."""
+    ramp_start: int | None = None
+    """ramp (required there): first batch size in sequences (Megatron --rampup-batch-size START)."""
+    ramp_increment: int | None = None
+    """ramp (required there): sequences added at each increment (Megatron INCREMENT)."""
     ramp_tokens: float = 0.1
     """ramp: share of the token budget over which the batch ramps up to batch_size."""
     batch_table: list = field(default_factory=list)
     """table: [[token fraction, batch size], ...] starting at fraction 0."""
     ratio: float = 0.5
     """seesaw / smith: the base LR's fall between milestones, in (0, 1) (paper: 1/2, 1/1.1)."""
-    alpha: float = 0.0
-    """seesaw-family: LR divisor per milestone, alpha >= sqrt(beta); ratio = 1/(alpha sqrt(beta))."""
-    beta: float = 0.0
-    """seesaw-family: batch multiplier per milestone (>= 1)."""
-    max_batch_size: int = 0
-    """seesaw / seesaw-family / smith: batch cap in sequences, e.g. the critical batch (0 = off)."""
-    noise_scale_multiple: float = 0.0
-    """Adaptive Seesaw: cap the batch at this multiple of the measured B_simple (0 = off)."""
+    alpha: float | None = None
+    """seesaw-family (required there): LR divisor per milestone, alpha >= sqrt(beta);
+    ratio = 1/(alpha sqrt(beta))."""
+    beta: float | None = None
+    """seesaw-family (required there): batch multiplier per milestone (>= 1)."""
+    max_batch_size: int | None = None
+    """seesaw / seesaw-family / smith: batch cap in sequences, e.g. the critical batch (None: no cap)."""
+    noise_scale_multiple: float | None = None
+    """Adaptive Seesaw: cap the batch at this multiple of the measured B_simple (None: off)."""
     noise_scale_ema: float = 0.95
     """EMA decay for the B_simple numerator and denominator (McCandlish et al. 2018)."""
-    lr_coupling: str = "none"
-    """How peak_lr follows batch_size vs reference_batch_size: none | linear | sqrt."""
-    reference_batch_size: int = 0
-    """Batch size at which peak_lr was tuned (0 = batch_size, i.e. no rescaling)."""
+    lr_coupling: Coupling = "none"
+    """How peak_lr follows batch_size vs reference_batch_size."""
+    reference_batch_size: int | None = None
+    """Batch size at which peak_lr was tuned (None: batch_size, i.e. no rescaling)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> ScheduleConfig:
@@ -88,42 +107,47 @@ class ScheduleConfig:
         return from_dict(cls, values, prefix="schedule")
 
     def _fail(self, name: str, why: str) -> None:
-        raise ValueError(f"[schedule] {name}={getattr(self, name)!r}: {why}")
+        raise ValueError(f"schedule.{name} = {getattr(self, name)!r}: {why}")
 
     def _validate(self) -> None:
-        for name, choices in CHOICES.items():
+        check_literals(self, "schedule")
+        for name, choices in REGISTRIES.items():
             if getattr(self, name) not in choices:
-                self._fail(name, f"must be one of {' | '.join(choices)}")
+                self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
+        for name in OFF_FIELDS:
+            check_off(f"schedule.{name}", getattr(self, name))
         if not 0 <= self.warmup < 1:
             self._fail("warmup", "must lie in [0, 1): it is a fraction of the token budget")
         if not 0 <= self.final_lr <= 1:
             self._fail("final_lr", "must lie in [0, 1]: it is a fraction of peak_lr")
         if self.lr_schedule == "inverse-sqrt" and self.warmup <= 0:
             self._fail("warmup", "inverse-sqrt decays relative to the warmup; set warmup > 0")
-        if self.batch_policy in ("seesaw", "smith", "seesaw-family") and self.final_lr <= 0:
+        policy = BATCH_POLICIES[self.batch_policy]
+        if policy.milestones and self.final_lr <= 0:
             self._fail("final_lr", "Seesaw-type schedules place milestones down to final_lr; "
                        "set it > 0, e.g. 0.1")
-        if self.batch_policy == "seesaw-family" and (self.alpha <= 0 or self.beta <= 0):
-            self._fail("alpha", f"seesaw-family needs alpha and beta (beta={self.beta!r}) > 0")
         if self.lr_schedule == "wsd" and not 0 < self.wsd_cooldown <= 1 - self.warmup:
             self._fail("wsd_cooldown", f"must lie in (0, 1 - warmup = {1 - self.warmup:g}]")
         if self.lr_schedule == "lans" and not 0 <= self.lans_hold < 1 - self.warmup:
             self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
-        if self.batch_policy == "ramp":
-            self._validate_ramp()
-        milestone_policy = self.batch_policy in ("seesaw", "seesaw-family", "smith")
+        if policy.validate is not None:
+            policy.validate(self)
+        milestone_policies = " | ".join(n for n, p in BATCH_POLICIES.items() if p.milestones)
         for name in ("max_batch_size", "noise_scale_multiple"):
-            if getattr(self, name) and not milestone_policy:
-                self._fail(name, f"only applies to batch_policy seesaw | seesaw-family | smith, "
-                           f"not {self.batch_policy!r}; set it to 0")
-        for name in ("max_batch_size", "reference_batch_size", "noise_scale_multiple"):
-            if getattr(self, name) < 0:
-                self._fail(name, "must be >= 0 (0 = off)")
+            if getattr(self, name) is not None and not policy.milestones:
+                self._fail(name, f"only applies to batch_policy {milestone_policies}, "
+                           f"not {self.batch_policy!r}; omit it")
+
+    def _validate_family(self) -> None:
+        if self.alpha is None or self.beta is None:
+            self._fail("alpha" if self.alpha is None else "beta",
+                       f"seesaw-family needs alpha and beta (alpha={self.alpha!r}, beta={self.beta!r}); "
+                       "give both, e.g. alpha = 1.6, beta = 1.5")
 
     def _validate_ramp(self) -> None:
-        if self.ramp_start <= 0 or self.ramp_start > self.batch_size:
+        if self.ramp_start is None or self.ramp_start > self.batch_size:
             self._fail("ramp_start", f"must lie in (0, batch_size={self.batch_size}]")
-        if self.ramp_increment <= 0 or (self.batch_size - self.ramp_start) % self.ramp_increment:
+        if self.ramp_increment is None or (self.batch_size - self.ramp_start) % self.ramp_increment:
             self._fail("ramp_increment", f"must be > 0 and divide batch_size - ramp_start = "
                        f"{self.batch_size - self.ramp_start}")
         if not 0 < self.ramp_tokens <= 1:
@@ -147,29 +171,15 @@ class ScheduleConfig:
         try:
             return self._build(total_tokens, seq_len, micro_batch, dp_size)
         except ValueError as exc:
-            message = str(exc)
-            raise ValueError(message if message.startswith("[schedule]")
-                             else f"[schedule] {message}") from exc
+            raise ValueError(_named_once(str(exc))) from exc
 
     def _build(self, total_tokens, seq_len, micro_batch, dp_size) -> JointSchedule:
         lr_sched = self.build_lr(total_tokens)
+        policy = BATCH_POLICIES[self.batch_policy]
         sizes = {"micro_batch": micro_batch, "dp_size": dp_size}
-        capped = {"max_batch_size": self.max_batch_size or None,
-                  "noise_scale_multiple": self.noise_scale_multiple or None, **sizes}
-        policy = self.batch_policy
-        if policy == "constant":
-            return ConstantBatch(lr_sched, self.batch_size, **sizes)
-        if policy == "ramp":
-            return LinearRamp(lr_sched, self.ramp_start, self.ramp_increment,
-                              round(self.ramp_tokens * total_tokens), self.batch_size, **sizes)
-        if policy == "table":
-            rows = [(round(fraction * total_tokens), int(b)) for fraction, b in self.batch_table]
-            return PiecewiseBatch(lr_sched, rows, **sizes)
-        if policy == "seesaw":
-            return Seesaw(lr_sched, self.batch_size, self.ratio, **capped)
-        if policy == "smith":
-            return SmithRamp(lr_sched, self.batch_size, self.ratio, **capped)
-        return SeesawFamily(lr_sched, self.batch_size, self.alpha, self.beta, **capped)
+        if policy.milestones:
+            sizes.update(max_batch_size=self.max_batch_size, noise_scale_multiple=self.noise_scale_multiple)
+        return policy.build(self, lr_sched, total_tokens, sizes)
 
     def build_base(self, total_tokens: int, micro_batch: int = 1,
                    dp_size: int = 1) -> ConstantBatch:
@@ -199,6 +209,45 @@ class ScheduleConfig:
             f"optimizer steps; this schedule: {steps:,} ({100 * steps / base_steps:.2f}% of base)",
         ]
         return "\n".join(lines)
+
+
+def _named_once(message: str) -> str:
+    """A schedule class's message with its field named as the config writes it, once:
+    'alpha=1 < sqrt(beta)=2' -> 'schedule.alpha=1 < sqrt(beta)=2'; an already named one stays."""
+    if message.startswith("schedule.") or ".schedule." in message.split(" ")[0]:
+        return message
+    first = message.split("=")[0].split(" ")[0]
+    return f"schedule.{message}" if first in ScheduleConfig.__dataclass_fields__ else f"schedule: {message}"
+
+
+def register_batch_policy(name: str, build: Callable[[ScheduleConfig, lr_module.LRSchedule, int, dict],
+                                                     JointSchedule], *, help: str, milestones: bool = False,
+                          validate: Callable[[ScheduleConfig], None] | None = None) -> BatchPolicy:
+    """Declare ``schedule.batch_policy = name`` (replacing one of that name): ``build(config, lr_schedule,
+    total_tokens, sizes)`` returns the joint schedule (``sizes``: see :class:`BatchPolicy`)."""
+    BATCH_POLICIES[name] = BatchPolicy(build, help, milestones, validate)
+    return BATCH_POLICIES[name]
+
+
+register_batch_policy("constant", lambda c, lr, total, sizes: ConstantBatch(lr, c.batch_size, **sizes),
+                      help="batch_size throughout")
+register_batch_policy("ramp", lambda c, lr, total, sizes: LinearRamp(
+    lr, c.ramp_start, c.ramp_increment, round(c.ramp_tokens * total), c.batch_size, **sizes),
+    help="Megatron's linear ramp from ramp_start to batch_size (--rampup-batch-size)",
+    validate=ScheduleConfig._validate_ramp)
+register_batch_policy("table", lambda c, lr, total, sizes: PiecewiseBatch(
+    lr, [(round(fraction * total), int(b)) for fraction, b in c.batch_table], **sizes),
+    help="piecewise constant from batch_table")
+register_batch_policy("seesaw", lambda c, lr, total, sizes: Seesaw(lr, c.batch_size, c.ratio, **sizes),
+                      help="Seesaw (Meterez et al. 2025): at each milestone of the LR schedule, LR x sqrt(ratio) "
+                           "and batch / ratio", milestones=True)
+register_batch_policy("seesaw-family", lambda c, lr, total, sizes: SeesawFamily(
+    lr, c.batch_size, c.alpha, c.beta, **sizes),
+    help="Seesaw's (alpha, beta) family: LR / alpha and batch x beta per milestone", milestones=True,
+    validate=ScheduleConfig._validate_family)
+register_batch_policy("smith", lambda c, lr, total, sizes: SmithRamp(lr, c.batch_size, c.ratio, **sizes),
+                      help="Smith et al. 2017: at each milestone batch / ratio, the LR held",
+                      milestones=True)
 
 
 def register_lr_schedule(name: str, build: Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]) -> None:

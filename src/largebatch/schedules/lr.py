@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
-COUPLING_POLICIES = ("none", "linear", "sqrt")
-WSD_SHAPES = ("linear", "cosine", "1-sqrt", "exponential")
+Coupling = Literal["none", "linear", "sqrt"]
+WSDShape = Literal["linear", "cosine", "1-sqrt", "exponential"]
+COUPLING_POLICIES = get_args(Coupling)
+WSD_SHAPES = get_args(WSDShape)
 
 
 def check_tokens(tokens: float, name: str = "tokens") -> float:

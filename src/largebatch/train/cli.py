@@ -8,6 +8,11 @@
     largebatch train my.toml --run.out_dir=runs/a  # again after a stop: continues runs/a (same config)
     largebatch train --help-config                 # every field, its type, default and meaning
     largebatch train my.toml --check               # check config, run dir, device and memory; exit
+    largebatch train --help                        # these options, every field among them
+
+Every field is an option: --table.field=VALUE or --table.field VALUE, VALUE read as in a TOML file
+(--optim.betas=[0.9,0.98]); --table.field=none turns a setting off; --phases.N.field sets entry N of
+the file's [[phases]].
 
 Every check that needs no data and no model runs before any work starts (largebatch.train.preflight);
 a bad value is one line naming the field, the value and the fix, exit code 2.
@@ -15,14 +20,24 @@ a bad value is one line naming the field, the value and the fix, exit code 2.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from largebatch.arguments import TRAIN_EXTRA
-from largebatch.typed_config import ConfigError, describe_fields, from_dict, load_toml, parse_overrides
+from largebatch.arguments import TRAIN_EXTRA, OneLineParser
+from largebatch.typed_config import (
+    ConfigError,
+    add_config_arguments,
+    config_overrides,
+    describe_fields,
+    from_dict,
+    load_toml,
+    parse_overrides,
+)
 
 DEFAULT_CONFIG = "gpt-demo"
 
@@ -71,21 +86,57 @@ def _launch_time() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def build_parser(train_config: type) -> argparse.ArgumentParser:
+    """The command line: a config, --resume, --check, --help-config, and --table.field for every
+    field of ``train_config`` (generated from the dataclasses, as --help-config describes them)."""
+    parser = OneLineParser(prog="largebatch train", description=__doc__, allow_abbrev=False,
+                           usage="largebatch train [CONFIG] [--resume RUN_DIR] [--check] [--help-config] "
+                                 "[--TABLE.FIELD VALUE ...]",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help=f"a TOML file or a shipped config's name "
+                        f"({', '.join(shipped_configs())}; default {DEFAULT_CONFIG})")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its saved config")
+    parser.add_argument("--check", action="store_true",
+                        help="check config, run dir, device and memory, then exit")
+    parser.add_argument("--help-config", action="store_true",
+                        help="every field with its type, default and meaning, by table")
+    add_config_arguments(parser, train_config)
+    return parser
+
+
+def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> dict:
+    """What argparse did not declare: --phases.N.field (entries of the file's [[phases]]) and keys
+    the config loader refuses by name with a did-you-mean; anything else is refused here."""
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and "." not in flag:
+            close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown option '{flag}'{hint} (largebatch train --help lists every field)")
+    return parse_overrides(unknown)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(_usage())
-        return 0
     try:
-        # imported here so that `--help` stays instant
+        # imported here so that importing this module stays instant
         from largebatch.train.config import TrainConfig, load_config
     except ImportError as exc:  # a missing extra or a broken install, said plainly
+        if "-h" in argv or "--help" in argv:
+            print(_usage())
+            return 0
         missing = getattr(exc, "name", None) or ""
         if missing.split(".")[0] in TRAIN_EXTRA:
             return _fail(f"the trainer needs {missing.split('.')[0]!r}, part of the [train] extra: "
                          "pip install 'largebatch[train]'", 2)
         return _fail(f"cannot import the trainer: {exc}", 1)
-    if "--help-config" in argv:
+    parser = build_parser(TrainConfig)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
+    if args.help_config:
         print(f"Every field of a training config, with its built-in default. `largebatch train` "
               f"without a config file starts from the shipped '{DEFAULT_CONFIG}' config, which "
               f"overrides some of these: {shipped_configs()[DEFAULT_CONFIG]}")
@@ -95,28 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight
     from largebatch.train.rundir import continues_run
 
-    config_path, resume_dir, rest, check_only = None, None, [], False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--check":
-            check_only = True
-        elif arg == "--resume" or arg.startswith("--resume="):
-            if "=" in arg:
-                resume_dir = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                resume_dir = argv[i + 1]
-                i += 1
-            else:
-                return _fail("--resume needs a run directory: --resume RUN_DIR", 2)
-        elif not arg.startswith("--") and config_path is None and not rest:
-            config_path = arg
-        else:
-            rest.append(arg)
-        i += 1
-
+    config_path, resume_dir, check_only = args.config, args.resume, args.check
     try:
-        overrides = parse_overrides(rest)
+        overrides = {**config_overrides(args), **_unknown_options(parser, unknown)}
         if resume_dir is not None:
             if config_path is not None:
                 return _fail("give either a config file or --resume RUN_DIR, not both "
@@ -125,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if not saved.is_file():
                 return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
-            cfg = load_config(saved, {"run.max_steps": 0, **overrides}, resolve_init=False)
+            cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False)
             run_dir, resume = Path(resume_dir), True
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             check_run_dir(run_dir)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
+from largebatch.models.flops import RecomputePolicy
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
 from largebatch.parallel.config import ParallelConfig
 from largebatch.parallel.mesh import resolve_sizes
@@ -32,7 +33,16 @@ from largebatch.parallel.pipeline import check_micro_batches, stage_layers
 from largebatch.schedules import ScheduleConfig
 from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
-from largebatch.typed_config import ConfigError, dump_toml, from_dict, load_toml, set_dotted, to_dict
+from largebatch.typed_config import (
+    ConfigError,
+    check_literals,
+    check_off,
+    dump_toml,
+    from_dict,
+    load_toml,
+    set_dotted,
+    to_dict,
+)
 
 
 @dataclass
@@ -74,8 +84,7 @@ class OptimConfig:
     def __post_init__(self):
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"optim.grad_clip = {self.grad_clip}: must be > 0, or omitted to disable")
+        check_off("optim.grad_clip", self.grad_clip)
         for name in ("no_decay_lr_mult", "unadapted_lr_mult"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -118,37 +127,38 @@ class RunConfig:
     """Compute precision: fp32, or bf16 autocast (parameters and optimizer math stay fp32)."""
     compile: bool = False
     """torch.compile the model (about a minute of compilation before the first step)."""
-    recompute: str = "none"
-    """Activation recomputation: none | selective | op | full, or a comma-separated list with one
-    policy per layer (e.g. 'full,full,selective,selective'). See largebatch.memory."""
+    recompute: list[RecomputePolicy] = field(default_factory=lambda: ["none"])
+    """Activation recomputation: one policy for every layer (["selective"]) or one per layer
+    (["full", "full", "selective", "selective"]); on the command line also comma-separated
+    (--run.recompute=full,selective). See largebatch.memory."""
     device: str = "auto"
     """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     seed: int = 1337
     """Seed for initialisation and dropout (the data order and BERT masks follow data.seed)."""
-    eval_every_tokens: int = 0
-    """Validation interval in tokens (0: ten evaluations over the run)."""
+    eval_every_tokens: int | None = None
+    """Validation interval in tokens (None: ten evaluations over the run)."""
     eval_tokens: int = 32_768
     """Validation tokens per evaluation (a fixed slice of the validation split)."""
     log_every_steps: int = 1
     """Write a metrics record every this many optimizer steps."""
-    checkpoint_every_tokens: int = 0
-    """Checkpoint interval in tokens (0: none by tokens; see checkpoint_every_seconds)."""
-    checkpoint_every_seconds: float = 600.0
+    checkpoint_every_tokens: int | None = None
+    """Checkpoint interval in tokens (None: none by tokens; see checkpoint_every_seconds)."""
+    checkpoint_every_seconds: float | None = 600.0
     """Also checkpoint when this many seconds of wall time passed since the last checkpoint
-    (0: none by time). Under torchrun the ranks agree on it after every step. SIGTERM and SIGINT
+    (None: none by time). Under torchrun the ranks agree on it after every step. SIGTERM and SIGINT
     always checkpoint before the run exits (largebatch.train.stopping)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps in this invocation and checkpoint (0: run to the end
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in this invocation and checkpoint (None: run to the end
     of the budget). For time-limited jobs: continue later with --resume, which runs to the end
     unless given --run.max_steps again."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss either stops the run (naming the step and the last good checkpoint) or
     skips that step's update."""
-    max_skipped_steps: int = 10
+    max_skipped_steps: int | None = 10
     """With on_nonfinite='skip': stop the run (exit 1, naming the step, the count and the last good
-    checkpoint) after this many consecutive skipped steps. 0: never give up."""
+    checkpoint) after this many consecutive skipped steps. None: never give up."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU (e.g. 989e12 for H100 bf16). None: measured here with a
     matmul in the run's dtype, and printed as such."""
@@ -167,11 +177,11 @@ class RunConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be > 0")
         for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
-                     "max_steps", "max_skipped_steps", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"run.{name} = {getattr(self, name)}: must be >= 0 (0 disables)")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            raise ValueError(f"run.peak_flops = {self.peak_flops}: must be > 0, or omitted to measure")
+                     "max_steps", "max_skipped_steps", "peak_flops"):
+            check_off(f"run.{name}", getattr(self, name))
+        if self.sample_tokens < 0:
+            raise ValueError(f"run.sample_tokens = {self.sample_tokens}: must be >= 0 (0: no sample)")
+        check_literals(self, "run")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)
@@ -266,14 +276,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
                 raise ValueError(f"{where}{exc}") from exc
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    policies = [p.strip() for p in cfg.run.recompute.split(",")]
-    known = ("none", "selective", "op", "full")
-    for p in policies:
-        if p not in known:
-            raise ConfigError(f"run.recompute = {cfg.run.recompute!r}: unknown policy {p!r}; "
-                              f"use one of {', '.join(known)} (or one per layer, comma-separated)")
+    policies = cfg.run.recompute
     if len(policies) not in (1, cfg.model.n_layer):
-        raise ConfigError(f"run.recompute = {cfg.run.recompute!r}: {len(policies)} per-layer "
+        raise ConfigError(f"run.recompute = {list(policies)!r}: {len(policies)} per-layer "
                           f"policies for a model of {cfg.model.n_layer} layers; give one policy, "
                           f"or exactly {cfg.model.n_layer}")
     return cfg

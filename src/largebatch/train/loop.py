@@ -467,10 +467,9 @@ def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torc
             torch.cat([b[key] for b in micro_batches]).to(device))
 
 
-def _recompute_policy(spec: str, n_layer: int) -> str | list[str]:
-    """'selective' -> 'selective'; 'full,selective' -> per-layer list (checked by config.check)."""
-    parts = [p.strip() for p in spec.split(",")]
-    return parts[0] if len(parts) == 1 else parts
+def _recompute_policy(policies: list[str], n_layer: int) -> str | list[str]:
+    """['selective'] -> 'selective'; ['full', 'selective'] -> per-layer list (checked by config.check)."""
+    return policies[0] if len(policies) == 1 else list(policies)
 
 
 def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

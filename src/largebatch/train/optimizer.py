@@ -3,8 +3,10 @@
 :data:`OPTIMIZERS` is the one place an optimizer is declared: its constructor, the ``[optim]``
 fields it reads, its parameter-group policy (which categories take a trust ratio when
 ``optim.adapt`` is not set; None: no trust ratio at all) and its fp32 state bytes per parameter
-(for the memory check before a run). ``optim.name``'s choices, ``--help-config`` and the trainer
-all read this table, so an optimizer added with :func:`register_optimizer` -- from any module
+(for the memory check before a run, and recorded in the memory model's
+``largebatch.memory.OPTIMIZER_STATE_BYTES``, whose names ``largebatch memory --optim.name`` takes:
+the memory layer cannot import the trainer). ``optim.name``'s choices, ``--help-config`` and the
+trainer all read this table, so an optimizer added with :func:`register_optimizer` -- from any module
 imported before the config is loaded -- is accepted, listed and built like the shipped ones.
 
 Parameter groups come from largebatch.optim.param_groups (weight decay on weights and embeddings;
@@ -60,6 +62,7 @@ def register_optimizer(name: str, build: Builder, *, summary: str, fields: tuple
     """Declare an optimizer under ``name`` (replacing one of that name)."""
     spec = OptimizerSpec(name, build, summary, tuple(fields), adapt_default, state_bytes, title or name)
     OPTIMIZERS[name] = spec
+    OPTIMIZER_STATE_BYTES[name] = state_bytes  # the memory model sizes it: `largebatch memory --optim.name`
     return spec
 
 

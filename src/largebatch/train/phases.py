@@ -40,7 +40,7 @@ from largebatch.models.flops import flops_per_token
 from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
 from largebatch.train.progress import human_count
-from largebatch.typed_config import ConfigError, from_dict, to_dict
+from largebatch.typed_config import ConfigError, check_off, from_dict, to_dict
 
 
 @dataclass
@@ -49,8 +49,8 @@ class PhaseConfig:
     """Tokens per sequence in this phase; at most model.seq_len (the position table's size)."""
     total_tokens: int
     """This phase's budget in tokens; the run's budget is the sum over phases."""
-    micro_batch: int = 0
-    """Sequences per forward/backward in this phase (0: run.micro_batch). Longer sequences need
+    micro_batch: int | None = None
+    """Sequences per forward/backward in this phase (None: run.micro_batch). Longer sequences need
     smaller micro-batches for the same memory."""
     schedule: dict[str, Any] = field(default_factory=dict)
     """Fields of [schedule] that differ in this phase (e.g. { batch_size = 16, peak_lr = 5e-3 });
@@ -63,8 +63,7 @@ class PhaseConfig:
         for name in ("seq_len", "total_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")
-        if self.micro_batch < 0:
-            raise ValueError(f"micro_batch = {self.micro_batch}: must be >= 0 (0: run.micro_batch)")
+        check_off("micro_batch", self.micro_batch)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class Reporting:
                  f"data         {self.data.stats}",
                  f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
-                 f"{cfg.model.attention} attention, recompute {cfg.run.recompute}",
+                 f"{cfg.model.attention} attention, recompute {','.join(cfg.run.recompute)}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
                  f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
