@@ -33,7 +33,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class DeviceSkip:
     """Skip non-finite optimizer steps on the device; ``settle`` reads the counts once per log."""
 
-    def __init__(self, device: torch.device, limit: int, skipped_steps: int = 0, skipped_in_a_row: int = 0):
+    def __init__(self, device: torch.device, limit: int | None, skipped_steps: int = 0, skipped_in_a_row: int = 0):
         self.device, self.limit = device, limit
         # (consecutive skips, all skips, skips since the last read) and the give-up record
         # (step, consecutive, all) of the first step that reached the limit; step -1: none yet
