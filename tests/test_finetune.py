@@ -11,7 +11,7 @@ import pytest
 
 from largebatch.cli import main as cli_main
 from largebatch.data.corpus import bible_documents, shakespeare_documents
-from largebatch.data.tasks import FOLIO, build_task
+from largebatch.data.tasks import FOLIO, TaskError, build_task, document_folds
 from largebatch.data.tokenizer import train_tokenizer
 from largebatch.stats import T_975, ci95
 from test_export import tiny, train
@@ -49,6 +49,50 @@ def test_tasks_hold_out_whole_documents_and_cut_real_windows(task, tokenizer):
     # a different split seed holds out different documents
     other = build_task(task, tokenizer, passage_len=64, passages_per_document=5, test_fraction=0.2, seed=4)
     assert other.test_documents != data.test_documents
+
+
+def test_document_folds_test_every_passage_once_on_unseen_documents(tokenizer):
+    data = build_task("bible-division", tokenizer, passage_len=16, passages_per_document=2, seed=1)
+    folds = document_folds(data, 5)
+    everything = sorted(zip(data.train_sources + data.test_sources,
+                            map(tuple, np.concatenate([data.train_ids, data.test_ids]).tolist())))
+    tested = sorted((s, tuple(ids)) for f in folds for s, ids in zip(f.test_sources, f.test_ids.tolist()))
+    assert tested == everything  # every passage tested exactly once
+    for f in folds:
+        assert not set(f.train_documents) & set(f.test_documents)
+        assert len(f.train_ids) + len(f.test_ids) == len(everything)
+        assert set(f.test_labels.tolist()) == set(range(6))  # law has 5 books: one per fold
+    for bad in (1, True):
+        with pytest.raises(TaskError, match=f"folds = {bad!r}"):
+            document_folds(data, bad)
+    label_of = dict(zip(data.train_sources + data.test_sources, np.concatenate([data.train_labels,
+                                                                                  data.test_labels]).tolist()))
+    largest = max(list(label_of.values()).count(c) for c in range(6))  # books long enough for a passage
+    with pytest.raises(TaskError, match=f"from 2 to {largest} "):
+        document_folds(data, largest + 1)
+
+
+def test_linear_probe_reaches_the_optimum_of_its_objective(bert_run):
+    """The probe's weights satisfy the optimality condition of l2-penalised multinomial logistic
+    regression, written here in numpy float64: Z^T (softmax(ZW + b) - Y) / n + 2 l2 W = 0 and
+    mean(softmax(ZW + b) - Y) = 0, on real features of the trained encoder."""
+    from largebatch.export import load_run
+    from largebatch.finetune import linear_probe, pooled_features
+
+    loaded = load_run(str(bert_run))
+    encoder = loaded.model
+    data = build_task("bible-division", loaded.tokenizer, passage_len=32, passages_per_document=3, seed=0)
+    x, xt = pooled_features(encoder, data.train_ids), pooled_features(encoder, data.test_ids)
+    predictions, fit = linear_probe(x, data.train_labels, xt, l2=0.01)
+    z, w, b = fit["z"].numpy(), fit["w"].numpy(), fit["b"].numpy()
+    logits = z @ w + b
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    y = np.eye(w.shape[1])[data.train_labels]
+    assert np.abs(z.T @ (p - y) / len(z) + 2 * 0.01 * w).max() < 1e-6
+    assert np.abs((p - y).mean(0)).max() < 1e-6
+    assert np.abs(z.mean(0)).max() < 1e-9 and np.allclose(z.std(0, ddof=1), 1, atol=1e-4)
+    assert predictions.shape == (len(data.test_ids),)
 
 
 def _t_quantile_975(df: int) -> float:
@@ -108,6 +152,26 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
     assert report["verdict"] in out and np.isfinite(report["gap"]["mean"])
 
 
+def test_finetune_cross_validates_by_document_and_probes(bert_run, capsys):
+    code = cli_main(["finetune", str(bert_run), "--task", "bible-division", "--seeds", "2", "--epochs", "1",
+                     "--passages-per-document", "2", "--passage-len", "32", "--folds", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((bert_run / "finetune" / "bible-division.json").read_text())
+    from largebatch.export import load_run
+    task = build_task("bible-division", load_run(str(bert_run)).tokenizer, passage_len=32, passages_per_document=2)
+    n = report["test_passages"]
+    assert n == len(task.train_ids) + len(task.test_ids)  # every passage of every book is tested once
+    for r in report["arms"]["pretrained"] + report["arms"]["scratch"]:
+        assert r["test_accuracy"] * n == pytest.approx(round(r["test_accuracy"] * n))
+    probe = report["probe"]
+    for a in [probe["pretrained"], *probe["scratch"]]:
+        assert a * n == pytest.approx(round(a * n))
+    assert probe["gap"]["per_seed"] == pytest.approx([probe["pretrained"] - s for s in probe["scratch"]])
+    assert probe["scratch"][0] != probe["scratch"][1]  # a random init per seed
+    assert "3-fold cross-validation by document" in out and probe["verdict"] in out
+
+
 @pytest.mark.parametrize("args, names", [
     (["--seeds", "1"], "--seeds 1"),
     (["--passage-len", "999"], "--passage-len 999"),
@@ -116,6 +180,8 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
     (["--lr", "-1"], "--lr -1.0"),
     (["--epochs", "x"], "--epochs"),
     (["--bogus", "1"], "--bogus"),
+    (["--folds", "0"], "--folds 0"),
+    (["--probe-l2", "0"], "--probe-l2 0.0"),
 ])
 def test_bad_input_gives_one_line_errors(args, names, bert_run, capsys):
     assert cli_main(["finetune", str(bert_run), *args]) == 2

@@ -27,6 +27,9 @@ Options:
   --passages-per-document N   passages kept per document (default 32)
   --weight-decay WD           AdamW weight decay (default 0.01)
   --dropout P                 dropout before the head (default 0.1)
+  --folds K                   K-fold cross-validation by document: every passage tested once
+                              (default 1: the one held-out split)
+  --probe-l2 L                l2 penalty of the linear probe on the frozen encoder (default 0.01)
   --tokenizer PATH            the run's tokenizer.json when it cannot be rebuilt from the run
 """
 
@@ -42,11 +45,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from largebatch.arguments import OneLineParser, finite_float
-from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task
+from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task, document_folds
 from largebatch.stats import T_975, ci95
 
 
@@ -78,6 +82,8 @@ class Settings:
     passages_per_document: int = 32
     weight_decay: float = 0.01
     dropout: float = 0.1
+    folds: int = 1
+    probe_l2: float = 0.01
 
 
 def check_settings(s: Settings, seq_len: int | None = None) -> Settings:
@@ -93,7 +99,9 @@ def check_settings(s: Settings, seq_len: int | None = None) -> Settings:
     integer("epochs", 1)
     integer("batch_size", 1)
     integer("passages_per_document", 1)
+    integer("folds", 1)
     for name, ok, rule in (("lr", lambda v: v > 0, "> 0"), ("weight_decay", lambda v: v >= 0, ">= 0"),
+                           ("probe_l2", lambda v: v > 0, "> 0"),
                            ("dropout", lambda v: 0 <= v < 1, "in [0, 1)")):
         if not ok(getattr(s, name)):
             raise FinetuneError(f"--{name.replace('_', '-')} {getattr(s, name)!r}: must be {rule}")
@@ -154,32 +162,107 @@ def finetune_arm(encoder: nn.Module, data: TaskData, s: Settings, seed: int) -> 
             "last_epoch_loss": statistics.fmean(losses[-k:])}
 
 
+def pooled_features(encoder: nn.Module, ids) -> torch.Tensor:
+    """Mean-pooled final hidden states (N, n_embd) in float64, the encoder frozen (eval, no grad)."""
+    encoder.eval()
+    with torch.no_grad():
+        x = torch.as_tensor(ids)
+        return torch.cat([encoder.hidden_states(x[i:i + 64]).mean(dim=1) for i in range(0, len(x), 64)]).double()
+
+
+def linear_probe(train_x: torch.Tensor, train_y, test_x: torch.Tensor, l2: float) -> tuple[torch.Tensor, dict]:
+    """Multinomial logistic regression on frozen features: standardised by the training features'
+    mean and sd, then W, b minimising mean cross-entropy + l2 * ||W||^2 (a strictly convex problem,
+    solved to its unique optimum by L-BFGS in float64). Returns the test predictions and the fit."""
+    mean, sd = train_x.mean(0), train_x.std(0) + 1e-6
+    z, zt = (train_x - mean) / sd, (test_x - mean) / sd
+    y = torch.as_tensor(train_y)
+    n_classes = int(y.max()) + 1
+    w = torch.zeros(z.shape[1], n_classes, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1, max_iter=500, tolerance_grad=1e-10, tolerance_change=1e-14,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def objective():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(z @ w + b, y) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(objective)
+    with torch.no_grad():
+        return (zt @ w + b).argmax(-1), {"w": w.detach(), "b": b.detach(), "z": z, "y": y}
+
+
+def splits_of(data: TaskData, s: Settings) -> list[TaskData]:
+    """The one held-out split, or with s.folds > 1 the document folds (every passage tested once)."""
+    return [data] if s.folds == 1 else document_folds(data, s.folds)
+
+
+def pooled(splits: list[TaskData], per_split) -> float:
+    """Accuracy over the test passages of all splits: per_split(split) -> correct count."""
+    return sum(per_split(d) for d in splits) / sum(len(d.test_ids) for d in splits)
+
+
+def probe_accuracy(encoder: nn.Module, splits: list[TaskData], l2: float) -> float:
+    """Pooled test accuracy of a linear probe on the frozen encoder's features, split by split."""
+    def correct(d: TaskData) -> int:
+        predictions, _ = linear_probe(pooled_features(encoder, d.train_ids), d.train_labels,
+                                      pooled_features(encoder, d.test_ids), l2)
+        return int((predictions == torch.as_tensor(d.test_labels)).sum())
+
+    return pooled(splits, correct)
+
+
+def _verdict(gaps: list[float]) -> tuple[tuple[float, float], str]:
+    ci = ci95(gaps)
+    return ci, ("pretraining helped" if ci[0] > 0 else "pretraining hurt" if ci[1] < 0
+                else "no difference established")
+
+
 def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> dict:
-    """Both arms at every seed; the per-seed results, the intervals and the verdict."""
+    """Both arms at every seed, fine-tuned and probed; the per-seed results, the intervals and the
+    verdicts. With s.folds > 1 every arm runs on each document fold and its accuracy is pooled."""
     from largebatch.models import build_model
 
+    splits = splits_of(data, s)
     seeds = [1000 + i for i in range(s.seeds)]
     arms: dict[str, list[dict]] = {"pretrained": [], "scratch": []}
     for seed in seeds:
         for arm in arms:
-            torch.manual_seed(seed)
-            encoder = copy.deepcopy(pretrained) if arm == "pretrained" else build_model(pretrained.config)
-            start = time.perf_counter()
-            result = finetune_arm(encoder, data, s, seed)
-            result["seconds"] = round(time.perf_counter() - start, 1)
+            start, runs = time.perf_counter(), []
+            for split in splits:
+                torch.manual_seed(seed)
+                encoder = copy.deepcopy(pretrained) if arm == "pretrained" else build_model(pretrained.config)
+                runs.append(finetune_arm(encoder, split, s, seed))
+            result = {"test_accuracy": sum(r["test_accuracy"] * len(d.test_ids) for r, d in zip(runs, splits))
+                      / sum(len(d.test_ids) for d in splits),
+                      "first_epoch_loss": statistics.fmean(r["first_epoch_loss"] for r in runs),
+                      "last_epoch_loss": statistics.fmean(r["last_epoch_loss"] for r in runs),
+                      "seconds": round(time.perf_counter() - start, 1)}
             arms[arm].append(result)
             log(f"  seed {seed} {arm:<10} test accuracy {result['test_accuracy']:.4f} "
                 f"(train loss {result['first_epoch_loss']:.3f} -> {result['last_epoch_loss']:.3f}, "
                 f"{result['seconds']:.0f} s)")
     acc = {arm: [r["test_accuracy"] for r in rs] for arm, rs in arms.items()}
     gaps = [p - q for p, q in zip(acc["pretrained"], acc["scratch"])]
-    gap_ci = ci95(gaps)
-    verdict = ("pretraining helped" if gap_ci[0] > 0 else "pretraining hurt" if gap_ci[1] < 0
-               else "no difference established")
-    return {"seeds": seeds, "arms": arms,
+    gap_ci, verdict = _verdict(gaps)
+    probe_pretrained = probe_accuracy(pretrained, splits, s.probe_l2)
+    probe_scratch = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        probe_scratch.append(probe_accuracy(build_model(pretrained.config), splits, s.probe_l2))
+    probe_gaps = [probe_pretrained - q for q in probe_scratch]
+    probe_ci, probe_verdict = _verdict(probe_gaps)
+    log(f"  linear probe: pretrained {probe_pretrained:.4f}, scratch {statistics.fmean(probe_scratch):.4f}")
+    majority = pooled(splits, lambda d: int((d.test_labels == np.bincount(d.train_labels).argmax()).sum()))
+    return {"seeds": seeds, "arms": arms, "folds": s.folds, "test_passages": sum(len(d.test_ids) for d in splits),
             "summary": {arm: {"mean": statistics.fmean(a), "ci95": ci95(a)} for arm, a in acc.items()},
             "gap": {"per_seed": gaps, "mean": statistics.fmean(gaps), "ci95": gap_ci},
-            "verdict": verdict, "majority_rate": data.majority_rate()}
+            "verdict": verdict, "majority_rate": majority,
+            "probe": {"pretrained": probe_pretrained, "scratch": probe_scratch,
+                      "gap": {"per_seed": probe_gaps, "mean": statistics.fmean(probe_gaps), "ci95": probe_ci},
+                      "verdict": probe_verdict}}
 
 
 def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
@@ -192,20 +275,35 @@ def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpo
             + f" | {result['summary'][arm]['mean']:.4f} | {ci(result['summary'][arm]['ci95'])} |"
             for arm in ("pretrained", "scratch")]
     gap = result["gap"]
+    if s.folds == 1:
+        task = (f"{len(data.train_ids)} training passages from {len(data.train_documents)} documents, "
+                f"{len(data.test_ids)} test passages from {len(data.test_documents)} held-out documents "
+                f"({held_out}); {s.passage_len} tokens each. Majority-class rate on test")
+    else:
+        task = (f"{s.folds}-fold cross-validation by document over {len(data.train_ids) + len(data.test_ids)} "
+                f"passages of {len(data.train_documents) + len(data.test_documents)} documents (every passage "
+                f"tested once, by a classifier that never saw its document); {s.passage_len} tokens each. "
+                "Majority-class rate, pooled over the folds")
     lines = [
         f"# Fine-tuning {run} on {data.name}", "",
         f"Command: `{command}` (torch {torch.__version__}, {torch.get_num_threads()} threads). "
         f"Checkpoint: {checkpoint}.", "",
-        f"Task: {TASKS[data.name].description}; {len(data.train_ids)} training passages from "
-        f"{len(data.train_documents)} documents, {len(data.test_ids)} test passages from "
-        f"{len(data.test_documents)} held-out documents ({held_out}); "
-        f"{s.passage_len} tokens each. Majority-class rate on test: {result['majority_rate']:.4f}.", "",
+        f"Task: {TASKS[data.name].description}; {task}: {result['majority_rate']:.4f}.", "",
+    ]
+    lines += [
         f"Fine-tuning: {s.epochs} epochs, AdamW lr {s.lr:g} (10% warmup, linear decay), batch {s.batch_size}, "
         f"weight decay {s.weight_decay:g}, head dropout {s.dropout:g}.", "",
         "| arm | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean | 95% CI |",
         "|---|" + "---|" * (len(result["seeds"]) + 2), *rows, "",
         f"Paired gap pretrained - scratch: {gap['mean']:+.4f}, 95% CI [{gap['ci95'][0]:+.4f}, "
         f"{gap['ci95'][1]:+.4f}] over {len(result['seeds'])} seeds: **{result['verdict']}**.", ""]
+    probe = result["probe"]
+    lines += [
+        f"Linear probe (encoder frozen, mean-pooled final hidden states standardised, multinomial logistic "
+        f"regression with l2 {s.probe_l2:g}): pretrained {probe['pretrained']:.4f}, scratch "
+        + ", ".join(f"{a:.4f}" for a in probe["scratch"])
+        + f" (one random init per seed); gap {probe['gap']['mean']:+.4f}, 95% CI "
+        f"[{probe['gap']['ci95'][0]:+.4f}, {probe['gap']['ci95'][1]:+.4f}]: **{probe['verdict']}**.", ""]
     return "\n".join(lines)
 
 
@@ -216,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default=Settings.task)
     for name, kind in (("seeds", int), ("epochs", int), ("lr", finite_float), ("batch-size", int),
                        ("passage-len", int), ("passages-per-document", int), ("weight-decay", finite_float),
-                       ("dropout", finite_float)):
+                       ("dropout", finite_float), ("folds", int), ("probe-l2", finite_float)):
         p.add_argument(f"--{name}", type=kind, default=getattr(Settings, name.replace("-", "_")))
     p.add_argument("--tokenizer")
     return p

@@ -161,3 +161,32 @@ def build_task(task: str, tokenizer, passage_len: int, passages_per_document: in
     (tr_w, tr_l, tr_s), (te_w, te_l, te_s) = split[False], split[True]
     return TaskData(task, classes, np.asarray(tr_w, dtype=np.int64), np.asarray(tr_l, dtype=np.int64),
                     np.asarray(te_w, dtype=np.int64), np.asarray(te_l, dtype=np.int64), tr_s, te_s)
+
+
+def document_folds(data: TaskData, folds: int, seed: int = 0) -> list[TaskData]:
+    """K-fold cross-validation by document: the passages of ``data`` (train and test pooled) are
+    split into ``folds`` splits whose test documents partition all documents, each class's documents
+    dealt round-robin in a seeded order. Every passage is tested exactly once, by a classifier that
+    never saw its document, so the pooled accuracy rests on every document instead of the few held out."""
+    ids = np.concatenate([data.train_ids, data.test_ids])
+    labels = np.concatenate([data.train_labels, data.test_labels])
+    sources = data.train_sources + data.test_sources
+    documents = sorted(set(sources))
+    label_of = dict(zip(sources, labels.tolist()))
+    largest = max(sum(1 for d in documents if label_of[d] == c) for c in range(len(data.classes)))
+    if isinstance(folds, bool) or not isinstance(folds, int) or not 2 <= folds <= largest:
+        raise TaskError(f"folds = {folds!r}: must be an integer from 2 to {largest} (the largest class's "
+                        "documents, so that every fold has test documents)")
+    rng = np.random.default_rng(seed)
+    fold_of = {}
+    for c in range(len(data.classes)):
+        names = [d for d in documents if label_of[d] == c]
+        for i, j in enumerate(rng.permutation(len(names))):
+            fold_of[names[j]] = i % folds
+    fold = np.array([fold_of[s] for s in sources])
+    out = []
+    for k in range(folds):
+        train, test = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+        out.append(TaskData(data.name, data.classes, ids[train], labels[train], ids[test], labels[test],
+                            [sources[i] for i in train], [sources[i] for i in test]))
+    return out
