@@ -320,6 +320,7 @@ def test_bert_lans_smoke_two_phases_three_optimizers_and_downstream(tmp_path, on
         assert mean_row["val loss at each phase's end"] == " / ".join(map(fmt_loss, summary["phase_val_losses"]))
         accuracies = [float(a) for a in row["downstream accuracy per seed"].split(", ")]
         assert len(accuracies) == 2 and all(0 <= a <= 1 for a in accuracies)
+        assert 0 <= float(row["probe accuracy"]) <= 1
     assert [r["pair"] for r in pairs] == ["lans - lamb", "lans - adamw", "lamb - adamw"]
     assert "Downstream from random init (scratch)" in report
     assert_png(out / "val_loss.png")

@@ -10,10 +10,13 @@ is not a fraction of the weight norm, so the same number would be a different st
 Each arm runs at ``seeds`` pretraining seeds (init, data order and masking).
 
 Judged by: the final masked-LM validation loss and accuracy (against the unigram baseline), the
-loss at the end of each phase, and downstream test accuracy on a bundled classification task whose
-test passages come from documents the classifier never saw (largebatch.finetune). The fine-tuning
-runs at FINETUNE_SEED for every arm, and the same architecture from random initialisation
-("scratch", once per experiment, same fine-tuning seeds) is the line pretraining has to beat.
+loss at the end of each phase, and downstream accuracy on a bundled classification task, cross-
+validated by document (every passage tested once, by a classifier that never saw its document;
+largebatch.finetune): fine-tuned at the same fine-tuning seeds for every arm, and a linear probe of
+the frozen encoder. The same architecture from random initialisation ("scratch", a random init per
+fine-tuning seed) is the line pretraining has to beat. Quick and full judge on bible-division at
+fine-tuning LR 1e-3: on the recipe, folio-genre is not learnable from either encoder, and at 1e-4
+the pretrained encoder barely fits (docs/results.md).
 Optimizers are compared paired by pretraining seed with a 95% t interval (largebatch/stats.py);
 a difference is stated only when the interval excludes 0.
 """
@@ -54,7 +57,8 @@ class Setting:
     """largebatch.finetune.Settings fields."""
 
 
-_FINETUNE_FULL = {"task": "folio-genre", "seeds": 3, "epochs": 3}
+_FINETUNE_FULL = {"task": "bible-division", "seeds": 3, "epochs": 3, "lr": 1e-3, "folds": 5,
+                  "passage_len": 64, "passages_per_document": 16}
 SETTINGS = {
     "smoke": Setting({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
                       "data.vocab_size": 512, "data.corpus": "shakespeare", "run.eval_tokens": 2_048,
@@ -64,13 +68,13 @@ SETTINGS = {
                       "phases.1.micro_batch": 4, "schedule.batch_size": 8,
                       "phases.1.schedule.batch_size": 4},
                      1, {"task": "folio-genre", "seeds": 2, "epochs": 1, "passages_per_document": 2,
-                         "batch_size": 8}),
+                         "batch_size": 8, "folds": 2}),
     "quick": Setting({"model.n_layer": 2, "model.n_embd": 128, "model.n_head": 2, "model.seq_len": 128,
                       "data.vocab_size": 2048, "run.eval_tokens": 16_384,
                       "phases.0.total_tokens": 262_144, "phases.1.seq_len": 128,
                       "phases.1.total_tokens": 65_536},
-                     2, {"task": "folio-genre", "seeds": 2, "epochs": 2, "passages_per_document": 8,
-                         "passage_len": 64}),
+                     2, {"task": "bible-division", "seeds": 2, "epochs": 2, "passages_per_document": 8,
+                         "passage_len": 64, "lr": 1e-3, "folds": 5}),
     "full": Setting({}, 2, _FINETUNE_FULL),
 }
 
@@ -114,37 +118,57 @@ def base(size: str) -> dict[str, Any]:
 
 
 def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print) -> tuple[dict, dict]:
-    """Downstream test accuracy per arm ({arm name: [per fine-tuning seed]}), and the scratch line
-    (same architecture, random init, same fine-tuning seeds), with the task's chance rate."""
+    """Downstream accuracy per arm: {arm name: [fine-tuned accuracy per fine-tuning seed]} and
+    {arm name: linear-probe accuracy}, each pooled over the document folds; and the scratch line
+    (same architecture, a random init per fine-tuning seed), with the pooled majority-class rate."""
+    import numpy as np
     import torch
 
     from largebatch.export import load_run
-    from largebatch.finetune import Settings, build_task, check_settings, finetune_arm
+    from largebatch.finetune import (
+        Settings,
+        build_task,
+        check_settings,
+        finetune_arm,
+        pooled,
+        probe_accuracy,
+        splits_of,
+    )
     from largebatch.models import build_model
 
     accuracy: dict[str, list[float]] = {}
-    task = None
-    first = None
+    probe: dict[str, float] = {}
+    splits, first, s = None, None, None
+
+    def finetuned(make_encoder, seed: int) -> float:
+        def correct(d):
+            torch.manual_seed(seed)
+            return round(finetune_arm(make_encoder(), d, s, seed)["test_accuracy"] * len(d.test_ids))
+        return pooled(splits, correct)
+
     for result in results:
         if result.diverged:
             continue
         loaded = load_run(result.run_dir)
         s = check_settings(Settings(**settings), loaded.model.config.seq_len)
-        if task is None:
-            task, first = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document), loaded
-        accuracy[result.arm.name] = []
-        for k in range(s.seeds):
-            torch.manual_seed(1000 + k)
-            encoder = copy.deepcopy(loaded.model).train()  # finetune_arm changes the encoder in place
-            accuracy[result.arm.name].append(finetune_arm(encoder, task, s, 1000 + k)["test_accuracy"])
-        log(f"  {result.arm.name}: fine-tuned test accuracy {statistics.fmean(accuracy[result.arm.name]):.4f}")
-    scratch = []
+        if splits is None:
+            task = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)
+            splits, first = splits_of(task, s), loaded
+        # each fold and seed fine-tunes its own copy (finetune_arm trains the encoder in place)
+        accuracy[result.arm.name] = [finetuned(lambda: copy.deepcopy(loaded.model).train(), 1000 + k)
+                                     for k in range(s.seeds)]
+        probe[result.arm.name] = probe_accuracy(loaded.model, splits, s.probe_l2)
+        log(f"  {result.arm.name}: fine-tuned {statistics.fmean(accuracy[result.arm.name]):.4f}, "
+            f"probe {probe[result.arm.name]:.4f}")
+    line: dict[str, Any] = {"scratch": [], "scratch_probe": [], "chance": None}
     if first is not None:
-        s = check_settings(Settings(**settings), first.model.config.seq_len)
+        config = first.model.config
         for k in range(s.seeds):
+            line["scratch"].append(finetuned(lambda: build_model(config), 1000 + k))
             torch.manual_seed(1000 + k)
-            scratch.append(finetune_arm(build_model(first.model.config), task, s, 1000 + k)["test_accuracy"])
-    return accuracy, {"scratch": scratch, "chance": task.majority_rate() if task else None}
+            line["scratch_probe"].append(probe_accuracy(build_model(config), splits, s.probe_l2))
+        line["chance"] = pooled(splits, lambda d: int((d.test_labels == np.bincount(d.train_labels).argmax()).sum()))
+    return {"finetuned": accuracy, "probe": probe}, line
 
 
 def _mean(values: list[float]) -> str:
@@ -175,8 +199,9 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     report.add(f"""The {RECIPE} recipe (two phases, LANS's warmup-hold-decay schedule per phase) with
 {', '.join(f'{k} = {v}' for k, v in setting.overrides.items()) or 'no changes'}; {first.tokens:,}
 tokens per arm; LANS and LAMB at the recipe's peak LRs {recipe_lrs()}, AdamW at {ADAMW_LR_SCALE}x
-them (not tuned). {n_seeds} pretraining seed(s). Downstream: {setting.finetune['task']}, fine-tuned
-at {setting.finetune['seeds']} seeds per arm (largebatch.finetune; whole documents held out).""")
+them (not tuned). {n_seeds} pretraining seed(s). Downstream: {setting.finetune['task']},
+{setting.finetune['folds']}-fold cross-validation by document, fine-tuned at {setting.finetune['seeds']}
+seeds per arm (lr {setting.finetune.get('lr', 1e-4):g}), and a linear probe (largebatch.finetune).""")
     rows = []
     for name in OPTIMIZERS:
         mine = [r for r in results if r.arm.overrides["optim.name"] == name]
@@ -184,43 +209,53 @@ at {setting.finetune['seeds']} seeds per arm (largebatch.finetune; whole documen
         phases = [r.summary.get("phase_val_losses", []) for r in finite]
         per_phase = " / ".join(fmt_loss(statistics.fmean(p[i] for p in phases))
                                for i in range(min(map(len, phases), default=0)))
-        acc = [a for r in finite for a in downstream.get(r.arm.name, [])]
+        acc = [a for r in finite for a in downstream["finetuned"].get(r.arm.name, [])]
+        probes = [downstream["probe"][r.arm.name] for r in finite if r.arm.name in downstream["probe"]]
         rows.append([name, f"{len(finite)}/{len(mine)}",
                      _mean([r.final_val_loss for r in finite]),
                      _mean([r.summary.get("final_val_accuracy") for r in finite]),
-                     per_phase or "-", _mean(acc) + _interval(acc)])
+                     per_phase or "-", _mean(acc) + _interval(acc), _mean(probes)])
     unigram_loss, unigram_acc = first.summary.get("unigram_val_loss"), first.summary.get("unigram_val_accuracy")
     chance = line["chance"]
     report.add("## Mean over pretraining seeds\n\n" + markdown_table(
         ["optimizer", "finished", "final val MLM loss", "final val MLM accuracy",
-         "val loss at each phase's end", "downstream test accuracy [95% CI over fine-tuning runs]"], rows)
+         "val loss at each phase's end", "fine-tuned accuracy [95% CI over fine-tuning runs]",
+         "linear probe accuracy"], rows)
         + f"\n\nUnigram baseline: loss {fmt_loss(unigram_loss)}, accuracy "
         f"{'-' if unigram_acc is None else f'{unigram_acc:.4f}'}. Downstream from random init "
-        f"(scratch): {_mean(line['scratch'])}{_interval(line['scratch'])}; majority class "
+        f"(scratch): fine-tuned {_mean(line['scratch'])}{_interval(line['scratch'])}, probe "
+        f"{_mean(line['scratch_probe'])}{_interval(line['scratch_probe'])}; majority class "
         f"{'-' if chance is None else f'{chance:.4f}'}.")
     pairs = []
     for a, b in (("lans", "lamb"), ("lans", "adamw"), ("lamb", "adamw")):
-        loss_gaps, acc_gaps = [], []
+        loss_gaps, acc_gaps, probe_gaps = [], [], []
         for seed in SEEDS[:n_seeds]:
             suffix = "" if seed is None else f"-seed{seed}"
             ra, rb = by_name[a + suffix], by_name[b + suffix]
             if ra.diverged or rb.diverged:
                 continue
             loss_gaps.append(ra.final_val_loss - rb.final_val_loss)
-            acc_gaps.append(statistics.fmean(downstream[ra.arm.name]) - statistics.fmean(downstream[rb.arm.name]))
+            finetuned = downstream["finetuned"]
+            acc_gaps.append(statistics.fmean(finetuned[ra.arm.name]) - statistics.fmean(finetuned[rb.arm.name]))
+            probe_gaps.append(downstream["probe"][ra.arm.name] - downstream["probe"][rb.arm.name])
         pairs.append([f"{a} - {b}", len(loss_gaps),
                       (f"{statistics.fmean(loss_gaps):+.4f}" if loss_gaps else "-") + _interval(loss_gaps),
                       _verdict(loss_gaps, lower_is_better=True),
                       (f"{statistics.fmean(acc_gaps):+.4f}" if acc_gaps else "-") + _interval(acc_gaps),
-                      _verdict(acc_gaps, lower_is_better=False)])
+                      _verdict(acc_gaps, lower_is_better=False),
+                      (f"{statistics.fmean(probe_gaps):+.4f}" if probe_gaps else "-") + _interval(probe_gaps),
+                      _verdict(probe_gaps, lower_is_better=False)])
     report.add("## Paired by pretraining seed\n\n" + markdown_table(
-        ["pair", "seeds", "val loss gap [95% CI]", "loss verdict", "downstream accuracy gap [95% CI]",
-         "downstream verdict"], pairs))
+        ["pair", "seeds", "val loss gap [95% CI]", "loss verdict", "fine-tuned accuracy gap [95% CI]",
+         "fine-tuned verdict", "probe accuracy gap [95% CI]", "probe verdict"], pairs))
     report.add("## Every run\n\n" + markdown_table(
-        ["arm", "final val loss", "final val accuracy", "optimizer steps", "downstream accuracy per seed"],
+        ["arm", "final val loss", "final val accuracy", "optimizer steps", "downstream accuracy per seed",
+         "probe accuracy"],
         [[r.arm.name, fmt_loss(r.final_val_loss),
           "-" if r.diverged else f"{r.summary.get('final_val_accuracy', float('nan')):.4f}", r.steps,
-          ", ".join(f"{a:.4f}" for a in downstream.get(r.arm.name, []))] for r in results]))
+          ", ".join(f"{a:.4f}" for a in downstream["finetuned"].get(r.arm.name, [])),
+          _mean([downstream["probe"][r.arm.name]] if r.arm.name in downstream["probe"] else [])]
+         for r in results]))
     report.plots.append(plot_validation(results, out_dir / "val_loss.png",
                                         "Two-phase BERT: validation MLM loss per optimizer").name)
     return report
