@@ -64,9 +64,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_seesaw_smoke_report_agrees_with_metrics(tmp_path, one_thread):
-    out = tmp_path / "seesaw"
-    assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
+@pytest.fixture(scope="module")
+def seesaw_smoke(tmp_path_factory):
+    """One seesaw smoke run on one torch thread, shared by the report check and the thread-count check."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("smoke") / "seesaw"
+        assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_seesaw_smoke_report_agrees_with_metrics(seesaw_smoke, one_thread):
+    out = seesaw_smoke
     report = (out / "report.md").read_text()
     assert f"largebatch experiment seesaw --smoke --out {out}" in report
     tables = [t for t in parse_tables(report) if t and "optimizer steps" in t[0]]
@@ -331,17 +343,16 @@ def _verdicts(report: str) -> list[str]:
             if line.startswith(("- below:", "- above:")) and "noise floor" in line]
 
 
-def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path):
+def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path, seesaw_smoke):
     """Each comparison's verdict (seed interval and noise floor together) is the same at 1 and at 2
-    torch threads, where only the summation order differs."""
+    torch threads, where only the summation order differs (the 1-thread run is the shared smoke run)."""
     threads = torch.get_num_threads()
-    verdicts = []
+    verdicts = [_verdicts((seesaw_smoke / "report.md").read_text())]
     try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = tmp_path / f"threads{n}"
-            assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
-            verdicts.append(_verdicts((out / "report.md").read_text()))
+        torch.set_num_threads(2)
+        out = tmp_path / "threads2"
+        assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 0
+        verdicts.append(_verdicts((out / "report.md").read_text()))
     finally:
         torch.set_num_threads(threads)
     assert len(verdicts[0]) == 8 and verdicts[0] == verdicts[1]
