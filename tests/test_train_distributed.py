@@ -147,13 +147,10 @@ def _dcp_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.dcp"))
 
 
-def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, ddp_run, tmp_path):
-    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the rank,
-    no temporary is left, and the very same torchrun command line continues from the checkpoint to
-    the losses of the uninterrupted 2-rank run, to the bit."""
-    out = tmp_path / "killed"
-    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
-    proc, victim = _launch(o), []
+def _kill_rank_one_after_a_checkpoint(proc, out) -> list[int]:
+    """SIGKILL rank 1 of the torchrun job ``proc`` once a DCP checkpoint exists in ``out``; returns
+    the killed pid (empty if the job ended first)."""
+    victim: list[int] = []
 
     def kill_rank_one() -> bool:
         if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
@@ -163,6 +160,17 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
         return False
 
     _wait_until(proc, kill_rank_one)
+    return victim
+
+
+def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, ddp_run, tmp_path):
+    """SIGKILL rank 1 of a 2-rank DDP run after its first checkpoint: torchrun fails naming the rank,
+    no temporary is left, and the very same torchrun command line continues from the checkpoint to
+    the losses of the uninterrupted 2-rank run, to the bit."""
+    out = tmp_path / "killed"
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    proc = _launch(o)
+    victim = _kill_rank_one_after_a_checkpoint(proc, out)
     _, err = proc.communicate(timeout=300)
     assert victim and proc.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
@@ -181,16 +189,8 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(
     and finish with the uninterrupted 2-rank run's losses, to the bit."""
     out = tmp_path / "restarted"
     o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
-    proc, victim = _launch(o, "--max-restarts", "1"), []
-
-    def kill_rank_one() -> bool:
-        if _dcp_steps(out) and (pid := _rank_pid(1, parent=proc.pid)):
-            os.kill(pid, signal.SIGKILL)
-            victim.append(pid)
-            return True
-        return False
-
-    _wait_until(proc, kill_rank_one)
+    proc = _launch(o, "--max-restarts", "1")
+    victim = _kill_rank_one_after_a_checkpoint(proc, out)
     stdout, err = proc.communicate(timeout=300)
     assert victim and proc.returncode == 0, err[-3000:]
     assert f"resumed from {out / 'checkpoints'}" in stdout, stdout[-2000:]  # the second attempt
