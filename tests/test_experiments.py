@@ -337,6 +337,13 @@ def test_bert_lans_smoke_two_phases_three_optimizers_and_downstream(tmp_path, on
     assert "Downstream from random init (scratch)" in report
     assert_png(out / "val_loss.png")
 
+    # the arms kept, the fine-tuning split over two worker processes: the same report
+    assert cli.main(["bert-lans", "--smoke", "--out", str(out), "--resume", "--jobs", "2"]) == 0
+    again = (out / "report.md").read_text()
+    assert parse_tables(again) == parse_tables(report)
+    assert [line for line in again.splitlines() if "scratch" in line] == \
+        [line for line in report.splitlines() if "scratch" in line]
+
 
 def _verdicts(report: str) -> list[str]:
     return [line.rsplit(": ", 1)[1] for line in report.splitlines()

@@ -24,6 +24,8 @@ a difference is stated only when the interval excludes 0.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from largebatch.experiments.runner import (
     ArmResult,
     Execution,
     check_seed_count,
+    map_in_processes,
     run_arms,
 )
 from largebatch.stats import ci95
@@ -117,58 +120,95 @@ def base(size: str) -> dict[str, Any]:
     return {BASE_CONFIG: str(shipped_configs()[RECIPE]), **common, **SETTINGS[size].overrides}
 
 
-def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print) -> tuple[dict, dict]:
+def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print,
+                  jobs: int = 1) -> tuple[dict, dict]:
     """Downstream accuracy per arm: {arm name: [fine-tuned accuracy per fine-tuning seed]} and
     {arm name: linear-probe accuracy}, each pooled over the document folds; and the scratch line
-    (same architecture, a random init per fine-tuning seed), with the pooled majority-class rate."""
+    (same architecture, a random init per fine-tuning seed), with the pooled majority-class rate.
+
+    Every (encoder, fine-tuning seed) is one task; ``jobs`` > 1 runs them in that many worker
+    processes (largebatch.experiments.runner.map_in_processes), with the same numbers as one
+    process at the same thread count: each task seeds its own fine-tuning and the probe draws no
+    random numbers."""
     import numpy as np
+
+    from largebatch.finetune import pooled
+
+    finite = [r for r in results if not r.diverged]
+    if not finite:
+        return {"finetuned": {}, "probe": {}}, {"scratch": [], "scratch_probe": [], "chance": None}
+    first = str(finite[0].run_dir)
+    s = _task(first, _key(settings))[0]
+    tasks = [(str(r.run_dir), first, settings, 1000 + k, k == 0) for r in finite for k in range(s.seeds)]
+    tasks += [(None, first, settings, 1000 + k, True) for k in range(s.seeds)]
+    if jobs > 1:
+        outcomes = map_in_processes(_downstream, tasks, jobs, "downstream fine-tuning")
+    else:
+        outcomes = [_downstream(*task) for task in tasks]
+    accuracy: dict[str, list[float]] = {r.arm.name: [] for r in finite}
+    probe: dict[str, float] = {}
+    names = [r.arm.name for r in finite for _ in range(s.seeds)] + [None] * s.seeds
+    line: dict[str, Any] = {"scratch": [], "scratch_probe": [], "chance": None}
+    for name, (acc, probed) in zip(names, outcomes):
+        if name is None:
+            line["scratch"].append(acc)
+            line["scratch_probe"].append(probed)
+            continue
+        accuracy[name].append(acc)
+        if probed is not None:
+            probe[name] = probed
+    for r in finite:
+        log(f"  {r.arm.name}: fine-tuned {statistics.fmean(accuracy[r.arm.name]):.4f}, "
+            f"probe {probe[r.arm.name]:.4f}")
+    splits = _task(first, _key(settings))[1]
+    line["chance"] = pooled(splits, lambda d: int((d.test_labels == np.bincount(d.train_labels).argmax()).sum()))
+    return {"finetuned": accuracy, "probe": probe}, line
+
+
+def _key(settings: dict[str, Any]) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=2)
+def _task(first_run: str, settings_key: str):
+    """(checked settings, fold splits, model config): the task is built with the first arm's
+    tokenizer (every arm trains the same one), once per process."""
+    from largebatch.export import load_run
+    from largebatch.finetune import Settings, build_task, check_settings, splits_of
+
+    loaded = load_run(first_run, log=lambda _: None)
+    s = check_settings(Settings(**json.loads(settings_key)), loaded.model.config.seq_len)
+    task = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)
+    return s, splits_of(task, s), loaded.model.config
+
+
+def _downstream(run_dir: str | None, first_run: str, settings: dict[str, Any], seed: int,
+                with_probe: bool) -> tuple[float, float | None]:
+    """One fine-tuning seed of one encoder -- the run's in ``run_dir``, or a fresh init (seeded
+    with ``seed``) when None -- pooled over the folds; and its linear-probe accuracy if
+    ``with_probe``. Each fold fine-tunes its own copy (finetune_arm trains in place). Runs in a
+    worker process too."""
     import torch
 
     from largebatch.export import load_run
-    from largebatch.finetune import (
-        Settings,
-        build_task,
-        check_settings,
-        finetune_arm,
-        pooled,
-        probe_accuracy,
-        splits_of,
-    )
+    from largebatch.finetune import finetune_arm, pooled, probe_accuracy
     from largebatch.models import build_model
 
-    accuracy: dict[str, list[float]] = {}
-    probe: dict[str, float] = {}
-    splits, first, s = None, None, None
+    s, splits, config = _task(first_run, _key(settings))
+    model = None if run_dir is None else load_run(run_dir, log=lambda _: None).model
 
-    def finetuned(make_encoder, seed: int) -> float:
-        def correct(d):
-            torch.manual_seed(seed)
-            return round(finetune_arm(make_encoder(), d, s, seed)["test_accuracy"] * len(d.test_ids))
-        return pooled(splits, correct)
+    def correct(d):
+        torch.manual_seed(seed)
+        encoder = build_model(config) if model is None else copy.deepcopy(model).train()
+        return round(finetune_arm(encoder, d, s, seed)["test_accuracy"] * len(d.test_ids))
 
-    for result in results:
-        if result.diverged:
-            continue
-        loaded = load_run(result.run_dir)
-        s = check_settings(Settings(**settings), loaded.model.config.seq_len)
-        if splits is None:
-            task = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)
-            splits, first = splits_of(task, s), loaded
-        # each fold and seed fine-tunes its own copy (finetune_arm trains the encoder in place)
-        accuracy[result.arm.name] = [finetuned(lambda: copy.deepcopy(loaded.model).train(), 1000 + k)
-                                     for k in range(s.seeds)]
-        probe[result.arm.name] = probe_accuracy(loaded.model, splits, s.probe_l2)
-        log(f"  {result.arm.name}: fine-tuned {statistics.fmean(accuracy[result.arm.name]):.4f}, "
-            f"probe {probe[result.arm.name]:.4f}")
-    line: dict[str, Any] = {"scratch": [], "scratch_probe": [], "chance": None}
-    if first is not None:
-        config = first.model.config
-        for k in range(s.seeds):
-            line["scratch"].append(finetuned(lambda: build_model(config), 1000 + k))
-            torch.manual_seed(1000 + k)
-            line["scratch_probe"].append(probe_accuracy(build_model(config), splits, s.probe_l2))
-        line["chance"] = pooled(splits, lambda d: int((d.test_labels == np.bincount(d.train_labels).argmax()).sum()))
-    return {"finetuned": accuracy, "probe": probe}, line
+    accuracy = pooled(splits, correct)
+    if not with_probe:
+        return accuracy, None
+    if model is None:
+        torch.manual_seed(seed)
+        model = build_model(config)
+    return accuracy, probe_accuracy(model, splits, s.probe_l2)
 
 
 def _mean(values: list[float]) -> str:
@@ -192,7 +232,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     setting = SETTINGS[size]
     n_seeds = check_seeds(seeds or setting.seeds)
     results = run_arms(arms(size, n_seeds), base(size), out_dir, log, execution)
-    downstream, line = finetune_arms(results, setting.finetune, log)
+    downstream, line = finetune_arms(results, setting.finetune, log, execution.jobs)
     by_name = {r.arm.name: r for r in results}
     report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command)
     first = results[0]

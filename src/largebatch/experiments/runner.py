@@ -19,6 +19,7 @@ import queue as queue_lib
 import shutil
 import signal
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -342,6 +343,53 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _worker_start(threads: int) -> None:
+    import torch
+
+    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
+    torch.set_num_threads(threads)
+
+
+def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what: str) -> list[Any]:
+    """``[fn(*task) for task in tasks]`` in ``jobs`` worker processes (spawned once, each with its
+    share of the torch threads), in task order. ``fn`` must be a module-level function.
+
+    For work that keeps nothing worth saving (fine-tuning a finished arm): on SIGTERM or SIGINT the
+    pending tasks are dropped, the workers killed and waited for, and ArmsInterrupted raised naming
+    ``what``; a worker that dies raises RuntimeError."""
+    import torch
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_start, initargs=(threads,))
+
+    def interrupt(signum, frame):
+        raise ArmsInterrupted(signum, [what], [])
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        futures = [pool.submit(fn, *task) for task in tasks]
+        outcomes = [future.result() for future in futures]
+    except BaseException as exc:
+        for sig, handler in previous.items():  # a second signal now ends this process at once
+            signal.signal(sig, handler)
+        workers = list((pool._processes or {}).values())  # the pool has no public kill
+        pool.shutdown(wait=False, cancel_futures=True)
+        for worker in workers:
+            worker.kill()
+            worker.join()
+        if isinstance(exc, ArmsInterrupted):
+            raise
+        if type(exc).__name__ == "BrokenProcessPool":
+            raise RuntimeError(f"{what}: a worker process died ({exc})") from None
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    pool.shutdown()
+    return outcomes
 
 
 def _stop(processes, grace_s: float = 120.0) -> None:
