@@ -60,7 +60,7 @@ class Setting:
     """largebatch.finetune.Settings fields."""
 
 
-_FINETUNE_FULL = {"task": "bible-division", "seeds": 3, "epochs": 3, "lr": 1e-3, "folds": 5,
+_FINETUNE_FULL = {"task": "bible-division", "seeds": 2, "epochs": 3, "lr": 1e-3, "folds": 5,
                   "passage_len": 64, "passages_per_document": 16}
 SETTINGS = {
     "smoke": Setting({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
