@@ -137,7 +137,8 @@ def test_a_registered_lr_schedule_is_a_choice_of_the_config_and_the_cli(capsys):
     from largebatch.schedules import lr as lr_module
     from largebatch.schedules.config import LR_BUILDERS, register_lr_schedule
 
-    register_lr_schedule("cosine-to-zero", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, 0.0))
+    register_lr_schedule("cosine-to-zero", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, 0.0),
+                         help="cosine all the way to 0")
     try:
         cfg = ScheduleConfig(lr_schedule="cosine-to-zero", peak_lr=1e-3, warmup=0.1)
         sched = cfg.build(TOTAL, SEQ)
@@ -148,6 +149,10 @@ def test_a_registered_lr_schedule_is_a_choice_of_the_config_and_the_cli(capsys):
         with pytest.raises(SystemExit):
             main(["--help"])
         assert "cosine-to-zero" in capsys.readouterr().out
+        from largebatch.train.cli import main as train_main
+
+        assert train_main(["--help-config"]) in (0, None)
+        assert "cosine-to-zero: cosine all the way to 0" in capsys.readouterr().out
     finally:
         LR_BUILDERS.pop("cosine-to-zero")
     with pytest.raises(ValueError, match="lr_schedule = 'cosine-to-zero': must be one of 'constant'"):

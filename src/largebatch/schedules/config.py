@@ -25,14 +25,24 @@ from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
 from largebatch.typed_config import check_literals, check_off, from_dict
 
-# lr_schedule name -> builder(config, peak LR, token budget, warmup tokens): the one place an LR
-# shape is declared (register_lr_schedule, below the class); the choices, --help and build_lr read it
-LR_BUILDERS: dict[str, Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]] = {}
+# lr_schedule name -> LRScheduleEntry: the one place an LR shape is declared (register_lr_schedule,
+# below the class); the choices, --help and build_lr read it
+LR_BUILDERS: dict[str, LRScheduleEntry] = {}
 # batch_policy name -> BatchPolicy (register_batch_policy, below the class): the same shape
 BATCH_POLICIES: dict[str, BatchPolicy] = {}
 REGISTRIES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES}  # open sets, by name
 OFF_FIELDS = ("ramp_start", "ramp_increment", "alpha", "beta", "max_batch_size", "noise_scale_multiple",
               "reference_batch_size")  # positive, or None (off / not given)
+
+
+@dataclass(frozen=True)
+class LRScheduleEntry:
+    """An LR shape against tokens, declared by name (:func:`register_lr_schedule`)."""
+
+    build: Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]
+    """(config, peak LR, token budget, warmup tokens) -> the schedule."""
+    help: str
+    """One line for --help-config."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +173,7 @@ class ScheduleConfig:
         """The plain LR schedule (also Seesaw's base)."""
         self._validate()
         peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
-        return LR_BUILDERS[self.lr_schedule](self, peak, total_tokens, warmup)
+        return LR_BUILDERS[self.lr_schedule].build(self, peak, total_tokens, warmup)
 
     def build(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
               dp_size: int = 1) -> JointSchedule:
@@ -250,18 +260,29 @@ register_batch_policy("smith", lambda c, lr, total, sizes: SmithRamp(lr, c.batch
                       milestones=True)
 
 
-def register_lr_schedule(name: str, build: Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule]) -> None:
-    """Declare ``schedule.lr_schedule = name``: ``build(config, peak_lr, total_tokens, warmup_tokens)``
-    returns the schedule (``config.final_lr`` is a fraction of the peak, as the classes take it)."""
-    LR_BUILDERS[name] = build
+def register_lr_schedule(name: str, build: Callable[[ScheduleConfig, float, int, int], lr_module.LRSchedule], *,
+                         help: str) -> LRScheduleEntry:
+    """Declare ``schedule.lr_schedule = name`` (replacing one of that name): ``build(config, peak_lr,
+    total_tokens, warmup_tokens)`` returns the schedule (``config.final_lr`` is a fraction of the
+    peak, as the classes take it); ``help`` is its line in --help-config."""
+    LR_BUILDERS[name] = LRScheduleEntry(build, help)
+    return LR_BUILDERS[name]
 
 
-register_lr_schedule("constant", lambda c, peak, total, warmup: lr_module.Constant(peak, total, warmup))
-register_lr_schedule("cosine", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, c.final_lr))
+register_lr_schedule("constant", lambda c, peak, total, warmup: lr_module.Constant(peak, total, warmup),
+                     help="peak_lr after the warmup, to the end")
+register_lr_schedule("cosine", lambda c, peak, total, warmup: lr_module.Cosine(peak, total, warmup, c.final_lr),
+                     help="cosine from peak_lr to final_lr x peak_lr after the warmup")
 register_lr_schedule("linear", lambda c, peak, total, warmup: lr_module.LinearDecay(peak, total, warmup,
-                                                                                    c.final_lr))
+                                                                                    c.final_lr),
+                     help="a straight line from peak_lr to final_lr x peak_lr after the warmup")
 register_lr_schedule("wsd", lambda c, peak, total, warmup: lr_module.WSD(peak, total, warmup, c.final_lr,
-                                                                         c.wsd_cooldown, c.wsd_shape))
+                                                                         c.wsd_cooldown, c.wsd_shape),
+                     help="warmup-stable-decay: hold peak_lr, cool down over the last wsd_cooldown of the "
+                          "budget with wsd_shape (Hu et al. 2024)")
 register_lr_schedule("lans", lambda c, peak, total, warmup: lr_module.WarmupHoldPolynomial(
-    peak, total, warmup, 0.0, round(c.lans_hold * total), c.lans_power))
-register_lr_schedule("inverse-sqrt", lambda c, peak, total, warmup: lr_module.InverseSqrt(peak, total, warmup))
+    peak, total, warmup, 0.0, round(c.lans_hold * total), c.lans_power),
+                     help="warmup, hold peak_lr for lans_hold of the budget, polynomial decay of power "
+                          "lans_power to 0 (Zheng et al. 2020)")
+register_lr_schedule("inverse-sqrt", lambda c, peak, total, warmup: lr_module.InverseSqrt(peak, total, warmup),
+                     help="peak_lr x sqrt(warmup tokens / tokens) after the warmup (Vaswani et al. 2017)")
