@@ -23,10 +23,9 @@ all-reduces over the "dp" group after the schedule's step, in buckets of DDP's d
 Gradient noise scale (McCandlish et al. 2018, App. A; docs/papers.md: schedules "Critical batch
 size"): a stage holds part of the parameters, so both squared norms are sums over the stages. With
 replicas, |G_small|^2 is each replica's gradient before the all-reduce (read from the very buckets
-it reduces, as DDP's hook does); with one replica, ``FirstMicroBatchNorm`` records each parameter's
-gradient when the first micro-batch's backward writes it (a post-accumulate-grad hook; the zero
-bubble schedule writes weight gradients by hand, and tensor parallel leaves gradients as pending
-partial sums, so they give none).
+it reduces, as DDP's hook does); with one replica, ``FirstMicroBatchNorm`` reads each stage's
+gradients when the stage completes micro-batch 0's weight gradients (its full backward, or under
+zero bubble its separate weight-gradient half), summed over tensor-parallel shards too.
 
 Each rank keeps ONE copy of the model with the modules of other ranks' stages set to None: its
 parameter names are the one-process names, so the optimizer's parameter groups and distributed
@@ -41,12 +40,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
+from largebatch.optim.core import local_shard
 from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
 from largebatch.parallel.mesh import ParallelState
+from largebatch.parallel.norms import contributes
 from largebatch.parallel.parallelize import apply_fsdp
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -166,34 +168,64 @@ def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
 
 
 class FirstMicroBatchNorm:
-    """Squared norm of this rank's gradients as the step's first micro-batch's backward writes them.
+    """Squared norm of this rank's gradients of the step's first micro-batch (one replica).
 
-    A post-accumulate-grad hook on every parameter records the gradient the first time it is
-    written after ``reset()`` (the step's gradients start at None, and a stage runs its micro-batches'
-    backwards in order); ``take`` returns the job-wide sum (one all-reduce: stages hold disjoint
-    parameters). Whole (plain) parameters: one replica, no tensor parallel.
+    A stage's weight gradients of micro-batch 0 are complete after its full backward of chunk 0
+    (GPipe, 1F1B, interleaved 1F1B) or, under zero bubble, after the weight-gradient half of chunk 0
+    (``backward_weight_one_chunk``; the input half runs earlier and writes no weight gradient). The
+    step's gradients start at None and every stage completes chunk 0 before any other chunk, so the
+    stage's gradients then are micro-batch 0's alone (``record`` refuses any other order). Called
+    between schedule actions, not from an autograd hook: a tensor-parallel gradient that is a pending
+    partial sum (a replicated weight under SP) is summed over "tp" by a collective that every tp rank
+    of the stage enters at the same action. ``take`` returns the job-wide sum (one all-reduce: stages
+    are disjoint; along "tp" each element counts once, ``contributes``).
     """
 
-    def __init__(self, params: list[torch.Tensor], state: ParallelState):
+    def __init__(self, state: ParallelState):
         self.state = state
         self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
-        self.seen: set[int] = set()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._record)
+        self.completed: set[int] = set()  # stages that completed a chunk's weight gradients this step
 
     @torch.no_grad()
-    def _record(self, param: torch.Tensor) -> None:
-        if id(param) not in self.seen:
-            self.seen.add(id(param))
-            self.squared += torch.linalg.vector_norm(param.grad, dtype=torch.float64).square()
+    def record(self, stage, chunk: int) -> None:
+        """Stage ``stage`` completed the weight gradients of micro-batch ``chunk``."""
+        if chunk == 0:
+            if stage.stage_index in self.completed:
+                raise RuntimeError(f"pipeline stage {stage.stage_index} completed another micro-batch's weight "
+                                   "gradients before micro-batch 0's: no first-micro-batch gradient norm")
+            for p in stage.submod.parameters():
+                grad = p.grad
+                if grad is None:
+                    continue
+                if isinstance(grad, DTensor) and grad.placements != p.placements:  # a pending partial sum
+                    grad = grad.redistribute(p.device_mesh, p.placements)  # every tp rank enters it
+                if contributes(p, self.state):
+                    self.squared += torch.linalg.vector_norm(local_shard(grad), dtype=torch.float64).square()
+        self.completed.add(stage.stage_index)
 
     def reset(self) -> None:
-        self.squared, self.seen = torch.zeros_like(self.squared), set()
+        self.squared, self.completed = torch.zeros_like(self.squared), set()
 
     def take(self) -> torch.Tensor:
         value = self.squared.clone()
         dist.all_reduce(value)
         return value
+
+
+class RecordingStage(PipelineStage):
+    """A ``PipelineStage`` that tells ``first_norm`` when it completes a micro-batch's weight gradients."""
+
+    first_norm: FirstMicroBatchNorm | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if full_backward and self.has_backward and self.first_norm is not None:  # (evaluation: no backward)
+            self.first_norm.record(self, bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.has_backward and self.first_norm is not None:
+            self.first_norm.record(self, bwd_chunk_id)
 
 
 class Pipeline:
@@ -207,11 +239,10 @@ class Pipeline:
         params = [p for p in model.parameters() if p.requires_grad]
         replicas = state.dp_size > 1 and state.dp_mode == "ddp"
         self.replicas = ReplicaGradients(params, state) if replicas else None
-        # one replica: the first micro-batch's gradient; not with zero bubble (it writes weight
-        # gradients by hand) nor tensor parallel (a replicated DTensor's gradient is a pending
-        # partial sum until a collective all tp ranks would have to enter from inside the hook)
-        self.first_norm = (FirstMicroBatchNorm(params, state) if state.dp_size == 1 and state.tp_size == 1
-                           and schedule != "interleaved-zb" else None)
+        # one replica: the first micro-batch's gradient, read by the stages (FSDP2 replicas: none)
+        self.first_norm = FirstMicroBatchNorm(state) if state.dp_size == 1 else None
+        for stage in stages:
+            stage.first_norm = self.first_norm
         self.local_squared: torch.Tensor | None = None  # this replica's, of the last step (ddp)
 
     @property
@@ -289,8 +320,6 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
                          compile: bool = False) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
     recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
-    from torch.distributed.pipelining import PipelineStage
-
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
@@ -308,5 +337,5 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
         if state.dp_size > 1 and state.dp_mode == "fsdp":  # ddp: Pipeline.replicas, after the step
             module = apply_fsdp(module, state.dp_mesh)
-        stages.append(PipelineStage(module, index, n_stages, state.device, group=state.pp_group))
+        stages.append(RecordingStage(module, index, n_stages, state.device, group=state.pp_group))
     return Pipeline(model, stages, state, state.pp_schedule)
