@@ -26,6 +26,7 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-lamb", "gpt", "lamb", "interleaved-1f1b", 2),
          ("gpt-interleaved-lans", "gpt", "lans", "interleaved-1f1b", 2),
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
+         ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
 STOP_AT = 5  # the resumed case stops after this many steps
 MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,

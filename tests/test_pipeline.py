@@ -165,6 +165,7 @@ def _config(monkeypatch, world: int, **extra):
     (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
     (2, {"parallel.pp": 2, "parallel.pp_virtual_stages": 2}, "several stages per rank need an interleaved"),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
+    (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv"}, "exactly 2 stages per rank; set pp_virtual_stages = 2"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 3}, "parallel.dp_replicate = 3 with 4 data-parallel"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 4}, "leave dp / R > 1 ranks to shard over"),
     (4, {"parallel.dp_replicate": 2}, "parallel.dp_replicate = 2 with dp_mode = 'ddp'"),

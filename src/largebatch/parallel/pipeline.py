@@ -5,8 +5,9 @@ the first stage also runs the modules the model declares before its blocks (``pi
 the embeddings), the last those after them (``pipeline_last``: final norm, output layer) and the
 loss (with tp > 1 optionally the vocabulary-parallel one: the schedule's step then runs inside
 ``ParallelState.loss_context()``). Rank r of the "pp" dimension holds stage r (V = 1) or stages
-r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2). The schedule (GPipe, 1F1B, interleaved
-1F1B, interleaved zero bubble) is torch's; this module only builds the stages and feeds them.
+r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2), or r and 2p - 1 - r (the V shape of zero
+bubble, Qi et al. 2024 §6). The schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble,
+ZBV) is torch's; this module only builds the stages and feeds them.
 Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per schedule
 (largebatch.memory.estimate).
 
@@ -71,8 +72,11 @@ def stage_layers(n_layer: int, pp: int, virtual: int = 1, split: list[int] | Non
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """Stage indices rank ``pp_rank`` holds: r, r + p, ..., r + (V - 1) p (a loop)."""
+def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str = "1f1b") -> list[int]:
+    """Stage indices rank ``pp_rank`` holds: r, r + p, ..., r + (V - 1) p (a loop), or under 'zbv'
+    r and 2p - 1 - r (a V: the first and the last stage on rank 0, as torch's ZBV schedule sends)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(virtual)]
 
 
@@ -258,6 +262,8 @@ class Pipeline:
 
     def _schedule(self, name: str, n_microbatches: int, shape: tuple[int, ...]):
         key = (name, n_microbatches)
+        if key not in self._cache and name == "forward-v":
+            self._cache[key] = self._forward_only_v()
         if key not in self._cache:
             from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -276,6 +282,30 @@ class Pipeline:
                     setattr(schedule, flag, False)
         self._last = (schedule, shape)
         return schedule
+
+    def _forward_only_v(self):
+        """A one-micro-batch forward through the V-placed stages, for evaluation: torch's ZBV schedule
+        cannot run forward only (its eval still runs the input-gradient actions), and LoopedBFS
+        assumes the loop placement. Each rank runs its stages in index order; torch adds the sends
+        and receives (a private runtime: the one torch's own schedules lower to)."""
+        from torch.distributed.pipelining.schedules import (
+            _Action,
+            _add_send_recv,
+            _ComputationType,
+            _PipelineScheduleRuntime,
+        )
+
+        pp, n_stages = self.state.pp_size, 2 * self.state.pp_size
+        owner = {s: r for r in range(pp) for s in rank_stages(r, pp, 2, "zbv")}
+        runtime = _PipelineScheduleRuntime(self.stages, n_microbatches=1, loss_fn=self._loss, scale_grads=False)
+        runtime.stage_index_to_group_rank = owner
+        for stage in self.stages:  # after the constructor: it sets the loop placement on the stages
+            stage.stage_index_to_group_rank = owner
+        forwards = {r: [_Action(s, _ComputationType.FORWARD, 0) for s in sorted(rank_stages(r, pp, 2, "zbv"))]
+                    for r in range(pp)}
+        runtime.pipeline_order_with_comms = _add_send_recv(forwards, stage_to_rank=owner.__getitem__,
+                                                           num_stages=n_stages)
+        return runtime
 
     def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
         """Feed the stages; returns the summed (unscaled) loss, the same on every pp rank: (,) fp64."""
@@ -307,7 +337,7 @@ class Pipeline:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed loss of one micro-batch, forward only (a one-micro-batch schedule)."""
         self.scale = 1.0
-        name = "GPipe" if len(self.stages) == 1 else "LoopedBFS"
+        name = "GPipe" if len(self.stages) == 1 else "forward-v" if self.schedule == "zbv" else "LoopedBFS"
         return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
 
 
@@ -322,7 +352,7 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
-    mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
+    mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages, state.pp_schedule)
     keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
     if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
         apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
