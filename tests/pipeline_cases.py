@@ -113,13 +113,16 @@ HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica gro
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
-    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas), pp = 2 x tp = 2 (+ SP, or the
-    vocabulary-parallel loss on the last stage); then
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas: stopped and resumed), pp = 2 x
+    tp = 2 (+ SP, or the vocabulary-parallel loss on the last stage); then
     HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
     writing each rank's optimizer state bytes."""
     out = Path(out_dir)
     for name, (_, layout) in FOUR_RANK_CASES.items():
-        train(overrides(cache, str(out / name), **layout), out / name)
+        if name == "pp2-dp2-ddp":  # stopped and resumed; a copy of the stopped run resumes on one process
+            stop_then_resume(overrides(cache, str(out / name), **layout), out / name, out / f"{name}-on-one")
+        else:
+            train(overrides(cache, str(out / name), **layout), out / name)
     hsdp = stop_then_resume(overrides(cache, str(out / "hsdp"), **HSDP), out / "hsdp", out / "hsdp-on-one")
     par = hsdp.par
     (out / f"hsdp_rank{dist.get_rank()}.json").write_text(json.dumps({

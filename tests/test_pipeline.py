@@ -110,6 +110,22 @@ def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
     assert all(r["noise_scale"] is None for r in _train_records(out / "pp2-dp2-fsdp"))  # FSDP2 replicas: none
 
 
+def test_pp2_x_dp2_ddp_stopped_and_resumed_equals_one_process_and_resumes_on_one(four_ranks):
+    """The pp 2 x dp 2 (replicas) run above was stopped after STOP_AT steps and resumed on 4 ranks (its
+    trajectory and noise scale are checked above); a copy of the stopped run's DCP checkpoint resumes
+    on one process with the one-process losses."""
+    cache, out = four_ranks
+    ref = out / "one-gpt-lamb"
+    assert [r["step"] for r in _train_records(out / "pp2-dp2-ddp-on-one")][-1] == cases.STOP_AT
+    one = out / "pp2-dp2-ddp-on-one"
+    cases.train(cases.overrides(cache, str(one)), one, resume=True)
+    ours, theirs = _train_records(one)[cases.STOP_AT:], _train_records(ref)[cases.STOP_AT:]
+    assert ours[0]["step"] == cases.STOP_AT + 1 and len(ours) == len(theirs) > 2
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], rel=TOL, abs=TOL)
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=TOL)
+    assert _val(one) == pytest.approx(_val(ref), abs=TOL)
+
+
 def test_hsdp_2x2_equals_one_process_shards_state_in_half_and_resumes_on_one(four_ranks):
     """HSDP: FSDP2 on the (dp_replicate, dp_shard) = (2, 2) mesh, LAMB with clipping; stopped and
     resumed on 4 ranks, and the stopped run's DCP checkpoint resumed on one process."""
