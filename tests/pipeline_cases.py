@@ -26,6 +26,7 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-lamb", "gpt", "lamb", "interleaved-1f1b", 2),
          ("gpt-interleaved-lans", "gpt", "lans", "interleaved-1f1b", 2),
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
+         ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
 STOP_AT = 5  # the resumed case stops after this many steps
 MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
@@ -112,13 +113,16 @@ HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica gro
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
-    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas), pp = 2 x tp = 2 (+ SP, or the
-    vocabulary-parallel loss on the last stage); then
+    """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas: stopped and resumed), pp = 2 x
+    tp = 2 (+ SP, or the vocabulary-parallel loss on the last stage); then
     HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
     writing each rank's optimizer state bytes."""
     out = Path(out_dir)
     for name, (_, layout) in FOUR_RANK_CASES.items():
-        train(overrides(cache, str(out / name), **layout), out / name)
+        if name == "pp2-dp2-ddp":  # stopped and resumed; a copy of the stopped run resumes on one process
+            stop_then_resume(overrides(cache, str(out / name), **layout), out / name, out / f"{name}-on-one")
+        else:
+            train(overrides(cache, str(out / name), **layout), out / name)
     hsdp = stop_then_resume(overrides(cache, str(out / "hsdp"), **HSDP), out / "hsdp", out / "hsdp-on-one")
     par = hsdp.par
     (out / f"hsdp_rank{dist.get_rank()}.json").write_text(json.dumps({

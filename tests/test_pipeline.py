@@ -71,11 +71,10 @@ def test_pp2_loss_at_every_step_equals_one_process(runs, name, kind, optim):
     _, out = runs
     _assert_same_trajectory(out / name, out / f"one-{kind}-{optim}")
     assert any(r["grad_norm"] > 0.5 for r in _train_records(out / name))  # the clipped norm covers both stages
-    if "-zb-" in name:  # zero bubble writes weight gradients by hand: no first-micro-batch norm
-        assert all(r["noise_scale"] is None for r in _train_records(out / name))
-    else:  # both squared norms summed over the stages, the small one from the first micro-batch
-        # (the tiny BERT gives no B_simple in these 10 steps even on one process: a smoothed half stays <= 0)
-        _assert_same_noise_scale(out / name, out / f"one-{kind}-{optim}", estimated=3 if kind == "gpt" else 0)
+    # both squared norms summed over the stages, the small one from the first micro-batch (zero
+    # bubble: read after its weight-gradient half); the tiny BERT gives no B_simple in these 10
+    # steps even on one process (a smoothed half stays <= 0)
+    _assert_same_noise_scale(out / name, out / f"one-{kind}-{optim}", estimated=3 if kind == "gpt" else 0)
 
 
 def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
@@ -105,8 +104,26 @@ def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
         _assert_same_trajectory(out / name, out / "one-gpt-lamb", dp=dp)
     # replicas: each one's gradient vs the all-reduced one, as DDP without pipeline stages gives it
     _assert_same_noise_scale(out / "pp2-dp2-ddp", out / "dp2-ddp")
-    for name in ("pp2-dp2-fsdp", "pp2-tp2-sp", "pp2-tp2-loss-parallel"):  # FSDP2 replicas, tp: no estimate
-        assert all(r["noise_scale"] is None for r in _train_records(out / name))
+    # pp x tp: the first micro-batch's squared norm summed over the stages and the tp shards, once each
+    for name in ("pp2-tp2-sp", "pp2-tp2-loss-parallel"):
+        _assert_same_noise_scale(out / name, out / "one-gpt-lamb")
+    assert all(r["noise_scale"] is None for r in _train_records(out / "pp2-dp2-fsdp"))  # FSDP2 replicas: none
+
+
+def test_pp2_x_dp2_ddp_stopped_and_resumed_equals_one_process_and_resumes_on_one(four_ranks):
+    """The pp 2 x dp 2 (replicas) run above was stopped after STOP_AT steps and resumed on 4 ranks (its
+    trajectory and noise scale are checked above); a copy of the stopped run's DCP checkpoint resumes
+    on one process with the one-process losses."""
+    cache, out = four_ranks
+    ref = out / "one-gpt-lamb"
+    assert [r["step"] for r in _train_records(out / "pp2-dp2-ddp-on-one")][-1] == cases.STOP_AT
+    one = out / "pp2-dp2-ddp-on-one"
+    cases.train(cases.overrides(cache, str(one)), one, resume=True)
+    ours, theirs = _train_records(one)[cases.STOP_AT:], _train_records(ref)[cases.STOP_AT:]
+    assert ours[0]["step"] == cases.STOP_AT + 1 and len(ours) == len(theirs) > 2
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], rel=TOL, abs=TOL)
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=TOL)
+    assert _val(one) == pytest.approx(_val(ref), abs=TOL)
 
 
 def test_hsdp_2x2_equals_one_process_shards_state_in_half_and_resumes_on_one(four_ranks):
@@ -164,6 +181,7 @@ def _config(monkeypatch, world: int, **extra):
     (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
     (2, {"parallel.pp": 2, "parallel.pp_virtual_stages": 2}, "several stages per rank need an interleaved"),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zb"}, "parallel.pp_schedule = 'zb': must be one of"),
+    (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv"}, "exactly 2 stages per rank; set pp_virtual_stages = 2"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 3}, "parallel.dp_replicate = 3 with 4 data-parallel"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 4}, "leave dp / R > 1 ranks to shard over"),
     (4, {"parallel.dp_replicate": 2}, "parallel.dp_replicate = 2 with dp_mode = 'ddp'"),

@@ -17,11 +17,12 @@ from largebatch.typed_config import check_literals
 
 DPMode = Literal["ddp", "fsdp"]
 Backend = Literal["auto", "nccl", "gloo"]
-PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"]
 DP_MODES, BACKENDS = get_args(DPMode), get_args(Backend)
 # pipeline schedules of torch.distributed.pipelining, by the name the config uses
-PP_SCHEDULES = dict(zip(get_args(PPSchedule), ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")))
-MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb")  # may hold several stages per rank
+PP_SCHEDULES = dict(zip(get_args(PPSchedule), ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                                                      "ZBVZeroBubble")))
+MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv")  # may hold several stages per rank
 
 
 @dataclass
@@ -38,10 +39,11 @@ class ParallelConfig:
     """Pipeline schedule (torch.distributed.pipelining): 'gpipe' (all forwards, then all backwards:
     keeps every micro-batch), '1f1b' (one forward one backward: the first stage keeps p
     micro-batches), 'interleaved-1f1b' (pp_virtual_stages stages per rank, smaller bubble) or
-    'interleaved-zb' (interleaved zero bubble: backward split into input and weight parts). 1F1B and
-    the interleaved ones need at least p micro-batches per step."""
+    'interleaved-zb' (interleaved zero bubble: backward split into input and weight parts) or 'zbv'
+    (zero bubble, V-shaped: 2 stages per rank, rank r holding stages r and 2p - 1 - r). All but
+    GPipe need at least p micro-batches per step."""
     pp_virtual_stages: int = 1
-    """V: pipeline stages per rank (interleaved schedules). The model is cut into
+    """V: pipeline stages per rank (interleaved schedules; 2 for 'zbv'). The model is cut into
     p x V stages, rank r holding stages r, r + p, ... (Narayanan et al. 2021)."""
     pp_split: list[int] | None = None
     """Optional layer indices where each stage after the first begins (p x V - 1 increasing
@@ -120,6 +122,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = {self.pp_schedule!r}: "
                              f"several stages per rank need an interleaved schedule "
                              f"({', '.join(MULTI_STAGE)}); set pp_virtual_stages = 1 or change the schedule")
+        if self.pp_schedule == "zbv" and v != 2:
+            raise ValueError(f"parallel.pp_virtual_stages = {v} with pp_schedule = 'zbv': the V shape holds "
+                             "exactly 2 stages per rank; set pp_virtual_stages = 2")
         split = self.pp_split
         if split is None:
             return

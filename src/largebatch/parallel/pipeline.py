@@ -5,8 +5,9 @@ the first stage also runs the modules the model declares before its blocks (``pi
 the embeddings), the last those after them (``pipeline_last``: final norm, output layer) and the
 loss (with tp > 1 optionally the vocabulary-parallel one: the schedule's step then runs inside
 ``ParallelState.loss_context()``). Rank r of the "pp" dimension holds stage r (V = 1) or stages
-r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2). The schedule (GPipe, 1F1B, interleaved
-1F1B, interleaved zero bubble) is torch's; this module only builds the stages and feeds them.
+r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2), or r and 2p - 1 - r (the V shape of zero
+bubble, Qi et al. 2024 §6). The schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble,
+ZBV) is torch's; this module only builds the stages and feeds them.
 Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per schedule
 (largebatch.memory.estimate).
 
@@ -23,10 +24,9 @@ all-reduces over the "dp" group after the schedule's step, in buckets of DDP's d
 Gradient noise scale (McCandlish et al. 2018, App. A; docs/papers.md: schedules "Critical batch
 size"): a stage holds part of the parameters, so both squared norms are sums over the stages. With
 replicas, |G_small|^2 is each replica's gradient before the all-reduce (read from the very buckets
-it reduces, as DDP's hook does); with one replica, ``FirstMicroBatchNorm`` records each parameter's
-gradient when the first micro-batch's backward writes it (a post-accumulate-grad hook; the zero
-bubble schedule writes weight gradients by hand, and tensor parallel leaves gradients as pending
-partial sums, so they give none).
+it reduces, as DDP's hook does); with one replica, ``FirstMicroBatchNorm`` reads each stage's
+gradients when the stage completes micro-batch 0's weight gradients (its full backward, or under
+zero bubble its separate weight-gradient half), summed over tensor-parallel shards too.
 
 Each rank keeps ONE copy of the model with the modules of other ranks' stages set to None: its
 parameter names are the one-process names, so the optimizer's parameter groups and distributed
@@ -41,12 +41,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
+from largebatch.optim.core import local_shard
 from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
 from largebatch.parallel.mesh import ParallelState
+from largebatch.parallel.norms import contributes
 from largebatch.parallel.parallelize import apply_fsdp
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -69,8 +72,11 @@ def stage_layers(n_layer: int, pp: int, virtual: int = 1, split: list[int] | Non
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """Stage indices rank ``pp_rank`` holds: r, r + p, ..., r + (V - 1) p (a loop)."""
+def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str = "1f1b") -> list[int]:
+    """Stage indices rank ``pp_rank`` holds: r, r + p, ..., r + (V - 1) p (a loop), or under 'zbv'
+    r and 2p - 1 - r (a V: the first and the last stage on rank 0, as torch's ZBV schedule sends)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(virtual)]
 
 
@@ -166,34 +172,64 @@ def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
 
 
 class FirstMicroBatchNorm:
-    """Squared norm of this rank's gradients as the step's first micro-batch's backward writes them.
+    """Squared norm of this rank's gradients of the step's first micro-batch (one replica).
 
-    A post-accumulate-grad hook on every parameter records the gradient the first time it is
-    written after ``reset()`` (the step's gradients start at None, and a stage runs its micro-batches'
-    backwards in order); ``take`` returns the job-wide sum (one all-reduce: stages hold disjoint
-    parameters). Whole (plain) parameters: one replica, no tensor parallel.
+    A stage's weight gradients of micro-batch 0 are complete after its full backward of chunk 0
+    (GPipe, 1F1B, interleaved 1F1B) or, under zero bubble, after the weight-gradient half of chunk 0
+    (``backward_weight_one_chunk``; the input half runs earlier and writes no weight gradient). The
+    step's gradients start at None and every stage completes chunk 0 before any other chunk, so the
+    stage's gradients then are micro-batch 0's alone (``record`` refuses any other order). Called
+    between schedule actions, not from an autograd hook: a tensor-parallel gradient that is a pending
+    partial sum (a replicated weight under SP) is summed over "tp" by a collective that every tp rank
+    of the stage enters at the same action. ``take`` returns the job-wide sum (one all-reduce: stages
+    are disjoint; along "tp" each element counts once, ``contributes``).
     """
 
-    def __init__(self, params: list[torch.Tensor], state: ParallelState):
+    def __init__(self, state: ParallelState):
         self.state = state
         self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
-        self.seen: set[int] = set()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._record)
+        self.completed: set[int] = set()  # stages that completed a chunk's weight gradients this step
 
     @torch.no_grad()
-    def _record(self, param: torch.Tensor) -> None:
-        if id(param) not in self.seen:
-            self.seen.add(id(param))
-            self.squared += torch.linalg.vector_norm(param.grad, dtype=torch.float64).square()
+    def record(self, stage, chunk: int) -> None:
+        """Stage ``stage`` completed the weight gradients of micro-batch ``chunk``."""
+        if chunk == 0:
+            if stage.stage_index in self.completed:
+                raise RuntimeError(f"pipeline stage {stage.stage_index} completed another micro-batch's weight "
+                                   "gradients before micro-batch 0's: no first-micro-batch gradient norm")
+            for p in stage.submod.parameters():
+                grad = p.grad
+                if grad is None:
+                    continue
+                if isinstance(grad, DTensor) and grad.placements != p.placements:  # a pending partial sum
+                    grad = grad.redistribute(p.device_mesh, p.placements)  # every tp rank enters it
+                if contributes(p, self.state):
+                    self.squared += torch.linalg.vector_norm(local_shard(grad), dtype=torch.float64).square()
+        self.completed.add(stage.stage_index)
 
     def reset(self) -> None:
-        self.squared, self.seen = torch.zeros_like(self.squared), set()
+        self.squared, self.completed = torch.zeros_like(self.squared), set()
 
     def take(self) -> torch.Tensor:
         value = self.squared.clone()
         dist.all_reduce(value)
         return value
+
+
+class RecordingStage(PipelineStage):
+    """A ``PipelineStage`` that tells ``first_norm`` when it completes a micro-batch's weight gradients."""
+
+    first_norm: FirstMicroBatchNorm | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if full_backward and self.has_backward and self.first_norm is not None:  # (evaluation: no backward)
+            self.first_norm.record(self, bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.has_backward and self.first_norm is not None:
+            self.first_norm.record(self, bwd_chunk_id)
 
 
 class Pipeline:
@@ -207,11 +243,10 @@ class Pipeline:
         params = [p for p in model.parameters() if p.requires_grad]
         replicas = state.dp_size > 1 and state.dp_mode == "ddp"
         self.replicas = ReplicaGradients(params, state) if replicas else None
-        # one replica: the first micro-batch's gradient; not with zero bubble (it writes weight
-        # gradients by hand) nor tensor parallel (a replicated DTensor's gradient is a pending
-        # partial sum until a collective all tp ranks would have to enter from inside the hook)
-        self.first_norm = (FirstMicroBatchNorm(params, state) if state.dp_size == 1 and state.tp_size == 1
-                           and schedule != "interleaved-zb" else None)
+        # one replica: the first micro-batch's gradient, read by the stages (FSDP2 replicas: none)
+        self.first_norm = FirstMicroBatchNorm(state) if state.dp_size == 1 else None
+        for stage in stages:
+            stage.first_norm = self.first_norm
         self.local_squared: torch.Tensor | None = None  # this replica's, of the last step (ddp)
 
     @property
@@ -227,6 +262,8 @@ class Pipeline:
 
     def _schedule(self, name: str, n_microbatches: int, shape: tuple[int, ...]):
         key = (name, n_microbatches)
+        if key not in self._cache and name == "forward-v":
+            self._cache[key] = self._forward_only_v()
         if key not in self._cache:
             from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -245,6 +282,30 @@ class Pipeline:
                     setattr(schedule, flag, False)
         self._last = (schedule, shape)
         return schedule
+
+    def _forward_only_v(self):
+        """A one-micro-batch forward through the V-placed stages, for evaluation: torch's ZBV schedule
+        cannot run forward only (its eval still runs the input-gradient actions), and LoopedBFS
+        assumes the loop placement. Each rank runs its stages in index order; torch adds the sends
+        and receives (a private runtime: the one torch's own schedules lower to)."""
+        from torch.distributed.pipelining.schedules import (
+            _Action,
+            _add_send_recv,
+            _ComputationType,
+            _PipelineScheduleRuntime,
+        )
+
+        pp, n_stages = self.state.pp_size, 2 * self.state.pp_size
+        owner = {s: r for r in range(pp) for s in rank_stages(r, pp, 2, "zbv")}
+        runtime = _PipelineScheduleRuntime(self.stages, n_microbatches=1, loss_fn=self._loss, scale_grads=False)
+        runtime.stage_index_to_group_rank = owner
+        for stage in self.stages:  # after the constructor: it sets the loop placement on the stages
+            stage.stage_index_to_group_rank = owner
+        forwards = {r: [_Action(s, _ComputationType.FORWARD, 0) for s in sorted(rank_stages(r, pp, 2, "zbv"))]
+                    for r in range(pp)}
+        runtime.pipeline_order_with_comms = _add_send_recv(forwards, stage_to_rank=owner.__getitem__,
+                                                           num_stages=n_stages)
+        return runtime
 
     def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
         """Feed the stages; returns the summed (unscaled) loss, the same on every pp rank: (,) fp64."""
@@ -276,7 +337,7 @@ class Pipeline:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed loss of one micro-batch, forward only (a one-micro-batch schedule)."""
         self.scale = 1.0
-        name = "GPipe" if len(self.stages) == 1 else "LoopedBFS"
+        name = "GPipe" if len(self.stages) == 1 else "forward-v" if self.schedule == "zbv" else "LoopedBFS"
         return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
 
 
@@ -289,11 +350,9 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
                          compile: bool = False) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
     recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
-    from torch.distributed.pipelining import PipelineStage
-
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
-    mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages)
+    mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages, state.pp_schedule)
     keep_only(model, {i for s in mine for i in layers[s]}, 0 in mine, n_stages - 1 in mine)
     if state.tp_size > 1:  # within each stage, as torchtitan parallelizes each model chunk
         apply_tensor_parallel(model, state.tp_mesh, state.sequence_parallel, state.loss_parallel)
@@ -308,5 +367,5 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
         if state.dp_size > 1 and state.dp_mode == "fsdp":  # ddp: Pipeline.replicas, after the step
             module = apply_fsdp(module, state.dp_mesh)
-        stages.append(PipelineStage(module, index, n_stages, state.device, group=state.pp_group))
+        stages.append(RecordingStage(module, index, n_stages, state.device, group=state.pp_group))
     return Pipeline(model, stages, state, state.pp_schedule)
