@@ -42,22 +42,33 @@ def peak_saved_activation_bytes(run: Callable[[], object], model: torch.nn.Modul
     backward on this rank). A storage counts from when it is saved until it is freed (its backward
     ran), so this is the activation memory of the micro-batches in flight (Korthikanti et al. 2022
     §4.2.3)."""
+    result, peak, _ = saved_activation_profile(run, model)
+    return result, peak
+
+
+def saved_activation_profile(run: Callable[[], object], model: torch.nn.Module) -> tuple[object, int, int]:
+    """``peak_saved_activation_bytes``, and the bytes of the storages saved during ``run()`` that are
+    still alive when it returns (a step that frees all it saved: 0)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     params = {_storage(p).data_ptr() for p in model.parameters()}
     live: dict[int, tuple[StorageWeakRef, int]] = {}
     peak = 0
 
+    def drop_freed() -> None:
+        for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:
+            del live[ptr]  # freed by its backward (the address may be reused)
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal peak
         storage = _storage(t)
         if storage.data_ptr() not in params:
-            for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:
-                del live[ptr]  # freed by its backward (the address may be reused)
+            drop_freed()
             live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
             peak = max(peak, sum(n for _, n in live.values()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
-    return result, peak
+    drop_freed()
+    return result, peak, sum(n for _, n in live.values())
