@@ -87,3 +87,33 @@ def test_every_action_runs_once_and_weight_gradients_follow_input_gradients(sche
 def test_bad_layouts_are_refused(schedule, p, V, m, message):
     with pytest.raises(ValueError, match=message):
         check(schedule, p, V, m)
+
+
+@pytest.mark.parametrize("schedule, V", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_bytes_of_the_walk_equal_the_closed_form(schedule, V):
+    """Per stage bytes along the walk: the closed form's first-stage bytes (fp16 with dropout masks for
+    one-stage schedules; interleaved: without dropout, whose embedding mask the closed form counts
+    for every stage in flight)."""
+    from largebatch.memory.activations import model_activation_bytes
+    from largebatch.memory.pipeline_schedule import schedule_activation_bytes
+    from largebatch.models.config import preset
+
+    config = preset("gpt3-175b") if V == 1 else preset("gpt3-175b", dropout=0.0)
+    p, m = 8, 16
+    ours = schedule_activation_bytes(config, 1, schedule, p, V, m, tp=8, sequence_parallel=True)
+    theirs = model_activation_bytes(config, 1, tp=8, pp=p, sequence_parallel=True, schedule=schedule,
+                                    virtual_stages=V, micro_batches=m)
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+def test_zbv_puts_the_output_layer_on_the_first_rank():
+    from largebatch.memory.activations import stage_activation_bytes
+    from largebatch.memory.pipeline_schedule import schedule_activation_bytes
+    from largebatch.models.config import preset
+
+    config = preset("demo")
+    p, m, n = 2, 4, 4
+    per = [stage_activation_bytes(config, 2, config.n_layer // n, first=s == 0, last=s == n - 1) for s in range(n)]
+    assert per[3] > per[1]  # the last stage also keeps the final norm's input and the fp32 logits
+    ours = schedule_activation_bytes(config, 2, "zbv", p, 2, m)
+    assert ours == walk("zbv", p, 2, m).peak_bytes(per.__getitem__) > walk("zbv", p, 2, m).peak_in_flight[0] * per[1]

@@ -22,7 +22,11 @@ a rank is idle. Communication is free in this timing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from largebatch.memory.activations import stage_activation_bytes
+from largebatch.models.config import ModelConfig
 
 # the schedules `largebatch train` offers (parallel.pp_schedule), with the stages each rank holds
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
@@ -52,6 +56,11 @@ class ScheduleWalk:
     def layers_worth(self, n_layer: int, rank: int = 0) -> float:
         """Layers' worth of activations ``rank`` keeps at its peak: stages of L / (p V) layers each."""
         return self.peak_in_flight[rank] * n_layer / (self.pp * self.virtual)
+
+    def peak_bytes(self, stage_bytes: Callable[[int], float], rank: int = 0) -> float:
+        """Peak over ``rank``'s actions of the bytes in flight, one micro-batch of stage s keeping
+        ``stage_bytes(s)`` (the first and the last stage differ: embeddings, output layer and loss)."""
+        return _peak(self.actions[rank], stage_bytes)
 
 
 def check(schedule: str, pp: int, virtual: int, micro_batches: int) -> None:
@@ -112,10 +121,10 @@ def torch_order(schedule: str, pp: int, virtual: int, micro_batches: int) -> lis
              if a is not None and a.computation_type in kinds] for rank in range(pp)]
 
 
-def _peak(actions: list[tuple[str, int, int]]) -> int:
+def _peak(actions: Sequence[tuple[str, int, int]], weight: Callable[[int], float] = lambda stage: 1) -> float:
     live = peak = 0
-    for kind, _, _ in actions:
-        live += {"F": 1, "B": -1, "I": 0, "W": -1}[kind]
+    for kind, stage, _ in actions:
+        live += {"F": 1, "B": -1, "I": 0, "W": -1}[kind] * weight(stage)
         peak = max(peak, live)
     return peak
 
@@ -162,3 +171,17 @@ def theoretical_bubble(schedule: str, pp: int, virtual: int, micro_batches: int)
     if schedule in ZERO_BUBBLE:
         return None
     return (pp - 1) / (virtual * micro_batches + pp - 1)
+
+
+def schedule_activation_bytes(config: ModelConfig, micro_batch: int, schedule: str, pp: int, virtual: int,
+                              micro_batches: int, rank: int = 0, **kw) -> float:
+    """Peak activation bytes on ``rank`` (default the first stage's) under ``schedule``: ``walk``'s
+    order with each stage's bytes per micro-batch (``stage_activation_bytes``: L / (p V) blocks, the
+    embeddings on stage 0, the output layer and loss on the last -- which ZBV puts on rank 0).
+    ``kw``: tp, sequence_parallel, seq_len, dtype_bytes, device, recompute, ... as there."""
+    n = pp * virtual
+    if config.n_layer % n:
+        raise ValueError(f"pp x V = {pp} x {virtual} = {n} stages: must divide n_layer={config.n_layer}.")
+    per = {s: stage_activation_bytes(config, micro_batch, config.n_layer // n, first=s == 0, last=s == n - 1, **kw)
+           for s in range(n)}
+    return walk(schedule, pp, virtual, micro_batches).peak_bytes(per.__getitem__, rank)
