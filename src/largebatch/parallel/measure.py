@@ -66,7 +66,10 @@ def saved_activation_profile(run: Callable[[], object], model: torch.nn.Module) 
             drop_freed()
             live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
             peak = max(peak, sum(n for _, n in live.values()))
-        return t
+        # an alias without autograd history: a saved OUTPUT returned as itself would close a cycle
+        # (tensor -> its grad_fn -> the saved tensor) that nothing frees once a graph is retained, as
+        # the zero-bubble schedules' input-gradient step retains it -- the hook itself would leak
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
