@@ -46,9 +46,11 @@ def peak_saved_activation_bytes(run: Callable[[], object], model: torch.nn.Modul
     return result, peak
 
 
-def saved_activation_profile(run: Callable[[], object], model: torch.nn.Module) -> tuple[object, int, int]:
-    """``peak_saved_activation_bytes``, and the bytes of the storages saved during ``run()`` that are
-    still alive when it returns (a step that frees all it saved: 0)."""
+def saved_activation_profile(run: Callable[[], object],
+                             model: torch.nn.Module) -> tuple[object, int, Callable[[], dict[int, int]]]:
+    """``peak_saved_activation_bytes``, and a function giving the storages saved during ``run()`` that
+    are alive when it is called (address: bytes). A buffer torch reuses step after step is the same
+    storage each step; a leak is a new one each step."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     params = {_storage(p).data_ptr() for p in model.parameters()}
@@ -73,5 +75,9 @@ def saved_activation_profile(run: Callable[[], object], model: torch.nn.Module) 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
-    drop_freed()
-    return result, peak, sum(n for _, n in live.values())
+
+    def alive() -> dict[int, int]:
+        drop_freed()
+        return {ptr: n for ptr, (_, n) in live.items()}
+
+    return result, peak, alive
