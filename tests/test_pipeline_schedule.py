@@ -117,3 +117,31 @@ def test_zbv_puts_the_output_layer_on_the_first_rank():
     assert per[3] > per[1]  # the last stage also keeps the final norm's input and the fp32 logits
     ours = schedule_activation_bytes(config, 2, "zbv", p, 2, m)
     assert ours == walk("zbv", p, 2, m).peak_bytes(per.__getitem__) > walk("zbv", p, 2, m).peak_in_flight[0] * per[1]
+
+
+def test_memory_cli_reports_every_schedule_with_its_bubble(capsys):
+    from largebatch.memory.cli import main
+
+    flags = ["--model", "gpt3-175b", "--tp", "8", "--pp", "16", "--sequence-parallel", "--pp-virtual-stages", "3"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.startswith("  ") and line.split()[0] in SCHEDULES}
+    assert set(rows) == set(SCHEDULES)
+    assert rows["1f1b"].split()[1:5] == ["96.00", "32.11", "GiB", f"{15 / 47:.3f}"]  # (p - 1) / (m + p - 1)
+    assert rows["interleaved-1f1b"].split()[1] == "126.00"
+    for name in ("interleaved-zb", "zbv"):  # lower bounds: torch keeps more than the walk counts
+        assert rows[name].split()[1] == "96.00" and rows[name].split()[2].startswith(">=")
+    assert "lower bound" in out
+    assert main(flags + ["--pp-schedule", "zbv"]) == 0
+    out = capsys.readouterr().out
+    assert "  zbv " in out and "  1f1b " not in out and "  gpipe " not in out
+
+
+def test_memory_cli_refuses_a_chosen_schedule_it_cannot_walk(capsys):
+    from largebatch.memory.cli import main
+
+    flags = ["--model", "gpt3-175b", "--pp", "16", "--pp-schedule", "interleaved-zb", "--pp-micro-batches", "8"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "needs m >= 16 micro-batches, got 8" in err and err.count("\n") == 1
