@@ -83,6 +83,7 @@ def test_every_action_runs_once_and_weight_gradients_follow_input_gradients(sche
     ("zbv", 2, 3, 4, "exactly 2 stages per rank"),
     ("1f1b", 4, 1, 2, "needs m >= 4"),
     ("interleaved-1f1b", 4, 2, 9, "not a multiple of its 2 rounds"),
+    ("gpipe", 64, 1, 1000, "more than 50,000"),
 ])
 def test_bad_layouts_are_refused(schedule, p, V, m, message):
     with pytest.raises(ValueError, match=message):

@@ -4,9 +4,9 @@ Korthikanti et al. 2022 §4.2.3 (docs/papers.md: memory) gives the first stage's
 closed form: 1F1B keeps p micro-batches of L/p layers (L layers' worth), the interleaved schedule
 L (1 + (p - 1) / (p V)), GPipe all m micro-batches (m L / p); Narayanan et al. 2021 §2.2 the bubble,
 (p - 1) / (m + p - 1) for 1F1B and (p - 1) / (V m + p - 1) interleaved. The zero-bubble schedules
-of Qi et al. 2024 (ZB-1P interleaved, §3; ZB-V, §6) have no closed form here: torch splits the
-backward into the input-gradient (I) and the weight-gradient (W) actions, and a stage keeps a
-micro-batch's activations from its forward until its W.
+of Qi et al. 2024 (ZB-1P, which torch's interleaved zero bubble implements; ZB-V, §6) have no closed
+form here: torch splits the backward into the input-gradient (I) and the weight-gradient (W)
+actions, and a stage keeps a micro-batch's activations from its forward until its W.
 
 ``walk(schedule, p, V, m)`` takes the very action lists torch's schedules run: for the
 multi-stage ones their ``pipeline_order``, built without a process group (a pure function of p, V
@@ -32,6 +32,7 @@ from largebatch.models.config import ModelConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 ZERO_BUBBLE = ("interleaved-zb", "zbv")
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # slots per action (B = I + W)
+MAX_WALK = 50_000  # p V m (micro-batch, stage) pairs at most: a few seconds of walking
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ def check(schedule: str, pp: int, virtual: int, micro_batches: int) -> None:
         raise ValueError(f"schedule='zbv' holds exactly 2 stages per rank (a V): V={virtual} must be 2.")
     if schedule != "gpipe" and micro_batches < pp:
         raise ValueError(f"schedule={schedule!r} with pp={pp} needs m >= {pp} micro-batches, got {micro_batches}.")
+    if pp * virtual * micro_batches > MAX_WALK:
+        raise ValueError(f"pp x V x m = {pp} x {virtual} x {micro_batches}: more than {MAX_WALK:,} (micro-batch, "
+                         "stage) pairs to walk; give fewer micro-batches.")
     rounds = max(1, micro_batches // pp)
     if schedule in ("interleaved-1f1b", "interleaved-zb") and micro_batches % rounds:
         raise ValueError(f"schedule={schedule!r}: m={micro_batches} is not a multiple of its {rounds} rounds "
