@@ -4,6 +4,8 @@ against Narayanan et al. 2021 §2.2, and the zero-bubble schedules' own numbers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from largebatch.memory.activations import first_stage_layers
@@ -134,6 +136,9 @@ def test_memory_cli_reports_every_schedule_with_its_bubble(capsys):
     for name in ("interleaved-zb", "zbv"):  # lower bounds: torch keeps more than the walk counts
         assert rows[name].split()[1] == "96.00" and rows[name].split()[2].startswith(">=")
     assert "lower bound" in out
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    table = out[out.index("First pipeline stage"):out.index("lower bound")].splitlines()
+    assert all(line in docs for line in table)  # docs/memory.md shows this command's table
     assert main(flags + ["--pp-schedule", "zbv"]) == 0
     out = capsys.readouterr().out
     assert "  zbv " in out and "  1f1b " not in out and "  gpipe " not in out
