@@ -45,16 +45,17 @@ def test_interleaved_with_m_equal_p_keeps_every_forward():
 
 
 @pytest.mark.parametrize("p, m", LAYOUTS)
-@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
-def test_zero_bubble_keeps_2p_stages_until_their_weight_gradients(p, m, schedule):
-    """Qi et al. 2024: ZB-1P (interleaved) and ZB-V hold p micro-batches' worth -- 2p stages of L / 2p
-    layers, L layers, as 1F1B -- on every rank, and the bubble is (p - 1) of (3 V m + p - 1) slots."""
-    w = walk(schedule, p, 2, m)
-    assert w.peak_in_flight == (2 * p,) * p
-    assert w.layers_worth(4 * p) == 4 * p
+@pytest.mark.parametrize("schedule, V", [("interleaved-zb", 2), ("interleaved-zb", 3), ("interleaved-zb", 4),
+                                         ("zbv", 2)])
+def test_zero_bubble_keeps_pV_stages_until_their_weight_gradients(p, m, schedule, V):
+    """Qi et al. 2024: ZB-1P (interleaved) and ZB-V hold p micro-batches' worth -- p V stages of L / (p V)
+    layers, L layers, as 1F1B -- on every rank, and each rank idles p - 1 of 3 V m + p - 1 slots."""
+    w = walk(schedule, p, V, m)
+    assert w.peak_in_flight == (p * V,) * p
+    assert w.layers_worth(4 * p * V) == 4 * p * V
     assert w.idle == (p - 1,) * p
-    assert w.bubble == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-15)
-    assert theoretical_bubble(schedule, p, 2, m) is None
+    assert w.bubble == pytest.approx((p - 1) / (3 * V * m + p - 1), abs=1e-15)
+    assert theoretical_bubble(schedule, p, V, m) is None
 
 
 def test_zbv_with_m_equal_p_is_not_zero_bubble():
