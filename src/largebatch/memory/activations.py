@@ -160,23 +160,39 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     """
     if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
         raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
+    in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
+    one = stage_activation_bytes(config, micro_batch, config.n_layer // pp, recompute, first=True, last=False,
+                                 tp=tp, sequence_parallel=sequence_parallel, seq_len=seq_len, dtype_bytes=dtype_bytes,
+                                 device=device, training=training, mask_fraction=mask_fraction)
+    if pp > 1:
+        return in_flight * one
+    return one + stage_activation_bytes(config, micro_batch, 0, first=False, last=True, tp=tp,
+                                        sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                        dtype_bytes=dtype_bytes, device=device, training=training,
+                                        mask_fraction=mask_fraction)
+
+
+def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
+                           recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
+                           sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,
+                           device: str = "cuda", training: bool = True, mask_fraction: float = 0.15) -> float:
+    """Bytes ONE micro-batch keeps on a pipeline stage of ``layers`` blocks until its backward: the
+    blocks (recompute: one policy or one per block), the embeddings' if ``first``, the final norm's
+    and output layer's and loss's if ``last`` (Korthikanti et al. 2022 §4.3)."""
     s = config.seq_len if seq_len is None else seq_len
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
-    policies = per_layer_policies(recompute, config.n_layer // pp)
-    in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
-    layers = in_flight * sum(policies.count(p) * activation_bytes_per_layer(
-        s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw)
-        for p in set(policies))
+    policies = per_layer_policies(recompute, layers) if layers else []
+    total = sum(policies.count(p) * activation_bytes_per_layer(
+        s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw) for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     h, v = config.n_embd, config.vocab_size
-    mask = 1 if kw["dropout"] else 0
-    embedding = in_flight * s * micro_batch * h * mask / t_rep
-    if config.kind == "bert" and config.norm_position == "post":
-        embedding += in_flight * s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
-    output = 0.0
-    if pp == 1 and config.kind == "gpt":
-        output = s * micro_batch * (2 * h * dtype_bytes / t_rep + 4 * v / tp)
-    elif pp == 1:  # BERT: final-norm input (pre-LN), then the head on the masked positions only
+    if first:
+        total += s * micro_batch * h * (1 if kw["dropout"] else 0) / t_rep  # embedding dropout mask
+        if config.kind == "bert" and config.norm_position == "post":
+            total += s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
+    if last and config.kind == "gpt":
+        total += s * micro_batch * (2 * h * dtype_bytes / t_rep + 4 * v / tp)
+    elif last:  # BERT: final-norm input (pre-LN), then the head on the masked positions only
         final_norm = h * dtype_bytes / t_rep if config.norm_position == "pre" else 0.0
-        output = s * micro_batch * (final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp))
-    return layers + embedding + output
+        total += s * micro_batch * (final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp))
+    return total
