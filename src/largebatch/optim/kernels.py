@@ -47,6 +47,26 @@ def device_tensor(rows: list, like: Tensor) -> Tensor:
     return host.to(like.device)
 
 
+Steps = list[int] | list[Tensor]  # t per tensor: host ints, or 0-d device tensors (capturable)
+
+
+def on_device(steps: Steps) -> bool:
+    """Whether the step counts are device tensors (``capturable=True``): then nothing about them is
+    read on the host, and bias corrections are computed on the device."""
+    return bool(steps) and isinstance(steps[0], Tensor)
+
+
+def layout_mode(foreach: bool, fused: bool, steps: Steps) -> str:
+    """The Layout mode of a path. With device step counts the default path runs its large tensors
+    through the kernels one at a time ("flat"): the multi-tensor path folds bias corrections into
+    host numbers (which ops to run, and with which scalars, depends on them)."""
+    if fused:
+        return "fused"
+    if not foreach:
+        return "single"
+    return "flat" if on_device(steps) else "foreach"
+
+
 def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float], list[float]]:
     """(1 - beta1^t, 1 - beta2^t) per tensor in float64 on the host; ones when disabled."""
     if not enabled:
@@ -60,25 +80,50 @@ class Rows:
     tensors share one row (the usual case: one group, one step count) gets that row alone, (k,), so
     its kernels read scalars instead of gathering a row per element."""
 
-    def __init__(self, rows: list[list[float]], like: Tensor):
-        self.host, self.device = rows, device_tensor(rows, like)
+    def __init__(self, rows: list[list[float]] | None, like: Tensor, device: Tensor | None = None):
+        self.host = rows  # None: rows computed on the device (device step counts); never read here
+        self.device = device_tensor(rows, like) if device is None else device
 
     def __getitem__(self, i: int) -> Tensor:
         return self.device[i]
 
     def for_bucket(self, chunk: list[int], index: Tensor) -> Tensor:
+        if self.host is None:
+            return self.device[index]
         first = self.host[chunk[0]]
         return self.device[chunk[0]] if all(self.host[i] == first for i in chunk) else self.device[index]
 
 
 def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
-                         steps: list[int], like: Tensor) -> Rows:
-    """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step."""
+                         steps: Steps, like: Tensor) -> Rows:
+    """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step;
+    with device step counts, computed in float64 on the device (no host read) and cast once."""
     beta1, beta2 = betas
+    if on_device(steps):
+        return Rows(None, like, device_adam_rows(lr, betas, eps, weight_decay, bias_correction, steps, like))
     bc1, bc2 = bias_corrections(steps, betas, bias_correction)
     rows = [[lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 / c1, 1 / c2]
             for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
     return Rows(rows, like)
+
+
+def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
+                     steps: list[Tensor], like: Tensor) -> Tensor:
+    """adam_hyperparameters' rows (n, 9) from device step counts: 1/(1 - beta^t) in float64 on the
+    device, then one cast to ``like``'s dtype, as the host rows are cast. torch's float64 pow may differ
+    from the host's in the last bit (1 - beta^t: 31 of 20000 steps at beta 0.999); after the cast to
+    float32 none does (tests/test_optim_capturable.py)."""
+    beta1, beta2 = betas
+    n = len(steps)
+    host = device_tensor([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, beta1, beta2],
+                         like.new_empty(0, dtype=torch.float64))
+    base = host[:7].expand(n, 7)
+    if bias_correction:
+        t = torch.stack(steps).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
+        inverse = 1 / (1 - torch.pow(host[7:], t))  # (n, 2)
+    else:
+        inverse = base.new_ones(n, 2)
+    return torch.cat([base, inverse], dim=1).to(like.dtype)
 
 
 def at(values: Tensor, seg: Tensor | None) -> Tensor:
@@ -151,8 +196,8 @@ class Layout:
     call; ``chunks``: flat buckets of small tensors; ``foreach``: indices for the multi-tensor path.
 
     mode "single": every tensor through the kernels, one at a time; "foreach": small tensors in flat
-    buckets, the rest multi-tensor; "fused": small tensors in flat buckets, the rest one at a time,
-    everything compiled."""
+    buckets, the rest multi-tensor; "flat": small tensors in flat buckets, the rest one at a time
+    (the default path with device step counts); "fused": as "flat", everything compiled."""
 
     def __init__(self, tensors: list[Tensor], mode: str):
         self.n, self.mode = len(tensors), mode

@@ -40,11 +40,13 @@ from .kernels import (
     KernelRun,
     Layout,
     Rebind,
+    Steps,
     adam_hyperparameters,
     adam_moments,
     at,
     bias_corrections,
     fresh_buffers,
+    layout_mode,
     row,
     sums,
 )
@@ -104,7 +106,7 @@ def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
 
 # ------------------------------------------------------------------------------ the functional form
 def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         steps: list[int], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
@@ -112,13 +114,15 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
          rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
-    t per tensor after this update. Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
+    t per tensor after this update, host ints or 0-d device tensors (then the bias corrections are
+    computed on the device and the step reads nothing on the host: torch's ``capturable``).
+    Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
     ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
     (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones). ``rebind_state``: see
     kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step)."""
     if not params:
         return None
-    layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
+    layout = Layout(params, layout_mode(foreach, fused, steps))
     work = work_buffers or fresh_buffers(params)
     hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)
     squared = params[0].new_zeros(2, len(params))  # [||x||^2, ||r||^2] per tensor
@@ -217,13 +221,13 @@ class LAMB(LayerwiseOptimizer):
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
                         weight_norm_clip=weight_norm_clip, l2_decay=l2_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
 
     @classmethod
     def from_preset(cls, name: str, params, **kwargs) -> "LAMB":

@@ -30,11 +30,13 @@ from .kernels import (
     KernelRun,
     Layout,
     Rebind,
+    Steps,
     adam_hyperparameters,
     adam_moments,
     at,
     bias_corrections,
     fresh_buffers,
+    layout_mode,
     row,
     squared_norms_kernel,
     sums,
@@ -90,7 +92,7 @@ def lans_apply_kernel(x, g, m, v, inverse_d, hp, grad_coef, scale_r, scale_c, se
 
 # ------------------------------------------------------------------------------ the functional form
 def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         steps: list[int], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
@@ -100,7 +102,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
     if not params:
         return None
-    layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
+    layout = Layout(params, layout_mode(foreach, fused, steps))
     work = work_buffers or fresh_buffers(params)
     n = len(params)
     tensors = {"x": params, "g": grads, "m": exp_avgs, "v": exp_avg_sqs}
@@ -227,13 +229,13 @@ class LANS(LayerwiseOptimizer):
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
                         weight_norm_clip=weight_norm_clip)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
 
     def _update(self, h, b, grad_scale, reduce):
         return lans(b.x, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.steps, lr=h["lr"],
