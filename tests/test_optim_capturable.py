@@ -1,13 +1,14 @@
 """``capturable=True`` (torch.optim's meaning) for LAMB, LANS and LARS: step counts are device tensors,
 bias corrections are computed on the device, and ``step()`` reads nothing on the host. On every
-path the update equals the host-count one: bit for bit where the same kernels run (the per-tensor
-path, flat buckets of small tensors, fused), else within float rounding of the float64 references
-(large tensors on the default path, which capturable runs through the kernels instead of the
-multi-tensor path). State dicts and DCP checkpoints load across modes."""
+path the update equals the host-count one: bit for bit where the same operations run (the
+per-tensor path, flat buckets of small tensors, fused; LARS everywhere), else within float rounding
+of the float64 references (LAMB/LANS on the multi-tensor path, where device scalars take the
+two-pass form of the decoupled decay). State dicts and DCP checkpoints load across modes."""
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import pickle
 from unittest import mock
 
 import pytest
@@ -18,26 +19,20 @@ from largebatch.optim import LAMB, LANS, LARS, kernels
 from largebatch.parallel.mesh import ParallelState
 from largebatch.train.deferred import HostReads
 from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
+from test_optim_formulas import PATHS, _path_settings
 
 CASES = {
     "lamb": (LAMB, lamb_reference, {"lr": 0.02}),
     "lans": (LANS, lans_reference, {"lr": 0.02}),
     "lars": (LARS, lars_reference, {"lr": 0.5, "weight_decay": 0.01}),
 }
-# "foreach": the default path (these small tensors: one flat bucket); "large": the default path with
-# every tensor counted as large (host counts: the multi-tensor path; capturable: the kernels, one
-# tensor at a time); "per_tensor": foreach=False; "fused": torch.compile'd kernels
-PATHS = ["foreach", "large", "per_tensor", "fused"]
+# test_optim_formulas' layouts of the default and per-tensor paths (flat buckets, multi-tensor, CPU
+# tiles, what a GPU runs), and the fused path
+MULTI_TENSOR = ("multi_tensor", "tiled", "multi_tensor_gpu_like")
 
 
 def _options(path: str) -> dict:
-    return {"per_tensor": {"foreach": False}, "fused": {"fused": True}}.get(path, {})
-
-
-@contextlib.contextmanager
-def _layout(path: str):
-    with mock.patch.object(kernels, "FLAT_MAX_ELEMENTS", 0) if path == "large" else contextlib.nullcontext():
-        yield
+    return {"fused": True} if path == "fused" else {"foreach": not path.startswith("per_tensor")}
 
 
 def _state(optimizer) -> list[dict]:
@@ -48,20 +43,21 @@ def _max_error(actual, expected) -> float:
     return max(float((a.double() - e).abs().max()) for a, e in zip(actual, expected))
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [*PATHS, "fused"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_capturable_equals_host_counts_and_reads_nothing(name, path):
     """Five steps (one tensor without a gradient at step 3: its count stays behind) with host and with
-    device step counts: the same parameters and state, bit for bit, except on "large" (within float32
-    rounding of the float64 reference, and within 1e-12 in float64); the counts are float32 tensors on
-    the parameters' device equal to the host ints; a step reads nothing on the host."""
+    device step counts: the same parameters and state, bit for bit, except for LAMB/LANS on the
+    multi-tensor path (within float32 rounding of the float64 reference, and within 1e-12 in
+    float64); the counts are float32 tensors on the parameters' device equal to the host ints; a
+    step reads nothing on the host."""
     optimizer_class, reference, kwargs = CASES[name]
     params, steps = random_problem(n_steps=5)
     options = {**kwargs, **_options(path)}
-    with _layout(path):
+    with _path_settings(path):
         host, host_optimizer = run_optimizer(lambda p: optimizer_class(p, **options), params, steps)
         device, optimizer = run_optimizer(lambda p: optimizer_class(p, **options, capturable=True), params, steps)
-        if path == "large" and name != "lars":  # (LARS has no bias correction: the same operations)
+        if path in MULTI_TENSOR and name != "lars":  # (LARS has no bias correction: the same operations)
             assert _max_error(device, reference(params, steps, **kwargs)) < 2e-6
             device64, _ = run_optimizer(lambda p: optimizer_class(p, **options, capturable=True), params, steps,
                                         torch.float64)
@@ -101,6 +97,22 @@ def test_device_bias_corrections_equal_the_host_ones_in_float32():
                                             list(torch.tensor(t, dtype=torch.float64).unbind()), like.double())
         ulp = torch.finfo(torch.float64).eps * host64.abs()
         assert bool(((host64 - device64).abs() <= ulp).all())
+
+
+def test_copies_keep_capturable():
+    """deepcopy and pickle keep the option and the device counts, and continue bit for bit."""
+    params, steps = random_problem(n_steps=4)
+    for copier in (copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))):
+        _, optimizer = run_optimizer(lambda p: LANS(p, lr=0.02, capturable=True), params, steps[:2])
+        live = optimizer.param_groups[0]["params"]
+        live_copy, optimizer_copy = copier((live, optimizer))
+        assert optimizer_copy.capturable and all(isinstance(s["step"], torch.Tensor) for s in _state(optimizer_copy))
+        for grads in steps[2:]:
+            for p, q, g in zip(live, live_copy, grads):
+                p.grad = q.grad = None if g is None else g.clone()
+            optimizer.step()
+            optimizer_copy.step()
+        assert all(torch.equal(a, b) for a, b in zip(live, live_copy))
 
 
 @pytest.mark.parametrize("name", ["lamb", "lans"])

@@ -56,23 +56,27 @@ def on_device(steps: Steps) -> bool:
     return bool(steps) and isinstance(steps[0], Tensor)
 
 
-def layout_mode(foreach: bool, fused: bool, steps: Steps) -> str:
-    """The Layout mode of a path. With device step counts the default path runs its large tensors
-    through the kernels one at a time ("flat"): the multi-tensor path folds bias corrections into
-    host numbers (which ops to run, and with which scalars, depends on them)."""
-    if fused:
-        return "fused"
-    if not foreach:
-        return "single"
-    return "flat" if on_device(steps) else "foreach"
-
-
 def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float], list[float]]:
     """(1 - beta1^t, 1 - beta2^t) per tensor in float64 on the host; ones when disabled."""
     if not enabled:
         return [1.0] * len(steps), [1.0] * len(steps)
     beta1, beta2 = betas
     return [1.0 - beta1**t for t in steps], [1.0 - beta2**t for t in steps]
+
+
+def device_bias_corrections(steps: list[Tensor], betas, enabled: bool, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(1 - beta1^t, 1 - beta2^t) per tensor, (n,) each, in float64 on ``like``'s device from device
+    step counts (no host read); ones when disabled. torch's float64 pow may differ from the host's in
+    the last bit (31 of 20000 steps at beta 0.999); cast to float32, none did
+    (tests/test_optim_capturable.py)."""
+    n = len(steps)
+    if not enabled:
+        ones = torch.ones(n, dtype=torch.float64, device=like.device)
+        return ones, ones
+    t = torch.stack(steps).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
+    beta = device_tensor(list(betas), like.new_empty(0, dtype=torch.float64))  # (2,)
+    corrections = 1 - torch.pow(beta, t)  # (n, 2)
+    return corrections[:, 0], corrections[:, 1]
 
 
 class Rows:
@@ -110,20 +114,12 @@ def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias
 def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
                      steps: list[Tensor], like: Tensor) -> Tensor:
     """adam_hyperparameters' rows (n, 9) from device step counts: 1/(1 - beta^t) in float64 on the
-    device, then one cast to ``like``'s dtype, as the host rows are cast. torch's float64 pow may differ
-    from the host's in the last bit (1 - beta^t: 31 of 20000 steps at beta 0.999); after the cast to
-    float32 none does (tests/test_optim_capturable.py)."""
+    device, then one cast to ``like``'s dtype, as the host rows are cast."""
     beta1, beta2 = betas
-    n = len(steps)
-    host = device_tensor([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, beta1, beta2],
-                         like.new_empty(0, dtype=torch.float64))
-    base = host[:7].expand(n, 7)
-    if bias_correction:
-        t = torch.stack(steps).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
-        inverse = 1 / (1 - torch.pow(host[7:], t))  # (n, 2)
-    else:
-        inverse = base.new_ones(n, 2)
-    return torch.cat([base, inverse], dim=1).to(like.dtype)
+    base = device_tensor([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay],
+                         like.new_empty(0, dtype=torch.float64)).expand(len(steps), 7)
+    bc1, bc2 = device_bias_corrections(steps, betas, bias_correction, like)
+    return torch.cat([base, torch.stack([1 / bc1, 1 / bc2], dim=1)], dim=1).to(like.dtype)
 
 
 def at(values: Tensor, seg: Tensor | None) -> Tensor:
@@ -196,8 +192,8 @@ class Layout:
     call; ``chunks``: flat buckets of small tensors; ``foreach``: indices for the multi-tensor path.
 
     mode "single": every tensor through the kernels, one at a time; "foreach": small tensors in flat
-    buckets, the rest multi-tensor; "flat": small tensors in flat buckets, the rest one at a time
-    (the default path with device step counts); "fused": as "flat", everything compiled."""
+    buckets, the rest multi-tensor; "fused": small tensors in flat buckets, the rest one at a time,
+    everything compiled."""
 
     def __init__(self, tensors: list[Tensor], mode: str):
         self.n, self.mode = len(tensors), mode

@@ -24,7 +24,6 @@ libraries do silently is a keyword here, off by default:
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -44,15 +43,15 @@ from .kernels import (
     adam_hyperparameters,
     adam_moments,
     at,
-    bias_corrections,
     fresh_buffers,
-    layout_mode,
     row,
     sums,
 )
 from .multi_tensor import (
+    column,
     direction_plus_decay,
     divide_into,
+    folded_bias_corrections,
     foreach_adam_moments_,
     foreach_folded_denominator,
     scaled_copy,
@@ -122,7 +121,7 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step)."""
     if not params:
         return None
-    layout = Layout(params, layout_mode(foreach, fused, steps))
+    layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
     work = work_buffers or fresh_buffers(params)
     hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)
     squared = params[0].new_zeros(2, len(params))  # [||x||^2, ||r||^2] per tensor
@@ -149,7 +148,8 @@ class _MultiTensorLAMB:
 
     Bias corrections are folded into per-tensor scalars (saves two passes): with denom = sqrt(v) +
     eps*sqrt(bc2), r = k*m/denom + wd*x, k = sqrt(bc2)/bc1, computed as r = scale*u by
-    direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass)."""
+    direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass). With device step counts the
+    scalars are 0-d device tensors and u = m/denom + (wd/k)*x, scale = k (two passes)."""
 
     def __init__(self, index, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps, weight_decay,
                  bias_correction, l2_decay, grad_scale, work):
@@ -157,12 +157,12 @@ class _MultiTensorLAMB:
             return ([ts[i] for i in index])
         self.index, self.x, self.g, self.m, self.v = index, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
         self.betas, self.eps, self.wd, self.l2_decay, self.grad_scale = betas, eps, weight_decay, l2_decay, grad_scale
-        bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
-        self.bc2, self.k = bc2, [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
+        self.offsets, self.k, _ = folded_bias_corrections([steps[i] for i in index], betas, eps, bias_correction,
+                                                          params[0])
         self.scratch = work(0, index) if index else None
         self.tiles = cpu_tiles(self.x)
         self.directions: list[list[Tensor]] = []
-        self.r_scale: list[float] = list(self.k)
+        self.r_scale: list = list(self.k)
 
     def pass1(self, squared: Tensor) -> None:
         """Moments, u and the squared norms [||x||^2, ||r||^2] into ``squared``'s columns ``index``."""
@@ -178,7 +178,7 @@ class _MultiTensorLAMB:
                     torch._foreach_add_(grads, x, alpha=self.wd)
             m = tile.views(self.m)
             foreach_adam_moments_(m, tile.views(self.v), grads, self.betas)
-            denom = foreach_folded_denominator(tile.views(self.v), self.eps, tile.pick(self.bc2), s)
+            denom = foreach_folded_denominator(tile.views(self.v), tile.pick(self.offsets), s)
             if self.l2_decay:  # the decay is already in g: r = k*m/denom
                 u = divide_into(m, denom, s)
             else:
@@ -188,14 +188,14 @@ class _MultiTensorLAMB:
             partial.append(tile_squared_norms([x, u]))
             self.directions.append(u)
         sq = sum_tile_pieces(self.tiles, partial, len(self.x))  # (2, n_large)
-        sq[1] *= sq.new_tensor(self.r_scale).square()
+        sq[1] *= column(self.r_scale, sq).square()
         squared[:, self.index] = sq
 
     def pass2(self, step_scale: Tensor) -> None:
         """x += step_scale * r = (step_scale * r_scale) * u, tile by tile."""
         if not self.index:
             return
-        scale = step_scale[self.index] * step_scale.new_tensor(self.r_scale)
+        scale = step_scale[self.index] * column(self.r_scale, step_scale)
         for tile, u in zip(self.tiles, self.directions):
             torch._foreach_addcmul_(tile.views(self.x), u, tile_scalars(scale, tile))
 

@@ -15,7 +15,6 @@ decay) lives in largebatch.schedules, not here. ``lans(...)`` is the functional 
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -34,9 +33,8 @@ from .kernels import (
     adam_hyperparameters,
     adam_moments,
     at,
-    bias_corrections,
     fresh_buffers,
-    layout_mode,
+    on_device,
     row,
     squared_norms_kernel,
     sums,
@@ -44,7 +42,9 @@ from .kernels import (
 from .lamb import LAMB
 from .multi_tensor import (
     adam_moments_scaled_,
+    column,
     direction_plus_decay,
+    folded_bias_corrections,
     foreach_adam_moments_,
     foreach_folded_denominator,
     per_tensor,
@@ -102,7 +102,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
     if not params:
         return None
-    layout = Layout(params, layout_mode(foreach, fused, steps))
+    layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
     work = work_buffers or fresh_buffers(params)
     n = len(params)
     tensors = {"x": params, "g": grads, "m": exp_avgs, "v": exp_avg_sqs}
@@ -146,7 +146,8 @@ class _MultiTensorLANS:
     r = k*m/denom + wd*x, k = sqrt(bc2)/bc1 ; c = q*g~/denom + wd*x, q = sqrt(bc2); each computed as
     scale*u by direction_plus_decay (one pass where wd > 0). On CPU g~ = coef*g is folded into the
     moment update and the direction (host floats: no device to synchronise with); elsewhere g~ is
-    written out and coef stays on the device."""
+    written out and coef stays on the device, as with device step counts (whose folded scalars are
+    0-d device tensors; both directions then take direction_plus_decay's two-pass form)."""
 
     def __init__(self, index, tensors, steps, betas, eps, weight_decay, bias_correction, grad_coef, work):
         self.index = index
@@ -156,13 +157,12 @@ class _MultiTensorLANS:
             return (None if ts is None else [ts[i] for i in index])
         self.x, self.g, self.m, self.v = (pick(tensors[key]) for key in ("x", "g", "m", "v"))
         self.betas, self.eps, self.wd = betas, eps, weight_decay
-        bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
-        self.bc2 = bc2
-        self.k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        self.q = [math.sqrt(c2) for c2 in bc2]
+        large = [steps[i] for i in index]
+        self.offsets, self.k, self.q = folded_bias_corrections(large, betas, eps, bias_correction, self.x[0])
         self.scratch_c, self.scratch_r = work(0, index), work(1, index)
         self.coef = grad_coef[index]
-        self.host_coef = self.coef.tolist() if self.scratch_c is not None else None
+        # CPU: coef as host floats (a read of CPU memory), except with device step counts: nothing read
+        self.host_coef = self.coef.tolist() if self.scratch_c is not None and not on_device(large) else None
         self.tiles = cpu_tiles(self.x)
         self.directions: list[tuple[list[Tensor], list[Tensor]]] = []
         self.r_scale, self.c_scale = list(self.k), list(self.q)
@@ -180,13 +180,14 @@ class _MultiTensorLANS:
             if self.host_coef is not None:
                 c_coef = tile.pick(self.host_coef)
                 adam_moments_scaled_(m, v, g, c_coef, self.betas)
-            else:
-                g = scaled_copy(g, tile_scalars(self.coef.to(g[0].dtype), tile), None)  # g~
-                c_coef = [1.0] * len(g)
+            else:  # g~ (into the c buffer, which u_c then overwrites element by element)
+                g = scaled_copy(g, tile_scalars(self.coef.to(g[0].dtype), tile), s_c)
+                c_coef = None
                 foreach_adam_moments_(m, v, g, self.betas)
-            denom = foreach_folded_denominator(v, self.eps, tile.pick(self.bc2), s_r)
-            u_c, c_scales = direction_plus_decay(x, g, denom, [qi * ci for qi, ci in zip(tile.pick(self.q), c_coef)],
-                                                 self.wd, s_c)
+            denom = foreach_folded_denominator(v, tile.pick(self.offsets), s_r)
+            q = tile.pick(self.q)
+            u_c, c_scales = direction_plus_decay(x, g, denom, q if c_coef is None else
+                                                 [qi * ci for qi, ci in zip(q, c_coef)], self.wd, s_c)
             u_r, r_scales = direction_plus_decay(x, m, denom, tile.pick(self.k), self.wd, s_r)  # over denom: last
             for i, cs, rs in zip(tile.index, c_scales, r_scales):
                 self.c_scale[i], self.r_scale[i] = cs, rs
@@ -198,7 +199,9 @@ class _MultiTensorLANS:
         squared[:, self.index] = sq
 
     @staticmethod
-    def _scales(values: list[float], like: Tensor) -> Tensor:
+    def _scales(values: list, like: Tensor) -> Tensor:
+        if values and isinstance(values[0], Tensor):  # device values
+            return column(values, like)
         scale = per_tensor(values, like)
         return scale if isinstance(scale, Tensor) else like.new_full((len(values),), scale)
 
