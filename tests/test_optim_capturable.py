@@ -71,6 +71,7 @@ def test_capturable_equals_host_counts_and_reads_nothing(name, path):
             assert isinstance(count, torch.Tensor) and count.dtype == torch.float32 and count.dim() == 0
             assert isinstance(a["step"], int) and float(count) == a["step"]
         assert [float(s["step"]) for s in _state(optimizer)] == [5, 5, 5, 5, 4]
+        assert kernels.packed([s["step"] for s in _state(optimizer)]) is not None  # one buffer: one add a step
 
         for p, g in zip((p for group in optimizer.param_groups for p in group["params"]), steps[0]):
             p.grad = g.clone()
@@ -131,6 +132,7 @@ def test_state_dicts_load_across_modes(name):
         resumed.load_state_dict(saved)
         counts = [s["step"] for s in _state(resumed)]
         assert all(isinstance(c, torch.Tensor) if second else type(c) is int for c in counts)
+        assert not second or kernels.packed(counts) is not None  # loaded counts share one buffer again
         assert [float(c) for c in counts] == [2, 2, 2, 2, 2]
         for grads in steps[2:]:
             for p, g in zip(live, grads):

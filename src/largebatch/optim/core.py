@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
 
 from . import checks
-from .kernels import Rebind
+from .kernels import Rebind, packed
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -114,6 +114,19 @@ def step_count(value: int | Tensor, device: torch.device, capturable: bool) -> i
             return value.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
         return torch.tensor(float(value), dtype=torch.float32, device=device)
     return int(value.item()) if isinstance(value, Tensor) else int(value)
+
+
+def packed_counts(counts: list[Tensor]) -> list[Tensor]:
+    """Device step counts as views of one new buffer per device, in order, so that one operation
+    advances a group's counts (kernels.packed finds the buffer) instead of one per parameter."""
+    out = list(counts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, count in enumerate(counts):
+        by_device.setdefault(count.device, []).append(i)
+    for index in by_device.values():
+        for i, view in zip(index, torch.stack([counts[i] for i in index]).unbind()):
+            out[i] = view
+    return out
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
@@ -256,6 +269,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         on first use, step counts advanced. (Runs once per parameter and step: kept lean.)"""
         buckets: dict[tuple, Bucket] = {}
         keys = self._state_keys
+        counts: list[Tensor] = []  # device step counts (capturable)
+        if self.capturable:  # fresh counts share one buffer
+            fresh = [_real(local_shard(p)).device for p in group["params"]
+                     if p.grad is not None and not self.state.get(p)]
+            new_counts = iter(packed_counts([torch.zeros((), device=device) for device in fresh]))
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -264,12 +282,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             plain = not isinstance(p, DTensor) and not p.is_complex()
             target = p if plain else _real(local_shard(p))  # the parameter's values as a real local tensor
             if not state:
-                state["step"] = step_count(0, target.device, self.capturable)
+                state["step"] = next(new_counts) if self.capturable else 0
                 for key in keys:
                     state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
             elif isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
                 state["step"] = step_count(state["step"], target.device, self.capturable)
-            state["step"] += 1  # a device tensor: in place, no read
+            if self.capturable:
+                counts.append(state["step"])  # advanced below, all at once
+            else:
+                state["step"] += 1
             dtype = target.dtype
             compute = torch.float32 if dtype in _LOW_PRECISION else dtype
             b = buckets.get((target.device, compute))
@@ -290,6 +311,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for key in keys:  # contiguous: created so, and made so by load_state_dict
                 b.states[key].append(state[key] if plain else _real(local_shard(state[key])))
             b.steps.append(state["step"])
+        if counts:  # one add for counts in one buffer, else one multi-tensor add (torch's capturable AdamW)
+            flat = packed(counts)
+            if flat is not None:
+                flat.add_(1.0)
+            else:
+                torch._foreach_add_(counts, 1.0)
         return list(buckets.values())
 
     def _rebind(self, bucket: Bucket) -> Rebind:
@@ -381,10 +408,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                         kept[(index, key)] = value
 
         def restore(optimizer) -> None:  # runs before the user's post-hooks
-            for p in params:  # a step count saved in either mode, in this optimizer's
-                state = self.state.get(p)
-                if state and "step" in state:
-                    state["step"] = step_count(state["step"], _real(local_shard(p)).device, self.capturable)
+            counted = [(p, self.state[p]) for p in params if "step" in self.state.get(p, {})]
+            for p, state in counted:  # a step count saved in either mode, in this optimizer's
+                state["step"] = step_count(state["step"], _real(local_shard(p)).device, self.capturable)
+            if self.capturable:
+                for (_, state), count in zip(counted, packed_counts([state["step"] for _, state in counted])):
+                    state["step"] = count
             for (index, key), value in kept.items():
                 p = params[index]
                 if p in self.state and key in self.state[p]:

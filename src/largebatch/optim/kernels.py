@@ -73,7 +73,8 @@ def device_bias_corrections(steps: list[Tensor], betas, enabled: bool, like: Ten
     if not enabled:
         ones = torch.ones(n, dtype=torch.float64, device=like.device)
         return ones, ones
-    t = torch.stack(steps).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
+    t = packed(steps)  # the counts' own buffer when they are consecutive views of one
+    t = (torch.stack(steps) if t is None else t).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
     beta = device_tensor(list(betas), like.new_empty(0, dtype=torch.float64))  # (2,)
     corrections = 1 - torch.pow(beta, t)  # (n, 2)
     return corrections[:, 0], corrections[:, 1]
