@@ -207,7 +207,8 @@ class LAMB(LayerwiseOptimizer):
     Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adapt`` (trust ratio on/off) and the
     switches; edits to ``param_groups`` apply at the next step. ``foreach`` (default) / per-tensor
     (``foreach=False``) / ``fused=True`` (torch.compile) paths compute the same update.
-    ``reduce_norms``: see largebatch.optim.core (sharded models).
+    ``reduce_norms``: see largebatch.optim.core (sharded models). ``capturable=True``: step counts as
+    device tensors, bias corrections on the device, no host read in ``step()`` (docs/optim.md).
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")

@@ -102,7 +102,8 @@ class LARS(LayerwiseOptimizer):
     give it here or in every parameter group.
 
     Per group: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``, ``adapt`` and the
-    switches; paths as in LAMB (foreach default, per-tensor, fused=True)."""
+    switches; paths as in LAMB (foreach default, per-tensor, fused=True), and ``capturable`` (its
+    step counts as device tensors; LARS has no bias correction to compute)."""
 
     _state_keys = ("momentum_buffer",)
     _kernel_names = ("buf",)
