@@ -19,7 +19,8 @@ from largebatch.optim import LAMB, LANS, LARS, kernels
 from largebatch.parallel.mesh import ParallelState
 from largebatch.train.deferred import HostReads
 from optim_references import lamb_reference, lans_reference, lars_reference, random_problem, run_optimizer
-from test_optim_formulas import PATHS, _path_settings
+from test_optim_formulas import CASES as REFERENCE_CASES
+from test_optim_formulas import LAMB_SWITCHES, PATHS, _max_error, _path_settings
 
 CASES = {
     "lamb": (LAMB, lamb_reference, {"lr": 0.02}),
@@ -37,10 +38,6 @@ def _options(path: str) -> dict:
 
 def _state(optimizer) -> list[dict]:
     return [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _max_error(actual, expected) -> float:
-    return max(float((a.double() - e).abs().max()) for a, e in zip(actual, expected))
 
 
 @pytest.mark.parametrize("path", [*PATHS, "fused"])
@@ -81,6 +78,22 @@ def test_capturable_equals_host_counts_and_reads_nothing(name, path):
         with eager, HostReads() as reads:
             optimizer.step()
         assert reads.total == 0 and reads.calls == [], (reads.scalar, reads.calls)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_capturable_meets_the_references_with_every_switch(path):
+    """Every case of tests/test_optim_formulas.py (tiny and no decay, no bias correction, LARS
+    without ratios) and every LAMB switch, with device counts: 1e-12 in float64, 2e-6 in float32."""
+    params, steps = random_problem()
+    cases = [(c, ref, kw) for c, ref, kw in REFERENCE_CASES.values()]
+    cases += [(LAMB, lamb_reference, {"lr": 0.02, **switches}) for switches in LAMB_SWITCHES]
+    for optimizer_class, reference, kwargs in cases:
+        expected = reference(params, steps, **kwargs)
+        with _path_settings(path):
+            for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+                actual, _ = run_optimizer(lambda p: optimizer_class(p, **kwargs, **_options(path), capturable=True),
+                                          params, steps, dtype)
+                assert _max_error(actual, expected) < tolerance, (optimizer_class.__name__, kwargs, dtype)
 
 
 def test_device_bias_corrections_equal_the_host_ones_in_float32():
