@@ -5,6 +5,7 @@ or on many small tensors of many distinct shapes (``--case small``).
     .venv/bin/python benchmarks/optim_step.py --layers 2 --vocab 8192 --rounds 3   # quick
     .venv/bin/python benchmarks/optim_step.py --case small     # 2000 x (4,) + 200 distinct shapes
     .venv/bin/python benchmarks/optim_step.py --no-fused      # skip torch.compile (~1 min cold on CPU)
+    .venv/bin/python benchmarks/optim_step.py --capturable    # also capturable=True (device step counts)
 
 Every optimizer steps the SAME parameters and gradients (values change a little each step; lr is
 tiny); each round times one step of every optimizer in turn, so a busy machine slows all of them
@@ -14,6 +15,8 @@ Targets: GPT-2 shapes: LAMB, LANS <= 1.3x AdamW(foreach); fused LAMB, LANS <= 2x
 Small case: default paths <= 1.5x AdamW(foreach), fused <= 2x AdamW(fused), and the first fused
 step (compilation, printed per optimizer) under 60 s.
 The same LAMB/LANS/LARS instance is timed on its default and its fused path (they share the state).
+``--capturable`` adds LAMB/LANS/LARS(capturable=True) instances on the default path (what
+run.on_nonfinite='skip' builds) and reports each against its host-count twin.
 
 CPU memory (--malloc): AdamW(foreach), torch_optimizer and timm allocate parameter-sized temporaries
 every step. With glibc's defaults (``--malloc default``, what a user's process gets) large ones are
@@ -67,7 +70,7 @@ def load_timm_lamb():
     return importlib.import_module("timm.optim.lamb").Lamb
 
 
-def build(params, fused: bool, peers: bool):
+def build(params, fused: bool, peers: bool, capturable: bool = False):
     """name -> (optimizer, path setter or None); the first entry of each section is the peer."""
     lr = 1e-6
     entries = {
@@ -88,6 +91,9 @@ def build(params, fused: bool, peers: bool):
         entries["AdamW(fused=True)"] = torch.optim.AdamW(params, lr=lr, fused=True)
         for name in ("LAMB", "LANS", "LARS"):
             entries[f"{name}(fused=True)"] = entries[name]  # same instance, other path
+    if capturable:
+        for name, cls in (("LAMB", LAMB), ("LANS", LANS), ("LARS", LARS)):
+            entries[f"{name}(capturable=True)"] = cls(params, lr=lr, capturable=True)
     return entries
 
 
@@ -131,6 +137,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-fused", action="store_true", help="skip the torch.compile'd paths")
     parser.add_argument("--no-peers", action="store_true", help="skip torch_optimizer and timm")
+    parser.add_argument("--capturable", action="store_true",
+                        help="also time LAMB/LANS/LARS(capturable=True) against their host-count twins")
     parser.add_argument("--malloc", choices=("default", "reuse"), default="default",
                         help="CPU: glibc as is, or recycle freed temporaries (see the module docstring)")
     args = parser.parse_args()
@@ -146,7 +154,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in params)
     print(f"{len(params)} tensors, {n_params / 1e6:.1f}M parameters, device {args.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {args.malloc}")
-    entries = build(params, fused=not args.no_fused, peers=not args.no_peers)
+    entries = build(params, fused=not args.no_fused, peers=not args.no_peers, capturable=args.capturable)
 
     start = time.perf_counter()
     first = {name: timed_step(optimizer, name) for name, optimizer in entries.items()}  # state, compilation
@@ -169,6 +177,9 @@ def main() -> None:
                   "LANS(fused=True)": 2.0}.get(name)
         note = f"  target <= {target}x" if target else ""
         print(f"  {name:<24} {median * 1e3:9.1f} ms   {median / medians[peer]:5.2f}x {peer}{note}")
+    for name in [n for n in medians if n.endswith("(capturable=True)")]:
+        twin = name.split("(")[0]
+        print(f"  {name:<24} {medians[name] / medians[twin]:5.2f}x {twin} (host step counts)")
 
 
 if __name__ == "__main__":

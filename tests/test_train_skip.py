@@ -18,7 +18,7 @@ from test_train import tiny_overrides
 from test_train_step import _trainer
 
 OPTIMIZERS = [
-    {"optim.name": "lamb"},  # Python-int step counters: corrected at the next read
+    {"optim.name": "lamb"},  # capturable under skip: device step counts, taken back with the rest
     {"optim.name": "lans", "optim.grad_clip": 0.5},
     {"optim.name": "adamw", "optim.fused": True, "optim.grad_clip": 0.5},  # tensor step counters
 ]
@@ -103,3 +103,42 @@ def test_give_up_is_detected_at_the_next_read_naming_the_same_step(tmp_path, ref
                                           f"{give_up} (3 skipped in all)."), messages
     assert max(r["step"] for r in logged[1]) < give_up  # the deferred run logged nothing past it
     assert all(step < give_up for steps in saved for step in steps), saved  # nor checkpointed
+
+
+def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_path, reference_run):
+    """LANS under skip, six steps of which the 1st (the optimizer state is created by it), 3rd and 4th
+    are made non-finite by a forward hook: its step counts (device tensors: capturable) equal the 3
+    applied steps, and every step's parameters and the final state equal, bit for bit, those of a
+    run whose optimizer keeps host counts and is not stepped at all where a host check finds the
+    step non-finite."""
+    bad = {1, 3, 4}
+    runs = []
+    for device_skip in (True, False):
+        trainer = _trainer(reference_run[0], tmp_path / f"run{device_skip}", **{
+            "optim.name": "lans", "optim.grad_clip": 0.5, "run.on_nonfinite": "skip"})
+        assert trainer.optimizer.capturable
+        if not device_skip:  # the reference: host counts, and no step at all when not finite
+            trainer.optimizer.capturable = False
+            trainer.skip.step = lambda optimizer, finite, step: optimizer.step() if bool(finite) else None
+        block = trainer.raw_model.blocks[0].mlp
+        trajectory = []
+        try:
+            for step in range(1, 7):
+                hook = block.register_forward_hook(lambda m, args, out: out * float("inf")) if step in bad else None
+                try:
+                    trainer.train_step()
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                trajectory.append([p.detach().clone() for p in trainer.raw_model.parameters()])
+            runs.append((trajectory, _state(trainer.optimizer)))
+        finally:
+            trainer._close()
+    (device_run, device_state), (host_run, host_state) = runs
+    assert all(torch.equal(a, b) for at, bt in zip(device_run, host_run) for a, b in zip(at, bt))
+    assert device_state.keys() == host_state.keys()
+    for index, state in device_state.items():
+        count = state["step"]
+        assert isinstance(count, torch.Tensor) and float(count) == host_state[index]["step"] == 3
+        assert all(torch.equal(state[key], host_state[index][key]) for key in ("exp_avg", "exp_avg_sq"))
+    assert not torch.equal(device_run[0][0], device_run[-1][0])  # the applied steps did move it

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +47,16 @@ from largebatch.parallel.parallelize import unwrap
 
 EXTRA = "extra.pt"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _take_saved_tensors(optim_state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Where the checkpoint holds a tensor and the template a Python value (a step count saved by a
+    ``capturable`` optimizer, loaded into one that keeps ints), a tensor template of the saved shape:
+    the optimizer's load_state_dict turns it into its own kind of count."""
+    for key, value in optim_state.items():
+        meta = saved.get(f"optim.{key}")
+        if isinstance(meta, TensorStorageMetadata) and not isinstance(value, torch.Tensor):
+            optim_state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
 def list_distributed_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -158,6 +169,8 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
         keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         options = FLAT if any(key.startswith("optim.param_groups.") for key in keys) else None
         model_state, optim_state = get_state_dict(module, optimizer, options=options)
+        if options is FLAT:
+            _take_saved_tensors(optim_state, keys)
         target = {"model": model_state, "optim": optim_state}
         dcp.load(target, checkpoint_id=path)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],

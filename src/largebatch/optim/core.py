@@ -14,7 +14,11 @@ are the multi-tensor path of large tensors). This module is the thin class aroun
   their local shards; optional global gradient pre-clipping (``max_grad_norm``);
 * the torch.optim contract: deepcopy/pickle keep every constructor option; ``load_state_dict``
   puts state in the parameter's compute dtype (fp32 moments for bf16/fp16 parameters) and honours
-  torch's load hooks; hooks of ``step`` and ``state_dict`` are torch's own.
+  torch's load hooks; hooks of ``step`` and ``state_dict`` are torch's own;
+* ``capturable=True`` (torch's meaning): step counts are 0-d float32 tensors on the parameter's
+  device and bias corrections are computed there, so ``step()`` reads nothing on the host and a
+  ``torch.where`` over the state can take a step back exactly (run.on_nonfinite='skip'). A state
+  dict saved in either mode loads in either (the count becomes a tensor or an int).
 
 Sharding (norm reduction)
 -------------------------
@@ -44,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
 
 from . import checks
-from .kernels import Rebind
+from .kernels import Rebind, packed
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -101,6 +105,30 @@ def _real(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def step_count(value: int | Tensor, device: torch.device, capturable: bool) -> int | Tensor:
+    """A step count as the optimizer keeps it: a Python int, or with ``capturable`` a 0-d float32
+    tensor on the parameter's device (as torch's capturable optimizers keep theirs; exact to 2^24
+    steps). Turning a device tensor into an int reads it (only on a load or a change of mode)."""
+    if capturable:
+        if isinstance(value, Tensor):
+            return value.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return int(value.item()) if isinstance(value, Tensor) else int(value)
+
+
+def packed_counts(counts: list[Tensor]) -> list[Tensor]:
+    """Device step counts as views of one new buffer per device, in order, so that one operation
+    advances a group's counts (kernels.packed finds the buffer) instead of one per parameter."""
+    out = list(counts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, count in enumerate(counts):
+        by_device.setdefault(count.device, []).append(i)
+    for index in by_device.values():
+        for i, view in zip(index, torch.stack([counts[i] for i in index]).unbind()):
+            out[i] = view
+    return out
+
+
 def state_dtype(p: Tensor) -> torch.dtype:
     """The dtype of the optimizer state of ``p``: fp32 for bf16/fp16 parameters, else p's own."""
     if p.dtype in _LOW_PRECISION:
@@ -117,7 +145,7 @@ class Bucket:
     x: list[Tensor] = field(default_factory=list)  # what the math updates in place
     grads: list[Tensor] = field(default_factory=list)
     states: dict[str, list[Tensor]] = field(default_factory=dict)
-    steps: list[int] = field(default_factory=list)  # t after this update (>= 1)
+    steps: list = field(default_factory=list)  # t after this update (>= 1): ints, or 0-d device tensors
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter view, x): written back
 
 
@@ -128,10 +156,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     _state_keys: tuple[str, ...] = ()
     _kernel_names: tuple[str, ...] = ()  # what the functional form calls each state key
     _spec: dict[str, checks.Check] = {}
-    _options = ("max_grad_norm", "foreach", "fused", "track_trust_ratios", "reduce_norms")
+    _options = ("max_grad_norm", "foreach", "fused", "track_trust_ratios", "reduce_norms", "capturable")
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: float | None, foreach: bool | None,
-                 fused: bool, track_trust_ratios: bool, reduce_norms: NormReduction | None) -> None:
+                 fused: bool, track_trust_ratios: bool, reduce_norms: NormReduction | None,
+                 capturable: bool = False) -> None:
         if isinstance(params, set):
             raise TypeError("params: a set has no stable order (state_dict and resume need one); "
                             "pass a list, e.g. list(model.parameters())")
@@ -145,6 +174,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.foreach = not self.fused if foreach is None else bool(foreach)
         self.track_trust_ratios = bool(track_trust_ratios)
         self.reduce_norms = reduce_norms
+        self.capturable = bool(capturable)
         self._workspace = Workspace()
         self._last_ratios: list[tuple[Tensor, Tensor]] = []  # (ratio (n,), pinned (n,)) per bucket
         super().__init__(params, defaults)
@@ -239,18 +269,28 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         on first use, step counts advanced. (Runs once per parameter and step: kept lean.)"""
         buckets: dict[tuple, Bucket] = {}
         keys = self._state_keys
+        counts: list[Tensor] = []  # device step counts (capturable)
+        if self.capturable:  # fresh counts share one buffer
+            fresh = [_real(local_shard(p)).device for p in group["params"]
+                     if p.grad is not None and not self.state.get(p)]
+            new_counts = iter(packed_counts([torch.zeros((), device=device) for device in fresh]))
         for p in group["params"]:
             grad = p.grad
             if grad is None:
                 continue
             state = self.state[p]
-            if not state:
-                state["step"] = 0
-                for key in keys:
-                    state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
-            state["step"] += 1
             plain = not isinstance(p, DTensor) and not p.is_complex()
             target = p if plain else _real(local_shard(p))  # the parameter's values as a real local tensor
+            if not state:
+                state["step"] = next(new_counts) if self.capturable else 0
+                for key in keys:
+                    state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
+            elif isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
+                state["step"] = step_count(state["step"], target.device, self.capturable)
+            if self.capturable:
+                counts.append(state["step"])  # advanced below, all at once
+            else:
+                state["step"] += 1
             dtype = target.dtype
             compute = torch.float32 if dtype in _LOW_PRECISION else dtype
             b = buckets.get((target.device, compute))
@@ -271,6 +311,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for key in keys:  # contiguous: created so, and made so by load_state_dict
                 b.states[key].append(state[key] if plain else _real(local_shard(state[key])))
             b.steps.append(state["step"])
+        if counts:  # one add for counts in one buffer, else one multi-tensor add (torch's capturable AdamW)
+            flat = packed(counts)
+            if flat is not None:
+                flat.add_(1.0)
+            else:
+                torch._foreach_add_(counts, 1.0)
         return list(buckets.values())
 
     def _rebind(self, bucket: Bucket) -> Rebind:
@@ -362,6 +408,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                         kept[(index, key)] = value
 
         def restore(optimizer) -> None:  # runs before the user's post-hooks
+            counted = [(p, self.state[p]) for p in params if "step" in self.state.get(p, {})]
+            for p, state in counted:  # a step count saved in either mode, in this optimizer's
+                state["step"] = step_count(state["step"], _real(local_shard(p)).device, self.capturable)
+            if self.capturable:
+                for (_, state), count in zip(counted, packed_counts([state["step"] for _, state in counted])):
+                    state["step"] = count
             for (index, key), value in kept.items():
                 p = params[index]
                 if p in self.state and key in self.state[p]:

@@ -47,6 +47,15 @@ def device_tensor(rows: list, like: Tensor) -> Tensor:
     return host.to(like.device)
 
 
+Steps = list[int] | list[Tensor]  # t per tensor: host ints, or 0-d device tensors (capturable)
+
+
+def on_device(steps: Steps) -> bool:
+    """Whether the step counts are device tensors (``capturable=True``): then nothing about them is
+    read on the host, and bias corrections are computed on the device."""
+    return bool(steps) and isinstance(steps[0], Tensor)
+
+
 def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float], list[float]]:
     """(1 - beta1^t, 1 - beta2^t) per tensor in float64 on the host; ones when disabled."""
     if not enabled:
@@ -55,30 +64,63 @@ def bias_corrections(steps: list[int], betas, enabled: bool) -> tuple[list[float
     return [1.0 - beta1**t for t in steps], [1.0 - beta2**t for t in steps]
 
 
+def device_bias_corrections(steps: list[Tensor], betas, enabled: bool, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(1 - beta1^t, 1 - beta2^t) per tensor, (n,) each, in float64 on ``like``'s device from device
+    step counts (no host read); ones when disabled. torch's float64 pow may differ from the host's in
+    the last bit (31 of 20000 steps at beta 0.999); cast to float32, none did
+    (tests/test_optim_capturable.py)."""
+    n = len(steps)
+    if not enabled:
+        ones = torch.ones(n, dtype=torch.float64, device=like.device)
+        return ones, ones
+    t = packed(steps)  # the counts' own buffer when they are consecutive views of one
+    t = (torch.stack(steps) if t is None else t).to(like.device, torch.float64).unsqueeze(1)  # (n, 1)
+    beta = device_tensor(list(betas), like.new_empty(0, dtype=torch.float64))  # (2,)
+    corrections = 1 - torch.pow(beta, t)  # (n, 2)
+    return corrections[:, 0], corrections[:, 1]
+
+
 class Rows:
     """Per-tensor hyperparameter rows (n, k) on the device, with their host copy: a flat bucket whose
     tensors share one row (the usual case: one group, one step count) gets that row alone, (k,), so
     its kernels read scalars instead of gathering a row per element."""
 
-    def __init__(self, rows: list[list[float]], like: Tensor):
-        self.host, self.device = rows, device_tensor(rows, like)
+    def __init__(self, rows: list[list[float]] | None, like: Tensor, device: Tensor | None = None):
+        self.host = rows  # None: rows computed on the device (device step counts); never read here
+        self.device = device_tensor(rows, like) if device is None else device
 
     def __getitem__(self, i: int) -> Tensor:
         return self.device[i]
 
     def for_bucket(self, chunk: list[int], index: Tensor) -> Tensor:
+        if self.host is None:
+            return self.device[index]
         first = self.host[chunk[0]]
         return self.device[chunk[0]] if all(self.host[i] == first for i in chunk) else self.device[index]
 
 
 def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
-                         steps: list[int], like: Tensor) -> Rows:
-    """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step."""
+                         steps: Steps, like: Tensor) -> Rows:
+    """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step;
+    with device step counts, computed in float64 on the device (no host read) and cast once."""
     beta1, beta2 = betas
+    if on_device(steps):
+        return Rows(None, like, device_adam_rows(lr, betas, eps, weight_decay, bias_correction, steps, like))
     bc1, bc2 = bias_corrections(steps, betas, bias_correction)
     rows = [[lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 / c1, 1 / c2]
             for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
     return Rows(rows, like)
+
+
+def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_correction: bool,
+                     steps: list[Tensor], like: Tensor) -> Tensor:
+    """adam_hyperparameters' rows (n, 9) from device step counts: 1/(1 - beta^t) in float64 on the
+    device, then one cast to ``like``'s dtype, as the host rows are cast."""
+    beta1, beta2 = betas
+    base = device_tensor([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay],
+                         like.new_empty(0, dtype=torch.float64)).expand(len(steps), 7)
+    bc1, bc2 = device_bias_corrections(steps, betas, bias_correction, like)
+    return torch.cat([base, torch.stack([1 / bc1, 1 / bc2], dim=1)], dim=1).to(like.dtype)
 
 
 def at(values: Tensor, seg: Tensor | None) -> Tensor:

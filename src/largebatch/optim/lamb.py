@@ -24,7 +24,6 @@ libraries do silently is a keyword here, off by default:
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -40,17 +39,19 @@ from .kernels import (
     KernelRun,
     Layout,
     Rebind,
+    Steps,
     adam_hyperparameters,
     adam_moments,
     at,
-    bias_corrections,
     fresh_buffers,
     row,
     sums,
 )
 from .multi_tensor import (
+    column,
     direction_plus_decay,
     divide_into,
+    folded_bias_corrections,
     foreach_adam_moments_,
     foreach_folded_denominator,
     scaled_copy,
@@ -104,7 +105,7 @@ def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
 
 # ------------------------------------------------------------------------------ the functional form
 def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         steps: list[int], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
@@ -112,7 +113,9 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
          rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
-    t per tensor after this update. Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
+    t per tensor after this update, host ints or 0-d device tensors (then the bias corrections are
+    computed on the device and the step reads nothing on the host: torch's ``capturable``).
+    Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
     ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
     (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones). ``rebind_state``: see
     kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step)."""
@@ -145,7 +148,8 @@ class _MultiTensorLAMB:
 
     Bias corrections are folded into per-tensor scalars (saves two passes): with denom = sqrt(v) +
     eps*sqrt(bc2), r = k*m/denom + wd*x, k = sqrt(bc2)/bc1, computed as r = scale*u by
-    direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass)."""
+    direction_plus_decay (u = x + (k/wd)*m/denom, scale = wd: one pass). With device step counts the
+    scalars are 0-d device tensors and u = m/denom + (wd/k)*x, scale = k (two passes)."""
 
     def __init__(self, index, params, grads, exp_avgs, exp_avg_sqs, steps, betas, eps, weight_decay,
                  bias_correction, l2_decay, grad_scale, work):
@@ -153,12 +157,12 @@ class _MultiTensorLAMB:
             return ([ts[i] for i in index])
         self.index, self.x, self.g, self.m, self.v = index, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
         self.betas, self.eps, self.wd, self.l2_decay, self.grad_scale = betas, eps, weight_decay, l2_decay, grad_scale
-        bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
-        self.bc2, self.k = bc2, [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
+        self.offsets, self.k, _ = folded_bias_corrections([steps[i] for i in index], betas, eps, bias_correction,
+                                                          params[0])
         self.scratch = work(0, index) if index else None
         self.tiles = cpu_tiles(self.x)
         self.directions: list[list[Tensor]] = []
-        self.r_scale: list[float] = list(self.k)
+        self.r_scale: list = list(self.k)
 
     def pass1(self, squared: Tensor) -> None:
         """Moments, u and the squared norms [||x||^2, ||r||^2] into ``squared``'s columns ``index``."""
@@ -174,7 +178,7 @@ class _MultiTensorLAMB:
                     torch._foreach_add_(grads, x, alpha=self.wd)
             m = tile.views(self.m)
             foreach_adam_moments_(m, tile.views(self.v), grads, self.betas)
-            denom = foreach_folded_denominator(tile.views(self.v), self.eps, tile.pick(self.bc2), s)
+            denom = foreach_folded_denominator(tile.views(self.v), tile.pick(self.offsets), s)
             if self.l2_decay:  # the decay is already in g: r = k*m/denom
                 u = divide_into(m, denom, s)
             else:
@@ -184,14 +188,14 @@ class _MultiTensorLAMB:
             partial.append(tile_squared_norms([x, u]))
             self.directions.append(u)
         sq = sum_tile_pieces(self.tiles, partial, len(self.x))  # (2, n_large)
-        sq[1] *= sq.new_tensor(self.r_scale).square()
+        sq[1] *= column(self.r_scale, sq).square()
         squared[:, self.index] = sq
 
     def pass2(self, step_scale: Tensor) -> None:
         """x += step_scale * r = (step_scale * r_scale) * u, tile by tile."""
         if not self.index:
             return
-        scale = step_scale[self.index] * step_scale.new_tensor(self.r_scale)
+        scale = step_scale[self.index] * column(self.r_scale, step_scale)
         for tile, u in zip(self.tiles, self.directions):
             torch._foreach_addcmul_(tile.views(self.x), u, tile_scalars(scale, tile))
 
@@ -203,7 +207,8 @@ class LAMB(LayerwiseOptimizer):
     Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adapt`` (trust ratio on/off) and the
     switches; edits to ``param_groups`` apply at the next step. ``foreach`` (default) / per-tensor
     (``foreach=False``) / ``fused=True`` (torch.compile) paths compute the same update.
-    ``reduce_norms``: see largebatch.optim.core (sharded models).
+    ``reduce_norms``: see largebatch.optim.core (sharded models). ``capturable=True``: step counts as
+    device tensors, bias corrections on the device, no host read in ``step()`` (docs/optim.md).
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
@@ -217,13 +222,13 @@ class LAMB(LayerwiseOptimizer):
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
                         weight_norm_clip=weight_norm_clip, l2_decay=l2_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
 
     @classmethod
     def from_preset(cls, name: str, params, **kwargs) -> "LAMB":

@@ -15,7 +15,6 @@ decay) lives in largebatch.schedules, not here. ``lans(...)`` is the functional 
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -30,11 +29,12 @@ from .kernels import (
     KernelRun,
     Layout,
     Rebind,
+    Steps,
     adam_hyperparameters,
     adam_moments,
     at,
-    bias_corrections,
     fresh_buffers,
+    on_device,
     row,
     squared_norms_kernel,
     sums,
@@ -42,7 +42,9 @@ from .kernels import (
 from .lamb import LAMB
 from .multi_tensor import (
     adam_moments_scaled_,
+    column,
     direction_plus_decay,
+    folded_bias_corrections,
     foreach_adam_moments_,
     foreach_folded_denominator,
     per_tensor,
@@ -90,7 +92,7 @@ def lans_apply_kernel(x, g, m, v, inverse_d, hp, grad_coef, scale_r, scale_c, se
 
 # ------------------------------------------------------------------------------ the functional form
 def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         steps: list[int], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
@@ -144,7 +146,8 @@ class _MultiTensorLANS:
     r = k*m/denom + wd*x, k = sqrt(bc2)/bc1 ; c = q*g~/denom + wd*x, q = sqrt(bc2); each computed as
     scale*u by direction_plus_decay (one pass where wd > 0). On CPU g~ = coef*g is folded into the
     moment update and the direction (host floats: no device to synchronise with); elsewhere g~ is
-    written out and coef stays on the device."""
+    written out and coef stays on the device, as with device step counts (whose folded scalars are
+    0-d device tensors; both directions then take direction_plus_decay's two-pass form)."""
 
     def __init__(self, index, tensors, steps, betas, eps, weight_decay, bias_correction, grad_coef, work):
         self.index = index
@@ -154,13 +157,12 @@ class _MultiTensorLANS:
             return (None if ts is None else [ts[i] for i in index])
         self.x, self.g, self.m, self.v = (pick(tensors[key]) for key in ("x", "g", "m", "v"))
         self.betas, self.eps, self.wd = betas, eps, weight_decay
-        bc1, bc2 = bias_corrections([steps[i] for i in index], betas, bias_correction)
-        self.bc2 = bc2
-        self.k = [math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2)]
-        self.q = [math.sqrt(c2) for c2 in bc2]
+        large = [steps[i] for i in index]
+        self.offsets, self.k, self.q = folded_bias_corrections(large, betas, eps, bias_correction, self.x[0])
         self.scratch_c, self.scratch_r = work(0, index), work(1, index)
         self.coef = grad_coef[index]
-        self.host_coef = self.coef.tolist() if self.scratch_c is not None else None
+        # CPU: coef as host floats (a read of CPU memory), except with device step counts: nothing read
+        self.host_coef = self.coef.tolist() if self.scratch_c is not None and not on_device(large) else None
         self.tiles = cpu_tiles(self.x)
         self.directions: list[tuple[list[Tensor], list[Tensor]]] = []
         self.r_scale, self.c_scale = list(self.k), list(self.q)
@@ -178,13 +180,14 @@ class _MultiTensorLANS:
             if self.host_coef is not None:
                 c_coef = tile.pick(self.host_coef)
                 adam_moments_scaled_(m, v, g, c_coef, self.betas)
-            else:
-                g = scaled_copy(g, tile_scalars(self.coef.to(g[0].dtype), tile), None)  # g~
-                c_coef = [1.0] * len(g)
+            else:  # g~ (into the c buffer, which u_c then overwrites element by element)
+                g = scaled_copy(g, tile_scalars(self.coef.to(g[0].dtype), tile), s_c)
+                c_coef = None
                 foreach_adam_moments_(m, v, g, self.betas)
-            denom = foreach_folded_denominator(v, self.eps, tile.pick(self.bc2), s_r)
-            u_c, c_scales = direction_plus_decay(x, g, denom, [qi * ci for qi, ci in zip(tile.pick(self.q), c_coef)],
-                                                 self.wd, s_c)
+            denom = foreach_folded_denominator(v, tile.pick(self.offsets), s_r)
+            q = tile.pick(self.q)
+            u_c, c_scales = direction_plus_decay(x, g, denom, q if c_coef is None else
+                                                 [qi * ci for qi, ci in zip(q, c_coef)], self.wd, s_c)
             u_r, r_scales = direction_plus_decay(x, m, denom, tile.pick(self.k), self.wd, s_r)  # over denom: last
             for i, cs, rs in zip(tile.index, c_scales, r_scales):
                 self.c_scale[i], self.r_scale[i] = cs, rs
@@ -196,7 +199,9 @@ class _MultiTensorLANS:
         squared[:, self.index] = sq
 
     @staticmethod
-    def _scales(values: list[float], like: Tensor) -> Tensor:
+    def _scales(values: list, like: Tensor) -> Tensor:
+        if values and isinstance(values[0], Tensor):  # device values
+            return column(values, like)
         scale = per_tensor(values, like)
         return scale if isinstance(scale, Tensor) else like.new_full((len(values),), scale)
 
@@ -227,13 +232,13 @@ class LANS(LayerwiseOptimizer):
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
                         weight_norm_clip=weight_norm_clip)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
 
     def _update(self, h, b, grad_scale, reduce):
         return lans(b.x, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.steps, lr=h["lr"],

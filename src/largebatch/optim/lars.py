@@ -102,7 +102,8 @@ class LARS(LayerwiseOptimizer):
     give it here or in every parameter group.
 
     Per group: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``, ``adapt`` and the
-    switches; paths as in LAMB (foreach default, per-tensor, fused=True)."""
+    switches; paths as in LAMB (foreach default, per-tensor, fused=True), and ``capturable`` (its
+    step counts as device tensors; LARS has no bias correction to compute)."""
 
     _state_keys = ("momentum_buffer",)
     _kernel_names = ("buf",)
@@ -114,12 +115,13 @@ class LARS(LayerwiseOptimizer):
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, adapt: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, foreach: bool | None = None, fused: bool = False,
-                 track_trust_ratios: bool = False, reduce_norms: NormReduction | None = None) -> None:
+                 track_trust_ratios: bool = False, reduce_norms: NormReduction | None = None,
+                 capturable: bool = False) -> None:
         defaults = dict(lr=required if lr is None else lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, adapt=adapt,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
 
     def _update(self, h, b, grad_scale, reduce):
         return lars(b.x, b.grads, b.states["momentum_buffer"], lr=h["lr"], momentum=h["momentum"],

@@ -2,7 +2,9 @@
 
 Each helper works on lists of same-device, same-dtype tensors (the optimizers bucket a group by
 device and dtype first) and writes into caller-provided CPU work buffers where it can (see
-tiling.py); host floats are used where a value is the same for a whole list.
+tiling.py); host floats are used where a value is the same for a whole list. Per-tensor values that
+come from step counts are host floats, or, with device step counts (``capturable``), 0-d device
+tensors, which the helpers take as they are and never read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from .kernels import device_tensor
+from .kernels import Steps, bias_corrections, device_bias_corrections, device_tensor, on_device
 from .tiling import Tile
 
 
@@ -30,6 +32,27 @@ def stacked_squared_norms(tensors: list[Tensor], foreach: bool) -> Tensor:
         norms = [torch.linalg.vector_norm(t) for t in tensors]
     like = tensors[0]
     return torch.stack([n.to(like.device, like.dtype) for n in norms]).square()
+
+
+def folded_bias_corrections(steps: Steps, betas, eps: float, enabled: bool, like: Tensor
+                            ) -> tuple[list, list, list]:
+    """Per tensor (eps*sqrt(bc2), sqrt(bc2)/bc1, sqrt(bc2)): the bias corrections as the multi-tensor
+    path folds them into scalars. Host floats from host step counts; from device step counts, 0-d
+    tensors of ``like``'s dtype computed in float64 on the device (no host read)."""
+    if on_device(steps):
+        bc1, bc2 = device_bias_corrections(steps, betas, enabled, like)
+        root = bc2.sqrt()
+        return tuple(list(values.unbind()) for values in torch.stack([eps * root, root / bc1, root]).to(like.dtype))
+    bc1, bc2 = bias_corrections(steps, betas, enabled)
+    roots = [math.sqrt(c2) for c2 in bc2]
+    return [eps * r for r in roots], [r / c1 for r, c1 in zip(roots, bc1)], roots
+
+
+def column(values: list, like: Tensor) -> Tensor:
+    """Per-tensor values (host floats or 0-d device tensors) as one (n,) tensor like ``like``."""
+    if values and isinstance(values[0], Tensor):
+        return torch.stack(values).to(like.dtype)
+    return like.new_tensor(values)
 
 
 def scalar_or_list(values: list[float]) -> float | list[float]:
@@ -70,12 +93,12 @@ def adam_moments_scaled_(m: list[Tensor], v: list[Tensor], g: list[Tensor], coef
         vi.mul_(beta2).addcmul_(gi, gi, value=(1 - beta2) * c * c)
 
 
-def foreach_folded_denominator(v: list[Tensor], eps: float, bc2: list[float],
-                               scratch: list[Tensor] | None) -> list[Tensor]:
+def foreach_folded_denominator(v: list[Tensor], offsets: list, scratch: list[Tensor] | None) -> list[Tensor]:
     """sqrt(v) + eps*sqrt(bc2) = sqrt(bc2) * (sqrt(v^) + eps): the bias correction of v folded into a
-    per-tensor scalar the caller applies to the (small) norms and step sizes, saving two passes."""
+    per-tensor scalar the caller applies to the (small) norms and step sizes, saving two passes.
+    ``offsets``: eps*sqrt(bc2) per tensor, host floats or 0-d device tensors."""
     denom = sqrt_into(v, scratch)
-    torch._foreach_add_(denom, scalar_or_list([eps * math.sqrt(c2) for c2 in bc2]))
+    torch._foreach_add_(denom, offsets if offsets and isinstance(offsets[0], Tensor) else scalar_or_list(offsets))
     return denom
 
 
@@ -120,15 +143,20 @@ _MAX_AMPLIFICATION = 1e8
 
 
 def direction_plus_decay(x: list[Tensor], numerators: list[Tensor], denominators: list[Tensor],
-                         coefficients: list[float], wd: float, out: list[Tensor] | None
-                         ) -> tuple[list[Tensor], list[float]]:
+                         coefficients: list, wd: float, out: list[Tensor] | None) -> tuple[list[Tensor], list]:
     """(u, s) per tensor with s*u = c*numerator/denominator + wd*x, the decoupled-decay direction, in
     ONE pass where it can: u = x + (c/wd)*numerator/denominator (addcdiv) and s = wd. With wd = 0,
     u = numerator/denominator and s = c, and likewise when c/wd > _MAX_AMPLIFICATION (a tiny decay or a
     huge c), where u = n/d + (wd/c)*x in two passes. The form is chosen per tensor from its own c, so
     the pieces of a tensor split over tiles all get the same one. ``out``: CPU work buffers to write u
     into (they may be the numerators or the denominators themselves: the operation is element-wise);
-    None: new tensors."""
+    None: new tensors. Coefficients given as 0-d device tensors (device step counts) take the
+    two-pass form for every tensor: the one-pass form needs c/wd as a host number."""
+    if coefficients and isinstance(coefficients[0], Tensor):
+        u = divide_into(numerators, denominators, out)
+        if wd != 0:
+            torch._foreach_addcmul_(u, x, [wd / c for c in coefficients])
+        return u, coefficients
     one_pass = [wd > 0 and abs(c) <= _MAX_AMPLIFICATION * wd for c in coefficients]
     scales = [wd if fast else c for fast, c in zip(one_pass, coefficients)]
     groups = {True: [j for j, fast in enumerate(one_pass) if fast],

@@ -156,7 +156,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                           parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
-        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim), self.par)
+        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
+                                                         capturable=run.on_nonfinite == "skip"), self.par)
         self.schedule_dp = self.par.dp_size  # the batch granularity's replica count (see _load)
         self.schedule = self._build_schedule()
         self.noise = cfg.schedule.build_noise_scale()

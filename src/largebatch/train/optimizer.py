@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES
-from largebatch.optim import LAMB, LANS, LARS, param_groups
+from largebatch.optim import LAMB, LANS, LARS, LayerwiseOptimizer, param_groups
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
 
 if TYPE_CHECKING:  # train.config reads OPTIMIZERS for optim.name's choices
@@ -66,13 +66,18 @@ def register_optimizer(name: str, build: Builder, *, summary: str, fields: tuple
     return spec
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The configured optimizer over ``model``'s parameters; LR is set by the schedule each step."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, capturable: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer over ``model``'s parameters; LR is set by the schedule each step.
+    ``capturable``: LAMB, LANS and LARS keep their step counts on the device (run.on_nonfinite='skip'
+    takes a skipped step back on the device, counts included: largebatch.train.skip)."""
     groups = param_groups(model, weight_decay=cfg.weight_decay, adapt=cfg.adapted_categories())
     for group in groups:  # saved with the optimizer's state, so a resume keeps the ratios
         group["lr_mult"] = ((cfg.no_decay_lr_mult if group["weight_decay"] == 0 else 1.0)
                             * (cfg.unadapted_lr_mult if not group["adapt"] else 1.0))
-    return OPTIMIZERS[cfg.name].build(groups, cfg)
+    optimizer = OPTIMIZERS[cfg.name].build(groups, cfg)
+    if capturable and isinstance(optimizer, LayerwiseOptimizer):
+        optimizer.capturable = True  # (no state yet: the counts are created on the device)
+    return optimizer
 
 
 # lr=0.0 below: a placeholder; each step the trainer sets every group to the scheduled LR x its lr_mult

@@ -157,6 +157,7 @@ class PhaseSwitch:
         pos.phase, pos.phase_start, pos.samples = self.phase.index, pos.tokens, 0
         self.noise = self.cfg.schedule.build_noise_scale()  # B_noise is in sequences of the old length
         if self.phase.optimizer_state == "reset":
-            self.optimizer = shard_optimizer(build_optimizer(self.raw_model, self.cfg.optim), self.par)
+            self.optimizer = shard_optimizer(build_optimizer(
+                self.raw_model, self.cfg.optim, capturable=self.cfg.run.on_nonfinite == "skip"), self.par)
         self.log(f"phase {self.phase.index} begins at {human_count(pos.tokens)} tokens: "
                  + describe([self.phase])[0].split(": ", 1)[1])

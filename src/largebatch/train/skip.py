@@ -9,11 +9,15 @@ update is then taken back on the device where the flag says so:
   bit-identical (``torch.where`` selects, it does not compute), whatever the optimizer (LAMB, LANS,
   LARS, AdamW, fused or not). State the step created leaves zeros, the value it starts from.
   Cost: one extra copy of the parameters and the optimizer state while the step runs.
-* step counters the device cannot rewrite without a read -- the Python ints of LAMB/LANS/LARS,
-  AdamW's CPU step tensors on an accelerator -- are corrected at the next host read: the device
-  counts the skips since the last read and each counter is lowered by that many. Between a skip and
-  that read they run ahead by the skips, so the bias corrections (1 - beta^t) of the steps in
-  between use a t larger by that count (on a CPU run every counter is a device tensor: exact).
+* step counts are optimizer state like the rest: under skip the trainer builds LAMB, LANS and LARS
+  with ``capturable=True`` (their counts are device tensors and their bias corrections are computed
+  on the device), so a skipped step leaves every count as it was and the next step's bias
+  corrections use the right t: a run with skipped steps equals one that never took them, bit for
+  bit (tests/test_train_skip.py). AdamW keeps device counts on a CPU run and when fused.
+* counters the device cannot rewrite without a read -- AdamW(foreach)'s CPU step tensors on an
+  accelerator, or the Python ints of a registered optimizer -- are corrected at the next host read:
+  the device counts the skips since the last read and each such counter is lowered by that many
+  (between a skip and that read they run ahead by the skips).
 * the consecutive-skip count (``run.max_skipped_steps``) is kept on the device, with the step at
   which it first reached the limit; the run gives up at the next host read (a log, an evaluation, a
   checkpoint: at most ``run.log_every_steps`` steps late), naming that step, as a per-step read
