@@ -167,7 +167,7 @@ def test_config_errors_name_field_value_and_fix(field, value, fix):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(seq_len=0, kind="gpt"), "seq_len=0"), (dict(seq_len=8, kind="t5"), "kind='t5'"),
+    (dict(seq_len=0, objective="causal"), "seq_len=0"), (dict(seq_len=8, objective="t5"), "objective='t5'"),
 ])
 def test_build_data_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
