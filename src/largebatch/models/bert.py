@@ -15,7 +15,7 @@ import torch.nn as nn
 from largebatch.models.config import ModelConfig
 from largebatch.models.gpt import TransformerBase, norm_parameters, token_loss
 from largebatch.models.layers import BLOCK_TP_PLAN, gelu, init_weights
-from largebatch.models.registry import register_model
+from largebatch.models.registry import model_spec, register_model
 
 
 class MaskedLMHead(nn.Module):
@@ -32,9 +32,9 @@ class MaskedLMHead(nn.Module):
 
 class BERT(TransformerBase):
     def __init__(self, config: ModelConfig):
-        if config.kind != "bert":
-            raise ValueError(f"BERT needs ModelConfig.kind='bert', got {config.kind!r}: use GPT "
-                             "or build_model(config).")
+        if model_spec(config.kind).objective != "masked":
+            raise ValueError(f"BERT needs a masked ModelConfig.kind such as 'bert', got {config.kind!r}: "
+                             "use build_model(config).")
         super().__init__(config)
         post = config.norm_position == "post"
         self.emb_norm = (nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
 from largebatch.models.layers import BLOCK_TP_PLAN, Block, Dropout, init_weights
-from largebatch.models.registry import register_model
+from largebatch.models.registry import model_spec, register_model
 
 
 class TransformerBase(nn.Module):
@@ -27,7 +27,10 @@ class TransformerBase(nn.Module):
     declares (largebatch.models.registry) the modules that run before its blocks (on the first
     stage, ``pipeline_first``, run by ``embed_input``) and after them (on the last stage,
     ``pipeline_last``, run by ``output_logits``), as torchtitan's models declare theirs.
+    ``block`` is the transformer layer class; a kind with another layer subclasses and replaces it.
     """
+
+    block: type[nn.Module] = Block
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -35,7 +38,7 @@ class TransformerBase(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
         self.drop = Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(self.block(config) for _ in range(config.n_layer))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         # idx: (B, T) token ids -> (B, T, C)
@@ -86,9 +89,9 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 
 class GPT(TransformerBase):
     def __init__(self, config: ModelConfig):
-        if config.kind != "gpt":
-            raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {config.kind!r}: use BERT "
-                             "or build_model(config).")
+        if model_spec(config.kind).objective != "causal":
+            raise ValueError(f"GPT needs a causal ModelConfig.kind such as 'gpt', got {config.kind!r}: "
+                             "use build_model(config).")
         if config.norm_position != "pre":
             raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
         super().__init__(config)
