@@ -33,7 +33,7 @@ class MaskedLMHead(nn.Module):
 class BERT(TransformerBase):
     def __init__(self, config: ModelConfig):
         if model_spec(config.kind).objective != "masked":
-            raise ValueError(f"BERT needs a masked ModelConfig.kind such as 'bert', got {config.kind!r}: "
+            raise ValueError(f"BERT needs ModelConfig.kind='bert' (or another masked kind), got {config.kind!r}: "
                              "use build_model(config).")
         super().__init__(config)
         post = config.norm_position == "post"

@@ -90,7 +90,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 class GPT(TransformerBase):
     def __init__(self, config: ModelConfig):
         if model_spec(config.kind).objective != "causal":
-            raise ValueError(f"GPT needs a causal ModelConfig.kind such as 'gpt', got {config.kind!r}: "
+            raise ValueError(f"GPT needs ModelConfig.kind='gpt' (or another causal kind), got {config.kind!r}: "
                              "use build_model(config).")
         if config.norm_position != "pre":
             raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
