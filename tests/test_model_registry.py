@@ -11,12 +11,15 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from largebatch.integrations import ExportError
+from largebatch.integrations.hf_export import check_exportable
 from largebatch.memory import apply_recompute, estimate, measure_forward_bytes, model_activation_bytes
 from largebatch.models import GPT, MODELS, ModelConfig, build_model, flops_per_token, register_model
 from largebatch.models.layers import Block
 from largebatch.parallel.tensor_parallel import model_plan
 from largebatch.train.cli import main
 from largebatch.train.config import load_config
+from largebatch.train.hf_import import largebatch_state
 from largebatch.train.metrics import read_metrics
 from largebatch.typed_config import ConfigError
 from test_train import _run, tiny_overrides
@@ -74,6 +77,16 @@ def test_unregistered_it_is_refused_naming_the_kinds_and_the_fix():
         ModelConfig(kind=NAME)
     with pytest.raises(ConfigError, match=f"model.kind = '{NAME}': must be one of 'gpt', 'bert'"):
         load_config(None, {"model.kind": NAME})
+
+
+def test_the_transformers_bridges_name_a_kind_they_do_not_map(parallel_gpt):
+    cfg = ModelConfig(kind=NAME, init_from="hf:some/gpt2")
+    with pytest.raises(ExportError, match=f"model.kind='{NAME}': the hf format exports 'gpt' "
+                                          r"\(GPT2LMHeadModel\), 'bert' \(BertForMaskedLM\) only"):
+        check_exportable(cfg)
+    with pytest.raises(ConfigError, match=f"model.kind='{NAME}': model.init_from='hf:some/gpt2' reads "
+                                          "transformers weights into 'gpt'"):
+        largebatch_state(cfg)
 
 
 def _counted_flops(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> int:
