@@ -5,11 +5,14 @@
 
 One process (1 thread) runs a step of m micro-batches through the whole GPT (gradient accumulation);
 then 2 gloo ranks (1 thread each, one spawn) run the same step through a 2-stage pipeline with each
-schedule. Per schedule: the median step time, its ratio to one process, and the measured bubble
-fraction 1 - T_one / (p T_pp) (the share of a rank's step not spent on its 1/p of the work, p2p
-communication included) against the schedule's (p - 1) / (m + p - 1) (interleaved: (p - 1) /
-(V m + p - 1); Narayanan et al. 2021). And the first stage's peak saved activations against
-largebatch.memory's model (Korthikanti et al. 2022 §4.2.3), in fp32 without dropout.
+schedule the trainer offers (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV). Per
+schedule: the median step time, its ratio to one process, and the measured bubble fraction
+1 - T_one / (p T_pp) (the share of a rank's step not spent on its 1/p of the work, p2p communication
+included) beside the walk's (largebatch.memory.pipeline_schedule: idle slots of torch's action lists,
+a forward, input- and weight-gradient one slot each) and the closed form (p - 1) / (V m + p - 1)
+(Narayanan et al. 2021; none for zero bubble). And the first stage's peak saved activations against
+the walk's bytes (Korthikanti et al. 2022 §4.2.3 where the closed form holds), in fp32 without
+dropout.
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from largebatch.memory.activations import model_activation_bytes  # noqa: E402
+from largebatch.memory.pipeline_schedule import schedule_activation_bytes, theoretical_bubble, walk  # noqa: E402
 from largebatch.models import ModelConfig, build_model  # noqa: E402
 from largebatch.models.gpt import token_loss  # noqa: E402
 from largebatch.parallel import ParallelConfig, init_distributed, spawn  # noqa: E402
 from largebatch.parallel.measure import peak_saved_activation_bytes  # noqa: E402
 from largebatch.parallel.pipeline import pipeline_parallelize  # noqa: E402
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2)]
 
 
 def model_config(args) -> ModelConfig:
@@ -118,17 +121,16 @@ def main() -> None:
     print(f"GPT {args.layers} layers x {args.width}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"m = {m} micro-batches, p = {p}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"one process: {one * 1e3:.0f} ms per step (median of {args.rounds})")
-    print(f"{'schedule':<17} {'step ms':>8} {'vs one':>7} {'bubble':>7} {'theory':>7} "
-          f"{'1st-stage MiB':>13} {'model MiB':>9} {'ratio':>6}")
+    print(f"{'schedule':<17} {'step ms':>8} {'vs one':>7} {'bubble':>7} {'walk':>6} {'formula':>7} "
+          f"{'1st-stage MiB':>13} {'walk MiB':>8} {'ratio':>6}")
     for schedule, r in results.items():
         t = statistics.median(r["times"])
         v = r["virtual"]
-        theory = "-" if schedule == "interleaved-zb" else f"{(p - 1) / (v * m + p - 1):.3f}"
-        model_bytes = model_activation_bytes(cfg, args.micro_batch, pp=p, dtype_bytes=4, device="cpu",
-                                             schedule=schedule if schedule != "interleaved-zb" else "interleaved-1f1b",
-                                             virtual_stages=v, micro_batches=m)
-        print(f"{schedule:<17} {t * 1e3:>8.0f} {one / t:>6.2f}x {1 - one / (p * t):>7.3f} {theory:>7} "
-              f"{r['peak'] / 2**20:>13.1f} {model_bytes / 2**20:>9.1f} {r['peak'] / model_bytes:>6.3f}")
+        formula = theoretical_bubble(schedule, p, v, m)
+        walked = schedule_activation_bytes(cfg, args.micro_batch, schedule, p, v, m, dtype_bytes=4, device="cpu")
+        print(f"{schedule:<17} {t * 1e3:>8.0f} {one / t:>6.2f}x {1 - one / (p * t):>7.3f} "
+              f"{walk(schedule, p, v, m).bubble:>6.3f} {'-' if formula is None else f'{formula:.3f}':>7} "
+              f"{r['peak'] / 2**20:>13.1f} {walked / 2**20:>8.1f} {r['peak'] / walked:>6.3f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from largebatch.models import ModelConfig, build_model
 from largebatch.parallel import ParallelConfig, init_distributed
-from largebatch.parallel.measure import peak_saved_activation_bytes
+from largebatch.parallel.measure import saved_activation_profile
 from largebatch.parallel.pipeline import pipeline_parallelize
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
@@ -31,7 +31,7 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
 STOP_AT = 5  # the resumed case stops after this many steps
 MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
                            tie_embeddings=False)  # fp32, no dropout, explicit attention
-MEMORY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1)]
+MEMORY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1), ("interleaved-zb", 2), ("zbv", 2)]
 MICRO_BATCH, MICRO_BATCHES = 2, 4
 
 
@@ -70,8 +70,11 @@ def stop_then_resume(o: dict, out: Path, copy_to: Path | None = None) -> Trainer
     return train(o, out, resume=True)
 
 
-def first_stage_peak_bytes() -> dict[str, int]:
-    """Peak bytes autograd holds on the first stage's rank during a step, per schedule."""
+def first_stage_peak_bytes() -> dict[str, dict[str, int]]:
+    """Per schedule, on the first stage's rank: the peak bytes autograd holds during a step ("peak"),
+    the next step's ("peak_next"), the bytes of the storages a step saved that are alive after it
+    ("left": buffers torch reuses every step) and the bytes of those the next step left that are new
+    storages ("new_left": a leak would show here, growing every step)."""
     peaks = {}
     for schedule, virtual in MEMORY_CASES:
         state = init_distributed(ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual))
@@ -80,9 +83,17 @@ def first_stage_peak_bytes() -> dict[str, int]:
         pipe = pipeline_parallelize(model, state)
         gen = torch.Generator().manual_seed(1)
         idx, targets = (torch.randint(0, 64, (MICRO_BATCHES * MICRO_BATCH, 32), generator=gen) for _ in range(2))
-        pipe.step(idx, targets, MICRO_BATCHES, 1.0)  # the first step also infers the stages' shapes
-        _, peaks[schedule] = peak_saved_activation_bytes(
-            lambda: pipe.step(idx, targets, MICRO_BATCHES, 1.0), model)
+
+        def step():
+            pipe.step(idx, targets, MICRO_BATCHES, 1.0)
+
+        step()  # the first step also infers the stages' shapes
+        _, peak, alive = saved_activation_profile(step, model)
+        left = alive()
+        _, peak_next, alive_next = saved_activation_profile(step, model)
+        new = {ptr: n for ptr, n in alive_next().items() if ptr not in alive()}
+        peaks[schedule] = {"peak": peak, "peak_next": peak_next, "left": sum(left.values()),
+                           "new_left": sum(new.values())}
     return peaks
 
 

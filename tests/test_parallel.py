@@ -232,6 +232,23 @@ def test_saved_activation_bytes_counts_saved_inputs_not_parameters():
     assert saved == 4 * 8 * 4 + 4 * 16 * 4  # the linear's input and the relu's output, fp32
 
 
+def test_peak_saved_bytes_leave_nothing_alive_after_a_retained_graph():
+    """Zero bubble's input-gradient step retains the graph; a saved output (the relu's) that the hook
+    returned as itself would close a cycle through its grad_fn and outlive the step."""
+    from largebatch.parallel.measure import saved_activation_profile
+
+    lin = torch.nn.Linear(8, 16)
+
+    def run():
+        x = torch.randn(4, 8, requires_grad=True)
+        y = torch.relu(lin(x)).sum()
+        torch.autograd.grad(y, x, retain_graph=True)  # the input gradient, the weights' graph kept
+        return None
+
+    _, peak, alive = saved_activation_profile(run, lin)
+    assert peak == 4 * 8 * 4 + 4 * 16 * 4 and alive() == {}
+
+
 def test_compiled_blocks_under_tensor_and_sequence_parallel(ranks):
     for rank_results in ranks[1]:
         assert rank_results["compile/all_blocks_compiled"]

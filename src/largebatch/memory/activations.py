@@ -164,19 +164,35 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     """
     if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
         raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
+    in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
+    one = stage_activation_bytes(config, micro_batch, config.n_layer // pp, recompute, first=True, last=False,
+                                 tp=tp, sequence_parallel=sequence_parallel, seq_len=seq_len, dtype_bytes=dtype_bytes,
+                                 device=device, training=training, mask_fraction=mask_fraction)
+    if pp > 1:
+        return in_flight * one
+    return one + stage_activation_bytes(config, micro_batch, 0, first=False, last=True, tp=tp,
+                                        sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                        dtype_bytes=dtype_bytes, device=device, training=training,
+                                        mask_fraction=mask_fraction)
+
+
+def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
+                           recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
+                           sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,
+                           device: str = "cuda", training: bool = True, mask_fraction: float = 0.15) -> float:
+    """Bytes ONE micro-batch keeps on a pipeline stage of ``layers`` blocks until its backward: the
+    blocks (recompute: one policy or one per block), the embeddings' if ``first``, the final norm's
+    and output layer's and loss's if ``last`` (Korthikanti et al. 2022 §4.3)."""
     s = config.seq_len if seq_len is None else seq_len
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
-    policies = per_layer_policies(recompute, config.n_layer // pp)
-    in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
-    layers = in_flight * sum(policies.count(p) * activation_bytes_per_layer(
-        s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw)
-        for p in set(policies))
+    policies = per_layer_policies(recompute, layers) if layers else []
+    total = sum(policies.count(p) * activation_bytes_per_layer(
+        s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw) for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     spec = model_spec(config.kind)
-    mask = 1 if kw["dropout"] else 0
-    per_token = config.n_embd * mask + spec.embedding_activations(config, dtype_bytes)
-    embedding = in_flight * s * micro_batch * per_token / t_rep
-    output = 0.0
-    if pp == 1:
-        output = s * micro_batch * spec.output_activations(config, dtype_bytes, tp, t_rep, mask_fraction)
-    return layers + embedding + output
+    if first:  # the embedding dropout mask, and what the kind's modules before the blocks keep
+        per_token = config.n_embd * (1 if kw["dropout"] else 0) + spec.embedding_activations(config, dtype_bytes)
+        total += s * micro_batch * per_token / t_rep
+    if last:  # the kind's final norm, output layer and loss (BERT: the head on mask_fraction of the positions)
+        total += s * micro_batch * spec.output_activations(config, dtype_bytes, tp, t_rep, mask_fraction)
+    return total

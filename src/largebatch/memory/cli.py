@@ -7,12 +7,13 @@ least recompute FLOPs that fits a budget.
     largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
     largebatch memory --hf-config path/to/gpt2-medium --budget-gib 16   # planned with its eager layers
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
+    largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-schedule zbv   # one schedule's row
     largebatch memory --config configs/bert-large-lans.toml --phase 1 --dp 1536 --budget-gib 32   # one phase
 
 A flag that sets a field of a training config is also spelled as in ``largebatch train``:
 ``--model.n_layer`` (``--layers``), ``--model.n_embd`` (``--hidden``), ``--model.n_head`` (``--heads``),
 ``--model.ffn_hidden`` (``--ffn``), ``--model.vocab_size`` (``--vocab``), ``--model.seq_len``,
-``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_virtual_stages`` /
+``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_schedule`` / ``pp_virtual_stages`` /
 ``sequence_parallel``, ``--optim.name`` (``--optimizer``).
 """
 
@@ -31,6 +32,7 @@ from largebatch.memory.activations import (
 )
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
+from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models import PRESETS, ModelConfig, preset
 from largebatch.typed_config import from_dict, load_toml
@@ -70,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=2,
                    help="V, stages per rank of the interleaved schedule in the --pp table (default 2)")
     p.add_argument("--pp-micro-batches", type=int,
-                   help="m, micro-batches per step for the GPipe row of the --pp table (default 2 p)")
+                   help="m, micro-batches per step in the --pp table: GPipe's activations, every bubble "
+                   "(default 2 p)")
+    p.add_argument("--parallel.pp_schedule", "--pp-schedule", dest="pp_schedule", default="all",
+                   choices=("all",) + SCHEDULES, help="the --pp table's row (default all schedules)")
     p.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1,
                    help="data-parallel ranks the state is sharded over (matters with --zero-stage): dp, "
                    "or under HSDP dp / dp_replicate")
@@ -122,6 +127,8 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         args.pp = par.get("pp", 1)
     if args.pp_virtual_stages == 2 and par.get("pp_virtual_stages", 1) > 1:
         args.pp_virtual_stages = par["pp_virtual_stages"]
+    if args.pp_schedule == "all" and "pp_schedule" in par:
+        args.pp_schedule = par["pp_schedule"]
     if args.dp == 1:  # the ranks the state is sharded over: under HSDP one replica group's
         args.dp = (par.get("dp", 0) or 1) // (par.get("dp_replicate", 1) if par.get("dp_mode") == "fsdp" else 1)
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
@@ -170,25 +177,58 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     return lines
 
 
-def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int) -> list[str]:
-    """The first pipeline stage's activations per schedule (Korthikanti et al. 2022 §4.2.3)."""
+MEASURED = {"1f1b": 1.008, "interleaved-1f1b": 1.031, "gpipe": 1.006, "interleaved-zb": 1.038, "zbv": 1.038}
+"""Peak bytes autograd holds on the first stage's rank over the row's model, 2 gloo ranks, 4-layer
+64-wide fp32 GPT, m = 4 (tests/test_pipeline.py, docs/memory.md): torch's received stage inputs."""
+
+
+def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, schedule: str = "all") -> list[str]:
+    """The first pipeline stage's activations and the bubble per schedule: the closed forms of
+    Korthikanti et al. 2022 §4.2.3 for GPipe, 1F1B and interleaved 1F1B, the walk of torch's action
+    lists (largebatch.memory.pipeline_schedule) for the zero-bubble schedules and every bubble."""
     p, L = setup.pp, config.n_layer
     if L % p:
         raise ValueError(f"pp={p}: must divide n_layer={L} (each stage holds L/p layers); choose a divisor of {L}")
     if virtual < 1 or (L // p) % virtual:
         raise ValueError(f"--pp-virtual-stages {virtual}: must be a positive divisor of the {L // p} layers "
                          f"per stage")
+    if schedule == "zbv" and (L // p) % 2:
+        raise ValueError(f"--pp-schedule zbv: holds 2 stages per rank, but the {L // p} layers per rank are odd")
     rows = [("1f1b", 1, f"p micro-batches x L/p = {L}"),
             ("interleaved-1f1b", virtual, f"L (1 + (p-1)/(pV)), V = {virtual}"),
-            ("gpipe", 1, f"m L/p, m = {m}")]
-    lines = ["", f"First pipeline stage, p = {p}, no recompute (Korthikanti et al. 2022 §4.2.3):",
-             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  rule"]
+            ("gpipe", 1, f"m L/p, m = {m}"),
+            ("interleaved-zb", virtual, f"walk: kept until W, V = {virtual}"),
+            ("zbv", 2, "walk: kept until W, V = 2, + output layer")]
+    rows = [r for r in rows if schedule in ("all", r[0]) and not (r[0] == "zbv" and (L // p) % 2)]
+    kw = dict(tp=setup.tp, sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes)
+    lines = ["", f"First pipeline stage, p = {p}, m = {m}, no recompute (Korthikanti et al. 2022 §4.2.3);",
+             "bubble: the idle share of torch's action lists, a forward, input- and weight-gradient 1 slot each:",
+             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  {'bubble':>6}  {'measured':>8}  rule"]
     for name, v, rule in rows:
-        worth = first_stage_layers(L, p, name, v, m)
-        acts = model_activation_bytes(config, setup.micro_batch, "none", tp=setup.tp, pp=p,
-                                      sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes,
-                                      schedule=name, virtual_stages=v, micro_batches=m)
-        lines.append(f"  {name:<17} {worth:>12.2f}  {acts / GIB:>7.2f} GiB  {rule}")
+        try:
+            walked = walk(name, p, v, m)
+        except ValueError as err:
+            if schedule != "all":
+                raise
+            walked, rule = None, f"no walk: {err}"
+        if name in ZERO_BUBBLE and walked is None:
+            lines.append(f"  {name:<17} {'-':>12}  {'-':>11}  {'-':>6}  {MEASURED[name]:>7.3f}x  {rule}")
+            continue
+        if name in ZERO_BUBBLE:
+            worth = walked.layers_worth(L)
+            acts = schedule_activation_bytes(config, setup.micro_batch, name, p, v, m, **kw)
+        else:
+            worth = first_stage_layers(L, p, name, v, m)
+            acts = model_activation_bytes(config, setup.micro_batch, "none", pp=p, schedule=name, virtual_stages=v,
+                                          micro_batches=m, **kw)
+        bubble = f"{walked.bubble:>6.3f}" if walked else f"{'-':>6}"
+        bound = ">=" if name in ZERO_BUBBLE else "  "
+        lines.append(f"  {name:<17} {worth:>12.2f}  {bound}{acts / GIB:>5.2f} GiB  {bubble}  {MEASURED[name]:>7.3f}x"
+                     f"  {rule}")
+    lines.append("  measured: peak bytes on the first stage's rank over the row's model, 2 gloo ranks, 4-layer fp32 "
+                 "GPT, V = 2, m = 4")
+    if any(name in ZERO_BUBBLE for name, _, _ in rows):
+        lines.append("  >= zero bubble: a lower bound -- torch also keeps received stage inputs (docs/memory.md)")
     return lines
 
 
@@ -230,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf_config:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
-            lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp)
+            lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,
+                                    args.pp_schedule)
         lines += ["", f"Per-layer bytes of the estimates and the plan: {setup.formula}",
                   f"Per device, no recompute: {setup.estimate(config, 'none')}"]
     except ValueError as err:

@@ -42,22 +42,42 @@ def peak_saved_activation_bytes(run: Callable[[], object], model: torch.nn.Modul
     backward on this rank). A storage counts from when it is saved until it is freed (its backward
     ran), so this is the activation memory of the micro-batches in flight (Korthikanti et al. 2022
     §4.2.3)."""
+    result, peak, _ = saved_activation_profile(run, model)
+    return result, peak
+
+
+def saved_activation_profile(run: Callable[[], object],
+                             model: torch.nn.Module) -> tuple[object, int, Callable[[], dict[int, int]]]:
+    """``peak_saved_activation_bytes``, and a function giving the storages saved during ``run()`` that
+    are alive when it is called (address: bytes). A buffer torch reuses step after step is the same
+    storage each step; a leak is a new one each step."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     params = {_storage(p).data_ptr() for p in model.parameters()}
     live: dict[int, tuple[StorageWeakRef, int]] = {}
     peak = 0
 
+    def drop_freed() -> None:
+        for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:
+            del live[ptr]  # freed by its backward (the address may be reused)
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal peak
         storage = _storage(t)
         if storage.data_ptr() not in params:
-            for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:
-                del live[ptr]  # freed by its backward (the address may be reused)
+            drop_freed()
             live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
             peak = max(peak, sum(n for _, n in live.values()))
-        return t
+        # an alias without autograd history: a saved OUTPUT returned as itself would close a cycle
+        # (tensor -> its grad_fn -> the saved tensor) that nothing frees once a graph is retained, as
+        # the zero-bubble schedules' input-gradient step retains it -- the hook itself would leak
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
-    return result, peak
+
+    def alive() -> dict[int, int]:
+        drop_freed()
+        return {ptr: n for ptr, (_, n) in live.items()}
+
+    return result, peak, alive
