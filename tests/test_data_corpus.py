@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from largebatch.data import (
@@ -157,7 +157,8 @@ def test_missing_package_error_gives_the_pip_command(monkeypatch):
     ("val_fraction", 1.0, "strictly between 0 and 1"), ("val_fraction", float("nan"), "between"),
     ("mlm_probability", 0.0, "in \\(0, 1\\)"), ("bin_dtype", "int8", "uint16"),
     ("seed", -1, ">= 0"), ("corpus", "", "one of"), ("cache_dir", "", "directory"),
-    ("mask_token_fraction", 0.95, "sum to at most 1"), ("shuffle", "yes", "true or false"),
+    ("mask_token_fraction", 0.95, "sum to at most 1"), ("random_token_fraction", 1.0, "sum to at most 1"),
+    ("shuffle", "yes", "true or false"),
 ])
 def test_config_errors_name_field_value_and_fix(field, value, fix):
     with pytest.raises(ValueError, match=fix) as info:
@@ -166,7 +167,7 @@ def test_config_errors_name_field_value_and_fix(field, value, fix):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(seq_len=0, kind="gpt"), "seq_len=0"), (dict(seq_len=8, kind="t5"), "kind='t5'"),
+    (dict(seq_len=0, objective="causal"), "seq_len=0"), (dict(seq_len=8, objective="t5"), "objective='t5'"),
 ])
 def test_build_data_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -181,6 +182,7 @@ _ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
 
 @settings(max_examples=200, deadline=None)
 @given(field=st.sampled_from([f.name for f in dataclasses.fields(DataConfig)]), value=_ANY_VALUE)
+@example(field="random_token_fraction", value=1.0)  # sums past 1 with the default mask fraction
 def test_any_field_value_is_accepted_or_a_value_error_naming_the_field(field, value):
     try:
         DataConfig(**{field: value})

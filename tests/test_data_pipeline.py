@@ -28,12 +28,12 @@ def cache_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def gpt(cache_dir):
-    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "gpt")
+    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "causal")
 
 
 @pytest.fixture(scope="module")
 def bert(gpt, cache_dir):
-    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "bert")
+    return build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "masked")
 
 
 def _no_training(*args, **kwargs):
@@ -71,7 +71,7 @@ def test_cache_is_reused_without_retraining_and_keyed_on_vocab_size(gpt, cache_d
                                                                      tmp_path):
     assert not gpt.stats.cache_hit
     monkeypatch.setattr(build_module.tokenizer_lib, "train_tokenizer", _no_training)
-    again = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "gpt")
+    again = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "causal")
     assert again.stats.cache_hit and again.stats.cache_path == gpt.stats.cache_path
     assert isinstance(again.train.tokens, np.memmap)
     assert np.array_equal(again.train.tokens, gpt.train.tokens)
@@ -155,10 +155,10 @@ def test_bert_masking_depends_only_on_seed_and_global_index(bert, cache_dir):
     alone = bert.train.get_batch([9])
     assert torch.equal(alone["input_ids"][0], batch["input_ids"][1])
     assert torch.equal(alone["labels"][0], batch["labels"][1])
-    rebuilt = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "bert")
+    rebuilt = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), SEQ_LEN, "masked")
     assert torch.equal(rebuilt.train.get_batch([5, 9, 700])["input_ids"], batch["input_ids"])
     other_seed = build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir, seed=1,
-                                       shuffle=False), SEQ_LEN, "bert")
+                                       shuffle=False), SEQ_LEN, "masked")
     n = len(other_seed.train)
     same_sample = other_seed.train.get_batch([3, 3 + n])  # sample 3 in epochs 0 and 1
     assert not torch.equal(same_sample["labels"][0], same_sample["labels"][1])  # dynamic masking
@@ -175,13 +175,13 @@ def test_token_array_corpus_split_by_position_or_separate_val(gpt, tmp_path):
     stream.astype(np.uint16).tofile(tmp_path / "val.bin")
     tokenizer_file = str(Path(gpt.stats.cache_path) / "tokenizer.json")
     data = build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), val_fraction=0.25,
-                                 tokenizer_file=tokenizer_file), SEQ_LEN, "gpt")
+                                 tokenizer_file=tokenizer_file), SEQ_LEN, "causal")
     cut = len(stream) - math.ceil(len(stream) * 0.25)
     assert np.array_equal(data.train.tokens, stream[:cut])
     assert np.array_equal(data.val.tokens, stream[cut:]) and "position" in data.stats.split
     assert data.decode(data.val.tokens[:50]) == gpt.decode(stream[cut: cut + 50])
     separate = build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1024,
-                                     val_corpus=str(tmp_path / "val.bin")), SEQ_LEN, "gpt")
+                                     val_corpus=str(tmp_path / "val.bin")), SEQ_LEN, "causal")
     assert len(separate.train.tokens) == len(separate.val.tokens) == len(stream)
     assert separate.tokenizer is None
     with pytest.raises(ValueError, match="tokenizer_file"):
@@ -189,12 +189,12 @@ def test_token_array_corpus_split_by_position_or_separate_val(gpt, tmp_path):
     with pytest.raises(ValueError, match="ids up to 1023.*vocab_size > 1023"):
         build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1000), 8)
     with pytest.raises(ValueError, match=r"\[CLS\].*tokenizer_file"):
-        build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1024), 8, "bert")
+        build_data(DataConfig(corpus=str(tmp_path / "tokens.npy"), vocab_size=1024), 8, "masked")
 
 
 def test_sequence_longer_than_the_split_is_a_clear_error(cache_dir):
     with pytest.raises(ValueError, match="the val split has .* tokens.*seq_len=500000"):
-        build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), 500_000, "gpt")
+        build_data(DataConfig(vocab_size=1024, cache_dir=cache_dir), 500_000, "causal")
 
 
 def test_single_file_with_separator_or_separate_val_corpus(tmp_path):

@@ -165,7 +165,7 @@ def test_continued_run_starts_where_the_original_ended(round_trip):
     _, original, continued = round_trip
     cfg = load_config(None, continued)
     assert (cfg.model.n_layer, cfg.model.activation, cfg.model.tie_embeddings) == (2, "gelu_tanh", False)
-    data = build_data(cfg.data, seq_len=cfg.model.seq_len, kind="gpt")
+    data = build_data(cfg.data, seq_len=cfg.model.seq_len, objective="causal")
     batch = data.train.get_batch(range(8))  # the first step's batch of a fresh start
     final = load_run(original).model  # the original run's final model, from its checkpoint
     with torch.no_grad():

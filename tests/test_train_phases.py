@@ -203,7 +203,7 @@ def test_masked_lm_accuracy_is_logged_per_phase_and_recomputes_from_the_checkpoi
     extra = load_checkpoint(list_checkpoints(run)[-1])
     model = build_model(from_dict(ModelConfig, extra["config"]["model"])).eval()
     model.load_state_dict(extra["model"])
-    data = build_data(from_dict(DataConfig, extra["config"]["data"]), seq_len=64, kind="bert")
+    data = build_data(from_dict(DataConfig, extra["config"]["data"]), seq_len=64, objective="masked")
     n = 1024 // 64
     correct = total = 0
     with torch.no_grad():

@@ -128,6 +128,7 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
         return Tokenizer.from_file(str(Path(run_dir) / TOKENIZER_NAME))
     from largebatch.data import DataConfig, build_data
     from largebatch.data.corpus import is_token_array_path
+    from largebatch.models.registry import model_spec
     from largebatch.typed_config import from_dict
 
     data_cfg = from_dict(DataConfig, config.get("data", {}))
@@ -143,7 +144,8 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
                           "tokenizer.json that produced it")
     model = config["model"]
     try:
-        return build_data(data_cfg, seq_len=int(model["seq_len"]), kind=model["kind"]).tokenizer
+        objective = model_spec(model["kind"]).objective
+        return build_data(data_cfg, seq_len=int(model["seq_len"]), objective=objective).tokenizer
     except (OSError, ValueError) as exc:  # CorpusError is a ValueError: the corpus moved or changed
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"cannot rebuild the run's tokenizer from data.corpus={data_cfg.corpus!r} "

@@ -1,7 +1,7 @@
 """largebatch.data: real corpora, byte-level BPE, packing, BERT masking, the index-keyed sampler.
 
     from largebatch.data import DataConfig, build_data
-    data = build_data(DataConfig(corpus="shakespeare"), seq_len=256, kind="gpt")
+    data = build_data(DataConfig(corpus="shakespeare"), seq_len=256, objective="causal")
     batch = data.train.get_batch(range(position, position + batch_size))  # global indices
 
 Modules: ``config`` (DataConfig), ``corpus`` (documents, split by document), ``tokenizer``

@@ -36,7 +36,7 @@ from .corpus import (
 )
 from .dataset import BERTDataset, GPTDataset, PackedDataset
 
-KINDS = ("gpt", "bert")
+OBJECTIVES = ("causal", "masked")  # a model kind's objective (largebatch.models.registry)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Data:
     train: PackedDataset
     val: PackedDataset
     stats: DataStats
-    kind: str
+    objective: str
     seq_len: int
     special_ids: dict[str, int]
 
@@ -103,15 +103,16 @@ class Data:
         return self.train.decode(ids)
 
 
-def build_data(cfg: DataConfig, seq_len: int, kind: str = "gpt") -> Data:
-    """Load, split, tokenize (or reuse the cache) and pack ``cfg.corpus`` for ``kind``."""
-    if kind not in KINDS:
-        raise ValueError(f"build_data kind={kind!r} is invalid: use one of {KINDS}")
+def build_data(cfg: DataConfig, seq_len: int, objective: str = "causal") -> Data:
+    """Load, split, tokenize (or reuse the cache) and pack ``cfg.corpus`` for ``objective``: "causal"
+    (next-token targets) or "masked" (masked-LM inputs and labels) -- a model kind's objective."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"build_data objective={objective!r} is invalid: use one of {OBJECTIVES}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"build_data seq_len={seq_len!r} is invalid: use a positive integer")
     cfg.validate()
     with _rank_zero_first():
-        return _build(cfg, seq_len, kind)
+        return _build(cfg, seq_len, objective)
 
 
 @contextmanager
@@ -130,7 +131,7 @@ def _rank_zero_first():
             dist.barrier()
 
 
-def _build(cfg: DataConfig, seq_len: int, kind: str) -> Data:
+def _build(cfg: DataConfig, seq_len: int, objective: str) -> Data:
     if is_token_array_path(cfg.corpus):
         tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
         vocab_size = tokenizer.get_vocab_size() if tokenizer else cfg.vocab_size
@@ -140,7 +141,7 @@ def _build(cfg: DataConfig, seq_len: int, kind: str) -> Data:
         vocab_size = tokenizer.get_vocab_size()
     special_ids = tokenizer_lib.special_token_ids(tokenizer) if tokenizer else {}
     common = dict(tokenizer=tokenizer)
-    if kind == "gpt":
+    if objective == "causal":
         train = GPTDataset(train_tokens, seq_len, split="train", seed=cfg.seed, shuffle=cfg.shuffle,
                            **common)
         val = GPTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
@@ -155,7 +156,7 @@ def _build(cfg: DataConfig, seq_len: int, kind: str) -> Data:
         val = BERTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
                           mask_seed=cfg.split_seed, **masking)
     stats.train_samples, stats.val_samples = len(train), len(val)
-    return Data(tokenizer, vocab_size, train, val, stats, kind, seq_len, special_ids)
+    return Data(tokenizer, vocab_size, train, val, stats, objective, seq_len, special_ids)
 
 
 # ---------------------------------------------------------------------------------------------

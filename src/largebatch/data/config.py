@@ -121,9 +121,11 @@ class DataConfig:
             _check(_is_number(value) and 0.0 <= value <= 1.0, name, value,
                    "use a number in [0, 1] (0.8 and 0.1 in Devlin et al. 2019)")
         total = self.mask_token_fraction + self.random_token_fraction
-        _check(total <= 1.0, "mask_token_fraction", self.mask_token_fraction,
-               f"with random_token_fraction={self.random_token_fraction!r} the two sum to "
-               f"{total:.3g}; make them sum to at most 1 (the rest stay unchanged)")
+        if total > 1.0:  # either field may be the one set: name both
+            raise ValueError(f"DataConfig.mask_token_fraction={self.mask_token_fraction!r} and "
+                             f"DataConfig.random_token_fraction={self.random_token_fraction!r} are "
+                             f"invalid: the two sum to {total:.3g}; make them sum to at most 1 (the "
+                             "rest stay unchanged)")
 
 
 def _is_int(value) -> bool:

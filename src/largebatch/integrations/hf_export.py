@@ -45,8 +45,16 @@ VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; 
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
+# model kind -> the transformers architecture it exports to (keyed by kind: each maps to one class)
+HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM"}
+
+
 def check_exportable(cfg: ModelConfig) -> str:
     """The transformers architecture ``cfg`` maps to; raises naming the setting that prevents it."""
+    if cfg.kind not in HF_ARCHITECTURES:
+        known = ", ".join(f"{k!r} ({v})" for k, v in HF_ARCHITECTURES.items())
+        raise ExportError(f"model.kind={cfg.kind!r}: the hf format exports {known} only; "
+                          f"{cfg.kind!r} maps to no transformers architecture")
     if cfg.kind == "gpt":
         return "GPT2LMHeadModel"
     if cfg.norm_position != "post":

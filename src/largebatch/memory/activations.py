@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, per_layer_policies
+from largebatch.models.registry import model_spec
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,16 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none", *,
                                ffn_hidden: int | None = None, dtype_bytes: float = 2,
                                mask_bytes: float = 1, fused_attention: bool = False,
-                               dropout: bool = True) -> float:
+                               dropout: bool = True, replicated_values: int = 4) -> float:
     """Bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022, Table 2).
 
     recompute: "none" | "selective" (core attention recomputed) | "op" (matmul outputs saved,
     pointwise ops recomputed) | "full" (only the layer input kept). dtype_bytes: bytes per stored
     activation (2 = the paper's 16-bit; 4 for fp32). mask_bytes: bytes per dropout-mask element.
     fused_attention: SDPA flash/memory-efficient kernel (no s^2 term). dropout=False: no masks, and
-    the softmax output doubles as the attention-dropout output.
+    the softmax output doubles as the attention-dropout output. replicated_values: h-wide values
+    per token kept outside the tensor-parallel regions (4: two LayerNorm inputs, the Q/K/V input and
+    the fc1 input; a block whose attention and MLP read one normed input keeps 2).
     """
     shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
                        else ffn_hidden, tp, bool(sequence_parallel))
@@ -99,7 +102,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     if recompute == "op":
         kept_core = 4 * a * s * b if fused_attention else a * s * s * b * d
         return s * b * (3 * h * d / t_rep + (4 * h + f) * d / t) + kept_core / t
-    replicated = s * b * (4 * h * d + 2 * h * m) / t_rep
+    replicated = s * b * (replicated_values * h * d + 2 * h * m) / t_rep
     split = s * b * (4 * h + 2 * f) * d / t
     if recompute == "selective":
         return replicated + split
@@ -121,7 +124,8 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                          "whose float dropout mask the memory model does not describe: use "
                          "attention='explicit' or dropout=0 for CPU memory estimates.")
     return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
-                dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout)
+                dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
+                replicated_values=model_spec(config.kind).layer_replicated)
 
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -154,9 +158,9 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
 
     recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
     the same mix); with 1F1B the stage holds pp micro-batches in flight, hence L layers' worth
-    (other schedules: ``first_stage_layers``). For BERT
-    the head (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the
-    positions.
+    (other schedules: ``first_stage_layers``). What the modules before and after the blocks keep
+    is the model kind's (``embedding_activations``, ``output_activations``): for BERT the head
+    (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the positions.
     """
     if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
         raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
@@ -185,14 +189,10 @@ def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
     total = sum(policies.count(p) * activation_bytes_per_layer(
         s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw) for p in set(policies))
     t_rep = tp if sequence_parallel else 1
-    h, v = config.n_embd, config.vocab_size
-    if first:
-        total += s * micro_batch * h * (1 if kw["dropout"] else 0) / t_rep  # embedding dropout mask
-        if config.kind == "bert" and config.norm_position == "post":
-            total += s * micro_batch * h * dtype_bytes / t_rep  # embedding LayerNorm input
-    if last and config.kind == "gpt":
-        total += s * micro_batch * (2 * h * dtype_bytes / t_rep + 4 * v / tp)
-    elif last:  # BERT: final-norm input (pre-LN), then the head on the masked positions only
-        final_norm = h * dtype_bytes / t_rep if config.norm_position == "pre" else 0.0
-        total += s * micro_batch * (final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp))
+    spec = model_spec(config.kind)
+    if first:  # the embedding dropout mask, and what the kind's modules before the blocks keep
+        per_token = config.n_embd * (1 if kw["dropout"] else 0) + spec.embedding_activations(config, dtype_bytes)
+        total += s * micro_batch * per_token / t_rep
+    if last:  # the kind's final norm, output layer and loss (BERT: the head on mask_fraction of the positions)
+        total += s * micro_batch * spec.output_activations(config, dtype_bytes, tp, t_rep, mask_fraction)
     return total

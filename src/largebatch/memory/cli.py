@@ -34,7 +34,7 @@ from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
-from largebatch.models.config import PRESETS, ModelConfig, preset
+from largebatch.models import PRESETS, ModelConfig, preset
 from largebatch.typed_config import from_dict, load_toml
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from largebatch.memory.activations import model_activation_bytes
 from largebatch.models.config import ModelConfig
+from largebatch.models.registry import model_spec
 
 # fp32 state bytes per parameter by optimizer name; largebatch.train.optimizer.register_optimizer adds
 # each optimizer it declares, so `largebatch memory --optim.name` takes every registered one
@@ -47,22 +48,15 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1) -> float:
     by tp (vocabulary-parallel embedding); LayerNorms, position embeddings and the biases of row-
     parallel linears are replicated. With tp = pp = 1 this is the model's exact parameter count."""
     h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
+    spec = model_spec(config.kind)
     bias = 1 if config.bias else 0
     norm = (1 + bias) * h  # one LayerNorm
     split = 4 * h * h + 2 * h * f + bias * (3 * h + f)  # q, k, v, proj, fc1, fc2 (+ column biases)
-    replicated = bias * 2 * h + 2 * norm  # proj and fc2 biases, ln1, ln2
+    replicated = bias * 2 * h + spec.layer_norms * norm  # proj and fc2 biases, the block's norms
     n = config.n_layer // pp * (split / tp + replicated)
     n += v * h / tp + s * h  # token and position embeddings
-    post_ln_bert = config.kind == "bert" and config.norm_position == "post"
-    if post_ln_bert:
-        n += norm  # embedding LayerNorm
-    if pp > 1:
-        return n  # the output layer sits on the last stage
-    n += 0 if post_ln_bert else norm  # final LayerNorm
-    n += 0 if config.tie_embeddings else v * h / tp  # untied output projection
-    if config.kind == "bert":
-        n += h * h / tp + bias * h + norm + v  # head: dense, its LayerNorm, decoder bias
-    return n
+    # the kind's other modules: norms, heads (the output layer sits on the last stage)
+    return n + spec.stage_parameters(config, tp, True, pp == 1)
 
 
 def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int = 1, dp: int = 1,

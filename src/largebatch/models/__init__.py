@@ -1,10 +1,11 @@
-"""GPT and BERT on one shared transformer block, with FLOP counts per token.
+"""GPT and BERT on one shared transformer block, with FLOP counts per token; model kinds by name.
 
     from largebatch.models import ModelConfig, build_model, preset
     model = build_model(preset("demo", dropout=0.1))
     logits, loss = model(idx, targets)
     model.flops_per_token()                   # model FLOPs (MFU)
     model.flops_per_token(recompute="full")   # hardware FLOPs (HFU)
+    register_model("my-kind", build=..., objective="causal", ...)   # model.kind = "my-kind"
 
 The layer layout and the FLOP formula follow Korthikanti et al. 2022 (docs/papers.md: memory).
 """
@@ -12,15 +13,18 @@ The layer layout and the FLOP formula follow Korthikanti et al. 2022 (docs/paper
 from __future__ import annotations
 
 from largebatch.models.bert import BERT
-from largebatch.models.config import PRESETS, ModelConfig, preset
+from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, flops_per_token, per_layer_policies, utilization
 from largebatch.models.gpt import GPT
 from largebatch.models.layers import Block, CoreAttention
+from largebatch.models.presets import PRESETS, preset
+from largebatch.models.registry import MODELS, ModelSpec, model_spec, register_model
 
-__all__ = ["BERT", "GPT", "PRESETS", "RECOMPUTE_POLICIES", "Block", "CoreAttention", "ModelConfig",
-           "build_model", "flops_per_token", "per_layer_policies", "preset", "utilization"]
+__all__ = ["BERT", "GPT", "MODELS", "PRESETS", "RECOMPUTE_POLICIES", "Block", "CoreAttention", "ModelConfig",
+           "ModelSpec", "build_model", "flops_per_token", "model_spec", "per_layer_policies", "preset",
+           "register_model", "utilization"]
 
 
-def build_model(config: ModelConfig) -> GPT | BERT:
-    """GPT for kind="gpt", BERT for kind="bert"."""
-    return GPT(config) if config.kind == "gpt" else BERT(config)
+def build_model(config: ModelConfig):
+    """The model of the registered kind ``config.kind`` (GPT for "gpt", BERT for "bert")."""
+    return model_spec(config.kind).build(config)

@@ -24,6 +24,7 @@ from typing import Literal, get_args
 import torch
 
 from largebatch.models.config import ModelConfig
+from largebatch.models.registry import model_spec
 
 RecomputePolicy = Literal["none", "selective", "op", "full"]
 RECOMPUTE_POLICIES = get_args(RecomputePolicy)
@@ -46,21 +47,26 @@ def per_layer_policies(policy: str | Sequence[str], n_layer: int) -> list[str]:
 
 
 def layer_forward_flops(config: ModelConfig, seq_len: int | None = None) -> tuple[float, float]:
-    """Forward matmul FLOPs per token of one layer: (dense part, core-attention part)."""
-    h, f = config.n_embd, config.ffn
+    """Forward matmul FLOPs per token of one layer: (dense part, core-attention part); the model
+    kind's ``layer_flops`` where it declares one, else the shared block's."""
     s = config.seq_len if seq_len is None else seq_len
+    hook = model_spec(config.kind).layer_flops
+    return shared_layer_flops(config, s) if hook is None else hook(config, s)
+
+
+def shared_layer_flops(config: ModelConfig, s: int) -> tuple[float, float]:
+    """The shared block's (largebatch.models.layers.Block) forward FLOPs per token at context s."""
+    h, f = config.n_embd, config.ffn
     dense = 2.0 * (3 * h * h + h * h + 2 * h * f)  # q, k, v, proj, fc1, fc2
     core = 4.0 * s * h  # Q K^T and probs @ V over the full context (no causal halving, as the paper)
     return dense, core
 
 
 def head_forward_flops(config: ModelConfig, mask_fraction: float = 0.15) -> float:
-    """Forward matmul FLOPs per input token of the output layer. BERT's head (dense h x h, then the
-    vocabulary projection) runs on the masked fraction of positions only."""
-    h, v = config.n_embd, config.vocab_size
-    if config.kind == "gpt":
-        return 2.0 * h * v
-    return mask_fraction * 2.0 * (h * h + h * v)
+    """Forward matmul FLOPs per input token of the output layer, as the model kind declares it
+    (``head_flops``): GPT 2 h v; BERT's head (dense h x h, then the vocabulary projection) runs on
+    the masked fraction of positions only."""
+    return model_spec(config.kind).head_flops(config, mask_fraction)
 
 
 def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none",

@@ -16,24 +16,21 @@ import torch.nn.functional as F
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import Block, Dropout, init_weights
+from largebatch.models.layers import BLOCK_TP_PLAN, Block, Dropout, init_weights
+from largebatch.models.registry import model_spec, register_model
 
 
 class TransformerBase(nn.Module):
     """What GPT and BERT share: embeddings, blocks, parameter and FLOP counts.
 
-    Pipeline parallel (largebatch.parallel.pipeline) cuts the model at block boundaries; each model
-    declares the modules that run before its blocks (on the first stage, ``pipeline_first``, run by
-    ``embed_input``) and after them (on the last stage, ``pipeline_last``, run by
-    ``output_logits``), as torchtitan's models declare theirs.
+    Pipeline parallel (largebatch.parallel.pipeline) cuts the model at block boundaries; each kind
+    declares (largebatch.models.registry) the modules that run before its blocks (on the first
+    stage, ``pipeline_first``, run by ``embed_input``) and after them (on the last stage,
+    ``pipeline_last``, run by ``output_logits``), as torchtitan's models declare theirs.
+    ``block`` is the transformer layer class; a kind with another layer subclasses and replaces it.
     """
 
-    pipeline_first: tuple[str, ...] = ("tok_emb", "pos_emb", "drop")
-    pipeline_last: tuple[str, ...] = ()
-    # tensor parallel (largebatch.parallel.tensor_parallel) asks the model, not a name table: the
-    # output projection split over the vocabulary, and whether the head needs the whole sequence
-    tp_output: str = ""
-    tp_head_whole_sequence: bool = False
+    block: type[nn.Module] = Block
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -41,7 +38,7 @@ class TransformerBase(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
         self.drop = Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(self.block(config) for _ in range(config.n_layer))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         # idx: (B, T) token ids -> (B, T, C)
@@ -91,13 +88,10 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> t
 
 
 class GPT(TransformerBase):
-    pipeline_last = ("ln_f", "lm_head")
-    tp_output = "lm_head"  # the final norm stays in the sequence-parallel region
-
     def __init__(self, config: ModelConfig):
-        if config.kind != "gpt":
-            raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {config.kind!r}: use BERT "
-                             "or build_model(config).")
+        if model_spec(config.kind).objective != "causal":
+            raise ValueError(f"GPT needs ModelConfig.kind='gpt' (or another causal kind), got {config.kind!r}: "
+                             "use build_model(config).")
         if config.norm_position != "pre":
             raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
         super().__init__(config)
@@ -147,3 +141,34 @@ class GPT(TransformerBase):
                 next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+def norm_parameters(config: ModelConfig) -> int:
+    """Parameters of one LayerNorm."""
+    return (2 if config.bias else 1) * config.n_embd
+
+
+def _gpt_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool) -> float:
+    if not last:
+        return 0.0
+    untied = 0 if config.tie_embeddings else config.vocab_size * config.n_embd / tp
+    return norm_parameters(config) + untied  # final LayerNorm, an untied output projection
+
+
+def gpt_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_rep: int,
+                           mask_fraction: float) -> float:
+    """Per token: the final-norm input and the projection input, plus fp32 logits (vocabulary-parallel)."""
+    return 2 * config.n_embd * dtype_bytes / t_rep + 4 * config.vocab_size / tp
+
+
+def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The final norm stays in the sequence-parallel region; the output layer reads the stream."""
+    return {"tok_emb": "vocab_embedding", "drop": "sequence_start", "ln_f": "norm", "lm_head": "output",
+            **BLOCK_TP_PLAN}
+
+
+register_model(
+    "gpt", build=GPT, objective="causal", help="causal language model, pre-LN blocks (Radford et al. 2019)",
+    head_flops=lambda config, mask_fraction: 2.0 * config.n_embd * config.vocab_size,
+    output_activations=gpt_output_activations, stage_parameters=_gpt_stage_parameters,
+    tp_plan=gpt_tp_plan, pipeline_first=("tok_emb", "pos_emb", "drop"), pipeline_last=("ln_f", "lm_head"))

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from largebatch.models.config import ModelConfig
+from largebatch.models.registry import model_spec
 
 
 class Dropout(nn.Module):
@@ -47,7 +48,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.kind = config.attention
-        self.causal = config.kind == "gpt"
+        self.causal = model_spec(config.kind).objective == "causal"
         self.dropout_p = config.dropout
         self.dropout = Dropout(config.dropout)
         self.seq_len = config.seq_len
@@ -131,6 +132,13 @@ class Block(nn.Module):
             return x + self.mlp(self.ln2(x))
         x = self.ln1(x + self.attn(x))
         return self.ln2(x + self.mlp(x))
+
+
+BLOCK_TP_PLAN = {f"blocks.*.{name}": role for name, role in (
+    ("attn", "enter"), ("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
+    ("mlp", "enter"), ("mlp.fc1", "colwise"), ("mlp.fc2", "rowwise"), ("ln1", "norm"), ("ln2", "norm"))}
+"""Tensor-parallel roles of a Block's modules (largebatch.models.registry.TP_ROLES): q, k, v and fc1
+split by columns, proj and fc2 by rows, one gathered input per sub-layer, the norms sequence-split."""
 
 
 def gelu(config: ModelConfig) -> nn.GELU:

@@ -1,8 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining: the model's layers cut into stages.
 
 The L blocks are cut into p x V contiguous stages (evenly, or where ``parallel.pp_split`` says);
-the first stage also runs the modules the model declares before its blocks (``pipeline_first``:
-the embeddings), the last those after them (``pipeline_last``: final norm, output layer) and the
+the first stage also runs the modules the model kind declares before its blocks (``pipeline_first``
+of largebatch.models.registry: the embeddings), the last those after them (``pipeline_last``: final
+norm, output layer) and the
 loss (with tp > 1 optionally the vocabulary-parallel one: the schedule's step then runs inside
 ``ParallelState.loss_context()``). Rank r of the "pp" dimension holds stage r (V = 1) or stages
 r, r + p, ... (interleaved, Narayanan et al. 2021 §2.2), or r and 2p - 1 - r (the V shape of zero
@@ -46,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.memory import apply_recompute
 from largebatch.models.gpt import token_loss
+from largebatch.models.registry import model_spec
 from largebatch.optim.core import local_shard
 from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
 from largebatch.parallel.mesh import ParallelState
@@ -104,8 +106,9 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
         self.first, self.last = first, last
+        spec = model_spec(model.config.kind)
         self.parts = nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for name in
-                                    (model.pipeline_first if first else ()) + (model.pipeline_last if last else ())})
+                                    (spec.pipeline_first if first else ()) + (spec.pipeline_last if last else ())})
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)  # the name apply_fsdp shards by
         self._model = [model]  # a list: not registered, its methods run the first and last parts
 
@@ -123,7 +126,8 @@ def keep_only(model: nn.Module, layers: set[int], first: bool, last: bool) -> nn
     for i in range(len(model.blocks)):
         if i not in layers:
             model.blocks[i] = None
-    for names, kept in ((model.pipeline_first, first), (model.pipeline_last, last)):
+    spec = model_spec(model.config.kind)
+    for names, kept in ((spec.pipeline_first, first), (spec.pipeline_last, last)):
         if not kept:
             for name in names:
                 setattr(model, name, None)

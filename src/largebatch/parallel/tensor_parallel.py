@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from largebatch.models.registry import model_spec
+
 
 class ReplicateParallel(ParallelStyle):
     """Run a module whole on every tensor-parallel rank, its parameters as replicated DTensors.
@@ -80,59 +82,51 @@ def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len:
                              f"the divisors of {value}, or resize the model (e.g. pad the vocabulary)")
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, object]:
-    """The plan of one transformer block (module names of largebatch.models.layers.Block)."""
+def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | None]:
+    """torch's ParallelStyle for each role a model's plan may give (largebatch.models.registry.TP_ROLES);
+    None where the role needs nothing (a sequence-parallel-only role without sequence parallel)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    # One DTensor input per sub-layer: q, k and v (or fc1) share it, so their partial input
-    # gradients are summed locally and reduced ONCE when leaving the region (f in Megatron).
-    enter = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                               use_local_output=False)
-    plan: dict[str, object] = {
-        "attn": enter,
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=between),
-        "mlp": enter,
-        "mlp.fc1": ColwiseParallel(),
-        "mlp.fc2": RowwiseParallel(output_layouts=between),
-    }
-    if sequence_parallel:
-        plan["ln1"] = SequenceParallel(use_local_output=True)
-        plan["ln2"] = SequenceParallel(use_local_output=True)
-    return plan
-
-
-def _head_plan(model: nn.Module, sequence_parallel: bool,
-               loss_parallel: bool) -> tuple[dict[str, object], list[str]]:
-    """Plan of the embedding and the output layer; also the module names whose weight is tied."""
     # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
         dict(output_layouts=Replicate())
-    plan: dict[str, object] = {
+    return {
         # vocabulary-parallel embedding: rows = tokens; the partial lookups are all-reduced
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # split the sequence where the residual stream starts: a local slice
+        "sequence_start": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True) if sequence_parallel else None,
+        # One DTensor input per sub-layer: q, k and v (or fc1) share it, so their partial input
+        # gradients are summed locally and reduced ONCE when leaving the region (f in Megatron).
+        "enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                    use_local_output=False),
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(output_layouts=between),
+        "norm": SequenceParallel(use_local_output=True) if sequence_parallel else None,
+        "gather": ReplicateParallel(input_layout=Shard(1)) if sequence_parallel else None,
+        "output": ColwiseParallel(input_layouts=between, **logits),
+        "output_whole": ColwiseParallel(**logits),
     }
-    if sequence_parallel:  # split the sequence where the residual stream starts: a local slice
-        plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                          use_local_output=True)
-    between = Shard(1) if sequence_parallel else Replicate()
-    output = model.tp_output  # the model names its output projection
-    if not model.tp_head_whole_sequence:  # GPT: final norm in the sequence-parallel region
-        if sequence_parallel:
-            plan["ln_f"] = SequenceParallel(use_local_output=True)
-        plan[output] = ColwiseParallel(input_layouts=between, **logits)
-        return plan, [output]
-    # BERT: the head picks the masked positions (x[mask]), so it runs on the whole sequence
-    if sequence_parallel:
-        plan["ln_f"] = ReplicateParallel(input_layout=Shard(1))
-    plan[output] = ColwiseParallel(**logits)
-    return plan, [output]
+
+
+def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = False) -> dict[str, object]:
+    """The model kind's plan (its ``tp_plan``: module name -> role) as torch's styles, ``blocks.*.``
+    expanded to the blocks this rank holds and the modules it does not hold (pipeline) left out."""
+    by_role = styles(sequence_parallel, loss_parallel)
+    plan: dict[str, object] = {}
+    for name, role in model_spec(model.config.kind).tp_plan(model).items():
+        if role not in by_role:
+            raise ValueError(f"model.kind = {model.config.kind!r}: its tensor-parallel plan gives "
+                             f"{name!r} the role {role!r}; use one of {', '.join(by_role)}")
+        names = ([name.replace("*", str(i), 1) for i in range(len(model.blocks))]
+                 if name.startswith("blocks.*.") else [name])
+        plan.update({n: by_role[role] for n in names if by_role[role] is not None and _holds(model, n)})
+    return plan
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
                           loss_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` (GPT or BERT of largebatch.models) over ``tp_mesh`` in place; keeps ties.
+    """Shard ``model`` (a registered model kind) over ``tp_mesh`` in place, by the plan its kind
+    declares; keeps ties (an output projection sharing the token embedding's weight).
 
     loss_parallel: the logits stay split over the vocabulary (a DTensor) and the cross-entropy is
     computed on the shards; forward AND backward must then run inside
@@ -140,17 +134,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     returned loss is a plain tensor either way.
     """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
-    plan, head_names = _head_plan(model, sequence_parallel, loss_parallel)
-    # a pipeline stage holds only some of the modules (the others are None)
-    plan = {name: style for name, style in plan.items() if _holds(model, name)}
-    tied = [name for name in head_names if _holds(model, name) and model.tok_emb is not None
-            and model.get_submodule(name).weight is model.tok_emb.weight]
+    plan = model_plan(model, sequence_parallel, loss_parallel)
+    # weights shared by planned modules (tied embeddings): both are sharded Shard(0) over the
+    # vocabulary; afterwards they share the first one's DTensor again
+    first_of: dict[int, str] = {}
+    tied: list[tuple[str, str]] = []
+    for name in plan:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if isinstance(weight, nn.Parameter):
+            if id(weight) in first_of:
+                tied.append((name, first_of[id(weight)]))
+            first_of.setdefault(id(weight), name)
     parallelize_module(model, tp_mesh, plan)
-    for block in model.blocks:
-        if block is not None:
-            parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-    for name in tied:  # both were sharded Shard(0) over the vocabulary: share one DTensor again
-        model.get_submodule(name).weight = model.tok_emb.weight
+    for name, owner in tied:
+        model.get_submodule(name).weight = model.get_submodule(owner).weight
     for module in list(model.modules()):  # what no plan split (positions, norms outside SP, heads)
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             parallelize_module(module, tp_mesh, ReplicateParallel())

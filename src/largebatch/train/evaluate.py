@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from largebatch.models.registry import model_spec
 from largebatch.parallel.batch import global_sum
 from largebatch.train.deferred import target_count
 from largebatch.train.progress import human_count
@@ -30,7 +31,7 @@ class Evaluation:
         if logits is None:
             return loss_sum, None
         predicted = targets != -100
-        if self.cfg.model.kind == "bert":  # the logits are those of the masked positions only
+        if model_spec(self.cfg.model.kind).objective == "masked":  # the logits of the predicted positions only
             return loss_sum, (logits.argmax(-1) == targets[predicted]).sum()
         return loss_sum, ((logits.argmax(-1) == targets) & predicted).sum()
 

@@ -121,10 +121,21 @@ def model_fields(path: Path) -> dict[str, Any]:
             "activation": _activation(raw, "hidden_act", "gelu", path), **common}
 
 
+def _check_kind(cfg: ModelConfig) -> None:
+    """ConfigError naming a registered model kind that no transformers architecture maps to."""
+    if cfg.kind not in HF_READERS:
+        known = ", ".join(f"{k!r} ({v[2]})" for k, v in HF_READERS.items())
+        raise ConfigError(f"model.kind={cfg.kind!r}: model.init_from={cfg.init_from!r} reads transformers "
+                          f"weights into {known} only, and {cfg.kind!r} maps to no transformers "
+                          "architecture: drop model.init_from, or train one of those kinds")
+
+
 def resolve_init(cfg, given: set[str]):
     """``cfg`` (a TrainConfig) with the model's shape fields and ``data.tokenizer_file`` taken from
     ``model.init_from``. ``given``: the dotted fields the user's config or command line set; one
     of them that disagrees with config.json is refused, naming both values and the fix."""
+    if "model.kind" in given:
+        _check_kind(cfg.model)
     path = hf_dir(cfg.model.init_from)
     fields = model_fields(path)
     for name, value in fields.items():
@@ -299,11 +310,12 @@ def _bert(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights of ``cfg.init_from`` under largebatch's names; ConfigError (one line) for
     missing, unexpected or misshapen tensors."""
+    _check_kind(cfg)
+    kind_prefix, read, architecture = HF_READERS[cfg.kind]
     path = hf_dir(cfg.init_from)
     state, file = read_weights(path)
-    kind_prefix = "transformer." if cfg.kind == "gpt" else "bert."
     take = _Taker(_strip(state, kind_prefix))
-    out = (_gpt if cfg.kind == "gpt" else _bert)(take, cfg)
+    out = read(take, cfg)
     problems = []
     for what, names in (("missing", take.missing), ("wrong shape", take.misshapen),
                         ("unexpected", sorted(take.left))):
@@ -313,8 +325,13 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if problems:
         raise ConfigError(f"model.init_from={cfg.init_from!r}: {file.name} does not fit the "
                           f"{cfg.kind} its config.json describes: {'; '.join(problems)}; give a "
-                          f"directory saved from {'GPT2LMHeadModel' if cfg.kind == 'gpt' else 'BertForMaskedLM'}")
+                          f"directory saved from {architecture}")
     return out
+
+
+# model kind -> (the transformers state's prefix, the reader, the architecture it reads); keyed by
+# kind, as each maps to one transformers class
+HF_READERS = {"gpt": ("transformer.", _gpt, "GPT2LMHeadModel"), "bert": ("bert.", _bert, "BertForMaskedLM")}
 
 
 def _check_fields(cfg: ModelConfig) -> None:

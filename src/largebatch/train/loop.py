@@ -48,7 +48,7 @@ from largebatch.checkpoint import (
 from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
-from largebatch.models import build_model
+from largebatch.models import build_model, model_spec
 from largebatch.models.flops import flops_per_token, measure_peak_flops
 from largebatch.parallel import (
     clip_grad_norm_,
@@ -132,7 +132,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, run.total_tokens,
                                      run.micro_batch)
         self.phase = self.phases[0]
-        self.data = build_data(cfg.data, seq_len=self.phase.seq_len, kind=cfg.model.kind)
+        self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective)
         keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         if cfg.model.vocab_size != self.data.vocab_size:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models.flops import flops_per_token
+from largebatch.models.registry import model_spec
 from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
 from largebatch.train.progress import human_count
@@ -132,7 +133,8 @@ class PhaseSwitch:
     def _set_phase(self, phase: Phase) -> None:
         """Data packed at the phase's length, its schedule and its FLOPs per token."""
         if phase.seq_len != self.phase.seq_len:
-            self.data = build_data(self.cfg.data, seq_len=phase.seq_len, kind=self.cfg.model.kind)
+            objective = model_spec(self.cfg.model.kind).objective
+            self.data = build_data(self.cfg.data, seq_len=phase.seq_len, objective=objective)
             self.prefetch.close()
             self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         self.phase = phase

@@ -15,6 +15,7 @@ import torch
 
 from largebatch.memory.measure import memory_bytes
 from largebatch.models.flops import mfu_over_peak
+from largebatch.models.registry import model_spec
 from largebatch.train.deferred import read_record
 from largebatch.train.phases import describe as describe_phases
 from largebatch.train.plots import plot_run
@@ -111,7 +112,7 @@ class Reporting:
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
         if self.cfg.phases:
             summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
-        if self.cfg.model.kind == "gpt" and self.cfg.run.sample_tokens:
+        if model_spec(self.cfg.model.kind).objective == "causal" and self.cfg.run.sample_tokens:
             if self.par.sequence_parallel:  # growing prompts are not divisible by tp: no sample
                 summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
             elif self.pipeline:

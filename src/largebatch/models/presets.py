@@ -1,0 +1,43 @@
+"""Named model sizes (ModelConfig presets), defined once GPT and BERT have registered their kinds."""
+
+from __future__ import annotations
+
+from largebatch.models.bert import BERT  # noqa: F401 -- registers "bert" (and, through it, "gpt")
+from largebatch.models.config import ModelConfig
+
+# Named sizes. "demo" trains on 2 CPU cores in minutes; the large ones are for the memory planner
+# (instantiating them would need terabytes). Shapes of the big GPTs are Korthikanti et al. 2022,
+# Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small to xl from Radford et al. 2019
+# (Table 2; the released configs' 1024 positions and 50257 tokens).
+PRESETS: dict[str, ModelConfig] = {
+    "demo": ModelConfig(kind="gpt", n_layer=4, n_embd=256, n_head=4, seq_len=128, vocab_size=4096),
+    "demo-bert": ModelConfig(kind="bert", n_layer=4, n_embd=256, n_head=4, seq_len=128,
+                             vocab_size=4096),
+    "gpt2-small": ModelConfig(kind="gpt", n_layer=12, n_embd=768, n_head=12, seq_len=1024,
+                              vocab_size=50257, dropout=0.1),
+    "gpt2-medium": ModelConfig(kind="gpt", n_layer=24, n_embd=1024, n_head=16, seq_len=1024,
+                               vocab_size=50257, dropout=0.1),
+    "gpt2-large": ModelConfig(kind="gpt", n_layer=36, n_embd=1280, n_head=20, seq_len=1024,
+                              vocab_size=50257, dropout=0.1),
+    "gpt2-xl": ModelConfig(kind="gpt", n_layer=48, n_embd=1600, n_head=25, seq_len=1024,
+                           vocab_size=50257, dropout=0.1),
+    "bert-base": ModelConfig(kind="bert", n_layer=12, n_embd=768, n_head=12, seq_len=512,
+                             vocab_size=30522, dropout=0.1, norm_eps=1e-12),
+    "bert-large": ModelConfig(kind="bert", n_layer=24, n_embd=1024, n_head=16, seq_len=512,
+                              vocab_size=30522, dropout=0.1, norm_eps=1e-12),
+    "gpt-22b": ModelConfig(kind="gpt", n_layer=48, n_embd=6144, n_head=64, seq_len=2048,
+                           vocab_size=51200, dropout=0.1),
+    "gpt3-175b": ModelConfig(kind="gpt", n_layer=96, n_embd=12288, n_head=96, seq_len=2048,
+                             vocab_size=51200, dropout=0.1),
+    "mtnlg-530b": ModelConfig(kind="gpt", n_layer=105, n_embd=20480, n_head=128, seq_len=2048,
+                              vocab_size=51200, dropout=0.1),
+    "gpt-1t": ModelConfig(kind="gpt", n_layer=128, n_embd=25600, n_head=160, seq_len=2048,
+                          vocab_size=51200, dropout=0.1),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named size, optionally with fields overridden: preset("demo", dropout=0.1)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}.")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
