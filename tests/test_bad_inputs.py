@@ -60,6 +60,7 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["memory", "--budget-gib", "nan"], ["--budget-gib", "'nan'", "finite"]),
     (["memory", "--budget-gib", "-1"], ["--budget-gib -1", "must be > 0"]),
     (["memory", "--dtype-bytes", "inf"], ["--dtype-bytes", "'inf'"]),
+    (["memory", "--model.kind", "t5"], ["--model.kind", "'t5'", "register_model"]),
     (["experiment", "seesaw", "--smoke", "--out", "{tmp}/file"], ["--out", "is a file"]),
     (["experiment", "all", "--smoke", "--out", "{tmp}/file"], ["--out", "file/seesaw", "is a file"]),
     (["train", "--run.out_dir={tmp}/file"], ["run.out_dir", "is a file, not a directory"]),

@@ -35,11 +35,23 @@ from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_p
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models import PRESETS, ModelConfig, preset
+from largebatch.models.registry import model_spec
 from largebatch.typed_config import from_dict, load_toml
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
-TYPES = {"kind": str, "attention": str, "dropout": finite_float}
+
+
+def _kind(text: str) -> str:
+    """A registered model kind, or an argparse error naming the flag and the registered kinds."""
+    try:
+        model_spec(text, key="")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+TYPES = {"kind": _kind, "attention": str, "dropout": finite_float}
 
 
 def _boolean(text: str) -> bool:
