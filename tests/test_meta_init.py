@@ -13,7 +13,7 @@ import torch
 import meta_cases as cases
 from largebatch.models import build_model
 from largebatch.parallel import spawn
-from largebatch.parallel.materialize import build_on_meta
+from largebatch.parallel.materialize import build_on_meta, materialize
 from parallel_cases import tiny
 
 CASES = [(kind, mode) for kind in ("gpt", "bert") for mode in ("fsdp", "sp")]
@@ -76,6 +76,15 @@ def test_a_parameter_the_constructor_never_fills_is_refused():
 
     with pytest.raises(ValueError, match="parameter scale is never filled in place"):
         build_on_meta(build)
+
+
+def test_a_tie_between_plain_parameters_is_refused_not_split():
+    """``to_empty`` replaces a plain (not DTensor) meta parameter by a new object, once per module
+    that holds it: a tied output layer would be left unfilled. Refused by name instead."""
+    torch.manual_seed(0)
+    model, log = build_on_meta(lambda: build_model(tiny("gpt")))
+    with pytest.raises(ValueError, match=r"parameters \['lm_head.weight'\] were not in the meta build"):
+        materialize(model, log, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])

@@ -16,8 +16,9 @@ on one device must still start). So the trainer
 Replaying the same fills, with the same arguments, on the same CPU generator, in the same order,
 draws the same numbers: the parameters equal the one-process build bit for bit, and the generator
 is left where the one-process build leaves it. Tied weights stay one tensor (the tie is a Python
-object shared by two modules, and ``to_empty`` keeps object identity). Peak extra memory: one full
-parameter on the host.
+object shared by two modules, and ``to_empty`` keeps a DTensor parameter's identity; it replaces a
+plain one, so a tie between plain parameters would split, and is refused). Peak extra memory: one
+full parameter on the host.
 
 Pipeline stages (pp > 1) start the same way: the meta model is cut to this rank's stages (the
 modules of other stages set to None) and parallelized per stage, then materialised. The replay
