@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from largebatch.models import build_model
 from largebatch.optim import LAMB, param_groups
 from largebatch.parallel import ParallelConfig, init_distributed, parallelize, rank_guard, shard_optimizer, unwrap
 from largebatch.parallel.materialize import build_on_meta, materialize
+from largebatch.parallel.pipeline import pipeline_parallelize
 from parallel_cases import batch, full, local_batch, loss_and_backward, states, tiny
 
 STEPS = 3
@@ -126,11 +128,44 @@ def meta_cases(results: dict) -> None:
             results[f"largest_param_bytes/{kind}"] = max(p.nbytes for p in model0.parameters())
 
 
+def pipeline_cases(results: dict, config: ParallelConfig, prefix: str) -> None:
+    """Pipeline stages started on the meta device: cut to this rank's stage, parallelized,
+    materialised; compared with the one-process build and with the plain build cut the same way."""
+    for kind in ("gpt", "bert"):
+        cfg = replace(tiny(kind), tie_embeddings=False)  # pipeline stages refuse tied embeddings
+        key = f"{prefix}/{kind}"
+        torch.manual_seed(0)
+        reference = build_model(cfg)
+        rng_after = torch.get_rng_state()
+        ref = dict(reference.named_parameters())
+        state = init_distributed(config)
+        plain = pipeline_parallelize(copy.deepcopy(reference), state).model
+        torch.manual_seed(0)
+        model, log = build_on_meta(lambda: build_model(cfg))
+        with LiveBytes() as live:
+            model = pipeline_parallelize(model, state, init_log=log).model
+        held = dict(model.named_parameters())
+        results[f"names/{key}"] = sorted(held)
+        results[f"names_same/{key}"] = sorted(held) == sorted(n for n, _ in plain.named_parameters())
+        results[f"param_diff/{key}"] = max(float((full(p.detach()) - ref[n]).abs().max()) for n, p in held.items())
+        results[f"rng_same/{key}"] = torch.equal(torch.get_rng_state(), rng_after)
+        results[f"local_bytes/{key}"] = local_bytes(model)
+        results[f"plain_local_bytes/{key}"] = local_bytes(plain)
+        results[f"stage_bytes/{key}"] = sum(ref[n].nbytes for n in held)  # the stage, unsharded
+        results[f"param_bytes/{key}"] = sum(p.nbytes for p in reference.parameters())
+        results[f"largest_param_bytes/{key}"] = max(p.nbytes for p in reference.parameters())
+        results[f"peak_bytes/{key}"] = live.peak
+        results[f"mask_ok/{key}"] = all(  # every kept GPT block's causal mask rebuilt
+            torch.equal(b.attn.core.future, torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1))
+            for b in model.blocks if b is not None) if kind == "gpt" else True
+
+
 def run_all(out_dir: str) -> None:
     state = states("fsdp")
     results: dict = {}
     with rank_guard(state):
         meta_cases(results)
+        pipeline_cases(results, ParallelConfig(pp=2), "pp")
     (Path(out_dir) / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))
 
 
@@ -150,4 +185,5 @@ def run_2d(out_dir: str) -> None:
             results[f"param_diff/{kind}"] = max(float((full(p.detach()) - reference[n]).abs().max())
                                                 for n, p in unwrap(model).named_parameters())
             results[f"placements/{kind}"] = sorted({str(p.placements) for p in unwrap(model).parameters()})
+        pipeline_cases(results, ParallelConfig(pp=2, tp=2, sequence_parallel=True), "pp_tp")
     (Path(out_dir) / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))

@@ -13,7 +13,7 @@ import torch
 import meta_cases as cases
 from largebatch.models import build_model
 from largebatch.parallel import spawn
-from largebatch.parallel.materialize import build_on_meta
+from largebatch.parallel.materialize import build_on_meta, materialize
 from parallel_cases import tiny
 
 CASES = [(kind, mode) for kind in ("gpt", "bert") for mode in ("fsdp", "sp")]
@@ -78,12 +78,48 @@ def test_a_parameter_the_constructor_never_fills_is_refused():
         build_on_meta(build)
 
 
+def test_a_tie_between_plain_parameters_is_refused_not_split():
+    """``to_empty`` replaces a plain (not DTensor) meta parameter by a new object, once per module
+    that holds it: a tied output layer would be left unfilled. Refused by name instead."""
+    torch.manual_seed(0)
+    model, log = build_on_meta(lambda: build_model(tiny("gpt")))
+    with pytest.raises(ValueError, match=r"parameters \['lm_head.weight'\] were not in the meta build"):
+        materialize(model, log, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_pipeline_stages_start_on_meta_with_the_one_process_values_and_only_their_stage(ranks, kind):
+    """pp = 2: each rank holds only its stage's parameters (the embeddings on rank 0, the output on
+    rank 1), equal to the one-process build exactly; the generator ends where that build leaves it
+    (the dropped stage's inits were replayed too); materialising peaks at the stage plus one full
+    parameter; the causal masks of the kept blocks are rebuilt."""
+    key = f"pp/{kind}"
+    held = [set(results[f"names/{key}"]) for results in ranks]
+    assert not held[0] & held[1]  # no parameter on both ranks
+    assert any(n.startswith("blocks.0.") for n in held[0]) and any(n.startswith("blocks.1.") for n in held[1])
+    assert sum(results[f"stage_bytes/{key}"] for results in ranks) == ranks[0][f"param_bytes/{key}"]
+    for results in ranks:
+        local = results[f"local_bytes/{key}"]
+        assert results[f"param_diff/{key}"] == 0.0
+        assert results[f"rng_same/{key}"] and results[f"mask_ok/{key}"] and results[f"names_same/{key}"]
+        assert local == results[f"stage_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
+        assert local < results[f"param_bytes/{key}"]
+        assert local <= results[f"peak_bytes/{key}"] <= local + results[f"largest_param_bytes/{key}"]
+
+
 def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
     """4 ranks (dp 2 x tp 2, FSDP2 over TP+SP): parameters laid out as strided shards over the
-    tensor-parallel shards still equal the one-process build exactly."""
+    tensor-parallel shards still equal the one-process build exactly. Then pp 2 x tp 2 (TP+SP
+    within each stage) started on meta: each rank holds its stage's tensor-parallel shards only,
+    equal to the one-process build exactly."""
     spawn(cases.run_2d, 4, str(tmp_path))
     for rank in range(4):
         results = json.loads((tmp_path / f"results_rank{rank}.json").read_text())
         for kind in ("gpt", "bert"):
             assert results[f"param_diff/{kind}"] == 0.0
             assert any("_StridedShard" in p for p in results[f"placements/{kind}"])
+            key = f"pp_tp/{kind}"
+            assert results[f"param_diff/{key}"] == 0.0
+            assert results[f"rng_same/{key}"] and results[f"mask_ok/{key}"] and results[f"names_same/{key}"]
+            assert results[f"local_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
+            assert results[f"local_bytes/{key}"] < results[f"stage_bytes/{key}"] < results[f"param_bytes/{key}"]

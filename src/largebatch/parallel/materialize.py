@@ -16,9 +16,17 @@ on one device must still start). So the trainer
 Replaying the same fills, with the same arguments, on the same CPU generator, in the same order,
 draws the same numbers: the parameters equal the one-process build bit for bit, and the generator
 is left where the one-process build leaves it. Tied weights stay one tensor (the tie is a Python
-object shared by two modules, and ``to_empty`` keeps object identity). Peak extra memory: one full
-parameter on the host. DDP, one-process runs and pipeline stages build the plain way (every rank
-builds the whole model; see docs/parallel.md).
+object shared by two modules, and ``to_empty`` keeps a DTensor parameter's identity; it replaces a
+plain one, so a tie between plain parameters would split, and is refused). Peak extra memory: one
+full parameter on the host.
+
+Pipeline stages (pp > 1) start the same way: the meta model is cut to this rank's stages (the
+modules of other stages set to None) and parallelized per stage, then materialised. The replay
+still runs every recorded call, those of the dropped parameters included, on throwaway full CPU
+tensors, so the generator draws exactly what the whole build draws and the kept parameters equal
+it bit for bit; only kept parameters are stored. DDP without pipeline stages, one-process runs and
+``model.init_from`` starts build the plain way (every rank builds the whole model; see
+docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -106,8 +114,6 @@ def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitLog]:
 
 def materialize(model: nn.Module, log: InitLog, device: torch.device) -> None:
     """Allocate ``model``'s local shards on ``device`` and fill them with the one-process values."""
-    # the built tensors -> the parallelized parameters (tied weights: one name, one object)
-    targets = {key: model.get_parameter(name) for key, name in log.names.items()}
     last_write = {}  # tensor id -> index of the call that starts its final value
     for i, (tensor, _, _, _, overwrites) in enumerate(log.calls):
         if overwrites:
@@ -118,6 +124,15 @@ def materialize(model: nn.Module, log: InitLog, device: torch.device) -> None:
             raise ValueError(f"meta-device start: {type(module).__name__} has a buffer but no "
                              f"init_buffers(device) to rebuild it")
     model.to_empty(device=device)  # only the local shards: DTensors keep their placements
+    # the built tensors -> the parallelized parameters, looked up after to_empty (a plain meta
+    # parameter is replaced by a new object there; tied weights: one name, one object); a parameter
+    # of a module a pipeline stage dropped (set to None) has none: its inits are replayed for the
+    # generator's sake, not stored
+    targets = {key: model.get_parameter(name) for key, name in log.names.items() if _held(model, name)}
+    unknown = sorted({name for name, _ in model.named_parameters()} - set(log.names.values()))
+    if unknown:  # e.g. a tie between plain (not DTensor) parameters that to_empty split in two
+        raise ValueError(f"meta-device start: parameters {unknown} were not in the meta build "
+                         f"under these names, so their values cannot be rebuilt")
     saved = torch.get_rng_state()
     torch.set_rng_state(log.rng_state)
     try:
@@ -128,6 +143,17 @@ def materialize(model: nn.Module, log: InitLog, device: torch.device) -> None:
     # the generator now stands where the one-process build leaves it
     for module in with_buffers:
         module.init_buffers(device)
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` is still in ``model``: False where a module on its path was set
+    to None (a pipeline stage's dropped module); any other missing name raises as get_parameter does."""
+    module: Any = model
+    for part in name.split(".")[:-1]:
+        if part in module._modules and module._modules[part] is None:
+            return False
+        module = module.get_submodule(part)
+    return True
 
 
 def _replay(calls, targets: dict[int, torch.Tensor], last_write: dict[int, int]) -> None:
@@ -163,7 +189,7 @@ def _store(full: torch.Tensor | None, param: torch.Tensor | None, final: bool) -
 
 
 def meta_init_applies(state: Any, init_from: str | None) -> bool:
-    """The trainer builds on the meta device under FSDP2 (over >1 replica) or tensor parallel, not
-    under DDP, in one process, with pipeline stages, or when starting from pretrained weights."""
-    sharded = (state.dp_mode == "fsdp" and state.dp_size > 1) or state.tp_size > 1
-    return state.distributed and sharded and state.pp_size == 1 and not init_from
+    """The trainer builds on the meta device under FSDP2 (over >1 replica), tensor parallel or
+    pipeline stages, not under DDP alone, in one process, or when starting from pretrained weights."""
+    sharded = (state.dp_mode == "fsdp" and state.dp_size > 1) or state.tp_size > 1 or state.pp_size > 1
+    return state.distributed and sharded and not init_from

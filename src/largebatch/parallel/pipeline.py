@@ -50,6 +50,7 @@ from largebatch.models.gpt import token_loss
 from largebatch.models.registry import model_spec
 from largebatch.optim.core import local_shard
 from largebatch.parallel.config import MULTI_STAGE, PP_SCHEDULES
+from largebatch.parallel.materialize import InitLog, materialize
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.norms import contributes
 from largebatch.parallel.parallelize import apply_fsdp
@@ -351,9 +352,13 @@ def _whole(loss: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
-                         compile: bool = False) -> Pipeline:
+                         compile: bool = False, init_log: InitLog | None = None) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
-    recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them."""
+    recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them.
+
+    With ``init_log`` (``model`` built by ``build_on_meta``) the cut and parallelized stages are then
+    materialised on ``state.device``: only this rank's parameters are ever allocated, with the
+    one-process values."""
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages, state.pp_schedule)
@@ -366,10 +371,14 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
         for block in model.blocks:
             if block is not None:
                 block.compile()
-    stages = []
+    modules = []
     for index in mine:
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
         if state.dp_size > 1 and state.dp_mode == "fsdp":  # ddp: Pipeline.replicas, after the step
             module = apply_fsdp(module, state.dp_mesh)
-        stages.append(RecordingStage(module, index, n_stages, state.device, group=state.pp_group))
+        modules.append(module)
+    if init_log is not None:  # before the stages and the replicas' parameter list see the tensors
+        materialize(model, init_log, state.device)
+    stages = [RecordingStage(module, index, n_stages, state.device, group=state.pp_group)
+              for module, index in zip(modules, mine)]
     return Pipeline(model, stages, state, state.pp_schedule)

@@ -141,11 +141,15 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
         param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
-        if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP: no rank holds the whole model
+        if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP / PP: no rank holds the whole model
             model, init_log = build_on_meta(lambda: build_model(cfg.model))
             self.n_params = model.num_params()
-            self.pipeline, self.model = None, parallelize(model, self.par, **techniques, param_dtype=param_dtype)
-            materialize(unwrap(self.model), init_log, self.device)  # the one-process values, sharded
+            if self.par.pp_size > 1:  # cut to this rank's stages on meta, then materialised
+                self.pipeline = pipeline_parallelize(model, self.par, **techniques, init_log=init_log)
+                self.model = self.pipeline.model
+            else:
+                self.pipeline, self.model = None, parallelize(model, self.par, **techniques, param_dtype=param_dtype)
+                materialize(unwrap(self.model), init_log, self.device)  # the one-process values, sharded
         else:
             model = build_model(cfg.model).to(self.device)
             if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
