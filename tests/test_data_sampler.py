@@ -71,13 +71,13 @@ def small_corpus(tmp_path_factory) -> DataConfig:
         (root / "text" / f"{play}.txt").write_text((SHKSPR_TEXTS / f"{play}_gut.txt").read_text())
     cfg = DataConfig(corpus=str(root / "text"), vocab_size=300, cache_dir=str(root / "cache"),
                      val_documents=("tempest",), seed=5)
-    build_data(cfg, SEQ_LEN, "bert")  # fill the cache once
+    build_data(cfg, SEQ_LEN, "masked")  # fill the cache once
     return cfg
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_batches_do_not_depend_on_the_batch_schedule(small_corpus, kind):
-    data = build_data(small_corpus, SEQ_LEN, kind)
+@pytest.mark.parametrize("objective", ["causal", "masked"])
+def test_batches_do_not_depend_on_the_batch_schedule(small_corpus, objective):
+    data = build_data(small_corpus, SEQ_LEN, objective)
     n = len(data.train)
     schedule_a, schedule_b = [n // 2, 3, n - n // 2 - 3, 64], [n // 4 + 5] * 3 + [n + 64 - 3 * (n // 4 + 5)]
     batches = {}
@@ -93,7 +93,7 @@ def _data_parallel_worker(rank: int, world_size: int, cfg: DataConfig, init_file
                           out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
-    data = build_data(cfg, SEQ_LEN, "bert")
+    data = build_data(cfg, SEQ_LEN, "masked")
     position, gathered = 0, []
     for batch_size in (4, 4, 8, 16):  # a Seesaw-like batch doubling
         local = data.train.get_batch(step_indices(position, batch_size, rank, world_size))
@@ -118,7 +118,7 @@ def test_gloo_ranks_together_fetch_exactly_the_single_process_steps(small_corpus
              nprocs=2, join=True)
     result = torch.load(tmp_path / "gathered.pt")
     assert result["cache_hits"] == [False, True]  # rank 0 trained; rank 1 waited and reused it
-    data = build_data(cfg, SEQ_LEN, "bert")
+    data = build_data(cfg, SEQ_LEN, "masked")
     position = 0
     for (input_ids, labels), batch_size in zip(result["gathered"], (4, 4, 8, 16)):
         single = data.train.get_batch(range(position, position + batch_size))
