@@ -25,13 +25,14 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
 
 
 def test_throughput_excludes_evaluation_and_checkpoints(reference_run, tmp_path):
-    """Evaluate 3,072 tokens and checkpoint before every step. The log line of an evaluation is
+    """Evaluate 16,384 tokens (64x a step's, so the evaluation outlasts a step even on a loaded
+    machine) and checkpoint before every step. The log line of an evaluation is
     written after it ends and the step's record after the step: a step's window (its tokens / its
     tokens/s) must fit between the two, by the wall clock. Counting the evaluation breaks that bound
     by the evaluation's length, which the test checks is longer than a step."""
     cache, _, _ = reference_run
     o = tiny_overrides(cache, tmp_path / "run", **{
-        "run.eval_every_tokens": 1, "run.eval_tokens": 32 * 96, "run.checkpoint_every_tokens": 1,
+        "run.eval_every_tokens": 1, "run.eval_tokens": 32 * 512, "run.checkpoint_every_tokens": 1,
         "run.total_tokens": 32 * 8 * 3, "schedule.batch_policy": "constant", "run.peak_flops": 1e3})
     stamps: list[tuple[float, str]] = []
     trainer = Trainer(load_config(resolve_config(None), o), o["run.out_dir"],
