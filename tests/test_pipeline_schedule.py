@@ -100,7 +100,7 @@ def test_bytes_of_the_walk_equal_the_closed_form(schedule, V):
     for every stage in flight)."""
     from largebatch.memory.activations import model_activation_bytes
     from largebatch.memory.pipeline_schedule import schedule_activation_bytes
-    from largebatch.models.config import preset
+    from largebatch.models import preset
 
     config = preset("gpt3-175b") if V == 1 else preset("gpt3-175b", dropout=0.0)
     p, m = 8, 16
@@ -113,7 +113,7 @@ def test_bytes_of_the_walk_equal_the_closed_form(schedule, V):
 def test_zbv_puts_the_output_layer_on_the_first_rank():
     from largebatch.memory.activations import stage_activation_bytes
     from largebatch.memory.pipeline_schedule import schedule_activation_bytes
-    from largebatch.models.config import preset
+    from largebatch.models import preset
 
     config = preset("demo")
     p, m, n = 2, 4, 4

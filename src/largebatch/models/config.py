@@ -96,11 +96,3 @@ class ModelConfig:
 def _nearest_divisor(n: int, near: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - near))
 
-
-def __getattr__(name: str):
-    """PRESETS and preset live in largebatch.models.presets (built once GPT and BERT have registered
-    their kinds); ``from largebatch.models.config import preset`` still finds them."""
-    if name in ("PRESETS", "preset"):
-        from largebatch.models import presets
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
