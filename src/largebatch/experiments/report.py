@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from largebatch.experiments.runner import ArmResult  # noqa: E402
+from largebatch.experiments.runner import ESCAPE_NATS, ArmResult  # noqa: E402
 
 
 def fmt_loss(x: float | None) -> str:
@@ -26,6 +26,16 @@ def fmt_loss(x: float | None) -> str:
     if x is None:
         return "n/a"
     return "diverged" if math.isinf(x) else f"{x:.4f}"
+
+
+def fmt_escape(result: ArmResult) -> str:
+    """When a run left the unigram plateau (ArmResult.plateau_escape): "step 41 (21%)" -- the optimizer
+    step and the share of its tokens seen by then -- or "never"."""
+    escape = result.plateau_escape
+    return "never" if escape is None else f"step {escape[0]:.0f} ({100 * escape[1]:.0f}%)"
+
+
+ESCAPE_HEADER = f"off the plateau (val < unigram - {ESCAPE_NATS:g})"
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

@@ -112,6 +112,46 @@ class ArmResult:
         may be shorter, trimmed to the token budget)."""
         return max(r["batch_size"] for r in self.train)
 
+    @property
+    def unigram_loss(self) -> float | None:
+        """The validation loss of the unigram model of the training split (summary.json)."""
+        return self.summary.get("unigram_val_loss")
+
+    @property
+    def plateau_escape(self) -> tuple[float, float] | None:
+        """(optimizer step, fraction of the run's tokens) at which the validation loss first falls
+        ESCAPE_NATS below the unigram loss, linearly interpolated between the two evaluations around
+        the crossing; None when it never does (the arm ended on the plateau) or nothing was recorded.
+
+        Small GPTs first learn the unigram distribution, then sit near its loss until context is
+        used; when each run leaves that plateau is chaotic (a change of summation order moves it),
+        and a comparison of arms that leave it late measures that moment, not the schedule."""
+        return plateau_escape(self.val, self.unigram_loss, self.tokens if self.train else 0)
+
+
+ESCAPE_NATS = 0.25
+"""How far below the unigram loss a run's validation loss must fall to count as off the plateau."""
+
+
+def plateau_escape(val: list[dict], unigram: float | None, total_tokens: int,
+                   margin: float = ESCAPE_NATS) -> tuple[float, float] | None:
+    """See ArmResult.plateau_escape: (step, token fraction) of the first crossing of unigram - margin."""
+    if unigram is None or not val or total_tokens <= 0:
+        return None
+    target = unigram - margin
+    previous = None
+    for record in val:
+        loss = record["val_loss"]
+        if math.isfinite(loss) and loss <= target:
+            if previous is None:
+                return float(record["step"]), record["tokens"] / total_tokens
+            w = (previous["val_loss"] - target) / (previous["val_loss"] - loss)
+            step = previous["step"] + w * (record["step"] - previous["step"])
+            tokens = previous["tokens"] + w * (record["tokens"] - previous["tokens"])
+            return step, tokens / total_tokens
+        previous = record
+    return None
+
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, val records) of a run directory's metrics.jsonl, in order."""

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from largebatch.experiments import floor as noise_floor
-from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_schedules, plot_validation
+from largebatch.experiments.report import (
+    ESCAPE_HEADER,
+    Report,
+    fmt_escape,
+    fmt_loss,
+    markdown_table,
+    plot_schedules,
+    plot_validation,
+)
 from largebatch.experiments.runner import (
     Arm,
     ArmResult,
@@ -138,9 +146,9 @@ def group_table(results: list[ArmResult]) -> str:
         rows.append([r.arm.name, fmt_loss(r.final_val_loss),
                      f"{r.final_val_loss - cosine.final_val_loss:+.4f}", r.tokens, r.steps,
                      f"{100 * (1 - r.steps / cosine.steps):.1f}%", r.final_batch,
-                     "not reached" if reached is None else reached, f"{r.wall_seconds:.1f}"])
+                     "not reached" if reached is None else reached, fmt_escape(r), f"{r.wall_seconds:.1f}"])
     headers = ["arm", "final val loss", "vs cosine", "tokens", "optimizer steps", "steps saved",
-               "final batch", f"steps to cosine's {fmt_loss(cosine.final_val_loss)}", "wall s"]
+               "final batch", f"steps to cosine's {fmt_loss(cosine.final_val_loss)}", ESCAPE_HEADER, "wall s"]
     return markdown_table(headers, rows)
 
 

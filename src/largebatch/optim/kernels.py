@@ -270,11 +270,12 @@ class KernelRun:
             flat[name] = torch.empty_like(flat["x"])
 
     def __call__(self, kernel: Callable, names: tuple[str, ...], per_tensor: tuple, shared: tuple,
-                 out: Tensor | None = None) -> None:
-        """``kernel(*tensors[names], *per_tensor values, *shared, seg, n)`` everywhere; where it returns
-        (k,) / (k, n_c) sums, they are written into the columns of ``out`` (k, layout.n)."""
+                 out: Tensor | None = None, buckets_only: bool = False) -> None:
+        """``kernel(*tensors[names], *per_tensor values, *shared, seg, n)`` everywhere (``buckets_only``:
+        on the flat buckets alone); where it returns (k,) / (k, n_c) sums, they are written into the
+        columns of ``out`` (k, layout.n)."""
         fn = compiled(kernel) if self.layout.compiled else kernel
-        for i in self.layout.kernel:
+        for i in ([] if buckets_only else self.layout.kernel):
             args = [None if self.tensors[name] is None else self.tensors[name][i].view(-1) for name in names]
             result = fn(*args, *(None if v is None else v[i] for v in per_tensor), *shared, None, None)
             if out is not None:
