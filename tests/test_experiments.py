@@ -20,7 +20,7 @@ import torch
 from largebatch.experiments import cli, runner
 from largebatch.experiments.noise_scale import rank_correlation
 from largebatch.experiments.optimizers import best_per_cell, degrades_beyond
-from largebatch.experiments.report import fmt_loss
+from largebatch.experiments.report import ESCAPE_HEADER, fmt_loss
 from largebatch.experiments.runner import Arm, ArmResult, check_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,36 @@ def assert_png(path: Path) -> None:
     assert data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 300 and height >= 200, (path, width, height)
+
+
+def escape_reference(val: list[dict], unigram: float, tokens: int, margin: float = 0.25) -> str:
+    """The report's plateau-escape cell, recomputed: the first evaluation at or below unigram - margin,
+    the step and token share interpolated linearly from the evaluation before it."""
+    target = unigram - margin
+    for i, record in enumerate(val):
+        if record["val_loss"] <= target:
+            if i == 0:
+                return f"step {record['step']:.0f} ({100 * record['tokens'] / tokens:.0f}%)"
+            a = val[i - 1]
+            w = (a["val_loss"] - target) / (a["val_loss"] - record["val_loss"])
+            step = a["step"] + w * (record["step"] - a["step"])
+            share = (a["tokens"] + w * (record["tokens"] - a["tokens"])) / tokens
+            return f"step {step:.0f} ({100 * share:.0f}%)"
+    return "never"
+
+
+def test_plateau_escape_interpolates_between_evaluations():
+    val = [{"step": 0, "tokens": 0, "val_loss": 6.9}, {"step": 10, "tokens": 1000, "val_loss": 5.9},
+           {"step": 20, "tokens": 2000, "val_loss": 5.5}, {"step": 30, "tokens": 3000, "val_loss": 5.0}]
+    # unigram 5.9: target 5.65, crossed 0.25/0.4 of the way from step 10 to step 20
+    step, share = runner.plateau_escape(val, 5.9, 4000)
+    assert step == pytest.approx(16.25) and share == pytest.approx(1625 / 4000)
+    assert runner.plateau_escape(val, 7.5, 4000) == (0.0, 0.0)  # below the target from the start
+    assert runner.plateau_escape(val, 5.2, 4000) is None  # never 0.25 below: still on the plateau
+    assert runner.plateau_escape(val, None, 4000) is None and runner.plateau_escape([], 5.9, 4000) is None
+    result = ArmResult(Arm("a", {}), Path("."), {"unigram_val_loss": 5.9},
+                       train=[{"step": 40, "tokens": 4000, "batch_size": 1}], val=val)
+    assert result.plateau_escape == pytest.approx((16.25, 0.40625))
 
 
 @pytest.fixture
@@ -94,6 +124,8 @@ def test_seesaw_smoke_report_agrees_with_metrics(seesaw_smoke, one_thread):
             saved = 100 * (1 - train[-1]["step"] / cosine_steps)
             assert float(row["steps saved"].rstrip("%")) == pytest.approx(saved, abs=0.051)
             assert int(row["tokens"]) == train[-1]["tokens"] >= 12_288  # the budget (trimmed last step)
+            unigram = json.loads((out / "runs" / row["arm"] / "summary.json").read_text())["unigram_val_loss"]
+            assert row[ESCAPE_HEADER] == escape_reference(val, unigram, train[-1]["tokens"])
     below = {row["arm"]: row for row in tables[0]}
     # each seed's arms share that seed's init and data order, and the seeds differ
     seven = json.loads((out / "runs" / "below-cosine-seed7" / "arm.json").read_text())["overrides"]
