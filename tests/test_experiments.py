@@ -71,6 +71,34 @@ def escape_reference(val: list[dict], unigram: float, tokens: int, margin: float
     return "never"
 
 
+def claim_reference(mean: float, low: float, high: float, floor: float, expect: str) -> str:
+    """A paper's claim judged from scratch: a gap is established when the interval excludes 0 and the
+    mean exceeds the floor; equivalence when the interval lies within +-floor."""
+    gap = (low > 0 or high < 0) and abs(mean) > floor
+    same = floor > 0 and low >= -floor and high <= floor
+    if expect == "same":
+        if gap:
+            return "agrees (ends lower)" if mean < 0 else "contradicts (ends higher)"
+        return "agrees (within the floor)" if same else "not resolvable at this scale"
+    if gap:
+        return "agrees" if mean > 0 else "contradicts (ends lower)"
+    return "contradicts (no gap beyond the floor)" if same else "not resolvable at this scale"
+
+
+def test_claim_verdicts_cover_every_case():
+    from largebatch.experiments.seesaw import claim_verdict
+
+    cases = [(0.10, (0.05, 0.15), 0.02), (-0.10, (-0.15, -0.05), 0.02), (0.01, (0.005, 0.015), 0.02),
+             (0.0, (-0.01, 0.01), 0.02), (0.0, (-0.5, 0.5), 0.02), (0.03, (0.01, 0.05), None),
+             (0.0, (-0.01, 0.01), None)]
+    for expect in ("same", "worse"):
+        for mean, ci, floor in cases:
+            assert claim_verdict(mean, ci, floor, expect) == claim_reference(mean, *ci, floor or 0.0, expect)
+    assert claim_verdict(None, None, 0.1, "same").startswith("not resolvable")
+    with pytest.raises(ValueError, match="expect='better'"):
+        claim_verdict(0.0, (0.0, 0.0), 0.0, "better")
+
+
 def test_plateau_escape_interpolates_between_evaluations():
     val = [{"step": 0, "tokens": 0, "val_loss": 6.9}, {"step": 10, "tokens": 1000, "val_loss": 5.9},
            {"step": 20, "tokens": 2000, "val_loss": 5.5}, {"step": 30, "tokens": 3000, "val_loss": 5.0}]
@@ -149,7 +177,7 @@ def test_seesaw_smoke_report_agrees_with_metrics(seesaw_smoke, one_thread):
         cosine = np.array([final(t[0]["arm"]) for t in per_seed])
         assert float(summary[0]["sd"]) == pytest.approx(cosine.std(ddof=1), abs=5.1e-5)
     # the noise floor: every seed-1337 arm re-run with another data order, gaps recomputed from the runs
-    floors = [t for t in parse_tables(report) if t and "noise floor" in t[0]]
+    floors = [t for t in parse_tables(report) if t and "noise floor" in t[0] and "gap vs cosine" in t[0]]
     assert len(floors) == 2
     for floor_rows, table in zip(floors, (tables[0], tables[2])):
         final = lambda arm: load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]  # noqa: E731
@@ -193,6 +221,22 @@ def test_seesaw_smoke_report_agrees_with_metrics(seesaw_smoke, one_thread):
                          report, re.M)
         assert float(line.group(1)) == pytest.approx(statistics.fmean(diffs), abs=5.1e-5), line
         assert float(line.group(2)) == pytest.approx(statistics.stdev(diffs), abs=5.1e-5)
+    # the paper's claims: each gap per seed, its t interval and its floor, recomputed from the runs
+    claims = [t for t in parse_tables(report) if t and "claim (Meterez et al. 2025)" in t[0]]
+    assert len(claims) == 1 and len(claims[0]) == 5
+    final = lambda arm: load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]  # noqa: E731
+    for row in claims[0]:
+        arm, reference = row["gap"].split(" minus ")
+        gaps = np.array([final(arm + suffix) - final(reference + suffix) for suffix in ("", "-seed7")])
+        moved = final(arm + "-data") - final(reference + "-data")
+        floor = abs(moved - gaps[0])
+        half = 12.706 * gaps.std(ddof=1) / np.sqrt(2)
+        assert float(row["mean"]) == pytest.approx(gaps.mean(), abs=5.1e-5)
+        assert float(row["noise floor"]) == pytest.approx(floor, abs=5.1e-5)
+        low, high = (float(v) for v in re.findall(r"[-+][\d.]+", row["95% CI"]))
+        assert (low, high) == pytest.approx((gaps.mean() - half, gaps.mean() + half), abs=5.1e-5)
+        expect = "same" if "reaches" in row["claim (Meterez et al. 2025)"] else "worse"
+        assert row["verdict"] == claim_reference(gaps.mean(), gaps.mean() - half, gaps.mean() + half, floor, expect)
     # the measured critical batch: median B_simple over the second half of the cosine run
     train, _ = load_jsonl(out / "runs" / "below-cosine" / "metrics.jsonl")
     noise = [r["noise_scale"] for r in train[len(train) // 2:] if r["noise_scale"] is not None]

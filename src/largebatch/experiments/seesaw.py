@@ -252,7 +252,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
                    len(ARMS))
     threads = _arm_threads(execution)
-    low_floor = _floors(low_arms[0], low[0], setting.floor, threads, base, out_dir, log, execution)
+    low_floor, low_perturbed = _floors(low_arms[0], low[0], setting.floor, threads, base, out_dir, log, execution)
     b_crit = critical_batch(low[0][0])
     above = above_batch(setting.above, b_crit)
     above_total = above_budget(total, above, seq_len, setting.above_steps)
@@ -263,7 +263,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                           extra=budget if above_total != total else None)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
                     len(ARMS))
-    high_floor = _floors(high_arms[0], high[0], setting.floor, threads, base, out_dir, log, execution)
+    high_floor, high_perturbed = _floors(high_arms[0], high[0], setting.floor, threads, base, out_dir, log,
+                                         execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm, 10% warmup,
 cosine to 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
 vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.join(
@@ -285,6 +286,7 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
                         "is the largest move of its gap to cosine; a difference must exceed it):\n\n"
                         + floor_table(floors, threads))
         report.add(section)
+    report.add(claims_section(claims(low, high, low_perturbed, high_perturbed)))
     report.add(findings(low, high, low_floor, high_floor))
     shown = low[0] + high[0]
     report.plots.append(plot_validation(shown, out_dir / "val_loss.png",
@@ -302,14 +304,113 @@ def _arm_threads(execution: Execution) -> int:
 
 
 def _floors(arms: list[Arm], results: list[ArmResult], kinds: tuple[str, ...], threads: int,
-            base: dict, out_dir: Path, log, execution: Execution) -> list[noise_floor.Floor]:
-    """The group's noise floors: its first seed's arms re-run once per perturbation."""
+            base: dict, out_dir: Path, log, execution: Execution
+            ) -> tuple[list[noise_floor.Floor], dict[str, list[ArmResult]]]:
+    """The group's noise floors (its first seed's arms re-run once per perturbation) and those runs."""
     if not kinds:
-        return []
+        return [], {}
     perturbed = noise_floor.perturbed_arms(arms, kinds, threads)
     ran = run_arms([a for group in perturbed.values() for a in group], base, out_dir, log, execution)
     by_kind = {kind: ran[i * len(arms):(i + 1) * len(arms)] for i, kind in enumerate(perturbed)}
-    return noise_floor.gap_floors(results, by_kind)
+    return noise_floor.gap_floors(results, by_kind), by_kind
+
+
+# ---------------------------------------------------------------------------------- the paper's claims
+@dataclass(frozen=True)
+class Claim:
+    """One claim of the paper, tested as the paired gap "arm minus reference" (final validation loss,
+    per seed) with its 95% interval over seeds and its noise floor (seed 1337's gap moved by each
+    harmless perturbation; experiments/floor.py)."""
+
+    text: str
+    arm: str
+    reference: str
+    expect: str
+    """"same": the paper finds equal loss; "worse": it finds the arm's loss higher."""
+    gaps: list[float]
+    floor: float | None
+
+    @property
+    def finite(self) -> list[float]:
+        return [g for g in self.gaps if math.isfinite(g)]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.finite) if self.finite else None
+
+    @property
+    def ci95(self) -> tuple[float, float] | None:
+        return ci95(self.finite)
+
+    @property
+    def verdict(self) -> str:
+        return claim_verdict(self.mean, self.ci95, self.floor, self.expect)
+
+
+def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str) -> str:
+    """agrees / contradicts / not resolvable at this scale, from a paired gap's mean, 95% interval and
+    noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor; two
+    arms are equivalent when the whole interval lies within +-floor (the floor is the smallest
+    difference this setup can tell from a change of summation order or data order)."""
+    if expect not in ("same", "worse"):
+        raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
+    if mean is None or ci is None:
+        return "not resolvable at this scale (fewer than 2 finite seeds)"
+    margin = 0.0 if floor is None else floor
+    established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin
+    equivalent = margin > 0 and -margin <= ci[0] and ci[1] <= margin
+    if expect == "same":
+        if established:
+            return "contradicts (ends higher)" if mean > 0 else "agrees (ends lower)"
+        return "agrees (within the floor)" if equivalent else "not resolvable at this scale"
+    if established:
+        return "agrees" if mean > 0 else "contradicts (ends lower)"
+    return "contradicts (no gap beyond the floor)" if equivalent else "not resolvable at this scale"
+
+
+def _pair_floor(results: list[ArmResult], perturbed: dict[str, list[ArmResult]], i: int, j: int) -> float | None:
+    """The largest move of seed 1337's gap "arm i minus arm j" under the perturbations (None: none run)."""
+    if not perturbed:
+        return None
+    gap = results[i].final_val_loss - results[j].final_val_loss
+    return max(abs(rs[i].final_val_loss - rs[j].final_val_loss - gap) for rs in perturbed.values())
+
+
+CLAIMS = (  # (group, arm, reference, expect, the paper's claim)
+    ("below", "seesaw-r0.5", "cosine", "same",
+     "below the critical batch, Seesaw r=1/2 reaches cosine's loss with fewer steps"),
+    ("below", "seesaw-r0.91", "cosine", "same",
+     "below the critical batch, Seesaw r=1/1.1 (the paper's main runs) reaches cosine's loss"),
+    ("above", "seesaw-r0.5", "cosine", "worse", "started above the critical batch, Seesaw r=1/2 loses to cosine"),
+    ("above", "seesaw-r0.91", "cosine", "worse", "started above the critical batch, Seesaw r=1/1.1 loses to cosine"),
+    ("below", "smith-r0.5", "seesaw-r0.5", "worse",
+     "for Adam, Smith's batch ramp at constant LR is worse than Seesaw (below the critical batch)"),
+)
+
+
+def claims(low: list[list[ArmResult]], high: list[list[ArmResult]], low_perturbed: dict[str, list[ArmResult]],
+           high_perturbed: dict[str, list[ArmResult]]) -> list[Claim]:
+    names = [name for name, _, _ in ARMS]
+    out = []
+    for group, arm, reference, expect, text in CLAIMS:
+        per_seed, perturbed = (low, low_perturbed) if group == "below" else (high, high_perturbed)
+        i, j = names.index(arm), names.index(reference)
+        gaps = [s[i].final_val_loss - s[j].final_val_loss for s in per_seed]
+        out.append(Claim(text, f"{group}-{arm}", f"{group}-{reference}", expect, gaps,
+                         _pair_floor(per_seed[0], perturbed, i, j)))
+    return out
+
+
+def claims_section(found: list[Claim]) -> str:
+    """The paper's claims, one row each: the paired gap over seeds, its interval, the floor, the verdict."""
+    rows = [[c.text, f"{c.arm} minus {c.reference}", len(c.gaps), _signed(c.mean), _interval(c.ci95),
+             "n/a" if c.floor is None else f"{c.floor:.4f}", c.verdict] for c in found]
+    return ("## The paper's claims, judged\n\nEach claim as a paired gap in final validation loss (per seed; "
+            "positive: the first arm ends higher), its 95% interval over seeds and the noise floor of that gap. "
+            "Established: the interval excludes 0 and the mean exceeds the floor. Equivalent: the whole "
+            "interval lies within +-floor. Otherwise the claim is not resolvable at this scale.\n\n"
+            + markdown_table(["claim (Meterez et al. 2025)", "gap", "seeds", "mean", "95% CI", "noise floor",
+                              "verdict"], rows))
 
 
 def _by_seed(results: list[ArmResult], per_seed: int) -> list[list[ArmResult]]:
