@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import re
 import statistics
 import struct
@@ -97,6 +98,26 @@ def test_claim_verdicts_cover_every_case():
     assert claim_verdict(None, None, 0.1, "same").startswith("not resolvable")
     with pytest.raises(ValueError, match="expect='better'"):
         claim_verdict(0.0, (0.0, 0.0), 0.0, "better")
+
+
+def test_arm_processes_wait_passively_unless_the_user_chose(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    with runner.passive_openmp():
+        child = ctx.Process(target=os_environ_probe, args=("OMP_WAIT_POLICY", 17))
+        child.start()
+    child.join()
+    assert child.exitcode == 17 and "OMP_WAIT_POLICY" not in os.environ  # the child saw PASSIVE
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with runner.passive_openmp():
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def os_environ_probe(name: str, code: int) -> None:
+    raise SystemExit(code if os.environ.get(name) == "PASSIVE" else 1)
 
 
 def test_plateau_escape_interpolates_between_evaluations():

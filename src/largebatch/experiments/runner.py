@@ -11,6 +11,7 @@ Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per exp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -362,7 +363,8 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                 index, (arm, run_dir, overrides) = pending.pop(0)
                 process = ctx.Process(target=_arm_process, args=(results, index, run_dir, overrides, threads),
                                       name=f"arm-{arm.name}")
-                process.start()
+                with passive_openmp():
+                    process.start()
                 running[index] = process
             try:
                 index, outcome = results.get(timeout=1.0)
@@ -387,6 +389,23 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def passive_openmp():
+    """Processes started inside get OMP_WAIT_POLICY=PASSIVE, unless the user set a policy. Arms run
+    side by side share the cores, and an arm may run more threads than its share (the noise floor's
+    thread-count perturbation): with OpenMP's default spin-waiting every parallel region then stalls
+    on threads that are not scheduled. Measured, 2 jobs on 2 cores with a third process busy: a quick
+    seesaw arm at 2 threads took 1,003 s spinning, 35 s passive; the policy changes no number."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _worker_start(threads: int) -> None:
