@@ -600,15 +600,15 @@ def _all_verdicts(report: str) -> list[str]:
 
 def test_optimizers_and_noise_scale_verdicts_do_not_change_with_the_thread_count(
         tmp_path_factory, optimizers_smoke, noise_scale_smoke):
-    """Each verdict and claim status is the same with the arms at 1 and at 2 torch threads. At smoke
-    size the matrices are below torch's parallel grain, so the losses themselves are the same too."""
+    """Each verdict and claim status is the same with the arms at 1 and at 2 torch threads. These
+    smoke arms are not bit for bit the same at 2 threads (measured): the optimizers
+    arms at micro-batch 16-32 and the noise-scale arms' B_simple move in the 7th-8th digit, and the
+    losses follow a few steps later; the verdicts do not move."""
     for name, one in (("optimizers", optimizers_smoke), ("noise-scale", noise_scale_smoke)):
         two = _smoke(tmp_path_factory, name, threads=2)
         assert "Every arm ran with 2 torch thread(s)." in (two / "report.md").read_text()
         verdicts = [_all_verdicts((out / "report.md").read_text()) for out in (one, two)]
         assert len(verdicts[0]) >= (29 if name == "optimizers" else 8) and verdicts[0] == verdicts[1], name
-        for arm in ("constant", "seesaw-capped-seed7") if name == "noise-scale" else ("lamb-b16-lr0.0849",):
-            assert _losses(one / "runs" / arm) == _losses(two / "runs" / arm), arm
 
 
 def test_floor_claims_and_infinite_floors():
