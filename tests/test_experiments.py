@@ -87,7 +87,7 @@ def claim_reference(mean: float, low: float, high: float, floor: float, expect: 
 
 
 def test_claim_verdicts_cover_every_case():
-    from largebatch.experiments.seesaw import claim_verdict
+    from largebatch.experiments.floor import claim_verdict
 
     cases = [(0.10, (0.05, 0.15), 0.02), (-0.10, (-0.15, -0.05), 0.02), (0.01, (0.005, 0.015), 0.02),
              (0.0, (-0.01, 0.01), 0.02), (0.0, (-0.5, 0.5), 0.02), (0.03, (0.01, 0.05), None),
@@ -333,19 +333,27 @@ def test_best_lr_per_cell_and_degradation_point():
     assert degrades_beyond(best, "adamw", [4, 32, 128]) == "holds to 128"
 
 
-def test_bad_input_names_the_argument(tmp_path):
+def test_bad_input_names_the_argument(tmp_path, capsys):
     with pytest.raises(ValueError, match="sesaw.*seesaw"):
         cli.run_experiment("sesaw", "smoke", tmp_path)
     with pytest.raises(ValueError, match="size='huge'.*smoke, quick, full"):
         check_size("huge")
     with pytest.raises(SystemExit):
         cli.main(["seesaw", "--quick", "--smoke"])
-    with pytest.raises(ValueError, match="seeds=2: only seesaw and bert-lans repeat"):
-        cli.run_experiment("optimizers", "smoke", tmp_path, seeds=2)
-    with pytest.raises(ValueError, match="seeds=0: must be an integer from 1 to 8"):
-        cli.run_experiment("seesaw", "smoke", tmp_path, seeds=0)
+    with pytest.raises(ValueError, match="seeds=2: only seesaw, optimizers, noise-scale, bert-lans repeat"):
+        cli.run_experiment("recompute", "smoke", tmp_path, seeds=2)
+    for name in ("seesaw", "optimizers", "noise-scale"):
+        with pytest.raises(ValueError, match="seeds=0: must be an integer from 1 to 8"):
+            cli.run_experiment(name, "smoke", tmp_path, seeds=0)
     with pytest.raises(SystemExit):
         cli.main(["recompute", "--smoke", "--seeds", "3"])
+    for name, seeds in (("optimizers", "0"), ("noise-scale", "9"), ("optimizers", "-1")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            cli.main([name, "--smoke", "--seeds", seeds, "--out", str(tmp_path / "never")])
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--seeds {seeds}: seeds={seeds}: must be an integer" in err, err
+    assert not (tmp_path / "never").exists()
 
 
 def _losses(run_dir: Path) -> list[tuple]:
@@ -354,9 +362,9 @@ def _losses(run_dir: Path) -> list[tuple]:
 
 
 def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one_thread, capsys):
-    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
-    cli.run_experiment("noise-scale", "smoke", serial, log=lambda _: None)
-    cli.run_experiment("noise-scale", "smoke", parallel, log=lambda _: None, jobs=2)
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"  # one seed: 3 arms, no floor
+    cli.run_experiment("noise-scale", "smoke", serial, log=lambda _: None, seeds=1)
+    cli.run_experiment("noise-scale", "smoke", parallel, log=lambda _: None, jobs=2, seeds=1)
     arms = sorted(p.name for p in (serial / "runs").iterdir())
     assert arms == sorted(p.name for p in (parallel / "runs").iterdir()) and len(arms) == 3
     for arm in arms:  # two worker processes, one thread each: bit-for-bit the serial losses
@@ -368,7 +376,7 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     (crashed / "summary.json").unlink()
     mtimes = {run: (run / "metrics.jsonl").stat().st_mtime_ns for run in kept}
     capsys.readouterr()
-    assert cli.main(["noise-scale", "--smoke", "--out", str(parallel), "--resume"]) == 0
+    assert cli.main(["noise-scale", "--smoke", "--seeds", "1", "--out", str(parallel), "--resume"]) == 0
     assert capsys.readouterr().out.count("(kept: finished earlier)") == len(kept)
     assert {run: (run / "metrics.jsonl").stat().st_mtime_ns for run in kept} == mtimes
     assert (crashed / "summary.json").exists()
@@ -469,3 +477,265 @@ def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path, seesaw_sm
     finally:
         torch.set_num_threads(threads)
     assert len(verdicts[0]) == 8 + 5 and verdicts[0] == verdicts[1]
+
+
+# ---------------------------------------------------------------- optimizers and noise-scale: seeds, floor, verdicts
+T_975_1DF = 12.706  # Student t(0.975) at 1 degree of freedom: the 95% interval over the default 2 seeds
+
+
+def _smoke(factory, name: str, threads: int = 1) -> Path:
+    """One smoke run of an experiment at ``threads`` torch threads (the default 2 seeds)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = factory.mktemp("smoke") / f"{name}-{threads}"
+        assert cli.main([name, "--smoke", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(previous)
+    return out
+
+
+@pytest.fixture(scope="module")
+def optimizers_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "optimizers")
+
+
+@pytest.fixture(scope="module")
+def noise_scale_smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, "noise-scale")
+
+
+def _final(out: Path, arm: str) -> float:
+    return load_jsonl(out / "runs" / arm / "metrics.jsonl")[1][-1]["val_loss"]
+
+
+def _expected_verdict(gaps: list[float], floor: float, worse: str, better: str) -> str:
+    """floor.verdict, written out again: the t interval excludes 0 and the mean exceeds the floor."""
+    g = np.array(gaps)
+    half = T_975_1DF * g.std(ddof=1) / np.sqrt(len(g))
+    low, high = g.mean() - half, g.mean() + half
+    if low <= 0 <= high:
+        return "interval contains 0: no difference established"
+    if abs(g.mean()) <= floor:
+        return f"within the noise floor {floor:.4f}: no difference established"
+    return worse if low > 0 else better
+
+
+def _check_comparison(row: dict[str, str], gaps: list[float], floor: float, worse: str, better: str) -> str:
+    """The row's mean, sd, interval, floor and verdict against the gaps recomputed from the runs."""
+    g = np.array(gaps)
+    assert int(row["seeds"]) == len(g) == 2
+    assert float(row["mean"]) == pytest.approx(g.mean(), abs=5.1e-5)
+    assert float(row["sd"]) == pytest.approx(g.std(ddof=1), abs=5.1e-5)
+    half = T_975_1DF * g.std(ddof=1) / np.sqrt(2)
+    low, high = (float(v) for v in re.findall(r"[-+][\d.]+", row["95% CI of the mean"]))
+    assert (low, high) == pytest.approx((g.mean() - half, g.mean() + half), abs=5.1e-5)
+    assert float(row["noise floor"]) == pytest.approx(floor, abs=5.1e-5)
+    expected = _expected_verdict(gaps, floor, worse, better)
+    assert row["verdict"] == expected, (row, gaps, floor)
+    return expected
+
+
+def _expected_escape(out: Path, arm: str) -> str:
+    """ArmResult.plateau_escape + fmt_escape, written out again from metrics.jsonl and summary.json."""
+    train, val = load_jsonl(out / "runs" / arm / "metrics.jsonl")
+    target = json.loads((out / "runs" / arm / "summary.json").read_text())["unigram_val_loss"] - 0.25
+    for before, record in zip([None] + val, val):
+        if record["val_loss"] <= target:
+            if before is None:
+                return f"step {record['step']:.0f} ({100 * record['tokens'] / train[-1]['tokens']:.0f}%)"
+            w = (before["val_loss"] - target) / (before["val_loss"] - record["val_loss"])
+            step = before["step"] + w * (record["step"] - before["step"])
+            tokens = before["tokens"] + w * (record["tokens"] - before["tokens"])
+            return f"step {step:.0f} ({100 * tokens / train[-1]['tokens']:.0f}%)"
+    return "never"
+
+
+def _claims(report: str) -> dict[str, str]:
+    """{claim: agrees | contradicts | not resolvable at this scale} from "What this shows"."""
+    return dict(re.findall(r"^- (.+?): \*\*(agrees|contradicts|not resolvable at this scale)\*\*", report, re.M))
+
+
+def _status(verdict: str, agrees: str, contradicts: str) -> str:
+    return "agrees" if verdict == agrees else "contradicts" if verdict == contradicts else \
+        "not resolvable at this scale"
+
+
+def test_optimizers_smoke_report_agrees_with_metrics(optimizers_smoke, one_thread):
+    """Best LR on the first seed, that arm at 2 seeds; each gap to AdamW, each degradation from batch B
+    to 8B and its difference from AdamW's: mean, sd, t interval, data-order floor and verdict, all
+    recomputed from the runs' metrics.jsonl; each claim's status follows its verdict."""
+    from largebatch.experiments import optimizers
+
+    out = optimizers_smoke
+    report = (out / "report.md").read_text()
+    assert f"largebatch experiment optimizers --smoke --out {out}" in report
+    assert "Every arm ran with 1 torch thread(s)." in report
+    assert "LARS's own settings: schedule.warmup 0.25, optim.trust_coefficient 0.001" in report
+    tables = parse_tables(report)
+    every = next(t for t in tables if t and "seed" in t[0] and "arm" in t[0])
+    grid = next(t for t in tables if t and "arm" in t[0] and "seed" not in t[0])
+    assert len(grid) == 12 and len(every) == 24  # 4 optimizers x 3 batches; each best arm at 2 seeds
+    arm_of = {(r["optimizer"], int(r["batch"]), r["seed"]): r["arm"] for r in every}
+    for row in every:
+        train, val = load_jsonl(out / "runs" / row["arm"] / "metrics.jsonl")
+        assert float(row["final val loss"]) == pytest.approx(val[-1]["val_loss"], abs=5.1e-5)
+        assert int(row["optimizer steps"]) == train[-1]["step"]
+        assert row["off the plateau (val < unigram - 0.25)"] == _expected_escape(out, row["arm"])
+        overrides = json.loads((out / "runs" / row["arm"] / "arm.json").read_text())["overrides"]
+        if row["seed"] == "7":
+            assert overrides["run.seed"] == overrides["data.seed"] == 7
+            first = arm_of[(row["optimizer"], int(row["batch"]), "1337")]
+            assert row["arm"] == first + "-seed7" and row["peak lr"] in first  # the first seed's best LR
+        if row["optimizer"] == "lars":  # LARS's warmup, as the report states
+            assert overrides["schedule.warmup"] == 0.25 and overrides["optim.trust_coefficient"] == 0.001
+        else:
+            assert overrides["schedule.warmup"] == 0.1  # the shared warmup
+    for row in grid:  # the grid's best (lowest final loss) per cell is the seed-1337 best-LR arm
+        cell = [r for r in grid if r["optimizer"] == row["optimizer"] and r["batch"] == row["batch"]]
+        assert arm_of[(row["optimizer"], int(row["batch"]), "1337")] == min(
+            cell, key=lambda r: _final(out, r["arm"]))["arm"]
+    batches = [2, 16, 64]
+    claims = _claims(report)
+
+    def loss(name, batch, seed, kind=""):
+        return _final(out, arm_of[(name, batch, "1337")] + kind if kind else arm_of[(name, batch, seed)])
+
+    def floor_of(diff):
+        return abs(diff("1337", "-data") - diff("1337"))
+
+    gap_rows = next(t for t in tables if t and "optimizer" in t[0] and "verdict" in t[0])
+    assert [(int(r["batch"]), r["optimizer"]) for r in gap_rows] == [
+        (b, n) for b in batches for n in ("lamb", "lans", "lars")]
+    verdicts = {}
+    for row in gap_rows:
+        name, b = row["optimizer"], int(row["batch"])
+
+        def diff(seed, kind="", name=name, b=b):
+            return loss(name, b, seed, kind) - loss("adamw", b, seed, kind)
+        verdicts[(name, b)] = _check_comparison(row, [diff("1337"), diff("7")], floor_of(diff),
+                                                "worse than adamw", "better than adamw")
+        # the floor's own arm: every seed-1337 best arm re-run with data.seed 1 and the same init
+        data = json.loads((out / "runs" / (arm_of[(name, b, "1337")] + "-data") / "arm.json").read_text())
+        assert data["overrides"]["data.seed"] == 1 and data["overrides"].get("run.seed", 1337) == 1337
+    degrade_rows = {r["comparison"]: r for t in tables if t and "comparison" in t[0] and "verdict" in t[0]
+                    for r in t}
+    for name in optimizers.OPTIMIZERS:
+        def degrade(seed, kind="", name=name):
+            return loss(name, 16, seed, kind) - loss(name, 2, seed, kind)
+        v = _check_comparison(degrade_rows[f"{name}: batch 16 - batch 2"], [degrade("1337"), degrade("7")],
+                              floor_of(degrade), "degrades", "improves")
+        if name == "adamw":
+            assert claims["adamw degrades from batch 2 to 16 at equal tokens (the papers' premise)"] == \
+                _status(v, "degrades", "improves")
+            continue
+        assert claims[f"{name} holds its loss from batch 2 to 16 at equal tokens (its paper's claim)"] == \
+            _status(v, "improves", "degrades")
+
+        def relative(seed, kind="", name=name):
+            return (loss(name, 16, seed, kind) - loss(name, 2, seed, kind)
+                    - (loss("adamw", 16, seed, kind) - loss("adamw", 2, seed, kind)))
+        v = _check_comparison(degrade_rows[f"{name} minus adamw"], [relative("1337"), relative("7")],
+                              floor_of(relative), "degrades more than adamw", "degrades less than adamw")
+        if name in ("lamb", "lans"):
+            assert claims[f"{name} degrades less than adamw from batch 2 to 16 (the papers' claim)"] == \
+                _status(v, "degrades less than adamw", "degrades more than adamw")
+            for b in batches[1:]:
+                assert claims[f"{name} beats adamw at batch {b}"] == _status(
+                    verdicts[(name, b)], "better than adamw", "worse than adamw")
+    for b in batches:
+        key = next(c for c in claims if c.startswith(f"lars trails adamw on this transformer at batch {b} "))
+        assert claims[key] == _status(verdicts[("lars", b)], "worse than adamw", "better than adamw")
+    assert "LARS fails" not in report and "does not carry over" not in report
+    stuck = sum(_expected_escape(out, r["arm"]) == "never" for r in every)
+    assert f"never leave the unigram plateau: {stuck} of 24" in report
+    for name in ("loss_vs_batch.png", "val_loss.png"):
+        assert_png(out / name)
+
+
+def test_noise_scale_smoke_report_agrees_with_metrics(noise_scale_smoke, one_thread):
+    """Every arm at 2 seeds: the paired gaps to constant batch (and capped minus uncapped) and the
+    Spearman rho per seed, with intervals, data-order floors and verdicts recomputed from the runs."""
+    out = noise_scale_smoke
+    report = (out / "report.md").read_text()
+    assert f"largebatch experiment noise-scale --smoke --out {out}" in report
+    assert "Every arm ran with 1 torch thread(s)." in report
+    tables = parse_tables(report)
+    arms_table = next(t for t in tables if t and "final B_simple" in t[0] and "arm" in t[0])
+    assert [r["arm"] for r in arms_table] == ["constant", "seesaw", "seesaw-capped", "constant-seed7",
+                                              "seesaw-seed7", "seesaw-capped-seed7"]
+    for row in arms_table:
+        _, val = load_jsonl(out / "runs" / row["arm"] / "metrics.jsonl")
+        assert float(row["final val loss"]) == pytest.approx(val[-1]["val_loss"], abs=5.1e-5)
+        assert row["off the plateau (val < unigram - 0.25)"] == _expected_escape(out, row["arm"])
+
+    def rho(arm):  # numpy's Pearson correlation of the ranks
+        train, _ = load_jsonl(out / "runs" / arm / "metrics.jsonl")
+        records = [r for r in train if r["noise_scale"] is not None]
+        ranks = lambda v: np.argsort(np.argsort(v)).astype(np.float64)  # noqa: E731
+        return np.corrcoef(ranks([r["loss"] for r in records]), ranks([r["noise_scale"] for r in records]))[0, 1]
+
+    per_seed = next(t for t in tables if t and "seed" in t[0] and "arm" not in t[0])
+    assert [r["seed"] for r in per_seed] == ["1337", "7"]
+    for row, arm in zip(per_seed, ("constant", "constant-seed7")):
+        assert float(row["Spearman rho(train loss, B_simple)"]) == pytest.approx(rho(arm), abs=5.1e-5)
+    rows = {r["comparison"]: r for t in tables if t and "verdict" in t[0] for r in t}
+    claims = _claims(report)
+    for name, (a, b) in {"seesaw - constant": ("seesaw", "constant"),
+                         "seesaw-capped - constant": ("seesaw-capped", "constant"),
+                         "seesaw-capped - seesaw": ("seesaw-capped", "seesaw")}.items():
+        gaps = [_final(out, a + s) - _final(out, b + s) for s in ("", "-seed7")]
+        moved = _final(out, a + "-data") - _final(out, b + "-data")
+        _check_comparison(rows[name], gaps, abs(moved - gaps[0]), "worse", "better")
+    v = _check_comparison(rows["Spearman rho(train loss, B_simple), constant batch"],
+                          [rho("constant"), rho("constant-seed7")], abs(rho("constant-data") - rho("constant")),
+                          "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls")
+    assert claims["B_simple grows as the training loss falls (McCandlish et al. 2018)"] == _status(
+        v, "negative: B_simple grows as the loss falls", "positive: B_simple falls with the loss")
+    assert claims["Seesaw capped at B_simple ends below constant batch"] == _status(
+        rows["seesaw-capped - constant"]["verdict"], "better", "worse")
+    # the B_simple checkpoints are the first seed's constant arm
+    checkpoints = next(t for t in tables if t and "point" in t[0])
+    train, _ = load_jsonl(out / "runs" / "constant" / "metrics.jsonl")
+    assert float(checkpoints[-1]["B_simple"]) == pytest.approx(train[-1]["noise_scale"], abs=0.051)
+    assert_png(out / "noise_scale.png")
+
+
+def _all_verdicts(report: str) -> list[str]:
+    """Every verdict cell of a report's tables and every claim's status."""
+    cells = [r["verdict"] for t in parse_tables(report) for r in t if "verdict" in r]
+    return cells + list(_claims(report).values())
+
+
+def test_optimizers_and_noise_scale_verdicts_do_not_change_with_the_thread_count(
+        tmp_path_factory, optimizers_smoke, noise_scale_smoke):
+    """Each verdict and claim status is the same with the arms at 1 and at 2 torch threads. These
+    smoke arms are not bit for bit the same at 2 threads (measured): the optimizers
+    arms at micro-batch 16-32 and the noise-scale arms' B_simple move in the 7th-8th digit, and the
+    losses follow a few steps later; the verdicts do not move."""
+    for name, one in (("optimizers", optimizers_smoke), ("noise-scale", noise_scale_smoke)):
+        two = _smoke(tmp_path_factory, name, threads=2)
+        assert "Every arm ran with 2 torch thread(s)." in (two / "report.md").read_text()
+        verdicts = [_all_verdicts((out / "report.md").read_text()) for out in (one, two)]
+        assert len(verdicts[0]) >= (29 if name == "optimizers" else 8) and verdicts[0] == verdicts[1], name
+
+
+def test_floor_claims_and_infinite_floors():
+    from largebatch.experiments import floor
+
+    assert floor.claim("better than adamw", "better than adamw", "worse than adamw") == floor.AGREES
+    assert floor.claim("worse than adamw", "better than adamw", "worse than adamw") == floor.CONTRADICTS
+    for v in ("interval contains 0: no difference established", "one seed: no interval", "no finite gap",
+              "within the noise floor 0.1000: no difference established"):
+        assert floor.claim(v, "better", "worse") == floor.UNRESOLVED
+    assert floor.Floor("a", 0.1, {"data": 0.3, "init": 0.05}).floor == pytest.approx(0.2)
+    assert floor.Floor("a", 0.1, {"data": math.inf}).floor == math.inf  # an arm diverged under it
+    gaps = floor.compare("x", lambda rs: rs[1] - rs[0], [[1.0, 1.5], [1.0, 1.52]], {"data": [2.0, 2.4]},
+                         "worse", "better")
+    assert gaps.gaps.gaps == [0.5, pytest.approx(0.52)] and gaps.floor.floor == pytest.approx(0.1)
+    assert gaps.verdict == _expected_verdict([0.5, 0.52], 0.1, "worse", "better") == "worse"
+    above = floor.compare("x", lambda rs: rs[1] - rs[0], [[1.0, 1.5], [1.0, 1.52]], {"data": [2.0, 3.2]},
+                          "worse", "better")  # the same interval, a floor of 0.7 above its mean 0.51
+    assert above.verdict == "within the noise floor 0.7000: no difference established"
+    assert floor.compare("x", lambda rs: rs[1] - rs[0], [[1.0, 1.5]], {}, "worse", "better").verdict == \
+        "one seed: no interval"

@@ -9,6 +9,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
     largebatch experiment all --quick
     largebatch experiment optimizers --jobs 2 --resume   # full size: 2 arms at once; keep finished arms
     largebatch experiment seesaw --quick --seeds 5       # every arm at 5 seeds: paired gaps, mean +- sd
+    largebatch experiment optimizers --quick --seeds 3   # each cell's best LR at 3 seeds, noise floor, verdicts
     largebatch experiment all --quick --check            # check the arguments and --out only; exit
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from largebatch.arguments import OneLineParser, check_output_dir
 
 EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale", "bert-lans")
-SEEDED = ("seesaw", "bert-lans")  # the experiments that repeat their arms over --seeds
+SEEDED = ("seesaw", "optimizers", "noise-scale", "bert-lans")  # the experiments that repeat their arms over --seeds
 
 
 def _module(name: str):
@@ -35,7 +36,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
                    log=print, jobs: int = 1, resume: bool = False, seeds: int | None = None) -> Path:
     """Run one experiment at a size (smoke | quick | full); returns the path of its report.md.
     ``jobs``: arms trained at once (processes); ``resume``: keep arms that already finished;
-    ``seeds``: seeds per arm (seesaw and bert-lans; default: the size's)."""
+    ``seeds``: seeds per arm (the SEEDED experiments; default: the size's)."""
     from largebatch.experiments.runner import Execution, check_size
 
     if name not in EXPERIMENTS:
@@ -44,7 +45,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
     extra = {}
     if seeds is not None:
         if name not in SEEDED:
-            raise ValueError(f"seeds={seeds!r}: only {' and '.join(SEEDED)} repeat their arms over seeds; "
+            raise ValueError(f"seeds={seeds!r}: only {', '.join(SEEDED)} repeat their arms over seeds; "
                              f"drop --seeds for {name!r}")
         extra["seeds"] = _module(name).check_seeds(seeds)
     execution = Execution(jobs=jobs, resume=resume)
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep arms whose run directory holds a finished run of the same config")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seesaw and bert-lans: seeds per arm (seesaw 1-8, bert-lans 1-5; default 2); "
-                             "the report gives each arm's paired gaps with their intervals")
+                        help="seesaw, optimizers, noise-scale, bert-lans: seeds per arm (1-8; bert-lans "
+                             "1-5; default 2); the report gives the paired gaps with their intervals, "
+                             "noise floors and verdicts")
     parser.add_argument("--check", action="store_true",
                         help="check the arguments and the report directory, print what would run, exit")
     args = parser.parse_args(argv)
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
     if args.seeds is not None:
         if args.name not in SEEDED:
-            parser.error(f"--seeds {args.seeds}: only {' and '.join(SEEDED)} repeat their arms over seeds")
+            parser.error(f"--seeds {args.seeds}: only {', '.join(SEEDED)} repeat their arms over seeds")
         try:
             _module(args.name).check_seeds(args.seeds)
         except ValueError as exc:

@@ -12,16 +12,47 @@ For a group of arms whose first is the baseline, ``perturbed_arms`` re-runs ever
 once per perturbation; ``gap_floors`` gives, per non-baseline arm, its gap to the baseline under
 each perturbation (both arms perturbed alike) and the floor: the largest change of that gap from the
 unperturbed one. ``verdict`` calls a paired difference established only when its 95% interval
-excludes 0 and its mean exceeds the floor.
+excludes 0 and its mean exceeds the floor; ``claim`` turns a verdict into what it says about a
+paper's claim (agrees / contradicts / not resolvable at this scale).
+
+Shared by the seeded experiments (seesaw, optimizers, noise-scale): ``SEEDS`` and ``seeded`` (a
+seed's arms share init and data order), ``Gaps`` (paired gaps over seeds with their interval),
+``measure`` (run a group's perturbed arms and return its floors) and ``arm_threads``.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
-from largebatch.experiments.runner import THREADS, Arm, ArmResult
+from largebatch.experiments.report import markdown_table
+from largebatch.experiments.runner import THREADS, Arm, ArmResult, Execution, run_arms
+from largebatch.stats import ci95
 
 PERTURBATIONS = ("threads", "data", "init")
+SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
+AGREES, CONTRADICTS, UNRESOLVED = "agrees", "contradicts", "not resolvable at this scale"
+
+
+def seed_name(seed: int | None) -> str:
+    return "1337" if seed is None else str(seed)
+
+
+def seeded(arm: Arm, seed: int | None) -> Arm:
+    """The arm at another seed (init and data order): ``NAME-seedS``; the first seed is the arm itself."""
+    if seed is None:
+        return arm
+    return Arm(f"{arm.name}-seed{seed}", {**arm.overrides, "run.seed": seed, "data.seed": seed},
+               group=arm.group, label=f"{arm.legend}, seed {seed}")
+
+
+def arm_threads(execution: Execution) -> int:
+    """The torch threads each arm runs with (the parallel runner splits them between jobs)."""
+    import torch
+
+    return max(1, torch.get_num_threads() // execution.jobs) if execution.jobs > 1 else torch.get_num_threads()
 
 
 def other_threads(threads: int) -> int:
@@ -59,7 +90,21 @@ class Floor:
 
     @property
     def floor(self) -> float:
-        return max((abs(g - self.gap) for g in self.perturbed.values()), default=0.0)
+        """The largest |perturbed gap - gap|; inf when a gap is not finite (an arm diverged)."""
+        moves = [abs(g - self.gap) for g in self.perturbed.values()]
+        return math.inf if not all(math.isfinite(m) for m in moves) else max(moves, default=0.0)
+
+
+def measure(arms: list[Arm], results: list[ArmResult], kinds: tuple[str, ...], threads: int,
+            base: dict, out_dir: Path, log, execution: Execution) -> tuple[list[Floor], dict[str, list[ArmResult]]]:
+    """A group's noise floors (``gap_floors``) and its perturbed results {kind: results in arm order}:
+    the group's arms (baseline first, one seed) re-run once per perturbation. No kinds: no floors."""
+    if not kinds:
+        return [], {}
+    perturbed = perturbed_arms(arms, kinds, threads)
+    ran = run_arms([a for group in perturbed.values() for a in group], base, out_dir, log, execution)
+    by_kind = {kind: ran[i * len(arms):(i + 1) * len(arms)] for i, kind in enumerate(perturbed)}
+    return gap_floors(results, by_kind), by_kind
 
 
 def gap_floors(base: list[ArmResult], perturbed: dict[str, list[ArmResult]]) -> list[Floor]:
@@ -69,6 +114,33 @@ def gap_floors(base: list[ArmResult], perturbed: dict[str, list[ArmResult]]) -> 
         gaps = {kind: rs[i].final_val_loss - rs[0].final_val_loss for kind, rs in perturbed.items()}
         floors.append(Floor(base[i].arm.name, base[i].final_val_loss - base[0].final_val_loss, gaps))
     return floors
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """One comparison's paired differences over seeds (e.g. an arm's final loss minus the same seed's
+    baseline): mean, sample sd and the 95% t interval of the finite ones."""
+
+    name: str
+    gaps: list[float]
+
+    @property
+    def finite(self) -> list[float]:
+        return [g for g in self.gaps if math.isfinite(g)]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.finite) if self.finite else None
+
+    @property
+    def sd(self) -> float | None:
+        """Sample standard deviation (n - 1); None below two finite gaps."""
+        return statistics.stdev(self.finite) if len(self.finite) >= 2 else None
+
+    @property
+    def ci95(self) -> tuple[float, float] | None:
+        """95% confidence interval of the mean paired gap (Student t, n - 1 degrees of freedom)."""
+        return ci95(self.finite)
 
 
 def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None,
@@ -83,3 +155,97 @@ def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | N
     if floor is not None and abs(mean) <= floor:
         return f"within the noise floor {floor:.4f}: no difference established"
     return worse if ci[0] > 0 else better
+
+
+def claim(verdict_text: str, agrees: str, contradicts: str) -> str:
+    """What a verdict says about a claim: AGREES when it is ``agrees`` (e.g. "better than AdamW"),
+    CONTRADICTS when it is ``contradicts``, else UNRESOLVED (no interval, interval contains 0,
+    within the floor, no finite gap)."""
+    if verdict_text == agrees:
+        return AGREES
+    if verdict_text == contradicts:
+        return CONTRADICTS
+    return UNRESOLVED
+
+
+def signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.4f}"
+
+
+def interval(ci: tuple[float, float] | None) -> str:
+    return "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
+def floor_table(floors: list[Floor], threads: int, gap: str = "gap vs cosine", first: str = "arm") -> str:
+    """Each comparison's gap (first seed) unperturbed and under each perturbation, and its floor."""
+    kinds = list(floors[0].perturbed) if floors else []
+    names = {"threads": f"gap at {other_threads(threads)} thread(s) (not {threads})",
+             "data": "gap, other data order", "init": "gap, other initialisation"}
+    rows = [[f.arm, signed(f.gap)] + [signed(f.perturbed[k]) for k in kinds] + [f"{f.floor:.4f}"]
+            for f in floors]
+    return markdown_table([first, gap] + [names[k] for k in kinds] + ["noise floor"], rows)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A paired comparison over seeds, its noise floor (None: not measured) and its verdict."""
+
+    gaps: Gaps
+    floor: Floor | None
+    worse: str
+    better: str
+
+    @property
+    def floor_value(self) -> float | None:
+        return None if self.floor is None else self.floor.floor
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.gaps.mean, self.gaps.ci95, self.floor_value, self.worse, self.better)
+
+    def row(self) -> list[object]:
+        """The cells under COMPARISON_HEADERS."""
+        g = self.gaps
+        return [len(g.gaps), signed(g.mean), "n/a" if g.sd is None else f"{g.sd:.4f}", interval(g.ci95),
+                "n/a" if self.floor is None else f"{self.floor.floor:.4f}", self.verdict]
+
+
+COMPARISON_HEADERS = ["seeds", "mean", "sd", "95% CI of the mean", "noise floor", "verdict"]
+
+
+def compare(name: str, diff, per_seed: list, perturbed: dict[str, list], worse: str, better: str) -> Comparison:
+    """``diff(results)`` at every seed (``per_seed``: one list of results per seed, paired) and, for
+    the floor, under every perturbation of the first seed (``perturbed``: {kind: results in the same
+    layout}; empty: no floor)."""
+    gaps = Gaps(name, [diff(s) for s in per_seed])
+    floor = Floor(name, gaps.gaps[0], {k: diff(rs) for k, rs in perturbed.items()}) if perturbed else None
+    return Comparison(gaps, floor, worse, better)
+
+
+def claim_line(claim_text: str, c: Comparison, agrees: str, contradicts: str, unit: str = " nats") -> str:
+    """A report's bullet: the claim, what the comparison's verdict says about it, and the numbers."""
+    status = claim(c.verdict, agrees, contradicts)
+    return (f"- {claim_text}: **{status}** ({c.gaps.name}: {signed(c.gaps.mean)}{unit} over "
+            f"{len(c.gaps.gaps)} seed(s), 95% CI {interval(c.gaps.ci95)}, noise floor "
+            f"{'n/a' if c.floor is None else f'{c.floor.floor:.4f}'}: {c.verdict}).")
+
+
+def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str) -> str:
+    """agrees / contradicts / not resolvable at this scale, from a paired gap's mean, 95% interval and
+    noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor; two
+    arms are equivalent when the whole interval lies within +-floor (the floor is the smallest
+    difference this setup can tell from a change of summation order or data order)."""
+    if expect not in ("same", "worse"):
+        raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
+    if mean is None or ci is None:
+        return "not resolvable at this scale (fewer than 2 finite seeds)"
+    margin = 0.0 if floor is None else floor
+    established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin
+    equivalent = margin > 0 and -margin <= ci[0] and ci[1] <= margin
+    if expect == "same":
+        if established:
+            return "contradicts (ends higher)" if mean > 0 else "agrees (ends lower)"
+        return "agrees (within the floor)" if equivalent else "not resolvable at this scale"
+    if established:
+        return "agrees" if mean > 0 else "contradicts (ends lower)"
+    return "contradicts (no gap beyond the floor)" if equivalent else "not resolvable at this scale"

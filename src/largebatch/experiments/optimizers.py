@@ -6,19 +6,56 @@ same token budget (so 8x / 32x fewer optimizer steps), warmup + cosine. The LR i
 optimizer and batch on a small grid (quick mode: 2 points, full mode: 4) centred by the square-root
 rule: at m x the small batch the grid is multiplied by sqrt(m). Each cell reports its best LR, marked
 "(edge)" when that LR is at an end of a grid of 3+ points (the optimum may lie beyond it).
-The papers' claim: LAMB and LANS hold their loss at batch sizes where AdamW degrades.
-"The batch beyond which an optimizer degrades" is read off as the first batch whose best loss is
-more than DEGRADE_NATS above that optimizer's small-batch loss.
+
+The grid runs at the first seed (the config's, 1337) and picks each cell's best LR; that arm then
+runs at every further seed of ``--seeds N`` (default 2; init and data order, ``*-seed7`` etc.). The
+headline comparisons are paired by seed:
+  - per batch, each optimizer's final validation loss minus AdamW's at that batch;
+  - per optimizer, its loss at 8B minus its loss at B (how much it degrades), and that minus AdamW's
+    (whether it degrades less than AdamW: the papers' claim).
+Each comparison has a 95% t interval over the seeds and a noise floor (experiments/floor.py): the
+first seed's best-LR arms re-run under harmless perturbations (smoke size: another data order only),
+the floor being the largest move of the comparison. ``floor.verdict`` calls a difference established
+only when its interval excludes 0 and its mean exceeds the floor; "What this shows" turns each
+verdict into agrees / contradicts / not resolvable at this scale: LAMB, LANS and LARS are held to
+their claim that they hold the loss from B to 8B (a rise beyond the floor contradicts it), AdamW to
+the papers' premise that it degrades. With one seed there is no interval and no floor is measured.
+
+LARS gets settings meant to give it a fair chance (LARS_OVERRIDES): a longer warmup (25% of the budget
+instead of 10%; measured at quick size, batch 4: 4.95 / 4.93 instead of 5.17 / 5.29 at LR 3 / 10),
+as LARS's large-batch recipes use, and the paper's trust coefficient 0.001. Only the product LR x trust coefficient
+enters the step (local LR = tc ||x|| / (||g|| + wd ||x|| + eps)), so the LR grid is the trust
+coefficient's grid too.
+
+"The batch beyond which an optimizer degrades" (first seed) is read off as the first batch whose best
+loss is more than DEGRADE_NATS above that optimizer's small-batch loss.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from largebatch.experiments.report import Report, finish_figure, fmt_loss, markdown_table, plot_validation
-from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
+from largebatch.experiments import floor as noise_floor
+from largebatch.experiments.report import (
+    ESCAPE_HEADER,
+    Report,
+    finish_figure,
+    fmt_escape,
+    fmt_loss,
+    markdown_table,
+    plot_validation,
+)
+from largebatch.experiments.runner import (
+    Arm,
+    ArmResult,
+    Execution,
+    base_overrides,
+    check_seed_count,
+    run_arms,
+)
 from largebatch.train.optimizer import OPTIMIZERS as REGISTERED
 
 MULTIPLES = (1, 8, 32)
@@ -30,10 +67,36 @@ if set(LR_GRID) - set(REGISTERED):  # a renamed or removed optimizer fails here,
     raise ImportError(f"experiments.optimizers: LR_GRID names {sorted(set(LR_GRID) - set(REGISTERED))}, "
                       f"not registered optimizers ({', '.join(REGISTERED)})")
 OPTIMIZERS = tuple(LR_GRID)  # the registered optimizers this experiment has an LR grid for
-# Per size: small batch, token budget, LR grid per optimizer.
-SETTINGS = {"smoke": (2, 12_288, {k: v[2:3] for k, v in LR_GRID.items()}),
-            "quick": (4, 98_304, {k: v[1:3] for k, v in LR_GRID.items()}),
-            "full": (8, 1_048_576, LR_GRID)}
+BASELINE = "adamw"  # every optimizer is compared with it at the same batch and seed
+# LARS's own settings on top of the shared ones: a warmup of 25% of the budget instead of 10%
+# (LARS's large-batch recipes warm up longer than Adam's) and the paper's trust coefficient.
+LARS_OVERRIDES = {"schedule.warmup": 0.25, "optim.trust_coefficient": 0.001, "optim.momentum": 0.9}
+
+
+@dataclass(frozen=True)
+class Setting:
+    small: int
+    """The small batch B (sequences); the others are MULTIPLES of it."""
+    tokens: int
+    grid: dict[str, tuple[float, ...]]
+    """LR grid per optimizer at batch B (x sqrt(batch / B) at larger batches)."""
+    seeds: int = 2
+    """Seeds per best-LR arm by default (``--seeds N`` changes it)."""
+    floor: tuple[str, ...] = noise_floor.PERTURBATIONS
+    """Perturbations that measure the noise floor (experiments/floor.py)."""
+
+    def __iter__(self):  # small, tokens, grid = SETTINGS[size]
+        return iter((self.small, self.tokens, self.grid))
+
+
+# smoke: 6,144 tokens (96 / 12 / 3 steps) keeps its 36 runs (12 cells x 2 seeds + the floor) to tens of seconds
+SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 2, ("data",)),
+            "quick": Setting(4, 98_304, {k: v[1:3] for k, v in LR_GRID.items()}),
+            "full": Setting(8, 1_048_576, LR_GRID)}
+
+
+def check_seeds(seeds: int) -> int:
+    return check_seed_count(seeds, len(noise_floor.SEEDS))
 
 
 def grid_arms(size: str) -> list[Arm]:
@@ -46,7 +109,8 @@ def grid_arms(size: str) -> list[Arm]:
                 overrides = {"optim.name": name, "optim.weight_decay": 0.01,
                              "schedule.peak_lr": lr, "schedule.batch_size": batch,
                              "schedule.batch_policy": "constant",
-                             "run.micro_batch": min(batch, 32)}
+                             "run.micro_batch": min(batch, 32),
+                             **(LARS_OVERRIDES if name == "lars" else {})}
                 arms.append(Arm(f"{name}-b{batch}-lr{lr:g}", overrides, group=f"batch {batch}",
                                 label=f"{name} lr {lr:g}"))
     return arms
@@ -70,20 +134,57 @@ def degrades_beyond(best: dict[tuple[str, int], ArmResult], name: str, batches: 
     return f"holds to {batches[-1]}"
 
 
-def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution()) -> Report:
-    small, tokens, grid = SETTINGS[size]
+def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
+        seeds: int | None = None) -> Report:
+    setting = SETTINGS[size]
+    small, tokens, grid = setting
+    seeds = check_seeds(setting.seeds if seeds is None else seeds)
     base = {**base_overrides(size), "run.total_tokens": tokens,
             "run.eval_every_tokens": tokens // 16}
     results = run_arms(grid_arms(size), base, out_dir, log, execution)
     best = best_per_cell(results)
     batches = [small * m for m in MULTIPLES]
+    cells = [(name, b) for b in batches for name in OPTIMIZERS]
+    index = {cell: i for i, cell in enumerate(cells)}
+    first = [best[c] for c in cells]
+    later = [noise_floor.seeded(r.arm, seed) for seed in noise_floor.SEEDS[1:seeds] for r in first]
+    log(f"optimizers ({size}): best LR per cell picked; {seeds} seed(s) per cell")
+    ran = run_arms(later, base, out_dir, log, execution)
+    per_seed = [first] + [ran[i * len(cells):(i + 1) * len(cells)] for i in range(seeds - 1)]
+    threads = noise_floor.arm_threads(execution)
+    kinds = setting.floor if seeds > 1 else ()
+    perturbed = noise_floor.measure([r.arm for r in first], first, kinds, threads, base, out_dir, log,
+                                    execution)[1] if kinds else {}
+
+    def loss(name, batch):
+        return lambda rs: rs[index[(name, batch)]].final_val_loss
+
+    vs_adamw = {(name, b): noise_floor.compare(f"{name} - {BASELINE} at batch {b}",
+                                   lambda rs, n=name, b=b: loss(n, b)(rs) - loss(BASELINE, b)(rs),
+                                   per_seed, perturbed, f"worse than {BASELINE}", f"better than {BASELINE}")
+                for b in batches for name in OPTIMIZERS if name != BASELINE}
+    big = batches[1]
+    degrade = {name: noise_floor.compare(f"{name}: batch {big} - batch {small}",
+                             lambda rs, n=name: loss(n, big)(rs) - loss(n, small)(rs),
+                             per_seed, perturbed, "degrades", "improves") for name in OPTIMIZERS}
+    relative = {name: noise_floor.compare(f"{name} minus {BASELINE}",
+                              lambda rs, n=name: (loss(n, big)(rs) - loss(n, small)(rs))
+                              - (loss(BASELINE, big)(rs) - loss(BASELINE, small)(rs)),
+                              per_seed, perturbed, f"degrades more than {BASELINE}", f"degrades less than {BASELINE}")
+                for name in OPTIMIZERS if name != BASELINE}
+
     report = Report("optimizers", "AdamW vs LAMB / LANS / LARS as the batch grows, equal tokens",
                     command)
+    lars = ", ".join(f"{k} {v:g}" for k, v in LARS_OVERRIDES.items())
     report.add(f"""{base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq
 {base['model.seq_len']}, vocab {base['data.vocab_size']}, {tokens:,} tokens of Shakespeare per run,
 10% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping. LR grid per optimizer
 at batch {small} (x sqrt(batch / {small}) at larger batches):
-{'; '.join(f'{k} {list(v)}' for k, v in grid.items())}.""")
+{'; '.join(f'{k} {list(v)}' for k, v in grid.items())}. LARS's own settings: {lars} (warmup as a
+fraction of the budget; only LR x trust coefficient enters its step, so the LR grid spans the trust
+coefficient too). The grid runs at seed 1337; each cell's best LR then runs at {seeds} seed(s)
+({', '.join(noise_floor.seed_name(s) for s in noise_floor.SEEDS[:seeds])}: init and data order).
+Every arm ran with {threads} torch thread(s).""")
     rows = []
     for name in OPTIMIZERS:
         row: list[object] = [name]
@@ -99,23 +200,78 @@ at batch {small} (x sqrt(batch / {small}) at larger batches):
         rows.append(row)
     headers = ["optimizer"] + [f"batch {b}" for b in batches] + [
         f"largest batch within {DEGRADE_NATS} nats of batch {batches[0]}"]
-    report.add("## Best final validation loss per optimizer and batch\n\n"
+    report.add("## Best final validation loss per optimizer and batch (seed 1337, LR grid)\n\n"
                + markdown_table(headers, rows))
-    report.add("## Every run\n\n" + markdown_table(
-        ["arm", "optimizer", "batch", "peak lr", "final val loss", "optimizer steps"],
+    section = (f"## Gap to {BASELINE} at the same batch, paired by seed\n\nEach optimizer's final "
+               f"validation loss (best LR) minus {BASELINE}'s at the same batch and seed. The noise "
+               f"floor is the largest move of the seed-1337 gap when both arms are re-run with one "
+               f"harmless change ({', '.join(kinds) or 'not measured: one seed'}).\n\n")
+    report.add(section + markdown_table(
+        ["batch", "optimizer"] + noise_floor.COMPARISON_HEADERS,
+        [[b, name] + c.row() for (name, b), c in vs_adamw.items()]))
+    report.add(f"## Degradation from batch {small} to {big}, paired by seed\n\nEach optimizer's loss at "
+               f"batch {big} minus its loss at batch {small} (same seed), and that minus {BASELINE}'s "
+               f"(negative: it degrades less than {BASELINE}).\n\n" + markdown_table(
+                   ["comparison"] + noise_floor.COMPARISON_HEADERS,
+                   [[c.gaps.name] + c.row() for c in degrade.values()]
+                   + [[c.gaps.name] + c.row() for c in relative.values()]))
+    if perturbed:
+        report.add("## Noise floor\n\nThe seed-1337 comparisons unperturbed and with every arm re-run "
+                   "under each perturbation:\n\n" + noise_floor.floor_table(
+                       [c.floor for c in (*vs_adamw.values(), *degrade.values(), *relative.values())],
+                       threads, "gap", "comparison"))
+    report.add("## Every best-LR arm\n\n" + markdown_table(
+        ["arm", "optimizer", "batch", "seed", "peak lr", "final val loss", "optimizer steps", ESCAPE_HEADER],
         [[r.arm.name, r.arm.overrides["optim.name"], r.arm.overrides["schedule.batch_size"],
-          f"{r.arm.overrides['schedule.peak_lr']:g}", fmt_loss(r.final_val_loss), r.steps]
+          noise_floor.seed_name(seed), f"{r.arm.overrides['schedule.peak_lr']:g}", fmt_loss(r.final_val_loss),
+          r.steps, fmt_escape(r)]
+         for seed, rs in zip(noise_floor.SEEDS, per_seed) for r in rs]))
+    report.add("## Every grid run (seed 1337)\n\n" + markdown_table(
+        ["arm", "optimizer", "batch", "peak lr", "final val loss", "optimizer steps", ESCAPE_HEADER],
+        [[r.arm.name, r.arm.overrides["optim.name"], r.arm.overrides["schedule.batch_size"],
+          f"{r.arm.overrides['schedule.peak_lr']:g}", fmt_loss(r.final_val_loss), r.steps, fmt_escape(r)]
          for r in results]))
-    winners = [min(OPTIMIZERS, key=lambda n: best[(n, b)].final_val_loss) for b in batches]
-    report.add("## What this shows\n\n" + "\n".join(
-        f"- batch {b}: lowest loss {winner} ({fmt_loss(best[(winner, b)].final_val_loss)})"
-        for b, winner in zip(batches, winners)) + "\n- Papers: LAMB/LANS hold the loss where "
-        "AdamW degrades (BERT at batch 32K-96K). A tiny model at a few hundred thousand tokens is "
-        "far from that regime; read the table as what happens here, not as a verdict on the paper.")
+    report.add(findings(vs_adamw, degrade, relative, batches, per_seed))
     report.plots.append(plot_loss_vs_batch(best, batches, out_dir / "loss_vs_batch.png").name)
     report.plots.append(plot_validation(list(best.values()), out_dir / "val_loss.png",
                                         "Best LR per optimizer and batch: validation loss").name)
     return report
+
+
+def findings(vs_adamw: dict[tuple[str, int], noise_floor.Comparison], degrade: dict[str, noise_floor.Comparison],
+             relative: dict[str, noise_floor.Comparison], batches: list[int], per_seed: list[list[ArmResult]]) -> str:
+    """Each claim with the verdict of its comparison: agrees / contradicts / not resolvable."""
+    def line(claim: str, c: noise_floor.Comparison, agrees: str, contradicts: str) -> str:
+        return noise_floor.claim_line(claim, c, agrees, contradicts)
+
+    lines = ["## What this shows\n"]
+    for name in ("lamb", "lans"):
+        lines.append(line(f"{name} degrades less than {BASELINE} from batch {batches[0]} to {batches[1]} "
+                          f"(the papers' claim)", relative[name], f"degrades less than {BASELINE}",
+                          f"degrades more than {BASELINE}"))
+        for b in batches[1:]:
+            lines.append(line(f"{name} beats {BASELINE} at batch {b}", vs_adamw[(name, b)],
+                              f"better than {BASELINE}", f"worse than {BASELINE}"))
+    for b in batches:
+        lines.append(line(f"lars trails {BASELINE} on this transformer at batch {b} (the LAMB paper's "
+                          f"motivation; LARS with the settings above)", vs_adamw[("lars", b)],
+                          f"worse than {BASELINE}", f"better than {BASELINE}"))
+    for name in OPTIMIZERS:
+        if name == BASELINE:
+            lines.append(line(f"{name} degrades from batch {batches[0]} to {batches[1]} at equal tokens (the "
+                              f"papers' premise)", degrade[name], "degrades", "improves"))
+        else:  # no verdict establishes "holds" (equal loss); a loss that falls beyond the floor agrees
+            lines.append(line(f"{name} holds its loss from batch {batches[0]} to {batches[1]} at equal tokens "
+                              f"(its paper's claim)", degrade[name], "improves", "degrades"))
+    stuck = [r.arm.name for rs in per_seed for r in rs if r.plateau_escape is None]
+    lines.append(f"- Best-LR arms that never leave the unigram plateau: {len(stuck)} of "
+                 f"{sum(len(rs) for rs in per_seed)}" + (f" ({', '.join(stuck)}): their gaps measure when "
+                                                         f"they would have escaped, not the optimizer."
+                                                         if stuck else "."))
+    lines.append("- Papers: LAMB/LANS hold the loss where AdamW degrades (BERT at batch 32K-96K). A tiny "
+                 "model at a few hundred thousand tokens is far from that regime. A difference is "
+                 "established only when its 95% interval excludes 0 and it exceeds the noise floor.")
+    return "\n".join(lines)
 
 
 def plot_loss_vs_batch(best: dict[tuple[str, int], ArmResult], batches: list[int], path: Path) -> Path:

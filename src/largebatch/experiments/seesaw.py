@@ -74,7 +74,8 @@ class Setting:
 # any batch (measured: batch 128, 48 steps: 1 of 4 runs left it; 96 steps at batch 64 or 128: all did)
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)), "quick": Setting(16, 4, 64, 3e-3, 96, 2),
             "full": Setting(16, 4, 128, 2e-3, 192, 2)}
-SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
+SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
+seed_name = noise_floor.seed_name
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
         ("seesaw-r0.91", "seesaw", 1 / 1.1), ("seesaw-r0.91-mb1", "seesaw", 1 / 1.1),
         ("smith-r0.5", "smith", 0.5))
@@ -88,10 +89,6 @@ GRANULARITY_PAIR = ("seesaw-r0.91", "seesaw-r0.91-mb1")  # the same schedule, tw
 
 def check_seeds(seeds: int) -> int:
     return check_seed_count(seeds, len(SEEDS))
-
-
-def seed_name(seed: int | None) -> str:
-    return "1337" if seed is None else str(seed)
 
 
 def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str, seeds: int = 1,
@@ -155,30 +152,15 @@ def group_table(results: list[ArmResult]) -> str:
 
 
 @dataclass(frozen=True)
-class PairedGaps:
-    """One arm's final validation loss minus cosine's at the same seed, over seeds."""
+class PairedGaps(noise_floor.Gaps):
+    """One arm's final validation loss minus cosine's at the same seed, over seeds (mean, sd and
+    95% interval: floor.Gaps), and its share of cosine's steps saved."""
 
-    arm: str
-    gaps: list[float]
     steps_saved: list[float]
 
     @property
-    def finite(self) -> list[float]:
-        return [g for g in self.gaps if math.isfinite(g)]
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.finite) if self.finite else None
-
-    @property
-    def sd(self) -> float | None:
-        """Sample standard deviation (n - 1); None below two finite gaps."""
-        return statistics.stdev(self.finite) if len(self.finite) >= 2 else None
-
-    @property
-    def ci95(self) -> tuple[float, float] | None:
-        """95% confidence interval of the mean paired gap (Student t, n - 1 degrees of freedom)."""
-        return ci95(self.finite)
+    def arm(self) -> str:
+        return self.name
 
     @property
     def ahead(self) -> int:
@@ -196,12 +178,7 @@ def paired_gaps(per_seed: list[list[ArmResult]]) -> list[PairedGaps]:
     return out
 
 
-def _signed(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.4f}"
-
-
-def _interval(ci: tuple[float, float] | None) -> str:
-    return "n/a" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+_signed, _interval = noise_floor.signed, noise_floor.interval
 
 
 def _verdict(p: PairedGaps, floor: noise_floor.Floor | None) -> str:
@@ -214,12 +191,7 @@ def _verdict(p: PairedGaps, floor: noise_floor.Floor | None) -> str:
 
 def floor_table(floors: list[noise_floor.Floor], threads: int) -> str:
     """Each arm's gap to cosine (seed 1337) unperturbed and under each perturbation, and the floor."""
-    kinds = list(floors[0].perturbed) if floors else []
-    names = {"threads": f"gap at {noise_floor.other_threads(threads)} thread(s) (not {threads})",
-             "data": "gap, other data order", "init": "gap, other initialisation"}
-    rows = [[f.arm, _signed(f.gap)] + [_signed(f.perturbed[k]) for k in kinds] + [f"{f.floor:.4f}"]
-            for f in floors]
-    return markdown_table(["arm", "gap vs cosine"] + [names[k] for k in kinds] + ["noise floor"], rows)
+    return noise_floor.floor_table(floors, threads, "gap vs cosine")
 
 
 def seed_table(per_seed: list[list[ArmResult]]) -> str:
@@ -298,23 +270,14 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
     return report
 
 
-def _arm_threads(execution: Execution) -> int:
-    """The torch threads each arm runs with (the parallel runner splits them between jobs)."""
-    import torch
-
-    return max(1, torch.get_num_threads() // execution.jobs) if execution.jobs > 1 else torch.get_num_threads()
+_arm_threads = noise_floor.arm_threads
 
 
 def _floors(arms: list[Arm], results: list[ArmResult], kinds: tuple[str, ...], threads: int,
             base: dict, out_dir: Path, log, execution: Execution
             ) -> tuple[list[noise_floor.Floor], dict[str, list[ArmResult]]]:
     """The group's noise floors (its first seed's arms re-run once per perturbation) and those runs."""
-    if not kinds:
-        return [], {}
-    perturbed = noise_floor.perturbed_arms(arms, kinds, threads)
-    ran = run_arms([a for group in perturbed.values() for a in group], base, out_dir, log, execution)
-    by_kind = {kind: ran[i * len(arms):(i + 1) * len(arms)] for i, kind in enumerate(perturbed)}
-    return noise_floor.gap_floors(results, by_kind), by_kind
+    return noise_floor.measure(arms, results, kinds, threads, base, out_dir, log, execution)
 
 
 # ---------------------------------------------------------------------------------- the paper's claims
@@ -352,28 +315,7 @@ class Claim:
     def verdict(self) -> str:
         if self.on_plateau:
             return f"not resolvable at this scale ({len(self.on_plateau)} of {2 * len(self.gaps)} runs on the plateau)"
-        return claim_verdict(self.mean, self.ci95, self.floor, self.expect)
-
-
-def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str) -> str:
-    """agrees / contradicts / not resolvable at this scale, from a paired gap's mean, 95% interval and
-    noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor; two
-    arms are equivalent when the whole interval lies within +-floor (the floor is the smallest
-    difference this setup can tell from a change of summation order or data order)."""
-    if expect not in ("same", "worse"):
-        raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
-    if mean is None or ci is None:
-        return "not resolvable at this scale (fewer than 2 finite seeds)"
-    margin = 0.0 if floor is None else floor
-    established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin
-    equivalent = margin > 0 and -margin <= ci[0] and ci[1] <= margin
-    if expect == "same":
-        if established:
-            return "contradicts (ends higher)" if mean > 0 else "agrees (ends lower)"
-        return "agrees (within the floor)" if equivalent else "not resolvable at this scale"
-    if established:
-        return "agrees" if mean > 0 else "contradicts (ends lower)"
-    return "contradicts (no gap beyond the floor)" if equivalent else "not resolvable at this scale"
+        return noise_floor.claim_verdict(self.mean, self.ci95, self.floor, self.expect)
 
 
 def _pair_floor(results: list[ArmResult], perturbed: dict[str, list[ArmResult]], i: int, j: int) -> float | None:
