@@ -76,25 +76,28 @@ def claim_reference(mean: float, low: float, high: float, floor: float, expect: 
     """A paper's claim judged from scratch: a gap is established when the interval excludes 0 and the
     mean exceeds the floor; equivalence when the interval lies within +-floor."""
     gap = (low > 0 or high < 0) and abs(mean) > floor
-    same = floor > 0 and low >= -floor and high <= floor
+    same = floor <= 0.05 and low >= -0.05 and high <= 0.05
     if expect == "same":
         if gap:
             return "agrees (ends lower)" if mean < 0 else "contradicts (ends higher)"
-        return "agrees (within the floor)" if same else "not resolvable at this scale"
+        return "agrees (equivalent within 0.05)" if same else "not resolvable at this scale"
     if gap:
         return "agrees" if mean > 0 else "contradicts (ends lower)"
-    return "contradicts (no gap beyond the floor)" if same else "not resolvable at this scale"
+    return "contradicts (equivalent within 0.05)" if same else "not resolvable at this scale"
 
 
 def test_claim_verdicts_cover_every_case():
     from largebatch.experiments.floor import claim_verdict
 
     cases = [(0.10, (0.05, 0.15), 0.02), (-0.10, (-0.15, -0.05), 0.02), (0.01, (0.005, 0.015), 0.02),
-             (0.0, (-0.01, 0.01), 0.02), (0.0, (-0.5, 0.5), 0.02), (0.03, (0.01, 0.05), None),
-             (0.0, (-0.01, 0.01), None)]
+             (0.0, (-0.01, 0.01), 0.02), (0.0, (-0.5, 0.5), 0.02), (0.03, (0.01, 0.05), 0.0),
+             (0.0, (-0.04, 0.04), 0.3), (0.0, (-0.04, 0.04), 0.05), (0.0, (-0.06, 0.04), 0.01)]
     for expect in ("same", "worse"):
         for mean, ci, floor in cases:
-            assert claim_verdict(mean, ci, floor, expect) == claim_reference(mean, *ci, floor or 0.0, expect)
+            assert claim_verdict(mean, ci, floor, expect) == claim_reference(mean, *ci, floor, expect)
+    # a floor of 0.3 nats: no interval, however narrow, makes two arms equivalent
+    assert claim_verdict(0.0, (-0.04, 0.04), 0.3, "worse") == "not resolvable at this scale"
+    assert claim_verdict(0.0, (-0.04, 0.04), 0.05, "same") == "agrees (equivalent within 0.05)"
     assert claim_verdict(None, None, 0.1, "same").startswith("not resolvable")
     with pytest.raises(ValueError, match="expect='better'"):
         claim_verdict(0.0, (0.0, 0.0), 0.0, "better")

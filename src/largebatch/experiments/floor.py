@@ -230,22 +230,30 @@ def claim_line(claim_text: str, c: Comparison, agrees: str, contradicts: str, un
             f"{'n/a' if c.floor is None else f'{c.floor.floor:.4f}'}: {c.verdict}).")
 
 
+EQUIVALENCE_NATS = 0.05
+"""Two arms are called equivalent only within this many nats of final validation loss (and only when
+the setup can see that much: its noise floor no larger). The papers' own effects are of this order:
+Seesaw's "same loss" is 0.001 nats, its loss above the critical batch 0.09."""
+
+
 def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str) -> str:
     """agrees / contradicts / not resolvable at this scale, from a paired gap's mean, 95% interval and
-    noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor; two
-    arms are equivalent when the whole interval lies within +-floor (the floor is the smallest
-    difference this setup can tell from a change of summation order or data order)."""
+    noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor. Two
+    arms are equivalent when the whole interval lies within +-EQUIVALENCE_NATS and the floor is no
+    larger: a setup whose harmless perturbations move the gap by more cannot call two arms equal."""
     if expect not in ("same", "worse"):
         raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
     if mean is None or ci is None:
         return "not resolvable at this scale (fewer than 2 finite seeds)"
     margin = 0.0 if floor is None else floor
     established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin
-    equivalent = margin > 0 and -margin <= ci[0] and ci[1] <= margin
+    equivalent = (floor is not None and margin <= EQUIVALENCE_NATS
+                  and -EQUIVALENCE_NATS <= ci[0] and ci[1] <= EQUIVALENCE_NATS)
     if expect == "same":
         if established:
             return "contradicts (ends higher)" if mean > 0 else "agrees (ends lower)"
-        return "agrees (within the floor)" if equivalent else "not resolvable at this scale"
+        return f"agrees (equivalent within {EQUIVALENCE_NATS:g})" if equivalent else "not resolvable at this scale"
     if established:
         return "agrees" if mean > 0 else "contradicts (ends lower)"
-    return "contradicts (no gap beyond the floor)" if equivalent else "not resolvable at this scale"
+    return (f"contradicts (equivalent within {EQUIVALENCE_NATS:g})" if equivalent
+            else "not resolvable at this scale")

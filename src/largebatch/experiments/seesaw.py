@@ -359,7 +359,8 @@ def claims_section(found: list[Claim]) -> str:
     return ("## The paper's claims, judged\n\nEach claim as a paired gap in final validation loss (per seed; "
             "positive: the first arm ends higher), its 95% interval over seeds and the noise floor of that gap. "
             "Established: the interval excludes 0 and the mean exceeds the floor. Equivalent: the whole "
-            "interval lies within +-floor. Otherwise, or when a run of either arm never left the unigram "
+            f"interval lies within +-{noise_floor.EQUIVALENCE_NATS:g} nats and the floor is no larger. "
+            "Otherwise, or when a run of either arm never left the unigram "
             "plateau (see the tables' plateau column), the claim is not resolvable at this scale.\n\n"
             + markdown_table(["claim (Meterez et al. 2025)", "gap", "seeds", "mean", "95% CI", "noise floor",
                               "verdict"], rows))
