@@ -178,7 +178,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     lars = ", ".join(f"{k} {v:g}" for k, v in LARS_OVERRIDES.items())
     report.add(f"""{base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq
 {base['model.seq_len']}, vocab {base['data.vocab_size']}, {tokens:,} tokens of Shakespeare per run,
-10% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping. LR grid per optimizer
+{100 * base['schedule.warmup']:g}% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping.
+LR grid per optimizer
 at batch {small} (x sqrt(batch / {small}) at larger batches):
 {'; '.join(f'{k} {list(v)}' for k, v in grid.items())}. LARS's own settings: {lars} (warmup as a
 fraction of the budget; only LR x trust coefficient enters its step, so the LR grid spans the trust

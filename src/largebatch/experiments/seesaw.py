@@ -239,7 +239,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                     len(ARMS))
     high_floor, high_perturbed = _floors(high_arms[0], high[0], setting.floor, threads, base, out_dir, log,
                                          execution)
-    report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm, 10% warmup,
+    report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm,
+{100 * base['schedule.warmup']:g}% warmup,
 cosine to 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
 vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.join(
         seed_name(s) for s in SEEDS[:seeds])}: init and data order). Tokens per arm: {total:,} from
