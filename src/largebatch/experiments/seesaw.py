@@ -51,7 +51,6 @@ from largebatch.experiments.runner import (
     run_arms,
     steps_to_reach,
 )
-from largebatch.stats import ci95
 
 
 @dataclass(frozen=True)
@@ -226,7 +225,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
                    len(ARMS))
     threads = _arm_threads(execution)
-    low_floor, low_perturbed = _floors(low_arms[0], low[0], setting.floor, threads, base, out_dir, log, execution)
+    low_floor, low_perturbed = noise_floor.measure(low_arms[0], low[0], setting.floor, threads, base, out_dir, log,
+                                                   execution)
     b_crit = critical_batch(low[0][0])
     above = above_batch(setting.above, b_crit)
     above_total = above_budget(total, above, seq_len, setting.above_steps)
@@ -237,8 +237,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                           extra=budget if above_total != total else None)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
                     len(ARMS))
-    high_floor, high_perturbed = _floors(high_arms[0], high[0], setting.floor, threads, base, out_dir, log,
-                                         execution)
+    high_floor, high_perturbed = noise_floor.measure(high_arms[0], high[0], setting.floor, threads, base, out_dir,
+                                                     log, execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm,
 {100 * base['schedule.warmup']:g}% warmup,
 cosine to 0.1 x peak; {base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq {seq_len},
@@ -274,57 +274,31 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
 _arm_threads = noise_floor.arm_threads
 
 
-def _floors(arms: list[Arm], results: list[ArmResult], kinds: tuple[str, ...], threads: int,
-            base: dict, out_dir: Path, log, execution: Execution
-            ) -> tuple[list[noise_floor.Floor], dict[str, list[ArmResult]]]:
-    """The group's noise floors (its first seed's arms re-run once per perturbation) and those runs."""
-    return noise_floor.measure(arms, results, kinds, threads, base, out_dir, log, execution)
-
-
 # ---------------------------------------------------------------------------------- the paper's claims
 @dataclass(frozen=True)
 class Claim:
     """One claim of the paper, tested as the paired gap "arm minus reference" (final validation loss,
-    per seed) with its 95% interval over seeds and its noise floor (seed 1337's gap moved by each
-    harmless perturbation; experiments/floor.py)."""
+    per seed): its interval over seeds and its noise floor (floor.compare: seed 1337's gap moved by
+    each harmless perturbation)."""
 
     text: str
     arm: str
     reference: str
     expect: str
     """"same": the paper finds equal loss; "worse": it finds the arm's loss higher."""
-    gaps: list[float]
-    floor: float | None
+    comparison: noise_floor.Comparison
     on_plateau: tuple[str, ...] = ()
     """Runs of the two arms (any seed) whose validation loss never left the unigram plateau
     (ArmResult.plateau_escape is None): a gap between such runs measures when each escaped, not the
     schedules, so the claim is then not resolvable whatever the interval says."""
 
     @property
-    def finite(self) -> list[float]:
-        return [g for g in self.gaps if math.isfinite(g)]
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.finite) if self.finite else None
-
-    @property
-    def ci95(self) -> tuple[float, float] | None:
-        return ci95(self.finite)
-
-    @property
     def verdict(self) -> str:
         if self.on_plateau:
-            return f"not resolvable at this scale ({len(self.on_plateau)} of {2 * len(self.gaps)} runs on the plateau)"
-        return noise_floor.claim_verdict(self.mean, self.ci95, self.floor, self.expect)
-
-
-def _pair_floor(results: list[ArmResult], perturbed: dict[str, list[ArmResult]], i: int, j: int) -> float | None:
-    """The largest move of seed 1337's gap "arm i minus arm j" under the perturbations (None: none run)."""
-    if not perturbed:
-        return None
-    gap = results[i].final_val_loss - results[j].final_val_loss
-    return max(abs(rs[i].final_val_loss - rs[j].final_val_loss - gap) for rs in perturbed.values())
+            runs = 2 * len(self.comparison.gaps.gaps)
+            return f"not resolvable at this scale ({len(self.on_plateau)} of {runs} runs on the plateau)"
+        gaps = self.comparison.gaps
+        return noise_floor.claim_verdict(gaps.mean, gaps.ci95, self.comparison.floor_value, self.expect)
 
 
 CLAIMS = (  # (group, arm, reference, expect, the paper's claim)
@@ -346,17 +320,19 @@ def claims(low: list[list[ArmResult]], high: list[list[ArmResult]], low_perturbe
     for group, arm, reference, expect, text in CLAIMS:
         per_seed, perturbed = (low, low_perturbed) if group == "below" else (high, high_perturbed)
         i, j = names.index(arm), names.index(reference)
-        gaps = [s[i].final_val_loss - s[j].final_val_loss for s in per_seed]
+        comparison = noise_floor.compare(f"{group}-{arm} minus {group}-{reference}",
+                                         lambda rs, i=i, j=j: rs[i].final_val_loss - rs[j].final_val_loss,
+                                         per_seed, perturbed, "worse", "better")
         stuck = tuple(r.arm.name for s in per_seed for r in (s[i], s[j]) if r.plateau_escape is None)
-        out.append(Claim(text, f"{group}-{arm}", f"{group}-{reference}", expect, gaps,
-                         _pair_floor(per_seed[0], perturbed, i, j), stuck))
+        out.append(Claim(text, f"{group}-{arm}", f"{group}-{reference}", expect, comparison, stuck))
     return out
 
 
 def claims_section(found: list[Claim]) -> str:
     """The paper's claims, one row each: the paired gap over seeds, its interval, the floor, the verdict."""
-    rows = [[c.text, f"{c.arm} minus {c.reference}", len(c.gaps), _signed(c.mean), _interval(c.ci95),
-             "n/a" if c.floor is None else f"{c.floor:.4f}", c.verdict] for c in found]
+    rows = [[c.text, c.comparison.gaps.name, len(c.comparison.gaps.gaps), _signed(c.comparison.gaps.mean),
+             _interval(c.comparison.gaps.ci95),
+             "n/a" if c.comparison.floor is None else f"{c.comparison.floor_value:.4f}", c.verdict] for c in found]
     return ("## The paper's claims, judged\n\nEach claim as a paired gap in final validation loss (per seed; "
             "positive: the first arm ends higher), its 95% interval over seeds and the noise floor of that gap. "
             "Established: the interval excludes 0 and the mean exceeds the floor. Equivalent: the whole "
