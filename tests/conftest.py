@@ -28,7 +28,7 @@ def reference_run(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("runs") / "reference"
-    summary = _run(tiny_overrides(cache, out))
+    summary = _run(tiny_overrides(cache, out, **{"run.plots": True}))  # its PNGs are checked
     return cache, out, summary
 
 

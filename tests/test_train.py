@@ -33,7 +33,7 @@ def tiny_overrides(cache_dir: Path, out_dir: Path, **extra) -> dict:
         "schedule.batch_size": 8, "run.micro_batch": 4, "run.total_tokens": 32 * 8 * 24,
         "run.eval_tokens": 32 * 16, "run.eval_every_tokens": 32 * 8 * 6, "run.tensorboard": False,
         "run.progress": "off", "run.sample_tokens": 0, "run.out_dir": str(out_dir),
-        "run.peak_flops": 1e11,
+        "run.peak_flops": 1e11, "run.plots": False,  # matplotlib would double a tiny run's time
     }
     o.update(extra)
     return o
@@ -106,6 +106,7 @@ def test_bert_masked_lm_learns(tmp_path, reference_run):
     summary = _run(o)
     vals = [r["val_loss"] for r in read_metrics(tmp_path / "bert") if r["kind"] == "val"]
     assert summary["final_val_loss"] < vals[0] - 0.3
+    assert not list((tmp_path / "bert").glob("*.png"))  # run.plots = false: no matplotlib at the end
 
 
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path, reference_run, capsys):

@@ -2,7 +2,7 @@
 
 An experiment is a list of ``Arm`` s: the same model, data and token budget (``base_overrides``)
 with a few config fields changed per arm. Each arm is one ``largebatch.train`` run in
-``OUT/runs/<arm name>/`` (config.toml, metrics.jsonl, summary.json, plots), so every number in a
+``OUT/runs/<arm name>/`` (config.toml, metrics.jsonl, summary.json, plots but at smoke size), so every number in a
 report can be traced to a run directory and recomputed from its metrics.jsonl.
 
 Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per experiment on a
@@ -30,7 +30,8 @@ SIZES = ("smoke", "quick", "full")
 # The model, data and budget of each size. Tiny GPTs on the bundled Shakespeare corpus.
 SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
     "smoke": {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
-              "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048},
+              "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048,
+              "run.plots": False},  # per-arm PNGs would take most of a smoke arm's time
     # quick: vocabulary 512 and 2% warmup so every arm leaves the unigram plateau early (measured:
     # cosine at batch 16 left it at step 38-39 of 192 at both seeds; at vocabulary 1024 and 10% warmup
     # at step 79-116, when a change of summation order alone moved the final loss by 0.09)

@@ -168,6 +168,10 @@ class RunConfig:
     """Prompt for the generated sample."""
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    plots: bool = True
+    """Write loss.png and schedule.png into RUN_DIR at the end of the run. They cost seconds of
+    matplotlib, which dominates a tiny run; largebatch.train.plots.plot_run(RUN_DIR) draws them
+    later from metrics.jsonl."""
     progress: Literal["auto", "on", "off"] = "auto"
     """Progress bar in tokens on stderr ('auto': only on a terminal)."""
 

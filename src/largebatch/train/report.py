@@ -122,7 +122,8 @@ class Reporting:
         if not self.is_main:
             return summary
         try:
-            plot_run(self.run_dir)
+            if self.cfg.run.plots:
+                plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience; never fail a finished run on them
             self.log(f"(plots skipped: {exc})")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -37,7 +37,7 @@ from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 LOCK_NAME = ".lock"
 # may differ between the launch that wrote the checkpoints and the one that continues it
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
-                  "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard",
+                  "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.plots",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
                   "run.sample_prompt", "model.vocab_size", "parallel.")
 
