@@ -22,7 +22,7 @@ their claim that they hold the loss from B to 8B (a rise beyond the floor contra
 the papers' premise that it degrades. With one seed there is no interval and no floor is measured.
 
 LARS gets settings meant to give it a fair chance (LARS_OVERRIDES): a longer warmup (25% of the budget
-instead of 10%; measured at quick size, batch 4: 4.95 / 4.93 instead of 5.17 / 5.29 at LR 3 / 10),
+instead of 10%; measured on the earlier quick setup, batch 4: 4.95 / 4.93 instead of 5.17 / 5.29 at LR 3 / 10),
 as LARS's large-batch recipes use, and the paper's trust coefficient 0.001. Only the product LR x trust coefficient
 enters the step (local LR = tc ||x|| / (||g|| + wd ||x|| + eps)), so the LR grid is the trust
 coefficient's grid too.

@@ -5,8 +5,9 @@ with a few config fields changed per arm. Each arm is one ``largebatch.train`` r
 ``OUT/runs/<arm name>/`` (config.toml, metrics.jsonl, summary.json, plots but at smoke size), so every number in a
 report can be traced to a run directory and recomputed from its metrics.jsonl.
 
-Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (<= 10 minutes per experiment on a
-2-core CPU), ``full`` (the documented runs; see docs/results.md for their measured runtimes).
+Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (a tiny model past the unigram plateau:
+seconds to ~35 minutes per experiment on a 2-core CPU with the seeds and noise floor), ``full`` (the
+documented runs; see docs/results.md for their measured runtimes).
 """
 
 from __future__ import annotations
