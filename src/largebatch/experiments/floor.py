@@ -17,7 +17,8 @@ paper's claim (agrees / contradicts / not resolvable at this scale).
 
 Shared by the seeded experiments (seesaw, optimizers, noise-scale): ``SEEDS`` and ``seeded`` (a
 seed's arms share init and data order), ``Gaps`` (paired gaps over seeds with their interval),
-``measure`` (run a group's perturbed arms and return its floors) and ``arm_threads``.
+``measure`` (run a group's perturbed arms and return its floors), ``arm_threads``, ``check_seeds``
+and ``never_left_plateau``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from largebatch.experiments.report import markdown_table
-from largebatch.experiments.runner import THREADS, Arm, ArmResult, Execution, run_arms
+from largebatch.experiments.runner import THREADS, Arm, ArmResult, Execution, check_seed_count, run_arms
 from largebatch.stats import ci95
 
 PERTURBATIONS = ("threads", "data", "init")
@@ -38,6 +39,16 @@ AGREES, CONTRADICTS, UNRESOLVED = "agrees", "contradicts", "not resolvable at th
 
 def seed_name(seed: int | None) -> str:
     return "1337" if seed is None else str(seed)
+
+
+def check_seeds(seeds: int) -> int:
+    """``seeds`` if it is an integer from 1 to len(SEEDS) (``--seeds N`` of a seeded experiment)."""
+    return check_seed_count(seeds, len(SEEDS))
+
+
+def never_left_plateau(per_seed: list[list[ArmResult]]) -> list[str]:
+    """The names of the runs that ended on the unigram plateau (ArmResult.plateau_escape is None)."""
+    return [r.arm.name for rs in per_seed for r in rs if r.plateau_escape is None]
 
 
 def seeded(arm: Arm, seed: int | None) -> Arm:
@@ -200,6 +211,10 @@ class Comparison:
         return None if self.floor is None else self.floor.floor
 
     @property
+    def floor_text(self) -> str:
+        return "n/a" if self.floor is None else f"{self.floor.floor:.4f}"
+
+    @property
     def verdict(self) -> str:
         return verdict(self.gaps.mean, self.gaps.ci95, self.floor_value, self.worse, self.better)
 
@@ -207,7 +222,7 @@ class Comparison:
         """The cells under COMPARISON_HEADERS."""
         g = self.gaps
         return [len(g.gaps), signed(g.mean), "n/a" if g.sd is None else f"{g.sd:.4f}", interval(g.ci95),
-                "n/a" if self.floor is None else f"{self.floor.floor:.4f}", self.verdict]
+                self.floor_text, self.verdict]
 
 
 COMPARISON_HEADERS = ["seeds", "mean", "sd", "95% CI of the mean", "noise floor", "verdict"]
@@ -226,8 +241,8 @@ def claim_line(claim_text: str, c: Comparison, agrees: str, contradicts: str, un
     """A report's bullet: the claim, what the comparison's verdict says about it, and the numbers."""
     status = claim(c.verdict, agrees, contradicts)
     return (f"- {claim_text}: **{status}** ({c.gaps.name}: {signed(c.gaps.mean)}{unit} over "
-            f"{len(c.gaps.gaps)} seed(s), 95% CI {interval(c.gaps.ci95)}, noise floor "
-            f"{'n/a' if c.floor is None else f'{c.floor.floor:.4f}'}: {c.verdict}).")
+            f"{len(c.gaps.gaps)} seed(s), 95% CI {interval(c.gaps.ci95)}, noise floor {c.floor_text}: "
+            f"{c.verdict}).")
 
 
 EQUIVALENCE_NATS = 0.05

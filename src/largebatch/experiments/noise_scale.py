@@ -36,7 +36,7 @@ from largebatch.experiments.report import (
     markdown_table,
     plot_schedules,
 )
-from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, check_seed_count, run_arms
+from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ COMPARISONS = (("seesaw - constant", 1, 0), ("seesaw-capped - constant", 2, 0),
                ("seesaw-capped - seesaw", 2, 1))
 
 
-def check_seeds(seeds: int) -> int:
-    return check_seed_count(seeds, len(noise_floor.SEEDS))
+check_seeds = noise_floor.check_seeds
 
 
 def arms(size: str) -> list[Arm]:
@@ -166,7 +165,7 @@ def findings(comparisons: list[noise_floor.Comparison], rho: noise_floor.Compari
     """Each claim with the verdict of its comparison: agrees / contradicts / not resolvable."""
     seesaw, capped, capped_vs_seesaw = comparisons
     first = per_seed[0]
-    stuck = [r.arm.name for rs in per_seed for r in rs if r.plateau_escape is None]
+    stuck = noise_floor.never_left_plateau(per_seed)
     lines = ["## What this shows\n",
              noise_floor.claim_line("B_simple grows as the training loss falls (McCandlish et al. 2018)", rho,
                                     rho.better, rho.worse, unit=""),

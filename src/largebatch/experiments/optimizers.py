@@ -53,7 +53,6 @@ from largebatch.experiments.runner import (
     ArmResult,
     Execution,
     base_overrides,
-    check_seed_count,
     run_arms,
 )
 from largebatch.train.optimizer import OPTIMIZERS as REGISTERED
@@ -100,8 +99,7 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             "full": Setting(8, 1_048_576, LR_GRID)}
 
 
-def check_seeds(seeds: int) -> int:
-    return check_seed_count(seeds, len(noise_floor.SEEDS))
+check_seeds = noise_floor.check_seeds
 
 
 def grid_arms(size: str) -> list[Arm]:
@@ -159,7 +157,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     threads = noise_floor.arm_threads(execution)
     kinds = setting.floor if seeds > 1 else ()
     perturbed = noise_floor.measure([r.arm for r in first], first, kinds, threads, base, out_dir, log,
-                                    execution)[1] if kinds else {}
+                                    execution)[1]
 
     def loss(name, batch):
         return lambda rs: rs[index[(name, batch)]].final_val_loss
@@ -247,9 +245,7 @@ Every arm ran with {threads} torch thread(s).""")
 def findings(vs_adamw: dict[tuple[str, int], noise_floor.Comparison], degrade: dict[str, noise_floor.Comparison],
              relative: dict[str, noise_floor.Comparison], batches: list[int], per_seed: list[list[ArmResult]]) -> str:
     """Each claim with the verdict of its comparison: agrees / contradicts / not resolvable."""
-    def line(claim: str, c: noise_floor.Comparison, agrees: str, contradicts: str) -> str:
-        return noise_floor.claim_line(claim, c, agrees, contradicts)
-
+    line = noise_floor.claim_line
     lines = ["## What this shows\n"]
     for name in ("lamb", "lans"):
         lines.append(line(f"{name} degrades less than {BASELINE} from batch {batches[0]} to {batches[1]} "
@@ -269,7 +265,7 @@ def findings(vs_adamw: dict[tuple[str, int], noise_floor.Comparison], degrade: d
         else:  # no verdict establishes "holds" (equal loss); a loss that falls beyond the floor agrees
             lines.append(line(f"{name} holds its loss from batch {batches[0]} to {batches[1]} at equal tokens "
                               f"(its paper's claim)", degrade[name], "improves", "degrades"))
-    stuck = [r.arm.name for rs in per_seed for r in rs if r.plateau_escape is None]
+    stuck = noise_floor.never_left_plateau(per_seed)
     lines.append(f"- Best-LR arms that never leave the unigram plateau: {len(stuck)} of "
                  f"{sum(len(rs) for rs in per_seed)}" + (f" ({', '.join(stuck)}): their gaps measure when "
                                                          f"they would have escaped, not the optimizer."

@@ -47,7 +47,6 @@ from largebatch.experiments.runner import (
     ArmResult,
     Execution,
     base_overrides,
-    check_seed_count,
     run_arms,
     steps_to_reach,
 )
@@ -86,8 +85,7 @@ MICRO_BATCH = {"seesaw-r0.91-mb1": 1}  # arms whose micro-batch is not the group
 GRANULARITY_PAIR = ("seesaw-r0.91", "seesaw-r0.91-mb1")  # the same schedule, two batch granularities
 
 
-def check_seeds(seeds: int) -> int:
-    return check_seed_count(seeds, len(SEEDS))
+check_seeds = noise_floor.check_seeds
 
 
 def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str, seeds: int = 1,
