@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from largebatch.checkpoint import list_checkpoints
+from largebatch.checkpoint import list_checkpoints, load_checkpoint
 from largebatch.train.cli import main, resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
@@ -61,6 +62,38 @@ def test_reference_run_learns_and_grows_batch(reference_run):
     for name in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "schedule.png"):
         assert (out / name).is_file(), name
     assert summary["mfu"] > 0 and summary["tokens_per_s"] > 0
+
+
+def test_eval_micro_batch_changes_no_step_and_evaluates_the_same_tokens(reference_run, tmp_path, capsys):
+    """run.eval_micro_batch = 5 where the reference evaluates its 16 validation sequences 4 at a time
+    (5 leaves a tail of 1): every training step is bit-identical, every evaluation the same mean,
+    and the last one equals the float64 cross-entropy of the final weights over those 16 sequences."""
+    from largebatch.data import DataConfig, build_data
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "eval-mb"
+    summary = _run(tiny_overrides(cache, out, **{"run.eval_micro_batch": 5}))
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+    def vals(run):
+        return [r["val_loss"] for r in read_metrics(run) if r["kind"] == "val"]
+
+    assert len(vals(out)) >= 4 and vals(out) == pytest.approx(vals(ref_dir), rel=2e-6, abs=0)
+    extra = load_checkpoint(list_checkpoints(out)[-1])
+    model = build_model(from_dict(ModelConfig, extra["config"]["model"]))
+    model.load_state_dict(extra["model"])
+    model = model.double().eval()
+    data = build_data(from_dict(DataConfig, extra["config"]["data"]), seq_len=32)
+    batch = data.val.get_batch(range(32 * 16 // 32))
+    with torch.no_grad():
+        logits, _ = model(batch["input_ids"])
+    reference = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1),
+                                                  ignore_index=-100)
+    assert summary["final_val_loss"] == pytest.approx(float(reference), rel=1e-5)
+    assert main(["--run.eval_micro_batch=0"]) == 2
+    assert "run.eval_micro_batch = 0: must be > 0, or unset (the training micro-batch)" in capsys.readouterr().err
 
 
 def test_resume_is_bit_identical_across_batch_changes(reference_run, tmp_path):

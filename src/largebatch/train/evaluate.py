@@ -41,7 +41,7 @@ class Evaluation:
         predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``.
         Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced."""
         self.model.eval()
-        seq_len, mb, par = self.phase.seq_len, self.phase.micro_batch, self.par
+        seq_len, mb, par = self.phase.seq_len, self.cfg.run.eval_micro_batch or self.phase.micro_batch, self.par
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
         starts = range(0, n, mb)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
