@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 CFLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
+# pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py): the 2-core machine
+# runs the suite in about half the time of one process on two threads
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install bench clean
 
@@ -28,7 +31,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/optim_step.py

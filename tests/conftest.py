@@ -7,7 +7,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs 2 workers) each worker gets its share of the cores, so the
+# workers do not oversubscribe them; the tests pass the count on to the processes they start.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +19,15 @@ def _seed():
     depend on it: a test that ran later with another count would not reproduce a reference run)."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a shared machine does not stall on spinning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
@@ -37,3 +49,16 @@ def tiny_data_cache(tmp_path_factory):
     """One data cache for the modules that train tiny runs on Shakespeare (entries are keyed on their
     content, so sharing changes no result; it saves a tokenizer training and encoding per module)."""
     return tmp_path_factory.mktemp("tiny-data-cache")
+
+
+# The modules that take longest here (seconds with `--durations`, 2-core CPU), started first so that
+# the two pytest-xdist workers of `make test` (`--dist loadfile`: a module's tests share a worker and
+# its module fixtures) finish together instead of one waiting on a long module collected late.
+LONGEST_FIRST = ("test_experiments.py", "test_train_distributed.py", "test_pipeline.py",
+                 "test_experiments_floor.py", "test_parallel.py", "test_train_cluster.py",
+                 "test_meta_init.py", "test_optim_fused.py", "test_train_phases.py", "test_train_budget.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -4,6 +4,7 @@ with transformers' Auto classes offline, logits compared with largebatch's own f
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +165,7 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
                                   "out_is_run", "tokenizer"])
-def test_bad_input_gives_one_line_errors(case, gpt_run, cache, tmp_path, capsys):
+def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     out, args = tmp_path / "out", []
     run = gpt_run
     if case == "missing_run":
@@ -191,7 +192,8 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, cache, tmp_path, capsys)
     if case == "non_empty_out":
         assert (out / "keep.txt").read_text() == "mine"
         # --force replaces it; --tokenizer takes the run's tokenizer from a file
-        (trained,) = cache.glob("*/tokenizer.json")
+        trained = tmp_path / "tokenizer-copy.json"  # the run's tokenizer, from another file
+        shutil.copyfile(run / "tokenizer.json", trained)
         assert export(run, out, "--force", "--tokenizer", str(trained)) == 0
         assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 

@@ -17,8 +17,14 @@ the frozen encoder. The same architecture from random initialisation ("scratch",
 fine-tuning seed) is the line pretraining has to beat. Quick and full judge on bible-division at
 fine-tuning LR 1e-3: on the recipe, folio-genre is not learnable from either encoder, and at 1e-4
 the pretrained encoder barely fits (docs/results.md).
-Optimizers are compared paired by pretraining seed with a 95% t interval (largebatch/stats.py);
-a difference is stated only when the interval excludes 0.
+Optimizers are compared paired by pretraining seed with a 95% t interval (largebatch/stats.py)
+and a noise floor (experiments/floor.py): the first seed's three arms are pretrained again under
+each harmless perturbation (another torch thread count, another data order and masking with the
+same init, another init with the same data order; smoke size: data order only) and fine-tuned and
+probed like the others; a comparison's floor is the largest move of its seed-1337 gap (loss,
+fine-tuned or probe accuracy) under them. A difference is stated only when the interval excludes 0
+and the mean exceeds the floor; each claim of the paper is then agrees / contradicts / not
+resolvable at this scale. With one seed there is no interval and no floor is measured.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from largebatch.experiments import floor as noise_floor
-from largebatch.experiments.report import Report, fmt_loss, markdown_table, plot_validation
+from largebatch.experiments.report import ESCAPE_HEADER, Report, fmt_escape, fmt_loss, markdown_table, plot_validation
 from largebatch.experiments.runner import (
     BASE_CONFIG,
     COMMON_OVERRIDES,
@@ -58,6 +65,8 @@ class Setting:
     seeds: int
     finetune: dict[str, Any]
     """largebatch.finetune.Settings fields."""
+    floor: tuple[str, ...] = noise_floor.PERTURBATIONS
+    """Perturbations that measure the noise floor (experiments/floor.py); none with one seed."""
 
 
 _FINETUNE_FULL = {"task": "bible-division", "seeds": 2, "epochs": 3, "lr": 1e-3, "folds": 5,
@@ -65,13 +74,13 @@ _FINETUNE_FULL = {"task": "bible-division", "seeds": 2, "epochs": 3, "lr": 1e-3,
 SETTINGS = {
     "smoke": Setting({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
                       "data.vocab_size": 512, "data.corpus": "shakespeare", "run.eval_tokens": 2_048,
-                      "run.micro_batch": 8,
+                      "run.micro_batch": 8, "run.eval_micro_batch": 64,
                       "phases.0.seq_len": 16, "phases.0.total_tokens": 4_096,
                       "phases.1.seq_len": 32, "phases.1.total_tokens": 2_048,
                       "phases.1.micro_batch": 4, "schedule.batch_size": 8,
                       "phases.1.schedule.batch_size": 4},
-                     1, {"task": "folio-genre", "seeds": 2, "epochs": 1, "passages_per_document": 2,
-                         "batch_size": 8, "folds": 2}),
+                     2, {"task": "folio-genre", "seeds": 2, "epochs": 1, "passages_per_document": 2,
+                         "batch_size": 8, "folds": 2}, ("data",)),
     "quick": Setting({"model.n_layer": 2, "model.n_embd": 128, "model.n_head": 2, "model.seq_len": 128,
                       "data.vocab_size": 2048, "run.eval_tokens": 16_384,
                       "phases.0.total_tokens": 262_144, "phases.1.seq_len": 128,
@@ -220,28 +229,85 @@ def _interval(values: list[float]) -> str:
     return "" if ci is None else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]"
 
 
-def _verdict(values: list[float], lower_is_better: bool) -> str:
-    mean = statistics.fmean(values) if values else None
-    first_worse, first_better = ("first worse", "first better") if lower_is_better else ("first better",
-                                                                                        "first worse")
-    return noise_floor.verdict(mean, ci95(values), None, first_worse, first_better)
+PAIRS = (("lans", "lamb"), ("lans", "adamw"), ("lamb", "adamw"))
+MEASURES = ("val loss", "fine-tuned accuracy", "probe accuracy")
+
+
+def _gap(measure: str, a: str, b: str, downstream: dict):
+    """diff(results) for floor.compare: ``a``'s value minus ``b``'s in one seed's (or one
+    perturbation's) [lans, lamb, adamw] results; nan when an arm diverged (no downstream)."""
+    ia, ib = OPTIMIZERS.index(a), OPTIMIZERS.index(b)
+
+    def value(r: ArmResult) -> float:
+        if measure == "val loss":
+            return r.final_val_loss
+        if r.diverged:
+            return math.nan
+        if measure == "fine-tuned accuracy":
+            return statistics.fmean(downstream["finetuned"][r.arm.name])
+        return downstream["probe"][r.arm.name]
+
+    return lambda rs: value(rs[ia]) - value(rs[ib])
+
+
+def comparisons(per_seed: list[list[ArmResult]], perturbed: dict[str, list[ArmResult]],
+                downstream: dict) -> list[noise_floor.Comparison]:
+    """Every pair x measure, paired by pretraining seed, with its noise floor. The verdict names the
+    pair's first optimizer: "lans better" is a lower loss or a higher accuracy than the second's."""
+    out = []
+    for a, b in PAIRS:
+        for measure in MEASURES:
+            higher, lower = (f"{a} worse", f"{a} better") if measure == "val loss" else (f"{a} better",
+                                                                                          f"{a} worse")
+            out.append(noise_floor.compare(f"{a} - {b}: {measure}", _gap(measure, a, b, downstream),
+                                           per_seed, perturbed, higher, lower))
+    return out
+
+
+def findings(found: list[noise_floor.Comparison], per_seed: list[list[ArmResult]]) -> str:
+    """Each claim of the paper with the verdict of its comparison."""
+    by = {c.gaps.name: c for c in found}
+    stuck = noise_floor.never_left_plateau(per_seed)
+    lines = ["## What this shows\n",
+             noise_floor.claim_line("LANS ends below LAMB in masked-LM loss at equal tokens (Zheng et al. 2020)",
+                                    by["lans - lamb: val loss"], "lans better", "lans worse"),
+             noise_floor.claim_line("LANS's encoder fine-tunes better downstream than LAMB's",
+                                    by["lans - lamb: fine-tuned accuracy"], "lans better", "lans worse", unit=""),
+             noise_floor.claim_line("LANS's encoder probes better downstream than LAMB's",
+                                    by["lans - lamb: probe accuracy"], "lans better", "lans worse", unit=""),
+             noise_floor.claim_line(f"LANS ends below AdamW (AdamW at {ADAMW_LR_SCALE:g}x the LR, not tuned)",
+                                    by["lans - adamw: val loss"], "lans better", "lans worse"),
+             f"- Pretraining runs that never leave the unigram plateau: {len(stuck)} of "
+             f"{sum(len(rs) for rs in per_seed)}" + (f" ({', '.join(stuck)})." if stuck else "."),
+             "- A difference is established only when its 95% interval excludes 0 and it exceeds the noise floor."]
+    return "\n".join(lines)
 
 
 def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
         seeds: int | None = None) -> Report:
     setting = SETTINGS[size]
     n_seeds = check_seeds(seeds or setting.seeds)
-    results = run_arms(arms(size, n_seeds), base(size), out_dir, log, execution)
-    downstream, line = finetune_arms(results, setting.finetune, log, execution.jobs)
-    by_name = {r.arm.name: r for r in results}
+    recipe = base(size)
+    every = arms(size, n_seeds)
+    results = run_arms(every, recipe, out_dir, log, execution)
+    n = len(OPTIMIZERS)
+    per_seed = [results[i * n:(i + 1) * n] for i in range(n_seeds)]
+    threads = noise_floor.arm_threads(execution)
+    kinds = setting.floor if n_seeds > 1 else ()
+    perturbed = noise_floor.measure(every[:n], per_seed[0], kinds, threads, recipe, out_dir, log, execution)[1]
+    extra = [r for rs in perturbed.values() for r in rs]
+    downstream, line = finetune_arms(results + extra, setting.finetune, log, execution.jobs)
+    found = comparisons(per_seed, perturbed, downstream)
     report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command)
     first = results[0]
     report.add(f"""The {RECIPE} recipe (two phases, LANS's warmup-hold-decay schedule per phase) with
 {', '.join(f'{k} = {v}' for k, v in setting.overrides.items()) or 'no changes'}; {first.tokens:,}
 tokens per arm; LANS and LAMB at the recipe's peak LRs {recipe_lrs()}, AdamW at {ADAMW_LR_SCALE}x
-them (not tuned). {n_seeds} pretraining seed(s). Downstream: {setting.finetune['task']},
-{setting.finetune['folds']}-fold cross-validation by document, fine-tuned at {setting.finetune['seeds']}
-seeds per arm (lr {setting.finetune.get('lr', 1e-4):g}), and a linear probe (largebatch.finetune).""")
+them (not tuned). {n_seeds} pretraining seed(s) ({', '.join(noise_floor.seed_name(s) for s in SEEDS[:n_seeds])}:
+init, data order and masking). Every arm ran with {threads} torch thread(s). Downstream:
+{setting.finetune['task']}, {setting.finetune['folds']}-fold cross-validation by document, fine-tuned at
+{setting.finetune['seeds']} seeds per arm (lr {setting.finetune.get('lr', 1e-4):g}), and a linear probe
+(largebatch.finetune).""")
     rows = []
     for name in OPTIMIZERS:
         mine = [r for r in results if r.arm.overrides["optim.name"] == name]
@@ -266,37 +332,24 @@ seeds per arm (lr {setting.finetune.get('lr', 1e-4):g}), and a linear probe (lar
         f"(scratch): fine-tuned {_mean(line['scratch'])}{_interval(line['scratch'])}, probe "
         f"{_mean(line['scratch_probe'])}{_interval(line['scratch_probe'])}; majority class "
         f"{'-' if chance is None else f'{chance:.4f}'}.")
-    pairs = []
-    for a, b in (("lans", "lamb"), ("lans", "adamw"), ("lamb", "adamw")):
-        loss_gaps, acc_gaps, probe_gaps = [], [], []
-        for seed in SEEDS[:n_seeds]:
-            suffix = "" if seed is None else f"-seed{seed}"
-            ra, rb = by_name[a + suffix], by_name[b + suffix]
-            if ra.diverged or rb.diverged:
-                continue
-            loss_gaps.append(ra.final_val_loss - rb.final_val_loss)
-            finetuned = downstream["finetuned"]
-            acc_gaps.append(statistics.fmean(finetuned[ra.arm.name]) - statistics.fmean(finetuned[rb.arm.name]))
-            probe_gaps.append(downstream["probe"][ra.arm.name] - downstream["probe"][rb.arm.name])
-        pairs.append([f"{a} - {b}", len(loss_gaps),
-                      (f"{statistics.fmean(loss_gaps):+.4f}" if loss_gaps else "-") + _interval(loss_gaps),
-                      _verdict(loss_gaps, lower_is_better=True),
-                      (f"{statistics.fmean(acc_gaps):+.4f}" if acc_gaps else "-") + _interval(acc_gaps),
-                      _verdict(acc_gaps, lower_is_better=False),
-                      (f"{statistics.fmean(probe_gaps):+.4f}" if probe_gaps else "-") + _interval(probe_gaps),
-                      _verdict(probe_gaps, lower_is_better=False)])
-    report.add("## Paired by pretraining seed\n\n" + markdown_table(
-        ["pair", "seeds", "val loss gap [95% CI]", "loss verdict", "fine-tuned accuracy gap [95% CI]",
-         "fine-tuned verdict", "probe accuracy gap [95% CI]", "probe verdict"], pairs))
+    report.add("## Paired by pretraining seed\n\nOne optimizer's value minus another's at the same "
+               "pretraining seed (val loss: lower is better; accuracies: higher is better). The noise "
+               "floor is the largest move of the seed-1337 gap when the three arms are pretrained again "
+               f"with one harmless change ({', '.join(kinds) or 'not measured: one seed'}).\n\n"
+               + markdown_table(["comparison"] + noise_floor.COMPARISON_HEADERS,
+                                [[c.gaps.name] + c.row() for c in found]))
+    if perturbed:
+        report.add("## Noise floor\n\n" + noise_floor.floor_table(
+            [c.floor for c in found], threads, "gap (seed 1337)", "comparison"))
+    report.add(findings(found, per_seed))
     report.add("## Every run\n\n" + markdown_table(
-        ["arm", "final val loss", "final val accuracy", "optimizer steps", "downstream accuracy per seed",
-         "probe accuracy"],
+        ["arm", "final val loss", "final val accuracy", "optimizer steps", ESCAPE_HEADER,
+         "downstream accuracy per seed", "probe accuracy"],
         [[r.arm.name, fmt_loss(r.final_val_loss),
-          "-" if r.diverged else f"{r.summary.get('final_val_accuracy', float('nan')):.4f}", r.steps,
+          "-" if r.diverged else f"{r.summary.get('final_val_accuracy', float('nan')):.4f}", r.steps, fmt_escape(r),
           ", ".join(f"{a:.4f}" for a in downstream["finetuned"].get(r.arm.name, [])),
           _mean([downstream["probe"][r.arm.name]] if r.arm.name in downstream["probe"] else [])]
-         for r in results]))
+         for r in results + extra]))
     report.plots.append(plot_validation(results, out_dir / "val_loss.png",
                                         "Two-phase BERT: validation MLM loss per optimizer").name)
     return report
-

@@ -32,7 +32,8 @@ SIZES = ("smoke", "quick", "full")
 SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
     "smoke": {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
               "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048,
-              "run.plots": False},  # per-arm PNGs would take most of a smoke arm's time
+              "run.plots": False,  # per-arm PNGs would take most of a smoke arm's time
+              "run.eval_micro_batch": 64},  # each evaluation one forward: half a smoke arm's time otherwise
     # quick: vocabulary 512 and 2% warmup so every arm leaves the unigram plateau early (measured:
     # cosine at batch 16 left it at step 38-39 of 192 at both seeds; at vocabulary 1024 and 10% warmup
     # at step 79-116, when a change of summation order alone moved the final loss by 0.09)
