@@ -9,8 +9,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 CFLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
-# pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py): the 2-core machine
-# runs the suite in about half the time of one process on two threads
+# pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py): on a 2-core machine
+# the suite took 854 s this way against 1,035-1,399 s in one process on two threads (docs/LOG.md)
 TEST_WORKERS ?= 2
 
 .PHONY: demo test install bench clean
