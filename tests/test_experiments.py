@@ -355,6 +355,12 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     assert {run: (run / "metrics.jsonl").stat().st_mtime_ns for run in kept} == mtimes
     assert (crashed / "summary.json").exists()
     assert _losses(crashed) == _losses(serial / "runs" / arms[0])
+    # the header gives this invocation's time and, apart, the kept arms' own (from their arm.json)
+    walls = sum(json.loads((run / "arm.json").read_text())["wall_seconds"] for run in kept)
+    header = re.search(r"; (\d+) s in this invocation, which kept (\d+) arm\(s\) trained by an earlier one "
+                       r"\(--resume\); those took (\d+) s more", (parallel / "report.md").read_text())
+    assert header and int(header.group(2)) == len(kept) and int(header.group(3)) == round(walls), header
+    assert "s in all." in (serial / "report.md").read_text()  # nothing kept: one number
     before = [t for t in parse_tables((serial / "report.md").read_text())]
     after = [t for t in parse_tables((parallel / "report.md").read_text())]
     assert after == before  # the same numbers, from kept and retrained arms alike

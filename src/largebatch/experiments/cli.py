@@ -48,7 +48,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
             raise ValueError(f"seeds={seeds!r}: only {', '.join(SEEDED)} repeat their arms over seeds; "
                              f"drop --seeds for {name!r}")
         extra["seeds"] = _module(name).check_seeds(seeds)
-    execution = Execution(jobs=jobs, resume=resume)
+    execution = Execution(jobs=jobs, resume=resume, kept=[])
     out = _report_dir(name, size, out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
@@ -58,6 +58,7 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
     start = time.perf_counter()
     report = _module(name).run(size, out, command, log=log, execution=execution, **extra)
     report.seconds = time.perf_counter() - start
+    report.kept = sorted(set(execution.kept))  # an arm a report reads twice is listed once
     path = report.write(out)
     log(f"{name}: report {path} ({report.seconds:.0f} s)")
     return path

@@ -54,6 +54,16 @@ class Report:
     sections: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    """Wall time of the invocation that wrote the report."""
+    kept: list[tuple[str, float]] = field(default_factory=list)
+    """(arm, its own wall seconds) of every arm an earlier invocation trained and --resume kept."""
+
+    def _time_scope(self) -> str:
+        if not self.kept:
+            return "in all"
+        return (f"in this invocation, which kept {len(self.kept)} arm(s) trained by an earlier one "
+                f"(--resume); those took {sum(w for _, w in self.kept):.0f} s more, the sum of their "
+                "own wall times (runs/<arm>/arm.json)")
 
     def add(self, text: str) -> None:
         self.sections.append(text.strip())
@@ -68,7 +78,7 @@ class Report:
         header = [f"# {self.title}", "",
                   f"Reproduce: `{self.command}`", "",
                   f"Measured {stamp} on {device}, fp32, torch {torch.__version__}; "
-                  f"{self.seconds:.0f} s in all. Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
+                  f"{self.seconds:.0f} s {self._time_scope()}. Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
         body = "\n\n".join(self.sections)
         images = "\n".join(f"![{p}]({p})" for p in self.plots)
         path = out_dir / "report.md"

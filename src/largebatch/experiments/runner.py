@@ -209,6 +209,9 @@ class Execution:
     resume: bool = False
     """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
     stopped or crashed full-size experiment continues where it stopped."""
+    kept: list[tuple[str, float]] | None = None
+    """If a list: every arm kept by ``resume`` is appended as (name, its own wall seconds from
+    arm.json), so a report can say what the earlier invocations took (experiments/cli.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.jobs, int) or isinstance(self.jobs, bool) or self.jobs < 1:
@@ -313,6 +316,8 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
             todo.append((arm, run_dir, overrides))
         else:
             results[arm.name] = _result(arm, run_dir, *finished, log, "  (kept: finished earlier)")
+            if execution.kept is not None:
+                execution.kept.append((arm.name, finished[0]))
     if execution.jobs == 1 or len(todo) <= 1:
         for k, (arm, run_dir, overrides) in enumerate(todo):
             try:
