@@ -51,13 +51,12 @@ def tiny_data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny-data-cache")
 
 
-# The modules that take longest here, longest first (seconds of test time in one `make test` with
-# --durations=0 on the 2-core CPU: 354, 257, 184, 164, 97, 75, 64, 43, 35, 31), started first so that
+# The modules that take longest here (seconds with `--durations`, 2-core CPU), started first so that
 # the two pytest-xdist workers of `make test` (`--dist loadfile`: a module's tests share a worker and
 # its module fixtures) finish together instead of one waiting on a long module collected late.
-LONGEST_FIRST = ("test_train_distributed.py", "test_experiments_floor.py", "test_experiments.py",
-                 "test_pipeline.py", "test_parallel.py", "test_train_phases.py", "test_train_cluster.py",
-                 "test_train_budget.py", "test_meta_init.py", "test_finetune.py")
+LONGEST_FIRST = ("test_experiments.py", "test_train_distributed.py", "test_pipeline.py",
+                 "test_experiments_floor.py", "test_parallel.py", "test_train_cluster.py",
+                 "test_meta_init.py", "test_optim_fused.py", "test_train_phases.py", "test_train_budget.py")
 
 
 def pytest_collection_modifyitems(config, items):
