@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CFLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 # pytest-xdist workers of `make test`, one torch thread each (tests/conftest.py): on a 2-core machine
-# the suite took 854 s this way against 1,035-1,399 s in one process on two threads (docs/LOG.md)
+# the suite took 854-1,047 s this way against 1,035-1,399 s in one process on two threads (docs/LOG.md)
 TEST_WORKERS ?= 2
 
 .PHONY: demo test install bench clean
