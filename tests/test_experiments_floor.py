@@ -275,7 +275,8 @@ def test_bert_lans_smoke_two_phases_floor_and_downstream(bert_lans_smoke, one_th
     report's losses are the runs' last validation records, its per-phase losses the mean of the
     records at each phase's end; every pair's loss, fine-tuned and probe gaps, their noise floor (the
     seed-1337 arms pretrained again with another data order) and verdicts are recomputed from the
-    runs and the per-arm downstream accuracies; and --resume --jobs 2 gives the same report."""
+    runs and the per-arm downstream accuracies; and --resume --jobs 2 gives the same report, running
+    again only the fine-tuning whose inputs changed or whose outcome is missing."""
     from largebatch.experiments import bert_lans
 
     out = bert_lans_smoke
@@ -340,8 +341,20 @@ def test_bert_lans_smoke_two_phases_floor_and_downstream(bert_lans_smoke, one_th
     assert "Downstream from random init (scratch)" in report
     assert_png(out / "val_loss.png")
 
-    # the arms kept, the fine-tuning split over two worker processes: the same report
+    # --resume keeps the arms and each fine-tuning outcome whose inputs are unchanged; the rest run
+    # again, split over two worker processes: the same report
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "downstream").glob("*.json")}
+    assert len(kept) == 2 * len(names) + 2  # 2 fine-tuning seeds per arm and for scratch
+    (out / "downstream" / "lamb-seed1000.json").unlink()
+    (out / "downstream" / "scratch-seed1001.json").unlink()
+    summary = out / "runs" / "adamw-seed7" / "summary.json"  # as if the arm had been trained again
+    summary.write_text(summary.read_text() + "\n")
     assert cli.main(["bert-lans", "--smoke", "--out", str(out), "--resume", "--jobs", "2"]) == 0
+    redone = {"lamb-seed1000.json", "scratch-seed1001.json", "adamw-seed7-seed1000.json",
+              "adamw-seed7-seed1001.json"}
+    after = {p.name: p.stat().st_mtime_ns for p in (out / "downstream").glob("*.json")}
+    assert after.keys() == kept.keys()
+    assert {name for name in kept if after[name] != kept[name]} == redone
     again = (out / "report.md").read_text()
     assert parse_tables(again) == parse_tables(report)
     assert [line for line in again.splitlines() if "scratch" in line] == \

@@ -130,7 +130,7 @@ def base(size: str) -> dict[str, Any]:
 
 
 def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print,
-                  jobs: int = 1) -> tuple[dict, dict]:
+                  jobs: int = 1, keep_dir: Path | None = None) -> tuple[dict, dict]:
     """Downstream accuracy per arm: {arm name: [fine-tuned accuracy per fine-tuning seed]} and
     {arm name: linear-probe accuracy}, each pooled over the document folds; and the scratch line
     (same architecture, a random init per fine-tuning seed), with the pooled majority-class rate.
@@ -138,7 +138,12 @@ def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print,
     Every (encoder, fine-tuning seed) is one task; ``jobs`` > 1 runs them in that many worker
     processes (largebatch.experiments.runner.map_in_processes), with the same numbers as one
     process at the same thread count: each task seeds its own fine-tuning and the probe draws no
-    random numbers."""
+    random numbers.
+
+    With ``keep_dir``, each task's outcome is written there as it finishes and a later call (an
+    experiment's ``--resume``) reuses it when the settings, fine-tuning seed, thread count and the
+    encoder's and tokenizer's runs (their config.toml and summary.json) are unchanged; otherwise the
+    task runs again."""
     import numpy as np
 
     from largebatch.finetune import pooled
@@ -148,8 +153,13 @@ def finetune_arms(results: list[ArmResult], settings: dict[str, Any], log=print,
         return {"finetuned": {}, "probe": {}}, {"scratch": [], "scratch_probe": [], "chance": None}
     first = str(finite[0].run_dir)
     s = _task(first, _key(settings))[0]
-    tasks = [(str(r.run_dir), first, settings, 1000 + k, k == 0) for r in finite for k in range(s.seeds)]
-    tasks += [(None, first, settings, 1000 + k, True) for k in range(s.seeds)]
+
+    def kept(name: str, seed: int) -> str | None:
+        return None if keep_dir is None else str(Path(keep_dir) / f"{name}-seed{seed}.json")
+
+    tasks = [(str(r.run_dir), first, settings, 1000 + k, k == 0, kept(r.arm.name, 1000 + k))
+             for r in finite for k in range(s.seeds)]
+    tasks += [(None, first, settings, 1000 + k, True, kept("scratch", 1000 + k)) for k in range(s.seeds)]
     if jobs > 1:
         outcomes = map_in_processes(_downstream, tasks, jobs, "downstream fine-tuning")
     else:
@@ -191,12 +201,53 @@ def _task(first_run: str, settings_key: str):
     return s, splits_of(task, s), loaded.model.config
 
 
+def _identity(run_dir: str | None, first_run: str, settings: dict[str, Any], seed: int,
+              with_probe: bool) -> str:
+    """What a downstream outcome depends on, as text: the task, the thread count, and the bytes of
+    the encoder's and the tokenizer's runs' config.toml and summary.json (rewritten whenever a run
+    is trained again)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for run in (run_dir, first_run):
+        for name in ("config.toml", "summary.json"):
+            digest.update(b"-" if run is None else (Path(run) / name).read_bytes())
+    return json.dumps({"settings": settings, "seed": seed, "with_probe": with_probe,
+                       "threads": torch.get_num_threads(), "runs": digest.hexdigest()}, sort_keys=True)
+
+
 def _downstream(run_dir: str | None, first_run: str, settings: dict[str, Any], seed: int,
-                with_probe: bool) -> tuple[float, float | None]:
+                with_probe: bool, keep: str | None = None) -> tuple[float, float | None]:
     """One fine-tuning seed of one encoder -- the run's in ``run_dir``, or a fresh init (seeded
     with ``seed``) when None -- pooled over the folds; and its linear-probe accuracy if
     ``with_probe``. Each fold fine-tunes its own copy (finetune_arm trains in place). Runs in a
-    worker process too."""
+    worker process too. ``keep``: a JSON file holding the outcome, reused if its identity matches
+    (finetune_arms), written atomically otherwise."""
+    import os
+
+
+    identity = _identity(run_dir, first_run, settings, seed, with_probe)
+    if keep is not None and Path(keep).is_file():
+        try:
+            saved = json.loads(Path(keep).read_text())
+        except ValueError:
+            saved = {}
+        if saved.get("identity") == identity:
+            return saved["accuracy"], saved["probe"]
+    outcome = _fine_tune(run_dir, first_run, settings, seed, with_probe)
+    if keep is not None:
+        Path(keep).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{keep}.tmp")
+        tmp.write_text(json.dumps({"identity": identity, "accuracy": outcome[0], "probe": outcome[1]}))
+        os.replace(tmp, keep)
+    return outcome
+
+
+def _fine_tune(run_dir: str | None, first_run: str, settings: dict[str, Any], seed: int,
+               with_probe: bool) -> tuple[float, float | None]:
+    """_downstream's computation."""
     import torch
 
     from largebatch.export import load_run
@@ -296,7 +347,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     kinds = setting.floor if n_seeds > 1 else ()
     perturbed = noise_floor.measure(every[:n], per_seed[0], kinds, threads, recipe, out_dir, log, execution)[1]
     extra = [r for rs in perturbed.values() for r in rs]
-    downstream, line = finetune_arms(results + extra, setting.finetune, log, execution.jobs)
+    downstream, line = finetune_arms(results + extra, setting.finetune, log, execution.jobs,
+                                     keep_dir=out_dir / "downstream")
     found = comparisons(per_seed, perturbed, downstream)
     report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command)
     first = results[0]
