@@ -6,11 +6,13 @@ shards, equal the one-process build bit for bit, and train to the one-process lo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import meta_cases as cases
+from largebatch.memory.estimate import stage_parameters
 from largebatch.models import build_model
 from largebatch.parallel import spawn
 from largebatch.parallel.materialize import build_on_meta, materialize
@@ -52,8 +54,10 @@ def test_each_rank_holds_only_its_shards_and_never_the_whole_model(ranks, kind, 
         assert local == results[f"plain_local_bytes/{key}"]
         if mode == "fsdp":  # every dim 0 of the tiny model is even: exactly half
             assert local == total // 2
+            assert total == 4 * stage_parameters(tiny(kind, bias=False))  # the memory model's count
         else:
             assert total // 2 < local < 0.6 * total
+            assert local == 4 * stage_parameters(tiny(kind, bias=False), tp=2)
         bound = local + results[f"largest_param_bytes/{kind}"]
         assert local < results[f"peak_bytes/{key}"] <= bound < local + total
 
@@ -105,6 +109,8 @@ def test_pipeline_stages_start_on_meta_with_the_one_process_values_and_only_thei
         assert local == results[f"stage_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
         assert local < results[f"param_bytes/{key}"]
         assert local <= results[f"peak_bytes/{key}"] <= local + results[f"largest_param_bytes/{key}"]
+    first = ranks[0][f"local_bytes/{key}"]  # the memory model counts the first stage's parameters
+    assert first == 4 * stage_parameters(replace(tiny(kind), tie_embeddings=False), pp=2)
 
 
 def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
@@ -123,3 +129,6 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
             assert results[f"rng_same/{key}"] and results[f"mask_ok/{key}"] and results[f"names_same/{key}"]
             assert results[f"local_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
             assert results[f"local_bytes/{key}"] < results[f"stage_bytes/{key}"] < results[f"param_bytes/{key}"]
+            if "tok_emb.weight" in results[f"names/{key}"]:  # a first-stage rank: the memory model's count
+                untied = replace(tiny(kind), tie_embeddings=False)
+                assert results[f"local_bytes/{key}"] == 4 * stage_parameters(untied, tp=2, pp=2)

@@ -85,7 +85,9 @@ def _bert_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool
     if last:
         n += 0 if _post_ln(config) else norm  # final LayerNorm
         n += 0 if config.tie_embeddings else v * h / tp  # untied decoder
-        n += h * h / tp + (h if config.bias else 0) + norm + v  # head: dense, its LayerNorm, decoder bias
+        # head: dense (replicated: it reads the whole masked rows), its LayerNorm, the decoder's bias
+        # (split over the vocabulary with the decoder)
+        n += h * h + (h if config.bias else 0) + norm + v / tp
     return n
 
 
