@@ -365,10 +365,17 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     after = [t for t in parse_tables((parallel / "report.md").read_text())]
     assert after == before  # the same numbers, from kept and retrained arms alike
 
-    # an arm is kept only for the same config
+    # an arm is kept only for the same resolved config: the same base config read from another
+    # file (another checkout's copy) is kept; a changed field is trained again, saying which
     record = json.loads((kept[0] / "arm.json").read_text())
     assert runner._finished(kept[0], record["overrides"]) is not None
-    assert runner._finished(kept[0], {**record["overrides"], "schedule.peak_lr": 1.0}) is None
+    moved = tmp_path / "elsewhere.toml"
+    moved.write_text((kept[0] / "config.toml").read_text())  # the same settings, as a base config
+    assert runner._finished(kept[0], {**record["overrides"], runner.BASE_CONFIG: str(moved)}) is not None
+    said = []
+    assert runner._finished(kept[0], {**record["overrides"], "schedule.peak_lr": 1.0}, said.append) is None
+    assert len(said) == 1 and "trained again (schedule.peak_lr: " in said[0] and "-> 1.0" in said[0], said
+    assert runner._finished(kept[0], {**record["overrides"], runner.THREADS: 2}, said.append) is None
     with pytest.raises(ValueError, match="jobs=0: must be an integer >= 1"):
         runner.Execution(jobs=0)
 

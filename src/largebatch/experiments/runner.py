@@ -237,19 +237,35 @@ def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[st
     return {"run.peak_flops": peak_flops, **base, **arm.overrides}
 
 
-def _finished(run_dir: Path, overrides: dict[str, Any]) -> tuple[float, str | None] | None:
-    """(wall seconds, divergence or None) of a finished or diverged run of exactly these overrides in
-    run_dir (the measured peak FLOP/s may differ between processes and is not compared), else None."""
+def _finished(run_dir: Path, overrides: dict[str, Any],
+              log: Callable[[str], None] = lambda _: None) -> tuple[float, str | None] | None:
+    """(wall seconds, divergence or None) of a finished or diverged run in run_dir whose config is
+    the one ``overrides`` resolve to now (the trainer's own test, largebatch.train.rundir: the
+    resolved fields that change the trajectory, so a base config read from another checkout still
+    matches and a changed code default does not), at the same thread count; else None, saying why
+    when run_dir held a record."""
+    from largebatch.train.config import TrainConfig, load_config
+    from largebatch.train.rundir import config_differences
+    from largebatch.typed_config import from_dict, load_toml
+
     record_path = run_dir / _ARM_RECORD
     if not record_path.exists():
         return None
     record = json.loads(record_path.read_text())
+    why = None
     if not (record.get("diverged") or (run_dir / "summary.json").exists()):
+        why = "its earlier run did not finish"
+    elif record.get("overrides", {}).get(THREADS) != overrides.get(THREADS):
+        why = f"it ran with {record.get('overrides', {}).get(THREADS)} threads"
+    else:
+        fields = {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)}
+        saved = from_dict(TrainConfig, load_toml(run_dir / "config.toml"))
+        differences = config_differences(saved, load_config(overrides.get(BASE_CONFIG), fields))
+        why = "; ".join(differences) or None
+    if why is not None:
+        log(f"  {run_dir.name}: trained again ({why})")
         return None
-    def strip(o):
-        return ({k: v for k, v in o.items() if k != "run.peak_flops"})
-    same = strip(record.get("overrides", {})) == json.loads(json.dumps(strip(overrides)))
-    return (float(record["wall_seconds"]), record.get("diverged")) if same else None
+    return float(record["wall_seconds"]), record.get("diverged")
 
 
 def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> tuple[float, str | None]:
@@ -311,7 +327,7 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     results: dict[str, ArmResult] = {}
     todo = []
     for arm, run_dir, overrides in jobs:
-        finished = _finished(run_dir, overrides) if execution.resume else None
+        finished = _finished(run_dir, overrides, log) if execution.resume else None
         if finished is None:
             todo.append((arm, run_dir, overrides))
         else:
