@@ -391,6 +391,9 @@ def test_floor_claims_and_infinite_floors():
               "within the noise floor 0.1000: no difference established"):
         assert floor.claim(v, "better", "worse") == floor.UNRESOLVED
     assert floor.Floor("a", 0.1, {"data": 0.3, "init": 0.05}).floor == pytest.approx(0.2)
+    assert floor.threads_sentence(1, ("threads", "data")) == \
+        "Every arm ran with 1 torch thread(s), except the thread-count floor arms, which ran with 2."
+    assert floor.threads_sentence(2, ("data",)) == "Every arm ran with 2 torch thread(s)."
     assert floor.Floor("a", 0.1, {"data": math.inf}).floor == math.inf  # an arm diverged under it
     gaps = floor.compare("x", lambda rs: rs[1] - rs[0], [[1.0, 1.5], [1.0, 1.52]], {"data": [2.0, 2.4]},
                          "worse", "better")

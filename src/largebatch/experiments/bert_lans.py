@@ -356,7 +356,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
 {', '.join(f'{k} = {v}' for k, v in setting.overrides.items()) or 'no changes'}; {first.tokens:,}
 tokens per arm; LANS and LAMB at the recipe's peak LRs {recipe_lrs()}, AdamW at {ADAMW_LR_SCALE}x
 them (not tuned). {n_seeds} pretraining seed(s) ({', '.join(noise_floor.seed_name(s) for s in SEEDS[:n_seeds])}:
-init, data order and masking). Every arm ran with {threads} torch thread(s). Downstream:
+init, data order and masking). {noise_floor.threads_sentence(threads, kinds)} Downstream:
 {setting.finetune['task']}, {setting.finetune['folds']}-fold cross-validation by document, fine-tuned at
 {setting.finetune['seeds']} seeds per arm (lr {setting.finetune.get('lr', 1e-4):g}), and a linear probe
 (largebatch.finetune).""")

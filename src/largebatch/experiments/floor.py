@@ -71,6 +71,13 @@ def other_threads(threads: int) -> int:
     return 2 if threads == 1 else 1
 
 
+def threads_sentence(threads: int, kinds: tuple[str, ...]) -> str:
+    """A report's statement of the arms' thread count, naming the "threads" floor arms' other count."""
+    other = (f", except the thread-count floor arms, which ran with {other_threads(threads)}"
+             if "threads" in kinds else "")
+    return f"Every arm ran with {threads} torch thread(s){other}."
+
+
 def _changes(kind: str, arm: Arm, threads: int) -> dict:
     if kind == "threads":
         return {THREADS: other_threads(threads)}

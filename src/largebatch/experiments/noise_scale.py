@@ -131,7 +131,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
 {base['model.n_embd']} hidden, seq {base['model.seq_len']}, {base['run.total_tokens']:,} tokens of
 Shakespeare per arm. B_simple is in sequences, EMA 0.95, from micro-batch {setting.micro} vs
 the whole step. {seeds} seed(s) per arm ({', '.join(noise_floor.seed_name(s) for s in noise_floor.SEEDS[:seeds])}:
-init and data order). Every arm ran with {threads} torch thread(s).""")
+init and data order). {noise_floor.threads_sentence(threads, kinds)}""")
     report.add("## B_simple over training (constant batch, seed 1337)\n\n" + markdown_table(
         ["point", "step", "tokens", "train loss", "B_simple"], noise_over_training(constant)))
     report.add("## Loss vs B_simple per seed (constant batch)\n\n" + markdown_table(

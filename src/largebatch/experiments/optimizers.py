@@ -188,7 +188,7 @@ at batch {small} (x sqrt(batch / {small}) at larger batches):
 fraction of the budget; only LR x trust coefficient enters its step, so the LR grid spans the trust
 coefficient too). The grid runs at seed 1337; each cell's best LR then runs at {seeds} seed(s)
 ({', '.join(noise_floor.seed_name(s) for s in noise_floor.SEEDS[:seeds])}: init and data order).
-Every arm ran with {threads} torch thread(s).""")
+{noise_floor.threads_sentence(threads, kinds)}""")
     rows = []
     for name in OPTIMIZERS:
         row: list[object] = [name]
