@@ -143,3 +143,39 @@ def test_cli_takes_the_train_spelling_of_config_fields(capsys):
     assert outputs[0] == outputs[1] and "Cheapest recomputation" in outputs[0]
     main(old[:2] + old[4:])  # the preset's 24 layers: the override was applied
     assert capsys.readouterr().out != outputs[0]
+
+
+@pytest.mark.parametrize("schedule, virtual, m", [("interleaved-1f1b", 2, 16), ("interleaved-1f1b", 3, 16),
+                                                   ("gpipe", 1, 16), ("gpipe", 1, 64),
+                                                   ("interleaved-zb", 2, 16), ("zbv", 2, 16)])
+def test_estimates_and_plans_follow_the_pipeline_schedule(schedule, virtual, m, capsys):
+    """The first stage's activations scale with the layers' worth its schedule keeps against 1F1B's L
+    (Korthikanti et al. 2022 §4.2.3: interleaved L (1 + (p-1)/(pV)), GPipe m L/p; zero bubble: the
+    walk of torch's action lists); the parameters, gradients and optimizer state do not; and the CLI
+    plans with the schedule it is given."""
+    from largebatch.memory.pipeline_schedule import walk
+
+    c = preset("gpt3-175b")
+    p, L = 8, c.n_layer
+    one = Setup(tp=8, pp=p, sequence_parallel=True, micro_batch=1)
+    other = Setup(tp=8, pp=p, sequence_parallel=True, micro_batch=1, pp_schedule=schedule,
+                  pp_virtual_stages=virtual, pp_micro_batches=m)
+    worth = {"interleaved-1f1b": L * (1 + (p - 1) / (p * virtual)), "gpipe": m * L / p}.get(schedule)
+    if worth is None:
+        worth = walk(schedule, p, virtual, m).layers_worth(L)
+    for policies in ("none", "selective", ["full"] * 3 + ["none"] * 9):
+        a, b = one.estimate(c, policies), other.estimate(c, policies)
+        assert b.activations == pytest.approx(a.activations * worth / L, rel=1e-12)
+        assert (b.parameters, b.gradients, b.optimizer) == (a.parameters, a.gradients, a.optimizer)
+    budget = 80 * GIB
+    plan = cheapest_plan(c, other, budget)
+    argv = ["--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--sequence-parallel", "--budget-gib", "80",
+            "--pp-schedule", schedule, "--pp-virtual-stages", str(virtual), "--pp-micro-batches", str(m)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    shown = 2 if schedule == "zbv" else virtual
+    assert f"Pipeline schedule of the estimates and the plan: {schedule} (V = {shown}, m = {m}; the first " \
+           f"stage keeps {worth:.2f} layers' worth" in out
+    assert plan is not None and f"Cheapest recomputation that fits 80 GiB:\n  {plan.describe()}" in out
+    if schedule == "gpipe" and m == 64:  # 8 L layers' worth: most layers recomputed in full
+        assert plan.policies.count("full") > plan.policies.count("selective") > 0

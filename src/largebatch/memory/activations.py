@@ -128,23 +128,29 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                 replicated_values=model_spec(config.kind).layer_replicated)
 
 
-PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")
 
 
 def first_stage_layers(n_layer: int, pp: int, schedule: str = "1f1b", virtual_stages: int = 1,
                        micro_batches: int | None = None) -> float:
     """Layers' worth of activations the first pipeline stage keeps (Korthikanti et al. 2022
-    §4.2.3): 1F1B L; interleaved with V stages per rank L (1 + (p - 1) / (p V)); GPipe m L / p."""
+    §4.2.3): 1F1B L; interleaved with V stages per rank L (1 + (p - 1) / (p V)); GPipe m L / p; the
+    zero-bubble schedules (V stages per rank, ZBV V = 2) the peak of torch's action lists
+    (largebatch.memory.pipeline_schedule.walk, needs m)."""
     if schedule not in PP_SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: must be one of {', '.join(PP_SCHEDULES)}.")
     if pp == 1:
         return float(n_layer)
+    if schedule in ("gpipe", "interleaved-zb", "zbv") and not micro_batches:
+        raise ValueError(f"schedule={schedule!r} depends on the micro-batches per step: give micro_batches.")
     if schedule == "gpipe":
-        if not micro_batches:
-            raise ValueError("schedule='gpipe' keeps every micro-batch of the step: give micro_batches.")
         return micro_batches * n_layer / pp
     if schedule == "interleaved-1f1b":
         return n_layer * (1 + (pp - 1) / (pp * virtual_stages))
+    if schedule in ("interleaved-zb", "zbv"):
+        from largebatch.memory.pipeline_schedule import walk  # it imports this module
+
+        return walk(schedule, pp, 2 if schedule == "zbv" else virtual_stages, micro_batches).layers_worth(n_layer)
     return float(n_layer)
 
 
@@ -158,7 +164,9 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
 
     recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
     the same mix); with 1F1B the stage holds pp micro-batches in flight, hence L layers' worth
-    (other schedules: ``first_stage_layers``). What the modules before and after the blocks keep
+    (other schedules: ``first_stage_layers``; under ZBV rank 0 also holds the last stage, whose
+    output layer this leaves out: ``pipeline_schedule.schedule_activation_bytes`` counts it). What
+    the modules before and after the blocks keep
     is the model kind's (``embedding_activations``, ``output_activations``): for BERT the head
     (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the positions.
     """

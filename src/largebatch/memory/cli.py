@@ -272,9 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         # an HF config with eager (explicit) attention is a transformers eager model: its layers
         # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel
         eager = args.hf_config and config.attention == "explicit"
+        # the estimates and the plan follow one schedule: the one asked for, else 1F1B
+        schedule = "1f1b" if args.pp_schedule == "all" else args.pp_schedule
+        virtual = 2 if schedule == "zbv" else args.pp_virtual_stages if schedule.startswith("interleaved") else 1
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
+                      pp_schedule=schedule, pp_virtual_stages=virtual,
+                      pp_micro_batches=args.pp_micro_batches or 2 * args.pp,
                       hf_activation=hf_activation(args.hf_config) if eager else None)
         if args.budget_gib is not None:
             check_plannable(config, setup)
@@ -284,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.pp > 1:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,
                                     args.pp_schedule)
-        lines += ["", f"Per-layer bytes of the estimates and the plan: {setup.formula}",
-                  f"Per device, no recompute: {setup.estimate(config, 'none')}"]
+        lines += ["", f"Per-layer bytes of the estimates and the plan: {setup.formula}"]
+        if args.pp > 1:
+            lines.append(f"Pipeline schedule of the estimates and the plan: {schedule} (V = {virtual}, "
+                         f"m = {setup.pp_micro_batches}; the first stage keeps "
+                         f"{first_stage_layers(config.n_layer, args.pp, schedule, virtual, setup.pp_micro_batches):.2f}"
+                         f" layers' worth{', a lower bound' if schedule in ZERO_BUBBLE else ''})"
+                         + ("; --pp-schedule plans another" if args.pp_schedule == "all" else ""))
+        lines.append(f"Per device, no recompute: {setup.estimate(config, 'none')}")
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2

@@ -35,6 +35,12 @@ class Setup:
     optimizer: str = "adamw"
     dtype_bytes: float = 2
     zero_stage: int = 0
+    pp_schedule: str = "1f1b"
+    """The pipeline schedule (with pp > 1): how many layers' worth the first stage keeps."""
+    pp_virtual_stages: int = 1
+    """V, stages per rank of the interleaved schedules (ZBV: always 2)."""
+    pp_micro_batches: int | None = None
+    """m, micro-batches per step (GPipe and the zero-bubble schedules); None: 2 pp."""
     hf_activation: str | None = None
     """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
     layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
@@ -52,7 +58,9 @@ class Setup:
         est = estimate(config, self.micro_batch, tp=self.tp, pp=self.pp, dp=self.dp,
                        sequence_parallel=self.sequence_parallel, recompute=policies,
                        optimizer=self.optimizer, seq_len=self.seq_len,
-                       dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage)
+                       dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage,
+                       pp_schedule=self.pp_schedule, virtual_stages=self.pp_virtual_stages,
+                       micro_batches=self.pp_micro_batches)
         if self.hf_activation is None:
             return est
         if self.tp > 1 or self.pp > 1 or self.sequence_parallel or config.attention != "explicit":
@@ -154,7 +162,11 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
             continue
         changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero,
                           sequence_parallel=setup.sequence_parallel or tp > 1)
-        if changed.estimate(config, "full").total <= budget_bytes:
+        try:
+            fits = changed.estimate(config, "full").total <= budget_bytes
+        except ValueError:  # the schedule cannot run at this pp (V does not divide the layers per rank)
+            continue
+        if fits:
             flags = f"--tp {tp}{' --sequence-parallel' if tp > 1 else ''} --pp {pp}"
             found.append(flags + (f" --zero-stage {zero}" if zero else ""))
             if len(found) == 3:
