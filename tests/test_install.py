@@ -74,3 +74,15 @@ def test_cli_names_the_missing_extra(tmp_path):
     result = _run(f"from largebatch.cli import main\nraise SystemExit(main(['train', '--run.out_dir={out}']))")
     assert result.returncode == 2, result.stderr
     assert "pip install 'largebatch[train]'" in result.stderr
+
+
+def test_a_one_process_start_leaves_out_pipelining_and_distributed_checkpoints():
+    """The trainer imports torch.distributed.pipelining (which brings torch._dynamo) and the
+    distributed checkpoint format only when a run uses them: about 1.6 s of CPU at every start of a
+    one-process run on this machine otherwise (docs/LOG.md, 2026-12-02)."""
+    code = ("import sys, largebatch.train.loop, largebatch.cli\n"
+            "print(sorted(m for m in ('torch.distributed.pipelining', 'torch.distributed.checkpoint', "
+            "'torch._dynamo') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -38,11 +38,12 @@ torchtitan refuses them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from largebatch.memory import apply_recompute
@@ -221,20 +222,29 @@ class FirstMicroBatchNorm:
         return value
 
 
-class RecordingStage(PipelineStage):
-    """A ``PipelineStage`` that tells ``first_norm`` when it completes a micro-batch's weight gradients."""
+@functools.cache
+def recording_stage() -> type:
+    """The ``PipelineStage`` subclass that tells ``first_norm`` when it completes a micro-batch's
+    weight gradients. Built on first use: torch.distributed.pipelining imports torch._dynamo
+    (about a second of start-up that a run without pipeline parallelism does not need)."""
+    from torch.distributed.pipelining import PipelineStage
 
-    first_norm: FirstMicroBatchNorm | None = None
+    class RecordingStage(PipelineStage):
+        first_norm: FirstMicroBatchNorm | None = None
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if full_backward and self.has_backward and self.first_norm is not None:  # (evaluation: no backward)
-            self.first_norm.record(self, bwd_chunk_id)
+        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                               last_backward=False):
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if full_backward and self.has_backward and self.first_norm is not None:  # (evaluation: no backward)
+                self.first_norm.record(self, bwd_chunk_id)
 
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        if self.has_backward and self.first_norm is not None:
-            self.first_norm.record(self, bwd_chunk_id)
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.has_backward and self.first_norm is not None:
+                self.first_norm.record(self, bwd_chunk_id)
+
+    return RecordingStage
 
 
 class Pipeline:
@@ -379,6 +389,6 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
         modules.append(module)
     if init_log is not None:  # before the stages and the replicas' parameter list see the tensors
         materialize(model, init_log, state.device)
-    stages = [RecordingStage(module, index, n_stages, state.device, group=state.pp_group)
+    stages = [recording_stage()(module, index, n_stages, state.device, group=state.pp_group)
               for module, index in zip(modules, mine)]
     return Pipeline(model, stages, state, state.pp_schedule)

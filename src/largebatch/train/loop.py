@@ -45,7 +45,6 @@ from largebatch.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from largebatch.checkpoint.distributed import load_distributed, save_distributed
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model, model_spec
@@ -225,6 +224,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
 
     def _load(self, path: Path) -> None:
         if path.suffix == ".dcp":  # from any number of ranks, onto this mesh
+            from largebatch.checkpoint.distributed import load_distributed  # DCP: on use (start-up)
+
             extra = load_distributed(path, self.model, self.optimizer, self.par)
         else:
             extra = load_checkpoint(path)
@@ -256,6 +257,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.settle()  # never a checkpoint past a non-finite step; the estimator up to date
         keep = self.cfg.run.keep_checkpoints
         if self.par.distributed:
+            from largebatch.checkpoint.distributed import save_distributed  # DCP: on use (start-up)
+
             return save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
                                     self.extra_state(), self.par, keep_last=keep)
         state = {**self.extra_state(), "model": self.raw_model.state_dict(),
