@@ -32,7 +32,6 @@ SIZES = ("smoke", "quick", "full")
 SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
     "smoke": {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
               "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048,
-              "run.plots": False,  # per-arm PNGs would take most of a smoke arm's time
               "run.eval_micro_batch": 64},  # each evaluation one forward: half a smoke arm's time otherwise
     # quick: vocabulary 512 and 2% warmup so every arm leaves the unigram plateau early (measured:
     # cosine at batch 16 left it at step 38-39 of 192 at both seeds; at vocabulary 1024 and 10% warmup
@@ -44,9 +43,11 @@ SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
              "data.vocab_size": 2048, "run.total_tokens": 1_572_864, "run.eval_tokens": 65_536},
 }
 
-# Fields every experiment run shares: quiet, no sample, no TensorBoard, 20 evaluations.
+# Fields every experiment run shares: quiet, no sample, no TensorBoard, 20 evaluations, no per-run
+# PNGs (the report plots the arms together; a run's own plots took ~5 s of a ~60 s quick arm, most of
+# a smoke arm; metrics.jsonl holds every number and largebatch.train.plots.plot_run draws them).
 COMMON_OVERRIDES: dict[str, Any] = {
-    "data.corpus": "shakespeare", "model.kind": "gpt", "model.dropout": 0.0,
+    "data.corpus": "shakespeare", "model.kind": "gpt", "model.dropout": 0.0, "run.plots": False,
     "run.device": "auto", "run.dtype": "fp32", "run.tensorboard": False, "run.progress": "off",
     "run.sample_tokens": 0, "run.recompute": "none", "schedule.warmup": 0.1,
     "schedule.final_lr": 0.1, "schedule.lr_schedule": "cosine",

@@ -39,7 +39,7 @@ LOCK_NAME = ".lock"
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
                   "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.plots",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
-                  "run.sample_prompt", "model.vocab_size", "parallel.")
+                  "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.")
 
 
 class RunDirLocked(RuntimeError):
