@@ -5,7 +5,7 @@
 # tensors of 200 distinct shapes (with the fused paths' first-step compile time); Seesaw vs cosine
 # wall-clock at equal tokens; the trainer's step time with device reads every step vs deferred to
 # the log (benchmarks/step_sync.py). Prints one summary table per part. The same code runs on CPU with
-#   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments.py)
+#   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments_floor.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
