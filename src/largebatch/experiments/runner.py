@@ -253,11 +253,12 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
     if not record_path.exists():
         return None
     record = json.loads(record_path.read_text())
+    recorded_threads = record.get("overrides", {}).get(THREADS)
     why = None
     if not (record.get("diverged") or (run_dir / "summary.json").exists()):
         why = "its earlier run did not finish"
-    elif record.get("overrides", {}).get(THREADS) != overrides.get(THREADS):
-        why = f"it ran with {record.get('overrides', {}).get(THREADS)} threads"
+    elif recorded_threads != overrides.get(THREADS):
+        why = f"it ran with {recorded_threads} threads"
     else:
         fields = {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)}
         saved = from_dict(TrainConfig, load_toml(run_dir / "config.toml"))
