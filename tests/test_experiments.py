@@ -343,6 +343,9 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     assert arms == sorted(p.name for p in (parallel / "runs").iterdir()) and len(arms) == 3
     for arm in arms:  # two worker processes, one thread each: bit-for-bit the serial losses
         assert _losses(parallel / "runs" / arm) == _losses(serial / "runs" / arm)
+    # the two workers are spawned once: one of them trained two of the three arms, one after another
+    processes = [json.loads((parallel / "runs" / arm / "arm.json").read_text())["process"] for arm in arms]
+    assert len(set(processes)) == 2 and os.getpid() not in processes, processes
     assert "--jobs 2" in (parallel / "report.md").read_text()
 
     # A crash mid-arm leaves no summary.json: --resume retrains that arm only and keeps the others.

@@ -31,8 +31,7 @@ SIZES = ("smoke", "quick", "full")
 # The model, data and budget of each size. Tiny GPTs on the bundled Shakespeare corpus.
 SIZE_OVERRIDES: dict[str, dict[str, Any]] = {
     "smoke": {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
-              "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048,
-              "run.eval_micro_batch": 64},  # each evaluation one forward: half a smoke arm's time otherwise
+              "data.vocab_size": 512, "run.total_tokens": 12_288, "run.eval_tokens": 2_048},
     # quick: vocabulary 512 and 2% warmup so every arm leaves the unigram plateau early (measured:
     # cosine at batch 16 left it at step 38-39 of 192 at both seeds; at vocabulary 1024 and 10% warmup
     # at step 79-116, when a change of summation order alone moved the final loss by 0.09)
@@ -50,6 +49,11 @@ COMMON_OVERRIDES: dict[str, Any] = {
     "data.corpus": "shakespeare", "model.kind": "gpt", "model.dropout": 0.0, "run.plots": False,
     "run.device": "auto", "run.dtype": "fp32", "run.tensorboard": False, "run.progress": "off",
     "run.sample_tokens": 0, "run.recompute": "none", "schedule.warmup": 0.1,
+    # evaluations in micro-batches of 64 sequences, not the training micro-batch: the same numbers to
+    # ~1e-8 (summation order) at a fraction of the time (measured, one quick seesaw arm: 31.2 -> 22.8 s
+    # of CPU; evaluation was over half of a quick or smoke arm); a run-restart field, so arms
+    # evaluated the older way are still kept by --resume
+    "run.eval_micro_batch": 64,
     "schedule.final_lr": 0.1, "schedule.lr_schedule": "cosine",
 }
 
@@ -202,10 +206,10 @@ class Execution:
     """How an experiment's arms are run; never what they compute."""
 
     jobs: int = 1
-    """Arms trained at once, each in a fresh process of its own with threads/jobs torch threads.
-    Small models scale poorly over threads. Measured on 2 cores at full size: 33 arms in 3,410 s with
-    2 jobs, their own wall times summing to 6,775 s (~2x the arms per hour); at smoke size the ~3 s
-    process start-up dominates. SIGTERM or Ctrl-C: no arm is started after it, the running ones are
+    """Arms trained at once, in ``jobs`` worker processes spawned once, each with threads/jobs torch
+    threads and training one arm after another. Small models scale poorly over threads. Measured on
+    2 cores at full size: 33 arms in 3,410 s with 2 jobs, their own wall times summing to 6,775 s
+    (~2x the arms per hour). SIGTERM or Ctrl-C: no arm is started after it, the running ones are
     sent SIGTERM (they checkpoint) and waited for, then ArmsInterrupted is raised."""
     resume: bool = False
     """Keep an arm whose run directory holds a finished run (summary.json) of the same config: a
@@ -299,7 +303,7 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
         finally:
             torch.set_num_threads(previous)
     wall = time.perf_counter() - start
-    record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged}
+    record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged, "process": os.getpid()}
     (run_dir / _ARM_RECORD).write_text(json.dumps(record, indent=2))
     return wall, diverged
 
@@ -358,16 +362,23 @@ class ArmsInterrupted(KeyboardInterrupt):
         self.signum, self.stopped, self.not_started = signum, stopped, not_started
 
 
-def _arm_process(queue, index: int, run_dir: Path, overrides: dict[str, Any], threads: int) -> None:
+def _arm_worker(tasks, results, threads: int) -> None:
+    """A worker process: trains the arms it is sent, one after another, until it gets None. One
+    process trains many arms, as the serial path does, so each arm pays no interpreter and torch
+    start-up (~4 s of CPU, a sixth of a quick arm)."""
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
-    try:
-        queue.put((index, _train(run_dir, overrides, threads)))
-    except ArmsInterrupted:  # the parent sent SIGTERM and knows; the trainer checkpointed
-        pass
+    while (task := tasks.get()) is not None:
+        index, run_dir, overrides = task
+        try:
+            outcome = _train(run_dir, overrides, threads)
+        except ArmsInterrupted:  # the parent sent SIGTERM and knows; the trainer checkpointed
+            return
+        results.put((index, outcome))
 
 
 def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int):
-    """Yield (arm, run_dir, (wall, diverged)) as arms finish, ``jobs`` processes at a time.
+    """Yield (arm, run_dir, (wall, diverged)) as arms finish, in ``jobs`` worker processes (spawned
+    once; each trains the next pending arm when it is free).
 
     SIGTERM or SIGINT (Ctrl-C) to this process: no arm is started after it, every running arm gets
     SIGTERM (its trainer checkpoints and exits) and is waited for, then ArmsInterrupted is raised --
@@ -377,40 +388,53 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     threads = max(1, torch.get_num_threads() // jobs)
-    pending, running = list(enumerate(todo)), {}
+    pending = list(enumerate(todo))
+    workers: list[tuple[Any, Any]] = []  # (process, its task queue)
+    busy: dict[int, int] = {}  # worker number -> index of the arm it trains
 
     def interrupt(signum, frame):
         raise ArmsInterrupted(signum, [], [])
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while pending or running:
-            while pending and len(running) < jobs:
+        while pending or busy:
+            while pending and len(busy) < jobs:
+                free = next((w for w in range(len(workers)) if w not in busy), None)
+                if free is None:
+                    tasks = ctx.Queue()
+                    process = ctx.Process(target=_arm_worker, args=(tasks, results, threads),
+                                          name=f"arms-{len(workers)}")
+                    with passive_openmp():
+                        process.start()
+                    workers.append((process, tasks))
+                    free = len(workers) - 1
                 index, (arm, run_dir, overrides) = pending.pop(0)
-                process = ctx.Process(target=_arm_process, args=(results, index, run_dir, overrides, threads),
-                                      name=f"arm-{arm.name}")
-                with passive_openmp():
-                    process.start()
-                running[index] = process
+                workers[free][1].put((index, run_dir, overrides))
+                busy[free] = index
             try:
                 index, outcome = results.get(timeout=1.0)
             except queue_lib.Empty:
-                dead = [i for i, p in running.items() if not p.is_alive() and p.exitcode != 0]
+                dead = [w for w in busy if not workers[w][0].is_alive()]
                 if dead:
-                    raise RuntimeError(f"arm {todo[dead[0]][0].name!r} died (exit code "
-                                       f"{running[dead[0]].exitcode}); see {todo[dead[0]][1] / 'train.log'}")
+                    arm, run_dir, _ = todo[busy[dead[0]]]
+                    raise RuntimeError(f"arm {arm.name!r} died (exit code {workers[dead[0]][0].exitcode}); "
+                                       f"see {run_dir / 'train.log'}")
                 continue
-            running.pop(index).join()
+            busy = {w: i for w, i in busy.items() if i != index}
             arm, run_dir, _ = todo[index]
             yield arm, run_dir, outcome
+        for process, tasks in workers:
+            tasks.put(None)
+        for process, _ in workers:
+            process.join()
     except ArmsInterrupted as exc:
         for sig, handler in previous.items():  # a second signal now ends this process at once
             signal.signal(sig, handler)
-        _stop(running.values())
-        raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in running],
+        _stop(process for process, _ in workers)
+        raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in busy.values()],
                               [todo[i][0].name for i, _ in pending]) from None
     except BaseException:
-        _stop(running.values())
+        _stop(process for process, _ in workers)
         raise
     finally:
         for sig, handler in previous.items():
