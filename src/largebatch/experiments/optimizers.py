@@ -3,7 +3,7 @@
 LAMB (You et al. 2019, Alg. 2), LANS (Zheng et al. 2020, Alg. 1), LARS (You, Gitman, Ginsburg 2017,
 Alg. 1) and torch.optim.AdamW (docs/papers.md: optimizers), each at a small batch B and at 8B and 32B, with the
 same token budget (so 8x / 32x fewer optimizer steps), warmup + cosine. The LR is tuned per
-optimizer and batch on a small grid (quick mode: 2 points, full mode: 4) centred by the square-root
+optimizer and batch on a small grid (2 points) centred by the square-root
 rule: at m x the small batch the grid is multiplied by sqrt(m). Each cell reports its best LR, marked
 "(edge)" when that LR is at an end of a grid of 3+ points (the optimum may lie beyond it).
 
@@ -96,7 +96,12 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             # AdamW (lr 0.0057) left at 20%, LANS at 19-30%, LAMB at 36-40%, LARS (lr 5.7) at 68%.
             # The grid's upper points (AdamW 0.057, LAMB/LANS 0.17, LARS 17-57 at batch 64) never left it.
             "quick": Setting(2, 524_288, {k: v[0:2] for k, v in LR_GRID.items()}),
-            "full": Setting(8, 1_048_576, LR_GRID)}
+            # full: the quick design on the full model: 1,048,576 tokens from batch 2 (4,096 / 512 / 128
+            # steps at seq 128), so the 32x arms get the 128 steps that took every quick 32x arm off the
+            # plateau (the earlier full design, batch 8 / 64 / 256 with 4 LRs, left the batch-256 arms
+            # 32 steps, all on it), and the quick grid, whose lower points were every quick 32x cell's
+            # best (the upper ones never left the plateau there). 72 runs at 2 seeds with the floor.
+            "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()})}
 
 
 check_seeds = noise_floor.check_seeds
