@@ -69,9 +69,11 @@ class Setting:
 
 
 # quick: the second group gets >= 96 cosine steps; arms leave the unigram plateau after ~25-40 steps at
-# any batch (measured: batch 128, 48 steps: 1 of 4 runs left it; 96 steps at batch 64 or 128: all did)
+# any batch (measured: batch 128, 48 steps: 1 of 4 runs left it; 96 steps at batch 64 or 128: all did).
+# full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
+# which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864)
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)), "quick": Setting(16, 4, 64, 3e-3, 96, 2),
-            "full": Setting(16, 4, 128, 2e-3, 192, 2)}
+            "full": Setting(16, 4, 128, 2e-3, 96, 2)}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
