@@ -6,18 +6,24 @@ arm process behind."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from largebatch.experiments.runner import Arm, Execution, base_overrides, run_arms
 from largebatch.train.cli import format_summary, resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
+from largebatch.typed_config import ConfigError
 from test_train import tiny_overrides
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
@@ -106,3 +112,31 @@ def test_experiment_jobs_sigterm_stops_arms_and_leaves_no_process(reference_run,
         assert not Path(f"/proc/{pid}").exists(), pid
     for run in ("arm0", "arm1"):  # each arm took the SIGTERM as a trainer does: checkpoint, exit
         assert list((out / "runs" / run / "checkpoints").glob("step_*.pt")), run
+
+
+def test_an_arm_stopped_by_a_signal_to_its_worker_alone_is_named(reference_run, tmp_path):
+    """A SIGTERM that reaches one worker of `--jobs 2` and not the experiment (its trainer checkpoints
+    and the worker exits cleanly without a result) ends the experiment with one line naming the arm
+    and the command to continue, and stops the other worker; it does not wait forever."""
+    cache, _, _ = reference_run
+    base = {**base_overrides("smoke"), "data.cache_dir": str(cache), "run.total_tokens": 10_000_000}
+    arms = [Arm(f"arm{i}", {"run.seed": i}) for i in range(2)]
+    # an arm the trainer would refuse is named before any arm starts (no worker, no run directory)
+    with pytest.raises(ConfigError, match=r"arm 'arm1': run.micro_batch = 0"):
+        run_arms([arms[0], Arm("arm1", {"run.micro_batch": 0})], base, tmp_path, execution=Execution(jobs=2))
+    assert not (tmp_path / "runs").exists()
+    metrics = tmp_path / "runs" / "arm0" / "metrics.jsonl"
+
+    def stop_the_first_worker():
+        deadline = time.time() + 240
+        while not (metrics.is_file() and '"train"' in metrics.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        worker = next(p for p in multiprocessing.active_children() if p.name == "arms-0")
+        os.kill(worker.pid, signal.SIGTERM)
+
+    threading.Thread(target=stop_the_first_worker, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"arm 'arm0' was stopped by a signal to its worker process; "
+                                           r"run the same command with --resume"):
+        run_arms(arms, base, tmp_path, log=lambda _: None, execution=Execution(jobs=2))
+    assert list((tmp_path / "runs" / "arm0" / "checkpoints").glob("step_*.pt"))  # it checkpointed
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("arms-")]

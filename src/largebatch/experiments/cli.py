@@ -114,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
         return 0
     from largebatch.experiments.runner import ArmsInterrupted
+    from largebatch.typed_config import ConfigError
 
     for name, out in outs.items():
         try:
             run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+        except ConfigError as exc:  # an arm's config that the trainer would refuse: before it trains
+            print(f"largebatch experiment: error: {name}: {exc}", file=sys.stderr)
+            return 2
         except ArmsInterrupted as exc:
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
                   f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "

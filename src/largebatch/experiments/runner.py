@@ -242,6 +242,17 @@ def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[st
     return {"run.peak_flops": peak_flops, **base, **arm.overrides}
 
 
+def _check_config(arm: Arm, overrides: dict[str, Any]) -> None:
+    """ConfigError naming the arm if its config does not resolve (what the trainer would refuse)."""
+    from largebatch.train.config import load_config
+    from largebatch.typed_config import ConfigError
+
+    try:
+        load_config(overrides.get(BASE_CONFIG), {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)})
+    except ConfigError as exc:
+        raise ConfigError(f"arm {arm.name!r}: {exc}") from None
+
+
 def _finished(run_dir: Path, overrides: dict[str, Any],
               log: Callable[[str], None] = lambda _: None) -> tuple[float, str | None] | None:
     """(wall seconds, divergence or None) of a finished or diverged run in run_dir whose config is
@@ -332,6 +343,8 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     jobs = [(arm, Path(out_dir) / "runs" / arm.name, _arm_overrides(arm, base, peak)) for arm in arms]
     results: dict[str, ArmResult] = {}
     todo = []
+    for arm, _, overrides in jobs:  # every arm's config, before any arm trains
+        _check_config(arm, overrides)
     for arm, run_dir, overrides in jobs:
         finished = _finished(run_dir, overrides, log) if execution.resume else None
         if finished is None:
@@ -417,8 +430,11 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                 dead = [w for w in busy if not workers[w][0].is_alive()]
                 if dead:
                     arm, run_dir, _ = todo[busy[dead[0]]]
-                    raise RuntimeError(f"arm {arm.name!r} died (exit code {workers[dead[0]][0].exitcode}); "
-                                       f"see {run_dir / 'train.log'}")
+                    code = workers[dead[0]][0].exitcode
+                    if code == 0:  # its trainer took a signal sent to the worker alone, and checkpointed
+                        raise RuntimeError(f"arm {arm.name!r} was stopped by a signal to its worker process; "
+                                           f"run the same command with --resume to continue")
+                    raise RuntimeError(f"arm {arm.name!r} died (exit code {code}); see {run_dir / 'train.log'}")
                 continue
             busy = {w: i for w, i in busy.items() if i != index}
             arm, run_dir, _ = todo[index]
