@@ -242,13 +242,20 @@ def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[st
     return {"run.peak_flops": peak_flops, **base, **arm.overrides}
 
 
+def _resolved(overrides: dict[str, Any]):
+    """The TrainConfig an arm's overrides resolve to (its base config, then its fields)."""
+    from largebatch.train.config import load_config
+
+    return load_config(overrides.get(BASE_CONFIG),
+                       {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)})
+
+
 def _check_config(arm: Arm, overrides: dict[str, Any]) -> None:
     """ConfigError naming the arm if its config does not resolve (what the trainer would refuse)."""
-    from largebatch.train.config import load_config
     from largebatch.typed_config import ConfigError
 
     try:
-        load_config(overrides.get(BASE_CONFIG), {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)})
+        _resolved(overrides)
     except ConfigError as exc:
         raise ConfigError(f"arm {arm.name!r}: {exc}") from None
 
@@ -260,7 +267,7 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
     resolved fields that change the trajectory, so a base config read from another checkout still
     matches and a changed code default does not), at the same thread count; else None, saying why
     when run_dir held a record."""
-    from largebatch.train.config import TrainConfig, load_config
+    from largebatch.train.config import TrainConfig
     from largebatch.train.rundir import config_differences
     from largebatch.typed_config import from_dict, load_toml
 
@@ -275,9 +282,8 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
     elif recorded_threads != overrides.get(THREADS):
         why = f"it ran with {recorded_threads} threads"
     else:
-        fields = {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)}
         saved = from_dict(TrainConfig, load_toml(run_dir / "config.toml"))
-        differences = config_differences(saved, load_config(overrides.get(BASE_CONFIG), fields))
+        differences = config_differences(saved, _resolved(overrides))
         why = "; ".join(differences) or None
     if why is not None:
         log(f"  {run_dir.name}: trained again ({why})")
@@ -290,11 +296,9 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     non-finite loss ends the arm, not the experiment. Runs in a worker process too."""
     import torch
 
-    from largebatch.train.config import load_config
     from largebatch.train.loop import NonFiniteLoss, Trainer
 
-    fields = {k: v for k, v in overrides.items() if k not in (BASE_CONFIG, THREADS)}
-    cfg = load_config(overrides.get(BASE_CONFIG), fields)
+    cfg = _resolved(overrides)
     threads = overrides.get(THREADS, threads)
     previous = torch.get_num_threads()
     if threads is not None:
