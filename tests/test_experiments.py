@@ -415,6 +415,37 @@ def _verdicts(report: str) -> list[str]:
         row["verdict"] for table in claims for row in table]
 
 
+def test_seesaw_without_the_granularity_pair(tmp_path, seesaw_smoke, monkeypatch, one_thread):
+    """The quick size leaves out the micro-batch-1 twin (its runs take 2-3x the others'): the smoke
+    run's arms, kept by --resume, make a report without it that still judges every claim."""
+    import shutil
+    from dataclasses import replace
+
+    from largebatch.experiments import seesaw
+
+    assert "seesaw-r0.91-mb1" not in seesaw.arm_kinds(seesaw.SETTINGS["quick"])
+    assert "seesaw-r0.91-mb1" in seesaw.arm_kinds(seesaw.SETTINGS["full"])
+    monkeypatch.setitem(seesaw.SETTINGS, "smoke", replace(seesaw.SETTINGS["smoke"], granularity=False))
+    out = tmp_path / "seesaw"
+    shutil.copytree(seesaw_smoke, out)
+    for report in out.glob("report.*"):
+        report.unlink()
+    assert cli.main(["seesaw", "--smoke", "--out", str(out), "--resume"]) == 0
+    report = (out / "report.md").read_text()
+    assert "which kept 24 arm(s)" in report  # 2 groups x (4 arms x 2 seeds + 4 with another data order)
+    groups = [t for t in parse_tables(report) if t and "optimizer steps" in t[0]]
+    assert len(groups) == 4 and all(len(t) == 4 for t in groups)  # cosine, r=1/2, r=1/1.1, Smith
+    assert not any("mb1" in row["arm"] for t in groups for row in t)
+    floors = [t for t in parse_tables(report) if t and "gap vs cosine" in t[0]]
+    assert len(floors) == 2 and all(len(t) == 3 for t in floors)  # one row per arm against cosine
+    claims = [t for t in parse_tables(report) if t and "claim (Meterez et al. 2025)" in t[0]]
+    assert len(claims) == 1 and len(claims[0]) == 5
+    assert "- Batch granularity (Seesaw r=1/1.1, micro-batch 1" in report and "not run at this size" in report
+    assert ": batch granularity," not in report
+    # every arm was kept from the smoke run: nothing trained again
+    assert {p.name for p in (out / "runs").iterdir()} == {p.name for p in (seesaw_smoke / "runs").iterdir()}
+
+
 def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path, seesaw_smoke):
     """Each comparison's verdict (seed interval and noise floor together) is the same at 1 and at 2
     torch threads, where only the summation order differs (the 1-thread run is the shared smoke run)."""

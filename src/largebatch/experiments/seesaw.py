@@ -8,6 +8,7 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
                   micro-batch 4 the batch 16 grows only every few milestones (16, 16, 16, 20, 20,
                   24, ...); at micro-batch 1 it grows by 1.1 at every milestone, in whole sequences
                   (16, 17, 19, 21, ...). The pair separates the schedule from the batch granularity.
+                  Smoke and full sizes only (its runs take 2-3x the others': see SETTINGS).
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
 Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
 the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
@@ -66,13 +67,19 @@ class Setting:
     """Seeds per arm by default (``--seeds N`` changes it)."""
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure each group's noise floor (experiments/floor.py)."""
+    granularity: bool = True
+    """Also run seesaw-r0.91-mb1, the micro-batch-1 twin of Seesaw r=1/1.1 (GRANULARITY_PAIR). Its
+    runs take 2-3x the others' time (the batch in forwards of one sequence)."""
 
 
 # quick: the second group gets >= 96 cosine steps; arms leave the unigram plateau after ~25-40 steps at
 # any batch (measured: batch 128, 48 steps: 1 of 4 runs left it; 96 steps at batch 64 or 128: all did).
+# The micro-batch-1 pair runs at smoke and full size; at quick size its 10 runs took 35% of the arms'
+# time (740 of 2,110 s on 2026-12-01), which kept the quick run over 10 minutes.
 # full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
 # which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864)
-SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)), "quick": Setting(16, 4, 64, 3e-3, 96, 2),
+SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)),
+            "quick": Setting(16, 4, 64, 3e-3, 96, 2, granularity=False),
             "full": Setting(16, 4, 128, 2e-3, 96, 2)}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
@@ -87,16 +94,24 @@ MICRO_BATCH = {"seesaw-r0.91-mb1": 1}  # arms whose micro-batch is not the group
 GRANULARITY_PAIR = ("seesaw-r0.91", "seesaw-r0.91-mb1")  # the same schedule, two batch granularities
 
 
+def arm_kinds(setting: Setting) -> tuple[str, ...]:
+    """The arms a setting runs, in ARMS order (cosine first)."""
+    return tuple(name for name, _, _ in ARMS if setting.granularity or name != GRANULARITY_PAIR[1])
+
+
 check_seeds = noise_floor.check_seeds
 
 
 def arms_from(start_batch: int, micro_batch: int, peak_lr: float, group: str, seeds: int = 1,
-              extra: dict | None = None) -> list[list[Arm]]:
-    """The arms of one group, one list per seed (cosine first in each)."""
+              extra: dict | None = None, kinds: tuple[str, ...] | None = None) -> list[list[Arm]]:
+    """The arms of one group, one list per seed (cosine first in each); ``kinds``: which of ARMS
+    (None: all)."""
     per_seed = []
     for seed in SEEDS[:check_seeds(seeds)]:
         arms = []
         for name, policy, ratio in ARMS:
+            if kinds is not None and name not in kinds:
+                continue
             overrides = {"optim.name": "adamw", "optim.weight_decay": 0.1,
                          "schedule.peak_lr": peak_lr, "schedule.batch_size": start_batch,
                          "schedule.batch_policy": policy, "schedule.ratio": ratio,
@@ -170,8 +185,9 @@ class PairedGaps(noise_floor.Gaps):
 def paired_gaps(per_seed: list[list[ArmResult]]) -> list[PairedGaps]:
     """Per non-cosine arm: its gap to the same seed's cosine arm (index 0), for every seed."""
     out = []
+    kinds = _kinds(per_seed)
     for i in range(1, len(per_seed[0])):
-        out.append(PairedGaps(LABELS[ARMS[i][0]],
+        out.append(PairedGaps(LABELS[kinds[i]],
                               [s[i].final_val_loss - s[0].final_val_loss for s in per_seed],
                               [100 * (1 - s[i].steps / s[0].steps) for s in per_seed]))
     return out
@@ -221,9 +237,10 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     report = Report("seesaw", "Seesaw vs cosine at equal tokens (Meterez et al. 2025)", command)
     seq_len, total = base["model.seq_len"], base["run.total_tokens"]
     log(f"seesaw ({size}): start batch {setting.below} (below), {seeds} seed(s)")
-    low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds)
+    kinds = arm_kinds(setting)
+    low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds, kinds=kinds)
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
-                   len(ARMS))
+                   len(kinds))
     threads = _arm_threads(execution)
     low_floor, low_perturbed = noise_floor.measure(low_arms[0], low[0], setting.floor, threads, base, out_dir, log,
                                                    execution)
@@ -234,9 +251,9 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
         f"{above_total:,} tokens per arm")
     budget = {"run.total_tokens": above_total, "run.eval_every_tokens": above_total // 20}
     high_arms = arms_from(above, max(setting.micro_below, above // 8), setting.peak_lr, "above", seeds,
-                          extra=budget if above_total != total else None)
+                          extra=budget if above_total != total else None, kinds=kinds)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
-                    len(ARMS))
+                    len(kinds))
     high_floor, high_perturbed = noise_floor.measure(high_arms[0], high[0], setting.floor, threads, base, out_dir,
                                                      log, execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm,
@@ -315,10 +332,10 @@ CLAIMS = (  # (group, arm, reference, expect, the paper's claim)
 
 def claims(low: list[list[ArmResult]], high: list[list[ArmResult]], low_perturbed: dict[str, list[ArmResult]],
            high_perturbed: dict[str, list[ArmResult]]) -> list[Claim]:
-    names = [name for name, _, _ in ARMS]
     out = []
     for group, arm, reference, expect, text in CLAIMS:
         per_seed, perturbed = (low, low_perturbed) if group == "below" else (high, high_perturbed)
+        names = _kinds(per_seed)
         i, j = names.index(arm), names.index(reference)
         comparison = noise_floor.compare(f"{group}-{arm} minus {group}-{reference}",
                                          lambda rs, i=i, j=j: rs[i].final_val_loss - rs[j].final_val_loss,
@@ -347,6 +364,11 @@ def _by_seed(results: list[ArmResult], per_seed: int) -> list[list[ArmResult]]:
     return [results[i:i + per_seed] for i in range(0, len(results), per_seed)]
 
 
+def _kinds(per_seed: list[list[ArmResult]]) -> list[str]:
+    """The arm kinds (names in ARMS) of a group's per-seed lists, in their order."""
+    return [r.arm.name.split("-", 1)[1] for r in per_seed[0]]  # the first seed's names carry no suffix
+
+
 def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
              low_floor: list[noise_floor.Floor] = (), high_floor: list[noise_floor.Floor] = ()) -> str:
     lines = ["## What this shows\n"]
@@ -364,7 +386,11 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
                 lines.append(f"- {label}: cosine's own final loss over the seeds spans "
                              f"{max(cosine) - min(cosine):.4f} nats (sd {statistics.stdev(cosine):.4f}): "
                              f"the unpaired seed spread the paired gaps are measured against.")
-    lines += [granularity_line(label, per_seed) for label, per_seed in (("below", low), ("above", high))]
+    if GRANULARITY_PAIR[1] in _kinds(low):
+        lines += [granularity_line(label, per_seed) for label, per_seed in (("below", low), ("above", high))]
+    else:
+        lines.append(f"- Batch granularity ({LABELS[GRANULARITY_PAIR[1]]}): not run at this size; the "
+                     "smoke and full sizes run it.")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
                  "batch; a loss gap starting above it. A gap is established only when its 95% interval "
                  "excludes 0 and it exceeds the noise floor.")
@@ -374,7 +400,7 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
 def granularity_line(label: str, per_seed: list[list[ArmResult]]) -> str:
     """Seesaw r=1/1.1 at micro-batch 1 minus at the group's micro-batch, paired per seed: what the
     batch granularity alone changes (the schedule, LR and tokens are the same)."""
-    names = [name for name, _, _ in ARMS]
+    names = _kinds(per_seed)
     coarse, fine = (names.index(n) for n in GRANULARITY_PAIR)
     diffs = [s[fine].final_val_loss - s[coarse].final_val_loss for s in per_seed]
     finite = [d for d in diffs if math.isfinite(d)]
