@@ -416,15 +416,19 @@ def _verdicts(report: str) -> list[str]:
 
 
 def test_seesaw_without_the_granularity_pair(tmp_path, seesaw_smoke, monkeypatch, one_thread):
-    """The quick size leaves out the micro-batch-1 twin (its runs take 2-3x the others'): the smoke
-    run's arms, kept by --resume, make a report without it that still judges every claim."""
+    """The quick and full sizes run the micro-batch-1 twin only with --granularity (its runs take 2-3x
+    the others'): the smoke run's arms, kept by --resume, make a report without it that still judges
+    every claim."""
     import shutil
     from dataclasses import replace
 
     from largebatch.experiments import seesaw
 
-    assert "seesaw-r0.91-mb1" not in seesaw.arm_kinds(seesaw.SETTINGS["quick"])
-    assert "seesaw-r0.91-mb1" in seesaw.arm_kinds(seesaw.SETTINGS["full"])
+    for size in ("quick", "full"):  # on request only (--granularity): 2-3x an arm's time
+        assert "seesaw-r0.91-mb1" not in seesaw.arm_kinds(seesaw.SETTINGS[size])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["optimizers", "--quick", "--granularity", "--check"])
+    assert exit_info.value.code == 2
     monkeypatch.setitem(seesaw.SETTINGS, "smoke", replace(seesaw.SETTINGS["smoke"], granularity=False))
     out = tmp_path / "seesaw"
     shutil.copytree(seesaw_smoke, out)
@@ -440,7 +444,7 @@ def test_seesaw_without_the_granularity_pair(tmp_path, seesaw_smoke, monkeypatch
     assert len(floors) == 2 and all(len(t) == 3 for t in floors)  # one row per arm against cosine
     claims = [t for t in parse_tables(report) if t and "claim (Meterez et al. 2025)" in t[0]]
     assert len(claims) == 1 and len(claims[0]) == 5
-    assert "- Batch granularity (Seesaw r=1/1.1, micro-batch 1" in report and "not run at this size" in report
+    assert "- Batch granularity (Seesaw r=1/1.1, micro-batch 1" in report and "not run (add --granularity)" in report
     assert ": batch granularity," not in report
     # every arm was kept from the smoke run: nothing trained again
     assert {p.name for p in (out / "runs").iterdir()} == {p.name for p in (seesaw_smoke / "runs").iterdir()}

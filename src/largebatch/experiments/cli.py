@@ -9,6 +9,7 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
     largebatch experiment all --quick
     largebatch experiment optimizers --jobs 2 --resume   # full size: 2 arms at once; keep finished arms
     largebatch experiment seesaw --quick --seeds 5       # every arm at 5 seeds: paired gaps, mean +- sd
+    largebatch experiment seesaw --quick --granularity   # also Seesaw r=1/1.1 at micro-batch 1
     largebatch experiment optimizers --quick --seeds 3   # each cell's best LR at 3 seeds, noise floor, verdicts
     largebatch experiment all --quick --check            # check the arguments and --out only; exit
 """
@@ -33,10 +34,12 @@ def _module(name: str):
 
 
 def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = None,
-                   log=print, jobs: int = 1, resume: bool = False, seeds: int | None = None) -> Path:
+                   log=print, jobs: int = 1, resume: bool = False, seeds: int | None = None,
+                   granularity: bool = False) -> Path:
     """Run one experiment at a size (smoke | quick | full); returns the path of its report.md.
     ``jobs``: arms trained at once (processes); ``resume``: keep arms that already finished;
-    ``seeds``: seeds per arm (the SEEDED experiments; default: the size's)."""
+    ``seeds``: seeds per arm (the SEEDED experiments; default: the size's); ``granularity``: seesaw
+    also runs Seesaw r=1/1.1 at micro-batch 1 (False: the size's default)."""
     from largebatch.experiments.runner import Execution, check_size
 
     if name not in EXPERIMENTS:
@@ -48,11 +51,16 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
             raise ValueError(f"seeds={seeds!r}: only {', '.join(SEEDED)} repeat their arms over seeds; "
                              f"drop --seeds for {name!r}")
         extra["seeds"] = _module(name).check_seeds(seeds)
+    if granularity:
+        if name != "seesaw":
+            raise ValueError(f"granularity=True: only seesaw has the micro-batch-1 arms; drop --granularity "
+                             f"for {name!r}")
+        extra["granularity"] = True
     execution = Execution(jobs=jobs, resume=resume, kept=[])
     out = _report_dir(name, size, out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
-    seeds_flag = f" --seeds {seeds}" if seeds is not None else ""
+    seeds_flag = (f" --seeds {seeds}" if seeds is not None else "") + (" --granularity" if granularity else "")
     command = (f"largebatch experiment {name}{flag}{seeds_flag} --out {shlex.quote(str(out))}"
                f"{execution.flags()}")
     start = time.perf_counter()
@@ -89,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seesaw, optimizers, noise-scale, bert-lans: seeds per arm (1-8; bert-lans "
                              "1-5; default 2); the report gives the paired gaps with their intervals, "
                              "noise floors and verdicts")
+    parser.add_argument("--granularity", action="store_true",
+                        help="seesaw: also run Seesaw r=1/1.1 at micro-batch 1 (the batch grows by 1.1x at "
+                             "every milestone instead of by whole micro-batches), 2-3x an arm's time; "
+                             "on by default at --smoke only")
     parser.add_argument("--check", action="store_true",
                         help="check the arguments and the report directory, print what would run, exit")
     args = parser.parse_args(argv)
@@ -101,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             _module(args.name).check_seeds(args.seeds)
         except ValueError as exc:
             parser.error(f"--seeds {args.seeds}: {exc}")
+    if args.granularity and args.name != "seesaw":
+        parser.error(f"--granularity: only seesaw has the micro-batch-1 arms, not {args.name}")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     outs = {name: _report_dir(name, size_name, args.out if args.name != "all" or args.out is None
@@ -118,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, out in outs.items():
         try:
-            run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds)
+            run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds,
+                           granularity=args.granularity)
         except ConfigError as exc:  # an arm's config that the trainer would refuse: before it trains
             print(f"largebatch experiment: error: {name}: {exc}", file=sys.stderr)
             return 2

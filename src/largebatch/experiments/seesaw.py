@@ -8,7 +8,8 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
                   micro-batch 4 the batch 16 grows only every few milestones (16, 16, 16, 20, 20,
                   24, ...); at micro-batch 1 it grows by 1.1 at every milestone, in whole sequences
                   (16, 17, 19, 21, ...). The pair separates the schedule from the batch granularity.
-                  Smoke and full sizes only (its runs take 2-3x the others': see SETTINGS).
+                  At smoke size, and at any size with ``--granularity`` (its runs take 2-3x the
+                  others': see SETTINGS).
   smith-r0.5    -- Smith et al. 2017: batch x 1/r at constant LR (the alpha = 1 corner)
 Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
 the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from largebatch.experiments import floor as noise_floor
@@ -67,19 +68,21 @@ class Setting:
     """Seeds per arm by default (``--seeds N`` changes it)."""
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure each group's noise floor (experiments/floor.py)."""
-    granularity: bool = True
-    """Also run seesaw-r0.91-mb1, the micro-batch-1 twin of Seesaw r=1/1.1 (GRANULARITY_PAIR). Its
-    runs take 2-3x the others' time (the batch in forwards of one sequence)."""
+    granularity: bool = False
+    """Also run seesaw-r0.91-mb1, the micro-batch-1 twin of Seesaw r=1/1.1 (GRANULARITY_PAIR; at any
+    size with ``--granularity``). Its runs take 2-3x the others' time (the batch in forwards of one
+    sequence)."""
 
 
 # quick: the second group gets >= 96 cosine steps; arms leave the unigram plateau after ~25-40 steps at
 # any batch (measured: batch 128, 48 steps: 1 of 4 runs left it; 96 steps at batch 64 or 128: all did).
-# The micro-batch-1 pair runs at smoke and full size; at quick size its 10 runs took 35% of the arms'
-# time (740 of 2,110 s on 2026-12-01), which kept the quick run over 10 minutes.
+# The micro-batch-1 pair runs by default at smoke size only (what the tests run), elsewhere with
+# --granularity: at quick size its 10 runs took 35% of the arms' time (740 of 2,110 s on 2026-12-01)
+# and kept the quick run over 10 minutes; at full size they run at ~1,350 tokens/s against ~4,400.
 # full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
 # which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864)
-SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",)),
-            "quick": Setting(16, 4, 64, 3e-3, 96, 2, granularity=False),
+SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",), granularity=True),
+            "quick": Setting(16, 4, 64, 3e-3, 96, 2),
             "full": Setting(16, 4, 128, 2e-3, 96, 2)}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
@@ -230,9 +233,12 @@ def seed_table(per_seed: list[list[ArmResult]]) -> str:
 
 
 def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
-        seeds: int | None = None) -> Report:
+        seeds: int | None = None, granularity: bool | None = None) -> Report:
+    """``granularity``: run the micro-batch-1 pair (None: the size's default, Setting.granularity)."""
     base = base_overrides(size)
     setting = SETTINGS[size]
+    if granularity is not None:
+        setting = replace(setting, granularity=granularity)
     seeds = check_seeds(setting.seeds if seeds is None else seeds)
     report = Report("seesaw", "Seesaw vs cosine at equal tokens (Meterez et al. 2025)", command)
     seq_len, total = base["model.seq_len"], base["run.total_tokens"]
@@ -389,8 +395,7 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
     if GRANULARITY_PAIR[1] in _kinds(low):
         lines += [granularity_line(label, per_seed) for label, per_seed in (("below", low), ("above", high))]
     else:
-        lines.append(f"- Batch granularity ({LABELS[GRANULARITY_PAIR[1]]}): not run at this size; the "
-                     "smoke and full sizes run it.")
+        lines.append(f"- Batch granularity ({LABELS[GRANULARITY_PAIR[1]]}): not run (add --granularity).")
     lines.append("- Paper (150M-600M OLMo on C4): equal loss with 38.4% fewer steps below the critical "
                  "batch; a loss gap starting above it. A gap is established only when its 95% interval "
                  "excludes 0 and it exceeds the noise floor.")
