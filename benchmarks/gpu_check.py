@@ -139,8 +139,10 @@ def optimizer_rows(times: dict[str, float], first: dict[str, float], default_tar
 
 
 def seesaw_vs_cosine(config: ModelConfig, device: torch.device, bf16: bool, total_tokens: int,
-                     batch: int, micro_batch: int, vocab: int) -> dict[str, dict]:
-    """Trainer runs at equal tokens: AdamW + cosine vs AdamW + Seesaw r=1/2 from the same batch."""
+                     batch: int, micro_batch: int, vocab: int, peak_flops: float) -> dict[str, dict]:
+    """Trainer runs at equal tokens: AdamW + cosine vs AdamW + Seesaw r=1/2 from the same batch, with
+    the check's peak (each run would measure its own, ~2.5 s on CPU) and no per-run plots (their
+    summaries are what is compared)."""
     from largebatch.train.config import load_config
     from largebatch.train.loop import Trainer
 
@@ -150,7 +152,8 @@ def seesaw_vs_cosine(config: ModelConfig, device: torch.device, bf16: bool, tota
                    "run.dtype": "bf16" if bf16 else "fp32", "run.tensorboard": False,
                    "run.progress": "off", "run.sample_tokens": 0, "run.eval_every_tokens": total_tokens,
                    "run.eval_tokens": config.seq_len * micro_batch, "optim.name": "adamw",
-                   "schedule.peak_lr": 1e-3, "schedule.batch_size": batch})
+                   "schedule.peak_lr": 1e-3, "schedule.batch_size": batch, "run.peak_flops": peak_flops,
+                   "run.plots": False})
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for policy in ("constant", "seesaw"):
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = seesaw_vs_cosine(config, device, bf16,
                             total_tokens=(16 if args.tiny else 64) * config.seq_len * 8,
                             batch=4 if args.tiny else 8, micro_batch=micro_batch,
-                            vocab=512 if args.tiny else 8192)
+                            vocab=512 if args.tiny else 8192, peak_flops=peak)
     cosine_s = runs["cosine"]["train_seconds"]
     print_table(["schedule", "steps", "train s", "tokens/s", "vs cosine time", "final val loss"],
                 [[n, str(s["steps"]), f"{s['train_seconds']:.1f}", f"{s['tokens_per_s']:,.0f}",
