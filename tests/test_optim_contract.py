@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -518,3 +522,14 @@ def test_an_empty_parameter_list_is_a_value_error_as_in_torch(info, path):
 def test_a_bad_hyperparameter_at_construction_names_the_argument(info, path, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         factory(info, path, **{field: info.bad[field]})(leaves(make_problem()[0]))
+
+
+def test_importing_the_optimizers_leaves_dtensor_unimported():
+    """`import largebatch.optim` costs what `import torch` does: torch.distributed.tensor (about a
+    second more) is left to code that makes DTensors (torch's own Optimizer.__init__ imports it, via
+    torch._dynamo, when an optimizer is built), and DTensor parameters still work
+    (tests/test_optim_distributed.py)."""
+    code = "import sys, largebatch.optim; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

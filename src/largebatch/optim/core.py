@@ -38,13 +38,13 @@ sums over the shards, e.g. ``largebatch.parallel.sharded_norms(state)``, or::
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import required
 
 from . import checks
@@ -87,16 +87,23 @@ def hooked_norms(squared: Tensor, reduce: Callable[[Tensor], Tensor] | None) -> 
     return list(flat.sqrt().view(k, -1))
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (about a second, a third
+    of importing torch): a DTensor exists only once that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_shard(t: Tensor) -> Tensor:
     """A DTensor's local shard; any other tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def local_grad(p: Tensor) -> Tensor:
     """The gradient of ``p`` on this rank's shard (a DTensor gradient with a pending partial sum, or
     placed unlike its parameter, is redistributed first)."""
     g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+    if is_dtensor(g) and is_dtensor(p) and g.placements != p.placements:
         g = p.grad = g.redistribute(p.device_mesh, p.placements)
     return local_shard(g)
 
@@ -279,7 +286,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if grad is None:
                 continue
             state = self.state[p]
-            plain = not isinstance(p, DTensor) and not p.is_complex()
+            plain = not is_dtensor(p) and not p.is_complex()
             target = p if plain else _real(local_shard(p))  # the parameter's values as a real local tensor
             if not state:
                 state["step"] = next(new_counts) if self.capturable else 0
@@ -328,7 +335,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         def rebind(name: str, index: list[int], views: list[Tensor]) -> bool:
             key = names.get(name)
             params = [bucket.params[i] for i in index]
-            if key is None or any(isinstance(p, DTensor) or p.is_complex() for p in params):
+            if key is None or any(is_dtensor(p) or p.is_complex() for p in params):
                 return False
             for p, view in zip(params, views):
                 self.state[p][key] = view
