@@ -33,6 +33,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import (
@@ -68,6 +69,9 @@ class Setting:
     """Seeds per arm by default (``--seeds N`` changes it)."""
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure each group's noise floor (experiments/floor.py)."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Config fields this size sets over the experiments' shared base (runner.SIZE_OVERRIDES); the
+    evaluation interval follows the token budget (20 evaluations)."""
     granularity: bool = False
     """Also run seesaw-r0.91-mb1, the micro-batch-1 twin of Seesaw r=1/1.1 (GRANULARITY_PAIR; at any
     size with ``--granularity``). Its runs take 2-3x the others' time (the batch in forwards of one
@@ -79,11 +83,16 @@ class Setting:
 # The micro-batch-1 pair runs by default at smoke size only (what the tests run), elsewhere with
 # --granularity: at quick size its 10 runs took 35% of the arms' time (740 of 2,110 s on 2026-12-01)
 # and kept the quick run over 10 minutes; at full size they run at ~1,350 tokens/s against ~4,400.
-# full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
-# which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864)
+# full: the shared full model (4 x 128, seq 128, vocab 2048) at the quick size's 2% warmup, 786,432
+# tokens from batch 16 (384 cosine steps), 64 cosine steps above (1,048,576 tokens from batch 128) and
+# 16,384 evaluation tokens: the 40 runs of 2 seeds and the floor fit 2 hours with --jobs 2. At 1,572,864
+# tokens in both groups, 10% warmup and 65,536 evaluation tokens an arm took ~590 s two at a time
+# (2026-12-02), ~3.3 hours for the 40; with 192 steps above (until 2026-12-02), ~4 hours.
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",), granularity=True),
             "quick": Setting(16, 4, 64, 3e-3, 96, 2),
-            "full": Setting(16, 4, 128, 2e-3, 96, 2)}
+            "full": Setting(16, 4, 128, 2e-3, 64, 2,
+                            overrides=(("run.total_tokens", 786_432), ("run.eval_tokens", 16_384),
+                                       ("schedule.warmup", 0.02)))}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
@@ -235,8 +244,9 @@ def seed_table(per_seed: list[list[ArmResult]]) -> str:
 def run(size: str, out_dir: Path, command: str, log=print, execution: Execution = Execution(),
         seeds: int | None = None, granularity: bool | None = None) -> Report:
     """``granularity``: run the micro-batch-1 pair (None: the size's default, Setting.granularity)."""
-    base = base_overrides(size)
     setting = SETTINGS[size]
+    base = {**base_overrides(size), **dict(setting.overrides)}
+    base["run.eval_every_tokens"] = base["run.total_tokens"] // 20
     if granularity is not None:
         setting = replace(setting, granularity=granularity)
     seeds = check_seeds(setting.seeds if seeds is None else seeds)
