@@ -70,8 +70,11 @@ class Setting:
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure each group's noise floor (experiments/floor.py)."""
     overrides: tuple[tuple[str, Any], ...] = ()
-    """Config fields this size sets over the experiments' shared base (runner.SIZE_OVERRIDES); the
-    evaluation interval follows the token budget (20 evaluations)."""
+    """Config fields this size sets over the experiments' shared base (runner.SIZE_OVERRIDES)."""
+    evaluations: int = 20
+    """Evaluations per arm after the first (every total_tokens / evaluations tokens, the last at the
+    end): they give the validation curves and each arm's plateau-escape step. The final loss is the
+    same at any number (evaluation does not change training)."""
     granularity: bool = False
     """Also run seesaw-r0.91-mb1, the micro-batch-1 twin of Seesaw r=1/1.1 (GRANULARITY_PAIR; at any
     size with ``--granularity``). Its runs take 2-3x the others' time (the batch in forwards of one
@@ -83,16 +86,17 @@ class Setting:
 # The micro-batch-1 pair runs by default at smoke size only (what the tests run), elsewhere with
 # --granularity: at quick size its 10 runs took 35% of the arms' time (740 of 2,110 s on 2026-12-01)
 # and kept the quick run over 10 minutes; at full size they run at ~1,350 tokens/s against ~4,400.
-# full: the shared full model (4 x 128, seq 128, vocab 2048) at the quick size's 2% warmup, 786,432
-# tokens from batch 16 (384 cosine steps), 64 cosine steps above (1,048,576 tokens from batch 128) and
-# 16,384 evaluation tokens: the 40 runs of 2 seeds and the floor fit 2 hours with --jobs 2. At 1,572,864
-# tokens in both groups, 10% warmup and 65,536 evaluation tokens an arm took ~590 s two at a time
-# (2026-12-02), ~3.3 hours for the 40; with 192 steps above (until 2026-12-02), ~4 hours.
+# quick evaluates 10 times an arm, not 20: its 21 evaluations of 16,384 tokens were ~30% of an arm's
+# time, and the 2-seed run took 634 s with them (2026-12-02).
+# full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
+# which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864),
+# with 16,384 evaluation tokens (65,536 until 2026-12-02; 21 evaluations of 65,536 tokens cost about
+# a quarter of an arm). Tried on 2026-12-02 and dropped: 786,432 tokens from batch 16 at 2% warmup
+# (the quick size's): cosine left the unigram plateau only at step ~100-250 of 384 and ended 0.2 nats
+# apart at two seeds, the late, chaotic escape the quick setup avoids.
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",), granularity=True),
-            "quick": Setting(16, 4, 64, 3e-3, 96, 2),
-            "full": Setting(16, 4, 128, 2e-3, 64, 2,
-                            overrides=(("run.total_tokens", 786_432), ("run.eval_tokens", 16_384),
-                                       ("schedule.warmup", 0.02)))}
+            "quick": Setting(16, 4, 64, 3e-3, 96, 2, evaluations=10),
+            "full": Setting(16, 4, 128, 2e-3, 96, 2, overrides=(("run.eval_tokens", 16_384),))}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
@@ -246,7 +250,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     """``granularity``: run the micro-batch-1 pair (None: the size's default, Setting.granularity)."""
     setting = SETTINGS[size]
     base = {**base_overrides(size), **dict(setting.overrides)}
-    base["run.eval_every_tokens"] = base["run.total_tokens"] // 20
+    base["run.eval_every_tokens"] = base["run.total_tokens"] // setting.evaluations
     if granularity is not None:
         setting = replace(setting, granularity=granularity)
     seeds = check_seeds(setting.seeds if seeds is None else seeds)
@@ -265,7 +269,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     above_total = above_budget(total, above, seq_len, setting.above_steps)
     log(f"seesaw ({size}): measured B_simple {b_crit}; start batch {above} (above), "
         f"{above_total:,} tokens per arm")
-    budget = {"run.total_tokens": above_total, "run.eval_every_tokens": above_total // 20}
+    budget = {"run.total_tokens": above_total, "run.eval_every_tokens": above_total // setting.evaluations}
     high_arms = arms_from(above, max(setting.micro_below, above // 8), setting.peak_lr, "above", seeds,
                           extra=budget if above_total != total else None, kinds=kinds)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
