@@ -140,3 +140,23 @@ def test_an_arm_stopped_by_a_signal_to_its_worker_alone_is_named(reference_run, 
         run_arms(arms, base, tmp_path, log=lambda _: None, execution=Execution(jobs=2))
     assert list((tmp_path / "runs" / "arm0" / "checkpoints").glob("step_*.pt"))  # it checkpointed
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("arms-")]
+
+
+def test_an_arm_that_raises_in_its_worker_raises_its_own_error(reference_run, tmp_path):
+    """An arm whose training raises (here: a corpus that is not there, which only building the data
+    finds) ends `--jobs 2` with the exception the serial path raises, the worker's traceback as a
+    note, and no worker left behind."""
+    from largebatch.data.corpus import CorpusError
+
+    cache, _, _ = reference_run
+    base = {**base_overrides("smoke"), "data.cache_dir": str(cache)}
+    bad = Arm("missing", {"data.corpus": str(tmp_path / "no-such-corpus.txt")})
+    with pytest.raises(CorpusError) as serial:
+        run_arms([bad], base, tmp_path / "serial", log=lambda _: None)
+    with pytest.raises(CorpusError) as parallel:
+        run_arms([Arm("fine", {}), bad], base, tmp_path / "parallel", log=lambda _: None,
+                 execution=Execution(jobs=2))
+    assert str(parallel.value) == str(serial.value) and "no-such-corpus.txt" in str(serial.value)
+    note = "\n".join(parallel.value.__notes__)
+    assert "arm 'missing' failed in its worker process" in note and "Traceback" in note and "CorpusError" in note
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("arms-")]

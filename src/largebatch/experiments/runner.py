@@ -17,10 +17,12 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import queue as queue_lib
 import shutil
 import signal
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -379,10 +381,20 @@ class ArmsInterrupted(KeyboardInterrupt):
         self.signum, self.stopped, self.not_started = signum, stopped, not_started
 
 
+@dataclass
+class _ArmFailure:
+    """What a worker sends instead of an outcome when its arm raised: the exception (when it
+    pickles) and its traceback as text."""
+
+    error: BaseException | None
+    traceback: str
+
+
 def _arm_worker(tasks, results, threads: int) -> None:
     """A worker process: trains the arms it is sent, one after another, until it gets None. One
     process trains many arms, as the serial path does, so each arm pays no interpreter and torch
-    start-up (~4 s of CPU, a sixth of a quick arm)."""
+    start-up (~4 s of CPU, a sixth of a quick arm). An arm that raises is sent back as an
+    _ArmFailure, and the worker stops."""
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
     while (task := tasks.get()) is not None:
         index, run_dir, overrides = task
@@ -390,7 +402,24 @@ def _arm_worker(tasks, results, threads: int) -> None:
             outcome = _train(run_dir, overrides, threads)
         except ArmsInterrupted:  # the parent sent SIGTERM and knows; the trainer checkpointed
             return
+        except Exception as exc:  # noqa: BLE001 -- any error of the arm goes to the parent, as in one process
+            try:
+                pickle.loads(pickle.dumps(exc))
+            except Exception:  # noqa: BLE001 -- an exception that does not cross processes: its text does
+                exc = None
+            results.put((index, _ArmFailure(exc, traceback.format_exc())))
+            return
         results.put((index, outcome))
+
+
+def _raise_failure(arm: Arm, failure: _ArmFailure):
+    """Raise, in the parent, the error an arm raised in its worker (the serial path's exception,
+    with the worker's traceback as a note), or a RuntimeError holding that traceback."""
+    where = f"arm {arm.name!r} failed in its worker process; the worker's traceback:\n{failure.traceback}"
+    if failure.error is None:
+        raise RuntimeError(where)
+    failure.error.add_note(where)
+    raise failure.error
 
 
 def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int):
@@ -438,10 +467,16 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                     if code == 0:  # its trainer took a signal sent to the worker alone, and checkpointed
                         raise RuntimeError(f"arm {arm.name!r} was stopped by a signal to its worker process; "
                                            f"run the same command with --resume to continue")
-                    raise RuntimeError(f"arm {arm.name!r} died (exit code {code}); see {run_dir / 'train.log'}")
+                    log_file = run_dir / "train.log"
+                    seen = (f"; its trainer's log: {log_file}" if log_file.is_file() and log_file.stat().st_size
+                            else "")
+                    raise RuntimeError(f"arm {arm.name!r}: its worker process died (exit code {code}; a "
+                                       f"negative code is the signal that ended it){seen}")
                 continue
             busy = {w: i for w, i in busy.items() if i != index}
             arm, run_dir, _ = todo[index]
+            if isinstance(outcome, _ArmFailure):
+                _raise_failure(arm, outcome)
             yield arm, run_dir, outcome
         for process, tasks in workers:
             tasks.put(None)
