@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,7 +106,9 @@ def test_damaged_newest_checkpoint_is_passed_and_another_config_refused(referenc
     assert main(_args({**o, "optim.name": "lamb"})) == 2  # another config: refused, fields named
     err = capsys.readouterr().err
     assert "holds checkpoints of another config (optim.name: 'lans' -> 'lamb')" in err, err
-    assert main(_args(o)) == 0  # the same command line continues from step 5
+    moved = tmp_path / "moved-cache"  # the data cache elsewhere: not another config (content-keyed)
+    shutil.copytree(cache, moved)
+    assert main(_args({**o, "data.cache_dir": str(moved)})) == 0  # continues from step 5
     text = capsys.readouterr().out
     assert f"checkpoint {ckpts[-1]} is damaged" in text and f"resumed from {ckpts[1]}" in text, text
     assert _train_losses(out) == _train_losses(ref_dir)

@@ -39,7 +39,8 @@ LOCK_NAME = ".lock"
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
                   "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.plots",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
-                  "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.")
+                  "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.",
+                  "data.cache_dir")  # the cache is keyed on content: moving it changes no token
 
 
 class RunDirLocked(RuntimeError):
