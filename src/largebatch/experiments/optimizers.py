@@ -83,6 +83,8 @@ class Setting:
     """Seeds per best-LR arm by default (``--seeds N`` changes it)."""
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure the noise floor (experiments/floor.py)."""
+    eval_tokens: int | None = None
+    """Tokens per evaluation (None: the size's, runner.SIZE_OVERRIDES)."""
 
     def __iter__(self):  # small, tokens, grid = SETTINGS[size]
         return iter((self.small, self.tokens, self.grid))
@@ -101,7 +103,9 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             # plateau (the earlier full design, batch 8 / 64 / 256 with 4 LRs, left the batch-256 arms
             # 32 steps, all on it), and the quick grid, whose lower points were every quick 32x cell's
             # best (the upper ones never left the plateau there). 72 runs at 2 seeds with the floor.
-            "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()})}
+            # Evaluations of 16,384 tokens, as the full seesaw's: 17 of the size's 65,536 would
+            # forward about as many tokens as an arm trains on.
+            "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()}, eval_tokens=16_384)}
 
 
 check_seeds = noise_floor.check_seeds
@@ -149,6 +153,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     seeds = check_seeds(setting.seeds if seeds is None else seeds)
     base = {**base_overrides(size), "run.total_tokens": tokens,
             "run.eval_every_tokens": tokens // 16}
+    if setting.eval_tokens is not None:
+        base["run.eval_tokens"] = setting.eval_tokens
     results = run_arms(grid_arms(size), base, out_dir, log, execution)
     best = best_per_cell(results)
     batches = [small * m for m in MULTIPLES]
