@@ -33,7 +33,6 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import (
@@ -69,8 +68,8 @@ class Setting:
     """Seeds per arm by default (``--seeds N`` changes it)."""
     floor: tuple[str, ...] = noise_floor.PERTURBATIONS
     """Perturbations that measure each group's noise floor (experiments/floor.py)."""
-    overrides: tuple[tuple[str, Any], ...] = ()
-    """Config fields this size sets over the experiments' shared base (runner.SIZE_OVERRIDES)."""
+    eval_tokens: int | None = None
+    """Tokens per evaluation (None: the size's, runner.SIZE_OVERRIDES), as in the optimizers' Setting."""
     evaluations: int = 20
     """Evaluations per arm after the first (every total_tokens / evaluations tokens, the last at the
     end): they give the validation curves and each arm's plateau-escape step. The final loss is the
@@ -87,7 +86,7 @@ class Setting:
 # --granularity: at quick size its 10 runs took 35% of the arms' time (740 of 2,110 s on 2026-12-01)
 # and kept the quick run over 10 minutes; at full size they run at ~1,350 tokens/s against ~4,400.
 # quick evaluates 10 times an arm, not 20: its 21 evaluations of 16,384 tokens were ~30% of an arm's
-# time, and the 2-seed run took 634 s with them (2026-12-02).
+# time (measured on quiet cores, 2026-12-02: 294 s for the 2-seed run with 20, 249 s with 10).
 # full: 96 too (192 until 2026-12-02: 3,145,728 tokens an arm from batch 128, twice the first group's,
 # which put the 50 runs of 2 seeds and the floor at ~4 hours; at 96 steps both groups get 1,572,864),
 # with 16,384 evaluation tokens (65,536 until 2026-12-02; 21 evaluations of 65,536 tokens cost about
@@ -96,7 +95,7 @@ class Setting:
 # apart at two seeds, the late, chaotic escape the quick setup avoids.
 SETTINGS = {"smoke": Setting(8, 2, 64, 3e-3, 8, 2, ("data",), granularity=True),
             "quick": Setting(16, 4, 64, 3e-3, 96, 2, evaluations=10),
-            "full": Setting(16, 4, 128, 2e-3, 96, 2, overrides=(("run.eval_tokens", 16_384),))}
+            "full": Setting(16, 4, 128, 2e-3, 96, 2, eval_tokens=16_384)}
 SEEDS = noise_floor.SEEDS  # None: the config's defaults (run.seed 1337)
 seed_name = noise_floor.seed_name
 ARMS = (("cosine", "constant", 0.5), ("seesaw-r0.5", "seesaw", 0.5),
@@ -249,8 +248,10 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
         seeds: int | None = None, granularity: bool | None = None) -> Report:
     """``granularity``: run the micro-batch-1 pair (None: the size's default, Setting.granularity)."""
     setting = SETTINGS[size]
-    base = {**base_overrides(size), **dict(setting.overrides)}
+    base = base_overrides(size)
     base["run.eval_every_tokens"] = base["run.total_tokens"] // setting.evaluations
+    if setting.eval_tokens is not None:
+        base["run.eval_tokens"] = setting.eval_tokens
     if granularity is not None:
         setting = replace(setting, granularity=granularity)
     seeds = check_seeds(setting.seeds if seeds is None else seeds)
