@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=EXPERIMENTS + ("all",))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="tiny model: seconds (recompute) to ~35 minutes (optimizers, with its seeds "
-                           "and noise floor) on 2 CPU cores with --jobs 2")
+                      help="tiny model: seconds (recompute) to ~21 minutes (optimizers, with its seeds "
+                           "and noise floor; estimated) on 2 CPU cores with --jobs 2")
     size.add_argument("--smoke", action="store_true", help="seconds; what the test suite runs")
     parser.add_argument("--out", default=None,
                         help="report directory (default runs/experiments/NAME-SIZE; with 'all', "

@@ -6,7 +6,7 @@ with a few config fields changed per arm. Each arm is one ``largebatch.train`` r
 report can be traced to a run directory and recomputed from its metrics.jsonl.
 
 Sizes: ``smoke`` (seconds, for the test suite), ``quick`` (a tiny model past the unigram plateau:
-seconds to ~35 minutes per experiment on a 2-core CPU with the seeds and noise floor), ``full`` (the
+seconds to ~21 minutes per experiment on a 2-core CPU with the seeds and noise floor), ``full`` (the
 documented runs; see docs/results.md for their measured runtimes).
 """
 
