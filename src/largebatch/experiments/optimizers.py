@@ -104,7 +104,9 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             # 32 steps, all on it), and the quick grid, whose lower points were every quick 32x cell's
             # best (the upper ones never left the plateau there). 72 runs at 2 seeds with the floor.
             # Evaluations of 16,384 tokens, as the full seesaw's: 17 of the size's 65,536 would
-            # forward about as many tokens as an arm trains on.
+            # forward about as many tokens as an arm trains on. Measured 2026-12-02: 6,555 s with 2 jobs;
+            # at batch 64 LAMB and LANS leave the plateau at 24-44% of the run, AdamW only at 69-73%
+            # and LARS never (docs/results.md).
             "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()}, eval_tokens=16_384)}
 
 
