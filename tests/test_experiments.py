@@ -21,7 +21,7 @@ import torch
 
 from largebatch.experiments import cli, runner
 from largebatch.experiments.noise_scale import rank_correlation
-from largebatch.experiments.optimizers import best_per_cell, degrades_beyond
+from largebatch.experiments.optimizers import best_per_cell, degrades_beyond, grid_extensions, ladder_step
 from largebatch.experiments.report import ESCAPE_HEADER, fmt_loss
 from largebatch.experiments.runner import Arm, ArmResult, check_size
 
@@ -305,6 +305,36 @@ def test_best_lr_per_cell_and_degradation_point():
     assert degrades_beyond(best, "adamw", [4, 32, 128]).startswith("32 (at 128: +0.300")
     best[("adamw", 128)] = _result("adamw", 128, 1e-3, 4.94)
     assert degrades_beyond(best, "adamw", [4, 32, 128]) == "holds to 128"
+
+
+def test_the_lr_ladder_steps_by_half_decades():
+    # 1, 3, 10, 30 x 10^k: the spacing of the optimizers experiment's LR grids
+    assert [ladder_step(x, 1) for x in (1e-4, 3e-4, 1e-3, 0.03, 1.0, 3.0, 10.0)] == \
+        [3e-4, 1e-3, 3e-3, 0.1, 3.0, 10.0, 30.0]
+    assert [ladder_step(x, -1) for x in (1e-3, 3e-4, 0.1, 1.0, 3.0, 30.0)] == \
+        [3e-4, 1e-4, 0.03, 0.3, 1.0, 10.0]
+    for lr, direction in ((2e-3, 1), (1e-3, 0)):
+        with pytest.raises(ValueError, match="ladder_step: lr="):
+            ladder_step(lr, direction)
+
+
+def test_the_grid_extends_past_an_end_that_holds_the_best_lr():
+    added = {}
+    tried = {"falls": {1e-3: 5.0, 3e-3: 4.9},  # best at the top: one point above
+             "rises": {1e-3: 5.0, 3e-3: 5.4},  # best at the bottom: one point below
+             "inside": {1e-3: 5.0, 3e-3: 4.8, 1e-2: 4.9},  # interior optimum: done
+             "single": {1e-3: 5.0},  # one point: no direction to go
+             "diverged": {1e-3: math.inf, 3e-3: math.nan},  # nothing finite: no direction
+             "nan-top": {1e-3: 5.0, 3e-3: math.nan}}  # a NaN is never the best: extend below
+    assert grid_extensions(tried, added, 2) == [("falls", 1e-2), ("rises", 3e-4), ("nan-top", 3e-4)]
+    tried["falls"][1e-2] = 4.7  # still falling: a second point above, then the cap
+    tried["rises"][3e-4] = 5.1  # the old end is now inside: done
+    tried["nan-top"][3e-4] = 5.2
+    assert grid_extensions(tried, added, 2) == [("falls", 3e-2)]
+    tried["falls"][3e-2] = 4.6
+    assert grid_extensions(tried, added, 2) == []  # 2 points added above: the cap
+    assert added["falls"] == {-1: 0, 1: 2} and added["rises"] == {-1: 1, 1: 0}
+    assert grid_extensions({"falls": {1e-3: 5.0, 3e-3: 4.9}}, {}, 0) == []  # extend 0: the grid as given
 
 
 def test_bad_input_names_the_argument(tmp_path, capsys):

@@ -4,8 +4,12 @@ LAMB (You et al. 2019, Alg. 2), LANS (Zheng et al. 2020, Alg. 1), LARS (You, Git
 Alg. 1) and torch.optim.AdamW (docs/papers.md: optimizers), each at a small batch B and at 8B and 32B, with the
 same token budget (so 8x / 32x fewer optimizer steps), warmup + cosine. The LR is tuned per
 optimizer and batch on a small grid (2 points) centred by the square-root
-rule: at m x the small batch the grid is multiplied by sqrt(m). Each cell reports its best LR, marked
-"(edge)" when that LR is at an end of a grid of 3+ points (the optimum may lie beyond it).
+rule: at m x the small batch the grid is multiplied by sqrt(m). A setting may extend it
+(``Setting.extend``): while a cell's best LR is at an end of its grid, the next point of the half-decade
+ladder (1, 3, 10, 30 x 10^k, ``ladder_step``) beyond that end runs too, at most ``extend`` points per side,
+so a cell whose optimum lies outside the starting grid is not judged at an untuned LR. Each cell
+reports its best LR, marked "(edge)" when it is still at an end of its grid (the optimum may lie
+beyond it).
 
 The grid runs at the first seed (the config's, 1337) and picks each cell's best LR; that arm then
 runs at every further seed of ``--seeds N`` (default 2; init and data order, ``*-seed7`` etc.). The
@@ -33,8 +37,10 @@ loss is more than DEGRADE_NATS above that optimizer's small-batch loss.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 
@@ -85,6 +91,8 @@ class Setting:
     """Perturbations that measure the noise floor (experiments/floor.py)."""
     eval_tokens: int | None = None
     """Tokens per evaluation (None: the size's, runner.SIZE_OVERRIDES)."""
+    extend: int = 0
+    """LR points a cell's grid may grow by past each end that holds its best LR (``grid_extensions``)."""
 
     def __iter__(self):  # small, tokens, grid = SETTINGS[size]
         return iter((self.small, self.tokens, self.grid))
@@ -104,30 +112,93 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             # 32 steps, all on it), and the quick grid, whose lower points were every quick 32x cell's
             # best (the upper ones never left the plateau there). 72 runs at 2 seeds with the floor.
             # Evaluations of 16,384 tokens, as the full seesaw's: 17 of the size's 65,536 would
-            # forward about as many tokens as an arm trains on. Measured 2026-12-02: 6,555 s with 2 jobs;
-            # at batch 64 LAMB and LANS leave the plateau at 24-44% of the run, AdamW only at 69-73%
-            # and LARS never (docs/results.md).
-            "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()}, eval_tokens=16_384)}
+            # forward about as many tokens as an arm trains on. Measured 2026-12-02 with the 2-point
+            # grid alone: 6,555 s with 2 jobs; at batch 64 AdamW's and LARS's best LR was the grid's
+            # lower end, AdamW leaving the plateau only at 69-73% of the run and LARS never. One point
+            # lower AdamW reached 5.2388 instead of 5.7629 and left it at 27%: so the grid is extended
+            # (up to 2 points past an end that holds a cell's best), docs/results.md.
+            "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()}, eval_tokens=16_384,
+                            extend=2)}
 
 
 check_seeds = noise_floor.check_seeds
 
 
+def cell_arm(name: str, batch: int, multiple: int, base_lr: float) -> Arm:
+    """Optimizer ``name`` at ``batch`` (``multiple`` x the small batch) with the grid point ``base_lr``
+    (an LR at the small batch, x sqrt(multiple) here)."""
+    lr = float(f"{base_lr * multiple ** 0.5:.3g}")
+    overrides = {"optim.name": name, "optim.weight_decay": 0.01,
+                 "schedule.peak_lr": lr, "schedule.batch_size": batch,
+                 "schedule.batch_policy": "constant",
+                 "run.micro_batch": min(batch, 32),
+                 **(LARS_OVERRIDES if name == "lars" else {})}
+    return Arm(f"{name}-b{batch}-lr{lr:g}", overrides, group=f"batch {batch}", label=f"{name} lr {lr:g}")
+
+
 def grid_arms(size: str) -> list[Arm]:
+    """The starting grid: every optimizer at every batch and grid point (before any extension)."""
     small, _, grid = SETTINGS[size]
-    arms = []
-    for multiple in MULTIPLES:
-        batch = small * multiple
-        for name in OPTIMIZERS:
-            for lr in (float(f"{base_lr * multiple ** 0.5:.3g}") for base_lr in grid[name]):
-                overrides = {"optim.name": name, "optim.weight_decay": 0.01,
-                             "schedule.peak_lr": lr, "schedule.batch_size": batch,
-                             "schedule.batch_policy": "constant",
-                             "run.micro_batch": min(batch, 32),
-                             **(LARS_OVERRIDES if name == "lars" else {})}
-                arms.append(Arm(f"{name}-b{batch}-lr{lr:g}", overrides, group=f"batch {batch}",
-                                label=f"{name} lr {lr:g}"))
-    return arms
+    return [cell_arm(name, small * multiple, multiple, base_lr)
+            for multiple in MULTIPLES for name in OPTIMIZERS for base_lr in grid[name]]
+
+
+def ladder_step(lr: float, direction: int) -> float:
+    """The point next to ``lr`` on the half-decade ladder ..., 0.1, 0.3, 1, 3, 10, ... (LR_GRID's
+    spacing): one step up (``direction`` +1) or down (-1). ``lr`` must be on the ladder."""
+    exponent = math.floor(math.log10(lr) + 1e-9)
+    mantissa = round(lr / 10 ** exponent, 6)
+    if mantissa not in (1, 3) or direction not in (1, -1):
+        raise ValueError(f"ladder_step: lr={lr!r} (must be 1 or 3 x a power of 10), "
+                         f"direction={direction!r} (must be +1 or -1)")
+    point = (3 * 10 ** exponent if mantissa == 1 else 10 ** (exponent + 1)) if direction == 1 else \
+        (10 ** exponent if mantissa == 3 else 3 * 10 ** (exponent - 1))
+    return float(f"{point:.3g}")
+
+
+def grid_extensions(tried: dict[Any, dict[float, float]], added: dict[Any, dict[int, int]],
+                    extend: int) -> list[tuple[Any, float]]:
+    """The next round of a grid search that goes on past an end holding the best point.
+
+    ``tried``: per cell, {grid point: final loss} so far (a diverged or missing loss is inf or nan,
+    never the best). ``added``: per cell, {-1: points added below, +1: above}; updated for what is
+    returned. A cell of 2+ points whose best is its lowest (highest) point, with fewer than ``extend``
+    points added below (above), gets ``ladder_step`` of that end. Returns [(cell, point)] in cell order."""
+    new = []
+    for cell, points in tried.items():
+        if len(points) < 2:
+            continue
+        best = min(points, key=lambda p: points[p] if math.isfinite(points[p]) else math.inf)
+        if not math.isfinite(points[best]):
+            continue  # every point diverged: no direction to go
+        for direction, end in ((-1, min(points)), (1, max(points))):
+            count = added.setdefault(cell, {-1: 0, 1: 0})
+            if best == end and count[direction] < extend:
+                new.append((cell, ladder_step(end, direction)))
+                count[direction] += 1
+    return new
+
+
+def run_grid(size: str, base: dict[str, Any], out_dir: Path, log, execution: Execution) -> list[ArmResult]:
+    """The setting's starting grid, then as many rounds of ``grid_extensions`` as it takes; every grid
+    run, sorted by batch, optimizer and LR."""
+    setting = SETTINGS[size]
+    small, _, grid = setting
+    cells = [(name, small * m, m) for m in MULTIPLES for name in OPTIMIZERS]
+    todo = [(cell, p) for cell in cells for p in grid[cell[0]]]
+    tried: dict[tuple[str, int, int], dict[float, ArmResult]] = {cell: {} for cell in cells}
+    added: dict[tuple[str, int, int], dict[int, int]] = {}
+    while todo:
+        ran = run_arms([cell_arm(name, batch, m, p) for (name, batch, m), p in todo], base, out_dir, log,
+                       execution)
+        for (cell, point), result in zip(todo, ran):
+            tried[cell][point] = result
+        todo = grid_extensions({c: {p: r.final_val_loss for p, r in points.items()}
+                                for c, points in tried.items()}, added, setting.extend)
+        if todo:
+            log(f"optimizers ({size}): grid extended past a best LR at its end: "
+                + ", ".join(f"{name} batch {batch} {p * m ** 0.5:.3g}" for (name, batch, m), p in todo))
+    return [tried[cell][p] for cell in cells for p in sorted(tried[cell])]
 
 
 def best_per_cell(results: list[ArmResult]) -> dict[tuple[str, int], ArmResult]:
@@ -157,7 +228,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
             "run.eval_every_tokens": tokens // 16}
     if setting.eval_tokens is not None:
         base["run.eval_tokens"] = setting.eval_tokens
-    results = run_arms(grid_arms(size), base, out_dir, log, execution)
+    results = run_grid(size, base, out_dir, log, execution)
     best = best_per_cell(results)
     batches = [small * m for m in MULTIPLES]
     cells = [(name, b) for b in batches for name in OPTIMIZERS]
@@ -192,12 +263,14 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     report = Report("optimizers", "AdamW vs LAMB / LANS / LARS as the batch grows, equal tokens",
                     command)
     lars = ", ".join(f"{k} {v:g}" for k, v in LARS_OVERRIDES.items())
+    extension = (f", extended while a cell's best LR is at an end of its grid by the next half-decade point "
+                 f"past that end (1, 3, 10, 30 x 10^k), at most {setting.extend} per side" if setting.extend else "")
     report.add(f"""{base['model.n_layer']} layers x {base['model.n_embd']} hidden, seq
 {base['model.seq_len']}, vocab {base['data.vocab_size']}, {tokens:,} tokens of Shakespeare per run,
 {100 * base['schedule.warmup']:g}% warmup + cosine to 0.1 x peak, weight decay 0.01, no gradient clipping.
 LR grid per optimizer
 at batch {small} (x sqrt(batch / {small}) at larger batches):
-{'; '.join(f'{k} {list(v)}' for k, v in grid.items())}. LARS's own settings: {lars} (warmup as a
+{'; '.join(f'{k} {list(v)}' for k, v in grid.items())}{extension}. LARS's own settings: {lars} (warmup as a
 fraction of the budget; only LR x trust coefficient enters its step, so the LR grid spans the trust
 coefficient too). The grid runs at seed 1337; each cell's best LR then runs at {seeds} seed(s)
 ({', '.join(noise_floor.seed_name(s) for s in noise_floor.SEEDS[:seeds])}: init and data order).
@@ -211,7 +284,7 @@ coefficient too). The grid runs at seed 1337; each cell's best LR then runs at {
             lrs = [a.arm.overrides["schedule.peak_lr"] for a in results
                    if a.arm.overrides["optim.name"] == name
                    and a.arm.overrides["schedule.batch_size"] == batch]
-            edge = " (edge)" if len(lrs) > 2 and lr in (min(lrs), max(lrs)) else ""
+            edge = " (edge)" if len(lrs) > 1 and lr in (min(lrs), max(lrs)) else ""
             row.append(f"{fmt_loss(r.final_val_loss)} (lr {lr:g}{edge}, {r.steps} steps)")
         row.append(degrades_beyond(best, name, batches))
         rows.append(row)
