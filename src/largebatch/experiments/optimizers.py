@@ -110,13 +110,16 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
             # steps at seq 128), so the 32x arms get the 128 steps that took every quick 32x arm off the
             # plateau (the earlier full design, batch 8 / 64 / 256 with 4 LRs, left the batch-256 arms
             # 32 steps, all on it), and the quick grid, whose lower points were every quick 32x cell's
-            # best (the upper ones never left the plateau there). 72 runs at 2 seeds with the floor.
+            # best (the upper ones never left the plateau there).
             # Evaluations of 16,384 tokens, as the full seesaw's: 17 of the size's 65,536 would
             # forward about as many tokens as an arm trains on. Measured 2026-12-02 with the 2-point
             # grid alone: 6,555 s with 2 jobs; at batch 64 AdamW's and LARS's best LR was the grid's
             # lower end, AdamW leaving the plateau only at 69-73% of the run and LARS never. One point
             # lower AdamW reached 5.2388 instead of 5.7629 and left it at 27%: so the grid is extended
-            # (up to 2 points past an end that holds a cell's best), docs/results.md.
+            # (up to 2 points past an end that holds a cell's best). With it, measured 2026-12-02: 38
+            # grid runs (every best inside its grid), 86 runs at 2 seeds with the floor, ~2.2 h with 2
+            # jobs from scratch (estimated from the measured pieces); every best-LR arm but LARS's at
+            # batch 64 leaves the plateau by 45% of the run (docs/results.md).
             "full": Setting(2, 1_048_576, {k: v[0:2] for k, v in LR_GRID.items()}, eval_tokens=16_384,
                             extend=2)}
 
