@@ -127,23 +127,16 @@ SETTINGS = {"smoke": Setting(2, 6_144, {k: v[2:3] for k, v in LR_GRID.items()}, 
 check_seeds = noise_floor.check_seeds
 
 
-def cell_arm(name: str, batch: int, multiple: int, base_lr: float) -> Arm:
-    """Optimizer ``name`` at ``batch`` (``multiple`` x the small batch) with the grid point ``base_lr``
-    (an LR at the small batch, x sqrt(multiple) here)."""
-    lr = float(f"{base_lr * multiple ** 0.5:.3g}")
+def cell_arm(name: str, small: int, multiple: int, base_lr: float) -> Arm:
+    """Optimizer ``name`` at ``multiple`` x the small batch with the grid point ``base_lr`` (an LR at
+    the small batch, x sqrt(multiple) here)."""
+    lr, batch = float(f"{base_lr * multiple ** 0.5:.3g}"), small * multiple
     overrides = {"optim.name": name, "optim.weight_decay": 0.01,
                  "schedule.peak_lr": lr, "schedule.batch_size": batch,
                  "schedule.batch_policy": "constant",
                  "run.micro_batch": min(batch, 32),
                  **(LARS_OVERRIDES if name == "lars" else {})}
     return Arm(f"{name}-b{batch}-lr{lr:g}", overrides, group=f"batch {batch}", label=f"{name} lr {lr:g}")
-
-
-def grid_arms(size: str) -> list[Arm]:
-    """The starting grid: every optimizer at every batch and grid point (before any extension)."""
-    small, _, grid = SETTINGS[size]
-    return [cell_arm(name, small * multiple, multiple, base_lr)
-            for multiple in MULTIPLES for name in OPTIMIZERS for base_lr in grid[name]]
 
 
 def ladder_step(lr: float, direction: int) -> float:
@@ -187,20 +180,19 @@ def run_grid(size: str, base: dict[str, Any], out_dir: Path, log, execution: Exe
     run, sorted by batch, optimizer and LR."""
     setting = SETTINGS[size]
     small, _, grid = setting
-    cells = [(name, small * m, m) for m in MULTIPLES for name in OPTIMIZERS]
+    cells = [(name, m) for m in MULTIPLES for name in OPTIMIZERS]
     todo = [(cell, p) for cell in cells for p in grid[cell[0]]]
-    tried: dict[tuple[str, int, int], dict[float, ArmResult]] = {cell: {} for cell in cells}
-    added: dict[tuple[str, int, int], dict[int, int]] = {}
+    tried: dict[tuple[str, int], dict[float, ArmResult]] = {cell: {} for cell in cells}
+    added: dict[tuple[str, int], dict[int, int]] = {}
     while todo:
-        ran = run_arms([cell_arm(name, batch, m, p) for (name, batch, m), p in todo], base, out_dir, log,
-                       execution)
-        for (cell, point), result in zip(todo, ran):
+        arms = [cell_arm(name, small, m, p) for (name, m), p in todo]
+        if any(tried.values()):  # a round after the starting grid
+            log(f"optimizers ({size}): grid extended past a best LR at its end: "
+                + ", ".join(arm.name for arm in arms))
+        for (cell, point), result in zip(todo, run_arms(arms, base, out_dir, log, execution)):
             tried[cell][point] = result
         todo = grid_extensions({c: {p: r.final_val_loss for p, r in points.items()}
                                 for c, points in tried.items()}, added, setting.extend)
-        if todo:
-            log(f"optimizers ({size}): grid extended past a best LR at its end: "
-                + ", ".join(f"{name} batch {batch} {p * m ** 0.5:.3g}" for (name, batch, m), p in todo))
     return [tried[cell][p] for cell in cells for p in sorted(tried[cell])]
 
 
