@@ -170,3 +170,18 @@ def test_lans_tensors_with_tiny_gradients_share_tiles_with_others(path):
     expected = lans_reference(params, steps, **kwargs)
     actual, _ = _run(LANS, path, params, steps, torch.float64, **kwargs)
     assert _max_error(actual, expected) < 1e-12
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", [(LAMB, {}), (LANS, {}), (LARS, {"lr": 1.0})])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_a_nan_gradient_is_not_pinned_to_a_trust_ratio_of_one(optimizer_class, kwargs, foreach):
+    # a NaN norm is neither zero nor a ratio: the tensor's step is NaN (as its norm), never a finite
+    # step taken with the ratio pinned to 1 (LARS once took ~100x its step on the finite elements)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(100))
+    opt = optimizer_class([p], foreach=foreach, track_trust_ratios=True, **kwargs)
+    p.grad = torch.randn(100) * 0.01
+    p.grad[0] = float("nan")
+    opt.step()
+    assert torch.isnan(p.detach()).all()
+    assert opt.trust_ratio_summary()["pinned"] == 0

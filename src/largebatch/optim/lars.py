@@ -67,7 +67,8 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
         x_norm, g_norm = hooked_norms(squared, reduce_norms)
         if grad_scale is not None:
             g_norm = g_norm * grad_scale
-        denominator = torch.where(g_norm > 0, g_norm + weight_decay * x_norm + eps, torch.zeros_like(g_norm))
+        # a zero gradient norm pins the ratio to 1; a NaN one must stay NaN (``> 0`` would pin it too)
+        denominator = torch.where(g_norm == 0, torch.zeros_like(g_norm), g_norm + weight_decay * x_norm + eps)
         local, pinned = trust_ratio(trust_coefficient * x_norm, denominator, ratio_clip=trust_clip)
         diagnostics = local, pinned
         step_scale = local * lr  # (n,)
