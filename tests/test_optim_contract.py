@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import required
 
 from largebatch.optim import LAMB, LANS, LARS
 from optim_references import lamb_reference, lans_reference, lars_reference
@@ -411,6 +412,29 @@ def test_lars_takes_its_learning_rates_from_the_groups(path):
         LARS(live, **kwargs)
 
 
+def test_lars_without_a_constructor_lr_reports_the_first_groups_lr_to_schedulers():
+    """transformers' polynomial schedule reads ``defaults["lr"]``; torch's placeholder there raised a
+    TypeError. A group added later must still set its own lr, and a copy keeps that rule."""
+    pytest.importorskip("transformers")
+    from transformers import get_scheduler
+
+    live = leaves(make_problem(shapes=FOUR_SHAPES)[0])
+    opt = LARS([{"params": live[:2], "lr": 0.5}, {"params": live[2:], "lr": 0.25}])
+    assert opt.defaults["lr"] == 0.5
+    schedule = get_scheduler("polynomial", opt, num_warmup_steps=0, num_training_steps=4)
+    opt.step()  # no gradients: changes nothing
+    schedule.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5 * 0.75, 0.25 * 0.75])  # power 1, end 1e-7
+    for copied in (opt, copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        extra = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(ValueError, match=r"param_groups\[2\]: no 'lr'"):
+            copied.add_param_group({"params": [extra]})
+        copied.add_param_group({"params": [extra], "lr": 0.125})
+    with_lr = LARS(leaves(live[:2]), lr=2.0)
+    with_lr.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})  # the constructor's lr applies
+    assert with_lr.param_groups[1]["lr"] == 2.0
+
+
 # ------------------------------------------------------------------------------------ 7. mixed dtypes
 @over_cases
 def test_a_float64_tensor_in_a_float32_group_gets_float64_accuracy(info, path):
@@ -533,3 +557,82 @@ def test_importing_the_optimizers_leaves_dtensor_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------- maximize, differentiable, old state
+@over_cases
+def test_maximize_takes_the_step_of_the_negated_gradient_and_leaves_grad_alone(info, path):
+    """torch's ``maximize``: the update of -g (every state included), p.grad untouched; per group."""
+    params, grads = make_problem(shapes=FOUR_SHAPES)
+    ascending, reference = leaves(params), leaves(params)
+    opt = factory(info, path)([{"params": ascending[:2], "maximize": True}, {"params": ascending[2:]}])
+    for step_grads in grads:
+        for p, g in zip(ascending, step_grads):
+            p.grad = g.clone()
+        opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ascending, step_grads))
+    negated = [[-g for g in step_grads[:2]] + step_grads[2:] for step_grads in grads]
+    expected = run(factory(info, path)([{"params": reference[:2]}, {"params": reference[2:]}]), reference, negated)
+    assert_identical(opt, expected)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: maximize=1"):
+        opt.param_groups[0]["maximize"] = 1
+        opt.step()
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
+def test_differentiable_false_is_accepted_and_true_is_refused(info):
+    live = leaves(make_problem()[0])
+    info.cls(live, **info.kwargs, differentiable=False)
+    with pytest.raises(ValueError, match="differentiable=True"):
+        info.cls(live, **info.kwargs, differentiable=True)
+
+
+@over_cases
+def test_a_state_dict_saved_without_a_group_key_takes_the_constructor_value(info, path):
+    """An older checkpoint (a hyperparameter added since) loads and continues as if it had held the
+    constructor's value, as torch's optimizers do for keys added in later versions."""
+    params, grads = make_problem()
+    live = leaves(params)
+    opt = run(factory(info, path, weight_decay=0.0625), live, grads[:2])
+    for key in [k for k in opt.param_groups[0] if k not in ("params", "lr")]:
+        saved = copy.deepcopy(opt.state_dict())
+        del saved["param_groups"][0][key]
+        twin = leaves(live)
+        opt_twin = factory(info, path, weight_decay=0.0625)(twin)
+        opt_twin.load_state_dict(saved)
+        assert opt_twin.param_groups[0][key] == opt.param_groups[0][key], key
+        run(opt_twin, twin, grads[2:])
+        expected = factory(info, path, weight_decay=0.0625)(leaves(live))
+        expected.load_state_dict(opt.state_dict())
+        assert_identical(run(expected, all_params(expected), grads[2:]), opt_twin)
+
+
+@pytest.mark.parametrize("info", INFOS[:2], ids=[info.name for info in INFOS[:2]])
+def test_adamw_state_dict_loads_into_lamb_and_lans_and_steps(info):
+    """AdamW's groups lack the trust-ratio switches and carry keys of their own: the moments (same
+    names) carry over, the missing switches take the constructor's values, and the step runs."""
+    params, grads = make_problem()
+    live = leaves(params)
+    adamw = torch.optim.AdamW(live, lr=0.02)
+    run(adamw, live, grads[:2])
+    opt = info.cls(live, lr=0.02)
+    opt.load_state_dict(adamw.state_dict())
+    run(opt, live, grads[2:])
+    assert step_counts(opt) == [4, 4] and all(torch.isfinite(p).all() for p in live)
+    assert opt.param_groups[0]["adapt"] is True
+
+
+def test_a_group_key_without_a_default_is_named_at_the_step():
+    live = leaves(make_problem()[0])
+    opt = LARS([{"params": live, "lr": 0.5}])
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["lr"]
+    opt.load_state_dict(saved)  # defaults["lr"] is 0.5 here: filled
+    assert opt.param_groups[0]["lr"] == 0.5
+    opt = LARS([{"params": live, "lr": 0.5}])
+    opt.defaults["lr"] = required
+    opt.load_state_dict(saved)
+    for p in live:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: no 'lr'"):
+        opt.step()

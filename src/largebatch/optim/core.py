@@ -167,7 +167,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, max_grad_norm: float | None, foreach: bool | None,
                  fused: bool, track_trust_ratios: bool, reduce_norms: NormReduction | None,
-                 capturable: bool = False) -> None:
+                 capturable: bool = False, differentiable: bool = False) -> None:
+        if differentiable:
+            raise ValueError(f"differentiable=True: {type(self).__name__} does not support differentiating "
+                             "through step() (its trust ratios run under no_grad); pass differentiable=False")
         if isinstance(params, set):
             raise TypeError("params: a set has no stable order (state_dict and resume need one); "
                             "pass a list, e.g. list(model.parameters())")
@@ -193,7 +196,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        """torch's, and (as torch's optimizers do for keys added in later versions) groups saved without
+        one of this optimizer's hyperparameters -- an older checkpoint, or another optimizer's state
+        dict -- take the constructor's value. A key with no default is reported at the next step."""
         super().__setstate__(state)
+        for group in self.param_groups:
+            for key in self._spec:
+                default = self.defaults.get(key, required)
+                if default is not required:
+                    group.setdefault(key, default)
         self._workspace = Workspace()
         self._last_ratios = []
 
@@ -222,6 +233,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _resolve(self, group: dict, index: int) -> dict:
         """The group's hyperparameters, checked, as Python values (ValueError naming the group)."""
+        missing = [key for key in self._spec if key not in group]
+        if missing:
+            raise ValueError(f"param_groups[{index}]: no {missing[0]!r} and {type(self).__name__} has no default "
+                             f"for it; set param_groups[{index}][{missing[0]!r}] (a state dict saved without it "
+                             "cannot supply it)")
         return checks.resolve(group, self._spec, f"param_groups[{index}]: ")
 
     @staticmethod
@@ -276,6 +292,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         on first use, step counts advanced. (Runs once per parameter and step: kept lean.)"""
         buckets: dict[tuple, Bucket] = {}
         keys = self._state_keys
+        maximize = group.get("maximize", False)
         counts: list[Tensor] = []  # device step counts (capturable)
         if self.capturable:  # fresh counts share one buffer
             fresh = [_real(local_shard(p)).device for p in group["params"]
@@ -312,6 +329,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 grad = _real(local_grad(p))
             if grad.dtype != compute or not grad.is_contiguous():
                 grad = grad.to(compute).contiguous()
+            if maximize:  # ascend: the update of -g (torch's maximize), never touching p.grad
+                grad = torch.neg(grad)
             b.params.append(p)
             b.x.append(x)
             b.grads.append(grad)

@@ -215,20 +215,23 @@ class LAMB(LayerwiseOptimizer):
     _kernel_names = ("m", "v")
     _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
                  adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
-                 trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive, l2_decay=checks.flag)
+                 trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive, l2_decay=checks.flag,
+                 maximize=checks.flag)
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False,
+                 maximize: bool = False, differentiable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
-                        weight_norm_clip=weight_norm_clip, l2_decay=l2_decay)
+                        weight_norm_clip=weight_norm_clip, l2_decay=l2_decay, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable,
+                         differentiable=differentiable)
 
     @classmethod
     def from_preset(cls, name: str, params, **kwargs) -> "LAMB":

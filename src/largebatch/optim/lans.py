@@ -238,13 +238,15 @@ class LANS(LayerwiseOptimizer):
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None,
                  foreach: bool | None = None, fused: bool = False, track_trust_ratios: bool = False,
-                 reduce_norms: NormReduction | None = None, capturable: bool = False) -> None:
+                 reduce_norms: NormReduction | None = None, capturable: bool = False,
+                 maximize: bool = False, differentiable: bool = False) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, adapt=adapt, bias_correction=bias_correction,
                         skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip,
-                        weight_norm_clip=weight_norm_clip)
+                        weight_norm_clip=weight_norm_clip, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable,
+                         differentiable=differentiable)
 
     def _update(self, h, b, grad_scale, reduce):
         return lans(b.x, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.steps, lr=h["lr"],

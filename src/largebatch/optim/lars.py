@@ -100,7 +100,8 @@ def _multi_tensor_apply(x, grads, buffers, momentum, weight_decay, grad_scale, s
 # ------------------------------------------------------------------------------------- the class
 class LARS(LayerwiseOptimizer):
     """LARS (You et al. 2017, Alg. 1). ``lr`` has no default (LARS learning rates are model-specific):
-    give it here or in every parameter group.
+    give it here or in every parameter group (then ``defaults["lr"]``, which some schedulers read, is
+    the first group's, and a group added later must set its own).
 
     Per group: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``, ``adapt`` and the
     switches; paths as in LAMB (foreach default, per-tensor, fused=True), and ``capturable`` (its
@@ -110,19 +111,32 @@ class LARS(LayerwiseOptimizer):
     _kernel_names = ("buf",)
     _spec = dict(lr=checks.learning_rate, momentum=checks.unit_interval, weight_decay=checks.non_negative,
                  trust_coefficient=checks.positive, eps=checks.positive, adapt=checks.flag,
-                 skip_adapt_if_no_decay=checks.flag, trust_clip=checks.optional_positive)
+                 skip_adapt_if_no_decay=checks.flag, trust_clip=checks.optional_positive, maximize=checks.flag)
 
     def __init__(self, params, lr: float | None = None, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, adapt: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, foreach: bool | None = None, fused: bool = False,
                  track_trust_ratios: bool = False, reduce_norms: NormReduction | None = None,
-                 capturable: bool = False) -> None:
+                 capturable: bool = False, maximize: bool = False, differentiable: bool = False) -> None:
         defaults = dict(lr=required if lr is None else lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, adapt=adapt,
-                        skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip)
+                        skip_adapt_if_no_decay=skip_adapt_if_no_decay, trust_clip=trust_clip, maximize=maximize)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable)
+                         track_trust_ratios=track_trust_ratios, reduce_norms=reduce_norms, capturable=capturable,
+                         differentiable=differentiable)
+        self._lr_per_group = lr is None
+        if self._lr_per_group:  # every group has one (checked): defaults["lr"] is what schedulers read
+            self.defaults["lr"] = self.param_groups[0]["lr"]
+
+    _options = LayerwiseOptimizer._options + ("_lr_per_group",)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_lr_per_group", False) and "lr" not in param_group:
+            index = len(self.param_groups)
+            raise ValueError(f"param_groups[{index}]: no 'lr'; this LARS was built without lr=..., so every "
+                             "parameter group sets its own: add 'lr' to the group")
+        super().add_param_group(param_group)
 
     def _update(self, h, b, grad_scale, reduce):
         return lars(b.x, b.grads, b.states["momentum_buffer"], lr=h["lr"], momentum=h["momentum"],
