@@ -182,6 +182,33 @@ def test_torchrun_ddp_from_hf_equals_one_process(round_trip):
     assert _losses(tmp / "ddp") == pytest.approx(_losses(Path(continued["run.out_dir"])), rel=1e-5, abs=1e-5)
 
 
+def test_a_run_from_a_relative_hf_dir_resumes_after_the_dir_moves(round_trip, monkeypatch, capsys):
+    """The saved data.tokenizer_file is relative to where the run started: after the directory moves
+    (or from another working directory) the resume reads the run's own tokenizer.json and continues
+    the uninterrupted trajectory; an override is judged by its vocabulary, not its path."""
+    tmp, _, continued = round_trip  # before test_export_after_the_cache_and_corpus_are_gone
+    work = tmp / "work"
+    shutil.copytree(tmp / "hf", work / "hf")
+    monkeypatch.chdir(work)
+    run = tmp / "moved-run"
+    o = {**continued, "model.init_from": "hf:hf", "run.out_dir": str(run), "run.max_steps": 2}
+    _train(o)
+    assert load_config(run / "config.toml", resolve_init=False).data.tokenizer_file == "hf/tokenizer.json"
+    shutil.move(work / "hf", tmp / "hf-moved")
+    monkeypatch.chdir(run)  # no hf/ here
+    (tmp / "other-vocab").mkdir()
+    _word_tokenizer(tmp / "other-vocab", 400)
+    other = tmp / "other-vocab" / "tokenizer.json"
+    code, err = _train_cli(capsys, "--resume", str(run), f"--data.tokenizer_file={other}")
+    assert code == 2 and "data.tokenizer_file=" in err and "not the vocabulary this run trained with" in err
+    code, err = _train_cli(capsys, "--resume", str(run), f"--data.tokenizer_file={tmp / 'nowhere.json'}")
+    assert code == 2 and "does not exist" in err
+    code, err = _train_cli(capsys, "--resume", str(run), "--run.progress=off")
+    assert code == 0, err
+    assert "continues with its own copy" in err
+    assert _losses(run) == _losses(Path(continued["run.out_dir"]))
+
+
 def test_export_after_the_cache_and_corpus_are_gone(round_trip):
     tmp, original, _ = round_trip
     shutil.rmtree(tmp / "cache")

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields(TrainConfig))
         return 0
 
-    from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight
+    from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
     from largebatch.train.rundir import continues_run
 
     config_path, resume_dir, check_only = args.config, args.resume, args.check
@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False)
             run_dir, resume = Path(resume_dir), True
+            cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
+                                   lambda line: print(line, file=sys.stderr))
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             check_run_dir(run_dir)
         else:

@@ -14,9 +14,11 @@ training are built is refused in one line naming the field, the value and the fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from largebatch.arguments import check_output_dir
 from largebatch.memory.estimate import GIB, stage_parameters
@@ -67,12 +69,51 @@ def make_run_dir(run_dir: Path, unique: bool) -> Path:
 
 
 def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
-    """Refuse a ``--resume`` override that changes what the checkpoints' state was built for."""
+    """Refuse a ``--resume`` override that changes what the checkpoints' state was built for.
+    (``data.tokenizer_file`` is compared by content, in resume_tokenizer, before this.)"""
+    saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer_file=cfg.data.tokenizer_file))
     changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS)
     if changed:
         raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
                           f"optimizer state its checkpoints hold; resume without that override, or "
                           f"start a new run with another --run.out_dir")
+
+
+def resume_tokenizer(cfg: TrainConfig, run_dir: Path, overridden: bool, warn: Callable[[str], None]) -> TrainConfig:
+    """The tokenizer a resumed run reads: ``data.tokenizer_file`` as saved, or the run's own copy
+    (``RUN_DIR/tokenizer.json``, see rundir.keep_tokenizer) when the saved path no longer leads to a
+    file from here -- a moved ``model.init_from`` directory, a relative path and another working
+    directory. A file given or found there must hold the run's vocabulary (compared by content,
+    not by path); ConfigError naming the field otherwise."""
+    from largebatch.train.rundir import TOKENIZER_NAME
+
+    kept = run_dir / TOKENIZER_NAME
+    if not cfg.data.tokenizer_file or not kept.is_file():
+        return cfg
+    path = Path(cfg.data.tokenizer_file).expanduser()
+    if not path.is_file():
+        if overridden:
+            raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} does not exist: give the "
+                              f"tokenizer.json this run trained with, or leave it out to use {kept}")
+        warn(f"note: data.tokenizer_file={cfg.data.tokenizer_file!r} is not found from here; the run "
+             f"continues with its own copy, {kept}")
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer_file=str(kept)))
+    if _vocabulary(path, "data.tokenizer_file") != _vocabulary(kept, str(kept)):
+        raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} is not the vocabulary this run "
+                          f"trained with ({kept}); its checkpoints index that one: give {kept}, or "
+                          "start a new run to change the tokenizer")
+    return cfg
+
+
+def _vocabulary(path: Path, name: str) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab()
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{name}={str(path)!r} is not a tokenizer.json ({reason}): give one saved by "
+                          "HF tokenizers") from None
 
 
 def check_device(cfg: TrainConfig, distributed: bool) -> None:
