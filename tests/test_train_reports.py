@@ -160,3 +160,21 @@ def test_an_arm_that_raises_in_its_worker_raises_its_own_error(reference_run, tm
     note = "\n".join(parallel.value.__notes__)
     assert "arm 'missing' failed in its worker process" in note and "Traceback" in note and "CorpusError" in note
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("arms-")]
+
+
+def test_a_token_array_run_without_a_tokenizer_ends_with_a_summary(reference_run, tmp_path):
+    """A GPT run on a .npy token array and no tokenizer: the final sample cannot be encoded or
+    decoded, and says so, instead of crashing after training and leaving no summary.json."""
+    import numpy as np
+
+    from largebatch.data import build_data
+
+    cache, _, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "run", **{"run.total_tokens": 32 * 8 * 2, "run.sample_tokens": 8,
+                                                   "schedule.batch_policy": "constant"})
+    data = build_data(load_config(resolve_config(None), o).data, seq_len=32, objective="causal")
+    np.save(tmp_path / "tokens.npy", np.asarray(data.train.tokens).astype(np.uint16))
+    o.update({"data.corpus": str(tmp_path / "tokens.npy"), "data.tokenizer_file": None})
+    summary = Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lambda *_: None).fit()
+    assert "no sample" in summary["sample"] and "data.tokenizer_file" in summary["sample"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == summary["steps"] == 2

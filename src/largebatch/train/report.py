@@ -117,6 +117,9 @@ class Reporting:
                 summary["sample"] = "(no sample: sequence parallel shards need length % tp == 0)"
             elif self.pipeline:
                 summary["sample"] = "(no sample: generation under pipeline parallel is not supported)"
+            elif self.data.tokenizer is None:
+                summary["sample"] = ("(no sample: a token-array corpus without data.tokenizer_file has no "
+                                     "tokenizer to encode the prompt and decode the text)")
             else:  # every rank generates: tensor-parallel and FSDP forwards are collective
                 summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
         if not self.is_main:
