@@ -214,3 +214,57 @@ def test_single_file_with_separator_or_separate_val_corpus(tmp_path):
     with pytest.raises(ValueError, match="val_corpus=.*token array.*both as text"):
         build_data(DataConfig(corpus=str(tmp_path / "all.txt"),
                               val_corpus=str(tmp_path / "v.npy"), **common), 32)
+
+
+def _wordpiece(path: Path, texts: list[str], specials: list[str]) -> str:
+    """A BERT-style WordPiece tokenizer.json trained on ``texts`` (no <|endoftext|>)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=600, special_tokens=specials,
+                                                             show_progress=False))
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_wordpiece_tokenizer_separates_documents_with_sep(tmp_path):
+    """A BERT WordPiece vocabulary has no <|endoftext|>: its [SEP] separates documents (</s> where a
+    vocabulary has that instead), so it trains both objectives; one with none of them is refused,
+    naming the field, by build_data and by `largebatch train --check`."""
+    from largebatch.cli import main as cli_main
+
+    plays = {name: (SHKSPR_TEXTS / f"{name}_gut.txt").read_text(encoding="utf-8")[:30000]
+             for name in ("hamlet", "macbeth", "othello")}
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in plays.items():
+        (corpus / f"{name}.txt").write_text(text, encoding="utf-8")
+    texts = list(plays.values())
+    cases = {"sep": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+             "eos": ["<s>", "[PAD]", "[UNK]", "[CLS]", "[MASK]", "</s>", "[SEP]"]}
+    for name, specials in cases.items():
+        path = _wordpiece(tmp_path / f"{name}.json", texts, specials)
+        cfg = DataConfig(corpus=str(corpus), tokenizer_file=path, val_fraction=0.3,
+                         cache_dir=str(tmp_path / "cache"))
+        separator = "[SEP]" if name == "sep" else "</s>"
+        causal = build_data(cfg, SEQ_LEN, "causal")
+        sep_id = causal.tokenizer.token_to_id(separator)
+        train = np.asarray(causal.train.tokens)
+        starts = np.flatnonzero(train == sep_id)
+        assert train[0] == sep_id and len(starts) == causal.stats.train_documents
+        heads = {tuple(train[i + 1: i + 21].tolist()) for i in starts}  # each document follows a separator
+        encoded = [tuple(causal.tokenizer.encode(t, add_special_tokens=False).ids[:20]) for t in texts]
+        assert sum(e in heads for e in encoded) == causal.stats.train_documents
+        masked = build_data(cfg, SEQ_LEN, "masked")
+        batch = masked.train.get_batch(range(64))
+        assert not (batch["labels"][batch["input_ids"] == sep_id] != IGNORE_INDEX).any()  # never masked
+        assert sep_id in masked.train.special_id_array
+    bare = _wordpiece(tmp_path / "bare.json", texts, ["[PAD]", "[UNK]", "[CLS]", "[MASK]"])
+    with pytest.raises(ValueError, match=r"tokenizer_file=.*none of <\|endoftext\|>, </s>, \[SEP\]"):
+        build_data(DataConfig(corpus=str(corpus), tokenizer_file=bare, cache_dir=str(tmp_path / "cache")),
+                   SEQ_LEN, "causal")
+    assert cli_main(["train", "--check", f"--data.corpus={corpus}", f"--data.tokenizer_file={bare}",
+                     f"--run.out_dir={tmp_path / 'run'}"]) == 2

@@ -198,10 +198,10 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
         tokenizer = read_tokenizer_file(cfg)
     else:  # trained on the TRAINING split only: validation text must stay unseen
         tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
-    eot_id = tokenizer.token_to_id(tokenizer_lib.EOT)
-    if eot_id is None:
-        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} has no "
-                          f"{tokenizer_lib.EOT} token to separate documents: add it")
+    separator = tokenizer_lib.document_separator(tokenizer)
+    if separator is None:
+        raise CorpusError(tokenizer_lib.no_separator_message("DataConfig.tokenizer_file", cfg.tokenizer_file))
+    eot_id = separator[1]
     dtype = tokenizer_lib.token_dtype(tokenizer.get_vocab_size())
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))

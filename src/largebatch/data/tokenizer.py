@@ -7,6 +7,10 @@ tokens take the first ids, in this order:
 
     0 <|endoftext|>  document separator (GPT-2 convention), also between documents in BERT samples
     1 [PAD]  2 [CLS]  3 [SEP]  4 [MASK]   (BERT, Devlin et al. 2019)
+
+A user's tokenizer (``data.tokenizer_file``) separates documents with the first of
+``DOCUMENT_SEPARATORS`` it has: ``<|endoftext|>`` (GPT-2), ``</s>`` (RoBERTa, T5, Llama-style
+vocabularies) or ``[SEP]`` (BERT's WordPiece, which has no end-of-text token).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ TOKENIZER_VERSION = "bytebpe-1"
 
 EOT, PAD, CLS, SEP, MASK = "<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (EOT, PAD, CLS, SEP, MASK)
+EOS = "</s>"
+DOCUMENT_SEPARATORS = (EOT, EOS, SEP)  # in order of preference
 
 
 def new_byte_level_bpe() -> Tokenizer:
@@ -45,9 +51,29 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """Ids of the special tokens present in ``tokenizer`` (a user file may lack some)."""
+    """Ids of the special tokens present in ``tokenizer`` (a user file may lack some), the document
+    separator included (never masked)."""
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    separator = document_separator(tokenizer)
+    if separator is not None:
+        ids[separator[0]] = separator[1]
     return {token: i for token, i in ids.items() if i is not None}
+
+
+def document_separator(tokenizer: Tokenizer) -> tuple[str, int] | None:
+    """(token, id) of the first of DOCUMENT_SEPARATORS in ``tokenizer``; None when it has none."""
+    for token in DOCUMENT_SEPARATORS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token, token_id
+    return None
+
+
+def no_separator_message(field: str, value) -> str:
+    """The error for a tokenizer that has no document separator, naming the field and the fix."""
+    return (f"{field}={value!r} has none of {', '.join(DOCUMENT_SEPARATORS)} to separate documents: "
+            f"add one as a special token (tokenizers: tokenizer.add_special_tokens([{EOT!r}])), or "
+            "leave the field out to train a tokenizer on the corpus")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -57,8 +83,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], eot_id: int,
                      dtype: np.dtype) -> np.ndarray:
-    """One flat token stream: every document preceded by <|endoftext|> (so the first token of a
-    document is always predicted from the separator, as in GPT-2 training data)."""
+    """One flat token stream: every document preceded by the separator ``eot_id`` (<|endoftext|> or
+    see document_separator), so the first token of a document is always predicted from the
+    separator, as in GPT-2 training data."""
     encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
     total = sum(len(e.ids) + 1 for e in encodings)
     stream = np.empty(total, dtype=dtype)

@@ -128,15 +128,21 @@ def check_device(cfg: TrainConfig, distributed: bool) -> None:
 
 
 def check_tokenizer_file(cfg: TrainConfig) -> int | None:
-    """The vocabulary size of ``data.tokenizer_file`` (None without one); ConfigError if unreadable."""
+    """The vocabulary size of ``data.tokenizer_file`` (None without one); ConfigError if unreadable,
+    or if a text corpus is to be encoded with it and it has no document separator."""
     if not cfg.data.tokenizer_file:
         return None
     from largebatch.data.build import read_tokenizer_file
+    from largebatch.data.corpus import is_token_array_path
+    from largebatch.data.tokenizer import document_separator, no_separator_message
 
     try:
-        return read_tokenizer_file(cfg.data).get_vocab_size()
+        tokenizer = read_tokenizer_file(cfg.data)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
+        raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
+    return tokenizer.get_vocab_size()
 
 
 def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
