@@ -200,3 +200,29 @@ def test_finished_run_relaunched_is_already_complete(tmp_path, reference_run, ca
         stdout = capsys.readouterr().out
         assert "already complete" in stdout and f"{summary['tokens']} tokens" in stdout, stdout
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):
+    """model.vocab_size left at its default takes the tokenizer's size (512); a larger value pads
+    the embedding (kept in the run, the checkpoint and the Hugging Face export, whose tokenizer
+    still has 512 ids); a smaller one is one line before training."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from largebatch.cli import main as cli_main
+
+    cache, ref_dir, _ = reference_run
+    assert load_config(ref_dir / "config.toml", resolve_init=False).model.vocab_size == 512
+    o = tiny_overrides(cache, tmp_path / "padded", **{"model.vocab_size": 576, "run.total_tokens": 32 * 8 * 2,
+                                                       "schedule.batch_policy": "constant"})
+    summary = _run(o)
+    assert summary["steps"] == 2 and math.isfinite(summary["final_val_loss"])
+    assert load_config(tmp_path / "padded" / "config.toml", resolve_init=False).model.vocab_size == 576
+    state = load_checkpoint(list_checkpoints(tmp_path / "padded")[-1])["model"]
+    assert state["tok_emb.weight"].shape == (576, 32)
+    assert cli_main(["export", str(tmp_path / "padded"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "hf").vocab_size == 576
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == 512
+    capsys.readouterr()
+    smaller = tiny_overrides(cache, tmp_path / "smaller", **{"model.vocab_size": 500})
+    assert main(["--check", *[f"--{k}={json.dumps(v)}" for k, v in smaller.items()]]) == 2
+    assert "model.vocab_size=500 is smaller than the tokenizer's 512 ids" in capsys.readouterr().err

@@ -37,7 +37,10 @@ class ModelConfig:
     seq_len: int = 128
     """s: context length; also the number of learned position embeddings."""
     vocab_size: int = 4096
-    """v: vocabulary size (rows of the token embedding and of the output layer)."""
+    """v: vocabulary size (rows of the token embedding and of the output layer). The trainer sizes it
+    to the tokenizer while it keeps this built-in default; any other value is kept when it holds
+    every token id (padding the embedding, e.g. to a multiple of 64 or of parallel.tp) and refused
+    when it is smaller than the tokenizer."""
     dropout: float = 0.0
     """Dropout probability used everywhere dropout sits in the paper's layer: embedding output,
     attention probabilities, attention output and MLP output. 0 disables all of it."""

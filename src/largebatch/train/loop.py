@@ -134,8 +134,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective)
         keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
-        if cfg.model.vocab_size != self.data.vocab_size:
-            cfg = self.cfg = _with_vocab(cfg, self.data.vocab_size)
+        vocab = model_vocab(cfg, self.data.vocab_size)
+        if cfg.model.vocab_size != vocab:
+            cfg = self.cfg = _with_vocab(cfg, vocab)
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
@@ -478,6 +479,22 @@ def _stacked(micro_batches: list[dict[str, torch.Tensor]], device) -> tuple[torc
 def _recompute_policy(policies: list[str], n_layer: int) -> str | list[str]:
     """['selective'] -> 'selective'; ['full', 'selective'] -> per-layer list (checked by config.check)."""
     return policies[0] if len(policies) == 1 else list(policies)
+
+
+def model_vocab(cfg: TrainConfig, tokenizer_size: int) -> int:
+    """Rows of the model's embedding: the tokenizer's size while ``model.vocab_size`` keeps its
+    built-in default, else ``model.vocab_size`` (padding: ids past the tokenizer are never inputs
+    nor targets) when it holds every id; ValueError naming the field when it cannot."""
+    from largebatch.models.config import ModelConfig
+
+    wanted = cfg.model.vocab_size
+    if wanted == ModelConfig.vocab_size or wanted == tokenizer_size:
+        return tokenizer_size
+    if wanted < tokenizer_size:
+        raise ValueError(f"model.vocab_size={wanted} is smaller than the tokenizer's {tokenizer_size} ids: "
+                         f"leave model.vocab_size out (the trainer takes the tokenizer's size) or set it "
+                         f">= {tokenizer_size} to pad the embedding")
+    return wanted
 
 
 def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

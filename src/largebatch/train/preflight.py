@@ -145,9 +145,21 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     return tokenizer.get_vocab_size()
 
 
+def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
+    """The model's vocabulary (see loop.model_vocab) for the tokenizer's size (``vocab_size``; the
+    trained tokenizer's ``data.vocab_size`` without a file); ConfigError when model.vocab_size
+    cannot hold every id. (A token array's largest id is checked when the data is read.)"""
+    from largebatch.train.loop import model_vocab
+
+    try:
+        return model_vocab(cfg, vocab_size or cfg.data.vocab_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
     """fp32 parameters + gradients + optimizer state of one process, from the config alone."""
-    model = cfg.model.replace(vocab_size=vocab_size or cfg.data.vocab_size)  # the trainer's vocabulary
+    model = cfg.model.replace(vocab_size=check_model_vocab(cfg, vocab_size))  # the trainer's vocabulary
     n = stage_parameters(model, tp=cfg.parallel.tp)
     per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
     available, source = _available_bytes(cfg)
