@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,10 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path
     assert hf.transformer.wte.weight.data_ptr() == hf.lm_head.weight.data_ptr()  # still tied
 
 
-def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache, tmp_path):
+def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache, tmp_path, capsys):
     """bias=False (zeros in transformers), untied output layer, and a .dcp checkpoint -- written by
-    the trainer's own distributed save -- newer than the .pt one."""
+    the trainer's own distributed save -- newer than the .pt one. Damaged .dcp checkpoints (no
+    metadata, a truncated or overwritten shard) are skipped for the next older one, with a note."""
     from transformers import AutoModelForCausalLM
 
     from largebatch.checkpoint.distributed import save_distributed
@@ -107,7 +109,11 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
     save_distributed(run_dir, pt.step + 1, model, optimizer, extra, ParallelState())
 
     out = tmp_path / "hf"
-    assert export(run_dir, out) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert export(run_dir, out) == 0
+    # one process loading a DCP checkpoint is the intent: torch's warning about it is not shown
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
     reloaded = load_run(run_dir)
     assert reloaded.checkpoint.suffix == ".dcp"
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -118,12 +124,41 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
         ref = model(idx)[0]
         assert torch.allclose(hf(input_ids=idx).logits, ref, atol=1e-5, rtol=0)
         assert torch.allclose(reloaded.model(idx)[0], ref, atol=0, rtol=0)
-    # a damaged newest checkpoint (its DCP metadata gone) is skipped for the previous one
-    (reloaded.checkpoint / ".metadata").unlink()
+    # a damaged newest checkpoint (its DCP metadata gone) is skipped for the previous one, and the
+    # note suggests only the complete ones
+    for step in (pt.step + 2, pt.step + 3):
+        save_distributed(run_dir, step, model, optimizer, extra, ParallelState(), keep_last=3)
+    dcps = sorted((run_dir / "checkpoints").glob("*.dcp"))
+    assert len(dcps) == 3
+    (dcps[2] / ".metadata").unlink()
     notes = []
     fallback = load_run(run_dir, log=notes.append)
-    assert fallback.checkpoint == pt.checkpoint and fallback.step == pt.step
+    assert fallback.checkpoint == dcps[1]
     assert len(notes) == 1 and "skipping unreadable checkpoint" in notes[0]
+    assert f"pick one of {[dcps[0].name, dcps[1].name]}" in notes[0], notes[0]
+    # a truncated shard and one overwritten with garbage: DCP raises a BaseException for them
+    shard = dcps[1] / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 3)
+    garbage = dcps[0] / "__0_0.distcp"
+    garbage.write_bytes(bytes(range(256)) * (garbage.stat().st_size // 256 + 1))
+    capsys.readouterr()
+    assert export(run_dir, tmp_path / "hf-fallback", "--no-verify") == 0
+    printed = capsys.readouterr()
+    assert f"exported {pt.checkpoint} (step {pt.step})" in printed.out
+    notes = printed.err.strip().splitlines()
+    assert len(notes) == 3 and all(n.startswith("note: skipping unreadable checkpoint") for n in notes)
+    assert dcps[2].name in notes[0] and dcps[1].name in notes[1] and dcps[0].name in notes[2], notes
+    # none intact: one line naming each and why
+    pt.checkpoint.write_bytes(b"\x00" * 64)
+    assert export(run_dir, tmp_path / "hf-none", "--no-verify") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 5 and "Traceback" not in "".join(err)
+    assert err[-1].startswith(f"largebatch export: error: RUN_DIR {str(run_dir)!r}: no checkpoint "
+                              "could be read")
+    assert all(f"{p.name}: " in err[-1] for p in (*dcps, pt.checkpoint))
+    assert (tmp_path / "hf-fallback" / "model.safetensors").is_file()
+    assert not (tmp_path / "hf-none").exists()
 
 
 def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):

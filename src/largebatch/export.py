@@ -24,7 +24,6 @@ Options:
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import sys
 from dataclasses import dataclass
@@ -51,8 +50,8 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
              log=print) -> LoadedRun:
     """The newest intact checkpoint of ``run_dir`` loaded into a largebatch model on CPU.
 
-    A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata) is
-    skipped with a note, and the next older one is used.
+    A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata or with a
+    damaged shard) is skipped with a note, and the next older one is used.
     """
     from largebatch.checkpoint import list_checkpoints
 
@@ -70,8 +69,9 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             model, extra = _load_checkpoint(path)
         except ExportError:
             raise
-        except (OSError, RuntimeError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
-            # a damaged checkpoint (CheckpointError is a RuntimeError): fall back to the previous
+        except Exception as exc:  # noqa: BLE001 -- damaged in any way: fall back to the previous
+            # (a damaged .pt or .dcp shard is a CheckpointError, a RuntimeError; unpickling garbage
+            # raises about anything)
             problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
             log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
             continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from largebatch.checkpoint.files import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_temporaries
-from largebatch.checkpoint.local import os_error_in, write_failure
+from largebatch.checkpoint.local import CheckpointError, os_error_in, write_failure
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.parallelize import unwrap
 
@@ -156,9 +157,37 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
-        complete = [p.name for p in list_distributed_checkpoints(path.parent.parent)]
+        others = [p.name for p in list_distributed_checkpoints(path.parent.parent)
+                  if p != path and (p / ".metadata").is_file()]
+        choice = f"pick one of {others}" if others else f"no other one in {path.parent} is complete"
         raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata); "
-                                f"pick one of {complete}")
+                                f"{choice}")
+    try:  # first, so that a damaged .metadata is one line (DCP logs a traceback per fallback)
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 -- unpickling garbage raises about anything
+        first = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"could not read checkpoint {path}: its .metadata is damaged "
+                              f"({type(exc).__name__}{': ' + first if first else ''})") from None
+    try:
+        with warnings.catch_warnings():  # one process without torch.distributed is a supported load
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            return _load(path, model, optimizer)
+    except CheckpointException as exc:  # a BaseException: no ``except Exception`` would see it
+        raise CheckpointError(f"could not read checkpoint {path}: {_read_error(exc)}") from None
+
+
+def _read_error(exc: CheckpointException) -> str:
+    """The first failing rank's error in one line (a damaged shard: a truncated or overwritten file
+    fails to unpickle)."""
+    if not exc.failures:
+        return (str(exc).splitlines() or ["unknown error"])[0]
+    rank, (error, _trace) = min(exc.failures.items())
+    first = (str(error).splitlines() or [""])[0]
+    where = f" on rank {rank}" if len(exc.failures) > 1 or rank != 0 else ""
+    return f"{type(error).__name__}{': ' + first if first else ''}{where}"
+
+
+def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     module = unwrap(model)
     if optimizer is None:
         target = {"model": get_model_state_dict(module)}
