@@ -199,10 +199,13 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
-                                  "out_is_run", "tokenizer"])
+                                  "out_is_run", "tokenizer", "tokenizer_not_json",
+                                  "tokenizer_not_tokenizers", "run_tokenizer_damaged",
+                                  "out_parent_is_file"])
 def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     out, args = tmp_path / "out", []
     run = gpt_run
+    bad = tmp_path / "bad.json"
     if case == "missing_run":
         run, expect = tmp_path / "nope", "is not a directory"
     elif case == "no_checkpoint":
@@ -214,6 +217,20 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     elif case == "tokenizer":
         args = ["--format", "hf", "--tokenizer", str(tmp_path / "missing.json")]
         expect = "missing.json' does not exist"
+    elif case in ("tokenizer_not_json", "tokenizer_not_tokenizers"):
+        bad.write_text("vocab: not JSON\n" if case == "tokenizer_not_json" else '{"vocab": [1, 2]}')
+        args = ["--format", "hf", "--tokenizer", str(bad)]
+        expect = f"--tokenizer {str(bad)!r} is not a readable tokenizers file"
+    elif case == "run_tokenizer_damaged":  # a copy of the run whose kept tokenizer is cut short
+        run = tmp_path / "run"
+        shutil.copytree(gpt_run, run)
+        text = (run / "tokenizer.json").read_text()
+        (run / "tokenizer.json").write_text(text[: len(text) // 2])
+        expect = f"{str(run / 'tokenizer.json')!r} is not a readable tokenizers file"
+    elif case == "out_parent_is_file":
+        (tmp_path / "file").write_text("mine")
+        out = tmp_path / "file" / "sub" / "out"
+        expect = f"{str(tmp_path / 'file')!r} is a file, not a directory"
     elif case == "format":
         args, expect = ["--format", "gguf"], "--format 'gguf' is unknown: use one of hf"
     else:
@@ -224,6 +241,11 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expect in err and "Traceback" not in err, err
+    assert not out.exists() or case in ("non_empty_out", "out_is_run")
+    if case == "run_tokenizer_damaged":
+        assert "--tokenizer PATH" in err
+    if case == "out_parent_is_file":
+        assert (tmp_path / "file").read_text() == "mine"
     if case == "non_empty_out":
         assert (out / "keep.txt").read_text() == "mine"
         # --force replaces it; --tokenizer takes the run's tokenizer from a file

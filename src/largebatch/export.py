@@ -54,6 +54,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     damaged shard) is skipped with a note, and the next older one is used.
     """
     from largebatch.checkpoint import list_checkpoints
+    from largebatch.train.rundir import TOKENIZER_NAME
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -63,6 +64,9 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     if not candidates:
         raise ExportError(f"RUN_DIR {str(run_dir)!r} has no checkpoint in "
                           f"{run_dir / 'checkpoints'}: train it (or resume it) to the end first")
+    tokenizer = None  # read first where it needs no config: a bad file fails before the model loads
+    if tokenizer_file is not None or (run_dir / TOKENIZER_NAME).is_file():
+        tokenizer = run_tokenizer({}, tokenizer_file, run_dir)
     problems = []
     for path in reversed(candidates):
         try:
@@ -76,7 +80,8 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
             continue
         step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
-        tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
+        if tokenizer is None:
+            tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
         return LoadedRun(model, path, step, tokenizer, extra["config"])
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
 
@@ -114,18 +119,20 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
     keeps in ``RUN_DIR/tokenizer.json``, else the run's ``data.tokenizer_file``, else the one
     trained on its corpus (read from the data cache, or trained again -- deterministic -- when the
     cache is gone: runs from before the trainer kept its copy)."""
-    from tokenizers import Tokenizer
-
     from largebatch.train.rundir import TOKENIZER_NAME
 
     if tokenizer_file is not None:
         path = Path(tokenizer_file).expanduser()
         if not path.is_file():
-            raise ExportError(f"--tokenizer {str(tokenizer_file)!r} does not exist: pass a "
+            state = "is not a file" if path.exists() else "does not exist"
+            raise ExportError(f"--tokenizer {str(tokenizer_file)!r} {state}: pass a "
                               "tokenizer.json saved by HF tokenizers")
-        return Tokenizer.from_file(str(path))
+        return _read_tokenizer(path, f"--tokenizer {str(tokenizer_file)!r}",
+                               "pass a tokenizer.json saved by HF tokenizers (Tokenizer.save)")
     if run_dir is not None and (Path(run_dir) / TOKENIZER_NAME).is_file():
-        return Tokenizer.from_file(str(Path(run_dir) / TOKENIZER_NAME))
+        path = Path(run_dir) / TOKENIZER_NAME
+        return _read_tokenizer(path, f"the run's tokenizer {str(path)!r}",
+                               "pass --tokenizer PATH to a copy of the tokenizer.json the run used")
     from largebatch.data import DataConfig, build_data
     from largebatch.data.corpus import is_token_array_path
     from largebatch.models.registry import model_spec
@@ -137,7 +144,8 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
         if not path.is_file():
             raise ExportError(f"the run's data.tokenizer_file={data_cfg.tokenizer_file!r} no "
                               "longer exists: pass --tokenizer PATH to the same tokenizer.json")
-        return Tokenizer.from_file(str(path))
+        return _read_tokenizer(path, f"the run's data.tokenizer_file={data_cfg.tokenizer_file!r}",
+                               "pass --tokenizer PATH to an intact copy of it")
     if is_token_array_path(data_cfg.corpus):
         raise ExportError(f"the run trained on the token array data.corpus={data_cfg.corpus!r} "
                           "without data.tokenizer_file: pass --tokenizer PATH to the "
@@ -150,6 +158,18 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ExportError(f"cannot rebuild the run's tokenizer from data.corpus={data_cfg.corpus!r} "
                           f"({first}): pass --tokenizer PATH to the tokenizer.json it used") from exc
+
+
+def _read_tokenizer(path: Path, what: str, fix: str):
+    """``tokenizers.Tokenizer.from_file``, whose bare ``Exception`` on a file that is not a
+    tokenizers JSON (or a damaged one) becomes one line naming ``what`` and the ``fix``."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"{what} is not a readable tokenizers file ({first}): {fix}") from None
 
 
 def _usage() -> str:
@@ -223,13 +243,21 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"OUT {str(out)!r} exists and is not empty: pick another path, or pass "
                           "--force to replace it")
+    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # checked before the (long) checkpoint load
+        raise ExportError(f"OUT {str(out)!r} cannot be created: {str(blocked)!r} is a file, not a "
+                          "directory; pick an OUT path whose parents are directories")
     loaded = load_run(run_dir, tokenizer_file, log=log)
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{os.getpid()}"  # mkdir: the umask's permissions
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError as exc:  # a read-only or permission-denied parent
+        raise ExportError(f"OUT {str(out)!r} cannot be created ({exc.strerror or exc}: "
+                          f"{exc.filename}): pick a writable directory path") from None
     try:
         info = save_hf(loaded.model, loaded.tokenizer, staging)
         if verify:
