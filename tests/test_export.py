@@ -4,6 +4,7 @@ with transformers' Auto classes offline, logits compared with largebatch's own f
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -61,7 +62,16 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf-gpt"
-    assert export(gpt_run, out) == 0
+    records = []  # transformers' own warnings (its "transformers" logger does not propagate)
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        assert export(gpt_run, out) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    # the check reads its sentence (longer than the context) truncated: no warning about its length
+    assert not [r for r in records if "sequence length" in r.getMessage()], records
     printed = capsys.readouterr().out
     assert "GPT2LMHeadModel" in printed and "logits match" in printed
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
@@ -76,6 +86,8 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path
     tok = AutoTokenizer.from_pretrained(out)
     assert tok(TEXT)["input_ids"] == ours_ids  # same ids, nothing added
     assert tok.decode(ours_ids) == TEXT and tok.eos_token == "<|endoftext|>"
+    # truncation=True cuts at the model's context
+    assert tok.model_max_length == 48 and len(tok(TEXT * 4, truncation=True)["input_ids"]) == 48
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "GPT2LMHeadModel"
     idx = torch.tensor([ours_ids[:48]])
@@ -176,6 +188,8 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert tok(TEXT)["input_ids"] == [cls, *bare, sep]
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == bare
     assert tok.mask_token_id == run.tokenizer.token_to_id("[MASK]")
+    cut = tok(TEXT * 4, truncation=True)["input_ids"]  # the context, [CLS] and [SEP] included
+    assert tok.model_max_length == 48 and len(cut) == 48 and (cut[0], cut[-1]) == (cls, sep)
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "BertForMaskedLM" and hf.config.hidden_act == "gelu"
     ids = [cls, *bare[:46], sep]

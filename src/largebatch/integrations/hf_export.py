@@ -181,8 +181,9 @@ def hf_model(model, special: dict[str, int]):
     return hf.float().eval()
 
 
-def hf_tokenizer(tokenizer, kind: str):
-    """The run's ``tokenizers.Tokenizer`` as a transformers fast tokenizer with its special tokens."""
+def hf_tokenizer(tokenizer, kind: str, max_length: int):
+    """The run's ``tokenizers.Tokenizer`` as a transformers fast tokenizer with its special tokens;
+    ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -194,7 +195,8 @@ def hf_tokenizer(tokenizer, kind: str):
         if ids[PAD] is not None:
             special["pad_token"] = PAD
         return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"],
-                                       clean_up_tokenization_spaces=False, **special)
+                                       model_max_length=max_length, clean_up_tokenization_spaces=False,
+                                       **special)
     missing = [t for t in (PAD, CLS, SEP, MASK) if ids[t] is None]
     if missing:
         raise ExportError(f"the run's tokenizer has no {', '.join(missing)} token, which a "
@@ -204,7 +206,7 @@ def hf_tokenizer(tokenizer, kind: str):
         special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, cls_token=CLS, sep_token=SEP, pad_token=PAD, mask_token=MASK,
-        unk_token=EOT if ids[EOT] is not None else None,
+        unk_token=EOT if ids[EOT] is not None else None, model_max_length=max_length,
         model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False)
 
 
@@ -222,7 +224,7 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:
-        hf_tokenizer(tokenizer, cfg.kind).save_pretrained(out)
+        hf_tokenizer(tokenizer, cfg.kind, cfg.seq_len).save_pretrained(out)
     if not (out / "model.safetensors").is_file():
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")
     return {"architecture": arch, "vocab_size": cfg.vocab_size,
@@ -246,7 +248,7 @@ def verify_hf(model, tokenizer, out: str | Path, text: str = VERIFY_TEXT,
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
-        ids = AutoTokenizer.from_pretrained(str(out))(text)["input_ids"][:cfg.seq_len]
+        ids = AutoTokenizer.from_pretrained(str(out))(text, truncation=True)["input_ids"][:cfg.seq_len]
     else:
         ids = list(range(min(cfg.seq_len, cfg.vocab_size, 32)))
     idx = torch.tensor([ids], dtype=torch.long)
