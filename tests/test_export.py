@@ -86,10 +86,12 @@ def test_gpt_export_loads_in_transformers_with_the_same_logits(gpt_run, tmp_path
     tok = AutoTokenizer.from_pretrained(out)
     assert tok(TEXT)["input_ids"] == ours_ids  # same ids, nothing added
     assert tok.decode(ours_ids) == TEXT and tok.eos_token == "<|endoftext|>"
-    # truncation=True cuts at the model's context
+    # truncation=True cuts at the model's context; the pad token is the config's pad_token_id
     assert tok.model_max_length == 48 and len(tok(TEXT * 4, truncation=True)["input_ids"]) == 48
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "GPT2LMHeadModel"
+    assert tok.pad_token == "[PAD]" and hf.config.pad_token_id == tok.pad_token_id == 1
+    assert hf.generation_config.pad_token_id == 1
     idx = torch.tensor([ours_ids[:48]])
     with torch.no_grad():
         ours, theirs = run.model(idx)[0], hf(input_ids=idx).logits
@@ -192,6 +194,7 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert tok.model_max_length == 48 and len(cut) == 48 and (cut[0], cut[-1]) == (cls, sep)
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "BertForMaskedLM" and hf.config.hidden_act == "gelu"
+    assert hf.config.pad_token_id == tok.pad_token_id == run.tokenizer.token_to_id("[PAD]")
     ids = [cls, *bare[:46], sep]
     ids[5] = tok.mask_token_id
     idx = torch.tensor([ids])

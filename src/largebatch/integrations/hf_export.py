@@ -80,7 +80,7 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                           resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
                           layer_norm_epsilon=cfg.norm_eps, scale_attn_weights=True,
                           scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                          bos_token_id=eot, eos_token_id=eot, **common)
+                          bos_token_id=eot, eos_token_id=eot, pad_token_id=special.get(PAD), **common)
     return BertConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
                       num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn,
                       hidden_act=HF_ACTIVATION[cfg.activation],
