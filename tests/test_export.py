@@ -282,3 +282,24 @@ def test_missing_transformers_names_the_extra(gpt_run, tmp_path):
     assert result.stderr.strip().splitlines() == [
         ("largebatch export: error: export --format hf needs 'transformers', part of the [hf] "
          "extra: pip install 'largebatch[hf]'")]
+
+
+def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):
+    """A tokenizer without [PAD] (one passed with --tokenizer) exports no pad token and
+    pad_token_id null, as GPT-2: no pad token the model has no row for."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tokenizer.token_to_id("[PAD]") is None and tokenizer.get_vocab_size() <= 400
+    file = tmp_path / "no-pad.json"
+    tokenizer.save(str(file))
+    out = tmp_path / "hf"
+    assert export(gpt_run, out, "--tokenizer", str(file), "--no-verify") == 0
+    tok, config = AutoTokenizer.from_pretrained(out), AutoConfig.from_pretrained(out)
+    assert tok.pad_token is None and config.pad_token_id is None
+    assert tok.eos_token_id == config.eos_token_id == 0
