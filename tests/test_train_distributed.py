@@ -115,6 +115,33 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
 
 
+def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never_a_rollback(single, tmp_path):
+    """A one-process .pt checkpoint continues exactly on pp=2 (each stage takes its parameters' state
+    by name) and on tp=2; on dp=2, which cannot keep the run's batches, the intact checkpoint is
+    refused in one line, never passed over for an older one as if damaged."""
+    cache, _ = single
+    untied = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
+    ref = tmp_path / "ref"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **untied)), ref, log=lambda *_: None).fit()
+    out = tmp_path / "pp"
+    o = _overrides(cache, out, **untied, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+    Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
+    assert len(list((out / "checkpoints").glob("step_*.pt"))) >= 2
+    _torchrun(_overrides(cache, out, **untied, **{"parallel.pp": 2}))  # the same command continues it
+    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-6, abs=1e-6)
+    assert _val(out) == pytest.approx(_val(ref), abs=1e-6)
+    misfit = tmp_path / "dp"
+    o = _overrides(cache, misfit, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+    Trainer(load_config(resolve_config(None), o), misfit, log=lambda *_: None).fit()
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in _overrides(cache, misfit).items()]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "cannot resume from" in proc.stderr and "step_00000005.pt (intact" in proc.stderr
+    assert "data-parallel degree that divides 1" in proc.stderr and "damaged" not in proc.stderr
+    assert len(_losses(misfit)) == 5  # nothing trained, nothing rolled back
+
+
 def _rank_pid(rank: int, parent: int) -> int | None:
     """The pid of torchrun's worker with RANK=rank (read from /proc, a real process)."""
     for entry in Path("/proc").iterdir():

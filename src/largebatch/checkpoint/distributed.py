@@ -10,6 +10,9 @@ sharding). Under pipeline parallel each rank saves the parameters of its stages 
 one-process names; the optimizer state is flattened to one entry per parameter (torchtitan's
 ``flatten_optimizer_state_dict``: each stage's hyperparameters are saved with its own parameters,
 not once as rank 0's param_groups), so a checkpoint written on pp = 2 loads on pp = 1 or another pp.
+A one-process ``.pt`` checkpoint loads onto any mesh too (:func:`load_full_state`): its full tensors
+are sharded as the parameters are now, and its optimizer state is matched to the parameters by the
+names its groups keep (largebatch.optim.param_groups).
 
 Crash safety, as the single-process checkpoints of largebatch.checkpoint.local: every rank writes
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
@@ -204,5 +207,55 @@ def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         dcp.load(target, checkpoint_id=path)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                        options=options)
-    # weights_only=False: extra.pt holds RNG states and config dicts written by this run's rank 0
-    return torch.load(path / EXTRA, map_location="cpu", weights_only=False)
+    try:  # weights_only=False: extra.pt holds RNG states and config dicts written by this run's rank 0
+        return torch.load(path / EXTRA, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 -- a missing or damaged file: unpickling raises about anything
+        first = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"could not read checkpoint {path}: its {EXTRA} is missing or damaged "
+                              f"({type(exc).__name__}{': ' + first if first else ''})") from None
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                    optim_state: dict[str, Any]) -> None:
+    """A one-process checkpoint's full model and optimizer state dicts put into ``model`` and
+    ``optimizer`` as they are sharded NOW (FSDP, tensor parallel, this rank's pipeline stages): the
+    templates DCP would fill (see _load) are filled from the full tensors instead, each rank cutting
+    its own shard (no communication), and the optimizer's integer parameter ids are matched to the
+    parameter names its groups keep (``names``, largebatch.optim.param_groups)."""
+    module = unwrap(model)
+    full: dict[str, Any] = {f"model.{key}": value for key, value in model_state.items()}
+    for index, group in enumerate(optim_state["param_groups"]):
+        names = group.get("names")
+        if names is None or len(names) != len(group["params"]):
+            raise ValueError(f"the optimizer state's param_groups[{index}] has no parameter names, so it "
+                             "cannot be matched to a sharded model: resume it on one process")
+        for param_id, name in zip(group["params"], names):
+            for key, value in optim_state["state"].get(param_id, {}).items():
+                full[f"optim.state.{name}.{key}"] = value
+            for key, value in group.items():
+                if key != "params":
+                    full[f"optim.param_groups.{name}.{key}"] = value
+    model_template, optim_template = get_state_dict(module, optimizer, options=FLAT)
+    for prefix, template in (("model.", model_template), ("optim.", optim_template)):
+        for key, like in template.items():
+            if prefix + key not in full:
+                raise ValueError(f"the checkpoint has no {key!r} for this model: resume it with the "
+                                 "model and optimizer that wrote it")
+            template[key] = _shard_like(full[prefix + key], like)
+    set_state_dict(module, optimizer, model_state_dict=model_template, optim_state_dict=optim_template,
+                   options=FLAT)
+
+
+def _shard_like(value: Any, like: Any) -> Any:
+    """``value`` (a full tensor, or a Python value) placed as ``like`` is: this rank's shard of a
+    DTensor, cut locally from the full tensor every rank holds."""
+    if not isinstance(value, torch.Tensor) or not isinstance(like, torch.Tensor):
+        return value
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor):
+        if tuple(value.shape) != tuple(like.shape):
+            raise ValueError(f"a saved tensor of shape {tuple(value.shape)} where the model has {tuple(like.shape)}")
+        return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    return value.to(like.device)

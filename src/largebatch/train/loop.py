@@ -49,6 +49,7 @@ from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model, model_spec
 from largebatch.models.flops import flops_per_token, measure_peak_flops
+from largebatch.optim.core import is_dtensor
 from largebatch.parallel import (
     clip_grad_norm_,
     global_grad_norm,
@@ -215,11 +216,15 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             try:
                 self._load(ckpt)  # a later, whole load overwrites whatever a failed one half-set
                 return ckpt
-            except Exception as exc:  # noqa: BLE001 -- damaged in any way: try the one before
+            except (CheckpointError, FileNotFoundError) as exc:  # unreadable: try the one before
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 reasons.append(f"{ckpt.name}: {reason}")
                 self.log(f"warning: checkpoint {ckpt} is damaged ({reason}); falling back to the "
                          f"one before it")
+            except Exception as exc:  # noqa: BLE001 -- read whole but does not fit: never an older one
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ValueError(f"cannot resume from {ckpt} (intact, so no older checkpoint is "
+                                 f"used instead): {reason}") from exc
         raise CheckpointError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} "
                               f"({'; '.join(reasons)}); start a new run instead")
 
@@ -229,16 +234,23 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
 
             extra = load_distributed(path, self.model, self.optimizer, self.par)
         else:
-            extra = load_checkpoint(path)
-            self.raw_model.load_state_dict(extra["model"])
-            self.optimizer.load_state_dict(extra["optimizer"])
+            extra = load_checkpoint(path)  # CheckpointError when unreadable
+            if self.pipeline is not None or any(is_dtensor(p) for p in self.raw_model.parameters()):
+                from largebatch.checkpoint.distributed import load_full_state  # DCP: on use
+
+                load_full_state(self.model, self.optimizer, extra["model"], extra["optimizer"])
+            else:
+                self.raw_model.load_state_dict(extra["model"])
+                self.optimizer.load_state_dict(extra["optimizer"])
         saved_dp = extra["schedule"].get("config", {}).get("dp_size", self.par.dp_size)
         if saved_dp != self.par.dp_size:
             # another number of replicas: keep the run's batch granularity (micro_batch x old dp),
             # which the new dp must divide, so every step's batch is the one the run would take
             if saved_dp % self.par.dp_size:
-                raise ValueError(f"checkpoint {path} was written with {saved_dp} data-parallel "
-                                 f"replicas; resume on a number that divides {saved_dp}")
+                raise ValueError(f"it was written with {saved_dp} data-parallel replica(s) and this run "
+                                 f"has {self.par.dp_size}: the run's batches are multiples of {saved_dp} "
+                                 f"sequences, so resume with a data-parallel degree that divides {saved_dp} "
+                                 "(the other processes as parallel.tp or parallel.pp)")
             self.schedule_dp = saved_dp
         self.pos = Progression(**extra["progress"])
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
