@@ -141,6 +141,27 @@ def test_state_estimate_is_the_real_model_and_optimizer(tmp_path):
         assert 0 < est.available
 
 
+def test_state_estimate_counts_one_pipeline_rank_and_one_fsdp_shard(monkeypatch):
+    """Under parallel.pp = 2 a rank holds half the layers (the first stage: also the embeddings), and
+    FSDP over 2 ranks half of everything: counted from the real model's named parameters."""
+    from largebatch.models import build_model
+    from largebatch.train.preflight import estimate_state
+
+    base = {"model.n_layer": 4, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 16,
+            "model.tie_embeddings": False, "data.vocab_size": 512, "optim.name": "lamb"}
+    model = build_model(load_config(None, base).model.replace(vocab_size=512))
+    first_stage = sum(p.numel() for name, p in model.named_parameters()
+                      if name.startswith(("tok_emb.", "pos_emb.", "blocks.0.", "blocks.1.")))
+    whole = sum(p.numel() for p in model.parameters())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert estimate_state(load_config(None, {**base, "parallel.pp": 2})).parameters == first_stage
+    split = load_config(None, {**base, "parallel.pp": 2, "parallel.pp_split": [3]})
+    assert estimate_state(split).parameters > first_stage  # 3 layers on one rank (an upper bound)
+    fsdp = estimate_state(load_config(None, {**base, "parallel.dp_mode": "fsdp"}))
+    assert fsdp.parameters == whole / 2
+    assert estimate_state(load_config(None, base)).parameters == whole  # DDP replicates
+
+
 def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)

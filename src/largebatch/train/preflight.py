@@ -158,12 +158,34 @@ def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
 
 
 def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
-    """fp32 parameters + gradients + optimizer state of one process, from the config alone."""
-    model = cfg.model.replace(vocab_size=check_model_vocab(cfg, vocab_size))  # the trainer's vocabulary
-    n = stage_parameters(model, tp=cfg.parallel.tp)
+    """fp32 parameters + gradients + optimizer state of one process, from the config alone: its
+    tensor-parallel share of its pipeline stages (the rank with the most layers, and the embedding),
+    divided over the FSDP shard group."""
+    par = cfg.parallel
+    layers = rank_layers(cfg.model.n_layer, par)
+    model = cfg.model.replace(vocab_size=check_model_vocab(cfg, vocab_size),  # the trainer's vocabulary
+                              n_layer=layers * par.pp)  # stage_parameters counts n_layer // pp
+    n = stage_parameters(model, tp=par.tp, pp=par.pp)
+    if par.dp_mode != "ddp":
+        try:
+            from largebatch.parallel.mesh import replica_sizes, resolve_sizes
+
+            n /= replica_sizes(par, resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))[1])[1]
+        except ValueError:  # a layout that does not fit the launch: refused with its own message later
+            pass
     per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
     available, source = _available_bytes(cfg)
     return StateEstimate(n, n * per_parameter, available, source)
+
+
+def rank_layers(n_layer: int, par) -> int:
+    """The most transformer layers one pipeline rank holds: its pp_virtual_stages stages, each of
+    n_layer / (pp x V) layers, or the largest of the parallel.pp_split stages (an upper bound)."""
+    stages = par.pp * par.pp_virtual_stages
+    if par.pp_split:
+        bounds = [0, *par.pp_split, n_layer]
+        return min(n_layer, max(b - a for a, b in zip(bounds, bounds[1:])) * par.pp_virtual_stages)
+    return max(1, n_layer // stages) * par.pp_virtual_stages
 
 
 def _available_bytes(cfg: TrainConfig) -> tuple[float, str]:
@@ -204,7 +226,8 @@ def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstima
             f"{vocab_size or cfg.data.vocab_size}): {est.parameters:.3g} parameters per process need "
             f"{est.bytes / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state, "
             f"more than the {est.available / GIB:,.1f} GiB available ({est.source}); lower "
-            f"model.n_layer or model.n_embd, or split the model with parallel.tp")
+            f"model.n_layer or model.n_embd, or split the model (parallel.tp, parallel.pp, or "
+            f"parallel.dp_mode = 'fsdp')")
     return est
 
 
