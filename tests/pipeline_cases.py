@@ -111,6 +111,28 @@ def run_all(out_dir: str, cache: str) -> None:
     train(overrides(cache, str(out / "dp2-ddp")), out / "dp2-ddp")
     pp = {"parallel.pp": 2, "parallel.pp_split": [1]}
     stop_then_resume(overrides(cache, str(out / "resume"), **pp), out / "resume", out / "resume-on-one")
+    record_dropout_masks(overrides(cache, str(out / "dropout"), **{
+        "parallel.pp": 2, "model.dropout": 0.5, "run.total_tokens": 256, "run.eval_tokens": 64}), out)
+
+
+def record_dropout_masks(o: dict, out: Path) -> None:
+    """The kept-element masks of the dropout modules in this rank's stage whose input has no zero
+    (embedding and residual dropout), from the first training forward (saved as
+    dropout-masks-rank{r}.pt: name -> bool tensor)."""
+    trainer = Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lambda *_: None)
+    masks: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            if module.training and name not in masks and bool((inputs[0] != 0).all()):  # dense inputs:
+                masks[name] = (output != 0).cpu()  # (not attention probabilities, zero past the causal mask)
+        return record
+
+    for name, module in trainer.raw_model.named_modules():
+        if type(module).__name__ == "Dropout":  # largebatch.models.layers.Dropout (1-byte masks)
+            module.register_forward_hook(hook(name))
+    trainer.fit()
+    torch.save(masks, out / f"dropout-masks-rank{dist.get_rank()}.pt")
 
 
 FOUR_RANK_CASES = {  # name: (dp, layout)

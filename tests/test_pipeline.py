@@ -219,3 +219,20 @@ def test_an_uneven_split_list_runs_where_pp_does_not_divide_the_layers(monkeypat
     from largebatch.parallel.pipeline import stage_layers
 
     assert stage_layers(3, 2, 1, cfg.parallel.pp_split) == [range(0, 1), range(1, 3)]
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks(runs):
+    """With one RNG stream per data-parallel replica, both stages started from the same state, so the
+    second stage's dropout masks repeated the first stage's element for element (the embedding's
+    in a later attention). Each stage now has its own stream: no mask of one stage equals a mask
+    of the same shape in the other (two independent p = 0.5 masks agree on about half the elements)."""
+    import torch
+
+    _, out = runs
+    first, second = (torch.load(out / f"dropout-masks-rank{r}.pt") for r in (0, 1))
+    assert first and second
+    pairs = [(a, b) for a in first.values() for b in second.values() if a.shape == b.shape]
+    assert pairs
+    for a, b in pairs:
+        assert 0.3 < a.float().mean() < 0.7  # p = 0.5 is active
+        assert (a == b).float().mean() < 0.7

@@ -254,13 +254,16 @@ def seed_ranks(seed: int, state: ParallelState) -> int:
 
     Data-parallel replicas get different streams (seed + 1000003 * dp_rank; dp rank 0 keeps ``seed``
     so dp = 1 reproduces the single-process run), or every replica would drop the same units on
-    different samples. The tensor-parallel ranks of a replica share one stream: dropout in the
+    different samples. So do pipeline ranks (+ 10007 * pp_rank, as Megatron and torchtitan offset the
+    seed per stage): with one stream each stage would start from the same state, and a later stage's
+    layers would reuse the first stage's masks element for element (the embedding dropout's mask in
+    a later stage's attention). The tensor-parallel ranks of a replica share one stream: dropout in the
     replicated regions (tensor parallel without SP) must draw identical masks there. Known
     simplification: the shards of attention-probability dropout and of sequence-parallel regions
     then draw identical mask patterns on different heads / positions (Megatron forks a separate
     model-parallel RNG for those). Returns the seed used.
     """
-    rank_seed = seed + 1_000_003 * state.dp_rank
+    rank_seed = seed + 1_000_003 * state.dp_rank + 10_007 * state.pp_rank
     torch.manual_seed(rank_seed)
     return rank_seed
 

@@ -160,7 +160,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.model = (self.pipeline.model if self.pipeline else
                           parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
-        seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica
+        seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
                                                          capturable=run.on_nonfinite == "skip"), self.par)
         self.schedule_dp = self.par.dp_size  # the batch granularity's replica count (see _load)
