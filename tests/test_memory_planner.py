@@ -179,3 +179,25 @@ def test_estimates_and_plans_follow_the_pipeline_schedule(schedule, virtual, m, 
     assert plan is not None and f"Cheapest recomputation that fits 80 GiB:\n  {plan.describe()}" in out
     if schedule == "gpipe" and m == 64:  # 8 L layers' worth: most layers recomputed in full
         assert plan.policies.count("full") > plan.policies.count("selective") > 0
+
+
+def test_pipeline_layouts_the_interleaved_default_does_not_fit(capsys, tmp_path):
+    """The default V = 2 of the interleaved rows is not the user's choice: gpt2-small (12 layers) on
+    pp = 4 has 3 layers a stage, so those rows are left out with a note, not the whole command;
+    asking for an interleaved schedule with that V is still an error. A config with uneven stages
+    (pp_split) is planned at its largest stage."""
+    assert main(["--model", "gpt2-small", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved rows left out: V = 2 does not divide the 3 layers per stage" in out
+    assert re.search(r"^\s+1f1b\s", out, re.M) and not re.search(r"^\s+interleaved-1f1b\s", out, re.M)
+    assert main(["--model", "gpt2-small", "--pp", "4", "--pp-schedule", "1f1b"]) == 0
+    capsys.readouterr()
+    assert main(["--model", "gpt2-small", "--pp", "4", "--pp-schedule", "interleaved-1f1b"]) == 2
+    assert "--pp-virtual-stages 2: must be a positive divisor of the 3 layers" in capsys.readouterr().err
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nn_layer = 3\nn_embd = 64\nn_head = 2\nseq_len = 32\ntie_embeddings = false\n'
+                      '[parallel]\npp = 2\npp_split = [1]\n')
+    assert main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "pp_split = [1]: uneven stages, planned as 2 stages of the largest rank's 2 layers" in out
+    assert " L=4, " in out  # the table of 2 x 2 layers

@@ -144,6 +144,13 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     if args.dp == 1:  # the ranks the state is sharded over: under HSDP one replica group's
         args.dp = (par.get("dp", 0) or 1) // (par.get("dp_replicate", 1) if par.get("dp_mode") == "fsdp" else 1)
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
+    split = par.get("pp_split")
+    if split and args.pp > 1:  # uneven stages: planned as p stages of the largest (an upper bound)
+        bounds = [0, *split, config.n_layer]
+        largest = max(b - a for a, b in zip(bounds, bounds[1:])) * max(1, len(bounds) - 1) // args.pp
+        args.notes.append(f"parallel.pp_split = {split}: uneven stages, planned as {args.pp} stages of "
+                          f"the largest rank's {largest} layers (an upper bound)")
+        config = config.replace(n_layer=largest * args.pp)
     if args.phase is not None:
         config = _phase(args, tree, config, explicit_micro_batch)
     return config
@@ -201,9 +208,16 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
     p, L = setup.pp, config.n_layer
     if L % p:
         raise ValueError(f"pp={p}: must divide n_layer={L} (each stage holds L/p layers); choose a divisor of {L}")
-    if virtual < 1 or (L // p) % virtual:
+    if virtual < 1:
         raise ValueError(f"--pp-virtual-stages {virtual}: must be a positive divisor of the {L // p} layers "
-                         f"per stage")
+                         "per stage")
+    skipped = []
+    if (L // p) % virtual:  # the interleaved rows cannot be cut so; the other schedules do not need V
+        if schedule.startswith("interleaved"):
+            raise ValueError(f"--pp-virtual-stages {virtual}: must be a positive divisor of the {L // p} layers "
+                             "per stage")
+        skipped = [f"  (interleaved rows left out: V = {virtual} does not divide the {L // p} layers per stage; "
+                   "--pp-virtual-stages sets V)"]
     if schedule == "zbv" and (L // p) % 2:
         raise ValueError(f"--pp-schedule zbv: holds 2 stages per rank, but the {L // p} layers per rank are odd")
     rows = [("1f1b", 1, f"p micro-batches x L/p = {L}"),
@@ -211,11 +225,13 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
             ("gpipe", 1, f"m L/p, m = {m}"),
             ("interleaved-zb", virtual, f"walk: kept until W, V = {virtual}"),
             ("zbv", 2, "walk: kept until W, V = 2, + output layer")]
-    rows = [r for r in rows if schedule in ("all", r[0]) and not (r[0] == "zbv" and (L // p) % 2)]
+    rows = [r for r in rows if schedule in ("all", r[0]) and not (r[0] == "zbv" and (L // p) % 2)
+            and not (skipped and r[0].startswith("interleaved"))]
     kw = dict(tp=setup.tp, sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes)
     lines = ["", f"First pipeline stage, p = {p}, m = {m}, no recompute (Korthikanti et al. 2022 §4.2.3);",
              "bubble: the idle share of torch's action lists, a forward, input- and weight-gradient 1 slot each:",
-             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  {'bubble':>6}  {'measured':>8}  rule"]
+             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  {'bubble':>6}  {'measured':>8}  rule",
+             *skipped]
     for name, v, rule in rows:
         try:
             walked = walk(name, p, v, m)
@@ -261,6 +277,7 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.notes = []
     try:
         if args.budget_gib is not None and args.budget_gib <= 0:
             raise ValueError(f"--budget-gib {args.budget_gib:g}: must be > 0 (memory per device in GiB, "
@@ -283,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                       hf_activation=hf_activation(args.hf_config) if eager else None)
         if args.budget_gib is not None:
             check_plannable(config, setup)
-        lines = paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)
+        lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
         if args.hf_config:
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
