@@ -162,6 +162,20 @@ def test_state_estimate_counts_one_pipeline_rank_and_one_fsdp_shard(monkeypatch)
     assert estimate_state(load_config(None, base)).parameters == whole  # DDP replicates
 
 
+def test_train_check_under_torchrun_reports_once(paths, capsys, monkeypatch):
+    """Every rank of `torchrun ... train --check` runs the checks; only rank 0 prints its line."""
+    monkeypatch.chdir(paths)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    outputs = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64",
+                                  "--run.out_dir=runs/shared"], capsys)
+        assert code == 0, err
+        outputs[rank] = out
+    assert outputs["0"].startswith("ok: ") and outputs["1"] == ""
+
+
 def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             check_run_dir(run_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides)
-            run_dir = Path(cfg.run.out_dir.format(time=_launch_time(), kind=cfg.model.kind))
+            stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
+            run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
             check_run_dir(run_dir)
         state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
         if resume_dir is None:
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if check_only:
         from largebatch.train.progress import human_bytes, human_count
 
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank checks; one reports
+            return 0
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
               f"gradients and {cfg.optim.name} state per process, {human_bytes(state.available)} "
