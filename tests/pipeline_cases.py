@@ -162,3 +162,19 @@ def run_four_ranks(out_dir: str, cache: str) -> None:
         "state_bytes": optimizer_state_bytes(hsdp.optimizer), "describe": par.describe(),
         "sizes": [par.dp_replicate_size, par.dp_shard_size, par.dp_size],
         "placements": sorted({str(p.placements) for p in hsdp.raw_model.parameters()})}))
+    record_forward_dtypes(overrides(cache, str(out / "pp2-dp2-fsdp-bf16"), **{
+        **FOUR_RANK_CASES["pp2-dp2-fsdp"][1], "run.dtype": "bf16", "run.total_tokens": 1024}), out)
+
+
+def record_forward_dtypes(o: dict, out: Path) -> None:
+    """The dtype of the attention q weight each block's forward sees on this rank (FSDP2's
+    mixed-precision policy casts the gathered parameters), saved as forward_dtypes_rank{r}.json."""
+    trainer = Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lambda *_: None)
+    seen: set[str] = set()
+    for name, module in trainer.raw_model.named_modules():
+        if name.endswith("attn.q"):
+            module.register_forward_pre_hook(lambda mod, args: seen.add(str(mod.weight.dtype)))
+    trainer.fit()
+    sharded = sorted({str(p.dtype) for p in trainer.raw_model.parameters()})
+    (out / f"forward_dtypes_rank{dist.get_rank()}.json").write_text(json.dumps(
+        {"forward": sorted(seen), "sharded": sharded}))

@@ -6,6 +6,7 @@ schedule, across a Seesaw batch change). Bad layouts are refused in one line bef
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -108,6 +109,20 @@ def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
     for name in ("pp2-tp2-sp", "pp2-tp2-loss-parallel"):
         _assert_same_noise_scale(out / name, out / "one-gpt-lamb")
     assert all(r["noise_scale"] is None for r in _train_records(out / "pp2-dp2-fsdp"))  # FSDP2 replicas: none
+
+
+def test_bf16_pipeline_stages_under_fsdp_gather_bf16_parameters(four_ranks):
+    """run.dtype = bf16 with FSDP2 per stage: every stage's forward sees bf16 parameters (the
+    mixed-precision policy, as FSDP without stages), the sharded ones stay fp32, and the losses are
+    the fp32 run's to bf16 accuracy."""
+    _, out = four_ranks
+    for rank in range(4):
+        dtypes = json.loads((out / f"forward_dtypes_rank{rank}.json").read_text())
+        assert dtypes == {"forward": ["torch.bfloat16"], "sharded": ["torch.float32"]}, (rank, dtypes)
+    ours = [r["loss"] for r in _train_records(out / "pp2-dp2-fsdp-bf16")]
+    fp32 = [r["loss"] for r in _train_records(out / "pp2-dp2-fsdp")]
+    assert len(ours) >= 2 and all(math.isfinite(x) for x in ours)
+    assert ours[0] == pytest.approx(fp32[0], rel=2e-3)  # the same model and batch (later LRs follow the budget)
 
 
 def test_pp2_x_dp2_ddp_stopped_and_resumed_equals_one_process_and_resumes_on_one(four_ranks):

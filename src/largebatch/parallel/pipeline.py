@@ -362,13 +362,15 @@ def _whole(loss: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="none",
-                         compile: bool = False, init_log: InitLog | None = None) -> Pipeline:
+                         compile: bool = False, init_log: InitLog | None = None,
+                         param_dtype: torch.dtype | None = None) -> Pipeline:
     """Cut ``model`` (identical on every rank) into this rank's stages; then tensor/sequence parallel,
     recomputation, compile and data parallel (FSDP2 over "dp") per stage, as ``parallelize`` orders them.
 
     With ``init_log`` (``model`` built by ``build_on_meta``) the cut and parallelized stages are then
     materialised on ``state.device``: only this rank's parameters are ever allocated, with the
-    one-process values."""
+    one-process values. ``param_dtype`` (bf16 runs): FSDP2's mixed-precision policy per stage, as
+    ``parallelize`` sets it (largebatch.parallel.parallelize.apply_fsdp)."""
     n_stages = state.pp_size * state.pp_virtual_stages
     layers = stage_layers(len(model.blocks), state.pp_size, state.pp_virtual_stages, state.pp_split)
     mine = rank_stages(state.pp_rank, state.pp_size, state.pp_virtual_stages, state.pp_schedule)
@@ -385,7 +387,7 @@ def pipeline_parallelize(model: nn.Module, state: ParallelState, *, recompute="n
     for index in mine:
         module = StageModule(model, layers[index], index == 0, index == n_stages - 1)
         if state.dp_size > 1 and state.dp_mode == "fsdp":  # ddp: Pipeline.replicas, after the step
-            module = apply_fsdp(module, state.dp_mesh)
+            module = apply_fsdp(module, state.dp_mesh, param_dtype)
         modules.append(module)
     if init_log is not None:  # before the stages and the replicas' parameter list see the tensors
         materialize(model, init_log, state.device)

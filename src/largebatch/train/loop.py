@@ -146,7 +146,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             model, init_log = build_on_meta(lambda: build_model(cfg.model))
             self.n_params = model.num_params()
             if self.par.pp_size > 1:  # cut to this rank's stages on meta, then materialised
-                self.pipeline = pipeline_parallelize(model, self.par, **techniques, init_log=init_log)
+                self.pipeline = pipeline_parallelize(model, self.par, **techniques, init_log=init_log,
+                                                     param_dtype=param_dtype)
                 self.model = self.pipeline.model
             else:
                 self.pipeline, self.model = None, parallelize(model, self.par, **techniques, param_dtype=param_dtype)
@@ -156,7 +157,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             if not resume:  # a fresh start from model.init_from's weights; a resume loads its checkpoint
                 init_from_pretrained(model)
             self.n_params = model.num_params()
-            self.pipeline = pipeline_parallelize(model, self.par, **techniques) if self.par.pp_size > 1 else None
+            self.pipeline = (pipeline_parallelize(model, self.par, **techniques, param_dtype=param_dtype)
+                             if self.par.pp_size > 1 else None)
             self.model = (self.pipeline.model if self.pipeline else
                           parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
