@@ -204,3 +204,63 @@ def test_bad_input():
     optimizer.step()
     with pytest.raises(ValueError, match=r"step\(tokens=-5\)"):
         scheduler.step(tokens=-5)
+
+
+def test_loaded_state_is_a_copy_and_needs_no_optimizer_state():
+    """A scheduler state loaded without the optimizer's follows the clock; the saved state, the
+    scheduler it came from and the one that loaded it never share a list."""
+    def fresh():
+        optimizer = two_groups()
+        return optimizer, TokenLR(optimizer, Cosine(PEAK, TOTAL, WARMUP, FRACTION), TOKENS_PER_STEP)
+
+    optimizer, scheduler = fresh()
+    run(scheduler, optimizer, 30)
+    state = scheduler.state_dict()
+    snapshot = (list(state["_others"]), list(state["_written"]), list(state["base_lrs"]))
+    other_optimizer, other = fresh()  # its optimizer starts at the warmup's LR of 0
+    other.load_state_dict(state)
+    lrs = run(other, other_optimizer, 5)[1:] + [[g["lr"] for g in other_optimizer.param_groups]]
+    for k, (lr, lr_tenth) in enumerate(lrs, start=31):
+        assert lr == pytest.approx(cosine_ref(k * TOKENS_PER_STEP), rel=1e-12), k
+        assert lr_tenth == pytest.approx(0.1 * cosine_ref(k * TOKENS_PER_STEP), rel=1e-12), k
+    # The original goes on undisturbed, and the snapshot it gave does not change with either.
+    for k, (lr, _) in enumerate(run(scheduler, optimizer, 10), start=30):
+        assert lr == pytest.approx(cosine_ref(k * TOKENS_PER_STEP), rel=1e-12), k
+    assert (state["_others"], state["_written"], state["base_lrs"]) == snapshot
+    assert other._others is not scheduler._others and other._written is not scheduler._written
+
+
+def test_chained_resume_keeps_the_other_schedulers_factor():
+    """Optimizer and both schedulers of a chain saved mid-run and loaded into fresh ones: the LR
+    goes on as cosine x gamma^k, as if never stopped."""
+    gamma = 0.97
+
+    def fresh():
+        optimizer = two_groups()
+        token_lr = TokenLR(optimizer, Cosine(PEAK, TOTAL, WARMUP, FRACTION), TOKENS_PER_STEP)
+        exponential = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
+        return optimizer, token_lr, exponential
+
+    optimizer, token_lr, exponential = fresh()
+    run(torch.optim.lr_scheduler.ChainedScheduler([token_lr, exponential]), optimizer, 50)
+    saved = (optimizer.state_dict(), token_lr.state_dict(), exponential.state_dict())
+    optimizer, token_lr, exponential = fresh()
+    optimizer.load_state_dict(saved[0])
+    token_lr.load_state_dict(saved[1])
+    exponential.load_state_dict(saved[2])
+    chained = torch.optim.lr_scheduler.ChainedScheduler([token_lr, exponential])
+    for k, (lr, lr_tenth) in enumerate(run(chained, optimizer, 20), start=50):
+        expected = cosine_ref(k * TOKENS_PER_STEP) * gamma**k
+        assert lr == pytest.approx(expected, rel=1e-9), k
+        assert lr_tenth == pytest.approx(0.1 * expected, rel=1e-9), k
+
+
+def test_a_group_set_to_zero_by_hand_returns_to_the_schedule():
+    optimizer = two_groups()
+    scheduler = TokenLR(optimizer, Cosine(PEAK, TOTAL, WARMUP, FRACTION), TOKENS_PER_STEP)
+    run(scheduler, optimizer, 40)
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine_ref(41 * TOKENS_PER_STEP),
+                                                            rel=1e-12)

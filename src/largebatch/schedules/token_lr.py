@@ -20,17 +20,21 @@ joint schedule (``Seesaw`` ...; its ``lr``). ``others_g`` is the factor by which
 changed the group's LR since TokenLR last set it (another scheduler in a ``ChainedScheduler``, a
 manual edit): TokenLR is chainable the way torch's multiplicative schedulers are. A factor applied
 while the LR is 0 (the first step of a warmup from 0) cannot be seen, as for any chainable
-scheduler: put TokenLR first in a ``ChainedScheduler``. In a ``SequentialLR`` a TokenLR's clock
-starts when it takes over.
+scheduler: put TokenLR first in a ``ChainedScheduler``; nor is a factor ever read off an LR of 0
+(a group set to 0 by hand returns to the schedule at the next step). In a ``SequentialLR`` a
+TokenLR's clock starts when it takes over.
 
 When the batch grows (Seesaw, a ramp), pass each step's tokens: ``scheduler.step(tokens=
 plan.tokens)`` with ``plan`` from ``schedule.steps(seq_len)`` (see ``batch.py``).
-``state_dict()`` holds the clock and the schedule's own state; ``load_state_dict`` refuses a state
-from a different schedule, so a resumed run continues exactly.
+``state_dict()`` holds the clock and the schedule's own state (a copy: it does not change as
+training goes on); ``load_state_dict`` refuses a state from a different schedule, so a resumed run
+continues exactly. The LR of the first step after a load comes from the clock and the saved
+factors, whether or not the optimizer's own state was loaded too.
 """
 
 from __future__ import annotations
 
+import copy
 import numbers
 
 from torch.optim import Optimizer
@@ -72,6 +76,7 @@ class TokenLR(LRScheduler):
         self._others = [1.0] * n      # what other schedulers multiplied the LR by (chaining)
         self._written: list[float | None] = [None] * n  # the LR TokenLR last left in each group
         self._started = False  # the constructor's own first step does not advance the clock
+        self._unloaded: list[float | None] | None = None  # the LRs a load found (see get_lr)
         super().__init__(optimizer, last_epoch)
 
     def schedule_lr(self, tokens: float) -> float:
@@ -97,9 +102,14 @@ class TokenLR(LRScheduler):
         self._written = [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def get_lr(self) -> list[float]:
+        unloaded, self._unloaded = self._unloaded, None
         for i, group in enumerate(self.optimizer.param_groups):
             current, written = float(group["lr"]), self._written[i]
-            if written and current != written:  # another scheduler or the user scaled it
+            if unloaded is not None and current == unloaded[i]:
+                continue  # the optimizer's state was not loaded: its LR is the fresh one, no factor
+            # Another scheduler or the user scaled it. A factor is never read off an LR of 0: it
+            # could not be undone, and would hold the LR at 0 for good.
+            if written and current and current != written:
                 self._others[i] *= current / written
         return self._lrs()
 
@@ -117,16 +127,21 @@ class TokenLR(LRScheduler):
         return lrs
 
     def state_dict(self) -> dict:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule")}
+        # A deep copy: the lists (_others, _written, base_lrs ...) change in place as training
+        # goes on, and a snapshot must not change with them.
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items()
+                               if k not in ("optimizer", "schedule", "_unloaded")})
         state["schedule"] = self.schedule.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state = dict(state_dict)
+        state = copy.deepcopy({k: v for k, v in state_dict.items() if k != "_unloaded"})
         saved = state.pop("schedule")
         if isinstance(self.schedule, JointSchedule):
             self.schedule.load_state_dict(saved)  # checks the config, restores observations
         elif upgrade_lr_state(saved, self.schedule) != self.schedule.state_dict():
             raise ValueError(f"checkpoint TokenLR schedule {saved} does not match this one "
                              f"{self.schedule.state_dict()}; resume with the same schedule")
+        fresh = list(self._written)  # what this scheduler wrote before the load
         self.__dict__.update(state)
+        self._unloaded = fresh
