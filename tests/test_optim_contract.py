@@ -579,6 +579,27 @@ def test_maximize_takes_the_step_of_the_negated_gradient_and_leaves_grad_alone(i
         opt.step()
 
 
+@pytest.mark.parametrize("path", ["foreach", "single"])
+@pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
+def test_the_functional_form_takes_maximize(info, path):
+    """``lamb(...)``/``lans(...)``/``lars(...)`` with maximize=True: the float64 reference's steps on
+    the negated gradients, and the caller's gradients left as they were."""
+    from largebatch.optim import lamb, lans, lars
+    function = {"lamb": lamb, "lans": lans, "lars": lars}[info.name]
+    params, grads = make_problem(shapes=FOUR_SHAPES, dtype=torch.float64)
+    x = [p.clone() for p in params]
+    kwargs = {**info.kwargs, "weight_decay": 0.0625}
+    states = [[torch.zeros_like(p) for p in x] for _ in range(1 if info.name == "lars" else 2)]
+    for t, step_grads in enumerate(grads, start=1):
+        given = [g.clone() for g in step_grads]
+        steps = [] if info.name == "lars" else [[t] * len(x)]
+        function(x, given, *states, *steps, **kwargs, foreach=path == "foreach", maximize=True)
+        assert all(torch.equal(a, b) for a, b in zip(given, step_grads))
+    expected = info.reference(params, [[-g for g in step_grads] for step_grads in grads], **kwargs)
+    for actual, wanted in zip(x, expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
 def test_differentiable_false_is_accepted_and_true_is_refused(info):
     live = leaves(make_problem()[0])

@@ -111,16 +111,19 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
-         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
+         rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
     """One LAMB step on same-device, same-dtype, contiguous real tensors (updated in place); ``steps``:
     t per tensor after this update, host ints or 0-d device tensors (then the bias corrections are
     computed on the device and the step reads nothing on the host: torch's ``capturable``).
     Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
     ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
     (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones). ``rebind_state``: see
-    kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step)."""
+    kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step).
+    ``maximize``: the step of -grads (torch's maximize; ``grads`` are left as they are)."""
     if not params:
         return None
+    if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
+        grads = torch._foreach_neg(grads)
     layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
     work = work_buffers or fresh_buffers(params)
     hp = adam_hyperparameters(lr, betas, eps, weight_decay, bias_correction, steps, params[0])  # (n, 9)

@@ -98,10 +98,12 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
-         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
+         rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
     """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
     if not params:
         return None
+    if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
+        grads = torch._foreach_neg(grads)
     layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
     work = work_buffers or fresh_buffers(params)
     n = len(params)

@@ -47,11 +47,13 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
          adapt: bool = True, trust_clip: float | None = None, grad_scale: Tensor | None = None,
          reduce_norms: Callable[[Tensor], Tensor] | None = None, foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
-         rebind_state: Rebind | None = None) -> tuple[Tensor, Tensor] | None:
+         rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
     """One LARS step on same-device, same-dtype, contiguous real tensors (updated in place). Returns
     (local LRs (n,), pinned (n,)), or None when not ``adapt``; other arguments as ``lamb``."""
     if not params:
         return None
+    if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
+        grads = torch._foreach_neg(grads)
     layout = Layout(params, "fused" if fused else "foreach" if foreach else "single")
     n = len(params)
     run = KernelRun(layout, {"x": params, "g": grads, "buf": momentum_buffers}, write=("x", "buf"))
