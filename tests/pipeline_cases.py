@@ -28,6 +28,11 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
          ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
+# budgets whose last step is short of whole pipeline rounds (mb 2 x pp 2 = 4 sequences): one sequence
+# (half a micro-batch, one micro-batch short of pp) and three (half a micro-batch short)
+# (name, model kind, optimizer, pp_schedule, virtual stages per rank, run.total_tokens)
+TRIMMED = [("gpt-1f1b-lamb-trimmed", "gpt", "lamb", "1f1b", 1, 3072 + 32),
+           ("bert-interleaved-lamb-trimmed", "bert", "lamb", "interleaved-1f1b", 2, 3072 + 3 * 32)]
 STOP_AT = 5  # the resumed case stops after this many steps
 MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
                            tie_embeddings=False)  # fp32, no dropout, explicit attention
@@ -105,6 +110,10 @@ def run_all(out_dir: str, cache: str) -> None:
     for name, kind, optim, schedule, virtual in CASES:
         train(overrides(cache, str(out / name), kind, optim, **{
             "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual}), out / name)
+    for name, kind, optim, schedule, virtual, total in TRIMMED:
+        train(overrides(cache, str(out / name), kind, optim, **{
+            "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual,
+            "run.total_tokens": total, "run.eval_every_tokens": total}), out / name)
     # stopped after STOP_AT steps on pp = 2 with uneven stages (1 + 3 layers), then resumed on pp = 2; a
     # copy of the stopped run is resumed on one process by the test
     # data parallel without stages: the reference of the pp x dp (ddp) noise scale

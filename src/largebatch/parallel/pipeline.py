@@ -13,7 +13,10 @@ Korthikanti et al. 2022 §4.2.3 gives the first stage's activation memory per sc
 (largebatch.memory.estimate).
 
 A step's micro-batches are the pipeline's micro-batches: the batch schedule decides how many (a
-Seesaw batch change changes the count; one torch schedule is built per count and kept). The loss
+Seesaw batch change changes the count; one torch schedule is built per count and kept). A budget's
+trimmed last step that fills neither its micro-batches nor the count a schedule takes is padded
+with rows whose targets are all ignored (``padded_micro_batches``), so a pipeline run ends on its
+token budget as one process does. The loss
 is the trainer's: each micro-batch's summed token loss times ``dp / n_targets`` of the step, so
 the accumulated gradient is the one-process gradient of the step's mean loss.
 
@@ -96,6 +99,44 @@ def check_micro_batches(schedule: str, pp: int, counts: set[int]) -> None:
             raise ValueError(f"parallel.pp_schedule = {schedule!r}: a step of {n} micro-batches is not a "
                              f"multiple of {rounds} rounds of pp = {pp}; use batch sizes with a multiple of "
                              f"pp micro-batches per step")
+
+
+def schedule_micro_batches(schedule: str, pp: int, n: int) -> int:
+    """The fewest micro-batches >= ``n`` that the schedule takes (what ``check_micro_batches``
+    accepts): n under GPipe; at least pp under the others; a whole number of rounds under the
+    multi-stage ones."""
+    m = max(1, n)
+    while True:
+        if schedule == "gpipe" or m >= pp:
+            rounds = max(1, m // pp)
+            if schedule not in MULTI_STAGE or m % rounds == 0:
+                return m
+        m += 1
+
+
+def padded_micro_batches(micro_batches: list[dict[str, torch.Tensor]], micro_batch: int, schedule: str,
+                         pp: int) -> list[dict[str, torch.Tensor]]:
+    """A step's micro-batches as the pipeline schedule needs them: every one ``micro_batch``
+    sequences, and as many as the schedule takes (a budget's trimmed last step may have fewer).
+    Padding rows repeat real inputs with every target -100: no loss, no gradient, and not counted
+    in the step's targets, so the step is the one of its real sequences (the budget is not
+    overshot; only the padding's compute is spent)."""
+    key = "targets" if "targets" in micro_batches[0] else "labels"
+
+    def padding(rows: int) -> dict[str, torch.Tensor]:
+        source = micro_batches[0]
+        index = torch.arange(rows) % source[key].shape[0]
+        batch = {name: value[index] for name, value in source.items()}
+        batch[key] = torch.full_like(batch[key], -100)
+        return batch
+
+    out = list(micro_batches)
+    short = micro_batch - out[-1][key].shape[0]
+    if short > 0:
+        last, fill = out[-1], padding(short)
+        out[-1] = {name: torch.cat([value, fill[name]]) for name, value in last.items()}
+    wanted = schedule_micro_batches(schedule, pp, len(out))
+    return out + [padding(micro_batch) for _ in range(wanted - len(out))]
 
 
 class StageModule(nn.Module):

@@ -62,7 +62,7 @@ from largebatch.parallel import (
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.materialize import build_on_meta, materialize, meta_init_applies
-from largebatch.parallel.pipeline import pipeline_parallelize
+from largebatch.parallel.pipeline import padded_micro_batches, pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
 from largebatch.train.evaluate import Evaluation
@@ -324,9 +324,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
-        if self.pipeline:  # the step's micro-batches are the pipeline's
+        if self.pipeline:  # the step's micro-batches are the pipeline's (a short last step padded)
+            fed = padded_micro_batches(micro_batches, mb, par.pp_schedule, par.pp_size)
             with self.autocast:
-                loss_sum = self.pipeline.step(*_stacked(micro_batches, self.device), len(micro_batches), scale)
+                loss_sum = self.pipeline.step(*_stacked(fed, self.device), len(fed), scale)
             if self.pipeline.first_norm is not None and last > 0:  # summed over the stages
                 small_sq = self.pipeline.first_norm.take() * _first_share(n_targets, micro_batches[0])
         for i, batch in enumerate([] if self.pipeline else micro_batches):
@@ -462,9 +463,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
 
     def _step_batch(self, in_phase: int) -> int:
         """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in
-        multiples of the dp replicas (pipeline: of whole micro-batch rounds, which its schedules need)."""
-        granularity = self.schedule_dp * (self.phase.micro_batch * self.par.pp_size if self.pipeline else 1)
-        return self.schedule.step_batch(in_phase, self.phase.seq_len, granularity)
+        multiples of the dp replicas (under pp too: the pipeline pads what its schedule needs)."""
+        return self.schedule.step_batch(in_phase, self.phase.seq_len, self.schedule_dp)
 
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""
