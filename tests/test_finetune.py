@@ -123,6 +123,26 @@ def test_interval_matches_students_t_from_its_density():
     assert ci95([0.5]) is None
 
 
+def test_verdict_needs_gaps_that_differ_between_seeds():
+    """The paired t interval over the seeds' gaps, recomputed here from the t density; gaps equal at
+    every seed (sd 0) give no interval and no verdict of help or harm, however far from 0. The
+    last pair is one count out of 14 at both seeds, equal up to float rounding."""
+    from largebatch.finetune import _verdict
+
+    for gaps in ([-1 / 14] * 2, [0.25] * 3, [4 / 14 - 5 / 14, 5 / 14 - 6 / 14]):
+        ci, verdict = _verdict(gaps)
+        assert ci is None, (gaps, ci)
+        assert verdict.startswith("no difference established") and "sd 0" in verdict, verdict
+    for gaps, expect in (([0.10, 0.14, 0.12], "pretraining helped"), ([-0.10, -0.14, -0.12], "pretraining hurt"),
+                         ([0.10, -0.02, 0.05], "no difference established")):
+        n = len(gaps)
+        mean = sum(gaps) / n
+        half = _t_quantile_975(n - 1) * math.sqrt(sum((g - mean) ** 2 for g in gaps) / (n - 1)) / math.sqrt(n)
+        ci, verdict = _verdict(gaps)
+        assert ci == pytest.approx((mean - half, mean + half), rel=2e-4)
+        assert verdict == expect and (mean - half > 0 or mean + half < 0) == (expect != "no difference established")
+
+
 @pytest.fixture(scope="module")
 def bert_run(tiny_data_cache, tmp_path_factory):
     run = tmp_path_factory.mktemp("runs") / "bert"
@@ -150,6 +170,35 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
         assert p["first_epoch_loss"] != s["first_epoch_loss"]
     assert not set(report["train_documents"]) & set(report["test_documents"])
     assert report["verdict"] in out and np.isfinite(report["gap"]["mean"])
+
+
+def test_finetune_reports_no_verdict_when_every_seed_gives_the_same_gap(bert_run, tmp_path, monkeypatch, capsys):
+    """Deterministic fine-tuning that moves the same number of test passages at every seed: the
+    report states the gap and that it has no interval, and does not call it pretraining hurting."""
+    import shutil
+
+    import largebatch.finetune as ft
+
+    run = tmp_path / "run"
+    shutil.copytree(bert_run, run)
+    calls = []
+
+    def arm(encoder, data, s, seed):  # pretrained, then scratch, at each seed: 4 and 5 of 14 right
+        calls.append(seed)
+        right = 4 + (len(calls) + 1) % 2
+        return {"test_accuracy": right / 14, "first_epoch_loss": 1.0, "last_epoch_loss": 0.5}
+
+    monkeypatch.setattr(ft, "finetune_arm", arm)
+    monkeypatch.setattr(ft, "probe_accuracy", lambda encoder, splits, l2: 0.5)
+    code = cli_main(["finetune", str(run), "--seeds", "3", "--passages-per-document", "2", "--passage-len", "32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((run / "finetune" / "folio-genre.json").read_text())
+    assert report["gap"]["per_seed"] == pytest.approx([4 / 14 - 5 / 14] * 3)
+    assert report["gap"]["ci95"] is None and report["probe"]["gap"]["ci95"] is None
+    for verdict in (report["verdict"], report["probe"]["verdict"]):
+        assert verdict.startswith("no difference established") and "sd 0" in verdict
+    assert "pretraining hurt" not in out and "-0.0714 at all 3 seeds" in out and "95% CI n/a (sd 0)" in out
 
 
 def test_finetune_cross_validates_by_document_and_probes(bert_run, capsys):

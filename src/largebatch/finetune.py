@@ -13,8 +13,9 @@ initialisation, data order, dropout masks and hyperparameters: AdamW, linear war
 
 The report (RUN_DIR/finetune/TASK.md and .json, also printed) gives each arm's test accuracy per
 seed, its mean with a 95% t interval, and the paired gap pretrained - scratch with its interval:
-pretraining "helped" only when that interval lies above 0. The majority-class rate is the chance
-line. This stands in for the paper's SQuAD evaluation (Zheng et al. 2020 judge LANS pretraining by
+pretraining "helped" only when that interval lies above 0. A gap that is the same at every seed
+(sd 0) has no interval: "no difference established", however large. The majority-class rate is
+the chance line. This stands in for the paper's SQuAD evaluation (Zheng et al. 2020 judge LANS pretraining by
 downstream F1; docs/papers.md: LANS), which cannot be fetched here.
 
 Options:
@@ -214,7 +215,20 @@ def probe_accuracy(encoder: nn.Module, splits: list[TaskData], l2: float) -> flo
     return pooled(splits, correct)
 
 
-def _verdict(gaps: list[float]) -> tuple[tuple[float, float], str]:
+SAME_GAP = 1e-12
+"""Paired gaps closer than this are one value: accuracies are counts over at most millions of test
+passages, so distinct gaps differ by far more; the same count difference at two seeds can differ
+in the last bits (4/14 - 5/14 != 5/14 - 6/14 in float64)."""
+
+
+def _verdict(gaps: list[float]) -> tuple[tuple[float, float] | None, str]:
+    """The paired gaps' 95% t interval and the verdict: "pretraining helped" (hurt) only when the
+    interval lies above (below) 0. Gaps that are all the same value (sd 0: deterministic runs, or a
+    coarse accuracy that moved by the same count at every seed) give no interval (None): the t
+    interval would have zero width, and any gap but 0 would be called a difference."""
+    if max(gaps) - min(gaps) <= SAME_GAP:
+        return None, (f"no difference established (the gap is {statistics.fmean(gaps):+.4f} at all "
+                      f"{len(gaps)} seeds: sd 0, no interval)")
     ci = ci95(gaps)
     return ci, ("pretraining helped" if ci[0] > 0 else "pretraining hurt" if ci[1] < 0
                 else "no difference established")
@@ -269,6 +283,9 @@ def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpo
     def ci(pair):
         return f"[{pair[0]:.4f}, {pair[1]:.4f}]"
 
+    def gap_ci(pair):
+        return "n/a (sd 0)" if pair is None else f"[{pair[0]:+.4f}, {pair[1]:+.4f}]"
+
     held_out = ", ".join(d.split("/", 1)[1] for d in data.test_documents)
 
     rows = [f"| {arm} | " + " | ".join(f"{r['test_accuracy']:.4f}" for r in result["arms"][arm])
@@ -295,15 +312,15 @@ def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpo
         f"weight decay {s.weight_decay:g}, head dropout {s.dropout:g}.", "",
         "| arm | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean | 95% CI |",
         "|---|" + "---|" * (len(result["seeds"]) + 2), *rows, "",
-        f"Paired gap pretrained - scratch: {gap['mean']:+.4f}, 95% CI [{gap['ci95'][0]:+.4f}, "
-        f"{gap['ci95'][1]:+.4f}] over {len(result['seeds'])} seeds: **{result['verdict']}**.", ""]
+        f"Paired gap pretrained - scratch: {gap['mean']:+.4f}, 95% CI {gap_ci(gap['ci95'])} over "
+        f"{len(result['seeds'])} seeds: **{result['verdict']}**.", ""]
     probe = result["probe"]
     lines += [
         f"Linear probe (encoder frozen, mean-pooled final hidden states standardised, multinomial logistic "
         f"regression with l2 {s.probe_l2:g}): pretrained {probe['pretrained']:.4f}, scratch "
         + ", ".join(f"{a:.4f}" for a in probe["scratch"])
         + f" (one random init per seed); gap {probe['gap']['mean']:+.4f}, 95% CI "
-        f"[{probe['gap']['ci95'][0]:+.4f}, {probe['gap']['ci95'][1]:+.4f}]: **{probe['verdict']}**.", ""]
+        f"{gap_ci(probe['gap']['ci95'])}: **{probe['verdict']}**.", ""]
     return "\n".join(lines)
 
 
