@@ -231,6 +231,7 @@ def test_finetune_cross_validates_by_document_and_probes(bert_run, capsys):
     (["--bogus", "1"], "--bogus"),
     (["--folds", "0"], "--folds 0"),
     (["--probe-l2", "0"], "--probe-l2 0.0"),
+    (["--folds", "100", "--passages-per-document", "2", "--passage-len", "32"], "--folds 100: must be"),
 ])
 def test_bad_input_gives_one_line_errors(args, names, bert_run, capsys):
     assert cli_main(["finetune", str(bert_run), *args]) == 2
@@ -242,3 +243,27 @@ def test_missing_run_dir_is_one_line(tmp_path, capsys):
     assert cli_main(["finetune", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "RUN_DIR" in err
+
+
+@pytest.mark.parametrize("where", ["finetune", "finetune/folio-genre.json"])
+def test_a_report_path_that_cannot_be_written_is_refused_before_fine_tuning(where, bert_run, tmp_path,
+                                                                             monkeypatch, capsys):
+    import shutil
+
+    import largebatch.finetune as ft
+
+    run = tmp_path / "run"
+    shutil.copytree(bert_run, run, ignore=shutil.ignore_patterns("finetune"))
+    blocker = run / where
+    if where == "finetune":
+        blocker.write_text("")
+    else:
+        blocker.mkdir(parents=True)
+    monkeypatch.setattr(ft, "compare", lambda *a, **k: pytest.fail("fine-tuning started"))
+    assert cli_main(["finetune", str(run), "--seeds", "2", "--epochs", "1", "--passages-per-document", "2",
+                     "--passage-len", "32"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and repr(str(blocker)) in err and "move or delete" in err, err
+    assert "fine-tuning" not in captured.out
+

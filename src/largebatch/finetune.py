@@ -355,6 +355,14 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
     from largebatch.export import ExportError, load_run
 
     check_settings(settings)  # everything that does not need the model, before the (slow) load
+    out = Path(run_dir) / "finetune"  # where the report goes: checked now, not when the results are in
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise FinetuneError(f"{str(out)!r} exists and is not a directory: the report is written into "
+                            "RUN_DIR/finetune/; move or delete that file and run again")
+    for report in (out / f"{settings.task}.md", out / f"{settings.task}.json"):
+        if report.is_dir():
+            raise FinetuneError(f"{str(report)!r} is a directory: the report is written to that path; "
+                                "move or delete it and run again")
     try:
         loaded = load_run(run_dir, tokenizer_file)
     except ExportError as exc:
@@ -366,10 +374,14 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
     if int(max(data.train_ids.max(), data.test_ids.max())) >= loaded.model.config.vocab_size:
         raise FinetuneError(f"the tokenizer's ids exceed the model's vocab_size {loaded.model.config.vocab_size}: "
                             "pass --tokenizer PATH to the tokenizer.json the run trained with")
+    try:
+        splits_of(data, s)
+    except TaskError as exc:  # the folds against this task's documents, named as the option
+        raise FinetuneError(f"--folds {s.folds}: {str(exc).split(': ', 1)[-1]}; --folds 1 uses the one "
+                            "held-out split") from None
     print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {len(data.train_ids)} train / "
           f"{len(data.test_ids)} test passages, {s.seeds} seeds x 2 arms")
     result = compare(loaded.model.train(), data, s)
-    out = Path(run_dir) / "finetune"
     out.mkdir(exist_ok=True)
     text = report_markdown(result, data, s, Path(run_dir).name, loaded.checkpoint.name, command)
     payload = {"settings": asdict(s), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
