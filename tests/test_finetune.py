@@ -267,3 +267,17 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_fine_tuning(wher
     assert len(err.splitlines()) == 1 and repr(str(blocker)) in err and "move or delete" in err, err
     assert "fine-tuning" not in captured.out
 
+
+def test_a_transformers_directory_is_named_with_what_to_pass_instead(tmp_path, capsys):
+    """An export (config.json and weights, no config.toml or checkpoints/) is not a run directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = tmp_path / "hf"
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(hf)
+    capsys.readouterr()  # transformers' progress bar
+    assert cli_main(["finetune", str(hf)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"RUN_DIR {str(hf)!r} is a transformers directory" in err and "exported from" in err, err
+    assert f"--model.init_from=hf:{hf}" in err and "train it (or resume it)" not in err, err

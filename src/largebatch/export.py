@@ -61,6 +61,11 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
         raise ExportError(f"RUN_DIR {str(run_dir)!r} is not a directory: pass a run directory "
                           "written by `largebatch train` (it holds config.toml and checkpoints/)")
     candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
+    if not candidates and (run_dir / "config.json").is_file() and not (run_dir / "config.toml").is_file():
+        raise ExportError(f"RUN_DIR {str(run_dir)!r} is a transformers directory (config.json, as "
+                          "`largebatch export` writes), not a run: pass the run directory it was "
+                          "exported from (config.toml and checkpoints/), or train a run from it with "
+                          f"--model.init_from=hf:{run_dir} and pass that run's directory")
     if not candidates:
         raise ExportError(f"RUN_DIR {str(run_dir)!r} has no checkpoint in "
                           f"{run_dir / 'checkpoints'}: train it (or resume it) to the end first")
