@@ -64,6 +64,22 @@ def test_throughput_excludes_evaluation_and_checkpoints(reference_run, tmp_path)
     assert train[0]["mfu"] > 1 and "above 100%: the peak of 1e-09 TFLOP/s" in format_summary(summary, tmp_path)
 
 
+
+def test_summary_lists_only_the_outputs_the_run_wrote(tmp_path):
+    """run.plots = false writes no PNG and run.tensorboard = false no tensorboard/: the summary's
+    run-directory line names what is there."""
+    summary = {"final_val_loss": 5.0, "final_val_ppl": 148.4, "unigram_val_loss": 5.2, "steps": 8, "tokens": 2048,
+               "train_seconds": 0.1, "tokens_per_s": 20480.0, "mfu": 0.05, "peak_flops": 8e10,
+               "peak_flops_source": "measured fp32 matmul", "memory_bytes": 2 ** 20}
+    (tmp_path / "metrics.jsonl").write_text("")
+    line = format_summary(summary, tmp_path).splitlines()[-1]
+    assert line == f"run directory     {tmp_path}  (metrics.jsonl)"
+    (tmp_path / "loss.png").write_bytes(b"")
+    (tmp_path / "schedule.png").write_bytes(b"")
+    (tmp_path / "tensorboard").mkdir()
+    line = format_summary(summary, tmp_path).splitlines()[-1]
+    assert line == f"run directory     {tmp_path}  (metrics.jsonl, loss.png, schedule.png, tensorboard/)"
+
 DRIVER = """
 import json, sys
 from pathlib import Path

@@ -274,5 +274,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
         lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss)")
     if "sample" in s:
         lines += ["sample:", "  " + s["sample"].replace("\n", "\n  ")]
-    lines.append(f"run directory     {run_dir}  (metrics.jsonl, loss.png, schedule.png, tensorboard/)")
+    written = [f"{name}/" if (run_dir / name).is_dir() else name
+               for name in ("metrics.jsonl", "loss.png", "schedule.png", "tensorboard") if (run_dir / name).exists()]
+    lines.append(f"run directory     {run_dir}" + (f"  ({', '.join(written)})" if written else ""))
     return "\n".join(lines)
