@@ -219,6 +219,8 @@ def test_finetune_cross_validates_by_document_and_probes(bert_run, capsys):
     assert probe["gap"]["per_seed"] == pytest.approx([probe["pretrained"] - s for s in probe["scratch"]])
     assert probe["scratch"][0] != probe["scratch"][1]  # a random init per seed
     assert "3-fold cross-validation by document" in out and probe["verdict"] in out
+    seed_lines = [line for line in out.splitlines() if line.startswith("  seed ")]
+    assert len(seed_lines) == 4 and all("over its one epoch" in line and "->" not in line for line in seed_lines)
 
 
 @pytest.mark.parametrize("args, names", [

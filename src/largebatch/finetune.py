@@ -255,9 +255,10 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
                       "last_epoch_loss": statistics.fmean(r["last_epoch_loss"] for r in runs),
                       "seconds": round(time.perf_counter() - start, 1)}
             arms[arm].append(result)
+            loss = (f"{result['first_epoch_loss']:.3f} -> {result['last_epoch_loss']:.3f}" if s.epochs > 1
+                    else f"{result['first_epoch_loss']:.3f} over its one epoch")
             log(f"  seed {seed} {arm:<10} test accuracy {result['test_accuracy']:.4f} "
-                f"(train loss {result['first_epoch_loss']:.3f} -> {result['last_epoch_loss']:.3f}, "
-                f"{result['seconds']:.0f} s)")
+                f"(train loss {loss}, {result['seconds']:.0f} s)")
     acc = {arm: [r["test_accuracy"] for r in rs] for arm, rs in arms.items()}
     gaps = [p - q for p, q in zip(acc["pretrained"], acc["scratch"])]
     gap_ci, verdict = _verdict(gaps)
