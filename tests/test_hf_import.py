@@ -251,3 +251,25 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     code, err = _train_cli(capsys, f"--model.init_from=hf:{dirs['bert']}", "--check", out)
     assert code == 0, err  # a shipped recipe's model fields give way to the directory's
+
+
+@pytest.mark.parametrize("recipe, hf, kind, objective", [("bert-demo", "gpt", "gpt", "causal language model"),
+                                                         ("gpt-demo", "bert", "bert", "masked language model"),
+                                                         ("bert-demo", "bert", None, None)])
+def test_a_recipe_whose_kind_gives_way_is_noted_in_one_line(recipe, hf, kind, objective, hf_dirs, tmp_path, capsys):
+    """A shipped BERT recipe started from a GPT directory trains a GPT (the directory's weights
+    cannot be a BERT): allowed, as every shipped model field gives way, but said once, before the run."""
+    dirs, _ = hf_dirs
+    code, err = _train_cli(capsys, recipe, f"--model.init_from=hf:{dirs[hf]}", "--check",
+                           f"--run.out_dir={tmp_path / 'run'}")
+    assert code == 0, err
+    assert load_config(REPO / "configs" / f"{recipe}.toml", {"model.init_from": f"hf:{dirs[hf]}"},
+                       warn=lambda _: None).model.kind == hf
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    if kind is None:
+        assert notes == [], err
+        return
+    recipe_kind = "bert" if recipe.startswith("bert") else "gpt"
+    assert len(notes) == 1, err
+    assert all(w in notes[0] for w in (f"{recipe}.toml trains a {recipe_kind!r}", f"holds a {kind!r}",
+                                       f"trains that {kind} ({objective})")), notes[0]

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             check_run_dir(run_dir)
         else:
-            cfg = load_config(resolve_config(config_path), overrides)
+            cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
             run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
             check_run_dir(run_dir)
@@ -246,6 +246,12 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
     if _under_torchrun():
         run = record(run)  # torchrun's error file: its summary names the failing rank and error
     return run()
+
+
+def _note_once(line: str) -> None:
+    """A note on stderr, from rank 0 only under torchrun (every rank loads the config)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
 
 
 def format_summary(s: dict, run_dir: Path) -> str:

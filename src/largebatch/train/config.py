@@ -18,6 +18,8 @@ import math
 import os
 import re
 import string
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -238,14 +240,19 @@ class TrainConfig:
     their sum."""
 
 
+KIND_OBJECTIVE = {"gpt": "causal language model", "bert": "masked language model"}
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                resolve_init: bool = True) -> TrainConfig:
+                resolve_init: bool = True, warn: Callable[[str], None] | None = None) -> TrainConfig:
     """Defaults <- TOML file <- dotted overrides, validated (ConfigError on any problem).
 
     With ``model.init_from`` the model's shape fields and data.tokenizer_file come from that
     directory (largebatch.train.hf_import); a field the user's file or the overrides set
     otherwise is refused. A shipped recipe's model fields are defaults, not requests: they give
-    way. ``resolve_init=False`` (a ``--resume``, whose saved config is already resolved) skips it."""
+    way, and a recipe whose model.kind gives way (a BERT recipe from a GPT directory) is named in a
+    one-line note to ``warn`` (default: stderr). ``resolve_init=False`` (a ``--resume``, whose saved
+    config is already resolved) skips it."""
     tree: dict[str, Any] = load_toml(path) if path else {}
     given = set() if path is None or _is_shipped(path) else {
         f"{table}.{name}" for table, fields in tree.items() if isinstance(fields, dict) for name in fields}
@@ -258,7 +265,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if cfg.model.init_from and resolve_init:
         from largebatch.train.hf_import import resolve_init as resolve
 
+        recipe_kind = tree.get("model", {}).get("kind")  # set by a shipped recipe (a user's must agree)
         cfg = resolve(cfg, given)
+        if recipe_kind is not None and recipe_kind != cfg.model.kind:
+            kind = cfg.model.kind
+            (warn or (lambda line: print(line, file=sys.stderr)))(
+                f"note: the recipe {Path(path).name} trains a {recipe_kind!r}, but model.init_from="
+                f"{cfg.model.init_from!r} holds a {kind!r} (config.json): this run trains that {kind} "
+                f"({KIND_OBJECTIVE.get(kind, 'its own objective')}) with the recipe's other settings")
     return check(cfg)
 
 
