@@ -76,6 +76,8 @@ def escape_reference(val: list[dict], unigram: float, tokens: int, margin: float
 def claim_reference(mean: float, low: float, high: float, floor: float, expect: str) -> str:
     """A paper's claim judged from scratch: a gap is established when the interval excludes 0 and the
     mean exceeds the floor; equivalence when the interval lies within +-floor."""
+    if high - low <= 1e-12:  # the same gap at every seed: no interval
+        return "not resolvable at this scale (the same gap at every seed: sd 0, no interval)"
     gap = (low > 0 or high < 0) and abs(mean) > floor
     same = floor <= 0.05 and low >= -0.05 and high <= 0.05
     if expect == "same":
@@ -102,6 +104,26 @@ def test_claim_verdicts_cover_every_case():
     assert claim_verdict(None, None, 0.1, "same").startswith("not resolvable")
     with pytest.raises(ValueError, match="expect='better'"):
         claim_verdict(0.0, (0.0, 0.0), 0.0, "better")
+
+
+def test_the_same_gap_at_every_seed_establishes_nothing():
+    """sd 0 (every seed gave the same gap: deterministic runs) makes a zero-width t interval, which
+    excludes 0 for any gap but 0. Neither a comparison's verdict nor a claim's is decided on it,
+    however far the gap is past the floor."""
+    from largebatch.experiments.floor import Gaps, claim_verdict, verdict
+    from largebatch.stats import ci95
+
+    for gaps in ([0.3, 0.3, 0.3], [-0.3, -0.3], [4 / 14 - 5 / 14, 5 / 14 - 6 / 14]):
+        g = Gaps("arm - baseline", gaps)
+        assert g.ci95[1] - g.ci95[0] < 1e-12  # zero width, away from 0
+        assert verdict(g.mean, g.ci95, 0.01, "worse", "better").endswith("no difference established")
+        assert verdict(g.mean, g.ci95, None, "worse", "better").endswith("no difference established")
+        for expect in ("same", "worse"):
+            assert claim_verdict(g.mean, g.ci95, 0.01, expect).startswith("not resolvable at this scale")
+    # gaps that differ in more than the last bits are judged as before
+    low, high = ci95([0.3, 0.31, 0.29])
+    assert low > 0 and verdict(0.3, (low, high), 0.01, "worse", "better") == "worse"
+    assert claim_verdict(0.3, (low, high), 0.01, "worse") == "agrees"
 
 
 def test_arm_processes_wait_passively_unless_the_user_chose(monkeypatch):

@@ -76,6 +76,8 @@ def _expected_verdict(gaps: list[float], floor: float, worse: str, better: str) 
     g = np.array(gaps)
     half = T_975_1DF * g.std(ddof=1) / np.sqrt(len(g))
     low, high = g.mean() - half, g.mean() + half
+    if high - low <= 1e-12:
+        return "the same gap at every seed (sd 0): no interval, no difference established"
     if low <= 0 <= high:
         return "interval contains 0: no difference established"
     if abs(g.mean()) <= floor:

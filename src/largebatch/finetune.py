@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from largebatch.arguments import OneLineParser, finite_float
 from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task, document_folds
-from largebatch.stats import T_975, ci95
+from largebatch.stats import T_975, all_same, ci95
 
 
 class FinetuneError(ValueError):
@@ -215,18 +215,12 @@ def probe_accuracy(encoder: nn.Module, splits: list[TaskData], l2: float) -> flo
     return pooled(splits, correct)
 
 
-SAME_GAP = 1e-12
-"""Paired gaps closer than this are one value: accuracies are counts over at most millions of test
-passages, so distinct gaps differ by far more; the same count difference at two seeds can differ
-in the last bits (4/14 - 5/14 != 5/14 - 6/14 in float64)."""
-
-
 def _verdict(gaps: list[float]) -> tuple[tuple[float, float] | None, str]:
     """The paired gaps' 95% t interval and the verdict: "pretraining helped" (hurt) only when the
     interval lies above (below) 0. Gaps that are all the same value (sd 0: deterministic runs, or a
     coarse accuracy that moved by the same count at every seed) give no interval (None): the t
     interval would have zero width, and any gap but 0 would be called a difference."""
-    if max(gaps) - min(gaps) <= SAME_GAP:
+    if all_same(gaps):
         return None, (f"no difference established (the gap is {statistics.fmean(gaps):+.4f} at all "
                       f"{len(gaps)} seeds: sd 0, no interval)")
     ci = ci95(gaps)

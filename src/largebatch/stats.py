@@ -3,7 +3,10 @@
 For n values with mean x and sample standard deviation s (n - 1 in the denominator), the interval
 is x -/+ t(0.975, n - 1) * s / sqrt(n), Student's t with n - 1 degrees of freedom. Applied to paired
 differences (arm minus baseline at the same seed) it is the paired t interval: a comparison is
-called a difference only when the interval excludes 0.
+called a difference only when the interval excludes 0. Values that are all the same (sd 0:
+deterministic runs, or a count that moved by the same amount at every seed) have a zero-width
+interval, which would exclude 0 for any gap but 0: no report calls a difference on one
+(``all_same``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,16 @@ import statistics
 
 # Student t 0.975 quantiles by degrees of freedom (1-9): the 95% interval of a mean over 2-10 seeds
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+SAME_GAP = 1e-12
+"""Paired gaps closer than this are one value: losses and accuracies that really differ differ by far
+more, while the same count difference at two seeds can differ in the last bits (4/14 - 5/14 !=
+5/14 - 6/14 in float64)."""
+
+
+def all_same(values: list[float]) -> bool:
+    """True for two or more values within SAME_GAP of each other (a zero-width interval)."""
+    return len(values) >= 2 and max(values) - min(values) <= SAME_GAP
 
 
 def ci95(values: list[float]) -> tuple[float, float] | None:

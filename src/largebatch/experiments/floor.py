@@ -30,7 +30,7 @@ from pathlib import Path
 
 from largebatch.experiments.report import markdown_table
 from largebatch.experiments.runner import THREADS, Arm, ArmResult, Execution, check_seed_count, run_arms
-from largebatch.stats import ci95
+from largebatch.stats import all_same, ci95
 
 PERTURBATIONS = ("threads", "data", "init")
 SEEDS = (None, 7, 11, 23, 42, 101, 211, 307)  # None: the config's defaults (run.seed 1337)
@@ -163,11 +163,14 @@ class Gaps:
 
 def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None,
             worse: str, better: str) -> str:
-    """'worse' / 'better' only when the 95% interval excludes 0 and |mean| exceeds the floor."""
+    """'worse' / 'better' only when the 95% interval excludes 0 and |mean| exceeds the floor (never on
+    a zero-width interval: the same gap at every seed)."""
     if mean is None:
         return "no finite gap"
     if ci is None:
         return "one seed: no interval"
+    if all_same(list(ci)):
+        return "the same gap at every seed (sd 0): no interval, no difference established"
     if ci[0] <= 0 <= ci[1]:
         return "interval contains 0: no difference established"
     if floor is not None and abs(mean) <= floor:
@@ -267,6 +270,8 @@ def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: flo
         raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
     if mean is None or ci is None:
         return "not resolvable at this scale (fewer than 2 finite seeds)"
+    if all_same(list(ci)):
+        return "not resolvable at this scale (the same gap at every seed: sd 0, no interval)"
     margin = 0.0 if floor is None else floor
     established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin
     equivalent = (floor is not None and margin <= EQUIVALENCE_NATS
