@@ -657,3 +657,13 @@ def test_a_group_key_without_a_default_is_named_at_the_step():
         p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match=r"param_groups\[0\]: no 'lr'"):
         opt.step()
+
+
+def test_the_functional_form_refuses_a_step_count_below_one():
+    """``steps`` is t after this update (1 on the first): a 0 divided by 1 - beta^0 = 0."""
+    from largebatch.optim import lamb, lans
+    params, grads = make_problem(dtype=torch.float64)
+    for function in (lamb, lans):
+        states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        with pytest.raises(ValueError, match=r"steps: t = 0 for a tensor.*1 on the first step"):
+            function([p.clone() for p in params], grads[0], *states, [0, 0], lr=0.01)

@@ -106,6 +106,10 @@ def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias
     beta1, beta2 = betas
     if on_device(steps):
         return Rows(None, like, device_adam_rows(lr, betas, eps, weight_decay, bias_correction, steps, like))
+    if min(steps) < 1:
+        raise ValueError(f"steps: t = {min(steps)} for a tensor; t counts this update (1 on the first "
+                         "step) and is not incremented here: pass the count after the update (torch's "
+                         "functional adamw takes the count before it and adds 1)")
     bc1, bc2 = bias_corrections(steps, betas, bias_correction)
     rows = [[lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 / c1, 1 / c2]
             for c1, c2 in zip(bc1, bc2)]  # reciprocals: kernels multiply (divisions bound the CPU kernels)
