@@ -82,13 +82,23 @@ def test_a_parameter_the_constructor_never_fills_is_refused():
         build_on_meta(build)
 
 
-def test_a_tie_between_plain_parameters_is_refused_not_split():
+def test_a_tie_between_plain_parameters_stays_one_tensor_with_the_one_process_values():
     """``to_empty`` replaces a plain (not DTensor) meta parameter by a new object, once per module
-    that holds it: a tied output layer would be left unfilled. Refused by name instead."""
+    that holds it (one process: nothing sharded). The tie is restored: the output layer is the
+    embedding, and every value and the generator's end state are the one-process build's."""
     torch.manual_seed(0)
     model, log = build_on_meta(lambda: build_model(tiny("gpt")))
-    with pytest.raises(ValueError, match=r"parameters \['lm_head.weight'\] were not in the meta build"):
-        materialize(model, log, torch.device("cpu"))
+    materialize(model, log, torch.device("cpu"))
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    reference = build_model(tiny("gpt"))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert reference.lm_head.weight is reference.tok_emb.weight
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert list(ours) == list(theirs)
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    assert torch.equal(after, torch.get_rng_state())
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])

@@ -123,9 +123,18 @@ def materialize(model: nn.Module, log: InitLog, device: torch.device) -> None:
         if not hasattr(module, "init_buffers"):
             raise ValueError(f"meta-device start: {type(module).__name__} has a buffer but no "
                              f"init_buffers(device) to rebuild it")
+    ties: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter object -> every slot that holds it
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                ties.setdefault(id(param), []).append((module, attr))
     model.to_empty(device=device)  # only the local shards: DTensors keep their placements
+    for slots in ties.values():  # to_empty gives each slot of a plain tied parameter its own copy
+        (first, attr), *rest = slots
+        for module, other in rest:
+            module._parameters[other] = first._parameters[attr]
     # the built tensors -> the parallelized parameters, looked up after to_empty (a plain meta
-    # parameter is replaced by a new object there; tied weights: one name, one object); a parameter
+    # parameter is replaced by a new object there; tied weights: tied again above, one name, one object); a parameter
     # of a module a pipeline stage dropped (set to None) has none: its inits are replayed for the
     # generator's sake, not stored
     targets = {key: model.get_parameter(name) for key, name in log.names.items() if _held(model, name)}
