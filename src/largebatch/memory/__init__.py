@@ -12,12 +12,22 @@ Nothing here imports largebatch.train: it drops into any PyTorch loop.
 
 from __future__ import annotations
 
-from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, model_activation_bytes
+from largebatch.memory.activations import (
+    activation_bytes_per_layer,
+    config_layer_kwargs,
+    first_stage_layers,
+    model_activation_bytes,
+    stage_activation_bytes,
+)
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer, hf_eager_layer_bytes
 from largebatch.memory.measure import measure_forward_bytes
+from largebatch.memory.pipeline_schedule import schedule_activation_bytes, walk
+from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep
 from largebatch.memory.recompute import apply_recompute, transformer_layers
 
-__all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "activation_bytes_per_layer", "apply_recompute",
-           "config_from_hf", "config_layer_kwargs", "estimate", "hf_eager_bytes_per_layer", "hf_eager_layer_bytes",
-           "measure_forward_bytes", "model_activation_bytes", "transformer_layers"]
+__all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "Setup", "activation_bytes_per_layer", "apply_recompute",
+           "cheapest_plan", "config_from_hf", "config_layer_kwargs", "estimate", "first_stage_layers",
+           "hf_eager_bytes_per_layer", "hf_eager_layer_bytes", "measure_forward_bytes", "micro_batch_sweep",
+           "model_activation_bytes", "schedule_activation_bytes", "stage_activation_bytes", "transformer_layers",
+           "walk"]
