@@ -57,6 +57,13 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/missing/x.png"],
      ["--plot", "missing", "does not exist; create it first"]),
     (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/x.txt"], ["--plot", ".png"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/seesaw.png/"],
+     ["--plot", "seesaw.png/'", "ends in '/'", "e.g. {tmp}/seesaw.png"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/"],
+     ["--plot", "is a directory", "give a file name"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", ""], ["--plot ''", "empty"]),
+    (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/file/x.png"],
+     ["--plot", "file is a file, not a directory"]),
     (["memory", "--budget-gib", "nan"], ["--budget-gib", "'nan'", "finite"]),
     (["memory", "--budget-gib", "-1"], ["--budget-gib -1", "must be > 0"]),
     (["memory", "--dtype-bytes", "inf"], ["--dtype-bytes", "'inf'"]),
@@ -73,6 +80,9 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),
     (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),
 ]
+if os.path.isdir("/proc/self"):  # a file system that refuses new files whatever the permission bits say
+    CASES.append((["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "/proc/x.png"],
+                  ["--plot '/proc/x.png'", "cannot write a file there"]))
 
 
 @pytest.mark.parametrize("argv, needles", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
@@ -81,7 +91,7 @@ def test_bad_input_is_one_line(argv, needles, paths, capsys, monkeypatch):
     before = sorted(paths.rglob("*"))
     start = time.perf_counter()
     code, out, err = run_cli([a.replace("{tmp}", str(paths)) for a in argv], capsys)
-    assert_one_line_error(code, out, err, *needles)
+    assert_one_line_error(code, out, err, *(n.replace("{tmp}", str(paths)) for n in needles))
     assert sorted(paths.rglob("*")) == before  # refused before any work: nothing was created
     assert time.perf_counter() - start < 15  # n_layer=1e8 is refused from the config, not by building
 

@@ -176,3 +176,18 @@ def test_cli_takes_the_train_spelling_and_the_old_one_alike(capsys):
     assert main(old[:8] + ["--schedule.max_batch_size=0", "--batch-policy", "seesaw"]) == 2
     assert capsys.readouterr().err == ("largebatch schedule: error: schedule.max_batch_size = 0: 0 does not mean "
                                        "off; omit it or give none to turn it off\n")
+
+
+def test_cli_plot_write_failure_after_the_check_is_one_line(tmp_path, capsys, monkeypatch):
+    """A plot that passed the up-front check but fails to write (a disk that filled meanwhile) is one
+    line naming --plot, exit code 2, no traceback."""
+    import largebatch.schedules.cli as schedule_cli
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(schedule_cli, "plot", full_disk)
+    code = main(["--total-tokens", "1e6", "--seq-len", "128", "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--plot" in err and "No space left on device" in err and "x.png" in err

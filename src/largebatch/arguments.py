@@ -61,7 +61,7 @@ def _unwritable_reason(path: Path, what: str) -> str | None:
     return None
 
 
-def _named(field: str, path: Path) -> str:
+def _named(field: str, path: str | Path) -> str:
     """'--out 'x'' for a flag, "run.out_dir = 'x'" for a config field."""
     return f"{field} {str(path)!r}" if field.startswith("-") else f"{field} = {str(path)!r}"
 
@@ -77,17 +77,42 @@ def check_output_dir(path: str | Path, field: str) -> None:
 
 
 def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = ()) -> None:
-    """Raise ValueError naming ``field`` unless ``path`` can be written: its directory exists and is
-    writable, it is not a directory, and its suffix is one of ``suffixes`` (when given)."""
-    path = Path(path)
-    if suffixes and path.suffix.lower() not in suffixes:
-        raise ValueError(f"{_named(field, path)}: the file name must end in {' or '.join(suffixes)}")
-    if path.is_dir():
-        raise ValueError(f"{_named(field, path)} is a directory; give a file name, e.g. {path / 'out'}"
-                         f"{suffixes[0] if suffixes else ''}")
-    parent = Path(os.path.abspath(path)).parent
+    """Raise ValueError naming ``field`` unless ``path`` can be written: it is a file name (not empty,
+    not ending in '/', not a directory), its suffix is one of ``suffixes`` (when given), its directory
+    exists, and a file can really be created there -- probed by creating and removing it, since
+    permission bits do not stop root and some file systems (``/proc``) refuse new files anyway."""
+    text = os.fspath(path)
+    example = f"out{suffixes[0] if suffixes else ''}"
+    if not text.strip():
+        raise ValueError(f"{_named(field, text)}: the file name is empty; give one, e.g. {example}")
+    if os.path.isdir(text):
+        raise ValueError(f"{_named(field, text)} is a directory; give a file name, e.g. "
+                         f"{os.path.join(text, example)}")
+    if text.endswith(tuple(filter(None, ("/", os.sep, os.altsep)))):
+        stripped = text.rstrip("/" + os.sep + (os.altsep or ""))
+        suggestion = (stripped if stripped and (not suffixes or Path(stripped).suffix.lower() in suffixes)
+                      else os.path.join(text, example))
+        raise ValueError(f"{_named(field, text)} ends in '/', which names a directory; give a file "
+                         f"name, e.g. {suggestion}")
+    target = Path(text)
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ValueError(f"{_named(field, text)}: the file name must end in {' or '.join(suffixes)}")
+    parent = Path(os.path.abspath(target)).parent
+    if os.path.lexists(parent) and not parent.is_dir():
+        raise ValueError(f"{_named(field, text)}: {parent} is a file, not a directory; choose a file "
+                         "in a directory")
     if not parent.is_dir():
-        raise ValueError(f"{_named(field, path)}: the directory {parent} does not exist; create it first")
+        raise ValueError(f"{_named(field, text)}: the directory {parent} does not exist; create it first")
     reason = _unwritable_reason(parent, "the file")
     if reason:
-        raise ValueError(f"{_named(field, path)}: {reason}; choose a writable directory")
+        raise ValueError(f"{_named(field, text)}: {reason}; choose a writable directory")
+    try:
+        if os.path.lexists(target):  # opened for appending and closed: its content is untouched
+            with open(target, "ab"):
+                pass
+        else:  # created and removed again: nothing is left behind
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.unlink(target)
+    except OSError as exc:
+        raise ValueError(f"{_named(field, text)}: cannot write a file there ({exc.strerror}); "
+                         "choose a writable directory") from None

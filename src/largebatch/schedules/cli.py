@@ -23,6 +23,7 @@ from largebatch.arguments import OneLineParser, check_output_file
 from largebatch.schedules.config import ScheduleConfig
 from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
@@ -80,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=int, default=1,
                         help="sequences per micro-batch")
     parser.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1, help="data-parallel ranks")
-    parser.add_argument("--plot", metavar="OUT.png", help="write LR and batch size vs tokens")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="write LR and batch size vs tokens to this file (.png, .pdf or .svg; its "
+                             "directory must exist and be writable, checked before any work)")
     names = [f.name for f in dataclasses.fields(ScheduleConfig)]
     add_config_arguments(parser, ScheduleConfig, "schedule.",
                          aliases={f"schedule.{n}": ("--" + n.replace("_", "-"),) for n in names},
@@ -120,11 +123,15 @@ def main(argv: list[str]) -> int:
     try:
         fields = {key.split(".", 1)[1]: value for key, value in config_overrides(args).items()}
         config = ScheduleConfig.from_dict(fields)
-        if args.plot:  # before the work: a plot that cannot be written is known now
-            check_output_file(args.plot, "--plot", suffixes=(".png", ".pdf", ".svg"))
+        if args.plot is not None:  # before the work: a plot that cannot be written is known now
+            check_output_file(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
         print(config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp))
-        if args.plot:
-            plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)
+        if args.plot is not None:
+            try:
+                plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)
+            except OSError as exc:  # checked above; a disk that fills meanwhile still gets one line
+                raise ValueError(f"--plot {args.plot!r}: could not write it ({exc.strerror or exc}); "
+                                 "choose a writable file") from None
             print(f"wrote {args.plot}")
     except ValueError as exc:
         print(f"largebatch schedule: error: {exc}", file=sys.stderr)
