@@ -3,6 +3,7 @@ docs/papers.md: schedules). References are float64 formulas written here from th
 
 import math
 import pickle
+import re
 
 import pytest
 
@@ -142,6 +143,46 @@ def test_smith_holds_the_lr_and_grows_the_batch():
 def test_bad_input_names_the_argument(make, argument):
     with pytest.raises(ValueError, match=argument):
         make(Cosine(PEAK, 1000, 100, 0.1))
+
+
+@pytest.mark.parametrize("make", [
+    lambda c, r: Seesaw(c, 64, ratio=r), lambda c, r: SmithRamp(c, 64, ratio=r)])
+def test_a_ratio_near_1_is_refused_before_its_milestones_are_searched(make):
+    """k_max = floor(log(final_lr) / log(r)) grows without bound as r -> 1 (r = 1/1.0001 gave a
+    23,027-row table); more than 1000 milestones are refused with the largest ratio that fits."""
+    cosine = Cosine(PEAK, 10**6, 10**5, 0.1)
+    largest = 0.1 ** (1 / 1000)  # k_max = 1000 exactly
+    for ratio in (0.999, 1 / 1.0001):
+        k_max = math.floor(math.log(0.1) / math.log(ratio))
+        assert k_max > 1000
+        with pytest.raises(ValueError) as err:
+            make(cosine, ratio)
+        message = str(err.value)
+        assert f"ratio={ratio!r} gives {k_max:,} milestones" in message and "1,000 allowed" in message
+        bound = float(message.split("use ratio in (0.1, ")[1].split("]")[0])
+        assert largest - 1e-6 <= bound <= largest and "\n" not in message
+    at_the_limit = make(Cosine(PEAK, 10**8, 10**7, 0.1), 0.9977)  # 0.1 ** (1/1000) = 0.99770006
+    assert len(at_the_limit.milestones) == len(cosine_milestone_fractions(0.1, 0.1, 0.9977)) == 999
+
+
+@pytest.mark.parametrize("ratio, fragment", [
+    (1e-9, "is below final_lr=0.1"), (0.05, "is below final_lr=0.1"),
+    (0.1, "does not fall to peak_lr * ratio before the end"),  # reached only at the last token
+])
+def test_a_ratio_that_leaves_no_milestone_is_refused(ratio, fragment):
+    """A ratio at or below final_lr leaves k_max < 1 (or its milestone on the last token): the
+    schedule would silently be the base schedule."""
+    cosine = Cosine(PEAK, 10**6, 10**5, 0.1)
+    assert math.floor(math.log(0.1) / math.log(ratio) + 1e-9) <= 1
+    with pytest.raises(ValueError, match=re.escape(f"ratio={ratio!r}")) as err:
+        Seesaw(cosine, 64, ratio=ratio)
+    assert fragment in str(err.value) and "use ratio in (0.1, 0.9977]" in str(err.value)
+
+
+def test_seesaw_family_names_its_ratio_when_it_is_near_1():
+    with pytest.raises(ValueError, match=re.escape("1/(alpha*sqrt(beta))=")) as err:
+        SeesawFamily(Cosine(PEAK, 10**6, 10**5, 0.1), 64, alpha=1.0001, beta=1.0)
+    assert "23,027 milestones" in str(err.value)  # floor(log(0.1) / log(1/1.0001))
 
 
 def run(schedule, seq_len, start, stop, noise_scale_at=None, trace=None):

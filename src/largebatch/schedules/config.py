@@ -94,7 +94,8 @@ class ScheduleConfig:
     batch_table: list = field(default_factory=list)
     """table: [[token fraction, batch size], ...] starting at fraction 0."""
     ratio: float = 0.5
-    """seesaw / smith: the base LR's fall between milestones, in (0, 1) (paper: 1/2, 1/1.1)."""
+    """seesaw / smith: the base LR's fall between milestones (paper: 1/2, 1/1.1), in (final_lr,
+    final_lr ** (1/1000)]: at least one milestone and at most 1000 (0.9977 at final_lr 0.1)."""
     alpha: float | None = None
     """seesaw-family (required there): LR divisor per milestone, alpha >= sqrt(beta);
     ratio = 1/(alpha sqrt(beta))."""

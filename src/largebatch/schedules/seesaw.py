@@ -3,7 +3,8 @@
 Meterez et al. 2025, "Seesaw: Accelerating Training by Balancing Learning Rate and Batch Size
 Scheduling" (docs/papers.md: schedules). Take a base schedule with warmup and decay from ``peak`` to ``final``
 and a ratio r in (0, 1). Milestone k (k = 1 .. k_max, k_max = floor(log(final / peak) / log r)) is
-the first token count after warmup at which the base LR reaches ``peak * r**k``. Seesaw replaces
+the first token count after warmup at which the base LR reaches ``peak * r**k``; a ratio giving no
+milestone (r <= final / peak) or more than ``MAX_MILESTONES`` (r near 1) is refused. Seesaw replaces
 the base decay by steps: at each milestone the LR is multiplied by sqrt(r) and the batch by 1/r;
 both are constant between milestones and warmup is unchanged. For Adam-type optimizers the pair
 (LR * sqrt(r), batch / r) is equivalent to the base's (LR * r, batch), so the loss follows the
@@ -45,23 +46,52 @@ from largebatch.schedules.batch import JointSchedule, check_batch_size, round_do
 from largebatch.schedules.lr import LRSchedule, check_tokens
 
 
-def check_ratio(ratio: float) -> float:
+def check_ratio(ratio: float, name: str = "ratio") -> float:
     """Return ``ratio`` if it lies in (0, 1), else raise naming it."""
     if not 0 < ratio < 1:
-        raise ValueError(f"ratio={ratio!r} must lie in (0, 1): it is the factor by which the base "
+        raise ValueError(f"{name}={ratio!r} must lie in (0, 1): it is the factor by which the base "
                          "LR falls between milestones (the paper uses 1/2 and 1/1.1)")
     return ratio
 
 
-def find_milestones(base: LRSchedule, ratio: float) -> list[int]:
-    """Token counts at which ``base`` first reaches ``peak * ratio**k`` after warmup (k >= 1)."""
-    check_ratio(ratio)
+MAX_MILESTONES = 1000
+"""The most milestones a schedule may have: k_max = floor(log(final_lr) / log(ratio)) grows without
+bound as the ratio nears 1 (r = 0.999 at final_lr 0.1: 2,301; r = 1/1.0001: 23,027), each one a row of
+the phase table and a batch change a few steps apart."""
+
+
+def largest_ratio(final_lr: float) -> float:
+    """The largest ratio that keeps k_max within ``MAX_MILESTONES`` at this ``final_lr`` (a fraction
+    of peak_lr), rounded down to 6 decimals so that the number printed is itself allowed."""
+    return math.floor(final_lr ** (1 / MAX_MILESTONES) * 1e6) / 1e6
+
+
+def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list[int]:
+    """Token counts at which ``base`` first reaches ``peak * ratio**k`` after warmup (k >= 1).
+
+    Refuses (naming the ratio as ``name``) a ratio that gives more than ``MAX_MILESTONES``
+    milestones -- counted from k_max before any is searched for -- and one that gives none (below
+    final_lr, or a base LR that never falls that far before the end of its budget): such a
+    schedule would be the base schedule under another name."""
+    check_ratio(ratio, name)
     if base.total_tokens is None or base.final_lr <= 0:
         raise ValueError(
             f"the base schedule needs a token budget and final_lr > 0 (got final_lr="
             f"{base.final_lr}): k_max = floor(log(final_lr) / log(ratio)) milestones (final_lr is "
             "a fraction of peak_lr); set final_lr, e.g. 0.1")
-    k_max = math.floor(math.log(base.end_lr / base.peak_lr) / math.log(ratio) + 1e-9)
+    final = base.end_lr / base.peak_lr
+    allowed = f"use {name} in ({final:g}, {largest_ratio(final):g}] for final_lr={final:g}"
+    k_max = math.floor(math.log(final) / math.log(ratio) + 1e-9)
+    if k_max > MAX_MILESTONES:
+        raise ValueError(
+            f"{name}={ratio!r} gives {k_max:,} milestones (floor(log(final_lr={final:g}) / "
+            f"log({name}))), more than the {MAX_MILESTONES:,} allowed: the batch would change every "
+            f"few steps; {allowed} (the paper uses 1/2 and 1/1.1)")
+    if k_max < 1:
+        raise ValueError(
+            f"{name}={ratio!r} is below final_lr={final:g}: the base LR never falls to peak_lr * "
+            f"{name}, so there would be no milestone and the schedule would be the base's; {allowed} "
+            "(the paper uses 1/2 and 1/1.1)")
     milestones, lo = [], base.warmup_tokens
     for k in range(1, k_max + 1):
         target = base.peak_lr * ratio**k * (1 + 1e-12)
@@ -74,6 +104,11 @@ def find_milestones(base: LRSchedule, ratio: float) -> list[int]:
         if hi >= base.total_tokens:
             break  # reached only at the end of the budget: a phase of zero length
         milestones.append(hi)
+    if not milestones:
+        raise ValueError(
+            f"{name}={ratio!r}: the base LR ({type(base).__name__}, final_lr={final:g}) does not fall "
+            f"to peak_lr * {name} before the end of its budget, so there would be no milestone and "
+            f"the schedule would be the base's; {allowed}, on a base that decays")
     return milestones
 
 
@@ -84,9 +119,9 @@ class MilestoneSchedule(JointSchedule):
     def __init__(self, base: LRSchedule, batch_size: int, ratio: float, batch_growth: float,
                  lr_batch_exponent: float, max_batch_size: int | None = None,
                  micro_batch: int = 1, dp_size: int = 1,
-                 noise_scale_multiple: float | None = None):
+                 noise_scale_multiple: float | None = None, ratio_name: str = "ratio"):
         self.lr_schedule, self.micro_batch, self.dp_size = base, micro_batch, dp_size
-        self.milestones = find_milestones(base, ratio)
+        self.milestones = find_milestones(base, ratio, ratio_name)
         self.total_tokens = int(base.total_tokens)
         self.start_batch = check_batch_size(batch_size, micro_batch, dp_size)
         if max_batch_size is not None:
@@ -224,7 +259,8 @@ class SeesawFamily(MilestoneSchedule):
                              "it is 1/ratio, the base LR's fall per milestone")
         self.alpha, self.beta = alpha, beta
         super().__init__(base, batch_size, 1 / (alpha * math.sqrt(beta)), beta, 0.5,
-                         max_batch_size, micro_batch, dp_size, noise_scale_multiple)
+                         max_batch_size, micro_batch, dp_size, noise_scale_multiple,
+                         ratio_name="1/(alpha*sqrt(beta))")
 
 
 class SmithRamp(MilestoneSchedule):
