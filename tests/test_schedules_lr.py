@@ -87,6 +87,16 @@ def test_inverse_sqrt():
     assert sched(100 * WARMUP) == pytest.approx(PEAK / 10)
 
 
+def test_inverse_sqrt_holds_its_last_value_past_the_budget():
+    """Past total_tokens every schedule holds its final value; InverseSqrt too (it decayed on)."""
+    sched = InverseSqrt(PEAK, TOTAL, WARMUP)
+    last = PEAK * math.sqrt(WARMUP / TOTAL)  # sqrt(0.1): 0.316 x peak
+    assert sched(TOTAL // 2) == pytest.approx(PEAK * math.sqrt(2 * WARMUP / TOTAL), rel=1e-12)
+    for t in (TOTAL, TOTAL + 1, 4 * TOTAL, 10**12):
+        assert sched(t) == pytest.approx(last, rel=1e-12)
+    assert InverseSqrt(PEAK, None, WARMUP)(4 * TOTAL) == pytest.approx(last / 2)  # no budget: decays on
+
+
 def test_schedules_pickle_and_rebuild_from_state():
     schedules = (Cosine(PEAK, TOTAL, WARMUP, FRACTION),
                  WSD(PEAK, TOTAL, WARMUP, FRACTION, 0.1, "1-sqrt"),

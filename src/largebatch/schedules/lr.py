@@ -19,7 +19,8 @@ the progress through the decay:
 * ``WarmupHoldPolynomial``  LANS (Zheng et al. 2020), with u = t / T, w = W / T, c = hold / T:
                     u < w: peak * u / w;  w <= u < w + c: peak;
                     else peak * ((1 - u) / (1 - w - c)) ** power
-* ``InverseSqrt``   lr = peak * sqrt(W / t) after warmup (Vaswani et al. 2017)
+* ``InverseSqrt``   lr = peak * sqrt(W / min(t, T)) after warmup (Vaswani et al. 2017; without a
+                    ``total_tokens``, sqrt(W / t) for ever)
 
 ``final_lr`` is a fraction of ``peak_lr`` everywhere in largebatch (these classes, ``[schedule]``
 configs, the CLI): ``Cosine(3e-4, T, W, final_lr=0.1)`` ends at 3e-5. A shape relative to the peak
@@ -213,7 +214,9 @@ class WarmupHoldPolynomial(LRSchedule):
 
 @dataclass(frozen=True)
 class InverseSqrt(LRSchedule):
-    """Linear warmup, then ``peak * sqrt(warmup_tokens / tokens)`` (Vaswani et al. 2017)."""
+    """Linear warmup, then ``peak * sqrt(warmup_tokens / tokens)`` (Vaswani et al. 2017). With a
+    ``total_tokens`` it holds ``peak * sqrt(warmup_tokens / total_tokens)`` past the budget, as every
+    schedule does; without one it decays on."""
 
     needs_total: ClassVar[bool] = False
 
@@ -223,6 +226,8 @@ class InverseSqrt(LRSchedule):
             raise ValueError("InverseSqrt needs warmup_tokens > 0 (the decay is relative to it)")
 
     def _decay(self, tokens: float) -> float:
+        if self.total_tokens is not None:
+            tokens = min(tokens, self.total_tokens)  # past the budget: hold the last value
         return self.peak_lr * math.sqrt(self.warmup_tokens / tokens)
 
 
