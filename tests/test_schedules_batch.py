@@ -63,6 +63,16 @@ def test_piecewise_table():
         PiecewiseBatch(Cosine(1.0, 1000), [(10, 16)])
 
 
+def test_piecewise_table_row_past_the_budget_is_refused():
+    """A row starting at or past total_tokens would never be used: refused, not silently kept."""
+    with pytest.raises(ValueError, match=r"table start token 1000 is at or past total_tokens=1000"):
+        PiecewiseBatch(Cosine(1.0, 1000), [(0, 16), (1000, 32)])
+    with pytest.raises(ValueError, match=r"table start token 5000 is at or past total_tokens=1000"):
+        PiecewiseBatch(Cosine(1.0, 10_000), [(0, 16), (5000, 32)], total_tokens=1000)
+    last = PiecewiseBatch(Cosine(1.0, 1000), [(0, 16), (999, 32)])  # the last token still counts
+    assert [last.batch_size(t) for t in (998, 999)] == [16, 32]
+
+
 @pytest.mark.parametrize("seq_len", [1, 7, 64])
 def test_step_count_matches_simulation(seq_len):
     lr = Cosine(1.0, 200_000, 20_000, 0.1)

@@ -102,6 +102,11 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
     ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
      "table batch at token 5000000=62"),
     ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "schedule.max_batch_size = -4: must be > 0"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [1.0, 128]]}, {},
+     "schedule.batch_table = [[0, 64], [1.0, 128]]: the fraction 1.0 must lie in [0, 1)"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [1.5, 128]]}, {}, "the fraction 1.5 must lie in [0, 1)"),
+    ({"batch_policy": "table"}, {}, "schedule.batch_table = []: batch_policy 'table' needs"),
+    ({"batch_policy": "table", "batch_table": [[0, 64, 2]]}, {}, "row [0, 64, 2] is not [token fraction, batch"),
     ({"noise_scale_multiple": 2.0}, {}, "schedule.noise_scale_multiple = 2.0: only applies"),
 ])
 def test_bad_config_names_the_field(overrides, build_args, fragment):

@@ -326,6 +326,10 @@ class PiecewiseBatch(_PlainLR):
             if start <= prev:
                 raise ValueError(f"table start tokens must increase strictly; got {prev} then "
                                  f"{start}")
+        if rows[-1][0] >= self.total_tokens:
+            raise ValueError(f"table start token {rows[-1][0]} is at or past total_tokens="
+                             f"{self.total_tokens}: that batch would never be used; drop the row or "
+                             "start it inside the budget")
         for start, batch in rows:
             check_batch_size(batch, micro_batch, dp_size, name=f"table batch at token {start}")
         self.starts = [start for start, _ in rows]

@@ -92,7 +92,7 @@ class ScheduleConfig:
     ramp_tokens: float = 0.1
     """ramp: share of the token budget over which the batch ramps up to batch_size."""
     batch_table: list = field(default_factory=list)
-    """table: [[token fraction, batch size], ...] starting at fraction 0."""
+    """table: [[token fraction, batch size], ...] starting at fraction 0, every fraction in [0, 1)."""
     ratio: float = 0.5
     """seesaw / smith: the base LR's fall between milestones (paper: 1/2, 1/1.1), in (final_lr,
     final_lr ** (1/1000)]: at least one milestone and at most 1000 (0.9977 at final_lr 0.1)."""
@@ -163,6 +163,20 @@ class ScheduleConfig:
                        f"{self.batch_size - self.ramp_start}")
         if not 0 < self.ramp_tokens <= 1:
             self._fail("ramp_tokens", "must lie in (0, 1]: it is a fraction of the token budget")
+
+    def _validate_table(self) -> None:
+        example = "e.g. [[0, 64], [0.5, 128]]"
+        if not self.batch_table:
+            self._fail("batch_table", f"batch_policy 'table' needs [[token fraction, batch size], ...] "
+                       f"starting at fraction 0, {example}")
+        for row in self.batch_table:
+            if (not isinstance(row, (list, tuple)) or len(row) != 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)):
+                self._fail("batch_table", f"row {row!r} is not [token fraction, batch size], {example}")
+            if not 0 <= row[0] < 1:
+                self._fail("batch_table", f"the fraction {row[0]!r} must lie in [0, 1): it is the share "
+                           "of the token budget where that batch starts, and a row at 1 or later would "
+                           f"never be used; drop it or give a fraction below 1, {example}")
 
     def coupled_peak_lr(self) -> float:
         """peak_lr after the lr_coupling policy moves it from reference_batch_size to batch_size."""
@@ -248,7 +262,7 @@ register_batch_policy("ramp", lambda c, lr, total, sizes: LinearRamp(
     validate=ScheduleConfig._validate_ramp)
 register_batch_policy("table", lambda c, lr, total, sizes: PiecewiseBatch(
     lr, [(round(fraction * total), int(b)) for fraction, b in c.batch_table], **sizes),
-    help="piecewise constant from batch_table")
+    help="piecewise constant from batch_table", validate=ScheduleConfig._validate_table)
 register_batch_policy("seesaw", lambda c, lr, total, sizes: Seesaw(lr, c.batch_size, c.ratio, **sizes),
                       help="Seesaw (Meterez et al. 2025): at each milestone of the LR schedule, LR x sqrt(ratio) "
                            "and batch / ratio", milestones=True)
