@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from largebatch.schedules import (
+    Constant,
     ConstantBatch,
     Cosine,
     LinearRamp,
@@ -141,3 +142,29 @@ def test_ramp_step_count_property(start, increments, step, ramp_share, seq_len, 
                       4 * (start + increments * step), micro_batch=4)
     assert count_optimizer_steps(ramp, seq_len) == simulate_steps(ramp, seq_len)
     assert ramp.batch_size(numpy.int64(0)) == check_batch_size(numpy.int64(4 * start), 4)
+
+
+def test_a_budget_past_the_lr_schedules_is_warned_about():
+    """ConstantBatch, LinearRamp and PiecewiseBatch take a total_tokens of their own; past the LR
+    schedule's the decay was planned for a shorter run and its final LR is held: a warning names both
+    budgets and the fix. Within it (a shorter run), or with a Constant LR, there is none."""
+    import warnings
+
+    cosine = Cosine(1.0, 10_000, 1000, 0.1)
+    builds = (lambda total: ConstantBatch(cosine, 8, total_tokens=total),
+              lambda total: LinearRamp(cosine, 2, 2, 3000, 8, total_tokens=total),
+              lambda total: PiecewiseBatch(cosine, [(0, 4), (5000, 8)], total_tokens=total))
+    for build in builds:
+        with pytest.warns(UserWarning) as caught:
+            schedule = build(100_000)
+        assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+        message = str(caught[0].message)
+        assert ("total_tokens=100,000 is past the LR schedule's total_tokens=10,000" in message
+                and "last 90,000 tokens" in message and "total_tokens=100000" in message)
+        assert schedule.lr(99_999) == pytest.approx(0.1)  # the held final LR, final_lr * peak
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build(None), build(10_000), build(6000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ConstantBatch(Constant(1.0, 1000), 8, total_tokens=100_000)  # no decay to have planned

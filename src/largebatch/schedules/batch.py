@@ -27,10 +27,11 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from largebatch.schedules.lr import LRSchedule, check_tokens, upgrade_lr_state
+from largebatch.schedules.lr import Constant, LRSchedule, check_tokens, upgrade_lr_state
 
 
 def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
@@ -228,12 +229,23 @@ def format_phase_table(phases: Sequence[Phase]) -> str:
 
 
 def _resolve_total(lr_schedule: LRSchedule, total_tokens: int | None) -> int:
+    """The joint schedule's budget: ``total_tokens``, else the LR schedule's. A budget past the LR
+    schedule's is allowed (its final LR is held, as past any budget) but warned about, since its
+    decay was then planned for a shorter run -- except for a ``Constant`` LR, which has no decay."""
     total = lr_schedule.total_tokens if total_tokens is None else total_tokens
     if total is None:
         raise ValueError(f"total_tokens is required: {type(lr_schedule).__name__} has no budget")
     check_tokens(total, "total_tokens")
     if total <= 0:
         raise ValueError(f"total_tokens={total} must be positive")
+    lr_total = lr_schedule.total_tokens
+    if lr_total is not None and total > lr_total and not isinstance(lr_schedule, Constant):
+        warnings.warn(
+            f"total_tokens={int(total):,} is past the LR schedule's total_tokens={int(lr_total):,}: "
+            f"its last {int(total - lr_total):,} tokens run at the held final LR "
+            f"{lr_schedule(lr_total):.4g}; build the {type(lr_schedule).__name__} with total_tokens="
+            f"{int(total)} (or pass total_tokens <= {int(lr_total)}) unless that is meant",
+            UserWarning, stacklevel=3)
     return int(total)
 
 
