@@ -102,6 +102,8 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
     ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
      "table batch at token 5000000=62"),
     ({"batch_policy": "seesaw", "max_batch_size": -4}, {}, "schedule.max_batch_size = -4: must be > 0"),
+    ({"batch_size": 0}, {}, "schedule.batch_size = 0: must be a positive number of sequences"),
+    ({"batch_size": 0, "batch_policy": "seesaw"}, {}, "schedule.batch_size = 0: must be a positive"),
     ({"batch_policy": "table", "batch_table": [[0, 64], [1.0, 128]]}, {},
      "schedule.batch_table = [[0, 64], [1.0, 128]]: the fraction 1.0 must lie in [0, 1)"),
     ({"batch_policy": "table", "batch_table": [[0, 64], [1.5, 128]]}, {}, "the fraction 1.5 must lie in [0, 1)"),
@@ -113,6 +115,8 @@ def test_bad_config_names_the_field(overrides, build_args, fragment):
     with pytest.raises(ValueError) as err:
         ScheduleConfig(**overrides).build(TOTAL, SEQ, **build_args)
     assert fragment in str(err.value)
+    if "batch_size = 0" in fragment:  # it is not about reference_batch_size, which was not given
+        assert "reference_batch_size" not in str(err.value)
 
 
 def test_from_dict_suggests_a_close_field():

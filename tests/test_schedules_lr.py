@@ -127,6 +127,30 @@ def test_bad_input_names_the_argument(make, argument):
         make()
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: Cosine("2e-3", TOTAL), "peak_lr='2e-3' is a str, not a number; pass a number, e.g. peak_lr=0.002"),
+    (lambda: Cosine(PEAK, "1000000"), "total_tokens='1000000' is a str, not a number; pass a number, "
+                                      "e.g. total_tokens=1000000"),
+    (lambda: Cosine(PEAK, TOTAL, WARMUP, "0.1"), "final_lr='0.1' is a str"),
+    (lambda: WSD(PEAK, TOTAL, cooldown_fraction="0.2"), "cooldown_fraction='0.2' is a str"),
+    (lambda: WarmupHoldPolynomial(PEAK, TOTAL, power="2"), "power='2' is a str"),
+    (lambda: Cosine(PEAK, TOTAL)("5"), "tokens='5' is a str, not a number; pass a number, e.g. tokens=5"),
+    (lambda: Cosine(PEAK, TOTAL)(None), "tokens=None is a NoneType, not a number"),
+])
+def test_a_string_argument_is_a_type_error_naming_it(make, message):
+    with pytest.raises(TypeError) as err:
+        make()
+    assert str(err.value) == message or str(err.value).startswith(message)
+
+
+def test_coupling_error_names_only_the_bad_batch_size():
+    with pytest.raises(ValueError) as err:
+        scale_lr_for_batch(1e-3, 0, 256, "sqrt")
+    assert str(err.value).startswith("batch_size=0 must be positive") and "reference" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^reference_batch_size=0 must be positive"):
+        scale_lr_for_batch(1e-3, 64, 0, "sqrt")
+
+
 def test_lr_batch_coupling_policies():
     assert scale_lr_for_batch(1e-3, 1024, 256, "none") == 1e-3
     assert scale_lr_for_batch(1e-3, 1024, 256, "linear") == pytest.approx(4e-3)

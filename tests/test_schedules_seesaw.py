@@ -185,6 +185,18 @@ def test_seesaw_family_names_its_ratio_when_it_is_near_1():
     assert "23,027 milestones" in str(err.value)  # floor(log(0.1) / log(1/1.0001))
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda c: Seesaw(c, 64, ratio="0.5"), "ratio='0.5' is a str, not a number; pass a number, e.g. ratio=0.5"),
+    (lambda c: SmithRamp(c, 64, ratio="1/2"), "ratio='1/2' is a str, not a number"),
+    (lambda c: SeesawFamily(c, 64, alpha="2", beta=2.0), "alpha='2' is a str, not a number"),
+    (lambda c: Seesaw(c, 64, noise_scale_multiple="2"), "noise_scale_multiple='2' is a str"),
+])
+def test_a_string_argument_is_a_type_error_naming_it(make, message):
+    with pytest.raises(TypeError) as err:
+        make(Cosine(PEAK, 1000, 100, 0.1))
+    assert str(err.value).startswith(message)
+
+
 def run(schedule, seq_len, start, stop, noise_scale_at=None, trace=None):
     """Train-loop stand-in: step through tokens, feeding a B_simple estimate every step."""
     tokens = start

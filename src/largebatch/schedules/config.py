@@ -127,6 +127,9 @@ class ScheduleConfig:
                 self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
         for name in OFF_FIELDS:
             check_off(f"schedule.{name}", getattr(self, name))
+        if self.batch_size <= 0:
+            self._fail("batch_size", "must be a positive number of sequences per optimizer step "
+                       "(a multiple of micro_batch x data-parallel ranks), e.g. 64")
         if not 0 <= self.warmup < 1:
             self._fail("warmup", "must lie in [0, 1): it is a fraction of the token budget")
         if not 0 <= self.final_lr <= 1:

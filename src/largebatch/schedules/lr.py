@@ -37,6 +37,7 @@ square root -- Krizhevsky 2014 / the Adam SDE rule) for users who change the bas
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal, get_args
 
@@ -46,9 +47,36 @@ COUPLING_POLICIES = get_args(Coupling)
 WSD_SHAPES = get_args(WSDShape)
 
 
+def _not_a_number(value, name: str) -> TypeError:
+    """The TypeError for a non-number argument, naming it (a numeric string gets its number back)."""
+    example = f"{name}=0.5"
+    if isinstance(value, str):
+        try:
+            number = float(value)
+            example = f"{name}={int(number) if number.is_integer() else number!r}"
+        except (ValueError, OverflowError):
+            pass
+    return TypeError(f"{name}={value!r} is a {type(value).__name__}, not a number; pass a number, "
+                     f"e.g. {example}")
+
+
+def check_number(value, name: str) -> float:
+    """Return ``value`` if it is a real number (int, float, numpy scalar; not bool or str), else
+    raise a TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _not_a_number(value, name)
+    return value
+
+
 def check_tokens(tokens: float, name: str = "tokens") -> float:
     """Reject negative or non-finite token counts with an error naming the argument."""
-    if not math.isfinite(tokens) or tokens < 0:
+    if isinstance(tokens, (str, bytes)):
+        raise _not_a_number(tokens, name)
+    try:  # not a numbers.Real check: a 0-d tensor of tokens is fine here
+        finite = math.isfinite(tokens)
+    except TypeError:
+        raise _not_a_number(tokens, name) from None
+    if not finite or tokens < 0:
         raise ValueError(f"{name}={tokens!r}: token counts must be finite and >= 0")
     return tokens
 
@@ -68,6 +96,8 @@ class LRSchedule:
     needs_total: ClassVar[bool] = True  # the shape is defined relative to the token budget
 
     def __post_init__(self) -> None:
+        check_number(self.peak_lr, "peak_lr")
+        check_number(self.final_lr, "final_lr")
         if not math.isfinite(self.peak_lr) or self.peak_lr <= 0:
             raise ValueError(f"peak_lr={self.peak_lr!r} must be a positive finite number")
         if not 0 <= self.final_lr <= 1:
@@ -151,6 +181,7 @@ class WSD(LRSchedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_number(self.cooldown_fraction, "cooldown_fraction")
         if self.shape not in WSD_SHAPES:
             raise ValueError(f"shape={self.shape!r} is not one of {WSD_SHAPES}")
         if self.shape == "exponential" and self.final_lr <= 0:
@@ -193,6 +224,7 @@ class WarmupHoldPolynomial(LRSchedule):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_tokens(self.hold_tokens, "hold_tokens")
+        check_number(self.power, "power")
         if self.final_lr != 0:
             raise ValueError(f"final_lr={self.final_lr!r}: LANS's polynomial decay ends at 0")
         if self.warmup_tokens + self.hold_tokens >= self.total_tokens:
@@ -270,8 +302,12 @@ def scale_lr_for_batch(lr: float, batch_size: int, reference_batch_size: int,
     """
     if policy not in COUPLING_POLICIES:
         raise ValueError(f"lr coupling policy={policy!r} is not one of {COUPLING_POLICIES}")
-    if batch_size <= 0 or reference_batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size} and reference_batch_size="
-                         f"{reference_batch_size} must be positive")
+    check_number(batch_size, "batch_size")
+    check_number(reference_batch_size, "reference_batch_size")
+    bad = [f"{name}={value!r}" for name, value in (("batch_size", batch_size),
+                                                   ("reference_batch_size", reference_batch_size))
+           if not value > 0]
+    if bad:
+        raise ValueError(f"{' and '.join(bad)} must be positive (sequences per optimizer step)")
     exponent = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[policy]
     return lr * (batch_size / reference_batch_size) ** exponent

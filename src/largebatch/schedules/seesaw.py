@@ -43,11 +43,12 @@ import bisect
 import math
 
 from largebatch.schedules.batch import JointSchedule, check_batch_size, round_down_to_multiple
-from largebatch.schedules.lr import LRSchedule, check_tokens
+from largebatch.schedules.lr import LRSchedule, check_number, check_tokens
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> float:
     """Return ``ratio`` if it lies in (0, 1), else raise naming it."""
+    check_number(ratio, name)
     if not 0 < ratio < 1:
         raise ValueError(f"{name}={ratio!r} must lie in (0, 1): it is the factor by which the base "
                          "LR falls between milestones (the paper uses 1/2 and 1/1.1)")
@@ -129,6 +130,8 @@ class MilestoneSchedule(JointSchedule):
             if max_batch_size < batch_size:
                 raise ValueError(f"max_batch_size={max_batch_size} is below batch_size="
                                  f"{batch_size}; raise it or leave it unset")
+        if noise_scale_multiple is not None:
+            check_number(noise_scale_multiple, "noise_scale_multiple")
         if noise_scale_multiple is not None and not noise_scale_multiple > 0:
             raise ValueError(f"noise_scale_multiple={noise_scale_multiple!r} must be > 0 "
                              "(the batch is capped at this multiple of B_simple) or None")
@@ -244,6 +247,7 @@ class SeesawFamily(MilestoneSchedule):
     def __init__(self, base: LRSchedule, batch_size: int, alpha: float, beta: float,
                  max_batch_size: int | None = None, micro_batch: int = 1, dp_size: int = 1,
                  noise_scale_multiple: float | None = None):
+        check_number(alpha, "alpha"), check_number(beta, "beta")
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta >= 1 and alpha * beta > 0):
             raise ValueError(f"alpha={alpha!r}, beta={beta!r}: need beta >= 1 (batch growth per "
                              "milestone) and alpha > 0 (LR divisor)")
