@@ -263,3 +263,31 @@ def test_read_only_disk_is_one_line_and_keeps_the_previous_checkpoint(reference_
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "run.out_dir" in errors[0] and "not writable" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_output_file_that_is_a_named_pipe_is_refused_without_opening_it(tmp_path):
+    """Opening a FIFO to probe it would block until a reader came; it is refused from its type."""
+    import threading
+
+    from largebatch.arguments import check_output_file
+
+    pipe = tmp_path / "pipe.png"
+    os.mkfifo(pipe)
+    outcome = []
+
+    def check():
+        try:
+            check_output_file(str(pipe), "--plot", suffixes=(".png",))
+            outcome.append(None)
+        except ValueError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():  # blocked opening the pipe: a reader releases it before the test fails
+        os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("check_output_file blocked opening a named pipe")
+    assert outcome[0] is not None and "pipe.png' exists and is not a regular file" in outcome[0]

@@ -106,6 +106,8 @@ def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = 
     reason = _unwritable_reason(parent, "the file")
     if reason:
         raise ValueError(f"{_named(field, text)}: {reason}; choose a writable directory")
+    if os.path.exists(target) and not target.is_file():  # a FIFO would block the probe below
+        raise ValueError(f"{_named(field, text)} exists and is not a regular file; choose another name")
     try:
         if os.path.lexists(target):  # opened for appending and closed: its content is untouched
             with open(target, "ab"):
