@@ -276,3 +276,20 @@ def test_a_state_saved_with_an_absolute_final_lr_still_loads():
     old["config"]["lr_schedule"] = {**old_lr, "final_lr": 0.2 * 6e-3}  # a different schedule
     with pytest.raises(ValueError, match="checkpoint schedule has lr_schedule="):
         seesaw.load_state_dict(old)
+
+
+def test_seesaw_on_an_inverse_sqrt_base_cuts_where_its_lr_crosses_each_level():
+    """InverseSqrt has no final_lr: its end is peak * sqrt(W / T). Milestone k is where
+    peak * sqrt(W / t) = peak * r^k, t_k = W * r^(-2k), for every k the budget reaches (it was
+    refused for a final_lr of 0)."""
+    from largebatch.schedules import InverseSqrt, find_milestones
+
+    warmup, total, r = 10_000, 1_000_000, 0.5
+    base = InverseSqrt(3e-4, total, warmup)
+    assert base.end_lr == pytest.approx(3e-4 * math.sqrt(warmup / total), rel=1e-12)
+    expected = [warmup * r ** (-2 * k) for k in range(1, 10) if warmup * r ** (-2 * k) < total]
+    assert len(expected) == 3
+    assert find_milestones(base, r) == pytest.approx(expected, abs=1)
+    schedule = Seesaw(base, batch_size=8, ratio=r)
+    assert [schedule.batch_size(t + 1) for t in expected] == [16, 32, 64]
+    assert [schedule.lr(t + 1) for t in expected] == pytest.approx([3e-4 * math.sqrt(r) ** k for k in (1, 2, 3)])

@@ -262,6 +262,14 @@ class InverseSqrt(LRSchedule):
             tokens = min(tokens, self.total_tokens)  # past the budget: hold the last value
         return self.peak_lr * math.sqrt(self.warmup_tokens / tokens)
 
+    @property
+    def end_lr(self) -> float:
+        """The LR at the end of the budget, ``peak * sqrt(warmup_tokens / total_tokens)`` (final_lr
+        plays no part in this schedule); 0 without a budget (it decays on)."""
+        if self.total_tokens is None:
+            return 0.0
+        return self._decay(self.total_tokens)
+
 
 LR_SCHEDULES: dict[str, type[LRSchedule]] = {
     cls.__name__: cls

@@ -75,9 +75,9 @@ def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list
     final_lr, or a base LR that never falls that far before the end of its budget): such a
     schedule would be the base schedule under another name."""
     check_ratio(ratio, name)
-    if base.total_tokens is None or base.final_lr <= 0:
+    if base.total_tokens is None or base.end_lr <= 0:
         raise ValueError(
-            f"the base schedule needs a token budget and final_lr > 0 (got final_lr="
+            f"the base schedule needs a token budget and an LR above 0 at its end (got final_lr="
             f"{base.final_lr}): k_max = floor(log(final_lr) / log(ratio)) milestones (final_lr is "
             "a fraction of peak_lr); set final_lr, e.g. 0.1")
     final = base.end_lr / base.peak_lr
