@@ -73,6 +73,9 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--run.out_dir={tmp}/file"], ["run.out_dir", "is a file, not a directory"]),
     (["train", "--run.out_dir={tmp}/file/run"], ["run.out_dir", "is a file, so the directory cannot"]),
     (["train", "--run.out_dir=runs/{foo}"], ["run.out_dir", "{foo}", "use only {time} and {kind}"]),
+    # file systems that look writable (to root) but refuse new directories: --check probes for real
+    (["train", "--run.out_dir=/sys/x", "--check"], ["run.out_dir = '/sys/x'", "choose a writable directory"]),
+    (["train", "--run.out_dir=/proc/x", "--check"], ["run.out_dir = '/proc/x'", "choose a writable directory"]),
     (["train", "--run.out_dir=runs/{time"], ["run.out_dir", "'runs/{time'"]),
     (["train", "--run.device=tpu"], ["run.device", "'tpu'", "'cuda:N'"]),
     (["train", "--data.tokenizer_file={tmp}/tokenizer.json"], ["tokenizer_file", "not a tokenizer.json"]),

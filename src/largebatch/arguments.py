@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 # import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
@@ -67,13 +68,20 @@ def _named(field: str, path: str | Path) -> str:
 
 
 def check_output_dir(path: str | Path, field: str) -> None:
-    """Raise ValueError naming ``field`` unless ``path`` is, or can be made, a writable directory."""
+    """Raise ValueError naming ``field`` unless ``path`` is, or can be made, a writable directory (a
+    directory is created in it, or in its nearest existing parent, and removed again)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{_named(field, path)} is a file, not a directory; choose a directory path")
     reason = _unwritable_reason(path, "the directory")
     if reason:
         raise ValueError(f"{_named(field, path)}: {reason}; choose a writable directory")
+    base = _nearest_existing(path)  # probed for real: permission bits do not stop root, and some
+    try:  # file systems (/proc, /sys) look writable but refuse new entries
+        os.rmdir(tempfile.mkdtemp(prefix=".largebatch-probe-", dir=base))
+    except OSError as exc:
+        raise ValueError(f"{_named(field, path)}: cannot create a directory in {base} ({exc.strerror}); "
+                         "choose a writable directory") from None
 
 
 def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = ()) -> None:
