@@ -224,3 +224,7 @@ def test_the_documented_cli_line_is_what_the_code_prints(tmp_path, capsys):
     docs = (ROOT / "docs" / "memory.md").read_text()
     for line in lines:
         assert line in docs
+    # with --attention sdpa the model is not transformers' eager one: no comparison with it
+    assert memory_main(["--hf-config", str(tmp_path / "tiny-gpt2.json"), "--micro-batch", "4",
+                        "--dtype-bytes", "4", "--attention", "sdpa"]) == 0
+    assert "HF eager" not in capsys.readouterr().out

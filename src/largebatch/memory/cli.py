@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget_gib is not None:
             check_plannable(config, setup)
         lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
-        if args.hf_config:
+        if eager:  # (with --attention sdpa the model is not transformers' eager one)
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,
