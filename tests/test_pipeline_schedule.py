@@ -137,6 +137,10 @@ def test_memory_cli_reports_every_schedule_with_its_bubble(capsys):
     for name in ("interleaved-zb", "zbv"):  # lower bounds: torch keeps more than the walk counts
         assert rows[name].split()[1] == "96.00" and rows[name].split()[2].startswith(">=")
     assert "lower bound" in out
+    # one column for activations, also past 100 GiB (micro-batch 8: 128-831 GiB)
+    assert main(flags + ["--micro-batch", "8"]) == 0
+    wide = [line for line in capsys.readouterr().out.splitlines() if " GiB   0." in line]
+    assert len(wide) == len(SCHEDULES) and len({line.index(" GiB") for line in wide}) == 1
     docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
     table = out[out.index("First pipeline stage"):out.index("lower bound")].splitlines()
     assert all(line in docs for line in table)  # docs/memory.md shows this command's table

@@ -230,7 +230,7 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
     kw = dict(tp=setup.tp, sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes)
     lines = ["", f"First pipeline stage, p = {p}, m = {m}, no recompute (Korthikanti et al. 2022 §4.2.3);",
              "bubble: the idle share of torch's action lists, a forward, input- and weight-gradient 1 slot each:",
-             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>11}  {'bubble':>6}  {'measured':>8}  rule",
+             f"  {'schedule':<17} {'layers worth':>12}  {'activations':>13}  {'bubble':>6}  {'measured':>8}  rule",
              *skipped]
     for name, v, rule in rows:
         try:
@@ -240,7 +240,7 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
                 raise
             walked, rule = None, f"no walk: {err}"
         if name in ZERO_BUBBLE and walked is None:
-            lines.append(f"  {name:<17} {'-':>12}  {'-':>11}  {'-':>6}  {MEASURED[name]:>7.3f}x  {rule}")
+            lines.append(f"  {name:<17} {'-':>12}  {'-':>13}  {'-':>6}  {MEASURED[name]:>7.3f}x  {rule}")
             continue
         if name in ZERO_BUBBLE:
             worth = walked.layers_worth(L)
@@ -251,7 +251,7 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
                                           micro_batches=m, **kw)
         bubble = f"{walked.bubble:>6.3f}" if walked else f"{'-':>6}"
         bound = ">=" if name in ZERO_BUBBLE else "  "
-        lines.append(f"  {name:<17} {worth:>12.2f}  {bound}{acts / GIB:>5.2f} GiB  {bubble}  {MEASURED[name]:>7.3f}x"
+        lines.append(f"  {name:<17} {worth:>12.2f}  {bound}{acts / GIB:>7.2f} GiB  {bubble}  {MEASURED[name]:>7.3f}x"
                      f"  {rule}")
     lines.append("  measured: peak bytes on the first stage's rank over the row's model, 2 gloo ranks, 4-layer fp32 "
                  "GPT, V = 2, m = 4")
