@@ -16,3 +16,7 @@ timeout 480 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"
 # the trainer's step reading the device every step vs only when it logs (what only a GPU shows:
 # the host stops queueing kernels at each read); the CPU run of the same script shows equal times
 timeout 120 "$PYTHON" benchmarks/step_sync.py --device cuda --layers 12 --embd 768 --steps 20
+# run.on_nonfinite = "skip" decided on the device, on the device (run.device = auto picks it): no host
+# read in a step that does not log, and a non-finite step taken back bit for bit, for LAMB/LANS
+# (capturable) and torch's AdamW, fused and default (foreach on a GPU: host step counters)
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_skip.py tests/test_train_step.py

@@ -21,6 +21,9 @@ OPTIMIZERS = [
     {"optim.name": "lamb"},  # capturable under skip: device step counts, taken back with the rest
     {"optim.name": "lans", "optim.grad_clip": 0.5},
     {"optim.name": "adamw", "optim.fused": True, "optim.grad_clip": 0.5},  # tensor step counters
+    # torch's default path (foreach on a GPU, whose step counters stay on the host: settled at the
+    # next read; benchmarks/gpu_check.sh runs this file on the device)
+    {"optim.name": "adamw", "optim.grad_clip": 0.5},
 ]
 
 
@@ -45,12 +48,15 @@ def test_a_skip_enabled_step_reads_nothing_and_a_nonfinite_one_changes_nothing(t
     host read, and after the next read the parameters and the whole optimizer state (moments and
     step counts) equal those before it, bit for bit; the log marks it skipped."""
     trainer = _trainer(reference_run[0], tmp_path / "run", **optim, **{"run.on_nonfinite": "skip"})
+    # torch's default AdamW reads its own step counters, which it keeps on the host on every device
+    # (.item() of CPU tensors: no device wait); the rest of the step is held to no reads by the others
+    own_reads = optim["optim.name"] == "adamw" and not optim.get("optim.fused")
     try:
         trainer.train_step()  # creates the optimizer state
         start = [p.detach().clone() for p in trainer.raw_model.parameters()]
         with HostReads() as reads:
             record = trainer.train_step()
-        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        assert own_reads or reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
         assert all(not torch.equal(a, p) for a, p in zip(start, trainer.raw_model.parameters()))
         assert "skipped" not in trainer.log_record(record)
 
@@ -62,7 +68,7 @@ def test_a_skip_enabled_step_reads_nothing_and_a_nonfinite_one_changes_nothing(t
                 record = trainer.train_step()
         finally:
             hook.remove()
-        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        assert own_reads or reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
         logged = trainer.log_record(record)  # the read: counts settled, host step counters corrected
         assert logged.get("skipped") is True and not torch.isfinite(torch.tensor(logged["loss"]))
         assert all(torch.equal(a, p) for a, p in zip(params, trainer.raw_model.parameters()))
