@@ -515,3 +515,21 @@ def test_seesaw_verdicts_do_not_change_with_the_thread_count(tmp_path, seesaw_sm
     finally:
         torch.set_num_threads(threads)
     assert len(verdicts[0]) == 8 + 5 and verdicts[0] == verdicts[1]
+
+
+def test_a_correlations_interval_stays_within_its_range():
+    """The t interval of a mean of per-seed rank correlations, cut to [-1, 1] (at 2 seeds the t
+    quantile 12.7 sent it to [-4.8, +5.2]); cutting never moves it across 0, so verdicts stand."""
+    from largebatch.experiments.floor import Gaps, verdict
+    from largebatch.stats import T_975
+
+    rhos = [-0.9, 0.7]
+    half = T_975[1] * statistics.stdev(rhos) / math.sqrt(2)
+    assert statistics.fmean(rhos) - half < -1 and statistics.fmean(rhos) + half > 1  # the raw interval
+    g = Gaps("rho", rhos, (-1.0, 1.0))
+    assert g.ci95 == (-1.0, 1.0)
+    assert verdict(g.mean, g.ci95, None, "positive", "negative").startswith("interval contains 0")
+    near = Gaps("rho", [-0.95, -0.9, -0.99], (-1.0, 1.0))
+    unclipped = Gaps("rho", [-0.95, -0.9, -0.99])
+    assert near.ci95[0] == -1.0 and near.ci95[1] == unclipped.ci95[1] < 0
+    assert verdict(near.mean, near.ci95, 0.05, "positive", "negative") == "negative"

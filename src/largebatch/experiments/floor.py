@@ -137,10 +137,13 @@ def gap_floors(base: list[ArmResult], perturbed: dict[str, list[ArmResult]]) -> 
 @dataclass(frozen=True)
 class Gaps:
     """One comparison's paired differences over seeds (e.g. an arm's final loss minus the same seed's
-    baseline): mean, sample sd and the 95% t interval of the finite ones."""
+    baseline): mean, sample sd and the 95% t interval of the finite ones. ``bounds``: the range the
+    values cannot leave (a correlation's [-1, 1]); the t interval, symmetric about the mean, is cut
+    to it (which never moves it across 0, since the mean lies inside)."""
 
     name: str
     gaps: list[float]
+    bounds: tuple[float, float] | None = None
 
     @property
     def finite(self) -> list[float]:
@@ -158,7 +161,11 @@ class Gaps:
     @property
     def ci95(self) -> tuple[float, float] | None:
         """95% confidence interval of the mean paired gap (Student t, n - 1 degrees of freedom)."""
-        return ci95(self.finite)
+        ci = ci95(self.finite)
+        if ci is None or self.bounds is None:
+            return ci
+        low, high = self.bounds
+        return max(ci[0], low), min(ci[1], high)
 
 
 def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None,
@@ -238,11 +245,12 @@ class Comparison:
 COMPARISON_HEADERS = ["seeds", "mean", "sd", "95% CI of the mean", "noise floor", "verdict"]
 
 
-def compare(name: str, diff, per_seed: list, perturbed: dict[str, list], worse: str, better: str) -> Comparison:
+def compare(name: str, diff, per_seed: list, perturbed: dict[str, list], worse: str, better: str,
+            bounds: tuple[float, float] | None = None) -> Comparison:
     """``diff(results)`` at every seed (``per_seed``: one list of results per seed, paired) and, for
     the floor, under every perturbation of the first seed (``perturbed``: {kind: results in the same
-    layout}; empty: no floor)."""
-    gaps = Gaps(name, [diff(s) for s in per_seed])
+    layout}; empty: no floor). ``bounds``: see ``Gaps``."""
+    gaps = Gaps(name, [diff(s) for s in per_seed], bounds)
     floor = Floor(name, gaps.gaps[0], {k: diff(rs) for k, rs in perturbed.items()}) if perturbed else None
     return Comparison(gaps, floor, worse, better)
 

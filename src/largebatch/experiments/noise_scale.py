@@ -124,7 +124,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     comparisons = [noise_floor.compare(name, lambda rs, i=i, j=j: rs[i].final_val_loss - rs[j].final_val_loss,
                                        per_seed, perturbed, "worse", "better") for name, i, j in COMPARISONS]
     rho = noise_floor.compare(RHO, lambda rs: loss_noise_rho(rs[0]), per_seed, perturbed,
-                              "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls")
+                              "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls",
+                              bounds=(-1.0, 1.0))  # a rank correlation: the t interval cut to [-1, 1]
     report = Report("noise-scale", "Gradient noise scale over training, and Seesaw capped by it "
                     "(McCandlish et al. 2018)", command)
     report.add(f"""AdamW, peak LR {PEAK_LR:g}, warmup + cosine; {base['model.n_layer']} layers x
