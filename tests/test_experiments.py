@@ -526,10 +526,28 @@ def test_a_correlations_interval_stays_within_its_range():
     rhos = [-0.9, 0.7]
     half = T_975[1] * statistics.stdev(rhos) / math.sqrt(2)
     assert statistics.fmean(rhos) - half < -1 and statistics.fmean(rhos) + half > 1  # the raw interval
-    g = Gaps("rho", rhos, (-1.0, 1.0))
+    g = Gaps("rho", rhos, bounds=(-1.0, 1.0))
     assert g.ci95 == (-1.0, 1.0)
     assert verdict(g.mean, g.ci95, None, "positive", "negative").startswith("interval contains 0")
-    near = Gaps("rho", [-0.95, -0.9, -0.99], (-1.0, 1.0))
+    near = Gaps("rho", [-0.95, -0.9, -0.99], bounds=(-1.0, 1.0))
     unclipped = Gaps("rho", [-0.95, -0.9, -0.99])
     assert near.ci95[0] == -1.0 and near.ci95[1] == unclipped.ci95[1] < 0
     assert verdict(near.mean, near.ci95, 0.05, "positive", "negative") == "negative"
+
+
+def test_a_claim_about_the_wrong_side_of_the_critical_batch_is_not_judged():
+    """A "below the critical batch" claim whose group started at 8 sequences, when the measured
+    critical batch came out at 7.7, tests nothing about below: not resolvable, whatever the gap."""
+    from largebatch.experiments.floor import Comparison, Gaps
+    from largebatch.experiments.seesaw import Claim, wrong_side
+
+    assert wrong_side("below", 8, 7.7) == "start batch 8 is not below the measured critical batch 7.7"
+    assert wrong_side("below", 16, 20.7) == "" and wrong_side("below", 16, None) == ""
+    assert wrong_side("above", 64, 20.7) == "" and wrong_side("above", 16, 20.7) != ""
+    established = Comparison(Gaps("below-seesaw-r0.5 minus below-cosine", [0.30, 0.31, 0.29]), None, "worse", "better")
+    judged = Claim("below: same", "below-seesaw-r0.5", "below-cosine", "same", established)
+    assert judged.verdict == "contradicts (ends higher)"
+    misplaced = Claim("below: same", "below-seesaw-r0.5", "below-cosine", "same", established, (),
+                      wrong_side("below", 8, 7.7))
+    assert misplaced.verdict == ("not resolvable at this scale (start batch 8 is not below the measured "
+                                 "critical batch 7.7)")

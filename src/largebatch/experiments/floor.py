@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from largebatch.experiments.report import markdown_table
@@ -143,7 +143,7 @@ class Gaps:
 
     name: str
     gaps: list[float]
-    bounds: tuple[float, float] | None = None
+    bounds: tuple[float, float] | None = field(default=None, kw_only=True)
 
     @property
     def finite(self) -> list[float]:
@@ -250,7 +250,7 @@ def compare(name: str, diff, per_seed: list, perturbed: dict[str, list], worse: 
     """``diff(results)`` at every seed (``per_seed``: one list of results per seed, paired) and, for
     the floor, under every perturbation of the first seed (``perturbed``: {kind: results in the same
     layout}; empty: no floor). ``bounds``: see ``Gaps``."""
-    gaps = Gaps(name, [diff(s) for s in per_seed], bounds)
+    gaps = Gaps(name, [diff(s) for s in per_seed], bounds=bounds)
     floor = Floor(name, gaps.gaps[0], {k: diff(rs) for k, rs in perturbed.items()}) if perturbed else None
     return Comparison(gaps, floor, worse, better)
 

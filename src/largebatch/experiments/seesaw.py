@@ -299,7 +299,7 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
                         "is the largest move of its gap to cosine; a difference must exceed it):\n\n"
                         + floor_table(floors, threads))
         report.add(section)
-    report.add(claims_section(claims(low, high, low_perturbed, high_perturbed)))
+    report.add(claims_section(claims(low, high, low_perturbed, high_perturbed, b_crit)))
     report.add(findings(low, high, low_floor, high_floor))
     shown = low[0] + high[0]
     report.plots.append(plot_validation(shown, out_dir / "val_loss.png",
@@ -329,12 +329,18 @@ class Claim:
     """Runs of the two arms (any seed) whose validation loss never left the unigram plateau
     (ArmResult.plateau_escape is None): a gap between such runs measures when each escaped, not the
     schedules, so the claim is then not resolvable whatever the interval says."""
+    wrong_side: str = ""
+    """Why the group's start batch is not on the side of the measured critical batch the claim is
+    about (e.g. "start batch 8 is not below the measured critical batch 7.7"): the claim is then not
+    tested by these arms; empty when it is (or when no critical batch was measured)."""
 
     @property
     def verdict(self) -> str:
         if self.on_plateau:
             runs = 2 * len(self.comparison.gaps.gaps)
             return f"not resolvable at this scale ({len(self.on_plateau)} of {runs} runs on the plateau)"
+        if self.wrong_side:
+            return f"not resolvable at this scale ({self.wrong_side})"
         gaps = self.comparison.gaps
         return noise_floor.claim_verdict(gaps.mean, gaps.ci95, self.comparison.floor_value, self.expect)
 
@@ -351,18 +357,27 @@ CLAIMS = (  # (group, arm, reference, expect, the paper's claim)
 )
 
 
+def wrong_side(group: str, start: int, b_crit: float | None) -> str:
+    """Why a group's start batch is not ``group`` ("below"/"above") the measured critical batch, or ""."""
+    if b_crit is None or (start < b_crit if group == "below" else start > b_crit):
+        return ""
+    return f"start batch {start} is not {group} the measured critical batch {b_crit:.1f}"
+
+
 def claims(low: list[list[ArmResult]], high: list[list[ArmResult]], low_perturbed: dict[str, list[ArmResult]],
-           high_perturbed: dict[str, list[ArmResult]]) -> list[Claim]:
+           high_perturbed: dict[str, list[ArmResult]], b_crit: float | None = None) -> list[Claim]:
     out = []
     for group, arm, reference, expect, text in CLAIMS:
         per_seed, perturbed = (low, low_perturbed) if group == "below" else (high, high_perturbed)
+        start = per_seed[0][0].arm.overrides["schedule.batch_size"]
         names = _kinds(per_seed)
         i, j = names.index(arm), names.index(reference)
         comparison = noise_floor.compare(f"{group}-{arm} minus {group}-{reference}",
                                          lambda rs, i=i, j=j: rs[i].final_val_loss - rs[j].final_val_loss,
                                          per_seed, perturbed, "worse", "better")
         stuck = tuple(r.arm.name for s in per_seed for r in (s[i], s[j]) if r.plateau_escape is None)
-        out.append(Claim(text, f"{group}-{arm}", f"{group}-{reference}", expect, comparison, stuck))
+        out.append(Claim(text, f"{group}-{arm}", f"{group}-{reference}", expect, comparison, stuck,
+                         wrong_side(group, start, b_crit)))
     return out
 
 
@@ -376,7 +391,8 @@ def claims_section(found: list[Claim]) -> str:
             "Established: the interval excludes 0 and the mean exceeds the floor. Equivalent: the whole "
             f"interval lies within +-{noise_floor.EQUIVALENCE_NATS:g} nats and the floor is no larger. "
             "Otherwise, or when a run of either arm never left the unigram "
-            "plateau (see the tables' plateau column), the claim is not resolvable at this scale.\n\n"
+            "plateau (see the tables' plateau column), or when the group's start batch is not on the side "
+            "of the measured critical batch the claim is about, the claim is not resolvable at this scale.\n\n"
             + markdown_table(["claim (Meterez et al. 2025)", "gap", "seeds", "mean", "95% CI", "noise floor",
                               "verdict"], rows))
 
