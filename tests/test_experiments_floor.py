@@ -86,16 +86,20 @@ def _expected_verdict(gaps: list[float], floor: float, worse: str, better: str) 
 
 
 def _check_comparison(row: dict[str, str], gaps: list[float], floor: float, worse: str, better: str,
-                      tol: float = 5.1e-5) -> str:
+                      tol: float = 5.1e-5, bounds: tuple[float, float] | None = None) -> str:
     """The row's mean, sd, interval, floor and verdict against the gaps recomputed from the runs
-    (``tol``: the rounding of the printed numbers, and of the inputs when they come from a report)."""
+    (``tol``: the rounding of the printed numbers, and of the inputs when they come from a report;
+    ``bounds``: the values' own range, to which the printed interval is cut)."""
     g = np.array(gaps)
     assert int(row["seeds"]) == len(g) == 2
     assert float(row["mean"]) == pytest.approx(g.mean(), abs=tol)
     assert float(row["sd"]) == pytest.approx(g.std(ddof=1), abs=tol)
     half = T_975_1DF * g.std(ddof=1) / np.sqrt(2)
     low, high = (float(v) for v in re.findall(r"[-+][\d.]+", row["95% CI of the mean"]))
-    assert (low, high) == pytest.approx((g.mean() - half, g.mean() + half), abs=T_975_1DF * tol)
+    expected_ci = (g.mean() - half, g.mean() + half)
+    if bounds is not None:
+        expected_ci = (max(expected_ci[0], bounds[0]), min(expected_ci[1], bounds[1]))
+    assert (low, high) == pytest.approx(expected_ci, abs=T_975_1DF * tol)
     assert float(row["noise floor"]) == pytest.approx(floor, abs=tol)
     expected = _expected_verdict(gaps, floor, worse, better)
     assert row["verdict"] == expected, (row, gaps, floor)
@@ -255,7 +259,8 @@ def test_noise_scale_smoke_report_agrees_with_metrics(noise_scale_smoke, one_thr
         _check_comparison(rows[name], gaps, abs(moved - gaps[0]), "worse", "better")
     v = _check_comparison(rows["Spearman rho(train loss, B_simple), constant batch"],
                           [rho("constant"), rho("constant-seed7")], abs(rho("constant-data") - rho("constant")),
-                          "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls")
+                          "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls",
+                          bounds=(-1.0, 1.0))
     assert claims["B_simple grows as the training loss falls (McCandlish et al. 2018)"] == _status(
         v, "negative: B_simple grows as the loss falls", "positive: B_simple falls with the loss")
     assert claims["Seesaw capped at B_simple ends below constant batch"] == _status(
