@@ -551,3 +551,22 @@ def test_a_claim_about_the_wrong_side_of_the_critical_batch_is_not_judged():
                       wrong_side("below", 8, 7.7))
     assert misplaced.verdict == ("not resolvable at this scale (start batch 8 is not below the measured "
                                  "critical batch 7.7)")
+
+
+def test_a_record_cut_short_means_the_arm_is_trained_again(tmp_path):
+    """arm.json or summary.json cut short (a kill or a full disk during a write): --resume trains the
+    arm again, saying why in one line, instead of failing on the JSON."""
+    run_dir = tmp_path / "runs" / "arm"
+    run_dir.mkdir(parents=True)
+    record = json.dumps({"overrides": {}, "wall_seconds": 1.0, "diverged": None, "process": 1})
+    (run_dir / "summary.json").write_text("{}")
+    for cut in ('{"overrides": {"run.total_', "", "\xff\xfe"):
+        (run_dir / "arm.json").write_text(cut)
+        said = []
+        assert runner._finished(run_dir, {}, said.append) is None
+        assert len(said) == 1 and "arm: trained again (its record" in said[0] and "unreadable" in said[0], said
+    (run_dir / "arm.json").write_text(record)
+    (run_dir / "summary.json").write_text('{"final_val_loss": 5.')
+    said = []
+    assert runner._finished(run_dir, {}, said.append) is None
+    assert len(said) == 1 and "summary.json is unreadable" in said[0], said

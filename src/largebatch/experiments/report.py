@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from largebatch.checkpoint.files import atomic_write_text  # noqa: E402
 from largebatch.experiments.runner import ESCAPE_NATS, ArmResult  # noqa: E402
 
 
@@ -82,7 +83,8 @@ class Report:
         body = "\n\n".join(self.sections)
         images = "\n".join(f"![{p}]({p})" for p in self.plots)
         path = out_dir / "report.md"
-        path.write_text("\n".join(header) + "\n" + body + "\n\n## Plots\n\n" + images + "\n")
+        # atomically: a kill or a full disk leaves the previous report or none, never half of one
+        atomic_write_text(path, "\n".join(header) + "\n" + body + "\n\n## Plots\n\n" + images + "\n")
         return path
 
 

@@ -276,12 +276,15 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
     record_path = run_dir / _ARM_RECORD
     if not record_path.exists():
         return None
-    record = json.loads(record_path.read_text())
-    recorded_threads = record.get("overrides", {}).get(THREADS)
-    why = None
-    if not (record.get("diverged") or (run_dir / "summary.json").exists()):
+    record, why = _read_record(record_path), None
+    summary_path = run_dir / "summary.json"
+    if record is None or not isinstance(record.get("wall_seconds"), (int, float)):
+        why = f"its record {record_path} is unreadable (cut short by a kill or a full disk)"
+    elif not (record.get("diverged") or summary_path.exists()):
         why = "its earlier run did not finish"
-    elif recorded_threads != overrides.get(THREADS):
+    elif not record.get("diverged") and _read_record(summary_path) is None:
+        why = f"its {summary_path.name} is unreadable (cut short by a kill or a full disk)"
+    elif (recorded_threads := record.get("overrides", {}).get(THREADS)) != overrides.get(THREADS):
         why = f"it ran with {recorded_threads} threads"
     else:
         saved = from_dict(TrainConfig, load_toml(run_dir / "config.toml"))
@@ -293,11 +296,21 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
     return float(record["wall_seconds"]), record.get("diverged")
 
 
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON object read from ``path``; None when it cannot be read or parsed (a file cut short)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> tuple[float, str | None]:
     """Train one arm into a fresh run_dir; returns (wall seconds, why it diverged or None). A
     non-finite loss ends the arm, not the experiment. Runs in a worker process too."""
     import torch
 
+    from largebatch.checkpoint.files import atomic_write_text
     from largebatch.train.loop import NonFiniteLoss, Trainer
 
     cfg = _resolved(overrides)
@@ -321,7 +334,7 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
             torch.set_num_threads(previous)
     wall = time.perf_counter() - start
     record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged, "process": os.getpid()}
-    (run_dir / _ARM_RECORD).write_text(json.dumps(record, indent=2))
+    atomic_write_text(run_dir / _ARM_RECORD, json.dumps(record, indent=2))  # never half a record
     return wall, diverged
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from largebatch.checkpoint.files import atomic_write_text
 from largebatch.memory.measure import memory_bytes
 from largebatch.models.flops import mfu_over_peak
 from largebatch.models.registry import model_spec
@@ -129,7 +130,7 @@ class Reporting:
                 plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience; never fail a finished run on them
             self.log(f"(plots skipped: {exc})")
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))  # never half of one
         return summary
 
     @torch.no_grad()
