@@ -17,7 +17,11 @@ the bundled Shakespeare corpus and write a report directory (report.md, PNG plot
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import re
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -27,6 +31,10 @@ from largebatch.arguments import OneLineParser, check_output_dir
 
 EXPERIMENTS = ("seesaw", "optimizers", "recompute", "noise-scale", "bert-lans")
 SEEDED = ("seesaw", "optimizers", "noise-scale", "bert-lans")  # the experiments that repeat their arms over --seeds
+
+
+MARKER = "experiment.json"
+"""Written into a report directory before its first arm: which experiment, at which size, owns it."""
 
 
 def _module(name: str):
@@ -58,7 +66,38 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
         extra["granularity"] = True
     execution = Execution(jobs=jobs, resume=resume, kept=[])
     out = _report_dir(name, size, out_dir)
+    check_experiment_dir(out, name, size)
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)  # one experiment per directory: a second would delete the arms this one trains
+    try:
+        return _run_locked(name, size, out, log, execution, seeds, granularity, extra)
+    finally:
+        lock.release()
+
+
+def _lock(out: Path):
+    """The report directory's lock (the trainer's: an flock on OUT/.lock, freed when this process
+    ends however it ends); RunDirLocked naming the holder's pid when another experiment has it."""
+    from largebatch.train.rundir import RunLock
+
+    return RunLock(out, user="experiment", option="--out")
+
+
+def _run_locked(name, size, out, log, execution, seeds, granularity, extra) -> Path:
+    check_experiment_dir(out, name, size)  # again, now that no other experiment can write it
+    from largebatch.checkpoint.files import atomic_write_text
+
+    atomic_write_text(out / MARKER, json.dumps({"experiment": name, "size": size}) + "\n")
+    finished = sorted(p.parent.name for p in (out / "runs").glob(f"*/{_ARM_RECORD}"))
+    if finished and not execution.resume:
+        log(f"warning: {out} holds {len(finished)} finished arm(s) of an earlier run; without --resume "
+            f"they are trained again (stop now and add --resume to keep them)")
+    stale = [p for p in [out / "report.md", *sorted(out.glob("*.png"))] if p.is_file()]
+    for path in stale:  # the arms they describe are about to change; the run writes them anew at its end
+        path.unlink()
+    if stale:
+        log(f"{name}: removed the previous report ({', '.join(p.name for p in stale)}); this run writes it "
+            f"again when it ends")
     flag = {"smoke": " --smoke", "quick": " --quick", "full": ""}[size]
     seeds_flag = (f" --seeds {seeds}" if seeds is not None else "") + (" --granularity" if granularity else "")
     command = (f"largebatch experiment {name}{flag}{seeds_flag} --out {shlex.quote(str(out))}"
@@ -74,6 +113,74 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
 
 def _report_dir(name: str, size: str, out_dir: str | Path | None) -> Path:
     return Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
+
+
+_ARM_RECORD = "arm.json"  # runner._ARM_RECORD (not imported: the runner imports torch)
+
+
+class ExperimentDirError(ValueError):
+    """The report directory holds something else than this experiment at this size."""
+
+
+def check_experiment_dir(out: Path, name: str, size: str) -> None:
+    """ExperimentDirError unless ``out`` may hold this experiment at this size: absent or empty, or marked
+    (OUT/experiment.json) for the same experiment and size, or an unmarked report directory of an
+    earlier version (it holds runs/ or report.md; it gets the marker)."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    marker = out / MARKER
+    if marker.exists():
+        try:
+            owner = json.loads(marker.read_text())
+            theirs = (str(owner["experiment"]), str(owner["size"]))
+        except (OSError, ValueError, TypeError, KeyError):
+            theirs = None
+        if theirs is None:  # cut short: written atomically, so not by an experiment
+            raise ExperimentDirError(f"--out {out}: its {MARKER} is unreadable, so which experiment it holds is "
+                             f"unknown; choose another --out (or delete {marker} if it holds {name} at "
+                             f"{size} size)")
+        if theirs != (name, size):
+            raise ExperimentDirError(f"--out {out} holds the experiment {theirs[0]} at {theirs[1]} size, not {name} "
+                             f"at {size} size; choose another --out")
+        return
+    entries = {p.name for p in out.iterdir()} - {".lock"}
+    if entries and not entries & {"runs", "report.md"}:
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ExperimentDirError(f"--out {out} is not empty ({shown}) and is not an experiment's report directory "
+                         f"(no {MARKER}, runs/ or report.md); choose a new or empty directory")
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _write_failure(exc: BaseException, out: Path) -> str:
+    """One line for a file that could not be written (a full disk, a quota, a file-size limit): what
+    failed, the free space where the report goes, and the fix."""
+    text = str(exc) if not isinstance(exc, OSError) else (
+        f"could not write {exc.filename}: {exc.strerror}" if exc.filename and exc.strerror
+        else f"could not write a file: {exc.strerror or exc}")
+    text = re.sub(r"\.?\s*(Free disk space|Make it writable) and run the same command again "
+                  r"\(or --resume [^)]*\)\s*$", "", text.splitlines()[0] if text else "").rstrip(". ")
+    base = next((p for p in [out, *out.absolute().parents] if p.exists()), None)
+    try:
+        free = f"{_bytes(shutil.disk_usage(base).free)} free on the file system of {out}" if base else ""
+    except OSError:
+        free = ""
+    return (f"{text}{'; ' + free if free else ''}. Free space (or lift the limit), then run the same "
+            f"command with --resume to keep the finished arms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")
+    if args.out is not None and not args.out.strip():
+        parser.error(f"--out {args.out!r}: the directory name is empty; give one, or drop --out for the "
+                     f"default (runs/experiments/NAME-SIZE)")
+    if args.jobs > (cpus := _cpu_count()):
+        print(f"largebatch experiment: warning: --jobs {args.jobs} is more than the {cpus} CPU core(s) "
+              f"here; the arms share them, so each arm runs slower", file=sys.stderr)
     if args.seeds is not None:
         if args.name not in SEEDED:
             parser.error(f"--seeds {args.seeds}: only {', '.join(SEEDED)} repeat their arms over seeds")
@@ -122,21 +235,31 @@ def main(argv: list[str] | None = None) -> int:
     for name, out in outs.items():  # every report directory, before the first arm trains
         try:
             check_output_dir(out, "--out")
+            check_experiment_dir(out, name, size_name)
         except ValueError as exc:
             parser.error(str(exc))
     if args.check:
         print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
         return 0
-    from largebatch.experiments.runner import ArmsInterrupted
+    from largebatch.checkpoint.local import CheckpointError
+    from largebatch.experiments.runner import ArmsInterrupted, ArmWorkerLost
+    from largebatch.train.rundir import RunDirLocked
     from largebatch.typed_config import ConfigError
 
     for name, out in outs.items():
         try:
             run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds,
                            granularity=args.granularity)
-        except ConfigError as exc:  # an arm's config that the trainer would refuse: before it trains
+        except (ConfigError, RunDirLocked, ExperimentDirError) as exc:  # an arm's config that the trainer
+            # would refuse, a directory another experiment holds: before an arm trains
             print(f"largebatch experiment: error: {name}: {exc}", file=sys.stderr)
             return 2
+        except ArmWorkerLost as exc:  # a signal, or the OOM killer, reached one worker alone
+            print(f"largebatch experiment: error: {name}: {exc}", file=sys.stderr)
+            return 128 + exc.signum if exc.signum else 2
+        except (OSError, CheckpointError) as exc:  # a full disk, a quota, a file-size limit
+            print(f"largebatch experiment: error: {name}: {_write_failure(exc, out)}", file=sys.stderr)
+            return 1
         except ArmsInterrupted as exc:
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
                   f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "

@@ -21,6 +21,7 @@ import pickle
 import queue as queue_lib
 import shutil
 import signal
+import sys
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -394,6 +395,56 @@ class ArmsInterrupted(KeyboardInterrupt):
         self.signum, self.stopped, self.not_started = signum, stopped, not_started
 
 
+class ArmWorkerLost(RuntimeError):
+    """A worker process stopped, or died, on its own (a signal sent to it alone, the kernel's OOM
+    killer); the other arms were stopped. ``signum``: the signal, when it is known."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
+
+
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s)
+"""What stops an experiment training arms in processes, cleanly: SIGHUP (the terminal or the ssh
+session closed) as SIGTERM and Ctrl-C."""
+
+_PARENT_CHECK_S = 2.0  # an idle worker looks this often whether its parent still lives
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel send this worker SIGTERM when its parent dies (Linux: prctl
+    PR_SET_PDEATHSIG), as a SIGKILL or the OOM killer gives the parent no chance to stop its workers;
+    elsewhere the idle worker's check of its parent (_next_task) remains. SIGTERM: a training arm
+    checkpoints and the worker exits; an idle one exits at once. (The kernel ties the request to the
+    thread that started the worker: start workers from a thread that outlives them.)"""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no libc to ask: the parent check still holds
+            pass
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
+
+
+def _next_task(tasks, parent: int):
+    """The next task from ``tasks``; None when the parent has died (the worker is an orphan)."""
+    while True:
+        try:
+            return tasks.get(timeout=_PARENT_CHECK_S)
+        except queue_lib.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+@dataclass
+class _ArmStopped:
+    """What a worker sends when a signal to it alone stopped its arm (the trainer checkpointed)."""
+
+    signum: int
+
+
 @dataclass
 class _ArmFailure:
     """What a worker sends instead of an outcome when its arm raised: the exception (when it
@@ -403,17 +454,20 @@ class _ArmFailure:
     traceback: str
 
 
-def _arm_worker(tasks, results, threads: int) -> None:
+def _arm_worker(tasks, results, threads: int, parent: int | None = None) -> None:
     """A worker process: trains the arms it is sent, one after another, until it gets None. One
     process trains many arms, as the serial path does, so each arm pays no interpreter and torch
     start-up (~4 s of CPU, a sixth of a quick arm). An arm that raises is sent back as an
-    _ArmFailure, and the worker stops."""
+    _ArmFailure, and the worker stops. ``parent``: the parent's pid; the worker ends when it dies."""
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
-    while (task := tasks.get()) is not None:
+    parent = os.getppid() if parent is None else parent
+    _die_with_parent(parent)
+    while (task := _next_task(tasks, parent)) is not None:
         index, run_dir, overrides = task
         try:
             outcome = _train(run_dir, overrides, threads)
-        except ArmsInterrupted:  # the parent sent SIGTERM and knows; the trainer checkpointed
+        except ArmsInterrupted as exc:  # SIGTERM (from the parent, or to this worker alone): checkpointed
+            results.put((index, _ArmStopped(exc.signum)))  # unread when the parent sent it
             return
         except Exception as exc:  # noqa: BLE001 -- any error of the arm goes to the parent, as in one process
             try:
@@ -454,14 +508,14 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     def interrupt(signum, frame):
         raise ArmsInterrupted(signum, [], [])
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
         while pending or busy:
             while pending and len(busy) < jobs:
                 free = next((w for w in range(len(workers)) if w not in busy), None)
                 if free is None:
                     tasks = ctx.Queue()
-                    process = ctx.Process(target=_arm_worker, args=(tasks, results, threads),
+                    process = ctx.Process(target=_arm_worker, args=(tasks, results, threads, os.getpid()),
                                           name=f"arms-{len(workers)}")
                     with passive_openmp():
                         process.start()
@@ -478,18 +532,25 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                     arm, run_dir, _ = todo[busy[dead[0]]]
                     code = workers[dead[0]][0].exitcode
                     if code == 0:  # its trainer took a signal sent to the worker alone, and checkpointed
-                        raise RuntimeError(f"arm {arm.name!r} was stopped by a signal to its worker process; "
-                                           f"run the same command with --resume to continue")
+                        raise ArmWorkerLost(f"arm {arm.name!r} was stopped by a signal to its worker process; "
+                                            f"run the same command with --resume to continue")
                     log_file = run_dir / "train.log"
                     seen = (f"; its trainer's log: {log_file}" if log_file.is_file() and log_file.stat().st_size
                             else "")
-                    raise RuntimeError(f"arm {arm.name!r}: its worker process died (exit code {code}; a "
-                                       f"negative code is the signal that ended it){seen}")
+                    how = (f"was killed by {_signal_name(-code)}" if code is not None and code < 0
+                           else f"died (exit code {code})")
+                    raise ArmWorkerLost(f"arm {arm.name!r}: its worker process {how}{seen}; run the same "
+                                        f"command with --resume to keep the finished arms",
+                                        -code if code is not None and code < 0 else None)
                 continue
             busy = {w: i for w, i in busy.items() if i != index}
             arm, run_dir, _ = todo[index]
             if isinstance(outcome, _ArmFailure):
                 _raise_failure(arm, outcome)
+            if isinstance(outcome, _ArmStopped):  # a signal to the worker alone: it checkpointed
+                raise ArmWorkerLost(f"arm {arm.name!r} was stopped by {_signal_name(outcome.signum)} sent to "
+                                    f"its worker process alone; run the same command with --resume to "
+                                    f"continue", outcome.signum)
             yield arm, run_dir, outcome
         for process, tasks in workers:
             tasks.put(None)
@@ -509,6 +570,13 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
             signal.signal(sig, handler)
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 @contextlib.contextmanager
 def passive_openmp():
     """Processes started inside get OMP_WAIT_POLICY=PASSIVE, unless the user set a policy. Arms run
@@ -526,10 +594,12 @@ def passive_openmp():
         os.environ.pop("OMP_WAIT_POLICY", None)
 
 
-def _worker_start(threads: int) -> None:
+def _worker_start(threads: int, parent: int | None = None) -> None:
     import torch
 
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
+    if parent is not None:
+        _die_with_parent(parent)  # a pool's idle worker waits for the parent's next task
     torch.set_num_threads(threads)
 
 
@@ -544,12 +614,12 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
 
     threads = max(1, torch.get_num_threads() // jobs)
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_start, initargs=(threads,))
+                               initializer=_worker_start, initargs=(threads, os.getpid()))
 
     def interrupt(signum, frame):
         raise ArmsInterrupted(signum, [what], [])
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
         futures = [pool.submit(fn, *task) for task in tasks]
         outcomes = [future.result() for future in futures]

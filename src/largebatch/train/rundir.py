@@ -124,7 +124,9 @@ def claim_new_dir(path: str | Path) -> Path:
 class RunLock:
     """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held until :meth:`release` or death."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, user: str = "run", option: str = "--run.out_dir"):
+        """``user``: what holds such a directory (the refusal's words); ``option``: the one that
+        chooses another."""
         self._fd: int | None = None  # set first: __del__ runs even when mkdir below fails
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,9 +140,9 @@ class RunLock:
             self._fd = None
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunDirLocked(f"run directory {run_dir} is in use by another run (pid {holder}, "
+            raise RunDirLocked(f"{user} directory {run_dir} is in use by another {user} (pid {holder}, "
                                f"lock {self.path}); wait for it to end, or choose another "
-                               f"--run.out_dir") from None
+                               f"{option}") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 

@@ -1,0 +1,231 @@
+"""largebatch experiment: its report directory (one experiment at a time, of one kind) and its worker
+processes (none outlives the experiment; one stopped alone ends it in one line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from largebatch.experiments import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """The one line on stderr of a command line refused with exit code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_the_report_directory_holds_one_experiment_at_a_time(tmp_path, capsys, monkeypatch):
+    """--out is checked before any arm: not empty, not another experiment's or size's directory, not
+    a directory that is no experiment's; and locked while an experiment runs in it."""
+    monkeypatch.chdir(tmp_path)  # an --out '' that fell back to the default would write here
+    err = _refused(capsys, ["seesaw", "--smoke", "--out", "", "--check"])
+    assert "--out ''" in err and "empty" in err
+    assert not (tmp_path / "runs").exists()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / cli.MARKER).write_text(json.dumps({"experiment": "optimizers", "size": "smoke"}))
+    err = _refused(capsys, ["seesaw", "--smoke", "--out", str(other), "--check"])
+    assert f"--out {other} holds the experiment optimizers at smoke size, not seesaw at smoke size" in err
+    assert "choose another --out" in err
+    err = _refused(capsys, ["optimizers", "--quick", "--out", str(other), "--check"])
+    assert "optimizers at smoke size, not optimizers at quick size" in err
+    assert cli.main(["optimizers", "--smoke", "--out", str(other), "--check"]) == 0  # its own: accepted
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("")
+    err = _refused(capsys, ["seesaw", "--smoke", "--out", str(foreign), "--check"])
+    assert f"--out {foreign} is not empty (thesis.tex) and is not an experiment's report directory" in err
+    older = tmp_path / "older"  # an earlier version's report directory: runs/, no marker
+    (older / "runs").mkdir(parents=True)
+    assert cli.main(["seesaw", "--smoke", "--out", str(older), "--check"]) == 0
+
+    # a second experiment into a directory that one is running in: refused at once, naming the holder
+    from largebatch.train.rundir import RunLock
+
+    class NeverTrains:
+        def run(self, *args, **kwargs):
+            raise AssertionError("an arm was started in a directory another experiment holds")
+
+    monkeypatch.setattr(cli, "_module", lambda name: NeverTrains())
+    busy = tmp_path / "busy"
+    held = RunLock(busy)  # another open file: flock refuses it as it would another process
+    try:
+        capsys.readouterr()
+        assert cli.main(["seesaw", "--smoke", "--out", str(busy)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("largebatch experiment: error: seesaw: experiment directory ")
+        assert f"{busy} is in use by another experiment (pid {os.getpid()} " in err and "--out" in err
+    finally:
+        held.release()
+    assert not (busy / cli.MARKER).exists()
+
+    # --jobs above the CPU count: one line of warning, not a refusal
+    capsys.readouterr()
+    assert cli.main(["seesaw", "--smoke", "--jobs", "4096", "--out", str(tmp_path / "j"), "--check"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("largebatch experiment: warning: --jobs 4096 is more than the ") and "\n" not in err
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no one has reaped yet has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _workers(pid: int, count: int, timeout_s: float = 60.0) -> list[int]:
+    """The worker processes of ``pid`` (its children but the resource tracker), once ``count`` run."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = [k for k in _children(pid)
+                   if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+        if len(workers) >= count:
+            return workers
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} did not start {count} workers in {timeout_s} s")
+
+
+def _gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _experiment(out: Path) -> subprocess.Popen:
+    """A smoke experiment of 3 arms in 2 worker processes; its stderr goes to OUT.err (a file: a pipe
+    would stay open as long as a worker outlived it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    with open(f"{out}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "largebatch", "experiment", "noise-scale", "--smoke",
+                                 "--seeds", "1", "--jobs", "2", "--out", str(out)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 120.0) -> str:
+    try:
+        experiment.wait(timeout_s)
+    finally:
+        if experiment.poll() is None:
+            experiment.kill()
+            experiment.wait()
+    return Path(f"{out}.err").read_text()
+
+
+def _training(out: Path, timeout_s: float = 90.0) -> None:
+    """Wait until an arm trains (its train.log has a line)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(log.stat().st_size for log in out.glob("runs/*/train.log")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no arm started training in {out} in {timeout_s} s")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_no_worker_outlives_the_experiment(tmp_path):
+    """The parent SIGKILLed (or OOM-killed) while its workers train: they stop too, instead of
+    waiting for work forever. An idle worker whose parent dies exits as well."""
+    idle = subprocess.Popen([sys.executable, "-c", (
+        "import multiprocessing, time\n"
+        "from largebatch.experiments import runner\n"
+        "ctx = multiprocessing.get_context('spawn')\n"
+        "queues = [ctx.Queue() for _ in range(3)]  # held: a queue dropped here ends its worker\n"
+        "for tasks in queues[1:]:\n"
+        "    ctx.Process(target=runner._arm_worker, args=(tasks, queues[0], 1)).start()\n"
+        "time.sleep(600)\n")], env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    experiment = _experiment(tmp_path / "out")
+    workers = []
+    try:
+        idle_workers = _workers(idle.pid, 2)
+        workers += idle_workers
+        time.sleep(1.0)  # past their start-up: waiting for a task
+        idle.kill()
+        idle.wait()
+        _training(tmp_path / "out")
+        busy_workers = _workers(experiment.pid, 2)
+        workers += busy_workers
+        experiment.kill()
+        experiment.wait()
+        assert not _gone(idle_workers, 10.0), "idle workers outlived their parent"
+        assert not _gone(busy_workers, 20.0), "training workers outlived their parent"
+    finally:
+        for process in (idle, experiment):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_path):
+    """SIGTERM to one worker alone: its arm checkpoints and the experiment ends with one line saying
+    so (exit 128 + the signal), no traceback. SIGHUP to the experiment (its terminal closed) stops it
+    as SIGTERM does."""
+    out = tmp_path / "out"
+    experiment = _experiment(out)
+    workers = []
+    try:
+        _training(out)
+        workers = _workers(experiment.pid, 2)
+        os.kill(workers[0], signal.SIGTERM)
+    finally:
+        err = _stop_and_read(experiment, out)
+        for pid in _gone(workers, 5.0):  # the old behaviour: orphans
+            os.kill(pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if not line.startswith("[largebatch]")]
+    assert experiment.returncode == 128 + signal.SIGTERM, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("largebatch experiment: error: noise-scale: arm ") and "SIGTERM" in lines[0]
+    assert "run the same command with --resume" in lines[0]
+
+    out = tmp_path / "hup"
+    experiment = _experiment(out)
+    workers = []
+    try:
+        _training(out)
+        workers = _workers(experiment.pid, 2)
+        experiment.send_signal(signal.SIGHUP)
+    finally:
+        err = _stop_and_read(experiment, out)
+        left = _gone(workers, 5.0)
+        for pid in left:  # the old behaviour: orphans
+            os.kill(pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if not line.startswith("[largebatch]")]
+    assert experiment.returncode == 128 + signal.SIGHUP, err
+    assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGHUP: noise-scale stopped"), err
+    assert not left, "workers outlived the experiment"
