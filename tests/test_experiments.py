@@ -570,3 +570,64 @@ def test_a_record_cut_short_means_the_arm_is_trained_again(tmp_path):
     said = []
     assert runner._finished(run_dir, {}, said.append) is None
     assert len(said) == 1 and "summary.json is unreadable" in said[0], said
+
+
+def test_a_rerun_without_resume_drops_the_old_report_and_says_what_it_retrains(tmp_path, seesaw_smoke,
+                                                                              monkeypatch, capsys):
+    """Run again without --resume into a directory of finished arms: one line of warning that they
+    are trained again, and the previous report.md and plots are gone from the start (an interrupted
+    rerun leaves no report of arms that no longer exist). An earlier version's directory (no
+    experiment.json) is accepted and marked."""
+    import shutil
+    import signal
+
+    out = tmp_path / "seesaw"
+    shutil.copytree(seesaw_smoke, out)
+    (out / cli.MARKER).unlink(missing_ok=True)
+    assert (out / "report.md").is_file() and list(out.glob("*.png"))
+
+    def stopped(run_dir, overrides, threads=None):  # SIGTERM reaches the first arm trained again
+        raise runner.ArmsInterrupted(signal.SIGTERM, [run_dir.name], [])
+
+    monkeypatch.setattr(runner, "_train", stopped)
+    capsys.readouterr()
+    assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 128 + signal.SIGTERM
+    printed = capsys.readouterr().out
+    arms = len(list((out / "runs").iterdir()))
+    assert (f"warning: {out} holds {arms} finished arm(s) of an earlier run; without --resume they are "
+            f"trained again (stop now and add --resume to keep them)") in printed
+    assert not (out / "report.md").exists() and not list(out.glob("*.png"))
+    assert json.loads((out / cli.MARKER).read_text()) == {"experiment": "seesaw", "size": "smoke"}
+
+
+def test_a_full_disk_ends_the_experiment_in_one_line(tmp_path, seesaw_smoke):
+    """No file may grow past 64 KiB (RLIMIT_FSIZE, as a full disk would refuse the write): the plots
+    of a report, then an arm's checkpoint, cannot be written. Each ends the experiment with one line:
+    what failed, the free space, and the fix (the same command with --resume)."""
+    import resource
+    import shutil
+    import subprocess
+    import sys
+
+    out = tmp_path / "seesaw"
+    shutil.copytree(seesaw_smoke, out)
+
+    def limited(*extra: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "largebatch", "experiment", "seesaw", "--smoke", "--out", str(out), *extra],
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+            capture_output=True, text=True, timeout=300,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("[largebatch]")]
+        assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        line = lines[0]
+        assert line.startswith("largebatch experiment: error: seesaw: could not write "), line
+        assert "free on the file system of" in line and line.endswith(
+            "Free space (or lift the limit), then run the same command with --resume to keep the finished arms")
+        return line
+
+    line = limited("--resume")  # every arm kept: the first plot is what cannot be written
+    assert ".png: File too large" in line, line
+    assert not (out / "report.md").exists()
+    line = limited()  # the first arm trained again: its checkpoint cannot be written
+    assert "could not write checkpoint " in line and "--resume /" not in line and "--resume " + str(out) not in line

@@ -97,8 +97,12 @@ def finish_figure(fig, axes, path: Path, title: str | None = None, legend_axes=(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:  # a full disk: the image writer's error names no file
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    finally:
+        plt.close(fig)
     return path
 
 
