@@ -134,7 +134,10 @@ def _experiment(out: Path) -> subprocess.Popen:
                                 env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
-def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 120.0) -> str:
+def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 400.0) -> str:
+    """The experiment's stderr once it ends (``timeout_s``: past the runner's 120 s grace for a
+    stopped worker's checkpoint, with room for a loaded machine; the test suite's own arms share
+    the cores)."""
     try:
         experiment.wait(timeout_s)
     finally:
@@ -180,7 +183,7 @@ def test_no_worker_outlives_the_experiment(tmp_path):
         experiment.kill()
         experiment.wait()
         assert not _gone(idle_workers, 10.0), "idle workers outlived their parent"
-        assert not _gone(busy_workers, 20.0), "training workers outlived their parent"
+        assert not _gone(busy_workers, 60.0), "training workers outlived their parent"
     finally:
         for process in (idle, experiment):
             if process.poll() is None:
