@@ -147,8 +147,9 @@ def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 4
     return Path(f"{out}.err").read_text()
 
 
-def _training(out: Path, timeout_s: float = 90.0) -> None:
-    """Wait until an arm trains (its train.log has a line)."""
+def _training(out: Path, timeout_s: float = 300.0) -> None:
+    """Wait until an arm trains (its train.log has a line). Beside the test suite on 2 cores, with
+    the data cache still to build, that took more than 90 s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(log.stat().st_size for log in out.glob("runs/*/train.log")):
