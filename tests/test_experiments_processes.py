@@ -125,13 +125,18 @@ def _gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def _experiment(out: Path) -> subprocess.Popen:
-    """A smoke experiment of 3 arms in 2 worker processes; its stderr goes to OUT.err (a file: a pipe
-    would stay open as long as a worker outlived it)."""
+    """A smoke experiment of 3 arms in 2 worker processes, its arms given a budget they never reach
+    (so a signal always lands while they train, however loaded the machine); its stderr goes to
+    OUT.err (a file: a pipe would stay open as long as a worker outlived it)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    code = ("import sys\n"
+            "from largebatch.experiments import runner\n"
+            "runner.SIZE_OVERRIDES['smoke']['run.total_tokens'] = 50_000_000\n"
+            "from largebatch.experiments.cli import main\n"
+            "sys.argv[0] = 'largebatch experiment'\n"
+            f"sys.exit(main(['noise-scale', '--smoke', '--seeds', '1', '--jobs', '2', '--out', {str(out)!r}]))\n")
     with open(f"{out}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "largebatch", "experiment", "noise-scale", "--smoke",
-                                 "--seeds", "1", "--jobs", "2", "--out", str(out)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 400.0) -> str:
