@@ -62,11 +62,15 @@ def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_pat
     o = tiny_overrides(cache, out)
     proc = _start(o)
     _wait_for_train_records(out, 3, proc)
-    if sig == signal.SIGTERM:  # while it runs, the directory is locked: a second launch is refused
-        assert main(_args(o)) == 2 and main([f"--resume={out}"]) == 2
-        err = capsys.readouterr().err
-        assert f"in use by another run (pid {proc.pid} on" in err and "Traceback" not in err, err
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGSTOP)  # held mid-run (a loaded machine must not let it finish first)
+    try:
+        if sig == signal.SIGTERM:  # while it runs, the directory is locked: a second launch is refused
+            assert main(_args(o)) == 2 and main([f"--resume={out}"]) == 2
+            err = capsys.readouterr().err
+            assert f"in use by another run (pid {proc.pid} on" in err and "Traceback" not in err, err
+        proc.send_signal(sig)  # pending until it continues
+    finally:
+        proc.send_signal(signal.SIGCONT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr[-2000:]
     steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
