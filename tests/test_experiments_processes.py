@@ -216,7 +216,7 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
         err = _stop_and_read(experiment, out)
         for pid in _gone(workers, 5.0):  # the old behaviour: orphans
             os.kill(pid, signal.SIGKILL)
-    lines = [line for line in err.splitlines() if not line.startswith("[largebatch]")]
+    lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGTERM, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("largebatch experiment: error: noise-scale: arm ") and "SIGTERM" in lines[0]
@@ -234,7 +234,7 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
         left = _gone(workers, 5.0)
         for pid in left:  # the old behaviour: orphans
             os.kill(pid, signal.SIGKILL)
-    lines = [line for line in err.splitlines() if not line.startswith("[largebatch]")]
+    lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGHUP, err
     assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGHUP: noise-scale stopped"), err
     assert not left, "workers outlived the experiment"
