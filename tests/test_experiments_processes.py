@@ -200,40 +200,38 @@ def test_no_worker_outlives_the_experiment(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_path):
-    """SIGTERM to one worker alone: its arm checkpoints and the experiment ends with one line saying
-    so (exit 128 + the signal), no traceback. SIGHUP to the experiment (its terminal closed) stops it
-    as SIGTERM does."""
-    out = tmp_path / "out"
+def _signalled(out: Path, send) -> tuple[subprocess.Popen, str, list[int]]:
+    """Start an experiment, wait until its 2 workers train, ``send(experiment, workers)`` a signal,
+    and wait for the end: (the experiment, its stderr, the workers left alive 5 s later -- killed)."""
     experiment = _experiment(out)
     workers = []
     try:
         _training(out)
         workers = _workers(experiment.pid, 2)
-        os.kill(workers[0], signal.SIGTERM)
+        send(experiment, workers)
     finally:
         err = _stop_and_read(experiment, out)
-        for pid in _gone(workers, 5.0):  # the old behaviour: orphans
+        left = _gone(workers, 5.0)
+        for pid in left:  # the old behaviour: orphans
             os.kill(pid, signal.SIGKILL)
+    return experiment, err, left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_path):
+    """SIGTERM to one worker alone: its arm checkpoints and the experiment ends with one line saying
+    so (exit 128 + the signal), no traceback. SIGHUP to the experiment (its terminal closed) stops it
+    as SIGTERM does."""
+    experiment, err, left = _signalled(tmp_path / "out", lambda experiment, workers:
+                                       os.kill(workers[0], signal.SIGTERM))
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGTERM, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("largebatch experiment: error: noise-scale: arm ") and "SIGTERM" in lines[0]
     assert "run the same command with --resume" in lines[0]
 
-    out = tmp_path / "hup"
-    experiment = _experiment(out)
-    workers = []
-    try:
-        _training(out)
-        workers = _workers(experiment.pid, 2)
-        experiment.send_signal(signal.SIGHUP)
-    finally:
-        err = _stop_and_read(experiment, out)
-        left = _gone(workers, 5.0)
-        for pid in left:  # the old behaviour: orphans
-            os.kill(pid, signal.SIGKILL)
+    experiment, err, left = _signalled(tmp_path / "hup", lambda experiment, workers:
+                                       experiment.send_signal(signal.SIGHUP))
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGHUP, err
     assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGHUP: noise-scale stopped"), err
