@@ -4,6 +4,7 @@ processes (none outlives the experiment; one stopped alone ends it in one line).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -124,10 +125,11 @@ def _gone(pids: list[int], timeout_s: float) -> list[int]:
     return left
 
 
-def _experiment(out: Path) -> subprocess.Popen:
+def _experiment(out: Path, ignore: tuple[int, ...] = ()) -> subprocess.Popen:
     """A smoke experiment of 3 arms in 2 worker processes, its arms given a budget they never reach
     (so a signal always lands while they train, however loaded the machine); its stderr goes to
-    OUT.err (a file: a pipe would stay open as long as a worker outlived it)."""
+    OUT.err (a file: a pipe would stay open as long as a worker outlived it). ``ignore``: signals the
+    process starts ignoring (nohup: SIGHUP; a shell script's background job: SIGINT)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     code = ("import sys\n"
             "from largebatch.experiments import runner\n"
@@ -136,7 +138,9 @@ def _experiment(out: Path) -> subprocess.Popen:
             "sys.argv[0] = 'largebatch experiment'\n"
             f"sys.exit(main(['noise-scale', '--smoke', '--seeds', '1', '--jobs', '2', '--out', {str(out)!r}]))\n")
     with open(f"{out}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=(lambda: [signal.signal(s, signal.SIG_IGN) for s in ignore]) if ignore
+                                else None)
 
 
 def _stop_and_read(experiment: subprocess.Popen, out: Path, timeout_s: float = 400.0) -> str:
@@ -171,9 +175,9 @@ def test_no_worker_outlives_the_experiment(tmp_path):
         "import multiprocessing, time\n"
         "from largebatch.experiments import runner\n"
         "ctx = multiprocessing.get_context('spawn')\n"
-        "queues = [ctx.Queue() for _ in range(3)]  # held: a queue dropped here ends its worker\n"
-        "for tasks in queues[1:]:\n"
-        "    ctx.Process(target=runner._arm_worker, args=(tasks, queues[0], 1)).start()\n"
+        "pipes = [ctx.Pipe() for _ in range(2)]  # held: a pipe closed here ends its worker\n"
+        "for mine, theirs in pipes:\n"
+        "    ctx.Process(target=runner._arm_worker, args=(theirs, 1)).start()\n"
         "time.sleep(600)\n")], env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     experiment = _experiment(tmp_path / "out")
     workers = []
@@ -200,39 +204,52 @@ def test_no_worker_outlives_the_experiment(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _signalled(out: Path, send) -> tuple[subprocess.Popen, str, list[int]]:
-    """Start an experiment, wait until its 2 workers train, ``send(experiment, workers)`` a signal,
-    and wait for the end: (the experiment, its stderr, the workers left alive 5 s later -- killed)."""
-    experiment = _experiment(out)
-    workers = []
+def _signalled(out: Path, send, ignore: tuple[int, ...] = ()) -> tuple[subprocess.Popen, str, list[int], float]:
+    """Start an experiment (``ignore``: signals it starts ignoring), wait until its 2 workers train,
+    ``send(experiment, workers)`` signals, and wait for the end: (the experiment, its stderr, the
+    workers left alive 5 s later -- killed, the seconds from the last signal to the end)."""
+    experiment = _experiment(out, ignore)
+    workers, sent = [], None
     try:
         _training(out)
         workers = _workers(experiment.pid, 2)
         send(experiment, workers)
+        sent = time.monotonic()
     finally:
         err = _stop_and_read(experiment, out)
+        took = time.monotonic() - sent if sent is not None else math.inf
         left = _gone(workers, 5.0)
         for pid in left:  # the old behaviour: orphans
             os.kill(pid, signal.SIGKILL)
-    return experiment, err, left
+    return experiment, err, left, took
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_path):
     """SIGTERM to one worker alone: its arm checkpoints and the experiment ends with one line saying
-    so (exit 128 + the signal), no traceback. SIGHUP to the experiment (its terminal closed) stops it
-    as SIGTERM does."""
-    experiment, err, left = _signalled(tmp_path / "out", lambda experiment, workers:
-                                       os.kill(workers[0], signal.SIGTERM))
+    so (exit 128 + the signal), no traceback, within seconds (a worker killed while it held a lock
+    shared with the others once kept them from exiting for the runner's 120 s grace). SIGHUP to the
+    experiment (its terminal closed) stops it as SIGTERM does; a signal it was started ignoring
+    stays ignored."""
+    experiment, err, left, took = _signalled(tmp_path / "out", lambda experiment, workers:
+                                             os.kill(workers[0], signal.SIGTERM))
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGTERM, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("largebatch experiment: error: noise-scale: arm ") and "SIGTERM" in lines[0]
     assert "run the same command with --resume" in lines[0]
+    assert not left, "workers outlived the experiment"
+    assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"
 
-    experiment, err, left = _signalled(tmp_path / "hup", lambda experiment, workers:
-                                       experiment.send_signal(signal.SIGHUP))
+    def ignored_then_hangup(experiment, workers):
+        experiment.send_signal(signal.SIGINT)  # ignored since its start (a script's background job)
+        time.sleep(3.0)
+        assert experiment.poll() is None and all(_alive(pid) for pid in workers), "an ignored SIGINT stopped it"
+        experiment.send_signal(signal.SIGHUP)
+
+    experiment, err, left, took = _signalled(tmp_path / "hup", ignored_then_hangup, ignore=(signal.SIGINT,))
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGHUP, err
     assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGHUP: noise-scale stopped"), err
     assert not left, "workers outlived the experiment"
+    assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"

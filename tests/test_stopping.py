@@ -46,3 +46,21 @@ def test_one_process_polls_without_a_group():
     with StopRequest(par) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.poll() == (signal.SIGINT, False)
+    with StopRequest(par) as stop:  # a closed terminal or ssh session
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.poll() == (signal.SIGHUP, False)
+
+
+def test_an_ignored_signal_stays_ignored():
+    """nohup ignores SIGHUP (a shell script's background job, SIGINT): a run must not take it back."""
+    par = init_distributed(ParallelConfig())
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopRequest(par) as stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.poll() == (None, False)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -1,5 +1,6 @@
-"""A run on a shared cluster, with real processes and real signals: SIGTERM / SIGINT checkpoint and
-exit (a second signal at once), the same command line continues a stopped run (past a damaged
+"""A run on a shared cluster, with real processes and real signals: SIGTERM / SIGINT / SIGHUP
+checkpoint and exit (a second signal at once; a SIGHUP the run was started ignoring, as under nohup,
+stays ignored), the same command line continues a stopped run (past a damaged
 newest checkpoint) and refuses another config, a live run locks its directory, a disk that fills up
 between checkpoints (a real tmpfs) stops the run with one line and it resumes. Every continued run
 is compared with the uninterrupted reference run of tests/test_train.py, step by step, to the bit."""
@@ -34,9 +35,15 @@ def _args(o: dict) -> list[str]:
     return [f"--{k}={json.dumps(v)}" for k, v in o.items()]
 
 
-def _start(o: dict) -> subprocess.Popen:
+def _start(o: dict, ignore: tuple[int, ...] = ()) -> subprocess.Popen:
+    """``largebatch train`` in a process started with ``ignore``'s signals ignored (as nohup does)."""
+    def ignored():
+        for sig in ignore:
+            signal.signal(sig, signal.SIG_IGN)
+
     return subprocess.Popen([sys.executable, "-m", "largebatch", "train", *_args(o)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignored if ignore else None)
 
 
 def _wait_for_train_records(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -55,7 +62,8 @@ def _step(ckpt: Path) -> int:
     return int(ckpt.name.split("_")[1].split(".")[0])
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
+                         ids=["TERM", "INT", "HUP"])
 def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_path, capsys, sig, code):
     cache, ref_dir, _ = reference_run
     out = tmp_path / "run"
@@ -77,10 +85,22 @@ def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_pat
     ckpts = list_checkpoints(out)
     assert [_step(c) for c in ckpts] == [steps[-1]] and steps[-1] < len(_train_losses(ref_dir))
     assert f"({sig.name}) at step {steps[-1]}" in stdout and f"--resume {out}" in stdout, stdout[-1000:]
-    # SIGTERM: the same command line again; SIGINT: --resume
-    assert main(_args(o) if sig == signal.SIGTERM else [f"--resume={out}", "--run.progress=off"]) == 0
+    # SIGTERM, SIGHUP: the same command line again; SIGINT: --resume
+    assert main(_args(o) if sig != signal.SIGINT else [f"--resume={out}", "--run.progress=off"]) == 0
     assert f"resumed from {ckpts[-1]}" in capsys.readouterr().out
     assert _train_losses(out) == _train_losses(ref_dir)  # every step, to the last bit
+
+
+def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):
+    """Started with SIGHUP ignored (nohup): the terminal closing changes nothing, the run finishes."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "nohup"
+    proc = _start(tiny_overrides(cache, out), ignore=(signal.SIGHUP,))
+    _wait_for_train_records(out, 3, proc)
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "SIGHUP" not in stderr + stdout, stderr[-2000:]
+    assert _train_losses(out) == _train_losses(ref_dir)
 
 
 def test_second_signal_exits_at_once(reference_run, tmp_path):

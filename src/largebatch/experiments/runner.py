@@ -18,7 +18,6 @@ import math
 import multiprocessing
 import os
 import pickle
-import queue as queue_lib
 import shutil
 import signal
 import sys
@@ -26,6 +25,7 @@ import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Any, Callable
 
@@ -326,7 +326,7 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     with open(run_dir / "train.log", "w") as log_file:
         try:
             summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
-            if summary.get("signal"):  # SIGTERM / SIGINT: the trainer checkpointed; end the experiment
+            if summary.get("signal"):  # SIGTERM / SIGINT / SIGHUP: it checkpointed; end the experiment
                 raise ArmsInterrupted(summary["signal"], [run_dir.name], [])
         except NonFiniteLoss as exc:
             diverged = str(exc)
@@ -387,8 +387,8 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
 
 
 class ArmsInterrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT reached an experiment training arms in processes: none more was started
-    and the running ones were sent SIGTERM (they checkpoint and exit) and waited for."""
+    """SIGTERM, SIGINT or SIGHUP reached an experiment training arms in processes: none more was
+    started and the running ones were sent SIGTERM (they checkpoint and exit) and waited for."""
 
     def __init__(self, signum: int, stopped: list[str], not_started: list[str]):
         super().__init__(signum, stopped, not_started)
@@ -403,10 +403,6 @@ class ArmWorkerLost(RuntimeError):
         super().__init__(message)
         self.signum = signum
 
-
-STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s)
-"""What stops an experiment training arms in processes, cleanly: SIGHUP (the terminal or the ssh
-session closed) as SIGTERM and Ctrl-C."""
 
 _PARENT_CHECK_S = 2.0  # an idle worker looks this often whether its parent still lives
 
@@ -428,14 +424,25 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _next_task(tasks, parent: int):
-    """The next task from ``tasks``; None when the parent has died (the worker is an orphan)."""
+def _next_task(channel, parent: int):
+    """The next task from ``channel`` (this worker's end of its pipe to the parent); None when the
+    parent has died or closed the pipe (the worker is an orphan, or no longer needed)."""
     while True:
         try:
-            return tasks.get(timeout=_PARENT_CHECK_S)
-        except queue_lib.Empty:
-            if os.getppid() != parent:
-                return None
+            if channel.poll(_PARENT_CHECK_S):
+                return channel.recv()
+        except (EOFError, OSError):
+            return None
+        if os.getppid() != parent:
+            return None
+
+
+def _send(channel, message) -> None:
+    """Send ``message`` to the parent; nothing when it has gone (the worker then just ends)."""
+    try:
+        channel.send(message)
+    except OSError:  # BrokenPipeError: the parent died or stopped listening
+        pass
 
 
 @dataclass
@@ -454,29 +461,32 @@ class _ArmFailure:
     traceback: str
 
 
-def _arm_worker(tasks, results, threads: int, parent: int | None = None) -> None:
+def _arm_worker(channel, threads: int, parent: int | None = None) -> None:
     """A worker process: trains the arms it is sent, one after another, until it gets None. One
     process trains many arms, as the serial path does, so each arm pays no interpreter and torch
     start-up (~4 s of CPU, a sixth of a quick arm). An arm that raises is sent back as an
-    _ArmFailure, and the worker stops. ``parent``: the parent's pid; the worker ends when it dies."""
+    _ArmFailure, and the worker stops. ``channel``: its own pipe to the parent, both ways (no lock
+    shared with other workers: a worker killed mid-write cannot block the others' exit; sends are
+    synchronous, so no feeder thread is left to join at exit). ``parent``: the parent's pid; the
+    worker ends when it dies."""
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
     parent = os.getppid() if parent is None else parent
     _die_with_parent(parent)
-    while (task := _next_task(tasks, parent)) is not None:
+    while (task := _next_task(channel, parent)) is not None:
         index, run_dir, overrides = task
         try:
             outcome = _train(run_dir, overrides, threads)
         except ArmsInterrupted as exc:  # SIGTERM (from the parent, or to this worker alone): checkpointed
-            results.put((index, _ArmStopped(exc.signum)))  # unread when the parent sent it
+            _send(channel, (index, _ArmStopped(exc.signum)))  # unread when the parent sent it
             return
         except Exception as exc:  # noqa: BLE001 -- any error of the arm goes to the parent, as in one process
             try:
                 pickle.loads(pickle.dumps(exc))
             except Exception:  # noqa: BLE001 -- an exception that does not cross processes: its text does
                 exc = None
-            results.put((index, _ArmFailure(exc, traceback.format_exc())))
+            _send(channel, (index, _ArmFailure(exc, traceback.format_exc())))
             return
-        results.put((index, outcome))
+        _send(channel, (index, outcome))
 
 
 def _raise_failure(arm: Arm, failure: _ArmFailure):
@@ -493,77 +503,94 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     """Yield (arm, run_dir, (wall, diverged)) as arms finish, in ``jobs`` worker processes (spawned
     once; each trains the next pending arm when it is free).
 
-    SIGTERM or SIGINT (Ctrl-C) to this process: no arm is started after it, every running arm gets
-    SIGTERM (its trainer checkpoints and exits) and is waited for, then ArmsInterrupted is raised --
-    no process is left behind training on its own."""
+    SIGTERM, SIGINT (Ctrl-C) or SIGHUP to this process (those it does not ignore): no arm is started
+    after it, every running arm gets SIGTERM (its trainer checkpoints and exits) and is waited for,
+    then ArmsInterrupted is raised -- no process is left behind training on its own."""
     import torch
 
+    from largebatch.train.stopping import take_signals
+
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     threads = max(1, torch.get_num_threads() // jobs)
     pending = list(enumerate(todo))
-    workers: list[tuple[Any, Any]] = []  # (process, its task queue)
+    workers: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
     busy: dict[int, int] = {}  # worker number -> index of the arm it trains
 
     def interrupt(signum, frame):
         raise ArmsInterrupted(signum, [], [])
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    def lost(w: int) -> ArmWorkerLost:
+        """Worker ``w`` ended, or closed its pipe, without sending its arm's outcome."""
+        process = workers[w][0]
+        process.join(5.0)  # its exit code, once it has ended
+        arm, run_dir, _ = todo[busy[w]]
+        code = process.exitcode
+        if code == 0:  # its trainer took a signal sent to the worker alone, and checkpointed
+            return ArmWorkerLost(f"arm {arm.name!r} was stopped by a signal to its worker process; "
+                                 f"run the same command with --resume to continue")
+        log_file = run_dir / "train.log"
+        seen = f"; its trainer's log: {log_file}" if log_file.is_file() and log_file.stat().st_size else ""
+        how = (f"was killed by {_signal_name(-code)}" if code is not None and code < 0
+               else f"died (exit code {code})")
+        return ArmWorkerLost(f"arm {arm.name!r}: its worker process {how}{seen}; run the same command "
+                             f"with --resume to keep the finished arms",
+                             -code if code is not None and code < 0 else None)
+
+    previous = take_signals(interrupt)  # those not ignored (nohup)
     try:
         while pending or busy:
             while pending and len(busy) < jobs:
                 free = next((w for w in range(len(workers)) if w not in busy), None)
                 if free is None:
-                    tasks = ctx.Queue()
-                    process = ctx.Process(target=_arm_worker, args=(tasks, results, threads, os.getpid()),
+                    mine, theirs = ctx.Pipe()
+                    process = ctx.Process(target=_arm_worker, args=(theirs, threads, os.getpid()),
                                           name=f"arms-{len(workers)}")
                     with passive_openmp():
                         process.start()
-                    workers.append((process, tasks))
+                    theirs.close()  # the worker holds it now: its death reads as EOF here
+                    workers.append((process, mine))
                     free = len(workers) - 1
                 index, (arm, run_dir, overrides) = pending.pop(0)
-                workers[free][1].put((index, run_dir, overrides))
                 busy[free] = index
-            try:
-                index, outcome = results.get(timeout=1.0)
-            except queue_lib.Empty:
+                try:
+                    workers[free][1].send((index, run_dir, overrides))
+                except OSError:  # the worker died while idle
+                    raise lost(free) from None
+            channels = {id(workers[w][1]): w for w in busy}
+            ready = wait_for([workers[w][1] for w in busy] + [workers[w][0].sentinel for w in busy], 1.0)
+            messages = [w for w in (channels.get(id(r)) for r in ready) if w is not None]
+            if not messages:  # no message: a worker that ended is lost
                 dead = [w for w in busy if not workers[w][0].is_alive()]
                 if dead:
-                    arm, run_dir, _ = todo[busy[dead[0]]]
-                    code = workers[dead[0]][0].exitcode
-                    if code == 0:  # its trainer took a signal sent to the worker alone, and checkpointed
-                        raise ArmWorkerLost(f"arm {arm.name!r} was stopped by a signal to its worker process; "
-                                            f"run the same command with --resume to continue")
-                    log_file = run_dir / "train.log"
-                    seen = (f"; its trainer's log: {log_file}" if log_file.is_file() and log_file.stat().st_size
-                            else "")
-                    how = (f"was killed by {_signal_name(-code)}" if code is not None and code < 0
-                           else f"died (exit code {code})")
-                    raise ArmWorkerLost(f"arm {arm.name!r}: its worker process {how}{seen}; run the same "
-                                        f"command with --resume to keep the finished arms",
-                                        -code if code is not None and code < 0 else None)
+                    raise lost(dead[0])
                 continue
-            busy = {w: i for w, i in busy.items() if i != index}
-            arm, run_dir, _ = todo[index]
-            if isinstance(outcome, _ArmFailure):
-                _raise_failure(arm, outcome)
-            if isinstance(outcome, _ArmStopped):  # a signal to the worker alone: it checkpointed
-                raise ArmWorkerLost(f"arm {arm.name!r} was stopped by {_signal_name(outcome.signum)} sent to "
-                                    f"its worker process alone; run the same command with --resume to "
-                                    f"continue", outcome.signum)
-            yield arm, run_dir, outcome
-        for process, tasks in workers:
-            tasks.put(None)
-        for process, _ in workers:
+            for w in messages:
+                try:
+                    index, outcome = workers[w][1].recv()
+                except (EOFError, OSError):  # it died before it could send
+                    raise lost(w) from None
+                del busy[w]
+                arm, run_dir, _ = todo[index]
+                if isinstance(outcome, _ArmFailure):
+                    _raise_failure(arm, outcome)
+                if isinstance(outcome, _ArmStopped):  # a signal to the worker alone: it checkpointed
+                    raise ArmWorkerLost(f"arm {arm.name!r} was stopped by {_signal_name(outcome.signum)} sent "
+                                        f"to its worker process alone; run the same command with --resume to "
+                                        f"continue", outcome.signum)
+                yield arm, run_dir, outcome
+        for process, channel in workers:
+            _send(channel, None)
+        for process, channel in workers:
             process.join()
+            channel.close()
     except ArmsInterrupted as exc:
         for sig, handler in previous.items():  # a second signal now ends this process at once
             signal.signal(sig, handler)
-        _stop(process for process, _ in workers)
+        _stop(workers)
         raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in busy.values()],
                               [todo[i][0].name for i, _ in pending]) from None
     except BaseException:
-        _stop(process for process, _ in workers)
+        _stop(workers)
         raise
     finally:
         for sig, handler in previous.items():
@@ -607,10 +634,12 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     """``[fn(*task) for task in tasks]`` in ``jobs`` worker processes (spawned once, each with its
     share of the torch threads), in task order. ``fn`` must be a module-level function.
 
-    For work that keeps nothing worth saving (fine-tuning a finished arm): on SIGTERM or SIGINT the
-    pending tasks are dropped, the workers killed and waited for, and ArmsInterrupted raised naming
-    ``what``; a worker that dies raises RuntimeError."""
+    For work that keeps nothing worth saving (fine-tuning a finished arm): on SIGTERM, SIGINT or
+    SIGHUP the pending tasks are dropped, the workers killed and waited for, and ArmsInterrupted
+    raised naming ``what``; a worker that dies raises RuntimeError."""
     import torch
+
+    from largebatch.train.stopping import take_signals
 
     threads = max(1, torch.get_num_threads() // jobs)
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
@@ -619,7 +648,7 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     def interrupt(signum, frame):
         raise ArmsInterrupted(signum, [what], [])
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    previous = take_signals(interrupt)  # those not ignored (nohup)
     try:
         futures = [pool.submit(fn, *task) for task in tasks]
         outcomes = [future.result() for future in futures]
@@ -643,15 +672,26 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     return outcomes
 
 
-def _stop(processes, grace_s: float = 120.0) -> None:
-    """SIGTERM each process, wait for it (a trainer finishes its step and checkpoints), else kill."""
-    processes = list(processes)
-    for process in processes:
+def _stop(workers, grace_s: float = 120.0) -> None:
+    """SIGTERM each worker process, wait for it (a trainer finishes its step and checkpoints), else
+    kill; what they still send is read and dropped (a worker never blocks on a full pipe).
+    ``workers``: (process, the parent's end of its pipe) pairs."""
+    workers = list(workers)
+    for process, _ in workers:
         if process.is_alive():
             process.terminate()
     deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+    channels = [channel for _, channel in workers if not channel.closed]
+    for process, _ in workers:
+        while process.is_alive() and (left := deadline - time.monotonic()) > 0:
+            for ready in wait_for([process.sentinel, *channels], left):
+                if ready in channels:
+                    try:
+                        ready.recv()
+                    except (EOFError, OSError):  # that worker has ended
+                        channels.remove(ready)
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
+    for channel in channels:
+        channel.close()

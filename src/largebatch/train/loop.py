@@ -417,7 +417,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens)  # mark: the last record
         self._warned_mfu = False
-        signum, time_due = None, False  # SIGTERM / SIGINT, and the wall-clock checkpoint interval
+        signum, time_due = None, False  # SIGTERM / SIGINT / SIGHUP, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
             while True:

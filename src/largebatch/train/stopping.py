@@ -1,10 +1,13 @@
-"""Stopping a run cleanly: SIGTERM / SIGINT, and checkpoints on a wall-clock interval.
+"""Stopping a run cleanly: SIGTERM / SIGINT / SIGHUP, and checkpoints on a wall-clock interval.
 
 Slurm and Kubernetes send SIGTERM before they kill a job (Slurm: ``KillWait``, 30 s by default;
-Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default); a terminal sends SIGINT on Ctrl-C.
-While ``fit`` runs, :class:`StopRequest` turns either signal into a request: the step in progress
+Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default); a terminal sends SIGINT on Ctrl-C
+and SIGHUP when it closes (an ssh session dropped); torchrun forwards all three to its workers.
+While ``fit`` runs, :class:`StopRequest` turns each into a request: the step in progress
 finishes, a checkpoint is written, the resume command is printed and the process exits with
-128 + the signal number (143 for SIGTERM, 130 for SIGINT). A second signal exits at once (the
+128 + the signal number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP). A signal the process
+was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell script's ``&`` job ignores
+SIGINT): that is the user's choice that the run outlive the terminal. A second signal exits at once (the
 checkpoint being written, if any, stays a temporary; the previous one is intact). A repeat of the
 same signal within ``REPEAT_WINDOW_S`` counts as the first: torchrun forwards the signal it gets to
 its workers, which a cluster may have signalled already.
@@ -31,8 +34,22 @@ import torch.distributed as dist
 
 from largebatch.parallel.mesh import ParallelState
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
+"""The signals that stop a run (or an experiment) cleanly; SIGHUP where the platform has it."""
 REPEAT_WINDOW_S = 2.0
+
+
+def take_signals(handler, signals=SIGNALS) -> dict[int, object]:
+    """Install ``handler`` for each of ``signals`` that this process does not ignore, and return the
+    handlers it replaced (restore them with ``signal.signal``). An ignored signal stays ignored:
+    ``nohup`` (SIGHUP) and a non-interactive shell's background job (SIGINT) ask that the process
+    outlive the terminal. Call from the main thread."""
+    previous = {}
+    for sig in signals:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        previous[sig] = signal.signal(sig, handler)
+    return previous
 
 
 def exit_code(signum: int) -> int:
@@ -58,7 +75,8 @@ def control_group(par: ParallelState):
 
 
 class StopRequest:
-    """A context manager for the training loop: records SIGTERM / SIGINT, and says when to checkpoint."""
+    """A context manager for the training loop: records SIGTERM / SIGINT / SIGHUP (those not
+    ignored), and says when to checkpoint."""
 
     def __init__(self, par: ParallelState, checkpoint_every_seconds: float = 0.0):
         self.par = par
@@ -71,8 +89,7 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous = take_signals(self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
