@@ -103,6 +103,30 @@ def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):
     assert _train_losses(out) == _train_losses(ref_dir)
 
 
+def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(reference_run, tmp_path, capsys, monkeypatch):
+    """NFS without its lock service answers flock with ENOLCK (Lustre without its flock mount option,
+    ENOSYS). No filesystem here lacks locks, so flock is made to answer that way: the run goes on,
+    unlocked, and says so once; it was a traceback."""
+    import errno
+    import fcntl
+
+    from largebatch.train.rundir import RunLock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "nfs"
+    assert main(_args(tiny_overrides(cache, out))) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(f"warning: run directory {out} is not locked: its filesystem does not support file "
+                         f"locks (flock: No locks available)") == 1, printed[-2000:]
+    assert _train_losses(out) == _train_losses(ref_dir)
+    lock = RunLock(tmp_path / "report", user="experiment", option="--out")  # the experiment command's
+    assert "experiment directory" in lock.warning and "choose an --out on a filesystem with locks" in lock.warning
+
+
 def test_second_signal_exits_at_once(reference_run, tmp_path):
     out = tmp_path / "twice"
     proc = _start(tiny_overrides(reference_run[0], out))

@@ -69,6 +69,8 @@ def run_experiment(name: str, size: str = "quick", out_dir: str | Path | None = 
     check_experiment_dir(out, name, size)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)  # one experiment per directory: a second would delete the arms this one trains
+    if lock.warning:
+        log(f"warning: {lock.warning}")
     try:
         return _run_locked(name, size, out, log, execution, seeds, granularity, extra)
     finally:

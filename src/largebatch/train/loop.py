@@ -129,6 +129,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         random.seed(run.seed)
         np.random.seed(run.seed)
         self.lock = lock_run_dir(self.run_dir, self.par)  # one run per directory; freed at death
+        if self.lock is not None and self.lock.warning:
+            self.log(f"warning: {self.lock.warning}")
         self.phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, run.total_tokens,
                                      run.micro_batch)
         self.phase = self.phases[0]

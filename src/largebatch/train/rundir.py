@@ -8,7 +8,8 @@
   differ.
 * **A lock.** :class:`RunLock` holds an OS lock (``fcntl.flock``) on ``RUN_DIR/.lock`` for the life
   of the run; the kernel releases it when the process dies, however it dies. A second run into a
-  locked directory (a second ``--resume``, a run started twice) fails at once naming the holder.
+  locked directory (a second ``--resume``, a run started twice) fails at once naming the holder. On a
+  filesystem without file locks the run goes on unlocked, with a warning.
 * **Unique default directories.** ``runs/{time}-{kind}`` is claimed with an atomic ``mkdir``; two
   runs started in the same second get ``...-gpt`` and ``...-gpt-2``.
 * **Atomic rewrites.** ``largebatch.checkpoint.files.atomic_write_text`` (temporary, fsync, rename)
@@ -122,12 +123,18 @@ def claim_new_dir(path: str | Path) -> Path:
 
 
 class RunLock:
-    """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held until :meth:`release` or death."""
+    """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held until :meth:`release` or death.
+
+    On a filesystem without file locks (NFS without its lock service: ENOLCK; Lustre mounted
+    without ``flock``, some FUSE filesystems: ENOSYS / EOPNOTSUPP) the directory cannot be locked;
+    the run goes on unlocked and :attr:`warning` says so (the caller logs it), rather than no run
+    being possible there at all."""
 
     def __init__(self, run_dir: str | Path, user: str = "run", option: str = "--run.out_dir"):
         """``user``: what holds such a directory (the refusal's words); ``option``: the one that
         chooses another."""
         self._fd: int | None = None  # set first: __del__ runs even when mkdir below fails
+        self.warning: str | None = None
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
@@ -135,11 +142,17 @@ class RunLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks here
+                os.close(self._fd)
+                self._fd = None
+                self.warning = (f"{user} directory {run_dir} is not locked: its filesystem does not "
+                                f"support file locks (flock: {exc.strerror or exc}); a second {user} "
+                                f"started into it would mix its files with this one's, so start none "
+                                f"(or choose an {option} on a filesystem with locks)")
+                return
             holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             self._fd = None
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
             raise RunDirLocked(f"{user} directory {run_dir} is in use by another {user} (pid {holder}, "
                                f"lock {self.path}); wait for it to end, or choose another "
                                f"{option}") from None
