@@ -67,6 +67,8 @@ def test_the_report_directory_holds_one_experiment_at_a_time(tmp_path, capsys, m
     busy = tmp_path / "busy"
     held = RunLock(busy)  # another open file: flock refuses it as it would another process
     try:
+        err = _refused(capsys, ["seesaw", "--smoke", "--out", str(busy), "--check"])  # --check too
+        assert f"seesaw: experiment directory {busy} is in use by another experiment (pid {os.getpid()} " in err
         capsys.readouterr()
         assert cli.main(["seesaw", "--smoke", "--out", str(busy)]) == 2
         err = capsys.readouterr().err.strip()

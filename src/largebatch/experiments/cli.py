@@ -240,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             check_experiment_dir(out, name, size_name)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.check and (out / ".lock").is_file():  # one that ran before: is it running now?
+            from largebatch.train.rundir import RunDirLocked
+
+            try:
+                _lock(out).release()
+            except RunDirLocked as exc:
+                parser.error(f"{name}: {exc}")
     if args.check:
         print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
         return 0
