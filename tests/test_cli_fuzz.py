@@ -1,10 +1,11 @@
 """A property-based fuzz of the command line of the commands (train, schedule, memory, experiment,
-finetune): generated flags and values -- numbers including inf, nan, negative and huge ones,
+finetune, export): generated flags and values -- numbers including inf, nan, negative and huge ones,
 strings, unknown keys, missing values, paths that are files, missing or not writable -- end either
 in success or in ONE line on stderr with exit code 2. Never a traceback, never an exception.
 
 train and experiment run with --check (validate, then exit) so no example trains: every check runs
-before any work starts, which is what this fuzzes. schedule and memory run for real."""
+before any work starts, which is what this fuzzes. schedule and memory run for real, and so does
+export, given now and then a real trained run directory (the tiny reference run)."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def _value(tmp: str) -> st.SearchStrategy:
 
 
 @st.composite
-def argv(draw, tmp: str):
-    command = draw(st.sampled_from(["train", "schedule", "memory", "experiment", "finetune"]))
+def argv(draw, tmp: str, run_dir: str):
+    command = draw(st.sampled_from(["train", "schedule", "memory", "experiment", "finetune", "export"]))
     if command == "train":
         fields = dict(train_config_fields())
         flags = [f"--{k}" for k in fields] + ["--run.zz_unknown", "--modle.n_layer", "--resume"]
@@ -87,6 +88,22 @@ def argv(draw, tmp: str):
                 args += [flag, value]
         if draw(st.integers(0, 9)) == 0:  # now and then a value is missing
             args.append(draw(st.sampled_from(flags)))
+    elif command == "export":  # mostly RUN_DIR OUT --format hf and a few options, so the real paths run
+        fresh = st.sampled_from([f"{tmp}/export-{n}" for n in range(3)])
+        run = draw(st.sampled_from([run_dir] * 3 + [tmp, f"{tmp}/file", f"{tmp}/missing", ""]))
+        out = draw(st.one_of(fresh, _paths(tmp), st.just(tmp), st.just(run_dir)))
+        args = [run, out, "--format", draw(st.sampled_from(["hf"] * 6 + ["gguf", ""]))]
+        if not draw(st.integers(0, 5)):  # now and then a skeleton that is not quite there
+            del args[draw(st.integers(0, len(args) - 1))]
+        for flag in draw(st.lists(st.sampled_from(["--force", "--no-verify", "--tokenizer"] * 3
+                                                   + ["--zz-unknown"]), max_size=2)):
+            value = draw(st.one_of(_paths(tmp), st.just(f"{run_dir}/tokenizer.json"), WORDS))
+            if flag in ("--force", "--no-verify"):
+                args += [flag] if draw(st.integers(0, 9)) else [f"{flag}={value}"]
+            elif draw(st.integers(0, 9)):
+                args += [f"{flag}={value}"] if draw(st.booleans()) else [flag, value]
+            else:  # its value missing
+                args.append(flag)
     else:
         if command == "schedule":
             flags = _flags(schedule_parser()) + ["--zz-unknown"]
@@ -125,13 +142,13 @@ def fuzz_dir(tmp_path_factory):
     return tmp
 
 
-def test_cli_fuzz_success_or_one_line_error(fuzz_dir, monkeypatch):
+def test_cli_fuzz_success_or_one_line_error(fuzz_dir, reference_run, monkeypatch):
     monkeypatch.chdir(fuzz_dir)  # default run and report directories (never created: --check)
     tmp = str(fuzz_dir)
 
-    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=360, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(argv(tmp))
+    @given(argv(tmp, str(reference_run[1])))
     def check(args):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

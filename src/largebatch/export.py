@@ -290,9 +290,12 @@ def _quiet_transformers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or "-h" in argv or "--help" in argv:
+    if "-h" in argv or "--help" in argv:
         print(_usage())
-        return 0 if argv else 2
+        return 0
+    if not argv:  # as argparse does: one line on stderr, exit 2
+        return _fail("RUN_DIR and OUT are required: largebatch export RUN_DIR OUT --format hf "
+                     "(--help for the options)")
     try:
         opts = _parse(argv)
         _quiet_transformers()
