@@ -294,3 +294,22 @@ def test_output_file_that_is_a_named_pipe_is_refused_without_opening_it(tmp_path
         thread.join(10)
         pytest.fail("check_output_file blocked opening a named pipe")
     assert outcome[0] is not None and "pipe.png' exists and is not a regular file" in outcome[0]
+
+
+def test_output_file_that_is_a_dangling_symbolic_link(tmp_path):
+    """A link whose target's directory is missing is named as such (it was a bare "No such file or
+    directory"); one whose target's directory exists is writable, and the probe leaves no file."""
+    from largebatch.arguments import check_output_file
+
+    broken = tmp_path / "broken.png"
+    broken.symlink_to(tmp_path / "gone" / "plot.png")
+    with pytest.raises(ValueError) as error:
+        check_output_file(str(broken), "--plot", suffixes=(".png",))
+    assert str(error.value) == (f"--plot {str(broken)!r} is a symbolic link to {tmp_path / 'gone' / 'plot.png'}, "
+                                f"whose directory {tmp_path / 'gone'} does not exist; create it, or choose "
+                                f"another name")
+    pending = tmp_path / "pending.png"
+    pending.symlink_to(tmp_path / "later.png")
+    check_output_file(str(pending), "--plot", suffixes=(".png",))
+    assert pending.is_symlink() and not (tmp_path / "later.png").exists()
+

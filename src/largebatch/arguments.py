@@ -116,13 +116,19 @@ def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = 
         raise ValueError(f"{_named(field, text)}: {reason}; choose a writable directory")
     if os.path.exists(target) and not target.is_file():  # a FIFO would block the probe below
         raise ValueError(f"{_named(field, text)} exists and is not a regular file; choose another name")
+    probe = target
+    if os.path.islink(target) and not os.path.exists(target):  # a dangling link: the file it names
+        probe = Path(os.path.realpath(target))
+        if not probe.parent.is_dir():
+            raise ValueError(f"{_named(field, text)} is a symbolic link to {os.readlink(target)}, whose "
+                             f"directory {probe.parent} does not exist; create it, or choose another name")
     try:
-        if os.path.lexists(target):  # opened for appending and closed: its content is untouched
-            with open(target, "ab"):
+        if os.path.exists(probe):  # opened for appending and closed: its content is untouched
+            with open(probe, "ab"):
                 pass
         else:  # created and removed again: nothing is left behind
-            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            os.unlink(target)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"{_named(field, text)}: cannot write a file there ({exc.strerror}); "
                          "choose a writable directory") from None
