@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
+import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -100,6 +104,82 @@ def test_user_directory_one_document_per_file(tmp_path):
                                                  ("sub/b", "second document\n")]
     split = load_documents(str(tmp_path / "a.txt"), document_separator=" ")
     assert [d.name for d in split] == ["a#0", "a#1"]
+
+
+def _write_json_lines(path: Path, texts: list[str], opener=open) -> None:
+    """JSON Lines as the ecosystem writes them (datasets' Dataset.to_json: one object per line,
+    other fields beside the text, UTF-8 unescaped), with a blank line and an empty record."""
+    with opener(path, "wt", encoding="utf-8") as out:
+        for k, text in enumerate(texts):
+            out.write(json.dumps({"id": k, "text": text, "meta": {"source": "gutenberg"}},
+                                 ensure_ascii=False) + "\n")
+            if k == 1:
+                out.write("\n" + json.dumps({"id": -1, "text": ""}) + "\n")
+
+
+def test_json_lines_corpora_are_their_records_compressed_or_not(tmp_path):
+    """A .jsonl corpus was read as raw text before (a model trained on JSON syntax, silently). Each
+    record is now one document, through gzip, bz2 and xz alike and as a JSON array; trained with
+    val_corpus, its token streams equal those of the same texts as plain text files."""
+    plays = shakespeare_documents()[:6]
+    texts = [d.text for d in plays]
+    texts[2] += "\u2028 a line separator inside a string"  # str.splitlines would cut the record here
+    (tmp_path / "txt").mkdir()
+    for k, text in enumerate(texts[:5]):
+        (tmp_path / "txt" / f"{k}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "val.txt").write_text(texts[5], encoding="utf-8")
+    _write_json_lines(tmp_path / "plays.jsonl", texts)
+    for suffix, opener in ((".gz", gzip.open), (".bz2", bz2.open), (".xz", lzma.open)):
+        _write_json_lines(tmp_path / f"plays.jsonl{suffix}", texts, opener)
+    (tmp_path / "array.json").write_text(json.dumps([{"text": t} for t in texts]), encoding="utf-8")
+
+    for name in ("plays.jsonl", "plays.jsonl.gz", "plays.jsonl.bz2", "plays.jsonl.xz"):
+        docs = load_documents(str(tmp_path / name))
+        assert [d.text for d in docs] == texts, name
+        assert [d.name for d in docs] == ["plays:1", "plays:2", "plays:5", "plays:6", "plays:7", "plays:8"]
+    assert [d.text for d in load_documents(str(tmp_path / "array.json"))] == texts
+    cut = load_documents(str(tmp_path / "plays.jsonl"), document_separator="\n\n")
+    assert cut[0].name == "plays:1#0" and len(cut) > len(texts)
+
+    _write_json_lines(tmp_path / "train.jsonl.gz", texts[:5], gzip.open)
+    _write_json_lines(tmp_path / "val.jsonl", texts[5:])
+    common = dict(vocab_size=512, cache_dir=str(tmp_path / "cache"))
+    from_json = build_data(DataConfig(corpus=str(tmp_path / "train.jsonl.gz"),
+                                      val_corpus=str(tmp_path / "val.jsonl"), **common), 64)
+    from_text = build_data(DataConfig(corpus=str(tmp_path / "txt"), val_corpus=str(tmp_path / "val.txt"),
+                                      **common), 64)
+    assert np.array_equal(from_json.train.tokens, from_text.train.tokens)
+    assert np.array_equal(from_json.val.tokens, from_text.val.tokens)
+    assert '"text"' not in from_json.tokenizer.decode(from_json.val.tokens[:2000].tolist())
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"text": "fine"}\n{"text": "cut sh', "line 2 is not a JSON object"),
+    ('{"body": "no text field", "id": 3}\n',
+     "line 1 has no field data.text_field='text' \\(its fields: 'body', 'id'\\)"),
+    ('{"text": ["a", "list"]}\n', "its 'text' is a JSON list, not a string"),
+    ('["not", "an", "object"]\n', "record 0 is a JSON str, not an object"),
+    ('{"text": ""}\n{"text": "  "}\n', "holds no text under data.text_field='text'"),
+])
+def test_bad_json_lines_name_the_file_the_line_and_the_field(tmp_path, content, message):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(content)
+    with pytest.raises(CorpusError, match=message) as info:
+        load_documents(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_another_text_field_and_unreadable_archives(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"content": "first"}\n{"content": "second"}\n')
+    assert [d.text for d in load_documents(str(tmp_path / "c.jsonl"), text_field="content")] == ["first", "second"]
+    (tmp_path / "broken.txt.gz").write_bytes(gzip.compress(b"some text")[:-6])
+    with pytest.raises(CorpusError, match="broken.txt.gz' is not a readable .gz file"):
+        load_documents(str(tmp_path / "broken.txt.gz"))
+    (tmp_path / "t.parquet").write_bytes(b"PAR1\x00")
+    with pytest.raises(CorpusError, match="parquet files are not read; write the text out as JSON Lines"):
+        load_documents(str(tmp_path / "t.parquet"))
+    with pytest.raises(ValueError, match="DataConfig.text_field=''"):
+        DataConfig(text_field="")
 
 
 def _bad(tmp_path: Path, kind: str) -> str:

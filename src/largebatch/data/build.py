@@ -167,11 +167,11 @@ def _text_streams(cfg: DataConfig):
         if is_token_array_path(cfg.val_corpus):
             raise CorpusError(f"DataConfig.val_corpus={cfg.val_corpus!r} is a token array but "
                               f"corpus={cfg.corpus!r} is text: give both as text or both as arrays")
-        train_docs = load_documents(cfg.corpus, cfg.document_separator)
-        val_docs = load_documents(cfg.val_corpus, cfg.document_separator)
+        train_docs = load_documents(cfg.corpus, cfg.document_separator, cfg.text_field)
+        val_docs = load_documents(cfg.val_corpus, cfg.document_separator, cfg.text_field)
         split = "separate val_corpus"
     else:
-        train_docs, val_docs = split_documents(load_documents(cfg.corpus, cfg.document_separator),
+        train_docs, val_docs = split_documents(load_documents(cfg.corpus, cfg.document_separator, cfg.text_field),
                                                cfg.val_fraction, cfg.val_documents, cfg.split_seed)
         split = "by document"
     key_parts = {"train": fingerprint(train_docs), "val": fingerprint(val_docs),

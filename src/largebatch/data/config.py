@@ -19,9 +19,11 @@ MIN_VOCAB_SIZE = 300  # 256 byte symbols + the special tokens + a few merges
 class DataConfig:
     corpus: str = field(default="shakespeare", metadata={"names": CORPORA})
     """What to train on. A named corpus (below; add one with largebatch.data.corpus.register_corpus)
-    or a path: a UTF-8 text file, a directory of text files (one document per file, searched
-    recursively, hidden files skipped), or a pre-tokenized array of token ids (``.npy``, or raw
-    ``.bin`` of ``bin_dtype``)."""
+    or a path: a UTF-8 text file, a JSON Lines file (one document per record, its text under
+    ``text_field``), a directory of such files (one document per text file, searched recursively,
+    hidden files skipped), each possibly compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the
+    ``zstandard`` package), or a pre-tokenized array of token ids (``.npy``, or raw ``.bin`` of
+    ``bin_dtype``)."""
 
     val_corpus: str | None = None
     """Optional separate validation corpus (same kinds of path as ``corpus``). When given, all of
@@ -44,9 +46,14 @@ class DataConfig:
     seeds validate on the same documents."""
 
     document_separator: str | None = None
-    """If set, every text file is further cut into documents at this string (e.g. "\\n\\n\\n"),
+    """If set, every text file (and JSON record) is further cut into documents at this string (e.g. "\\n\\n\\n"),
     so that a single file can still be split by document. Documents are then named
     ``<file stem>#<k>``."""
+
+    text_field: str = "text"
+    """JSON Lines corpora (``.jsonl``, ``.ndjson``, ``.json``; ``datasets``' ``Dataset.to_json``
+    writes them): the field of each record that holds its text. Each record is one document,
+    named ``<file stem>:<line>``; records with empty text are skipped."""
 
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split (special tokens
@@ -105,6 +112,8 @@ class DataConfig:
         _check(self.document_separator is None or
                (isinstance(self.document_separator, str) and self.document_separator),
                "document_separator", self.document_separator, 'use None or a non-empty string')
+        _check(isinstance(self.text_field, str) and self.text_field != "", "text_field", self.text_field,
+               'use the name of the JSON field that holds the text, e.g. "text"')
         _check(_is_int(self.vocab_size) and MIN_VOCAB_SIZE <= self.vocab_size < 2**32,
                "vocab_size", self.vocab_size, f"use an integer >= {MIN_VOCAB_SIZE}, e.g. 8192")
         _check(self.tokenizer_file is None or isinstance(self.tokenizer_file, str),

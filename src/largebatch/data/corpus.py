@@ -16,6 +16,7 @@ plot and vocabulary into validation): the held-out documents are chosen by a see
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,17 @@ def is_token_array_path(spec: str) -> bool:
     return Path(spec).suffix.lower() in TOKEN_ARRAY_SUFFIXES
 
 
-def load_documents(spec: str, document_separator: str | None = None) -> list[Document]:
-    """Documents of a named corpus or of a text file / directory of text files."""
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+UNSUPPORTED_SUFFIXES = (".parquet", ".arrow", ".tar", ".zip")
+
+
+def load_documents(spec: str, document_separator: str | None = None,
+                   text_field: str = "text") -> list[Document]:
+    """Documents of a named corpus or of a file / directory of files: text files (one document per
+    file), JSON Lines files (``.jsonl``, ``.ndjson``, ``.json``: one document per record, its text
+    under ``text_field``; a ``.json`` holding one array of records too), each possibly compressed
+    (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package)."""
     if spec in CORPORA:
         return CORPORA[spec].load()
     path = Path(spec).expanduser()
@@ -150,19 +160,113 @@ def load_documents(spec: str, document_separator: str | None = None) -> list[Doc
                           f"add UTF-8 text files, one document per file")
     documents = []
     for file in files:
-        stem = file.stem if file == path else file.relative_to(path).with_suffix("").as_posix()
+        kind = content_suffix(file)
+        name = file.name if file == path else file.relative_to(path).as_posix()
+        stem = name[: len(name) - len(_suffixes(file))]  # "notes/day1.txt", "web.jsonl.gz" -> "notes/day1", "web"
         text = read_text_file(file)
+        records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
+                   else [Document(stem, text)])
         if document_separator is None:
-            documents.append(Document(stem, text))
+            documents += records
             continue
-        parts = [part.strip() for part in text.split(document_separator)]
-        documents += [Document(f"{stem}#{k}", part) for k, part in enumerate(p for p in parts if p)]
+        for record in records:
+            parts = [part.strip() for part in record.text.split(document_separator)]
+            documents += [Document(f"{record.name}#{k}", part) for k, part in enumerate(p for p in parts if p)]
     return documents
 
 
+def _suffixes(path: Path) -> str:
+    """The suffix a document name drops: the content's, after a compression suffix if any."""
+    suffix = path.suffix
+    if suffix.lower() in COMPRESSED_SUFFIXES:
+        return Path(path.name[: -len(suffix)]).suffix + suffix
+    return suffix
+
+
+def content_suffix(path: Path) -> str:
+    """The suffix that says what a file holds, under its compression: "x.jsonl.gz" -> ".jsonl"."""
+    if path.suffix.lower() in COMPRESSED_SUFFIXES:
+        return Path(path.name[: -len(path.suffix)]).suffix.lower()
+    return path.suffix.lower()
+
+
+def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Document]:
+    """One document per JSON record, its text under ``text_field``; named ``<stem>:<line>`` (JSON
+    Lines) or ``<stem>:<index>`` (a JSON array). Records whose text is empty are skipped."""
+    where = str(path)
+    if text.lstrip().startswith("["):  # one JSON array of records
+        try:
+            array = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CorpusError(f"{where!r} is not valid JSON ({err.msg} at line {err.lineno}): give one "
+                              f"JSON object per line (JSON Lines) or one array of objects") from None
+        numbered = [(k, f"record {k}", record) for k, record in enumerate(array)]
+    else:
+        numbered = []
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
+            if not line.strip():
+                continue
+            try:
+                numbered.append((number, f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise CorpusError(f"{where!r} line {number} is not a JSON object ({err.msg}): a JSON Lines "
+                                  f"corpus holds one object per line, its text under "
+                                  f"data.text_field={text_field!r}") from None
+    documents = []
+    for number, place, record in numbered:
+        if not isinstance(record, dict):
+            raise CorpusError(f"{where!r} {place} is a JSON {type(record).__name__}, not an object: each "
+                              f"record must be an object with its text under data.text_field={text_field!r}")
+        if text_field not in record:
+            fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
+            raise CorpusError(f"{where!r} {place} has no field data.text_field={text_field!r} (its fields: "
+                              f"{fields}): set data.text_field to the one that holds the text")
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise CorpusError(f"{where!r} {place}: its {text_field!r} is a JSON {type(value).__name__}, not "
+                              f"a string: set data.text_field to the field that holds the text")
+        if value.strip():
+            documents.append(Document(f"{stem}:{number}", value))
+    if not documents:
+        raise CorpusError(f"{where!r} holds no text under data.text_field={text_field!r}: remove it or "
+                          f"fill it")
+    return documents
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed by its suffix."""
+    suffix = path.suffix.lower()
+    if content_suffix(path) in UNSUPPORTED_SUFFIXES or suffix in UNSUPPORTED_SUFFIXES:
+        raise CorpusError(f"{str(path)!r}: {content_suffix(path) or suffix} files are not read; write the "
+                          f"text out as JSON Lines (one object per line, e.g. datasets' Dataset.to_json) "
+                          f"or as text files")
+    if suffix not in COMPRESSED_SUFFIXES:
+        return path.read_bytes()
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise CorpusError(f"{str(path)!r} is zstandard-compressed: pip install zstandard, or "
+                              f"decompress it (zstd -d)") from None
+        opener = zstandard.open
+    else:
+        import bz2
+        import gzip
+        import lzma
+
+        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    try:
+        with opener(path, "rb") as stream:
+            return stream.read()
+    except Exception as err:  # noqa: BLE001 -- each codec raises its own (OSError, EOFError, LZMAError, ...)
+        raise CorpusError(f"{str(path)!r} is not a readable {suffix} file ({err or type(err).__name__}): "
+                          f"check or re-create it") from None
+
+
 def read_text_file(path: Path) -> str:
-    """Read a UTF-8 text file, refusing empty and binary files with an error naming the path."""
-    data = path.read_bytes()
+    """Read a UTF-8 text file (decompressed by its suffix), refusing empty and binary files with an
+    error naming the path."""
+    data = _read_bytes(path)
     if not data.strip():
         raise CorpusError(f"text file {str(path)!r} is empty: remove it or add text")
     nul = data.find(b"\x00")
