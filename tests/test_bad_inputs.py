@@ -48,6 +48,10 @@ def assert_one_line_error(code: int, out: str, err: str, *needles: str) -> None:
 def paths(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     (tmp_path / "tokenizer.json").write_text("this is not JSON")
+    import gzip
+
+    (tmp_path / "web.jsonl.gz").write_bytes(gzip.compress(b'\n{"content": "a page", "url": "x"}\n'))
+    (tmp_path / "table.parquet").write_bytes(b"PAR1")
     return tmp_path
 
 
@@ -80,6 +84,12 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--run.device=tpu"], ["run.device", "'tpu'", "'cuda:N'"]),
     (["train", "--data.tokenizer_file={tmp}/tokenizer.json"], ["tokenizer_file", "not a tokenizer.json"]),
     (["train", "--optim.weight_decay=nan"], ["optim.weight_decay", "nan", "finite"]),
+    # the corpus, before the run directory is made: a wrong path or JSON field is known in a second
+    (["train", "--data.corpus={tmp}/missing.txt"], ["data.corpus = '{tmp}/missing.txt' does not exist"]),
+    (["train", "--data.val_corpus={tmp}/missing"], ["data.val_corpus = '{tmp}/missing' does not exist"]),
+    (["train", "--data.corpus={tmp}/web.jsonl.gz"],
+     ["web.jsonl.gz' line 2 has no field data.text_field='text' (its fields: 'content', 'url')"]),
+    (["train", "--data.corpus={tmp}", "--data.text_field=content"], ["table.parquet", "JSON Lines"]),
     (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),
     (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),
 ]

@@ -182,6 +182,21 @@ def test_another_text_field_and_unreadable_archives(tmp_path):
         DataConfig(text_field="")
 
 
+def test_the_corpus_check_reads_one_record(tmp_path):
+    """check_corpus (run before any work) reads the first record only; loading reads them all."""
+    from largebatch.data.corpus import check_corpus
+
+    path = tmp_path / "web.jsonl.xz"
+    with lzma.open(path, "wt") as out:
+        out.write('{"text": "a page"}\n{"text": "another"}\n{"text": 3}\n')
+    check_corpus(str(path), "data.corpus")
+    with pytest.raises(CorpusError, match="line 3: its 'text' is a JSON int"):
+        load_documents(str(path))
+    with pytest.raises(CorpusError, match="line 1 has no field data.text_field='body'"):
+        check_corpus(str(path), "data.corpus", text_field="body")
+    check_corpus("shakespeare", "data.corpus")
+
+
 def _bad(tmp_path: Path, kind: str) -> str:
     if kind == "missing":
         return str(tmp_path / "nope.txt")

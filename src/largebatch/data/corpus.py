@@ -214,23 +214,92 @@ def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Do
                                   f"data.text_field={text_field!r}") from None
     documents = []
     for number, place, record in numbered:
-        if not isinstance(record, dict):
-            raise CorpusError(f"{where!r} {place} is a JSON {type(record).__name__}, not an object: each "
-                              f"record must be an object with its text under data.text_field={text_field!r}")
-        if text_field not in record:
-            fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
-            raise CorpusError(f"{where!r} {place} has no field data.text_field={text_field!r} (its fields: "
-                              f"{fields}): set data.text_field to the one that holds the text")
-        value = record[text_field]
-        if not isinstance(value, str):
-            raise CorpusError(f"{where!r} {place}: its {text_field!r} is a JSON {type(value).__name__}, not "
-                              f"a string: set data.text_field to the field that holds the text")
+        value = _record_text(record, where, place, text_field)
         if value.strip():
             documents.append(Document(f"{stem}:{number}", value))
     if not documents:
         raise CorpusError(f"{where!r} holds no text under data.text_field={text_field!r}: remove it or "
                           f"fill it")
     return documents
+
+
+def _record_text(record, where: str, place: str, text_field: str) -> str:
+    """The text of one JSON record, or CorpusError naming the file, the record and the field."""
+    if not isinstance(record, dict):
+        raise CorpusError(f"{where!r} {place} is a JSON {type(record).__name__}, not an object: each "
+                          f"record must be an object with its text under data.text_field={text_field!r}")
+    if text_field not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
+        raise CorpusError(f"{where!r} {place} has no field data.text_field={text_field!r} (its fields: "
+                          f"{fields}): set data.text_field to the one that holds the text")
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise CorpusError(f"{where!r} {place}: its {text_field!r} is a JSON {type(value).__name__}, not "
+                          f"a string: set data.text_field to the field that holds the text")
+    return value
+
+
+def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
+    """Before any work: ``spec`` (the value of config ``field``, e.g. "data.corpus") is a named
+    corpus or an existing path whose files are of kinds that are read, and the first record of its
+    first JSON Lines file holds its text under ``text_field``. Reads one record at most, so a wrong
+    path or field is known in a second rather than after a large corpus is read. CorpusError
+    naming the field otherwise."""
+    if spec in CORPORA:
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CorpusError(f"{field} = {spec!r} does not exist: pass an existing text or JSON Lines file, a "
+                          f"directory of them, a .npy or .bin array, or one of {', '.join(CORPORA)}")
+    if is_token_array_path(spec):
+        return
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    for file in files:
+        if content_suffix(file) in UNSUPPORTED_SUFFIXES or file.suffix.lower() in UNSUPPORTED_SUFFIXES:
+            _read_bytes(file)  # its refusal, naming the way out
+    first = next((f for f in files if content_suffix(f) in JSON_SUFFIXES), None)
+    if first is None:
+        return
+    try:
+        with _open_text(first) as stream:
+            for number, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("["):  # a JSON array: read whole when the corpus loads
+                    return
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise CorpusError(f"{str(first)!r} line {number} is not a JSON object ({err.msg}): a JSON "
+                                      f"Lines corpus holds one object per line, its text under "
+                                      f"data.text_field={text_field!r}") from None
+                _record_text(record, str(first), f"line {number}", text_field)
+                return
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as err:
+        if isinstance(err, CorpusError):
+            raise
+        raise CorpusError(f"{str(first)!r} is not readable text ({err}): check or re-create it") from None
+
+
+def _open_text(path: Path):
+    """``path`` opened as UTF-8 text, decompressed by its suffix (a stream: nothing read yet)."""
+    suffix = path.suffix.lower()
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise CorpusError(f"{str(path)!r} is zstandard-compressed: pip install zstandard, or "
+                              f"decompress it (zstd -d)") from None
+        return zstandard.open(path, "rt", encoding="utf-8")
+    if suffix in COMPRESSED_SUFFIXES:
+        import bz2
+        import gzip
+        import lzma
+
+        return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix](path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -3,6 +3,7 @@ training are built is refused in one line naming the field, the value and the fi
 
 * the run directory can be made and written (not a file, not on a read-only disk);
 * ``run.device`` exists on this machine (outside torchrun, where each rank takes its local GPU);
+* ``data.corpus`` / ``data.val_corpus`` exist, and a JSON Lines corpus has ``data.text_field``;
 * ``data.tokenizer_file`` is a tokenizer.json;
 * ``model.init_from``'s weights map onto the model (names and shapes), on a fresh start;
 * the model fits: fp32 parameters, gradients and optimizer state, counted from the config by the
@@ -127,6 +128,19 @@ def check_device(cfg: TrainConfig, distributed: bool) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def check_corpora(cfg: TrainConfig) -> None:
+    """``data.corpus`` and ``data.val_corpus`` exist and are of kinds that are read; a JSON Lines
+    corpus's first record has its text under ``data.text_field`` (one record read)."""
+    from largebatch.data.corpus import CorpusError, check_corpus
+
+    try:
+        check_corpus(cfg.data.corpus, "data.corpus", cfg.data.text_field)
+        if cfg.data.val_corpus is not None:
+            check_corpus(cfg.data.val_corpus, "data.val_corpus", cfg.data.text_field)
+    except CorpusError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     """The vocabulary size of ``data.tokenizer_file`` (None without one); ConfigError if unreadable,
     or if a text corpus is to be encoded with it and it has no document separator."""
@@ -236,6 +250,7 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     before it creates the directory). ``fresh``: not a ``--resume``, so ``model.init_from``'s
     weights are read and mapped now (a resume loads its checkpoint instead)."""
     check_device(cfg, distributed)
+    check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
     if fresh and cfg.model.init_from:
         from largebatch.train.hf_import import check_init
