@@ -2,6 +2,10 @@
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +206,18 @@ def test_cli_plot_write_failure_after_the_check_is_one_line(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--plot" in err and "No space left on device" in err and "x.png" in err
+
+
+def test_the_schedule_command_starts_without_torch():
+    """`largebatch schedule` plans in pure Python: importing torch (~2 s of a 2.3 s command) is left
+    to TokenLR, imported on first use."""
+    code = ("import sys\n"
+            "from largebatch.cli import main\n"
+            "assert main(['schedule', '--total-tokens', '1e6', '--seq-len', '64']) == 0\n"
+            "assert 'torch' not in sys.modules, 'the schedule command imported torch'\n"
+            "from largebatch.schedules import TokenLR\n"
+            "assert TokenLR.__module__ == 'largebatch.schedules.token_lr' and 'torch' in sys.modules\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -38,7 +38,6 @@ from largebatch.schedules.lr import (
 )
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import MilestoneSchedule, Seesaw, SeesawFamily, SmithRamp, find_milestones
-from largebatch.schedules.token_lr import TokenLR
 
 __all__ = [
     "LRSchedule", "Constant", "Cosine", "LinearDecay", "WSD", "WarmupHoldPolynomial",
@@ -48,3 +47,13 @@ __all__ = [
     "MilestoneSchedule", "Seesaw", "SeesawFamily", "SmithRamp", "find_milestones",
     "NoiseScale", "ScheduleConfig", "TokenLR",
 ]
+
+
+def __getattr__(name: str):
+    """TokenLR on first use: it needs torch, which the schedules themselves (and the ``largebatch
+    schedule`` command) do not -- importing torch costs ~2 s a start."""
+    if name == "TokenLR":
+        from largebatch.schedules.token_lr import TokenLR
+
+        return TokenLR
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
