@@ -338,13 +338,15 @@ def test_read_only_disk_during_a_distributed_save_is_one_line_and_resumable(sing
 
 
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
-    """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does): both ranks stop
-    after the same step, write one distributed checkpoint and exit 130 / 143; the same torchrun
+    """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does), then SIGHUP to
+    torchrun (its terminal closed; torchrun forwards it): both ranks stop after the same step,
+    write one distributed checkpoint and exit 130 / 143 / 129; the same torchrun
     command line continues each time, and the whole trajectory equals the uninterrupted run's."""
     out = tmp_path / "signals"
     o = _overrides(single[0], out)
     stops = []
-    for sig, target, after_steps in ((signal.SIGINT, "rank1", 3), (signal.SIGTERM, "torchrun", 3)):
+    for sig, target, after_steps in ((signal.SIGINT, "rank1", 3), (signal.SIGTERM, "torchrun", 3),
+                                     (signal.SIGHUP, "torchrun", 3)):  # SIGHUP: the terminal closed
         proc = _launch(o)
         start = _train_steps(out)
         _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
@@ -357,7 +359,7 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
         if target == "rank1":  # torchrun's failure summary: the signalled worker's exit code
             assert re.search(rf"exitcode\s*:\s*{128 + sig}\b", err), err[-3000:]
         stops.append(steps[-1])
-    assert stops[0] < stops[1]
+    assert stops[0] < stops[1] < stops[2]
     done = _launch(o)
     stdout, err = done.communicate(timeout=300)
     assert done.returncode == 0, err[-3000:]
