@@ -268,3 +268,46 @@ def test_a_wordpiece_tokenizer_separates_documents_with_sep(tmp_path):
                    SEQ_LEN, "causal")
     assert cli_main(["train", "--check", f"--data.corpus={corpus}", f"--data.tokenizer_file={bare}",
                      f"--run.out_dir={tmp_path / 'run'}"]) == 2
+
+
+def test_a_build_killed_mid_write_leaves_nothing_for_good(tmp_path):
+    """A build SIGKILLed while it writes the cache (a preemption, the OOM killer) leaves its staging
+    directory -- as large as the tokenized corpus -- which nothing removed. The next build removes
+    it (its writer no longer runs on this host) and writes the entry; a live writer's, another
+    host's recent one and a fresh one without an owner note are kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    code = ("from largebatch.data import DataConfig, build_data\n"
+            f"build_data(DataConfig(corpus='shakespeare', vocab_size=2048, cache_dir={str(cache)!r}), 64)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    builder = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 300
+    while not list(cache.glob(".*.tmp-*/.owner")) and builder.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    (killed,) = [p.parent for p in cache.glob(".*.tmp-*/.owner")]
+    key = killed.name[1:].split(".tmp-")[0]
+    live = cache / f".{key}.tmp-live"  # another build of the same entry, running now
+    (live).mkdir()
+    (live / ".owner").write_text(f"{os.getpid()} {os.uname().nodename}\n")
+    elsewhere = cache / f".{key}.tmp-elsewhere"  # a build on another host of a shared disk
+    elsewhere.mkdir()
+    (elsewhere / ".owner").write_text("12345 another-node\n")
+    starting = cache / f".{key}.tmp-starting"  # created, owner note not yet written
+    starting.mkdir()
+    old = cache / f".{key}.tmp-old"  # no owner note, untouched for two hours
+    old.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+
+    data = build_data(DataConfig(corpus="shakespeare", vocab_size=2048, cache_dir=str(cache)), 64)
+    assert not data.stats.cache_hit and (cache / key / "meta.json").is_file()
+    assert not killed.exists() and not old.exists()
+    assert live.is_dir() and elsewhere.is_dir() and starting.is_dir()
+    assert not (cache / key / ".owner").exists()

@@ -14,7 +14,9 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +206,9 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
     eot_id = separator[1]
     dtype = tokenizer_lib.token_dtype(tokenizer.get_vocab_size())
     entry.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_staging(entry)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
     try:
         for split, docs in (("train", train_docs), ("val", val_docs)):
             stream = tokenizer_lib.encode_documents(tokenizer, [d.text for d in docs], eot_id, dtype)
@@ -213,6 +217,7 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION,
                 "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        (staging / _OWNER).unlink()
         try:
             os.rename(staging, entry)  # atomic; fails if another process got there first
         except OSError:
@@ -220,6 +225,47 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+_OWNER = ".owner"  # "PID HOST" of the process writing a staging directory
+STALE_STAGING_S = 7 * 24 * 3600.0  # a staging directory of another host is taken as dead after this
+
+
+def remove_dead_staging(entry: Path) -> list[Path]:
+    """Remove the staging directories of ``entry`` (``.KEY.tmp-*`` beside it) left by a build that
+    was killed (SIGKILL, SIGTERM, the OOM killer or a preemption while it tokenized: its ``finally``
+    never ran), which would otherwise stay on the disk for good, each as large as the tokenized
+    corpus. A staging directory is dead when its writer's pid no longer runs on this host; one
+    written on another host (a shared disk) only once untouched for ``STALE_STAGING_S``; one
+    without an owner note (an interrupted start) once untouched for an hour. Returns the removed."""
+    removed = []
+    host = socket.gethostname()
+    for staging in entry.parent.glob(f".{entry.name}.tmp-*"):
+        try:
+            age = time.time() - staging.stat().st_mtime
+            owner = (staging / _OWNER).read_text().split() if (staging / _OWNER).is_file() else []
+        except OSError:  # removed meanwhile by another builder
+            continue
+        if len(owner) == 2 and owner[1] == host and owner[0].isdigit():
+            dead = not _pid_alive(int(owner[0]))
+        elif len(owner) == 2:
+            dead = age > STALE_STAGING_S
+        else:
+            dead = age > 3600.0
+        if dead:
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _read_cache_entry(entry: Path):
