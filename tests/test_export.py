@@ -303,3 +303,30 @@ def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):
     tok, config = AutoTokenizer.from_pretrained(out), AutoConfig.from_pretrained(out)
     assert tok.pad_token is None and config.pad_token_id is None
     assert tok.eos_token_id == config.eos_token_id == 0
+
+
+def test_an_export_killed_mid_write_leaves_nothing_for_good(gpt_run, tmp_path, capsys):
+    """An export SIGKILLed while it writes (or verifies) leaves its hidden staging directory beside
+    OUT; the next export into that OUT removes it (its writer no longer runs on this host), and
+    keeps a live writer's."""
+    import os
+    import signal
+    import socket
+    import time
+
+    out = tmp_path / "hf-gpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    writer = subprocess.Popen([sys.executable, "-m", "largebatch", "export", str(gpt_run), str(out),
+                               "--format", "hf"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    pattern = f".{out.name}.export-*"
+    while not list(tmp_path.glob(f"{pattern}/*")) and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    (killed,) = tmp_path.glob(pattern)
+    live = tmp_path / f".{out.name}.export-{socket.gethostname()}-{os.getppid()}"  # a running writer's
+    live.mkdir()
+    assert export(gpt_run, out) == 0, capsys.readouterr().err
+    assert not killed.exists() and live.is_dir() and (out / "config.json").is_file()

@@ -23,13 +23,16 @@ Options:
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from largebatch.checkpoint.files import pid_alive
 from largebatch.integrations import ExportError
 
 FORMATS = ("hf",)
@@ -255,9 +258,14 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     loaded = load_run(run_dir, tokenizer_file, log=log)
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
-    staging = out.parent / f".{out.name}.export-{os.getpid()}"  # mkdir: the umask's permissions
+    host = socket.gethostname()
+    staging = out.parent / f".{out.name}.export-{host}-{os.getpid()}"  # mkdir: the umask's permissions
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        for left in out.parent.glob(glob.escape(f".{out.name}.export-{host}-") + "*"):  # killed exports' here
+            pid = left.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(left, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     except OSError as exc:  # a read-only or permission-denied parent

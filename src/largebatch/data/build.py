@@ -25,6 +25,8 @@ import numpy as np
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
+from largebatch.checkpoint.files import pid_alive
+
 from . import tokenizer as tokenizer_lib
 from .config import DataConfig
 from .corpus import (
@@ -247,7 +249,7 @@ def remove_dead_staging(entry: Path) -> list[Path]:
         except OSError:  # removed meanwhile by another builder
             continue
         if len(owner) == 2 and owner[1] == host and owner[0].isdigit():
-            dead = not _pid_alive(int(owner[0]))
+            dead = not pid_alive(int(owner[0]))
         elif len(owner) == 2:
             dead = age > STALE_STAGING_S
         else:
@@ -256,16 +258,6 @@ def remove_dead_staging(entry: Path) -> list[Path]:
             shutil.rmtree(staging, ignore_errors=True)
             removed.append(staging)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _read_cache_entry(entry: Path):
