@@ -132,3 +132,15 @@ def check_output_file(path: str | Path, field: str, suffixes: tuple[str, ...] = 
     except OSError as exc:
         raise ValueError(f"{_named(field, text)}: cannot write a file there ({exc.strerror}); "
                          "choose a writable directory") from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts as running): whether a
+    temporary a killed writer left behind (its pid in its name or note) may be removed."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

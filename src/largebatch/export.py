@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from largebatch.checkpoint.files import pid_alive
+from largebatch.arguments import pid_alive
 from largebatch.integrations import ExportError
 
 FORMATS = ("hf",)

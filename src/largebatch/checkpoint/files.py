@@ -86,14 +86,3 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         remove_quietly(tmp)
         raise
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (another user's counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

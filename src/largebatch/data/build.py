@@ -25,7 +25,7 @@ import numpy as np
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from largebatch.checkpoint.files import pid_alive
+from largebatch.arguments import pid_alive
 
 from . import tokenizer as tokenizer_lib
 from .config import DataConfig
