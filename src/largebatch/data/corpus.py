@@ -152,9 +152,7 @@ def load_documents(spec: str, document_separator: str | None = None,
     if not path.exists():
         raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
                           f"directory, .npy or .bin, or one of {', '.join(CORPORA)}")
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = _corpus_files(path)
     if not files:
         raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
                           f"add UTF-8 text files, one document per file")
@@ -175,6 +173,14 @@ def load_documents(spec: str, document_separator: str | None = None,
     return documents
 
 
+def _corpus_files(path: Path) -> list[Path]:
+    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
 def _suffixes(path: Path) -> str:
     """The suffix a document name drops: the content's, after a compression suffix if any."""
     suffix = path.suffix
@@ -185,9 +191,8 @@ def _suffixes(path: Path) -> str:
 
 def content_suffix(path: Path) -> str:
     """The suffix that says what a file holds, under its compression: "x.jsonl.gz" -> ".jsonl"."""
-    if path.suffix.lower() in COMPRESSED_SUFFIXES:
-        return Path(path.name[: -len(path.suffix)]).suffix.lower()
-    return path.suffix.lower()
+    suffixes = _suffixes(path).lower()
+    return suffixes[: -len(path.suffix)] if path.suffix.lower() in COMPRESSED_SUFFIXES else suffixes
 
 
 def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Document]:
@@ -206,12 +211,7 @@ def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Do
         for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
             if not line.strip():
                 continue
-            try:
-                numbered.append((number, f"line {number}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise CorpusError(f"{where!r} line {number} is not a JSON object ({err.msg}): a JSON Lines "
-                                  f"corpus holds one object per line, its text under "
-                                  f"data.text_field={text_field!r}") from None
+            numbered.append((number, f"line {number}", _json_line(line, where, number, text_field)))
     documents = []
     for number, place, record in numbered:
         value = _record_text(record, where, place, text_field)
@@ -221,6 +221,16 @@ def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Do
         raise CorpusError(f"{where!r} holds no text under data.text_field={text_field!r}: remove it or "
                           f"fill it")
     return documents
+
+
+def _json_line(line: str, where: str, number: int, text_field: str):
+    """Line ``number`` of a JSON Lines file, parsed; CorpusError naming the file and the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise CorpusError(f"{where!r} line {number} is not a JSON object ({err.msg}): a JSON Lines "
+                          f"corpus holds one object per line, its text under "
+                          f"data.text_field={text_field!r}") from None
 
 
 def _record_text(record, where: str, place: str, text_field: str) -> str:
@@ -253,12 +263,9 @@ def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
                           f"directory of them, a .npy or .bin array, or one of {', '.join(CORPORA)}")
     if is_token_array_path(spec):
         return
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = _corpus_files(path)
     for file in files:
-        if content_suffix(file) in UNSUPPORTED_SUFFIXES or file.suffix.lower() in UNSUPPORTED_SUFFIXES:
-            _read_bytes(file)  # its refusal, naming the way out
+        _check_kind(file)
     first = next((f for f in files if content_suffix(f) in JSON_SUFFIXES), None)
     if first is None:
         return
@@ -269,13 +276,8 @@ def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
                     continue
                 if line.lstrip().startswith("["):  # a JSON array: read whole when the corpus loads
                     return
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise CorpusError(f"{str(first)!r} line {number} is not a JSON object ({err.msg}): a JSON "
-                                      f"Lines corpus holds one object per line, its text under "
-                                      f"data.text_field={text_field!r}") from None
-                _record_text(record, str(first), f"line {number}", text_field)
+                _record_text(_json_line(line, str(first), number, text_field), str(first), f"line {number}",
+                             text_field)
                 return
     except (OSError, EOFError, UnicodeDecodeError, ValueError) as err:
         if isinstance(err, CorpusError):
@@ -283,8 +285,8 @@ def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
         raise CorpusError(f"{str(first)!r} is not readable text ({err}): check or re-create it") from None
 
 
-def _open_text(path: Path):
-    """``path`` opened as UTF-8 text, decompressed by its suffix (a stream: nothing read yet)."""
+def _opener(path: Path):
+    """The ``open`` for ``path``'s compression (by its suffix): the built-in one when none."""
     suffix = path.suffix.lower()
     if suffix == ".zst":
         try:
@@ -292,38 +294,36 @@ def _open_text(path: Path):
         except ImportError:
             raise CorpusError(f"{str(path)!r} is zstandard-compressed: pip install zstandard, or "
                               f"decompress it (zstd -d)") from None
-        return zstandard.open(path, "rt", encoding="utf-8")
+        return zstandard.open
     if suffix in COMPRESSED_SUFFIXES:
         import bz2
         import gzip
         import lzma
 
-        return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix](path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    return open
+
+
+def _open_text(path: Path):
+    """``path`` opened as UTF-8 text, decompressed by its suffix (a stream: nothing read yet)."""
+    return _opener(path)(path, "rt", encoding="utf-8")
+
+
+def _check_kind(path: Path) -> None:
+    """CorpusError naming the way out when ``path`` is a kind of file that is not read."""
+    kind = content_suffix(path)  # "t.parquet", "t.tar.gz" -> ".parquet", ".tar"
+    if kind in UNSUPPORTED_SUFFIXES:
+        raise CorpusError(f"{str(path)!r}: {kind} files are not read; write the text out as JSON Lines "
+                          f"(one object per line, e.g. datasets' Dataset.to_json) or as text files")
 
 
 def _read_bytes(path: Path) -> bytes:
     """The file's bytes, decompressed by its suffix."""
+    _check_kind(path)
     suffix = path.suffix.lower()
-    if content_suffix(path) in UNSUPPORTED_SUFFIXES or suffix in UNSUPPORTED_SUFFIXES:
-        raise CorpusError(f"{str(path)!r}: {content_suffix(path) or suffix} files are not read; write the "
-                          f"text out as JSON Lines (one object per line, e.g. datasets' Dataset.to_json) "
-                          f"or as text files")
     if suffix not in COMPRESSED_SUFFIXES:
         return path.read_bytes()
-    if suffix == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise CorpusError(f"{str(path)!r} is zstandard-compressed: pip install zstandard, or "
-                              f"decompress it (zstd -d)") from None
-        opener = zstandard.open
-    else:
-        import bz2
-        import gzip
-        import lzma
-
-        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    opener = _opener(path)
     try:
         with opener(path, "rb") as stream:
             return stream.read()

@@ -556,9 +556,8 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                     workers[free][1].send((index, run_dir, overrides))
                 except OSError:  # the worker died while idle
                     raise lost(free) from None
-            channels = {id(workers[w][1]): w for w in busy}
             ready = wait_for([workers[w][1] for w in busy] + [workers[w][0].sentinel for w in busy], 1.0)
-            messages = [w for w in (channels.get(id(r)) for r in ready) if w is not None]
+            messages = [w for w in busy if workers[w][1] in ready]  # the sentinels are ints: never equal
             if not messages:  # no message: a worker that ended is lost
                 dead = [w for w in busy if not workers[w][0].is_alive()]
                 if dead:
