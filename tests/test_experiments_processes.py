@@ -232,7 +232,8 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
     so (exit 128 + the signal), no traceback, within seconds (a worker killed while it held a lock
     shared with the others once kept them from exiting for the runner's 120 s grace). SIGHUP to the
     experiment (its terminal closed) stops it as SIGTERM does; a signal it was started ignoring
-    stays ignored."""
+    stays ignored. SIGUSR1 to the experiment and its workers at once (Slurm's warning before the time
+    limit reaches every process of the job step) stops it with every training arm checkpointed."""
     experiment, err, left, took = _signalled(tmp_path / "out", lambda experiment, workers:
                                              os.kill(workers[0], signal.SIGTERM))
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
@@ -253,5 +254,21 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
     lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
     assert experiment.returncode == 128 + signal.SIGHUP, err
     assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGHUP: noise-scale stopped"), err
+    assert not left, "workers outlived the experiment"
+    assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"
+
+    def slurm_warning(experiment, workers):  # --signal=USR1@T: every process of the job step, at once
+        for pid in (experiment.pid, *workers):
+            os.kill(pid, signal.SIGUSR1)
+
+    experiment, err, left, took = _signalled(tmp_path / "usr1", slurm_warning)
+    lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
+    assert experiment.returncode == 128 + signal.SIGUSR1, err
+    assert len(lines) == 1 and lines[0].startswith("largebatch experiment: error: SIGUSR1: noise-scale stopped"), err
+    # the runner passes on the signal it got: to a worker stopping on its own SIGUSR1, a SIGTERM
+    # would have been a second signal (exit at once, no checkpoint)
+    assert "without a checkpoint" not in err, err
+    stopped = [arm for arm in (tmp_path / "usr1" / "runs").iterdir() if (arm / "train.log").stat().st_size]
+    assert len(stopped) == 2 and all(list((arm / "checkpoints").glob("step_*")) for arm in stopped), err
     assert not left, "workers outlived the experiment"
     assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"

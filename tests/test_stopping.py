@@ -46,9 +46,11 @@ def test_one_process_polls_without_a_group():
     with StopRequest(par) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.poll() == (signal.SIGINT, False)
-    with StopRequest(par) as stop:  # a closed terminal or ssh session
-        os.kill(os.getpid(), signal.SIGHUP)
-        assert stop.poll() == (signal.SIGHUP, False)
+    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):  # a closed terminal; Slurm's time-limit warning
+        with StopRequest(par) as stop:
+            os.kill(os.getpid(), sig)
+            assert stop.poll() == (sig, False)
+        assert signal.getsignal(sig) == signal.SIG_DFL  # given back
 
 
 def test_an_ignored_signal_stays_ignored():

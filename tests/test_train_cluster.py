@@ -1,9 +1,10 @@
-"""A run on a shared cluster, with real processes and real signals: SIGTERM / SIGINT / SIGHUP
-checkpoint and exit (a second signal at once; a SIGHUP the run was started ignoring, as under nohup,
-stays ignored), the same command line continues a stopped run (past a damaged
-newest checkpoint) and refuses another config, a live run locks its directory, a disk that fills up
-between checkpoints (a real tmpfs) stops the run with one line and it resumes. Every continued run
-is compared with the uninterrupted reference run of tests/test_train.py, step by step, to the bit."""
+"""A run on a shared cluster, with real processes and real signals: SIGTERM / SIGINT / SIGHUP /
+SIGUSR1 checkpoint and exit (a second signal at once; a SIGHUP the run was started ignoring, as under
+nohup, stays ignored; one after the last step lets the run finish), the same command line continues a
+stopped run (past a damaged newest checkpoint) and refuses another config, a live run locks its
+directory, a disk that fills up between checkpoints (a real tmpfs) stops the run with one line and it
+resumes. Every continued run is compared with the uninterrupted reference run of tests/test_train.py,
+step by step, to the bit."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def _step(ckpt: Path) -> int:
     return int(ckpt.name.split("_")[1].split(".")[0])
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
-                         ids=["TERM", "INT", "HUP"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129),
+                                       (signal.SIGUSR1, 138)],
+                         ids=["TERM", "INT", "HUP", "USR1"])
 def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_path, capsys, sig, code):
     cache, ref_dir, _ = reference_run
     out = tmp_path / "run"
@@ -89,6 +91,31 @@ def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_pat
     assert main(_args(o) if sig != signal.SIGINT else [f"--resume={out}", "--run.progress=off"]) == 0
     assert f"resumed from {ckpts[-1]}" in capsys.readouterr().out
     assert _train_losses(out) == _train_losses(ref_dir)  # every step, to the last bit
+
+
+def test_a_signal_after_the_last_step_lets_the_run_finish(reference_run, tmp_path):
+    """Slurm's warning (SIGUSR1) arriving during the final evaluation: the evaluation, the final
+    checkpoint and the summary finish and the run ends complete (it was killed there, its last
+    steps unsaved). The signal is sent from inside the final evaluation, so it always lands there."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "end"
+    code = ("import os, signal, sys\n"
+            "from largebatch.train.loop import Trainer\n"
+            "evaluate = Trainer._log_eval\n"
+            "def at_the_end(self):\n"
+            "    if self.pos.tokens >= self.cfg.run.total_tokens:\n"
+            "        os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    return evaluate(self)\n"
+            "Trainer._log_eval = at_the_end\n"
+            "from largebatch.train.cli import main\n"
+            f"sys.exit(main({_args(tiny_overrides(cache, out))!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SIGUSR1: the run is at its end: finishing its final evaluation and checkpoint" in proc.stderr
+    steps = len(_train_losses(ref_dir))
+    assert [_step(c) for c in list_checkpoints(out)][-1] == steps
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert _train_losses(out) == _train_losses(ref_dir)
 
 
 def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):

@@ -339,18 +339,24 @@ def test_read_only_disk_during_a_distributed_save_is_one_line_and_resumable(sing
 
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does), then SIGHUP to
-    torchrun (its terminal closed; torchrun forwards it): both ranks stop after the same step,
-    write one distributed checkpoint and exit 130 / 143 / 129; the same torchrun
-    command line continues each time, and the whole trajectory equals the uninterrupted run's."""
+    torchrun (its terminal closed; torchrun forwards it), then SIGUSR1 to torchrun and both ranks at
+    once (Slurm's ``--signal=USR1@T`` warning reaches every process of the job step; torchrun told
+    to forward it too): both ranks stop after the same step, write one distributed checkpoint and
+    exit 130 / 143 / 129 / 138; the same torchrun command line continues each time, and the whole
+    trajectory equals the uninterrupted run's."""
     out = tmp_path / "signals"
     o = _overrides(single[0], out)
     stops = []
-    for sig, target, after_steps in ((signal.SIGINT, "rank1", 3), (signal.SIGTERM, "torchrun", 3),
-                                     (signal.SIGHUP, "torchrun", 3)):  # SIGHUP: the terminal closed
-        proc = _launch(o)
+    forward_usr1 = ("--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    for sig, target, after_steps in ((signal.SIGINT, "rank1", 2), (signal.SIGTERM, "torchrun", 2),
+                                     (signal.SIGHUP, "torchrun", 2), (signal.SIGUSR1, "all", 2)):  # of 19
+        proc = _launch(o, *(forward_usr1 if target == "all" else ()))
         start = _train_steps(out)
         _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
-        os.kill(proc.pid if target == "torchrun" else _rank_pid(1, parent=proc.pid), sig)
+        targets = {"torchrun": [proc.pid], "rank1": [_rank_pid(1, parent=proc.pid)],
+                   "all": [proc.pid, _rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]}[target]
+        for pid in targets:
+            os.kill(pid, sig)
         stdout, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, err[-3000:]
         steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
@@ -359,7 +365,7 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
         if target == "rank1":  # torchrun's failure summary: the signalled worker's exit code
             assert re.search(rf"exitcode\s*:\s*{128 + sig}\b", err), err[-3000:]
         stops.append(steps[-1])
-    assert stops[0] < stops[1] < stops[2]
+    assert stops[0] < stops[1] < stops[2] < stops[3]
     done = _launch(o)
     stdout, err = done.communicate(timeout=300)
     assert done.returncode == 0, err[-3000:]

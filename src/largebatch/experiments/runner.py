@@ -326,7 +326,7 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     with open(run_dir / "train.log", "w") as log_file:
         try:
             summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
-            if summary.get("signal"):  # SIGTERM / SIGINT / SIGHUP: it checkpointed; end the experiment
+            if summary.get("signal"):  # a stopping.SIGNALS signal: it checkpointed; end the experiment
                 raise ArmsInterrupted(summary["signal"], [run_dir.name], [])
         except NonFiniteLoss as exc:
             diverged = str(exc)
@@ -387,8 +387,8 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
 
 
 class ArmsInterrupted(KeyboardInterrupt):
-    """SIGTERM, SIGINT or SIGHUP reached an experiment training arms in processes: none more was
-    started and the running ones were sent SIGTERM (they checkpoint and exit) and waited for."""
+    """A stopping.SIGNALS signal reached an experiment training arms in processes: none more was
+    started and the running ones were sent that signal (they checkpoint and exit) and waited for."""
 
     def __init__(self, signum: int, stopped: list[str], not_started: list[str]):
         super().__init__(signum, stopped, not_started)
@@ -503,8 +503,9 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     """Yield (arm, run_dir, (wall, diverged)) as arms finish, in ``jobs`` worker processes (spawned
     once; each trains the next pending arm when it is free).
 
-    SIGTERM, SIGINT (Ctrl-C) or SIGHUP to this process (those it does not ignore): no arm is started
-    after it, every running arm gets SIGTERM (its trainer checkpoints and exits) and is waited for,
+    SIGTERM, SIGINT (Ctrl-C), SIGHUP, SIGUSR1 or SIGUSR2 to this process (those it does not ignore):
+    no arm is started after it, every running arm gets the same signal (its trainer checkpoints and
+    exits) and is waited for,
     then ArmsInterrupted is raised -- no process is left behind training on its own."""
     import torch
 
@@ -585,7 +586,7 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     except ArmsInterrupted as exc:
         for sig, handler in previous.items():  # a second signal now ends this process at once
             signal.signal(sig, handler)
-        _stop(workers)
+        _stop(workers, exc.signum)
         raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in busy.values()],
                               [todo[i][0].name for i, _ in pending]) from None
     except BaseException:
@@ -633,8 +634,8 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     """``[fn(*task) for task in tasks]`` in ``jobs`` worker processes (spawned once, each with its
     share of the torch threads), in task order. ``fn`` must be a module-level function.
 
-    For work that keeps nothing worth saving (fine-tuning a finished arm): on SIGTERM, SIGINT or
-    SIGHUP the pending tasks are dropped, the workers killed and waited for, and ArmsInterrupted
+    For work that keeps nothing worth saving (fine-tuning a finished arm): on a stopping.SIGNALS
+    signal the pending tasks are dropped, the workers killed and waited for, and ArmsInterrupted
     raised naming ``what``; a worker that dies raises RuntimeError."""
     import torch
 
@@ -671,14 +672,20 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     return outcomes
 
 
-def _stop(workers, grace_s: float = 120.0) -> None:
-    """SIGTERM each worker process, wait for it (a trainer finishes its step and checkpoints), else
-    kill; what they still send is read and dropped (a worker never blocks on a full pipe).
-    ``workers``: (process, the parent's end of its pipe) pairs."""
+def _stop(workers, signum: int = signal.SIGTERM, grace_s: float = 120.0) -> None:
+    """Send ``signum`` to each worker process, wait for it (a trainer finishes its step and
+    checkpoints), else kill; what they still send is read and dropped (a worker never blocks on a
+    full pipe). ``workers``: (process, the parent's end of its pipe) pairs. The signal this process
+    got is the one to pass on: a cluster that signals every process of a job (Slurm's
+    ``--signal=USR1@...``) has reached the workers with it already, and a trainer takes a repeat of
+    its signal as that signal, where another one would mean "exit now, no checkpoint"."""
     workers = list(workers)
     for process, _ in workers:
         if process.is_alive():
-            process.terminate()
+            try:
+                os.kill(process.pid, signum)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
     deadline = time.monotonic() + grace_s
     channels = [channel for _, channel in workers if not channel.closed]
     for process, _ in workers:

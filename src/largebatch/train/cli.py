@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = (f"the newest checkpoint {last} is intact (continue with --resume {run_dir})"
                 if last else "no checkpoint was written")
         return _fail(f"interrupted outside the training loop; {kept}", 130)
-    if summary.get("signal"):  # stopped by SIGTERM / SIGINT / SIGHUP after a checkpoint (stopping.py)
+    if summary.get("signal"):  # stopped by a signal after a checkpoint (stopping.SIGNALS)
         from largebatch.train.stopping import exit_code
 
         return exit_code(summary["signal"])

@@ -419,7 +419,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens)  # mark: the last record
         self._warned_mfu = False
-        signum, time_due = None, False  # SIGTERM / SIGINT / SIGHUP, and the wall-clock checkpoint interval
+        signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
             while True:
@@ -457,11 +457,13 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 time_due |= due
                 if logs:
                     mark = self._log_step(record, progress, mark)
-        progress.close()
-        # -- 4. the end -----------------------------------------------------------------------
-        val_loss = self._log_eval()
-        self.save()
-        return self._summary(val_loss)
+            progress.close()
+            # -- 4. the end: a signal now lets the final evaluation, checkpoint and summary finish
+            # (the run is complete; a second signal still exits at once) -------------------------
+            stop.ending()
+            val_loss = self._log_eval()
+            self.save()
+            return self._summary(val_loss)
 
     def _step_batch(self, in_phase: int) -> int:
         """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in

@@ -1,16 +1,22 @@
-"""Stopping a run cleanly: SIGTERM / SIGINT / SIGHUP, and checkpoints on a wall-clock interval.
+"""Stopping a run cleanly: SIGTERM / SIGINT / SIGHUP / SIGUSR1 / SIGUSR2, and checkpoints on a
+wall-clock interval.
 
 Slurm and Kubernetes send SIGTERM before they kill a job (Slurm: ``KillWait``, 30 s by default;
-Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default); a terminal sends SIGINT on Ctrl-C
-and SIGHUP when it closes (an ssh session dropped); torchrun forwards all three to its workers.
-While ``fit`` runs, :class:`StopRequest` turns each into a request: the step in progress
-finishes, a checkpoint is written, the resume command is printed and the process exits with
-128 + the signal number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP). A signal the process
-was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell script's ``&`` job ignores
-SIGINT): that is the user's choice that the run outlive the terminal. A second signal exits at once (the
-checkpoint being written, if any, stays a temporary; the previous one is intact). A repeat of the
-same signal within ``REPEAT_WINDOW_S`` counts as the first: torchrun forwards the signal it gets to
-its workers, which a cluster may have signalled already.
+Kubernetes: ``terminationGracePeriodSeconds``, 30 s by default); Slurm's ``--signal=USR1@120`` (or
+USR2) warns a job's processes that its time limit is near, so that it can save and be requeued; a
+terminal sends SIGINT on Ctrl-C and SIGHUP when it closes (an ssh session dropped); torchrun
+forwards SIGTERM, SIGINT and SIGHUP to its workers, and SIGUSR1/SIGUSR2 when listed in its
+``--signals-to-handle``. While ``fit`` runs, :class:`StopRequest` turns each into a request: the
+step in progress finishes, a checkpoint is written, the resume command is printed and the process
+exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP, 138 for
+SIGUSR1, 140 for SIGUSR2). Left alone, SIGUSR1 and SIGUSR2 would end the process at once, with no
+checkpoint. A signal after the last step lets the final evaluation, checkpoint and summary finish:
+the run ends complete (exit 0). A signal the process was started ignoring stays ignored (``nohup`` ignores SIGHUP; a
+shell script's ``&`` job ignores SIGINT): that is the user's choice that the run outlive the
+terminal. A second signal exits at once (the checkpoint being written, if any, stays a temporary;
+the previous one is intact). A repeat of the same signal within ``REPEAT_WINDOW_S`` counts as the
+first: torchrun forwards the signal it gets to its workers, which a cluster may have signalled
+already (Slurm signals every process of a job step).
 
 Under torchrun the ranks must stop at the same step, or the checkpoint (a collective) would hang:
 after every step one all-reduce (MAX) of [signal, checkpoint due] makes every rank take the same
@@ -34,8 +40,10 @@ import torch.distributed as dist
 
 from largebatch.parallel.mesh import ParallelState
 
-SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
-"""The signals that stop a run (or an experiment) cleanly; SIGHUP where the platform has it."""
+SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, *(getattr(signal, name, None) for name in
+                                                            ("SIGHUP", "SIGUSR1", "SIGUSR2"))) if s is not None)
+"""The signals that stop a run (or an experiment) cleanly; SIGHUP, SIGUSR1 and SIGUSR2 where the
+platform has them."""
 REPEAT_WINDOW_S = 2.0
 
 
@@ -75,8 +83,8 @@ def control_group(par: ParallelState):
 
 
 class StopRequest:
-    """A context manager for the training loop: records SIGTERM / SIGINT / SIGHUP (those not
-    ignored), and says when to checkpoint."""
+    """A context manager for the training loop: records the ``SIGNALS`` (those not ignored), and says
+    when to checkpoint."""
 
     def __init__(self, par: ParallelState, checkpoint_every_seconds: float = 0.0):
         self.par = par
@@ -85,6 +93,7 @@ class StopRequest:
         self._first_at = 0.0
         self._last_checkpoint = time.monotonic()
         self._previous: dict[int, object] = {}
+        self._ending = False
         self.group = control_group(par)  # every rank builds its StopRequest at the same point
 
     def __enter__(self) -> "StopRequest":
@@ -103,8 +112,10 @@ class StopRequest:
         if self.signum is None:
             self.signum, self._first_at = signum, now
             if self.par.is_main:
-                print(f"[largebatch] {name}: finishing this step, then checkpointing "
-                      f"(send a second signal to exit at once)", file=sys.stderr, flush=True)
+                doing = ("the run is at its end: finishing its final evaluation and checkpoint" if self._ending
+                         else "finishing this step, then checkpointing")
+                print(f"[largebatch] {name}: {doing} (send a second signal to exit at once)",
+                      file=sys.stderr, flush=True)
         elif signum != self.signum or now - self._first_at > REPEAT_WINDOW_S:
             print(f"[largebatch] second signal ({name}): exiting now without a checkpoint; the "
                   f"previous checkpoint is intact", file=sys.stderr, flush=True)
@@ -121,6 +132,12 @@ class StopRequest:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             signum, due = int(flags[0]), bool(flags[1])
         return (signum or None), due
+
+    def ending(self) -> None:
+        """The training loop is over; the final evaluation, checkpoint and summary follow. A signal
+        from here on lets them finish (the run then ends complete, exit 0): losing a finished run to
+        a warning such as Slurm's SIGUSR1 would waste it; a second signal still exits at once."""
+        self._ending = True
 
     def checkpointed(self) -> None:
         """A checkpoint was written: the wall-clock interval starts again."""
