@@ -215,7 +215,7 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
     assert not out.exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("case", ["missing_run", "no_checkpoint", "format", "non_empty_out",
+@pytest.mark.parametrize("case", ["missing_run", "empty_run", "no_checkpoint", "format", "non_empty_out",
                                   "out_is_run", "tokenizer", "tokenizer_not_json",
                                   "tokenizer_not_tokenizers", "run_tokenizer_damaged",
                                   "out_parent_is_file"])
@@ -225,6 +225,8 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     if case == "missing_run":
         run, expect = tmp_path / "nope", "is not a directory"
+    elif case == "empty_run":  # not the working directory ('.')
+        run, expect = "", "RUN_DIR is '': pass a run directory"
     elif case == "no_checkpoint":
         run = tmp_path / "empty_run"
         run.mkdir()

@@ -241,10 +241,14 @@ def test_bad_input_gives_one_line_errors(args, names, bert_run, capsys):
     assert len(err.splitlines()) == 1 and names in err, err
 
 
-def test_missing_run_dir_is_one_line(tmp_path, capsys):
+def test_missing_run_dir_is_one_line(tmp_path, capsys, monkeypatch):
     assert cli_main(["finetune", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "RUN_DIR" in err
+    monkeypatch.chdir(tmp_path)  # an empty RUN_DIR is not the working directory ('.')
+    assert cli_main(["finetune", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "RUN_DIR is '': pass a run directory" in err, err
 
 
 @pytest.mark.parametrize("where", ["finetune", "finetune/folio-genre.json"])

@@ -49,6 +49,13 @@ class LoadedRun:
     config: dict[str, Any]  # the run's TrainConfig as a dict (from the checkpoint)
 
 
+def check_run_dir_given(run_dir: str | Path) -> None:
+    """ExportError for an empty RUN_DIR argument ('' would be read as the working directory)."""
+    if isinstance(run_dir, str) and not run_dir.strip():
+        raise ExportError(f"RUN_DIR is {run_dir!r}: pass a run directory written by `largebatch train` "
+                          "(it holds config.toml and checkpoints/)")
+
+
 def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
              log=print) -> LoadedRun:
     """The newest intact checkpoint of ``run_dir`` loaded into a largebatch model on CPU.
@@ -59,6 +66,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     from largebatch.checkpoint import list_checkpoints
     from largebatch.train.rundir import TOKENIZER_NAME
 
+    check_run_dir_given(run_dir)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"RUN_DIR {str(run_dir)!r} is not a directory: pass a run directory "

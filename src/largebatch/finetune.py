@@ -347,8 +347,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "") -> int:
-    from largebatch.export import ExportError, load_run
+    from largebatch.export import ExportError, check_run_dir_given, load_run
 
+    try:
+        check_run_dir_given(run_dir)
+    except ExportError as exc:
+        raise FinetuneError(str(exc)) from None
     check_settings(settings)  # everything that does not need the model, before the (slow) load
     out = Path(run_dir) / "finetune"  # where the report goes: checked now, not when the results are in
     if (out.exists() or out.is_symlink()) and not out.is_dir():
