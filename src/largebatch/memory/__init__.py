@@ -21,13 +21,25 @@ from largebatch.memory.activations import (
 )
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate
 from largebatch.memory.hf import config_from_hf, hf_eager_bytes_per_layer, hf_eager_layer_bytes
-from largebatch.memory.measure import measure_forward_bytes
 from largebatch.memory.pipeline_schedule import schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep
-from largebatch.memory.recompute import apply_recompute, transformer_layers
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "Setup", "activation_bytes_per_layer", "apply_recompute",
            "cheapest_plan", "config_from_hf", "config_layer_kwargs", "estimate", "first_stage_layers",
            "hf_eager_bytes_per_layer", "hf_eager_layer_bytes", "measure_forward_bytes", "micro_batch_sweep",
            "model_activation_bytes", "schedule_activation_bytes", "stage_activation_bytes", "transformer_layers",
            "walk"]
+
+
+_TORCH = {"measure_forward_bytes": "largebatch.memory.measure", "apply_recompute": "largebatch.memory.recompute",
+          "transformer_layers": "largebatch.memory.recompute"}
+
+
+def __getattr__(name: str):
+    """What acts on modules (recomputation, measurement) on first use: it needs torch, which the
+    closed form and the planner do not (``largebatch memory`` starts without it)."""
+    if name in _TORCH:
+        import importlib
+
+        return getattr(importlib.import_module(_TORCH[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,11 +12,8 @@ The layer layout and the FLOP formula follow Korthikanti et al. 2022 (docs/paper
 
 from __future__ import annotations
 
-from largebatch.models.bert import BERT
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, flops_per_token, per_layer_policies, utilization
-from largebatch.models.gpt import GPT
-from largebatch.models.layers import Block, CoreAttention
 from largebatch.models.presets import PRESETS, preset
 from largebatch.models.registry import MODELS, ModelSpec, model_spec, register_model
 
@@ -28,3 +25,17 @@ __all__ = ["BERT", "GPT", "MODELS", "PRESETS", "RECOMPUTE_POLICIES", "Block", "C
 def build_model(config: ModelConfig):
     """The model of the registered kind ``config.kind`` (GPT for "gpt", BERT for "bert")."""
     return model_spec(config.kind).build(config)
+
+
+_MODULES = {"BERT": "largebatch.models.bert", "GPT": "largebatch.models.gpt", "Block": "largebatch.models.layers",
+            "CoreAttention": "largebatch.models.layers"}
+
+
+def __getattr__(name: str):
+    """The torch modules on first use: configs, presets, FLOP counts and the kinds' memory terms need
+    no torch (a planning command starts in a fraction of a second instead of ~2 s)."""
+    if name in _MODULES:
+        import importlib
+
+        return getattr(importlib.import_module(_MODULES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 
 from largebatch.models.config import ModelConfig
-from largebatch.models.gpt import TransformerBase, norm_parameters, token_loss
-from largebatch.models.layers import BLOCK_TP_PLAN, gelu, init_weights
-from largebatch.models.registry import model_spec, register_model
+from largebatch.models.gpt import TransformerBase, token_loss
+from largebatch.models.layers import gelu, init_weights
+from largebatch.models.registry import model_spec
 
 
 class MaskedLMHead(nn.Module):
@@ -73,48 +73,3 @@ class BERT(TransformerBase):
         """Every position's logits (B, T, v): under pipeline parallel the last stage does not see the
         labels, so the loss picks the predicted positions (the same values, more compute)."""
         return self.head(self.ln_f(x))
-
-
-def _post_ln(config: ModelConfig) -> bool:
-    return config.norm_position == "post"
-
-
-def _bert_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool) -> float:
-    h, v, norm = config.n_embd, config.vocab_size, norm_parameters(config)
-    n = norm if first and _post_ln(config) else 0.0  # embedding LayerNorm
-    if last:
-        n += 0 if _post_ln(config) else norm  # final LayerNorm
-        n += 0 if config.tie_embeddings else v * h / tp  # untied decoder
-        # head: dense (replicated: it reads the whole masked rows), its LayerNorm, the decoder's bias
-        # (split over the vocabulary with the decoder)
-        n += h * h + (h if config.bias else 0) + norm + v / tp
-    return n
-
-
-def _bert_embedding_activations(config: ModelConfig, dtype_bytes: float) -> float:
-    return config.n_embd * dtype_bytes if _post_ln(config) else 0.0  # embedding LayerNorm input
-
-
-def _bert_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_rep: int,
-                             mask_fraction: float) -> float:
-    """Per token: the final-norm input (pre-LN), then the head on the masked positions only (dense,
-    GeLU, LayerNorm and decoder inputs, fp32 logits)."""
-    h, v = config.n_embd, config.vocab_size
-    final_norm = 0.0 if _post_ln(config) else h * dtype_bytes / t_rep
-    return final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp)
-
-
-def _bert_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The head picks the masked positions (x[mask]), so it runs on the whole sequence."""
-    return {"tok_emb": "vocab_embedding", "drop": "sequence_start", "ln_f": "gather",
-            "head.decoder": "output_whole", **BLOCK_TP_PLAN}
-
-
-register_model(
-    "bert", build=BERT, objective="masked",
-    help="masked language model, bidirectional; pre-LN (Cramming) or post-LN (Devlin et al. 2019)",
-    head_flops=lambda config, mask_fraction: mask_fraction * 2.0 * (config.n_embd ** 2 + config.n_embd
-                                                                    * config.vocab_size),
-    output_activations=_bert_output_activations, stage_parameters=_bert_stage_parameters,
-    embedding_activations=_bert_embedding_activations, tp_plan=_bert_tp_plan,
-    pipeline_first=("tok_emb", "pos_emb", "emb_norm", "drop"), pipeline_last=("ln_f", "head"))

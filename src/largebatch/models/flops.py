@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.registry import model_spec
+
+if TYPE_CHECKING:
+    import torch
 
 RecomputePolicy = Literal["none", "selective", "op", "full"]
 RECOMPUTE_POLICIES = get_args(RecomputePolicy)
@@ -92,14 +93,18 @@ def utilization(config: ModelConfig, tokens_per_second: float, peak_flops_per_se
     return tokens_per_second * flops_per_token(config, recompute, seq_len) / peak_flops_per_second
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
+def measure_peak_flops(device: torch.device, dtype: torch.dtype | None = None, n: int = 2048,
                        seconds: float = 1.5) -> float:
-    """Best achieved FLOP/s of an n x n x n matmul on ``device`` -- an honest MFU denominator.
+    """Best achieved FLOP/s of an n x n x n matmul on ``device`` (``dtype``: float32 when None) --
+    an honest MFU denominator.
 
     The best of many repetitions, so a busy moment on a shared machine lowers it little; on a
     machine shared with other jobs it can still be low (and MFU then high): declare the peak with
     ``run.peak_flops`` for numbers to compare across machines.
     """
+    import torch  # here: the FLOP counts above need no torch
+
+    dtype = torch.float32 if dtype is None else dtype
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):  # warm up kernels and caches

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import BLOCK_TP_PLAN, Block, Dropout, init_weights
-from largebatch.models.registry import model_spec, register_model
+from largebatch.models.layers import Block, Dropout, init_weights
+from largebatch.models.registry import model_spec
 
 
 class TransformerBase(nn.Module):
@@ -141,34 +141,3 @@ class GPT(TransformerBase):
                 next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
-
-
-def norm_parameters(config: ModelConfig) -> int:
-    """Parameters of one LayerNorm."""
-    return (2 if config.bias else 1) * config.n_embd
-
-
-def _gpt_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool) -> float:
-    if not last:
-        return 0.0
-    untied = 0 if config.tie_embeddings else config.vocab_size * config.n_embd / tp
-    return norm_parameters(config) + untied  # final LayerNorm, an untied output projection
-
-
-def gpt_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_rep: int,
-                           mask_fraction: float) -> float:
-    """Per token: the final-norm input and the projection input, plus fp32 logits (vocabulary-parallel)."""
-    return 2 * config.n_embd * dtype_bytes / t_rep + 4 * config.vocab_size / tp
-
-
-def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The final norm stays in the sequence-parallel region; the output layer reads the stream."""
-    return {"tok_emb": "vocab_embedding", "drop": "sequence_start", "ln_f": "norm", "lm_head": "output",
-            **BLOCK_TP_PLAN}
-
-
-register_model(
-    "gpt", build=GPT, objective="causal", help="causal language model, pre-LN blocks (Radford et al. 2019)",
-    head_flops=lambda config, mask_fraction: 2.0 * config.n_embd * config.vocab_size,
-    output_activations=gpt_output_activations, stage_parameters=_gpt_stage_parameters,
-    tp_plan=gpt_tp_plan, pipeline_first=("tok_emb", "pos_emb", "drop"), pipeline_last=("ln_f", "lm_head"))

@@ -134,13 +134,6 @@ class Block(nn.Module):
         return self.ln2(x + self.mlp(x))
 
 
-BLOCK_TP_PLAN = {f"blocks.*.{name}": role for name, role in (
-    ("attn", "enter"), ("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
-    ("mlp", "enter"), ("mlp.fc1", "colwise"), ("mlp.fc2", "rowwise"), ("ln1", "norm"), ("ln2", "norm"))}
-"""Tensor-parallel roles of a Block's modules (largebatch.models.registry.TP_ROLES): q, k, v and fc1
-split by columns, proj and fc2 by rows, one gathered input per sub-layer, the norms sequence-split."""
-
-
 def gelu(config: ModelConfig) -> nn.GELU:
     """exact (erf) GeLU, as BERT and transformers' "gelu"; or GPT-2's tanh approximation
     (transformers' "gelu_new", the same formula)."""

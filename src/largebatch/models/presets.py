@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from largebatch.models.bert import BERT  # noqa: F401 -- registers "bert" (and, through it, "gpt")
 from largebatch.models.config import ModelConfig
 
 # Named sizes. "demo" trains on 2 CPU cores in minutes; the large ones are for the memory planner

@@ -5,7 +5,8 @@
                    pipeline_last=...)
 
 ``model.kind`` takes any registered name (``MODELS``; ``--help-config`` lists them with their help
-line). GPT registers itself in ``models/gpt.py``, BERT in ``models/bert.py``; a module that
+line). GPT and BERT are declared in ``models/kinds.py`` (without torch: their ``build`` imports
+``models/gpt.py`` / ``models/bert.py`` on first use), which this module imports; a module that
 registers another kind must be imported before the config is loaded. The consumers look a kind up
 with :func:`model_spec` instead of testing its name:
 
@@ -124,3 +125,6 @@ def model_spec(kind: str, key: str = "model.kind = ") -> ModelSpec:
                          "(register another with largebatch.models.register_model, from a module "
                          "imported before the config is loaded)")
     return MODELS[kind]
+
+
+from largebatch.models import kinds as _kinds  # noqa: E402, F401 -- declares "gpt" and "bert"
