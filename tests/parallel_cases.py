@@ -371,6 +371,25 @@ def seed_cases(results: dict) -> None:
         results[f"seed/{mode}/same_draw_on_both_ranks"] = bool(draws[0] == draws[1])
 
 
+def argmax_cases(results: dict) -> None:
+    """vocab_parallel_argmax on logits split over the vocabulary equals torch.argmax of the whole
+    logits, ties included (values drawn from {0, 1, 2}: most rows hold the maximum several times, on
+    both ranks' slices), for GPT-shaped (B, T, v) and BERT-shaped (n, v) logits."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from largebatch.parallel.tensor_parallel import vocab_parallel_argmax
+
+    state = states("tp")
+    generator = torch.Generator().manual_seed(3)
+    for shape in ((2, 5, 64), (7, 64)):
+        whole = torch.randint(0, 3, shape, generator=generator).float()  # the same on both ranks
+        split = distribute_tensor(whole, state.tp_mesh, [Shard(-1)])
+        best = vocab_parallel_argmax(split)
+        results[f"argmax/{len(shape)}d/equal"] = bool(torch.equal(best, whole.argmax(-1)))
+        results[f"argmax/{len(shape)}d/ties_across_ranks"] = int(
+            ((whole[..., :32].amax(-1) == whole.amax(-1)) & (whole[..., 32:].amax(-1) == whole.amax(-1))).sum())
+
+
 def mixed_precision_cases(results: dict) -> None:
     """FSDP2 with param_dtype=bf16 (what run.dtype='bf16' selects): the forward computes with bf16
     parameters, the reduce-scatter carries fp32 gradients, the sharded parameters and gradients stay
@@ -423,6 +442,7 @@ def run_all(out_dir: str, compile_too: bool = True) -> None:
         mixed_precision_cases(results)
         checkpoint_cases(results, out)
         seed_cases(results)
+        argmax_cases(results)
         if compile_too:
             compile_cases(results)
     (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))

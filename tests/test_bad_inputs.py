@@ -199,6 +199,47 @@ def test_train_check_under_torchrun_reports_once(paths, capsys, monkeypatch):
     assert outputs["0"].startswith("ok: ") and outputs["1"] == ""
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--model.n_head=3", "--model.n_embd=48"], "parallel.tp = 2 does not divide model.n_head = 3: choose parallel.tp"),
+    (["--model.ffn_hidden=33"], "model.ffn_hidden (the MLP width) = 33"),
+    (["--data.vocab_size=512", "--model.vocab_size=515"], "model.vocab_size = 515: set model.vocab_size = 516"),
+    (["--data.vocab_size=515"], "model.vocab_size (the tokenizer's size) = 515: set model.vocab_size = 516"),
+    (["--model.seq_len=33", "--parallel.sequence_parallel=true"],
+     "model.seq_len = 33: sequence parallel splits every sequence"),
+    (["bert-lans-demo", "--model.n_head=4", "--phases.0.seq_len=17", "--parallel.sequence_parallel=true"],
+     "phases[0].seq_len = 17: sequence parallel splits every sequence"),
+], ids=["n_head", "ffn", "vocab", "tokenizer_vocab", "seq_len_sp", "phase_seq_len_sp"])
+def test_what_tensor_parallel_splits_is_checked_before_any_work(args, needle, paths, capsys, monkeypatch):
+    """tp must divide the heads, the MLP width, the vocabulary and, under sequence parallel, every
+    sequence length (each phase's too: an indivisible one aborted gloo at the first evaluation). Each
+    is one line from --check, as from the run, before the tokenizer is trained or the run directory made."""
+    monkeypatch.chdir(paths)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    config, flags = (args[:1], args[1:]) if not args[0].startswith("--") else ([], args)
+    code, out, err = run_cli(["train", *config, "--check", "--model.n_layer=2", "--parallel.tp=2",
+                              "--run.out_dir=runs/tp", *flags], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (paths / "runs").exists()
+
+
+def test_the_adaptive_seesaw_cap_is_refused_where_no_noise_scale_is_measured(paths, capsys, monkeypatch):
+    """FSDP over several replicas measures no gradient noise scale (docs/parallel.md), so the cap at
+    schedule.noise_scale_multiple x B_simple never applied and the batch grew past it, silently: it
+    is refused naming the way out; under DDP the same config is accepted."""
+    monkeypatch.chdir(paths)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    seesaw = ["train", "--check", "--model.n_layer=2", "--schedule.batch_policy=seesaw",
+              "--schedule.noise_scale_multiple=2", "--run.out_dir=runs/noise"]
+    code, out, err = run_cli([*seesaw, "--parallel.dp_mode=fsdp"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "schedule.noise_scale_multiple = 2.0: the adaptive Seesaw cap needs the gradient noise scale" in err
+    assert "parallel.dp_mode = 'ddp'" in err
+    code, out, err = run_cli(seesaw, capsys)
+    assert code == 0 and out.startswith("ok: "), err
+
+
 def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)

@@ -153,6 +153,15 @@ def test_dropout_streams_differ_across_replicas_and_match_within_tensor_parallel
         assert not rank_results["seed/ddp/same_draw_on_both_ranks"]
 
 
+def test_the_best_token_of_vocabulary_split_logits_is_the_whole_logits_argmax(ranks):
+    """The evaluation's accuracy under the vocabulary-parallel loss: no gather of the logits, and
+    torch.argmax's choice (the lowest id) where the maximum sits on both ranks' slices."""
+    for rank_results in ranks[1]:
+        for dims in ("2d", "3d"):
+            assert rank_results[f"argmax/{dims}/equal"]
+            assert rank_results[f"argmax/{dims}/ties_across_ranks"] > 0  # the case that needs the rule
+
+
 # ------------------------------------------------------------------------------ single process
 def test_world_size_one_is_a_no_op(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -200,7 +209,7 @@ def test_tensor_parallel_size_must_divide_the_model():
     from largebatch.parallel.tensor_parallel import check_divisible
 
     model = build_model(cases.tiny("gpt"))  # 4 heads, vocab 64
-    with pytest.raises(ValueError, match="does not divide model n_head = 4"):
+    with pytest.raises(ValueError, match="does not divide model.n_head = 4: choose parallel.tp among"):
         check_divisible(model, 3, False)
     state = ParallelState()
     assert state.describe().startswith("rank 0/1 (dp 0/1, tp 0/1)")

@@ -75,14 +75,19 @@ def ddp_run(single, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp"])
+@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp", "tp2-sp-loss-parallel"])
 def test_torchrun_matches_one_process(single, request, tmp_path, mode):
+    """Losses, clipped gradient norms and every evaluation's loss and accuracy as one process's; the
+    accuracy under the vocabulary-parallel loss too (its logits stay split over the vocabulary)."""
     cache, ref = single
     if mode == "dp2-ddp":
         out = request.getfixturevalue("ddp_run")
     else:
         out = tmp_path / "run"
-        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": True}))
+        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": True,
+                                            "parallel.loss_parallel": mode.endswith("loss-parallel")}))
+    accuracies = [[r["val_accuracy"] for r in read_metrics(run) if r["kind"] == "val"] for run in (out, ref)]
+    assert None not in accuracies[0] and accuracies[0] == pytest.approx(accuracies[1], abs=2.5e-3)  # 1 in ~500
     ours, theirs = _losses(out), _losses(ref)
     assert len(ours) == len(theirs) and ours[-1] < ours[0] - 0.3  # it learned, same step count
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)     # the same algorithm, step by step
@@ -139,6 +144,7 @@ def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never
     assert proc.returncode != 0
     assert "cannot resume from" in proc.stderr and "step_00000005.pt (intact" in proc.stderr
     assert "data-parallel degree that divides 1" in proc.stderr and "damaged" not in proc.stderr
+    assert "multiples of micro_batch x 1 = 2 sequences" in proc.stderr, proc.stderr[-2000:]
     assert len(_losses(misfit)) == 5  # nothing trained, nothing rolled back
 
 

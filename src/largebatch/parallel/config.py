@@ -136,3 +136,22 @@ class ParallelConfig:
         if split[0] < 1 or any(b <= a for a, b in zip(split, split[1:])):
             raise ValueError(f"parallel.pp_split = {split!r}: indices must increase from >= 1 (every stage "
                              "needs at least one layer)")
+
+
+def check_tp_divides(tp: int, field: str, value: int) -> None:
+    """ValueError naming ``field`` when tensor-parallel size ``tp`` does not divide its ``value``,
+    with the fix that fits the field: attention heads and the MLP width are split over the tp ranks
+    (Megatron's layout), the vocabulary too (the embedding and the output layer), and under
+    sequence parallel every sequence length (``model.seq_len``, each ``phases[i].seq_len``)."""
+    if value % tp == 0:
+        return
+    padded = -(-value // tp) * tp
+    if "vocab_size" in field:
+        fix = (f"set model.vocab_size = {padded} (a multiple of {tp}: the embedding is padded with rows "
+               f"no token uses), or choose another parallel.tp")
+    elif "seq_len" in field:
+        fix = (f"sequence parallel splits every sequence over the {tp} tensor-parallel ranks: use a length "
+               f"that {tp} divides (e.g. {padded}), or set parallel.sequence_parallel = false")
+    else:
+        fix = f"choose parallel.tp among the divisors of {value}, or change {field.split(' ')[0]}"
+    raise ValueError(f"parallel.tp = {tp} does not divide {field} = {value}: {fix}")

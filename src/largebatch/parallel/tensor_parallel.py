@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from largebatch.models.registry import model_spec
+from largebatch.parallel.config import check_tp_divides
 
 
 class ReplicateParallel(ParallelStyle):
@@ -73,13 +74,12 @@ class ReplicateParallel(ParallelStyle):
 def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len: int | None = None) -> None:
     """ValueError naming the model field that tensor parallel size ``tp`` does not divide."""
     cfg = model.config
-    sizes = {"n_head": cfg.n_head, "ffn (MLP width)": cfg.ffn, "vocab_size": cfg.vocab_size}
+    sizes = {"model.n_head": cfg.n_head, "model.ffn_hidden (the MLP width)": cfg.ffn,
+             "model.vocab_size": cfg.vocab_size}
     if sequence_parallel:
-        sizes["seq_len"] = seq_len or cfg.seq_len
+        sizes["model.seq_len"] = seq_len or cfg.seq_len
     for name, value in sizes.items():
-        if value % tp:
-            raise ValueError(f"parallel.tp = {tp} does not divide model {name} = {value}: choose tp among "
-                             f"the divisors of {value}, or resize the model (e.g. pad the vocabulary)")
+        check_tp_divides(tp, name, value)
 
 
 def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | None]:
@@ -167,3 +167,23 @@ def _local_loss(module, args, output):
     """(logits, loss): the vocabulary-parallel loss is a replicated DTensor; hand back its value."""
     logits, loss = output
     return logits, (loss.to_local() if isinstance(loss, DTensor) else loss)
+
+
+def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
+    """``argmax(-1)`` of logits split over the vocabulary (the vocabulary-parallel loss's layout,
+    ``Shard(-1)`` on the tensor-parallel mesh), without gathering them: each rank's best token and
+    its value, all-gathered over the tp ranks (tp values per position, not the vocabulary), then the
+    best of those. Ties go to the lowest token id, as ``torch.argmax`` gives them on whole logits.
+    Returns a plain tensor of token ids, the same on every tp rank."""
+    import torch.distributed as dist
+
+    local = logits.to_local()
+    mesh = logits.device_mesh
+    value, index = local.max(-1)  # the first maximum on this rank's slice
+    index = index + mesh.get_local_rank() * local.shape[-1]  # tp divides the vocabulary: equal slices
+    group, tp = mesh.get_group(), mesh.size()
+    values, indices = [torch.empty_like(value) for _ in range(tp)], [torch.empty_like(index) for _ in range(tp)]
+    dist.all_gather(values, value.contiguous(), group=group)
+    dist.all_gather(indices, index.contiguous(), group=group)
+    best = torch.stack(values).argmax(0, keepdim=True)  # the first rank holding the maximum: lowest id
+    return torch.stack(indices).gather(0, best).squeeze(0)

@@ -29,7 +29,7 @@ from largebatch.data import DataConfig
 from largebatch.models import ModelConfig
 from largebatch.models.flops import RecomputePolicy
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
-from largebatch.parallel.config import ParallelConfig
+from largebatch.parallel.config import ParallelConfig, check_tp_divides
 from largebatch.parallel.mesh import resolve_sizes
 from largebatch.parallel.pipeline import check_micro_batches, stage_layers
 from largebatch.schedules import ScheduleConfig
@@ -288,11 +288,25 @@ def check(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"run.total_tokens = {cfg.run.total_tokens} but the phases sum to {total}: with "
                               "[[phases]] the budget is their sum; remove run.total_tokens")
         cfg = dataclasses.replace(cfg, run=with_phase_total(cfg.run, cfg.phases))
+    par = cfg.parallel
     try:
-        pp, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
+        if par.tp > 1:  # what the tensor-parallel ranks split (the vocabulary: preflight, which knows it)
+            check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
+            check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
+            if par.sequence_parallel:
+                check_tp_divides(par.tp, f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len",
+                                 phase.seq_len)
+            multiple = phase.schedule.noise_scale_multiple
+            if multiple is not None and dp > 1 and par.dp_mode != "ddp":
+                raise ValueError(
+                    f"{where}schedule.noise_scale_multiple = {multiple}: the adaptive Seesaw cap needs the "
+                    f"gradient noise scale, which is not measured with parallel.dp_mode = {par.dp_mode!r} over "
+                    f"{dp} replicas (FSDP2 reduces the gradients inside its own collectives); use "
+                    f"parallel.dp_mode = 'ddp' (tp = 1) or one replica, or leave noise_scale_multiple out")
             try:
                 schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
                                                 micro_batch=phase.micro_batch, dp_size=dp)

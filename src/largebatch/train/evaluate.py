@@ -3,8 +3,9 @@
 The validation slice is fixed (``run.eval_tokens`` from the start of the validation split, packed at
 the current phase's length), so every evaluation of a run, and of a resumed run, sees the same
 tokens. Accuracy is the share of predicted tokens whose most likely token is the target (BERT: the
-masked-LM accuracy over the masked positions); it is None where the logits are not whole on a rank
-(pipeline stages, the vocabulary-parallel loss).
+masked-LM accuracy over the masked positions); it is None under pipeline parallel (the logits are
+on the last stage only). Under the vocabulary-parallel loss the best token is found without
+gathering the logits (largebatch.parallel.tensor_parallel.vocab_parallel_argmax).
 """
 
 from __future__ import annotations
@@ -26,14 +27,20 @@ class Evaluation:
 
     def _eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summed loss and the number of predicted tokens whose most likely token is the target (None
-        where the logits are not whole on this rank: pipeline stages, vocabulary-parallel loss)."""
+        under pipeline stages, where the logits are on the last stage only)."""
         logits, loss_sum, targets = self._forward(batch)
         if logits is None:
             return loss_sum, None
+        if self.par.loss_parallel:  # split over the vocabulary: the best token without gathering them
+            from largebatch.parallel.tensor_parallel import vocab_parallel_argmax
+
+            best = vocab_parallel_argmax(logits)
+        else:
+            best = logits.argmax(-1)
         predicted = targets != -100
         if model_spec(self.cfg.model.kind).objective == "masked":  # the logits of the predicted positions only
-            return loss_sum, (logits.argmax(-1) == targets[predicted]).sum()
-        return loss_sum, ((logits.argmax(-1) == targets) & predicted).sum()
+            return loss_sum, (best == targets[predicted]).sum()
+        return loss_sum, ((best == targets) & predicted).sum()
 
     @torch.no_grad()
     def evaluate(self) -> float:

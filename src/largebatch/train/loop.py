@@ -251,10 +251,13 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             # another number of replicas: keep the run's batch granularity (micro_batch x old dp),
             # which the new dp must divide, so every step's batch is the one the run would take
             if saved_dp % self.par.dp_size:
+                mb = self.phases[extra["progress"]["phase"]].micro_batch
                 raise ValueError(f"it was written with {saved_dp} data-parallel replica(s) and this run "
-                                 f"has {self.par.dp_size}: the run's batches are multiples of {saved_dp} "
-                                 f"sequences, so resume with a data-parallel degree that divides {saved_dp} "
-                                 "(the other processes as parallel.tp or parallel.pp)")
+                                 f"has {self.par.dp_size}: the run's batches are multiples of micro_batch "
+                                 f"x {saved_dp} = {mb * saved_dp} sequences, which {self.par.dp_size} replicas "
+                                 f"cannot always cut into whole micro-batches, so resume with a data-parallel "
+                                 f"degree that divides {saved_dp} (the other processes as parallel.tp or "
+                                 "parallel.pp)")
             self.schedule_dp = saved_dp
         self.pos = Progression(**extra["progress"])
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
@@ -285,8 +288,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     # ------------------------------------------------------------------------------------------
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """One forward of a host batch, for training and evaluation alike: (logits, summed loss,
-        targets on the device). The logits are None where they are not whole on this rank: pipeline
-        stages (a forward only, through every stage) and the vocabulary-parallel loss."""
+        targets on the device). The logits are None under pipeline stages (a forward only, through
+        every stage); under the vocabulary-parallel loss they are a DTensor split over the vocabulary."""
         inputs = batch["input_ids"].to(self.device, non_blocking=True)
         targets = batch["targets"] if "targets" in batch else batch["labels"]
         if self.pipeline:
@@ -296,7 +299,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         targets = targets.to(self.device, non_blocking=True)
         with self.autocast, self.par.loss_context():
             logits, loss_sum = self.model(inputs, targets, reduction="sum")
-        return (None if self.par.loss_parallel else logits), loss_sum, targets
+        return logits, loss_sum, targets
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
