@@ -201,3 +201,26 @@ def test_pipeline_layouts_the_interleaved_default_does_not_fit(capsys, tmp_path)
     out = capsys.readouterr().out
     assert "pp_split = [1]: uneven stages, planned as 2 stages of the largest rank's 2 layers" in out
     assert " L=4, " in out  # the table of 2 x 2 layers
+
+
+def test_the_memory_command_plans_without_torch():
+    """`largebatch memory` is arithmetic on a config: the model kinds declare their memory terms
+    without torch (models/kinds.py), so planning imports it only for what torch itself defines (the
+    interleaved pipeline schedules' orders, under --pp); it was ~2 s of a ~2 s command. Building a
+    model imports it, on first use."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "from largebatch.cli import main\n"
+            "assert main(['memory', '--model', 'gpt2-small', '--budget-gib', '8']) == 0\n"
+            "assert main(['memory', '--model', 'bert-large', '--tp', '2', '--sequence-parallel']) == 0\n"
+            "assert 'torch' not in sys.modules, 'the memory command imported torch'\n"
+            "from largebatch.models import GPT, build_model, preset\n"
+            "assert 'torch' in sys.modules and isinstance(build_model(preset('demo')), GPT)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
