@@ -223,6 +223,19 @@ def test_what_tensor_parallel_splits_is_checked_before_any_work(args, needle, pa
     assert not (paths / "runs").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL runs where CUDA does")
+def test_nccl_without_a_gpu_is_refused_by_check(paths, capsys, monkeypatch):
+    """Under torchrun, --parallel.backend=nccl on a machine without CUDA passed --check and failed in
+    every rank once the run had started."""
+    monkeypatch.chdir(paths)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--parallel.backend=nccl",
+                              "--run.out_dir=runs/nccl"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU" in err
+
+
 def test_the_adaptive_seesaw_cap_is_refused_where_no_noise_scale_is_measured(paths, capsys, monkeypatch):
     """FSDP over several replicas measures no gradient noise scale (docs/parallel.md), so the cap at
     schedule.noise_scale_multiple x B_simple never applied and the batch grew past it, silently: it

@@ -211,6 +211,12 @@ def _restart_store(world_size: int, timeout: timedelta) -> dict:
             "rank": _env_int("RANK", 0), "world_size": world_size}
 
 
+def check_backend(cfg: ParallelConfig) -> None:
+    """ValueError when ``parallel.backend`` cannot run on this machine (NCCL without a CUDA GPU)."""
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
+
+
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1."""
     cfg = cfg or ParallelConfig()
@@ -218,8 +224,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     pp, dp, tp = resolve_sizes(cfg, world_size)
     replicate, shard = replica_sizes(cfg, dp)
     use_cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
-    if cfg.backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
+    check_backend(cfg)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:

@@ -118,7 +118,13 @@ def _vocabulary(path: Path, name: str) -> dict[str, int]:
 
 
 def check_device(cfg: TrainConfig, distributed: bool) -> None:
-    if distributed:  # each rank takes its local GPU (largebatch.parallel.mesh)
+    if distributed:  # each rank takes its local GPU (largebatch.parallel.mesh), over this backend
+        from largebatch.parallel.mesh import check_backend
+
+        try:
+            check_backend(cfg.parallel)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return
     from largebatch.train.loop import resolve_device
 
