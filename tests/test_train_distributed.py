@@ -359,10 +359,17 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
         proc = _launch(o, *(forward_usr1 if target == "all" else ()))
         start = _train_steps(out)
         _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
-        targets = {"torchrun": [proc.pid], "rank1": [_rank_pid(1, parent=proc.pid)],
-                   "all": [proc.pid, _rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]}[target]
-        for pid in targets:
-            os.kill(pid, sig)
+        ranks = [_rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]
+        targets = {"torchrun": [proc.pid], "rank1": ranks[1:], "all": [proc.pid, *ranks]}[target]
+        for pid in ranks:  # held while the signals go out: a loaded machine must not let the run end first
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            for pid in targets:
+                os.kill(pid, sig)
+            time.sleep(0.5)  # torchrun's forwarded copy reaches the held ranks too
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
         stdout, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, err[-3000:]
         steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]

@@ -135,7 +135,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                      run.micro_batch)
         self.phase = self.phases[0]
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective)
-        keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main)  # export/finetune read it
+        keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main, cfg.data.corpus)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         vocab = model_vocab(cfg, self.data.vocab_size)
         if cfg.model.vocab_size != vocab:

@@ -51,14 +51,32 @@ class RunDirLocked(RuntimeError):
 TOKENIZER_NAME = "tokenizer.json"
 
 
-def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True) -> None:
+def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True, corpus: str | None = None) -> None:
     """Write the run's tokenizer to ``RUN_DIR/tokenizer.json`` (atomically; rank 0 only; unchanged
-    files are not rewritten). ``tokenizer`` None (a token array without one): nothing to keep."""
-    if tokenizer is None or not is_main:
+    files are not rewritten). ``tokenizer`` None (a token array without one): nothing to keep.
+
+    A run that holds checkpoints keeps the tokenizer they were trained with: when the data now gives
+    another vocabulary (a tokenizer trained again on a ``corpus`` whose text changed since the run
+    started), ValueError -- on every rank, before anything is written -- instead of replacing the
+    run's tokenizer and training on ids that mean other tokens."""
+    if tokenizer is None:
         return
+
     path = Path(run_dir) / TOKENIZER_NAME
     text = tokenizer.to_str()
-    if not path.is_file() or path.read_text() != text:
+    if path.is_file() and list_checkpoints(run_dir, kinds=(".pt", ".dcp")):
+        from tokenizers import Tokenizer
+
+        try:
+            kept = Tokenizer.from_file(str(path)).get_vocab()
+        except Exception:  # noqa: BLE001 -- an unreadable copy: nothing to compare, it is rewritten
+            kept = None
+        if kept is not None and kept != tokenizer.get_vocab():
+            where = f"data.corpus={corpus!r}" if corpus is not None else "the data"
+            raise ValueError(f"{where} no longer gives the tokenizer this run trained with ({path}): its text "
+                             "changed since the checkpoints were written, and they index that tokenizer's "
+                             "ids; restore the corpus, or start a new run (another run.out_dir) on the new text")
+    if is_main and (not path.is_file() or path.read_text() != text):
         atomic_write_text(path, text)
 
 
