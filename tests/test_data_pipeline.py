@@ -6,8 +6,10 @@ its cache or use small user corpora.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -311,3 +313,170 @@ def test_a_build_killed_mid_write_leaves_nothing_for_good(tmp_path):
     assert not killed.exists() and not old.exists()
     assert live.is_dir() and elsewhere.is_dir() and starting.is_dir()
     assert not (cache / key / ".owner").exists()
+
+
+def test_streams_are_every_token_of_every_document_in_batches_and_whatever_the_file_enables(tmp_path, monkeypatch):
+    """The stream written in small batches of documents (memory: one batch's encodings, not the
+    corpus's) is the separator + each document's own encoding, document after document -- built
+    here one document at a time with tokenizer.encode. A user tokenizer.json that enables
+    truncation or padding (many published ones do) used to cut every document at 128 tokens or fill
+    the stream with [PAD] targets; both are switched off for encoding."""
+    from tokenizers import Tokenizer
+
+    from largebatch.data import tokenizer as tokenizer_lib
+    from largebatch.data.corpus import load_documents
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "tempest_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    base = DataConfig(corpus=str(corpus), vocab_size=512, val_documents=["macbeth_gut"],
+                      cache_dir=str(tmp_path / "cache"))
+    trained = build_data(base, SEQ_LEN, "causal")
+    plain_file = tmp_path / "plain.json"
+    trained.tokenizer.save(str(plain_file))
+    docs = {d.name: d.text for d in load_documents(str(corpus))}
+    eot = trained.tokenizer.token_to_id(tokenizer_lib.EOT)
+
+    def expected(names):
+        ids = []
+        for name in names:
+            ids += [eot, *trained.tokenizer.encode(docs[name], add_special_tokens=False).ids]
+        return ids
+
+    monkeypatch.setattr(tokenizer_lib, "ENCODE_CHARS", 50_000)  # every play is a batch of its own, or more
+    streams = {}
+    for kind in ("plain", "truncation", "padding"):
+        tok = Tokenizer.from_file(str(plain_file))
+        if kind == "truncation":
+            tok.enable_truncation(128)
+        elif kind == "padding":
+            tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
+        path = tmp_path / f"{kind}.json"
+        tok.save(str(path))
+        data = build_data(replace(base, tokenizer_file=str(path), cache_dir=str(tmp_path / f"cache-{kind}")),
+                          SEQ_LEN, "causal")
+        streams[kind] = (data.train.tokens.tolist(), data.val.tokens.tolist())
+        meta = json.loads((Path(data.stats.cache_path) / "meta.json").read_text())
+        assert meta["tokens"] == {"train": len(streams[kind][0]), "val": len(streams[kind][1])}
+    assert streams["plain"][1] == expected(["macbeth_gut"])
+    assert streams["plain"][0] == expected([n for n in docs if n != "macbeth_gut"])
+    assert streams["truncation"] == streams["padding"] == streams["plain"]
+
+
+@pytest.mark.parametrize("damage, note", [
+    ("truncate", "train.bin holds 2,000 tokens, meta.json records"),
+    ("missing", "No such file or directory"),
+    ("tokenizer", ""),
+    ("odd_size_old_entry", "train.bin is 4,001 bytes, not a whole number of uint16 tokens"),
+])
+def test_a_damaged_cache_entry_is_built_again(damage, note, tmp_path):
+    """A cache entry cut short (a partial copy to a shared disk, a full disk), missing a stream or
+    holding an unreadable tokenizer.json was used as it was (a truncated train.bin trained on 2,000
+    tokens of 189,696 without a word) or failed with a bare error; it is set aside and built again,
+    the same streams as before, and the data's description says so."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    cfg = DataConfig(corpus=str(corpus), vocab_size=512, val_documents=["macbeth_gut"],
+                     cache_dir=str(tmp_path / "cache"))
+    first = build_data(cfg, SEQ_LEN, "causal")
+    streams = (first.train.tokens.tolist(), first.val.tokens.tolist())
+    entry = Path(first.stats.cache_path)
+    if damage == "truncate":
+        with open(entry / "train.bin", "r+b") as f:
+            f.truncate(4000)
+    elif damage == "missing":
+        (entry / "train.bin").unlink()
+    elif damage == "tokenizer":
+        text = (entry / "tokenizer.json").read_text()
+        (entry / "tokenizer.json").write_text(text[: len(text) // 2])
+    else:  # an entry written before meta.json recorded the counts, with a stray byte
+        meta = json.loads((entry / "meta.json").read_text())
+        del meta["tokens"]
+        (entry / "meta.json").write_text(json.dumps(meta))
+        with open(entry / "train.bin", "r+b") as f:
+            f.truncate(4001)
+    again = build_data(cfg, SEQ_LEN, "causal")
+    assert not again.stats.cache_hit and note in again.stats.cache_rebuilt
+    assert "damaged cache entry rebuilt" in again.stats.describe()
+    assert (again.train.tokens.tolist(), again.val.tokens.tolist()) == streams
+    third = build_data(cfg, SEQ_LEN, "causal")  # whole again: a plain hit
+    assert third.stats.cache_hit and third.stats.cache_rebuilt is None
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]  # nothing set aside is left
+
+
+def test_a_cache_entry_takes_the_umask_like_any_directory(tmp_path):
+    """A cache shared by a group (umask 002) is readable by its members: the entry directory was
+    created 0700 (mkdtemp's mode, kept by the rename) whatever the umask."""
+    import os
+    import stat
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    before = os.umask(0o002)
+    try:
+        data = build_data(DataConfig(corpus=str(corpus), vocab_size=512, val_documents=["macbeth_gut"],
+                                     cache_dir=str(tmp_path / "cache")), SEQ_LEN, "causal")
+    finally:
+        os.umask(before)
+    entry = Path(data.stats.cache_path)
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o775
+    assert {stat.S_IMODE(f.stat().st_mode) for f in entry.iterdir()} == {0o664}
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_its_field(tmp_path):
+    """data.cache_dir that is a file (or read-only, or full) failed as "could not write RUN_DIR ...
+    Free space" -- the run directory named, the cache not; it is a one-line CorpusError naming
+    data.cache_dir (a directory that cannot be written: the entry, the reason and data.cache_dir)."""
+    from largebatch.data.corpus import CorpusError
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    (tmp_path / "cachefile").write_text("mine")
+    cfg = DataConfig(corpus=str(corpus), vocab_size=512, val_documents=["macbeth_gut"],
+                     cache_dir=str(tmp_path / "cachefile"))
+    with pytest.raises(CorpusError) as info:
+        build_data(cfg, SEQ_LEN, "causal")
+    assert str(info.value) == (f"data.cache_dir={str(tmp_path / 'cachefile')!r} is a file, not a directory: "
+                               "set data.cache_dir to a directory (it is created if missing)")
+    assert (tmp_path / "cachefile").read_text() == "mine"
+
+
+def test_a_full_cache_disk_is_one_line_naming_the_cache(tmp_path):
+    """A real 256 KiB tmpfs as data.cache_dir (a private mount namespace): the build fails with one
+    CorpusError naming the cache entry and 'No space left on device', and leaves no staging behind."""
+    import os
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code = ("import os, sys\n"
+            "from largebatch.data import DataConfig, build_data\n"
+            "from largebatch.data.corpus import CorpusError\n"
+            "try:\n"
+            f"    build_data(DataConfig(corpus={str(corpus)!r}, vocab_size=512, val_documents=['macbeth_gut'],\n"
+            f"                          cache_dir={str(disk)!r}), 32, 'causal')\n"
+            "except CorpusError as exc:\n"
+            "    print(exc)\n"
+            f"print('LEFT', sorted(os.listdir({str(disk)!r})))\n")
+    script = f"mount -t tmpfs -o size=256k tmpfs {disk} && exec {sys.executable} -c \"$0\""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, code],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    message, left = done.stdout.strip().splitlines()
+    assert message.startswith(f"could not write the data cache entry {disk}/") and "No space left on device" in message
+    assert f"data.cache_dir (now {str(disk)!r})" in message
+    assert left == "LEFT []"  # the staging directory went with the failure

@@ -58,6 +58,7 @@ class DataStats:
     split: str = "by document"  # or "by position (token array tail)" / "separate val_corpus"
     cache_path: str | None = None
     cache_hit: bool = False  # True: tokenizer and streams were loaded, nothing was trained
+    cache_rebuilt: str | None = None  # why a damaged cache entry was built again, if it was
 
     def __str__(self) -> str:
         return self.describe()
@@ -72,7 +73,8 @@ class DataStats:
         return (f"{self.corpus} ({self.split}): train {docs(self.train_documents)}"
                 f"{self.train_tokens:,} tokens, {self.train_samples:,} samples | val "
                 f"{docs(self.val_documents)}{self.val_tokens:,} tokens, {self.val_samples:,} "
-                f"samples" + (f" [{names}{more}]" if names else ""))
+                f"samples" + (f" [{names}{more}]" if names else "")
+                + (f"; damaged cache entry rebuilt ({self.cache_rebuilt})" if self.cache_rebuilt else ""))
 
 
 @dataclass
@@ -180,20 +182,64 @@ def _text_streams(cfg: DataConfig):
         split = "by document"
     key_parts = {"train": fingerprint(train_docs), "val": fingerprint(val_docs),
                  "version": tokenizer_lib.TOKENIZER_VERSION}
-    if cfg.tokenizer_file:
+    if cfg.tokenizer_file:  # encoded without the file's truncation and padding (entries before: with)
         key_parts["tokenizer_file"] = hashlib.sha256(_read_tokenizer_bytes(cfg)).hexdigest()
+        key_parts["encoding"] = "plain"
     else:
         key_parts["vocab_size"] = cfg.vocab_size
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
     cache_hit = (entry / "meta.json").is_file()
-    if not cache_hit:
-        _write_cache_entry(entry, cfg, train_docs, val_docs)
+    damage = entry_damage(entry) if cache_hit else None
+    if damage is not None:  # (a partial copy, a disk error): set aside atomically, then built again
+        aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}"
+        try:
+            os.rename(entry, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        except OSError:  # another process set it aside first, or the cache is read-only
+            if entry_damage(entry) is not None and (entry / "meta.json").is_file():
+                raise CorpusError(f"data cache entry {entry} is damaged ({damage}) and cannot be removed "
+                                  "here: delete it, or set data.cache_dir to a writable directory") from None
+        cache_hit = False
+    if not cache_hit and not (entry / "meta.json").is_file():
+        try:
+            _write_cache_entry(entry, cfg, train_docs, val_docs)
+        except OSError as exc:  # a full disk, a read-only directory, a cache_dir that is a file
+            where = Path(cfg.cache_dir).expanduser()
+            if where.exists() and not where.is_dir():
+                raise CorpusError(f"data.cache_dir={cfg.cache_dir!r} is a file, not a directory: set "
+                                  "data.cache_dir to a directory (it is created if missing)") from None
+            reason = exc.strerror or str(exc)
+            raise CorpusError(f"could not write the data cache entry {entry}: {reason}"
+                              + (f" ({exc.filename})" if exc.filename else "")
+                              + f"; free space there, or set data.cache_dir (now {cfg.cache_dir!r}) to a "
+                              "writable directory") from None
     tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
     stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
                       len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
-                      cache_hit)
+                      cache_hit, damage)
     return tokenizer, train_tokens, val_tokens, stats
+
+
+def entry_damage(entry: Path) -> str | None:
+    """What is wrong with the cache entry ``entry``, or None: its meta.json or tokenizer.json does
+    not read, or a stream file is missing or not the size meta.json records (entries written before
+    the counts were recorded: a whole, non-zero number of tokens). Sizes only: a start never reads
+    the streams."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        Tokenizer.from_file(str(entry / "tokenizer.json"))
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        sizes = {split: (entry / f"{split}.bin").stat().st_size for split in ("train", "val")}
+    except Exception as exc:  # noqa: BLE001 -- OSError, JSON errors, tokenizers' bare Exception
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    for split, size in sizes.items():
+        tokens = meta.get("tokens", {}).get(split)
+        if tokens is not None and size != tokens * itemsize:
+            return f"{split}.bin holds {size // itemsize:,} tokens, meta.json records {tokens:,}"
+        if tokens is None and (size == 0 or size % itemsize):
+            return f"{split}.bin is {size:,} bytes, not a whole number of {meta['dtype']} tokens"
+    return None
 
 
 def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
@@ -210,13 +256,14 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep a shared cache from its other users
     (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
     try:
-        for split, docs in (("train", train_docs), ("val", val_docs)):
-            stream = tokenizer_lib.encode_documents(tokenizer, [d.text for d in docs], eot_id, dtype)
-            stream.tofile(staging / f"{split}.bin")
+        tokens = {split: tokenizer_lib.write_documents(tokenizer, (d.text for d in docs), eot_id, dtype,
+                                                       staging / f"{split}.bin")
+                  for split, docs in (("train", train_docs), ("val", val_docs))}
         tokenizer.save(str(staging / "tokenizer.json"))
-        meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION,
+        meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
                 "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         (staging / _OWNER).unlink()
@@ -227,6 +274,13 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 _OWNER = ".owner"  # "PID HOST" of the process writing a staging directory
@@ -279,7 +333,7 @@ def _read_tokenizer_bytes(cfg: DataConfig) -> bytes:
 def read_tokenizer_file(cfg: DataConfig) -> Tokenizer:
     """The tokenizer of ``cfg.tokenizer_file``; CorpusError naming the field if it is not one."""
     try:
-        return Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8"))
+        return tokenizer_lib.plain(Tokenizer.from_str(_read_tokenizer_bytes(cfg).decode("utf-8")))
     except CorpusError:
         raise
     except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception (or a decode error)

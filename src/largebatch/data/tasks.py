@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from largebatch.data.corpus import Document, bible_documents, shakespeare_documents
+from largebatch.data.tokenizer import plain
 
 FOLIO = {
     "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure",
@@ -148,7 +149,8 @@ def build_task(task: str, tokenizer, passage_len: int, passages_per_document: in
             texts.append(doc.text[TITLE_CHARS + b * block: TITLE_CHARS + (b + 1) * block])
             owners.append((doc.name, label))
     split: dict[bool, tuple[list[list[int]], list[int], list[str]]] = {False: ([], [], []), True: ([], [], [])}
-    for text, enc, (name, label) in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False), owners):
+    encodings = plain(tokenizer).encode_batch(texts, add_special_tokens=False)  # every token: no truncation
+    for text, enc, (name, label) in zip(texts, encodings, owners):
         ids = enc.ids[1:passage_len + 1]  # the first token may be the tail of a cut word
         if len(ids) < passage_len:
             raise TaskError(f"task {task!r}: {block} characters of {name!r} gave only {len(enc.ids)} tokens, "

@@ -15,7 +15,8 @@ vocabularies) or ``[SEP]`` (BERT's WordPiece, which has no end-of-text token).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,17 +82,48 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], eot_id: int,
-                     dtype: np.dtype) -> np.ndarray:
-    """One flat token stream: every document preceded by the separator ``eot_id`` (<|endoftext|> or
-    see document_separator), so the first token of a document is always predicted from the
-    separator, as in GPT-2 training data."""
-    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    total = sum(len(e.ids) + 1 for e in encodings)
-    stream = np.empty(total, dtype=dtype)
-    position = 0
-    for encoding in encodings:
-        stream[position] = eot_id
-        stream[position + 1: position + 1 + len(encoding.ids)] = encoding.ids
-        position += 1 + len(encoding.ids)
-    return stream
+def plain(tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer`` with truncation and padding switched off (in place; returned): a tokenizer.json
+    may carry either (many published ones do), and encoding a corpus or a task must keep every
+    token of every text and add none -- truncation cut each document at its length, padding filled
+    the stream with [PAD] targets."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+ENCODE_CHARS = 1 << 22
+"""Characters of text encoded at a time when writing a token stream: the tokenizer's Encoding
+objects cost ~100 bytes a token, so encoding a whole split at once took ~80x the corpus in memory."""
+
+
+def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dtype: np.dtype,
+                    path: str | Path) -> int:
+    """Write one flat token stream to ``path`` and return its length: every document preceded by the
+    separator ``eot_id`` (<|endoftext|> or see document_separator), so the first token of a document
+    is always predicted from the separator, as in GPT-2 training data. Documents are encoded a batch
+    of about ``ENCODE_CHARS`` characters at a time (memory: one batch, not the corpus)."""
+    written = 0
+    with open(path, "wb") as out:
+        def flush(batch: list[str]) -> None:
+            nonlocal written
+            encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+            stream = np.empty(sum(len(e.ids) + 1 for e in encodings), dtype=dtype)
+            position = 0
+            for encoding in encodings:
+                stream[position] = eot_id
+                stream[position + 1: position + 1 + len(encoding.ids)] = encoding.ids
+                position += 1 + len(encoding.ids)
+            out.write(stream.data)  # (ndarray.tofile hides the errno of a full disk)
+            written += len(stream)
+
+        batch, chars = [], 0
+        for text in texts:
+            batch.append(text)
+            chars += len(text)
+            if chars >= ENCODE_CHARS:
+                flush(batch)
+                batch, chars = [], 0
+        if batch:
+            flush(batch)
+    return written
