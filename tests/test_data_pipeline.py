@@ -480,3 +480,39 @@ def test_a_full_cache_disk_is_one_line_naming_the_cache(tmp_path):
     assert message.startswith(f"could not write the data cache entry {disk}/") and "No space left on device" in message
     assert f"data.cache_dir (now {str(disk)!r})" in message
     assert left == "LEFT []"  # the staging directory went with the failure
+
+
+def _slow_leader_build(corpus: str, cache: str, out: str) -> None:
+    """A rank of a 2-process job whose collectives time out after 3 s, rank 0's cold build taking 8."""
+    import time as clock
+
+    from largebatch.parallel import ParallelConfig, init_distributed
+
+    par = init_distributed(ParallelConfig(dp=2, timeout_s=3))
+    if par.rank == 0:
+        write = build_module._write_cache_entry
+
+        def slow(*args, **kwargs):
+            clock.sleep(8)
+            return write(*args, **kwargs)
+
+        build_module._write_cache_entry = slow
+    data = build_data(DataConfig(corpus=corpus, vocab_size=512, val_documents=["macbeth_gut"], cache_dir=cache),
+                      SEQ_LEN, "causal")
+    Path(out, f"rank{par.rank}.json").write_text(json.dumps([len(data.train.tokens), data.stats.cache_hit]))
+
+
+def test_the_other_ranks_wait_for_a_cold_build_longer_than_the_collective_timeout(tmp_path):
+    """Under torchrun rank 0 builds the cache while the others wait; they waited at a barrier of the
+    default group, so a cold build longer than parallel.timeout_s (600 s; a corpus of ~150 MB on one
+    core) killed the job with gloo's timeout. Here the timeout is 3 s and the build 8 s: both ranks
+    get the data, rank 1 from rank 0's entry."""
+    from largebatch.parallel import spawn
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text())
+    spawn(_slow_leader_build, 2, str(corpus), str(tmp_path / "cache"), str(tmp_path))
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert first[0] == second[0] > 0 and first[1] is False and second[1] is True

@@ -19,6 +19,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -121,20 +122,34 @@ def build_data(cfg: DataConfig, seq_len: int, objective: str = "causal") -> Data
         return _build(cfg, seq_len, objective)
 
 
+BUILD_WAIT = timedelta(days=7)
+"""How long the other ranks wait for rank 0's cold build: a large corpus takes longer than any
+collective timeout (``parallel.timeout_s``, 600 s by default) -- ~220 s for 58 MB here."""
+_WAIT_GROUPS: dict[int, object] = {}  # id(default group) -> the gloo group the ranks wait in
+
+
 @contextmanager
 def _rank_zero_first():
     """Under torch.distributed, rank 0 builds (trains, writes the cache) while the other ranks
     wait at a barrier, then they build from its cache entry (as Megatron-LM builds its dataset
-    index on rank 0). Every rank must call build_data."""
+    index on rank 0). Every rank must call build_data. The barrier is on a gloo group of its own
+    whose timeout is ``BUILD_WAIT`` (created collectively on the first call): on the default group a
+    build longer than its timeout killed the job. A rank that fails ends the job under torchrun."""
     distributed = dist.is_available() and dist.is_initialized()
     leader = not distributed or dist.get_rank() == 0
+    group = None
+    if distributed:
+        key = id(dist.group.WORLD)
+        if key not in _WAIT_GROUPS:
+            _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=BUILD_WAIT)
+        group = _WAIT_GROUPS[key]
     try:
         if not leader:
-            dist.barrier()
+            dist.barrier(group=group)
         yield
     finally:
         if distributed and leader:
-            dist.barrier()
+            dist.barrier(group=group)
 
 
 def _build(cfg: DataConfig, seq_len: int, objective: str) -> Data:
