@@ -157,8 +157,11 @@ def test_json_lines_corpora_are_their_records_compressed_or_not(tmp_path):
     ('{"text": "fine"}\n{"text": "cut sh', "line 2 is not a JSON object"),
     ('{"body": "no text field", "id": 3}\n',
      "line 1 has no field data.text_field='text' \\(its fields: 'body', 'id'\\)"),
-    ('{"text": ["a", "list"]}\n', "its 'text' is a JSON list, not a string"),
-    ('["not", "an", "object"]\n', "record 0 is a JSON str, not an object"),
+    ('{"text": ["a", "list"]}\n', "its 'text' is a JSON array, not a string"),
+    ('{"text": null}\n', "line 1: its 'text' is a JSON null, not a string"),
+    ('["not", "an", "object"]\n', "record 0 is a JSON string, not an object"),
+    ('{"text": "fine"}\n{"text": "x\\ud800y"}\n',
+     r"line 2: its 'text' holds an unpaired surrogate \(\\ud800\) at character 1"),
     ('{"text": ""}\n{"text": "  "}\n', "holds no text under data.text_field='text'"),
 ])
 def test_bad_json_lines_name_the_file_the_line_and_the_field(tmp_path, content, message):

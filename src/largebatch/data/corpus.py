@@ -233,10 +233,19 @@ def _json_line(line: str, where: str, number: int, text_field: str):
                           f"data.text_field={text_field!r}") from None
 
 
+_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number",
+               bool: "boolean", type(None): "null"}
+
+
+def _json_kind(value) -> str:
+    """What ``value`` was in the JSON text: object, array, string, number, boolean or null."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
 def _record_text(record, where: str, place: str, text_field: str) -> str:
     """The text of one JSON record, or CorpusError naming the file, the record and the field."""
     if not isinstance(record, dict):
-        raise CorpusError(f"{where!r} {place} is a JSON {type(record).__name__}, not an object: each "
+        raise CorpusError(f"{where!r} {place} is a JSON {_json_kind(record)}, not an object: each "
                           f"record must be an object with its text under data.text_field={text_field!r}")
     if text_field not in record:
         fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
@@ -244,8 +253,14 @@ def _record_text(record, where: str, place: str, text_field: str) -> str:
                           f"{fields}): set data.text_field to the one that holds the text")
     value = record[text_field]
     if not isinstance(value, str):
-        raise CorpusError(f"{where!r} {place}: its {text_field!r} is a JSON {type(value).__name__}, not "
+        raise CorpusError(f"{where!r} {place}: its {text_field!r} is a JSON {_json_kind(value)}, not "
                           f"a string: set data.text_field to the field that holds the text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a "\ud800" escape with no pair: JSON allows it, text does not
+        raise CorpusError(f"{where!r} {place}: its {text_field!r} holds an unpaired surrogate "
+                          f"(\\u{ord(value[err.start]):04x}) at character {err.start}, which is not "
+                          "Unicode text: fix or drop that record") from None
     return value
 
 
