@@ -204,6 +204,19 @@ def _text_streams(cfg: DataConfig):
         key_parts["vocab_size"] = cfg.vocab_size
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
+    cache_hit, damage = _ensure_entry(entry, cfg, train_docs, val_docs)
+    tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
+    stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
+                      len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
+                      cache_hit, damage)
+    return tokenizer, train_tokens, val_tokens, stats
+
+
+def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
+                  val_docs: list[Document]) -> tuple[bool, str | None]:
+    """Make ``entry`` hold the tokenizer and both streams: (whether it was there whole already, what
+    was wrong with it when a damaged one was set aside and built again). A cache that cannot be
+    written is one CorpusError naming data.cache_dir."""
     cache_hit = (entry / "meta.json").is_file()
     damage = entry_damage(entry) if cache_hit else None
     if damage is not None:  # (a partial copy, a disk error): set aside atomically, then built again
@@ -229,11 +242,7 @@ def _text_streams(cfg: DataConfig):
                               + (f" ({exc.filename})" if exc.filename else "")
                               + f"; free space there, or set data.cache_dir (now {cfg.cache_dir!r}) to a "
                               "writable directory") from None
-    tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
-    stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
-                      len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
-                      cache_hit, damage)
-    return tokenizer, train_tokens, val_tokens, stats
+    return cache_hit, damage
 
 
 def entry_damage(entry: Path) -> str | None:
