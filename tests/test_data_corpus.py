@@ -193,7 +193,7 @@ def test_the_corpus_check_reads_one_record(tmp_path):
     with lzma.open(path, "wt") as out:
         out.write('{"text": "a page"}\n{"text": "another"}\n{"text": 3}\n')
     check_corpus(str(path), "data.corpus")
-    with pytest.raises(CorpusError, match="line 3: its 'text' is a JSON int"):
+    with pytest.raises(CorpusError, match="line 3: its 'text' is a JSON number, not a string"):
         load_documents(str(path))
     with pytest.raises(CorpusError, match="line 1 has no field data.text_field='body'"):
         check_corpus(str(path), "data.corpus", text_field="body")
