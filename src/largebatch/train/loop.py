@@ -206,8 +206,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
-                "phase_val_losses": list(self.phase_val_losses),
+                "phase_val_losses": list(self.phase_val_losses), "data_entry": self._data_entry(),
                 "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
+
+    def _data_entry(self) -> str | None:
+        """The data cache entry's name: a hash of the corpus's text (both splits) and the tokenizer."""
+        return Path(self.data.stats.cache_path).name if self.data.stats.cache_path else None
 
     def _load_newest_intact(self) -> Path:
         """Load the newest checkpoint that reads back whole, saying which damaged ones were passed."""
@@ -259,6 +263,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                  f"degree that divides {saved_dp} (the other processes as parallel.tp or "
                                  "parallel.pp)")
             self.schedule_dp = saved_dp
+        saved_entry, entry = extra.get("data_entry"), self._data_entry()
+        if saved_entry and entry and saved_entry != entry:  # (another tokenizer is refused before this)
+            self.log(f"warning: the corpus's text changed since {path.name} was written (data cache entry "
+                     f"{saved_entry} -> {entry}): the run continues on the new text and no longer "
+                     "follows the trajectory it was on")
         self.pos = Progression(**extra["progress"])
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
         if self.pos.phase != self.phase.index or saved_dp != self.par.dp_size:
