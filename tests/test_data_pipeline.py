@@ -451,7 +451,6 @@ def test_a_cache_that_cannot_be_written_is_named_with_its_field(tmp_path):
 def test_a_full_cache_disk_is_one_line_naming_the_cache(tmp_path):
     """A real 256 KiB tmpfs as data.cache_dir (a private mount namespace): the build fails with one
     CorpusError naming the cache entry and 'No space left on device', and leaves no staging behind."""
-    import os
     import subprocess
     import sys
 
@@ -471,8 +470,9 @@ def test_a_full_cache_disk_is_one_line_naming_the_cache(tmp_path):
             "    print(exc)\n"
             f"print('LEFT', sorted(os.listdir({str(disk)!r})))\n")
     script = f"mount -t tmpfs -o size=256k tmpfs {disk} && exec {sys.executable} -c \"$0\""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    from processes import src_env
+
+    env = src_env()
     done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, code],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -208,10 +208,8 @@ def test_the_memory_command_plans_without_torch():
     without torch (models/kinds.py), so planning imports it only for what torch itself defines (the
     interleaved pipeline schedules' orders, under --pp); it was ~2 s of a ~2 s command. Building a
     model imports it, on first use."""
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     code = ("import sys\n"
             "from largebatch.cli import main\n"
@@ -220,7 +218,8 @@ def test_the_memory_command_plans_without_torch():
             "assert 'torch' not in sys.modules, 'the memory command imported torch'\n"
             "from largebatch.models import GPT, build_model, preset\n"
             "assert 'torch' in sys.modules and isinstance(build_model(preset('demo')), GPT)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    from processes import src_env
+
+    env = src_env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

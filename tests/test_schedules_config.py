@@ -2,10 +2,8 @@
 
 import dataclasses
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -217,7 +215,8 @@ def test_the_schedule_command_starts_without_torch():
             "assert 'torch' not in sys.modules, 'the schedule command imported torch'\n"
             "from largebatch.schedules import TokenLR\n"
             "assert TokenLR.__module__ == 'largebatch.schedules.token_lr' and 'torch' in sys.modules\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    from processes import src_env
+
+    env = src_env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
