@@ -269,6 +269,7 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
     # would have been a second signal (exit at once, no checkpoint)
     assert "without a checkpoint" not in err, err
     stopped = [arm for arm in (tmp_path / "usr1" / "runs").iterdir() if (arm / "train.log").stat().st_size]
-    assert len(stopped) == 2 and all(list((arm / "checkpoints").glob("step_*")) for arm in stopped), err
+    # every arm that had begun training checkpointed (one still in its setup has nothing to keep)
+    assert stopped and all(list((arm / "checkpoints").glob("step_*")) for arm in stopped), err
     assert not left, "workers outlived the experiment"
     assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"
