@@ -276,7 +276,8 @@ def test_a_build_killed_mid_write_leaves_nothing_for_good(tmp_path):
     """A build SIGKILLed while it writes the cache (a preemption, the OOM killer) leaves its staging
     directory -- as large as the tokenized corpus -- which nothing removed. The next build removes
     it (its writer no longer runs on this host) and writes the entry; a live writer's, another
-    host's recent one and a fresh one without an owner note are kept."""
+    host's recent one and a fresh one without an owner note are kept. What is left of a damaged entry
+    set aside goes too (it is garbage once renamed)."""
     import os
     import signal
     import subprocess
@@ -307,10 +308,13 @@ def test_a_build_killed_mid_write_leaves_nothing_for_good(tmp_path):
     old = cache / f".{key}.tmp-old"  # no owner note, untouched for two hours
     old.mkdir()
     os.utime(old, (time.time() - 7200, time.time() - 7200))
+    aside = cache / f".{key}.damaged-{os.getpid()}"  # a damaged entry whose removal was killed
+    (aside / "part").mkdir(parents=True)
+    (aside / "part" / "train.bin").write_bytes(b"\0" * 4096)
 
     data = build_data(DataConfig(corpus="shakespeare", vocab_size=2048, cache_dir=str(cache)), 64)
     assert not data.stats.cache_hit and (cache / key / "meta.json").is_file()
-    assert not killed.exists() and not old.exists()
+    assert not killed.exists() and not old.exists() and not aside.exists()
     assert live.is_dir() and elsewhere.is_dir() and starting.is_dir()
     assert not (cache / key / ".owner").exists()
 

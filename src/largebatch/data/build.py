@@ -317,8 +317,13 @@ def remove_dead_staging(entry: Path) -> list[Path]:
     never ran), which would otherwise stay on the disk for good, each as large as the tokenized
     corpus. A staging directory is dead when its writer's pid no longer runs on this host; one
     written on another host (a shared disk) only once untouched for ``STALE_STAGING_S``; one
-    without an owner note (an interrupted start) once untouched for an hour. Returns the removed."""
+    without an owner note (an interrupted start) once untouched for an hour. A damaged entry set
+    aside (``.KEY.damaged-PID``) is garbage from the rename on, but a kill during its removal left
+    the rest of it: such leftovers go too. Returns the removed."""
     removed = []
+    for aside in entry.parent.glob(f".{entry.name}.damaged-*"):
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(aside)
     host = socket.gethostname()
     for staging in entry.parent.glob(f".{entry.name}.tmp-*"):
         try:
