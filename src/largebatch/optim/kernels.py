@@ -19,7 +19,7 @@ The multi-tensor path of large tensors (multi_tensor.py, tiling.py) restates the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -127,20 +127,39 @@ def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_cor
     return torch.cat([base, torch.stack([1 / bc1, 1 / bc2], dim=1)], dim=1).to(like.dtype)
 
 
-def at(values: Tensor, seg: Tensor | None) -> Tensor:
+class Segments(NamedTuple):
+    """A flat bucket's ``seg`` on the eager paths: the tensor index of every element (N,) and the
+    tensors' sizes (n,), so that segment sums need no scatter (see ``sums``). The compiled path gets
+    the plain index tensor (inductor fuses its index_add_ into the kernel's loop)."""
+
+    ids: Tensor
+    lengths: Tensor
+
+
+def _ids(seg: Tensor | Segments) -> Tensor:
+    return seg.ids if isinstance(seg, Segments) else seg
+
+
+def at(values: Tensor, seg: Tensor | Segments | None) -> Tensor:
     """Per-tensor ``values`` at every element: as given for one tensor, gathered by ``seg`` for a bucket
     (index_select: on CPU ~3.6x faster than indexing with ``seg``, the same values)."""
-    return values if seg is None else torch.index_select(values, 0, seg)
+    return values if seg is None else torch.index_select(values, 0, _ids(seg))
 
 
-def row(rows: Tensor, seg: Tensor | None) -> Tensor:
+def row(rows: Tensor, seg: Tensor | Segments | None) -> Tensor:
     """Hyperparameters at every element: one row (k,) serves all, (n, k) rows are gathered by ``seg``."""
-    return rows if seg is None or rows.dim() == 1 else torch.index_select(rows, 0, seg)
+    return rows if seg is None or rows.dim() == 1 else torch.index_select(rows, 0, _ids(seg))
 
 
-def sums(t: Tensor, seg: Tensor | None, n: int | None) -> Tensor:
-    """Sum of ``t`` per tensor: 0-d for one tensor, (n,) segment sums for a bucket."""
-    return t.sum() if seg is None else t.new_zeros(n).index_add_(0, seg, t)
+def sums(t: Tensor, seg: Tensor | Segments | None, n: int | None) -> Tensor:
+    """Sum of ``t`` per tensor: 0-d for one tensor, (n,) segment sums for a bucket. Eager buckets sum
+    each segment with torch.segment_reduce: on CPU 17 us against index_add_'s 78 us for a bucket of
+    25k elements in 7 tensors (index_add_ scatters element by element; docs/optim.md)."""
+    if seg is None:
+        return t.sum()
+    if isinstance(seg, Segments):
+        return torch.segment_reduce(t, "sum", lengths=seg.lengths)
+    return t.new_zeros(n).index_add_(0, seg, t)
 
 
 def adam_moments(m: Tensor, v: Tensor, g: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -243,13 +262,13 @@ class KernelRun:
         self.layout, self.tensors, self.write = layout, tensors, write
         like = next(t for ts in tensors.values() if ts for t in ts)
         self.flat: list[dict[str, Tensor | None]] = []
-        self.segments: list[tuple[Tensor, Tensor]] = []  # (indices (n_c,), seg (N_c,))
+        self.segments: list[tuple[Tensor, Segments]] = []  # (indices (n_c,), seg)
         self.in_place: set[tuple[int, str]] = set()  # (bucket, name) whose flat tensor IS the tensors
         for chunk, sizes in zip(layout.chunks, layout.sizes):
             sizes = torch.tensor(sizes, device=like.device)
             index = torch.tensor(chunk, device=like.device)
             seg = torch.repeat_interleave(torch.arange(len(chunk), device=like.device), sizes)
-            self.segments.append((index, seg))
+            self.segments.append((index, Segments(seg, sizes)))
             flat = {}
             for name, ts in tensors.items():
                 pieces = None if ts is None else [ts[i] for i in chunk]
@@ -288,7 +307,8 @@ class KernelRun:
         for chunk, (index, seg), flat in zip(self.layout.chunks, self.segments, self.flat):
             values = (None if v is None else v.for_bucket(chunk, index) if isinstance(v, Rows) else v[index]
                       for v in per_tensor)
-            result = fn(*(flat[name] for name in names), *values, *shared, seg, len(index))
+            result = fn(*(flat[name] for name in names), *values, *shared,
+                        seg.ids if self.layout.compiled else seg, len(index))
             if out is not None:
                 out[:, index] = result
 
