@@ -257,6 +257,7 @@ def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)
     assert code == 0 and out.startswith("ok: runs/") and "a new run" in out and "parameters" in out, err
+    assert "activations are not counted here: `largebatch memory --config FILE`" in out
     assert not (paths / "runs").exists()
 
 

@@ -58,7 +58,10 @@ def test_cli_says_what_would_fit(capsys):
     (["--heads", "7"], "n_head=7 does not divide n_embd=256"),
     (["--tp", "3"], "tp=3 does not divide heads=4"),
     (["--micro-batch", "big"], "--micro-batch 'big'"),
-    (["--pp", "3"], "pp=3")])
+    (["--pp", "3"], "pp=3"),
+    (["--pp", "2", "--pp-micro-batches", "0"], "--pp-micro-batches 0: must be a positive"),
+    (["--dtype-bytes", "1e30"], "--dtype-bytes 1e+30: bytes per stored value"),
+    (["--dtype-bytes", "0"], "--dtype-bytes 0: bytes per stored value")])
 def test_cli_bad_input(argv, words, capsys):
     assert main(argv) == 2
     assert words in capsys.readouterr().err
@@ -76,9 +79,75 @@ def test_planner_reads_a_training_config(capsys, tmp_path):
     from_config = capsys.readouterr().out
     assert memory_main(["--layers", "3", "--hidden", "128", "--heads", "4", "--seq-len", "64",
                         "--vocab", "2048", "--micro-batch", "4", "--tp", "2", "--sequence-parallel",
-                        "--budget-gib", "1"]) == 0
+                        "--dtype-bytes", "4", "--optimizer", "lamb", "--budget-gib", "1"]) == 0
     assert from_config == capsys.readouterr().out
     assert "s=64 b=4 h=128 a=4 t=2 L=3" in from_config
+
+
+def test_planner_reads_the_run_fields_that_change_the_answer(capsys, tmp_path):
+    """`--config` planned every run as 2-byte activations with AdamW's state and no recompute: an fp32
+    run (the trainer's default) was predicted at half its activations, a LARS run with 8 bytes of
+    state a parameter, a GPipe run at m = 2 pp micro-batches whatever its batch. run.dtype, optim.name,
+    run.recompute and the step's micro-batches (schedule.batch_size / (micro_batch x dp)) now count;
+    flags given explicitly still win."""
+    from largebatch.memory import activation_bytes_per_layer
+
+    def run(text, *flags):
+        config = tmp_path / "run.toml"
+        config.write_text('[model]\nn_layer = 4\nn_embd = 128\nn_head = 4\nseq_len = 64\n'
+                          'dropout = 0.0\nattention = "explicit"\n' + text)
+        assert main(["--config", str(config), *flags]) == 0
+        return capsys.readouterr().out
+
+    def layer_mib(out):
+        return float(re.search(r"no parallelism\s+([\d.]+) MiB", out).group(1))
+
+    # the paper's per-layer count, s b h (34 + 5 a s / h) at 2 bytes, without dropout: less the two
+    # 1-byte sbh masks, the a s^2 b mask and the 2 a s^2 b dropout output (the softmax output serves)
+    s, b, h, a = 64, 1, 128, 4
+    paper = s * b * h * (34 + 5 * a * s / h) - 2 * s * b * h - 3 * a * s * s * b
+    assert paper == activation_bytes_per_layer(s, b, h, a, dropout=False)
+    assert layer_mib(run("")) == round(2 * paper / 2**20, 1)  # fp32 by default: 4 bytes
+    bf16 = run('[run]\ndtype = "bf16"\n')
+    assert layer_mib(bf16) == round(paper / 2**20, 1) and "under torch.autocast" in bf16
+    assert layer_mib(run('[run]\ndtype = "bf16"\n', "--dtype-bytes", "4")) == round(2 * paper / 2**20, 1)
+    state = {}
+    for name in ("lamb", "lars", "adamw"):
+        out = run(f'[optim]\nname = "{name}"\n')
+        big = run(f'[optim]\nname = "{name}"\n', "--hidden", "1024", "--heads", "16")
+        state[name] = float(re.search(r"optimizer ([\d.]+)\)", big).group(1))
+        assert out == run("", "--optimizer", name)
+    assert state["lars"] < state["lamb"] == state["adamw"]  # one buffer against two moments
+    out = run('[run]\nrecompute = ["selective"]\n')
+    assert "the config's run.recompute = selective:" in out
+    out = run('[run]\nrecompute = ["full", "selective", "none", "none"]\n')
+    assert "run.recompute = ['full', 'selective', 'none', 'none']:" in out
+    gpipe = ('tie_embeddings = false\n[run]\nmicro_batch = 1\n[parallel]\npp = 2\npp_schedule = "gpipe"\n'
+             '[schedule]\nbatch_size = 16\n')
+    out = run(gpipe)
+    assert "m = 16" in out and "4.00 layers" not in out
+    assert "First pipeline stage, p = 2, m = 16" in out
+    assert "m = 4," in run(gpipe, "--pp-micro-batches", "4")
+
+
+def test_memory_assumes_the_trainers_defaults():
+    """--config fills the fields a TOML leaves out with the trainer's defaults, kept in the memory
+    layer (which cannot import the trainer)."""
+    from largebatch.memory.cli import TRAIN_DEFAULTS
+    from largebatch.train.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert TRAIN_DEFAULTS == {"run.dtype": cfg.run.dtype, "optim.name": cfg.optim.name}
+
+
+def test_what_would_fit_runs_as_suggested(capsys):
+    """The suggestion at another pp kept the asked GPipe micro-batch count, while the command re-run
+    with the suggested flags used 2 x the new pp: "Nothing fits" again. It now names m."""
+    assert main(["--model", "gpt3-175b", "--pp", "2", "--pp-schedule", "gpipe", "--budget-gib", "10"]) == 1
+    out = capsys.readouterr().out
+    first = re.search(r"Would fit: ([^;\n]+)", out).group(1)
+    assert "--pp-micro-batches 4" in first
+    assert main(["--model", "gpt3-175b", "--pp-schedule", "gpipe", "--budget-gib", "10", *first.split()]) == 0
 
 
 def _hand_hf_gpt2_bytes(s, b, h, a, f, v, L, d, policies):

@@ -35,8 +35,14 @@ from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_p
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models import PRESETS, ModelConfig, preset
+from largebatch.models.flops import per_layer_policies
 from largebatch.models.registry import model_spec
+from largebatch.schedules.config import ScheduleConfig
 from largebatch.typed_config import from_dict, load_toml
+
+TRAIN_DEFAULTS = {"run.dtype": "fp32", "optim.name": "lamb"}
+"""The trainer's defaults of the fields --config reads beyond the model and mesh (this layer cannot
+import the trainer's config; a test holds them equal)."""
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
@@ -65,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
     p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
-                   "[run] micro_batch and [parallel] tp / pp / sequence_parallel / dp, so the prediction "
-                   "is per rank of that run (flags given explicitly still override)")
+                   "[run] micro_batch / dtype / recompute, [optim] name, [schedule] batch_size (the pipeline's "
+                   "micro-batches) and [parallel] tp / pp / sequence_parallel / dp, so the prediction is per "
+                   "rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT config.json (or a directory "
                    "holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
@@ -95,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel.sequence_parallel", dest="sequence_parallel", type=_boolean, metavar="true|false",
                    help="the same, spelled as in largebatch train")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
-    p.add_argument("--optim.name", "--optimizer", dest="optimizer", default="adamw",
-                   choices=sorted(OPTIMIZER_STATE_BYTES),
-                   help="sizes its state; the optimizers register_optimizer declared (largebatch.train.optimizer)")
-    p.add_argument("--dtype-bytes", type=finite_float, default=2,
-                   help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32)")
+    p.add_argument("--optim.name", "--optimizer", dest="optimizer", choices=sorted(OPTIMIZER_STATE_BYTES),
+                   help="sizes its state (default adamw, or the --config's); the optimizers register_optimizer "
+                   "declared (largebatch.train.optimizer)")
+    p.add_argument("--dtype-bytes", type=finite_float,
+                   help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32; default 2, "
+                   "or from the --config's run.dtype)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     return p
 
@@ -133,6 +141,17 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     run, par = tree.get("run", {}), tree.get("parallel", {})
     if args.micro_batch == "1" and "micro_batch" in run:
         args.micro_batch = str(run["micro_batch"])
+    if args.dtype_bytes is None:
+        args.dtype_bytes = 2 if run.get("dtype", TRAIN_DEFAULTS["run.dtype"]) == "bf16" else 4
+        if args.dtype_bytes == 2:
+            args.notes.append("run.dtype = 'bf16': planned as 2-byte activations, the paper's pure 16-bit "
+                              "layout; the trainer's bf16 runs under torch.autocast, which keeps fp32 norm "
+                              "inputs, a bf16 copy of the Q/K/V input per projection and bf16 copies of the "
+                              "weights: measured 1.24-1.55x this prediction on CPU (docs/memory.md)")
+    if args.optimizer is None:
+        args.optimizer = tree.get("optim", {}).get("name", TRAIN_DEFAULTS["optim.name"])
+    recompute = run.get("recompute", ["none"])
+    args.config_recompute = recompute[0] if isinstance(recompute, list) and len(recompute) == 1 else recompute
     if args.tp == 1:
         args.tp = par.get("tp", 1)
     if args.pp == 1:
@@ -153,6 +172,14 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         config = config.replace(n_layer=largest * args.pp)
     if args.phase is not None:
         config = _phase(args, tree, config, explicit_micro_batch)
+    if args.pp > 1 and args.pp_micro_batches is None and args.micro_batch.isdigit():
+        # micro-batches per step: the step's batch over micro_batch x the data-parallel ranks
+        batch = from_dict(ScheduleConfig, tree.get("schedule", {}), prefix="schedule").batch_size
+        ranks = par.get("dp", 0) or 1
+        args.pp_micro_batches = max(1, batch // (int(args.micro_batch) * ranks))
+        args.notes.append(f"pipeline micro-batches m = {args.pp_micro_batches}: schedule.batch_size {batch} / "
+                          f"(micro_batch {args.micro_batch} x dp {ranks}); a schedule that grows the batch "
+                          "keeps more at its largest: give --pp-micro-batches for that step")
     return config
 
 
@@ -277,12 +304,20 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.notes = []
+    args.notes, args.config_recompute = [], None
     try:
         if args.budget_gib is not None and args.budget_gib <= 0:
             raise ValueError(f"--budget-gib {args.budget_gib:g}: must be > 0 (memory per device in GiB, "
                              f"e.g. 80)")
+        if args.pp_micro_batches is not None and args.pp_micro_batches < 1:
+            raise ValueError(f"--pp-micro-batches {args.pp_micro_batches}: must be a positive number of "
+                             f"micro-batches per step (default 2 x pp)")
+        if args.dtype_bytes is not None and not 0 < args.dtype_bytes <= 8:
+            raise ValueError(f"--dtype-bytes {args.dtype_bytes:g}: bytes per stored value, from 1 (fp8) to 8 "
+                             f"(fp64); 2 for fp16/bf16, 4 for fp32")
         config = _config(args)
+        args.dtype_bytes = 2 if args.dtype_bytes is None else args.dtype_bytes
+        args.optimizer = args.optimizer or "adamw"
         auto = args.micro_batch == "auto"
         if not auto and not args.micro_batch.isdigit():
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
@@ -314,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
                          f" layers' worth{', a lower bound' if schedule in ZERO_BUBBLE else ''})"
                          + ("; --pp-schedule plans another" if args.pp_schedule == "all" else ""))
         lines.append(f"Per device, no recompute: {setup.estimate(config, 'none')}")
+        if args.config_recompute not in (None, ["none"], "none"):
+            policies = args.config_recompute
+            try:
+                layers = per_layer_policies(policies, config.n_layer)[: config.n_layer // args.pp]
+            except ValueError as err:
+                raise ValueError(f"run.recompute = {policies!r} in {args.config}: {err}") from None
+            lines.append(f"Per device, the config's run.recompute = {policies}: {setup.estimate(config, layers)}")
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2

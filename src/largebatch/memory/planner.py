@@ -168,6 +168,9 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
             continue
         if fits:
             flags = f"--tp {tp}{' --sequence-parallel' if tp > 1 else ''} --pp {pp}"
+            m = setup.pp_micro_batches
+            if pp > 1 and m is not None and m != 2 * pp:  # (the command's m is 2 pp unless given)
+                flags += f" --pp-micro-batches {m}"
             found.append(flags + (f" --zero-stage {zero}" if zero else ""))
             if len(found) == 3:
                 break

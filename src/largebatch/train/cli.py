@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
               f"gradients and {cfg.optim.name} state per process, {human_bytes(state.available)} "
-              f"available ({state.source})")
+              f"available ({state.source}); activations are not counted here: `largebatch memory "
+              f"--config FILE` predicts them and plans recomputation")
         return 0
 
     from largebatch.checkpoint import CheckpointError
