@@ -128,6 +128,8 @@ def test_planner_reads_the_run_fields_that_change_the_answer(capsys, tmp_path):
     assert "m = 16" in out and "4.00 layers" not in out
     assert "First pipeline stage, p = 2, m = 16" in out
     assert "m = 4," in run(gpipe, "--pp-micro-batches", "4")
+    phases = gpipe + '[[phases]]\ntokens = 1000\n[[phases]]\ntokens = 1000\nschedule = {batch_size = 32}\n'
+    assert "m = 16," in run(phases, "--phase", "0") and "m = 32," in run(phases, "--phase", "1")
 
 
 def test_memory_assumes_the_trainers_defaults():

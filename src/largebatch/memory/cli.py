@@ -174,7 +174,10 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         config = _phase(args, tree, config, explicit_micro_batch)
     if args.pp > 1 and args.pp_micro_batches is None and args.micro_batch.isdigit():
         # micro-batches per step: the step's batch over micro_batch x the data-parallel ranks
-        batch = from_dict(ScheduleConfig, tree.get("schedule", {}), prefix="schedule").batch_size
+        schedule = dict(tree.get("schedule", {}))
+        if args.phase is not None:  # (a valid index: _phase checked it) a phase's own schedule fields
+            schedule.update(tree["phases"][args.phase].get("schedule", {}))
+        batch = from_dict(ScheduleConfig, schedule, prefix="schedule").batch_size
         ranks = par.get("dp", 0) or 1
         args.pp_micro_batches = max(1, batch // (int(args.micro_batch) * ranks))
         args.notes.append(f"pipeline micro-batches m = {args.pp_micro_batches}: schedule.batch_size {batch} / "
