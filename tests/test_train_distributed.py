@@ -384,3 +384,36 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
     assert done.returncode == 0, err[-3000:]
     assert f"resumed from {out / 'checkpoints'}" in stdout
     assert _losses(out) == _losses(ddp_run)  # every step, to the last bit
+
+
+def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single, tmp_path):
+    """Two torchrun nodes (one process each) whose relative run.out_dir lies on their own disks (each
+    node started in its own directory): rank 0 used to report its checkpoints as good although their
+    shards lay half on the other node (no process could load them), and the next launch hung in
+    mismatched collectives for parallel.timeout_s. Now both ranks refuse at start, naming the rank
+    that cannot see rank 0's files, and no step runs."""
+    import socket
+
+    from processes import src_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    o = _overrides(single[0], Path("run"))
+    procs = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+        procs.append(subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=src_env(OMP_NUM_THREADS="1")))  # (cwd: not this checkout)
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode != 0 for p in procs), outputs
+    for _, err in outputs:
+        assert "run.out_dir='run': rank 1 on " in err and "cannot see the files rank 0 writes" in err, err[-3000:]
+    for node in (0, 1):
+        run = tmp_path / f"node{node}" / "run"
+        assert not (run / "metrics.jsonl").exists() and not list(run.glob("checkpoints/*"))
+        assert not (run / ".shared").exists()

@@ -25,7 +25,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import socket
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +38,11 @@ from largebatch.train.config import TrainConfig
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
+SHARED_NAME = ".shared"  # rank 0's note, read back by every rank (lock_run_dir); removed at once
+SHARED_WAIT_S = 15.0
+"""How long a rank looks for rank 0's note before it takes the directory as not shared (a network
+filesystem may show a new file on another node only after its attribute cache expires, ~3-60 s on
+NFS; the note is written with fsync, and opening a file revalidates it)."""
 # may differ between the launch that wrote the checkpoints and the one that continues it
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
                   "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.plots",
@@ -188,7 +195,8 @@ class RunLock:
 
 def lock_run_dir(run_dir: Path, par) -> RunLock | None:
     """Rank 0 locks the run directory; every rank learns whether it could (a collective under
-    torchrun), so all ranks of a refused job fail with the same message."""
+    torchrun), so all ranks of a refused job fail with the same message. Under torchrun every rank
+    must also see the directory rank 0 writes (``check_shared``)."""
     lock, error = None, None
     if par.is_main:
         try:
@@ -201,4 +209,47 @@ def lock_run_dir(run_dir: Path, par) -> RunLock | None:
         error = box[0]
     if error:
         raise RunDirLocked(error)
+    if par.distributed:
+        try:
+            check_shared(run_dir, par.is_main)
+        except ConfigError:
+            if lock is not None:
+                lock.release()
+            raise
     return lock
+
+
+def check_shared(run_dir: Path, is_main: bool) -> None:
+    """Every rank of the job sees the files rank 0 writes in ``run_dir`` (a collective). Each rank
+    writes its checkpoint shards there and reads all of them back, and each decides from the
+    directory whether a launch continues the run: on nodes that do not share the directory, rank 0
+    wrote checkpoints it reported as good but no process could load (the other ranks' shards lay on
+    their own disks), and the next launch hung in mismatched collectives until ``parallel.timeout_s``.
+    Rank 0 writes a random note, every other rank reads it back; ConfigError on every rank, naming
+    the ranks that could not, when any could not."""
+    box = [secrets.token_hex(16) if is_main else None]
+    note = run_dir / SHARED_NAME
+    if is_main:
+        atomic_write_text(note, box[0])
+    dist.broadcast_object_list(box, src=0)
+    seen = is_main
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not seen:
+        try:
+            seen = note.read_text() == box[0]
+        except OSError:
+            pass
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if is_main:
+        note.unlink(missing_ok=True)
+    blind = [f"{rank} on {host}" for rank, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ConfigError(f"run.out_dir={str(run_dir)!r}: rank{'s' if len(blind) > 1 else ''} "
+                          f"{', '.join(blind)} cannot see the files rank 0 writes there (on "
+                          f"{views[0][1]}): every rank writes its checkpoint shards into the run "
+                          "directory and reads all of them back, so it must be on a filesystem all "
+                          "nodes share; set run.out_dir to such a path (the same on every node)")
