@@ -343,6 +343,17 @@ def test_read_only_disk_during_a_distributed_save_is_one_line_and_resumable(sing
     assert _losses(out) == _losses(ddp_run)
 
 
+def _status(pid: int) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ":\t" in line)
+
+
+def _pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` waits, undelivered, on the (stopped) process ``pid``."""
+    status = _status(pid)
+    return any(int(status[key], 16) >> (sig - 1) & 1 for key in ("SigPnd", "ShdPnd"))
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does), then SIGHUP to
     torchrun (its terminal closed; torchrun forwards it), then SIGUSR1 to torchrun and both ranks at
@@ -363,10 +374,15 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
         targets = {"torchrun": [proc.pid], "rank1": ranks[1:], "all": [proc.pid, *ranks]}[target]
         for pid in ranks:  # held while the signals go out: a loaded machine must not let the run end first
             os.kill(pid, signal.SIGSTOP)
+        while not all(_status(pid)["State"].startswith("T") for pid in ranks):  # (SIGSTOP takes a moment;
+            time.sleep(0.01)  # a lower-numbered signal arriving first would be delivered first)
         try:
             for pid in targets:
                 os.kill(pid, sig)
-            time.sleep(0.5)  # torchrun's forwarded copy reaches the held ranks too
+            deadline = time.time() + 60  # torchrun's forwarded copy reaches the held ranks (a loaded
+            receivers = ranks[1:] if target == "rank1" else ranks  # machine: >0.5 s)
+            while not all(_pending(pid, sig) for pid in receivers) and time.time() < deadline:
+                time.sleep(0.05)
         finally:
             for pid in ranks:
                 os.kill(pid, signal.SIGCONT)
