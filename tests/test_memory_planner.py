@@ -79,7 +79,8 @@ def test_planner_reads_a_training_config(capsys, tmp_path):
     from_config = capsys.readouterr().out
     assert memory_main(["--layers", "3", "--hidden", "128", "--heads", "4", "--seq-len", "64",
                         "--vocab", "2048", "--micro-batch", "4", "--tp", "2", "--sequence-parallel",
-                        "--dtype-bytes", "4", "--optimizer", "lamb", "--budget-gib", "1"]) == 0
+                        "--dtype-bytes", "4", "--optimizer", "lamb", "--parallel.loss_parallel", "false",
+                        "--budget-gib", "1"]) == 0
     assert from_config == capsys.readouterr().out
     assert "s=64 b=4 h=128 a=4 t=2 L=3" in from_config
 
@@ -139,7 +140,32 @@ def test_memory_assumes_the_trainers_defaults():
     from largebatch.train.config import TrainConfig
 
     cfg = TrainConfig()
-    assert TRAIN_DEFAULTS == {"run.dtype": cfg.run.dtype, "optim.name": cfg.optim.name}
+    assert TRAIN_DEFAULTS == {"run.dtype": cfg.run.dtype, "optim.name": cfg.optim.name,
+                              "parallel.loss_parallel": cfg.parallel.loss_parallel}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_logits_gathered_without_the_vocabulary_parallel_loss(kind, capsys, tmp_path):
+    """The model counted the fp32 logits split over the vocabulary (4 s b v / t, the paper's layout)
+    whatever the run did; without parallel.loss_parallel (the trainer's default) every rank holds
+    them whole: 4 s b v (1 - 1/t) more (BERT: on the masked positions, mask_fraction of them)."""
+    from largebatch.memory import estimate
+
+    c = preset("bert-base" if kind == "bert" else "gpt2-small")
+    s, b, v, t = c.seq_len, 4, c.vocab_size, 2
+    split = estimate(c, b, tp=t, sequence_parallel=True).activations
+    whole = estimate(c, b, tp=t, sequence_parallel=True, loss_parallel=False).activations
+    share = 0.15 if kind == "bert" else 1.0
+    assert whole - split == pytest.approx(share * s * b * 4 * v * (1 - 1 / t), rel=1e-12)
+    assert estimate(c, b, loss_parallel=False).activations == estimate(c, b).activations  # tp = 1
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\nkind = "{kind}"\nn_layer = 2\nn_embd = 64\nn_head = 2\nseq_len = 64\n'
+                      '[parallel]\ntp = 2\n')
+    assert main(["--config", str(config)]) == 0
+    assert "Output logits (fp32): gathered, the whole vocabulary on every rank" in capsys.readouterr().out
+    config.write_text(config.read_text() + "loss_parallel = true\n")
+    assert main(["--config", str(config)]) == 0
+    assert "Output logits (fp32): split over the vocabulary" in capsys.readouterr().out
 
 
 def test_what_would_fit_runs_as_suggested(capsys):

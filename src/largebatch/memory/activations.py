@@ -159,7 +159,7 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
                            seq_len: int | None = None, *, dtype_bytes: float = 2,
                            device: str = "cuda", training: bool = True,
                            mask_fraction: float = 0.15, schedule: str = "1f1b", virtual_stages: int = 1,
-                           micro_batches: int | None = None) -> float:
+                           micro_batches: int | None = None, loss_parallel: bool = True) -> float:
     """Activation bytes on the first pipeline stage for `config` (Korthikanti et al. 2022 §4.3).
 
     recompute is one policy or a per-layer list for the L / pp layers of a stage (each stage runs
@@ -169,6 +169,8 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     the modules before and after the blocks keep
     is the model kind's (``embedding_activations``, ``output_activations``): for BERT the head
     (dense, GeLU, LayerNorm, decoder inputs, fp32 logits) runs on mask_fraction of the positions.
+    loss_parallel: the fp32 logits stay split over the vocabulary across tp (the paper's layout, the
+    trainer's parallel.loss_parallel); False: gathered, the whole vocabulary on every rank.
     """
     if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
         raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
@@ -181,16 +183,18 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     return one + stage_activation_bytes(config, micro_batch, 0, first=False, last=True, tp=tp,
                                         sequence_parallel=sequence_parallel, seq_len=seq_len,
                                         dtype_bytes=dtype_bytes, device=device, training=training,
-                                        mask_fraction=mask_fraction)
+                                        mask_fraction=mask_fraction, loss_parallel=loss_parallel)
 
 
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
                            recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
                            sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,
-                           device: str = "cuda", training: bool = True, mask_fraction: float = 0.15) -> float:
+                           device: str = "cuda", training: bool = True, mask_fraction: float = 0.15,
+                           loss_parallel: bool = True) -> float:
     """Bytes ONE micro-batch keeps on a pipeline stage of ``layers`` blocks until its backward: the
     blocks (recompute: one policy or one per block), the embeddings' if ``first``, the final norm's
-    and output layer's and loss's if ``last`` (Korthikanti et al. 2022 §4.3)."""
+    and output layer's and loss's if ``last`` (Korthikanti et al. 2022 §4.3; ``loss_parallel`` as in
+    model_activation_bytes)."""
     s = config.seq_len if seq_len is None else seq_len
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
     policies = per_layer_policies(recompute, layers) if layers else []
@@ -202,5 +206,6 @@ def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
         per_token = config.n_embd * (1 if kw["dropout"] else 0) + spec.embedding_activations(config, dtype_bytes)
         total += s * micro_batch * per_token / t_rep
     if last:  # the kind's final norm, output layer and loss (BERT: the head on mask_fraction of the positions)
-        total += s * micro_batch * spec.output_activations(config, dtype_bytes, tp, t_rep, mask_fraction)
+        vocab_split = tp if loss_parallel else 1  # (the kinds' output terms use tp for the logits only)
+        total += s * micro_batch * spec.output_activations(config, dtype_bytes, vocab_split, t_rep, mask_fraction)
     return total

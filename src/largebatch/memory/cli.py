@@ -40,7 +40,7 @@ from largebatch.models.registry import model_spec
 from largebatch.schedules.config import ScheduleConfig
 from largebatch.typed_config import from_dict, load_toml
 
-TRAIN_DEFAULTS = {"run.dtype": "fp32", "optim.name": "lamb"}
+TRAIN_DEFAULTS = {"run.dtype": "fp32", "optim.name": "lamb", "parallel.loss_parallel": False}
 """The trainer's defaults of the fields --config reads beyond the model and mesh (this layer cannot
 import the trainer's config; a test holds them equal)."""
 
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument("--parallel.sequence_parallel", dest="sequence_parallel", type=_boolean, metavar="true|false",
                    help="the same, spelled as in largebatch train")
+    p.add_argument("--parallel.loss_parallel", dest="loss_parallel", type=_boolean, metavar="true|false",
+                   help="with tp > 1: the logits stay split over the vocabulary (true: the paper's layout, the "
+                   "default without --config) or are gathered on every rank (false: the trainer's default)")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
     p.add_argument("--optim.name", "--optimizer", dest="optimizer", choices=sorted(OPTIMIZER_STATE_BYTES),
                    help="sizes its state (default adamw, or the --config's); the optimizers register_optimizer "
@@ -163,6 +166,8 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     if args.dp == 1:  # the ranks the state is sharded over: under HSDP one replica group's
         args.dp = (par.get("dp", 0) or 1) // (par.get("dp_replicate", 1) if par.get("dp_mode") == "fsdp" else 1)
     args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
+    if args.loss_parallel is None:
+        args.loss_parallel = bool(par.get("loss_parallel", TRAIN_DEFAULTS["parallel.loss_parallel"]))
     split = par.get("pp_split")
     if split and args.pp > 1:  # uneven stages: planned as p stages of the largest (an upper bound)
         bounds = [0, *split, config.n_layer]
@@ -257,7 +262,8 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
             ("zbv", 2, "walk: kept until W, V = 2, + output layer")]
     rows = [r for r in rows if schedule in ("all", r[0]) and not (r[0] == "zbv" and (L // p) % 2)
             and not (skipped and r[0].startswith("interleaved"))]
-    kw = dict(tp=setup.tp, sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes)
+    kw = dict(tp=setup.tp, sequence_parallel=setup.sequence_parallel, dtype_bytes=setup.dtype_bytes,
+              loss_parallel=setup.loss_parallel)
     lines = ["", f"First pipeline stage, p = {p}, m = {m}, no recompute (Korthikanti et al. 2022 §4.2.3);",
              "bubble: the idle share of torch's action lists, a forward, input- and weight-gradient 1 slot each:",
              f"  {'schedule':<17} {'layers worth':>12}  {'activations':>13}  {'bubble':>6}  {'measured':>8}  rule",
@@ -321,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(args)
         args.dtype_bytes = 2 if args.dtype_bytes is None else args.dtype_bytes
         args.optimizer = args.optimizer or "adamw"
+        args.loss_parallel = True if args.loss_parallel is None else args.loss_parallel
         auto = args.micro_batch == "auto"
         if not auto and not args.micro_batch.isdigit():
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
                       pp_schedule=schedule, pp_virtual_stages=virtual,
-                      pp_micro_batches=args.pp_micro_batches or 2 * args.pp,
+                      pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       hf_activation=hf_activation(args.hf_config) if eager else None)
         if args.budget_gib is not None:
             check_plannable(config, setup)
@@ -345,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,
                                     args.pp_schedule)
         lines += ["", f"Per-layer bytes of the estimates and the plan: {setup.formula}"]
+        if args.tp > 1:
+            lines.append("Output logits (fp32): " + ("split over the vocabulary across tp (parallel.loss_parallel)"
+                                                     if args.loss_parallel else "gathered, the whole vocabulary on "
+                                                     "every rank (parallel.loss_parallel = false)"))
         if args.pp > 1:
             lines.append(f"Pipeline schedule of the estimates and the plan: {schedule} (V = {virtual}, "
                          f"m = {setup.pp_micro_batches}; the first stage keeps "

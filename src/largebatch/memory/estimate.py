@@ -63,7 +63,7 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
              sequence_parallel: bool = False, recompute: str | Sequence[str] = "none",
              optimizer: str = "adamw", seq_len: int | None = None, dtype_bytes: float = 2,
              zero_stage: int = 0, device: str = "cuda", pp_schedule: str = "1f1b", virtual_stages: int = 1,
-             micro_batches: int | None = None) -> MemoryEstimate:
+             micro_batches: int | None = None, loss_parallel: bool = True) -> MemoryEstimate:
     """Bytes per device for training `config` (first pipeline stage, which holds the most
     activations). recompute: one policy or a per-layer list for the L / pp layers of a stage.
     pp_schedule, virtual_stages, micro_batches (default 2 pp): the pipeline schedule, which sets how
@@ -77,7 +77,8 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
     acts = model_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                   sequence_parallel=sequence_parallel, seq_len=seq_len,
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
-                                  virtual_stages=virtual_stages, micro_batches=micro_batches or 2 * pp)
+                                  virtual_stages=virtual_stages, micro_batches=micro_batches or 2 * pp,
+                                  loss_parallel=loss_parallel)
     n = stage_parameters(config, tp, pp)
     state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
     return MemoryEstimate(activations=acts,
