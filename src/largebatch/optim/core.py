@@ -25,8 +25,10 @@ Sharding (norm reduction)
 Every per-tensor squared norm is computed as ONE stacked 1-D tensor per bucket, ``k`` blocks of
 ``n`` entries (e.g. LAMB's ``[||x_1||^2..||x_n||^2, ||r_1||^2..||r_n||^2]``), and handed to
 ``reduce_norms(squared_norms, params)`` BEFORE any square root or ratio, as is the global gradient
-norm of ``max_grad_norm``. The default is the identity. For a sharded model pass a callable that
-sums over the shards, e.g. ``largebatch.parallel.sharded_norms(state)``, or::
+norm of ``max_grad_norm``. The default (``None``) is ``mesh_squared_norms`` for a bucket holding
+DTensor parameters (FSDP2, tensor parallel: the sum over each tensor's own device mesh, read from
+its placements; a user's ``fully_shard`` model needs nothing more) and the identity otherwise. A
+callable replaces it, e.g. ``largebatch.parallel.sharded_norms(state)`` (the trainer's mesh), or::
 
     def reduce_norms(squared_norms, params):
         torch.distributed.all_reduce(squared_norms, group=shard_group)  # each entry: a local sum of squares
@@ -92,6 +94,43 @@ def is_dtensor(t) -> bool:
     of importing torch): a DTensor exists only once that module is imported."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def mesh_squared_norms(squared_norms: Tensor, params: list[Tensor]) -> Tensor:
+    """The default ``reduce_norms`` of a bucket with DTensor parameters: each entry of ``squared_norms``
+    ((k * n,): k quantities for the n ``params``, each a sum of squares over this rank's shard) summed
+    over its tensor's shards, every element once. From each parameter's own mesh and placements: along
+    a mesh dimension where it is replicated only coordinate 0 contributes, and the sums are
+    all-reduced over every dimension of the mesh (one collective per mesh dimension and distinct mesh;
+    every rank of the mesh steps the same buckets). Plain tensors beside them are whole on every rank
+    and stay as they are. Without this, a model sharded by FSDP2's ``fully_shard`` took every trust
+    ratio from the local shard alone."""
+    n = len(params)
+    meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, [indices])
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            meshes.setdefault(id(p.device_mesh), (p.device_mesh, []))[1].append(i)
+    if not meshes:
+        return squared_norms
+    out = squared_norms.view(-1, n).clone()
+    for mesh, index in meshes.values():
+        keep = []
+        for i in index:
+            alone = True  # this rank's shard enters the sum
+            for dim, placement in enumerate(params[i].placements):
+                if placement.is_partial():
+                    raise ValueError(f"a parameter of shape {tuple(params[i].shape)} with placement {placement}: "
+                                     "a Partial parameter has no defined norm (expected Shard or Replicate)")
+                if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
+                    alone = False
+            keep.append(alone)
+        columns = torch.tensor(index, device=out.device)
+        mask = torch.tensor(keep, device=out.device)
+        summed = torch.where(mask, out[:, columns], torch.zeros((), dtype=out.dtype, device=out.device))
+        for dim in range(mesh.ndim):
+            dist.all_reduce(summed, group=mesh.get_group(dim))
+        out[:, columns] = summed
+    return out.view(-1)
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -362,10 +401,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return rebind
 
     def _reduction(self, bucket: Bucket) -> Callable[[Tensor], Tensor] | None:
-        """``reduce_norms`` bound to the bucket's parameters (None: the identity)."""
-        if self.reduce_norms is None:
-            return None
-        return lambda squared: self.reduce_norms(squared, bucket.params)
+        """``reduce_norms`` bound to the bucket's parameters (None: the identity); by default the sum
+        over the device meshes of DTensor parameters (``mesh_squared_norms``)."""
+        reduce = self.reduce_norms
+        if reduce is None:
+            if not any(is_dtensor(p) for p in bucket.params):
+                return None
+            reduce = mesh_squared_norms
+        return lambda squared: reduce(squared, bucket.params)
 
     def _global_grad_scale(self, buckets: list[Bucket]) -> Tensor | None:
         """1 / max(||g||_global / max_grad_norm, 1) as a 0-d float64 tensor (apex / timm pre-clipping)."""
