@@ -173,14 +173,15 @@ def optimizer_cases(results: dict) -> None:
                 loss_and_backward(model, state, idx, targets)
                 opt.step()
             results[f"optim/{name}/{mode}"] = max_param_diff(model, reference)
-    # the float64 paper formula vs one sharded LAMB step, and the same step WITHOUT the reduction
+    # the float64 paper formula vs one sharded LAMB step: with the mesh's reduction, with the default
+    # (None: the DTensors' own meshes), and WITHOUT any reduction (per-shard norms, the old default)
     for mode in ("tp", "fsdp"):
         state = states(mode)
-        for reduce in (True, False):
+        for reduce in ("reduced", "default", "unreduced"):
             model = parallelize(copy.deepcopy(model0), state)
             opt = shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
-            if not reduce:
-                opt.reduce_norms = None  # the silent bug: per-shard norms
+            if reduce != "reduced":
+                opt.reduce_norms = None if reduce == "default" else (lambda squared, params: squared)
             loss_and_backward(model, state, idx, targets)
             grads = {n: full(p.grad).clone() for n, p in unwrap(model).named_parameters()}
             hyper = {id(p): (g["weight_decay"], g["adapt"]) for g in opt.param_groups for p in g["params"]}
@@ -189,7 +190,7 @@ def optimizer_cases(results: dict) -> None:
             opt.step()
             worst = max(float((full(p.detach()).double() - lamb_float64(before[n], grads[n], *hyper[n], 0.02))
                               .abs().max()) for n, p in unwrap(model).named_parameters())
-            results[f"optim/lamb_float64/{mode}/{'reduced' if reduce else 'unreduced'}"] = worst
+            results[f"optim/lamb_float64/{mode}/{reduce}"] = worst
 
 
 def collective_count_cases(results: dict) -> None:

@@ -61,6 +61,7 @@ def test_two_optimizer_steps_equal_unsharded(ranks, name, mode):
 def test_sharded_lamb_step_matches_float64_formula_and_needs_the_reduction(ranks, mode):
     for rank_results in ranks[1]:
         assert rank_results[f"optim/lamb_float64/{mode}/reduced"] < 1e-6
+        assert rank_results[f"optim/lamb_float64/{mode}/default"] < 1e-6  # DTensors: their meshes' sum
         # without summing the squared norms over shards the ratios are per-shard: a different algorithm
         assert rank_results[f"optim/lamb_float64/{mode}/unreduced"] > 1e-5
 
