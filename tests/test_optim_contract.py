@@ -535,6 +535,22 @@ def test_state_dict_round_trip_continues_bit_identically(info, path, transport):
 
 
 @over_cases
+def test_a_tensor_without_elements_steps_as_in_torch(info, path):
+    """A parameter with no elements -- FSDP2's shard of a tensor with fewer rows than ranks, such as
+    a (1,) bias on rank 1 -- first in its group crashed the default and fused paths (IndexError in the
+    bucket layout), and under FSDP2 the other ranks then waited in the norm all-reduce for good. It
+    steps as in AdamW: nothing of it changes, and the other tensors exactly as without it."""
+    params, grads = make_problem()
+    empty = torch.empty(0)
+    with_empty, without = leaves([empty, *params]), leaves(params)
+    run(factory(info, path), with_empty, [[empty.clone(), *step] for step in grads])
+    run(factory(info, path), without, grads)
+    assert with_empty[0].shape == (0,)
+    for a, b in zip(with_empty[1:], without, strict=True):
+        assert torch.equal(a, b)
+
+
+@over_cases
 def test_an_empty_parameter_list_is_a_value_error_as_in_torch(info, path):
     with pytest.raises(ValueError) as torch_error:
         torch.optim.AdamW([])

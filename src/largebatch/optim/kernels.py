@@ -233,7 +233,7 @@ class Layout:
             if mode == "single" or numel >= FLAT_MAX_ELEMENTS:
                 (self.foreach if mode == "foreach" else self.kernel).append(i)
                 continue
-            if filled + numel > limit:
+            if not self.chunks or filled + numel > limit:  # (a first tensor without elements too)
                 self.chunks.append([])
                 self.sizes.append([])
                 filled = 0
