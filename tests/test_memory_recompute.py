@@ -173,3 +173,77 @@ def test_refuses_on_top_of_transformers_gradient_checkpointing():
         model.activation_checkpointing_disable()
         assert apply_recompute(model, "selective") == ["selective"] * n
         apply_recompute(model, "none")
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, experts: int = 0):
+        super().__init__()
+        self.ff = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(experts)) if experts else None
+
+    def forward(self, x):
+        y = self.ff(x).relu()
+        return x + (sum(e(y) for e in self.experts) if self.experts is not None else y)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, **parts):
+        super().__init__()
+        for name, part in parts.items():
+            setattr(self, name, part)
+
+
+def test_the_layers_are_found_or_the_ambiguity_named():
+    """The finder took the longest nn.ModuleList of one type anywhere: a mixture of experts'
+    experts (8) over its 2 layers, one of an encoder's and a decoder's lists (the other silently
+    left as it was), a list inside layers kept in an nn.Sequential. Lists inside a layer do not
+    count now, and several candidate lists are refused in one line naming them."""
+    moe = _Stack(layers=torch.nn.ModuleList(_Layer(experts=8) for _ in range(2)))
+    assert transformer_layers(moe) is moe.layers and apply_recompute(moe, ["full", "none"]) == ["full", "none"]
+    two = _Stack(encoder=torch.nn.ModuleList(_Layer() for _ in range(2)),
+                 decoder=torch.nn.ModuleList(_Layer() for _ in range(3)))
+    with pytest.raises(ValueError, match=r"several lists of layers \(encoder \(2 x _Layer\), decoder \(3 x _Layer\)\)"):
+        apply_recompute(two, "full")
+    sequential = _Stack(layers=torch.nn.Sequential(*(_Layer(experts=2) for _ in range(3))))
+    with pytest.raises(ValueError, match=r"layers\.0\.experts \(2 x Linear\), layers\.1\.experts"):
+        apply_recompute(sequential, "full")
+    assert not any("forward" in m.__dict__ for m in list(two.modules()) + list(sequential.modules()))
+
+
+def test_a_refused_policy_changes_nothing_and_none_is_named():
+    """A per-layer list refused at its second layer ('selective' on a torch TransformerEncoder
+    layer) had already wrapped the first; every layer is checked first now. policy=None was a bare
+    TypeError."""
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match="neither a largebatch Block nor a transformers layer"):
+        apply_recompute(encoder, ["full", "selective"])
+    assert not any("forward" in m.__dict__ for m in encoder.modules())
+    with pytest.raises(ValueError, match="recompute policy None: give one of none, selective"):
+        apply_recompute(encoder, None)
+
+
+def test_generation_keeps_its_cache_and_a_wrapped_model_is_unwrapped():
+    """In eval mode with gradients on, 'full' and 'op' dropped a transformers model's KV cache
+    silently (a cache of length 0; the next token's logits off by up to 0.38): layers now run as they
+    are outside training, as in transformers' own checkpointing, and a cache dropped in training is
+    said. A model in nn.DataParallel (or DDP) got 'neither a largebatch Block nor a transformers
+    layer' for 'selective': the wrapper is looked through."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    plain = transformers.GPT2LMHeadModel(config).eval()
+    model = copy.deepcopy(plain)
+    ids = torch.randint(0, 50, (1, 8))
+    for policy in ("full", "op"):
+        apply_recompute(model, policy)
+        outs = [m(input_ids=ids, use_cache=True) for m in (plain, model)]
+        assert outs[1].past_key_values.get_seq_length() == outs[0].past_key_values.get_seq_length() == 8
+        nexts = [m(input_ids=ids[:, :1], past_key_values=o.past_key_values).logits
+                 for m, o in zip((plain, model), outs)]
+        assert torch.equal(nexts[0], nexts[1])
+    model.train()
+    with pytest.warns(UserWarning, match="KV cache .* is dropped"):
+        model(input_ids=ids, use_cache=True)
+    wrapped = torch.nn.DataParallel(copy.deepcopy(plain))
+    assert apply_recompute(wrapped, "selective") == ["selective", "selective"]
+    assert wrapped.module.config._attn_implementation.startswith("largebatch_selective_")

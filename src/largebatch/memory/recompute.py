@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -57,10 +58,16 @@ def save_matmuls_context():
 
 def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """transformers layers in train mode may get a KV cache, which recompute would append to again:
-    drop it, as transformers' own gradient checkpointing does."""
+    drop it, with a warning, as transformers' own gradient checkpointing does."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None:
         return args, kwargs
+    dropped = (any(isinstance(a, cache_utils.Cache) for a in (*args, *kwargs.values()))
+               or kwargs.get("use_cache") is True)
+    if dropped:
+        warnings.warn("apply_recompute: a KV cache (use_cache=True) does not go with recomputation in "
+                      "training mode; it is dropped for this layer (pass use_cache=False, or call "
+                      "model.eval() to generate)", stacklevel=3)
     args = tuple(None if isinstance(a, cache_utils.Cache) else a for a in args)
     kwargs = {k: (None if isinstance(v, cache_utils.Cache) else False if k == "use_cache" else v)
               for k, v in kwargs.items()}
@@ -69,8 +76,8 @@ def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _checkpointed_forward(module: nn.Module, context_fn, *args, **kwargs):
     forward = type(module).forward
-    if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
-        return forward(module, *args, **kwargs)
+    if not (torch.is_grad_enabled() and module.training):  # inference or eval (generation with its KV
+        return forward(module, *args, **kwargs)  # cache, as transformers' checkpointing): run as is
     args, kwargs = _without_kv_cache(args, kwargs)
     extra = {} if context_fn is None else {"context_fn": context_fn}
     return checkpoint(forward, module, *args, use_reentrant=False, **extra, **kwargs)
@@ -89,17 +96,29 @@ def _unwrap(module: nn.Module) -> None:
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
-    """model.blocks, or else the longest nn.ModuleList of same-type modules (transformers:
-    transformer.h for GPT-2, bert.encoder.layer for BERT)."""
+    """model.blocks, or else THE nn.ModuleList of same-type modules that no other such list holds
+    (transformers: transformer.h for GPT-2, bert.encoder.layer for BERT, model.layers for Llama);
+    lists inside one of its layers (a mixture of experts' experts) do not count. Several such lists
+    (an encoder and a decoder, layers in an nn.Sequential each holding a list) are refused, naming
+    them: picking one silently left the others unrecomputed."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
         return blocks
+    names = {id(m): name for name, m in model.named_modules()}
     lists = [m for m in model.modules()
              if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
     if not lists:
         raise ValueError(f"{type(model).__name__} has no `blocks` and no nn.ModuleList of layers: "
                          "pass a model whose transformer layers sit in an nn.ModuleList.")
-    return max(lists, key=len)
+    inner = {id(sub) for m in lists for layer in m for sub in layer.modules()}
+    top = [m for m in lists if id(m) not in inner]
+    if len(top) > 1:
+        found = ", ".join(f"{names[id(m)]} ({len(m)} x {type(m[0]).__name__})" for m in top)
+        raise ValueError(f"{type(model).__name__} holds several lists of layers ({found}): it is not clear "
+                         "which to recompute; call apply_recompute on the module that holds the layers "
+                         f"(e.g. model.{names[id(top[0])].rsplit('.', 1)[0] or names[id(top[0])]}), once per "
+                         "such module")
+    return top[0]
 
 
 def _hf_checkpointing_on(model: nn.Module) -> bool:
@@ -120,6 +139,8 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
     be full recomputation. Turn it off first (``model.gradient_checkpointing_disable()``) and leave
     ``TrainingArguments(gradient_checkpointing=...)`` False.
     """
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module  # (the wrapper's forward calls the module's; a config sits on the module)
     layers = transformer_layers(model)
     policies = per_layer_policies(policy, len(layers))
     if any(name != "none" for name in policies) and _hf_checkpointing_on(model):
@@ -129,6 +150,9 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
             f"apply_recompute(model, {policy!r}): the model has transformers' gradient "
             "checkpointing on, which recomputes whole layers on top of any policy; call "
             f"model.{fix}() first (and keep TrainingArguments.gradient_checkpointing=False)")
+    for layer, name in zip(layers, policies):  # everything checked before any layer changes
+        if name == "selective" and layer is not None and not isinstance(layer, Block):
+            _check_foreign_attention(model, layer)
     for layer, name in zip(layers, policies):
         if layer is None:  # a block another pipeline stage holds
             continue
@@ -161,21 +185,28 @@ def _hf_core_attention(base: str, module: nn.Module, *args, **kwargs):
         core = sys.modules[type(module).__module__].eager_attention_forward
     else:
         core = ALL_ATTENTION_FUNCTIONS[base]
-    if getattr(module, "_largebatch_selective", False) and torch.is_grad_enabled():
+    if getattr(module, "_largebatch_selective", False) and torch.is_grad_enabled() and module.training:
         return checkpoint(core, module, *args, use_reentrant=False, **kwargs)
     return core(module, *args, **kwargs)
 
 
-def _select_foreign_attention(model: nn.Module, layer: nn.Module) -> None:
+def _check_foreign_attention(model: nn.Module, layer: nn.Module) -> str:
+    """The transformers attention implementation that selective recompute wraps (ValueError where it
+    cannot)."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current is None:
         raise ValueError(f"selective recompute needs a core-attention region: {type(layer).__name__} "
                          "is neither a largebatch Block nor a transformers layer; use 'full' or 'op'.")
+    if not current.startswith(_HF_PREFIX) and current not in ("eager", "sdpa"):
+        raise ValueError(f"selective recompute supports transformers attn_implementation 'eager' "
+                         f"or 'sdpa', not {current!r}: load the model with one of those.")
+    return current
+
+
+def _select_foreign_attention(model: nn.Module, layer: nn.Module) -> None:
+    current = _check_foreign_attention(model, layer)
     if not current.startswith(_HF_PREFIX):
-        if current not in ("eager", "sdpa"):
-            raise ValueError(f"selective recompute supports transformers attn_implementation 'eager' "
-                             f"or 'sdpa', not {current!r}: load the model with one of those.")
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -35,6 +35,9 @@ op: save matmul outputs, recompute pointwise ops; full: keep only each layer's i
 
 def per_layer_policies(policy: str | Sequence[str], n_layer: int) -> list[str]:
     """One policy name per layer, from a single name or a per-layer list (validated)."""
+    if not isinstance(policy, (str, list, tuple)):
+        raise ValueError(f"recompute policy {policy!r}: give one of {', '.join(RECOMPUTE_POLICIES)}, or a "
+                         "list of those, one per layer.")
     names = [policy] * n_layer if isinstance(policy, str) else list(policy)
     if len(names) != n_layer:
         raise ValueError(f"recompute policy list has {len(names)} entries but the model has "
