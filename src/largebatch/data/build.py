@@ -13,9 +13,9 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import socket
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -279,8 +279,9 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
     dtype = tokenizer_lib.token_dtype(tokenizer.get_vocab_size())
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
-    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep a shared cache from its other users
+    # os.mkdir applies the umask (mkdtemp's 0700 would keep a shared cache from its other users)
+    staging = entry.parent / f".{entry.name}.tmp-{secrets.token_hex(8)}"
+    staging.mkdir()
     (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
     try:
         tokens = {split: tokenizer_lib.write_documents(tokenizer, (d.text for d in docs), eot_id, dtype,
@@ -298,13 +299,6 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 _OWNER = ".owner"  # "PID HOST" of the process writing a staging directory
