@@ -171,12 +171,12 @@ def _launch(overrides: dict, *torchrun_args: str) -> subprocess.Popen:
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def _wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+def _wait_until(proc: subprocess.Popen, ready, timeout: float = 240, poll: float = 0.05) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         if ready():
             return
-        time.sleep(0.05)
+        time.sleep(poll)
     raise AssertionError(f"never ready (exit {proc.poll()})")
 
 
@@ -369,8 +369,11 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
                                      (signal.SIGHUP, "torchrun", 2), (signal.SIGUSR1, "all", 2)):  # of 19
         proc = _launch(o, *(forward_usr1 if target == "all" else ()))
         start = _train_steps(out)
-        _wait_until(proc, lambda: _train_steps(out) >= start + after_steps)
+        _wait_until(proc, lambda: None not in (_rank_pid(0, proc.pid), _rank_pid(1, proc.pid)))
         ranks = [_rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]
+        # a tight poll: a step takes ~15 ms, and each step run past the target brings the last
+        # round closer to the end of the run (19 steps), which would leave it nothing to stop
+        _wait_until(proc, lambda: _train_steps(out) >= start + after_steps, poll=0.002)
         targets = {"torchrun": [proc.pid], "rank1": ranks[1:], "all": [proc.pid, *ranks]}[target]
         for pid in ranks:  # held while the signals go out: a loaded machine must not let the run end first
             os.kill(pid, signal.SIGSTOP)

@@ -127,6 +127,7 @@ def test_next_batch_is_built_on_a_background_thread_and_changes_nothing(tmp_path
             return get_batch(indices)
 
         trainer.prefetch.get_batch = recording
+        trainer.prefetch.background_above_s = 0.0  # on the thread however cheap the build
         if not prefetching:
             trainer.prefetch.prefetch = lambda chunks: None
         try:
@@ -144,6 +145,42 @@ def test_next_batch_is_built_on_a_background_thread_and_changes_nothing(tmp_path
         finally:
             trainer._close()
     assert losses[True] == losses[False]
+
+
+def test_prefetch_uses_the_thread_only_for_batches_slower_than_the_handoff():
+    """A build cheaper than ``background_above_s`` is done when the batch is asked for (a thread
+    handoff costs more than it saves); a slower one is prepared on the thread; the batches are the
+    same either way, and a slow build that turns fast goes back to the asking thread."""
+    import threading
+    import time
+
+    from largebatch.data.prefetch import Prefetcher
+
+    slow_steps = {3, 4, 5}  # the batches of these steps take 20 ms to build, the others ~0
+    built_on = []
+
+    def get_batch(indices):
+        built_on.append(threading.current_thread().name)
+        if indices[0] // 2 in slow_steps:
+            time.sleep(0.02)
+        return {"input_ids": torch.tensor([list(indices)])}
+
+    prefetcher = Prefetcher(get_batch, background_above_s=0.01)
+    try:
+        seen = []
+        for step in range(8):
+            seen.append(prefetcher.get([[2 * step, 2 * step + 1]])[0]["input_ids"].tolist())
+            prefetcher.prefetch([[2 * step + 2, 2 * step + 3]])
+        assert seen == [[[2 * i, 2 * i + 1]] for i in range(8)]
+        # fast builds: on the asking thread; the first slow one (step 3's, asked for) is measured
+        # there too; then steps 4, 5 and 6 are built ahead on the thread, and step 6's fast build
+        # turns the prefetcher back to the asking thread
+        assert built_on[:4] == ["MainThread"] * 4
+        assert all(name.startswith("largebatch-prefetch") for name in built_on[4:7]), built_on
+        assert built_on[7:] == ["MainThread"], built_on
+        assert (prefetcher.hits, prefetcher.misses) == (3, 5)
+    finally:
+        prefetcher.close()
 
 
 def test_host_reads_counts_each_kind_of_read():

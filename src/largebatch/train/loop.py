@@ -164,6 +164,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.model = (self.pipeline.model if self.pipeline else
                           parallelize(model, self.par, **techniques, param_dtype=param_dtype))
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
+        self._params: list[torch.Tensor] | None = None  # _live_params, listed once
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
                                                          capturable=run.on_nonfinite == "skip"), self.par)
@@ -334,7 +335,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
         n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
-        scale = par.dp_size / n_targets
+        scale = n_targets.reciprocal() * par.dp_size  # (dp_size / n_targets, without its Python wrapper)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
@@ -415,8 +416,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 f"optim.grad_clip, or run.on_nonfinite='skip'.")
 
     def _live_params(self) -> list[torch.Tensor]:
-        """The parameters as the model holds them now (the ones the gradients were written to)."""
-        return [p for p in self.raw_model.parameters() if p.requires_grad]
+        """The parameters as the model holds them now (the ones the gradients were written to).
+        Listed once, except under FSDP2, which swaps them between sharded and unsharded tensors."""
+        if self._params is not None:
+            return self._params
+        params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        if not any(hasattr(m, "set_requires_gradient_sync") for m in self.raw_model.modules()):  # FSDP2
+            self._params = params
+        return params
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
