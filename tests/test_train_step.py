@@ -1,6 +1,8 @@
 """The training step as a GPU needs it, checked on CPU: no host read of a device value in a step
 that does not log (counted at the dispatcher, where every .item(), float(t), int(t) and bool(t)
-lands as aten._local_scalar_dense), and the reads it defers still stop a run at the right step."""
+lands as aten._local_scalar_dense), no blocking host-to-device copy (``torch.tensor(values,
+device=...)``, which on CUDA waits for the queue as a read does), and the reads it defers still stop
+a run at the right step."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def _trainer(cache, out, **extra) -> Trainer:
 @pytest.mark.parametrize("optim", [
     {"optim.name": "lamb"},
     {"optim.name": "lans", "optim.grad_clip": 0.5},
+    {"optim.name": "lars"},
     {"optim.name": "adamw", "optim.fused": True, "optim.grad_clip": 0.5},
 ])
 def test_a_step_that_does_not_log_reads_nothing_from_the_device(tmp_path, reference_run, optim):

@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from . import checks
-from .kernels import Rebind, packed
+from .kernels import Rebind, host_constant, packed
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -124,8 +124,7 @@ def mesh_squared_norms(squared_norms: Tensor, params: list[Tensor]) -> Tensor:
                 if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
                     alone = False
             keep.append(alone)
-        columns = torch.tensor(index, device=out.device)
-        mask = torch.tensor(keep, device=out.device)
+        columns, mask = host_constant(tuple(index), out.device), host_constant(tuple(keep), out.device)
         summed = torch.where(mask, out[:, columns], torch.zeros((), dtype=out.dtype, device=out.device))
         for dim in range(mesh.ndim):
             dist.all_reduce(summed, group=mesh.get_group(dim))

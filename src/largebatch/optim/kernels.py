@@ -47,6 +47,24 @@ def device_tensor(rows: list, like: Tensor) -> Tensor:
     return host.to(like.device)
 
 
+_HOST_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def host_constant(values: tuple, device: torch.device) -> Tensor:
+    """An index or mask known on the host (a bucket's tensor indices, sizes, which shards count) as a
+    tensor on ``device``, made once per distinct (values, device) and reused by every later step.
+    Made every step, ``torch.tensor(values, device=...)`` would be a blocking host-to-device copy,
+    which on CUDA waits for every queued kernel (a stream synchronisation, like a read). Callers must
+    not write into the returned tensor."""
+    key = (values, device)
+    cached = _HOST_CONSTANTS.get(key)
+    if cached is None:
+        if len(_HOST_CONSTANTS) >= 1024:  # bounded: the buckets and meshes of this process's optimizers
+            _HOST_CONSTANTS.clear()
+        cached = _HOST_CONSTANTS[key] = torch.tensor(values, device=device)
+    return cached
+
+
 Steps = list[int] | list[Tensor]  # t per tensor: host ints, or 0-d device tensors (capturable)
 
 
@@ -125,6 +143,21 @@ def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_cor
                          like.new_empty(0, dtype=torch.float64)).expand(len(steps), 7)
     bc1, bc2 = device_bias_corrections(steps, betas, bias_correction, like)
     return torch.cat([base, torch.stack([1 / bc1, 1 / bc2], dim=1)], dim=1).to(like.dtype)
+
+
+_SEGMENT_IDS: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def _segment_ids(sizes: Tensor) -> Tensor:
+    """The tensor index of every element of a flat bucket of tensors of ``sizes`` (a ``host_constant``),
+    computed on the device once per sizes tensor."""
+    cached = _SEGMENT_IDS.get(id(sizes))
+    if cached is None or cached[0] is not sizes:
+        if len(_SEGMENT_IDS) >= 1024:
+            _SEGMENT_IDS.clear()
+        ids = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
+        cached = _SEGMENT_IDS[id(sizes)] = (sizes, ids)
+    return cached[1]
 
 
 class Segments(NamedTuple):
@@ -265,9 +298,9 @@ class KernelRun:
         self.segments: list[tuple[Tensor, Segments]] = []  # (indices (n_c,), seg)
         self.in_place: set[tuple[int, str]] = set()  # (bucket, name) whose flat tensor IS the tensors
         for chunk, sizes in zip(layout.chunks, layout.sizes):
-            sizes = torch.tensor(sizes, device=like.device)
-            index = torch.tensor(chunk, device=like.device)
-            seg = torch.repeat_interleave(torch.arange(len(chunk), device=like.device), sizes)
+            sizes = host_constant(tuple(sizes), like.device)
+            index = host_constant(tuple(chunk), like.device)
+            seg = _segment_ids(sizes)
             self.segments.append((index, Segments(seg, sizes)))
             flat = {}
             for name, ts in tensors.items():

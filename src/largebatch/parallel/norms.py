@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: not a Shard subclass
 
 from largebatch.optim.core import LayerwiseOptimizer, local_grad
+from largebatch.optim.kernels import host_constant
 from largebatch.parallel.mesh import ParallelState
 
 
@@ -70,7 +71,7 @@ class ShardedSquaredNorms:
         if self.state.mesh is None or not any(isinstance(p, DTensor) for p in params):
             return squared_norms  # plain replicas (DDP) already hold identical whole tensors
         n = len(params)
-        keep = torch.tensor([self._contributes(p) for p in params], device=squared_norms.device)  # (n,)
+        keep = host_constant(tuple(self._contributes(p) for p in params), squared_norms.device)  # (n,)
         keep = keep.repeat(squared_norms.numel() // n)  # (k * n,)
         summed = torch.where(keep, squared_norms, torch.zeros_like(squared_norms))  # no 0 * inf = nan
         dist.all_reduce(summed, group=self.state.stage_group)  # ONE collective for the bucket: sum over shards
@@ -114,7 +115,7 @@ def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:
     sharded = any(isinstance(p, DTensor) for p in with_grad)
     if state.mesh is not None and (sharded or state.pp_size > 1):
         if with_grad:  # every element once: replicas along dp/tp leave it to coordinate 0
-            keep = torch.tensor([contributes(p, state) for p in with_grad], device=squared.device)
+            keep = host_constant(tuple(contributes(p, state) for p in with_grad), squared.device)
             total = torch.where(keep, squared, torch.zeros_like(squared)).sum()
         dist.all_reduce(total)  # over the job: shards and pipeline stages
     return total.sqrt()

@@ -93,7 +93,9 @@ class HostReads:
     ``int(t)`` and ``bool(t)`` lands at the dispatcher, whatever the device; ``reads.calls`` names
     the Python-level reads (``item``, ``tolist``, ``cpu``, ``__bool__``, ``__float__``,
     ``__int__``), which also catch a ``.tolist()`` of a CPU tensor (it reads memory without the
-    dispatcher). ``reads.total``: scalar reads plus ``.tolist()`` calls, each one read."""
+    dispatcher), and ``tensor(device=...)``: host values copied to a device from pageable memory,
+    which on CUDA waits for the queue like a read. ``reads.total``: scalar reads plus ``.tolist()``
+    calls, each one read."""
 
     def __init__(self):
         self.scalar = 0
@@ -132,4 +134,8 @@ class _PythonReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PYTHON_READS:
             self.reads.calls.append(func.__name__)
+        elif func is torch.tensor and (kwargs or {}).get("device") is not None:
+            # host values copied to a device without a pinned buffer: on CUDA a blocking copy, which
+            # waits for every queued kernel as a read does (largebatch.optim.kernels.host_constant)
+            self.reads.calls.append("tensor(device=...)")
         return func(*args, **(kwargs or {}))
