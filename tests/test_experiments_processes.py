@@ -227,6 +227,26 @@ def _signalled(out: Path, send, ignore: tuple[int, ...] = ()) -> tuple[subproces
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_the_workers_start_ends_in_one_line(tmp_path):
+    """SIGINT to the experiment as soon as its workers exist, while they import torch and build
+    their first arm (before the trainer takes SIGINT over): the parent passes it on, and each worker
+    ended in a KeyboardInterrupt traceback (60-100 lines) before the one-line summary."""
+    out = tmp_path / "early"
+    experiment = _experiment(out)
+    workers = []
+    try:
+        workers = _workers(experiment.pid, 2)
+        experiment.send_signal(signal.SIGINT)
+    finally:
+        err = _stop_and_read(experiment, out)
+        for pid in _gone(workers, 5.0):
+            os.kill(pid, signal.SIGKILL)
+    assert experiment.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "error: SIGINT: noise-scale stopped" in err.strip().splitlines()[-1], err[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_path):
     """SIGTERM to one worker alone: its arm checkpoints and the experiment ends with one line saying
     so (exit 128 + the signal), no traceback, within seconds (a worker killed while it held a lock

@@ -472,6 +472,13 @@ def _arm_worker(channel, threads: int, parent: int | None = None) -> None:
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the parent, which decides
     parent = os.getppid() if parent is None else parent
     _die_with_parent(parent)
+    try:
+        _arm_tasks(channel, threads, parent)
+    except KeyboardInterrupt:  # SIGINT passed on by the parent before an arm's trainer took it over
+        return  # (starting up, between arms): nothing to save; the parent names the arms it stopped
+
+
+def _arm_tasks(channel, threads: int, parent: int) -> None:
     while (task := _next_task(channel, parent)) is not None:
         index, run_dir, overrides = task
         try:
@@ -678,8 +685,14 @@ def _stop(workers, signum: int = signal.SIGTERM, grace_s: float = 120.0) -> None
     full pipe). ``workers``: (process, the parent's end of its pipe) pairs. The signal this process
     got is the one to pass on: a cluster that signals every process of a job (Slurm's
     ``--signal=USR1@...``) has reached the workers with it already, and a trainer takes a repeat of
-    its signal as that signal, where another one would mean "exit now, no checkpoint"."""
+    its signal as that signal, where another one would mean "exit now, no checkpoint". Except
+    SIGINT, passed on as SIGTERM: the workers are out of the terminal's process group, so Ctrl-C
+    reaches them only as this copy; SIGTERM asks a trainer for the same (checkpoint, exit) and ends a
+    worker that is still starting up at once, where SIGINT raised KeyboardInterrupt in it, a
+    traceback per worker."""
     workers = list(workers)
+    if signum == signal.SIGINT:
+        signum = signal.SIGTERM
     for process, _ in workers:
         if process.is_alive():
             try:

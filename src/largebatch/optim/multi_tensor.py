@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from .kernels import Steps, bias_corrections, device_bias_corrections, device_tensor, on_device
+from .kernels import Steps, bias_corrections, device_bias_corrections, device_tensor, host_constant, on_device
 from .tiling import Tile
 
 
@@ -195,4 +195,4 @@ def sum_tile_pieces(tiles: list[Tile], partial: list[Tensor], n: int) -> Tensor:
     if index == list(range(n)):
         return stacked
     summed = stacked.new_zeros(stacked.shape[0], n)
-    return summed.index_add_(1, torch.tensor(index, device=stacked.device), stacked)
+    return summed.index_add_(1, host_constant(tuple(index), stacked.device), stacked)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .kernels import host_constant
+
 # Tiles on CPU: every foreach sequence of the default path runs tile by tile, each tile 4 MiB of fp32
 # per operand, so a chunk stays in cache (L2/L3) from the moments to its norms instead of coming from
 # DRAM once per operation; in cache an element-wise op costs several times less (lerp_: 0.05 against
@@ -76,7 +78,7 @@ def tile_scalars(values: Tensor, tile: Tile) -> list[Tensor]:
     """Per-tensor device values (n,) as one 0-d tensor per piece of ``tile``."""
     if len(tile.pieces) == values.numel() and tile.index == list(range(values.numel())):
         return list(values.unbind())
-    return list(values[torch.tensor(tile.index, device=values.device)].unbind())
+    return list(values[host_constant(tuple(tile.index), values.device)].unbind())
 
 
 
