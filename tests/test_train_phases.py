@@ -139,6 +139,8 @@ def test_optimizer_state_reset_starts_the_moments_afresh(reference, tiny_data_ca
 
 @pytest.mark.parametrize("run_extra, phase_extra, expected", [
     ("", "seq_len = 128", "phases[1].seq_len = 128: longer than model.seq_len = 64"),
+    # BERT's samples are [CLS] text [SEP]: --check used to pass this; the run then refused it unnamed
+    ("", "seq_len = 2", "phases[1].seq_len = 2: too short for a masked-LM sample ([CLS] text [SEP]); use >= 3"),
     ("", "total_tokens = 0", "total_tokens = 0: must be > 0"),
     ("", "warmup = 0.1", "unknown key 'phases[1].warmup'"),
     ("", "schedule = { batch_sise = 8 }", "unknown key 'phases[1].schedule.batch_sise'"),
