@@ -211,12 +211,15 @@ def paired_gaps(per_seed: list[list[ArmResult]]) -> list[PairedGaps]:
 _signed, _interval = noise_floor.signed, noise_floor.interval
 
 
-def _verdict(p: PairedGaps, floor: noise_floor.Floor | None) -> str:
+def _verdict(p: PairedGaps, floor: noise_floor.Floor | None, on_plateau: int = 0, runs: int = 0) -> str:
+    """The gap's interval, floor and verdict; ``on_plateau`` of the pair's ``runs`` never left the
+    unigram plateau: then not resolvable, as the claims table judges it (``Claim.verdict``)."""
     if p.ci95 is None:
         return ""
-    return (f"; 95% CI {_interval(p.ci95)}, noise floor {'n/a' if floor is None else f'{floor.floor:.4f}'}: "
-            + noise_floor.verdict(p.mean, p.ci95, None if floor is None else floor.floor,
+    judged = (f"not resolvable at this scale ({on_plateau} of {runs} runs on the plateau)" if on_plateau else
+              noise_floor.verdict(p.mean, p.ci95, None if floor is None else floor.floor,
                                   "worse than cosine", "better than cosine"))
+    return f"; 95% CI {_interval(p.ci95)}, noise floor {'n/a' if floor is None else f'{floor.floor:.4f}'}: {judged}"
 
 
 def floor_table(floors: list[noise_floor.Floor], threads: int) -> str:
@@ -415,8 +418,10 @@ def findings(low: list[list[ArmResult]], high: list[list[ArmResult]],
             floor = floors[i] if floors else None
             spread = "" if p.sd is None else f" ± {p.sd:.4f} (sd)"
             where = f" over {n} seeds, at or below cosine at {p.ahead} of {n}" if n > 1 else ""
+            stuck = sum(r.plateau_escape is None for s in per_seed for r in (s[i + 1], s[0]))  # arm, cosine
             lines.append(f"- {label}: {p.arm} ends {_signed(p.mean)}{spread} nats vs cosine{where}, with "
-                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps{_verdict(p, floor)}.")
+                         f"{statistics.fmean(p.steps_saved):.1f}% fewer optimizer steps"
+                         f"{_verdict(p, floor, stuck, 2 * n)}.")
         if n > 1:
             cosine = [s[0].final_val_loss for s in per_seed if math.isfinite(s[0].final_val_loss)]
             if len(cosine) >= 2:
