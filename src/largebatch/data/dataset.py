@@ -94,12 +94,13 @@ class BERTDataset(PackedDataset):
     """Masked-LM samples: {"input_ids": (B, T), "labels": (B, T)}, labels -100 where unmasked."""
 
     kind = "bert"
+    MIN_SEQ_LEN = 3  # [CLS] text [SEP]
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, special_ids: dict[str, int],
                  vocab_size: int, mask_seed: int, mlm_probability: float = 0.15,
                  mask_token_fraction: float = 0.8, random_token_fraction: float = 0.1, **kwargs):
-        if seq_len < 3:
-            raise ValueError(f"seq_len={seq_len} is too short for BERT ([CLS] text [SEP]): use >= 3")
+        if seq_len < self.MIN_SEQ_LEN:
+            raise ValueError(f"seq_len={seq_len} is too short for BERT ([CLS] text [SEP]): use >= {self.MIN_SEQ_LEN}")
         missing = {"[CLS]", "[SEP]", "[MASK]"} - set(special_ids)
         if missing:
             raise ValueError(f"BERT needs the special tokens {sorted(missing)} in the tokenizer: "

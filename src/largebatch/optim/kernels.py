@@ -47,22 +47,26 @@ def device_tensor(rows: list, like: Tensor) -> Tensor:
     return host.to(like.device)
 
 
-_HOST_CONSTANTS: dict[tuple, Tensor] = {}
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def _once(key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, made once per ``key`` and kept (bounded: the buckets and meshes of this process's
+    optimizers); callers must not write into the result."""
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        if len(_CONSTANTS) >= 1024:
+            _CONSTANTS.clear()
+        cached = _CONSTANTS[key] = make()
+    return cached
 
 
 def host_constant(values: tuple, device: torch.device) -> Tensor:
     """An index or mask known on the host (a bucket's tensor indices, sizes, which shards count) as a
     tensor on ``device``, made once per distinct (values, device) and reused by every later step.
     Made every step, ``torch.tensor(values, device=...)`` would be a blocking host-to-device copy,
-    which on CUDA waits for every queued kernel (a stream synchronisation, like a read). Callers must
-    not write into the returned tensor."""
-    key = (values, device)
-    cached = _HOST_CONSTANTS.get(key)
-    if cached is None:
-        if len(_HOST_CONSTANTS) >= 1024:  # bounded: the buckets and meshes of this process's optimizers
-            _HOST_CONSTANTS.clear()
-        cached = _HOST_CONSTANTS[key] = torch.tensor(values, device=device)
-    return cached
+    which on CUDA waits for every queued kernel (a stream synchronisation, like a read)."""
+    return _once((values, device), lambda: torch.tensor(values, device=device))
 
 
 Steps = list[int] | list[Tensor]  # t per tensor: host ints, or 0-d device tensors (capturable)
@@ -143,21 +147,6 @@ def device_adam_rows(lr: float, betas, eps: float, weight_decay: float, bias_cor
                          like.new_empty(0, dtype=torch.float64)).expand(len(steps), 7)
     bc1, bc2 = device_bias_corrections(steps, betas, bias_correction, like)
     return torch.cat([base, torch.stack([1 / bc1, 1 / bc2], dim=1)], dim=1).to(like.dtype)
-
-
-_SEGMENT_IDS: dict[int, tuple[Tensor, Tensor]] = {}
-
-
-def _segment_ids(sizes: Tensor) -> Tensor:
-    """The tensor index of every element of a flat bucket of tensors of ``sizes`` (a ``host_constant``),
-    computed on the device once per sizes tensor."""
-    cached = _SEGMENT_IDS.get(id(sizes))
-    if cached is None or cached[0] is not sizes:
-        if len(_SEGMENT_IDS) >= 1024:
-            _SEGMENT_IDS.clear()
-        ids = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes)
-        cached = _SEGMENT_IDS[id(sizes)] = (sizes, ids)
-    return cached[1]
 
 
 class Segments(NamedTuple):
@@ -297,10 +286,11 @@ class KernelRun:
         self.flat: list[dict[str, Tensor | None]] = []
         self.segments: list[tuple[Tensor, Segments]] = []  # (indices (n_c,), seg)
         self.in_place: set[tuple[int, str]] = set()  # (bucket, name) whose flat tensor IS the tensors
-        for chunk, sizes in zip(layout.chunks, layout.sizes):
-            sizes = host_constant(tuple(sizes), like.device)
+        for chunk, layout_sizes in zip(layout.chunks, layout.sizes):
+            sizes, n = host_constant(tuple(layout_sizes), like.device), len(chunk)
             index = host_constant(tuple(chunk), like.device)
-            seg = _segment_ids(sizes)
+            seg = _once(("segment ids", tuple(layout_sizes), like.device),
+                        lambda: torch.repeat_interleave(torch.arange(n, device=like.device), sizes))
             self.segments.append((index, Segments(seg, sizes)))
             flat = {}
             for name, ts in tensors.items():

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
+from largebatch.data.dataset import BERTDataset
 from largebatch.models import ModelConfig, model_spec
 from largebatch.models.flops import RecomputePolicy
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
@@ -297,10 +298,10 @@ def check(cfg: TrainConfig) -> TrainConfig:
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
-            if phase.seq_len < 3 and model_spec(cfg.model.kind).objective == "masked":
+            if phase.seq_len < BERTDataset.MIN_SEQ_LEN and model_spec(cfg.model.kind).objective == "masked":
                 field = f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len"
                 raise ConfigError(f"{field} = {phase.seq_len}: too short for a masked-LM sample ([CLS] text "
-                                  f"[SEP]); use >= 3")
+                                  f"[SEP]); use >= {BERTDataset.MIN_SEQ_LEN}")
             if par.sequence_parallel:
                 check_tp_divides(par.tp, f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len",
                                  phase.seq_len)
