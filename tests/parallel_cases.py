@@ -476,6 +476,36 @@ def stuck_rank_one() -> None:
         dist.all_reduce(torch.ones(1))
 
 
+class TeardownMark:
+    """Writes "teardown" to ``path`` when destroyed: as a module global, during the interpreter's
+    teardown at exit (the file is opened now; at teardown only the saved os.write is called)."""
+
+    def __init__(self, path: Path):
+        import os
+
+        self._fd, self._write = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), os.write
+
+    def __del__(self):
+        self._write(self._fd, b"teardown")
+
+
+def finish_after_ddp(out_dir: str) -> None:
+    """A rank that trains a DDP step (DDP keeps the default group alive past destroy_process_group)
+    and returns: spawn() ends it through end_process. Records whether the atexit handlers ran (and
+    if the group was still alive then) and whether the interpreter's teardown ran."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    global _MARK
+    state = init_distributed(ParallelConfig(dp=2))
+    out = Path(out_dir)
+    _MARK = TeardownMark(out / f"teardown_rank{state.rank}.txt")
+    atexit.register(lambda: (out / f"atexit_rank{state.rank}.txt").write_text(str(dist.is_initialized())))
+    model = DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    dist.barrier()
+
+
 if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: print what the ranks measured
     import sys
     import tempfile

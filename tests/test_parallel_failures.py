@@ -1,13 +1,18 @@
-"""A failing or stuck rank ends a real 2-rank gloo job with a message naming it; nothing hangs."""
+"""A failing or stuck rank ends a real 2-rank gloo job with a message naming it; nothing hangs; a
+rank that finished exits without the interpreter teardown that can abort it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import parallel_cases as cases
 from largebatch.parallel import RankFailure, spawn
+from largebatch.parallel.mesh import end_process
 
 
 def test_failing_rank_is_named_and_the_job_ends():
@@ -28,3 +33,23 @@ def test_stuck_rank_times_out_instead_of_hanging():
     assert "rank 0/2 (dp 0/2, tp 0/1)" in message
     assert "another rank died or is stuck" in message
     assert time.monotonic() - start < 40  # the 3 s timeout fired; rank 1 would sleep 60 s
+
+
+def test_a_finished_rank_exits_after_its_atexit_handlers_without_the_teardown(tmp_path):
+    """gloo's worker threads outlive destroy_process_group (DDP keeps the group alive); one that
+    releases the last barrier's work while the interpreter tears down aborts the finished rank
+    (SIGABRT). end_process leaves the group, runs the atexit handlers and skips the teardown."""
+    spawn(cases.finish_after_ddp, 2, str(tmp_path))
+    for rank in (0, 1):
+        assert (tmp_path / f"atexit_rank{rank}.txt").read_text() == "False"  # ran, after the group was left
+        assert (tmp_path / f"teardown_rank{rank}.txt").read_text() == ""  # the teardown never ran
+    # the mark does see a teardown: a plain process that exits normally writes it
+    control = tmp_path / "control.txt"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import parallel_cases as c; "
+            "from pathlib import Path; c._MARK = c.TeardownMark(Path(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(control)], check=True, timeout=120)
+    assert control.read_text() == "teardown"
+
+
+def test_end_process_is_a_no_op_in_a_process_that_joined_no_group():
+    assert end_process(7) == 7  # pytest's own process: the code comes back, the process goes on

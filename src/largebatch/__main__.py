@@ -1,8 +1,6 @@
 """``python -m largebatch`` (and ``torchrun -m largebatch``) == the ``largebatch`` command."""
 
-import sys
-
-from largebatch.cli import main
+from largebatch.cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -63,5 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(rest) or 0)
 
 
+def console() -> None:
+    """The ``largebatch`` program (its console script and ``python -m largebatch``): ``main`` on
+    the command line, then exit with its code. A process that joined a process group (a torchrun
+    worker) exits through ``largebatch.parallel.mesh.end_process``, without the interpreter's
+    teardown, at which torch's backend threads can abort a rank whose run has finished."""
+    code = main()
+    mesh = sys.modules.get("largebatch.parallel.mesh")  # imported only by the commands that use it
+    sys.exit(code if mesh is None else mesh.end_process(code))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

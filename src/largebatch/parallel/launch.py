@@ -3,7 +3,9 @@
 ``spawn(fn, nprocs, *args)`` runs ``fn(*args)`` in ``nprocs`` fresh processes with torchrun's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set, so the worker calls
 ``largebatch.parallel.init_distributed`` exactly as under ``torchrun``. When ``fn`` returns, the rank
-leaves its process group (barrier, then ``destroy_process_group``) if ``fn`` did not. A rank that raises ends the
+leaves its process group (barrier, then ``destroy_process_group``) if ``fn`` did not, and exits
+through ``mesh.end_process`` (no interpreter teardown, at which torch's backend threads can abort a
+finished rank). A rank that raises ends the
 whole job: the others are terminated and :class:`~largebatch.parallel.mesh.RankFailure` names the
 rank that failed FIRST (the root cause; peers that then fail in a collective come after), with its
 traceback. For real jobs use torchrun (multi-node rendezvous, restarts; its "first observed
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from largebatch.parallel.mesh import RankFailure, leave_process_group
+from largebatch.parallel.mesh import RankFailure, end_process, leave_process_group
 
 
 def free_port() -> int:
@@ -43,7 +45,8 @@ def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, 
         # when, and what: the parent reports the earliest failure as the root cause
         Path(error_dir, f"rank{local_rank}").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
         raise
-    leave_process_group()  # if fn did not; seen in CI: a 4-rank case's rank aborted at exit
+    leave_process_group()  # if fn did not
+    end_process(0)  # a rank that joined through init_distributed exits here, without the teardown
 
 
 def _failures(error_dir: str) -> list[tuple[float, int, str]]:

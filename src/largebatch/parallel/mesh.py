@@ -36,6 +36,7 @@ import torch.distributed as dist
 from largebatch.parallel.config import ParallelConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's dimension names
+_JOINED = False  # init_distributed joined a process group in this process (end_process)
 
 
 class RankFailure(RuntimeError):
@@ -218,7 +219,9 @@ def check_backend(cfg: ParallelConfig) -> None:
 
 
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
-    """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1."""
+    """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1. A process
+    that joined ends best through ``end_process``."""
+    global _JOINED
     cfg = cfg or ParallelConfig()
     world_size = _env_int("WORLD_SIZE", 1)
     pp, dp, tp = resolve_sizes(cfg, world_size)
@@ -238,6 +241,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 **_restart_store(world_size, timeout),
                                 **({"device_id": device} if use_cuda else {}))
+        _JOINED = True
     mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
             "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")}  # ParallelState.stage_group
@@ -280,12 +284,39 @@ def shutdown(state: ParallelState) -> None:
 
 
 def leave_process_group() -> None:
-    """A last barrier, then destroy the default group, if one is initialised. A gloo rank that exits
-    with its group alive can abort at interpreter teardown (SIGABRT, "terminate called without an
-    active exception"): worker threads still hold tensors then."""
+    """A last barrier, then destroy the default group, if one is initialised (see ``end_process``:
+    this alone does not stop the backend's worker threads)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> int:
+    """End a process that joined a process group: leave it, run the ``atexit`` handlers, flush
+    stdout and stderr, and exit with ``code`` without the interpreter's teardown (``os._exit``).
+    A process that joined no group gets ``code`` back and nothing happens.
+
+    Why: ``destroy_process_group`` removes the groups from torch's registry but does not stop their
+    backend threads (gloo's two worker threads per group), and DDP keeps the default group alive
+    (its C++ side holds it; ``gc.collect`` does not free it). A worker that has just completed the
+    last barrier then releases that work, and the works it still references, on its own thread;
+    their tensors' Python objects need the GIL. If that happens while the interpreter tears down,
+    Python ends the thread inside a C++ destructor and the process aborts (SIGABRT, "terminate
+    called without an active exception") after its run has finished: torchrun then reports the
+    rank as failed, and a scheduler the job. Measured on 2 busy cores: 1 abort in 12 two-rank runs
+    (docs/LOG.md); skipping the teardown leaves no moment at which it can happen."""
+    if not _JOINED:
+        return code
+    import atexit
+
+    leave_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs first (logging.shutdown, multiprocessing)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing left to save
+            pass
+    os._exit(code)
 
 
 _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
