@@ -166,6 +166,39 @@ def test_flops_match_the_paper_formula():
     assert demo.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.seq_len
 
 
+@pytest.mark.parametrize("kind, norm, dropout, policy, skipped", [
+    ("gpt", "pre", 0.0, "selective", "pv"), ("gpt", "pre", 0.1, "selective", "pv"),
+    ("gpt", "pre", 0.0, "full", "fc2"), ("gpt", "pre", 0.1, "full", None),
+    ("bert", "post", 0.0, "full", None), ("bert", "pre", 0.0, "full", "fc2")])
+def test_recompute_runs_at_most_the_papers_extra_forward(kind, norm, dropout, policy, skipped):
+    """Hardware FLOPs count one more forward of the recomputed region (the paper's, and Megatron's,
+    recomputation). torch's checkpoint stops once the tensors backward needs are rebuilt, so the
+    region's last matmul does not run again when nothing after it saves its output: probs @ V in
+    core attention; fc2 in a pre-norm layer without dropout (a dropout mask or a post-norm
+    LayerNorm needs it). Counted by torch's FLOP counter on a real forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from largebatch.memory import apply_recompute
+
+    c = ModelConfig(kind=kind, n_layer=2, n_embd=64, n_head=4, seq_len=16, vocab_size=96, dropout=dropout,
+                    norm_position=norm, attention="explicit")
+    b, s, h = 4, c.seq_len, c.n_embd
+    idx = torch.randint(0, c.vocab_size, (b, s))
+    targets = idx if kind == "gpt" else torch.where(torch.arange(s) % 8 == 0, idx, -100)  # 1 in 8 predicted
+    counted = {}
+    for name in ("none", policy):
+        torch.manual_seed(0)
+        model = build_model(c).train()
+        if name != "none":
+            apply_recompute(model, name)
+        with FlopCounterMode(display=False) as counter:
+            model(idx, targets)[1].backward()
+        counted[name] = counter.get_total_flops() / (b * s)
+    per_layer = {"pv": 2.0 * s * h, "fc2": 2.0 * h * c.ffn, None: 0.0}[skipped]
+    papers_extra = flops_per_token(c, policy, mask_fraction=1 / 8) - flops_per_token(c, mask_fraction=1 / 8)
+    assert counted[policy] - counted["none"] == papers_extra - c.n_layer * per_layer
+
+
 def test_utilization_is_achieved_over_peak():
     c = preset("gpt3-175b")
     # the paper's headline arithmetic: MFU = tokens/s * 72 L h^2 (1 + s/6h + v/12hL) / peak

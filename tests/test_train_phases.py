@@ -3,6 +3,7 @@ batch, micro-batch and LANS schedule; exact resume across the boundary; bad phas
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -190,6 +191,55 @@ def test_torchrun_crosses_and_resumes_across_the_boundary(reference, tmp_path):
     assert [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in got] == \
         [(r["step"], r["phase"], r["seq_len"], r["batch_size"]) for r in want]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
+
+
+def test_mfu_counts_each_phase_at_its_own_flops_and_the_configured_mask_share(reference, tiny_data_cache,
+                                                                              tmp_path):
+    """MFU's numerator against what torch's FLOP counter counts on the run's own model and batches:
+    per phase (sequence length 32, then 64: the summary weighs each phase's tokens by its own
+    FLOPs), with the output layer on the share of positions data.mlm_probability = 0.4 chooses."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from largebatch.data import DataConfig, build_data
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+
+    tmp, config, _ = reference
+    run = tmp_path / "mask40"
+    assert main([str(config), f"--run.out_dir={run}", "--data.mlm_probability=0.4", "--run.plots=false"]) == 0
+    extra = load_checkpoint(list_checkpoints(run)[-1])
+    model_cfg = from_dict(ModelConfig, extra["config"]["model"])
+    data_cfg = from_dict(DataConfig, extra["config"]["data"])
+    model = build_model(model_cfg)
+    per_token = {}
+    for seq_len in (32, 64):
+        batch = build_data(data_cfg, seq_len=seq_len, objective="masked").train.get_batch(range(64))
+        with FlopCounterMode(display=False) as counter:
+            model(batch["input_ids"], batch["labels"])[1].backward()
+        per_token[seq_len] = counter.get_total_flops() / batch["input_ids"].numel()
+    records = train_records(run)
+    summary = json.loads((run / "summary.json").read_text())
+    done, flops = 0, 0.0
+    for r in records:
+        flops += (r["tokens"] - done) * per_token[r["seq_len"]]
+        done = r["tokens"]
+        assert r["mfu"] == pytest.approx(per_token[r["seq_len"]] * r["tokens_per_s"] / 1e11, rel=0.01)
+    assert summary["mfu"] == pytest.approx(flops / summary["train_seconds"] / 1e11, rel=0.01)
+    # a checkpoint written before the FLOPs were kept (stopped inside phase 0) resumes and counts its
+    # tokens at that phase's rate: the same summary MFU
+    legacy = tmp_path / "legacy"
+    args = [str(config), f"--run.out_dir={legacy}", "--data.mlm_probability=0.4", "--run.plots=false"]
+    assert main([*args, "--run.max_steps=3"]) == 0
+    path = list_checkpoints(legacy)[-1]
+    state = torch.load(path, weights_only=False)
+    del state["progress"]["model_flops"]
+    torch.save(state, path)
+    assert main(args) == 0
+    summary = json.loads((legacy / "summary.json").read_text())
+    records = train_records(legacy)
+    flops = sum((r["tokens"] - p) * per_token[r["seq_len"]]
+                for r, p in zip(records, [0] + [r["tokens"] for r in records]))
+    assert summary["mfu"] == pytest.approx(flops / summary["train_seconds"] / 1e11, rel=0.01)
 
 
 def test_masked_lm_accuracy_is_logged_per_phase_and_recomputes_from_the_checkpoint(reference, tiny_data_cache):

@@ -115,6 +115,14 @@ class BERTDataset(PackedDataset):
         self.mask_token_fraction = mask_token_fraction
         self.random_token_fraction = random_token_fraction
 
+    @staticmethod
+    def predicted_fraction(seq_len: int, mlm_probability: float) -> float:
+        """The expected share of a sequence's positions chosen for prediction (BERT's output layer
+        runs on those only): ``mlm_probability`` of the seq_len - 2 positions between [CLS] and
+        [SEP]. Special tokens inside the text (document separators) are never chosen either; they
+        are not subtracted here."""
+        return mlm_probability * (seq_len - 2) / seq_len
+
     def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
         keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)  # (B,)
         body = self.windows(self.sampler.ids_of(keys))  # (B, T-2)

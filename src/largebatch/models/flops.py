@@ -8,6 +8,11 @@ and hardware FLOPs add one more forward of whatever is recomputed: the whole lay
 recomputation (-> 96 B s L h^2 (1 + s/(6h) + v/(16 h L))), only the two attention matmuls
 (4 B s^2 h) under selective recomputation, nothing under the op-level policy (it recomputes
 pointwise ops only). Pointwise ops, softmax and LayerNorm are not counted, as in the paper.
+That extra forward is the paper's (and Megatron's) recomputation, and an upper bound on what
+``largebatch.memory.apply_recompute`` runs: torch's checkpoint stops once the tensors backward
+needs are rebuilt, so a region's last matmul does not run again when nothing after it saves its
+output -- probs @ V under selective (2 s h per token and layer, unless one fused attention kernel
+reruns whole), fc2 under full in a pre-norm layer without dropout (2 h f).
 
 The denominator of MFU is the device's peak: declared by the user, or measured by
 :func:`measure_peak_flops` with a large matmul in the run's dtype (Chowdhery et al. 2022, PaLM
@@ -78,7 +83,9 @@ def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none"
     """Training FLOPs per token (forward + backward = 3x forward, plus recomputed forwards).
 
     recompute="none" gives model FLOPs (use for MFU); any other policy, or a per-layer list, gives
-    hardware FLOPs for that policy (use for HFU). mask_fraction only matters for BERT.
+    hardware FLOPs for that policy (use for HFU), counted as the paper counts them (an upper bound
+    on what torch's checkpoint runs: module docstring). mask_fraction (the share of positions the
+    masked-LM head runs on) only matters for BERT.
     """
     dense, core = layer_forward_flops(config, seq_len)
     model = 3.0 * (config.n_layer * (dense + core) + head_forward_flops(config, mask_fraction))

@@ -48,7 +48,7 @@ from largebatch.checkpoint import (
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model, model_spec
-from largebatch.models.flops import flops_per_token, measure_peak_flops
+from largebatch.models.flops import measure_peak_flops
 from largebatch.optim.core import is_dtensor
 from largebatch.parallel import (
     clip_grad_norm_,
@@ -96,6 +96,7 @@ class Progression:
     skipped_in_a_row: int = 0  # consecutive non-finite steps (run.max_skipped_steps)
     phase: int = 0  # the current phase (largebatch.train.phases); ``samples`` counts within it
     phase_start: int = 0  # tokens at which the current phase began (its schedule's zero)
+    model_flops: float = 0.0  # of the optimizer steps so far: each step's tokens x its phase's FLOPs per token
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,6 +184,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                          if run.dtype == "bf16" else nullcontext())
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
         self.pos = Progression(next_eval=0, next_checkpoint=run.checkpoint_every_tokens or run.total_tokens)
+        self._legacy_progress = False
         # -- 2. resume ------------------------------------------------------------------------
         resume_step = None
         if resume:
@@ -200,7 +202,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
-        self.flops_per_token = flops_per_token(cfg.model, seq_len=self.phase.seq_len)
+        self.flops_per_token = self.model_flops_per_token(self.phase.seq_len)
+        if self._legacy_progress:  # a checkpoint from before model_flops was kept: its tokens at this phase's rate
+            self.pos.model_flops = self.pos.tokens * self.flops_per_token
 
     # ------------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -270,6 +274,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      f"{saved_entry} -> {entry}): the run continues on the new text and no longer "
                      "follows the trajectory it was on")
         self.pos = Progression(**extra["progress"])
+        self._legacy_progress = "model_flops" not in extra["progress"]
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
         if self.pos.phase != self.phase.index or saved_dp != self.par.dp_size:
             self._set_phase(self.phases[self.pos.phase])
@@ -389,6 +394,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         pos.step += 1
         pos.tokens += batch_size * self.phase.seq_len
+        pos.model_flops += batch_size * self.phase.seq_len * self.flops_per_token
         pos.samples += batch_size
         return record
 

@@ -36,7 +36,6 @@ from typing import Any, Literal
 
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
-from largebatch.models.flops import flops_per_token
 from largebatch.models.registry import model_spec
 from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
@@ -139,7 +138,7 @@ class PhaseSwitch:
             self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         self.phase = phase
         self.schedule = self._build_schedule()
-        self.flops_per_token = flops_per_token(self.cfg.model, seq_len=phase.seq_len)
+        self.flops_per_token = self.model_flops_per_token(phase.seq_len)
 
     def _next_phase(self) -> bool:
         """At the end of a phase: evaluate at its length (the summary's phase_val_losses), begin the

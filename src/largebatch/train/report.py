@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from largebatch.checkpoint.files import atomic_write_text
+from largebatch.data.dataset import BERTDataset
 from largebatch.memory.measure import memory_bytes
-from largebatch.models.flops import mfu_over_peak
+from largebatch.models.flops import flops_per_token, mfu_over_peak
 from largebatch.models.registry import model_spec
 from largebatch.train.deferred import read_record
 from largebatch.train.phases import describe as describe_phases
@@ -73,6 +74,13 @@ class Reporting:
         """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
         return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
 
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token (no recomputation: MFU's numerator) at ``seq_len``; for a masked
+        LM, its output layer on the share of positions the data chooses for prediction."""
+        masked = model_spec(self.cfg.model.kind).objective == "masked"
+        fraction = BERTDataset.predicted_fraction(seq_len, self.cfg.data.mlm_probability) if masked else 0.15
+        return flops_per_token(self.cfg.model, seq_len=seq_len, mask_fraction=fraction)
+
     def describe(self) -> str:
         """The run's header: data, model, optimizer, device, parallel layout, budget, schedules."""
         cfg = self.cfg
@@ -102,10 +110,12 @@ class Reporting:
         """The end-of-run numbers (written to summary.json by rank 0, with the plots)."""
         pos = self.pos
         tps = pos.tokens / max(pos.train_seconds, 1e-9)
+        # every step at its own phase's FLOPs per token (phases change the sequence length)
+        mfu = pos.model_flops / max(pos.train_seconds, 1e-9) / (self.peak_flops * self.par.world_size)
         summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
                    "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
                    "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
-                   "mfu": self._mfu(tps), "world_size": self.par.world_size,
+                   "mfu": mfu, "world_size": self.par.world_size,
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
