@@ -378,7 +378,15 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli.main([name, "--smoke", "--seeds", seeds, "--out", str(tmp_path / "never")])
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and f"--seeds {seeds}: seeds={seeds}: must be an integer" in err, err
+        assert len(err.splitlines()) == 1 and f"--seeds {seeds}: must be an integer" in err, err
+        assert f"seeds={seeds}" not in err  # the flag names the value once
+    for name, expected in (("all", "'all' runs each experiment at its own default seeds"),
+                           ("recompute", "recompute takes no --seeds")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            cli.main([name, "--smoke", "--seeds", "2", "--out", str(tmp_path / "never")])
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "never").exists()
 
 
@@ -651,3 +659,18 @@ def test_a_full_disk_ends_the_experiment_in_one_line(tmp_path, seesaw_smoke):
     assert not (out / "report.md").exists()
     line = limited()  # the first arm trained again: its checkpoint cannot be written
     assert "could not write checkpoint " in line and "--resume /" not in line and "--resume " + str(out) not in line
+
+
+def test_a_mean_accuracys_interval_stays_within_0_and_1():
+    """bert-lans reports downstream accuracies with a 95% t interval over the fine-tuning runs; at
+    2 runs far apart it reaches past [0, 1] and is cut there (an accuracy has no other values)."""
+    from largebatch.experiments.bert_lans import _interval
+    from largebatch.stats import T_975
+
+    accs = [0.95, 0.55]
+    half = T_975[1] * statistics.stdev(accs) / math.sqrt(2)
+    assert statistics.fmean(accs) - half < 0 and statistics.fmean(accs) + half > 1  # the raw interval
+    assert _interval(accs) == " [0.0000, 1.0000]"
+    close = [0.50, 0.52, 0.51]
+    half = T_975[2] * statistics.stdev(close) / math.sqrt(3)
+    assert _interval(close) == f" [{0.51 - half:.4f}, {0.51 + half:.4f}]"  # inside: unchanged

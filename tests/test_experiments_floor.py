@@ -143,6 +143,8 @@ def test_optimizers_smoke_report_agrees_with_metrics(optimizers_smoke, one_threa
     assert "Every arm ran with 1 torch thread(s)." in report
     assert "LARS's own settings: schedule.warmup 0.25, optim.trust_coefficient 0.001" in report
     tables = parse_tables(report)
+    best = next(t for t in tables if t and "batch 2" in t[0] and "optimizer" in t[0])
+    assert all("(one LR: not tuned" in row[f"batch {b}"] for row in best for b in (2, 16, 64))  # a 1-point grid
     every = next(t for t in tables if t and "seed" in t[0] and "arm" in t[0])
     grid = next(t for t in tables if t and "arm" in t[0] and "seed" not in t[0])
     assert len(grid) == 12 and len(every) == 24  # 4 optimizers x 3 batches; each best arm at 2 seeds

@@ -276,8 +276,9 @@ def _mean(values: list[float]) -> str:
 
 
 def _interval(values: list[float]) -> str:
+    """The 95% t interval of a mean accuracy, cut to [0, 1] (a few runs far apart reach past them)."""
     ci = ci95(values)
-    return "" if ci is None else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    return "" if ci is None else f" [{max(0.0, ci[0]):.4f}, {min(1.0, ci[1]):.4f}]"
 
 
 PAIRS = (("lans", "lamb"), ("lans", "adamw"), ("lamb", "adamw"))

@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=EXPERIMENTS + ("all",))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="tiny model: seconds (recompute) to ~21 minutes (optimizers, with its seeds "
-                           "and noise floor; estimated) on 2 CPU cores with --jobs 2")
+                      help="tiny model: seconds (recompute) to ~16-17 minutes (optimizers, with its "
+                           "seeds and noise floor; measured) on 2 CPU cores with --jobs 2")
     size.add_argument("--smoke", action="store_true", help="seconds; what the test suite runs")
     parser.add_argument("--out", default=None,
                         help="report directory (default runs/experiments/NAME-SIZE; with 'all', "
@@ -222,12 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largebatch experiment: warning: --jobs {args.jobs} is more than the {cpus} CPU core(s) "
               f"here; the arms share them, so each arm runs slower", file=sys.stderr)
     if args.seeds is not None:
+        if args.name == "all":
+            parser.error(f"--seeds {args.seeds}: 'all' runs each experiment at its own default seeds; to "
+                         f"choose them, run one of {', '.join(SEEDED)} with --seeds")
         if args.name not in SEEDED:
-            parser.error(f"--seeds {args.seeds}: only {', '.join(SEEDED)} repeat their arms over seeds")
+            parser.error(f"--seeds {args.seeds}: {args.name} takes no --seeds; only {', '.join(SEEDED)} "
+                         "repeat their arms over seeds")
         try:
             _module(args.name).check_seeds(args.seeds)
-        except ValueError as exc:
-            parser.error(f"--seeds {args.seeds}: {exc}")
+        except ValueError as exc:  # "seeds=N: must be ...": the flag already names the value
+            parser.error(f"--seeds {args.seeds}: {str(exc).removeprefix(f'seeds={args.seeds!r}: ')}")
     if args.granularity and args.name != "seesaw":
         parser.error(f"--granularity: only seesaw has the micro-batch-1 arms, not {args.name}")
     size_name = "smoke" if args.smoke else "quick" if args.quick else "full"

@@ -9,7 +9,7 @@ rule: at m x the small batch the grid is multiplied by sqrt(m). A setting may ex
 ladder (1, 3, 10, 30 x 10^k, ``ladder_step``) beyond that end runs too, at most ``extend`` points per side,
 so a cell whose optimum lies outside the starting grid is not judged at an untuned LR. Each cell
 reports its best LR, marked "(edge)" when it is still at an end of its grid (the optimum may lie
-beyond it).
+beyond it), and "(one LR: not tuned)" when its grid has one point (smoke size).
 
 The grid runs at the first seed (the config's, 1337) and picks each cell's best LR; that arm then
 runs at every further seed of ``--seeds N`` (default 2; init and data order, ``*-seed7`` etc.). The
@@ -279,7 +279,8 @@ coefficient too). The grid runs at seed 1337; each cell's best LR then runs at {
             lrs = [a.arm.overrides["schedule.peak_lr"] for a in results
                    if a.arm.overrides["optim.name"] == name
                    and a.arm.overrides["schedule.batch_size"] == batch]
-            edge = " (edge)" if len(lrs) > 1 and lr in (min(lrs), max(lrs)) else ""
+            edge = (" (one LR: not tuned)" if len(lrs) == 1 else
+                    " (edge)" if lr in (min(lrs), max(lrs)) else "")
             row.append(f"{fmt_loss(r.final_val_loss)} (lr {lr:g}{edge}, {r.steps} steps)")
         row.append(degrades_beyond(best, name, batches))
         rows.append(row)
