@@ -251,6 +251,14 @@ def test_the_adaptive_seesaw_cap_is_refused_where_no_noise_scale_is_measured(pat
     assert "parallel.dp_mode = 'ddp'" in err
     code, out, err = run_cli(seesaw, capsys)
     assert code == 0 and out.startswith("ok: "), err
+    # one replica measures it from 2+ micro-batches per step: a start of one micro-batch has none
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, out, err = run_cli([*seesaw, "--schedule.batch_size=8", "--run.micro_batch=8"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("the starting batch of 8 is one micro-batch (run.micro_batch = 8), so the first milestone would "
+            "grow the batch with no estimate to cap it; use a run.micro_batch below 8 (e.g. 4)") in err
+    code, out, err = run_cli([*seesaw, "--schedule.batch_size=8", "--run.micro_batch=4"], capsys)
+    assert code == 0 and out.startswith("ok: "), err
 
 
 def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):

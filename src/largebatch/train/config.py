@@ -315,6 +315,16 @@ def check(cfg: TrainConfig) -> TrainConfig:
             try:
                 schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
                                                 micro_batch=phase.micro_batch, dp_size=dp)
+                first = schedule.step_batch(0, phase.seq_len, dp)
+                if multiple is not None and dp == 1 and first <= phase.micro_batch:
+                    field = f"phases[{phase.index}].micro_batch" if cfg.phases else "run.micro_batch"
+                    raise ValueError(
+                        f"schedule.noise_scale_multiple = {multiple}: the adaptive Seesaw cap reads the "
+                        f"gradient noise scale, which one replica measures from two or more micro-batches "
+                        f"per step (the first one's gradient against the step's); the starting batch of "
+                        f"{first} is one micro-batch ({field} = {phase.micro_batch}), so the first "
+                        f"milestone would grow the batch with no estimate to cap it; use a {field} below "
+                        f"{first} (e.g. {max(1, first // 2)}), or leave noise_scale_multiple out")
                 if pp > 1:
                     check_pipeline(cfg, schedule, dp, phase.total_tokens, phase.micro_batch)
             except ValueError as exc:
