@@ -93,3 +93,23 @@ def test_single_process_save_clears_a_killed_distributed_save(tmp_path):
     (tmp_path / "checkpoints" / ".step_00000004.pt.tmp").write_bytes(b"half a file")
     save_checkpoint(tmp_path, 6, _state(10, 6))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000006.pt"]
+
+
+def test_rng_state_round_trips_numpy_in_both_of_its_forms():
+    """NumPy's state is saved as plain fields (weights_only loads it); the tuple older checkpoints
+    hold is still accepted. Either way the next draws equal the ones after the save."""
+    import random
+
+    import numpy as np
+
+    from largebatch.checkpoint.rng import rng_state, set_rng_state
+
+    np.random.seed(3)
+    np.random.standard_normal()  # leaves a cached Gaussian in the state
+    saved, legacy = rng_state(torch.device("cpu")), np.random.get_state()
+    expected = (np.random.standard_normal(5), np.random.randint(0, 1000, 5), random.random())
+    for state in (saved, {**saved, "numpy": legacy}):
+        set_rng_state(state, torch.device("cpu"))
+        got = (np.random.standard_normal(5), np.random.randint(0, 1000, 5), random.random())
+        assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+    assert isinstance(saved["numpy"], dict) and saved["numpy"]["keys"].dtype == torch.int64

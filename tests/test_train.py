@@ -105,6 +105,8 @@ def test_resume_is_bit_identical_across_batch_changes(reference_run, tmp_path):
     o = tiny_overrides(cache, out, **{"run.max_steps": stop_at})
     first = _run(o)
     assert first["stopped_early"] and first["step"] == stop_at
+    state = torch.load(list_checkpoints(out)[-1], weights_only=True)  # torch.load's default since torch 2.6
+    assert state["progress"]["step"] == stop_at and "tok_emb.weight" in state["model"]
     o["run.max_steps"] = None
     summary = _run(o, resume=True)
     assert _train_losses(out) == ref  # every step's loss equal to the last bit

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
@@ -109,6 +110,8 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     newest = out / "checkpoints" / "step_00000007.dcp"
     assert (newest / ".metadata").is_file()
     assert len(list((out / "checkpoints").glob("step_*.dcp"))) >= 2
+    extra = torch.load(newest / "extra.pt", weights_only=True)  # torch.load's default since torch 2.6
+    assert len(extra["rng"]) == 2 and extra["progress"]["step"] == 7
     assert _grad_norms(out) == pytest.approx(_grad_norms(ref)[:7], rel=1e-5)  # FSDP's own steps
     shard = sorted(newest.glob("*.distcp"))[0]
     shard.write_bytes(b"not a shard" * (shard.stat().st_size // 11))
@@ -122,9 +125,9 @@ def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
 
 def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never_a_rollback(single, tmp_path):
     """A one-process .pt checkpoint continues exactly on pp=2 (each stage takes its parameters' state
-    by name) and on tp=2; on dp=2, which cannot keep the run's batches, the intact checkpoint is
-    refused in one line, never passed over for an older one as if damaged."""
-    cache, _ = single
+    by name) and on dp=2 when every remaining batch splits in two; where one does not (the last),
+    the intact checkpoint is refused in one line, never passed over for an older one as if damaged."""
+    cache, one = single
     untied = {"model.tie_embeddings": False}  # pipeline stages cannot share the embedding
     ref = tmp_path / "ref"
     Trainer(load_config(resolve_config(None), _overrides(cache, ref, **untied)), ref, log=lambda *_: None).fit()
@@ -135,16 +138,27 @@ def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never
     _torchrun(_overrides(cache, out, **untied, **{"parallel.pp": 2}))  # the same command continues it
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-6, abs=1e-6)
     assert _val(out) == pytest.approx(_val(ref), abs=1e-6)
-    misfit = tmp_path / "dp"
-    o = _overrides(cache, misfit, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+    grown = tmp_path / "dp"  # Seesaw's batches of 8, 16, ...: each splits over 2 replicas
+    o = _overrides(cache, grown, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+    Trainer(load_config(resolve_config(None), o), grown, log=lambda *_: None).fit()
+    _torchrun(_overrides(cache, grown))  # 2 DDP replicas continue it: the one-process run's steps
+    assert _losses(grown) == pytest.approx(_losses(one), rel=1e-6, abs=1e-6)
+    assert _val(grown) == pytest.approx(_val(one), abs=1e-6)
+    misfit = tmp_path / "odd"
+    # batches of 6 split in two, but 189 sequences end in a step of 3 (trimmed at one replica's granularity)
+    odd = {"schedule.batch_policy": "constant", "schedule.batch_size": 6, "run.micro_batch": 3,
+           "run.total_tokens": 189 * 32}
+    o = _overrides(cache, misfit, **odd, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
     Trainer(load_config(resolve_config(None), o), misfit, log=lambda *_: None).fit()
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in _overrides(cache, misfit).items()]
+            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}"
+                                            for k, v in _overrides(cache, misfit, **odd).items()]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0
     assert "cannot resume from" in proc.stderr and "step_00000005.pt (intact" in proc.stderr
     assert "data-parallel degree that divides 1" in proc.stderr and "damaged" not in proc.stderr
-    assert "multiples of micro_batch x 1 = 2 sequences" in proc.stderr, proc.stderr[-2000:]
+    assert ("multiples of micro_batch x 1 = 3 sequences, and the step at 5,952 tokens takes a batch of 3 "
+            "sequences, which 2 replicas cannot split evenly") in proc.stderr, proc.stderr[-2000:]
     assert len(_losses(misfit)) == 5  # nothing trained, nothing rolled back
 
 

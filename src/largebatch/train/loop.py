@@ -241,6 +241,32 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         raise CheckpointError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} "
                               f"({'; '.join(reasons)}); start a new run instead")
 
+    def _check_remaining_batches_split(self, saved_dp: int, progress: dict) -> None:
+        """ValueError unless every remaining step's batch (the run's: multiples of micro_batch x
+        ``saved_dp`` sequences, its last trimmed to the budget) splits evenly over this run's
+        data-parallel replicas. An adaptive Seesaw's batches follow the noise estimate, unknown ahead."""
+        dp = self.par.dp_size
+        fix = (f"resume with a data-parallel degree that divides {saved_dp}, or one that splits every "
+               "remaining batch (the other processes as parallel.tp or parallel.pp)")
+        for phase in self.phases[progress["phase"]:]:
+            where = f"phase {phase.index}'s " if self.cfg.phases else "the "
+            if phase.schedule.noise_scale_multiple is not None:
+                raise ValueError(f"it was written with {saved_dp} data-parallel replica(s) and this run has "
+                                 f"{dp}: {where}adaptive Seesaw batches follow the noise estimate, so they are "
+                                 f"not known to split over {dp} replicas; {fix}")
+            schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
+                                            micro_batch=phase.micro_batch, dp_size=saved_dp)
+            tokens = progress["tokens"] - progress["phase_start"] if phase.index == progress["phase"] else 0
+            while tokens < phase.total_tokens:
+                batch = schedule.step_batch(tokens, phase.seq_len, saved_dp)
+                if batch % dp:
+                    raise ValueError(
+                        f"it was written with {saved_dp} data-parallel replica(s) and this run has {dp}: the "
+                        f"run's batches are multiples of micro_batch x {saved_dp} = {phase.micro_batch * saved_dp} "
+                        f"sequences, and {where}step at {tokens:,} tokens takes a batch of {batch} sequences, "
+                        f"which {dp} replicas cannot split evenly; {fix}")
+                tokens += batch * phase.seq_len
+
     def _load(self, path: Path) -> None:
         if path.suffix == ".dcp":  # from any number of ranks, onto this mesh
             from largebatch.checkpoint.distributed import load_distributed  # DCP: on use (start-up)
@@ -257,16 +283,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 self.optimizer.load_state_dict(extra["optimizer"])
         saved_dp = extra["schedule"].get("config", {}).get("dp_size", self.par.dp_size)
         if saved_dp != self.par.dp_size:
-            # another number of replicas: keep the run's batch granularity (micro_batch x old dp),
-            # which the new dp must divide, so every step's batch is the one the run would take
+            # another number of replicas: keep the run's batch granularity (micro_batch x old dp), so
+            # every step's batch is the one the run would take; fewer replicas (dividing the old
+            # count) always split it, more must split every remaining step's batch
             if saved_dp % self.par.dp_size:
-                mb = self.phases[extra["progress"]["phase"]].micro_batch
-                raise ValueError(f"it was written with {saved_dp} data-parallel replica(s) and this run "
-                                 f"has {self.par.dp_size}: the run's batches are multiples of micro_batch "
-                                 f"x {saved_dp} = {mb * saved_dp} sequences, which {self.par.dp_size} replicas "
-                                 f"cannot always cut into whole micro-batches, so resume with a data-parallel "
-                                 f"degree that divides {saved_dp} (the other processes as parallel.tp or "
-                                 "parallel.pp)")
+                self._check_remaining_batches_split(saved_dp, extra["progress"])
             self.schedule_dp = saved_dp
         saved_entry, entry = extra.get("data_entry"), self._data_entry()
         if saved_entry and entry and saved_entry != entry:  # (another tokenizer is refused before this)
