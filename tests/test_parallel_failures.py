@@ -53,3 +53,27 @@ def test_a_finished_rank_exits_after_its_atexit_handlers_without_the_teardown(tm
 
 def test_end_process_is_a_no_op_in_a_process_that_joined_no_group():
     assert end_process(7) == 7  # pytest's own process: the code comes back, the process goes on
+
+
+def test_a_failing_rank_ends_at_once_without_waiting_for_its_peers():
+    """end_process with a non-zero code skips the last barrier: a rank that failed while its peer
+    is busy elsewhere (here: asleep, in no collective) exits at once with its code, instead of
+    waiting in the barrier for parallel.timeout_s."""
+    from largebatch.parallel.launch import free_port
+    from processes import src_env
+
+    code = ("import sys, time; from largebatch.parallel import ParallelConfig, init_distributed; "
+            "from largebatch.parallel.mesh import end_process; "
+            "state = init_distributed(ParallelConfig(dp=2, timeout_s=60)); "
+            "end_process(3) if state.rank == 1 else time.sleep(60)")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=src_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                          MASTER_PORT=port, OMP_NUM_THREADS="1"))
+             for r in (0, 1)]
+    try:
+        assert procs[1].wait(timeout=40) == 3, procs[1].stderr.read()  # rank 0 sleeps 60 s, in no collective
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -292,7 +292,8 @@ def leave_process_group() -> None:
 
 
 def end_process(code: int) -> int:
-    """End a process that joined a process group: leave it, run the ``atexit`` handlers, flush
+    """End a process that joined a process group: leave it (``code`` 0 only: a failing rank must not
+    wait in a barrier for peers that may be stuck elsewhere), run the ``atexit`` handlers, flush
     stdout and stderr, and exit with ``code`` without the interpreter's teardown (``os._exit``).
     A process that joined no group gets ``code`` back and nothing happens.
 
@@ -309,7 +310,8 @@ def end_process(code: int) -> int:
         return code
     import atexit
 
-    leave_process_group()
+    if code == 0:
+        leave_process_group()
     atexit._run_exitfuncs()  # what a normal exit runs first (logging.shutdown, multiprocessing)
     for stream in (sys.stdout, sys.stderr):
         try:
