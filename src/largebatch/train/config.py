@@ -315,8 +315,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
             try:
                 schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
                                                 micro_batch=phase.micro_batch, dp_size=dp)
-                first = schedule.step_batch(0, phase.seq_len, dp)
-                if multiple is not None and dp == 1 and first <= phase.micro_batch:
+                first = schedule.step_batch(0, phase.seq_len, dp) if multiple is not None and dp == 1 else 0
+                if first and first <= phase.micro_batch:
                     field = f"phases[{phase.index}].micro_batch" if cfg.phases else "run.micro_batch"
                     raise ValueError(
                         f"schedule.noise_scale_multiple = {multiple}: the adaptive Seesaw cap reads the "
