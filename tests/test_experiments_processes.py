@@ -127,13 +127,18 @@ def _gone(pids: list[int], timeout_s: float) -> list[int]:
     return left
 
 
-def _experiment(out: Path, ignore: tuple[int, ...] = ()) -> subprocess.Popen:
+def _experiment(out: Path, ignore: tuple[int, ...] = (), slow_start: bool = False) -> subprocess.Popen:
     """A smoke experiment of 3 arms in 2 worker processes, its arms given a budget they never reach
     (so a signal always lands while they train, however loaded the machine); its stderr goes to
     OUT.err (a file: a pipe would stay open as long as a worker outlived it). ``ignore``: signals the
-    process starts ignoring (nohup: SIGHUP; a shell script's background job: SIGINT)."""
+    process starts ignoring (nohup: SIGHUP; a shell script's background job: SIGINT).
+    ``slow_start``: 120 KiB of (absent) directories on sys.path, which multiprocessing sends each
+    new worker in its start-up data: more than a pipe holds (64 KiB), so the experiment waits in
+    that write until the new worker's interpreter is up and reads it, ~0.1 s after the worker
+    appears in /proc -- where a signal once cut the write short."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    code = ("import sys\n"
+    bulk = "sys.path += [f'/absent/{i:04d}/' + 'x' * 1000 for i in range(120)]\n" if slow_start else ""
+    code = ("import sys\n" + bulk +
             "from largebatch.experiments import runner\n"
             "runner.SIZE_OVERRIDES['smoke']['run.total_tokens'] = 50_000_000\n"
             "from largebatch.experiments.cli import main\n"
@@ -230,9 +235,12 @@ def _signalled(out: Path, send, ignore: tuple[int, ...] = ()) -> tuple[subproces
 def test_ctrl_c_while_the_workers_start_ends_in_one_line(tmp_path):
     """SIGINT to the experiment as soon as its workers exist, while they import torch and build
     their first arm (before the trainer takes SIGINT over): the parent passes it on, and each worker
-    ended in a KeyboardInterrupt traceback (60-100 lines) before the one-line summary."""
+    ended in a KeyboardInterrupt traceback (60-100 lines) before the one-line summary. The SIGINT
+    lands while the experiment writes the second worker its start-up data (``slow_start``): raised
+    there, it cut the write short and that worker died in multiprocessing's own start-up code with
+    an EOFError traceback; the runner now holds a signal until a worker's start is over."""
     out = tmp_path / "early"
-    experiment = _experiment(out)
+    experiment = _experiment(out, slow_start=True)
     workers = []
     try:
         workers = _workers(experiment.pid, 2)
@@ -293,3 +301,33 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
     assert stopped and all(list((arm / "checkpoints").glob("step_*")) for arm in stopped), err
     assert not left, "workers outlived the experiment"
     assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"
+
+
+def test_a_signal_while_a_worker_starts_is_raised_once_the_start_is_over():
+    """The runner's handler holds a signal that arrives while a worker process is being started and
+    raises it after, once (the first signal's number when two came); an error in the start itself
+    is raised as it is, not replaced by the held signal."""
+    from largebatch.experiments.runner import ArmsInterrupted, _Interrupt
+
+    interrupt = _Interrupt(lambda signum: ArmsInterrupted(signum, [], []))
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        reached = []
+        with pytest.raises(ArmsInterrupted) as caught:
+            with interrupt.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+                reached.append("the start went on")
+        assert reached and caught.value.signum == signal.SIGTERM
+        with pytest.raises(OSError, match="no such worker"):
+            with interrupt.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise OSError("no such worker")
+        with interrupt.held():  # nothing held over from before
+            pass
+        with pytest.raises(ArmsInterrupted):  # and not held outside
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -404,6 +404,37 @@ class ArmWorkerLost(RuntimeError):
         self.signum = signum
 
 
+class _Interrupt:
+    """The parent's handler for stopping.SIGNALS: raises ``make(signum)``, except while a worker
+    process is being started (``held()``), when the signal is kept and raised once the start is
+    over. multiprocessing's spawn writes the new process its start-up data after the process exists;
+    an exception raised in that write closes the pipe half-written, and the new process then dies
+    in multiprocessing's own start-up code with an EOFError traceback, before any code of ours
+    runs (a Ctrl-C in the first second of an experiment). A second signal while held keeps the
+    first one's number."""
+
+    def __init__(self, make: Callable[[int], BaseException]):
+        self.make = make
+        self.holding = False
+        self.kept: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.holding:
+            self.kept = signum if self.kept is None else self.kept
+            return
+        raise self.make(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding, self.kept = True, None
+        try:
+            yield
+        finally:
+            self.holding, signum, self.kept = False, self.kept, None
+        if signum is not None:  # (an error in the start is raised as it is: the process ends either way)
+            raise self.make(signum)
+
+
 _PARENT_CHECK_S = 2.0  # an idle worker looks this often whether its parent still lives
 
 
@@ -524,8 +555,7 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
     workers: list[tuple[Any, Any]] = []  # (process, the parent's end of its pipe)
     busy: dict[int, int] = {}  # worker number -> index of the arm it trains
 
-    def interrupt(signum, frame):
-        raise ArmsInterrupted(signum, [], [])
+    interrupt = _Interrupt(lambda signum: ArmsInterrupted(signum, [], []))
 
     def lost(w: int) -> ArmWorkerLost:
         """Worker ``w`` ended, or closed its pipe, without sending its arm's outcome."""
@@ -553,10 +583,11 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                     mine, theirs = ctx.Pipe()
                     process = ctx.Process(target=_arm_worker, args=(theirs, threads, os.getpid()),
                                           name=f"arms-{len(workers)}")
-                    with passive_openmp():
-                        process.start()
-                    theirs.close()  # the worker holds it now: its death reads as EOF here
-                    workers.append((process, mine))
+                    with interrupt.held():  # a signal now is raised once the worker is listed
+                        with passive_openmp():
+                            process.start()
+                        theirs.close()  # the worker holds it now: its death reads as EOF here
+                        workers.append((process, mine))
                     free = len(workers) - 1
                 index, (arm, run_dir, overrides) = pending.pop(0)
                 busy[free] = index
@@ -652,12 +683,11 @@ def map_in_processes(fn: Callable[..., Any], tasks: list[tuple], jobs: int, what
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_worker_start, initargs=(threads, os.getpid()))
 
-    def interrupt(signum, frame):
-        raise ArmsInterrupted(signum, [what], [])
-
+    interrupt = _Interrupt(lambda signum: ArmsInterrupted(signum, [what], []))
     previous = take_signals(interrupt)  # those not ignored (nohup)
     try:
-        futures = [pool.submit(fn, *task) for task in tasks]
+        with interrupt.held():  # the first submit starts the workers
+            futures = [pool.submit(fn, *task) for task in tasks]
         outcomes = [future.result() for future in futures]
     except BaseException as exc:
         for sig, handler in previous.items():  # a second signal now ends this process at once
