@@ -25,7 +25,7 @@ from largebatch.optim import LAMB, param_groups
 from largebatch.parallel import ParallelConfig, init_distributed, parallelize, rank_guard, shard_optimizer, unwrap
 from largebatch.parallel.materialize import build_on_meta, materialize
 from largebatch.parallel.pipeline import pipeline_parallelize
-from parallel_cases import batch, full, local_batch, loss_and_backward, states, tiny
+from parallel_cases import batch, full, joined, local_batch, loss_and_backward, states, tiny
 
 STEPS = 3
 
@@ -138,7 +138,7 @@ def pipeline_cases(results: dict, config: ParallelConfig, prefix: str) -> None:
         reference = build_model(cfg)
         rng_after = torch.get_rng_state()
         ref = dict(reference.named_parameters())
-        state = init_distributed(config)
+        state = joined(config)
         plain = pipeline_parallelize(copy.deepcopy(reference), state).model
         torch.manual_seed(0)
         model, log = build_on_meta(lambda: build_model(cfg))

@@ -87,12 +87,25 @@ def max_param_diff(model, reference) -> float:
                for n, p in unwrap(model).named_parameters())
 
 
+_JOINED: dict[str, object] = {}
+
+
+def joined(config: ParallelConfig):
+    """``init_distributed(config)``, once per distinct config in this process. Each call builds a
+    new device mesh, whose gloo groups (worker threads and sockets each) nothing frees: called per
+    case, a rank held over 500 threads and 700 file descriptors by the end of a file."""
+    key = repr(config)
+    if key not in _JOINED:
+        _JOINED[key] = init_distributed(config)
+    return _JOINED[key]
+
+
 def states(kind: str):
     """The meshes of the cases: tp = 2 (optionally with SP), and dp = 2 (DDP: 2 replicas, or FSDP: 2 shards)."""
     if kind == "fsdp":  # the mode decides the layout (dp_replicate x dp_shard)
-        return init_distributed(ParallelConfig(dp=2, dp_mode="fsdp"))
-    tp = init_distributed(ParallelConfig(tp=2))
-    dp = init_distributed(ParallelConfig(dp=2))
+        return joined(ParallelConfig(dp=2, dp_mode="fsdp"))
+    tp = init_distributed(ParallelConfig(tp=2))  # (not reused: inductor then failed in the compile case)
+    dp = joined(ParallelConfig(dp=2))
     return {"tp": tp, "sp": replace(tp, sequence_parallel=True), "ddp": dp,
             "tp_loss": replace(tp, loss_parallel=True),
             "sp_loss": replace(tp, sequence_parallel=True, loss_parallel=True)}[kind]
