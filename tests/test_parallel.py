@@ -86,7 +86,9 @@ def test_global_grad_norm_and_clipping(ranks, mode):
 
 def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
     """docs/papers.md: memory: LayerNorm inputs and dropout masks are stored whole under tensor parallel
-    alone (the 10sbh term is not divided by t) and divided by t with sequence parallel."""
+    alone (the 10sbh term is not divided by t) and divided by t with sequence parallel; and so are
+    the inputs of the column-parallel linears (q/k/v and fc1, 2sbh each at 16 bits), which keep
+    their sequence shard and gather it again in backward (torch alone kept the gathered input)."""
     t = 2
     s, b, h = cases.T, cases.B, 32
     fp32, mask = 4, 1  # bytes: the test runs in fp32; masks are bool
@@ -97,10 +99,12 @@ def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
         for region, tp_bytes in expected_tp.items():
             assert rank_results[f"memory/tp/{region}"] == tp_bytes
             assert rank_results[f"memory/sp/{region}"] * t == tp_bytes
-        # and that is ALL sequence parallel saves in torch: the column-parallel linears keep their
-        # all-gathered input (q/k/v and fc1 inputs, 2sbh each at 16 bits), which Megatron shards
+        # the rest of the paper's 10sbh(1 - 1/t): the two gathered linear inputs, kept as shards
         region_saving = sum(tp_bytes - rank_results[f"memory/sp/{r}"] for r, tp_bytes in expected_tp.items())
-        assert rank_results["memory/tp/block"] - rank_results["memory/sp/block"] == region_saving
+        linear_inputs = 2 * s * b * h * fp32
+        assert region_saving == (2 * ln_tp + 2 * drop_tp) * (1 - 1 / t)
+        assert rank_results["memory/tp/block"] - rank_results["memory/sp/block"] == \
+            region_saving + linear_inputs * (1 - 1 / t)
 
 
 def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):

@@ -17,9 +17,15 @@ and the norm/dropout activations of docs/papers.md: memory (LayerNorm inputs 4sb
 Everything no plan splits (the position embedding, LayerNorms outside SP, BERT's prediction head)
 runs whole on every rank with its parameters as replicated DTensors (``ReplicateParallel``).
 
-Note on what torch's SP stores: the column-parallel linears save their all-gathered (full-sequence)
-input, so unlike Megatron the q/k/v input and the fc1 input (2sbh each) are NOT divided by t; only
-the norm/dropout/residual regions are. See docs/parallel.md for the measured bytes.
+What backward keeps of the gathered input (Korthikanti et al. 2022 §4.2.2, end): the column-parallel
+linears need the whole sequence for their weight gradients. Left to torch, each saves the
+all-gathered input, so the q/k/v input and the fc1 input (2sbh each at 16 bits) are not divided by
+t. Entering a sub-layer (``SequenceGather``) therefore keeps only this rank's sequence shard in
+their place and all-gathers it again in backward, as Megatron does: the sequence-parallel layer
+then saves the paper's 34sbh/t + 5as^2b/t bytes. Where another saved-tensor mechanism owns the
+region (torch's activation checkpoint: full or op-level recomputation, which keeps none of it) or
+inside ``torch.compile``, the gathered input is left to torch. See docs/parallel.md for the
+measured bytes.
 """
 
 from __future__ import annotations
@@ -71,6 +77,122 @@ class ReplicateParallel(ParallelStyle):
                                  output_fn=self._local_output)
 
 
+class SequenceGather(ParallelStyle):
+    """A sub-layer's input under sequence parallel ("enter"): the local sequence shard is
+    all-gathered once (a replicated DTensor for the sub-layer's column-parallel linears; its backward
+    reduce-scatters), and what the linears save of the gathered input for backward is replaced by
+    the shard, gathered again when backward needs it (once per sub-layer: the q, k and v linears
+    share one gather). The same numbers: the shard gathered again is the tensor gathered before.
+
+    The saved tensors pass through any saved-tensor hooks already active (``saved_tensors_hooks``
+    of an enclosing measurement or CPU offload see the shard), except torch's activation-checkpoint
+    hooks, which then own the region: nothing is replaced there."""
+
+    def __init__(self, keep_shard: bool = True):
+        super().__init__()
+        self.keep_shard = keep_shard
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
+
+        def before(mod, args):
+            x, *rest = args
+            gathered = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False).redistribute(
+                device_mesh, (Replicate(),))
+            hooks = _ShardForBackward.for_forward(x, gathered) if self.keep_shard else None
+            if hooks is not None:
+                hooks.__enter__()
+            pushed.append(hooks)
+            return (gathered, *rest)
+
+        def after(mod, args, output):
+            hooks = pushed.pop() if pushed else None
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+                hooks.regathered.shard = None  # the saved views hold it (or what the outer hooks made of it)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after, always_call=True)  # popped even when forward raises
+        return module
+
+
+class _Regathered:
+    """The shard a sub-layer's forward kept in place of its gathered input, gathered again once for
+    every saved view of it that backward unpacks, then let go."""
+
+    def __init__(self, shard: torch.Tensor, gathered: DTensor):
+        self.shard, self.mesh = shard, gathered.device_mesh  # (the shard: until forward ends)
+        self.storage = gathered.to_local().untyped_storage().data_ptr()
+        self.pending, self.full = 0, None
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            with torch.no_grad():
+                self.full = DTensor.from_local(shard, self.mesh, (Shard(1),), run_check=False).redistribute(
+                    self.mesh, (Replicate(),)).to_local()
+        full = self.full
+        self.pending -= 1
+        if self.pending <= 0:  # every view unpacked: backward holds it only as long as it needs it
+            self.full = None
+        return full
+
+
+class _ShardForBackward(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks for one sub-layer's forward: a view of the gathered input is packed as
+    (the shard, the view's geometry); everything else, and the shard itself, goes to the hooks
+    that were active before (or is kept as it is)."""
+
+    @staticmethod
+    def for_forward(shard: torch.Tensor, gathered: DTensor) -> _ShardForBackward | None:
+        """The hooks for a forward that will save for backward, or None where nothing is replaced:
+        no autograd, hooks disabled, inside torch.compile, or inside an activation checkpoint."""
+        if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
+            return None
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint":
+            return None
+        gathered_local = gathered.to_local()
+        if not gathered_local.is_contiguous():  # (an all-gather's output is; the geometry below assumes it)
+            return None
+        return _ShardForBackward(_Regathered(shard.detach(), gathered), outer)
+
+    def __init__(self, regathered: _Regathered, outer):
+        self.regathered = regathered
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(t, DTensor) and local.untyped_storage().data_ptr() == regathered.storage:
+                regathered.pending += 1
+                shard = regathered.shard if outer_pack is None else outer_pack(regathered.shard)
+                return _View(regathered, shard, t, local)
+            return t if outer_pack is None else outer_pack(t)
+
+        def unpack(packed):
+            if isinstance(packed, _View):
+                return packed.rebuild(outer_unpack)
+            return packed if outer_unpack is None else outer_unpack(packed)
+
+        super().__init__(pack, unpack)
+
+
+class _View:
+    """A saved view of the gathered input, as its shard and the view's geometry."""
+
+    def __init__(self, regathered: _Regathered, shard, view: DTensor, local: torch.Tensor):
+        self.regathered, self.shard = regathered, shard
+        self.geometry = (local.size(), local.stride(), local.storage_offset())
+        self.spec = (view.device_mesh, view.placements, view.shape, view.stride())
+
+    def rebuild(self, outer_unpack) -> DTensor:
+        full = self.regathered.take(self.shard if outer_unpack is None else outer_unpack(self.shard))
+        mesh, placements, shape, stride = self.spec
+        with torch.no_grad():
+            local = full.as_strided(*self.geometry)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len: int | None = None) -> None:
     """ValueError naming the model field that tensor parallel size ``tp`` does not divide."""
     cfg = model.config
@@ -97,8 +219,8 @@ def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | N
                                              use_local_output=True) if sequence_parallel else None,
         # One DTensor input per sub-layer: q, k and v (or fc1) share it, so their partial input
         # gradients are summed locally and reduced ONCE when leaving the region (f in Megatron).
-        "enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                    use_local_output=False),
+        "enter": SequenceGather() if sequence_parallel else
+        PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False),
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=between),
         "norm": SequenceParallel(use_local_output=True) if sequence_parallel else None,
