@@ -475,6 +475,19 @@ def fail_on_rank_one() -> None:
             dist.all_reduce(torch.ones(1))
 
 
+def abort_on_rank_one() -> None:
+    """Rank 1 dies of a native abort (SIGABRT, as glibc ends a process whose heap it finds
+    corrupted) after joining, in a function whose name its Python stack shows. faulthandler is
+    switched off first: joining through init_distributed switches it on, as under torchrun."""
+    import faulthandler
+    import os
+
+    faulthandler.disable()
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=60))
+    if state.rank == 1:
+        os.abort()
+
+
 def stuck_rank_one() -> None:
     """Rank 1 is alive but never joins the collective; rank 0 must give up after timeout_s."""
     import time

@@ -25,6 +25,16 @@ def test_failing_rank_is_named_and_the_job_ends():
     assert time.monotonic() - start < 40  # far below the 60 s collective timeout: no waiting on the dead
 
 
+def test_a_rank_killed_by_a_native_crash_is_named_and_leaves_its_python_stack(capfd):
+    """A spawned rank that dies of a fatal signal raises no Python exception: the parent learns only
+    the signal. faulthandler has the rank write every thread's Python stack to stderr first."""
+    with pytest.raises(RankFailure) as info:
+        spawn(cases.abort_on_rank_one, 2)
+    assert "rank 1 of 2 exited before finishing" in str(info.value) and "SIGABRT" in str(info.value)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "abort_on_rank_one" in err, err[-3000:]
+
+
 def test_stuck_rank_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -14,6 +14,7 @@ failure" report plays the same role); this is its single-machine, in-Python twin
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -39,6 +40,9 @@ def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, 
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
+    # a rank killed by a fatal signal (a native crash: SIGSEGV, SIGABRT) writes every thread's Python
+    # stack to stderr first, where the parent only learns the signal's name
+    faulthandler.enable(all_threads=True)
     try:
         fn(*args)
     except BaseException:

@@ -23,6 +23,7 @@ because a peer died is labelled as such, so the job's log points at the rank tha
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -242,6 +243,8 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                                 **_restart_store(world_size, timeout),
                                 **({"device_id": device} if use_cuda else {}))
         _JOINED = True
+        if not faulthandler.is_enabled():  # a native crash (SIGSEGV, SIGABRT) of a rank, which
+            faulthandler.enable(all_threads=True)  # torchrun reports by the signal alone: its Python stacks
     mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
             "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")}  # ParallelState.stage_group
