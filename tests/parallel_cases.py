@@ -307,34 +307,43 @@ def memory_cases(results: dict) -> None:
 
 # ------------------------------------------------------------------------------ noise scale (DDP)
 def noise_scale_cases(results: dict) -> None:
-    idx, targets = batch("gpt")
-    torch.manual_seed(0)
-    model0 = build_model(tiny("gpt"))
+    """The DDP inputs of the noise scale against each dp half's own mean gradient, computed in one
+    process: GPT (every half has the same target count) and BERT (masked positions unevenly spread
+    over the halves, so the trainer's loss scale dp / N_step is not the half's own 1 / N_half)."""
     state = states("ddp")
-    micro = micro_batches_per_rank(B, 1, state.dp_size)  # 2 micro-batches of 1 sequence per rank
-    model = parallelize(copy.deepcopy(model0), state)
-    recorder = LocalGradNorm.install(model, state)
-    mine_idx, mine_targets = local_batch(state, idx, targets)
-    n_targets = global_sum(int(mine_targets.numel()), state)
-    for i in range(micro):
-        with gradient_sync(model, enabled=i == micro - 1):
-            _, loss_sum = model(mine_idx[i:i + 1], mine_targets[i:i + 1], reduction="sum")
-            (loss_sum * state.dp_size / n_targets).backward()
-    local_sq = recorder.take()
-    big_sq = global_grad_norm(list(unwrap(model).parameters()), state) ** 2
-    small, b_small, big, b_big = noise_scale_inputs(local_sq, big_sq, B // state.dp_size, state)
-    # reference: each half's own mean gradient (scaled as the trainer scales it), in one process
-    refs = []
-    for half in range(state.dp_size):
-        reference = copy.deepcopy(model0)
-        rows = slice(half * B // 2, (half + 1) * B // 2)
-        _, loss_sum = reference(idx[rows], targets[rows], reduction="sum")
-        (loss_sum * state.dp_size / targets.numel()).backward()
-        refs.append(sum(float(p.grad.double().square().sum()) for p in reference.parameters()))
-    results["noise/local_sq_rel_err"] = abs(float(local_sq) - refs[state.dp_rank]) / refs[state.dp_rank]
-    small = float(small)  # a device tensor: the trainer reads it only when it logs
-    results["noise/mean_small_rel_err"] = abs(small - sum(refs) / len(refs)) / small
-    results["noise/batches"] = [b_small, b_big]
+    for kind in ("gpt", "bert"):
+        idx, targets = batch(kind)
+        torch.manual_seed(0)
+        model0 = build_model(tiny(kind))
+        micro = micro_batches_per_rank(B, 1, state.dp_size)  # 2 micro-batches of 1 sequence per rank
+        model = parallelize(copy.deepcopy(model0), state)
+        recorder = LocalGradNorm.install(model, state)
+        mine_idx, mine_targets = local_batch(state, idx, targets)
+        n_local = int((mine_targets != -100).sum())
+        n_targets = global_sum(n_local, state)
+        for i in range(micro):
+            with gradient_sync(model, enabled=i == micro - 1):
+                _, loss_sum = model(mine_idx[i:i + 1], mine_targets[i:i + 1], reduction="sum")
+                (loss_sum * state.dp_size / n_targets).backward()
+        local_sq = recorder.take()
+        big_sq = global_grad_norm(list(unwrap(model).parameters()), state) ** 2
+        small, b_small, big, b_big = noise_scale_inputs(local_sq, big_sq, B // state.dp_size, state,
+                                                        n_local, n_targets)
+        refs, counts = [], []  # each half's own mean gradient, in float64, in one process
+        for half in range(state.dp_size):
+            reference = copy.deepcopy(model0).double()
+            rows = slice(half * B // 2, (half + 1) * B // 2)
+            _, loss_sum = reference(idx[rows], targets[rows], reduction="sum")
+            counts.append(int((targets[rows] != -100).sum()))
+            (loss_sum / counts[-1]).backward()
+            refs.append(sum(float(p.grad.square().sum()) for p in reference.parameters()))
+        key = f"noise/{kind}"
+        results[f"{key}/target_counts"] = counts
+        small = float(small)  # a device tensor: the trainer reads it only when it logs
+        results[f"{key}/mean_small_rel_err"] = abs(small - sum(refs) / len(refs)) / small
+        uncorrected = float(noise_scale_inputs(local_sq, big_sq, B // state.dp_size, state)[0])
+        results[f"{key}/uncorrected_rel_err"] = abs(uncorrected - sum(refs) / len(refs)) / small
+        results[f"{key}/batches"] = [b_small, b_big]
 
 
 # ------------------------------------------------------------------------------------ checkpoints

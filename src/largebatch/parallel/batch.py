@@ -76,7 +76,8 @@ def _record_then_allreduce(recorder, bucket):  # no annotations: DDP checks them
 
 
 def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor, local_batch: int,
-                       state: ParallelState) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+                       state: ParallelState, local_targets: int | None = None,
+                       step_targets: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor, int]:
     """(|G_small|^2, B_small, |G_big|^2, B_big) for largebatch.schedules.NoiseScale.update.
 
     local_squared: this rank's squared gradient norm over its ``local_batch`` sequences (before
@@ -85,11 +86,19 @@ def noise_scale_inputs(local_squared: torch.Tensor, global_squared: torch.Tensor
     over the dp group -- over the whole job under pp, which also sums the stages' parts (replicas
     hold whole tensors: no tensor parallel). The norms stay device tensors (no host read): the
     trainer feeds them to the estimator when it logs.
+
+    local_targets, step_targets: this rank's target count and the step's over all ranks, when the
+    rank's loss was scaled by dp / step_targets (the trainer's convention): its gradient is then its
+    own mean gradient times dp x local_targets / step_targets, which is 1 only when every rank has
+    the same count (a causal LM; not masked-LM batches), so its squared norm is scaled back by the
+    square of the inverse first. A rank without targets has no mean gradient and adds 0.
     """
     if state.dp_size < 2:
         raise ValueError("noise_scale_inputs needs dp >= 2 (two batch sizes); at dp = 1 estimate from "
                          "one micro-batch vs the accumulated step instead")
     mean_local = local_squared.detach().double().clone()
+    if local_targets is not None and step_targets is not None:
+        mean_local *= (step_targets.double() / (state.dp_size * local_targets)).square() if local_targets else 0.0
     dist.all_reduce(mean_local, group=state.dp_group if state.pp_size == 1 else None)
     mean_local /= state.dp_size
     return mean_local, local_batch, global_squared.detach(), local_batch * state.dp_size

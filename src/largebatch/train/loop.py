@@ -359,7 +359,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             after = rank_samples(range(pos.samples + batch_size,
                                        pos.samples + batch_size + self._step_batch(ends_at)), par)
             self.prefetch.prefetch([after[i:i + mb] for i in range(0, len(after), mb)])
-        n_targets = global_sum(sum(target_count(b) for b in micro_batches), par)  # (), on the device
+        n_local = sum(target_count(b) for b in micro_batches)
+        n_targets = global_sum(n_local, par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = n_targets.reciprocal() * par.dp_size  # (dp_size / n_targets, without its Python wrapper)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -393,7 +394,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         replica_sq = (self.local_grad_norm.take() if self.local_grad_norm is not None
                       else self.pipeline.local_squared if self.pipeline else None)
         if replica_sq is not None:  # DDP: this rank's batch vs all ranks' batch
-            noise_inputs = noise_scale_inputs(replica_sq, grad_norm.square(), len(indices), par)
+            noise_inputs = noise_scale_inputs(replica_sq, grad_norm.square(), len(indices), par, n_local, n_targets)
         elif small_sq is not None:
             noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
