@@ -22,6 +22,7 @@ from largebatch.models import ModelConfig, build_model
 from largebatch.optim import LAMB, LANS, LARS, param_groups
 from largebatch.parallel import (
     ParallelConfig,
+    apply_tensor_parallel,
     clip_grad_norm_,
     global_grad_norm,
     gradient_sync,
@@ -303,6 +304,24 @@ def memory_cases(results: dict) -> None:
         sizes = saved_region_bytes(parallelize(copy.deepcopy(model0), state), state, idx, targets)
         for region, n in sizes.items():
             results[f"memory/{mode}/{region}"] = n
+    # the whole block under sequence parallel, with and without the shard kept for backward (torch's
+    # own), in fp32 and under bf16 autocast (which hands each linear its own bf16 copy of the input)
+    state = states("sp")
+    for autocast in (False, True):
+        for regather in (True, False):
+            model = apply_tensor_parallel(copy.deepcopy(model0), state.tp_mesh, True, regather=regather)
+            torch.manual_seed(1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                sizes = saved_region_bytes(model, state, idx, targets)
+            results[f"memory/sp_regather={regather}/autocast={autocast}/block"] = sizes["block"]
+    grads = []  # the bf16 copies rebuilt in backward: the same gradients as torch's own, bit for bit
+    for regather in (True, False):
+        model = apply_tensor_parallel(copy.deepcopy(model0), state.tp_mesh, True, regather=regather)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_and_backward(model, state, idx, targets)
+        grads.append([full(p.grad) for p in model.parameters()])
+    results["memory/sp_regather/autocast_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
 
 
 # ------------------------------------------------------------------------------ noise scale (DDP)

@@ -105,6 +105,15 @@ def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
         assert region_saving == (2 * ln_tp + 2 * drop_tp) * (1 - 1 / t)
         assert rank_results["memory/tp/block"] - rank_results["memory/sp/block"] == \
             region_saving + linear_inputs * (1 - 1 / t)
+        # against torch's own sequence parallel (the gathered input saved): in fp32 each sub-layer
+        # keeps s/t of its input instead of all of it; under bf16 autocast each linear (q, k, v; fc1)
+        # saved its own bf16 copy of the whole input, where the fp32 shard is kept once per sub-layer
+        key = "memory/sp_regather={}/autocast={}/block"
+        fp32_saving = 2 * (s * b * h * fp32) * (1 - 1 / t)
+        bf16_saving = (4 * s * b * h * 2) - 2 * (s * b * h * fp32) / t
+        assert rank_results[key.format(False, False)] - rank_results[key.format(True, False)] == fp32_saving
+        assert rank_results[key.format(False, True)] - rank_results[key.format(True, True)] == bf16_saving
+        assert rank_results["memory/sp_regather/autocast_grad_diff"] == 0.0
 
 
 def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):

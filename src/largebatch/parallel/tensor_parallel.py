@@ -22,7 +22,9 @@ linears need the whole sequence for their weight gradients. Left to torch, each 
 all-gathered input, so the q/k/v input and the fc1 input (2sbh each at 16 bits) are not divided by
 t. Entering a sub-layer (``SequenceGather``) therefore keeps only this rank's sequence shard in
 their place and all-gathers it again in backward, as Megatron does: the sequence-parallel layer
-then saves the paper's 34sbh/t + 5as^2b/t bytes. Where another saved-tensor mechanism owns the
+then saves the paper's 34sbh/t + 5as^2b/t bytes. Under autocast each linear saves its own
+low-precision copy of the gathered input; those copies are recognised by their autograd history
+and rebuilt from the shard too. Where another saved-tensor mechanism owns the
 region (torch's activation checkpoint: full or op-level recomputation, which keeps none of it) or
 inside ``torch.compile``, the gathered input is left to torch. See docs/parallel.md for the
 measured bytes.
@@ -109,7 +111,8 @@ class SequenceGather(ParallelStyle):
             hooks = pushed.pop() if pushed else None
             if hooks is not None:
                 hooks.__exit__(None, None, None)
-                hooks.regathered.shard = None  # the saved views hold it (or what the outer hooks made of it)
+                hooks.regathered.shard = hooks.regathered.gathered_node = None  # the saved views hold
+                hooks.regathered.packed = None  # the shard (or what the outer hooks made of it)
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after, always_call=True)  # popped even when forward raises
@@ -121,9 +124,30 @@ class _Regathered:
     every saved view of it that backward unpacks, then let go."""
 
     def __init__(self, shard: torch.Tensor, gathered: DTensor):
-        self.shard, self.mesh = shard, gathered.device_mesh  # (the shard: until forward ends)
+        self.shard, self.mesh = shard, gathered.device_mesh  # (both until forward ends)
+        self.gathered_node, self.numel = gathered.grad_fn, gathered.numel()
         self.storage = gathered.to_local().untyped_storage().data_ptr()
-        self.pending, self.full = 0, None
+        self.pending, self.full, self.packed = 0, None, None
+
+    def cast_of_gathered(self, t: DTensor, local: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of a whole copy of the gathered input in another dtype: what
+        autocast hands each linear (a bf16 copy per linear), found through its autograd history
+        (views and one dtype cast back to the gathered input). Rebuilt by casting again."""
+        if self.gathered_node is None or local.untyped_storage().nbytes() != self.numel * local.element_size():
+            return False
+        node, cast = t.grad_fn, False
+        for _ in range(4):
+            if node is None:
+                return False
+            if node is self.gathered_node:
+                return cast
+            name = node.name()
+            if name.startswith("ToCopyBackward") and not cast:
+                cast = True
+            elif not name.startswith(("ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward")):
+                return False
+            node = node.next_functions[0][0] if node.next_functions else None
+        return False
 
     def take(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
@@ -162,11 +186,15 @@ class _ShardForBackward(torch.autograd.graph.saved_tensors_hooks):
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            if isinstance(t, DTensor) and local.untyped_storage().data_ptr() == regathered.storage:
-                regathered.pending += 1
-                shard = regathered.shard if outer_pack is None else outer_pack(regathered.shard)
-                return _View(regathered, shard, t, local)
+            if isinstance(t, DTensor) and regathered.shard is not None:
+                local = t.to_local()
+                same = local.untyped_storage().data_ptr() == regathered.storage
+                if same or regathered.cast_of_gathered(t, local):
+                    regathered.pending += 1
+                    if regathered.packed is None:  # the shard goes to the outer hooks once
+                        regathered.packed = (regathered.shard if outer_pack is None
+                                             else outer_pack(regathered.shard))
+                    return _View(regathered, regathered.packed, t, local, None if same else t.dtype)
             return t if outer_pack is None else outer_pack(t)
 
         def unpack(packed):
@@ -178,10 +206,12 @@ class _ShardForBackward(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _View:
-    """A saved view of the gathered input, as its shard and the view's geometry."""
+    """A saved view of the gathered input (or of a whole copy of it in another dtype: ``cast``), as
+    its shard and the view's geometry."""
 
-    def __init__(self, regathered: _Regathered, shard, view: DTensor, local: torch.Tensor):
-        self.regathered, self.shard = regathered, shard
+    def __init__(self, regathered: _Regathered, shard, view: DTensor, local: torch.Tensor,
+                 cast: torch.dtype | None):
+        self.regathered, self.shard, self.cast = regathered, shard, cast
         self.geometry = (local.size(), local.stride(), local.storage_offset())
         self.spec = (view.device_mesh, view.placements, view.shape, view.stride())
 
@@ -189,7 +219,7 @@ class _View:
         full = self.regathered.take(self.shard if outer_unpack is None else outer_unpack(self.shard))
         mesh, placements, shape, stride = self.spec
         with torch.no_grad():
-            local = full.as_strided(*self.geometry)
+            local = (full if self.cast is None else full.to(self.cast)).as_strided(*self.geometry)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
@@ -204,9 +234,11 @@ def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len:
         check_tp_divides(tp, name, value)
 
 
-def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | None]:
+def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True) -> dict[str, object | None]:
     """torch's ParallelStyle for each role a model's plan may give (largebatch.models.registry.TP_ROLES);
-    None where the role needs nothing (a sequence-parallel-only role without sequence parallel)."""
+    None where the role needs nothing (a sequence-parallel-only role without sequence parallel).
+    ``regather``: under sequence parallel, a sub-layer keeps its input's sequence shard for backward
+    and gathers it again there (``SequenceGather``); False leaves the gathered input to torch."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
@@ -219,7 +251,7 @@ def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | N
                                              use_local_output=True) if sequence_parallel else None,
         # One DTensor input per sub-layer: q, k and v (or fc1) share it, so their partial input
         # gradients are summed locally and reduced ONCE when leaving the region (f in Megatron).
-        "enter": SequenceGather() if sequence_parallel else
+        "enter": SequenceGather(keep_shard=regather) if sequence_parallel else
         PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False),
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=between),
@@ -230,10 +262,11 @@ def styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, object | N
     }
 
 
-def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = False) -> dict[str, object]:
+def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = False,
+               regather: bool = True) -> dict[str, object]:
     """The model kind's plan (its ``tp_plan``: module name -> role) as torch's styles, ``blocks.*.``
     expanded to the blocks this rank holds and the modules it does not hold (pipeline) left out."""
-    by_role = styles(sequence_parallel, loss_parallel)
+    by_role = styles(sequence_parallel, loss_parallel, regather)
     plan: dict[str, object] = {}
     for name, role in model_spec(model.config.kind).tp_plan(model).items():
         if role not in by_role:
@@ -246,7 +279,7 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
-                          loss_parallel: bool = False) -> nn.Module:
+                          loss_parallel: bool = False, regather: bool = True) -> nn.Module:
     """Shard ``model`` (a registered model kind) over ``tp_mesh`` in place, by the plan its kind
     declares; keeps ties (an output projection sharing the token embedding's weight).
 
@@ -254,9 +287,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     computed on the shards; forward AND backward must then run inside
     ``torch.distributed.tensor.parallel.loss_parallel()`` (``ParallelState.loss_context()``). The
     returned loss is a plain tensor either way.
+
+    regather (sequence parallel only): the column-parallel linears keep their input's sequence
+    shard for backward and gather it again there (Korthikanti et al. 2022, 2sbh(1 - 1/t) bytes less
+    per sub-layer at 16 bits, one more all-gather per sub-layer in backward); False keeps torch's
+    own behaviour (the gathered input saved).
     """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
-    plan = model_plan(model, sequence_parallel, loss_parallel)
+    plan = model_plan(model, sequence_parallel, loss_parallel, regather)
     # weights shared by planned modules (tied embeddings): both are sharded Shard(0) over the
     # vocabulary; afterwards they share the first one's DTensor again
     first_of: dict[int, str] = {}
