@@ -506,11 +506,16 @@ def fail_on_rank_one() -> None:
 def abort_on_rank_one() -> None:
     """Rank 1 dies of a native abort (SIGABRT, as glibc ends a process whose heap it finds
     corrupted) after joining, in a function whose name its Python stack shows. faulthandler is
-    switched off first: joining through init_distributed switches it on, as under torchrun."""
+    switched off first: joining through init_distributed switches it on, as under torchrun. Rank 0
+    joins with a stderr that has no file descriptor (a notebook's): joining must not fail there."""
     import faulthandler
+    import io
     import os
+    import sys
 
     faulthandler.disable()
+    if int(os.environ["RANK"]) == 0:
+        sys.stderr = io.StringIO()
     state = init_distributed(ParallelConfig(dp=2, timeout_s=60))
     if state.rank == 1:
         os.abort()

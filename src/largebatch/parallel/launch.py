@@ -14,7 +14,6 @@ failure" report plays the same role); this is its single-machine, in-Python twin
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import socket
 import tempfile
@@ -26,7 +25,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from largebatch.parallel.mesh import RankFailure, end_process, leave_process_group
+from largebatch.parallel.mesh import RankFailure, _enable_faulthandler, end_process, leave_process_group
 
 
 def free_port() -> int:
@@ -40,9 +39,7 @@ def _entry(local_rank: int, fn: Callable, nprocs: int, port: int, threads: int, 
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    # a rank killed by a fatal signal (a native crash: SIGSEGV, SIGABRT) writes every thread's Python
-    # stack to stderr first, where the parent only learns the signal's name
-    faulthandler.enable(all_threads=True)
+    _enable_faulthandler()  # a native crash: the parent learns only the signal's name
     try:
         fn(*args)
     except BaseException:

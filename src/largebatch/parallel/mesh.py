@@ -219,6 +219,18 @@ def check_backend(cfg: ParallelConfig) -> None:
         raise ValueError("parallel.backend = 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on CPU")
 
 
+def _enable_faulthandler() -> None:
+    """Have a native crash of this rank (SIGSEGV, SIGABRT from glibc finding its heap corrupted),
+    which torchrun reports by the signal alone, write every thread's Python stack to stderr first;
+    nothing where it is on already or stderr is no file (a notebook's stream)."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(all_threads=True)
+    except (OSError, ValueError, RuntimeError, AttributeError):  # no file descriptor behind sys.stderr
+        pass
+
+
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1. A process
     that joined ends best through ``end_process``."""
@@ -243,8 +255,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                                 **_restart_store(world_size, timeout),
                                 **({"device_id": device} if use_cuda else {}))
         _JOINED = True
-        if not faulthandler.is_enabled():  # a native crash (SIGSEGV, SIGABRT) of a rank, which
-            faulthandler.enable(all_threads=True)  # torchrun reports by the signal alone: its Python stacks
+        _enable_faulthandler()
     mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
             "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")}  # ParallelState.stage_group
