@@ -99,8 +99,9 @@ class SequenceGather(ParallelStyle):
 
         def before(mod, args):
             x, *rest = args
-            gathered = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False).redistribute(
-                device_mesh, (Replicate(),))
+            if not isinstance(x, DTensor):  # (the local shard of a sequence-parallel region)
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            gathered, x = x.redistribute(device_mesh, (Replicate(),)), x.to_local()
             hooks = _ShardForBackward.for_forward(x, gathered) if self.keep_shard else None
             if hooks is not None:
                 hooks.__enter__()
