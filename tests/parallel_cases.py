@@ -105,7 +105,7 @@ def states(kind: str):
     """The meshes of the cases: tp = 2 (optionally with SP), and dp = 2 (DDP: 2 replicas, or FSDP: 2 shards)."""
     if kind == "fsdp":  # the mode decides the layout (dp_replicate x dp_shard)
         return joined(ParallelConfig(dp=2, dp_mode="fsdp"))
-    tp = init_distributed(ParallelConfig(tp=2))  # (not reused: inductor then failed in the compile case)
+    tp = joined(ParallelConfig(tp=2))
     dp = joined(ParallelConfig(dp=2))
     return {"tp": tp, "sp": replace(tp, sequence_parallel=True), "ddp": dp,
             "tp_loss": replace(tp, loss_parallel=True),

@@ -69,7 +69,7 @@ class ParallelState:
     pp_split: list[int] | None = None
     device: torch.device = torch.device("cpu")
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh, dimensions DIMS
-    flat: dict | None = None  # the flattened meshes by name: "dp" (dp_replicate x dp_shard), "dp_tp"
+    flat: dict | None = None  # meshes built once, by name: "dp" (dp_replicate x dp_shard), "dp_tp", "tp"
 
     def size(self, dim: str) -> int:
         return getattr(self, f"{dim}_size")
@@ -114,7 +114,16 @@ class ParallelState:
 
     @property
     def tp_mesh(self):
-        return None if self.mesh is None else self.mesh["tp"]
+        """The tensor-parallel mesh: ONE object per mesh (built by init_distributed and shared by the
+        states ``dataclasses.replace`` makes). ``mesh["tp"]`` builds a new, equal submesh on every
+        call; after a model was sharded eagerly on one such object, compiling another on a newer one
+        made torch's tracer rebuild the older one in the graph, which inductor refuses
+        ("device_mesh._get_submesh is not an OpOverload")."""
+        if self.mesh is None:
+            return None
+        if self.flat is not None and "tp" in self.flat:
+            return self.flat["tp"]
+        return self.mesh["tp"]
 
     @property
     def dp_group(self):
@@ -258,7 +267,8 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
         _enable_faulthandler()
     mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
     flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
-            "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")}  # ParallelState.stage_group
+            "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp"),  # ParallelState.stage_group
+            "tp": mesh["tp"]}  # ParallelState.tp_mesh
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                          pp_rank=mesh.get_local_rank("pp"), pp_size=pp,
                          dp_rank=flat["dp"].get_local_rank(), dp_size=dp,
