@@ -565,6 +565,41 @@ def finish_after_ddp(out_dir: str) -> None:
     dist.barrier()
 
 
+def peer_lost_during_save(out_dir: str) -> None:
+    """Rank 1 leaves the job in the middle of a distributed save (its group destroyed where its
+    shard would be written: its peer's collectives fail), then waits for rank 0's record. Rank 0
+    records how its save ended and which temporaries are left in the checkpoint directory."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import largebatch.checkpoint.distributed as distributed_checkpoint
+
+    state = init_distributed(ParallelConfig(dp=2, timeout_s=5))
+    out = Path(out_dir)
+    model = parallelize(build_model(tiny("gpt")), state)
+    optimizer = shard_optimizer(LAMB(param_groups(unwrap(model)), lr=0.01), state)
+    record = out / "save_rank0.json"
+    if state.rank == 1:
+        def leave(*args, **kwargs):
+            dist.destroy_process_group()
+            deadline = time.monotonic() + 60
+            while not record.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0)
+
+        distributed_checkpoint.dcp.save = leave  # (this process only)
+    try:
+        save_distributed(out / "run", 1, model, optimizer, {"step": 1}, state)
+        outcome = "saved"
+    except BaseException as exc:  # noqa: BLE001 -- whatever the lost peer makes the collectives raise
+        outcome = type(exc).__name__
+    left = sorted(p.name for p in (out / "run" / "checkpoints").iterdir())
+    record.write_text(json.dumps({"outcome": outcome, "left": left}))
+    os._exit(0)  # (the group cannot be left: the peer is gone)
+
+
 if __name__ == "__main__":  # PYTHONPATH=src python tests/parallel_cases.py: print what the ranks measured
     import sys
     import tempfile

@@ -35,6 +35,17 @@ def test_a_rank_killed_by_a_native_crash_is_named_and_leaves_its_python_stack(ca
     assert "Fatal Python error: Aborted" in err and "abort_on_rank_one" in err, err[-3000:]
 
 
+def test_a_save_that_loses_a_peer_removes_its_temporary(tmp_path):
+    """A peer lost in the middle of a distributed save: rank 0's save raises and its partial
+    temporary is removed at once (it used to stay until the next save, on a shared disk)."""
+    import json
+
+    spawn(cases.peer_lost_during_save, 2, str(tmp_path))
+    record = json.loads((tmp_path / "save_rank0.json").read_text())
+    assert record["outcome"] != "saved", record
+    assert record["left"] == [], record
+
+
 def test_stuck_rank_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

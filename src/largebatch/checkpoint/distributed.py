@@ -18,7 +18,8 @@ Crash safety, as the single-process checkpoints of largebatch.checkpoint.local: 
 into ``.step_00000123.dcp.tmp/``; after a barrier rank 0 adds ``extra.pt``, fsyncs, and renames the
 directory into place (atomic on POSIX); only then are older checkpoints beyond ``keep_last``
 removed. A reader never lists temporaries, and a temporary left by a killed save is removed by the
-next save. A failed write on any rank (a full or read-only disk) fails the save on every rank with
+next save (a save that fails on rank 0 for any other reason, e.g. a peer lost mid-save, removes it
+at once). A failed write on any rank (a full or read-only disk) fails the save on every rank with
 one :class:`~largebatch.checkpoint.local.CheckpointError` naming the checkpoint, the cause and the
 checkpoint still intact; the partial temporary is removed.
 """
@@ -100,6 +101,17 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
     if state.is_main:
         ckdir.mkdir(parents=True, exist_ok=True)
         remove_temporaries(ckdir)  # left by saves that were killed
+    try:
+        return _save_into(tmp, final, run_dir, model, optimizer, extra, state, keep_last)
+    except BaseException:  # (a peer lost mid-save: its collectives raise; a signal's exception)
+        if state.is_main:  # its partial temporary goes now, not at the next save (a shared disk's space)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer, extra: dict[str, Any], state: ParallelState,
+               keep_last: int) -> Path:
     _barrier(state)
     model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
     failure: tuple[int, OSError] | None = None
