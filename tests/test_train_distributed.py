@@ -223,11 +223,13 @@ def _kill_rank_one_after_a_checkpoint(proc, out) -> list[int]:
 def _rank_failure_lines(err: str) -> list[str]:
     """Each rank's one-line report of its failure: the command's error line, or -- when torchrun stops
     a rank once another has exited, before that rank printed it -- the line rank_guard prints first.
-    Both ranks must be named."""
+    Both ranks fail the same way at nearly the same moment, and torchrun stops the slower one as soon
+    as the first has exited: on a loaded machine that can come before even rank_guard's line (once
+    seen in a fresh-clone run of the suite; torchrun's summary then lists only the first). So at
+    least one rank's own line; the other's when it got to print it."""
     lines = [line for line in err.splitlines()
              if line.startswith(("largebatch train: error: rank ", "[largebatch] rank "))]
-    for rank in (0, 1):
-        assert any(f"rank {rank}/2 " in line for line in lines), (rank, err[-3000:])
+    assert any(f"rank {rank}/2 " in line for line in lines for rank in (0, 1)), err[-3000:]
     return lines
 
 def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, ddp_run, tmp_path):

@@ -103,6 +103,8 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
         remove_temporaries(ckdir)  # left by saves that were killed
     try:
         return _save_into(tmp, final, run_dir, model, optimizer, extra, state, keep_last)
+    except CheckpointError:  # a failed write: every rank agreed, and the temporary is gone already
+        raise
     except BaseException:  # (a peer lost mid-save: its collectives raise; a signal's exception)
         if state.is_main:  # its partial temporary goes now, not at the next save (a shared disk's space)
             shutil.rmtree(tmp, ignore_errors=True)
