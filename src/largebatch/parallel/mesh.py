@@ -79,7 +79,8 @@ class ParallelState:
         return {dim: getattr(self, f"{dim}_rank") for dim in DIMS}
 
     def submesh(self, dim: str):
-        """The mesh along one dimension of DIMS, or a flattened one ("dp", "dp_tp")."""
+        """The mesh along one dimension of DIMS, or a flattened one ("dp", "dp_tp"): the one built by
+        init_distributed where there is one."""
         if self.mesh is None:
             return None
         return self.flat[dim] if self.flat and dim in self.flat else self.mesh[dim]
@@ -119,11 +120,7 @@ class ParallelState:
         call; after a model was sharded eagerly on one such object, compiling another on a newer one
         made torch's tracer rebuild the older one in the graph, which inductor refuses
         ("device_mesh._get_submesh is not an OpOverload")."""
-        if self.mesh is None:
-            return None
-        if self.flat is not None and "tp" in self.flat:
-            return self.flat["tp"]
-        return self.mesh["tp"]
+        return self.submesh("tp")
 
     @property
     def dp_group(self):

@@ -79,6 +79,11 @@ class ReplicateParallel(ParallelStyle):
                                  output_fn=self._local_output)
 
 
+def _gathered(shard: torch.Tensor, mesh) -> DTensor:
+    """The whole sequence from this rank's shard (dimension 1), replicated over ``mesh``."""
+    return DTensor.from_local(shard, mesh, (Shard(1),), run_check=False).redistribute(mesh, (Replicate(),))
+
+
 class SequenceGather(ParallelStyle):
     """A sub-layer's input under sequence parallel ("enter"): the local sequence shard is
     all-gathered once (a replicated DTensor for the sub-layer's column-parallel linears; its backward
@@ -99,9 +104,10 @@ class SequenceGather(ParallelStyle):
 
         def before(mod, args):
             x, *rest = args
-            if not isinstance(x, DTensor):  # (the local shard of a sequence-parallel region)
-                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
-            gathered, x = x.redistribute(device_mesh, (Replicate(),)), x.to_local()
+            if isinstance(x, DTensor):  # (a model of one's own may hand one on)
+                gathered, x = x.redistribute(device_mesh, (Replicate(),)), x.to_local()
+            else:  # the local shard of a sequence-parallel region
+                gathered = _gathered(x, device_mesh)
             hooks = _ShardForBackward.for_forward(x, gathered) if self.keep_shard else None
             if hooks is not None:
                 hooks.__enter__()
@@ -153,8 +159,7 @@ class _Regathered:
     def take(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
             with torch.no_grad():
-                self.full = DTensor.from_local(shard, self.mesh, (Shard(1),), run_check=False).redistribute(
-                    self.mesh, (Replicate(),)).to_local()
+                self.full = _gathered(shard, self.mesh).to_local()
         full = self.full
         self.pending -= 1
         if self.pending <= 0:  # every view unpacked: backward holds it only as long as it needs it
@@ -177,8 +182,7 @@ class _ShardForBackward(torch.autograd.graph.saved_tensors_hooks):
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is not None and getattr(outer[0], "__module__", "") == "torch.utils.checkpoint":
             return None
-        gathered_local = gathered.to_local()
-        if not gathered_local.is_contiguous():  # (an all-gather's output is; the geometry below assumes it)
+        if not gathered.to_local().is_contiguous():  # (an all-gather's output is; the geometry assumes it)
             return None
         return _ShardForBackward(_Regathered(shard.detach(), gathered), outer)
 
