@@ -1,14 +1,17 @@
-"""Sequence parallel with the shard kept for backward (gathered again there) against torch's own
-(the gathered input saved): step time and saved bytes, interleaved, as ratios.
+"""Sequence parallel with the shard kept for backward (gathered again there, started early or when
+needed) against torch's own (the gathered input saved): step time and saved bytes, interleaved, as
+ratios.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/sp_regather.py [--preset demo] [--rounds 21]
 
-Two gloo ranks on CPU (tp = 2, sequence parallel), the preset in fp32 with dropout 0.1. Both
-models are the same build sharded by largebatch.parallel.apply_tensor_parallel, one with
-``regather=True`` (what the trainer does) and one with ``regather=False``; each round times one
-forward + backward of each in turn, so a busy machine slows both alike. Printed: the median step
-time of each and their ratio, the bytes autograd saves for backward (largebatch.parallel.measure)
-and their ratio. The cost is the extra all-gather per sub-layer in backward, not overlapped here.
+Two gloo ranks on CPU (tp = 2, sequence parallel), the preset in fp32 with dropout 0.1. The
+models are the same build sharded by largebatch.parallel.apply_tensor_parallel: ``regather=True``
+with the gather again started when backward reaches each sub-layer (``prefetch=True``, what the
+trainer does) or where the first linear needs it (``prefetch=False``), and ``regather=False``;
+each round times one forward + backward of each in turn, so a busy machine slows all alike.
+Printed: the median step time of each and its ratio to torch's own, the bytes autograd saves for
+backward (largebatch.parallel.measure) and their ratio. The cost is the extra all-gather per
+sub-layer in backward; started early it overlaps the sub-layer's backward.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from largebatch.models import build_model, preset
 from largebatch.parallel import ParallelConfig, apply_tensor_parallel, init_distributed, spawn
 from largebatch.parallel.measure import saved_activation_bytes
 
-KINDS = {"shard kept (regather)": True, "torch's own (gathered saved)": False}
+KINDS = {  # name: (regather, prefetch)
+    "shard kept, gathered early": (True, True),
+    "shard kept, gathered when needed": (True, False),
+    "torch's own (gathered saved)": (False, False),
+}
 
 
 def ranks(config, micro_batch: int, rounds: int, out: str) -> None:
@@ -39,11 +46,12 @@ def ranks(config, micro_batch: int, rounds: int, out: str) -> None:
     torch.manual_seed(0)
     reference = build_model(config)
     models = {}
-    for name, regather in KINDS.items():
+    for name, (regather, prefetch) in KINDS.items():
         torch.manual_seed(0)
         model = build_model(config)
         model.load_state_dict(reference.state_dict())
-        models[name] = apply_tensor_parallel(model, state.tp_mesh, True, regather=regather)
+        models[name] = apply_tensor_parallel(model, state.tp_mesh, True, regather=regather,
+                                              prefetch=prefetch)
     # (every tp rank feeds the whole batch: the model splits the sequence itself)
 
     def step(model):
@@ -79,12 +87,12 @@ def main() -> None:
     peer = "torch's own (gathered saved)"
     print(f"{args.preset}: L={config.n_layer} h={config.n_embd} s={config.seq_len} b={args.micro_batch}, "
           f"fp32, dropout 0.1, tp = 2 + sequence parallel, 2 gloo ranks, median of {args.rounds} rounds")
-    print(f"{'':32s}{'step ms':>10s}{'x peer':>9s}{'saved bytes':>14s}{'x peer':>9s}")
+    print(f"{'':34s}{'step ms':>10s}{'x peer':>9s}{'saved bytes':>14s}{'x peer':>9s}")
     for name in KINDS:
         ms = statistics.median(result["times"][name]) * 1e3
         peer_ms = statistics.median(result["times"][peer]) * 1e3
         saved, peer_saved = result["saved"][name], result["saved"][peer]
-        print(f"{name:32s}{ms:10.1f}{ms / peer_ms:9.3f}{saved:14,d}{saved / peer_saved:9.3f}")
+        print(f"{name:34s}{ms:10.1f}{ms / peer_ms:9.3f}{saved:14,d}{saved / peer_saved:9.3f}")
 
 
 if __name__ == "__main__":

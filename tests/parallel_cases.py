@@ -314,14 +314,31 @@ def memory_cases(results: dict) -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 sizes = saved_region_bytes(model, state, idx, targets)
             results[f"memory/sp_regather={regather}/autocast={autocast}/block"] = sizes["block"]
-    grads = []  # the bf16 copies rebuilt in backward: the same gradients as torch's own, bit for bit
-    for regather in (True, False):
-        model = apply_tensor_parallel(copy.deepcopy(model0), state.tp_mesh, True, regather=regather)
-        torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss_and_backward(model, state, idx, targets)
-        grads.append([full(p.grad) for p in model.parameters()])
-    results["memory/sp_regather/autocast_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
+    # the gathers again: started when backward reaches each sub-layer (prefetch) or where the first
+    # linear needs them; the same gradients as torch's own, bit for bit (under autocast the bf16
+    # copies are rebuilt from the shard). Counted: the gathers backward waits on where it needs them
+    from largebatch.parallel import tensor_parallel
+
+    real_gathered = tensor_parallel._gathered
+    for autocast in (False, True):
+        grads = {}
+        for kind in ("prefetch", "on_demand", "torch"):
+            model = apply_tensor_parallel(copy.deepcopy(model0), state.tp_mesh, True, regather=kind != "torch",
+                                          prefetch=kind == "prefetch")
+            in_backward = []
+            tensor_parallel._gathered = lambda *a, **k: (in_backward.append(not torch.is_grad_enabled()),
+                                                         real_gathered(*a, **k))[1]
+            try:
+                torch.manual_seed(1)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss_and_backward(model, state, idx, targets)
+            finally:
+                tensor_parallel._gathered = real_gathered
+            grads[kind] = [full(p.grad) for p in model.parameters()]
+            results[f"memory/sp_regather/{kind}/autocast={autocast}/waited_gathers"] = sum(in_backward)
+        for kind in ("prefetch", "on_demand"):
+            results[f"memory/sp_regather/{kind}/autocast={autocast}/grad_diff"] = max(
+                float((a - b).abs().max()) for a, b in zip(grads[kind], grads["torch"]))
 
 
 # ------------------------------------------------------------------------------ noise scale (DDP)

@@ -113,7 +113,14 @@ def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
         bf16_saving = (4 * s * b * h * 2) - 2 * (s * b * h * fp32) / t
         assert rank_results[key.format(False, False)] - rank_results[key.format(True, False)] == fp32_saving
         assert rank_results[key.format(False, True)] - rank_results[key.format(True, True)] == bf16_saving
-        assert rank_results["memory/sp_regather/autocast_grad_diff"] == 0.0
+        # the gather again, started early (prefetch: none is waited for where the linears need it)
+        # or where the first linear needs it (one per sub-layer); the same gradients either way
+        layers = 2
+        for autocast in (False, True):
+            for kind, waited in (("prefetch", 0), ("on_demand", 2 * layers)):
+                assert rank_results[f"memory/sp_regather/{kind}/autocast={autocast}/waited_gathers"] == waited
+                assert rank_results[f"memory/sp_regather/{kind}/autocast={autocast}/grad_diff"] == 0.0
+            assert rank_results[f"memory/sp_regather/torch/autocast={autocast}/waited_gathers"] == 0
 
 
 def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):

@@ -32,7 +32,10 @@ measured bytes.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -91,13 +94,18 @@ class SequenceGather(ParallelStyle):
     the shard, gathered again when backward needs it (once per sub-layer: the q, k and v linears
     share one gather). The same numbers: the shard gathered again is the tensor gathered before.
 
+    The gather again is started asynchronously when backward reaches the sub-layer's output
+    (``prefetch``), and waited for where the first linear needs it: it overlaps the backward of the
+    sub-layer's row-parallel linear and core attention (or the MLP's second linear) instead of
+    stalling the column-parallel linears.
+
     The saved tensors pass through any saved-tensor hooks already active (``saved_tensors_hooks``
     of an enclosing measurement or CPU offload see the shard), except torch's activation-checkpoint
     hooks, which then own the region: nothing is replaced there."""
 
-    def __init__(self, keep_shard: bool = True):
+    def __init__(self, keep_shard: bool = True, prefetch: bool = True):
         super().__init__()
-        self.keep_shard = keep_shard
+        self.keep_shard, self.prefetch = keep_shard, prefetch
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
@@ -118,8 +126,16 @@ class SequenceGather(ParallelStyle):
             hooks = pushed.pop() if pushed else None
             if hooks is not None:
                 hooks.__exit__(None, None, None)
-                hooks.regathered.shard = hooks.regathered.gathered_node = None  # the saved views hold
-                hooks.regathered.packed = None  # the shard (or what the outer hooks made of it)
+                regathered = hooks.regathered
+                regathered.shard = regathered.gathered_node = None  # the saved views hold the shard
+                out = output[0] if isinstance(output, (tuple, list)) and output else output
+                if (self.prefetch and regathered.pending and isinstance(out, torch.Tensor)
+                        and out.requires_grad):
+                    # backward reaches this sub-layer's output first: start the gather there, so
+                    # it runs while the sub-layer's backward computes (Megatron overlaps it too)
+                    out.register_hook(regathered.prefetch_hook)
+                else:
+                    regathered.packed = None
 
         module.register_forward_pre_hook(before)
         module.register_forward_hook(after, always_call=True)  # popped even when forward raises
@@ -131,10 +147,12 @@ class _Regathered:
     every saved view of it that backward unpacks, then let go."""
 
     def __init__(self, shard: torch.Tensor, gathered: DTensor):
-        self.shard, self.mesh = shard, gathered.device_mesh  # (both until forward ends)
+        self.shard, self.mesh = shard, gathered.device_mesh  # (the shard until forward ends)
         self.gathered_node, self.numel = gathered.grad_fn, gathered.numel()
         self.storage = gathered.to_local().untyped_storage().data_ptr()
         self.pending, self.full, self.packed = 0, None, None
+        self.inflight = None  # the gather started by ``prefetch_hook``, not yet waited for
+        self.outer_unpack = None  # the enclosing hooks' unpack, where the shard went through them
 
     def cast_of_gathered(self, t: DTensor, local: torch.Tensor) -> bool:
         """Whether ``t`` is a view of a whole copy of the gathered input in another dtype: what
@@ -156,10 +174,27 @@ class _Regathered:
             node = node.next_functions[0][0] if node.next_functions else None
         return False
 
-    def take(self, shard: torch.Tensor) -> torch.Tensor:
+    def prefetch_hook(self, grad) -> None:
+        """A gradient hook on the sub-layer's output: backward has reached the sub-layer, so start
+        gathering the shard (every rank reaches the same hook in the same order, as for any
+        collective of backward), unless a gather is held already or nothing is left to unpack."""
+        if self.full is None and self.inflight is None and self.pending > 0 and self.packed is not None:
+            shard = self.packed if self.outer_unpack is None else self.outer_unpack(self.packed)
+            with torch.no_grad():  # along dim 0: what the collective does without being waited for
+                self.inflight = funcol.all_gather_single(shard.contiguous(), 0, (self.mesh, 0))
+        self.packed = None
+
+    def take(self, shard: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The gathered input for one saved view (``shard``: how to get the shard back)."""
         if self.full is None:
             with torch.no_grad():
-                self.full = _gathered(shard, self.mesh).to_local()
+                if self.inflight is not None:  # the prefetched gather: wait, then sequence order
+                    chunks, self.inflight = self.inflight, None
+                    if isinstance(chunks, funcol.AsyncCollectiveTensor):
+                        chunks = chunks.wait()
+                    self.full = torch.cat(chunks.chunk(self.mesh.size(), 0), 1)
+                else:
+                    self.full = _gathered(shard(), self.mesh).to_local()
         full = self.full
         self.pending -= 1
         if self.pending <= 0:  # every view unpacked: backward holds it only as long as it needs it
@@ -199,6 +234,7 @@ class _ShardForBackward(torch.autograd.graph.saved_tensors_hooks):
                     if regathered.packed is None:  # the shard goes to the outer hooks once
                         regathered.packed = (regathered.shard if outer_pack is None
                                              else outer_pack(regathered.shard))
+                        regathered.outer_unpack = outer_unpack
                     return _View(regathered, regathered.packed, t, local, None if same else t.dtype)
             return t if outer_pack is None else outer_pack(t)
 
@@ -221,7 +257,7 @@ class _View:
         self.spec = (view.device_mesh, view.placements, view.shape, view.stride())
 
     def rebuild(self, outer_unpack) -> DTensor:
-        full = self.regathered.take(self.shard if outer_unpack is None else outer_unpack(self.shard))
+        full = self.regathered.take(lambda: self.shard if outer_unpack is None else outer_unpack(self.shard))
         mesh, placements, shape, stride = self.spec
         with torch.no_grad():
             local = (full if self.cast is None else full.to(self.cast)).as_strided(*self.geometry)
@@ -239,11 +275,14 @@ def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len:
         check_tp_divides(tp, name, value)
 
 
-def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True) -> dict[str, object | None]:
+def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True,
+           prefetch: bool = True) -> dict[str, object | None]:
     """torch's ParallelStyle for each role a model's plan may give (largebatch.models.registry.TP_ROLES);
     None where the role needs nothing (a sequence-parallel-only role without sequence parallel).
     ``regather``: under sequence parallel, a sub-layer keeps its input's sequence shard for backward
-    and gathers it again there (``SequenceGather``); False leaves the gathered input to torch."""
+    and gathers it again there (``SequenceGather``); False leaves the gathered input to torch.
+    ``prefetch``: that gather starts when backward reaches the sub-layer's output (True) or when
+    its first linear needs it (False)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
@@ -256,7 +295,7 @@ def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True) 
                                              use_local_output=True) if sequence_parallel else None,
         # One DTensor input per sub-layer: q, k and v (or fc1) share it, so their partial input
         # gradients are summed locally and reduced ONCE when leaving the region (f in Megatron).
-        "enter": SequenceGather(keep_shard=regather) if sequence_parallel else
+        "enter": SequenceGather(keep_shard=regather, prefetch=prefetch) if sequence_parallel else
         PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False),
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=between),
@@ -268,10 +307,10 @@ def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True) 
 
 
 def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = False,
-               regather: bool = True) -> dict[str, object]:
+               regather: bool = True, prefetch: bool = True) -> dict[str, object]:
     """The model kind's plan (its ``tp_plan``: module name -> role) as torch's styles, ``blocks.*.``
     expanded to the blocks this rank holds and the modules it does not hold (pipeline) left out."""
-    by_role = styles(sequence_parallel, loss_parallel, regather)
+    by_role = styles(sequence_parallel, loss_parallel, regather, prefetch)
     plan: dict[str, object] = {}
     for name, role in model_spec(model.config.kind).tp_plan(model).items():
         if role not in by_role:
@@ -284,7 +323,8 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = 
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
-                          loss_parallel: bool = False, regather: bool = True) -> nn.Module:
+                          loss_parallel: bool = False, regather: bool = True,
+                          prefetch: bool = True) -> nn.Module:
     """Shard ``model`` (a registered model kind) over ``tp_mesh`` in place, by the plan its kind
     declares; keeps ties (an output projection sharing the token embedding's weight).
 
@@ -296,10 +336,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     regather (sequence parallel only): the column-parallel linears keep their input's sequence
     shard for backward and gather it again there (Korthikanti et al. 2022, 2sbh(1 - 1/t) bytes less
     per sub-layer at 16 bits, one more all-gather per sub-layer in backward); False keeps torch's
-    own behaviour (the gathered input saved).
+    own behaviour (the gathered input saved). prefetch: that all-gather is started, without
+    waiting, when backward reaches the sub-layer's output, so it overlaps the backward of the
+    row-parallel linear and core attention (or fc2); False starts it where the first
+    column-parallel linear needs it (the gathered input then lives a shorter time in backward).
     """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
-    plan = model_plan(model, sequence_parallel, loss_parallel, regather)
+    plan = model_plan(model, sequence_parallel, loss_parallel, regather, prefetch)
     # weights shared by planned modules (tied embeddings): both are sharded Shard(0) over the
     # vocabulary; afterwards they share the first one's DTensor again
     first_of: dict[int, str] = {}
