@@ -11,7 +11,10 @@ trainer does) or where the first linear needs it (``prefetch=False``), and ``reg
 each round times one forward + backward of each in turn, so a busy machine slows all alike.
 Printed: the median step time of each and its ratio to torch's own, the bytes autograd saves for
 backward (largebatch.parallel.measure) and their ratio. The cost is the extra all-gather per
-sub-layer in backward; started early it overlaps the sub-layer's backward.
+sub-layer in backward. Started early it overlaps the sub-layer's backward over NCCL; over gloo
+(these CPU ranks) an early gather is waited for at once (gloo's ranks crash with a collective left
+in flight, see largebatch.parallel.tensor_parallel.SequenceGather), so here it shows only the cost
+of gathering sooner.
 """
 
 from __future__ import annotations

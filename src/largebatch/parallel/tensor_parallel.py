@@ -97,18 +97,25 @@ class SequenceGather(ParallelStyle):
     The gather again is started asynchronously when backward reaches the sub-layer's output
     (``prefetch``), and waited for where the first linear needs it: it overlaps the backward of the
     sub-layer's row-parallel linear and core attention (or the MLP's second linear) instead of
-    stalling the column-parallel linears.
+    stalling the column-parallel linears. ``prefetch=None`` (the default) does so except over gloo:
+    gloo runs queued collectives on several threads at once, and an all-gather left in flight while
+    other collectives run crashed gloo ranks (SIGSEGV, about one process in three over 3000 such
+    steps on CPU; no code of this project involved), so there the gather waits where it is needed.
+    ``prefetch=True`` over gloo gathers at the hook and waits at once (the same bookkeeping,
+    no overlap: what the CPU tests run).
 
     The saved tensors pass through any saved-tensor hooks already active (``saved_tensors_hooks``
     of an enclosing measurement or CPU offload see the shard), except torch's activation-checkpoint
     hooks, which then own the region: nothing is replaced there."""
 
-    def __init__(self, keep_shard: bool = True, prefetch: bool = True):
+    def __init__(self, keep_shard: bool = True, prefetch: bool | None = None):
         super().__init__()
         self.keep_shard, self.prefetch = keep_shard, prefetch
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
+        gloo = torch.distributed.get_backend(device_mesh.get_group()) == "gloo"
+        prefetch = (not gloo) if self.prefetch is None else self.prefetch
 
         def before(mod, args):
             x, *rest = args
@@ -129,8 +136,8 @@ class SequenceGather(ParallelStyle):
                 regathered = hooks.regathered
                 regathered.shard = regathered.gathered_node = None  # the saved views hold the shard
                 out = output[0] if isinstance(output, (tuple, list)) and output else output
-                if (self.prefetch and regathered.pending and isinstance(out, torch.Tensor)
-                        and out.requires_grad):
+                if prefetch and regathered.pending and isinstance(out, torch.Tensor) and out.requires_grad:
+                    regathered.wait_at_once = gloo
                     # backward reaches this sub-layer's output first: start the gather there, so
                     # it runs while the sub-layer's backward computes (Megatron overlaps it too)
                     out.register_hook(regathered.prefetch_hook)
@@ -152,6 +159,7 @@ class _Regathered:
         self.storage = gathered.to_local().untyped_storage().data_ptr()
         self.pending, self.full, self.packed = 0, None, None
         self.inflight = None  # the gather started by ``prefetch_hook``, not yet waited for
+        self.wait_at_once = False  # (over gloo: see SequenceGather)
         self.outer_unpack = None  # the enclosing hooks' unpack, where the shard went through them
 
     def cast_of_gathered(self, t: DTensor, local: torch.Tensor) -> bool:
@@ -182,6 +190,8 @@ class _Regathered:
             shard = self.packed if self.outer_unpack is None else self.outer_unpack(self.packed)
             with torch.no_grad():  # along dim 0: what the collective does without being waited for
                 self.inflight = funcol.all_gather_single(shard.contiguous(), 0, (self.mesh, 0))
+                if self.wait_at_once and isinstance(self.inflight, funcol.AsyncCollectiveTensor):
+                    self.inflight = self.inflight.wait()
         self.packed = None
 
     def take(self, shard: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -276,13 +286,13 @@ def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len:
 
 
 def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True,
-           prefetch: bool = True) -> dict[str, object | None]:
+           prefetch: bool | None = None) -> dict[str, object | None]:
     """torch's ParallelStyle for each role a model's plan may give (largebatch.models.registry.TP_ROLES);
     None where the role needs nothing (a sequence-parallel-only role without sequence parallel).
     ``regather``: under sequence parallel, a sub-layer keeps its input's sequence shard for backward
     and gathers it again there (``SequenceGather``); False leaves the gathered input to torch.
     ``prefetch``: that gather starts when backward reaches the sub-layer's output (True) or when
-    its first linear needs it (False)."""
+    its first linear needs it (False); None: True except over gloo (``SequenceGather``)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     # logits: all-gathered over the vocabulary, or left split for the vocabulary-parallel loss
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
@@ -307,7 +317,7 @@ def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True,
 
 
 def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = False,
-               regather: bool = True, prefetch: bool = True) -> dict[str, object]:
+               regather: bool = True, prefetch: bool | None = None) -> dict[str, object]:
     """The model kind's plan (its ``tp_plan``: module name -> role) as torch's styles, ``blocks.*.``
     expanded to the blocks this rank holds and the modules it does not hold (pipeline) left out."""
     by_role = styles(sequence_parallel, loss_parallel, regather, prefetch)
@@ -324,7 +334,7 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
                           loss_parallel: bool = False, regather: bool = True,
-                          prefetch: bool = True) -> nn.Module:
+                          prefetch: bool | None = None) -> nn.Module:
     """Shard ``model`` (a registered model kind) over ``tp_mesh`` in place, by the plan its kind
     declares; keeps ties (an output projection sharing the token embedding's weight).
 
@@ -339,7 +349,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool,
     own behaviour (the gathered input saved). prefetch: that all-gather is started, without
     waiting, when backward reaches the sub-layer's output, so it overlaps the backward of the
     row-parallel linear and core attention (or fc2); False starts it where the first
-    column-parallel linear needs it (the gathered input then lives a shorter time in backward).
+    column-parallel linear needs it (the gathered input then lives a shorter time in backward);
+    None (default): True except over gloo, whose ranks crash with a collective left in flight
+    (True there gathers at the same point but waits at once).
     """
     check_divisible(model, tp_mesh.size(), sequence_parallel)
     plan = model_plan(model, sequence_parallel, loss_parallel, regather, prefetch)
