@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -68,7 +69,7 @@ def _step(ckpt: Path) -> int:
                          ids=["TERM", "INT", "HUP", "USR1"])
 def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_path, capsys, sig, code):
     cache, ref_dir, _ = reference_run
-    out = tmp_path / "run"
+    out = tmp_path / "my run (v2)"  # the printed command must paste as it is: quoted for the shell
     o = tiny_overrides(cache, out)
     proc = _start(o)
     _wait_for_train_records(out, 3, proc)
@@ -86,7 +87,9 @@ def test_signal_checkpoints_and_the_run_continues_exactly(reference_run, tmp_pat
     steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
     ckpts = list_checkpoints(out)
     assert [_step(c) for c in ckpts] == [steps[-1]] and steps[-1] < len(_train_losses(ref_dir))
-    assert f"({sig.name}) at step {steps[-1]}" in stdout and f"--resume {out}" in stdout, stdout[-1000:]
+    assert f"({sig.name}) at step {steps[-1]}" in stdout, stdout[-1000:]
+    command = stdout.split("Continue with: ")[1].split(" (or the same command again)")[0]
+    assert shlex.split(command) == ["largebatch", "train", "--resume", str(out)], command
     # SIGTERM, SIGHUP: the same command line again; SIGINT: --resume
     assert main(_args(o) if sig != signal.SIGINT else [f"--resume={out}", "--run.progress=off"]) == 0
     assert f"resumed from {ckpts[-1]}" in capsys.readouterr().out
@@ -111,10 +114,93 @@ def test_a_signal_after_the_last_step_lets_the_run_finish(reference_run, tmp_pat
             f"sys.exit(main({_args(tiny_overrides(cache, out))!r}))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "SIGUSR1: the run is at its end: finishing its final evaluation and checkpoint" in proc.stderr
+    assert "SIGUSR1: the run is at its end: finishing its final checkpoint, evaluation and summary" in proc.stderr
     steps = len(_train_losses(ref_dir))
     assert [_step(c) for c in list_checkpoints(out)][-1] == steps
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def _val_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in read_metrics(run_dir) if r["kind"] == "val"]
+
+
+def _patched_main(o: dict, patch: str) -> str:
+    """Python code: ``patch`` (it may replace Trainer methods), then ``largebatch train`` on ``o``."""
+    return ("import os, signal, sys\n"
+            "from largebatch.train.loop import Trainer\n"
+            f"{textwrap.dedent(patch)}\n"
+            "from largebatch.train.cli import main\n"
+            f"sys.exit(main({_args(o)!r}))\n")
+
+
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_a_signal_checkpoints_before_a_due_evaluation(reference_run, tmp_path, capsys, when):
+    """A cluster's grace period (30 s by default) is no time for an evaluation: SIGTERM in the step
+    that makes an evaluation due (``before``) checkpoints without it, and SIGTERM during one
+    (``during``: sent from its first forward, polled before the second) abandons it. Either way the
+    checkpoint is the evaluation's step, the evaluation is logged once, when the same command
+    continues the run, and every training and validation loss equals the uninterrupted run's."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / when
+    o = tiny_overrides(cache, out)
+    eval_step = o["run.eval_every_tokens"] // (o["schedule.batch_size"] * o["model.seq_len"])  # 6
+    patch = {
+        "during": f"""
+            forward = Trainer._eval_batch
+            def signalled(self, batch):
+                if self.pos.step == {eval_step}:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return forward(self, batch)
+            Trainer._eval_batch = signalled""",
+        "before": f"""
+            step = Trainer.train_step
+            def signalled(self):
+                if self.pos.step == {eval_step} - 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return step(self)
+            Trainer.train_step = signalled""",
+    }[when]
+    proc = subprocess.run([sys.executable, "-c", _patched_main(o, patch)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert [_step(c) for c in list_checkpoints(out)] == [eval_step]
+    assert f"(SIGTERM) at step {eval_step}" in proc.stdout
+    assert (f"eval  step {eval_step:>5}  interrupted (SIGTERM)" in proc.stdout) == (when == "during")
+    assert f"eval  step {eval_step:>5}  tokens" not in proc.stdout, proc.stdout[-1500:]
+    assert [step for step, _ in _val_losses(out)] == [0]
+    assert main(_args(o)) == 0
+    assert f"resumed from {list_checkpoints(out)[0]}" in capsys.readouterr().out
+    assert _val_losses(out) == _val_losses(ref_dir)  # the evaluation at the checkpoint's step, once
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def test_a_kill_during_the_final_evaluation_loses_no_step(reference_run, tmp_path, capsys):
+    """The final checkpoint is written before the final evaluation: a job killed there (a grace
+    period over, SIGKILL) is complete but for its evaluation and summary, which the same command
+    then writes, without writing that checkpoint again."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "killed"
+    o = tiny_overrides(cache, out)
+    patch = """
+        evaluate = Trainer._log_eval
+        def killed_at_the_end(self):
+            if self.pos.tokens >= self.cfg.run.total_tokens:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return evaluate(self)
+        Trainer._log_eval = killed_at_the_end"""
+    proc = subprocess.run([sys.executable, "-c", _patched_main(o, patch)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    steps = len(_train_losses(ref_dir))
+    final = list_checkpoints(out)[-1]
+    assert _step(final) == steps and not (out / "summary.json").exists()
+    written = final.stat().st_mtime_ns
+    assert main(_args(o)) == 0
+    assert f"resumed from {final}" in capsys.readouterr().out
+    assert final.stat().st_mtime_ns == written  # not written again
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert _val_losses(out) == _val_losses(ref_dir)
     assert _train_losses(out) == _train_losses(ref_dir)
 
 

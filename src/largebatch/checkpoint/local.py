@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | 
            else "Free disk space")
     where = f" (rank {rank})" if rank is not None else ""
     return CheckpointError(f"could not write checkpoint {final}: {cause.strerror or cause}{where}; {kept}. "
-                           f"{fix} and run the same command again (or --resume {run_dir})")
+                           f"{fix} and run the same command again (or --resume {shlex.quote(str(run_dir))})")
 
 
 def os_error_in(exc: BaseException) -> OSError | None:

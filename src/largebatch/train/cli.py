@@ -24,6 +24,7 @@ import argparse
 import difflib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -213,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         last = latest_any_checkpoint(run_dir)
         kept = f"the newest checkpoint {last} is intact" if last else "no checkpoint was written"
         return _fail(f"could not write {exc.filename or run_dir}: {exc.strerror or exc}; {kept}. "
-                     f"Free space and run the same command again (or --resume {run_dir})", 1)
+                     f"Free space and run the same command again (or --resume {shlex.quote(str(run_dir))})", 1)
     except KeyboardInterrupt:  # Ctrl-C during setup or the final plots: no step was lost
         last = latest_any_checkpoint(run_dir)
-        kept = (f"the newest checkpoint {last} is intact (continue with --resume {run_dir})"
+        kept = (f"the newest checkpoint {last} is intact (continue with --resume {shlex.quote(str(run_dir))})"
                 if last else "no checkpoint was written")
         return _fail(f"interrupted outside the training loop; {kept}", 130)
     if summary.get("signal"):  # stopped by a signal after a checkpoint (stopping.SIGNALS)

@@ -20,6 +20,16 @@ from largebatch.train.deferred import target_count
 from largebatch.train.progress import human_count
 
 
+class EvalInterrupted(Exception):
+    """A stop signal reached every rank during an evaluation: it was abandoned (nothing logged, the
+    training state untouched), so the run can checkpoint within the cluster's grace period; the
+    evaluation runs again when the run continues."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class Evaluation:
     """The Trainer's evaluation (a mixin of ``largebatch.train.loop.Trainer``): it uses the
     trainer's ``model``, ``data``, ``phase``, ``par``, ``pos``, ``metrics`` and its ``_forward``,
@@ -46,7 +56,12 @@ class Evaluation:
     def evaluate(self) -> float:
         """Mean validation loss (nats/token) over a fixed slice of the validation split; the share of
         predicted tokens ranked first (BERT: masked-LM accuracy) goes to ``self.val_accuracy``.
-        Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced."""
+        Data-parallel rank r evaluates micro-batches r, r + dp, ...; the sums are all-reduced.
+        While the training loop runs (``self.stop_request``, not yet at its end), a stop signal is
+        polled before every forward after the first (the same answer on every rank) and raises
+        ``EvalInterrupted``."""
+        stop = getattr(self, "stop_request", None)
+        stop = stop if stop is not None and not stop.is_ending else None
         self.model.eval()
         seq_len, mb, par = self.phase.seq_len, self.cfg.run.eval_micro_batch or self.phase.micro_batch, self.par
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
@@ -54,6 +69,11 @@ class Evaluation:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         correct, count, accuracy = torch.zeros_like(total), 0, True
         for first in range(0, len(starts), par.dp_size):
+            if stop is not None and first:
+                signum, _ = stop.poll()
+                if signum is not None:
+                    self.model.train()
+                    raise EvalInterrupted(signum)
             # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
             # past the end repeats the last micro-batch and is not counted
             mine = first + par.dp_rank
@@ -75,7 +95,14 @@ class Evaluation:
     def _log_eval(self) -> float:
         """Evaluate after reading what the steps left on the device; log and return the loss."""
         self.settle()
-        val_loss = self.evaluate()
+        try:
+            val_loss = self.evaluate()
+        except EvalInterrupted as exc:
+            import signal
+
+            self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
+                     "it runs again when the run continues")
+            raise
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,

@@ -65,7 +65,7 @@ from largebatch.parallel.materialize import build_on_meta, materialize, meta_ini
 from largebatch.parallel.pipeline import padded_micro_batches, pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
-from largebatch.train.evaluate import Evaluation
+from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog
 from largebatch.train.optimizer import build_optimizer
@@ -173,6 +173,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.schedule = self._build_schedule()
         self.noise = cfg.schedule.build_noise_scale()
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
+        self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded
+        self.saved_path: Path | None = None
+        self.stop_request: StopRequest | None = None  # while fit runs: evaluations poll it
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
@@ -295,6 +298,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      f"{saved_entry} -> {entry}): the run continues on the new text and no longer "
                      "follows the trajectory it was on")
         self.pos = Progression(**extra["progress"])
+        self.saved_step, self.saved_path = self.pos.step, path  # (not written again at the same step)
         self._legacy_progress = "model_flops" not in extra["progress"]
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
         if self.pos.phase != self.phase.index or saved_dp != self.par.dp_size:
@@ -315,11 +319,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if self.par.distributed:
             from largebatch.checkpoint.distributed import save_distributed  # DCP: on use (start-up)
 
-            return save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
+            path = save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
                                     self.extra_state(), self.par, keep_last=keep)
-        state = {**self.extra_state(), "model": self.raw_model.state_dict(),
-                 "optimizer": self.optimizer.state_dict()}
-        return save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
+        else:
+            state = {**self.extra_state(), "model": self.raw_model.state_dict(),
+                     "optimizer": self.optimizer.state_dict()}
+            path = save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
+        self.saved_step, self.saved_path = self.pos.step, path
+        return path
 
     # ------------------------------------------------------------------------------------------
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -469,26 +476,37 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
+            self.stop_request = stop  # (evaluations poll it)
             while True:
                 # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
-                if pos.tokens - pos.phase_start >= self.phase.total_tokens and not self._next_phase():
-                    break  # the last phase ended
-                if pos.tokens >= pos.next_eval:
-                    val_loss = self._log_eval()
-                    pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
+                # A stop signal checkpoints first: a cluster's grace period (30 s by default) is no
+                # time for an evaluation, so the one due (and a phase switch's) runs on resume; a
+                # signal during an evaluation cuts it short the same way (``EvalInterrupted``).
+                try:
+                    phase_over = pos.tokens - pos.phase_start >= self.phase.total_tokens
+                    if phase_over and (signum is None or self._last_phase()) and not self._next_phase():
+                        break  # the last phase ended
+                    if pos.tokens >= pos.next_eval and signum is None:
+                        val_loss = self._log_eval()
+                        pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
+                except EvalInterrupted as exc:
+                    signum = exc.signum
                 stopping = signum is not None or (run.max_steps and steps_here >= run.max_steps)
                 if pos.tokens >= pos.next_checkpoint and pos.step > 0:
                     every = run.checkpoint_every_tokens or run.total_tokens
                     pos.next_checkpoint = (pos.tokens // every + 1) * every
                     time_due = True
                 if (time_due or stopping) and pos.step > 0:
-                    path = self.save()
-                    stop.checkpointed()
+                    if self.saved_step != pos.step:  # (a resumed run stopped before its first step has it)
+                        self.save()
+                        stop.checkpointed()
                     time_due = False
                 if stopping:
                     reason = signal.Signals(signum).name if signum else "run.max_steps"
+                    kept = (f"checkpoint {self.saved_path}" if self.saved_path is not None
+                            else "no checkpoint (no step was taken)")
                     self.log(f"stopped after {steps_here} steps ({reason}) at step {pos.step}; "
-                             f"checkpoint {path}. Continue with: {self._resume_command()}")
+                             f"{kept}. Continue with: {self._resume_command()}")
                     progress.close()
                     return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens,
                             "signal": signum}
@@ -505,11 +523,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 if logs:
                     mark = self._log_step(record, progress, mark)
             progress.close()
-            # -- 4. the end: a signal now lets the final evaluation, checkpoint and summary finish
-            # (the run is complete; a second signal still exits at once) -------------------------
+            # -- 4. the end: the final checkpoint first (a job killed during the final evaluation
+            # loses no step: the same command then evaluates and writes the summary); a signal now
+            # lets the evaluation and summary finish (the run is complete; a second signal still
+            # exits at once) ---------------------------------------------------------------------
             stop.ending()
+            if self.saved_step != pos.step:
+                self.save()
             val_loss = self._log_eval()
-            self.save()
             return self._summary(val_loss)
 
     def _step_batch(self, in_phase: int) -> int:

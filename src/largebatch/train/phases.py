@@ -140,10 +140,13 @@ class PhaseSwitch:
         self.schedule = self._build_schedule()
         self.flops_per_token = self.model_flops_per_token(phase.seq_len)
 
+    def _last_phase(self) -> bool:
+        return self.phase.index + 1 == len(self.phases)
+
     def _next_phase(self) -> bool:
         """At the end of a phase: evaluate at its length (the summary's phase_val_losses), begin the
         next one and evaluate again at the new length. False after the last phase: the run ends."""
-        if self.phase.index + 1 == len(self.phases):
+        if self._last_phase():
             return False
         self.phase_val_losses.append(self._log_eval())  # at the ending phase's length
         self._begin_next_phase()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class Reporting:
 
     def _resume_command(self) -> str:
         """How to continue a stopped run."""
-        command = f"largebatch train --resume {self.run_dir}"
+        command = f"largebatch train --resume {shlex.quote(str(self.run_dir))}"
         if self.par.distributed:
             return f"the same torchrun command, with `{command}` (or the same arguments again)"
         return f"{command} (or the same command again)"

@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -128,7 +129,7 @@ def continues_run(run_dir: Path, cfg) -> bool:
     if differences:
         raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints of another config "
                           f"({'; '.join(differences)}); choose another --run.out_dir, or continue "
-                          f"that run with --resume {run_dir}")
+                          f"that run with --resume {shlex.quote(str(run_dir))}")
     return True
 
 

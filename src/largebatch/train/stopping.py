@@ -10,7 +10,7 @@ forwards SIGTERM, SIGINT and SIGHUP to its workers, and SIGUSR1/SIGUSR2 when lis
 step in progress finishes, a checkpoint is written, the resume command is printed and the process
 exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP, 138 for
 SIGUSR1, 140 for SIGUSR2). Left alone, SIGUSR1 and SIGUSR2 would end the process at once, with no
-checkpoint. A signal after the last step lets the final evaluation, checkpoint and summary finish:
+checkpoint. A signal after the last step lets the final checkpoint, evaluation and summary finish:
 the run ends complete (exit 0). A signal the process was started ignoring stays ignored (``nohup`` ignores SIGHUP; a
 shell script's ``&`` job ignores SIGINT): that is the user's choice that the run outlive the
 terminal. A second signal exits at once (the checkpoint being written, if any, stays a temporary;
@@ -112,7 +112,7 @@ class StopRequest:
         if self.signum is None:
             self.signum, self._first_at = signum, now
             if self.par.is_main:
-                doing = ("the run is at its end: finishing its final evaluation and checkpoint" if self._ending
+                doing = ("the run is at its end: finishing its final checkpoint, evaluation and summary" if self._ending
                          else "finishing this step, then checkpointing")
                 print(f"[largebatch] {name}: {doing} (send a second signal to exit at once)",
                       file=sys.stderr, flush=True)
@@ -133,8 +133,12 @@ class StopRequest:
             signum, due = int(flags[0]), bool(flags[1])
         return (signum or None), due
 
+    @property
+    def is_ending(self) -> bool:
+        return self._ending
+
     def ending(self) -> None:
-        """The training loop is over; the final evaluation, checkpoint and summary follow. A signal
+        """The training loop is over; the final checkpoint, evaluation and summary follow. A signal
         from here on lets them finish (the run then ends complete, exit 0): losing a finished run to
         a warning such as Slurm's SIGUSR1 would waste it; a second signal still exits at once."""
         self._ending = True
