@@ -271,7 +271,10 @@ def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
 
 def test_resume_that_changes_the_state_is_refused(reference_run, tmp_path, capsys):
     """A --resume override of the optimizer would load LANS/LAMB moments into AdamW; one of the
-    model's shape would fail with a size-mismatch traceback. Both are refused and change no file."""
+    model's shape would fail with a size-mismatch traceback; one of the schedule (its budget, LR,
+    batch policy, micro-batch) is refused by the schedule's saved state; one of the data order
+    would silently repeat and skip samples. All are refused in one line naming the field, before
+    anything is written."""
     import shutil
 
     _, ref, _ = reference_run
@@ -281,9 +284,14 @@ def test_resume_that_changes_the_state_is_refused(reference_run, tmp_path, capsy
     saved_optim = load_config(out / "config.toml").optim.name
     for override, needle in ((["--optim.name=adamw"], f"optim.name: '{saved_optim}' -> 'adamw'"),
                              (["--model.n_embd=64"], "model.n_embd: 32 -> 64"),
-                             (["--data.vocab_size=1024"], "data.vocab_size: 512 -> 1024")):
+                             (["--data.vocab_size=1024"], "data.vocab_size: 512 -> 1024"),
+                             (["--run.total_tokens=12288"], "run.total_tokens: 6144 -> 12288 changes the schedule"),
+                             (["--schedule.peak_lr=0.01"], "schedule.peak_lr: 0.03 -> 0.01 changes the schedule"),
+                             (["--run.micro_batch=2"], "run.micro_batch: 4 -> 2 changes the schedule"),
+                             (["--data.seed=5"], "data.seed: 0 -> 5 changes the sample order")):
         code, stdout, err = run_cli(["train", "--resume", str(out), *override], capsys)
         assert_one_line_error(code, stdout, err, f"--resume {out}", needle, "another --run.out_dir")
+        assert "lr_schedule=" not in err  # (the schedule's own state, as it refused it before)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 

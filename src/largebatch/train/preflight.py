@@ -32,6 +32,10 @@ from largebatch.typed_config import ConfigError
 STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
                 "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position", "model.activation",
                 "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
+# the schedule a run's checkpoints continue is built from these (its state refuses another), and
+# the sample order their data position counts in from these
+SCHEDULE_FIELDS = ("schedule.", "run.total_tokens", "run.micro_batch", "phases")
+ORDER_FIELDS = ("data.seed", "data.shuffle")
 FP32_BYTES = 4  # parameters and gradients stay fp32 (bf16 runs autocast the compute only)
 
 
@@ -78,6 +82,15 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
         raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
                           f"optimizer state its checkpoints hold; resume without that override, or "
                           f"start a new run with another --run.out_dir")
+    for fields, what in ((SCHEDULE_FIELDS, "the schedule its checkpoints continue (the LR and batch "
+                                           "size at every token)"),
+                         (ORDER_FIELDS, "the sample order its checkpoints' data position counts in "
+                                        "(samples would be seen twice or never)")):
+        changed = differing_fields(saved, cfg, lambda key, fields=fields: any(
+            key == f or (f.endswith(".") and key.startswith(f)) for f in fields))
+        if changed:
+            raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} changes {what}; resume "
+                              f"without that override, or start a new run with another --run.out_dir")
 
 
 def resume_tokenizer(cfg: TrainConfig, run_dir: Path, overridden: bool, warn: Callable[[str], None]) -> TrainConfig:
