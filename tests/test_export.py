@@ -190,6 +190,13 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert tok(TEXT)["input_ids"] == [cls, *bare, sep]
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == bare
     assert tok.mask_token_id == run.tokenizer.token_to_id("[MASK]")
+    # "... the [MASK] of ...": the ids training gives a masked word (the whole token, its leading
+    # space included, replaced), not a lone space token before [MASK]
+    tokens = tok.convert_ids_to_tokens(bare)
+    for i in [i for i, t in enumerate(tokens) if t.startswith("\u0120") and len(t) > 1][:5]:
+        masked = (tok.convert_tokens_to_string(tokens[:i]) + " [MASK]"
+                  + tok.convert_tokens_to_string(tokens[i + 1:]))
+        assert tok(masked, add_special_tokens=False)["input_ids"] == [*bare[:i], tok.mask_token_id, *bare[i + 1:]]
     cut = tok(TEXT * 4, truncation=True)["input_ids"]  # the context, [CLS] and [SEP] included
     assert tok.model_max_length == 48 and len(cut) == 48 and (cut[0], cut[-1]) == (cls, sep)
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()
@@ -202,6 +209,22 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
         ours, theirs = run.model(idx)[0], hf(input_ids=idx).logits
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
     assert ours.std() > 0.1
+
+
+def test_a_wordpiece_vocabulary_keeps_its_unknown_token():
+    """A BERT WordPiece vocabulary (one a run took through model.init_from) exports with its own
+    [UNK] as transformers' unk_token, the id its model emits for an unknown word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from largebatch.integrations.hf_export import hf_tokenizer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "question", "##s"]
+    raw = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = hf_tokenizer(raw, "bert", 16)
+    assert (tok.unk_token, tok.unk_token_id) == ("[UNK]", 1)
+    assert tok("the questions zebra")["input_ids"] == [2, 5, 6, 7, 1, 3]
+    assert tok("the [MASK] questions", add_special_tokens=False)["input_ids"] == [5, 4, 6, 7]
 
 
 def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):

@@ -59,13 +59,20 @@ def hf_dirs(tmp_path_factory):
                                       num_attention_heads=4, intermediate_size=48,
                                       max_position_embeddings=T, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7))
+    # untied, as transformers trains it: the head's decoder.bias (the one its forward adds) and the
+    # unused cls.predictions.bias no longer move together (scrambled apart here)
+    bert_untied = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=48,
+                                             max_position_embeddings=T, hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7,
+                                             tie_word_embeddings=False))
     dirs = {}
-    for name, hf in (("gpt", gpt), ("bert", bert)):
+    for name, hf in (("gpt", gpt), ("bert", bert), ("bert_untied", bert_untied)):
         _scramble(hf)
         dirs[name] = root / name
         hf.save_pretrained(dirs[name])
         _word_tokenizer(dirs[name], V)
-    return dirs, {"gpt": gpt.eval(), "bert": bert.eval()}
+    return dirs, {"gpt": gpt.eval(), "bert": bert.eval(), "bert_untied": bert_untied.eval()}
 
 
 def _imported(path: Path, **overrides):
@@ -75,12 +82,15 @@ def _imported(path: Path, **overrides):
     return cfg, model
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "bert_untied"])
 def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
     dirs, hf_models = hf_dirs
     hf = hf_models[kind]
     cfg, model = _imported(dirs[kind])
-    expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48)}[kind]
+    expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48)}[kind.split("_")[0]]
+    if kind == "bert_untied":
+        head = hf.cls.predictions
+        assert not cfg.model.tie_embeddings and (head.decoder.bias - head.bias).abs().max() > 0.1
     assert (cfg.model.norm_position, cfg.model.activation, cfg.model.norm_eps, cfg.model.ffn) == expected
     assert cfg.data.tokenizer_file == str(dirs[kind] / "tokenizer.json")
     idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
@@ -221,6 +231,26 @@ def test_export_after_the_cache_and_corpus_are_gone(round_trip):
 def _train_cli(capsys, *args) -> tuple[int, str]:
     code = cli_main(["train", *args])
     return code, capsys.readouterr().err.strip()
+
+
+def test_a_padded_embedding_keeps_its_rows_and_a_larger_tokenizer_is_refused(hf_dirs, tmp_path, capsys):
+    """An embedding with rows past the tokenizer (what a largebatch export of a run with
+    model.vocab_size above the tokenizer's writes, or GPT-2 padded to 50304) loads whole: the
+    same logits as transformers; a tokenizer with more ids than rows is refused in one line."""
+    dirs, hf_models = hf_dirs
+    padded, larger = tmp_path / "padded", tmp_path / "larger"
+    for path, size in ((padded, V - 8), (larger, V + 8)):
+        shutil.copytree(dirs["gpt"], path)
+        _word_tokenizer(path, size)
+    cfg, model = _imported(padded)
+    assert cfg.model.vocab_size == V and cfg.data.tokenizer_file == str(padded / "tokenizer.json")
+    idx = torch.randint(0, V - 8, (2, T), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(model.eval()(idx)[0], hf_models["gpt"](input_ids=idx).logits, rtol=0, atol=1e-5)
+    out = f"--run.out_dir={tmp_path / 'run'}"
+    assert _train_cli(capsys, f"--model.init_from=hf:{padded}", "--check", out)[0] == 0
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{larger}", "--check", out)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"has {V + 8} entries" in err and f"vocab_size={V} embedding rows" in err, err
 
 
 def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys):

@@ -184,7 +184,7 @@ def hf_model(model, special: dict[str, int]):
 def hf_tokenizer(tokenizer, kind: str, max_length: int):
     """The run's ``tokenizers.Tokenizer`` as a transformers fast tokenizer with its special tokens;
     ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there."""
-    from tokenizers import Tokenizer, processors
+    from tokenizers import AddedToken, Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
@@ -204,9 +204,16 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int):
     tok.post_processor = processors.TemplateProcessing(
         single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B {SEP}",
         special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])])
+    # [MASK] takes the space before it, as RoBERTa's does: training replaces a whole token, its
+    # leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone
+    # space token in front of it (WordPiece drops the space either way)
+    tok.add_special_tokens([AddedToken(MASK, lstrip=True, rstrip=False, normalized=False, special=True)])
+    # the vocabulary's own unknown token where its model declares one (WordPiece's [UNK])
+    unk = getattr(tok.model, "unk_token", None)
+    unk = unk if unk is not None and tok.token_to_id(unk) is not None else (EOT if ids[EOT] is not None else None)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, cls_token=CLS, sep_token=SEP, pad_token=PAD, mask_token=MASK,
-        unk_token=EOT if ids[EOT] is not None else None, model_max_length=max_length,
+        unk_token=unk, model_max_length=max_length,
         model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False)
 
 

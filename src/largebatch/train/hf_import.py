@@ -154,8 +154,9 @@ def resolve_init(cfg, given: set[str]):
 
 def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str:
     """The directory's tokenizer.json, or the user's data.tokenizer_file when it is the same
-    vocabulary; the vocabulary must have exactly the model's vocab_size entries (the trainer sizes
-    the embedding to the tokenizer)."""
+    vocabulary; every id of the vocabulary must be a row of the embedding (vocab_size entries or
+    fewer: an embedding padded past the tokenizer, such as GPT-2's 50257 ids in 50304 rows, keeps
+    its rows, and ids past the tokenizer are never inputs nor targets)."""
     theirs = path / "tokenizer.json"
     mine = cfg.data.tokenizer_file if "data.tokenizer_file" in given else None
     if not theirs.is_file() and not mine:
@@ -172,10 +173,10 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
             raise ConfigError(f"data.tokenizer_file={mine!r} is not the vocabulary of "
                               f"{cfg.model.init_from} ({theirs}): leave data.tokenizer_file out to "
                               "use the model's own")
-    if tokenizer.get_vocab_size() != model.vocab_size:
+    if tokenizer.get_vocab_size() > model.vocab_size:
         raise ConfigError(f"the tokenizer {chosen} has {tokenizer.get_vocab_size()} entries but "
-                          f"{cfg.model.init_from} has vocab_size={model.vocab_size}: give "
-                          "data.tokenizer_file with exactly the model's vocabulary")
+                          f"{cfg.model.init_from} has vocab_size={model.vocab_size} embedding rows: give "
+                          "data.tokenizer_file with the model's vocabulary (at most vocab_size ids)")
     return str(chosen)
 
 
@@ -292,12 +293,13 @@ def _bert(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 "head.dense.bias": take(c + "transform.dense.bias", h),
                 "head.norm.weight": take(c + "transform.LayerNorm.weight", h),
                 "head.norm.bias": take(c + "transform.LayerNorm.bias", h)})
-    # the decoder bias may be stored twice (decoder.bias and the tied cls.predictions.bias)
-    names = [n for n in (c + "bias", c + "decoder.bias") if take.has(n)] or [c + "bias"]
-    biases = [take(n, v) for n in names]
-    if len(biases) == 2 and not torch.equal(*biases):
-        take.misshapen.append(f"{c}decoder.bias (differs from {c}bias)")
-    out["head.decoder.bias"] = biases[0]
+    # the decoder bias may be stored twice: decoder.bias, the one transformers' forward adds (and
+    # loads, tied or not, when both are stored: an untied model trained in transformers leaves
+    # cls.predictions.bias behind), and cls.predictions.bias, all a tied save may hold
+    names = [n for n in (c + "decoder.bias", c + "bias") if take.has(n)] or [c + "decoder.bias"]
+    out["head.decoder.bias"] = take(names[0], v)
+    for unused in names[1:]:
+        take(unused, v)  # (shape-checked, then set aside)
     if cfg.tie_embeddings:
         if take.has(c + "decoder.weight"):
             take(c + "decoder.weight", v, h)  # the tied copy of word_embeddings
