@@ -421,6 +421,46 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
     assert _losses(out) == _losses(ddp_run)  # every step, to the last bit
 
 
+EVAL_SIGNAL = """
+import os, signal, sys
+from largebatch.train.loop import Trainer
+forward = Trainer._eval_batch
+def signalled(self, batch):  # rank 1 alone, in the first evaluation after a step
+    if self.pos.step > 0 and self.par.rank == 1 and not getattr(Trainer, "sent", False):
+        Trainer.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return forward(self, batch)
+Trainer._eval_batch = signalled
+from largebatch.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_during_an_evaluation_on_one_rank_checkpoints_both_at_once(single, ddp_run, tmp_path):
+    """SIGTERM reaching rank 1 during an evaluation: both ranks abandon it (polled before each of
+    its forwards, the same answer on both) and checkpoint that step; the same command evaluates
+    there once and continues on the uninterrupted trajectory (losses and validation losses)."""
+    out = tmp_path / "eval-signal"
+    o = _overrides(single[0], out)
+    script = tmp_path / "signalled.py"
+    script.write_text(EVAL_SIGNAL)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(script)] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*143\b", proc.stderr), proc.stderr[-3000:]
+    step = _dcp_steps(out)[-1]
+    assert f"eval  step {step:>5}  interrupted (SIGTERM)" in proc.stdout, proc.stdout[-2000:]
+    assert f"(SIGTERM) at step {step}" in proc.stdout
+    done = _launch(o)
+    stdout, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    val = [(r["step"], r["val_loss"]) for r in read_metrics(out) if r["kind"] == "val"]
+    assert val == [(r["step"], r["val_loss"]) for r in read_metrics(ddp_run) if r["kind"] == "val"]
+    assert step in [s for s, _ in val]
+    assert _losses(out) == _losses(ddp_run)
+
+
 def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single, tmp_path):
     """Two torchrun nodes (one process each) whose relative run.out_dir lies on their own disks (each
     node started in its own directory): rank 0 used to report its checkpoints as good although their

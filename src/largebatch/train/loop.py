@@ -465,6 +465,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         try:
             return self._fit()
         finally:
+            self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
             self._close()
 
     def _fit(self) -> dict[str, Any]:
