@@ -98,11 +98,11 @@ class SequenceGather(ParallelStyle):
     (``prefetch``), and waited for where the first linear needs it: it overlaps the backward of the
     sub-layer's row-parallel linear and core attention (or the MLP's second linear) instead of
     stalling the column-parallel linears. ``prefetch=None`` (the default) does so except over gloo:
-    gloo runs queued collectives on several threads at once, and an all-gather left in flight while
-    other collectives run crashed gloo ranks (SIGSEGV, about one process in three over 3000 such
-    steps on CPU; no code of this project involved), so there the gather waits where it is needed.
-    ``prefetch=True`` over gloo gathers at the hook and waits at once (the same bookkeeping,
-    no overlap: what the CPU tests run).
+    gloo runs queued collectives on worker threads (two by default), and an all-gather left in
+    flight while other collectives run crashed gloo ranks (SIGSEGV in one run of three of 3000 such
+    steps, in a script of torch calls alone), so there the gather waits where it is needed.
+    ``prefetch=True`` over gloo gathers at the hook and waits at once (the same bookkeeping, no
+    overlap: what the CPU tests run).
 
     The saved tensors pass through any saved-tensor hooks already active (``saved_tensors_hooks``
     of an enclosing measurement or CPU offload see the shard), except torch's activation-checkpoint
