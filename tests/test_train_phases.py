@@ -121,6 +121,36 @@ def test_resume_is_exact_across_the_phase_boundary(reference, tiny_data_cache):
     assert got == want  # bit for bit, dropout included
 
 
+def test_a_signal_at_the_phase_boundary_checkpoints_before_the_switch(reference, monkeypatch):
+    """SIGTERM in phase 0's last step: the checkpoint is written before the phase switch and its
+    two evaluations (a grace period is no time for them); the continued run switches, evaluates
+    at both lengths once and repeats the uninterrupted run, losses and validation losses."""
+    import signal
+
+    from largebatch.train.loop import Trainer
+
+    tmp, config, ref = reference
+    run = tmp / "signalled-at-boundary"
+    step = Trainer.train_step
+
+    def signalled(self):
+        if self.pos.step == 3:  # phase 0 has 4 steps
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    assert main([str(config), f"--run.out_dir={run}"]) == 143
+    monkeypatch.setattr(Trainer, "train_step", step)
+    vals = [(r["tokens"], r["seq_len"]) for r in read_metrics(run) if r["kind"] == "val"]
+    assert vals == [(0, 32), (1024, 32)]  # none at the boundary yet
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000004.pt"]
+    assert main([str(config), f"--run.out_dir={run}"]) == 0
+    got = [(r["step"], r["phase"], r["loss"], r["lr"]) for r in train_records(run)]
+    assert got == [(r["step"], r["phase"], r["loss"], r["lr"]) for r in train_records(ref)]
+    val = [(r["tokens"], r["seq_len"], r["val_loss"]) for r in read_metrics(run) if r["kind"] == "val"]
+    assert val == [(r["tokens"], r["seq_len"], r["val_loss"]) for r in read_metrics(ref) if r["kind"] == "val"]
+
+
 def test_optimizer_state_reset_starts_the_moments_afresh(reference, tiny_data_cache):
     tmp, _, ref = reference
     config = write_config(tmp, tiny_data_cache, phase_extra='optimizer_state = "reset"')
