@@ -96,9 +96,14 @@ def _mlp():
                                torch.nn.Linear(8, 3)).double()
 
 
-def _train_mlp(model, optimizer_class):
-    """Three steps on the same batches on every rank (so FSDP's averaged gradients are one process's)."""
-    optimizer = optimizer_class(model.parameters(), lr=0.05, max_grad_norm=1.0)
+def _train_mlp(model, optimizer_class, grouped: bool = False):
+    """Three steps on the same batches on every rank (so FSDP's averaged gradients are one process's).
+    ``grouped``: decay on the weight matrices, none on biases and the LayerNorm (the usual groups)."""
+    params = list(model.parameters())
+    if grouped:
+        params = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = optimizer_class(params, lr=0.05, max_grad_norm=1.0)
     gen = torch.Generator().manual_seed(1)
     for _ in range(N_STEPS):
         model(torch.randn(16, 6, generator=gen, dtype=torch.float64)).square().mean().backward()
@@ -130,6 +135,8 @@ def _worker(rank, world, init_file, results_dir):
                        os.path.join(results_dir, f"{name}_dtensor{rank}.pt"))
             torch.save(copies, os.path.join(results_dir, f"{name}_copies{rank}.pt"))
             torch.save(_train_mlp(_fully_sharded_mlp(), cls), os.path.join(results_dir, f"{name}_fsdp{rank}.pt"))
+            torch.save(_train_mlp(_fully_sharded_mlp(), cls, grouped=True),
+                       os.path.join(results_dir, f"{name}_fsdp_grouped{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -170,3 +177,22 @@ def test_sharded_trust_ratios_equal_unsharded(tmp_path):
             got = torch.load(tmp_path / f"{name}_fsdp{r}.pt")
             err = max(float((g - w).abs().max()) for g, w in zip(got, whole))
             assert err < 1e-12, (name, "fully_shard", r, err)
+        # with decay and no-decay groups (each fully_shard call its own mesh): a group's mesh mask
+        # (True,) and a bucket index (1,) were one cached device constant, and the step failed
+        whole = _train_mlp(_mlp(), cls, grouped=True)
+        for r in range(world):
+            got = torch.load(tmp_path / f"{name}_fsdp_grouped{r}.pt")
+            err = max(float((g - w).abs().max()) for g, w in zip(got, whole))
+            assert err < 1e-12, (name, "fully_shard, groups", r, err)
+
+
+def test_device_constants_keep_their_type():
+    """The optimizers' cached device constants are keyed by value AND type: Python has
+    (True, False) == (1, 0) == (1.0, 0.0), and a mask handed back as an index (or the reverse)
+    broke the step of a grouped FSDP2 model."""
+    from largebatch.optim.kernels import host_constant
+
+    cpu = torch.device("cpu")
+    for _ in range(2):  # made, then taken from the cache
+        mask, index, floats = (host_constant(v, cpu) for v in ((True, False), (1, 0), (1.0, 0.0)))
+        assert (mask.dtype, index.dtype, floats.dtype) == (torch.bool, torch.int64, torch.float32)

@@ -65,8 +65,10 @@ def host_constant(values: tuple, device: torch.device) -> Tensor:
     """An index or mask known on the host (a bucket's tensor indices, sizes, which shards count) as a
     tensor on ``device``, made once per distinct (values, device) and reused by every later step.
     Made every step, ``torch.tensor(values, device=...)`` would be a blocking host-to-device copy,
-    which on CUDA waits for every queued kernel (a stream synchronisation, like a read)."""
-    return _once((values, device), lambda: torch.tensor(values, device=device))
+    which on CUDA waits for every queued kernel (a stream synchronisation, like a read). The key
+    holds the values' types too: ``(True,) == (1,)`` in Python, and a mask must never come back
+    as an index (or 1.0 as 1)."""
+    return _once((values, frozenset(map(type, values)), device), lambda: torch.tensor(values, device=device))
 
 
 Steps = list[int] | list[Tensor]  # t per tensor: host ints, or 0-d device tensors (capturable)
