@@ -112,6 +112,38 @@ def _train_mlp(model, optimizer_class, grouped: bool = False):
     return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
 
+def _zero_mlp(optimizer_class, clip: bool):
+    """DDP + torch's ZeroRedundancyOptimizer around ``optimizer_class`` (each rank steps whole
+    tensors of its partition), clipped as documented: torch's clip_grad_norm_ over every gradient
+    (each rank holds all of them after DDP's all-reduce) before ``step``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_mlp())
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(N_STEPS):
+        model(torch.randn(16, 6, generator=gen, dtype=torch.float64)).square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _one_process_clipped_mlp(optimizer_class, clip: bool):
+    model = _mlp()
+    optimizer = optimizer_class(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(N_STEPS):
+        model(torch.randn(16, 6, generator=gen, dtype=torch.float64)).square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
 def _fully_sharded_mlp():
     from torch.distributed.fsdp import fully_shard
 
@@ -137,6 +169,8 @@ def _worker(rank, world, init_file, results_dir):
             torch.save(_train_mlp(_fully_sharded_mlp(), cls), os.path.join(results_dir, f"{name}_fsdp{rank}.pt"))
             torch.save(_train_mlp(_fully_sharded_mlp(), cls, grouped=True),
                        os.path.join(results_dir, f"{name}_fsdp_grouped{rank}.pt"))
+            for clip in (False, True):
+                torch.save(_zero_mlp(cls, clip), os.path.join(results_dir, f"{name}_zero{clip}{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -184,6 +218,15 @@ def test_sharded_trust_ratios_equal_unsharded(tmp_path):
             got = torch.load(tmp_path / f"{name}_fsdp_grouped{r}.pt")
             err = max(float((g - w).abs().max()) for g, w in zip(got, whole))
             assert err < 1e-12, (name, "fully_shard, groups", r, err)
+        # torch's ZeroRedundancyOptimizer: whole tensors per rank, so the trust ratios need no
+        # reduction; clipped by clip_grad_norm_ before step (the optimizer's own max_grad_norm
+        # would see only this rank's partition)
+        for clip in (False, True):
+            whole = _one_process_clipped_mlp(cls, clip)
+            for r in range(world):
+                got = torch.load(tmp_path / f"{name}_zero{clip}{r}.pt")
+                err = max(float((g - w).abs().max()) for g, w in zip(got, whole))
+                assert err < 1e-12, (name, "zero", clip, r, err)
 
 
 def test_device_constants_keep_their_type():
