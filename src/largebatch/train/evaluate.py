@@ -88,6 +88,7 @@ class Evaluation:
                 else:
                     correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
         self.model.train()
+        _reshard(self.model)
         count = global_sum(count, par)
         self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
         return float(global_sum(total, par) / count)
@@ -112,3 +113,15 @@ class Evaluation:
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
         return val_loss
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free what an evaluation left gathered under FSDP2: the root keeps its parameters unsharded
+    after a forward (it expects the backward to follow), so after the evaluations' forwards it would
+    hold the whole parameters until the next step, and after the last one for good (a run's
+    parameters are then plain tensors, not the DTensor shards the checkpoints hold)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
