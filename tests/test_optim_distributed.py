@@ -112,15 +112,20 @@ def _train_mlp(model, optimizer_class, grouped: bool = False):
     return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
 
-def _zero_mlp(optimizer_class, clip: bool):
-    """DDP + torch's ZeroRedundancyOptimizer around ``optimizer_class`` (each rank steps whole
-    tensors of its partition), clipped as documented: torch's clip_grad_norm_ over every gradient
-    (each rank holds all of them after DDP's all-reduce) before ``step``."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
+def _clipped_mlp(optimizer_class, clip: bool, zero: bool = False):
+    """Three steps of the MLP, clipped as documented for ZeRO: torch's clip_grad_norm_ over every
+    gradient before ``step``. ``zero``: DDP + torch's ZeroRedundancyOptimizer around
+    ``optimizer_class`` (each rank steps whole tensors of its partition; after DDP's all-reduce
+    every rank holds every gradient); else one process."""
+    if zero:  # (torch.distributed.optim imports TorchScript, with its deprecation warnings)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(_mlp())
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=0.05)
+        model = DistributedDataParallel(_mlp())
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=0.05)
+    else:
+        model = _mlp()
+        optimizer = optimizer_class(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1)
     for _ in range(N_STEPS):
         model(torch.randn(16, 6, generator=gen, dtype=torch.float64)).square().mean().backward()
@@ -129,19 +134,6 @@ def _zero_mlp(optimizer_class, clip: bool):
         optimizer.step()
         optimizer.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _one_process_clipped_mlp(optimizer_class, clip: bool):
-    model = _mlp()
-    optimizer = optimizer_class(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(N_STEPS):
-        model(torch.randn(16, 6, generator=gen, dtype=torch.float64)).square().mean().backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        optimizer.step()
-        optimizer.zero_grad()
-    return [p.detach() for p in model.parameters()]
 
 
 def _fully_sharded_mlp():
@@ -170,7 +162,7 @@ def _worker(rank, world, init_file, results_dir):
             torch.save(_train_mlp(_fully_sharded_mlp(), cls, grouped=True),
                        os.path.join(results_dir, f"{name}_fsdp_grouped{rank}.pt"))
             for clip in (False, True):
-                torch.save(_zero_mlp(cls, clip), os.path.join(results_dir, f"{name}_zero{clip}{rank}.pt"))
+                torch.save(_clipped_mlp(cls, clip, zero=True), os.path.join(results_dir, f"{name}_zero{clip}{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -222,7 +214,7 @@ def test_sharded_trust_ratios_equal_unsharded(tmp_path):
         # reduction; clipped by clip_grad_norm_ before step (the optimizer's own max_grad_norm
         # would see only this rank's partition)
         for clip in (False, True):
-            whole = _one_process_clipped_mlp(cls, clip)
+            whole = _clipped_mlp(cls, clip)
             for r in range(world):
                 got = torch.load(tmp_path / f"{name}_zero{clip}{r}.pt")
                 err = max(float((g - w).abs().max()) for g, w in zip(got, whole))
