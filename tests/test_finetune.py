@@ -123,6 +123,22 @@ def test_interval_matches_students_t_from_its_density():
     assert ci95([0.5]) is None
 
 
+def test_an_arms_accuracy_interval_stays_in_zero_one():
+    """Two seeds' accuracies 0.4286 and 0.2857 (6 and 4 of 14) give a t interval of about
+    [-0.55, 1.26]: an accuracy lies in [0, 1], so it is clipped there; equal accuracies (sd 0) and
+    one seed give none, as the gap does."""
+    from largebatch.finetune import _accuracy_ci
+
+    values = [6 / 14, 4 / 14]
+    mean, half = sum(values) / 2, _t_quantile_975(1) * abs(values[0] - values[1]) / 2  # sd/sqrt(2) = |d|/2
+    assert mean - half < 0 and mean + half > 1
+    assert _accuracy_ci(values) == (0.0, 1.0)
+    inside = [0.50, 0.55, 0.60]
+    n_mean, n_half = 0.55, _t_quantile_975(2) * 0.05 / math.sqrt(3)
+    assert _accuracy_ci(inside) == pytest.approx((n_mean - n_half, n_mean + n_half), rel=2e-4)
+    assert _accuracy_ci([5 / 14] * 3) is None and _accuracy_ci([0.5]) is None
+
+
 def test_verdict_needs_gaps_that_differ_between_seeds():
     """The paired t interval over the seeds' gaps, recomputed here from the t density; gaps equal at
     every seed (sd 0) give no interval and no verdict of help or harm, however far from 0. The

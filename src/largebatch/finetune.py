@@ -228,6 +228,16 @@ def _verdict(gaps: list[float]) -> tuple[tuple[float, float] | None, str]:
                 else "no difference established")
 
 
+def _accuracy_ci(accuracies: list[float]) -> tuple[float, float] | None:
+    """An arm's 95% t interval of its mean accuracy, clipped to [0, 1] where an accuracy lies (the t
+    interval of a few seeds can reach past it); None with one seed, or when every seed gave the same
+    accuracy (sd 0: a zero-width interval, as for the gap)."""
+    if len(accuracies) < 2 or all_same(accuracies):
+        return None
+    low, high = ci95(accuracies)
+    return max(0.0, low), min(1.0, high)
+
+
 def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> dict:
     """Both arms at every seed, fine-tuned and probed; the per-seed results, the intervals and the
     verdicts. With s.folds > 1 every arm runs on each document fold and its accuracy is pooled."""
@@ -266,7 +276,7 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
     log(f"  linear probe: pretrained {probe_pretrained:.4f}, scratch {statistics.fmean(probe_scratch):.4f}")
     majority = pooled(splits, lambda d: int((d.test_labels == np.bincount(d.train_labels).argmax()).sum()))
     return {"seeds": seeds, "arms": arms, "folds": s.folds, "test_passages": sum(len(d.test_ids) for d in splits),
-            "summary": {arm: {"mean": statistics.fmean(a), "ci95": ci95(a)} for arm, a in acc.items()},
+            "summary": {arm: {"mean": statistics.fmean(a), "ci95": _accuracy_ci(a)} for arm, a in acc.items()},
             "gap": {"per_seed": gaps, "mean": statistics.fmean(gaps), "ci95": gap_ci},
             "verdict": verdict, "majority_rate": majority,
             "probe": {"pretrained": probe_pretrained, "scratch": probe_scratch,
@@ -276,7 +286,8 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
 
 def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
     def ci(pair):
-        return f"[{pair[0]:.4f}, {pair[1]:.4f}]"
+        return ("n/a (one seed)" if s.seeds < 2 else "n/a (sd 0)") if pair is None else \
+            f"[{pair[0]:.4f}, {pair[1]:.4f}]"
 
     def gap_ci(pair):
         return "n/a (sd 0)" if pair is None else f"[{pair[0]:+.4f}, {pair[1]:+.4f}]"
