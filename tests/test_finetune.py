@@ -14,6 +14,7 @@ from largebatch.data.corpus import bible_documents, shakespeare_documents
 from largebatch.data.tasks import FOLIO, TaskError, build_task, document_folds
 from largebatch.data.tokenizer import train_tokenizer
 from largebatch.stats import T_975, ci95
+from largebatch.train.config import load_config
 from test_export import tiny, train
 
 
@@ -186,6 +187,23 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
         assert p["first_epoch_loss"] != s["first_epoch_loss"]
     assert not set(report["train_documents"]) & set(report["test_documents"])
     assert report["verdict"] in out and np.isfinite(report["gap"]["mean"])
+    assert report["partial"] is None and report["trained_tokens"] > 0  # a finished run
+
+
+def test_a_run_stopped_before_its_budget_is_judged_with_a_note(tiny_data_cache, tmp_path, capsys):
+    """The newest checkpoint of a stopped run is a partly trained model: said on the console and
+    in the report, with the tokens it had trained on and its budget."""
+    stopped = train(tiny(tiny_data_cache, tmp_path / "stopped", **{
+        "model.kind": "bert", "model.seq_len": 64, "run.max_steps": 2}))
+    code = cli_main(["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "3",
+                     "--passage-len", "32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((stopped / "finetune" / "folio-genre.json").read_text())
+    budget = load_config(stopped / "config.toml").run.total_tokens  # (the tiny run has no phases)
+    assert 0 < report["trained_tokens"] < budget
+    note = f"the run stopped at {report['trained_tokens']:,} of its {budget:,} tokens"
+    assert f"note: {note}" in out and note in (stopped / "finetune" / "folio-genre.md").read_text()
 
 
 def test_finetune_reports_no_verdict_when_every_seed_gives_the_same_gap(bert_run, tmp_path, monkeypatch, capsys):

@@ -47,6 +47,7 @@ class LoadedRun:
     step: int
     tokenizer: Any | None  # tokenizers.Tokenizer
     config: dict[str, Any]  # the run's TrainConfig as a dict (from the checkpoint)
+    tokens: int | None = None  # tokens the run had trained on at that checkpoint (None: not recorded)
 
 
 def check_run_dir_given(run_dir: str | Path) -> None:
@@ -98,7 +99,8 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
         step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
         if tokenizer is None:
             tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
-        return LoadedRun(model, path, step, tokenizer, extra["config"])
+        tokens = extra.get("progress", {}).get("tokens")
+        return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens))
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
 
 

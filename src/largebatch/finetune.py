@@ -284,6 +284,18 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
                       "verdict": probe_verdict}}
 
 
+def _partial_note(loaded) -> str | None:
+    """What to say of a run judged before the end of its token budget (a stopped run's newest
+    checkpoint), or None: the comparison then measures a partly trained model."""
+    run = loaded.config.get("run", {})
+    phases = loaded.config.get("phases") or []
+    budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
+    if loaded.tokens is None or not budget or loaded.tokens >= budget:
+        return None
+    return (f"the run stopped at {loaded.tokens:,} of its {int(budget):,} tokens: this judges a partly "
+            "trained model (continue it with `largebatch train --resume` for the finished one)")
+
+
 def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
     def ci(pair):
         return ("n/a (one seed)" if s.seeds < 2 else "n/a (sd 0)") if pair is None else \
@@ -391,10 +403,15 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
                             "held-out split") from None
     print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {len(data.train_ids)} train / "
           f"{len(data.test_ids)} test passages, {s.seeds} seeds x 2 arms")
+    partial = _partial_note(loaded)
+    if partial:
+        print(f"note: {partial}")
     result = compare(loaded.model.train(), data, s)
     out.mkdir(exist_ok=True)
-    text = report_markdown(result, data, s, Path(run_dir).name, loaded.checkpoint.name, command)
+    where = loaded.checkpoint.name + (f" ({partial})" if partial else "")
+    text = report_markdown(result, data, s, Path(run_dir).name, where, command)
     payload = {"settings": asdict(s), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
+               "trained_tokens": loaded.tokens, "partial": partial,
                "classes": data.classes, "train_documents": data.train_documents,
                "test_documents": data.test_documents, **result}
     for path, content in ((out / f"{s.task}.md", text), (out / f"{s.task}.json", json.dumps(payload, indent=1))):
