@@ -131,9 +131,6 @@ def test_measured_activation_bytes_match_the_model(attention, dropout):
 def test_bad_input_errors_name_the_argument():
     with pytest.raises(ValueError, match="tp=3 does not divide heads=4"):
         activation_bytes_per_layer(16, 1, 32, 4, tp=3)
-    with pytest.raises(ValueError, match="tp=2 does not divide seq_len=15: sequence parallelism"):
-        activation_bytes_per_layer(15, 1, 32, 4, tp=2, sequence_parallel=True)
-    activation_bytes_per_layer(15, 1, 32, 4, tp=2)  # (without it the sequence is not split)
     with pytest.raises(ValueError, match="recompute='half'"):
         activation_bytes_per_layer(16, 1, 32, 4, recompute="half")
     with pytest.raises(ValueError, match="micro_batch=0"):

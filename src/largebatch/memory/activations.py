@@ -65,10 +65,6 @@ class LayerShape:
         if self.heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide heads={self.heads}: tensor parallelism "
                              "splits whole heads; choose tp among the divisors of heads.")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide seq_len={self.seq_len}: sequence parallelism "
-                             "gives each tp rank an equal share of the sequence (as the trainer requires); "
-                             "choose a seq_len that tp divides, or no sequence parallelism.")
 
 
 def _check_bytes(dtype_bytes: float, mask_bytes: float) -> None:

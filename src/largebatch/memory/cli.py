@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                       pp_schedule=schedule, pp_virtual_stages=virtual,
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       hf_activation=hf_activation(args.hf_config) if eager else None)
+        if setup.sequence_parallel and config.seq_len % setup.tp:  # (the closed form takes any t)
+            raise ValueError(f"tp={setup.tp} does not divide seq_len={config.seq_len}: sequence parallelism "
+                             "gives each tp rank an equal share of the sequence (the trainer refuses this "
+                             "layout); choose a seq_len that tp divides, or no --sequence-parallel.")
         if args.budget_gib is not None:
             check_plannable(config, setup)
         lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
