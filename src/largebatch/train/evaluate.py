@@ -73,6 +73,7 @@ class Evaluation:
                 signum, _ = stop.poll()
                 if signum is not None:
                     self.model.train()
+                    _reshard(self.model)
                     raise EvalInterrupted(signum)
             # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
             # past the end repeats the last micro-batch and is not counted
