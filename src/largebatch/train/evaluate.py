@@ -11,6 +11,7 @@ gathering the logits (largebatch.parallel.tensor_parallel.vocab_parallel_argmax)
 from __future__ import annotations
 
 import math
+import signal
 
 import torch
 
@@ -100,8 +101,6 @@ class Evaluation:
         try:
             val_loss = self.evaluate()
         except EvalInterrupted as exc:
-            import signal
-
             self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
                      "it runs again when the run continues")
             raise

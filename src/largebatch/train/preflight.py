@@ -25,7 +25,7 @@ from largebatch.arguments import check_output_dir
 from largebatch.memory.estimate import GIB, stage_parameters
 from largebatch.train.config import TrainConfig
 from largebatch.train.optimizer import OPTIMIZERS
-from largebatch.train.rundir import claim_new_dir, differing_fields
+from largebatch.train.rundir import among, claim_new_dir, differing_fields
 from largebatch.typed_config import ConfigError
 
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
@@ -86,8 +86,7 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
                                            "size at every token)"),
                          (ORDER_FIELDS, "the sample order its checkpoints' data position counts in "
                                         "(samples would be seen twice or never)")):
-        changed = differing_fields(saved, cfg, lambda key, fields=fields: any(
-            key == f or (f.endswith(".") and key.startswith(f)) for f in fields))
+        changed = differing_fields(saved, cfg, lambda key, fields=fields: among(key, fields))
         if changed:
             raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} changes {what}; resume "
                               f"without that override, or start a new run with another --run.out_dir")

@@ -105,10 +105,14 @@ def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
             if a.get(k) != b.get(k) and selected(k)]
 
 
+def among(key: str, fields: tuple[str, ...]) -> bool:
+    """Whether a flat config key is one of ``fields`` (a name ending in '.' is a whole table)."""
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in fields)
+
+
 def config_differences(saved, new) -> list[str]:
     """'table.field: saved -> new' for every field that differs and changes the trajectory."""
-    return differing_fields(saved, new, lambda k: not any(
-        k == f or (f.endswith(".") and k.startswith(f)) for f in RESTART_FIELDS))
+    return differing_fields(saved, new, lambda k: not among(k, RESTART_FIELDS))
 
 
 def has_checkpoints(run_dir: Path) -> bool:
