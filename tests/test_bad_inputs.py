@@ -58,6 +58,8 @@ def paths(tmp_path):
 CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["schedule", "--total-tokens", "inf", "--seq-len", "64"], ["--total-tokens", "'inf'", "finite"]),
     (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--ratio", "nan"], ["--ratio", "'nan'"]),
+    # a token count past 2**53 printed float noise as digits (1,000,000,000,000,000,019,884,...)
+    (["schedule", "--total-tokens", "1e30", "--seq-len", "64"], ["--total-tokens", "'1e30'", "at most 2**53"]),
     (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/missing/x.png"],
      ["--plot", "missing", "does not exist; create it first"]),
     (["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "{tmp}/x.txt"], ["--plot", ".png"]),
@@ -90,6 +92,8 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--data.corpus={tmp}/web.jsonl.gz"],
      ["web.jsonl.gz' line 2 has no field data.text_field='text' (its fields: 'content', 'url')"]),
     (["train", "--data.corpus={tmp}", "--data.text_field=content"], ["table.parquet", "JSON Lines"]),
+    (["train", "--run.total_tokens=1e30"], ["run.total_tokens = 1e+30", "above 2**53", "write its digits"]),
+    (["train", "--run.total_tokens=" + "1" + "0" * 28], ["run.total_tokens = 1" + "0" * 28, "at most 2**53"]),
     (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),
     (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),
 ]

@@ -58,6 +58,7 @@ def test_cli_says_what_would_fit(capsys):
     (["--heads", "7"], "n_head=7 does not divide n_embd=256"),
     (["--tp", "3"], "tp=3 does not divide heads=4"),
     (["--tp", "4", "--seq-len", "1001", "--sequence-parallel"], "tp=4 does not divide seq_len=1001"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),  # as the trainer refuses it
     (["--micro-batch", "big"], "--micro-batch 'big'"),
     (["--pp", "3"], "pp=3"),
     (["--pp", "2", "--pp-micro-batches", "0"], "--pp-micro-batches 0: must be a positive"),

@@ -139,6 +139,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             return int(value)  # 1e9 tokens written as a float is still a whole number
+        if isinstance(value, float) and value.is_integer():
+            raise ConfigError(f"{key} = {value!r}: a float above 2**53 (~9.0e15) is not an exact whole "
+                              "number; write its digits")
         raise ConfigError(f"{key} = {value!r}: expected a whole number")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

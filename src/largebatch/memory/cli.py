@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                       pp_schedule=schedule, pp_virtual_stages=virtual,
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       hf_activation=hf_activation(args.hf_config) if eager else None)
+        if setup.sequence_parallel and setup.tp == 1:  # as the trainer: with one tp rank it splits nothing
+            raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence across the "
+                             "tensor-parallel ranks; with tp 1 the estimate is the one without it); set "
+                             "--tp, or no --sequence-parallel.")
         if setup.sequence_parallel and config.seq_len % setup.tp:  # (the closed form takes any t)
             raise ValueError(f"tp={setup.tp} does not divide seq_len={config.seq_len}: sequence parallelism "
                              "gives each tp rank an equal share of the sequence (the trainer refuses this "

@@ -40,6 +40,9 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: give a finite token count (e.g. 2e9, 300M)")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the token count must be positive")
+    if value > 2**53:  # beyond it the schedule's float arithmetic no longer holds whole token counts
+        raise argparse.ArgumentTypeError(f"{text!r}: at most 2**53 (~9.0e15) tokens, the largest count "
+                                         "the schedule's float arithmetic keeps exact")
     return int(round(value))
 
 

@@ -188,6 +188,9 @@ class RunConfig:
                      "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"run.{name} = {getattr(self, name)}: must be > 0")
+        if self.total_tokens > 2**53:  # schedules are float functions of the token count
+            raise ValueError(f"run.total_tokens = {self.total_tokens}: at most 2**53 (~9.0e15), the largest "
+                             "count the schedules' float arithmetic keeps exact")
         for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
                      "max_steps", "max_skipped_steps", "peak_flops"):
             check_off(f"run.{name}", getattr(self, name))
