@@ -121,6 +121,52 @@ def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind, weights", [("gpt", "model.safetensors"), ("bert", "pytorch_model.bin")])
+def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transformers(hf_dirs, kind, weights,
+                                                                                     tmp_path):
+    """config.json says tie_word_embeddings (the default) but the file holds an output projection that
+    differs from the input embedding: transformers loads the two apart (with a warning). The GPT
+    import refused it and the BERT import silently took the embedding for both: logits differed."""
+    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel
+
+    dirs, _ = hf_dirs
+    path = tmp_path / kind
+    shutil.copytree(dirs[kind], path)
+    hf_class = GPT2LMHeadModel if kind == "gpt" else AutoModelForMaskedLM
+    state = {k: v.clone() for k, v in hf_class.from_pretrained(dirs[kind]).state_dict().items()}
+    embedding, output = (("transformer.wte.weight", "lm_head.weight") if kind == "gpt" else
+                         ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"))
+    state[output] = state[embedding] + 0.5 * torch.randn(state[embedding].shape,
+                                                         generator=torch.Generator().manual_seed(4))
+    (path / "model.safetensors").unlink()
+    if weights.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / weights), metadata={"format": "pt"})
+    else:
+        torch.save(state, path / weights)
+    assert json.loads((path / "config.json").read_text()).get("tie_word_embeddings", True)
+    theirs_model = hf_class.from_pretrained(path).eval()
+    with pytest.warns(UserWarning, match="loading them untied"):
+        cfg, model = _imported(path)
+    assert not cfg.model.tie_embeddings
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    theirs = theirs_model(input_ids=idx).logits
+    tied = theirs_model.get_output_embeddings().weight.data_ptr() == theirs_model.get_input_embeddings().weight.data_ptr()
+    assert not tied  # transformers keeps them apart: the comparison below sees the stored output layer
+    torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0, atol=1e-5)
+    # an identical stored copy (what a tied save may hold) stays tied, with no warning
+    state[output] = state[embedding].clone()
+    torch.save(state, path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink(missing_ok=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg, _ = _imported(path)
+    assert cfg.model.tie_embeddings
+
+
 def _corpus(tmp: Path) -> Path:
     """Real English text that can be deleted after training: this repository's documentation."""
     corpus = tmp / "corpus"

@@ -6,8 +6,9 @@ The reverse of ``largebatch export --format hf`` (largebatch.integrations.hf_exp
 renaming and reshapes run backwards:
 
 * GPT2LMHeadModel / GPT2Model (``model_type="gpt2"``) -> GPT: ``c_attn`` (a Conv1D, weight (in,
-  out)) is cut into q, k, v and every Conv1D transposed. Tied or not (``tie_word_embeddings``);
-  GPT2Model has no ``lm_head`` and needs the tie. ``activation_function`` "gelu" -> exact GeLU,
+  out)) is cut into q, k, v and every Conv1D transposed. Tied or not (``tie_word_embeddings``;
+  a stored output projection that differs from the embedding loads untied, as transformers loads
+  it); GPT2Model has no ``lm_head`` and needs the tie. ``activation_function`` "gelu" -> exact GeLU,
   "gelu_new" / "gelu_pytorch_tanh" -> ``model.activation="gelu_tanh"`` (the same tanh formula).
 * BertForMaskedLM (``model_type="bert"``) -> post-LN BERT. BERT's segment embedding has no place
   here: its row 0 (the segment every sequence gets without ``token_type_ids``) is added to the
@@ -66,6 +67,45 @@ def _raw_config(path: Path) -> dict[str, Any]:
                           "transformers config.json") from None
 
 
+# (input embedding, output projection) as a tied model stores them, with and without the base prefix
+TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weight",)),
+              "bert": (("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+                       ("cls.predictions.decoder.weight",))}
+
+
+def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
+    """Whether the weights file holds both the input embedding and the output projection, with
+    different values. transformers then loads them untied, whatever tie_word_embeddings says (with a
+    warning), and so does init_from. Reads those two tensors only (lazily: safetensors' safe_open, a
+    memory-mapped pickle)."""
+    for name in WEIGHT_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    keys = set(f.keys())
+                    pair = [next((f.get_tensor(k) for k in names if k in keys), None) for names in (embedding, output)]
+            else:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                pair = [next((state[k] for k in names if k in state), None) for names in (embedding, output)]
+        except Exception:  # noqa: BLE001 -- an unreadable file is refused, naming it, by read_weights
+            return False
+        a, b = pair
+        apart = a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b))
+        if apart:
+            import warnings
+
+            warnings.warn(f"model.init_from: {file} stores {output[0]} apart from {embedding[0]} with different "
+                          "values although config.json ties them (tie_word_embeddings); loading them untied "
+                          "(model.tie_embeddings = false), as transformers does", stacklevel=2)
+        return apart
+    return False
+
+
 def _need(raw: dict, name: str, where: Path):
     if raw.get(name) is None:
         raise ConfigError(f"model.init_from: {where / 'config.json'} has no {name!r}, which a "
@@ -99,8 +139,8 @@ def model_fields(path: Path) -> dict[str, Any]:
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
                           f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model) and bert "
                           "(post-LN BertForMaskedLM) only")
-    common = {"bias": True, "tie_embeddings": bool(raw.get("tie_word_embeddings", True)),
-              "vocab_size": _need(raw, "vocab_size", path)}
+    tied = bool(raw.get("tie_word_embeddings", True)) and not _stored_apart(path, *TIED_PAIRS[model_type])
+    common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path)}
     if model_type == "gpt2":
         _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                             "add_cross_attention": False})
