@@ -154,7 +154,7 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     theirs = theirs_model(input_ids=idx).logits
     pointers = [m.weight.data_ptr() for m in (theirs_model.get_output_embeddings(),
                                               theirs_model.get_input_embeddings())]
-    assert pointers[0] != pointers[1]  # transformers keeps them apart: the comparison below sees the stored output layer
+    assert pointers[0] != pointers[1]  # transformers keeps them apart: compared with the stored output layer
     torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0, atol=1e-5)
     # an identical stored copy (what a tied save may hold) stays tied, with no warning
     state[output] = state[embedding].clone()
