@@ -344,6 +344,7 @@ class Pipeline:
         cannot run forward only (its eval still runs the input-gradient actions), and LoopedBFS
         assumes the loop placement. Each rank runs its stages in index order; torch adds the sends
         and receives (a private runtime: the one torch's own schedules lower to)."""
+        from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.schedules import (
             _Action,
             _add_send_recv,
@@ -359,8 +360,10 @@ class Pipeline:
             stage.stage_index_to_group_rank = owner
         forwards = {r: [_Action(s, _ComputationType.FORWARD, 0) for s in sorted(rank_stages(r, pp, 2, "zbv"))]
                     for r in range(pp)}
-        runtime.pipeline_order_with_comms = _add_send_recv(forwards, stage_to_rank=owner.__getitem__,
-                                                           num_stages=n_stages)
+        order = _add_send_recv(forwards, stage_to_rank=owner.__getitem__, num_stages=n_stages)
+        if hasattr(schedules, "_add_wait_send"):  # newer torch (2.15): every send waited by an action of
+            order = schedules._add_wait_send(order)  # its own, which the runtime checks at the end
+        runtime.pipeline_order_with_comms = order
         return runtime
 
     def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:

@@ -74,7 +74,7 @@ class Evaluation:
                 signum, _ = stop.poll()
                 if signum is not None:
                     self.model.train()
-                    _reshard(self.model)
+                    self._reshard()
                     raise EvalInterrupted(signum)
             # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
             # past the end repeats the last micro-batch and is not counted
@@ -90,10 +90,25 @@ class Evaluation:
                 else:
                     correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
         self.model.train()
-        _reshard(self.model)
+        self._reshard()
         count = global_sum(count, par)
         self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
         return float(global_sum(total, par) / count)
+
+    def _reshard(self) -> None:
+        """Free what an evaluation left gathered under FSDP2: the root keeps its parameters unsharded
+        after a forward (it expects the backward to follow), so after the evaluations' forwards it
+        would hold the whole parameters until the next step, and after the last one for good (a run's
+        parameters are then plain tensors, not the DTensor shards the checkpoints hold). Under
+        pipeline parallel the roots are the stage modules, which the model does not hold."""
+        from torch.distributed.fsdp import FSDPModule
+
+        pipeline = getattr(self, "pipeline", None)
+        roots = [self.model, *(stage.submod for stage in pipeline.stages)] if pipeline else [self.model]
+        for root in roots:
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def _log_eval(self) -> float:
         """Evaluate after reading what the steps left on the device; log and return the loss."""
@@ -113,15 +128,3 @@ class Evaluation:
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
         return val_loss
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """Free what an evaluation left gathered under FSDP2: the root keeps its parameters unsharded
-    after a forward (it expects the backward to follow), so after the evaluations' forwards it would
-    hold the whole parameters until the next step, and after the last one for good (a run's
-    parameters are then plain tensors, not the DTensor shards the checkpoints hold)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
