@@ -86,3 +86,40 @@ def test_a_one_process_start_leaves_out_pipelining_and_distributed_checkpoints()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_an_older_torch_is_refused_in_one_line_where_the_trainer_starts():
+    """pyproject's torch floor is the one the trainer checks (TORCH_MINIMUM): torch 2.12 lacks what tensor
+    and pipeline parallel call (all_gather_single; measured on 2.7-2.12: rank failures deep in a run).
+    The trainer's commands refuse it in one line naming both versions; the closed-form memory table
+    (no torch needed) still runs, and local builds' version suffixes pass."""
+    import torch
+
+    from largebatch import TORCH_MINIMUM, TorchTooOld, require_torch
+
+    floor = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                 if d.startswith("torch"))
+    assert floor == "torch>=" + ".".join(map(str, TORCH_MINIMUM))
+    original = torch.__version__
+    try:
+        for ok in ("2.13.0", "2.15.0+cu128", "2.14.0a0+gitabc", "3.0.0"):
+            torch.__version__ = ok
+            require_torch("x")
+        torch.__version__ = "2.12.1+cu121"
+        try:
+            require_torch("the thing")
+            raise AssertionError("torch 2.12 accepted")
+        except TorchTooOld as exc:
+            assert "the thing needs torch >= 2.13" in str(exc) and "2.12.1+cu121" in str(exc)
+    finally:
+        torch.__version__ = original
+    old = "import torch; torch.__version__ = '2.12.1+cu121'\nfrom largebatch.cli import main\n"
+    for argv, code in ((["train", "--check"], 2), (["experiment", "seesaw", "--smoke", "--out", "/nonexistent/x"], 2),
+                       (["memory", "--layers", "2"], 0)):
+        done = subprocess.run([sys.executable, "-c", old + f"raise SystemExit(main({argv!r}))"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+        assert done.returncode == code, (argv, done.stderr)
+        if code:
+            line, = done.stderr.strip().splitlines()
+            assert "needs torch >= 2.13, and this is torch 2.12.1+cu121" in line and "Traceback" not in line

@@ -10,7 +10,7 @@ import difflib
 import importlib
 import sys
 
-from largebatch import __version__
+from largebatch import TorchTooOld, __version__
 from largebatch.arguments import TRAIN_EXTRA
 
 # name -> (module that owns it, one-line help)
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     module_name, _ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
+    except TorchTooOld as exc:
+        print(f"largebatch {name}: error: {exc}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("largebatch"):
             print(f"largebatch: '{name}' is not available in this build ({exc.name} missing).",
@@ -60,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                   "extra: pip install 'largebatch[train]'", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except TorchTooOld as exc:  # a command that imports the trainer when it runs
+        print(f"largebatch {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def console() -> None:

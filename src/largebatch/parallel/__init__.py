@@ -10,6 +10,11 @@ The order of techniques is fixed (torchtitan): tensor/sequence parallel -> recom
 §2 and Korthikanti et al. 2022 §4.2.2 (sequence parallelism). See docs/parallel.md.
 """
 
+# ruff: noqa: E402 -- the package's imports follow the torch check
+from largebatch import require_torch
+
+require_torch("largebatch's parallel layer (the trainer; data, tensor, sequence and pipeline parallel)")
+
 from largebatch.parallel.config import ParallelConfig
 from largebatch.parallel.launch import spawn
 from largebatch.parallel.mesh import ParallelState, RankFailure, init_distributed, rank_guard, seed_ranks, shutdown

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from largebatch import TorchTooOld
 from largebatch.arguments import TRAIN_EXTRA, OneLineParser
 from largebatch.typed_config import (
     ConfigError,
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if "-h" in argv or "--help" in argv:
             print(_usage())
             return 0
+        if isinstance(exc, TorchTooOld):
+            return _fail(str(exc), 2)
         missing = getattr(exc, "name", None) or ""
         if missing.split(".")[0] in TRAIN_EXTRA:
             return _fail(f"the trainer needs {missing.split('.')[0]!r}, part of the [train] extra: "
