@@ -78,32 +78,29 @@ def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...
     different values. transformers then loads them untied, whatever tie_word_embeddings says (with a
     warning), and so does init_from. Reads those two tensors only (lazily: safetensors' safe_open, a
     memory-mapped pickle)."""
-    for name in WEIGHT_FILES:
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors import safe_open
+    file = weights_file(path)
+    if file is None:
+        return False  # (refused, naming the directory, by read_weights)
+    try:
+        if file.name.endswith(".safetensors"):
+            from safetensors import safe_open
 
-                with safe_open(str(file), framework="pt") as f:
-                    keys = set(f.keys())
-                    pair = [next((f.get_tensor(k) for k in names if k in keys), None) for names in (embedding, output)]
-            else:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                pair = [next((state[k] for k in names if k in state), None) for names in (embedding, output)]
-        except Exception:  # noqa: BLE001 -- an unreadable file is refused, naming it, by read_weights
-            return False
-        a, b = pair
-        apart = a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b))
-        if apart:
-            import warnings
+            with safe_open(str(file), framework="pt") as f:
+                keys = set(f.keys())
+                a, b = (next((f.get_tensor(k) for k in names if k in keys), None) for names in (embedding, output))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            a, b = (next((state[k] for k in names if k in state), None) for names in (embedding, output))
+    except Exception:  # noqa: BLE001 -- an unreadable file is refused, naming it, by read_weights
+        return False
+    apart = a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b))
+    if apart:
+        import warnings
 
-            warnings.warn(f"model.init_from: {file} stores {output[0]} apart from {embedding[0]} with different "
-                          "values although config.json ties them (tie_word_embeddings); loading them untied "
-                          "(model.tie_embeddings = false), as transformers does", stacklevel=2)
-        return apart
-    return False
+        warnings.warn(f"model.init_from: {file} stores {output[0]} apart from {embedding[0]} with different "
+                      "values although config.json ties them (tie_word_embeddings); loading them untied "
+                      "(model.tie_embeddings = false), as transformers does", stacklevel=2)
+    return apart
 
 
 def _need(raw: dict, name: str, where: Path):
@@ -230,26 +227,29 @@ def _read_tokenizer(path: Path):
                           "give one saved by HF tokenizers as data.tokenizer_file") from None
 
 
+def weights_file(path: Path) -> Path | None:
+    """The directory's model.safetensors (preferred) or pytorch_model.bin; None without either."""
+    return next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+
+
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The tensors of the directory's model.safetensors (preferred) or pytorch_model.bin."""
-    for name in WEIGHT_FILES:
-        file = path / name
-        if not file.is_file():
-            continue
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+    file = weights_file(path)
+    if file is None:
+        raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)} (a sharded "
+                          "checkpoint is not read): save the model with save_pretrained")
+    try:
+        if file.name.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-                return load_file(str(file)), file
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
-        except ImportError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and zip errors alike
-            first = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise ConfigError(f"model.init_from: {file} cannot be read ({first}): save the model "
-                              "again with save_pretrained") from None
-    raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)} (a sharded "
-                      "checkpoint is not read): save the model with save_pretrained")
+            return load_file(str(file)), file
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and zip errors alike
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model.init_from: {file} cannot be read ({first}): save the model "
+                          "again with save_pretrained") from None
 
 
 class _Taker:
