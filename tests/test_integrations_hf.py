@@ -62,8 +62,8 @@ def train(tmp_path, callbacks, learning_rate=PEAK, **extra):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=PER_DEVICE,
         gradient_accumulation_steps=ACCUM, learning_rate=learning_rate, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        lr_scheduler_type="linear", warmup_steps=2, **extra)  # overridden by the callback
+        report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+        lr_scheduler_type="linear", warmup_steps=2, **{"save_strategy": "no", **extra})  # (LR: the callback's)
     record = RecordLR()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ByteText(),
                                    callbacks=[*callbacks, record])
@@ -97,6 +97,32 @@ def test_callback_on_seesaw_warns_and_applies_the_base_schedule(tmp_path):
         assert logged[k] == lrs[k][0]
     with pytest.raises(ValueError, match="include_num_input_tokens_seen=True"):
         train(tmp_path, [TokenScheduleCallback(Cosine(PEAK, TOTAL))])
+
+
+@pytest.mark.parametrize("seq_len", [None, SEQ], ids=["counted-tokens", "step-clock"])
+def test_callback_clock_survives_resume_from_checkpoint(tmp_path, seq_len):
+    """Trainer stopped after 4 steps (a checkpoint at step 4) and resumed by a new Trainer with a new
+    callback: the resumed steps take the LRs of the uninterrupted schedule. The counted-token clock
+    is the count at the end of the previous step (restored from trainer_state.json on resume), not
+    the count at the next step's begin, which transformers 4.x had already advanced by a micro-batch."""
+    schedule = Cosine(PEAK, TOTAL, WARMUP, FRACTION)
+    extra = dict(include_num_input_tokens_seen=True, save_strategy="steps", save_steps=4)
+    train(tmp_path, [TokenScheduleCallback(schedule, seq_len=seq_len)], **extra)
+    assert (tmp_path / "checkpoint-4").is_dir()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "resumed"), max_steps=STEPS, per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=ACCUM, learning_rate=PEAK, report_to="none", save_strategy="no",
+        use_cpu=True, disable_tqdm=True, seed=0, include_num_input_tokens_seen=True)
+    record = RecordLR()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ByteText(),
+                                   callbacks=[TokenScheduleCallback(schedule, seq_len=seq_len), record])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert len(record.lrs) == STEPS - 4
+    for k, lrs in enumerate(record.lrs, start=4):
+        assert lrs[0] == pytest.approx(cosine_ref(k * TOKENS_PER_STEP), rel=1e-12, abs=1e-18), k
 
 
 def test_token_lr_as_trainers_scheduler(tmp_path):

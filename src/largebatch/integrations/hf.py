@@ -11,10 +11,12 @@ At the start of every optimizer step the callback sets each optimizer group's LR
 (a group Trainer built at ``learning_rate`` = peak_lr gets ``schedule(tokens_seen)``), and makes
 Trainer log that LR. The token clock is ``tokens_seen = global_step * tokens_per_step`` with
 ``tokens_per_step = per_device_train_batch_size * max(1, n_gpu) * gradient_accumulation_steps *
-world_size * seq_len``; with ``seq_len=None`` it is ``state.num_input_tokens_seen`` instead (needs
-``TrainingArguments(include_num_input_tokens_seen=True)``; it counts the tokens really fed, padding
-included unless set to "non_padding"). Both survive ``resume_from_checkpoint``: they live in
-Trainer's own state. Trainer's ``lr_scheduler_type`` and ``warmup_*`` are overridden.
+world_size * seq_len``; with ``seq_len=None`` it is ``state.num_input_tokens_seen`` as the previous
+step ended instead (needs ``TrainingArguments(include_num_input_tokens_seen=True)``; it counts the
+tokens really fed, padding included unless set to "non_padding"; read at the step's end because
+transformers 4.x has already counted the next step's first micro-batch when that step begins).
+Both survive ``resume_from_checkpoint``: they live in Trainer's own state. Trainer's
+``lr_scheduler_type`` and ``warmup_*`` are overridden.
 
 What Trainer cannot do: change the batch size during a run. Its batch is fixed by
 ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` x ranks, so Seesaw's batch side
@@ -70,6 +72,7 @@ class TokenScheduleCallback(TrainerCallback):
                              "sequence), or None to read state.num_input_tokens_seen")
         self.schedule, self.seq_len = schedule, seq_len
         self.tokens_seen = 0
+        self._counted = 0  # state.num_input_tokens_seen when the last step ended (or training began)
 
     def tokens_per_step(self, args) -> int:
         """Tokens in one of Trainer's optimizer steps, over all ranks."""
@@ -81,10 +84,16 @@ class TokenScheduleCallback(TrainerCallback):
             raise ValueError("TokenScheduleCallback(seq_len=None) reads "
                              "state.num_input_tokens_seen: set TrainingArguments("
                              "include_num_input_tokens_seen=True) or pass seq_len=")
+        self._counted = int(getattr(state, "num_input_tokens_seen", 0) or 0)  # a resumed run's count
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # the tokens of every step so far: read here, not at the next step's begin, where some
+        # transformers versions (4.x) have already counted that step's first micro-batch
+        self._counted = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
     def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if self.seq_len is None:
-            tokens = int(state.num_input_tokens_seen)
+            tokens = self._counted
         else:
             tokens = state.global_step * self.tokens_per_step(args)
         self.tokens_seen = check_tokens(tokens, "tokens_seen")
