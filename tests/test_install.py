@@ -6,6 +6,7 @@ missing; the CLI names the extra it needs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,7 +119,7 @@ def test_an_older_torch_is_refused_in_one_line_where_the_trainer_starts():
                        (["memory", "--layers", "2"], 0)):
         done = subprocess.run([sys.executable, "-c", old + f"raise SystemExit(main({argv!r}))"],
                               capture_output=True, text=True, cwd=ROOT, timeout=120,
-                              env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         assert done.returncode == code, (argv, done.stderr)
         if code:
             line, = done.stderr.strip().splitlines()

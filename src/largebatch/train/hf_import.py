@@ -26,8 +26,10 @@ torch pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +79,22 @@ def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...
     """Whether the weights file holds both the input embedding and the output projection, with
     different values. transformers then loads them untied, whatever tie_word_embeddings says (with a
     warning), and so does init_from. Reads those two tensors only (lazily: safetensors' safe_open, a
-    memory-mapped pickle)."""
+    memory-mapped pickle), once per version of the file (a start asks for the model fields more than once)."""
     file = weights_file(path)
     if file is None:
         return False  # (refused, naming the directory, by read_weights)
+    stat = file.stat()
+    return _pair_differs(str(file), stat.st_mtime_ns, stat.st_size, embedding, output)
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_differs(file: str, mtime_ns: int, size: int, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
+    """``_stored_apart`` for one version of ``file`` (its mtime and size are the cache key)."""
     try:
-        if file.name.endswith(".safetensors"):
+        if file.endswith(".safetensors"):
             from safetensors import safe_open
 
-            with safe_open(str(file), framework="pt") as f:
+            with safe_open(file, framework="pt") as f:
                 keys = set(f.keys())
                 a, b = (next((f.get_tensor(k) for k in names if k in keys), None) for names in (embedding, output))
         else:
@@ -95,11 +104,9 @@ def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...
         return False
     apart = a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b))
     if apart:
-        import warnings
-
         warnings.warn(f"model.init_from: {file} stores {output[0]} apart from {embedding[0]} with different "
                       "values although config.json ties them (tie_word_embeddings); loading them untied "
-                      "(model.tie_embeddings = false), as transformers does", stacklevel=2)
+                      "(model.tie_embeddings = false), as transformers does", stacklevel=4)
     return apart
 
 
@@ -289,8 +296,8 @@ def _gpt(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {"tok_emb.weight": take("wte.weight", v, h), "pos_emb.weight": take("wpe.weight", cfg.seq_len, h),
            "ln_f.weight": take("ln_f.weight", h), "ln_f.bias": take("ln_f.bias", h)}
     if cfg.tie_embeddings:
-        if take.has("lm_head.weight") and not torch.equal(take("lm_head.weight", v, h), out["tok_emb.weight"]):
-            take.misshapen.append("lm_head.weight (differs from wte.weight under tie_word_embeddings)")
+        if take.has("lm_head.weight"):
+            take("lm_head.weight", v, h)  # the tied copy of wte (a differing one loads untied: model_fields)
         out["lm_head.weight"] = out["tok_emb.weight"]
     else:
         out["lm_head.weight"] = take("lm_head.weight", v, h)
