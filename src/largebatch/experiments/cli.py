@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=EXPERIMENTS + ("all",))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="tiny model: seconds (recompute) to ~16-17 minutes (optimizers, with its "
+                      help="tiny model: seconds (recompute) to ~16-19 minutes (optimizers, with its "
                            "seeds and noise floor; measured) on 2 CPU cores with --jobs 2")
     size.add_argument("--smoke", action="store_true", help="seconds; what the test suite runs")
     parser.add_argument("--out", default=None,
