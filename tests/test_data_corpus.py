@@ -286,3 +286,171 @@ def test_any_field_value_is_accepted_or_a_value_error_naming_the_field(field, va
         DataConfig(**{field: value})
     except ValueError as err:
         assert f"DataConfig.{field}=" in str(err)
+
+
+def _word_level(path: Path, words: dict[str, int]) -> str:
+    """A WordLevel tokenizer.json over ``words`` (ids as given, gaps allowed), split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def _two_documents(tmp_path: Path, words: list[str]) -> str:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(" ".join(words * 40))
+    (corpus / "b.txt").write_text(" ".join(reversed(words * 40)))
+    return str(corpus)
+
+
+def test_a_tokenizer_with_id_gaps_gets_a_vocabulary_of_its_largest_id(tmp_path):
+    """Ids, not entries, size the vocabulary: a tokenizer.json whose ids leave gaps (WordPiece or
+    WordLevel files do; here 8 entries, <|endoftext|> at 65541) gives the model 65542 rows, uint32
+    streams, and the same size at the pre-training check -- its 8 entries overflowed a uint16 stream
+    (and a gap under 65,536 indexed past the embedding)."""
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.train.preflight import check_tokenizer_file
+
+    words = ["the", "cat", "sat", "on", "mat"]
+    vocab = {"[UNK]": 0, **{w: 2 * k + 1 for k, w in enumerate(words)}, "[CLS]": 20, "[SEP]": 21,
+             "[MASK]": 22, "<|endoftext|>": 65541}
+    tok = _word_level(tmp_path / "gap.json", vocab)
+    cfg = DataConfig(corpus=_two_documents(tmp_path, words), tokenizer_file=tok, cache_dir=str(tmp_path / "c"))
+    data = build_data(cfg, 8)
+    assert data.vocab_size == 65542 and data.train.tokens.dtype == np.uint32
+    assert int(np.max(data.train.tokens)) == 65541 and set(np.unique(data.val.tokens)) <= set(vocab.values())
+    masked = build_data(cfg, 8, "masked")
+    assert masked.vocab_size == 65542 and int(masked.train.get_batch(range(4))["input_ids"].max()) < 65542
+    small = _word_level(tmp_path / "small.json", {"[UNK]": 0, "the": 1, "[SEP]": 799})  # 3 entries
+    train = load_config(resolve_config(None), {"data.corpus": cfg.corpus, "data.tokenizer_file": small})
+    assert check_tokenizer_file(train) == 800
+
+
+def test_a_replaced_or_resized_token_array_changes_its_key_a_copy_does_not(tmp_path):
+    """A token-array corpus's content key (compared on resume) is a fingerprint of its files' bytes,
+    not of their path or time: a copy elsewhere keeps it; a replaced array, a resized one or another
+    validation array changes it. A file past 4 MiB is sampled in blocks, its last bytes among them."""
+    import shutil
+
+    from largebatch.data.corpus import token_array_fingerprint
+
+    tokens = np.random.default_rng(0).integers(0, 1000, 20_000).astype(np.uint16)
+    np.save(tmp_path / "a.npy", tokens)
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "a.npy", tmp_path / "copy" / "a.npy")
+
+    def key(path, **kw):
+        return build_data(DataConfig(corpus=str(path), vocab_size=1000, **kw), 8).stats.content_key
+
+    first = key(tmp_path / "a.npy")
+    assert first and first.startswith("tokens-") and key(tmp_path / "copy" / "a.npy") == first
+    np.save(tmp_path / "copy" / "a.npy", tokens[::-1])
+    assert key(tmp_path / "copy" / "a.npy") != first
+    np.save(tmp_path / "copy" / "a.npy", tokens[:-1])
+    assert key(tmp_path / "copy" / "a.npy") != first
+    assert key(tmp_path / "a.npy", val_fraction=0.2) != first  # another split of the same file
+    np.save(tmp_path / "b.npy", tokens[:500])
+    np.save(tmp_path / "c.npy", tokens[500:1000])
+    assert key(tmp_path / "a.npy", val_corpus=str(tmp_path / "b.npy")) != \
+        key(tmp_path / "a.npy", val_corpus=str(tmp_path / "c.npy"))
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(5 << 20))
+    before = token_array_fingerprint([str(big)])
+    with open(big, "r+b") as out:
+        out.seek((5 << 20) - 1)
+        out.write(b"\x01")
+    assert token_array_fingerprint([str(big)]) != before
+
+
+def test_a_bin_file_of_the_wrong_width_is_refused(tmp_path):
+    """A uint32 .bin read as uint16 (the default data.bin_dtype) is refused: with a vocabulary past
+    65,536 ids by the width alone, else because every other uint16 is 0 (its high halves); read as
+    uint32 it loads. A real uint16 stream with some zeros loads."""
+    ids = np.random.default_rng(1).integers(1, 1000, 10_000)
+    path = tmp_path / "u32.bin"
+    ids.astype(np.uint32).tofile(path)
+    with pytest.raises(CorpusError, match="data.bin_dtype='uint16' cannot hold.*data.vocab_size=70000.*"
+                                          "set data.bin_dtype='uint32'"):
+        build_data(DataConfig(corpus=str(path), vocab_size=70_000), 8)
+    with pytest.raises(CorpusError, match="u32.bin.*looks like a uint32 file.*set data.bin_dtype='uint32'"):
+        build_data(DataConfig(corpus=str(path), vocab_size=1000), 8)
+    data = build_data(DataConfig(corpus=str(path), vocab_size=70_000, bin_dtype="uint32"), 8)
+    assert data.train.tokens.dtype == np.uint32 and int(data.train.tokens.max()) < 1000
+    real = ids.astype(np.uint16)
+    real[::7] = 0
+    real.tofile(tmp_path / "u16.bin")
+    assert build_data(DataConfig(corpus=str(tmp_path / "u16.bin"), vocab_size=1000), 8).vocab_size == 1000
+
+
+def test_the_corpus_check_accepts_a_byte_order_mark_as_the_loader_does(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "a page"}\n{"text": "another"}\n')
+    from largebatch.data.corpus import check_corpus
+
+    check_corpus(str(path), "data.corpus")
+    assert [d.text for d in load_documents(str(path))] == ["a page", "another"]
+
+
+def test_messages_name_the_tokenizer_directory_the_clashing_files_and_the_negative_id(tmp_path):
+    """data.tokenizer_file may be a save_pretrained directory (its tokenizer.json is read); one without
+    a tokenizer.json says so. Documents named alike name both files. A negative id is named as one."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    _word_level(saved / "tokenizer.json", {"[UNK]": 0, "x": 1, "<|endoftext|>": 2})
+    np.save(tmp_path / "t.npy", np.arange(1000) % 3)
+    data = build_data(DataConfig(corpus=str(tmp_path / "t.npy"), tokenizer_file=str(saved)), 8)
+    assert data.vocab_size == 3 and data.tokenizer.token_to_id("x") == 1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="tokenizer_file=.*empty' is a directory without a tokenizer.json"):
+        build_data(DataConfig(corpus=str(tmp_path / "t.npy"), tokenizer_file=str(tmp_path / "empty")), 8)
+    corpus = tmp_path / "dup"
+    corpus.mkdir()
+    for name in ("a.txt", "a.md", "b.txt"):
+        (corpus / name).write_text(f"text of {name}")
+    with pytest.raises(CorpusError, match=r"a\.md' and .*a\.txt' \(both 'a'\)"):
+        load_documents(str(corpus))
+    np.save(tmp_path / "neg.npy", np.arange(1000, dtype=np.int64) - 1)
+    with pytest.raises(CorpusError, match="neg.npy' holds the id -1: token ids must be >= 0"):
+        build_data(DataConfig(corpus=str(tmp_path / "neg.npy"), vocab_size=1000), 8)
+
+
+def test_the_pre_training_check_refuses_a_bert_tokenizer_without_its_tokens_and_an_unwritable_cache(
+        tmp_path, monkeypatch):
+    """`--check` refuses what the data build would refuse only after tokenizing (a BERT tokenizer
+    without [MASK]; a BERT run on a token array with no tokenizer) or after training a tokenizer (a
+    cache directory that cannot be made); the build itself makes its staging directory first."""
+    from largebatch.data import tokenizer as tokenizer_lib
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.train.preflight import check_cache_dir, check_masked_tokens
+    from largebatch.typed_config import ConfigError
+
+    corpus = _two_documents(tmp_path, ["the", "cat", "sat"])
+    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, "[CLS]": 4, "[SEP]": 5}
+    no_mask = _word_level(tmp_path / "nomask.json", words)
+
+    def cfg(**o):
+        return load_config(resolve_config(None), {"data.corpus": corpus, **o})
+
+    with pytest.raises(ConfigError, match=r"tokenizer_file=.*nomask.json' lacks \[MASK\].*model.kind='bert'"):
+        check_masked_tokens(cfg(**{"model.kind": "bert", "data.tokenizer_file": no_mask}))
+    check_masked_tokens(cfg(**{"model.kind": "gpt", "data.tokenizer_file": no_mask}))
+    check_masked_tokens(cfg(**{"model.kind": "bert"}))  # the trained tokenizer has them
+    np.save(tmp_path / "t.npy", np.arange(1000) % 5)
+    with pytest.raises(ConfigError, match="token array .*t.npy' needs the special tokens.*data.tokenizer_file"):
+        check_masked_tokens(cfg(**{"model.kind": "bert", "data.corpus": str(tmp_path / "t.npy")}))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="data.cache_dir"):
+        check_cache_dir(cfg(**{"data.cache_dir": str(tmp_path / "file" / "cache")}))
+    check_cache_dir(cfg(**{"data.cache_dir": str(tmp_path / "new" / "cache")}))
+
+    def no_training(*_):
+        raise AssertionError("a tokenizer was trained for a cache that cannot be written")
+
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
+    with pytest.raises(CorpusError, match="data.cache_dir"):
+        build_data(DataConfig(corpus=corpus, vocab_size=300, cache_dir=str(tmp_path / "file" / "cache")), 8)

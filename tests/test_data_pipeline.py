@@ -520,3 +520,50 @@ def test_the_other_ranks_wait_for_a_cold_build_longer_than_the_collective_timeou
     spawn(_slow_leader_build, 2, str(corpus), str(tmp_path / "cache"), str(tmp_path))
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert first[0] == second[0] > 0 and first[1] is False and second[1] is True
+
+
+def test_a_corpus_that_is_one_large_file_is_encoded_in_pieces_with_the_whole_files_ids(tmp_path, monkeypatch):
+    """A corpus that is one large file (nanoGPT's input.txt) is one document, and the tokenizer was
+    handed each document whole: ~200 bytes of memory per character (10.8 GB for one 50 MB file,
+    0.84 GB for the same text in 50 files). Documents are now cut into pieces just before a
+    whitespace character between two non-whitespace ones, where the pre-tokenizer ends a word
+    anyway: the trained tokenizer, the ids and the one separator per document are those of the
+    whole text. Checked against the whole-text encoding, for byte-level BPE and BERT's WordPiece."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from largebatch.data import tokenizer as tokenizer_lib
+
+    plays = "\n\n".join((SHKSPR_TEXTS / name).read_text() for name in ("hamlet_gut.txt", "tempest_gut.txt"))
+    text = plays + "  x" + "y" * 2000 + "\t\tz \u3000 end"  # a word longer than a piece; other whitespace
+    for limit in (1000, 4096):
+        parts = list(tokenizer_lib.pieces(text, limit))
+        assert "".join(parts) == text and max(map(len, parts)) <= limit and len(parts) > len(text) // limit
+        starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        assert all(text[s].isspace() and not text[s - 1].isspace() and not text[s + 1].isspace()
+                   for s in starts[1:] if s < len(plays))  # cut where a word ends anyway
+    assert list(tokenizer_lib.pieces("short", 10)) == ["short"]
+
+    bpe = tokenizer_lib.train_tokenizer([text], 600)
+    with monkeypatch.context() as m:  # what training on the whole document gives
+        m.setattr(tokenizer_lib, "pieces", lambda t, limit: [t])
+        assert tokenizer_lib.train_tokenizer([text], 600).to_str() == bpe.to_str()
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer()
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator([plays], trainers.WordPieceTrainer(vocab_size=600, special_tokens=["[UNK]", "[SEP]"]))
+    class Longest:  # the tokenizer, noting the longest text it was handed at once
+        def __init__(self, tok):
+            self.tok, self.chars = tok, 0
+
+        def encode_batch(self, batch, **kwargs):
+            self.chars = max(self.chars, *map(len, batch))
+            return self.tok.encode_batch(batch, **kwargs)
+
+    monkeypatch.setattr(tokenizer_lib, "ENCODE_CHARS", 5000)
+    for tok, eot in ((bpe, 0), (wordpiece, 1)):
+        seen = Longest(tok)
+        n = tokenizer_lib.write_documents(seen, [text, "a b", text], eot, np.dtype(np.uint16), tmp_path / "s.bin")
+        assert seen.chars <= 5000 < len(text)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        expected = [eot, *ids, eot, *tok.encode("a b", add_special_tokens=False).ids, eot, *ids]
+        assert np.fromfile(tmp_path / "s.bin", dtype=np.uint16).tolist() == expected and n == len(expected)

@@ -195,3 +195,8 @@ def test_a_token_array_run_without_a_tokenizer_ends_with_a_summary(reference_run
     summary = Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lambda *_: None).fit()
     assert "no sample" in summary["sample"] and "data.tokenizer_file" in summary["sample"]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == summary["steps"] == 2
+    # a resume on a replaced array says the corpus changed, as on changed text (it was silent)
+    np.save(tmp_path / "tokens.npy", np.asarray(data.train.tokens)[::-1].astype(np.uint16))
+    logs = []
+    Trainer(load_config(resolve_config(None), o), o["run.out_dir"], resume=True, log=logs.append)
+    assert any(line.startswith("warning: the corpus's token arrays changed since") for line in logs), logs

@@ -38,6 +38,7 @@ from .corpus import (
     load_documents,
     load_token_array,
     split_documents,
+    token_array_fingerprint,
 )
 from .dataset import BERTDataset, GPTDataset, PackedDataset
 
@@ -60,6 +61,7 @@ class DataStats:
     cache_path: str | None = None
     cache_hit: bool = False  # True: tokenizer and streams were loaded, nothing was trained
     cache_rebuilt: str | None = None  # why a damaged cache entry was built again, if it was
+    content_key: str | None = None  # token arrays: token_array_fingerprint of the files (text: the cache entry)
 
     def __str__(self) -> str:
         return self.describe()
@@ -155,11 +157,11 @@ def _rank_zero_first():
 def _build(cfg: DataConfig, seq_len: int, objective: str) -> Data:
     if is_token_array_path(cfg.corpus):
         tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
-        vocab_size = tokenizer.get_vocab_size() if tokenizer else cfg.vocab_size
+        vocab_size = tokenizer_lib.id_space(tokenizer) if tokenizer else cfg.vocab_size
         _check_ids_fit(train_tokens, val_tokens, vocab_size, cfg)
     else:
         tokenizer, train_tokens, val_tokens, stats = _text_streams(cfg)
-        vocab_size = tokenizer.get_vocab_size()
+        vocab_size = tokenizer_lib.id_space(tokenizer)
     special_ids = tokenizer_lib.special_token_ids(tokenizer) if tokenizer else {}
     common = dict(tokenizer=tokenizer)
     if objective == "causal":
@@ -268,22 +270,23 @@ def entry_damage(entry: Path) -> str | None:
 
 def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                        val_docs: list[Document]) -> None:
-    if cfg.tokenizer_file:
-        tokenizer = read_tokenizer_file(cfg)
-    else:  # trained on the TRAINING split only: validation text must stay unseen
-        tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
-    separator = tokenizer_lib.document_separator(tokenizer)
-    if separator is None:
-        raise CorpusError(tokenizer_lib.no_separator_message("DataConfig.tokenizer_file", cfg.tokenizer_file))
-    eot_id = separator[1]
-    dtype = tokenizer_lib.token_dtype(tokenizer.get_vocab_size())
+    # the staging directory first: a cache that cannot be written fails before a tokenizer is trained
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
     # os.mkdir applies the umask (mkdtemp's 0700 would keep a shared cache from its other users)
     staging = entry.parent / f".{entry.name}.tmp-{secrets.token_hex(8)}"
     staging.mkdir()
-    (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
     try:
+        (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        if cfg.tokenizer_file:
+            tokenizer = read_tokenizer_file(cfg)
+        else:  # trained on the TRAINING split only: validation text must stay unseen
+            tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
+        separator = tokenizer_lib.document_separator(tokenizer)
+        if separator is None:
+            raise CorpusError(tokenizer_lib.no_separator_message("DataConfig.tokenizer_file", cfg.tokenizer_file))
+        eot_id = separator[1]
+        dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
         tokens = {split: tokenizer_lib.write_documents(tokenizer, (d.text for d in docs), eot_id, dtype,
                                                        staging / f"{split}.bin")
                   for split, docs in (("train", train_docs), ("val", val_docs))}
@@ -345,12 +348,27 @@ def _read_cache_entry(entry: Path):
     return tokenizer, streams[0], streams[1]
 
 
-def _read_tokenizer_bytes(cfg: DataConfig) -> bytes:
-    path = Path(cfg.tokenizer_file).expanduser()
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def tokenizer_path(value: str, field: str = "DataConfig.tokenizer_file") -> Path:
+    """The tokenizer.json that the value of ``field`` names: the file, or the one inside a directory
+    (as ``save_pretrained`` of HF transformers writes it); CorpusError naming the field otherwise."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / TOKENIZER_NAME).is_file():
+            raise CorpusError(f"{field}={value!r} is a directory without a {TOKENIZER_NAME}: pass a "
+                              f"tokenizer.json saved by HF tokenizers (or a directory holding one, as "
+                              f"save_pretrained writes it), or None to train one")
+        return path / TOKENIZER_NAME
     if not path.is_file():
-        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} does not exist: "
-                          f"pass a tokenizer.json saved by HF tokenizers, or None to train one")
-    return path.read_bytes()
+        raise CorpusError(f"{field}={value!r} does not exist: pass a tokenizer.json saved by HF "
+                          f"tokenizers (or a directory holding one), or None to train one")
+    return path
+
+
+def _read_tokenizer_bytes(cfg: DataConfig) -> bytes:
+    return tokenizer_path(cfg.tokenizer_file).read_bytes()
 
 
 def read_tokenizer_file(cfg: DataConfig) -> Tokenizer:
@@ -369,6 +387,8 @@ def read_tokenizer_file(cfg: DataConfig) -> Tokenizer:
 # pre-tokenized corpora: no documents, so split by position unless val_corpus is given
 
 def _token_array_streams(cfg: DataConfig):
+    tokenizer = read_tokenizer_file(cfg) if cfg.tokenizer_file else None
+    check_bin_width(cfg, tokenizer_lib.id_space(tokenizer) if tokenizer else cfg.vocab_size)
     tokens = load_token_array(cfg.corpus, cfg.bin_dtype)
     if cfg.val_corpus is not None:
         if not is_token_array_path(cfg.val_corpus):
@@ -383,18 +403,37 @@ def _token_array_streams(cfg: DataConfig):
                               f"split: use a larger array or DataConfig.val_corpus")
         train_tokens, val_tokens = tokens[:-num_val], tokens[-num_val:]
         split = "by position: last val_fraction of tokens"
-    tokenizer = None
-    if cfg.tokenizer_file:
-        tokenizer = read_tokenizer_file(cfg)
+    files = [cfg.corpus] + ([cfg.val_corpus] if cfg.val_corpus is not None else [])
+    read_as = json.dumps({"dtypes": [str(train_tokens.dtype), str(val_tokens.dtype)],
+                          "val_fraction": None if cfg.val_corpus is not None else cfg.val_fraction})
     stats = DataStats(cfg.corpus, None, None, len(train_tokens), len(val_tokens), 0, 0,
-                      split=split)
+                      split=split, content_key="tokens-" + token_array_fingerprint(files, read_as)[:20])
     return tokenizer, train_tokens, val_tokens, stats
+
+
+def check_bin_width(cfg: DataConfig, vocab_size: int) -> None:
+    """CorpusError naming data.bin_dtype when a raw .bin corpus is read as uint16 but the vocabulary
+    (``vocab_size``: the tokenizer file's ids, or data.vocab_size) has ids a uint16 cannot hold."""
+    bins = [spec for spec in (cfg.corpus, cfg.val_corpus) if spec and Path(spec).suffix.lower() == ".bin"]
+    if bins and cfg.bin_dtype == "uint16" and vocab_size > 2**16:
+        source = (f"data.tokenizer_file={cfg.tokenizer_file!r}" if cfg.tokenizer_file
+                  else f"data.vocab_size={cfg.vocab_size}")
+        raise CorpusError(f"data.bin_dtype='uint16' cannot hold the ids of {source} ({vocab_size:,} ids, more "
+                          f"than 65,536), so {bins[0]!r} would be read as 16-bit halves: set "
+                          "data.bin_dtype='uint32' (a stream of those ids is uint32)")
 
 
 def _check_ids_fit(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int,
                    cfg: DataConfig) -> None:
+    where = {"train": cfg.corpus, "val": cfg.val_corpus or cfg.corpus}
+    for split, tokens in (("train", train_tokens), ("val", val_tokens)):
+        smallest = int(tokens.min())
+        if smallest < 0:
+            raise CorpusError(f"token array {where[split]!r} holds the id {smallest}: token ids must be >= 0; "
+                              "re-create the array from a tokenizer's ids")
     largest = max(int(train_tokens.max()), int(val_tokens.max()))
-    if largest >= vocab_size or min(int(train_tokens.min()), int(val_tokens.min())) < 0:
-        raise CorpusError(f"token array {cfg.corpus!r} holds ids up to {largest} (and >= 0 "
-                          f"required) but the vocabulary has {vocab_size} entries: set "
-                          f"DataConfig.vocab_size > {largest} or a matching tokenizer_file")
+    if largest >= vocab_size:
+        fix = (f"give a tokenizer_file whose ids reach {largest}" if cfg.tokenizer_file
+               else f"set DataConfig.vocab_size > {largest}, or a matching tokenizer_file")
+        raise CorpusError(f"token array {cfg.corpus!r} holds ids up to {largest} but the vocabulary has "
+                          f"{vocab_size} ids: {fix}")

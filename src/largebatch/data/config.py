@@ -61,12 +61,15 @@ class DataConfig:
     must exceed the largest token id."""
 
     tokenizer_file: str | None = None
-    """Optional ``tokenizer.json`` (HF tokenizers) to use instead of training one. Required for
-    ``decode`` and for BERT masking on pre-tokenized arrays; its vocabulary size then replaces
+    """Optional ``tokenizer.json`` (HF tokenizers), or a directory holding one (as ``save_pretrained``
+    writes it), to use instead of training one. Required for ``decode`` and for BERT masking on
+    pre-tokenized arrays; its vocabulary size (largest id + 1, added tokens included) then replaces
     ``vocab_size``."""
 
     bin_dtype: BinDtype = "uint16"
-    """Element type of raw ``.bin`` token files ("uint16" as in nanoGPT, or "uint32")."""
+    """Element type of raw ``.bin`` token files ("uint16" as in nanoGPT, or "uint32"). "uint16" with
+    a vocabulary past 65,536 ids, or with a file that is 0 at every other position (a uint32 file),
+    is refused."""
 
     cache_dir: str = ".cache/largebatch"
     """Where the trained tokenizer and the tokenized, memory-mapped splits are cached. A relative

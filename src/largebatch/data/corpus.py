@@ -156,11 +156,14 @@ def load_documents(spec: str, document_separator: str | None = None,
     if not files:
         raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
                           f"add UTF-8 text files, one document per file")
-    documents = []
+    documents, origin, clashes = [], {}, []
     for file in files:
         kind = content_suffix(file)
         name = file.name if file == path else file.relative_to(path).as_posix()
         stem = name[: len(name) - len(_suffixes(file))]  # "notes/day1.txt", "web.jsonl.gz" -> "notes/day1", "web"
+        if stem in origin and origin[stem] != file:
+            clashes.append(f"{str(origin[stem])!r} and {str(file)!r} (both {stem!r})")
+        origin[stem] = file
         text = read_text_file(file)
         records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
                    else [Document(stem, text)])
@@ -170,6 +173,10 @@ def load_documents(spec: str, document_separator: str | None = None,
         for record in records:
             parts = [part.strip() for part in record.text.split(document_separator)]
             documents += [Document(f"{record.name}#{k}", part) for k, part in enumerate(p for p in parts if p)]
+    if clashes:  # a document is named after its file without the suffix
+        more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
+        raise CorpusError(f"corpus {spec!r}: files whose names differ only in their suffix give documents of "
+                          f"the same name: {'; '.join(clashes[:3])}{more}; rename or remove one of each")
     return documents
 
 
@@ -320,8 +327,9 @@ def _opener(path: Path):
 
 
 def _open_text(path: Path):
-    """``path`` opened as UTF-8 text, decompressed by its suffix (a stream: nothing read yet)."""
-    return _opener(path)(path, "rt", encoding="utf-8")
+    """``path`` opened as UTF-8 text, decompressed by its suffix (a stream: nothing read yet); a
+    leading byte order mark is dropped, as the loader drops it."""
+    return _opener(path)(path, "rt", encoding="utf-8-sig")
 
 
 def _check_kind(path: Path) -> None:
@@ -387,7 +395,53 @@ def load_token_array(spec: str, bin_dtype: str) -> np.ndarray:
                           f"token ids must be a 1-D integer array")
     if tokens.size == 0:
         raise CorpusError(f"token array {spec!r} is empty: it needs at least one sample of tokens")
+    if path.suffix.lower() == ".bin" and tokens.dtype == np.uint16 and looks_like_uint32(tokens):
+        raise CorpusError(f"token array {spec!r} read as data.bin_dtype='uint16' is 0 at every odd position "
+                          f"sampled: it looks like a uint32 file (each id's high half read as a token); set "
+                          f"data.bin_dtype='uint32'")
     return tokens
+
+
+WIDTH_SAMPLE = 4096
+"""Pairs of a uint16 stream read by looks_like_uint32 (and the fewest tokens it judges)."""
+
+
+def looks_like_uint32(tokens: np.ndarray) -> bool:
+    """Whether a uint16 stream of at least 2 x ``WIDTH_SAMPLE`` tokens is 0 at every odd position of
+    ``WIDTH_SAMPLE`` evenly spaced pairs while not 0 at every even one: a little-endian uint32 file of
+    ids below 65,536 read as uint16 (its high halves). A real stream is never 0 at every other
+    position."""
+    if len(tokens) < 2 * WIDTH_SAMPLE:
+        return False
+    starts = np.linspace(0, len(tokens) // 2 - 1, WIDTH_SAMPLE).astype(np.int64) * 2
+    return not tokens[starts + 1].any() and bool(tokens[starts].any())
+
+
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_BYTES = 64, 1 << 16
+
+
+def token_array_fingerprint(paths: list[str], extra: str = "") -> str:
+    """SHA-256 over each token array file's size and ``FINGERPRINT_BLOCKS`` evenly spaced blocks of
+    ``FINGERPRINT_BLOCK_BYTES`` (the first and the last included; a file up to 4 MiB whole), and
+    ``extra`` (how the files are read): the content key of a pre-tokenized corpus, which a resume
+    compares with the one its checkpoint was trained on. It reads 4 MiB a file whatever the file's
+    size, and neither the path nor the modification time enters it, so a copy of the files elsewhere
+    has the same key. A file replaced or resized changes it; an edit confined to bytes between the
+    sampled blocks of a file larger than 4 MiB does not."""
+    digest = hashlib.sha256(extra.encode())
+    for spec in paths:
+        path = Path(spec).expanduser()
+        size = path.stat().st_size
+        digest.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as stream:
+            if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK_BYTES:
+                digest.update(stream.read())
+                continue
+            last = size - FINGERPRINT_BLOCK_BYTES
+            for k in range(FINGERPRINT_BLOCKS):
+                stream.seek(k * last // (FINGERPRINT_BLOCKS - 1))
+                digest.update(stream.read(FINGERPRINT_BLOCK_BYTES))
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +460,7 @@ def split_documents(documents: list[Document], val_fraction: float,
             f"into documents, or pass a separate DataConfig.val_corpus")
     names = [doc.name for doc in documents]
     if len(set(names)) != len(names):
-        raise CorpusError("document names are not unique; rename the files")
+        raise CorpusError(duplicate_names_message(names))
     if val_documents:
         chosen = {resolve_document_name(name, names) for name in val_documents}
     else:
@@ -421,6 +475,17 @@ def split_documents(documents: list[Document], val_fraction: float,
     if not train:
         raise CorpusError("DataConfig.val_documents lists every document: leave some for training")
     return train, val
+
+
+def duplicate_names_message(names: list[str]) -> str:
+    """The error for a document list (a registered corpus's) whose names clash, naming them."""
+    seen, clashes = set(), []
+    for name in names:
+        if name in seen and name not in clashes:
+            clashes.append(name)
+        seen.add(name)
+    shown = ", ".join(repr(name) for name in clashes[:5]) + (" ..." if len(clashes) > 5 else "")
+    return f"document names are not unique ({shown} more than once): give each document its own name"
 
 
 def resolve_document_name(name: str, names: list[str]) -> str:

@@ -47,8 +47,47 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator((piece for text in texts for piece in pieces(text, TRAIN_PIECE_CHARS)),
+                                  trainer)
     return tokenizer
+
+
+TRAIN_PIECE_CHARS = 1 << 16
+"""Longest piece of a document handed to the tokenizer trainer at once (see pieces): the trainer
+buffers a few hundred texts, and a corpus that is one large file is one document."""
+
+
+def pieces(text: str, limit: int) -> Iterable[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters (``text`` itself when it is not
+    longer). Each cut lies just before a whitespace character that has a non-whitespace character on
+    either side, where byte-level BPE's pre-tokenizer (and any whitespace-splitting one) always
+    ends a word: encoding the pieces gives the ids of encoding the whole text, and training on them
+    counts the same words. Tokenizers hold ~200 bytes per character of text they encode at once, so a
+    corpus that is one 1 GB file would need ~200 GB whole. A stretch of ``limit`` characters with no
+    such whitespace (a very long unbroken word) is cut where the limit falls; only there can the ids
+    differ from the whole text's."""
+    start, end = 0, len(text)
+    while end - start > limit:
+        cut = _cut(text, start, start + limit)
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _cut(text: str, start: int, stop: int) -> int:
+    """The last position in (start, stop) before a whitespace character with non-whitespace on
+    both sides, preferring the second half of the range; ``stop`` when there is none."""
+    low = start + (stop - start) // 2
+    for space in (" ", "\n"):
+        i = text.rfind(space, low, stop)
+        while i > low:
+            if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+                return i
+            i = text.rfind(space, low, i)
+    for i in range(stop - 1, low, -1):  # other whitespace (tabs, ideographic space, ...)
+        if text[i].isspace() and not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+    return stop
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
@@ -77,6 +116,15 @@ def no_separator_message(field: str, value) -> str:
             "leave the field out to train a tokenizer on the corpus")
 
 
+def id_space(tokenizer: Tokenizer) -> int:
+    """The ids ``tokenizer`` can produce, as a vocabulary size: its largest id + 1, added tokens
+    included. A tokenizer.json may leave ids unused (a WordPiece or WordLevel file with gaps, a special
+    token added at 65541), so its count of entries can be smaller: an embedding of that many rows, or
+    a stream dtype chosen by it, would not hold every id."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(max(ids, default=-1) + 1, tokenizer.get_vocab_size(with_added_tokens=True))
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype holding every id: uint16 up to 65,536 entries, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
@@ -94,7 +142,9 @@ def plain(tokenizer: Tokenizer) -> Tokenizer:
 
 ENCODE_CHARS = 1 << 22
 """Characters of text encoded at a time when writing a token stream: the tokenizer's Encoding
-objects cost ~100 bytes a token, so encoding a whole split at once took ~80x the corpus in memory."""
+objects cost ~100 bytes a token, so encoding a whole split at once took ~80x the corpus in memory.
+A document longer than this is encoded in pieces (see pieces), so the bound holds for a corpus that
+is one large file too."""
 
 
 def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dtype: np.dtype,
@@ -102,28 +152,33 @@ def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dty
     """Write one flat token stream to ``path`` and return its length: every document preceded by the
     separator ``eot_id`` (<|endoftext|> or see document_separator), so the first token of a document
     is always predicted from the separator, as in GPT-2 training data. Documents are encoded a batch
-    of about ``ENCODE_CHARS`` characters at a time (memory: one batch, not the corpus)."""
+    of about ``ENCODE_CHARS`` characters at a time (memory: one batch, not the corpus), a longer
+    document in pieces that encode to the same ids as the whole (see pieces)."""
     written = 0
     with open(path, "wb") as out:
-        def flush(batch: list[str]) -> None:
+        def flush(batch: list[str], starts: list[bool]) -> None:
             nonlocal written
             encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
-            stream = np.empty(sum(len(e.ids) + 1 for e in encodings), dtype=dtype)
+            stream = np.empty(sum(len(e.ids) + first for e, first in zip(encodings, starts)), dtype=dtype)
             position = 0
-            for encoding in encodings:
-                stream[position] = eot_id
-                stream[position + 1: position + 1 + len(encoding.ids)] = encoding.ids
-                position += 1 + len(encoding.ids)
+            for encoding, first in zip(encodings, starts):
+                if first:
+                    stream[position] = eot_id
+                    position += 1
+                stream[position: position + len(encoding.ids)] = encoding.ids
+                position += len(encoding.ids)
             out.write(stream.data)  # (ndarray.tofile hides the errno of a full disk)
             written += len(stream)
 
-        batch, chars = [], 0
+        batch, starts, chars = [], [], 0
         for text in texts:
-            batch.append(text)
-            chars += len(text)
-            if chars >= ENCODE_CHARS:
-                flush(batch)
-                batch, chars = [], 0
+            for index, piece in enumerate(pieces(text, ENCODE_CHARS)):
+                batch.append(piece)
+                starts.append(index == 0)
+                chars += len(piece)
+                if chars >= ENCODE_CHARS:
+                    flush(batch, starts)
+                    batch, starts, chars = [], [], 0
         if batch:
-            flush(batch)
+            flush(batch, starts)
     return written

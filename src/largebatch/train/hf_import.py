@@ -217,8 +217,10 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
             raise ConfigError(f"data.tokenizer_file={mine!r} is not the vocabulary of "
                               f"{cfg.model.init_from} ({theirs}): leave data.tokenizer_file out to "
                               "use the model's own")
-    if tokenizer.get_vocab_size() > model.vocab_size:
-        raise ConfigError(f"the tokenizer {chosen} has {tokenizer.get_vocab_size()} entries but "
+    from largebatch.data.tokenizer import id_space
+
+    if id_space(tokenizer) > model.vocab_size:
+        raise ConfigError(f"the tokenizer {chosen} has ids up to {id_space(tokenizer) - 1} but "
                           f"{cfg.model.init_from} has vocab_size={model.vocab_size} embedding rows: give "
                           "data.tokenizer_file with the model's vocabulary (at most vocab_size ids)")
     return str(chosen)

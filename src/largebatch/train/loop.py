@@ -218,8 +218,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
     def _data_entry(self) -> str | None:
-        """The data cache entry's name: a hash of the corpus's text (both splits) and the tokenizer."""
-        return Path(self.data.stats.cache_path).name if self.data.stats.cache_path else None
+        """What the run trains on, as a key a resume compares: a text corpus's data cache entry name
+        (a hash of its text, both splits, and the tokenizer), a token-array corpus's fingerprint of
+        its files ("tokens-...", see corpus.token_array_fingerprint)."""
+        stats = self.data.stats
+        return Path(stats.cache_path).name if stats.cache_path else stats.content_key
 
     def _load_newest_intact(self) -> Path:
         """Load the newest checkpoint that reads back whole, saying which damaged ones were passed."""
@@ -294,8 +297,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.schedule_dp = saved_dp
         saved_entry, entry = extra.get("data_entry"), self._data_entry()
         if saved_entry and entry and saved_entry != entry:  # (another tokenizer is refused before this)
-            self.log(f"warning: the corpus's text changed since {path.name} was written (data cache entry "
-                     f"{saved_entry} -> {entry}): the run continues on the new text and no longer "
+            arrays = entry.startswith("tokens-")
+            what, key = ("token arrays", "fingerprint") if arrays else ("text", "data cache entry")
+            self.log(f"warning: the corpus's {what} changed since {path.name} was written ({key} "
+                     f"{saved_entry} -> {entry}): the run continues on the new {what} and no longer "
                      "follows the trajectory it was on")
         self.pos = Progression(**extra["progress"])
         self.saved_step, self.saved_path = self.pos.step, path  # (not written again at the same step)

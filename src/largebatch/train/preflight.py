@@ -4,7 +4,10 @@ training are built is refused in one line naming the field, the value and the fi
 * the run directory can be made and written (not a file, not on a read-only disk);
 * ``run.device`` exists on this machine (outside torchrun, where each rank takes its local GPU);
 * ``data.corpus`` / ``data.val_corpus`` exist, and a JSON Lines corpus has ``data.text_field``;
-* ``data.tokenizer_file`` is a tokenizer.json;
+* ``data.tokenizer_file`` is a tokenizer.json (or a directory holding one);
+* a raw ``.bin`` corpus's ``data.bin_dtype`` holds every id of the vocabulary;
+* a BERT run's tokenizer (``data.tokenizer_file``; a token array needs one) has [CLS], [SEP] and [MASK];
+* ``data.cache_dir`` can be made and written when a text corpus's cache has yet to be built there;
 * ``model.init_from``'s weights map onto the model (names and shapes), on a fresh start;
 * the model fits: fp32 parameters, gradients and optimizer state, counted from the config by the
   closed-form estimator of largebatch.memory (ZeRO accounting, Rajbhandari et al. 2020 §3.1; see
@@ -104,6 +107,8 @@ def resume_tokenizer(cfg: TrainConfig, run_dir: Path, overridden: bool, warn: Ca
     if not cfg.data.tokenizer_file or not kept.is_file():
         return cfg
     path = Path(cfg.data.tokenizer_file).expanduser()
+    if path.is_dir():  # a save_pretrained directory: its tokenizer.json
+        path = path / TOKENIZER_NAME
     if not path.is_file():
         if overridden:
             raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} does not exist: give the "
@@ -160,13 +165,14 @@ def check_corpora(cfg: TrainConfig) -> None:
 
 
 def check_tokenizer_file(cfg: TrainConfig) -> int | None:
-    """The vocabulary size of ``data.tokenizer_file`` (None without one); ConfigError if unreadable,
-    or if a text corpus is to be encoded with it and it has no document separator."""
+    """The vocabulary size of ``data.tokenizer_file`` (None without one): its largest id + 1 (see
+    tokenizer.id_space); ConfigError if unreadable, or if a text corpus is to be encoded with it and it
+    has no document separator."""
     if not cfg.data.tokenizer_file:
         return None
     from largebatch.data.build import read_tokenizer_file
     from largebatch.data.corpus import is_token_array_path
-    from largebatch.data.tokenizer import document_separator, no_separator_message
+    from largebatch.data.tokenizer import document_separator, id_space, no_separator_message
 
     try:
         tokenizer = read_tokenizer_file(cfg.data)
@@ -174,7 +180,70 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
         raise ConfigError(str(exc)) from None
     if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
         raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
-    return tokenizer.get_vocab_size()
+    return id_space(tokenizer)
+
+
+def check_masked_tokens(cfg: TrainConfig) -> None:
+    """A masked-LM model (BERT) needs [CLS], [SEP] and [MASK]: the trained tokenizer has them; a
+    ``data.tokenizer_file`` must, and a token array without one has none. ConfigError naming the
+    field otherwise (refused here rather than after the corpus is tokenized)."""
+    from largebatch.models import model_spec
+
+    try:
+        objective = model_spec(cfg.model.kind).objective
+    except (KeyError, ValueError):  # an unknown kind is refused with its own message
+        return
+    if objective != "masked":
+        return
+    from largebatch.data.build import read_tokenizer_file
+    from largebatch.data.corpus import CorpusError, is_token_array_path
+    from largebatch.data.tokenizer import special_token_ids
+
+    needed = ("[CLS]", "[SEP]", "[MASK]")
+    if not cfg.data.tokenizer_file:
+        if is_token_array_path(cfg.data.corpus):
+            raise ConfigError(f"model.kind={cfg.model.kind!r} on the token array data.corpus={cfg.data.corpus!r} "
+                              f"needs the special tokens {', '.join(needed)}: give data.tokenizer_file with "
+                              "them (the one the array was tokenized with)")
+        return
+    try:
+        have = special_token_ids(read_tokenizer_file(cfg.data))
+    except CorpusError as exc:
+        raise ConfigError(str(exc)) from None
+    missing = [token for token in needed if token not in have]
+    if missing:
+        raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} lacks {', '.join(missing)}, which "
+                          f"model.kind={cfg.model.kind!r} (masked LM) needs: give a tokenizer that has "
+                          f"{', '.join(needed)}, or leave data.tokenizer_file out to train one")
+
+
+def check_cache_dir(cfg: TrainConfig) -> None:
+    """``data.cache_dir`` is not a file and, where it does not exist yet (so a text corpus's tokenizer
+    and streams must be written there), can be made and written: refused before a tokenizer is
+    trained. An existing directory may hold the entry already (a read-only shared cache): not probed."""
+    from largebatch.data.corpus import is_token_array_path
+
+    if is_token_array_path(cfg.data.corpus):  # token arrays are not cached
+        return
+    path = Path(cfg.data.cache_dir).expanduser()
+    if path.is_dir():
+        return
+    try:
+        check_output_dir(path, "data.cache_dir")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_bin_dtype(cfg: TrainConfig, vocab_size: int | None) -> None:
+    """A raw ``.bin`` corpus read as uint16 with a vocabulary (``vocab_size``: the tokenizer file's,
+    else data.vocab_size) of more than 65,536 ids is refused, naming data.bin_dtype."""
+    from largebatch.data.build import check_bin_width
+    from largebatch.data.corpus import CorpusError
+
+    try:
+        check_bin_width(cfg.data, vocab_size or cfg.data.vocab_size)
+    except CorpusError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
@@ -276,6 +345,9 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     check_device(cfg, distributed)
     check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
+    check_bin_dtype(cfg, vocab)
+    check_masked_tokens(cfg)
+    check_cache_dir(cfg)
     if fresh and cfg.model.init_from:
         from largebatch.train.hf_import import check_init
 
