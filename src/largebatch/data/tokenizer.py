@@ -92,11 +92,16 @@ def _cut(text: str, start: int, stop: int) -> int:
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """Ids of the special tokens present in ``tokenizer`` (a user file may lack some), the document
-    separator included (never masked)."""
+    separator included, and every other token the file marks special ([UNK], <s>, <pad>, ...): none
+    is ever a masked-LM target or a random replacement, as in transformers' masking collator, which
+    leaves out all of a tokenizer's special tokens."""
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     separator = document_separator(tokenizer)
     if separator is not None:
         ids[separator[0]] = separator[1]
+    for token_id, added in sorted(tokenizer.get_added_tokens_decoder().items()):
+        if added.special:
+            ids.setdefault(added.content, token_id)
     return {token: i for token, i in ids.items() if i is not None}
 
 
