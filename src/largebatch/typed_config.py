@@ -35,17 +35,12 @@ import difflib
 import inspect
 import math
 import re
-import sys
 import textwrap
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 
 class ConfigError(ValueError):

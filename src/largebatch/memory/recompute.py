@@ -144,7 +144,7 @@ def apply_recompute(model: nn.Module, policy: str | Sequence[str]) -> list[str]:
     layers = transformer_layers(model)
     policies = per_layer_policies(policy, len(layers))
     if any(name != "none" for name in policies) and _hf_checkpointing_on(model):
-        fix = "activation_checkpointing_disable"  # transformers >= 5; the old name before
+        fix = "activation_checkpointing_disable"  # transformers >= 5.23; the old name before
         fix = fix if hasattr(model, fix) else "gradient_checkpointing_disable"
         raise ValueError(
             f"apply_recompute(model, {policy!r}): the model has transformers' gradient "

@@ -253,8 +253,10 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
 
             return load_file(str(file)), file
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
-    except ImportError:
-        raise
+    except ImportError as exc:  # (safetensors is part of the [train] extra)
+        package = (exc.name or "safetensors").split(".")[0]
+        raise ConfigError(f"model.init_from: reading {file} needs {package!r}, part of the [train] extra: "
+                          "pip install 'largebatch[train]'") from None
     except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and zip errors alike
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model.init_from: {file} cannot be read ({first}): save the model "
