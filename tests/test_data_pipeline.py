@@ -598,3 +598,8 @@ def test_every_special_token_of_a_users_tokenizer_is_kept_out_of_the_masked_targ
     replaced = batch["input_ids"][(batch["labels"] != IGNORE_INDEX) & (batch["input_ids"] != batch["labels"])
                                   & (batch["input_ids"] != 4)]
     assert len(replaced) > 0 and not set(replaced.tolist()) & set(ids.values())
+    gaps = Tokenizer(models.WordLevel({"[UNK]": 0, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "a": 10, "b": 12},
+                                      unk_token="[UNK]"))  # ids 1, 5-9 and 11 unused: never drawn
+    gapped = BERTDataset(np.array([3, 10, 12] * 50), 8, special_ids={"[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+                         vocab_size=13, mask_seed=0, split="train", seed=0, shuffle=False, tokenizer=gaps)
+    assert gapped.replacement_ids.tolist() == [0, 10, 12]

@@ -109,7 +109,10 @@ class BERTDataset(PackedDataset):
         self.cls_id, self.sep_id = special_ids["[CLS]"], special_ids["[SEP]"]
         self.mask_id = special_ids["[MASK]"]
         self.special_id_array = np.array(sorted(special_ids.values()), dtype=np.int64)
-        self.replacement_ids = np.setdiff1d(np.arange(vocab_size), self.special_id_array)
+        # random replacements: the tokenizer's ids (a file may leave ids unused), else every id
+        ids = (np.fromiter(self.tokenizer.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+               if self.tokenizer is not None else np.arange(vocab_size))
+        self.replacement_ids = np.setdiff1d(ids[ids < vocab_size], self.special_id_array)
         self.mask_seed = mask_seed
         self.mlm_probability = mlm_probability
         self.mask_token_fraction = mask_token_fraction
