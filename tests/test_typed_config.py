@@ -81,3 +81,17 @@ def test_field_docs_and_help_text():
     text = describe_fields(Outer)
     assert "--steps  (int, default 10)" in text and "How many steps." in text
     assert "--inner.name  ('lamb' | 'lans', default 'lamb')" in text
+
+
+def test_a_refused_value_gives_its_reason_and_a_choice_in_other_case_is_suggested():
+    """run.dtype=fp16 got "did you mean 'bf16'?" with no word of why (the trainer has no loss
+    scaling), and "half" / "BF16" got no suggestion at all."""
+    from largebatch.train.config import TrainConfig
+
+    for value in ("fp16", "Half", "float16"):
+        with pytest.raises(ConfigError, match=rf"^run.dtype = '{value}': fp16 needs loss scaling, which the "
+                                              r"trainer does not do: use 'bf16'"):
+            from_dict(TrainConfig, {"run": {"dtype": value}})
+    with pytest.raises(ConfigError, match=r"run.dtype = 'BF16': must be one of 'fp32', 'bf16'; did you mean 'bf16'\?"):
+        from_dict(TrainConfig, {"run": {"dtype": "BF16"}})
+    assert from_dict(TrainConfig, {"run": {"dtype": "bf16"}}).run.dtype == "bf16"

@@ -203,7 +203,8 @@ def _choice(value: Any, choices: Any, key: str) -> Any:
     """``value`` if it is one of ``choices`` (a Literal's arguments, or a registry's names)."""
     if value in choices:
         return value
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1) or \
+        [str(c) for c in choices if str(c).lower() == str(value).lower()]  # (BF16)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
 
@@ -218,9 +219,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     A field declared ``field(metadata={"choices": REGISTRY})`` takes one of the registry's names,
     read when the config is loaded, so a name registered later is accepted (and listed by
     :func:`describe_fields`); ``metadata={"names": REGISTRY}`` lists them without restricting the
-    value to them (``data.corpus``: a name or a path). The dataclass's own ``__post_init__`` validation runs too; a
-    ValueError it raises is re-raised as ConfigError naming the field as the config writes it
-    (``_named_as_written``).
+    value to them (``data.corpus``: a name or a path); ``metadata={"refused": {value: reason}}``
+    refuses a value users reach for (compared lower-cased) with its reason and fix. The dataclass's
+    own ``__post_init__`` validation runs too; a ValueError it raises is re-raised as ConfigError
+    naming the field as the config writes it (``_named_as_written``).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -233,6 +235,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             where = f"section [{prefix}]" if prefix else "the top level"
             raise ConfigError(f"unknown key '{full}' in {where}.{hint} "
                               f"Valid keys: {', '.join(sorted(fields))}.")
+        refused = fields[key].metadata.get("refused", {})
+        if isinstance(value, str) and value.lower() in refused:  # a known value with its reason
+            raise ConfigError(f"{full} = {value!r}: {refused[value.lower()]}")
         kwargs[key] = _coerce(value, hints[key], full)
         if "choices" in fields[key].metadata:
             kwargs[key] = _choice(kwargs[key], fields[key].metadata["choices"], full)

@@ -126,8 +126,11 @@ class RunConfig:
     micro_batch: int = 8
     """Sequences per forward/backward. A step's batch (from the schedule) is accumulated from
     batch_size / (micro_batch x data-parallel ranks) micro-batches."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute precision: fp32, or bf16 autocast (parameters and optimizer math stay fp32)."""
+    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"refused": dict.fromkeys(
+        ("fp16", "float16", "half"), "fp16 needs loss scaling, which the trainer does not do: use 'bf16' "
+        "(fp32's range at half the bytes)")})
+    """Compute precision: fp32, or bf16 autocast (parameters and optimizer math stay fp32); fp16 is
+    refused (it needs loss scaling)."""
     compile: bool = False
     """torch.compile the model (about a minute of compilation before the first step)."""
     recompute: list[RecomputePolicy] = field(default_factory=lambda: ["none"])
