@@ -154,7 +154,9 @@ def test_json_lines_corpora_are_their_records_compressed_or_not(tmp_path):
 
 
 @pytest.mark.parametrize("content,message", [
-    ('{"text": "fine"}\n{"text": "cut sh', "line 2 is not a JSON object"),
+    ('{"text": "fine"}\n{"text": "cut sh', r"line 2 is not a JSON object \(Unterminated string[^)]*\): a JSON"),
+    ('{\n  "text": "one object, indented"\n}\n',  # json.dump(..., indent=2): said so
+     r"line 1 is not a JSON object \([^)]*\) \(an object spread over several lines"),
     ('{"body": "no text field", "id": 3}\n',
      "line 1 has no field data.text_field='text' \\(its fields: 'body', 'id'\\)"),
     ('{"text": ["a", "list"]}\n', "its 'text' is a JSON array, not a string"),

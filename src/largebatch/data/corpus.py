@@ -235,7 +235,10 @@ def _json_line(line: str, where: str, number: int, text_field: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise CorpusError(f"{where!r} line {number} is not a JSON object ({err.msg}): a JSON Lines "
+        spread = line.strip() == "{"  # the first line of json.dump(..., indent=...)
+        hint = (" (an object spread over several lines, as json.dump(..., indent=...) writes it? give a "
+                "file one object per line, or a .json array of objects)" if spread else "")
+        raise CorpusError(f"{where!r} line {number} is not a JSON object ({err.msg}){hint}: a JSON Lines "
                           f"corpus holds one object per line, its text under "
                           f"data.text_field={text_field!r}") from None
 
