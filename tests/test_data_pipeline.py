@@ -528,7 +528,8 @@ def test_a_corpus_that_is_one_large_file_is_encoded_in_pieces_with_the_whole_fil
     0.84 GB for the same text in 50 files). Documents are now cut into pieces just before a
     whitespace character between two non-whitespace ones, where the pre-tokenizer ends a word
     anyway: the trained tokenizer, the ids and the one separator per document are those of the
-    whole text. Checked against the whole-text encoding, for byte-level BPE and BERT's WordPiece."""
+    whole text. Checked against the whole-text encoding, for byte-level BPE, BERT's WordPiece and two
+    SentencePiece-style tokenizers (there the cut is at a space, left out, as each piece starts a word)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     from largebatch.data import tokenizer as tokenizer_lib
@@ -551,6 +552,19 @@ def test_a_corpus_that_is_one_large_file_is_encoded_in_pieces_with_the_whole_fil
     wordpiece.normalizer = normalizers.BertNormalizer()
     wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     wordpiece.train_from_iterator([plays], trainers.WordPieceTrainer(vocab_size=600, special_tokens=["[UNK]", "[SEP]"]))
+    sentencepiece = {}  # SentencePiece-style conversions mark every text's start as a word start ("▁")
+    for name, normalizer, pre in (
+            ("metaspace", None, pre_tokenizers.Metaspace(prepend_scheme="always")),
+            ("llama", normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]),
+             pre_tokenizers.Metaspace(prepend_scheme="never"))):
+        sentencepiece[name] = Tokenizer(models.BPE(byte_fallback=True))
+        if normalizer is not None:
+            sentencepiece[name].normalizer = normalizer
+        sentencepiece[name].pre_tokenizer = pre
+        sentencepiece[name].train_from_iterator([plays[i:i + 5000] for i in range(0, len(plays), 5000)],
+                                                trainers.BpeTrainer(vocab_size=600, special_tokens=["</s>"]))
+    assert [tokenizer_lib.cut_mode(t) for t in (bpe, wordpiece, *sentencepiece.values())] == \
+        ["before", "before", "drop", "drop"]
     class Longest:  # the tokenizer, noting the longest text it was handed at once
         def __init__(self, tok):
             self.tok, self.chars = tok, 0
@@ -559,8 +573,11 @@ def test_a_corpus_that_is_one_large_file_is_encoded_in_pieces_with_the_whole_fil
             self.chars = max(self.chars, *map(len, batch))
             return self.tok.encode_batch(batch, **kwargs)
 
+        def encode(self, text, **kwargs):  # (cut_mode's probe)
+            return self.tok.encode(text, **kwargs)
+
     monkeypatch.setattr(tokenizer_lib, "ENCODE_CHARS", 5000)
-    for tok, eot in ((bpe, 0), (wordpiece, 1)):
+    for tok, eot in ((bpe, 0), (wordpiece, 1), *((t, 0) for t in sentencepiece.values())):
         seen = Longest(tok)
         n = tokenizer_lib.write_documents(seen, [text, "a b", text], eot, np.dtype(np.uint16), tmp_path / "s.bin")
         assert seen.chars <= 5000 < len(text)

@@ -57,37 +57,62 @@ TRAIN_PIECE_CHARS = 1 << 16
 buffers a few hundred texts, and a corpus that is one large file is one document."""
 
 
-def pieces(text: str, limit: int) -> Iterable[str]:
+def pieces(text: str, limit: int, drop_space: bool = False) -> Iterable[str]:
     """``text`` in consecutive pieces of at most ``limit`` characters (``text`` itself when it is not
     longer). Each cut lies just before a whitespace character that has a non-whitespace character on
     either side, where byte-level BPE's pre-tokenizer (and any whitespace-splitting one) always
     ends a word: encoding the pieces gives the ids of encoding the whole text, and training on them
-    counts the same words. Tokenizers hold ~200 bytes per character of text they encode at once, so a
-    corpus that is one 1 GB file would need ~200 GB whole. A stretch of ``limit`` characters with no
-    such whitespace (a very long unbroken word) is cut where the limit falls; only there can the ids
-    differ from the whole text's."""
+    counts the same words. With ``drop_space`` the cuts are at single spaces, which are left out:
+    for tokenizers that mark every text's start as a word start (SentencePiece-style "▁", see
+    cut_mode), "a" + "word" encodes as "a word" does. Tokenizers hold ~200 bytes per character of
+    text they encode at once, so a corpus that is one 1 GB file would need ~200 GB whole. A stretch
+    of ``limit`` characters with no such whitespace (a very long unbroken word) is cut where the
+    limit falls; only there can the ids differ from the whole text's."""
     start, end = 0, len(text)
     while end - start > limit:
-        cut = _cut(text, start, start + limit)
+        cut, found = _cut(text, start, start + limit, (" ",) if drop_space else (" ", "\n", None))
         yield text[start:cut]
-        start = cut
+        start = cut + 1 if drop_space and found else cut
     yield text[start:]
 
 
-def _cut(text: str, start: int, stop: int) -> int:
-    """The last position in (start, stop) before a whitespace character with non-whitespace on
-    both sides, preferring the second half of the range; ``stop`` when there is none."""
+def _cut(text: str, start: int, stop: int, spaces: tuple) -> tuple[int, bool]:
+    """(the last position in (start, stop) of one of ``spaces`` -- None: any other whitespace -- with
+    non-whitespace on both sides, preferring the second half of the range; True) or (stop, False)."""
     low = start + (stop - start) // 2
-    for space in (" ", "\n"):
+    for space in spaces:
+        if space is None:  # other whitespace (tabs, ideographic space, ...)
+            for i in range(stop - 1, low, -1):
+                if text[i].isspace() and not text[i - 1].isspace() and not text[i + 1].isspace():
+                    return i, True
+            continue
         i = text.rfind(space, low, stop)
         while i > low:
-            if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
-                return i
+            if not text[i - 1].isspace() and not text[i + 1].isspace():
+                return i, True
             i = text.rfind(space, low, i)
-    for i in range(stop - 1, low, -1):  # other whitespace (tabs, ideographic space, ...)
-        if text[i].isspace() and not text[i - 1].isspace() and not text[i + 1].isspace():
-            return i
-    return stop
+    return stop, False
+
+
+CUT_PROBE = "Tell me, friend: 12 ships\nsailed on.\tThe end\u3000is near \u3000 yes 'tis"
+
+
+def cut_mode(tokenizer: Tokenizer) -> str | None:
+    """How a long document can be cut for ``tokenizer`` without changing its ids, tried on
+    CUT_PROBE: "before" (just before a whitespace character: byte-level BPE, WordPiece, any
+    whitespace splitter), "drop" (at a single space, left out: tokenizers that prepend "▁" to every
+    text, as SentencePiece conversions do), or None (neither holds: documents are encoded whole)."""
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    whole = ids(CUT_PROBE)
+    cuts = [i for i in range(1, len(CUT_PROBE) - 1) if CUT_PROBE[i].isspace()
+            and not CUT_PROBE[i - 1].isspace() and not CUT_PROBE[i + 1].isspace()]
+    if all(ids(CUT_PROBE[:i]) + ids(CUT_PROBE[i:]) == whole for i in cuts):
+        return "before"
+    if all(ids(CUT_PROBE[:i]) + ids(CUT_PROBE[i + 1:]) == whole for i in cuts if CUT_PROBE[i] == " "):
+        return "drop"
+    return None
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
@@ -158,7 +183,8 @@ def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dty
     separator ``eot_id`` (<|endoftext|> or see document_separator), so the first token of a document
     is always predicted from the separator, as in GPT-2 training data. Documents are encoded a batch
     of about ``ENCODE_CHARS`` characters at a time (memory: one batch, not the corpus), a longer
-    document in pieces that encode to the same ids as the whole (see pieces)."""
+    document in pieces that encode to the same ids as the whole (see pieces and cut_mode; whole
+    where the tokenizer allows no such cut)."""
     written = 0
     with open(path, "wb") as out:
         def flush(batch: list[str], starts: list[bool]) -> None:
@@ -175,9 +201,12 @@ def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dty
             out.write(stream.data)  # (ndarray.tofile hides the errno of a full disk)
             written += len(stream)
 
-        batch, starts, chars = [], [], 0
+        batch, starts, chars, mode = [], [], 0, "unknown"
         for text in texts:
-            for index, piece in enumerate(pieces(text, ENCODE_CHARS)):
+            if len(text) > ENCODE_CHARS and mode == "unknown":
+                mode = cut_mode(tokenizer)
+            limit = len(text) if mode is None else ENCODE_CHARS
+            for index, piece in enumerate(pieces(text, limit, drop_space=mode == "drop")):
                 batch.append(piece)
                 starts.append(index == 0)
                 chars += len(piece)
