@@ -456,3 +456,14 @@ def test_the_pre_training_check_refuses_a_bert_tokenizer_without_its_tokens_and_
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
     with pytest.raises(CorpusError, match="data.cache_dir"):
         build_data(DataConfig(corpus=corpus, vocab_size=300, cache_dir=str(tmp_path / "file" / "cache")), 8)
+
+
+def test_a_split_too_short_for_a_sample_names_every_way_to_move_text_between_the_splits():
+    """The fix offered was val_fraction alone, which cannot help a two-document corpus whose short
+    document became validation: naming the validation documents does."""
+    from largebatch.data.dataset import GPTDataset
+
+    with pytest.raises(ValueError, match=r"the val split has 5 tokens, fewer than one gpt sample of seq_len=8 "
+                                         r"\(9 tokens\): lower seq_len, use a larger corpus, or move text between "
+                                         r"the splits \(DataConfig.val_documents .*val_fraction .*val_corpus"):
+        GPTDataset(np.arange(5), 8, split="val", seed=0, shuffle=False)

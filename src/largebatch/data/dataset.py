@@ -43,8 +43,9 @@ class PackedDataset:
         if num_samples < 1:
             raise ValueError(
                 f"the {split} split has {len(tokens)} tokens, fewer than one {self.kind} sample "
-                f"of seq_len={seq_len} ({window} tokens): lower seq_len or use a larger corpus / "
-                f"DataConfig.val_fraction")
+                f"of seq_len={seq_len} ({window} tokens): lower seq_len, use a larger corpus, or move "
+                f"text between the splits (DataConfig.val_documents names the validation documents, "
+                f"val_fraction sets their share, val_corpus gives a file of its own)")
         self.sampler = Sampler(num_samples, seed=seed, shuffle=shuffle)
 
     def __len__(self) -> int:
