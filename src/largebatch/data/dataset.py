@@ -25,6 +25,7 @@ import torch
 
 from .masking import mask_tokens
 from .sampler import Sampler
+from .tokenizer import MASKED_LM_TOKENS
 
 
 class PackedDataset:
@@ -102,7 +103,7 @@ class BERTDataset(PackedDataset):
                  mask_token_fraction: float = 0.8, random_token_fraction: float = 0.1, **kwargs):
         if seq_len < self.MIN_SEQ_LEN:
             raise ValueError(f"seq_len={seq_len} is too short for BERT ([CLS] text [SEP]): use >= {self.MIN_SEQ_LEN}")
-        missing = {"[CLS]", "[SEP]", "[MASK]"} - set(special_ids)
+        missing = set(MASKED_LM_TOKENS) - set(special_ids)
         if missing:
             raise ValueError(f"BERT needs the special tokens {sorted(missing)} in the tokenizer: "
                              f"use the trained tokenizer or a DataConfig.tokenizer_file that has them")

@@ -26,6 +26,7 @@ TOKENIZER_VERSION = "bytebpe-1"
 
 EOT, PAD, CLS, SEP, MASK = "<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (EOT, PAD, CLS, SEP, MASK)
+MASKED_LM_TOKENS = (CLS, SEP, MASK)  # what BERT samples need of a tokenizer
 EOS = "</s>"
 DOCUMENT_SEPARATORS = (EOT, EOS, SEP)  # in order of preference
 

@@ -222,8 +222,9 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
     cfg: ModelConfig = model.config
     arch = check_exportable(cfg)
     out = Path(out)
-    if tokenizer is not None and id_space(tokenizer) > cfg.vocab_size:
-        raise ExportError(f"the tokenizer has ids up to {id_space(tokenizer) - 1} but the "
+    ids = id_space(tokenizer) if tokenizer is not None else None
+    if ids is not None and ids > cfg.vocab_size:
+        raise ExportError(f"the tokenizer has ids up to {ids - 1} but the "
                             f"model's vocabulary model.vocab_size={cfg.vocab_size} is smaller: pass "
                             "--tokenizer PATH to the tokenizer the run trained with")
     special = ({t: i for t in (EOT, PAD, CLS, SEP, MASK)
@@ -235,7 +236,7 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
     if not (out / "model.safetensors").is_file():
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")
     return {"architecture": arch, "vocab_size": cfg.vocab_size,
-            "tokenizer_vocab_size": id_space(tokenizer) if tokenizer is not None else None}
+            "tokenizer_vocab_size": ids}
 
 
 def auto_class(kind: str):

@@ -219,8 +219,9 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
                               "use the model's own")
     from largebatch.data.tokenizer import id_space
 
-    if id_space(tokenizer) > model.vocab_size:
-        raise ConfigError(f"the tokenizer {chosen} has ids up to {id_space(tokenizer) - 1} but "
+    ids = id_space(tokenizer)
+    if ids > model.vocab_size:
+        raise ConfigError(f"the tokenizer {chosen} has ids up to {ids - 1} but "
                           f"{cfg.model.init_from} has vocab_size={model.vocab_size} embedding rows: give "
                           "data.tokenizer_file with the model's vocabulary (at most vocab_size ids)")
     return str(chosen)

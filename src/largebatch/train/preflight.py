@@ -167,8 +167,9 @@ def check_corpora(cfg: TrainConfig) -> None:
 def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     """The vocabulary size of ``data.tokenizer_file`` (None without one): its largest id + 1 (see
     tokenizer.id_space); ConfigError if unreadable, or if a text corpus is to be encoded with it and it
-    has no document separator."""
+    has no document separator, or if a BERT run's lacks what masking needs (check_masked_tokens)."""
     if not cfg.data.tokenizer_file:
+        check_masked_tokens(cfg)
         return None
     from largebatch.data.build import read_tokenizer_file
     from largebatch.data.corpus import is_token_array_path
@@ -180,13 +181,15 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
         raise ConfigError(str(exc)) from None
     if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
         raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
+    check_masked_tokens(cfg, tokenizer)
     return id_space(tokenizer)
 
 
-def check_masked_tokens(cfg: TrainConfig) -> None:
+def check_masked_tokens(cfg: TrainConfig, tokenizer=None) -> None:
     """A masked-LM model (BERT) needs [CLS], [SEP] and [MASK]: the trained tokenizer has them; a
-    ``data.tokenizer_file`` must, and a token array without one has none. ConfigError naming the
-    field otherwise (refused here rather than after the corpus is tokenized)."""
+    ``data.tokenizer_file`` (``tokenizer``: it, already read) must, and a token array without one
+    has none. ConfigError naming the field otherwise (refused here rather than after the corpus is
+    tokenized)."""
     from largebatch.models import model_spec
 
     try:
@@ -197,9 +200,9 @@ def check_masked_tokens(cfg: TrainConfig) -> None:
         return
     from largebatch.data.build import read_tokenizer_file
     from largebatch.data.corpus import CorpusError, is_token_array_path
-    from largebatch.data.tokenizer import special_token_ids
+    from largebatch.data.tokenizer import MASKED_LM_TOKENS, special_token_ids
 
-    needed = ("[CLS]", "[SEP]", "[MASK]")
+    needed = MASKED_LM_TOKENS
     if not cfg.data.tokenizer_file:
         if is_token_array_path(cfg.data.corpus):
             raise ConfigError(f"model.kind={cfg.model.kind!r} on the token array data.corpus={cfg.data.corpus!r} "
@@ -207,7 +210,7 @@ def check_masked_tokens(cfg: TrainConfig) -> None:
                               "them (the one the array was tokenized with)")
         return
     try:
-        have = special_token_ids(read_tokenizer_file(cfg.data))
+        have = special_token_ids(tokenizer if tokenizer is not None else read_tokenizer_file(cfg.data))
     except CorpusError as exc:
         raise ConfigError(str(exc)) from None
     missing = [token for token in needed if token not in have]
@@ -346,7 +349,6 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
     check_bin_dtype(cfg, vocab)
-    check_masked_tokens(cfg)
     check_cache_dir(cfg)
     if fresh and cfg.model.init_from:
         from largebatch.train.hf_import import check_init
