@@ -438,8 +438,12 @@ def test_the_pre_training_check_refuses_a_bert_tokenizer_without_its_tokens_and_
     def cfg(**o):
         return load_config(resolve_config(None), {"data.corpus": corpus, **o})
 
-    with pytest.raises(ConfigError, match=r"tokenizer_file=.*nomask.json' lacks \[MASK\].*model.kind='bert'"):
+    with pytest.raises(ConfigError, match=r"tokenizer_file=.*nomask.json' lacks \[MASK\] or <mask>, which "
+                                          r"model.kind='bert'"):
         check_masked_tokens(cfg(**{"model.kind": "bert", "data.tokenizer_file": no_mask}))
+    roberta = _word_level(tmp_path / "roberta.json", {"<unk>": 0, "the": 1, "cat": 2, "sat": 3, "<s>": 4,
+                                                       "</s>": 5, "<mask>": 6})
+    check_masked_tokens(cfg(**{"model.kind": "bert", "data.tokenizer_file": roberta}))  # RoBERTa's names
     check_masked_tokens(cfg(**{"model.kind": "gpt", "data.tokenizer_file": no_mask}))
     check_masked_tokens(cfg(**{"model.kind": "bert"}))  # the trained tokenizer has them
     np.save(tmp_path / "t.npy", np.arange(1000) % 5)

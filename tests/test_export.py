@@ -211,6 +211,76 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert ours.std() > 0.1
 
 
+def roberta_style_tokenizer(path: Path) -> str:
+    """A byte-level BPE trained as RoBERTa's was: its special tokens <s>, <pad>, </s>, <unk>, <mask>
+    take ids 0-4, and no [CLS]/[SEP]/[MASK]/<|endoftext|> exists."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from largebatch.data.corpus import shakespeare_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [d.text[:20000] for d in shakespeare_documents()[:6]]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_roberta_style_tokenizer_trains_bert_and_gpt_and_exports_its_own_tokens(cache, tmp_path):
+    """RoBERTa's names for the masked-LM tokens (<s> ... </s>, <mask>, <pad>) are BERT's [CLS] ...
+    [SEP], [MASK], [PAD]: a BERT run on such a tokenizer builds its samples with them (it was refused
+    for lacking [CLS]), and both exports declare them, so transformers' tokenizer frames text and
+    masks as training did. A GPT export declares the document separator </s> as eos (it declared
+    none), <s> as bos and <pad> as pad."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, DataCollatorForLanguageModeling
+
+    from largebatch.data import IGNORE_INDEX, build_data
+
+    path = roberta_style_tokenizer(tmp_path / "roberta.json")
+    s, pad, e, unk, mask = range(5)
+    run_dir = train(tiny(cache, tmp_path / "bert", **{"model.kind": "bert", "model.norm_position": "post",
+                                                      "data.tokenizer_file": path}))
+    run = load_run(run_dir)
+    cfg = load_config(resolve_config(None), tiny(cache, tmp_path / "x", **{"model.kind": "bert",
+                                                                            "data.tokenizer_file": path}))
+    data = build_data(cfg.data, 48, "masked")
+    batch = data.train.get_batch(range(64))
+    inputs, labels = batch["input_ids"], batch["labels"]
+    assert (inputs[:, 0] == s).all() and (inputs[:, -1] == e).all()
+    masked = labels != IGNORE_INDEX
+    assert (inputs[masked] == mask).float().mean() > 0.6  # 80% of the targets become <mask>
+    assert not masked[torch.isin(inputs, torch.tensor([s, pad, e, unk]))].any()
+    out = tmp_path / "hf-bert"
+    assert export(run_dir, out) == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    bare = run.tokenizer.encode(TEXT).ids
+    assert tok(TEXT)["input_ids"] == [s, *bare, e]
+    assert (tok.cls_token, tok.sep_token, tok.mask_token, tok.pad_token, tok.unk_token) == \
+        ("<s>", "</s>", "<mask>", "<pad>", "<unk>")
+    assert tok.mask_token_id == mask and tok.pad_token_id == pad
+    hf = AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert hf.config.pad_token_id == pad
+    collated = DataCollatorForLanguageModeling(tok)([tok(TEXT), tok(TEXT[:40])])  # pads, masks: runs
+    assert collated["input_ids"][1, -1] == pad
+    ids = [s, *bare[:46], e]
+    ids[5] = mask
+    with torch.no_grad():
+        ours, theirs = run.model(torch.tensor([ids]))[0], hf(input_ids=torch.tensor([ids])).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
+
+    gpt_dir = train(tiny(cache, tmp_path / "gpt", **{"data.tokenizer_file": path,
+                                                     "run.total_tokens": 48 * 8 * 2}))
+    assert export(gpt_dir, tmp_path / "hf-gpt") == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf-gpt")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
+    assert tok(TEXT)["input_ids"] == bare
+    config = json.loads((tmp_path / "hf-gpt" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (s, e, pad)
+
+
 def test_a_wordpiece_vocabulary_keeps_its_unknown_token():
     """A BERT WordPiece vocabulary (one a run took through model.init_from) exports with its own
     [UNK] as transformers' unk_token, the id its model emits for an unknown word."""

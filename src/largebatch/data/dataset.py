@@ -25,7 +25,7 @@ import torch
 
 from .masking import mask_tokens
 from .sampler import Sampler
-from .tokenizer import MASKED_LM_TOKENS
+from .tokenizer import masked_lm_ids, masked_lm_missing
 
 
 class PackedDataset:
@@ -103,13 +103,12 @@ class BERTDataset(PackedDataset):
                  mask_token_fraction: float = 0.8, random_token_fraction: float = 0.1, **kwargs):
         if seq_len < self.MIN_SEQ_LEN:
             raise ValueError(f"seq_len={seq_len} is too short for BERT ([CLS] text [SEP]): use >= {self.MIN_SEQ_LEN}")
-        missing = set(MASKED_LM_TOKENS) - set(special_ids)
-        if missing:
-            raise ValueError(f"BERT needs the special tokens {sorted(missing)} in the tokenizer: "
+        roles = masked_lm_ids(special_ids)
+        if masked_lm_missing(roles):
+            raise ValueError(f"BERT needs the special tokens {masked_lm_missing(roles)} in the tokenizer: "
                              f"use the trained tokenizer or a DataConfig.tokenizer_file that has them")
         super().__init__(tokens, seq_len, window=seq_len - 2, stride=seq_len - 2, **kwargs)
-        self.cls_id, self.sep_id = special_ids["[CLS]"], special_ids["[SEP]"]
-        self.mask_id = special_ids["[MASK]"]
+        self.cls_id, self.sep_id, self.mask_id = roles["cls"], roles["sep"], roles["mask"]
         self.special_id_array = np.array(sorted(special_ids.values()), dtype=np.int64)
         # random replacements: the tokenizer's ids (a file may leave ids unused), else every id
         ids = (np.fromiter(self.tokenizer.get_vocab(with_added_tokens=True).values(), dtype=np.int64)

@@ -10,7 +10,9 @@ tokens take the first ids, in this order:
 
 A user's tokenizer (``data.tokenizer_file``) separates documents with the first of
 ``DOCUMENT_SEPARATORS`` it has: ``<|endoftext|>`` (GPT-2), ``</s>`` (RoBERTa, T5, Llama-style
-vocabularies) or ``[SEP]`` (BERT's WordPiece, which has no end-of-text token).
+vocabularies) or ``[SEP]`` (BERT's WordPiece, which has no end-of-text token). Its masked-LM tokens
+are BERT's names or else RoBERTa's (``MASKED_LM_NAMES``): ``<s>`` ... ``</s>`` around a sample,
+``<mask>``, ``<pad>``, as in RoBERTa (Liu et al. 2019) and the byte-level BPE vocabularies after it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ TOKENIZER_VERSION = "bytebpe-1"
 
 EOT, PAD, CLS, SEP, MASK = "<|endoftext|>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (EOT, PAD, CLS, SEP, MASK)
-MASKED_LM_TOKENS = (CLS, SEP, MASK)  # what BERT samples need of a tokenizer
 EOS = "</s>"
 DOCUMENT_SEPARATORS = (EOT, EOS, SEP)  # in order of preference
+# masked-LM role -> the names a tokenizer may give it, in order of preference: BERT's, RoBERTa's
+MASKED_LM_NAMES = {"cls": (CLS, "<s>"), "sep": (SEP, EOS), "mask": (MASK, "<mask>"), "pad": (PAD, "<pad>")}
+MASKED_LM_ROLES = ("cls", "sep", "mask")  # what BERT samples need of a tokenizer
+MASKED_LM_NEEDS = "[CLS], [SEP] and [MASK] (or RoBERTa's <s>, </s> and <mask>)"  # the roles, for messages
 
 
 def new_byte_level_bpe() -> Tokenizer:
@@ -122,6 +127,8 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     is ever a masked-LM target or a random replacement, as in transformers' masking collator, which
     leaves out all of a tokenizer's special tokens."""
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    for token, token_id in masked_lm_tokens(tokenizer).values():
+        ids.setdefault(token, token_id)
     separator = document_separator(tokenizer)
     if separator is not None:
         ids[separator[0]] = separator[1]
@@ -129,6 +136,36 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
         if added.special:
             ids.setdefault(added.content, token_id)
     return {token: i for token, i in ids.items() if i is not None}
+
+
+def masked_lm_tokens(tokenizer: Tokenizer) -> dict[str, tuple[str, int]]:
+    """Masked-LM role ("cls", "sep", "mask", "pad") -> (token, id), for each role ``tokenizer`` has a
+    name for: the first of ``MASKED_LM_NAMES[role]`` in it ([CLS] before <s>, and so on)."""
+    found = {}
+    for role, names in MASKED_LM_NAMES.items():
+        for token in names:
+            token_id = tokenizer.token_to_id(token)
+            if token_id is not None:
+                found[role] = (token, token_id)
+                break
+    return found
+
+
+def masked_lm_ids(special_ids: dict[str, int]) -> dict[str, int]:
+    """Masked-LM role -> id among ``special_ids`` (special_token_ids' answer), by the same preference
+    as masked_lm_tokens; a role with no name there is left out."""
+    roles = {}
+    for role, names in MASKED_LM_NAMES.items():
+        token = next((t for t in names if t in special_ids), None)
+        if token is not None:
+            roles[role] = special_ids[token]
+    return roles
+
+
+def masked_lm_missing(roles) -> str:
+    """The roles of MASKED_LM_ROLES absent from ``roles`` (a masked_lm_ids or masked_lm_tokens
+    answer), each as its names ("[MASK] or <mask>"), joined for a message; "" when none is."""
+    return ", ".join(" or ".join(MASKED_LM_NAMES[r]) for r in MASKED_LM_ROLES if r not in roles)
 
 
 def document_separator(tokenizer: Tokenizer) -> tuple[str, int] | None:

@@ -21,9 +21,12 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   (ids past the tokenizer are never produced); fewer rows than the tokenizer is refused.
 
 The tokenizer is written as a ``PreTrainedTokenizerFast`` (tokenizer.json + tokenizer_config.json)
-with the run's special tokens. GPT: ``<|endoftext|>`` is bos/eos/unk, text encodes to exactly
-largebatch's ids. BERT: [CLS]/[SEP]/[PAD]/[MASK], and a post-processor that adds [CLS] ... [SEP]
-as the BERT samples were built in training (``add_special_tokens=False`` gives the bare ids).
+with the run's special tokens (``special_tokens``), and text encodes to exactly largebatch's ids.
+GPT: the document separator is eos -- ``<|endoftext|>`` is bos/eos/unk as in GPT-2; ``</s>`` is eos
+with ``<s>`` as bos where the vocabulary has it -- and [PAD] or <pad> the pad token. BERT: the
+masked-LM tokens the samples were built with, BERT's [CLS]/[SEP]/[PAD]/[MASK] or RoBERTa's
+<s>/</s>/<pad>/<mask>, and a post-processor that adds cls ... sep as the training samples had them
+(``add_special_tokens=False`` gives the bare ids).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from largebatch.data.tokenizer import CLS, EOT, MASK, PAD, SEP, id_space
+from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
 from largebatch.models.config import ModelConfig
 
@@ -65,28 +68,58 @@ def check_exportable(cfg: ModelConfig) -> str:
     return "BertForMaskedLM"
 
 
+def special_tokens(tokenizer, kind: str) -> dict[str, str]:
+    """transformers' special-token arguments (``eos_token``, ``mask_token``, ...) -> the token of
+    ``tokenizer`` that plays the part in a ``kind`` run. ExportError naming the missing tokens for a
+    BERT tokenizer without its masked-LM tokens (pad included: a fill-mask batch pads)."""
+    roles = masked_lm_tokens(tokenizer)
+    special = {"pad_token": roles["pad"][0]} if "pad" in roles else {}
+    # the unknown token: the vocabulary model's own (WordPiece's [UNK]), else one named so
+    unk = next((t for t in (getattr(tokenizer.model, "unk_token", None), "[UNK]", "<unk>")
+                if t is not None and tokenizer.token_to_id(t) is not None), None)
+    if kind == "gpt":
+        separator = document_separator(tokenizer)  # what ends a document in training: eos
+        if separator is not None:
+            bos = separator[0] if separator[0] == EOT or tokenizer.token_to_id("<s>") is None else "<s>"
+            special.update(bos_token=bos, eos_token=separator[0])
+            unk = EOT if separator[0] == EOT else unk  # GPT-2's one token for all three
+        if unk is not None:
+            special["unk_token"] = unk
+        return special
+    missing = [" or ".join(MASKED_LM_NAMES[r]) for r in ("pad", "cls", "sep", "mask") if r not in roles]
+    if missing:
+        raise ExportError(f"the run's tokenizer has no {', '.join(missing)} token, which a "
+                          "BERT tokenizer needs: pass --tokenizer PATH to the one it trained with")
+    special.update(cls_token=roles["cls"][0], sep_token=roles["sep"][0], mask_token=roles["mask"][0])
+    if unk is None and tokenizer.token_to_id(EOT) is not None:
+        unk = EOT
+    if unk is not None:
+        special["unk_token"] = unk
+    return special
+
+
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
-    """The transformers config of the same network."""
+    """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
     from transformers import BertConfig, GPT2Config
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "architectures": [arch]}
     if cfg.kind == "gpt":
-        eot = special.get(EOT)
         return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_inner=cfg.ffn,
                           activation_function=HF_ACTIVATION[cfg.activation],
                           resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
                           layer_norm_epsilon=cfg.norm_eps, scale_attn_weights=True,
                           scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                          bos_token_id=eot, eos_token_id=eot, pad_token_id=special.get(PAD), **common)
+                          bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"),
+                          pad_token_id=special.get("pad_token"), **common)
     return BertConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
                       num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn,
                       hidden_act=HF_ACTIVATION[cfg.activation],
                       hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
                       max_position_embeddings=cfg.seq_len, type_vocab_size=2,
-                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get(PAD), **common)
+                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"), **common)
 
 
 def _bias(state: dict[str, torch.Tensor], name: str, size: int) -> torch.Tensor:
@@ -188,33 +221,23 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
-    ids = {t: tok.token_to_id(t) for t in (EOT, PAD, CLS, SEP, MASK)}
+    special = special_tokens(tok, kind)
     if kind == "gpt":
         tok.post_processor = None
-        special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if ids[EOT] is not None else {}
-        if ids[PAD] is not None:
-            special["pad_token"] = PAD
         return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"],
                                        model_max_length=max_length, clean_up_tokenization_spaces=False,
                                        **special)
-    missing = [t for t in (PAD, CLS, SEP, MASK) if ids[t] is None]
-    if missing:
-        raise ExportError(f"the run's tokenizer has no {', '.join(missing)} token, which a "
-                            "BERT tokenizer needs: pass --tokenizer PATH to the one it trained with")
+    cls, sep, mask = special["cls_token"], special["sep_token"], special["mask_token"]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B {SEP}",
-        special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])])
-    # [MASK] takes the space before it, as RoBERTa's does: training replaces a whole token, its
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B {sep}",
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
+    # the mask token takes the space before it, as RoBERTa's does: training replaces a whole token, its
     # leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone
     # space token in front of it (WordPiece drops the space either way)
-    tok.add_special_tokens([AddedToken(MASK, lstrip=True, rstrip=False, normalized=False, special=True)])
-    # the vocabulary's own unknown token where its model declares one (WordPiece's [UNK])
-    unk = getattr(tok.model, "unk_token", None)
-    unk = unk if unk is not None and tok.token_to_id(unk) is not None else (EOT if ids[EOT] is not None else None)
+    tok.add_special_tokens([AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, cls_token=CLS, sep_token=SEP, pad_token=PAD, mask_token=MASK,
-        unk_token=unk, model_max_length=max_length,
-        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False)
+        tokenizer_object=tok, model_max_length=max_length,
+        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False, **special)
 
 
 def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
@@ -227,8 +250,8 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
         raise ExportError(f"the tokenizer has ids up to {ids - 1} but the "
                             f"model's vocabulary model.vocab_size={cfg.vocab_size} is smaller: pass "
                             "--tokenizer PATH to the tokenizer the run trained with")
-    special = ({t: i for t in (EOT, PAD, CLS, SEP, MASK)
-                if (i := tokenizer.token_to_id(t)) is not None} if tokenizer is not None else {})
+    special = ({name: tokenizer.token_to_id(token) for name, token in special_tokens(tokenizer, cfg.kind).items()}
+               if tokenizer is not None else {})
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:

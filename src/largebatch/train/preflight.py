@@ -6,7 +6,8 @@ training are built is refused in one line naming the field, the value and the fi
 * ``data.corpus`` / ``data.val_corpus`` exist, and a JSON Lines corpus has ``data.text_field``;
 * ``data.tokenizer_file`` is a tokenizer.json (or a directory holding one);
 * a raw ``.bin`` corpus's ``data.bin_dtype`` holds every id of the vocabulary;
-* a BERT run's tokenizer (``data.tokenizer_file``; a token array needs one) has [CLS], [SEP] and [MASK];
+* a BERT run's tokenizer (``data.tokenizer_file``; a token array needs one) has [CLS], [SEP] and [MASK]
+  (or <s>, </s>, <mask>);
 * ``data.cache_dir`` can be made and written when a text corpus's cache has yet to be built there;
 * ``model.init_from``'s weights map onto the model (names and shapes), on a fresh start;
 * the model fits: fp32 parameters, gradients and optimizer state, counted from the config by the
@@ -186,10 +187,10 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
 
 
 def check_masked_tokens(cfg: TrainConfig, tokenizer=None) -> None:
-    """A masked-LM model (BERT) needs [CLS], [SEP] and [MASK]: the trained tokenizer has them; a
-    ``data.tokenizer_file`` (``tokenizer``: it, already read) must, and a token array without one
-    has none. ConfigError naming the field otherwise (refused here rather than after the corpus is
-    tokenized)."""
+    """A masked-LM model (BERT) needs [CLS], [SEP] and [MASK] (or RoBERTa's <s>, </s> and <mask>):
+    the trained tokenizer has them; a ``data.tokenizer_file`` (``tokenizer``: it, already read)
+    must, and a token array without one has none. ConfigError naming the field otherwise (refused
+    here rather than after the corpus is tokenized)."""
     from largebatch.models import model_spec
 
     try:
@@ -200,24 +201,23 @@ def check_masked_tokens(cfg: TrainConfig, tokenizer=None) -> None:
         return
     from largebatch.data.build import read_tokenizer_file
     from largebatch.data.corpus import CorpusError, is_token_array_path
-    from largebatch.data.tokenizer import MASKED_LM_TOKENS, special_token_ids
+    from largebatch.data.tokenizer import MASKED_LM_NEEDS, masked_lm_missing, masked_lm_tokens
 
-    needed = MASKED_LM_TOKENS
     if not cfg.data.tokenizer_file:
         if is_token_array_path(cfg.data.corpus):
             raise ConfigError(f"model.kind={cfg.model.kind!r} on the token array data.corpus={cfg.data.corpus!r} "
-                              f"needs the special tokens {', '.join(needed)}: give data.tokenizer_file with "
-                              "them (the one the array was tokenized with)")
+                              f"needs the special tokens {MASKED_LM_NEEDS}: give data.tokenizer_file "
+                              "with them (the one the array was tokenized with)")
         return
     try:
-        have = special_token_ids(tokenizer if tokenizer is not None else read_tokenizer_file(cfg.data))
+        have = masked_lm_tokens(tokenizer if tokenizer is not None else read_tokenizer_file(cfg.data))
     except CorpusError as exc:
         raise ConfigError(str(exc)) from None
-    missing = [token for token in needed if token not in have]
+    missing = masked_lm_missing(have)
     if missing:
-        raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} lacks {', '.join(missing)}, which "
+        raise ConfigError(f"data.tokenizer_file={cfg.data.tokenizer_file!r} lacks {missing}, which "
                           f"model.kind={cfg.model.kind!r} (masked LM) needs: give a tokenizer that has "
-                          f"{', '.join(needed)}, or leave data.tokenizer_file out to train one")
+                          f"{MASKED_LM_NEEDS}, or leave data.tokenizer_file out to train one")
 
 
 def check_cache_dir(cfg: TrainConfig) -> None:
