@@ -25,7 +25,7 @@ from largebatch.memory import activation_bytes_per_layer, hf_eager_bytes_per_lay
 SHAPES = [("gpt2", 128, 4, 128, 4, torch.float32), ("gpt2", 64, 4, 256, 8, torch.float32),
           ("gpt2", 256, 2, 64, 2, torch.float32), ("gpt2", 128, 4, 128, 4, torch.bfloat16),
           ("bert", 128, 4, 128, 4, torch.float32), ("bert", 64, 4, 256, 8, torch.float32),
-          ("bert", 128, 4, 128, 4, torch.bfloat16)]
+          ("bert", 128, 4, 128, 4, torch.bfloat16), ("roberta", 128, 4, 128, 4, torch.float32)]
 
 
 def hf_config(kind: str, n_layer: int, s: int, h: int, a: int, dropout: float = 0.1):
@@ -34,6 +34,12 @@ def hf_config(kind: str, n_layer: int, s: int, h: int, a: int, dropout: float = 
         return transformers.GPT2Config(vocab_size=64, n_positions=s, n_embd=h, n_layer=n_layer,
                                        n_head=a, attn_pdrop=dropout, resid_pdrop=dropout,
                                        embd_pdrop=dropout, attn_implementation="eager")
+    if kind == "roberta":  # positions from pad_token_id + 1 = 2: two more rows for s positions
+        return transformers.RobertaConfig(vocab_size=64, hidden_size=h, num_hidden_layers=n_layer,
+                                          num_attention_heads=a, intermediate_size=4 * h,
+                                          max_position_embeddings=s + 2, pad_token_id=1,
+                                          hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                                          attn_implementation="eager")
     return transformers.BertConfig(vocab_size=64, hidden_size=h, num_hidden_layers=n_layer,
                                    num_attention_heads=a, intermediate_size=4 * h,
                                    max_position_embeddings=s, hidden_dropout_prob=dropout,
@@ -48,7 +54,8 @@ def hf_model_and_loss(kind: str, n_layer: int, s: int, b: int, h: int, a: int, d
     if kind == "gpt2":
         model = transformers.GPT2LMHeadModel(config).to(dtype).train()
         return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
-    model = transformers.BertForMaskedLM(config).to(dtype).train()
+    masked_lm = transformers.RobertaForMaskedLM if kind == "roberta" else transformers.BertForMaskedLM
+    model = masked_lm(config).to(dtype).train()
     return model, lambda: model(input_ids=ids, labels=ids).loss
 
 

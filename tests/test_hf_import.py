@@ -48,7 +48,7 @@ def _scramble(model: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
 
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
@@ -66,13 +66,20 @@ def hf_dirs(tmp_path_factory):
                                              max_position_embeddings=T, hidden_dropout_prob=0.0,
                                              attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7,
                                              tie_word_embeddings=False))
+    # RoBERTa: positions from pad_token_id + 1 = 2, so T positions take T + 2 rows; one segment
+    roberta = RobertaForMaskedLM(RobertaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=48,
+                                               max_position_embeddings=T + 2, pad_token_id=1,
+                                               type_vocab_size=1, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7))
     dirs = {}
-    for name, hf in (("gpt", gpt), ("bert", bert), ("bert_untied", bert_untied)):
+    for name, hf in (("gpt", gpt), ("bert", bert), ("bert_untied", bert_untied), ("roberta", roberta)):
         _scramble(hf)
         dirs[name] = root / name
         hf.save_pretrained(dirs[name])
         _word_tokenizer(dirs[name], V)
-    return dirs, {"gpt": gpt.eval(), "bert": bert.eval(), "bert_untied": bert_untied.eval()}
+    return dirs, {"gpt": gpt.eval(), "bert": bert.eval(), "bert_untied": bert_untied.eval(),
+                  "roberta": roberta.eval()}
 
 
 def _imported(path: Path, **overrides):
@@ -82,18 +89,21 @@ def _imported(path: Path, **overrides):
     return cfg, model
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert", "bert_untied"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "bert_untied", "roberta"])
 def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
     dirs, hf_models = hf_dirs
     hf = hf_models[kind]
     cfg, model = _imported(dirs[kind])
-    expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48)}[kind.split("_")[0]]
+    expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48),
+                "roberta": ("post", "gelu", 1e-7, 48)}[kind.split("_")[0]]
+    assert cfg.model.seq_len == T  # RoBERTa: T + 2 rows, the first two never a position
     if kind == "bert_untied":
         head = hf.cls.predictions
         assert not cfg.model.tie_embeddings and (head.decoder.bias - head.bias).abs().max() > 0.1
     assert (cfg.model.norm_position, cfg.model.activation, cfg.model.norm_eps, cfg.model.ffn) == expected
     assert cfg.data.tokenizer_file == str(dirs[kind] / "tokenizer.json")
-    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    # (no pad id 1 in RoBERTa's input: a padded position is not one largebatch's samples have)
+    idx = torch.randint(2 if kind == "roberta" else 0, V, (3, T), generator=torch.Generator().manual_seed(2))
     theirs = hf(input_ids=idx).logits
     ours = model.eval()(idx)[0]
     assert theirs.abs().max() > 1.0  # logits far from zero: the comparison can fail
@@ -113,10 +123,13 @@ def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
                  (model.blocks[1].mlp.fc1.weight.grad, hf.transformer.h[1].mlp.c_fc.weight.grad.t()),
                  (model.blocks[0].attn.k.weight.grad, hf.transformer.h[0].attn.c_attn.weight.grad[:, 32:64].t())]
     else:
-        layer = hf.bert.encoder.layer[1]
-        pairs = [(model.tok_emb.weight.grad, hf.bert.embeddings.word_embeddings.weight.grad),
+        base = hf.roberta if kind == "roberta" else hf.bert
+        layer, offset = base.encoder.layer[1], (2 if kind == "roberta" else 0)
+        pairs = [(model.tok_emb.weight.grad, base.embeddings.word_embeddings.weight.grad),
                  (model.blocks[1].attn.v.weight.grad, layer.attention.self.value.weight.grad),
-                 (model.pos_emb.weight.grad, hf.bert.embeddings.position_embeddings.weight.grad)]
+                 (model.pos_emb.weight.grad, base.embeddings.position_embeddings.weight.grad[offset:])]
+        if kind == "roberta":
+            pairs.append((model.head.norm.weight.grad, hf.lm_head.layer_norm.weight.grad))
     for ours_grad, theirs_grad in pairs:
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
 
@@ -150,7 +163,8 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     with pytest.warns(UserWarning, match="loading them untied"):
         cfg, model = _imported(path)
     assert not cfg.model.tie_embeddings
-    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    # (no pad id 1 in RoBERTa's input: a padded position is not one largebatch's samples have)
+    idx = torch.randint(2 if kind == "roberta" else 0, V, (3, T), generator=torch.Generator().manual_seed(2))
     theirs = theirs_model(input_ids=idx).logits
     pointers = [m.weight.data_ptr() for m in (theirs_model.get_output_embeddings(),
                                               theirs_model.get_input_embeddings())]

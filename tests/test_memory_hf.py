@@ -57,6 +57,10 @@ def bert_dict(**kw):
     return transformers.BertConfig(**kw).to_dict()
 
 
+def roberta_dict(**kw):
+    return transformers.RobertaConfig(**kw).to_dict()
+
+
 # (name, HF config dict, matching preset or None)
 CONFIGS = [
     ("gpt2-tiny", gpt2_dict(vocab_size=64, n_positions=128, n_embd=128, n_layer=2, n_head=4), None),
@@ -70,6 +74,9 @@ CONFIGS = [
     ("bert-base", bert_dict(), "bert-base"),
     ("bert-large", bert_dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                              intermediate_size=4096), "bert-large"),
+    # RoBERTa's 514 rows (positions from pad_token_id + 1 = 2) are BERT's 512 positions
+    ("roberta-base", roberta_dict(vocab_size=30522, max_position_embeddings=514, pad_token_id=1,
+                                  type_vocab_size=1), "bert-base"),
 ]
 
 
@@ -93,7 +100,8 @@ def _printed_rows(out: str) -> dict[str, float]:
 @pytest.mark.parametrize("name, raw, preset_name", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_hf_config_gives_the_paper_formula_and_the_preset(name, raw, preset_name, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    s, h, a = raw.get("n_positions", raw.get("max_position_embeddings")), \
+    offset = 2 if name.startswith("roberta") else 0  # RoBERTa's rows 0, 1: never a position
+    s, h, a = raw["n_positions"] if "n_positions" in raw else raw["max_position_embeddings"] - offset, \
         raw.get("n_embd", raw.get("hidden_size")), raw.get("n_head", raw.get("num_attention_heads"))
     L = raw.get("n_layer", raw.get("num_hidden_layers"))
     b, t = 2, (4 if a % 4 == 0 else 5)  # gpt2-xl has 25 heads
@@ -133,6 +141,7 @@ def test_preset_cli_prints_the_paper_table(capsys):
     (transformers.MistralConfig().to_dict(), r"model_type='mistral': not supported"),
     ({"model_type": "mamba"}, r"model_type='mamba': not supported; the closed form describes GPT-2"),
     ({"architectures": ["FooForCausalLM"]}, r"architectures=\['FooForCausalLM'\] \(no model_type\)"),
+    (roberta_dict(max_position_embeddings=2), r"max_position_embeddings=2 leaves no position after the 2 rows"),
     (gpt2_dict(activation_function="relu"), r"'activation_function'='relu': not supported"),
     (gpt2_dict(attn_pdrop=0.0), r"attn_pdrop = 0 while resid_pdrop, embd_pdrop > 0.*all to 0"),
     (gpt2_dict(reorder_and_upcast_attn=True), r"'reorder_and_upcast_attn'=True: not supported"),
@@ -184,6 +193,7 @@ MEASURED = [  # kind, s, b, h, a, dtype, bool masks, band for measured / closed 
     ("bert", 128, 4, 128, 4, torch.float32, False, (1.15, 1.21)),
     ("bert", 128, 4, 128, 4, torch.bfloat16, False, (1.09, 1.14)),
     ("bert", 128, 4, 128, 4, torch.float32, True, (0.99, 1.02)),
+    ("roberta", 128, 4, 128, 4, torch.float32, False, (1.15, 1.21)),
 ]
 
 

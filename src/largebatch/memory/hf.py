@@ -38,9 +38,36 @@ UNSUPPORTED = {
     "falcon": "parallel attention and MLP branches, rotary embeddings and multi-query attention",
     "t5": "an encoder-decoder with cross-attention, relative position biases and RMSNorm",
     "bart": "an encoder-decoder with cross-attention",
-    "roberta": "a BERT layout under another model_type (not mapped: check its fields and map it "
-               "as bert by hand)",
 }
+
+# BERT's layout under other model types: RoBERTa (Liu et al. 2019) and XLM-R are BERT's post-LN
+# blocks, with positions counted from pad_token_id + 1 (RobertaEmbeddings: rows 0 .. pad_token_id
+# are never used by a sequence without padding), so max_position_embeddings - (pad_token_id + 1)
+# positions are usable
+BERT_LAYOUTS = ("bert", "roberta", "xlm-roberta")
+
+
+def position_offset(raw: dict) -> int:
+    """The first position row a sequence uses in a BERT-layout config: 0 for BERT, pad_token_id + 1
+    for RoBERTa and XLM-R."""
+    if raw.get("model_type") in ("roberta", "xlm-roberta"):
+        pad = raw.get("pad_token_id")
+        return (1 if pad is None else int(pad)) + 1
+    return 0
+
+
+def bert_positions(raw: dict, where: str) -> int:
+    """The positions a BERT-layout config can embed (its model.seq_len); ValueError when none is
+    left after the offset. ``where``: the config named in the message."""
+    count = raw.get("max_position_embeddings")
+    if count is None:
+        raise ValueError(f"{where}: field 'max_position_embeddings' is missing: a {raw.get('model_type')} "
+                         "config.json needs it.")
+    usable = int(count) - position_offset(raw)
+    if usable < 1:
+        raise ValueError(f"{where}: max_position_embeddings={count} leaves no position after the "
+                         f"{position_offset(raw)} rows {raw.get('model_type')} skips (pad_token_id + 1)")
+    return usable
 
 _GELU_EXACT = ("gelu",)           # torch's GeLU: keeps its input only, as the closed form counts
 _GELU_POINTWISE = ("gelu_new",)   # transformers' NewGELUActivation: three more f-wide tensors
@@ -67,13 +94,13 @@ def _model_type(raw: dict) -> str:
     if not model_type:
         arch = " ".join(raw.get("architectures") or [])
         model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else None
-    if model_type in ("gpt2", "bert"):
+    if model_type == "gpt2" or model_type in BERT_LAYOUTS:
         return model_type
     why = UNSUPPORTED.get(model_type)
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
-                     "layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
+                     "(RoBERTa, XLM-R) layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn only if its layers "
                        "are that layout.")
@@ -114,8 +141,8 @@ def _ffn(width, hidden) -> int | None:
 
 
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
-    """A ModelConfig for a Hugging Face GPT-2 or BERT config: a config.json path, a directory holding
-    one, or its dict (e.g. `GPT2Config(...).to_dict()`). Refuses other architectures, naming what
+    """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R) config: a config.json path, a
+    directory holding one, or its dict (e.g. `GPT2Config(...).to_dict()`). Refuses other architectures, naming what
     in them the closed form does not describe. Attention is "explicit" (transformers' eager layout);
     pass the result through `.replace(attention="sdpa")` for a fused kernel."""
     raw = _load(source)
@@ -143,7 +170,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
         kind="bert", n_layer=_field(raw, "num_hidden_layers"), n_embd=_field(raw, "hidden_size"),
         n_head=_field(raw, "num_attention_heads"),
         ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"]),
-        seq_len=_field(raw, "max_position_embeddings"), vocab_size=_field(raw, "vocab_size"),
+        seq_len=bert_positions(raw, "hf config"), vocab_size=_field(raw, "vocab_size"),
         dropout=_dropout(raw, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="post",
         norm_eps=float(raw.get("layer_norm_eps", 1e-12)))

@@ -13,6 +13,12 @@ renaming and reshapes run backwards:
 * BertForMaskedLM (``model_type="bert"``) -> post-LN BERT. BERT's segment embedding has no place
   here: its row 0 (the segment every sequence gets without ``token_type_ids``) is added to the
   position embedding, which computes exactly what transformers computes for segment 0.
+* RobertaForMaskedLM / XLMRobertaForMaskedLM (``model_type="roberta"`` / ``"xlm-roberta"``; Liu et
+  al. 2019) -> post-LN BERT too: the same blocks, the head under ``lm_head``. RoBERTa counts
+  positions from ``pad_token_id + 1`` (a sequence without padding takes rows pad+1, pad+2, ...), so
+  the model's context is ``max_position_embeddings - pad_token_id - 1`` (512 of roberta-base's 514
+  rows) and those rows, in order, are the positions; the rows before them are never used. largebatch's
+  samples carry no padding, so every position is the one RoBERTa computes.
 
 Two steps, both before any training: ``resolve_init`` (from ``load_config``) reads config.json and
 fills the model's shape fields and ``data.tokenizer_file`` (the directory's tokenizer.json), refusing
@@ -35,7 +41,7 @@ from typing import Any
 
 import torch
 
-from largebatch.memory.hf import UNSUPPORTED
+from largebatch.memory.hf import BERT_LAYOUTS, UNSUPPORTED, bert_positions, position_offset
 from largebatch.models.config import ModelConfig
 from largebatch.typed_config import ConfigError
 
@@ -72,7 +78,10 @@ def _raw_config(path: Path) -> dict[str, Any]:
 # (input embedding, output projection) as a tied model stores them, with and without the base prefix
 TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weight",)),
               "bert": (("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-                       ("cls.predictions.decoder.weight",))}
+                       ("cls.predictions.decoder.weight",)),
+              "roberta": (("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+                          ("lm_head.decoder.weight",))}
+TIED_PAIRS["xlm-roberta"] = TIED_PAIRS["roberta"]
 
 
 def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
@@ -138,11 +147,12 @@ def model_fields(path: Path) -> dict[str, Any]:
     """The ModelConfig fields of the transformers model in ``path`` (SHAPE_FIELDS)."""
     raw = _raw_config(path)
     model_type = raw.get("model_type")
-    if model_type not in ("gpt2", "bert"):
+    if model_type not in HF_LAYOUTS:
         why = UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for")
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
-                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model) and bert "
-                          "(post-LN BertForMaskedLM) only")
+                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), bert "
+                          "(post-LN BertForMaskedLM), roberta and xlm-roberta (RobertaForMaskedLM, "
+                          "XLMRobertaForMaskedLM) only")
     tied = bool(raw.get("tie_word_embeddings", True)) and not _stored_apart(path, *TIED_PAIRS[model_type])
     common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path)}
     if model_type == "gpt2":
@@ -160,15 +170,24 @@ def model_fields(path: Path) -> dict[str, Any]:
     return {"kind": "bert", "n_layer": _need(raw, "num_hidden_layers", path), "n_embd": h,
             "n_head": _need(raw, "num_attention_heads", path),
             "ffn_hidden": raw.get("intermediate_size") or 4 * h,
-            "seq_len": _need(raw, "max_position_embeddings", path), "norm_position": "post",
+            "seq_len": _positions(raw, path), "norm_position": "post",
             "norm_eps": float(raw.get("layer_norm_eps", 1e-12)),
             "activation": _activation(raw, "hidden_act", "gelu", path), **common}
 
 
+def _positions(raw: dict, path: Path) -> int:
+    """model.seq_len of a BERT-layout config: max_position_embeddings, less RoBERTa's offset."""
+    _need(raw, "max_position_embeddings", path)
+    try:
+        return bert_positions(raw, f"model.init_from: {path / 'config.json'}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_kind(cfg: ModelConfig) -> None:
     """ConfigError naming a registered model kind that no transformers architecture maps to."""
-    if cfg.kind not in HF_READERS:
-        known = ", ".join(f"{k!r} ({v[2]})" for k, v in HF_READERS.items())
+    if cfg.kind not in HF_KINDS:
+        known = ", ".join(f"{k!r} ({', '.join(HF_LAYOUTS[t][2] for t in types)})" for k, types in HF_KINDS.items())
         raise ConfigError(f"model.kind={cfg.kind!r}: model.init_from={cfg.init_from!r} reads transformers "
                           f"weights into {known} only, and {cfg.kind!r} maps to no transformers "
                           "architecture: drop model.init_from, or train one of those kinds")
@@ -296,7 +315,7 @@ def _norm(out: dict, take: _Taker, ours: str, theirs: str, h: int) -> None:
     out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{theirs}.weight", h), take(f"{theirs}.bias", h)
 
 
-def _gpt(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
     out = {"tok_emb.weight": take("wte.weight", v, h), "pos_emb.weight": take("wpe.weight", cfg.seq_len, h),
            "ln_f.weight": take("ln_f.weight", h), "ln_f.bias": take("ln_f.bias", h)}
@@ -321,14 +340,21 @@ def _gpt(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def _bert(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+# the masked-LM head's names: (prefix, dense, LayerNorm), BertForMaskedLM's and RoBERTa's
+BERT_HEADS = {"bert": ("cls.predictions.", "transform.dense", "transform.LayerNorm"),
+              "roberta": ("lm_head.", "dense", "layer_norm"), "xlm-roberta": ("lm_head.", "dense", "layer_norm")}
+
+
+def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
-    e, c = "embeddings.", "cls.predictions."
+    e, (c, dense, norm) = "embeddings.", BERT_HEADS[raw["model_type"]]
+    offset = position_offset(raw)  # RoBERTa: positions from pad_token_id + 1
     types = take.left.get(e + "token_type_embeddings.weight", torch.zeros(1, h))
     segment = take(e + "token_type_embeddings.weight", max(1, types.shape[0]), h)
+    positions = take(e + "position_embeddings.weight", offset + cfg.seq_len, h)[offset:]
     out = {"tok_emb.weight": take(e + "word_embeddings.weight", v, h),
            # segment 0, the one every sequence gets without token_type_ids, folded into positions
-           "pos_emb.weight": take(e + "position_embeddings.weight", cfg.seq_len, h) + segment[0],
+           "pos_emb.weight": positions + segment[0],
            "emb_norm.weight": take(e + "LayerNorm.weight", h), "emb_norm.bias": take(e + "LayerNorm.bias", h)}
     for i in range(cfg.n_layer):
         o, b = f"encoder.layer.{i}.", f"blocks.{i}."
@@ -341,10 +367,10 @@ def _bert(take: _Taker, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
         for ours, theirs in (("ln1", "attention.output.LayerNorm"), ("ln2", "output.LayerNorm")):
             _norm(out, take, b + ours, o + theirs, h)
-    out.update({"head.dense.weight": take(c + "transform.dense.weight", h, h),
-                "head.dense.bias": take(c + "transform.dense.bias", h),
-                "head.norm.weight": take(c + "transform.LayerNorm.weight", h),
-                "head.norm.bias": take(c + "transform.LayerNorm.bias", h)})
+    out.update({"head.dense.weight": take(f"{c}{dense}.weight", h, h),
+                "head.dense.bias": take(f"{c}{dense}.bias", h),
+                "head.norm.weight": take(f"{c}{norm}.weight", h),
+                "head.norm.bias": take(f"{c}{norm}.bias", h)})
     # the decoder bias may be stored twice: decoder.bias, the one transformers' forward adds (and
     # loads, tied or not, when both are stored: an untied model trained in transformers leaves
     # cls.predictions.bias behind), and cls.predictions.bias, all a tied save may hold
@@ -365,11 +391,13 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights of ``cfg.init_from`` under largebatch's names; ConfigError (one line) for
     missing, unexpected or misshapen tensors."""
     _check_kind(cfg)
-    kind_prefix, read, architecture = HF_READERS[cfg.kind]
     path = hf_dir(cfg.init_from)
+    raw = _raw_config(path)
+    model_fields(path)  # (a model type init_from does not map is refused, naming it)
+    kind_prefix, read, architecture = HF_LAYOUTS[raw["model_type"]]
     state, file = read_weights(path)
     take = _Taker(_strip(state, kind_prefix))
-    out = read(take, cfg)
+    out = read(take, cfg, raw)
     problems = []
     for what, names in (("missing", take.missing), ("wrong shape", take.misshapen),
                         ("unexpected", sorted(take.left))):
@@ -383,9 +411,12 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-# model kind -> (the transformers state's prefix, the reader, the architecture it reads); keyed by
-# kind, as each maps to one transformers class
-HF_READERS = {"gpt": ("transformer.", _gpt, "GPT2LMHeadModel"), "bert": ("bert.", _bert, "BertForMaskedLM")}
+# transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
+HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "bert": ("bert.", _bert, "BertForMaskedLM"),
+              "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
+              "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM")}
+# model kind -> the model types that load into it
+HF_KINDS = {"gpt": ("gpt2",), "bert": BERT_LAYOUTS}
 
 
 def _check_fields(cfg: ModelConfig) -> None:
