@@ -95,10 +95,12 @@ def lans_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_de
 
 def lars_reference(params, steps, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8,
                    adapt=True):
-    """LARS, You, Gitman, Ginsburg 2017 Alg. 1 (docs/papers.md: optimizers)."""
+    """LARS, You, Gitman, Ginsburg 2017 Alg. 1 (docs/papers.md: optimizers). ``lr``: one value, or
+    one per step (a list)."""
     x = [p.detach().double().clone() for p in params]
     buf = [torch.zeros_like(t) for t in x]
-    for grads in steps:
+    for k, grads in enumerate(steps):
+        lr_k = lr[k] if isinstance(lr, list) else lr
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -108,7 +110,7 @@ def lars_reference(params, steps, *, lr, momentum=0.9, weight_decay=0.0, trust_c
                 local = 1.0
             else:
                 local = trust_coefficient * x_norm / (g_norm + weight_decay * x_norm + eps)
-            buf[i] = momentum * buf[i] + lr * local * (g + weight_decay * x[i])
+            buf[i] = momentum * buf[i] + lr_k * local * (g + weight_decay * x[i])
             x[i] = x[i] - buf[i]
     return x
 

@@ -151,3 +151,85 @@ def test_schedules_do_not_import_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "False"
+
+
+ACCELERATE_SCRIPT = '''
+import json, sys
+import torch
+from accelerate import Accelerator
+from largebatch.optim import LAMB
+from largebatch.schedules import Cosine, TokenLR
+
+torch.set_num_threads(1)
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+per_rank, seq = 4, 16  # sequences per micro-batch per rank, tokens per sequence
+tokens_per_step = per_rank * accelerator.num_processes * 2 * seq  # every rank, both micro-batches
+schedule = Cosine(1e-2, 8 * tokens_per_step, 2 * tokens_per_step, final_lr=0.1)
+out = {}
+for prepared in (False, True):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = LAMB(model.parameters(), lr=1e-2)
+    scheduler = TokenLR(optimizer, schedule, tokens_per_step=tokens_per_step)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=per_rank)
+    if prepared:  # accelerate's convention for schedulers: stepped once per process per step
+        model, optimizer, loader, wrapped = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:  # the documented way: TokenLR stays out of prepare and steps once per optimizer step
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        wrapped = scheduler
+    lrs = []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            if accelerator.sync_gradients:
+                lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            if prepared or accelerator.sync_gradients:
+                wrapped.step()
+            optimizer.zero_grad()
+        if len(lrs) == 6 and accelerator.sync_gradients:
+            break
+    out[str(prepared)] = {"lrs": lrs, "clock": scheduler.tokens_seen}
+out["expected"] = [schedule(k * tokens_per_step) for k in range(6)]
+out["tokens_per_step"] = tokens_per_step
+if accelerator.is_main_process:
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+@pytest.mark.distributed
+def test_token_lr_under_accelerate_counts_each_step_once(tmp_path):
+    """Under accelerate with 2 processes, TokenLR kept out of ``accelerator.prepare`` and stepped when
+    ``accelerator.sync_gradients`` (docs/schedules.md) takes the schedule's LR at every step's
+    global tokens. Prepared, accelerate steps it once per process on each optimizer step (its
+    convention for step-counted schedulers), so the token clock runs at twice the tokens: why the
+    docs keep it out."""
+    import json
+
+    pytest.importorskip("accelerate")
+    from processes import src_env
+
+    script = tmp_path / "accelerate_token_lr.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=src_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    tokens_per_step, expected = out["tokens_per_step"], out["expected"]
+    assert expected == pytest.approx([cosine_at(k * tokens_per_step, tokens_per_step) for k in range(6)],
+                                     rel=1e-12)
+    assert out["False"]["lrs"] == pytest.approx(expected, rel=1e-12)
+    assert out["False"]["clock"] == 6 * tokens_per_step
+    assert out["True"]["clock"] == 2 * 6 * tokens_per_step  # accelerate's: once per process
+
+
+def cosine_at(t, tokens_per_step):
+    """float64 cosine with warmup (2 steps) to 10% over 8 steps of ``tokens_per_step`` tokens."""
+    peak, warmup, total = 1e-2, 2 * tokens_per_step, 8 * tokens_per_step
+    if t < warmup:
+        return peak * t / warmup
+    s = min(1.0, (t - warmup) / (total - warmup))
+    return 0.1 * peak + 0.9 * peak * (1 + math.cos(math.pi * s)) / 2

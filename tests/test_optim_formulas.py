@@ -141,6 +141,31 @@ def test_param_group_edits_apply_at_the_next_step():
     assert _max_error([p.detach() for p in live], lamb_reference(params, steps, lr=lrs)) < 1e-12
 
 
+def test_lars_coasts_on_its_momentum_at_lr_zero():
+    """LARS's LR sits inside its momentum buffer (Alg. 1: buf = m buf + lr local (g + wd x); x -= buf),
+    so a step at lr = 0 -- a schedule's end, or the extra step transformers' Trainer takes when it
+    resumes from its final checkpoint -- still moves each tensor by m buf, where torch's SGD (LR
+    outside the buffer) stands still (docs/optim.md)."""
+    params, steps = random_problem(seed=3, n_steps=5)
+    lrs = [0.5, 0.5, 0.5, 0.0, 0.0]
+    live = [torch.nn.Parameter(p.clone().double()) for p in params]
+    sgd_live = [torch.nn.Parameter(p.clone().double()) for p in params]
+    optimizer, sgd = LARS(live, lr=lrs[0], weight_decay=0.01), torch.optim.SGD(sgd_live, lr=0.5, momentum=0.9)
+    for k, grads in enumerate(steps):
+        if k == 3:
+            frozen = [p.detach().clone() for p in sgd_live]
+        for opt, ps in ((optimizer, live), (sgd, sgd_live)):
+            opt.param_groups[0]["lr"] = lrs[k]
+            for p, g in zip(ps, grads):
+                p.grad = None if g is None else g.double()
+            opt.step()
+    assert _max_error([p.detach() for p in live], lars_reference(params, steps, lr=lrs, weight_decay=0.01)) < 1e-12
+    moved = [float((a - b).abs().max()) for a, b in zip(live, lars_reference(params, steps[:3], lr=0.5,
+                                                                              weight_decay=0.01))]
+    assert max(moved) > 1e-3  # two steps at lr 0 moved it
+    assert all(torch.equal(a, b) for a, b in zip(sgd_live, frozen))  # SGD at lr 0 did not move
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_per_group_adapt_and_weight_decay(path):
     params, steps = random_problem(seed=4)
