@@ -134,12 +134,35 @@ def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind, weights", [("gpt", "model.safetensors"), ("bert", "pytorch_model.bin")])
+def _save_sharded(state: dict, path: Path, index: str) -> None:
+    """``state`` as a sharded checkpoint: three shards (safetensors or torch pickles, by ``index``'s
+    name) and the index naming each tensor's shard, as save_pretrained(max_shard_size=...) writes."""
+    names = sorted(state)
+    stem, suffix = ("model", "safetensors") if index.startswith("model.") else ("pytorch_model", "bin")
+    weight_map = {}
+    for i in range(3):
+        shard = f"{stem}-{i + 1:05d}-of-00003.{suffix}"
+        part = {k: state[k].contiguous() for k in names[i::3]}
+        if suffix == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(part, str(path / shard), metadata={"format": "pt"})
+        else:
+            torch.save(part, path / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    (path / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("kind, weights", [("gpt", "model.safetensors"), ("bert", "pytorch_model.bin"),
+                                           ("gpt", "model.safetensors.index.json"),
+                                           ("bert", "pytorch_model.bin.index.json")])
 def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transformers(hf_dirs, kind, weights,
                                                                                      tmp_path):
     """config.json says tie_word_embeddings (the default) but the file holds an output projection that
     differs from the input embedding: transformers loads the two apart (with a warning). The GPT
-    import refused it and the BERT import silently took the embedding for both: logits differed."""
+    import refused it and the BERT import silently took the embedding for both: logits differed.
+    Sharded checkpoints (an index and the shards it names) are read too, the two tensors in
+    different shards."""
     from transformers import AutoModelForMaskedLM, GPT2LMHeadModel
 
     dirs, _ = hf_dirs
@@ -152,7 +175,11 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     state[output] = state[embedding] + 0.5 * torch.randn(state[embedding].shape,
                                                          generator=torch.Generator().manual_seed(4))
     (path / "model.safetensors").unlink()
-    if weights.endswith(".safetensors"):
+    if weights.endswith(".index.json"):
+        _save_sharded(state, path, weights)
+        where = json.loads((path / weights).read_text())["weight_map"]
+        assert where[embedding] != where[output]
+    elif weights.endswith(".safetensors"):
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(path / weights), metadata={"format": "pt"})
@@ -163,8 +190,7 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     with pytest.warns(UserWarning, match="loading them untied"):
         cfg, model = _imported(path)
     assert not cfg.model.tie_embeddings
-    # (no pad id 1 in RoBERTa's input: a padded position is not one largebatch's samples have)
-    idx = torch.randint(2 if kind == "roberta" else 0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
     theirs = theirs_model(input_ids=idx).logits
     pointers = [m.weight.data_ptr() for m in (theirs_model.get_output_embeddings(),
                                               theirs_model.get_input_embeddings())]
@@ -172,14 +198,29 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0, atol=1e-5)
     # an identical stored copy (what a tied save may hold) stays tied, with no warning
     state[output] = state[embedding].clone()
+    for stale in path.glob("*model*"):
+        stale.unlink()
     torch.save(state, path / "pytorch_model.bin")
-    (path / "model.safetensors").unlink(missing_ok=True)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg, _ = _imported(path)
     assert cfg.model.tie_embeddings
+
+
+def test_a_checkpoint_transformers_sharded_loads_with_its_logits(hf_dirs, tmp_path):
+    """save_pretrained(max_shard_size=...) (what transformers does to any model over its shard size:
+    GPT-2 XL, BERT-large in fp32 with a small limit) writes model.safetensors.index.json and shards:
+    read as one checkpoint (it was refused, 'sharded checkpoints are not read')."""
+    dirs, hf_models = hf_dirs
+    path = tmp_path / "sharded"
+    hf_models["bert"].save_pretrained(path, max_shard_size="20KB")
+    shutil.copy(dirs["bert"] / "tokenizer.json", path)
+    assert not (path / "model.safetensors").exists() and len(list(path.glob("model-*.safetensors"))) > 3
+    _, model = _imported(path)
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model.eval()(idx)[0], hf_models["bert"](input_ids=idx).logits, rtol=0, atol=1e-5)
 
 
 def _corpus(tmp: Path) -> Path:
@@ -329,7 +370,15 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
 
     state = load_file(str(extra / "model.safetensors"))
     save_file({**state, "transformer.h.0.attn.rotary.weight": torch.zeros(3)}, str(extra / "model.safetensors"))
-    cases = [((f"--model.init_from=hf:{llama}",), ["model_type='llama'", "grouped-query", "gpt2"]),
+    lost_shard = tmp_path / "lost-shard"
+    shutil.copytree(dirs["gpt"], lost_shard)
+    (lost_shard / "model.safetensors").unlink()
+    _save_sharded(state, lost_shard, "model.safetensors.index.json")
+    (lost_shard / "model-00002-of-00003.safetensors").unlink()
+    cases = [((f"--model.init_from=hf:{lost_shard}", "--check"),
+              ["model.safetensors.index.json names model-00002-of-00003.safetensors, which does not exist",
+               "copy every shard"]),
+             ((f"--model.init_from=hf:{llama}",), ["model_type='llama'", "grouped-query", "gpt2"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", "--model.n_layer=3"),
               ["model.n_layer=3", "has 2", "remove model.n_layer"]),
              ((f"--model.init_from=hf:{no_weights}", "--check"), ["no model.safetensors or pytorch_model.bin"]),

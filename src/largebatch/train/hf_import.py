@@ -23,7 +23,8 @@ renaming and reshapes run backwards:
 Two steps, both before any training: ``resolve_init`` (from ``load_config``) reads config.json and
 fills the model's shape fields and ``data.tokenizer_file`` (the directory's tokenizer.json), refusing
 a field the config sets otherwise; ``check_init`` (preflight, ``--check`` too) reads the weights and
-refuses missing, unexpected or misshapen tensors. ``init_from_pretrained`` (the trainer, fresh start
+refuses missing, unexpected or misshapen tensors (of one weights file or of every shard a sharded
+checkpoint's index names). ``init_from_pretrained`` (the trainer, fresh start
 only) loads them into the full model before it is parallelized. Every refusal is one line naming
 what and why. transformers itself is not needed: config.json is JSON, the weights safetensors or a
 torch pickle.
@@ -46,7 +47,10 @@ from largebatch.models.config import ModelConfig
 from largebatch.typed_config import ConfigError
 
 PREFIX = "hf:"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# a whole checkpoint in one file, or the index of one sharded across files (save_pretrained's
+# max_shard_size: transformers shards what is larger), in order of preference
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
                 "tie_embeddings", "norm_eps", "norm_position", "activation")
@@ -59,7 +63,7 @@ def hf_dir(init_from: str) -> Path:
     """The directory of ``model.init_from = "hf:PATH"``; ConfigError naming the fix otherwise."""
     if not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
         raise ConfigError(f"model.init_from={init_from!r}: give hf:PATH, a transformers directory "
-                          "(config.json + model.safetensors or pytorch_model.bin)")
+                          "(config.json + model.safetensors, pytorch_model.bin or a sharded checkpoint)")
     path = Path(init_from[len(PREFIX):]).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.init_from={init_from!r}: {path / 'config.json'} does not exist; "
@@ -85,10 +89,11 @@ TIED_PAIRS["xlm-roberta"] = TIED_PAIRS["roberta"]
 
 
 def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
-    """Whether the weights file holds both the input embedding and the output projection, with
+    """Whether the weights hold both the input embedding and the output projection, with
     different values. transformers then loads them untied, whatever tie_word_embeddings says (with a
     warning), and so does init_from. Reads those two tensors only (lazily: safetensors' safe_open, a
-    memory-mapped pickle), once per version of the file (a start asks for the model fields more than once)."""
+    memory-mapped pickle; of a sharded checkpoint, the shards holding them), once per version of the
+    file (a start asks for the model fields more than once)."""
     file = weights_file(path)
     if file is None:
         return False  # (refused, naming the directory, by read_weights)
@@ -100,15 +105,7 @@ def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...
 def _pair_differs(file: str, mtime_ns: int, size: int, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
     """``_stored_apart`` for one version of ``file`` (its mtime and size are the cache key)."""
     try:
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(file, framework="pt") as f:
-                keys = set(f.keys())
-                a, b = (next((f.get_tensor(k) for k in names if k in keys), None) for names in (embedding, output))
-        else:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            a, b = (next((state[k] for k in names if k in state), None) for names in (embedding, output))
+        a, b = (_one_tensor(Path(file), names) for names in (embedding, output))
     except Exception:  # noqa: BLE001 -- an unreadable file is refused, naming it, by read_weights
         return False
     apart = a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b))
@@ -117,6 +114,40 @@ def _pair_differs(file: str, mtime_ns: int, size: int, embedding: tuple[str, ...
                       "values although config.json ties them (tie_word_embeddings); loading them untied "
                       "(model.tie_embeddings = false), as transformers does", stacklevel=4)
     return apart
+
+
+def _one_tensor(file: Path, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The first of ``names`` stored in ``file`` (a weights file, or a sharded checkpoint's index:
+    the shard that holds it), read alone; None when none is stored."""
+    if file.name.endswith(".index.json"):
+        where = _shard_map(file)
+        name = next((n for n in names if n in where), None)
+        return None if name is None else _one_tensor(where[name], (name,))
+    if file.name.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            return next((f.get_tensor(k) for k in names if k in keys), None)
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    return next((state[k] for k in names if k in state), None)
+
+
+def _shard_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> the shard file holding it, from a sharded checkpoint's index (its
+    ``weight_map``); ConfigError naming the index when it is not one, or a shard is missing."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        where = {name: index.parent / shard for name, shard in weight_map.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"model.init_from: {index} is not a sharded checkpoint's index ({type(exc).__name__}: "
+                          f"{exc}): save the model again with save_pretrained") from None
+    missing = sorted({p.name for p in where.values() if not p.is_file()})
+    if missing:
+        raise ConfigError(f"model.init_from: {index} names {', '.join(missing[:3])}, which "
+                          f"{'does' if len(missing) == 1 else 'do'} not exist in {index.parent}: copy "
+                          "every shard of the checkpoint")
+    return where
 
 
 def _need(raw: dict, name: str, where: Path):
@@ -257,22 +288,34 @@ def _read_tokenizer(path: Path):
 
 
 def weights_file(path: Path) -> Path | None:
-    """The directory's model.safetensors (preferred) or pytorch_model.bin; None without either."""
+    """The directory's first of WEIGHT_FILES (model.safetensors preferred; a sharded checkpoint's
+    index); None without any."""
     return next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
 
 
 def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The tensors of the directory's model.safetensors (preferred) or pytorch_model.bin."""
+    """The tensors of the directory's model.safetensors (preferred) or pytorch_model.bin, or of
+    every shard a sharded checkpoint's index names."""
     file = weights_file(path)
     if file is None:
-        raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)} (a sharded "
-                          "checkpoint is not read): save the model with save_pretrained")
+        raise ConfigError(f"model.init_from: {path} holds no {' or '.join(WEIGHT_FILES)}: save the "
+                          "model with save_pretrained")
+    if not file.name.endswith(".index.json"):
+        return _read_file(file), file
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(_shard_map(file).values())):
+        state.update(_read_file(shard))
+    return state, file
+
+
+def _read_file(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors or torch pickle file; ConfigError naming it otherwise."""
     try:
         if file.name.endswith(".safetensors"):
             from safetensors.torch import load_file
 
-            return load_file(str(file)), file
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), file
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except ImportError as exc:  # (safetensors is part of the [train] extra)
         package = (exc.name or "safetensors").split(".")[0]
         raise ConfigError(f"model.init_from: reading {file} needs {package!r}, part of the [train] extra: "
