@@ -256,7 +256,8 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:
         hf_tokenizer(tokenizer, cfg.kind, cfg.seq_len).save_pretrained(out)
-    if not (out / "model.safetensors").is_file():
+    # (a model over save_pretrained's max_shard_size, 50 GB, is written as an index and shards)
+    if not any((out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")
     return {"architecture": arch, "vocab_size": cfg.vocab_size,
             "tokenizer_vocab_size": ids}
