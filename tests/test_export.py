@@ -379,6 +379,25 @@ def test_missing_transformers_names_the_extra(gpt_run, tmp_path):
          "extra: pip install 'largebatch[hf]'")]
 
 
+def test_a_model_transformers_writes_in_shards_exports(gpt_run, tmp_path, monkeypatch):
+    """A model over save_pretrained's max_shard_size (50 GB) is written as an index and shards; the
+    export took the missing model.safetensors for a failed write. The limit is lowered here so a
+    tiny model shards: the export succeeds and transformers loads the shards with the same logits."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    save = PreTrainedModel.save_pretrained
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained",
+                        lambda self, *a, **k: save(self, *a, **{**k, "max_shard_size": "20KB"}))
+    out = tmp_path / "sharded"
+    assert export(gpt_run, out) == 0
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").is_file()
+    run = load_run(gpt_run)
+    idx = torch.tensor([run.tokenizer.encode(TEXT).ids[:48]])
+    with torch.no_grad():
+        ours, theirs = run.model(idx)[0], AutoModelForCausalLM.from_pretrained(out).eval()(idx).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)
+
+
 def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):
     """A tokenizer without [PAD] (one passed with --tokenizer) exports no pad token and
     pad_token_id null, as GPT-2: no pad token the model has no row for."""
