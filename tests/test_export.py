@@ -261,6 +261,10 @@ def test_a_roberta_style_tokenizer_trains_bert_and_gpt_and_exports_its_own_token
     assert (tok.cls_token, tok.sep_token, tok.mask_token, tok.pad_token, tok.unk_token) == \
         ("<s>", "</s>", "<mask>", "<pad>", "<unk>")
     assert tok.mask_token_id == mask and tok.pad_token_id == pad
+    # a pair as RoBERTa's tokenizer gives it: </s></s> between, one segment (no token_type_ids)
+    first, second = run.tokenizer.encode("To be").ids, run.tokenizer.encode(" or not").ids
+    pair = tok("To be", " or not")
+    assert pair["input_ids"] == [s, *first, e, e, *second, e] and "token_type_ids" not in pair
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()
     assert hf.config.pad_token_id == pad
     collated = DataCollatorForLanguageModeling(tok)([tok(TEXT), tok(TEXT[:40])])  # pads, masks: runs
@@ -295,6 +299,9 @@ def test_a_wordpiece_vocabulary_keeps_its_unknown_token():
     assert (tok.unk_token, tok.unk_token_id) == ("[UNK]", 1)
     assert tok("the questions zebra")["input_ids"] == [2, 5, 6, 7, 1, 3]
     assert tok("the [MASK] questions", add_special_tokens=False)["input_ids"] == [5, 4, 6, 7]
+    # a pair: segment B after [SEP] is type 1, as BERT's tokenizers give it (it was all 0)
+    pair = tok("the", "questions")
+    assert pair["input_ids"] == [2, 5, 3, 6, 7, 3] and pair["token_type_ids"] == [0, 0, 0, 1, 1, 1]
 
 
 def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):

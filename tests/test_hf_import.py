@@ -48,7 +48,16 @@ def _scramble(model: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        CamembertConfig,
+        CamembertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        RobertaConfig,
+        RobertaForMaskedLM,
+    )
 
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
@@ -72,14 +81,21 @@ def hf_dirs(tmp_path_factory):
                                                max_position_embeddings=T + 2, pad_token_id=1,
                                                type_vocab_size=1, hidden_dropout_prob=0.0,
                                                attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7))
+    # CamemBERT: RoBERTa's layout under its own model_type; pad_token_id 3, so positions from row 4
+    camembert = CamembertForMaskedLM(CamembertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=48,
+                                                     max_position_embeddings=T + 4, pad_token_id=3,
+                                                     type_vocab_size=1, hidden_dropout_prob=0.0,
+                                                     attention_probs_dropout_prob=0.0, layer_norm_eps=1e-7))
     dirs = {}
-    for name, hf in (("gpt", gpt), ("bert", bert), ("bert_untied", bert_untied), ("roberta", roberta)):
+    for name, hf in (("gpt", gpt), ("bert", bert), ("bert_untied", bert_untied), ("roberta", roberta),
+                     ("camembert", camembert)):
         _scramble(hf)
         dirs[name] = root / name
         hf.save_pretrained(dirs[name])
         _word_tokenizer(dirs[name], V)
     return dirs, {"gpt": gpt.eval(), "bert": bert.eval(), "bert_untied": bert_untied.eval(),
-                  "roberta": roberta.eval()}
+                  "roberta": roberta.eval(), "camembert": camembert.eval()}
 
 
 def _imported(path: Path, **overrides):
@@ -89,21 +105,22 @@ def _imported(path: Path, **overrides):
     return cfg, model
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert", "bert_untied", "roberta"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "bert_untied", "roberta", "camembert"])
 def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
     dirs, hf_models = hf_dirs
     hf = hf_models[kind]
     cfg, model = _imported(dirs[kind])
     expected = {"gpt": ("pre", "gelu_tanh", 1e-5, 128), "bert": ("post", "gelu", 1e-7, 48),
-                "roberta": ("post", "gelu", 1e-7, 48)}[kind.split("_")[0]]
-    assert cfg.model.seq_len == T  # RoBERTa: T + 2 rows, the first two never a position
+                "roberta": ("post", "gelu", 1e-7, 48), "camembert": ("post", "gelu", 1e-7, 48)}[kind.split("_")[0]]
+    assert cfg.model.seq_len == T  # RoBERTa: T + pad_token_id + 1 rows, the first ones never a position
+    offset = {"roberta": 2, "camembert": 4}.get(kind, 0)
     if kind == "bert_untied":
         head = hf.cls.predictions
         assert not cfg.model.tie_embeddings and (head.decoder.bias - head.bias).abs().max() > 0.1
     assert (cfg.model.norm_position, cfg.model.activation, cfg.model.norm_eps, cfg.model.ffn) == expected
     assert cfg.data.tokenizer_file == str(dirs[kind] / "tokenizer.json")
-    # (no pad id 1 in RoBERTa's input: a padded position is not one largebatch's samples have)
-    idx = torch.randint(2 if kind == "roberta" else 0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    # (no pad id in RoBERTa's input: a padded position is not one largebatch's samples have)
+    idx = torch.randint(offset, V, (3, T), generator=torch.Generator().manual_seed(2))
     theirs = hf(input_ids=idx).logits
     ours = model.eval()(idx)[0]
     assert theirs.abs().max() > 1.0  # logits far from zero: the comparison can fail
@@ -123,12 +140,12 @@ def test_logits_and_gradients_equal_transformers(hf_dirs, kind):
                  (model.blocks[1].mlp.fc1.weight.grad, hf.transformer.h[1].mlp.c_fc.weight.grad.t()),
                  (model.blocks[0].attn.k.weight.grad, hf.transformer.h[0].attn.c_attn.weight.grad[:, 32:64].t())]
     else:
-        base = hf.roberta if kind == "roberta" else hf.bert
-        layer, offset = base.encoder.layer[1], (2 if kind == "roberta" else 0)
+        base = hf.roberta if offset else hf.bert
+        layer = base.encoder.layer[1]
         pairs = [(model.tok_emb.weight.grad, base.embeddings.word_embeddings.weight.grad),
                  (model.blocks[1].attn.v.weight.grad, layer.attention.self.value.weight.grad),
                  (model.pos_emb.weight.grad, base.embeddings.position_embeddings.weight.grad[offset:])]
-        if kind == "roberta":
+        if offset:
             pairs.append((model.head.norm.weight.grad, hf.lm_head.layer_norm.weight.grad))
     for ours_grad, theirs_grad in pairs:
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
@@ -221,6 +238,32 @@ def test_a_checkpoint_transformers_sharded_loads_with_its_logits(hf_dirs, tmp_pa
     _, model = _imported(path)
     idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(model.eval()(idx)[0], hf_models["bert"](input_ids=idx).logits, rtol=0, atol=1e-5)
+
+
+def test_the_original_bert_layout_with_pooler_and_next_sentence_head_loads(tmp_path):
+    """BertForPreTraining (the layout of the original BERT checkpoints: masked-LM head, pooler and
+    next-sentence head) was refused for its 'unexpected' pooler and NSP tensors; transformers'
+    AutoModelForMaskedLM loads the directory and leaves them. Now they are set aside, with a warning
+    naming them, and the logits are AutoModelForMaskedLM's."""
+    from transformers import AutoModelForMaskedLM, BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    pretraining = BertForPreTraining(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=48,
+                                                max_position_embeddings=T, hidden_dropout_prob=0.0,
+                                                attention_probs_dropout_prob=0.0))
+    _scramble(pretraining)
+    path = tmp_path / "bert-pretraining"
+    pretraining.save_pretrained(path)
+    _word_tokenizer(path, V)
+    with pytest.warns(UserWarning, match=r"pooler.dense.weight, pooler.dense.bias, cls.seq_relationship.weight.*"
+                                         r"not loaded"):
+        _, model = _imported(path)
+    theirs = AutoModelForMaskedLM.from_pretrained(path).eval()
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    logits = theirs(input_ids=idx).logits
+    assert logits.abs().max() > 1.0
+    torch.testing.assert_close(model.eval()(idx)[0], logits, rtol=0, atol=1e-5)
 
 
 def _corpus(tmp: Path) -> Path:
@@ -375,12 +418,24 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
     (lost_shard / "model.safetensors").unlink()
     _save_sharded(state, lost_shard, "model.safetensors.index.json")
     (lost_shard / "model-00002-of-00003.safetensors").unlink()
-    cases = [((f"--model.init_from=hf:{lost_shard}", "--check"),
+    vocab_only = tmp_path / "vocab-only"  # GPT-2 / RoBERTa's slow-tokenizer files, no tokenizer.json
+    shutil.copytree(dirs["gpt"], vocab_only)
+    (vocab_only / "tokenizer.json").unlink()
+    (vocab_only / "vocab.json").write_text(json.dumps({"a": 0}))
+    (vocab_only / "merges.txt").write_text("#version: 0.2\n")
+    cases = [((f"--model.init_from=hf:{vocab_only}", "--check"),
+              ["has no tokenizer.json", "has vocab.json, merges.txt",
+               f"AutoTokenizer; d = {str(vocab_only)!r}; AutoTokenizer.from_pretrained(d).save_pretrained(d)"]),
+             ((f"--model.init_from=hf:{vocab_only}", f"--data.tokenizer_file={vocab_only / 'vocab.json'}",
+               "--check"), ["vocab.json is not a tokenizer.json", "AutoTokenizer.from_pretrained(d)"]),
+             ((f"--model.init_from=hf:{lost_shard}", "--check"),
               ["model.safetensors.index.json names model-00002-of-00003.safetensors, which does not exist",
                "copy every shard"]),
              ((f"--model.init_from=hf:{llama}",), ["model_type='llama'", "grouped-query", "gpt2"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", "--model.n_layer=3"),
               ["model.n_layer=3", "has 2", "remove model.n_layer"]),
+             ((f"--model.init_from=hf:{dirs['gpt']}", f"--model.seq_len={T // 2}"),
+              [f"model.seq_len={T // 2}", f"has {T}", "declare [[phases]] with a smaller seq_len"]),
              ((f"--model.init_from=hf:{no_weights}", "--check"), ["no model.safetensors or pytorch_model.bin"]),
              ((f"--model.init_from=hf:{extra}", "--check"), ["unexpected h.0.attn.rotary.weight"]),
              ((f"--model.init_from={dirs['gpt']}",), ["give hf:PATH"])]
@@ -391,6 +446,10 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     code, err = _train_cli(capsys, f"--model.init_from=hf:{dirs['bert']}", "--check", out)
     assert code == 0, err  # a shipped recipe's model fields give way to the directory's
+    # data.tokenizer_file naming a directory that holds the tokenizer.json, as without init_from
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{vocab_only}", f"--data.tokenizer_file={dirs['gpt']}",
+                           "--check", out)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("recipe, hf, kind, objective", [("bert-demo", "gpt", "gpt", "causal language model"),

@@ -95,3 +95,21 @@ def test_a_refused_value_gives_its_reason_and_a_choice_in_other_case_is_suggeste
     with pytest.raises(ConfigError, match=r"run.dtype = 'BF16': must be one of 'fp32', 'bf16'; did you mean 'bf16'\?"):
         from_dict(TrainConfig, {"run": {"dtype": "BF16"}})
     assert from_dict(TrainConfig, {"run": {"dtype": "bf16"}}).run.dtype == "bf16"
+
+
+def test_an_array_of_tables_the_config_lacks_is_named_on_the_command_line():
+    """``--phases.0.seq_len=64`` on a config without [[phases]] made a table 'phases' = {'0': ...} and
+    was refused as "expected a list, e.g. [1, 2]"; it names the array and where to declare it, and
+    an index past the declared entries names the count."""
+    from largebatch.typed_config import set_dotted
+
+    with pytest.raises(ConfigError, match=r"'phases.0.seq_len': the config declares no 'phases'; declare "
+                                          r"them in the config file \(\[\[phases\]\] tables\)"):
+        set_dotted({"model": {}}, "phases.0.seq_len", 64)
+    tree = {"phases": [{"seq_len": 128}]}
+    set_dotted(tree, "phases.0.seq_len", 64)
+    assert tree == {"phases": [{"seq_len": 64}]}
+    with pytest.raises(ConfigError, match="'phases' has 1 entries; pick one by number, 0 to 0"):
+        set_dotted(tree, "phases.1.seq_len", 64)
+    set_dotted(tree, "model.n_layer", 2)  # a table the tree lacks is still made
+    assert tree["model"] == {"n_layer": 2}

@@ -282,7 +282,8 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
         if isinstance(node, list):
             node = _list_entry(node, part, ".".join(parents[:i]), key)
             continue
-        child = node.setdefault(part, {})
+        # an array of tables the tree lacks ("phases.0.seq_len" with no [[phases]]): no entry to pick
+        child = node.setdefault(part, [] if parents[i + 1:i + 2] and parents[i + 1].isdigit() else {})
         if not isinstance(child, (dict, list)):
             raise ConfigError(f"'{key}': '{part}' is a value, not a section")
         node = child
@@ -293,6 +294,9 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _list_entry(node: list, part: str, name: str, key: str) -> Any:
+    if not node:
+        raise ConfigError(f"'{key}': the config declares no '{name}'; declare them in the config file "
+                          f"([[{name}]] tables), then a command line can change their fields")
     if not part.isdigit() or int(part) >= len(node) or not isinstance(node[int(part)], dict):
         raise ConfigError(f"'{key}': '{name}' has {len(node)} entries; pick one by number, 0 to "
                           f"{len(node) - 1}, and declare new ones in the config file")

@@ -228,16 +228,21 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int):
                                        model_max_length=max_length, clean_up_tokenization_spaces=False,
                                        **special)
     cls, sep, mask = special["cls_token"], special["sep_token"], special["mask_token"]
+    # a pair as the model family has it: BERT's segment B (type 1, the second row of the exported
+    # segment embedding, zeros until fine-tuned) after [SEP]; RoBERTa's </s></s> between, one segment
+    roberta = sep == "</s>"
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B:1 {sep}:1"
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B {sep}",
+        single=f"{cls} $A {sep}", pair=pair,
         special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
     # the mask token takes the space before it, as RoBERTa's does: training replaces a whole token, its
     # leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone
     # space token in front of it (WordPiece drops the space either way)
     tok.add_special_tokens([AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)])
+    inputs = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids", "attention_mask"]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, model_max_length=max_length,
-        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False, **special)
+        model_input_names=inputs, clean_up_tokenization_spaces=False, **special)
 
 
 def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:

@@ -40,17 +40,18 @@ UNSUPPORTED = {
     "bart": "an encoder-decoder with cross-attention",
 }
 
-# BERT's layout under other model types: RoBERTa (Liu et al. 2019) and XLM-R are BERT's post-LN
-# blocks, with positions counted from pad_token_id + 1 (RobertaEmbeddings: rows 0 .. pad_token_id
-# are never used by a sequence without padding), so max_position_embeddings - (pad_token_id + 1)
-# positions are usable
-BERT_LAYOUTS = ("bert", "roberta", "xlm-roberta")
+# BERT's layout under other model types: RoBERTa (Liu et al. 2019), XLM-R and CamemBERT (RoBERTa
+# trained on other corpora) are BERT's post-LN blocks, with positions counted from pad_token_id + 1
+# (RobertaEmbeddings: rows 0 .. pad_token_id are never used by a sequence without padding), so
+# max_position_embeddings - (pad_token_id + 1) positions are usable
+ROBERTA_LAYOUTS = ("roberta", "xlm-roberta", "camembert")
+BERT_LAYOUTS = ("bert", *ROBERTA_LAYOUTS)
 
 
 def position_offset(raw: dict) -> int:
     """The first position row a sequence uses in a BERT-layout config: 0 for BERT, pad_token_id + 1
-    for RoBERTa and XLM-R."""
-    if raw.get("model_type") in ("roberta", "xlm-roberta"):
+    for RoBERTa's family (ROBERTA_LAYOUTS)."""
+    if raw.get("model_type") in ROBERTA_LAYOUTS:
         pad = raw.get("pad_token_id")
         return (1 if pad is None else int(pad)) + 1
     return 0
@@ -100,7 +101,7 @@ def _model_type(raw: dict) -> str:
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
-                     "(RoBERTa, XLM-R) layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
+                     "(RoBERTa, XLM-R, CamemBERT) layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn only if its layers "
                        "are that layout.")
@@ -141,7 +142,7 @@ def _ffn(width, hidden) -> int | None:
 
 
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
-    """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R) config: a config.json path, a
+    """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config: a config.json path, a
     directory holding one, or its dict (e.g. `GPT2Config(...).to_dict()`). Refuses other architectures, naming what
     in them the closed form does not describe. Attention is "explicit" (transformers' eager layout);
     pass the result through `.replace(attention="sdpa")` for a fused kernel."""

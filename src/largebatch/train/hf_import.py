@@ -13,12 +13,15 @@ renaming and reshapes run backwards:
 * BertForMaskedLM (``model_type="bert"``) -> post-LN BERT. BERT's segment embedding has no place
   here: its row 0 (the segment every sequence gets without ``token_type_ids``) is added to the
   position embedding, which computes exactly what transformers computes for segment 0.
-* RobertaForMaskedLM / XLMRobertaForMaskedLM (``model_type="roberta"`` / ``"xlm-roberta"``; Liu et
-  al. 2019) -> post-LN BERT too: the same blocks, the head under ``lm_head``. RoBERTa counts
-  positions from ``pad_token_id + 1`` (a sequence without padding takes rows pad+1, pad+2, ...), so
-  the model's context is ``max_position_embeddings - pad_token_id - 1`` (512 of roberta-base's 514
-  rows) and those rows, in order, are the positions; the rows before them are never used. largebatch's
-  samples carry no padding, so every position is the one RoBERTa computes.
+* RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM (``model_type="roberta"`` /
+  ``"xlm-roberta"`` / ``"camembert"``; Liu et al. 2019) -> post-LN BERT too: the same blocks, the
+  head under ``lm_head``. RoBERTa counts positions from ``pad_token_id + 1`` (a sequence without
+  padding takes rows pad+1, pad+2, ...), so the model's context is ``max_position_embeddings -
+  pad_token_id - 1`` (512 of roberta-base's 514 rows) and those rows, in order, are the positions;
+  the rows before them are never used. largebatch's samples carry no padding, so every position is
+  the one RoBERTa computes.
+* BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
+  in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
 Two steps, both before any training: ``resolve_init`` (from ``load_config``) reads config.json and
 fills the model's shape fields and ``data.tokenizer_file`` (the directory's tokenizer.json), refusing
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from largebatch.memory.hf import BERT_LAYOUTS, UNSUPPORTED, bert_positions, position_offset
+from largebatch.memory.hf import BERT_LAYOUTS, ROBERTA_LAYOUTS, UNSUPPORTED, bert_positions, position_offset
 from largebatch.models.config import ModelConfig
 from largebatch.typed_config import ConfigError
 
@@ -85,7 +88,7 @@ TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weigh
                        ("cls.predictions.decoder.weight",)),
               "roberta": (("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
                           ("lm_head.decoder.weight",))}
-TIED_PAIRS["xlm-roberta"] = TIED_PAIRS["roberta"]
+TIED_PAIRS.update(dict.fromkeys(ROBERTA_LAYOUTS, TIED_PAIRS["roberta"]))
 
 
 def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
@@ -182,8 +185,8 @@ def model_fields(path: Path) -> dict[str, Any]:
         why = UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for")
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
                           f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), bert "
-                          "(post-LN BertForMaskedLM), roberta and xlm-roberta (RobertaForMaskedLM, "
-                          "XLMRobertaForMaskedLM) only")
+                          "(post-LN BertForMaskedLM), roberta, xlm-roberta and camembert (RobertaForMaskedLM, "
+                          "XLMRobertaForMaskedLM, CamembertForMaskedLM) only")
     tied = bool(raw.get("tie_word_embeddings", True)) and not _stored_apart(path, *TIED_PAIRS[model_type])
     common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path)}
     if model_type == "gpt2":
@@ -237,9 +240,11 @@ def resolve_init(cfg, given: set[str]):
         if name == "ffn_hidden":
             mine = cfg.model.ffn
         if f"model.{name}" in given and mine != value:
+            shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
+                       "config file" if name == "seq_len" and mine < value else "")
             raise ConfigError(f"model.{name}={mine!r} but {cfg.model.init_from} has {value!r} "
                               f"(config.json): remove model.{name} (init_from sets it) or set it to "
-                              f"{value!r}")
+                              f"{value!r}{shorter}")
     fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
     model = dataclasses.replace(cfg.model, **fields)
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
@@ -251,16 +256,19 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
     vocabulary; every id of the vocabulary must be a row of the embedding (vocab_size entries or
     fewer: an embedding padded past the tokenizer, such as GPT-2's 50257 ids in 50304 rows, keeps
     its rows, and ids past the tokenizer are never inputs nor targets)."""
+    from largebatch.data.build import tokenizer_path
+    from largebatch.data.corpus import CorpusError
+
     theirs = path / "tokenizer.json"
     mine = cfg.data.tokenizer_file if "data.tokenizer_file" in given else None
     if not theirs.is_file() and not mine:
         raise ConfigError(f"model.init_from={cfg.model.init_from!r} has no tokenizer.json: set "
                           "data.tokenizer_file to the tokenizer.json the model was trained with "
-                          "(its ids index the embedding)")
-    chosen = Path(mine).expanduser() if mine else theirs
-    if not chosen.is_file():
-        raise ConfigError(f"data.tokenizer_file={mine!r} does not exist: give a tokenizer.json, or "
-                          f"leave it out to use {theirs}")
+                          f"(its ids index the embedding){_conversion_hint(path)}")
+    try:  # a file, or the tokenizer.json inside a directory
+        chosen = tokenizer_path(mine, "data.tokenizer_file") if mine else theirs
+    except CorpusError as exc:
+        raise ConfigError(f"{exc}{_conversion_hint(Path(mine).expanduser())}") from None
     tokenizer = _read_tokenizer(chosen)
     if mine and theirs.is_file() and chosen.resolve() != theirs.resolve():
         if tokenizer.get_vocab() != _read_tokenizer(theirs).get_vocab():
@@ -277,6 +285,23 @@ def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str
     return str(chosen)
 
 
+# the vocabulary files transformers' slow tokenizers read, where a directory has no tokenizer.json
+VOCABULARY_FILES = ("vocab.json", "merges.txt", "vocab.txt", "sentencepiece.bpe.model", "spiece.model",
+                    "tokenizer.model")
+
+
+def _conversion_hint(path: Path) -> str:
+    """For a directory (or a file in one) holding a slow tokenizer's vocabulary files but no
+    tokenizer.json: how to write one with transformers, which reads them; "" otherwise."""
+    directory = path if path.is_dir() else path.parent
+    found = [name for name in VOCABULARY_FILES if (directory / name).is_file()]
+    if not found or (directory / "tokenizer.json").is_file():
+        return ""
+    return (f"; {directory} has {', '.join(found)}, a vocabulary without tokenizer.json: write one with "
+            f"python -c \"from transformers import AutoTokenizer; d = {str(directory)!r}; "
+            "AutoTokenizer.from_pretrained(d).save_pretrained(d)\"")
+
+
 def _read_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
@@ -284,7 +309,7 @@ def _read_tokenizer(path: Path):
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception
         raise ConfigError(f"{path} is not a tokenizer.json ({str(exc).splitlines()[0] if str(exc) else exc!r}): "
-                          "give one saved by HF tokenizers as data.tokenizer_file") from None
+                          f"give one saved by HF tokenizers as data.tokenizer_file{_conversion_hint(path)}") from None
 
 
 def weights_file(path: Path) -> Path | None:
@@ -335,6 +360,11 @@ class _Taker:
                      for k, v in state.items() if not BUFFERS.search(k)}
         self.missing: list[str] = []
         self.misshapen: list[str] = []
+        self.unused: list[str] = []  # stored, read by transformers' other heads only: not loaded
+
+    def set_aside(self, name: str) -> None:
+        self.left.pop(name)
+        self.unused.append(name)
 
     def has(self, name: str) -> bool:
         return name in self.left
@@ -385,7 +415,7 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
 
 # the masked-LM head's names: (prefix, dense, LayerNorm), BertForMaskedLM's and RoBERTa's
 BERT_HEADS = {"bert": ("cls.predictions.", "transform.dense", "transform.LayerNorm"),
-              "roberta": ("lm_head.", "dense", "layer_norm"), "xlm-roberta": ("lm_head.", "dense", "layer_norm")}
+              **dict.fromkeys(ROBERTA_LAYOUTS, ("lm_head.", "dense", "layer_norm"))}
 
 
 def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
@@ -427,6 +457,12 @@ def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
         out["head.decoder.weight"] = out["tok_emb.weight"]
     else:
         out["head.decoder.weight"] = take(c + "decoder.weight", v, h)
+    # BertForPreTraining's pooler and next-sentence head (the original BERT checkpoints store both):
+    # no part of the masked-LM logits, set aside as AutoModelForMaskedLM leaves them
+    for name in ("pooler.dense.weight", "pooler.dense.bias", "cls.seq_relationship.weight",
+                 "cls.seq_relationship.bias"):
+        if take.has(name):
+            take.set_aside(name)
     return out
 
 
@@ -451,13 +487,18 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise ConfigError(f"model.init_from={cfg.init_from!r}: {file.name} does not fit the "
                           f"{cfg.kind} its config.json describes: {'; '.join(problems)}; give a "
                           f"directory saved from {architecture}")
+    if take.unused:
+        warnings.warn(f"model.init_from={cfg.init_from!r}: {', '.join(take.unused)} (the pooler and "
+                      "next-sentence head of BertForPreTraining) take no part in a masked LM and are "
+                      "not loaded, as transformers' AutoModelForMaskedLM leaves them", stacklevel=2)
     return out
 
 
 # transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
 HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
-              "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM")}
+              "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),
+              "camembert": ("roberta.", _bert, "CamembertForMaskedLM")}
 # model kind -> the model types that load into it
 HF_KINDS = {"gpt": ("gpt2",), "bert": BERT_LAYOUTS}
 
