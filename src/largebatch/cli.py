@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import signal
 import sys
 
 from largebatch import TorchTooOld, __version__
@@ -74,8 +76,16 @@ def console() -> None:
     """The ``largebatch`` program (its console script and ``python -m largebatch``): ``main`` on
     the command line, then exit with its code. A process that joined a process group (a torchrun
     worker) exits through ``largebatch.parallel.mesh.end_process``, without the interpreter's
-    teardown, at which torch's backend threads can abort a rank whose run has finished."""
-    code = main()
+    teardown, at which torch's backend threads can abort a rank whose run has finished. Output
+    piped into a reader that stops early (``largebatch train --help-config | head``) ends the
+    program quietly with 141, as a shell reports a process that SIGPIPE ended, not with a
+    BrokenPipeError traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush must not raise again)
+        code = 128 + signal.SIGPIPE
     mesh = sys.modules.get("largebatch.parallel.mesh")  # imported only by the commands that use it
     sys.exit(code if mesh is None else mesh.end_process(code))
 

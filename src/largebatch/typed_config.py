@@ -15,7 +15,7 @@ Rules that keep a run reproducible and mistakes loud:
   nor ``inf`` or ``nan``;
 * ``--section.field=value`` overrides parse ``value`` as a TOML value (``--run.seed=3``,
   ``--optim.betas=[0.9,0.98]``), falling back to a bare string (``--optim.name=lans``); a list of
-  names may be given comma-separated (``--run.recompute=full,selective``).
+  names may be given comma-separated (``--run.recompute=full,full,selective,selective``).
 
 Conventions every config dataclass follows (docs/architecture.md):
 

@@ -82,7 +82,8 @@ class OptimConfig:
     """LR multiplier of the groups outside ``adapt`` (no trust ratio): e.g. 0.01 under LARS, whose
     scheduled LR (~1-30) is sized for trust-ratio steps. Multiplies with no_decay_lr_mult."""
     log_trust_ratios: bool = True
-    """Log min / median / max trust ratio per step (one extra device->host copy per step)."""
+    """Log min / median / max trust ratio on each logged step (kept on the device every step; read by
+    the host only when a step logs)."""
 
     def __post_init__(self):
         if self.weight_decay < 0:
@@ -134,9 +135,9 @@ class RunConfig:
     compile: bool = False
     """torch.compile the model (about a minute of compilation before the first step)."""
     recompute: list[RecomputePolicy] = field(default_factory=lambda: ["none"])
-    """Activation recomputation: one policy for every layer (["selective"]) or one per layer
-    (["full", "full", "selective", "selective"]); on the command line also comma-separated
-    (--run.recompute=full,selective). See largebatch.memory."""
+    """Activation recomputation: one policy for every layer (["selective"]) or exactly one per layer
+    (["full", "full", "selective", "selective"] for 4 layers); on the command line also
+    comma-separated (--run.recompute=full,full,selective,selective). See largebatch.memory."""
     device: str = "auto"
     """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     seed: int = 1337
