@@ -69,7 +69,7 @@ def test_cli_bad_input(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_planner_reads_a_training_config(capsys, tmp_path):
+def test_planner_reads_a_training_config(capsys, tmp_path, monkeypatch):
     """`largebatch memory --config run.toml` predicts for that run's model, micro-batch and mesh."""
     from largebatch.memory.cli import main as memory_main
 
@@ -85,6 +85,17 @@ def test_planner_reads_a_training_config(capsys, tmp_path):
                         "--budget-gib", "1"]) == 0
     assert from_config == capsys.readouterr().out
     assert "s=64 b=4 h=128 a=4 t=2 L=3" in from_config
+    # a shipped config by name, as `largebatch train` takes it (it was "does not exist" outside the
+    # repository root, where configs/ is)
+    from largebatch.arguments import shipped_configs
+
+    monkeypatch.chdir(tmp_path)
+    assert memory_main(["--config", "bert-large-lans"]) == 0
+    by_name = capsys.readouterr().out
+    assert memory_main(["--config", str(shipped_configs()["bert-large-lans"])]) == 0
+    assert by_name == capsys.readouterr().out and "L=24" in by_name
+    assert memory_main(["--config", "bert-large-lasn"]) == 2
+    assert "neither a file nor a shipped config; shipped: bert-base" in capsys.readouterr().err
 
 
 def test_planner_reads_the_run_fields_that_change_the_answer(capsys, tmp_path):

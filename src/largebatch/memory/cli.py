@@ -23,7 +23,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from largebatch.arguments import OneLineParser, finite_float
+from largebatch.arguments import OneLineParser, config_file, finite_float, shipped_configs
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
     config_layer_kwargs,
@@ -70,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="largebatch memory", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (default demo)")
-    p.add_argument("--config", help="a `largebatch train` TOML file: its [model], [data] vocab_size, "
-                   "[run] micro_batch / dtype / recompute, [optim] name, [schedule] batch_size (the pipeline's "
-                   "micro-batches) and [parallel] tp / pp / sequence_parallel / dp, so the prediction is per "
-                   "rank of that run (flags given explicitly still override)")
-    p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT config.json (or a directory "
-                   "holding one); also prints what transformers' eager layers keep")
+    p.add_argument("--config", help="a `largebatch train` TOML file or a shipped config's name: its [model], "
+                   "[data] vocab_size, [run] micro_batch / dtype / recompute, [optim] name, [schedule] "
+                   "batch_size (the pipeline's micro-batches) and [parallel] tp / pp / sequence_parallel / "
+                   "dp, so the prediction is per rank of that run (flags given explicitly still override)")
+    p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config.json "
+                   "(or a directory holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag}", dest=flag, type=TYPES.get(flag, int),
                        help=f"override the preset's {field}")
@@ -136,7 +136,11 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
     explicit_micro_batch = args.micro_batch != "1"
-    tree = load_toml(args.config)
+    path = config_file(args.config)  # a file or a shipped config's name
+    if path is None:
+        raise ValueError(f"--config {args.config!r} is neither a file nor a shipped config; shipped: "
+                         f"{', '.join(shipped_configs())}")
+    tree = load_toml(path)
     model = dict(tree.get("model", {}))
     if "vocab_size" in tree.get("data", {}):  # the trainer sizes the model to its tokenizer
         model["vocab_size"] = tree["data"]["vocab_size"]

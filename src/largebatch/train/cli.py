@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from largebatch import TorchTooOld
-from largebatch.arguments import TRAIN_EXTRA, OneLineParser
+from largebatch.arguments import TRAIN_EXTRA, OneLineParser, config_file, shipped_configs  # noqa: F401 (shipped_configs: re-exported)
 from largebatch.typed_config import (
     ConfigError,
     add_config_arguments,
@@ -44,24 +44,16 @@ from largebatch.typed_config import (
 DEFAULT_CONFIG = "gpt-demo"
 
 
-def shipped_configs() -> dict[str, Path]:
-    """Configs that ship with the package (the repository's configs/ points at the same files)."""
-    folder = Path(__file__).resolve().parent.parent / "configs"
-    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
-
-
 def resolve_config(name: str | None) -> Path:
     """A path, or the name of a shipped config; None is the default recipe."""
     name = name or DEFAULT_CONFIG
-    if Path(name).is_file():
-        return Path(name)
-    shipped = shipped_configs()
-    if name in shipped:
-        return shipped[name]
+    path = config_file(name)
+    if path is not None:
+        return path
     from largebatch.typed_config import ConfigError
 
     raise ConfigError(f"config {name!r} is neither a file nor a shipped config; shipped: "
-                      f"{', '.join(shipped)}")
+                      f"{', '.join(shipped_configs())}")
 
 
 def _usage() -> str:
