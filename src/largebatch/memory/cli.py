@@ -8,7 +8,7 @@ least recompute FLOPs that fits a budget.
     largebatch memory --hf-config path/to/gpt2-medium --budget-gib 16   # planned with its eager layers
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-schedule zbv   # one schedule's row
-    largebatch memory --config configs/bert-large-lans.toml --phase 1 --dp 1536 --budget-gib 32   # one phase
+    largebatch memory --config bert-large-lans --phase 1 --dp 1536 --budget-gib 32   # one phase of a config
 
 A flag that sets a field of a training config is also spelled as in ``largebatch train``:
 ``--model.n_layer`` (``--layers``), ``--model.n_embd`` (``--hidden``), ``--model.n_head`` (``--heads``),
