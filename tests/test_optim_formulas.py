@@ -160,7 +160,7 @@ def test_lars_coasts_on_its_momentum_at_lr_zero():
                 p.grad = None if g is None else g.double()
             opt.step()
     assert _max_error([p.detach() for p in live], lars_reference(params, steps, lr=lrs, weight_decay=0.01)) < 1e-12
-    moved = [float((a - b).abs().max()) for a, b in zip(live, lars_reference(params, steps[:3], lr=0.5,
+    moved = [float((a.detach() - b).abs().max()) for a, b in zip(live, lars_reference(params, steps[:3], lr=0.5,
                                                                               weight_decay=0.01))]
     assert max(moved) > 1e-3  # two steps at lr 0 moved it
     assert all(torch.equal(a, b) for a, b in zip(sgd_live, frozen))  # SGD at lr 0 did not move
