@@ -266,6 +266,30 @@ def test_the_original_bert_layout_with_pooler_and_next_sentence_head_loads(tmp_p
     torch.testing.assert_close(model.eval()(idx)[0], logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "roberta"])
+def test_a_tied_directory_loads_untied_on_request(hf_dirs, kind, capsys, tmp_path, monkeypatch):
+    """Pipeline parallel needs an untied model (the embedding and the output layer sit on different
+    stages), and init_from refused ``model.tie_embeddings = false`` for a tied directory (every
+    published GPT-2, BERT and RoBERTa): the two refusals left no way through. Now the output layer
+    starts as a copy of the embedding, so the logits are the tied model's, and the pipeline check
+    passes."""
+    dirs, hf_models = hf_dirs
+    cfg, model = _imported(dirs[kind], **{"model.tie_embeddings": False})
+    assert not cfg.model.tie_embeddings
+    output = model.lm_head.weight if kind == "gpt" else model.head.decoder.weight
+    assert output.data_ptr() != model.tok_emb.weight.data_ptr() and torch.equal(output, model.tok_emb.weight)
+    idx = torch.randint(2 if kind == "roberta" else 0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model.eval()(idx)[0], hf_models[kind](input_ids=idx).logits, rtol=0, atol=1e-5)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # --check as rank 0 of a 2-process torchrun
+    monkeypatch.setenv("RANK", "0")
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{dirs[kind]}", "--parallel.pp=2", "--check",
+                           f"--run.out_dir={tmp_path / 'run'}")
+    assert code == 2 and "set model.tie_embeddings = false" in err, err  # the fix it names ...
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{dirs[kind]}", "--parallel.pp=2",
+                           "--model.tie_embeddings=false", "--check", f"--run.out_dir={tmp_path / 'run'}")
+    assert code == 0 and "tie_embeddings" not in err, err  # ... now passes
+
+
 def _corpus(tmp: Path) -> Path:
     """Real English text that can be deleted after training: this repository's documentation."""
     corpus = tmp / "corpus"

@@ -239,6 +239,9 @@ def resolve_init(cfg, given: set[str]):
         mine = getattr(cfg.model, name)
         if name == "ffn_hidden":
             mine = cfg.model.ffn
+        if name == "tie_embeddings" and f"model.{name}" in given and value and not mine:
+            fields[name] = False  # untied on request (pipeline parallel): the output layer a copy
+            continue
         if f"model.{name}" in given and mine != value:
             shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
                        "config file" if name == "seq_len" and mine < value else "")
@@ -388,6 +391,14 @@ def _norm(out: dict, take: _Taker, ours: str, theirs: str, h: int) -> None:
     out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{theirs}.weight", h), take(f"{theirs}.bias", h)
 
 
+def _tied_in(raw: dict, take: _Taker, output: str) -> bool:
+    """Whether the directory ties its output layer to the embedding (config.json's
+    tie_word_embeddings, default true, and no stored output layer of its own): a model loaded
+    untied from it (``model.tie_embeddings = false``, which pipeline parallel needs) starts with the
+    output layer a copy of the embedding, so its logits are the tied model's."""
+    return bool(raw.get("tie_word_embeddings", True)) and not take.has(output)
+
+
 def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
     out = {"tok_emb.weight": take("wte.weight", v, h), "pos_emb.weight": take("wpe.weight", cfg.seq_len, h),
@@ -396,6 +407,8 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
         if take.has("lm_head.weight"):
             take("lm_head.weight", v, h)  # the tied copy of wte (a differing one loads untied: model_fields)
         out["lm_head.weight"] = out["tok_emb.weight"]
+    elif _tied_in(raw, take, "lm_head.weight"):  # untied on request: the output layer starts as a copy
+        out["lm_head.weight"] = out["tok_emb.weight"].clone()
     else:
         out["lm_head.weight"] = take("lm_head.weight", v, h)
     for i in range(cfg.n_layer):
@@ -455,6 +468,8 @@ def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
         if take.has(c + "decoder.weight"):
             take(c + "decoder.weight", v, h)  # the tied copy of word_embeddings
         out["head.decoder.weight"] = out["tok_emb.weight"]
+    elif _tied_in(raw, take, c + "decoder.weight"):  # untied on request: the decoder starts as a copy
+        out["head.decoder.weight"] = out["tok_emb.weight"].clone()
     else:
         out["head.decoder.weight"] = take(c + "decoder.weight", v, h)
     # BertForPreTraining's pooler and next-sentence head (the original BERT checkpoints store both):
@@ -508,6 +523,8 @@ def _check_fields(cfg: ModelConfig) -> None:
     not through load_config, may disagree)."""
     for name, value in model_fields(hf_dir(cfg.init_from)).items():
         mine = cfg.ffn if name == "ffn_hidden" else getattr(cfg, name)
+        if name == "tie_embeddings" and value and not mine:
+            continue  # a tied directory loads untied on request (the output layer a copy)
         if mine != value:
             raise ConfigError(f"model.{name}={mine!r} but {cfg.init_from} has {value!r} (config.json): "
                               f"remove model.{name} (init_from sets it) or set it to {value!r}")
