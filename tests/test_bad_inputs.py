@@ -206,15 +206,13 @@ def test_train_check_under_torchrun_reports_once(paths, capsys, monkeypatch):
 @pytest.mark.parametrize("args, needle", [
     (["--model.n_head=3", "--model.n_embd=48"], "parallel.tp = 2 does not divide model.n_head = 3: choose parallel.tp"),
     (["--model.ffn_hidden=33"], "model.ffn_hidden (the MLP width) = 33"),
-    (["--data.vocab_size=512", "--model.vocab_size=515"], "model.vocab_size = 515: set model.vocab_size = 516"),
-    (["--data.vocab_size=515"], "model.vocab_size (the tokenizer's size) = 515: set model.vocab_size = 516"),
     (["--model.seq_len=33", "--parallel.sequence_parallel=true"],
      "model.seq_len = 33: sequence parallel splits every sequence"),
     (["bert-lans-demo", "--model.n_head=4", "--phases.0.seq_len=17", "--parallel.sequence_parallel=true"],
      "phases[0].seq_len = 17: sequence parallel splits every sequence"),
-], ids=["n_head", "ffn", "vocab", "tokenizer_vocab", "seq_len_sp", "phase_seq_len_sp"])
+], ids=["n_head", "ffn", "seq_len_sp", "phase_seq_len_sp"])
 def test_what_tensor_parallel_splits_is_checked_before_any_work(args, needle, paths, capsys, monkeypatch):
-    """tp must divide the heads, the MLP width, the vocabulary and, under sequence parallel, every
+    """tp must divide the heads, the MLP width and, under sequence parallel, every
     sequence length (each phase's too: an indivisible one aborted gloo at the first evaluation). Each
     is one line from --check, as from the run, before the tokenizer is trained or the run directory made."""
     monkeypatch.chdir(paths)

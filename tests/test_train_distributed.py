@@ -100,6 +100,33 @@ def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     assert first_val[0] == pytest.approx(first_val[1], rel=1e-6)
 
 
+def test_a_vocabulary_tensor_parallel_does_not_divide_is_split_unevenly(single, tmp_path):
+    """GPT-2's 50257 ids over tp = 2 was refused ("set model.vocab_size = 50258"), and an init_from
+    model cannot change its vocabulary: a published GPT-2 could not run under tensor parallel. The
+    embedding and the output layer are now split unevenly (DTensor: 258 and 257 rows of 515 here).
+    Under SP and the vocabulary-parallel loss, stopped after 3 steps and continued from its
+    distributed checkpoint, every loss, clipped norm and evaluation (accuracy too: each rank's best
+    token is offset by where its slice starts) is one process's, and the checkpoint exports."""
+    from largebatch.cli import main as cli_main
+
+    cache, _ = single
+    odd = {"model.vocab_size": 515, "schedule.batch_policy": "constant", "run.total_tokens": 4096}
+    ref = tmp_path / "one"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **odd)), ref, log=lambda *_: None).fit()
+    out = tmp_path / "tp"
+    tp = {**odd, "parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.loss_parallel": True}
+    _torchrun(_overrides(cache, out, **tp, **{"run.max_steps": 3}))
+    _torchrun(_overrides(cache, out, **tp))
+    ours, theirs = _losses(out), _losses(ref)
+    assert len(ours) == len(theirs) > 3 and ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)
+    assert _grad_norms(out) == pytest.approx(_grad_norms(ref), rel=1e-5)
+    vals = [[(r["val_loss"], r["val_accuracy"]) for r in read_metrics(run) if r["kind"] == "val"]
+            for run in (out, ref)]
+    assert [v for v, _ in vals[0]] == pytest.approx([v for v, _ in vals[1]], rel=1e-5)
+    assert [a for _, a in vals[0]] == pytest.approx([a for _, a in vals[1]], abs=2.5e-3)  # 1 in ~500
+    assert cli_main(["export", str(out), str(tmp_path / "hf"), "--format", "hf"]) == 0  # checks its logits
+
+
 def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     """...from the newest intact checkpoint: a shard of the newest one overwritten with garbage is
     passed over, with a warning, for the one before (DCP's read error is a BaseException)."""

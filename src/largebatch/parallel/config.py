@@ -50,8 +50,9 @@ class ParallelConfig:
     numbers), e.g. [3] for 2 stages of 3 and L - 3 layers; omitted: L / (p x V) layers each."""
     tp: int = 1
     """Tensor-parallel degree t: ranks that split every linear layer (q/k/v and fc1 by output
-    columns, attn.proj and fc2 by input rows) and the vocabulary. Must divide n_head, the MLP
-    width and the vocabulary size. Keep it within one node (it communicates every layer)."""
+    columns, attn.proj and fc2 by input rows) and the vocabulary. Must divide n_head and the MLP
+    width; a vocabulary it does not divide (GPT-2's 50257) is split unevenly. Keep it within one
+    node (it communicates every layer)."""
     sequence_parallel: bool = False
     """With tp > 1: also split the LayerNorm, dropout and residual regions along the sequence across
     the t ranks (Korthikanti et al. 2022 §4.2.2), cutting their activation memory by t at the same
@@ -141,15 +142,12 @@ class ParallelConfig:
 def check_tp_divides(tp: int, field: str, value: int) -> None:
     """ValueError naming ``field`` when tensor-parallel size ``tp`` does not divide its ``value``,
     with the fix that fits the field: attention heads and the MLP width are split over the tp ranks
-    (Megatron's layout), the vocabulary too (the embedding and the output layer), and under
-    sequence parallel every sequence length (``model.seq_len``, each ``phases[i].seq_len``)."""
+    (Megatron's layout), and under sequence parallel every sequence length (``model.seq_len``, each
+    ``phases[i].seq_len``). (The vocabulary need not divide: DTensor splits it unevenly.)"""
     if value % tp == 0:
         return
     padded = -(-value // tp) * tp
-    if "vocab_size" in field:
-        fix = (f"set model.vocab_size = {padded} (a multiple of {tp}: the embedding is padded with rows "
-               f"no token uses), or choose another parallel.tp")
-    elif "seq_len" in field:
+    if "seq_len" in field:
         fix = (f"sequence parallel splits every sequence over the {tp} tensor-parallel ranks: use a length "
                f"that {tp} divides (e.g. {padded}), or set parallel.sequence_parallel = false")
     else:

@@ -277,8 +277,8 @@ class _View:
 def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len: int | None = None) -> None:
     """ValueError naming the model field that tensor parallel size ``tp`` does not divide."""
     cfg = model.config
-    sizes = {"model.n_head": cfg.n_head, "model.ffn_hidden (the MLP width)": cfg.ffn,
-             "model.vocab_size": cfg.vocab_size}
+    sizes = {"model.n_head": cfg.n_head, "model.ffn_hidden (the MLP width)": cfg.ffn}  # (any vocabulary:
+    # DTensor shards it unevenly, the first ranks one row more, as GPT-2's 50257 over 2)
     if sequence_parallel:
         sizes["model.seq_len"] = seq_len or cfg.seq_len
     for name, value in sizes.items():
@@ -396,11 +396,14 @@ def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
     best of those. Ties go to the lowest token id, as ``torch.argmax`` gives them on whole logits.
     Returns a plain tensor of token ids, the same on every tp rank."""
     import torch.distributed as dist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = logits.to_local()
     mesh = logits.device_mesh
     value, index = local.max(-1)  # the first maximum on this rank's slice
-    index = index + mesh.get_local_rank() * local.shape[-1]  # tp divides the vocabulary: equal slices
+    # where this rank's slice starts (a vocabulary tp does not divide is split unevenly)
+    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    index = index + offset[-1]
     group, tp = mesh.get_group(), mesh.size()
     values, indices = [torch.empty_like(value) for _ in range(tp)], [torch.empty_like(index) for _ in range(tp)]
     dist.all_gather(values, value.contiguous(), group=group)

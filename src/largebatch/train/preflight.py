@@ -252,17 +252,13 @@ def check_bin_dtype(cfg: TrainConfig, vocab_size: int | None) -> None:
 def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
     """The model's vocabulary (see loop.model_vocab) for the tokenizer's size (``vocab_size``; the
     trained tokenizer's ``data.vocab_size`` without a file); ConfigError when model.vocab_size
-    cannot hold every id, or when parallel.tp does not divide it (the embedding and the output layer
-    are split over the vocabulary). (A token array's largest id is checked when the data is read.)"""
-    from largebatch.parallel.config import check_tp_divides
+    cannot hold every id. (A token array's largest id is checked when the data is read. Tensor
+    parallel takes any vocabulary: the embedding and the output layer are split unevenly over the
+    ranks where tp does not divide it.)"""
     from largebatch.train.loop import model_vocab
 
     try:
-        vocab = model_vocab(cfg, vocab_size or cfg.data.vocab_size)
-        if cfg.parallel.tp > 1:
-            check_tp_divides(cfg.parallel.tp, "model.vocab_size" if vocab == cfg.model.vocab_size
-                             else "model.vocab_size (the tokenizer's size)", vocab)
-        return vocab
+        return model_vocab(cfg, vocab_size or cfg.data.vocab_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
