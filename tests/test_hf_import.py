@@ -458,6 +458,9 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
              ((f"--model.init_from=hf:{llama}",), ["model_type='llama'", "grouped-query", "gpt2"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", "--model.n_layer=3"),
               ["model.n_layer=3", "has 2", "remove model.n_layer"]),
+             (("bert-lans-demo", f"--model.init_from=hf:{dirs['bert']}"),
+              [f"longer than model.seq_len = {T}", f"model.init_from='hf:{dirs['bert']}' sets it: shorten the "
+               f"phase to at most {T}"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", f"--model.seq_len={T // 2}"),
               [f"model.seq_len={T // 2}", f"has {T}", "declare [[phases]] with a smaller seq_len"]),
              ((f"--model.init_from=hf:{no_weights}", "--check"), ["no model.safetensors or pytorch_model.bin"]),

@@ -303,7 +303,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
             check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
             check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
-                                    cfg.run.micro_batch):
+                                    cfg.run.micro_batch, init_from=cfg.model.init_from):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
             if phase.seq_len < BERTDataset.MIN_SEQ_LEN and model_spec(cfg.model.kind).objective == "masked":
                 field = f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len"

@@ -79,8 +79,9 @@ class Phase:
 
 
 def resolve_phases(phases: list[PhaseConfig], schedule: ScheduleConfig, model_seq_len: int,
-                   run_tokens: int, micro_batch: int) -> list[Phase]:
-    """The run's phases, validated; one phase of the whole run when none are declared."""
+                   run_tokens: int, micro_batch: int, init_from: str | None = None) -> list[Phase]:
+    """The run's phases, validated; one phase of the whole run when none are declared.
+    ``init_from``: the directory that sets model.seq_len, if any (then it cannot be raised)."""
     if not phases:
         return [Phase(0, model_seq_len, run_tokens, micro_batch, schedule, "carry")]
     out = []
@@ -88,8 +89,10 @@ def resolve_phases(phases: list[PhaseConfig], schedule: ScheduleConfig, model_se
     for i, p in enumerate(phases):
         where = f"phases[{i}]"
         if p.seq_len > model_seq_len:
+            fix = (f"model.init_from={init_from!r} sets it: shorten the phase to at most {model_seq_len}"
+                   if init_from else f"raise model.seq_len to {p.seq_len} or shorten the phase")
             raise ConfigError(f"{where}.seq_len = {p.seq_len}: longer than model.seq_len = {model_seq_len} "
-                              f"(the position table); raise model.seq_len to {p.seq_len} or shorten the phase")
+                              f"(the position table); {fix}")
         merged = {**base, **p.schedule}
         phase_schedule = from_dict(ScheduleConfig, merged, prefix=f"{where}.schedule")
         if i == 0 and p.optimizer_state == "reset":
