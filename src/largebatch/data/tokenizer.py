@@ -141,25 +141,23 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
 def masked_lm_tokens(tokenizer: Tokenizer) -> dict[str, tuple[str, int]]:
     """Masked-LM role ("cls", "sep", "mask", "pad") -> (token, id), for each role ``tokenizer`` has a
     name for: the first of ``MASKED_LM_NAMES[role]`` in it ([CLS] before <s>, and so on)."""
-    found = {}
-    for role, names in MASKED_LM_NAMES.items():
-        for token in names:
-            token_id = tokenizer.token_to_id(token)
-            if token_id is not None:
-                found[role] = (token, token_id)
-                break
-    return found
+    return _roles(tokenizer.token_to_id)
 
 
 def masked_lm_ids(special_ids: dict[str, int]) -> dict[str, int]:
     """Masked-LM role -> id among ``special_ids`` (special_token_ids' answer), by the same preference
     as masked_lm_tokens; a role with no name there is left out."""
-    roles = {}
+    return {role: token_id for role, (_, token_id) in _roles(special_ids.get).items()}
+
+
+def _roles(id_of) -> dict[str, tuple[str, int]]:
+    """Role -> (its first name that ``id_of`` finds, that id)."""
+    found = {}
     for role, names in MASKED_LM_NAMES.items():
-        token = next((t for t in names if t in special_ids), None)
-        if token is not None:
-            roles[role] = special_ids[token]
-    return roles
+        named = next(((token, i) for token in names if (i := id_of(token)) is not None), None)
+        if named is not None:
+            found[role] = named
+    return found
 
 
 def masked_lm_missing(roles) -> str:

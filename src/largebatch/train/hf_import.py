@@ -487,7 +487,8 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     _check_kind(cfg)
     path = hf_dir(cfg.init_from)
     raw = _raw_config(path)
-    model_fields(path)  # (a model type init_from does not map is refused, naming it)
+    if raw.get("model_type") not in HF_LAYOUTS:
+        model_fields(path)  # refuses the model type, naming it
     kind_prefix, read, architecture = HF_LAYOUTS[raw["model_type"]]
     state, file = read_weights(path)
     take = _Taker(_strip(state, kind_prefix))
