@@ -154,7 +154,7 @@ def test_schedules_do_not_import_transformers():
 
 
 ACCELERATE_SCRIPT = '''
-import json, sys
+import json, os, sys
 import torch
 from accelerate import Accelerator
 from largebatch.optim import LAMB
@@ -195,6 +195,12 @@ out["expected"] = [schedule(k * tokens_per_step) for k in range(6)]
 out["tokens_per_step"] = tokens_per_step
 if accelerator.is_main_process:
     print("RESULT " + json.dumps(out), flush=True)
+# exit without the interpreter's teardown, where gloo's threads can abort a finished rank
+# (largebatch.parallel.mesh.end_process does this for the trainer's ranks)
+accelerator.wait_for_everyone()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
