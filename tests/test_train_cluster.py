@@ -299,6 +299,36 @@ def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(reference_run, 
     assert "experiment directory" in lock.warning and "choose an --out on a filesystem with locks" in lock.warning
 
 
+def test_a_closed_pipe_checkpoints_and_the_run_continues_exactly(reference_run, tmp_path, capsys):
+    """``largebatch train ... | head``: each log line reaches the pipe when it is written (flushed,
+    not 8 KiB later), and when the reader exits the run stops as on a signal -- a checkpoint, the
+    resume command on standard error, exit 141 (a process ended by SIGPIPE) -- where it used to end
+    with "could not write RUN_DIR: Broken pipe ... Free space" and no checkpoint."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "piped"
+    o = tiny_overrides(cache, out)
+    proc = _start(o)
+    for line in proc.stdout:  # the first step's line arrives while the run goes on
+        if line.startswith("step "):
+            break
+    proc.send_signal(signal.SIGSTOP)  # held while the reader goes away (as `head` exits)
+    try:
+        assert proc.poll() is None, "the run ended before its first log line was read"
+        proc.stdout.close()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, stderr[-2000:]
+    assert "standard output was closed by its reader" in stderr and "Traceback" not in stderr, stderr
+    steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
+    ckpts = list_checkpoints(out)
+    assert [_step(c) for c in ckpts] == [steps[-1]] and steps[-1] < len(_train_losses(ref_dir))
+    assert f"(SIGPIPE) at step {steps[-1]}" in stderr and "Continue with: " in stderr, stderr[-1000:]
+    assert main(_args(o)) == 0  # the same command line continues it
+    assert f"resumed from {ckpts[0]}" in capsys.readouterr().out
+    assert _train_losses(out) == _train_losses(ref_dir)  # every step, to the last bit
+
+
 def test_second_signal_exits_at_once(reference_run, tmp_path):
     out = tmp_path / "twice"
     proc = _start(tiny_overrides(reference_run[0], out))

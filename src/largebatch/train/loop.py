@@ -70,7 +70,7 @@ from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
-from largebatch.train.progress import Progress, human_count
+from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir
 from largebatch.train.skip import DeviceSkip
@@ -117,8 +117,10 @@ def latest_any_checkpoint(run_dir: Path) -> Path | None:
 
 
 class Trainer(PhaseSwitch, Evaluation, Reporting):
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=print):
-        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=None):
+        # log: a callable taking one line; by default ConsoleLog (stdout, flushed; a closed pipe stops
+        # the run as a signal does, after a checkpoint)
+        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), ConsoleLog() if log in (None, print) else log
         run = cfg.run
         # -- 1. setup -------------------------------------------------------------------------
         self.par = init_distributed(cfg.parallel)  # a no-op in one process
@@ -478,6 +480,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             return self._fit()
         finally:
             self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
+            if isinstance(self.log, ConsoleLog):
+                self.log.on_lost = None
             self._close()
 
     def _fit(self) -> dict[str, Any]:
@@ -490,6 +494,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
             self.stop_request = stop  # (evaluations poll it)
+            if isinstance(self.log, ConsoleLog):  # standard output closed by its reader: stop
+                self.log.on_lost = lambda: stop.request(signal.SIGPIPE)
+                if self.log.lost:  # (already, during setup)
+                    self.log.on_lost()
             while True:
                 # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
                 # A stop signal checkpoints first: a cluster's grace period (30 s by default) is no

@@ -1,11 +1,53 @@
-"""What the trainer prints: a progress bar in tokens, one log line per record, human-readable
-counts and sizes."""
+"""What the trainer prints: its log lines (``ConsoleLog``), a progress bar in tokens, one log line
+per record, human-readable counts and sizes."""
 
 from __future__ import annotations
 
 import math
+import os
 import sys
-from typing import Any
+from typing import Any, Callable
+
+
+class ConsoleLog:
+    """The trainer's default log: each line to standard output, flushed at once, so a pipe
+    (``| tee train.log``) or a job's output file (Slurm's ``slurm-JOBID.out``) shows it when it is
+    written, not 8 KiB later, and a killed job loses no line.
+
+    When the reader of a pipe exits (``largebatch train CONFIG | head``), the next line meets a
+    closed pipe (``BrokenPipeError``). A run is not lost to that: ``on_lost`` is called (the trainer
+    asks to stop as on a signal: the step in progress finishes, a checkpoint is written, the process
+    exits with 141, as a process that SIGPIPE ends), standard output is pointed at the null device
+    (a later flush, the interpreter's at exit included, cannot raise again), and the lines left go
+    to standard error, where the checkpoint and the resume command are still seen."""
+
+    def __init__(self) -> None:
+        self.lost = False
+        self.on_lost: Callable[[], None] | None = None
+
+    def __call__(self, *parts: Any) -> None:
+        if not self.lost:
+            try:
+                print(*parts, flush=True)
+                return
+            except BrokenPipeError:
+                self.lost = True
+                try:
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                except (OSError, ValueError):  # (a stdout that is no file: nothing to point elsewhere)
+                    pass
+                self._stderr("[largebatch] standard output was closed by its reader: finishing this "
+                             "step, then checkpointing; the rest of the log goes to standard error")
+                if self.on_lost is not None:
+                    self.on_lost()
+        self._stderr(*parts)
+
+    @staticmethod
+    def _stderr(*parts: Any) -> None:
+        try:
+            print(*parts, file=sys.stderr, flush=True)
+        except OSError:  # standard error closed too (``2>&1 | head``): nothing is left to tell
+            pass
 
 
 def human_bytes(n: float) -> str:

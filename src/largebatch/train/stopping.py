@@ -121,6 +121,13 @@ class StopRequest:
                   f"previous checkpoint is intact", file=sys.stderr, flush=True)
             os._exit(exit_code(signum))
 
+    def request(self, signum: int) -> None:
+        """Stop as if ``signum`` had arrived (the step in progress finishes, then a checkpoint), for
+        a cause that is no signal: standard output closed by its reader (``train.progress.ConsoleLog``,
+        SIGPIPE). Unlike a signal, a repeat never exits at once."""
+        if self.signum is None:
+            self.signum, self._first_at = signum, time.monotonic()
+
     def poll(self) -> tuple[int | None, bool]:
         """(the signal to stop on or None, whether a time-based checkpoint is due): the same on every
         rank. Call once per step, on every rank (under torchrun it is one small all-reduce of a CPU
