@@ -303,6 +303,38 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
     assert took < 60.0, f"the experiment ended {took:.0f} s after the signal"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_closed_pipe_stops_the_experiment_in_one_line(tmp_path):
+    """``largebatch experiment ... | head``: when the reader has gone, the next line (an arm that
+    finished) stops the experiment as a signal does -- no arm started after it, the running one
+    checkpoints, exit 141, one line -- where it used to end in "could not write a file: Broken pipe
+    ... Free space". Its lines are flushed as printed: the first one is read while arms train."""
+    out = tmp_path / "piped"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    with open(f"{out}.err", "w") as err:
+        experiment = subprocess.Popen(
+            [sys.executable, "-m", "largebatch", "experiment", "noise-scale", "--smoke", "--seeds", "1",
+             "--jobs", "2", "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    workers = []
+    try:
+        assert "val loss" in experiment.stdout.readline()  # the first arm's line, as it finished
+        workers = _workers(experiment.pid, 2)
+        experiment.stdout.close()  # the reader exits (`| head -1`) while the other two arms train
+    finally:
+        stderr = _stop_and_read(experiment, out)
+        left = _gone(workers, 5.0)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert experiment.returncode == 128 + signal.SIGPIPE, stderr[-3000:]
+    assert "Traceback" not in stderr and "standard output was closed by its reader" in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ("largebatch experiment: error: standard output was closed by "
+                                               "its reader: noise-scale stopped. Run the same command with "
+                                               "--resume to keep the finished arms"), stderr[-3000:]
+    assert not left, "workers outlived the experiment"
+    finished = [arm for arm in (out / "runs").iterdir() if (arm / "summary.json").is_file()]
+    assert len(finished) < 3, "the experiment ran to its end"  # the last arm stopped early
+
+
 def test_a_signal_while_a_worker_starts_is_raised_once_the_start_is_over():
     """The runner's handler holds a signal that arrives while a worker process is being started and
     raises it after, once (the first signal's number when two came); an error in the start itself

@@ -120,6 +120,25 @@ def _report_dir(name: str, size: str, out_dir: str | Path | None) -> Path:
 _ARM_RECORD = "arm.json"  # runner._ARM_RECORD (not imported: the runner imports torch)
 
 
+class _OutputClosed(KeyboardInterrupt):
+    """Standard output's reader exited (``largebatch experiment ... | head``): stop as on a signal.
+    (A KeyboardInterrupt, as runner.ArmsInterrupted: no ``except Exception`` on the way swallows it.)"""
+
+
+def _console_log():
+    """The experiment's log: train.progress.ConsoleLog (flushed lines), raising _OutputClosed when its
+    pipe's reader has gone: no arm is started after it, the running ones checkpoint and stop."""
+    from largebatch.train.progress import ConsoleLog
+
+    log = ConsoleLog("no arm is started after this line, and the running ones checkpoint and stop")
+
+    def closed():
+        raise _OutputClosed()
+
+    log.on_lost = closed
+    return log
+
+
 class ExperimentDirError(ValueError):
     """The report directory holds something else than this experiment at this size."""
 
@@ -259,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     from largebatch.train.rundir import RunDirLocked
     from largebatch.typed_config import ConfigError
 
+    log = _console_log()
     for name, out in outs.items():
         try:
-            run_experiment(name, size_name, out, jobs=args.jobs, resume=args.resume, seeds=args.seeds,
-                           granularity=args.granularity)
+            run_experiment(name, size_name, out, log=log, jobs=args.jobs, resume=args.resume,
+                           seeds=args.seeds, granularity=args.granularity)
         except (ConfigError, RunDirLocked, ExperimentDirError) as exc:  # an arm's config that the trainer
             # would refuse, a directory another experiment holds: before an arm trains
             print(f"largebatch experiment: error: {name}: {exc}", file=sys.stderr)
@@ -273,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, CheckpointError) as exc:  # a full disk, a quota, a file-size limit
             print(f"largebatch experiment: error: {name}: {_write_failure(exc, out)}", file=sys.stderr)
             return 1
+        except _OutputClosed:
+            print(f"largebatch experiment: error: standard output was closed by its reader: {name} "
+                  f"stopped. Run the same command with --resume to keep the finished arms", file=sys.stderr)
+            return 128 + signal.SIGPIPE
         except ArmsInterrupted as exc:
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
                   f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "

@@ -381,8 +381,10 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
                 raise ArmsInterrupted(exc.signum, [arm.name], [a.name for a, _, _ in todo[k + 1:]]) from None
             results[arm.name] = _result(arm, run_dir, *outcome, log)
     else:
-        for arm, run_dir, outcome in _train_in_processes(todo, execution.jobs):
-            results[arm.name] = _result(arm, run_dir, *outcome, log)
+        # closed at once when ``log`` raises (its reader gone: the running arms are stopped and checkpoint)
+        with contextlib.closing(_train_in_processes(todo, execution.jobs)) as finished:
+            for arm, run_dir, outcome in finished:
+                results[arm.name] = _result(arm, run_dir, *outcome, log)
     return [results[arm.name] for arm in arms]
 
 

@@ -10,37 +10,40 @@ from typing import Any, Callable
 
 
 class ConsoleLog:
-    """The trainer's default log: each line to standard output, flushed at once, so a pipe
-    (``| tee train.log``) or a job's output file (Slurm's ``slurm-JOBID.out``) shows it when it is
-    written, not 8 KiB later, and a killed job loses no line.
+    """The trainer's default log (and an experiment's): each line to standard output, flushed at
+    once, so a pipe (``| tee train.log``) or a job's output file (Slurm's ``slurm-JOBID.out``) shows
+    it when it is written, not 8 KiB later, and a killed job loses no line.
 
     When the reader of a pipe exits (``largebatch train CONFIG | head``), the next line meets a
-    closed pipe (``BrokenPipeError``). A run is not lost to that: ``on_lost`` is called (the trainer
-    asks to stop as on a signal: the step in progress finishes, a checkpoint is written, the process
-    exits with 141, as a process that SIGPIPE ends), standard output is pointed at the null device
-    (a later flush, the interpreter's at exit included, cannot raise again), and the lines left go
-    to standard error, where the checkpoint and the resume command are still seen."""
+    closed pipe (``BrokenPipeError``). A run is not lost to that: standard output is pointed at the
+    null device (a later flush, the interpreter's at exit included, cannot raise again), ``notice``
+    and the line go to standard error, as do the lines after it, and ``on_lost`` is called (the
+    trainer asks to stop as on a signal: the step in progress finishes, a checkpoint is written, the
+    process exits with 141, as a process that SIGPIPE ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: str = "finishing this step, then checkpointing") -> None:
+        self.notice = notice
         self.lost = False
         self.on_lost: Callable[[], None] | None = None
 
     def __call__(self, *parts: Any) -> None:
-        if not self.lost:
-            try:
-                print(*parts, flush=True)
-                return
-            except BrokenPipeError:
-                self.lost = True
-                try:
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                except (OSError, ValueError):  # (a stdout that is no file: nothing to point elsewhere)
-                    pass
-                self._stderr("[largebatch] standard output was closed by its reader: finishing this "
-                             "step, then checkpointing; the rest of the log goes to standard error")
-                if self.on_lost is not None:
-                    self.on_lost()
+        if self.lost:
+            self._stderr(*parts)
+            return
+        try:
+            print(*parts, flush=True)
+            return
+        except BrokenPipeError:
+            self.lost = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # (a stdout that is no file: nothing to point elsewhere)
+            pass
+        self._stderr(f"[largebatch] standard output was closed by its reader: {self.notice}; the rest "
+                     f"of the log goes to standard error")
         self._stderr(*parts)
+        if self.on_lost is not None:
+            self.on_lost()
 
     @staticmethod
     def _stderr(*parts: Any) -> None:
