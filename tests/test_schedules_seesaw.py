@@ -229,15 +229,30 @@ def test_adaptive_cap_is_deterministic_and_resumes_exactly():
     # at each milestone the batch is the ideal 8 * 2^k held at 2 * B_simple(milestone) rounded down
     resumed_batches = resumed.batches
     for k, t in enumerate(resumed.milestones, start=1):
-        cap = 2.0 * b_simple(max(s for s, _, _ in full if s <= t))
+        cap = 2.0 * b_simple(max(s for s, _, _ in full if s < t))
         assert resumed_batches[k] == max(resumed_batches[k - 1], min(8 * 2**k, math.floor(cap)))
     assert resumed_batches[-1] < 8 * 2 ** len(resumed.milestones)  # the cap did bind
-    # an observation only changes milestones at or after its token count
+    # an observation only changes milestones after its token count
     before = [(resumed.lr(t), resumed.batch_size(t)) for t in range(0, 2 * 10**6, 9973)]
     resumed.observe_noise_scale(2 * 10**6, 1.0)
     assert [(resumed.lr(t), resumed.batch_size(t)) for t in range(0, 2 * 10**6, 9973)] == before
     with pytest.raises(ValueError, match="tokens=5"):
         resumed.observe_noise_scale(5, 1.0)
+
+
+def test_an_observation_at_a_milestone_leaves_the_batch_its_step_used():
+    """The trainer observes B_simple at the token its step started from. When that step started on a
+    milestone it ran with the milestone's batch, which must not change under it (the batch shrank
+    from 32 to 16 there, and the realised schedule no longer said what had run); the observation
+    caps the milestones after it."""
+    schedule = Seesaw(Cosine(PEAK, 1000, 100, 0.1), 8, ratio=0.5, noise_scale_multiple=1.0)
+    assert schedule.milestones == [582, 760, 905]  # bisected from the cosine, as find_milestones does
+    schedule.observe_noise_scale(0, 1000.0)  # no cap binds
+    assert [schedule.batch_size(t) for t in (582, 760, 905)] == [16, 32, 64]
+    schedule.observe_noise_scale(760, 20.0)  # made by the step that started at 760 with batch 32
+    assert schedule.batch_size(760) == 32 and schedule.batch_size(800) == 32
+    assert schedule.batch_size(905) == 32  # held at the cap, rounded down to a whole batch
+    assert schedule.lr(905) == pytest.approx(PEAK * 0.5**3 * (32 / 8) ** 0.5)  # the LR takes the whole r
 
 
 def test_load_state_rejects_a_different_seesaw():

@@ -32,8 +32,8 @@ jumps 16 -> 32; the effective LR, lr * sqrt(B_0 / B), still falls by exactly r p
 ``phases()`` reports the realised schedule; keep the micro-batch small next to the batch.
 
 Adaptive Seesaw: ``observe_noise_scale(tokens, b_simple)`` records ``noise_scale_multiple *
-b_simple`` (McCandlish et al. 2018, see ``noise_scale.py``) as the cap for every milestone at or
-after ``tokens``; earlier milestones keep the cap they were realised with, so the schedule stays a
+b_simple`` (McCandlish et al. 2018, see ``noise_scale.py``) as the cap for every milestone after
+``tokens``; earlier milestones keep the cap they were realised with, so the schedule stays a
 pure function of (tokens, recorded observations) and resumes exactly from ``state_dict()``.
 """
 
@@ -143,7 +143,9 @@ class MilestoneSchedule(JointSchedule):
 
     # -- the realised schedule -------------------------------------------------------------
     def _cap_at(self, tokens: int) -> float | None:
-        i = bisect.bisect_right([t for t, _ in self.noise_cap_log], tokens)
+        """The cap of the newest observation made before ``tokens`` (one made at a milestone's own
+        token came from the step that already ran with that milestone's batch)."""
+        i = bisect.bisect_left([t for t, _ in self.noise_cap_log], tokens)
         return self.noise_cap_log[i - 1][1] if i else None
 
     def ideal_batch(self, k: int) -> float:
@@ -191,8 +193,10 @@ class MilestoneSchedule(JointSchedule):
         return self.noise_scale_multiple is not None
 
     def observe_noise_scale(self, tokens: int, b_simple: float | None) -> None:
-        """Cap the batch at ``noise_scale_multiple * b_simple`` (sequences) for every milestone at
-        or after ``tokens``. ``b_simple=None`` (no estimate yet) is ignored."""
+        """Cap the batch at ``noise_scale_multiple * b_simple`` (sequences) for every milestone
+        after ``tokens``: a step that started at ``tokens`` ran with the batch there, milestone
+        included, and a batch never changes under a step that used it. ``b_simple=None`` (no
+        estimate yet) is ignored."""
         if self.noise_scale_multiple is None:
             raise ValueError("observe_noise_scale needs a schedule built with "
                              "noise_scale_multiple (e.g. 1.0 caps the batch at B_simple)")
@@ -206,7 +210,7 @@ class MilestoneSchedule(JointSchedule):
             raise ValueError(f"tokens={tokens} is before the last observation at {log[-1][0]}; "
                              "observations must follow the token clock")
         # an entry that no milestone has read yet is superseded: the log stays <= k_max + 1 long
-        if log and not any(log[-1][0] <= m < tokens for m in self.milestones):
+        if log and not any(log[-1][0] < m <= tokens for m in self.milestones):
             log[-1] = (int(tokens), cap)
         else:
             log.append((int(tokens), cap))
