@@ -218,9 +218,9 @@ def test_loaded_state_is_a_copy_and_needs_no_optimizer_state():
     state = scheduler.state_dict()
     snapshot = (list(state["_others"]), list(state["_written"]), list(state["base_lrs"]))
     other_optimizer, other = fresh()  # its optimizer starts at the warmup's LR of 0
-    other.load_state_dict(state)
-    lrs = run(other, other_optimizer, 5)[1:] + [[g["lr"] for g in other_optimizer.param_groups]]
-    for k, (lr, lr_tenth) in enumerate(lrs, start=31):
+    other.load_state_dict(state)  # the first step after it runs at the clock's LR, not the warmup's 0
+    lrs = run(other, other_optimizer, 5) + [[g["lr"] for g in other_optimizer.param_groups]]
+    for k, (lr, lr_tenth) in enumerate(lrs, start=30):
         assert lr == pytest.approx(cosine_ref(k * TOKENS_PER_STEP), rel=1e-12), k
         assert lr_tenth == pytest.approx(0.1 * cosine_ref(k * TOKENS_PER_STEP), rel=1e-12), k
     # The original goes on undisturbed, and the snapshot it gave does not change with either.
@@ -230,9 +230,10 @@ def test_loaded_state_is_a_copy_and_needs_no_optimizer_state():
     assert other._others is not scheduler._others and other._written is not scheduler._written
 
 
-def test_chained_resume_keeps_the_other_schedulers_factor():
-    """Optimizer and both schedulers of a chain saved mid-run and loaded into fresh ones: the LR
-    goes on as cosine x gamma^k, as if never stopped."""
+@pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer-first", "schedulers-first"])
+def test_chained_resume_keeps_the_other_schedulers_factor(optimizer_first):
+    """Optimizer and both schedulers of a chain saved mid-run and loaded into fresh ones, in either
+    order: the LR goes on as cosine x gamma^k, as if never stopped."""
     gamma = 0.97
 
     def fresh():
@@ -245,9 +246,12 @@ def test_chained_resume_keeps_the_other_schedulers_factor():
     run(torch.optim.lr_scheduler.ChainedScheduler([token_lr, exponential]), optimizer, 50)
     saved = (optimizer.state_dict(), token_lr.state_dict(), exponential.state_dict())
     optimizer, token_lr, exponential = fresh()
-    optimizer.load_state_dict(saved[0])
+    if optimizer_first:
+        optimizer.load_state_dict(saved[0])
     token_lr.load_state_dict(saved[1])
     exponential.load_state_dict(saved[2])
+    if not optimizer_first:
+        optimizer.load_state_dict(saved[0])
     chained = torch.optim.lr_scheduler.ChainedScheduler([token_lr, exponential])
     for k, (lr, lr_tenth) in enumerate(run(chained, optimizer, 20), start=50):
         expected = cosine_ref(k * TOKENS_PER_STEP) * gamma**k
@@ -264,3 +268,44 @@ def test_a_group_set_to_zero_by_hand_returns_to_the_schedule():
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine_ref(41 * TOKENS_PER_STEP),
                                                             rel=1e-12)
+
+
+def test_a_resume_with_another_step_size_counts_the_new_one():
+    """A run resumed with twice the batch: the clock counts the resumed scheduler's tokens_per_step,
+    not the checkpoint's (the schedule was stretched: cosine at 200k tokens where 300k were seen)."""
+    optimizer = two_groups()
+    scheduler = TokenLR(optimizer, Cosine(PEAK, TOTAL, WARMUP, FRACTION), TOKENS_PER_STEP)
+    run(scheduler, optimizer, 100)
+    saved = (optimizer.state_dict(), scheduler.state_dict())
+    optimizer = two_groups()
+    scheduler = TokenLR(optimizer, Cosine(PEAK, TOTAL, WARMUP, FRACTION), 2 * TOKENS_PER_STEP)
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert scheduler.tokens_per_step == 2 * TOKENS_PER_STEP
+    for k, (lr, _) in enumerate(run(scheduler, optimizer, 50)):
+        assert lr == pytest.approx(cosine_ref((100 + 2 * k) * TOKENS_PER_STEP), rel=1e-12), k
+
+
+def test_last_epoch_starts_the_clock_as_torch_counts_steps():
+    """torch's resume without a state dict (``last_epoch=k``, groups holding ``initial_lr``): k + 1
+    steps were taken, as LambdaLR counts them -- the clock ignored it and started at 0."""
+    def resumed():
+        optimizer = two_groups()
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+        return optimizer
+
+    schedule = Cosine(PEAK, TOTAL, WARMUP, FRACTION)
+    lambda_lr = resumed()
+    torch.optim.lr_scheduler.LambdaLR(lambda_lr, lambda step: cosine_ref(step * TOKENS_PER_STEP) / PEAK,
+                                      last_epoch=49)
+    optimizer = resumed()
+    scheduler = TokenLR(optimizer, schedule, TOKENS_PER_STEP, last_epoch=49)
+    assert scheduler.tokens_seen == 50 * TOKENS_PER_STEP and scheduler.last_epoch == 50
+    for ours, theirs in zip(optimizer.param_groups, lambda_lr.param_groups):
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-12)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine_ref(50 * TOKENS_PER_STEP), rel=1e-12)
+    with pytest.raises(ValueError, match="last_epoch=49 with tokens_per_step=None"):
+        TokenLR(resumed(), schedule, None, last_epoch=49)
+    with pytest.raises(ValueError, match="last_epoch=-2 must be an integer >= -1"):
+        TokenLR(two_groups(), schedule, TOKENS_PER_STEP, last_epoch=-2)

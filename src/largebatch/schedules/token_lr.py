@@ -29,7 +29,11 @@ plan.tokens)`` with ``plan`` from ``schedule.steps(seq_len)`` (see ``batch.py``)
 ``state_dict()`` holds the clock and the schedule's own state (a copy: it does not change as
 training goes on); ``load_state_dict`` refuses a state from a different schedule, so a resumed run
 continues exactly. The LR of the first step after a load comes from the clock and the saved
-factors, whether or not the optimizer's own state was loaded too.
+factors, whether or not the optimizer's own state was loaded too: a load writes it into each
+group whose LR is still the one this scheduler set before the load. ``tokens_per_step`` is not
+restored: it is the resumed run's own step size (a run resumed with twice the batch counts twice
+the tokens per step). ``last_epoch=k`` (torch's way to resume without a state dict: k + 1 steps
+taken) starts the clock at ``(k + 1) * tokens_per_step`` unless ``tokens_seen`` is given.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import copy
 import numbers
 
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -58,6 +63,8 @@ class TokenLR(LRScheduler):
     tokens_per_step: tokens one optimizer step consumes (batch x seq_len x data-parallel ranks);
         None when every ``step(tokens=...)`` says it (a growing batch).
     tokens_seen: where the clock starts (0 for a fresh run).
+    last_epoch: torch's resume argument (the groups need ``initial_lr``): k steps taken before this
+        one, so the clock starts at ``(k + 1) * tokens_per_step`` when ``tokens_seen`` is 0.
     """
 
     def __init__(self, optimizer: Optimizer, schedule: LRSchedule | JointSchedule,
@@ -72,6 +79,14 @@ class TokenLR(LRScheduler):
         self.schedule = schedule
         self.tokens_per_step = _check_tokens_per_step(tokens_per_step, "tokens_per_step")
         self.tokens_seen = check_tokens(tokens_seen, "tokens_seen")
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Integral) or last_epoch < -1:
+            raise ValueError(f"last_epoch={last_epoch!r} must be an integer >= -1 (-1: a fresh run; k: "
+                             "k + 1 steps were taken, as torch's schedulers count)")
+        if last_epoch >= 0 and not self.tokens_seen:  # torch's resume idiom: the steps say where the clock is
+            if self.tokens_per_step is None:
+                raise ValueError(f"last_epoch={last_epoch} with tokens_per_step=None: the steps taken do "
+                                 "not say how many tokens they consumed; pass tokens_seen= instead")
+            self.tokens_seen = (int(last_epoch) + 1) * self.tokens_per_step
         n = len(optimizer.param_groups)
         self._others = [1.0] * n      # what other schedulers multiplied the LR by (chaining)
         self._written: list[float | None] = [None] * n  # the LR TokenLR last left in each group
@@ -135,7 +150,8 @@ class TokenLR(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state = copy.deepcopy({k: v for k, v in state_dict.items() if k != "_unloaded"})
+        # tokens_per_step stays this scheduler's: the resumed run's step size, which may differ
+        state = copy.deepcopy({k: v for k, v in state_dict.items() if k not in ("_unloaded", "tokens_per_step")})
         saved = state.pop("schedule")
         if isinstance(self.schedule, JointSchedule):
             self.schedule.load_state_dict(saved)  # checks the config, restores observations
@@ -144,4 +160,13 @@ class TokenLR(LRScheduler):
                              f"{self.schedule.state_dict()}; resume with the same schedule")
         fresh = list(self._written)  # what this scheduler wrote before the load
         self.__dict__.update(state)
+        # The first step after the load runs at the clock's LR: written into each group whose LR is
+        # still the one set before the load (the optimizer's state was not loaded, or not yet: a
+        # later load of it brings the same LR, or that LR times a factor get_lr then takes up).
+        for group, before, lr in zip(self.optimizer.param_groups, fresh, self._lrs()):
+            if before is not None and float(group["lr"]) == before:
+                if isinstance(group["lr"], Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
         self._unloaded = fresh
