@@ -112,6 +112,20 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
     ({"batch_policy": "table"}, {}, "schedule.batch_table = []: batch_policy 'table' needs"),
     ({"batch_policy": "table", "batch_table": [[0, 64, 2]]}, {}, "row [0, 64, 2] is not [token fraction, batch"),
     ({"noise_scale_multiple": 2.0}, {}, "schedule.noise_scale_multiple = 2.0: only applies"),
+    # a value the user never gave, or no field, was named; or nothing was checked at all
+    ({"noise_scale_ema": 1.0}, {}, "schedule.noise_scale_ema = 1.0: must lie in [0, 1)"),
+    ({"lr_schedule": "lans", "lans_power": 0.0}, {}, "schedule.lans_power = 0.0: must be > 0"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 128.7]]}, {},
+     "the batch size 128.7 (row [0.5, 128.7]) must be a positive whole number"),  # was truncated to 128
+    ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, math.inf]]}, {}, "the batch size inf"),
+    ({"batch_policy": "table", "batch_table": [[0.1, 64]]}, {}, "the first row starts at fraction 0.1"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 128], [0.4, 256]]}, {},
+     "the fractions [0, 0.5, 0.4] must increase"),
+    ({"batch_policy": "table", "batch_table": [[0, 64], [1e-9, 128]]}, {},
+     "schedule.batch_table = [[0, 64], [1e-09, 128]]: the row [1e-09, 128] starts at token 0"),
+    ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 16, "ramp_tokens": 1e-9}, {},
+     "schedule.ramp_tokens = 1e-09: is 0.01 tokens of the 10,000,000-token budget, less than one"),
+    ({"warmup": 0.999999999}, {}, "schedule.warmup = 0.999999999: is 10,000,000 of the 10,000,000-token"),
 ])
 def test_bad_config_names_the_field(overrides, build_args, fragment):
     with pytest.raises(ValueError) as err:
@@ -220,3 +234,72 @@ def test_the_schedule_command_starts_without_torch():
     env = src_env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_short_forms_are_read_by_train_as_by_schedule():
+    """`largebatch schedule --schedule.ratio 1/1.1` (as the docs write Seesaw's ratio) and the table's
+    0:64,0.5:128 were refused by `largebatch train` ("expected a number"): both read them now, from a
+    command line or as a TOML string, and a bad one names the field."""
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.typed_config import ConfigError, parse_overrides
+
+    overrides = parse_overrides(["--schedule.batch_policy=seesaw", "--schedule.ratio", "1/1.1"])
+    assert load_config(resolve_config(None), overrides).schedule.ratio == 1 / 1.1
+    table = ScheduleConfig.from_dict({"batch_policy": "table", "batch_table": "0:16,0.5:32"})
+    assert table.batch_table == [[0.0, 16], [0.5, 32]]
+    with pytest.raises(ConfigError, match=r"schedule.ratio = '1/0': '1/0' is not a number or a fraction"):
+        ScheduleConfig.from_dict({"ratio": "1/0"})
+    with pytest.raises(ConfigError, match=r"schedule.batch_table = '0:16,0.5:3.5': .* expected FRACTION:BATCH"):
+        ScheduleConfig.from_dict({"batch_table": "0:16,0.5:3.5"})
+
+
+def test_whole_token_counts_written_as_floats_stay_whole():
+    """Cosine(3e-4, 1e9, 1e8) (a budget as Python writes it) counted its optimizer steps as floats
+    (15259.0; ``range()`` of it raised); a fractional budget, a bool, or a table batch of 12.7 (which
+    became 12) are refused, naming the argument."""
+    from largebatch.schedules import ConstantBatch, Cosine, PiecewiseBatch, count_optimizer_steps
+
+    schedule = Cosine(3e-4, 1e9, 1e8, 0.1)
+    assert type(schedule.total_tokens) is int and type(schedule.warmup_tokens) is int
+    steps = count_optimizer_steps(ConstantBatch(schedule, 64), 1024)
+    assert type(steps) is int and steps == math.ceil(1e9 / (64 * 1024))
+    with pytest.raises(ValueError, match=r"total_tokens=1000.5 must be a whole number of tokens"):
+        Cosine(3e-4, 1000.5, 100)
+    with pytest.raises(TypeError, match="total_tokens=True is a bool"):
+        Cosine(3e-4, True)
+    with pytest.raises(ValueError, match="table batch at token 5000=12.7 must be a positive integer"):
+        PiecewiseBatch(Cosine(1e-3, 10_000, 1_000, 0.1), [(0, 8), (5000, 12.7)])
+    with pytest.raises(ValueError, match="table start 7000.9 must be a whole number of tokens"):
+        PiecewiseBatch(Cosine(1e-3, 10_000, 1_000, 0.1), [(0, 8), (7000.9, 16)])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--run.total_tokens", "1e6", "--model.seq_len", "128", "--run.micro_batch", "0"],
+     "argument --run.micro_batch/--micro-batch: 0 must be a positive whole number"),
+    (["--run.total_tokens", "1e6", "--model.seq_len", "0"], "argument --model.seq_len/--seq-len: 0 must be"),
+    (["--run.total_tokens", "0.4", "--model.seq_len", "128"], "'0.4': less than one token"),
+])
+def test_cli_sizes_are_checked_where_they_are_typed(argv, fragment, capsys):
+    """(They reached the schedule classes as 'schedule: micro_batch=0 ...', 'seq_len=0 ...', or as a
+    budget rounded to 0 tokens.)"""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_cli_plot_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
+    """`largebatch schedule ... --plot P | head`: the table used to be printed first, so a reader
+    gone before it ended the command (141) without the plot."""
+    from pathlib import Path
+
+    out = tmp_path / "p.png"
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "PATH": "/usr/bin:/bin"}
+    # ~1000 milestones: a table of ~80 KiB, more than the output buffer holds
+    proc = subprocess.Popen([sys.executable, "-m", "largebatch", "schedule", "--run.total_tokens", "1e10",
+                             "--model.seq_len", "1", "--schedule.batch_size", "4096", "--schedule.batch_policy",
+                             "seesaw", "--schedule.ratio", "0.9977", "--plot", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before a line is printed
+    assert proc.wait(timeout=120) == 141, proc.stderr.read()
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -220,7 +220,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     read when the config is loaded, so a name registered later is accepted (and listed by
     :func:`describe_fields`); ``metadata={"names": REGISTRY}`` lists them without restricting the
     value to them (``data.corpus``: a name or a path); ``metadata={"refused": {value: reason}}``
-    refuses a value users reach for (compared lower-cased) with its reason and fix. The dataclass's
+    refuses a value users reach for (compared lower-cased) with its reason and fix;
+    ``metadata={"parse": function}`` reads a string value in a short form the field documents
+    (``schedule.ratio = "1/1.1"``; a ValueError it raises names the field). The dataclass's
     own ``__post_init__`` validation runs too; a ValueError it raises is re-raised as ConfigError
     naming the field as the config writes it (``_named_as_written``).
     """
@@ -238,6 +240,12 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         refused = fields[key].metadata.get("refused", {})
         if isinstance(value, str) and value.lower() in refused:  # a known value with its reason
             raise ConfigError(f"{full} = {value!r}: {refused[value.lower()]}")
+        parse = fields[key].metadata.get("parse")
+        if parse is not None and isinstance(value, str):  # a short form: '1/1.1', '0:64,0.5:128'
+            try:
+                value = parse(value)
+            except ValueError as exc:
+                raise ConfigError(f"{full} = {value!r}: {exc}") from None
         kwargs[key] = _coerce(value, hints[key], full)
         if "choices" in fields[key].metadata:
             kwargs[key] = _choice(kwargs[key], fields[key].metadata["choices"], full)

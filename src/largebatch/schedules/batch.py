@@ -331,7 +331,13 @@ class PiecewiseBatch(_PlainLR):
                  micro_batch: int = 1, dp_size: int = 1, total_tokens: int | None = None):
         self.lr_schedule, self.micro_batch, self.dp_size = lr_schedule, micro_batch, dp_size
         self.total_tokens = _resolve_total(lr_schedule, total_tokens)
-        rows = [(int(start), int(batch)) for start, batch in table]
+        rows = []
+        for start, batch in table:  # checked before any int(): 12.7 must not become 12
+            check_tokens(start, "table start")
+            if isinstance(start, bool) or not float(start).is_integer():
+                raise ValueError(f"table start {start!r} must be a whole number of tokens")
+            check_batch_size(batch, micro_batch, dp_size, name=f"table batch at token {start}")
+            rows.append((int(start), int(batch)))
         if not rows or rows[0][0] != 0:
             raise ValueError(f"table={table!r} must start with an entry at token 0")
         for (prev, _), (start, _) in zip(rows, rows[1:]):

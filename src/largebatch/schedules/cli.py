@@ -20,7 +20,7 @@ import math
 import sys
 
 from largebatch.arguments import OneLineParser, check_output_file
-from largebatch.schedules.config import ScheduleConfig
+from largebatch.schedules.config import ScheduleConfig, batch_table, fraction
 from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -43,19 +43,18 @@ def parse_tokens(text: str) -> int:
     if value > 2**53:  # beyond it the schedule's float arithmetic no longer holds whole token counts
         raise argparse.ArgumentTypeError(f"{text!r}: at most 2**53 (~9.0e15) tokens, the largest count "
                                          "the schedule's float arithmetic keeps exact")
+    if round(value) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: less than one token; give the budget in tokens, "
+                                         "e.g. 2e9, 300M")
     return int(round(value))
 
 
 def parse_number(text: str) -> float:
-    """A float, or a fraction such as '1/1.1' (Seesaw's ratio)."""
+    """A float, or a fraction such as '1/1.1' (Seesaw's ratio): ``schedules.config.fraction``."""
     try:
-        numerator, _, denominator = text.partition("/")
-        value = float(numerator) / float(denominator) if denominator else float(text)
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a fraction like 1/1.1")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number")
-    return value
+        return fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_table(text: str) -> list[list[float]]:
@@ -66,12 +65,23 @@ def parse_table(text: str) -> list[list[float]]:
         if isinstance(value, list):
             return value
     try:
-        table = [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FRACTION:BATCH,... e.g. 0:64,0.5:128")
+        table = batch_table(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not all(math.isfinite(f) for f, _ in table):
         raise argparse.ArgumentTypeError(f"{text!r}: fractions must be finite, e.g. 0:64,0.5:128")
     return table
+
+
+def positive_int(text: str) -> int:
+    """A positive whole number (sequences, tokens per sequence, ranks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive whole number")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,11 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run.total_tokens", "--total-tokens", dest="total_tokens", type=parse_tokens,
                         required=True, help="token budget, e.g. 2e9 or 300M")
-    parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=int, required=True,
+    parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=positive_int, required=True,
                         help="tokens per sequence")
-    parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=int, default=1,
-                        help="sequences per micro-batch")
-    parser.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=positive_int,
+                        default=1, help="sequences per micro-batch")
+    parser.add_argument("--parallel.dp", "--dp", dest="dp", type=positive_int, default=1,
+                        help="data-parallel ranks")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write LR and batch size vs tokens to this file (.png, .pdf or .svg; its "
                              "directory must exist and be writable, checked before any work)")
@@ -128,14 +139,15 @@ def main(argv: list[str]) -> int:
         config = ScheduleConfig.from_dict(fields)
         if args.plot is not None:  # before the work: a plot that cannot be written is known now
             check_output_file(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
-        print(config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp))
-        if args.plot is not None:
+        text = config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp)
+        if args.plot is not None:  # drawn before the table is printed: `| head` must not lose it
             try:
                 plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)
             except OSError as exc:  # checked above; a disk that fills meanwhile still gets one line
                 raise ValueError(f"--plot {args.plot!r}: could not write it ({exc.strerror or exc}); "
                                  "choose a writable file") from None
-            print(f"wrote {args.plot}")
+            text += f"\nwrote {args.plot}"
+        print(text)
     except ValueError as exc:
         print(f"largebatch schedule: error: {exc}", file=sys.stderr)
         return 2

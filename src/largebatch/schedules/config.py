@@ -8,6 +8,7 @@ phase table next to the base schedule's optimizer steps (docs/papers.md: schedul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +34,29 @@ BATCH_POLICIES: dict[str, BatchPolicy] = {}
 REGISTRIES = {"lr_schedule": LR_BUILDERS, "batch_policy": BATCH_POLICIES}  # open sets, by name
 OFF_FIELDS = ("ramp_start", "ramp_increment", "alpha", "beta", "max_batch_size", "noise_scale_multiple",
               "reference_batch_size")  # positive, or None (off / not given)
+
+
+def fraction(text: str) -> float:
+    """'1/1.1' -> 0.909..., '0.5' -> 0.5: Seesaw's ratio as the paper writes it, on a command line
+    (``--schedule.ratio 1/1.1``) or as a TOML string (``ratio = "1/1.1"``)."""
+    try:
+        numerator, _, denominator = text.partition("/")
+        value = float(numerator) / float(denominator) if denominator else float(text)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{text!r} is not a number or a fraction like 1/1.1") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r}: give a finite number")
+    return value
+
+
+def batch_table(text: str) -> list:
+    """'0:64,0.5:128' -> [[0.0, 64], [0.5, 128]] (token fraction: batch size), the command line's
+    short form of ``batch_table = [[0, 64], [0.5, 128]]``."""
+    try:
+        return [[float(f), int(b)] for f, b in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise ValueError(f"{text!r}: expected FRACTION:BATCH,... e.g. 0:64,0.5:128, or "
+                         "[[0, 64], [0.5, 128]]") from None
 
 
 @dataclass(frozen=True)
@@ -91,11 +115,13 @@ class ScheduleConfig:
     """ramp (required there): sequences added at each increment (Megatron INCREMENT)."""
     ramp_tokens: float = 0.1
     """ramp: share of the token budget over which the batch ramps up to batch_size."""
-    batch_table: list = field(default_factory=list)
-    """table: [[token fraction, batch size], ...] starting at fraction 0, every fraction in [0, 1)."""
-    ratio: float = 0.5
-    """seesaw / smith: the base LR's fall between milestones (paper: 1/2, 1/1.1), in (final_lr,
-    final_lr ** (1/1000)]: at least one milestone and at most 1000 (0.9977 at final_lr 0.1)."""
+    batch_table: list = field(default_factory=list, metadata={"parse": batch_table})
+    """table: [[token fraction, batch size], ...] starting at fraction 0, every fraction in [0, 1)
+    (on a command line also 0:64,0.5:128)."""
+    ratio: float = field(default=0.5, metadata={"parse": fraction})
+    """seesaw / smith: the base LR's fall between milestones (paper: 1/2, 1/1.1; a fraction may be
+    written so), in (final_lr, final_lr ** (1/1000)]: at least one milestone and at most 1000
+    (0.9977 at final_lr 0.1)."""
     alpha: float | None = None
     """seesaw-family (required there): LR divisor per milestone, alpha >= sqrt(beta);
     ratio = 1/(alpha sqrt(beta))."""
@@ -144,6 +170,11 @@ class ScheduleConfig:
             self._fail("wsd_cooldown", f"must lie in (0, 1 - warmup = {1 - self.warmup:g}]")
         if self.lr_schedule == "lans" and not 0 <= self.lans_hold < 1 - self.warmup:
             self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
+        if not self.lans_power > 0:
+            self._fail("lans_power", "must be > 0: the exponent of the decay to 0 (1 = linear)")
+        if not 0 <= self.noise_scale_ema < 1:
+            self._fail("noise_scale_ema", "must lie in [0, 1): the EMA decay of the noise-scale "
+                       "estimate (0 = no smoothing; default 0.95)")
         if policy.validate is not None:
             policy.validate(self)
         milestone_policies = " | ".join(n for n, p in BATCH_POLICIES.items() if p.milestones)
@@ -180,6 +211,15 @@ class ScheduleConfig:
                 self._fail("batch_table", f"the fraction {row[0]!r} must lie in [0, 1): it is the share "
                            "of the token budget where that batch starts, and a row at 1 or later would "
                            f"never be used; drop it or give a fraction below 1, {example}")
+            if not isinstance(row[1], int) or row[1] <= 0:
+                self._fail("batch_table", f"the batch size {row[1]!r} (row {row!r}) must be a positive "
+                           f"whole number of sequences, {example}")
+        fractions = [row[0] for row in self.batch_table]
+        if fractions[0] != 0:
+            self._fail("batch_table", f"the first row starts at fraction {fractions[0]!r}: the table must "
+                       f"start at 0 (the batch of the first step), {example}")
+        if any(b <= a for a, b in zip(fractions, fractions[1:])):
+            self._fail("batch_table", f"the fractions {fractions} must increase from row to row, {example}")
 
     def coupled_peak_lr(self) -> float:
         """peak_lr after the lr_coupling policy moves it from reference_batch_size to batch_size."""
@@ -191,6 +231,9 @@ class ScheduleConfig:
         """The plain LR schedule (also Seesaw's base)."""
         self._validate()
         peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
+        if self.warmup and warmup >= total_tokens:
+            self._fail("warmup", f"is {warmup:,} of the {total_tokens:,}-token budget, which leaves no "
+                       "token after the warmup; lower it")
         return LR_BUILDERS[self.lr_schedule].build(self, peak, total_tokens, warmup)
 
     def build(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
@@ -259,12 +302,27 @@ def register_batch_policy(name: str, build: Callable[[ScheduleConfig, lr_module.
 
 register_batch_policy("constant", lambda c, lr, total, sizes: ConstantBatch(lr, c.batch_size, **sizes),
                       help="batch_size throughout")
-register_batch_policy("ramp", lambda c, lr, total, sizes: LinearRamp(
-    lr, c.ramp_start, c.ramp_increment, round(c.ramp_tokens * total), c.batch_size, **sizes),
+def _ramp(c: ScheduleConfig, lr: lr_module.LRSchedule, total: int, sizes: dict) -> LinearRamp:
+    tokens = round(c.ramp_tokens * total)
+    if tokens < 1:
+        c._fail("ramp_tokens", f"is {c.ramp_tokens * total:.3g} tokens of the {total:,}-token budget, "
+                "less than one; raise it")
+    return LinearRamp(lr, c.ramp_start, c.ramp_increment, tokens, c.batch_size, **sizes)
+
+
+register_batch_policy("ramp", _ramp,
     help="Megatron's linear ramp from ramp_start to batch_size (--rampup-batch-size)",
     validate=ScheduleConfig._validate_ramp)
-register_batch_policy("table", lambda c, lr, total, sizes: PiecewiseBatch(
-    lr, [(round(fraction * total), int(b)) for fraction, b in c.batch_table], **sizes),
+def _table(c: ScheduleConfig, lr: lr_module.LRSchedule, total: int, sizes: dict) -> PiecewiseBatch:
+    rows = [(round(share * total), b) for share, b in c.batch_table]
+    for (before, _), (start, _), row in zip(rows, rows[1:], c.batch_table[1:]):
+        if start <= before:
+            c._fail("batch_table", f"the row {row!r} starts at token {start:,} of the {total:,}-token "
+                    "budget, where the row before starts too; drop it or move it later")
+    return PiecewiseBatch(lr, rows, **sizes)
+
+
+register_batch_policy("table", _table,
     help="piecewise constant from batch_table", validate=ScheduleConfig._validate_table)
 register_batch_policy("seesaw", lambda c, lr, total, sizes: Seesaw(lr, c.batch_size, c.ratio, **sizes),
                       help="Seesaw (Meterez et al. 2025): at each milestone of the LR schedule, LR x sqrt(ratio) "

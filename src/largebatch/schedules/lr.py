@@ -104,11 +104,21 @@ class LRSchedule:
             raise ValueError(
                 f"final_lr={self.final_lr!r} must lie in [0, 1]: it is a fraction of peak_lr; "
                 "for an absolute end LR e pass final_lr = e / peak_lr")
-        check_tokens(self.warmup_tokens, "warmup_tokens")
+        for name in ("warmup_tokens", "total_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} is a bool, not a number of tokens")
+            if value is not None:
+                check_tokens(value, name)
+            if isinstance(value, float) and value.is_integer():  # 1e9 as Python writes it: a whole count
+                object.__setattr__(self, name, int(value))
         if self.needs_total and self.total_tokens is None:
             raise ValueError(f"{type(self).__name__} needs total_tokens (the token budget)")
         if self.total_tokens is not None:
-            check_tokens(self.total_tokens, "total_tokens")
+            if isinstance(self.total_tokens, float):
+                raise ValueError(f"total_tokens={self.total_tokens!r} must be a whole number of tokens "
+                                 f"(the budget's optimizer steps are counted from it), e.g. "
+                                 f"{round(self.total_tokens)}")
             if self.warmup_tokens >= self.total_tokens:
                 raise ValueError(
                     f"warmup_tokens={self.warmup_tokens} must be shorter than total_tokens="
