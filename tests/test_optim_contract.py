@@ -349,6 +349,24 @@ def test_invalid_group_edit_fails_atomically(info, path, field):
     assert_identical(snapshot(opt), before)
 
 
+@pytest.mark.parametrize("info,path,field", BAD_CASES)
+def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was(info, path, field):
+    """A group refused by add_param_group used to stay in param_groups: every later step raised,
+    and adding its parameters again with good values said they were already in a group."""
+    params, grads = make_problem(shapes=FOUR_SHAPES)
+    live = leaves(params)
+    opt = run(factory(info, path), live[:2], [g[:2] for g in grads[:2]])
+    before = snapshot(opt)
+    with pytest.raises(ValueError) as raised:
+        opt.add_param_group({"params": live[2:], field: info.bad[field]})
+    assert "param_groups[1]" in str(raised.value) and field in str(raised.value)
+    assert len(opt.param_groups) == 1
+    assert_identical(snapshot(opt), before)
+    opt.add_param_group({"params": live[2:], "lr": 0.01})  # the same parameters, good values: taken
+    run(opt, live, grads[2:])
+    assert len(opt.param_groups) == 2
+
+
 # ------------------------------------------------------------------------------------ 6. input types
 @over_cases
 def test_a_set_of_parameters_is_a_type_error(info, path):
@@ -614,6 +632,22 @@ def test_the_functional_form_takes_maximize(info, path):
     expected = info.reference(params, [[-g for g in step_grads] for step_grads in grads], **kwargs)
     for actual, wanted in zip(x, expected):
         torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
+def test_the_functional_form_has_the_class_defaults(info):
+    """``lamb(...)``/``lans(...)`` defaulted to weight_decay=0.0 where LAMB/LANS default to 0.01: the
+    same call through the function silently dropped the decay."""
+    import inspect
+
+    from largebatch.optim import LAMB, LANS, LARS, lamb, lans, lars
+    cls, function = {"lamb": (LAMB, lamb), "lans": (LANS, lans), "lars": (LARS, lars)}[info.name]
+    ours, theirs = inspect.signature(cls).parameters, inspect.signature(function).parameters
+    shared = [name for name in ours if name in theirs and ours[name].default is not inspect.Parameter.empty
+              and name not in ("foreach", "fused", "lr")]
+    assert "weight_decay" in shared
+    for name in shared:
+        assert theirs[name].default == ours[name].default, name
 
 
 @pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])

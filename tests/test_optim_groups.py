@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.resources
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -48,6 +49,26 @@ def test_decay_and_adaptation_are_chosen_separately():
     assert settings == {"0.weight": (0.05, True), "4.weight": (0.05, True), "0.bias": (0.0, True),
                         "1.weight": (0.0, True), "1.bias": (0.0, True)}
     assert "frozen (requires_grad=False, not optimized): 4.bias" in groups.report()
+
+
+def test_a_frozen_tied_embedding_is_skipped_with_its_alias():
+    """GPT-2 with its (tied) embeddings frozen, as fine-tuning does: param_groups raised KeyError
+    'transformer.wte.weight' at the alias lm_head.weight."""
+    model = _tiny_gpt2()
+    model.transformer.wte.weight.requires_grad_(False)
+    groups = param_groups(model, weight_decay=0.1)
+    names = [name for g in groups for name in g["names"]]
+    assert "transformer.wte.weight" not in names and "lm_head.weight" not in names
+    assert len(names) == sum(p.requires_grad for p in model.parameters())
+    assert "frozen (requires_grad=False, not optimized): transformer.wte.weight" in groups.report()
+
+
+@pytest.mark.parametrize("decay", [np.float32(0.01), torch.tensor(0.01), np.float64(0.01)],
+                         ids=["numpy32", "tensor", "numpy64"])
+def test_param_groups_takes_the_scalars_the_optimizers_take(decay):
+    groups = param_groups(nn.Linear(2, 2), weight_decay=decay)
+    assert [g["weight_decay"] for g in groups] == [pytest.approx(0.01), 0.0]
+    assert all(type(g["weight_decay"]) is float for g in groups)
 
 
 @pytest.mark.parametrize("kwargs,message", [({"decay": ("weights",)}, "decay=('weights',)"),

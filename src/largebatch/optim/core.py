@@ -266,8 +266,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if default is required and key not in param_group:
                 raise ValueError(f"param_groups[{index}]: no {key!r}; {type(self).__name__} has no default {key}: "
                                  f"pass {key}=... to the constructor or set {key!r} in every parameter group")
+        # checked before it joins: a refused group leaves the optimizer as it was (it stayed, and
+        # every later step raised, and re-adding its parameters said "already in group")
+        trial = {**{k: v for k, v in self.defaults.items() if v is not required}, **param_group}
+        self._resolve(trial, index)
         super().add_param_group({**param_group, "params": params})
-        self._resolve(self.param_groups[-1], index)
 
     def _resolve(self, group: dict, index: int) -> dict:
         """The group's hyperparameters, checked, as Python values (ValueError naming the group)."""

@@ -17,6 +17,9 @@ module that owns it; the report lists its aliases.
 
 from __future__ import annotations
 
+import numbers
+
+import torch
 from torch import nn
 
 CATEGORIES = ("weight", "embedding", "bias", "norm")
@@ -72,8 +75,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, decay: tuple[s
     ``decay``: categories that get ``weight_decay`` (others 0.0). ``adapt``: categories whose step is
     scaled by a trust ratio (others take the plain step). Categories: weight, embedding, bias, norm.
     """
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+    decay_value = weight_decay.item() if isinstance(weight_decay, torch.Tensor) and weight_decay.dim() == 0 \
+        else weight_decay  # a 0-d tensor or numpy scalar, as the optimizers take it
+    if isinstance(decay_value, bool) or not isinstance(decay_value, numbers.Real) or not decay_value >= 0:
         raise ValueError(f"weight_decay={weight_decay!r}: must be a number >= 0")
+    weight_decay = float(decay_value)
     for arg_name, chosen in (("decay", decay), ("adapt", adapt)):
         unknown = [c for c in chosen if c not in CATEGORIES]
         if isinstance(chosen, str) or unknown:
@@ -84,8 +90,9 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, decay: tuple[s
     for module_name, module in model.named_modules():
         for short_name, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{short_name}" if module_name else short_name
-            if id(p) in first_name:
-                rows[first_name[id(p)]][2].append(name)
+            if id(p) in first_name:  # a tied alias: listed with its first owner (not at all if frozen)
+                if first_name[id(p)] in rows:
+                    rows[first_name[id(p)]][2].append(name)
                 continue
             first_name[id(p)] = name
             if not p.requires_grad:

@@ -106,7 +106,7 @@ def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
 # ------------------------------------------------------------------------------ the functional form
 def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
          steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-         weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
+         weight_decay: float = 0.01, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,

@@ -93,7 +93,7 @@ def lans_apply_kernel(x, g, m, v, inverse_d, hp, grad_coef, scale_r, scale_c, se
 # ------------------------------------------------------------------------------ the functional form
 def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
          steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-         weight_decay: float = 0.0, adapt: bool = True, bias_correction: bool = True,
+         weight_decay: float = 0.01, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
          grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
          foreach: bool = True, fused: bool = False,
