@@ -261,12 +261,13 @@ def test_a_roberta_style_tokenizer_trains_bert_and_gpt_and_exports_its_own_token
     assert (tok.cls_token, tok.sep_token, tok.mask_token, tok.pad_token, tok.unk_token) == \
         ("<s>", "</s>", "<mask>", "<pad>", "<unk>")
     assert tok.mask_token_id == mask and tok.pad_token_id == pad
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")  # RoBERTa's are its bos and eos (were None)
     # a pair as RoBERTa's tokenizer gives it: </s></s> between, one segment (no token_type_ids)
     first, second = run.tokenizer.encode("To be").ids, run.tokenizer.encode(" or not").ids
     pair = tok("To be", " or not")
     assert pair["input_ids"] == [s, *first, e, e, *second, e] and "token_type_ids" not in pair
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()
-    assert hf.config.pad_token_id == pad
+    assert (hf.config.pad_token_id, hf.config.bos_token_id, hf.config.eos_token_id) == (pad, s, e)
     collated = DataCollatorForLanguageModeling(tok)([tok(TEXT), tok(TEXT[:40])])  # pads, masks: runs
     assert collated["input_ids"][1, -1] == pad
     ids = [s, *bare[:46], e]
@@ -316,7 +317,7 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_run", "empty_run", "no_checkpoint", "format", "non_empty_out",
-                                  "out_is_run", "tokenizer", "tokenizer_not_json",
+                                  "out_is_run", "tokenizer", "tokenizer_not_json", "tokenizer_not_the_runs",
                                   "tokenizer_not_tokenizers", "run_tokenizer_damaged",
                                   "out_parent_is_file"])
 def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
@@ -340,6 +341,17 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
         bad.write_text("vocab: not JSON\n" if case == "tokenizer_not_json" else '{"vocab": [1, 2]}')
         args = ["--format", "hf", "--tokenizer", str(bad)]
         expect = f"--tokenizer {str(bad)!r} is not a readable tokenizers file"
+    elif case == "tokenizer_not_the_runs":  # another vocabulary than the run's own copy: its ids mean
+        # other text (the export's check fed both models the same wrong ids and passed)
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        other = Tokenizer(models.BPE())
+        other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        other.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        other.save(str(bad))
+        args = ["--format", "hf", "--tokenizer", str(bad)]
+        expect = f"--tokenizer {str(bad)!r} is not the vocabulary this run trained with"
     elif case == "run_tokenizer_damaged":  # a copy of the run whose kept tokenizer is cut short
         run = tmp_path / "run"
         shutil.copytree(gpt_run, run)
@@ -419,8 +431,10 @@ def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):
     assert tokenizer.token_to_id("[PAD]") is None and tokenizer.get_vocab_size() <= 400
     file = tmp_path / "no-pad.json"
     tokenizer.save(str(file))
-    out = tmp_path / "hf"
-    assert export(gpt_run, out, "--tokenizer", str(file), "--no-verify") == 0
+    out, run = tmp_path / "hf", tmp_path / "run"
+    shutil.copytree(gpt_run, run)  # a run from before the trainer kept its tokenizer: --tokenizer says it
+    (run / "tokenizer.json").unlink()
+    assert export(run, out, "--tokenizer", str(file), "--no-verify") == 0
     tok, config = AutoTokenizer.from_pretrained(out), AutoConfig.from_pretrained(out)
     assert tok.pad_token is None and config.pad_token_id is None
     assert tok.eos_token_id == config.eos_token_id == 0

@@ -16,8 +16,9 @@ tolerance is an error (``--no-verify`` skips it). See docs/models.md, "Exporting
 Options:
   --format hf          the output format (hf is the only one)
   --force              replace OUT if it exists and is not empty
-  --tokenizer PATH     a tokenizer.json to export instead of the run's own (needed for runs on a
-                       pre-tokenized array without data.tokenizer_file)
+  --tokenizer PATH     the run's tokenizer.json when the run cannot give it (a run on a pre-tokenized
+                       array without data.tokenizer_file); refused when it differs from the copy
+                       the run keeps (RUN_DIR/tokenizer.json)
   --no-verify          skip loading OUT back and comparing logits
 """
 
@@ -133,8 +134,9 @@ def _load_checkpoint(path: Path):
 
 def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = None,
                   run_dir: str | Path | None = None):
-    """The tokenizer a run trained with: ``tokenizer_file`` if given, else the copy the trainer
-    keeps in ``RUN_DIR/tokenizer.json``, else the run's ``data.tokenizer_file``, else the one
+    """The tokenizer a run trained with: ``tokenizer_file`` if given (refused when the run keeps its
+    own copy and the two vocabularies differ), else the copy the trainer keeps in
+    ``RUN_DIR/tokenizer.json``, else the run's ``data.tokenizer_file``, else the one
     trained on its corpus (read from the data cache, or trained again -- deterministic -- when the
     cache is gone: runs from before the trainer kept its copy)."""
     from largebatch.train.rundir import TOKENIZER_NAME
@@ -145,8 +147,17 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
             state = "is not a file" if path.exists() else "does not exist"
             raise ExportError(f"--tokenizer {str(tokenizer_file)!r} {state}: pass a "
                               "tokenizer.json saved by HF tokenizers")
-        return _read_tokenizer(path, f"--tokenizer {str(tokenizer_file)!r}",
-                               "pass a tokenizer.json saved by HF tokenizers (Tokenizer.save)")
+        given = _read_tokenizer(path, f"--tokenizer {str(tokenizer_file)!r}",
+                                "pass a tokenizer.json saved by HF tokenizers (Tokenizer.save)")
+        kept = None if run_dir is None else Path(run_dir) / TOKENIZER_NAME
+        if kept is not None and kept.is_file():  # the run's own copy: another vocabulary is refused
+            theirs = _read_tokenizer(kept, f"the run's tokenizer {str(kept)!r}", "pass --tokenizer PATH")
+            if given.get_vocab() != theirs.get_vocab():
+                raise ExportError(f"--tokenizer {str(tokenizer_file)!r} is not the vocabulary this run trained "
+                                  f"with ({kept}, {theirs.get_vocab_size():,} tokens; this one "
+                                  f"{given.get_vocab_size():,}): the model's ids index that one. Leave "
+                                  "--tokenizer out to use it")
+        return given
     if run_dir is not None and (Path(run_dir) / TOKENIZER_NAME).is_file():
         path = Path(run_dir) / TOKENIZER_NAME
         return _read_tokenizer(path, f"the run's tokenizer {str(path)!r}",

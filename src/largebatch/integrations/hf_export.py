@@ -91,6 +91,8 @@ def special_tokens(tokenizer, kind: str) -> dict[str, str]:
         raise ExportError(f"the run's tokenizer has no {', '.join(missing)} token, which a "
                           "BERT tokenizer needs: pass --tokenizer PATH to the one it trained with")
     special.update(cls_token=roles["cls"][0], sep_token=roles["sep"][0], mask_token=roles["mask"][0])
+    if (special["cls_token"], special["sep_token"]) == ("<s>", "</s>"):  # RoBERTa's: they are bos and eos too
+        special.update(bos_token="<s>", eos_token="</s>")
     if unk is None and tokenizer.token_to_id(EOT) is not None:
         unk = EOT
     if unk is not None:
@@ -119,7 +121,8 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                       hidden_act=HF_ACTIVATION[cfg.activation],
                       hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
                       max_position_embeddings=cfg.seq_len, type_vocab_size=2,
-                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"), **common)
+                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"),
+                      bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"), **common)
 
 
 def _bias(state: dict[str, torch.Tensor], name: str, size: int) -> torch.Tensor:
