@@ -206,6 +206,44 @@ def test_a_run_stopped_before_its_budget_is_judged_with_a_note(tiny_data_cache, 
     assert f"note: {note}" in out and note in (stopped / "finetune" / "folio-genre.md").read_text()
 
 
+def test_the_default_passage_stays_within_the_positions_the_phases_trained(tiny_data_cache, tmp_path, capsys):
+    """A two-phase BERT recipe (seq 32, then 64) stopped in its first phase has never trained
+    positions 32-63: the default passage was min(128, model.seq_len) = 64, half of it on untrained
+    positions; it is now the 32 the run reached, and a longer --passage-len gets a note."""
+    from largebatch.finetune import Settings, check_settings, trained_positions
+    from largebatch.train.loop import Trainer
+
+    phases = [{"seq_len": 32, "total_tokens": 32 * 8 * 6}, {"seq_len": 64, "total_tokens": 64 * 8 * 3}]
+    config = tmp_path / "phases.toml"
+    config.write_text("".join(f"[[phases]]\nseq_len = {p['seq_len']}\ntotal_tokens = {p['total_tokens']}\n\n"
+                              for p in phases))
+    overrides = tiny(tiny_data_cache, tmp_path / "stopped", **{
+        "model.kind": "bert", "model.seq_len": 64, "run.max_steps": 2,
+        "run.total_tokens": 32 * 8 * 6 + 64 * 8 * 3})
+    Trainer(load_config(config, overrides), overrides["run.out_dir"], log=lambda *_: None).fit()
+    stopped = tmp_path / "stopped"
+    code = cli_main(["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads((stopped / "finetune" / "folio-genre.json").read_text())["settings"]["passage_len"] == 32
+    assert "passages of 32 tokens" in out and "untrained" not in out
+    code = cli_main(["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "2",
+                     "--passage-len", "48"])
+    assert code == 0 and "note: --passage-len 48 is longer than the 32 tokens the run's phases trained so far" \
+        in capsys.readouterr().out
+
+    class Loaded:  # a run past its phase switch, one without phases, one whose positions were imported
+        def __init__(self, config, tokens):
+            self.config, self.tokens = config, tokens
+
+    assert trained_positions(Loaded({"phases": phases}, 32 * 8 * 6 + 64 * 8)) == 64
+    assert trained_positions(Loaded({"phases": phases}, 32 * 8 * 6)) == 32  # at the switch: not begun
+    assert trained_positions(Loaded({}, 100)) is None
+    assert trained_positions(Loaded({"phases": phases, "model": {"init_from": "hf:/x"}}, 8)) is None
+    assert check_settings(Settings(), 512, None).passage_len == 128
+    assert check_settings(Settings(), 512, 32).passage_len == 32
+
+
 def test_finetune_reports_no_verdict_when_every_seed_gives_the_same_gap(bert_run, tmp_path, monkeypatch, capsys):
     """Deterministic fine-tuning that moves the same number of test passages at every seed: the
     report states the gap and that it has no interval, and does not call it pretraining hurting."""
@@ -253,6 +291,7 @@ def test_finetune_cross_validates_by_document_and_probes(bert_run, capsys):
     assert probe["gap"]["per_seed"] == pytest.approx([probe["pretrained"] - s for s in probe["scratch"]])
     assert probe["scratch"][0] != probe["scratch"][1]  # a random init per seed
     assert "3-fold cross-validation by document" in out and probe["verdict"] in out
+    assert f"{n} passages in 3 folds of whole documents of 32 tokens" in out  # not one split's counts
     seed_lines = [line for line in out.splitlines() if line.startswith("  seed ")]
     assert len(seed_lines) == 4 and all("over its one epoch" in line and "->" not in line for line in seed_lines)
 

@@ -24,7 +24,8 @@ Options:
   --epochs N                  passes over the training passages (default 3)
   --lr LR                     peak AdamW learning rate (default 1e-4)
   --batch-size N              passages per step (default 32)
-  --passage-len N             tokens per passage (default min(128, the model's seq_len))
+  --passage-len N             tokens per passage (default min(128, the model's seq_len, the longest
+                              phase seq_len the run has trained at))
   --passages-per-document N   passages kept per document (default 32)
   --weight-decay WD           AdamW weight decay (default 0.01)
   --dropout P                 dropout before the head (default 0.1)
@@ -87,9 +88,10 @@ class Settings:
     probe_l2: float = 0.01
 
 
-def check_settings(s: Settings, seq_len: int | None = None) -> Settings:
+def check_settings(s: Settings, seq_len: int | None = None, trained_len: int | None = None) -> Settings:
     """One-line errors naming the option; with the model's ``seq_len``, also checks (or fills in)
-    passage_len against it."""
+    passage_len against it. ``trained_len``: the longest sequence the run trained its positions at
+    (``trained_positions``), the default's bound when it is shorter than ``seq_len``."""
     def integer(name, low, high=None):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
@@ -113,7 +115,7 @@ def check_settings(s: Settings, seq_len: int | None = None) -> Settings:
     if seq_len is None:
         return s
     if s.passage_len is None:
-        s.passage_len = min(128, seq_len)
+        s.passage_len = min(128, seq_len, trained_len or seq_len)
     if s.passage_len > seq_len:
         raise FinetuneError(f"--passage-len {s.passage_len}: longer than the model's seq_len {seq_len} "
                             f"(its position table); use --passage-len {seq_len} or less")
@@ -284,6 +286,22 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
                       "verdict": probe_verdict}}
 
 
+def trained_positions(loaded) -> int | None:
+    """The longest sequence the run's checkpoint trained at: the longest seq_len among the phases it
+    had begun (a two-phase BERT recipe stopped in its short phase has never trained the later
+    positions), None when every position was trained (no phases, or positions imported with
+    ``model.init_from``)."""
+    phases = loaded.config.get("phases") or []
+    if not phases or loaded.config.get("model", {}).get("init_from") or loaded.tokens is None:
+        return None
+    start, reached = 0, []
+    for phase in phases:
+        if start < loaded.tokens or not reached:
+            reached.append(int(phase["seq_len"]))
+        start += int(phase.get("total_tokens", 0))
+    return max(reached)
+
+
 def _partial_note(loaded) -> str | None:
     """What to say of a run judged before the end of its token budget (a stopped run's newest
     checkpoint), or None: the comparison then measures a partly trained model."""
@@ -391,7 +409,8 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
         raise FinetuneError(str(exc)) from None
     if loaded.tokenizer is None:
         raise FinetuneError(f"RUN_DIR {run_dir!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
-    s = check_settings(settings, loaded.model.config.seq_len)
+    trained = trained_positions(loaded)
+    s = check_settings(settings, loaded.model.config.seq_len, trained)
     data = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)
     if int(max(data.train_ids.max(), data.test_ids.max())) >= loaded.model.config.vocab_size:
         raise FinetuneError(f"the tokenizer's ids exceed the model's vocab_size {loaded.model.config.vocab_size}: "
@@ -401,11 +420,16 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
     except TaskError as exc:  # the folds against this task's documents, named as the option
         raise FinetuneError(f"--folds {s.folds}: {str(exc).split(': ', 1)[-1]}; --folds 1 uses the one "
                             "held-out split") from None
-    print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {len(data.train_ids)} train / "
-          f"{len(data.test_ids)} test passages, {s.seeds} seeds x 2 arms")
+    passages = (f"{len(data.train_ids)} train / {len(data.test_ids)} test passages" if s.folds == 1 else
+                f"{len(data.train_ids) + len(data.test_ids)} passages in {s.folds} folds of whole documents")
+    print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {passages} of {s.passage_len} "
+          f"tokens, {s.seeds} seeds x 2 arms")
     partial = _partial_note(loaded)
     if partial:
         print(f"note: {partial}")
+    if trained is not None and s.passage_len > trained:
+        print(f"note: --passage-len {s.passage_len} is longer than the {trained} tokens the run's phases "
+              f"trained so far: positions past {trained} are untrained in the pretrained arm")
     result = compare(loaded.model.train(), data, s)
     out.mkdir(exist_ok=True)
     where = loaded.checkpoint.name + (f" ({partial})" if partial else "")
