@@ -80,6 +80,48 @@ def test_capturable_equals_host_counts_and_reads_nothing(name, path):
         assert reads.total == 0 and reads.calls == [], (reads.scalar, reads.calls)
 
 
+@pytest.mark.parametrize("path", [*PATHS, "fused"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_tensor_lr_is_used_on_its_device_and_never_read(name, path):
+    """A 0-d tensor LR (what drives a capturable step from a scheduler: set in place, the step never
+    rebuilt) was read with .item() at every step -- a device sync, and no CUDA graph could hold the
+    step. With capturable=True it stays a tensor: the same update as the Python float it holds (bit for
+    bit in float32), an in-place change of it is the next step's LR, and a step reads nothing on the host
+    (LANS: within float32 rounding, its scales' products are taken in the tensor's float32)."""
+    optimizer_class, _, kwargs = CASES[name]
+    params, steps = random_problem(n_steps=4)
+    options = {**kwargs, **_options(path), "capturable": True}
+    lr = torch.tensor(kwargs["lr"], dtype=torch.float32)
+    halved = torch.tensor(kwargs["lr"] / 2, dtype=torch.float32).item()  # the float32 values the tensor holds
+    with _path_settings(path):
+        floats = [p.detach().clone().requires_grad_(True) for p in params]
+        tensors = [p.detach().clone().requires_grad_(True) for p in params]
+        by_float = optimizer_class(floats, **{**options, "lr": lr.item()})
+        by_tensor = optimizer_class(tensors, **{**options, "lr": lr})
+        with mock.patch.object(kernels, "compiled", lambda kernel: kernel):  # (see above: eager fused kernels)
+            for k, grads in enumerate(steps):
+                if k == 2:  # a scheduler's in-place change: the next step's LR
+                    by_float.param_groups[0]["lr"] = halved
+                    lr.fill_(halved)
+                for ours, theirs, g in zip(floats, tensors, grads):
+                    ours.grad, theirs.grad = (None, None) if g is None else (g.clone(), g.clone())
+                by_float.step()
+                if k == 0:
+                    by_tensor.step()  # (the first step creates the state)
+                    continue
+                with HostReads() as reads:
+                    by_tensor.step()
+                assert reads.total == 0 and reads.calls == [], (k, reads.scalar, reads.calls)
+        assert by_tensor.param_groups[0]["lr"] is lr
+        for ours, theirs in zip(floats, tensors):
+            if name == "lans":  # -lr*beta1 and -lr*(1-beta1): in float32 on the tensor, in float64 on the host
+                torch.testing.assert_close(theirs, ours, rtol=2e-6, atol=1e-7)
+            else:
+                assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr=tensor\(-1.\): the learning rate must be"):
+        optimizer_class([torch.nn.Parameter(torch.ones(2))], **{**kwargs, "lr": torch.tensor(-1.0)}, capturable=True)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_capturable_meets_the_references_with_every_switch(path):
     """Every case of tests/test_optim_formulas.py (tiny and no decay, no bias correction, LARS

@@ -270,6 +270,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # every later step raised, and re-adding its parameters said "already in group")
         trial = {**{k: v for k, v in self.defaults.items() if v is not required}, **param_group}
         self._resolve(trial, index)
+        if self._device_lr(trial):  # checked here, once: the step leaves it on its device
+            checks.learning_rate(f"param_groups[{index}]: lr", trial["lr"])
         super().add_param_group({**param_group, "params": params})
 
     def _resolve(self, group: dict, index: int) -> dict:
@@ -279,7 +281,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_groups[{index}]: no {missing[0]!r} and {type(self).__name__} has no default "
                              f"for it; set param_groups[{index}][{missing[0]!r}] (a state dict saved without it "
                              "cannot supply it)")
-        return checks.resolve(group, self._spec, f"param_groups[{index}]: ")
+        if not self._device_lr(group):
+            return checks.resolve(group, self._spec, f"param_groups[{index}]: ")
+        resolved = checks.resolve(group, {k: v for k, v in self._spec.items() if k != "lr"},
+                                  f"param_groups[{index}]: ")
+        return {**resolved, "lr": group["lr"]}
+
+    def _device_lr(self, group: dict) -> bool:
+        """With ``capturable``, a 0-d floating-point tensor LR is used where it lives, never read on the
+        host (a read would synchronise a device, and a CUDA graph could not hold the step); it is
+        checked once, when its group is added (a scheduler then sets it in place, as torch's do)."""
+        lr = group.get("lr")
+        return self.capturable and isinstance(lr, Tensor) and lr.dim() == 0 and lr.is_floating_point()
 
     @staticmethod
     def _adapts(h: dict) -> bool:

@@ -128,6 +128,8 @@ def adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float, bias
     """One row per tensor (n, 9), computed in float64 on the host and copied once per bucket and step;
     with device step counts, computed in float64 on the device (no host read) and cast once."""
     beta1, beta2 = betas
+    if isinstance(lr, Tensor):  # (the kernels take the LR through the step's scale, never this column:
+        lr = 0.0                # a device LR is not read on the host to fill it)
     if on_device(steps):
         return Rows(None, like, device_adam_rows(lr, betas, eps, weight_decay, bias_correction, steps, like))
     if min(steps) < 1:

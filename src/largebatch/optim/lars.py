@@ -75,7 +75,7 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
         diagnostics = local, pinned
         step_scale = local * lr  # (n,)
     else:
-        step_scale = torch.full((n,), float(lr), dtype=params[0].dtype, device=params[0].device)
+        step_scale = params[0].new_ones(n) * lr  # (a tensor LR stays on its device)
     hp = Rows([[momentum, weight_decay]] * n, params[0])  # (n, 2)
     run(lars_apply_kernel, ("x", "g", "buf"), (hp, step_scale), (grad_scale,))
     if large:
