@@ -417,6 +417,16 @@ def test_a_model_transformers_writes_in_shards_exports(gpt_run, tmp_path, monkey
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)
 
 
+def test_an_unfinished_run_exports_with_a_note(cache, tmp_path, capsys):
+    """A stopped run's newest checkpoint is a partly trained model: `export` said nothing of it
+    (finetune did); it now says how far the run got, on stderr."""
+    stopped = train(tiny(cache, tmp_path / "stopped", **{"run.max_steps": 2}))
+    assert cli_main(["export", str(stopped), str(tmp_path / "hf"), "--format", "hf", "--no-verify"]) == 0
+    budget = load_config(stopped / "config.toml").run.total_tokens
+    assert f"note: the run stopped at {2 * 8 * 48:,} of its {budget:,} tokens: this exports a partly " \
+        "trained model" in capsys.readouterr().err
+
+
 def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):
     """A tokenizer without [PAD] (one passed with --tokenizer) exports no pad token and
     pad_token_id null, as GPT-2: no pad token the model has no row for."""

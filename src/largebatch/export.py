@@ -51,6 +51,17 @@ class LoadedRun:
     tokens: int | None = None  # tokens the run had trained on at that checkpoint (None: not recorded)
 
 
+def stopped_early(loaded: LoadedRun) -> str | None:
+    """"the run stopped at N of its B tokens" for a checkpoint before the end of the run's token
+    budget (a stopped run's newest, or a live run's), else None."""
+    run = loaded.config.get("run", {})
+    phases = loaded.config.get("phases") or []
+    budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
+    if loaded.tokens is None or not budget or loaded.tokens >= budget:
+        return None
+    return f"the run stopped at {loaded.tokens:,} of its {int(budget):,} tokens"
+
+
 def check_run_dir_given(run_dir: str | Path) -> None:
     """ExportError for an empty RUN_DIR argument ('' would be read as the working directory)."""
     if isinstance(run_dir, str) and not run_dir.strip():
@@ -277,6 +288,9 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         raise ExportError(f"OUT {str(out)!r} cannot be created: {str(blocked)!r} is a file, not a "
                           "directory; pick an OUT path whose parents are directories")
     loaded = load_run(run_dir, tokenizer_file, log=log)
+    if (stopped := stopped_early(loaded)) is not None:
+        log(f"note: {stopped}: this exports a partly trained model (continue it with `largebatch train "
+            f"--resume` for the finished one)")
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
     host = socket.gethostname()

@@ -305,13 +305,11 @@ def trained_positions(loaded) -> int | None:
 def _partial_note(loaded) -> str | None:
     """What to say of a run judged before the end of its token budget (a stopped run's newest
     checkpoint), or None: the comparison then measures a partly trained model."""
-    run = loaded.config.get("run", {})
-    phases = loaded.config.get("phases") or []
-    budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
-    if loaded.tokens is None or not budget or loaded.tokens >= budget:
-        return None
-    return (f"the run stopped at {loaded.tokens:,} of its {int(budget):,} tokens: this judges a partly "
-            "trained model (continue it with `largebatch train --resume` for the finished one)")
+    from largebatch.export import stopped_early
+
+    stopped = stopped_early(loaded)
+    return None if stopped is None else (f"{stopped}: this judges a partly trained model (continue it "
+                                         "with `largebatch train --resume` for the finished one)")
 
 
 def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
