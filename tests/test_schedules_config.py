@@ -9,14 +9,18 @@ import pytest
 
 from largebatch.schedules import (
     ConstantBatch,
+    Cosine,
     LinearRamp,
+    NoiseScale,
     PiecewiseBatch,
     ScheduleConfig,
     Seesaw,
     SeesawFamily,
     SmithRamp,
+    WarmupHoldPolynomial,
 )
 from largebatch.schedules.cli import main
+from largebatch.schedules.lr import scale_lr_for_batch
 from largebatch.typed_config import field_docs
 
 TOTAL, SEQ = 10_000_000, 128
@@ -258,7 +262,7 @@ def test_whole_token_counts_written_as_floats_stay_whole():
     """Cosine(3e-4, 1e9, 1e8) (a budget as Python writes it) counted its optimizer steps as floats
     (15259.0; ``range()`` of it raised); a fractional budget, a bool, or a table batch of 12.7 (which
     became 12) are refused, naming the argument."""
-    from largebatch.schedules import ConstantBatch, Cosine, PiecewiseBatch, count_optimizer_steps
+    from largebatch.schedules import count_optimizer_steps
 
     schedule = Cosine(3e-4, 1e9, 1e8, 0.1)
     assert type(schedule.total_tokens) is int and type(schedule.warmup_tokens) is int
@@ -303,3 +307,40 @@ def test_cli_plot_is_written_before_the_table_meets_a_closed_pipe(tmp_path):
     proc.stdout.close()  # the reader is gone before a line is printed
     assert proc.wait(timeout=120) == 141, proc.stderr.read()
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("make, error, fragment", [
+    (lambda: Seesaw(Cosine(1e-3, 1000, 100, 0.1), 8, noise_scale_multiple=math.inf), ValueError,
+     "noise_scale_multiple=inf must be > 0 and finite"),
+    (lambda: Seesaw(1e-3, 8), TypeError, "base=0.001 must be an LR schedule"),
+    (lambda: Seesaw(Cosine(1e-3, 1000, 100, 0.1), 8).lr("x"), TypeError, "tokens='x' is a str"),
+    (lambda: next(ConstantBatch(Cosine(1e-3, 1000, 100, 0.1), 8).steps(16, math.nan)), ValueError,
+     "tokens_seen=nan"),
+    (lambda: Cosine(1e-3, 1000, None), TypeError, "warmup_tokens=None is not a number of tokens"),
+    (lambda: WarmupHoldPolynomial(1e-3, 1000, 100, 0.0, 0, math.inf), ValueError, "power=inf must be > 0 and finite"),
+    (lambda: scale_lr_for_batch(math.nan, 64, 32, "sqrt"), ValueError, "lr=nan must be a finite number >= 0"),
+    (lambda: scale_lr_for_batch(-1.0, 64, 32, "sqrt"), ValueError, "lr=-1.0 must be a finite number >= 0"),
+    (lambda: scale_lr_for_batch(1e-3, math.inf, 32, "sqrt"), ValueError, "batch_size=inf must be positive and finite"),
+    (lambda: NoiseScale().update(1.0, True, 0.5, 8), ValueError, "small_batch=True must be a whole number"),
+    (lambda: NoiseScale().update(1.0, 1.5, 0.5, 8), ValueError, "small_batch=1.5 must be a whole number"),
+    (lambda: ScheduleConfig(lr_schedule="wsd", wsd_cooldown=1e-9).build(TOTAL, SEQ), ValueError,
+     "schedule.wsd_cooldown = 1e-09: is 0.01 tokens of the 10,000,000-token budget, less than one"),
+])
+def test_the_python_api_refuses_what_it_cannot_mean(make, error, fragment):
+    """Each of these was accepted (an infinite cap, a negative or NaN LR, an infinite batch, a batch
+    of 1.5 samples, a cooldown of no token) or failed with an error naming no argument."""
+    with pytest.raises(error) as raised:
+        make()
+    assert fragment in str(raised.value)
+
+
+def test_token_lr_takes_an_integer_tensor_of_tokens():
+    import torch
+
+    from largebatch.schedules import TokenLR
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1e-3)
+    scheduler = TokenLR(optimizer, Cosine(1e-3, 10_000, 1_000, 0.1))
+    optimizer.step()
+    scheduler.step(tokens=torch.tensor(512))
+    assert scheduler.tokens_seen == 512 and optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 512 / 1000)

@@ -159,6 +159,8 @@ class JointSchedule:
 
         Each plan is computed when the loop asks for it, so an ``observe_noise_scale`` made during
         a step shapes the next one. They are the steps ``count_optimizer_steps`` counts."""
+        check_batch_size(seq_len, name="seq_len")
+        check_tokens(tokens_seen, "tokens_seen")
         while tokens_seen < self.total_tokens:
             step = self.plan(tokens_seen, seq_len)
             yield step

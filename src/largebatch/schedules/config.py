@@ -352,8 +352,14 @@ register_lr_schedule("cosine", lambda c, peak, total, warmup: lr_module.Cosine(p
 register_lr_schedule("linear", lambda c, peak, total, warmup: lr_module.LinearDecay(peak, total, warmup,
                                                                                     c.final_lr),
                      help="a straight line from peak_lr to final_lr x peak_lr after the warmup")
-register_lr_schedule("wsd", lambda c, peak, total, warmup: lr_module.WSD(peak, total, warmup, c.final_lr,
-                                                                         c.wsd_cooldown, c.wsd_shape),
+def _wsd(c: ScheduleConfig, peak: float, total: int, warmup: int) -> lr_module.LRSchedule:
+    if round(c.wsd_cooldown * total) < 1:
+        c._fail("wsd_cooldown", f"is {c.wsd_cooldown * total:.3g} tokens of the {total:,}-token budget, "
+                "less than one: no cooldown; raise it")
+    return lr_module.WSD(peak, total, warmup, c.final_lr, c.wsd_cooldown, c.wsd_shape)
+
+
+register_lr_schedule("wsd", _wsd,
                      help="warmup-stable-decay: hold peak_lr, cool down over the last wsd_cooldown of the "
                           "budget with wsd_shape (Hu et al. 2024)")
 register_lr_schedule("lans", lambda c, peak, total, warmup: lr_module.WarmupHoldPolynomial(

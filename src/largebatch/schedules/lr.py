@@ -106,8 +106,9 @@ class LRSchedule:
                 "for an absolute end LR e pass final_lr = e / peak_lr")
         for name in ("warmup_tokens", "total_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool):
-                raise TypeError(f"{name}={value!r} is a bool, not a number of tokens")
+            if isinstance(value, bool) or (value is None and name == "warmup_tokens"):
+                raise TypeError(f"{name}={value!r} is not a number of tokens (0: no warmup)"
+                                if value is None else f"{name}={value!r} is a bool, not a number of tokens")
             if value is not None:
                 check_tokens(value, name)
             if isinstance(value, float) and value.is_integer():  # 1e9 as Python writes it: a whole count
@@ -241,8 +242,8 @@ class WarmupHoldPolynomial(LRSchedule):
             raise ValueError(
                 f"warmup_tokens + hold_tokens = {self.warmup_tokens + self.hold_tokens} must be "
                 f"shorter than total_tokens={self.total_tokens}")
-        if not self.power > 0:
-            raise ValueError(f"power={self.power!r} must be > 0")
+        if not (self.power > 0 and math.isfinite(self.power)):
+            raise ValueError(f"power={self.power!r} must be > 0 and finite")
 
     def _decay(self, tokens: float) -> float:
         decay_start = self.warmup_tokens + self.hold_tokens
@@ -320,12 +321,15 @@ def scale_lr_for_batch(lr: float, batch_size: int, reference_batch_size: int,
     """
     if policy not in COUPLING_POLICIES:
         raise ValueError(f"lr coupling policy={policy!r} is not one of {COUPLING_POLICIES}")
+    check_number(lr, "lr")
     check_number(batch_size, "batch_size")
     check_number(reference_batch_size, "reference_batch_size")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr={lr!r} must be a finite number >= 0")
     bad = [f"{name}={value!r}" for name, value in (("batch_size", batch_size),
                                                    ("reference_batch_size", reference_batch_size))
-           if not value > 0]
+           if not (value > 0 and math.isfinite(value))]
     if bad:
-        raise ValueError(f"{' and '.join(bad)} must be positive (sequences per optimizer step)")
+        raise ValueError(f"{' and '.join(bad)} must be positive and finite (sequences per optimizer step)")
     exponent = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}[policy]
     return lr * (batch_size / reference_batch_size) ** exponent

@@ -19,6 +19,7 @@ Batch sizes are in sequences, so B_simple is too.
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def _as_float(value, name: str) -> float:
@@ -43,6 +44,9 @@ class NoiseScale:
         """Feed |G_small|^2 at ``small_batch`` and |G_big|^2 at ``big_batch``; return b_simple."""
         small_sq = _as_float(small_sq_norm, "small_sq_norm")
         big_sq = _as_float(big_sq_norm, "big_sq_norm")
+        for name, value in (("small_batch", small_batch), ("big_batch", big_batch)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name}={value!r} must be a whole number of samples (sequences)")
         if not 0 < small_batch < big_batch:
             raise ValueError(f"small_batch={small_batch!r} and big_batch={big_batch!r} need "
                              "0 < small_batch < big_batch (e.g. one micro-batch vs the whole step)")

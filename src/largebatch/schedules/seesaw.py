@@ -121,6 +121,9 @@ class MilestoneSchedule(JointSchedule):
                  lr_batch_exponent: float, max_batch_size: int | None = None,
                  micro_batch: int = 1, dp_size: int = 1,
                  noise_scale_multiple: float | None = None, ratio_name: str = "ratio"):
+        if not isinstance(base, LRSchedule):
+            raise TypeError(f"base={base!r} must be an LR schedule (Cosine(...), WSD(...)): the milestones "
+                            "are where its LR falls by the ratio")
         self.lr_schedule, self.micro_batch, self.dp_size = base, micro_batch, dp_size
         self.milestones = find_milestones(base, ratio, ratio_name)
         self.total_tokens = int(base.total_tokens)
@@ -132,8 +135,8 @@ class MilestoneSchedule(JointSchedule):
                                  f"{batch_size}; raise it or leave it unset")
         if noise_scale_multiple is not None:
             check_number(noise_scale_multiple, "noise_scale_multiple")
-        if noise_scale_multiple is not None and not noise_scale_multiple > 0:
-            raise ValueError(f"noise_scale_multiple={noise_scale_multiple!r} must be > 0 "
+        if noise_scale_multiple is not None and not (noise_scale_multiple > 0 and math.isfinite(noise_scale_multiple)):
+            raise ValueError(f"noise_scale_multiple={noise_scale_multiple!r} must be > 0 and finite "
                              "(the batch is capped at this multiple of B_simple) or None")
         self.ratio, self.batch_growth = ratio, batch_growth
         self.lr_batch_exponent = lr_batch_exponent
@@ -168,7 +171,7 @@ class MilestoneSchedule(JointSchedule):
         return bisect.bisect_right(self.milestones, check_tokens(tokens))
 
     def lr(self, tokens: float) -> float:
-        if tokens < self.lr_schedule.warmup_tokens:
+        if check_tokens(tokens) < self.lr_schedule.warmup_tokens:
             return self.lr_schedule(tokens)  # warmup unchanged
         return self.lrs[self._milestones_passed(tokens)]
 

@@ -110,6 +110,8 @@ class TokenLR(LRScheduler):
                 raise ValueError("TokenLR was built with tokens_per_step=None: call "
                                  "step(tokens=...) with the tokens this optimizer step consumed")
             tokens = self.tokens_per_step if tokens is None else tokens
+            if isinstance(tokens, Tensor) and tokens.dim() == 0 and not tokens.is_floating_point():
+                tokens = int(tokens)  # a count a loop kept as a tensor (a read of it, as int() of any)
             if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
                 raise ValueError(f"step(tokens={tokens!r}): tokens must be an integer >= 0")
             self.tokens_seen += int(tokens)
