@@ -203,3 +203,24 @@ def test_measured_bert_matches_the_model():
         predicted = model_activation_bytes(c, 8, policy, dtype_bytes=4, device="cpu",
                                            mask_fraction=1 / 8)
         assert held.tensor_bytes == pytest.approx(predicted, rel=0.05), policy
+
+
+def test_cpu_memory_in_the_log_is_the_peak_not_what_is_left():
+    """The log's `mem` on CPU was the resident set when the line was written, after the step had
+    freed its activations (387 MiB reported against a 762 MiB peak on a probe's run); it is the
+    process's peak now, as torch's peak allocated is on CUDA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\n"
+            "from largebatch.memory.measure import memory_bytes\n"
+            "cpu = torch.device('cpu')\n"
+            "before = memory_bytes(cpu)\n"
+            "x = torch.ones(64 * 2**20)  # 256 MiB, touched\n"
+            "del x\n"
+            "print(before, memory_bytes(cpu))\n")
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    before, after = map(int, out.stdout.split())
+    assert after - before >= 250 * 2**20, (before, after)

@@ -272,6 +272,33 @@ def test_mfu_counts_each_phase_at_its_own_flops_and_the_configured_mask_share(re
     assert summary["mfu"] == pytest.approx(flops / summary["train_seconds"] / 1e11, rel=0.01)
 
 
+def test_a_log_window_across_the_phase_switch_counts_each_step_at_its_phase(reference, tmp_path):
+    """With a record every 3 steps, one window holds phase 0's last step (seq 32) and phase 1's
+    first two (seq 64): its MFU took every token at phase 1's FLOPs per token (1.8% high on a
+    probe's run); it now counts each step at its own phase's, as the summary does."""
+    from largebatch.data.dataset import BERTDataset
+    from largebatch.models.flops import flops_per_token
+    from largebatch.train.config import load_config
+
+    tmp, config, _ = reference
+    run = tmp_path / "every3"
+    assert main([str(config), f"--run.out_dir={run}", "--run.log_every_steps=3", "--run.plots=false"]) == 0
+    cfg = load_config(run / "config.toml")
+    per_token = {s: flops_per_token(cfg.model, seq_len=s, mask_fraction=BERTDataset.predicted_fraction(
+        s, cfg.data.mlm_probability)) for s in (32, 64)}
+    assert per_token[32] != per_token[64]
+    done, crossed = 0, False
+    for r in train_records(run):
+        first = max(0, min(r["tokens"], 2048) - done)  # phase 0: 2048 tokens at seq 32
+        second = r["tokens"] - done - first
+        crossed |= first > 0 and second > 0
+        seconds = (r["tokens"] - done) / r["tokens_per_s"]
+        expected = (first * per_token[32] + second * per_token[64]) / seconds / 1e11
+        assert r["mfu"] == pytest.approx(expected, rel=1e-9), r["step"]
+        done = r["tokens"]
+    assert crossed
+
+
 def test_masked_lm_accuracy_is_logged_per_phase_and_recomputes_from_the_checkpoint(reference, tiny_data_cache):
     """The last evaluation's accuracy equals argmax-vs-label counted here from the final weights, on the
     same validation sequences at the last phase's length (the masking depends only on the index)."""

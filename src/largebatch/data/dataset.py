@@ -122,10 +122,12 @@ class BERTDataset(PackedDataset):
     @staticmethod
     def predicted_fraction(seq_len: int, mlm_probability: float) -> float:
         """The expected share of a sequence's positions chosen for prediction (BERT's output layer
-        runs on those only): ``mlm_probability`` of the seq_len - 2 positions between [CLS] and
-        [SEP]. Special tokens inside the text (document separators) are never chosen either; they
-        are not subtracted here."""
-        return mlm_probability * (seq_len - 2) / seq_len
+        runs on those only): each of the n = seq_len - 2 positions between [CLS] and [SEP] with
+        probability p, and one when none was (masking.mask_tokens), so n p + (1 - p)^n of seq_len.
+        Special tokens inside the text (document separators) are never chosen either; they are not
+        subtracted here."""
+        n = seq_len - 2
+        return (mlm_probability * n + (1 - mlm_probability) ** n) / seq_len
 
     def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
         keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)  # (B,)

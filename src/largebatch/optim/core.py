@@ -470,7 +470,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             ratio, pinned = torch.cat([r for r, _ in parts]), torch.cat([p for _, p in parts])
         if not ratio.numel():
             return None
-        stats = torch.stack([ratio.min(), ratio.median(), ratio.max(), pinned.sum().float()]).tolist()
+        # the median of an even count is the mean of the two middle values (torch's median is the lower)
+        stats = torch.stack([ratio.min(), ratio.float().quantile(0.5).to(ratio.dtype), ratio.max(),
+                             pinned.sum().float()]).tolist()
         return {"min": stats[0], "median": stats[1], "max": stats[2], "pinned": int(stats[3]),
                 "count": int(ratio.numel())}
 

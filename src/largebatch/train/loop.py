@@ -488,7 +488,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         run, pos = self.cfg.run, self.pos
         self.log(self.describe())
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
-        steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens)  # mark: the last record
+        steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens, pos.model_flops)  # the last record
         self._warned_mfu = False
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
         self.model.train()

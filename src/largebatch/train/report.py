@@ -45,15 +45,20 @@ class Reporting:
         record["noise_scale"] = self.noise.b_simple
         return record
 
-    def _log_step(self, record: dict[str, Any], progress, mark: tuple[float, int]) -> tuple[float, int]:
+    def _log_step(self, record: dict[str, Any], progress,
+                  mark: tuple[float, int, float]) -> tuple[float, int, float]:
         """Log a step's record with tokens/s and MFU over the optimizer steps' own time since
-        ``mark`` (train seconds, tokens) of the last record -- evaluations and checkpoints in between
-        are not training throughput -- and memory; returns the new mark."""
+        ``mark`` (train seconds, tokens, model FLOPs) of the last record -- evaluations and
+        checkpoints in between are not training throughput -- and memory; returns the new mark.
+        MFU counts each step at its own phase's FLOPs per token (a window across a phase switch
+        mixes two sequence lengths)."""
         pos = self.pos
         record = self.log_record(record)
-        tps = (pos.tokens - mark[1]) / max(pos.train_seconds - mark[0], 1e-9)
+        seconds = max(pos.train_seconds - mark[0], 1e-9)
+        tps = (pos.tokens - mark[1]) / seconds
+        mfu = (pos.model_flops - mark[2]) / seconds / (self.peak_flops * self.par.world_size)
         record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                      mfu=self._mfu(tps), memory_bytes=memory_bytes(self.device))
+                      mfu=mfu, memory_bytes=memory_bytes(self.device))
         if record["mfu"] > 1 and not self._warned_mfu:
             self._warned_mfu = True
             self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
@@ -62,7 +67,7 @@ class Reporting:
         progress.update(pos.tokens, tps, f"loss {record['loss']:.3f}")
         if not progress.enabled:
             self.log(format_record(record))
-        return pos.train_seconds, pos.tokens
+        return pos.train_seconds, pos.tokens, pos.model_flops
 
     def _resume_command(self) -> str:
         """How to continue a stopped run."""
@@ -70,10 +75,6 @@ class Reporting:
         if self.par.distributed:
             return f"the same torchrun command, with `{command}` (or the same arguments again)"
         return f"{command} (or the same command again)"
-
-    def _mfu(self, tokens_per_s: float) -> float:
-        """Model FLOPs utilisation of all devices of the job (each with the same peak)."""
-        return self.flops_per_token * tokens_per_s / (self.peak_flops * self.par.world_size)
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token (no recomputation: MFU's numerator) at ``seq_len``; for a masked
