@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,3 +229,22 @@ def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_pa
     smaller = tiny_overrides(cache, tmp_path / "smaller", **{"model.vocab_size": 500})
     assert main(["--check", *[f"--{k}={json.dumps(v)}" for k, v in smaller.items()]]) == 2
     assert "model.vocab_size=500 is smaller than the tokenizer's 512 ids" in capsys.readouterr().err
+
+
+def test_the_unigram_baseline_is_also_given_on_the_evaluated_tokens(reference_run):
+    """The validation loss is measured on run.eval_tokens tokens, the unigram baseline was on the
+    whole validation split: with a small slice a model no better than the unigram looked better
+    than it. The summary also gives the baseline on the evaluated targets (float64 here, from the
+    train split's add-one-smoothed counts)."""
+    from largebatch.data import build_data
+
+    cache, out, summary = reference_run
+    cfg = load_config(out / "config.toml")
+    data = build_data(cfg.data, cfg.model.seq_len, "causal")
+    n = cfg.run.eval_tokens // cfg.model.seq_len
+    targets = data.val.get_batch(range(n))["targets"].numpy().ravel()
+    counts = np.bincount(data.train.tokens, minlength=data.vocab_size).astype(np.float64)
+    log_p = np.log((counts + 1) / (counts.sum() + data.vocab_size))
+    assert summary["unigram_eval_loss"] == pytest.approx(-log_p[targets].mean(), rel=1e-12)
+    assert summary["unigram_eval_accuracy"] == pytest.approx((targets == counts.argmax()).mean(), rel=1e-12)
+    assert summary["unigram_eval_loss"] != pytest.approx(summary["unigram_val_loss"], abs=1e-4)

@@ -93,20 +93,23 @@ class Data:
     seq_len: int
     special_ids: dict[str, int]
 
-    def unigram_loss(self) -> float:
-        """Cross-entropy (nats/token) of the validation stream under the train-split unigram
-        distribution, add-one smoothed over the vocabulary: the loss of a model that ignores
-        context entirely. A trained model's validation loss should be well below it."""
+    def unigram_loss(self, targets=None) -> float:
+        """Cross-entropy (nats/token) of the validation stream (or of ``targets``: the tokens an
+        evaluation predicts) under the train-split unigram distribution, add-one smoothed over the
+        vocabulary: the loss of a model that ignores context entirely. A trained model's validation
+        loss should be well below it."""
         train_counts = np.bincount(self.train.tokens, minlength=self.vocab_size).astype(np.float64)
         log_prob = np.log((train_counts + 1.0) / (train_counts.sum() + self.vocab_size))
-        val_counts = np.bincount(self.val.tokens, minlength=self.vocab_size).astype(np.float64)
+        tokens = self.val.tokens if targets is None else np.asarray(targets, dtype=np.int64)
+        val_counts = np.bincount(tokens, minlength=self.vocab_size).astype(np.float64)
         return float(-(val_counts * log_prob).sum() / val_counts.sum())
 
-    def unigram_accuracy(self) -> float:
-        """Share of validation tokens equal to the train split's most frequent token: the accuracy of
-        a model that ignores context (the floor a trained model's accuracy should clear)."""
+    def unigram_accuracy(self, targets=None) -> float:
+        """Share of validation tokens (or of ``targets``) equal to the train split's most frequent
+        token: the accuracy of a model that ignores context (the floor a trained model's accuracy
+        should clear)."""
         most = np.bincount(self.train.tokens, minlength=self.vocab_size).argmax()
-        return float((np.asarray(self.val.tokens) == most).mean())
+        return float((np.asarray(self.val.tokens if targets is None else targets) == most).mean())
 
     def decode(self, ids) -> str:
         return self.train.decode(ids)

@@ -251,6 +251,12 @@ def _note_once(line: str) -> None:
         print(line, file=sys.stderr)
 
 
+def _on_these(s: dict, key: str, whole: float) -> str:
+    """The baseline on the evaluated tokens, where it differs from the whole split's in 4 digits."""
+    value = s.get(key)
+    return "" if value is None or f"{value:.4f}" == f"{whole:.4f}" else f" ({value:.4f} on the evaluated tokens)"
+
+
 def format_summary(s: dict, run_dir: Path) -> str:
     from largebatch.models.flops import mfu_over_peak
     from largebatch.train.progress import human_bytes, human_count
@@ -259,9 +265,11 @@ def format_summary(s: dict, run_dir: Path) -> str:
         "",
         "== summary ==",
         f"validation loss   {s['final_val_loss']:.4f} nats/token (ppl {s['final_val_ppl']:.1f}); "
-        f"unigram baseline {s['unigram_val_loss']:.4f}",
+        f"unigram baseline {s['unigram_val_loss']:.4f}{_on_these(s, 'unigram_eval_loss', s['unigram_val_loss'])}",
         *([f"val accuracy      {s['final_val_accuracy']:.4f} of predicted tokens ranked first; unigram "
-            f"baseline {s['unigram_val_accuracy']:.4f}"] if s.get("final_val_accuracy") is not None else []),
+            f"baseline {s['unigram_val_accuracy']:.4f}"
+            f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
+          if s.get("final_val_accuracy") is not None else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
         f"{s['train_seconds']:.1f} s",
         f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "

@@ -1,11 +1,12 @@
 """Evaluation: the validation loss and accuracy of the trainer's model, split over data-parallel ranks.
 
-The validation slice is fixed (``run.eval_tokens`` from the start of the validation split, packed at
-the current phase's length), so every evaluation of a run, and of a resumed run, sees the same
-tokens. Accuracy is the share of predicted tokens whose most likely token is the target (BERT: the
-masked-LM accuracy over the masked positions); it is None under pipeline parallel (the logits are
-on the last stage only). Under the vocabulary-parallel loss the best token is found without
-gathering the logits (largebatch.parallel.tensor_parallel.vocab_parallel_argmax).
+The validation slice is fixed (``run.eval_tokens`` tokens: the first samples, packed at the current
+phase's length, of the validation split in a fixed shuffled order), so every evaluation of a run,
+and of a resumed run, sees the same tokens. Accuracy is the share of predicted tokens whose most
+likely token is the target (BERT: the masked-LM accuracy over the masked positions); it is None
+under pipeline parallel (the logits are on the last stage only). Under the vocabulary-parallel
+loss the best token is found without gathering the logits
+(largebatch.parallel.tensor_parallel.vocab_parallel_argmax).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import math
 import signal
 
+import numpy as np
 import torch
 
+from largebatch.data import IGNORE_INDEX
 from largebatch.models.registry import model_spec
 from largebatch.parallel.batch import global_sum
 from largebatch.train.deferred import target_count
@@ -94,6 +97,19 @@ class Evaluation:
         count = global_sum(count, par)
         self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
         return float(global_sum(total, par) / count)
+
+    def evaluated_targets(self) -> np.ndarray:
+        """The targets an evaluation predicts (the same fixed slice, at the current phase's length;
+        BERT: the masked positions), for a unigram baseline over the very tokens the validation loss
+        is measured on (the whole split's differs when ``run.eval_tokens`` is small)."""
+        seq_len, mb = self.phase.seq_len, self.cfg.run.eval_micro_batch or self.phase.micro_batch
+        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
+        parts = []
+        for start in range(0, n, mb):
+            batch = self.data.val.get_batch(range(start, min(n, start + mb)))
+            labels = (batch["targets"] if "targets" in batch else batch["labels"]).numpy()
+            parts.append(labels[labels != IGNORE_INDEX])
+        return np.concatenate(parts)
 
     def _reshard(self) -> None:
         """Free what an evaluation left gathered under FSDP2: the root keeps its parameters unsharded

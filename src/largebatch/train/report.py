@@ -123,6 +123,9 @@ class Reporting:
                    "noise_scale": self.noise.b_simple}
         summary["final_val_accuracy"] = self.val_accuracy
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
+        evaluated = self.evaluated_targets()  # the baseline on the tokens the validation loss is on
+        summary["unigram_eval_loss"] = self.data.unigram_loss(evaluated)
+        summary["unigram_eval_accuracy"] = self.data.unigram_accuracy(evaluated)
         if self.cfg.phases:
             summary["phase_val_losses"] = [*self.phase_val_losses, val_loss]
         if model_spec(self.cfg.model.kind).objective == "causal" and self.cfg.run.sample_tokens:
