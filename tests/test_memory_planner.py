@@ -261,8 +261,11 @@ def test_cli_takes_the_train_spelling_of_config_fields(capsys):
 def test_estimates_and_plans_follow_the_pipeline_schedule(schedule, virtual, m, capsys):
     """The first stage's activations scale with the layers' worth its schedule keeps against 1F1B's L
     (Korthikanti et al. 2022 §4.2.3: interleaved L (1 + (p-1)/(pV)), GPipe m L/p; zero bubble: the
-    walk of torch's action lists); the parameters, gradients and optimizer state do not; and the CLI
+    walk of torch's action lists); the parameters, gradients and optimizer state do not; the
+    estimate is the larger of that rank and the one holding the last stage (GPipe keeps m
+    micro-batches there too, with their logits; ZBV puts the last stage on rank 0); and the CLI
     plans with the schedule it is given."""
+    from largebatch.memory.activations import last_rank_activation_bytes, model_activation_bytes
     from largebatch.memory.pipeline_schedule import walk
 
     c = preset("gpt3-175b")
@@ -273,10 +276,21 @@ def test_estimates_and_plans_follow_the_pipeline_schedule(schedule, virtual, m, 
     worth = {"interleaved-1f1b": L * (1 + (p - 1) / (p * virtual)), "gpipe": m * L / p}.get(schedule)
     if worth is None:
         worth = walk(schedule, p, virtual, m).layers_worth(L)
+    kw = dict(tp=8, pp=p, sequence_parallel=True)
     for policies in ("none", "selective", ["full"] * 3 + ["none"] * 9):
+        first_a = model_activation_bytes(c, 1, policies, **kw)
+        first_b = model_activation_bytes(c, 1, policies, **kw, schedule=schedule, virtual_stages=virtual,
+                                         micro_batches=m)
+        assert first_b == pytest.approx(first_a * worth / L, rel=1e-12)
+        last_b = last_rank_activation_bytes(c, 1, policies, **kw, schedule=schedule, virtual_stages=virtual,
+                                            micro_batches=m)
         a, b = one.estimate(c, policies), other.estimate(c, policies)
-        assert b.activations == pytest.approx(a.activations * worth / L, rel=1e-12)
-        assert (b.parameters, b.gradients, b.optimizer) == (a.parameters, a.gradients, a.optimizer)
+        assert a.activations == first_a  # 1F1B: the last rank keeps one micro-batch, logits split over tp
+        if b.activations == first_b:
+            assert (b.parameters, b.gradients, b.optimizer) == (a.parameters, a.gradients, a.optimizer)
+        else:
+            assert b.activations == last_b > first_b
+            assert b.total >= first_b + a.parameters + a.gradients + a.optimizer - 1
     budget = 80 * GIB
     plan = cheapest_plan(c, other, budget)
     argv = ["--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--sequence-parallel", "--budget-gib", "80",
@@ -333,3 +347,22 @@ def test_the_memory_command_plans_without_torch():
     env = src_env()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_rank_with_the_last_stage_must_fit_too(capsys):
+    """gpt2-small on tp 4 (SP) x pp 4, micro-batch 8, logits gathered (parallel.loss_parallel's
+    default false): the planner checked the first stage only and planned 0.84 GiB, while the last
+    stage keeps the gathered fp32 logits, 4 s b v bytes. Under 1F1B the last rank keeps one
+    micro-batch: with full recomputation its L/p layers keep their inputs, s b h d / t each (SP),
+    and the output layer its norm's and projection's inputs and the logits (by hand here)."""
+    c = preset("gpt2-small")
+    s, b, h, v, t, p, d = c.seq_len, 8, c.n_embd, c.vocab_size, 4, 4, 2
+    setup = Setup(tp=t, pp=p, sequence_parallel=True, micro_batch=b, loss_parallel=False)
+    last = (c.n_layer // p) * s * b * h * d / t + s * b * (2 * h * d / t + 4 * v)
+    full = setup.estimate(c, "full")
+    assert full.activations == pytest.approx(last, rel=1e-12)
+    plan = cheapest_plan(c, setup, 1.2 * GIB)
+    assert plan is None or plan.memory.total <= 1.2 * GIB and plan.memory.activations >= last
+    assert main(["--model", "gpt2-small", "--tp", "4", "--sequence-parallel", "--pp", "4", "--micro-batch", "8",
+                 "--parallel.loss_parallel", "false", "--budget-gib", "1.2"]) == 1
+    assert "Nothing fits in 1.2 GiB at micro-batch 8" in capsys.readouterr().out

@@ -186,6 +186,34 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
                                         mask_fraction=mask_fraction, loss_parallel=loss_parallel)
 
 
+def last_rank_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str | Sequence[str] = "none", *,
+                               tp: int = 1, pp: int, sequence_parallel: bool = False, seq_len: int | None = None,
+                               dtype_bytes: float = 2, device: str = "cuda", training: bool = True,
+                               mask_fraction: float = 0.15, schedule: str = "1f1b", virtual_stages: int = 1,
+                               micro_batches: int, loss_parallel: bool = True) -> float:
+    """Peak activation bytes on the rank that holds the last pipeline stage (rank pp - 1; under ZBV
+    rank 0, which holds the first stage too): the schedule's own action order
+    (``pipeline_schedule.walk``) with each stage's bytes per micro-batch, the output layer's inputs
+    and fp32 logits on the last. It keeps fewer micro-batches in flight than the first rank (1F1B:
+    one) but the logits, 4 s b v bytes (/ tp under ``loss_parallel``), can outweigh them.
+    ``recompute``: one policy or a per-layer list for the L / pp layers of a rank (every rank runs the
+    same mix; a rank's k-th virtual stage takes the k-th share of the list)."""
+    from largebatch.memory.pipeline_schedule import walk  # it imports this module
+
+    virtual = 2 if schedule == "zbv" else virtual_stages if schedule.startswith("interleaved") else 1
+    stages = pp * virtual
+    if config.n_layer % stages:
+        raise ValueError(f"pp x V = {pp} x {virtual} = {stages} stages: must divide n_layer={config.n_layer}.")
+    per_stage = config.n_layer // stages
+    policies = per_layer_policies(recompute, config.n_layer // pp)
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, seq_len=seq_len, dtype_bytes=dtype_bytes,
+              device=device, training=training, mask_fraction=mask_fraction, loss_parallel=loss_parallel)
+    per = {s: stage_activation_bytes(config, micro_batch, per_stage,
+                                     policies[(s // pp) * per_stage:(s // pp + 1) * per_stage],
+                                     first=s == 0, last=s == stages - 1, **kw) for s in range(stages)}
+    return walk(schedule, pp, virtual, micro_batches).peak_bytes(per.__getitem__, 0 if schedule == "zbv" else pp - 1)
+
+
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
                            recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
                            sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,

@@ -393,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
              else [p for p in [cheapest_plan(config, setup, budget)] if p])
     if not plans:
         floor = replace(setup, micro_batch=1).estimate(config, "full")
+        if not auto and setup.micro_batch > 1 and floor.total <= budget:  # a smaller micro-batch fits
+            print(f"\nNothing fits in {args.budget_gib:g} GiB at micro-batch {setup.micro_batch}; micro-batch 1 "
+                  f"with full recomputation needs {floor}: lower --micro-batch, or give --micro-batch auto "
+                  f"for the largest that fits.")
+            return 1
         print(f"\nNothing fits in {args.budget_gib:g} GiB: micro-batch 1 with full recomputation needs "
               f"{floor}.")
         fixes = what_would_fit(config, setup, budget)

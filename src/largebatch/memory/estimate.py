@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from largebatch.memory.activations import model_activation_bytes
+from largebatch.memory.activations import last_rank_activation_bytes, model_activation_bytes
 from largebatch.models.config import ModelConfig
 from largebatch.models.registry import model_spec
 
@@ -25,7 +25,8 @@ GIB = 1024 ** 3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device on the first pipeline stage."""
+    """Bytes per device (under pipeline parallel: on the rank that needs the most, the first or the
+    one holding the last stage)."""
 
     activations: float
     parameters: float
@@ -43,10 +44,13 @@ class MemoryEstimate:
         return f"{self.total / GIB:.2f} GiB ({body})"
 
 
-def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1) -> float:
-    """Parameters held by one device of the first pipeline stage. Matrices and embeddings are split
-    by tp (vocabulary-parallel embedding); LayerNorms, position embeddings and the biases of row-
-    parallel linears are replicated. With tp = pp = 1 this is the model's exact parameter count."""
+def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bool = True,
+                     last: bool | None = None) -> float:
+    """Parameters held by one device of a pipeline rank: its L / pp blocks, the embeddings if it
+    holds the ``first`` stage, the final norm and output layer if it holds the ``last`` (default:
+    only when pp = 1). Matrices and embeddings are split by tp (vocabulary-parallel embedding);
+    LayerNorms, position embeddings and the biases of row-parallel linears are replicated. With
+    tp = pp = 1 this is the model's exact parameter count."""
     h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
     spec = model_spec(config.kind)
     bias = 1 if config.bias else 0
@@ -54,9 +58,10 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1) -> float:
     split = 4 * h * h + 2 * h * f + bias * (3 * h + f)  # q, k, v, proj, fc1, fc2 (+ column biases)
     replicated = bias * 2 * h + spec.layer_norms * norm  # proj and fc2 biases, the block's norms
     n = config.n_layer // pp * (split / tp + replicated)
-    n += v * h / tp + s * h  # token and position embeddings
+    if first:
+        n += v * h / tp + s * h  # token and position embeddings
     # the kind's other modules: norms, heads (the output layer sits on the last stage)
-    return n + spec.stage_parameters(config, tp, True, pp == 1)
+    return n + spec.stage_parameters(config, tp, first, pp == 1 if last is None else last)
 
 
 def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int = 1, dp: int = 1,
@@ -64,8 +69,8 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
              optimizer: str = "adamw", seq_len: int | None = None, dtype_bytes: float = 2,
              zero_stage: int = 0, device: str = "cuda", pp_schedule: str = "1f1b", virtual_stages: int = 1,
              micro_batches: int | None = None, loss_parallel: bool = True) -> MemoryEstimate:
-    """Bytes per device for training `config` (first pipeline stage, which holds the most
-    activations). recompute: one policy or a per-layer list for the L / pp layers of a stage.
+    """Bytes per device for training `config` (under pipeline parallel the larger of the first rank's
+    and the last stage's rank's). recompute: one policy or a per-layer list for the L / pp layers of a stage.
     pp_schedule, virtual_stages, micro_batches (default 2 pp): the pipeline schedule, which sets how
     many layers' worth the first stage keeps (activations.first_stage_layers)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -79,9 +84,26 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
                                   virtual_stages=virtual_stages, micro_batches=micro_batches or 2 * pp,
                                   loss_parallel=loss_parallel)
-    n = stage_parameters(config, tp, pp)
-    state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
-    return MemoryEstimate(activations=acts,
-                          parameters=n * dtype_bytes / (dp if zero_stage >= 3 else 1),
-                          gradients=n * dtype_bytes / (dp if zero_stage >= 2 else 1),
-                          optimizer=state / (dp if zero_stage >= 1 else 1))
+
+    def on_device(acts: float, n: float) -> MemoryEstimate:
+        state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
+        return MemoryEstimate(activations=acts,
+                              parameters=n * dtype_bytes / (dp if zero_stage >= 3 else 1),
+                              gradients=n * dtype_bytes / (dp if zero_stage >= 2 else 1),
+                              optimizer=state / (dp if zero_stage >= 1 else 1))
+
+    first = on_device(acts, stage_parameters(config, tp, pp))
+    if pp == 1:
+        return first
+    # The rank with the last stage keeps fewer micro-batches in flight but the output layer's inputs
+    # and fp32 logits (4 s b v bytes, / tp only under loss_parallel), which the paper leaves out
+    # (§4.3: the first stage dominates) and which can dominate (a large vocabulary, gathered logits,
+    # recomputed layers): the larger of the two is what must fit. Under ZBV rank 0 holds both.
+    last_rank = 0 if pp_schedule == "zbv" else pp - 1
+    last_acts = last_rank_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
+                                           sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                           dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
+                                           virtual_stages=virtual_stages,
+                                           micro_batches=micro_batches or 2 * pp, loss_parallel=loss_parallel)
+    last = on_device(last_acts, stage_parameters(config, tp, pp, first=last_rank == 0, last=True))
+    return last if last.total > first.total else first

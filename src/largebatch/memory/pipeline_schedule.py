@@ -22,6 +22,7 @@ a rank is idle. Communication is free in this timing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -161,8 +162,10 @@ def _timing(actions: list[list[tuple[str, int, int]]], n_stages: int) -> tuple[l
     return [makespan - sum(COST[k] for k, _, _ in todo) for todo in actions], makespan
 
 
+@functools.lru_cache(maxsize=64)
 def walk(schedule: str, pp: int, virtual: int, micro_batches: int) -> ScheduleWalk:
-    """Activations in flight per rank and the bubble of ``schedule`` at (p, V, m) (module docstring)."""
+    """Activations in flight per rank and the bubble of ``schedule`` at (p, V, m) (module docstring);
+    a pure function of its arguments, kept for the planner, which asks once per recompute mix."""
     actions = torch_order(schedule, pp, virtual, micro_batches)
     idle, makespan = _timing(actions, pp * virtual)
     return ScheduleWalk(schedule, pp, virtual, micro_batches, tuple(tuple(a) for a in actions),

@@ -163,16 +163,23 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
     for _, tp, pp, zero in grid:
         if (tp, pp, zero) == (setup.tp, setup.pp, setup.zero_stage):
             continue
-        changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero,
+        virtual = 2 if setup.pp_schedule == "zbv" else setup.pp_virtual_stages
+        if pp > 1 and (config.n_layer // pp) % (virtual if setup.pp_schedule.startswith("interleaved") else 1):
+            continue  # the interleaved schedule needs V to divide the layers per rank
+        # the asked m carries over (it is the global batch / micro-batch), named in the command, where
+        # the schedule can run it at this pp (all but GPipe need m >= pp); else the command's default 2 pp
+        m = setup.pp_micro_batches
+        if m is None or (setup.pp_schedule != "gpipe" and m < pp):
+            m = 2 * pp
+        changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero, pp_micro_batches=m,
                           sequence_parallel=setup.sequence_parallel or tp > 1)
         try:
             fits = changed.estimate(config, "full").total <= budget_bytes
-        except ValueError:  # the schedule cannot run at this pp (V does not divide the layers per rank)
+        except ValueError:  # the schedule cannot run at this pp
             continue
         if fits:
             flags = f"--tp {tp}{' --sequence-parallel' if tp > 1 else ''} --pp {pp}"
-            m = setup.pp_micro_batches
-            if pp > 1 and m is not None and m != 2 * pp:  # (the command's m is 2 pp unless given)
+            if pp > 1 and m != 2 * pp:  # (the command's m is 2 pp unless given)
                 flags += f" --pp-micro-batches {m}"
             found.append(flags + (f" --zero-stage {zero}" if zero else ""))
             if len(found) == 3:
