@@ -366,3 +366,33 @@ def test_the_rank_with_the_last_stage_must_fit_too(capsys):
     assert main(["--model", "gpt2-small", "--tp", "4", "--sequence-parallel", "--pp", "4", "--micro-batch", "8",
                  "--parallel.loss_parallel", "false", "--budget-gib", "1.2"]) == 1
     assert "Nothing fits in 1.2 GiB at micro-batch 8" in capsys.readouterr().out
+
+
+def test_flags_given_on_the_command_line_win_over_the_config_even_at_their_defaults(tmp_path, capsys):
+    """`--micro-batch 1` against a config's micro_batch 16 planned b = 16 (a flag equal to its default
+    counted as not given), and `--parallel.sequence_parallel false` could not turn the config's SP
+    off; a config with parallel.dp_mode = 'fsdp' was planned with nothing sharded."""
+    config = tmp_path / "tp.toml"
+    config.write_text('[model]\nkind = "gpt"\nn_layer = 8\nn_embd = 256\nn_head = 8\nseq_len = 256\n'
+                      '[run]\nmicro_batch = 4\n[parallel]\ntp = 4\npp = 2\nsequence_parallel = true\n')
+    assert main(["--config", str(config), "--tp", "1", "--pp", "1", "--parallel.sequence_parallel", "false",
+                 "--micro-batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "b=1 h=256 a=8 t=1 L=8" in out and "Pipeline schedule" not in out
+    assert main(["--config", "gpt2-small", "--micro-batch", "1"]) == 0
+    assert "s=1024 b=1 " in capsys.readouterr().out
+    fsdp = tmp_path / "fsdp.toml"
+    fsdp.write_text('[model]\nkind = "gpt"\nn_layer = 8\nn_embd = 2048\nn_head = 16\nseq_len = 256\n'
+                    '[parallel]\ndp = 8\ndp_mode = "fsdp"\n')
+
+    def state(argv):  # the no-recompute line's (parameters, gradients, optimizer) in GiB
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
+        return out, [float(re.search(f"{part} ([0-9.]+)", line).group(1))
+                     for part in ("parameters", "gradients", "optimizer")]
+
+    out, sharded = state(["--config", str(fsdp)])
+    _, whole = state(["--config", str(fsdp), "--zero-stage", "0"])
+    assert "planned as ZeRO stage 3 over 8 ranks" in out
+    assert whole[2] > 2 and all(abs(a - b / 8) <= 0.01 for a, b in zip(sharded, whole))

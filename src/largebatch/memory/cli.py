@@ -83,22 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "at its own sequence length and micro-batch (default: the model's context, run.micro_batch)")
     p.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=int,
                    help="sequence length s (default: the preset's)")
-    p.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", default="1",
-                   help="micro-batch b, or 'auto' to sweep 1, 2, 4, ...")
-    p.add_argument("--parallel.tp", "--tp", dest="tp", type=int, default=1, help="tensor-parallel size t")
-    p.add_argument("--parallel.pp", "--pp", dest="pp", type=int, default=1, help="pipeline-parallel size p")
+    # the sizes default to None, filled in after a --config has given its own: a flag given on the
+    # command line wins even when it equals the built-in default (DEFAULTS)
+    p.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch",
+                   help="micro-batch b, or 'auto' to sweep 1, 2, 4, ... (default 1, or the --config's)")
+    p.add_argument("--parallel.tp", "--tp", dest="tp", type=int, help="tensor-parallel size t (default 1)")
+    p.add_argument("--parallel.pp", "--pp", dest="pp", type=int, help="pipeline-parallel size p (default 1)")
     p.add_argument("--parallel.pp_virtual_stages", "--pp-virtual-stages", dest="pp_virtual_stages", type=int,
-                   default=2,
                    help="V, stages per rank of the interleaved schedule in the --pp table (default 2)")
     p.add_argument("--pp-micro-batches", type=int,
                    help="m, micro-batches per step in the --pp table: GPipe's activations, every bubble "
                    "(default 2 p)")
     p.add_argument("--parallel.pp_schedule", "--pp-schedule", dest="pp_schedule", default="all",
                    choices=("all",) + SCHEDULES, help="the --pp table's row (default all schedules)")
-    p.add_argument("--parallel.dp", "--dp", dest="dp", type=int, default=1,
+    p.add_argument("--parallel.dp", "--dp", dest="dp", type=int,
                    help="data-parallel ranks the state is sharded over (matters with --zero-stage): dp, "
-                   "or under HSDP dp / dp_replicate")
-    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+                   "or under HSDP dp / dp_replicate (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="Megatron sequence parallelism")
     p.add_argument("--parallel.sequence_parallel", dest="sequence_parallel", type=_boolean, metavar="true|false",
                    help="the same, spelled as in largebatch train")
     p.add_argument("--parallel.loss_parallel", dest="loss_parallel", type=_boolean, metavar="true|false",
@@ -111,8 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype-bytes", type=finite_float,
                    help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32; default 2, "
                    "or from the --config's run.dtype)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage of the data-parallel sharding (default 0; a --config with parallel.dp_mode "
+                   "= 'fsdp' gives 3: FSDP shards parameters, gradients and optimizer state)")
     return p
+
+
+DEFAULTS = {"micro_batch": "1", "tp": 1, "pp": 1, "pp_virtual_stages": 2, "dp": 1, "zero_stage": 0,
+            "sequence_parallel": False}
 
 
 def _config(args: argparse.Namespace) -> ModelConfig:
@@ -135,7 +143,7 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
-    explicit_micro_batch = args.micro_batch != "1"
+    explicit_micro_batch = args.micro_batch is not None
     path = config_file(args.config)  # a file or a shipped config's name
     if path is None:
         raise ValueError(f"--config {args.config!r} is neither a file nor a shipped config; shipped: "
@@ -146,7 +154,7 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         model["vocab_size"] = tree["data"]["vocab_size"]
     config = from_dict(ModelConfig, model, prefix="model")
     run, par = tree.get("run", {}), tree.get("parallel", {})
-    if args.micro_batch == "1" and "micro_batch" in run:
+    if args.micro_batch is None and "micro_batch" in run:
         args.micro_batch = str(run["micro_batch"])
     if args.dtype_bytes is None:
         args.dtype_bytes = 2 if run.get("dtype", TRAIN_DEFAULTS["run.dtype"]) == "bf16" else 4
@@ -159,17 +167,22 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         args.optimizer = tree.get("optim", {}).get("name", TRAIN_DEFAULTS["optim.name"])
     recompute = run.get("recompute", ["none"])
     args.config_recompute = recompute[0] if isinstance(recompute, list) and len(recompute) == 1 else recompute
-    if args.tp == 1:
+    if args.tp is None:
         args.tp = par.get("tp", 1)
-    if args.pp == 1:
+    if args.pp is None:
         args.pp = par.get("pp", 1)
-    if args.pp_virtual_stages == 2 and par.get("pp_virtual_stages", 1) > 1:
+    if args.pp_virtual_stages is None and par.get("pp_virtual_stages", 1) > 1:
         args.pp_virtual_stages = par["pp_virtual_stages"]
     if args.pp_schedule == "all" and "pp_schedule" in par:
         args.pp_schedule = par["pp_schedule"]
-    if args.dp == 1:  # the ranks the state is sharded over: under HSDP one replica group's
+    if args.dp is None:  # the ranks the state is sharded over: under HSDP one replica group's
         args.dp = (par.get("dp", 0) or 1) // (par.get("dp_replicate", 1) if par.get("dp_mode") == "fsdp" else 1)
-    args.sequence_parallel = args.sequence_parallel or bool(par.get("sequence_parallel", False))
+    if args.zero_stage is None and par.get("dp_mode") == "fsdp" and args.dp > 1:
+        args.zero_stage = 3  # FSDP2 shards parameters, gradients and optimizer state over those ranks
+        args.notes.append(f"parallel.dp_mode = 'fsdp': planned as ZeRO stage 3 over {args.dp} ranks "
+                          "(parameters, gradients and optimizer state sharded; --zero-stage changes it)")
+    if args.sequence_parallel is None:
+        args.sequence_parallel = bool(par.get("sequence_parallel", False))
     if args.loss_parallel is None:
         args.loss_parallel = bool(par.get("loss_parallel", TRAIN_DEFAULTS["parallel.loss_parallel"]))
     split = par.get("pp_split")
@@ -181,16 +194,16 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         config = config.replace(n_layer=largest * args.pp)
     if args.phase is not None:
         config = _phase(args, tree, config, explicit_micro_batch)
-    if args.pp > 1 and args.pp_micro_batches is None and args.micro_batch.isdigit():
+    if args.pp > 1 and args.pp_micro_batches is None and (args.micro_batch or "1").isdigit():
         # micro-batches per step: the step's batch over micro_batch x the data-parallel ranks
         schedule = dict(tree.get("schedule", {}))
         if args.phase is not None:  # (a valid index: _phase checked it) a phase's own schedule fields
             schedule.update(tree["phases"][args.phase].get("schedule", {}))
         batch = from_dict(ScheduleConfig, schedule, prefix="schedule").batch_size
         ranks = par.get("dp", 0) or 1
-        args.pp_micro_batches = max(1, batch // (int(args.micro_batch) * ranks))
+        args.pp_micro_batches = max(1, batch // (int(args.micro_batch or "1") * ranks))
         args.notes.append(f"pipeline micro-batches m = {args.pp_micro_batches}: schedule.batch_size {batch} / "
-                          f"(micro_batch {args.micro_batch} x dp {ranks}); a schedule that grows the batch "
+                          f"(micro_batch {args.micro_batch or 1} x dp {ranks}); a schedule that grows the batch "
                           "keeps more at its largest: give --pp-micro-batches for that step")
     return config
 
@@ -329,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dtype-bytes {args.dtype_bytes:g}: bytes per stored value, from 1 (fp8) to 8 "
                              f"(fp64); 2 for fp16/bf16, 4 for fp32")
         config = _config(args)
+        for name, value in DEFAULTS.items():  # what neither the command line nor a --config gave
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         args.dtype_bytes = 2 if args.dtype_bytes is None else args.dtype_bytes
         args.optimizer = args.optimizer or "adamw"
         args.loss_parallel = True if args.loss_parallel is None else args.loss_parallel
@@ -346,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
                       pp_schedule=schedule, pp_virtual_stages=virtual,
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
+                      # transformers' BertForMaskedLM runs its head on every position, not the masked ones
+                      mask_fraction=1.0 if args.hf_config and config.kind == "bert" else 0.15,
                       hf_activation=hf_activation(args.hf_config) if eager else None)
         if setup.sequence_parallel and setup.tp == 1:  # as the trainer: with one tp rank it splits nothing
             raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence across the "
@@ -378,10 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.config_recompute not in (None, ["none"], "none"):
             policies = args.config_recompute
             try:
-                layers = per_layer_policies(policies, config.n_layer)[: config.n_layer // args.pp]
+                layers = per_layer_policies(policies, config.n_layer)
             except ValueError as err:
                 raise ValueError(f"run.recompute = {policies!r} in {args.config}: {err}") from None
-            lines.append(f"Per device, the config's run.recompute = {policies}: {setup.estimate(config, layers)}")
+            # the list runs over the whole model: each rank has its own slice (the planner's mixes are
+            # one per rank); the rank that needs the most, each slice taken as every rank's
+            per_rank = config.n_layer // args.pp
+            worst = max((setup.estimate(config, layers[r * per_rank:(r + 1) * per_rank]) for r in range(args.pp)),
+                        key=lambda e: e.total)
+            lines.append(f"Per device, the config's run.recompute = {policies}: {worst}")
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2

@@ -68,11 +68,13 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
              sequence_parallel: bool = False, recompute: str | Sequence[str] = "none",
              optimizer: str = "adamw", seq_len: int | None = None, dtype_bytes: float = 2,
              zero_stage: int = 0, device: str = "cuda", pp_schedule: str = "1f1b", virtual_stages: int = 1,
-             micro_batches: int | None = None, loss_parallel: bool = True) -> MemoryEstimate:
+             micro_batches: int | None = None, loss_parallel: bool = True,
+             mask_fraction: float = 0.15) -> MemoryEstimate:
     """Bytes per device for training `config` (under pipeline parallel the larger of the first rank's
     and the last stage's rank's). recompute: one policy or a per-layer list for the L / pp layers of a stage.
     pp_schedule, virtual_stages, micro_batches (default 2 pp): the pipeline schedule, which sets how
-    many layers' worth the first stage keeps (activations.first_stage_layers)."""
+    many layers' worth the first stage keeps (activations.first_stage_layers). mask_fraction: the
+    share of positions a BERT head runs on (largebatch's: the masked ones; transformers': all, 1)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZER_STATE_BYTES)}.")
     if zero_stage not in (0, 1, 2, 3):
@@ -83,7 +85,7 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
                                   sequence_parallel=sequence_parallel, seq_len=seq_len,
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
                                   virtual_stages=virtual_stages, micro_batches=micro_batches or 2 * pp,
-                                  loss_parallel=loss_parallel)
+                                  loss_parallel=loss_parallel, mask_fraction=mask_fraction)
 
     def on_device(acts: float, n: float) -> MemoryEstimate:
         state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
@@ -104,6 +106,7 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
                                            sequence_parallel=sequence_parallel, seq_len=seq_len,
                                            dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
                                            virtual_stages=virtual_stages,
-                                           micro_batches=micro_batches or 2 * pp, loss_parallel=loss_parallel)
+                                           micro_batches=micro_batches or 2 * pp, loss_parallel=loss_parallel,
+                                           mask_fraction=mask_fraction)
     last = on_device(last_acts, stage_parameters(config, tp, pp, first=last_rank == 0, last=True))
     return last if last.total > first.total else first

@@ -84,10 +84,14 @@ def _load(source: str | Path | Mapping) -> dict:
         raise ValueError(f"hf config {str(source)!r}: no such file; give a config.json or a "
                          "directory holding one.")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"hf config {str(path)!r}: not valid JSON ({err.msg} at line {err.lineno}); "
                          "give a Hugging Face config.json.") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"hf config {str(path)!r}: holds a JSON {type(raw).__name__}, not an object of "
+                         "fields; give a Hugging Face config.json.")
+    return raw
 
 
 def _model_type(raw: dict) -> str:
@@ -118,7 +122,13 @@ def _field(raw: dict, name: str, default=None):
 def _dropout(raw: dict, names: tuple[str, ...]) -> float:
     """One dropout probability for the model: the memory model only needs to know whether the masks
     exist, so equal-or-not probabilities are fine, but some on and some off is not describable."""
-    probs = {name: float(raw.get(name, 0.1)) for name in names}
+    probs = {}
+    for name in names:
+        value = raw.get(name, 0.1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"hf config field {name!r}={value!r}: expected a dropout probability, a number "
+                             "in [0, 1)")
+        probs[name] = float(value)
     on = [n for n, p in probs.items() if p > 0]
     if on and len(on) < len(probs):
         off = [n for n in probs if n not in on]

@@ -44,6 +44,9 @@ class Setup:
     loss_parallel: bool = True
     """The logits stay split over the vocabulary across tp (the paper's layout); False: gathered on
     every rank, as the trainer does unless parallel.loss_parallel."""
+    mask_fraction: float = 0.15
+    """The share of positions a BERT head runs on: largebatch's masked ones; transformers'
+    BertForMaskedLM computes its head and logits on every position (1)."""
     hf_activation: str | None = None
     """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
     layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
@@ -63,7 +66,8 @@ class Setup:
                        optimizer=self.optimizer, seq_len=self.seq_len,
                        dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage,
                        pp_schedule=self.pp_schedule, virtual_stages=self.pp_virtual_stages,
-                       micro_batches=self.pp_micro_batches, loss_parallel=self.loss_parallel)
+                       micro_batches=self.pp_micro_batches, loss_parallel=self.loss_parallel,
+                       mask_fraction=self.mask_fraction)
         if self.hf_activation is None:
             return est
         if self.tp > 1 or self.pp > 1 or self.sequence_parallel or config.attention != "explicit":
