@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from largebatch.memory.activations import first_stage_layers
 from largebatch.memory.cli import main
 from largebatch.memory.estimate import GIB
 from largebatch.memory.planner import Setup, cheapest_plan, mixes
@@ -396,3 +397,18 @@ def test_flags_given_on_the_command_line_win_over_the_config_even_at_their_defau
     _, whole = state(["--config", str(fsdp), "--zero-stage", "0"])
     assert "planned as ZeRO stage 3 over 8 ranks" in out
     assert whole[2] > 2 and all(abs(a - b / 8) <= 0.01 for a, b in zip(sharded, whole))
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda c: cheapest_plan(c, Setup(), float("nan")), "budget_bytes=nan"),
+    (lambda c: Setup(pp=2, pp_schedule="gpipe", pp_micro_batches=-4).estimate(c, "none"), "micro_batches=-4"),
+    (lambda c: first_stage_layers(96, 8, "interleaved-1f1b", 0), "virtual_stages=0"),
+    (lambda c: first_stage_layers(96, 0), "pp=0: must be a positive integer"),
+    (lambda c: first_stage_layers(96, 7), "pp=7: must divide n_layer=96"),
+    (lambda c: Setup(dtype_bytes=float("inf")).estimate(c, "none"), "dtype_bytes=inf"),
+])
+def test_the_python_api_refuses_what_it_cannot_plan(call, fragment):
+    """(A NaN budget planned no recomputation; -4 micro-batches gave -27.9 GB of activations; V = 0
+    divided by zero; pp = 0 or 7 of 96 layers gave 96 layers' worth.)"""
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        call(preset("gpt2-small"))

@@ -37,6 +37,7 @@ micro-batches of the step, m L / p. The embedding masks follow the same count of
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,6 +132,10 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
 def first_stage_layers(n_layer: int, pp: int, schedule: str = "1f1b", virtual_stages: int = 1,
                        micro_batches: int | None = None) -> float:
     """Layers' worth of activations the first pipeline stage keeps (Korthikanti et al. 2022
@@ -139,6 +144,13 @@ def first_stage_layers(n_layer: int, pp: int, schedule: str = "1f1b", virtual_st
     (largebatch.memory.pipeline_schedule.walk, needs m)."""
     if schedule not in PP_SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: must be one of {', '.join(PP_SCHEDULES)}.")
+    for name, value in (("n_layer", n_layer), ("pp", pp), ("virtual_stages", virtual_stages)):
+        if not _positive_int(value):
+            raise ValueError(f"{name}={value!r}: must be a positive integer.")
+    if micro_batches is not None and not _positive_int(micro_batches):
+        raise ValueError(f"micro_batches={micro_batches!r}: must be a positive integer (micro-batches per step).")
+    if n_layer % pp:
+        raise ValueError(f"pp={pp}: must divide n_layer={n_layer} (layers per pipeline stage).")
     if pp == 1:
         return float(n_layer)
     if schedule in ("gpipe", "interleaved-zb", "zbv") and not micro_batches:

@@ -81,6 +81,8 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
         raise ValueError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3.")
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r}: must be a positive integer.")
+    if not (isinstance(dtype_bytes, (int, float)) and 0 < dtype_bytes <= 8):
+        raise ValueError(f"dtype_bytes={dtype_bytes!r}: bytes per stored value, from 1 (fp8) to 8 (fp64).")
     acts = model_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                   sequence_parallel=sequence_parallel, seq_len=seq_len,
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,

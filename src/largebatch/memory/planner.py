@@ -12,6 +12,7 @@ it recomputes no matmuls, so FLOPs cannot rank it -- measure it (benchmarks/reco
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -124,6 +125,8 @@ def check_plannable(config: ModelConfig, setup: Setup) -> None:
 
 def cheapest_plan(config: ModelConfig, setup: Setup, budget_bytes: float) -> Plan | None:
     """The fitting mix with the least recompute FLOPs (ties: least memory), or None."""
+    if not (isinstance(budget_bytes, (int, float)) and math.isfinite(budget_bytes) and budget_bytes > 0):
+        raise ValueError(f"budget_bytes={budget_bytes!r}: must be a positive finite number of bytes per device")
     check_plannable(config, setup)
     stage = config.n_layer // setup.pp
     base = flops_per_token(config, seq_len=setup.seq_len)
