@@ -169,6 +169,8 @@ def test_parameter_in_two_groups_and_sparse_gradients_are_rejected():
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     with pytest.raises(ValueError, match=r"params: parameter 0 of group 1 \(shape \(3,\)\) is already in group 0"):
         LAMB([{"params": [p, q]}, {"params": [p]}])
+    with pytest.raises(ValueError, match=r"parameter 1 of group 0 \(shape \(3,\)\) appears twice in that group"):
+        LAMB([p, p])  # (it said "is already in group 0", the group it was being added to)
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     optimizer = LANS(embedding.parameters())
     embedding(torch.tensor([1, 2])).sum().backward()

@@ -256,10 +256,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             p_tensor = p[1] if isinstance(p, tuple) else p
             if id(p_tensor) in seen:
+                where = ("appears twice in that group (torch warns and would step it twice)"
+                         if seen[id(p_tensor)] == index else f"is already in group {seen[id(p_tensor)]}")
                 raise ValueError(
-                    f"params: parameter {i} of group {index} (shape {tuple(p_tensor.shape)}) is already in "
-                    f"group {seen[id(p_tensor)]}; a parameter may be in one group only "
-                    "(largebatch.optim.param_groups(model) builds disjoint groups)"
+                    f"params: parameter {i} of group {index} (shape {tuple(p_tensor.shape)}) {where}; a "
+                    "parameter may be in one group only, once (largebatch.optim.param_groups(model) builds "
+                    "disjoint groups)"
                 )
             seen[id(p_tensor)] = index
         for key, default in self.defaults.items():
