@@ -54,8 +54,8 @@ class OptimConfig:
     """Optimizer, by name from largebatch.train.optimizer.OPTIMIZERS (the shipped ones below; add
     one with register_optimizer)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay. Biases, norm weights and embeddings get none (see
-    largebatch.optim.param_groups, which also decides which tensors get a trust ratio)."""
+    """Decoupled weight decay, on weight matrices and embeddings; biases and norm weights get none
+    (largebatch.optim.param_groups, which also decides which tensors get a trust ratio)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam-style moment decay rates (LAMB, LANS, AdamW)."""
     eps: float = 1e-6
