@@ -4,7 +4,8 @@
 # to the memory model; LAMB/LANS step time vs torch.optim.AdamW on the GPT's shapes and on 2000 small
 # tensors of 200 distinct shapes (with the fused paths' first-step compile time); Seesaw vs cosine
 # wall-clock at equal tokens; the trainer's step time with device reads every step vs deferred to
-# the log (benchmarks/step_sync.py). Prints one summary table per part. The same code runs on CPU with
+# the log (benchmarks/step_sync.py); LAMB/LANS/LARS captured in a CUDA graph with a tensor LR
+# (benchmarks/capturable_graph.py). Prints one summary table per part. The same code runs on CPU with
 #   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments_floor.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,3 +21,7 @@ timeout 120 "$PYTHON" benchmarks/step_sync.py --device cuda --layers 12 --embd 7
 # read in a step that does not log, and a non-finite step taken back bit for bit, for LAMB/LANS
 # (capturable) and torch's AdamW, fused and default (foreach on a GPU: host step counters)
 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_skip.py tests/test_train_step.py
+# LAMB/LANS/LARS with capturable=True and a 0-d device tensor LR captured in a CUDA graph and replayed
+# against eager steps (a host read in the step would make the capture fail; CPU test of the logic:
+# tests/test_optim_capturable.py)
+timeout 60 "$PYTHON" benchmarks/capturable_graph.py
