@@ -277,6 +277,8 @@ def test_a_transformers_bert_head_runs_on_every_position(tmp_path, capsys):
     ("[1, 2]", "holds a JSON list, not an object of fields"),
     (json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64,
                  "vocab_size": 100, "attn_pdrop": None}), "field 'attn_pdrop'=None: expected a dropout probability"),
+    (json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64,
+                 "vocab_size": 100, "n_inner": 0}), "field 'n_inner'=0: expected the MLP's width"),  # (ffn_hidden)
 ])
 def test_a_config_json_of_another_shape_is_one_line(text, fragment, tmp_path, capsys):
     """(A list raised AttributeError, a null dropout TypeError: tracebacks.)"""

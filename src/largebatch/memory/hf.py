@@ -146,8 +146,12 @@ def _activation(raw: dict, name: str, default: str) -> str:
     return act
 
 
-def _ffn(width, hidden) -> int | None:
-    """ModelConfig's ffn_hidden: None for the 4h default (as the presets write it)."""
+def _ffn(width, hidden, name: str) -> int | None:
+    """ModelConfig's ffn_hidden: None for the 4h default (as the presets write it); ``name``: the
+    config.json field, named in the error for a width that is no positive integer."""
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+        raise ValueError(f"hf config field {name!r}={width!r}: expected the MLP's width, a positive integer "
+                         "(or null for 4 x the hidden size)")
     return None if width is None or width == 4 * hidden else width
 
 
@@ -166,7 +170,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
         _activation(raw, "activation_function", "gelu_new")
         return ModelConfig(
             kind="gpt", n_layer=_field(raw, "n_layer"), n_embd=_field(raw, "n_embd"),
-            n_head=_field(raw, "n_head"), ffn_hidden=_ffn(raw.get("n_inner"), raw["n_embd"]),
+            n_head=_field(raw, "n_head"), ffn_hidden=_ffn(raw.get("n_inner"), raw["n_embd"], "n_inner"),
             seq_len=_field(raw, "n_positions"), vocab_size=_field(raw, "vocab_size"),
             dropout=_dropout(raw, ("attn_pdrop", "resid_pdrop", "embd_pdrop")),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="pre",
@@ -180,7 +184,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     return ModelConfig(
         kind="bert", n_layer=_field(raw, "num_hidden_layers"), n_embd=_field(raw, "hidden_size"),
         n_head=_field(raw, "num_attention_heads"),
-        ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"]),
+        ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"], "intermediate_size"),
         seq_len=bert_positions(raw, "hf config"), vocab_size=_field(raw, "vocab_size"),
         dropout=_dropout(raw, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="post",
