@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dtype-bytes {args.dtype_bytes:g}: bytes per stored value, from 1 (fp8) to 8 "
                              f"(fp64); 2 for fp16/bf16, 4 for fp32")
         config = _config(args)
-        if config.n_layer > MAX_LAYERS:  # the estimates keep a policy per layer: 1e9 took 43 s and ~8 GB
+        if config.n_layer > MAX_LAYERS:  # the estimates keep a policy per layer (time and memory grow with L)
             raise ValueError(f"--layers {config.n_layer:,}: at most {MAX_LAYERS:,} (the estimates go layer by "
                              "layer; the largest trained models have a few hundred)")
         for name, value in DEFAULTS.items():  # what neither the command line nor a --config gave
