@@ -308,7 +308,8 @@ def test_a_closed_pipe_stops_the_experiment_in_one_line(tmp_path):
     """``largebatch experiment ... | head``: when the reader has gone, the next line (an arm that
     finished) stops the experiment as a signal does -- no arm started after it, the running one
     checkpoints, exit 141, one line -- where it used to end in "could not write a file: Broken pipe
-    ... Free space". Its lines are flushed as printed: the first one is read while arms train."""
+    ... Free space" (exit 1). Its lines are flushed as printed: the first one is read while arms
+    train."""
     out = tmp_path / "piped"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     with open(f"{out}.err", "w") as err:
@@ -331,8 +332,11 @@ def test_a_closed_pipe_stops_the_experiment_in_one_line(tmp_path):
                                                "its reader: noise-scale stopped. Run the same command with "
                                                "--resume to keep the finished arms"), stderr[-3000:]
     assert not left, "workers outlived the experiment"
-    finished = [arm for arm in (out / "runs").iterdir() if (arm / "summary.json").is_file()]
-    assert len(finished) < 3, "the experiment ran to its end"  # the last arm stopped early
+    # an arm still training when the line met the closed pipe checkpointed (one still starting has
+    # nothing to keep); how many had finished by then depends on the machine's speed
+    for arm in (out / "runs").iterdir():
+        trained = (arm / "train.log").is_file() and "step" in (arm / "train.log").read_text()
+        assert (arm / "summary.json").is_file() or not trained or list((arm / "checkpoints").glob("step_*")), arm
 
 
 def test_a_signal_while_a_worker_starts_is_raised_once_the_start_is_over():
