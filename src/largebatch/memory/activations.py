@@ -132,6 +132,17 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")
 
 
+def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
+    """V, the pipeline stages one rank holds under ``schedule``: 2 for ZBV, ``virtual_stages`` for the
+    interleaved schedules, 1 for GPipe and 1F1B."""
+    return 2 if schedule == "zbv" else virtual_stages if schedule.startswith("interleaved") else 1
+
+
+def last_stage_rank(schedule: str, pp: int) -> int:
+    """The rank holding the last pipeline stage: pp - 1, except under ZBV's V shape (rank 0)."""
+    return 0 if schedule == "zbv" else pp - 1
+
+
 def _positive_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
@@ -162,7 +173,7 @@ def first_stage_layers(n_layer: int, pp: int, schedule: str = "1f1b", virtual_st
     if schedule in ("interleaved-zb", "zbv"):
         from largebatch.memory.pipeline_schedule import walk  # it imports this module
 
-        return walk(schedule, pp, 2 if schedule == "zbv" else virtual_stages, micro_batches).layers_worth(n_layer)
+        return walk(schedule, pp, stages_per_rank(schedule, virtual_stages), micro_batches).layers_worth(n_layer)
     return float(n_layer)
 
 
@@ -212,7 +223,7 @@ def last_rank_activation_bytes(config: ModelConfig, micro_batch: int, recompute:
     same mix; a rank's k-th virtual stage takes the k-th share of the list)."""
     from largebatch.memory.pipeline_schedule import walk  # it imports this module
 
-    virtual = 2 if schedule == "zbv" else virtual_stages if schedule.startswith("interleaved") else 1
+    virtual = stages_per_rank(schedule, virtual_stages)
     stages = pp * virtual
     if config.n_layer % stages:
         raise ValueError(f"pp x V = {pp} x {virtual} = {stages} stages: must divide n_layer={config.n_layer}.")
@@ -223,7 +234,7 @@ def last_rank_activation_bytes(config: ModelConfig, micro_batch: int, recompute:
     per = {s: stage_activation_bytes(config, micro_batch, per_stage,
                                      policies[(s // pp) * per_stage:(s // pp + 1) * per_stage],
                                      first=s == 0, last=s == stages - 1, **kw) for s in range(stages)}
-    return walk(schedule, pp, virtual, micro_batches).peak_bytes(per.__getitem__, 0 if schedule == "zbv" else pp - 1)
+    return walk(schedule, pp, virtual, micro_batches).peak_bytes(per.__getitem__, last_stage_rank(schedule, pp))
 
 
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,

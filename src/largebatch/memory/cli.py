@@ -29,6 +29,7 @@ from largebatch.memory.activations import (
     config_layer_kwargs,
     first_stage_layers,
     model_activation_bytes,
+    stages_per_rank,
 )
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
 from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = args.hf_config and config.attention == "explicit"
         # the estimates and the plan follow one schedule: the one asked for, else 1F1B
         schedule = "1f1b" if args.pp_schedule == "all" else args.pp_schedule
-        virtual = 2 if schedule == "zbv" else args.pp_virtual_stages if schedule.startswith("interleaved") else 1
+        virtual = stages_per_rank(schedule, args.pp_virtual_stages)
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from largebatch.memory.activations import last_rank_activation_bytes, model_activation_bytes
+from largebatch.memory.activations import last_rank_activation_bytes, last_stage_rank, model_activation_bytes
 from largebatch.models.config import ModelConfig
 from largebatch.models.registry import model_spec
 
@@ -103,7 +103,7 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
     # and fp32 logits (4 s b v bytes, / tp only under loss_parallel), which the paper leaves out
     # (§4.3: the first stage dominates) and which can dominate (a large vocabulary, gathered logits,
     # recomputed layers): the larger of the two is what must fit. Under ZBV rank 0 holds both.
-    last_rank = 0 if pp_schedule == "zbv" else pp - 1
+    last_rank = last_stage_rank(pp_schedule, pp)
     last_acts = last_rank_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                            sequence_parallel=sequence_parallel, seq_len=seq_len,
                                            dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs
+from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, stages_per_rank
 from largebatch.memory.estimate import MemoryEstimate, estimate
 from largebatch.memory.hf import hf_eager_layer_bytes
 from largebatch.models.config import ModelConfig
@@ -170,9 +170,8 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
     for _, tp, pp, zero in grid:
         if (tp, pp, zero) == (setup.tp, setup.pp, setup.zero_stage):
             continue
-        virtual = 2 if setup.pp_schedule == "zbv" else setup.pp_virtual_stages
-        if pp > 1 and (config.n_layer // pp) % (virtual if setup.pp_schedule.startswith("interleaved") else 1):
-            continue  # the interleaved schedule needs V to divide the layers per rank
+        if pp > 1 and (config.n_layer // pp) % stages_per_rank(setup.pp_schedule, setup.pp_virtual_stages):
+            continue  # a schedule of V stages per rank needs V to divide the layers per rank
         # the asked m carries over (it is the global batch / micro-batch), named in the command, where
         # the schedule can run it at this pp (all but GPipe need m >= pp); else the command's default 2 pp
         m = setup.pp_micro_batches

@@ -67,8 +67,8 @@ class Evaluation:
         stop = getattr(self, "stop_request", None)
         stop = stop if stop is not None and not stop.is_ending else None
         self.model.eval()
-        seq_len, mb, par = self.phase.seq_len, self.cfg.run.eval_micro_batch or self.phase.micro_batch, self.par
-        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
+        mb, n = self._eval_slice()
+        par = self.par
         starts = range(0, n, mb)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         correct, count, accuracy = torch.zeros_like(total), 0, True
@@ -98,12 +98,17 @@ class Evaluation:
         self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
         return float(global_sum(total, par) / count)
 
+    def _eval_slice(self) -> tuple[int, int]:
+        """(micro-batch, samples) of an evaluation: the first run.eval_tokens of the validation split
+        at the current phase's length, in forwards of run.eval_micro_batch (else the phase's)."""
+        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // self.phase.seq_len))
+        return self.cfg.run.eval_micro_batch or self.phase.micro_batch, n
+
     def evaluated_targets(self) -> np.ndarray:
         """The targets an evaluation predicts (the same fixed slice, at the current phase's length;
         BERT: the masked positions), for a unigram baseline over the very tokens the validation loss
         is measured on (the whole split's differs when ``run.eval_tokens`` is small)."""
-        seq_len, mb = self.phase.seq_len, self.cfg.run.eval_micro_batch or self.phase.micro_batch
-        n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // seq_len))
+        mb, n = self._eval_slice()
         parts = []
         for start in range(0, n, mb):
             batch = self.data.val.get_batch(range(start, min(n, start + mb)))
