@@ -412,10 +412,27 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             params = [bucket.params[i] for i in index]
             if key is None or any(is_dtensor(p) or p.is_complex() for p in params):
                 return False
+            left = set()  # the flat buffers these tensors' state was a view of until now
             for p, view in zip(params, views):
+                old = self.state[p].get(key)
+                if isinstance(old, Tensor) and old._base is not None:
+                    left.add(old.untyped_storage().data_ptr())
                 self.state[p][key] = view
+            if left:
+                self._release_buffers(key, left)
             return True
         return rebind
+
+    def _release_buffers(self, key: str, buffers: set[int]) -> None:
+        """Give the state ``key`` of every tensor that is still a view of one of ``buffers`` (flat
+        buffers identified by their storage's address) storage of its own, so a buffer left by a
+        bucket's other tensors is freed, not kept whole (and saved whole by ``state_dict``) for them.
+        A bucket's membership changes when some tensors have no gradient in a step (frozen layers,
+        routed experts); without this, state memory grew to 2.6-5x its size."""
+        for state in self.state.values():
+            t = state.get(key)
+            if isinstance(t, Tensor) and t._base is not None and t.untyped_storage().data_ptr() in buffers:
+                state[key] = t.clone()
 
     def _reduction(self, bucket: Bucket) -> Callable[[Tensor], Tensor] | None:
         """``reduce_norms`` bound to the bucket's parameters (None: the identity); by default the sum
