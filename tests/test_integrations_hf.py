@@ -60,10 +60,11 @@ def train(tmp_path, callbacks, learning_rate=PEAK, **extra):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=PER_DEVICE,
+        output_dir=str(tmp_path), per_device_train_batch_size=PER_DEVICE,
         gradient_accumulation_steps=ACCUM, learning_rate=learning_rate, logging_steps=1,
         report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
-        lr_scheduler_type="linear", warmup_steps=2, **{"save_strategy": "no", **extra})  # (LR: the callback's)
+        lr_scheduler_type="linear", warmup_steps=2,  # (the LR: the callback's)
+        **{"save_strategy": "no", "max_steps": STEPS, **extra})
     record = RecordLR()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ByteText(),
                                    callbacks=[*callbacks, record])
@@ -74,8 +75,9 @@ def train(tmp_path, callbacks, learning_rate=PEAK, **extra):
 
 def test_callback_drives_trainers_lr(tmp_path):
     callback = TokenScheduleCallback(Cosine(PEAK, TOTAL, WARMUP, FRACTION), seq_len=SEQ)
-    # Trainer built at half the schedule's peak: every group is scaled by 0.5 (a multiplier)
-    lrs, logged = train(tmp_path, [callback], learning_rate=0.5 * PEAK)
+    # Trainer built at half the schedule's peak: every group is scaled by 0.5 (a multiplier), said once
+    with pytest.warns(UserWarning, match=r"learning_rate=0.0005 is not the schedule's peak_lr=0.001: .* x 0.5 "):
+        lrs, logged = train(tmp_path, [callback], learning_rate=0.5 * PEAK)
     assert len(lrs) == len(logged) == STEPS
     for k in range(STEPS):
         expected = 0.5 * cosine_ref(k * TOKENS_PER_STEP)
@@ -123,6 +125,34 @@ def test_callback_clock_survives_resume_from_checkpoint(tmp_path, seq_len):
     assert len(record.lrs) == STEPS - 4
     for k, lrs in enumerate(record.lrs, start=4):
         assert lrs[0] == pytest.approx(cosine_ref(k * TOKENS_PER_STEP), rel=1e-12, abs=1e-18), k
+
+
+def test_step_clock_counts_the_short_last_step_of_each_epoch(tmp_path):
+    """An epoch of 32 batches at accumulation 3 is 11 steps: 10 of 3 batches and one of 2 (Trainer's
+    chunking). The step clock follows the batches really fed, as the counted-token clock does; it
+    ran a batch ahead per epoch (the full budget reached before the run ended)."""
+    steps, batches = 25, len(ByteText()) // PER_DEVICE  # 25 steps: two epochs and 3 steps
+    assert batches % ACCUM
+    fed, chunks = [0], []  # micro-batches fed before each step, from Trainer's rule, epoch by epoch
+    while len(chunks) < steps:
+        chunks += [ACCUM] * (batches // ACCUM) + [batches % ACCUM]
+    for size in chunks[:steps - 1]:
+        fed.append(fed[-1] + size)
+    batch_tokens = PER_DEVICE * SEQ
+    schedule = Cosine(PEAK, fed[-1] * batch_tokens, 3 * TOKENS_PER_STEP, FRACTION)
+
+    def reference(t):  # the float64 cosine of `schedule`
+        warmup, total = 3 * TOKENS_PER_STEP, fed[-1] * batch_tokens
+        if t < warmup:
+            return PEAK * t / warmup
+        s = min(1.0, (t - warmup) / (total - warmup))
+        return FRACTION * PEAK + (1 - FRACTION) * PEAK * (1 + math.cos(math.pi * s)) / 2
+
+    expected = [reference(n * batch_tokens) for n in fed]
+    for seq_len in (SEQ, None):
+        lrs, _ = train(tmp_path / str(seq_len), [TokenScheduleCallback(schedule, seq_len=seq_len)],
+                       max_steps=steps, include_num_input_tokens_seen=True)
+        assert [lr[0] for lr in lrs] == pytest.approx(expected, rel=1e-12, abs=1e-18), seq_len
 
 
 def test_token_lr_as_trainers_scheduler(tmp_path):
@@ -232,10 +262,88 @@ def test_token_lr_under_accelerate_counts_each_step_once(tmp_path):
     assert out["True"]["clock"] == 2 * 6 * tokens_per_step  # accelerate's: once per process
 
 
-def cosine_at(t, tokens_per_step):
-    """float64 cosine with warmup (2 steps) to 10% over 8 steps of ``tokens_per_step`` tokens."""
-    peak, warmup, total = 1e-2, 2 * tokens_per_step, 8 * tokens_per_step
+def cosine_at(t, tokens_per_step, steps=8):
+    """float64 cosine with warmup (2 steps) to 10% over ``steps`` steps of ``tokens_per_step`` tokens."""
+    peak, warmup, total = 1e-2, 2 * tokens_per_step, steps * tokens_per_step
     if t < warmup:
         return peak * t / warmup
     s = min(1.0, (t - warmup) / (total - warmup))
     return 0.1 * peak + 0.9 * peak * (1 + math.cos(math.pi * s)) / 2
+
+
+TRAINER_SCRIPT = '''
+import json, math, os, sys
+import torch, transformers
+from largebatch.integrations.hf import TokenScheduleCallback
+from largebatch.schedules import Cosine
+
+torch.set_num_threads(1)
+seq, per_device, accum, steps = 8, 4, 2, 6
+rows = torch.arange(256 * seq).remainder(256).view(-1, seq)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": rows[i], "labels": rows[i]}
+
+
+class RecordLR(transformers.TrainerCallback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+out = {}
+for split in (False, True):
+    ranks = 1 if split else 2  # split: the ranks share one batch of per_device sequences
+    tokens_per_step = per_device * accum * ranks * seq
+    schedule = Cosine(1e-2, steps * tokens_per_step, 2 * tokens_per_step, final_lr=0.1)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=seq, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    args = transformers.TrainingArguments(
+        output_dir=sys.argv[1] + f"/split{split}", max_steps=steps, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accum, learning_rate=1e-2, report_to="none", save_strategy="no",
+        use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0,
+        accelerator_config={"split_batches": split})
+    record = RecordLR()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
+                                   callbacks=[TokenScheduleCallback(schedule, seq_len=seq), record])
+    trainer.train()
+    out[str(split)] = {"lrs": record.lrs, "tokens_per_step": tokens_per_step}
+if int(os.environ["RANK"]) == 0:
+    print("RESULT " + json.dumps(out), flush=True)
+torch.distributed.barrier()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+'''
+
+
+@pytest.mark.distributed
+def test_step_clock_under_ddp_and_split_batches(tmp_path):
+    """Trainer on 2 processes: each rank's batch counts once per rank, except under
+    accelerator_config split_batches, where the ranks split one batch (the clock ran at twice the
+    tokens there, reaching the final LR at half the run)."""
+    import json
+
+    from processes import src_env
+
+    script = tmp_path / "trainer_clock.py"
+    script.write_text(TRAINER_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], env=src_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    for split, ranks in (("False", 2), ("True", 1)):
+        tokens_per_step = out[split]["tokens_per_step"]
+        assert tokens_per_step == 4 * 2 * ranks * 8
+        expected = [cosine_at(k * tokens_per_step, tokens_per_step, steps=6) for k in range(6)]
+        assert out[split]["lrs"] == pytest.approx(expected, rel=1e-12), split

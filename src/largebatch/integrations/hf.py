@@ -8,10 +8,16 @@ At the start of every optimizer step the callback sets each optimizer group's LR
 
     lr_g = initial_lr_g * schedule(tokens_seen) / peak_lr
 
-(a group Trainer built at ``learning_rate`` = peak_lr gets ``schedule(tokens_seen)``), and makes
-Trainer log that LR. The token clock is ``tokens_seen = global_step * tokens_per_step`` with
-``tokens_per_step = per_device_train_batch_size * max(1, n_gpu) * gradient_accumulation_steps *
-world_size * seq_len``; with ``seq_len=None`` it is ``state.num_input_tokens_seen`` as the previous
+(a group Trainer built at ``learning_rate`` = peak_lr gets ``schedule(tokens_seen)``; a warning says
+so once when ``learning_rate`` is not ``peak_lr``, e.g. left at Trainer's 5e-5), and makes
+Trainer log that LR. The token clock is ``tokens_seen = batches * batch_tokens``: ``batch_tokens =
+per_device_train_batch_size * max(1, n_gpu) * world_size * seq_len`` (the tokens of one micro-batch on
+every rank; without the ``world_size`` factor under ``accelerator_config={"split_batches": True}``,
+where the ranks split one batch), and ``batches = global_step * gradient_accumulation_steps``, except
+where an epoch's batches are not a multiple of the accumulation: then, as Trainer does, each epoch's
+last step takes the remainder (10 batches at accumulation 4: steps of 4, 4 and 2). The clock counts
+every rank as a data-parallel rank: under Trainer's tensor, context or sequence parallelism use
+``seq_len=None``. With ``seq_len=None`` it is ``state.num_input_tokens_seen`` as the previous
 step ended instead (needs ``TrainingArguments(include_num_input_tokens_seen=True)``; it counts the
 tokens really fed, padding included unless set to "non_padding"; read at the step's end because
 transformers 4.x has already counted the next step's first micro-batch when that step begins).
@@ -30,6 +36,7 @@ LR by only sqrt(r) per milestone). To grow the batch, use a plain loop with ``sc
 
 from __future__ import annotations
 
+import math
 import warnings
 
 try:
@@ -52,8 +59,8 @@ class TokenScheduleCallback(TrainerCallback):
 
     schedule: an LR schedule (``Cosine``, ``WSD`` ...) or a joint schedule (its base LR is used;
         a warning says so when its batch would change).
-    seq_len: tokens per sequence, for the clock ``global_step * tokens_per_step``; None reads
-        ``state.num_input_tokens_seen``.
+    seq_len: tokens per sequence, for the clock ``batches * batch_tokens`` (module docstring); None
+        reads ``state.num_input_tokens_seen``.
     """
 
     def __init__(self, schedule: LRSchedule | JointSchedule, seq_len: int | None = None):
@@ -73,18 +80,48 @@ class TokenScheduleCallback(TrainerCallback):
         self.schedule, self.seq_len = schedule, seq_len
         self.tokens_seen = 0
         self._counted = 0  # state.num_input_tokens_seen when the last step ended (or training began)
+        self._epoch_batches: int | None = None  # len(train_dataloader) per rank, when it has one
+        self._warned = False
+
+    def batch_tokens(self, args) -> int:
+        """Tokens in one micro-batch (a batch of Trainer's dataloader), over all ranks."""
+        config = getattr(args, "accelerator_config", None)
+        split = config.get("split_batches", False) if isinstance(config, dict) else \
+            getattr(config, "split_batches", False)
+        return args.train_batch_size * (1 if split else args.world_size) * self.seq_len
 
     def tokens_per_step(self, args) -> int:
-        """Tokens in one of Trainer's optimizer steps, over all ranks."""
-        return (args.train_batch_size * args.gradient_accumulation_steps * args.world_size
-                * self.seq_len)
+        """Tokens in one of Trainer's full optimizer steps (``gradient_accumulation_steps``
+        micro-batches), over all ranks."""
+        return self.batch_tokens(args) * args.gradient_accumulation_steps
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def batches_done(self, args, steps: int) -> int:
+        """Micro-batches per rank in Trainer's first ``steps`` optimizer steps: each epoch of
+        ``len(train_dataloader)`` batches ends with a shorter step when the accumulation does not
+        divide it (transformers' Trainer; a dataloader without a length is taken as endless)."""
+        accumulation, epoch = args.gradient_accumulation_steps, self._epoch_batches
+        if not epoch or epoch % accumulation == 0:
+            return steps * accumulation
+        per_epoch = -(-epoch // accumulation)  # optimizer steps per epoch, the last one short
+        return (steps // per_epoch) * epoch + min((steps % per_epoch) * accumulation, epoch)
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         if self.seq_len is None and args.include_num_input_tokens_seen in (False, "no"):
             raise ValueError("TokenScheduleCallback(seq_len=None) reads "
                              "state.num_input_tokens_seen: set TrainingArguments("
                              "include_num_input_tokens_seen=True) or pass seq_len=")
         self._counted = int(getattr(state, "num_input_tokens_seen", 0) or 0)  # a resumed run's count
+        peak = self.schedule.peak_lr
+        if not self._warned and not math.isclose(args.learning_rate, peak, rel_tol=1e-9):
+            self._warned = True  # (once: a resumed or repeated train() says it again only if new)
+            warnings.warn(f"TrainingArguments.learning_rate={args.learning_rate:g} is not the schedule's "
+                          f"peak_lr={peak:g}: every group's LR is the schedule's x {args.learning_rate / peak:.4g} "
+                          f"(learning_rate / peak_lr); set learning_rate={peak:g} for the schedule's own LRs",
+                          stacklevel=2)
+        try:
+            self._epoch_batches = len(train_dataloader) if train_dataloader is not None else None
+        except TypeError:  # an iterable dataset: no epochs, every step full
+            self._epoch_batches = None
 
     def on_step_end(self, args, state, control, **kwargs):
         # the tokens of every step so far: read here, not at the next step's begin, where some
@@ -95,7 +132,7 @@ class TokenScheduleCallback(TrainerCallback):
         if self.seq_len is None:
             tokens = self._counted
         else:
-            tokens = state.global_step * self.tokens_per_step(args)
+            tokens = self.batches_done(args, state.global_step) * self.batch_tokens(args)
         self.tokens_seen = check_tokens(tokens, "tokens_seen")
         scale = self.schedule(tokens) / self.schedule.peak_lr
         for group in optimizer.param_groups:
