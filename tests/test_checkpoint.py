@@ -31,6 +31,22 @@ def test_save_load_and_keep_last(tmp_path):
     assert state["step"] == 4 and torch.equal(state["w"], torch.full((10,), 4.0))
 
 
+def test_a_save_below_a_later_checkpoint_keeps_itself_and_ends_the_later_ones(tmp_path):
+    """A run resumed from step 3 (its newer checkpoints damaged) saves step 4: the later ones, of
+    either format, are of a trajectory it left and go; retention then counts from step 4."""
+    from largebatch.checkpoint.files import checkpoint_dir, superseded
+
+    for step in (2, 3, 5):
+        save_checkpoint(tmp_path, step, _state(4, step), keep_last=5)
+    (checkpoint_dir(tmp_path) / "step_00000006.pt").write_bytes(b"cut short")
+    (checkpoint_dir(tmp_path) / "step_00000007.dcp").mkdir()  # a torchrun save of the left trajectory
+    assert [p.name for p in superseded(tmp_path, checkpoint_dir(tmp_path) / "step_00000004.pt", 2)] == [
+        "step_00000005.pt", "step_00000006.pt", "step_00000007.dcp"]  # 4 not written yet: 2, 3 kept
+    save_checkpoint(tmp_path, 4, _state(4, 4), keep_last=1)
+    assert [p.name for p in list_checkpoints(tmp_path, (".pt", ".dcp"))] == ["step_00000004.pt"]
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 4
+
+
 def test_kill_during_save_keeps_previous(tmp_path):
     save_checkpoint(tmp_path, 1, _state(10, 1))
     # a real process, killed with SIGKILL while it writes a large checkpoint

@@ -358,9 +358,17 @@ def test_damaged_newest_checkpoint_is_passed_and_another_config_refused(referenc
     assert "holds checkpoints of another config (optim.name: 'lans' -> 'lamb')" in err, err
     moved = tmp_path / "moved-cache"  # the data cache elsewhere: not another config (content-keyed)
     shutil.copytree(cache, moved)
+    # one step from step 4, keeping 1: the damaged step-6 checkpoint is of a trajectory the run left;
+    # retention counted it as the newest and deleted the step-5 one just written (only the damaged one
+    # was left, and the next launch found no intact checkpoint)
+    ckpts[1].write_bytes(ckpts[1].read_bytes()[:1000])  # step 5 damaged too: resumes from 4
+    assert main(_args({**o, "data.cache_dir": str(moved), "run.keep_checkpoints": 1, "run.max_steps": 1})) == 0
+    text = capsys.readouterr().out
+    assert f"checkpoint {ckpts[-1]} is damaged" in text and f"resumed from {ckpts[0]}" in text, text
+    assert [_step(c) for c in list_checkpoints(out)] == [5]  # not [6]: only the damaged one was left
     assert main(_args({**o, "data.cache_dir": str(moved)})) == 0  # continues from step 5
     text = capsys.readouterr().out
-    assert f"checkpoint {ckpts[-1]} is damaged" in text and f"resumed from {ckpts[1]}" in text, text
+    assert "is damaged" not in text and f"resumed from {ckpts[1]}" in text, text
     assert _train_losses(out) == _train_losses(ref_dir)
 
 

@@ -45,7 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from largebatch.checkpoint.files import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_temporaries
+from largebatch.checkpoint.files import (
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_superseded,
+    remove_temporaries,
+)
 from largebatch.checkpoint.local import CheckpointError, os_error_in, write_failure
 from largebatch.parallel.mesh import ParallelState
 from largebatch.parallel.parallelize import unwrap
@@ -142,8 +148,7 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         rank, cause = failure
         raise write_failure(final, run_dir, cause, rank if state.distributed else None)
     if state.is_main:
-        for old in list_distributed_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        remove_superseded(run_dir, final, keep_last)
     _barrier(state)
     return final
 

@@ -41,6 +41,29 @@ def latest_checkpoint(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) ->
     return ckpts[-1] if ckpts else None
 
 
+def superseded(run_dir: str | Path, written: Path, keep_last: int) -> list[Path]:
+    """The checkpoints a save of ``written`` ends: those of its kind beyond the newest ``keep_last``
+    up to its step, and every one of a LATER step, of either kind. A later one exists only when this
+    run resumed from an earlier checkpoint (the newest was damaged): it is of a trajectory the run
+    left, and were it kept, retention would count it among the newest and delete the one just
+    written (only a damaged checkpoint was then left), and a relaunch would resume from it."""
+    step = int(_NAME.match(written.name).group(1))
+    kind = written.suffix
+    later = [p for p in list_checkpoints(run_dir, (".pt", ".dcp"))
+             if int(_NAME.match(p.name).group(1)) > step]
+    same = [p for p in list_checkpoints(run_dir, (kind,)) if p not in later]
+    return later + same[:-keep_last]
+
+
+def remove_superseded(run_dir: str | Path, written: Path, keep_last: int) -> None:
+    """Delete what ``superseded`` lists (after ``written`` is complete and in place)."""
+    for old in superseded(run_dir, written, keep_last):
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -2,7 +2,8 @@
 
 Layout: ``RUN_DIR/checkpoints/step_00000123.pt``. A save writes ``.step_00000123.pt.tmp``, flushes
 and fsyncs it, then ``os.replace``s it into place (atomic on POSIX) and fsyncs the directory; only
-then are checkpoints beyond the newest ``keep_last`` deleted. A reader only ever sees complete
+then are checkpoints beyond the newest ``keep_last`` deleted, and any of a later step (a trajectory
+the run left when it resumed from an earlier checkpoint; ``files.superseded``). A reader only ever sees complete
 files: temporaries are never listed, and a temporary left by a killed save is removed by the next
 save. A failed write (no space, file-size limit, I/O error) removes its temporary and raises
 :class:`CheckpointError` naming the checkpoint that is still intact.
@@ -23,8 +24,8 @@ from largebatch.checkpoint.files import (
     checkpoint_dir,
     fsync_dir,
     latest_checkpoint,
-    list_checkpoints,
     remove_quietly,
+    remove_superseded,
     remove_temporaries,
 )
 
@@ -55,8 +56,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         if cause is None:
             raise
         raise write_failure(final, run_dir, cause) from exc
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    remove_superseded(run_dir, final, keep_last)
     return final
 
 
