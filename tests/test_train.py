@@ -203,6 +203,19 @@ def test_finished_run_relaunched_is_already_complete(tmp_path, reference_run, ca
         stdout = capsys.readouterr().out
         assert "already complete" in stdout and f"{summary['tokens']} tokens" in stdout, stdout
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # its checkpoints deleted to save space: still finished (it trained again from scratch over its
+    # metrics, leaving the old summary.json, which the next launch then took as the end)
+    shutil.rmtree(out / "checkpoints")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for args in ([f"--{k}={json.dumps(v)}" for k, v in o.items()], ["--resume", str(out)]):
+        assert main(args) == 0
+        assert "already complete" in capsys.readouterr().out
+    # another config or a larger budget into it: nothing to continue from, refused in one line
+    for change in ({"optim.name": "lamb"}, {"run.total_tokens": 2 * summary["tokens"]}):
+        assert main([f"--{k}={json.dumps(v)}" for k, v in {**o, **change}.items()]) == 2
+        err = capsys.readouterr().err
+        assert "holds a finished run (summary.json)" in err and "no checkpoint to continue it from" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
 import shlex
 import sys
@@ -140,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
-    from largebatch.train.rundir import continues_run
+    from largebatch.train.rundir import continues_run, finished_run
+
+    def complete(run_dir: Path, cfg) -> bool:  # relaunching a finished run is a no-op: says so, writes nothing
+        finished = None if check_only else finished_run(run_dir, cfg)
+        if finished is not None:
+            print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
+                  f"{finished['tokens']} tokens); nothing changed")
+        return finished is not None
 
     config_path, resume_dir, check_only = args.config, args.resume, args.check
     try:
@@ -158,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
+            if complete(run_dir, cfg):
+                return 0
             check_run_dir(run_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
             run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
+            if complete(run_dir, cfg):
+                return 0
             check_run_dir(run_dir)
         state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
         if resume_dir is None:
@@ -188,14 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     from largebatch.parallel import RankFailure
     from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
     from largebatch.train.rundir import RunDirLocked
-
-    done = run_dir / "summary.json"
-    if resume and done.is_file():  # written only at the end: relaunching a finished run is a no-op
-        finished = json.loads(done.read_text())
-        if finished.get("tokens", 0) >= cfg.run.total_tokens:
-            print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
-                  f"{finished['tokens']} tokens); nothing changed")
-            return 0
 
     try:
         summary = _run(cfg, run_dir, resume=resume)

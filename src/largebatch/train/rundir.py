@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import secrets
 import shlex
@@ -119,10 +120,32 @@ def has_checkpoints(run_dir: Path) -> bool:
     return bool(list_checkpoints(run_dir, kinds=(".pt", ".dcp")))
 
 
+def finished_run(run_dir: Path, cfg) -> dict | None:
+    """The summary.json of a run of ``cfg`` that ``run_dir`` holds finished (written only at a run's
+    end; its tokens reach ``cfg``'s budget and its config.toml differs from ``cfg`` in no field that
+    changes the trajectory), else None. Read before anything is written or checked for writing, so
+    relaunching a finished run changes no file, also on a read-only disk or with its checkpoints
+    deleted."""
+    summary, saved = run_dir / "summary.json", run_dir / "config.toml"
+    try:
+        finished = json.loads(summary.read_text())
+        same = not config_differences(from_dict(TrainConfig, load_toml(saved)), cfg)
+    except (OSError, ValueError, ConfigError):  # none there, or unreadable: not a finished run of cfg
+        return None
+    tokens = finished.get("tokens") if isinstance(finished, dict) else None
+    return finished if same and isinstance(tokens, int) and tokens >= cfg.run.total_tokens else None
+
+
 def continues_run(run_dir: Path, cfg) -> bool:
     """Whether launching ``cfg`` into ``run_dir`` continues the run there (it holds checkpoints of
-    the same config); ConfigError when it holds checkpoints of another config."""
+    the same config); ConfigError when it holds checkpoints of another config, or a finished run
+    (its summary.json) without one (another config or budget: nothing to continue from, and a
+    fresh start would overwrite its metrics and leave its summary)."""
     if not has_checkpoints(run_dir):
+        if (run_dir / "summary.json").is_file():
+            raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds a finished run (summary.json) of another "
+                              f"config or a smaller budget, and no checkpoint to continue it from; choose "
+                              f"another --run.out_dir")
         return False
     saved_path = run_dir / "config.toml"
     if not saved_path.is_file():
