@@ -218,6 +218,21 @@ def test_finished_run_relaunched_is_already_complete(tmp_path, reference_run, ca
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_checkpoint_cadence_set_on_resume_applies_at_once(tmp_path, reference_run):
+    """run.checkpoint_every_tokens added when a stopped run continues (a requeue after lost work)
+    checkpoints at its own points from then on; the saved next point was the old cadence's (here
+    the end of the run), and no checkpoint came before it."""
+    cache = reference_run[0]
+    step_tokens = 32 * 8
+    o = tiny_overrides(cache, tmp_path / "cadence", **{"schedule.batch_policy": "constant",
+                                                      "run.keep_checkpoints": 10})
+    assert _run({**o, "run.max_steps": 3})["stopped_early"]
+    assert [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "cadence")] == [3]
+    assert _run({**o, "run.max_steps": 6, "run.checkpoint_every_tokens": 2 * step_tokens}, resume=True)
+    # the new points: every 2 steps (4, 6, 8), then the stop at step 9 (6 steps from step 3)
+    assert [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "cadence")] == [3, 4, 6, 8, 9]
+
+
 def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):
     """model.vocab_size left at its default takes the tokenizer's size (512); a larger value pads
     the embedding (kept in the run, the checkpoint and the Hugging Face export, whose tokenizer

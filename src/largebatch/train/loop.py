@@ -312,6 +312,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      "resume are not comparable, and a document validated on before is now trained on "
                      "or gone; list them in data.val_documents to keep the split as the corpus grows")
         self.pos = Progression(**extra["progress"])
+        # the checkpoint cadence of this launch (a restart field): the saved next point was the old
+        # cadence's, so a --run.checkpoint_every_tokens added on a requeue waited for it (the run's end)
+        every = self.cfg.run.checkpoint_every_tokens or self.cfg.run.total_tokens
+        self.pos.next_checkpoint = (self.pos.tokens // every + 1) * every
         self.saved_step, self.saved_path = self.pos.step, path  # (not written again at the same step)
         self._legacy_progress = "model_flops" not in extra["progress"]
         self.phase_val_losses = list(extra.get("phase_val_losses", []))
