@@ -233,6 +233,43 @@ def test_a_checkpoint_cadence_set_on_resume_applies_at_once(tmp_path, reference_
     assert [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "cadence")] == [3, 4, 6, 8, 9]
 
 
+def _tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+    """The steps of ``tag``'s scalars as TensorBoard shows them (purged events dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_relaunches_log_every_record_once(tmp_path, reference_run):
+    """A run killed before its first checkpoint starts again from scratch: its earlier TensorBoard
+    events are gone (TensorBoard showed the first steps twice). A run killed after its final
+    checkpoint, during the final evaluation's aftermath (sampling, summary): the relaunch evaluates
+    again at the last step, and that validation record is not kept twice (metrics.jsonl, TensorBoard)."""
+    cache = reference_run[0]
+    out = tmp_path / "relaunched"
+    o = tiny_overrides(cache, out, **{"run.tensorboard": True, "schedule.batch_policy": "constant",
+                                      "run.total_tokens": 32 * 8 * 6, "run.eval_every_tokens": 32 * 8 * 3})
+    _run(o)
+    expected = {"train": [r["step"] for r in read_metrics(out) if r["kind"] == "train"],
+                "val": [r["step"] for r in read_metrics(out) if r["kind"] == "val"]}
+    assert expected == {"train": [1, 2, 3, 4, 5, 6], "val": [0, 3, 6]}
+    # the state a kill after the final checkpoint leaves: every record, no summary
+    (out / "summary.json").unlink()
+    assert not _run(o, resume=True).get("stopped_early")
+    assert [r["step"] for r in read_metrics(out) if r["kind"] == "val"] == expected["val"]
+    assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == expected["train"]
+    assert _tensorboard_steps(out, "val_loss") == expected["val"]
+    assert _tensorboard_steps(out, "loss") == expected["train"]
+    # the state a kill before the first checkpoint leaves: records and events, no checkpoint
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    _run(o)
+    assert _tensorboard_steps(out, "val_loss") == expected["val"]
+    assert _tensorboard_steps(out, "loss") == expected["train"]
+
+
 def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):
     """model.vocab_size left at its default takes the tokenizer's size (512); a larger value pads
     the embedding (kept in the run, the checkpoint and the Hugging Face export, whose tokenizer

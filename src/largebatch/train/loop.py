@@ -201,7 +201,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.metrics = None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
-            self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step)
+            # resumed at the run's end: the final evaluation comes after the final checkpoint, and runs again
+            at_end = resume_step is not None and self._last_phase() and \
+                self.pos.tokens - self.pos.phase_start >= self.phase.total_tokens
+            self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step,
+                                      evaluates_again=at_end)
             for note in self.metrics.notes:
                 self.log(f"note: {note}")
         self.peak_flops = run.peak_flops or measure_peak_flops(

@@ -22,28 +22,43 @@ class MetricsLog:
     dropped too and reported in ``notes``. A failed write raises the OSError (one line, see the CLI).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None,
+                 evaluates_again: bool = False):
+        """``resume_step``: the checkpoint's step (None: a fresh run). ``evaluates_again``: the resumed
+        run evaluates at that step again (the end of the run: its final checkpoint is written before
+        the final evaluation), so a validation record at it is dropped, not kept twice."""
         self.path = run_dir / "metrics.jsonl"
         self.notes: list[str] = []
         self._failed = False
+        kept: list[dict[str, Any]] = []
         if resume_step is not None and self.path.exists():
             records, bad = _parse_lines(self.path.read_text(errors="replace"))
             if bad:
                 self.notes.append(f"{self.path}: dropped {bad} unreadable line(s) (a write cut short "
                                   f"by a kill or a full disk)")
-            kept = [json.dumps(r) + "\n" for r in records if r.get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(kept))
+            kept = [r for r in records if r.get("step", 0) < resume_step or r.get("step", 0) == resume_step
+                    and not (evaluates_again and r.get("kind") == "val")]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                         purge_step=resume_step + 1 if resume_step else None)
             except ImportError:  # tensorboard is optional for library users
-                self._tb = None
+                return
+            events = run_dir / "tensorboard"
+            if resume_step is None:  # a fresh run over an earlier attempt's events (killed before any
+                for old in events.glob("events.out.tfevents.*"):  # checkpoint): they would show twice
+                    old.unlink(missing_ok=True)
+            # TensorBoard drops earlier events from the purge step on: from the resume step when its
+            # validation is redone, the kept records of that step written again
+            self._tb = SummaryWriter(log_dir=str(events), purge_step=None if resume_step is None else
+                                     resume_step + (0 if evaluates_again else 1))
+            if evaluates_again:
+                for record in kept:
+                    if record.get("step", 0) == resume_step:
+                        self._scalars(record)
 
     def log(self, record: dict[str, Any]) -> None:
         try:
@@ -53,10 +68,13 @@ class MetricsLog:
             exc.filename = exc.filename or str(self.path)
             raise
         if self._tb is not None:
-            step = int(record.get("step", 0))
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            self._scalars(record)
+
+    def _scalars(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
         try:
