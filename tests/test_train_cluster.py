@@ -175,6 +175,35 @@ def test_a_signal_checkpoints_before_a_due_evaluation(reference_run, tmp_path, c
     assert _train_losses(out) == _train_losses(ref_dir)
 
 
+def test_a_signal_between_micro_batches_drops_the_step(reference_run, tmp_path, capsys):
+    """A step of many micro-batches can outlast a grace period: SIGTERM during a step's first
+    micro-batch stops before its second. The step is dropped (gradients, and the dropout draws of
+    its forward undone), the checkpoint is the step before, and the same command continues the run
+    with every loss of the uninterrupted one (dropout 0.1 here)."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "mid-step"
+    o = tiny_overrides(cache, out)
+    patch = f"""
+        forward = Trainer._forward
+        def signalled(self, batch):
+            if self.model.training and self.pos.step == 7:
+                with open({str(tmp_path / "forwards")!r}, "a") as f:  # every training forward of step 8
+                    f.write("x")
+                os.kill(os.getpid(), signal.SIGTERM)  # (repeats within 2 s count as one)
+            return forward(self, batch)
+        Trainer._forward = signalled"""
+    proc = subprocess.run([sys.executable, "-c", _patched_main(o, patch)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert (tmp_path / "forwards").read_text() == "x"  # step 8 has 2 micro-batches: one ran
+    assert [_step(c) for c in list_checkpoints(out)] == [7]
+    assert "(SIGTERM) at step 7" in proc.stdout, proc.stdout[-1500:]
+    assert main(_args(o)) == 0
+    assert f"resumed from {list_checkpoints(out)[0]}" in capsys.readouterr().out
+    assert _train_losses(out) == _train_losses(ref_dir)
+    assert _val_losses(out) == _val_losses(ref_dir)
+
+
 def test_a_kill_during_the_final_evaluation_loses_no_step(reference_run, tmp_path, capsys):
     """The final checkpoint is written before the final evaluation: a job killed there (a grace
     period over, SIGKILL) is complete but for its evaluation and summary, which the same command

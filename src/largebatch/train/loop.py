@@ -74,7 +74,7 @@ from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir
 from largebatch.train.skip import DeviceSkip
-from largebatch.train.stopping import StopRequest
+from largebatch.train.stopping import StepInterrupted, StopRequest
 from largebatch.typed_config import to_dict
 
 
@@ -395,6 +395,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
+        # a stop signal is polled between micro-batches (every rank at the same one): a step of many
+        # micro-batches can outlast a cluster's grace period. It drops the step: its gradients, and
+        # the random draws of its forwards (dropout), so the checkpoint at the step before resumes exactly
+        stop = self.stop_request if last > 0 and not self.pipeline else None
+        stop = None if stop is None or stop.is_ending else stop
+        draws = rng_state(self.device) if stop is not None else None
         if self.pipeline:  # the step's micro-batches are the pipeline's (a short last step padded)
             fed = padded_micro_batches(micro_batches, mb, par.pp_schedule, par.pp_size)
             with self.autocast:
@@ -402,6 +408,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             if self.pipeline.first_norm is not None and last > 0:  # summed over the stages
                 small_sq = self.pipeline.first_norm.take() * _first_share(n_targets, micro_batches[0])
         for i, batch in enumerate([] if self.pipeline else micro_batches):
+            if i and stop is not None and (signum := stop.poll()[0]) is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                set_rng_state(draws, self.device)
+                self._reshard()
+                raise StepInterrupted(signum)
             with gradient_sync(self.model, i == last):
                 _, loss, _ = self._forward(batch)
                 with par.loss_context():
@@ -540,7 +551,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens,
                             "signal": signum}
                 t0 = time.perf_counter()
-                record = self.train_step()
+                try:
+                    record = self.train_step()
+                except StepInterrupted as exc:  # dropped: the top of the loop checkpoints the step before
+                    signum = exc.signum
+                    continue
                 logs = pos.step % run.log_every_steps == 0
                 if self.device.type == "cuda" and (logs or pos.tokens >= min(pos.next_eval,
                                                                                pos.next_checkpoint)):

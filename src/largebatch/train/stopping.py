@@ -82,6 +82,15 @@ def control_group(par: ParallelState):
     return _SIDE_GROUPS[key]
 
 
+class StepInterrupted(Exception):
+    """A stop signal between the micro-batches of a step: the step was dropped (nothing of it is
+    kept), and the run checkpoints at the step before it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopRequest:
     """A context manager for the training loop: records the ``SIGNALS`` (those not ignored), and says
     when to checkpoint."""
