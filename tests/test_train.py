@@ -233,6 +233,20 @@ def test_a_checkpoint_cadence_set_on_resume_applies_at_once(tmp_path, reference_
     assert [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "cadence")] == [3, 4, 6, 8, 9]
 
 
+def test_a_measured_peak_leaves_the_dropout_stream_alone(tmp_path, reference_run):
+    """run.peak_flops left undeclared: the trainer measures a matmul after a resume has restored the
+    RNG state. Its random matrices came from the global generator, so a resumed run's dropout masks
+    (0.1 here) shifted and its losses left the uninterrupted run's from the first step after the
+    resume. Stopped at step 5 and continued, the run now equals the reference run to the bit (which
+    declared its peak: measuring draws nothing from the run's stream)."""
+    cache, ref_dir, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "measured", **{"run.peak_flops": None})
+    assert _run({**o, "run.max_steps": 5})["stopped_early"]
+    summary = _run(o, resume=True)
+    assert summary["peak_flops_source"].startswith("measured")
+    assert _train_losses(tmp_path / "measured") == _train_losses(ref_dir)
+
+
 def _tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
     """The steps of ``tag``'s scalars as TensorBoard shows them (purged events dropped)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

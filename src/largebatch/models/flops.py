@@ -115,8 +115,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype | None = None, n
     import torch  # here: the FLOP counts above need no torch
 
     dtype = torch.float32 if dtype is None else dtype
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # drawn from a generator of its own: the global one is a run's (dropout) stream, restored from a
+    # checkpoint just before the trainer measures; drawing from it made every resume with dropout
+    # inexact (and a fresh run's masks depend on whether run.peak_flops was declared)
+    own = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
     for _ in range(2):  # warm up kernels and caches
         a @ b
     best = math.inf
