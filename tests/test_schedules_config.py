@@ -258,6 +258,32 @@ def test_the_short_forms_are_read_by_train_as_by_schedule():
         ScheduleConfig.from_dict({"batch_table": "0:16,0.5:3.5"})
 
 
+def test_token_counts_take_the_short_forms_in_train_as_in_schedule(tmp_path):
+    """`largebatch schedule --run.total_tokens 300M` worked while `largebatch train` refused 300M and
+    1.5B ("expected a whole number"), on the command line and in a TOML file alike. Every token-count
+    field reads them now (the budget, evaluation and checkpoint intervals, a phase's budget), the
+    same numbers as the flag's, and a bad one names the field."""
+    from largebatch.schedules.cli import parse_tokens
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.typed_config import ConfigError, parse_overrides
+
+    overrides = parse_overrides(["--run.total_tokens", "1.5B", "--run.eval_tokens=16k",
+                                 "--run.eval_every_tokens", "300M", "--run.checkpoint_every_tokens=1_000_000"])
+    run = load_config(resolve_config(None), overrides).run
+    assert (run.total_tokens, run.eval_tokens, run.eval_every_tokens, run.checkpoint_every_tokens) == (
+        1_500_000_000, 16_000, 300_000_000, 1_000_000)
+    assert parse_tokens("1.5B") == 1_500_000_000 and parse_tokens("16k") == 16_000
+    config = tmp_path / "phases.toml"
+    config.write_text('[run]\ntotal_tokens = "2M"\n[[phases]]\nseq_len = 64\ntotal_tokens = "1.5M"\n'
+                      '[[phases]]\nseq_len = 128\ntotal_tokens = "500k"\n')
+    assert [p.total_tokens for p in load_config(config).phases] == [1_500_000, 500_000]
+    with pytest.raises(ConfigError, match=r"run.total_tokens = '300X': not a token count \(e.g. 2e9, 300M"):
+        load_config(resolve_config(None), parse_overrides(["--run.total_tokens=300X"]))
+    with pytest.raises(ConfigError, match=r"run.total_tokens = '1e30': at most 2\*\*53"):
+        load_config(resolve_config(None), {"run.total_tokens": "1e30"})
+
+
 def test_whole_token_counts_written_as_floats_stay_whole():
     """Cosine(3e-4, 1e9, 1e8) (a budget as Python writes it) counted its optimizer steps as floats
     (15259.0; ``range()`` of it raised); a fractional budget, a bool, or a table batch of 12.7 (which

@@ -5,6 +5,8 @@ A leaf module (standard library only): the commands import it, it imports nothin
 
 * :class:`OneLineParser` -- ``argparse`` whose errors are one line (argparse prints the usage first);
 * :func:`finite_float` -- an ``argparse`` type that refuses ``inf`` and ``nan`` (``float()`` takes both);
+* :func:`token_count` -- '2e9', '300M', '1.5B' as a whole number of tokens (the CLI flags and the
+  config fields that hold token counts read it alike);
 * :func:`check_output_file`, :func:`check_output_dir` -- a path the command will write is checked
   up front (a missing parent directory, a file where a directory goes, a read-only disk), not when
   the write fails after the work was done;
@@ -54,6 +56,32 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r}: give a finite number")
     return value
+
+
+_TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def token_count(text: str) -> int:
+    """A token count as people write one: '2e9', '300M', '1.5B', '600_000' -> a whole number of
+    tokens (>= 1, at most 2**53, past which the schedules' float arithmetic no longer holds every
+    whole number). ValueError saying what is wrong; the caller names the field or flag."""
+    text = text.strip().replace("_", "")
+    scale = _TOKEN_SUFFIXES.get(text[-1:].lower(), 1.0)
+    number = text[:-1] if scale != 1.0 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError("not a token count (e.g. 2e9, 300M, 1.5B)") from None
+    if not math.isfinite(value):
+        raise ValueError("give a finite token count (e.g. 2e9, 300M)")
+    if value <= 0:
+        raise ValueError("the token count must be positive")
+    if value > 2**53:
+        raise ValueError("at most 2**53 (~9.0e15) tokens, the largest count the schedule's float "
+                         "arithmetic keeps exact")
+    if round(value) < 1:
+        raise ValueError("less than one token; give the budget in tokens, e.g. 2e9, 300M")
+    return int(round(value))
 
 
 def _nearest_existing(path: Path) -> Path:

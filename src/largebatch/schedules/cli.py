@@ -19,34 +19,17 @@ import dataclasses
 import math
 import sys
 
-from largebatch.arguments import OneLineParser, check_output_file
+from largebatch.arguments import OneLineParser, check_output_file, token_count
 from largebatch.schedules.config import ScheduleConfig, batch_table, fraction
 from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
 def parse_tokens(text: str) -> int:
-    """'2e9', '300M', '1.5B' -> an integer token count."""
-    text = text.strip().replace("_", "")
-    scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
-    number = text[:-1] if scale != 1.0 else text
+    """'2e9', '300M', '1.5B' -> an integer token count (``largebatch.arguments.token_count``)."""
     try:
-        value = float(number) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 2e9, 300M)")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite token count (e.g. 2e9, 300M)")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the token count must be positive")
-    if value > 2**53:  # beyond it the schedule's float arithmetic no longer holds whole token counts
-        raise argparse.ArgumentTypeError(f"{text!r}: at most 2**53 (~9.0e15) tokens, the largest count "
-                                         "the schedule's float arithmetic keeps exact")
-    if round(value) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: less than one token; give the budget in tokens, "
-                                         "e.g. 2e9, 300M")
-    return int(round(value))
+        return token_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text.strip()!r}: {exc}") from None
 
 
 def parse_number(text: str) -> float:

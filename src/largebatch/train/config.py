@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from largebatch.arguments import token_count
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
 from largebatch.data.dataset import BERTDataset
@@ -122,8 +123,9 @@ class RunConfig:
     out_dir: str = "runs/{time}-{kind}"
     """Run directory; '{time}' and '{kind}' are filled in. Holds config.toml, metrics.jsonl,
     tensorboard/, PNG plots, summary.json and checkpoints/."""
-    total_tokens: int = 600_000
-    """Training budget in tokens (sequences x sequence length). Schedules are keyed on it."""
+    total_tokens: int = field(default=600_000, metadata={"parse": token_count})
+    """Training budget in tokens (sequences x sequence length). Schedules are keyed on it. Token
+    counts here and in the fields below take 2e9, 300M, 1.5B or 600_000."""
     micro_batch: int = 8
     """Sequences per forward/backward. A step's batch (from the schedule) is accumulated from
     batch_size / (micro_batch x data-parallel ranks) micro-batches."""
@@ -142,9 +144,9 @@ class RunConfig:
     """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     seed: int = 1337
     """Seed for initialisation and dropout (the data order and BERT masks follow data.seed)."""
-    eval_every_tokens: int | None = None
+    eval_every_tokens: int | None = field(default=None, metadata={"parse": token_count})
     """Validation interval in tokens (None: ten evaluations over the run)."""
-    eval_tokens: int = 32_768
+    eval_tokens: int = field(default=32_768, metadata={"parse": token_count})
     """Validation tokens per evaluation (a fixed slice of the validation split)."""
     eval_micro_batch: int | None = None
     """Sequences per evaluation forward (None: the phase's training micro-batch). An evaluation
@@ -153,7 +155,7 @@ class RunConfig:
     float32 summation within a forward changes (last digits)."""
     log_every_steps: int = 1
     """Write a metrics record every this many optimizer steps."""
-    checkpoint_every_tokens: int | None = None
+    checkpoint_every_tokens: int | None = field(default=None, metadata={"parse": token_count})
     """Checkpoint interval in tokens (None: none by tokens; see checkpoint_every_seconds)."""
     checkpoint_every_seconds: float | None = 600.0
     """Also checkpoint when this many seconds of wall time passed since the last checkpoint

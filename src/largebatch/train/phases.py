@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from largebatch.arguments import token_count
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models.registry import model_spec
@@ -47,7 +48,7 @@ from largebatch.typed_config import ConfigError, check_off, from_dict, to_dict
 class PhaseConfig:
     seq_len: int
     """Tokens per sequence in this phase; at most model.seq_len (the position table's size)."""
-    total_tokens: int
+    total_tokens: int = field(metadata={"parse": token_count})
     """This phase's budget in tokens; the run's budget is the sum over phases."""
     micro_batch: int | None = None
     """Sequences per forward/backward in this phase (None: run.micro_batch). Longer sequences need
