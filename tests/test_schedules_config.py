@@ -258,6 +258,16 @@ def test_the_short_forms_are_read_by_train_as_by_schedule():
         ScheduleConfig.from_dict({"batch_table": "0:16,0.5:3.5"})
 
 
+def test_a_warmup_of_less_than_one_token_is_refused():
+    """The docs promise that a warmup, a ramp or a table row that rounds to no token of the budget is
+    refused; the ramp and the table were, a warmup of 1e-9 ran with none."""
+    with pytest.raises(ValueError, match=r"schedule.warmup = 1e-09: is 0.001 tokens of the 1,000,000-token "
+                                         r"budget, less than one: no warmup would run; raise it, or give 0"):
+        ScheduleConfig(warmup=1e-9).build(1_000_000, 128)
+    assert ScheduleConfig(warmup=1e-6).build(1_000_000, 128).lr_schedule.warmup_tokens == 1
+    assert ScheduleConfig(warmup=0.0).build(1_000_000, 128).lr_schedule.warmup_tokens == 0
+
+
 def test_token_counts_take_the_short_forms_in_train_as_in_schedule(tmp_path):
     """`largebatch schedule --run.total_tokens 300M` worked while `largebatch train` refused 300M and
     1.5B ("expected a whole number"), on the command line and in a TOML file alike. Every token-count

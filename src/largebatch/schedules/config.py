@@ -231,6 +231,9 @@ class ScheduleConfig:
         """The plain LR schedule (also Seesaw's base)."""
         self._validate()
         peak, warmup = self.coupled_peak_lr(), round(self.warmup * total_tokens)
+        if self.warmup and warmup < 1:
+            self._fail("warmup", f"is {self.warmup * total_tokens:.3g} tokens of the {total_tokens:,}-token "
+                       "budget, less than one: no warmup would run; raise it, or give 0 for none")
         if self.warmup and warmup >= total_tokens:
             self._fail("warmup", f"is {warmup:,} of the {total_tokens:,}-token budget, which leaves no "
                        "token after the warmup; lower it")
