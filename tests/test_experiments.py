@@ -359,6 +359,15 @@ def test_the_grid_extends_past_an_end_that_holds_the_best_lr():
     assert grid_extensions({"falls": {1e-3: 5.0, 3e-3: 4.9}}, {}, 0) == []  # extend 0: the grid as given
 
 
+def test_the_recompute_report_names_only_files_it_wrote(tmp_path):
+    """The recompute experiment measures in-process and trains no arm: its report pointed at
+    runs/<arm>/metrics.jsonl, which it never writes; an experiment with arms still does."""
+    path = cli.run_experiment("recompute", "smoke", tmp_path / "recompute")
+    text = path.read_text()
+    assert "runs/<arm>" not in text and not (tmp_path / "recompute" / "runs").exists()
+    assert "measured" in text and "predicted" in text
+
+
 def test_bad_input_names_the_argument(tmp_path, capsys):
     with pytest.raises(ValueError, match="sesaw.*seesaw"):
         cli.run_experiment("sesaw", "smoke", tmp_path)

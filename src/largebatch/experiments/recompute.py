@@ -66,7 +66,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution=None) -> Re
     """``execution`` is accepted for a uniform interface: this experiment times policies in-process."""
     config, micro_batch, rounds = SETTINGS[size]
     report = Report("recompute", "Recomputation policies: measured memory and time vs the "
-                    "memory model (Korthikanti et al. 2022)", command)
+                    "memory model (Korthikanti et al. 2022)", command, arms=False)
     report.add(f"""GPT {config.n_layer} layers x {config.n_embd} hidden, {config.n_head} heads, seq
 {config.seq_len}, vocab {config.vocab_size}, micro-batch {micro_batch}, fp32 on CPU, {rounds}
 interleaved timing rounds. "measured" = bytes of tensors the forward leaves alive for backward

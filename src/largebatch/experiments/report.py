@@ -58,6 +58,8 @@ class Report:
     """Wall time of the invocation that wrote the report."""
     kept: list[tuple[str, float]] = field(default_factory=list)
     """(arm, its own wall seconds) of every arm an earlier invocation trained and --resume kept."""
+    arms: bool = True
+    """Whether the experiment trains arms, each in runs/<arm>/ (recompute measures in-process)."""
 
     def _time_scope(self) -> str:
         if not self.kept:
@@ -79,7 +81,8 @@ class Report:
         header = [f"# {self.title}", "",
                   f"Reproduce: `{self.command}`", "",
                   f"Measured {stamp} on {device}, fp32, torch {torch.__version__}; "
-                  f"{self.seconds:.0f} s {self._time_scope()}. Raw metrics: `runs/<arm>/metrics.jsonl`.", ""]
+                  f"{self.seconds:.0f} s {self._time_scope()}."
+                  + (" Raw metrics: `runs/<arm>/metrics.jsonl`." if self.arms else ""), ""]
         body = "\n\n".join(self.sections)
         images = "\n".join(f"![{p}]({p})" for p in self.plots)
         path = out_dir / "report.md"
