@@ -469,5 +469,5 @@ def test_a_split_too_short_for_a_sample_names_every_way_to_move_text_between_the
 
     with pytest.raises(ValueError, match=r"the val split has 5 tokens, fewer than one gpt sample of seq_len=8 "
                                          r"\(9 tokens\): lower seq_len, use a larger corpus, or move text between "
-                                         r"the splits \(DataConfig.val_documents .*val_fraction .*val_corpus"):
+                                         r"the splits \(data.val_documents .*val_fraction .*val_corpus"):
         GPTDataset(np.arange(5), 8, split="val", seed=0, shuffle=False)

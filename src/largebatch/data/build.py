@@ -287,7 +287,7 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
             tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
-            raise CorpusError(tokenizer_lib.no_separator_message("DataConfig.tokenizer_file", cfg.tokenizer_file))
+            raise CorpusError(tokenizer_lib.no_separator_message("data.tokenizer_file", cfg.tokenizer_file))
         eot_id = separator[1]
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
         tokens = {split: tokenizer_lib.write_documents(tokenizer, (d.text for d in docs), eot_id, dtype,
@@ -354,7 +354,7 @@ def _read_cache_entry(entry: Path):
 TOKENIZER_NAME = "tokenizer.json"
 
 
-def tokenizer_path(value: str, field: str = "DataConfig.tokenizer_file") -> Path:
+def tokenizer_path(value: str, field: str = "data.tokenizer_file") -> Path:
     """The tokenizer.json that the value of ``field`` names: the file, or the one inside a directory
     (as ``save_pretrained`` of HF transformers writes it); CorpusError naming the field otherwise."""
     path = Path(value).expanduser()
@@ -382,7 +382,7 @@ def read_tokenizer_file(cfg: DataConfig) -> Tokenizer:
         raise
     except Exception as exc:  # noqa: BLE001 -- tokenizers raises a bare Exception (or a decode error)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CorpusError(f"DataConfig.tokenizer_file={cfg.tokenizer_file!r} is not a tokenizer.json "
+        raise CorpusError(f"data.tokenizer_file = {cfg.tokenizer_file!r} is not a tokenizer.json "
                           f"({reason}): pass one saved by HF tokenizers, or None to train one") from None
 
 

@@ -476,7 +476,7 @@ def split_documents(documents: list[Document], val_fraction: float,
     train = [doc for doc in documents if doc.name not in chosen]
     val = [doc for doc in documents if doc.name in chosen]
     if not train:
-        raise CorpusError("DataConfig.val_documents lists every document: leave some for training")
+        raise CorpusError("data.val_documents lists every document: leave some for training")
     return train, val
 
 
@@ -499,7 +499,7 @@ def resolve_document_name(name: str, names: list[str]) -> str:
     if len(matches) == 1:
         return matches[0]
     hint = f"ambiguous: {matches}" if matches else f"known: {names[:8]}{' ...' if len(names) > 8 else ''}"
-    raise CorpusError(f"DataConfig.val_documents: no unique document named {name!r} ({hint})")
+    raise CorpusError(f"data.val_documents: no unique document named {name!r} ({hint})")
 
 
 def fingerprint(documents: list[Document]) -> str:

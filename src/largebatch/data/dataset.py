@@ -45,7 +45,7 @@ class PackedDataset:
             raise ValueError(
                 f"the {split} split has {len(tokens)} tokens, fewer than one {self.kind} sample "
                 f"of seq_len={seq_len} ({window} tokens): lower seq_len, use a larger corpus, or move "
-                f"text between the splits (DataConfig.val_documents names the validation documents, "
+                f"text between the splits (data.val_documents names the validation documents, "
                 f"val_fraction sets their share, val_corpus gives a file of its own)")
         self.sampler = Sampler(num_samples, seed=seed, shuffle=shuffle)
 
@@ -71,7 +71,7 @@ class PackedDataset:
         """Text of token ids (a list, array or tensor) via the tokenizer."""
         if self.tokenizer is None:
             raise ValueError("this corpus was given as token ids without a tokenizer: set "
-                             "DataConfig.tokenizer_file to a tokenizer.json to decode")
+                             "data.tokenizer_file to a tokenizer.json to decode")
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self.tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)],
@@ -106,7 +106,7 @@ class BERTDataset(PackedDataset):
         roles = masked_lm_ids(special_ids)
         if masked_lm_missing(roles):
             raise ValueError(f"BERT needs the special tokens {masked_lm_missing(roles)} in the tokenizer: "
-                             f"use the trained tokenizer or a DataConfig.tokenizer_file that has them")
+                             f"use the trained tokenizer or a data.tokenizer_file that has them")
         super().__init__(tokens, seq_len, window=seq_len - 2, stride=seq_len - 2, **kwargs)
         self.cls_id, self.sep_id, self.mask_id = roles["cls"], roles["sep"], roles["mask"]
         self.special_id_array = np.array(sorted(special_ids.values()), dtype=np.int64)

@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "default without --config) or are gathered on every rank (false: the trainer's default)")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
     p.add_argument("--optim.name", "--optimizer", dest="optimizer", choices=sorted(OPTIMIZER_STATE_BYTES),
-                   help="sizes its state (default adamw, or the --config's); the optimizers register_optimizer "
-                   "declared (largebatch.train.optimizer)")
+                   help="sizes its state (default adamw, or the --config's): fp32 bytes per parameter, 8 for "
+                   "adamw, lamb and lans, 4 for lars and sgd with momentum (sgd: for planning a loop of your own; "
+                   "the trainer does not offer it), and any optimizer register_optimizer declared "
+                   "(largebatch.train.optimizer)")
     p.add_argument("--dtype-bytes", type=finite_float,
                    help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32; default 2, "
                    "or from the --config's run.dtype)")

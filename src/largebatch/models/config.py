@@ -63,9 +63,10 @@ class ModelConfig:
     only their input for backward, so the memory model counts them the same."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model or post-LN BertForMaskedLM directory (config.json + model.safetensors or
-    pytorch_model.bin). The shape fields above and data.tokenizer_file then come from it
-    (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
+    GPT2Model, post-LN BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM /
+    CamembertForMaskedLM directory (config.json + model.safetensors, pytorch_model.bin, or a
+    sharded checkpoint's index and shards). The shape fields above and data.tokenizer_file then
+    come from it (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
 
     def __post_init__(self) -> None:
         check_literals(self, "ModelConfig")
