@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                              "every milestone instead of by whole micro-batches), 2-3x an arm's time; "
                              "on by default at --smoke only")
     parser.add_argument("--check", action="store_true",
-                        help="check the arguments and the report directory, print what would run, exit")
+                        help="check the arguments and the report directory, print where the report would go, exit")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be >= 1 (arms trained at once)")

@@ -1,6 +1,6 @@
 """Many processes: data, tensor and sequence parallel, with shard-correct optimizers and checkpoints.
 
-    from largebatch.parallel import ParallelConfig, init_distributed, parallelize, shard_optimizer
+    from largebatch.parallel import ParallelConfig, init_distributed, parallelize, shard_optimizer, unwrap
     state = init_distributed(ParallelConfig(tp=2, sequence_parallel=True))   # under torchrun
     model = parallelize(build_model(cfg).to(state.device), state, recompute="selective")
     optimizer = shard_optimizer(LAMB(param_groups(unwrap(model)), lr=2e-3), state)
