@@ -169,8 +169,9 @@ def test_state_estimate_is_the_real_model_and_optimizer(tmp_path):
 
 
 def test_state_estimate_counts_one_pipeline_rank_and_one_fsdp_shard(monkeypatch):
-    """Under parallel.pp = 2 a rank holds half the layers (the first stage: also the embeddings), and
-    FSDP over 2 ranks half of everything: counted from the real model's named parameters."""
+    """Under parallel.pp = 2 a rank holds half the layers (the first stage: also the embeddings; the
+    last: the output layer; under ZBV rank 0 both), and FSDP over 2 ranks half of everything: counted
+    from the real model's named parameters."""
     from largebatch.models import build_model
     from largebatch.train.preflight import estimate_state
 
@@ -182,6 +183,13 @@ def test_state_estimate_counts_one_pipeline_rank_and_one_fsdp_shard(monkeypatch)
     whole = sum(p.numel() for p in model.parameters())
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert estimate_state(load_config(None, {**base, "parallel.pp": 2})).parameters == first_stage
+    # ZBV (2 stages a rank, V-shaped): rank 0 holds the first stage and the last, the output layer
+    # with it; it was counted as the first stage alone (1.7x too few here, as in `largebatch memory`)
+    zbv_rank0 = sum(p.numel() for name, p in model.named_parameters()
+                    if name.startswith(("tok_emb.", "pos_emb.", "blocks.0.", "blocks.3.", "ln_f.", "lm_head.")))
+    zbv = load_config(None, {**base, "parallel.pp": 2, "parallel.pp_schedule": "zbv",
+                             "parallel.pp_virtual_stages": 2, "run.micro_batch": 2})
+    assert estimate_state(zbv).parameters == zbv_rank0
     split = load_config(None, {**base, "parallel.pp": 2, "parallel.pp_split": [3]})
     assert estimate_state(split).parameters > first_stage  # 3 layers on one rank (an upper bound)
     fsdp = estimate_state(load_config(None, {**base, "parallel.dp_mode": "fsdp"}))

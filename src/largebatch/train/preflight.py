@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from largebatch.arguments import check_output_dir
+from largebatch.memory.activations import last_stage_rank
 from largebatch.memory.estimate import GIB, stage_parameters
 from largebatch.train.config import TrainConfig
 from largebatch.train.optimizer import OPTIMIZERS
@@ -265,13 +266,18 @@ def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
 
 def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
     """fp32 parameters + gradients + optimizer state of one process, from the config alone: its
-    tensor-parallel share of its pipeline stages (the rank with the most layers, and the embedding),
-    divided over the FSDP shard group."""
+    tensor-parallel share of its pipeline stages (the rank with the most layers, with the embedding
+    or with the output layer, whichever holds more; under ZBV rank 0 holds both), divided over the
+    FSDP shard group."""
     par = cfg.parallel
     layers = rank_layers(cfg.model.n_layer, par)
     model = cfg.model.replace(vocab_size=check_model_vocab(cfg, vocab_size),  # the trainer's vocabulary
                               n_layer=layers * par.pp)  # stage_parameters counts n_layer // pp
     n = stage_parameters(model, tp=par.tp, pp=par.pp)
+    if par.pp > 1:  # the rank holding the last stage (the output layer): rank 0 itself under ZBV's V
+        on_first = last_stage_rank(par.pp_schedule, par.pp) == 0
+        n = max(stage_parameters(model, tp=par.tp, pp=par.pp, first=True, last=on_first),
+                stage_parameters(model, tp=par.tp, pp=par.pp, first=on_first, last=True))
     if par.dp_mode != "ddp":
         try:
             from largebatch.parallel.mesh import replica_sizes, resolve_sizes
