@@ -200,3 +200,46 @@ def test_a_token_array_run_without_a_tokenizer_ends_with_a_summary(reference_run
     logs = []
     Trainer(load_config(resolve_config(None), o), o["run.out_dir"], resume=True, log=logs.append)
     assert any(line.startswith("warning: the corpus's token arrays changed since") for line in logs), logs
+
+
+PEAK_SCRIPT = '''
+import json, os, sys
+import torch
+from largebatch.memory.measure import memory_bytes
+from largebatch.parallel import ParallelConfig, init_distributed
+from largebatch.train.report import Reporting
+
+state = init_distributed(ParallelConfig(dp=2))
+if state.rank == 1:  # the busier rank (a pipeline's last stage, with the output layer and logits)
+    held = torch.ones(64 * 1024 * 1024)  # 256 MiB, touched
+own = [None, None]
+torch.distributed.all_gather_object(own, memory_bytes(torch.device("cpu")))
+
+
+class Report(Reporting):
+    device, par = torch.device("cpu"), state
+
+
+peak = Report().peak_memory()
+if state.rank == 0:
+    print("RESULT " + json.dumps({"own": own, "peak": peak}), flush=True)
+torch.distributed.barrier()
+sys.stdout.flush()
+os._exit(0)
+'''
+
+
+@pytest.mark.distributed
+def test_memory_reported_is_the_busiest_ranks(tmp_path):
+    """The logged and summarised memory is the peak of the busiest process of the job: rank 0's alone
+    was read, so a pipeline run's last stage (820 MiB against rank 0's 576 MiB in one measurement)
+    was never shown. Two real ranks, rank 1 holding 256 MiB more."""
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(line[len("RESULT "):])
+    assert out["own"][1] > out["own"][0] + 200 * 2**20
+    assert out["peak"] >= out["own"][1] and out["peak"] < out["own"][1] + 50 * 2**20

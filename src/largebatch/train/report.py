@@ -45,6 +45,21 @@ class Reporting:
         record["noise_scale"] = self.noise.b_simple
         return record
 
+    def peak_memory(self) -> int:
+        """``memory_bytes`` of the busiest process of the job: the maximum over every rank (one small
+        all-reduce of a CPU integer; every rank calls it at the same point). Under pipeline parallel
+        the stage with the output layer and its logits may peak above rank 0, which alone was read."""
+        peak = memory_bytes(self.device)
+        if self.par.distributed:
+            import torch.distributed as dist
+
+            from largebatch.train.stopping import control_group
+
+            flag = torch.tensor([peak], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group(self.par))
+            peak = int(flag)
+        return peak
+
     def _log_step(self, record: dict[str, Any], progress,
                   mark: tuple[float, int, float]) -> tuple[float, int, float]:
         """Log a step's record with tokens/s and MFU over the optimizer steps' own time since
@@ -58,7 +73,7 @@ class Reporting:
         tps = (pos.tokens - mark[1]) / seconds
         mfu = (pos.model_flops - mark[2]) / seconds / (self.peak_flops * self.par.world_size)
         record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                      mfu=mfu, memory_bytes=memory_bytes(self.device))
+                      mfu=mfu, memory_bytes=self.peak_memory())
         if record["mfu"] > 1 and not self._warned_mfu:
             self._warned_mfu = True
             self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
@@ -119,7 +134,7 @@ class Reporting:
                    "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
                    "mfu": mfu, "world_size": self.par.world_size,
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
-                   "memory_bytes": memory_bytes(self.device), "skipped_steps": pos.skipped_steps,
+                   "memory_bytes": self.peak_memory(), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
         summary["final_val_accuracy"] = self.val_accuracy
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
