@@ -222,6 +222,10 @@ def _config(monkeypatch, world: int, **extra):
 
 @pytest.mark.parametrize("world, extra, message", [
     (2, {"parallel.pp": 2, "model.n_layer": 3}, "parallel.pp = 2 does not divide model.n_layer = 3: "),
+    (2, {"parallel.pp": 2, "model.n_layer": 1}, "parallel.pp = 2 stages for model.n_layer = 1: every stage "
+     "needs at least one layer (no pp_split helps); lower pp to at most 1 stage(s) in all"),
+    (2, {"parallel.pp": 2, "model.n_layer": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
+         "run.micro_batch": 2}, "parallel.pp = 2 x pp_virtual_stages = 2 = 4 stages for model.n_layer = 2"),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 3},
      "parallel.pp_virtual_stages = 3 does not divide the 2 layers per rank"),
     (2, {"parallel.pp": 2, "run.micro_batch": 8}, "needs at least 2 micro-batches per step, but a step has 1"),

@@ -64,6 +64,12 @@ from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 def stage_layers(n_layer: int, pp: int, virtual: int = 1, split: list[int] | None = None) -> list[range]:
     """The layers of each of the pp x V stages: evenly, or starting where ``split`` says."""
     n_stages = pp * virtual
+    if n_stages > n_layer:  # no split helps: every stage holds at least one layer
+        stages = f"parallel.pp = {pp} x pp_virtual_stages = {virtual} = {n_stages}" if virtual > 1 else \
+            f"parallel.pp = {pp}"
+        raise ValueError(f"{stages} stages for model.n_layer = {n_layer}: every stage needs at least one layer "
+                         f"(no pp_split helps); lower pp{' or pp_virtual_stages' if virtual > 1 else ''} to at "
+                         f"most {n_layer} stage(s) in all")
     if split is None:
         if n_layer % pp:
             raise ValueError(f"parallel.pp = {pp} does not divide model.n_layer = {n_layer}: choose pp among "
