@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -202,6 +203,39 @@ def test_a_signal_between_micro_batches_drops_the_step(reference_run, tmp_path, 
     assert f"resumed from {list_checkpoints(out)[0]}" in capsys.readouterr().out
     assert _train_losses(out) == _train_losses(ref_dir)
     assert _val_losses(out) == _val_losses(ref_dir)
+
+
+def test_a_signal_during_setup_cleans_up_and_says_so(reference_run, tmp_path):
+    """SIGTERM while a cold data cache is built (its tokenizer training) ended the process at once:
+    no line said why, and the entry's staging directory stayed on the disk. Now the build's cleanup
+    runs, the command says what happened and exits 143. A staging directory a killed build left is
+    removed when the entry is next used (it was only when the entry was built)."""
+    cache = tmp_path / "cold-cache"
+    o = tiny_overrides(cache, tmp_path / "setup", **{"run.total_tokens": 32 * 8 * 2,
+                                                      "schedule.batch_policy": "constant"})
+    patch = """
+        import largebatch.data.tokenizer as tokenizer_lib
+        train = tokenizer_lib.train_tokenizer
+        def signalled(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return train(*args, **kwargs)
+        tokenizer_lib.train_tokenizer = signalled"""
+    proc = subprocess.run([sys.executable, "-c", _patched_main(o, patch)], env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert "interrupted outside the training loop (SIGTERM); no checkpoint was written" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(cache.glob(".*.tmp-*")) and not [p for p in cache.iterdir() if not p.name.startswith(".")]
+    cache = tmp_path / "warm-cache"  # a copy of the built cache (built once per session: slow)
+    shutil.copytree(reference_run[0], cache)
+    o = {**o, "data.cache_dir": str(cache)}
+    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    dead = cache / f".{entry.name}.tmp-0123456789abcdef"  # a build killed by SIGKILL on this host
+    dead.mkdir()
+    (dead / ".owner").write_text(f"{2**22 + 12345} {socket.gethostname()}\n")  # above pid_max: dead
+    (dead / "train.bin").write_bytes(b"\0" * 1000)
+    assert main(_args({**o, "run.out_dir": str(tmp_path / "again")})) == 0  # a cache hit
+    assert not dead.exists()
 
 
 def test_a_kill_during_the_final_evaluation_loses_no_step(reference_run, tmp_path, capsys):

@@ -234,6 +234,11 @@ def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
                 raise CorpusError(f"data cache entry {entry} is damaged ({damage}) and cannot be removed "
                                   "here: delete it, or set data.cache_dir to a writable directory") from None
         cache_hit = False
+    if cache_hit:  # what killed builds of this entry left (each as large as the streams) goes on hits too
+        try:
+            remove_dead_staging(entry)
+        except OSError:  # a read-only cache: left as it is
+            pass
     if not cache_hit and not (entry / "meta.json").is_file():
         try:
             _write_cache_entry(entry, cfg, train_docs, val_docs)

@@ -24,6 +24,7 @@ import argparse
 import difflib
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # imported here so that importing this module stays instant
-        from largebatch.train.config import TrainConfig, load_config
+        from largebatch.train.config import TrainConfig
     except ImportError as exc:  # a missing extra or a broken install, said plainly
         if "-h" in argv or "--help" in argv:
             print(_usage())
@@ -138,6 +139,20 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields(TrainConfig))
         return 0
 
+    from largebatch.train.stopping import exit_code, raise_on_signals
+
+    with raise_on_signals():  # a signal during setup raises: cleanups run, the command says so
+        try:
+            return _launch(args, unknown, parser)
+        except KeyboardInterrupt as exc:  # before a run directory was settled (config, preflight)
+            signum = getattr(exc, "signum", signal.SIGINT)
+            return _fail(f"interrupted before training ({signal.Signals(signum).name}); no run was started",
+                         exit_code(signum))
+
+
+def _launch(args, unknown: list[str], parser) -> int:
+    """``main`` once the arguments are parsed: resolve the config and the run directory, check, train."""
+    from largebatch.train.config import TrainConfig, load_config
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
     from largebatch.train.rundir import continues_run, finished_run
 
@@ -212,11 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         kept = f"the newest checkpoint {last} is intact" if last else "no checkpoint was written"
         return _fail(f"could not write {exc.filename or run_dir}: {exc.strerror or exc}; {kept}. "
                      f"Free space and run the same command again (or --resume {shlex.quote(str(run_dir))})", 1)
-    except KeyboardInterrupt:  # Ctrl-C during setup or the final plots: no step was lost
+    except KeyboardInterrupt as exc:  # a signal during setup or the final plots: no step was lost
+        from largebatch.train.stopping import exit_code
+
+        signum = getattr(exc, "signum", signal.SIGINT)
         last = latest_any_checkpoint(run_dir)
         kept = (f"the newest checkpoint {last} is intact (continue with --resume {shlex.quote(str(run_dir))})"
                 if last else "no checkpoint was written")
-        return _fail(f"interrupted outside the training loop; {kept}", 130)
+        return _fail(f"interrupted outside the training loop ({signal.Signals(signum).name}); {kept}",
+                     exit_code(signum))
     if summary.get("signal"):  # stopped by a signal after a checkpoint (stopping.SIGNALS)
         from largebatch.train.stopping import exit_code
 

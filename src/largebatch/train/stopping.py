@@ -29,6 +29,7 @@ queues a collective on the device nor waits for the device's queue to drain.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -80,6 +81,36 @@ def control_group(par: ParallelState):
     if key not in _SIDE_GROUPS:
         _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
     return _SIDE_GROUPS[key]
+
+
+class SignalledOutside(KeyboardInterrupt):
+    """A stop signal outside the training loop (setup: the data cache, a tokenizer's training, the
+    model's build; or after the run): raised where the main thread is, so cleanups (a data cache's
+    staging directory) run and the command can say what is intact. Python's SIGINT is already a
+    KeyboardInterrupt; the other ``SIGNALS`` ended the process at once, saying nothing."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def raise_on_signals():
+    """While it is active (and no ``StopRequest`` holds them), each of ``SIGNALS`` that this process
+    does not ignore raises ``SignalledOutside`` (SIGINT: KeyboardInterrupt, as Python's own)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SignalledOutside(signum) if signum != signal.SIGINT else KeyboardInterrupt()
+
+    previous = take_signals(handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class StepInterrupted(Exception):
