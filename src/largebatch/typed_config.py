@@ -241,7 +241,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if isinstance(value, str) and value.lower() in refused:  # a known value with its reason
             raise ConfigError(f"{full} = {value!r}: {refused[value.lower()]}")
         parse = fields[key].metadata.get("parse")
-        if parse is not None and isinstance(value, str):  # a short form: '1/1.1', '0:64,0.5:128'
+        optional_none = isinstance(value, str) and value.lower() in ("none", "null") and \
+            type(None) in typing.get_args(hints[key])
+        if parse is not None and isinstance(value, str) and not optional_none:  # a short form: '1/1.1'
             try:
                 value = parse(value)
             except ValueError as exc:
