@@ -400,7 +400,7 @@ def test_second_signal_exits_at_once(reference_run, tmp_path):
     _wait_for_train_records(out, 2, proc)
     proc.send_signal(signal.SIGTERM)
     for line in proc.stderr:  # the first signal was taken: it will checkpoint after this step
-        if "SIGTERM: finishing this step" in line:
+        if "SIGTERM: ending this step" in line:
             break
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)

@@ -21,7 +21,7 @@ class ConsoleLog:
     trainer asks to stop as on a signal: the step in progress finishes, a checkpoint is written, the
     process exits with 141, as a process that SIGPIPE ends)."""
 
-    def __init__(self, notice: str = "finishing this step, then checkpointing") -> None:
+    def __init__(self, notice: str = "ending this step, then checkpointing") -> None:
         self.notice = notice
         self.lost = False
         self.on_lost: Callable[[], None] | None = None

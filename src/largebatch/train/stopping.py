@@ -153,7 +153,7 @@ class StopRequest:
             self.signum, self._first_at = signum, now
             if self.par.is_main:
                 doing = ("the run is at its end: finishing its final checkpoint, evaluation and summary" if self._ending
-                         else "finishing this step, then checkpointing")
+                         else "ending this step (dropped if its micro-batches are not done), then checkpointing")
                 print(f"[largebatch] {name}: {doing} (send a second signal to exit at once)",
                       file=sys.stderr, flush=True)
         elif signum != self.signum or now - self._first_at > REPEAT_WINDOW_S:
