@@ -172,7 +172,9 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
         what = f"parallel.tp = {cfg.tp}" if cfg.pp == 1 else f"parallel.pp x parallel.tp = {model_ranks}"
         raise ValueError(f"{what} does not divide the {world_size} processes started; launch a "
                          f"multiple of {model_ranks} processes (torchrun --nproc-per-node) or change "
-                         f"{'tp' if cfg.pp == 1 else 'pp or tp'}")
+                         f"{'tp' if cfg.pp == 1 else 'pp or tp'}"
+                         + (" (one process: --parallel.pp=1 --parallel.tp=1; a run continues with --resume "
+                            "RUN_DIR and them)" if world_size == 1 else ""))
     dp = cfg.dp or world_size // model_ranks
     if dp * model_ranks != world_size:
         if cfg.pp == 1:
