@@ -230,6 +230,7 @@ def _config(monkeypatch, world: int, **extra):
          "model.n_layer": 8}, "parallel.pp_virtual_stages = 3 does not divide the 4 layers per rank"),
     (2, {"parallel.pp": 2, "run.micro_batch": 8}, "needs at least 2 micro-batches per step, but a step has 1"),
     (4, {"parallel.pp": 3}, "parallel.pp x parallel.tp = 3 does not divide the 4 processes"),
+    (1, {"parallel.pp": 2}, "or change pp or tp (one process: --parallel.pp=1 --parallel.tp=1; a run continues"),
     (4, {"parallel.pp": 2, "parallel.dp": 3, "parallel.dp_mode": "fsdp"}, "pp x dp x tp = 2 x 3 x 1 = 6, but 4"),
     (2, {"parallel.pp": 2, "model.tie_embeddings": True}, "set model.tie_embeddings = false"),
     (2, {"parallel.pp": 2, "parallel.pp_split": [4]}, "needs 1 indices below model.n_layer = 4"),
