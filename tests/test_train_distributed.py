@@ -448,6 +448,43 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
     assert _losses(out) == _losses(ddp_run)  # every step, to the last bit
 
 
+def test_max_restarts_does_not_undo_a_stop_signalled_to_the_workers(single, ddp_run, tmp_path):
+    """`torchrun --max-restarts 1` and SIGUSR1 to both workers alone (a forwarding trap, `pkill`, a
+    pod whose first process is not torchrun): they checkpoint and exit 138, which torchrun takes for
+    a failure and starts them again -- and the restarted workers trained on to the end, undoing the
+    stop. Now the restarted attempt sees the job's stop note and exits again at once; a new job (the
+    same command) continues on the uninterrupted trajectory."""
+    out = tmp_path / "stop-restart"
+    o = _overrides(single[0], out)
+    proc = _launch(o, "--max-restarts", "1")
+    _wait_until(proc, lambda: None not in (_rank_pid(0, proc.pid), _rank_pid(1, proc.pid)))
+    ranks = [_rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]
+    _wait_until(proc, lambda: _train_steps(out) >= 2, poll=0.002)
+    for pid in ranks:  # held while the signal goes out (a loaded machine must not let the run end first)
+        os.kill(pid, signal.SIGSTOP)
+    while not all(_status(pid)["State"].startswith("T") for pid in ranks):
+        time.sleep(0.01)
+    try:
+        for pid in ranks:
+            os.kill(pid, signal.SIGUSR1)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+    stdout, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0, err[-3000:]
+    steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
+    assert _dcp_steps(out)[-1] == steps[-1] and steps[-1] < 19  # nothing trained after the stop
+    assert "(SIGUSR1) at step" in stdout and "resumed from" not in stdout, stdout[-2000:]
+    assert f"this torchrun job stopped on SIGUSR1 at step {steps[-1]} (checkpointed); torchrun started it " \
+           "again (--max-restarts)" in err, err[-3000:]
+    done = _launch(o, "--max-restarts", "1")  # a new job: its run id differs
+    stdout, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert f"resumed from {out / 'checkpoints'}" in stdout
+    assert _losses(out) == _losses(ddp_run)
+    assert not (out / ".stopped").exists()
+
+
 EVAL_SIGNAL = """
 import os, signal, sys
 from largebatch.train.loop import Trainer

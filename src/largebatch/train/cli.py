@@ -154,7 +154,7 @@ def _launch(args, unknown: list[str], parser) -> int:
     """``main`` once the arguments are parsed: resolve the config and the run directory, check, train."""
     from largebatch.train.config import TrainConfig, load_config
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
-    from largebatch.train.rundir import continues_run, finished_run
+    from largebatch.train.rundir import continues_run, finished_run, stopped_in_this_job
 
     def complete(run_dir: Path, cfg) -> bool:  # relaunching a finished run is a no-op: says so, writes nothing
         finished = None if check_only else finished_run(run_dir, cfg)
@@ -197,6 +197,16 @@ def _launch(args, unknown: list[str], parser) -> int:
             resume = continues_run(run_dir, cfg)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    note = None if check_only else stopped_in_this_job(run_dir)
+    if note is not None:  # torchrun --max-restarts took a stop for a failure: the stop stands
+        from largebatch.train.stopping import exit_code
+
+        name = signal.Signals(note["signal"]).name
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[largebatch] this torchrun job stopped on {name} at step {note['step']} (checkpointed); "
+                  f"torchrun started it again (--max-restarts), which would undo the stop: exiting "
+                  f"again. Continue with the same command in a new job", file=sys.stderr, flush=True)
+        return exit_code(note["signal"])
     if check_only:
         from largebatch.train.progress import human_bytes, human_count
 

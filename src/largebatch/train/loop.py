@@ -72,9 +72,9 @@ from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
-from largebatch.train.rundir import keep_tokenizer, lock_run_dir
+from largebatch.train.rundir import keep_tokenizer, lock_run_dir, note_stop
 from largebatch.train.skip import DeviceSkip
-from largebatch.train.stopping import StepInterrupted, StopRequest
+from largebatch.train.stopping import StepInterrupted, StopRequest, control_group
 from largebatch.typed_config import to_dict
 
 
@@ -542,6 +542,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                         stop.checkpointed()
                     time_due = False
                 if stopping:
+                    if signum is not None:  # before any rank exits: torchrun restarting them must see it
+                        if self.is_main:
+                            note_stop(self.run_dir, signum, pos.step)
+                        if self.par.distributed:
+                            torch.distributed.barrier(group=control_group(self.par))
                     reason = signal.Signals(signum).name if signum else "run.max_steps"
                     kept = (f"checkpoint {self.saved_path}" if self.saved_path is not None
                             else "no checkpoint (no step was taken)")

@@ -120,6 +120,38 @@ def has_checkpoints(run_dir: Path) -> bool:
     return bool(list_checkpoints(run_dir, kinds=(".pt", ".dcp")))
 
 
+STOP_NOTE = ".stopped"
+"""A run directory's note of a stop by signal under torchrun: {"run_id", "signal", "step"}."""
+
+
+def note_stop(run_dir: Path, signum: int, step: int) -> None:
+    """Note that this torchrun job stopped on ``signum`` after checkpointing (rank 0; outside
+    torchrun nothing restarts a process, and nothing is written)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        atomic_write_text(run_dir / STOP_NOTE, json.dumps({"run_id": run_id, "signal": signum, "step": step}))
+
+
+def stopped_in_this_job(run_dir: Path) -> dict | None:
+    """The stop note of THIS torchrun job when torchrun started its workers again after it
+    (``--max-restarts``: a worker's exit on a stop signal looks like a failure to torchrun, when
+    only the workers were signalled), else None. Such an attempt must not undo the stop: it exits
+    again. A later job (a requeue, another torchrun) has another run id or restart count 0, and
+    goes on; its first attempt removes the note."""
+    path = run_dir / STOP_NOTE
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    try:
+        note = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if restart > 0 and isinstance(note, dict) and note.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID") \
+            and isinstance(note.get("signal"), int):
+        return note
+    if restart == 0:
+        path.unlink(missing_ok=True)
+    return None
+
+
 def finished_run(run_dir: Path, cfg) -> dict | None:
     """The summary.json of a run of ``cfg`` that ``run_dir`` holds finished (written only at a run's
     end; its tokens reach ``cfg``'s budget and its config.toml differs from ``cfg`` in no field that
