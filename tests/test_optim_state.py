@@ -245,3 +245,73 @@ def test_state_of_tensors_left_out_of_a_step_keeps_no_flat_buffer_alive(name):
     saved = io.BytesIO()
     torch.save(optimizer.state_dict(), saved)
     assert saved.tell() < nominal + 64 * 1024  # the tensors' bytes and the pickle around them
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_of_another_shape_is_refused_at_load(name):
+    """AdamW fails at the next step when a loaded moment's shape differs from its parameter's; here
+    the kernels see flat tensors, so state of the same size and another shape (a transposed layout,
+    another parameter order) was used, pairing each moment with another element, on every later
+    step. It is refused at the load, naming the parameter, and nothing is loaded."""
+    a = torch.nn.Parameter(torch.randn(4, 5))
+    source = OPTIMIZERS[name]([a])
+    a.grad = torch.randn(4, 5)
+    source.step()
+    b = torch.nn.Parameter(torch.randn(5, 4))
+    target = OPTIMIZERS[name]([b])
+    with pytest.raises(ValueError, match=r"state '\w+' of parameter 0 has shape \(4, 5\), the parameter \(5, 4\)"):
+        target.load_state_dict(source.state_dict())
+    assert not target.state  # nothing loaded
+    b.grad = torch.randn(5, 4)
+    target.step()  # a fresh start
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_follows_a_change_of_the_parameters_dtype(name):
+    """`model.double()` after some steps: the state takes the parameters' dtype, as a load would put it
+    (small tensors kept float32 moments for float64 parameters; large ones failed or went on in float32,
+    depending on the optimizer). The next steps equal those of an optimizer whose state was loaded into
+    the float64 model."""
+    torch.manual_seed(0)
+    shapes = [(8,), (300, 200)]  # a flat-bucket tensor and a multi-tensor one
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    optimizer = OPTIMIZERS[name](params)
+    for _ in range(2):
+        _step(optimizer, params, [torch.randn(s) for s in shapes])
+    twin_params = [torch.nn.Parameter(p.detach().double().clone()) for p in params]
+    twin = OPTIMIZERS[name](twin_params)
+    twin.load_state_dict(optimizer.state_dict())
+    for p in params:
+        p.data = p.data.double()
+    grads = [[torch.randn(s, dtype=torch.float64) for s in shapes] for _ in range(2)]
+    for step_grads in grads:
+        _step(optimizer, params, step_grads)
+        _step(twin, twin_params, step_grads)
+    for p, q in zip(params, twin_params):
+        assert p.dtype == torch.float64 and torch.equal(p, q)
+    assert all(v.dtype == torch.float64 for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim())
+
+
+def test_work_buffers_of_a_dropped_or_frozen_parameter_are_freed():
+    """The kept CPU work buffers (one per large parameter for LAMB, two for LANS) stayed after the
+    parameter was frozen, and held a parameter removed from the optimizer alive (AdamW lets it go)."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    optimizer = LANS(list(model.parameters()), lr=1e-3)
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    assert len(optimizer._workspace) == 2  # the two 256 x 256 weights (2^16 elements: multi-tensor)
+    model[0].weight.requires_grad_(False)
+    model[0].weight.grad = None
+    optimizer.step()
+    assert len(optimizer._workspace) == 1
+    dropped = model[1].weight
+    optimizer.param_groups[0]["params"] = [p for p in optimizer.param_groups[0]["params"] if p is not dropped]
+    optimizer.state.pop(dropped)
+    alive = weakref.ref(dropped)
+    del dropped, model
+    gc.collect()
+    assert alive() is None and len(optimizer._workspace) == 0

@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from . import checks
-from .kernels import Rebind, host_constant, packed
+from .kernels import FLAT_MAX_ELEMENTS, Rebind, host_constant, packed
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -313,6 +313,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 self._refuse_sparse(group, i)
         work = [(h, bucket) for group, h in zip(self.param_groups, resolved) for bucket in self._buckets(group)]
+        if len(self._workspace) > sum(x.numel() >= FLAT_MAX_ELEMENTS for _, b in work for x in b.x):
+            # work buffers of tensors not stepped now: those frozen or out of the groups are freed
+            self._workspace.keep_only({id(p) for g in self.param_groups for p in g["params"] if p.requires_grad})
         grad_scale = self._global_grad_scale([b for _, b in work])  # 0-d float64 tensor or None
         self._last_ratios = []
         with self._compile_limits():
@@ -365,8 +368,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 state["step"] = next(new_counts) if self.capturable else 0
                 for key in keys:
                     state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.contiguous_format)
-            elif isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
-                state["step"] = step_count(state["step"], target.device, self.capturable)
+            else:
+                if isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
+                    state["step"] = step_count(state["step"], target.device, self.capturable)
+                if plain:  # the model moved or changed dtype since (model.double(), .to(device)): the
+                    for key in keys:  # state follows, as a load puts it (it stayed, or failed later)
+                        held = state[key]
+                        if held.dtype != state_dtype(p) or held.device != p.device:
+                            state[key] = held.to(device=p.device, dtype=state_dtype(p))
             if self.capturable:
                 counts.append(state["step"])  # advanced below, all at once
             else:
@@ -506,10 +515,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         def keep_fp32_moments(optimizer, loaded: dict) -> None:  # runs after the user's pre-hooks
             ids = [i for group in loaded["param_groups"] for i in group["params"]]
             for index, (param_id, p) in enumerate(zip(ids, params)):
-                if state_dtype(p) == p.dtype:
-                    continue
                 for key, value in loaded["state"].get(param_id, {}).items():
-                    if key in self._state_keys and isinstance(value, Tensor):
+                    if key not in self._state_keys or not isinstance(value, Tensor):
+                        continue
+                    if value.shape != p.shape:  # the kernels see flat tensors: it would pair wrong elements
+                        raise ValueError(
+                            f"load_state_dict: state {key!r} of parameter {index} has shape {tuple(value.shape)}, "
+                            f"the parameter {tuple(p.shape)}; the state dict is of another model or parameter "
+                            "order (nothing was loaded)")
+                    if state_dtype(p) != p.dtype:
                         kept[(index, key)] = value
 
         def restore(optimizer) -> None:  # runs before the user's post-hooks

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .kernels import host_constant
 
@@ -87,7 +88,18 @@ class Workspace:
     the optimizer's state_dict, deepcopy or pickle: rebuilt on first use."""
 
     def __init__(self) -> None:
-        self._buffers: dict[Tensor, list[Tensor]] = {}
+        # weakly keyed: a parameter dropped from the model and the optimizer takes its buffers with it
+        # (by identity: a WeakKeyDictionary compares keys with ==, elementwise for tensors)
+        self._buffers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def keep_only(self, keys: set[int]) -> None:
+        """Free the buffers of every parameter whose id is not in ``keys`` (frozen, or removed from
+        the optimizer's groups while the model keeps it)."""
+        for key in [k for k in self._buffers.keys() if id(k) not in keys]:
+            del self._buffers[key]
 
     def buffers(self, keys: list[Tensor], like: list[Tensor], slot: int) -> list[Tensor] | None:
         """Buffer ``slot`` for each key, shaped like ``like`` (flat views); None off CPU."""
