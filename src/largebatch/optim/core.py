@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from . import checks
-from .kernels import FLAT_MAX_ELEMENTS, Rebind, host_constant, packed
+from .kernels import Rebind, host_constant, packed
 from .multi_tensor import stacked_squared_norms
 from .tiling import Workspace
 
@@ -224,6 +224,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.reduce_norms = reduce_norms
         self.capturable = bool(capturable)
         self._workspace = Workspace()
+        self._stepped = 0  # tensors with a gradient in the last step
         self._last_ratios: list[tuple[Tensor, Tensor]] = []  # (ratio (n,), pinned (n,)) per bucket
         super().__init__(params, defaults)
 
@@ -244,6 +245,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if default is not required:
                     group.setdefault(key, default)
         self._workspace = Workspace()
+        self._stepped = 0
         self._last_ratios = []
 
     def add_param_group(self, param_group: dict) -> None:
@@ -313,9 +315,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 self._refuse_sparse(group, i)
         work = [(h, bucket) for group, h in zip(self.param_groups, resolved) for bucket in self._buckets(group)]
-        if len(self._workspace) > sum(x.numel() >= FLAT_MAX_ELEMENTS for _, b in work for x in b.x):
-            # work buffers of tensors not stepped now: those frozen or out of the groups are freed
+        stepped = sum(len(b.params) for _, b in work)
+        if stepped != self._stepped and len(self._workspace):  # which tensors have gradients changed:
+            # the work buffers of those frozen or out of the groups are freed
             self._workspace.keep_only({id(p) for g in self.param_groups for p in g["params"] if p.requires_grad})
+        self._stepped = stepped
         grad_scale = self._global_grad_scale([b for _, b in work])  # 0-d float64 tensor or None
         self._last_ratios = []
         with self._compile_limits():
@@ -372,10 +376,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
                     state["step"] = step_count(state["step"], target.device, self.capturable)
                 if plain:  # the model moved or changed dtype since (model.double(), .to(device)): the
-                    for key in keys:  # state follows, as a load puts it (it stayed, or failed later)
+                    compute = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype  # state follows,
+                    where = p.get_device()  # as a load puts it (it stayed, or failed later)
+                    for key in keys:
                         held = state[key]
-                        if held.dtype != state_dtype(p) or held.device != p.device:
-                            state[key] = held.to(device=p.device, dtype=state_dtype(p))
+                        if held.dtype != compute or held.get_device() != where:
+                            state[key] = held.to(device=p.device, dtype=compute)
             if self.capturable:
                 counts.append(state["step"])  # advanced below, all at once
             else:
