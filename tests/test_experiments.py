@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import struct
 from pathlib import Path
@@ -448,6 +449,24 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
     assert runner._finished(kept[0], {**record["overrides"], "schedule.peak_lr": 1.0}, said.append) is None
     assert len(said) == 1 and "trained again (schedule.peak_lr: " in said[0] and "-> 1.0" in said[0], said
     assert runner._finished(kept[0], {**record["overrides"], runner.THREADS: 2}, said.append) is None
+    # an unpinned arm is kept only at the thread count it ran with (arm.json records it): one trained
+    # on 1 thread was kept by a --resume on 2, and the report said every arm ran on 2
+    assert record["threads"] == 1 and runner._finished(kept[0], record["overrides"], threads=1) is not None
+    said.clear()
+    assert runner._finished(kept[0], record["overrides"], said.append, threads=2) is None
+    assert "it ran with 1 torch threads, this invocation's arms run with 2" in said[0], said
+    # a metrics history cut short (or gone) is trained again: the report read its records, not the summary
+    for damage, why in (("cut", "is cut short (it ends before the final validation"), ("gone", "is missing")):
+        copy = tmp_path / f"damaged-{damage}"
+        shutil.copytree(kept[0], copy)
+        lines = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
+        if damage == "cut":
+            (copy / "metrics.jsonl").write_text("".join(lines[:-3]))
+        else:
+            (copy / "metrics.jsonl").unlink()
+        said.clear()
+        assert runner._finished(copy, record["overrides"], said.append, threads=1) is None
+        assert why in said[0], said
     with pytest.raises(ValueError, match="jobs=0: must be an integer >= 1"):
         runner.Execution(jobs=0)
 

@@ -371,3 +371,29 @@ def test_a_signal_while_a_worker_starts_is_raised_once_the_start_is_over():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+SETUP_SIGNAL = """
+import os, signal, sys
+import largebatch.experiments.runner as runner
+peak = runner._peak_flops
+def signalled():  # SIGTERM while the experiment sets up (before any arm trains)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return peak()
+runner._peak_flops = signalled
+from largebatch.experiments.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_before_any_arm_trains_is_one_line(tmp_path):
+    """SIGTERM while an experiment set up (or between arms of `--jobs 1`) ended it at once, saying
+    nothing (exit 143 and an empty stderr); it stops with one line, as a signal during an arm does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SETUP_SIGNAL, "noise-scale", "--smoke", "--seeds", "1",
+                           "--out", str(tmp_path / "setup")], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert lines == ["largebatch experiment: error: SIGTERM: noise-scale stopped between arms. Run the same "
+                     "command with --resume to keep the finished arms"], done.stderr[-2000:]
+    assert not (tmp_path / "setup" / "runs").exists() or not any((tmp_path / "setup" / "runs").iterdir())

@@ -273,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print("ok: " + "; ".join(f"{name} ({size_name}) -> {out}" for name, out in outs.items()))
         return 0
+    from largebatch.train.stopping import raise_on_signals
+
+    with raise_on_signals():  # a signal outside the arms' training (setup, between arms) says so too
+        return _run_all(outs, size_name, args)
+
+
+def _run_all(outs: dict, size_name: str, args) -> int:
     from largebatch.checkpoint.local import CheckpointError
     from largebatch.experiments.runner import ArmsInterrupted, ArmWorkerLost
     from largebatch.train.rundir import RunDirLocked
@@ -303,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(exc.not_started) or 'none'}. Run the same command with --resume to keep "
                   f"the finished arms", file=sys.stderr)
             return 128 + exc.signum
-        except KeyboardInterrupt:  # Ctrl-C between arms (setup, a report): no arm was running
-            print(f"largebatch experiment: error: SIGINT: {name} stopped between arms. Run the same "
-                  f"command with --resume to keep the finished arms", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:  # a signal between arms (setup, a report): no arm was running
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print(f"largebatch experiment: error: {signal.Signals(signum).name}: {name} stopped between arms. "
+                  f"Run the same command with --resume to keep the finished arms", file=sys.stderr)
+            return 128 + signum
     return 0

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from largebatch.experiments.report import markdown_table
-from largebatch.experiments.runner import THREADS, Arm, ArmResult, Execution, check_seed_count, run_arms
+from largebatch.experiments.runner import (
+    THREADS,
+    Arm,
+    ArmResult,
+    Execution,
+    arm_threads,  # noqa: F401 -- the experiments read it here
+    check_seed_count,
+    run_arms,
+)
 from largebatch.stats import all_same, ci95
 
 PERTURBATIONS = ("threads", "data", "init")
@@ -57,13 +65,6 @@ def seeded(arm: Arm, seed: int | None) -> Arm:
         return arm
     return Arm(f"{arm.name}-seed{seed}", {**arm.overrides, "run.seed": seed, "data.seed": seed},
                group=arm.group, label=f"{arm.legend}, seed {seed}")
-
-
-def arm_threads(execution: Execution) -> int:
-    """The torch threads each arm runs with (the parallel runner splits them between jobs)."""
-    import torch
-
-    return max(1, torch.get_num_threads() // execution.jobs) if execution.jobs > 1 else torch.get_num_threads()
 
 
 def other_threads(threads: int) -> int:

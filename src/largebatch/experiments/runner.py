@@ -241,6 +241,13 @@ floor's thread-count perturbation (experiments/floor.py); other arms run with th
 _ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
 
 
+def arm_threads(execution: Execution) -> int:
+    """The torch threads each arm runs with (the parallel runner splits them between jobs)."""
+    import torch
+
+    return max(1, torch.get_num_threads() // execution.jobs) if execution.jobs > 1 else torch.get_num_threads()
+
+
 def _arm_overrides(arm: Arm, base: dict[str, Any], peak_flops: float) -> dict[str, Any]:
     return {"run.peak_flops": peak_flops, **base, **arm.overrides}
 
@@ -263,8 +270,8 @@ def _check_config(arm: Arm, overrides: dict[str, Any]) -> None:
         raise ConfigError(f"arm {arm.name!r}: {exc}") from None
 
 
-def _finished(run_dir: Path, overrides: dict[str, Any],
-              log: Callable[[str], None] = lambda _: None) -> tuple[float, str | None] | None:
+def _finished(run_dir: Path, overrides: dict[str, Any], log: Callable[[str], None] = lambda _: None,
+              threads: int | None = None) -> tuple[float, str | None] | None:
     """(wall seconds, divergence or None) of a finished or diverged run in run_dir whose config is
     the one ``overrides`` resolve to now (the trainer's own test, largebatch.train.rundir: the
     resolved fields that change the trajectory, so a base config read from another checkout still
@@ -287,6 +294,11 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
         why = f"its {summary_path.name} is unreadable (cut short by a kill or a full disk)"
     elif (recorded_threads := record.get("overrides", {}).get(THREADS)) != overrides.get(THREADS):
         why = f"it ran with {recorded_threads} threads"
+    elif (ran := record.get("threads")) is not None and threads is not None \
+            and ran != overrides.get(THREADS, threads):  # (records before the count was kept: not known)
+        why = f"it ran with {ran} torch threads, this invocation's arms run with {overrides.get(THREADS, threads)}"
+    elif not record.get("diverged") and (cut := _metrics_cut_short(run_dir)) is not None:
+        why = cut
     else:
         saved = from_dict(TrainConfig, load_toml(run_dir / "config.toml"))
         differences = config_differences(saved, _resolved(overrides))
@@ -295,6 +307,23 @@ def _finished(run_dir: Path, overrides: dict[str, Any],
         log(f"  {run_dir.name}: trained again ({why})")
         return None
     return float(record["wall_seconds"]), record.get("diverged")
+
+
+def _metrics_cut_short(run_dir: Path) -> str | None:
+    """Why a finished arm's metrics.jsonl is not the whole run its summary.json reports (missing, a
+    line cut short, or ending before the final validation the summary holds), or None."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        _, val = read_metrics(run_dir)
+    except FileNotFoundError:
+        return f"its {path.name} is missing"
+    except (OSError, ValueError):  # an unreadable file, or a line cut short
+        return f"its {path.name} is unreadable (cut short by a kill or a full disk)"
+    summary = _read_record(run_dir / "summary.json") or {}
+    if not val or val[-1].get("step") != summary.get("steps") \
+            or val[-1].get("val_loss") != summary.get("final_val_loss"):
+        return f"its {path.name} is cut short (it ends before the final validation its summary.json holds)"
+    return None
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
@@ -319,6 +348,7 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    ran_with = torch.get_num_threads()  # recorded: --resume keeps an arm only at the same count
     if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -334,7 +364,8 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
         finally:
             torch.set_num_threads(previous)
     wall = time.perf_counter() - start
-    record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged, "process": os.getpid()}
+    record = {"overrides": overrides, "wall_seconds": wall, "diverged": diverged, "process": os.getpid(),
+              "threads": ran_with}
     atomic_write_text(run_dir / _ARM_RECORD, json.dumps(record, indent=2))  # never half a record
     return wall, diverged
 
@@ -366,7 +397,7 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     for arm, _, overrides in jobs:  # every arm's config, before any arm trains
         _check_config(arm, overrides)
     for arm, run_dir, overrides in jobs:
-        finished = _finished(run_dir, overrides, log) if execution.resume else None
+        finished = _finished(run_dir, overrides, log, arm_threads(execution)) if execution.resume else None
         if finished is None:
             todo.append((arm, run_dir, overrides))
         else:
@@ -376,7 +407,7 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     if execution.jobs == 1 or len(todo) <= 1:
         for k, (arm, run_dir, overrides) in enumerate(todo):
             try:
-                outcome = _train(run_dir, overrides)
+                outcome = _train(run_dir, overrides, arm_threads(execution))  # (as in the jobs' workers)
             except ArmsInterrupted as exc:
                 raise ArmsInterrupted(exc.signum, [arm.name], [a.name for a, _, _ in todo[k + 1:]]) from None
             results[arm.name] = _result(arm, run_dir, *outcome, log)
