@@ -471,6 +471,30 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
         runner.Execution(jobs=0)
 
 
+def test_resume_continues_an_interrupted_arm_from_its_checkpoint(tmp_path, one_thread):
+    """An arm stopped mid-run (a signal, a time limit) left its checkpoints, which --resume threw
+    away: the arm trained again from its first step (8-16 minutes a full-size arm). It continues from
+    them now, to the uninterrupted arm's losses, to the bit; at another thread count than it started
+    with, or without --resume, it trains afresh."""
+    base = {**runner.base_overrides("smoke"), "run.checkpoint_every_seconds": None}
+    arm = runner.Arm("continued", {"run.seed": 3})
+    whole = runner.run_arms([arm], base, tmp_path / "whole", log=lambda _: None)[0]
+    run_dir = tmp_path / "stopped" / "runs" / arm.name
+    overrides = runner._arm_overrides(arm, base, runner._peak_flops())
+    runner._train(run_dir, {**overrides, "run.max_steps": 3})  # stopped after 3 of its steps
+    assert not (run_dir / "summary.json").exists() and list((run_dir / "checkpoints").glob("step_*.pt"))
+    said = []
+    result = runner.run_arms([arm], base, tmp_path / "stopped", log=said.append,
+                             execution=runner.Execution(resume=True))[0]
+    log = (run_dir / "train.log").read_text()
+    assert "resumed from" in log and f"{run_dir / 'checkpoints'}" in log
+    assert _losses(run_dir) == _losses(whole.run_dir) and result.final_val_loss == whole.final_val_loss
+    # another thread count than it started with: afresh (the continued run would not be the same run)
+    runner._train(run_dir, {**overrides, "run.max_steps": 3})
+    assert not runner._continues(run_dir, runner._resolved(overrides), threads=2)
+    assert runner._continues(run_dir, runner._resolved(overrides), threads=1)
+
+
 def test_a_diverging_arm_is_recorded_and_the_experiment_goes_on(tmp_path, one_thread):
     base = runner.base_overrides("smoke")
     common = {"optim.name": "lars", "optim.weight_decay": 0.01, "schedule.batch_size": 8}
@@ -642,7 +666,7 @@ def test_a_rerun_without_resume_drops_the_old_report_and_says_what_it_retrains(t
     (out / cli.MARKER).unlink(missing_ok=True)
     assert (out / "report.md").is_file() and list(out.glob("*.png"))
 
-    def stopped(run_dir, overrides, threads=None):  # SIGTERM reaches the first arm trained again
+    def stopped(run_dir, overrides, threads=None, resume=False):  # SIGTERM reaches the first arm trained again
         raise runner.ArmsInterrupted(signal.SIGTERM, [run_dir.name], [])
 
     monkeypatch.setattr(runner, "_train", stopped)

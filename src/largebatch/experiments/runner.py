@@ -239,6 +239,7 @@ THREADS = "threads"
 floor's thread-count perturbation (experiments/floor.py); other arms run with the experiment's."""
 
 _ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
+_ARM_START = ".arm-start.json"  # written when an arm starts afresh: its thread count (``_continues``)
 
 
 def arm_threads(execution: Execution) -> int:
@@ -304,7 +305,10 @@ def _finished(run_dir: Path, overrides: dict[str, Any], log: Callable[[str], Non
         differences = config_differences(saved, _resolved(overrides))
         why = "; ".join(differences) or None
     if why is not None:
-        log(f"  {run_dir.name}: trained again ({why})")
+        unfinished = why == "its earlier run did not finish"
+        log(f"  {run_dir.name}: " + ("its earlier run did not finish: continued from its newest checkpoint "
+                                     "where one of this config fits, else trained again" if unfinished
+                                     else f"trained again ({why})"))
         return None
     return float(record["wall_seconds"]), record.get("diverged")
 
@@ -335,9 +339,12 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None) -> tuple[float, str | None]:
-    """Train one arm into a fresh run_dir; returns (wall seconds, why it diverged or None). A
-    non-finite loss ends the arm, not the experiment. Runs in a worker process too."""
+def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None,
+           resume: bool = False) -> tuple[float, str | None]:
+    """Train one arm into a fresh run_dir (``resume``: continue an interrupted run of it there, when
+    its checkpoints are of the same config and it started at the same thread count; ``_continues``);
+    returns (wall seconds, why it diverged or None). A non-finite loss ends the arm, not the
+    experiment. Runs in a worker process too."""
     import torch
 
     from largebatch.checkpoint.files import atomic_write_text
@@ -349,13 +356,16 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
     if threads is not None:
         torch.set_num_threads(threads)
     ran_with = torch.get_num_threads()  # recorded: --resume keeps an arm only at the same count
-    if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    continued = resume and _continues(run_dir, cfg, ran_with)
+    if not continued:
+        if run_dir.exists():  # a fresh run: the trainer appends to an existing metrics.jsonl
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        atomic_write_text(run_dir / _ARM_START, json.dumps({"threads": ran_with}))
     start, diverged = time.perf_counter(), None
-    with open(run_dir / "train.log", "w") as log_file:
+    with open(run_dir / "train.log", "a" if continued else "w") as log_file:
         try:
-            summary = Trainer(cfg, run_dir, log=lambda text: print(text, file=log_file)).fit()
+            summary = Trainer(cfg, run_dir, resume=continued, log=lambda text: print(text, file=log_file)).fit()
             if summary.get("signal"):  # a stopping.SIGNALS signal: it checkpointed; end the experiment
                 raise ArmsInterrupted(summary["signal"], [run_dir.name], [])
         except NonFiniteLoss as exc:
@@ -368,6 +378,23 @@ def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None)
               "threads": ran_with}
     atomic_write_text(run_dir / _ARM_RECORD, json.dumps(record, indent=2))  # never half a record
     return wall, diverged
+
+
+def _continues(run_dir: Path, cfg, threads: int) -> bool:
+    """Whether an unfinished arm's run directory can be continued: it holds checkpoints of this config
+    (the trainer's own test), written by a run that started at ``threads`` torch threads (so the
+    continued run is the uninterrupted one, to the bit). A stopped full-size arm (8-16 minutes here)
+    was trained again from its first step."""
+    from largebatch.train.rundir import continues_run
+    from largebatch.typed_config import ConfigError
+
+    started = _read_record(run_dir / _ARM_START)
+    if started is None or started.get("threads") != threads:
+        return False
+    try:
+        return continues_run(run_dir, cfg)
+    except ConfigError:  # checkpoints of another config: trained afresh
+        return False
 
 
 def _result(arm: Arm, run_dir: Path, wall: float, diverged: str | None, log: Callable[[str], None],
@@ -407,13 +434,13 @@ def run_arms(arms: list[Arm], base: dict[str, Any], out_dir: Path, log: Callable
     if execution.jobs == 1 or len(todo) <= 1:
         for k, (arm, run_dir, overrides) in enumerate(todo):
             try:
-                outcome = _train(run_dir, overrides, arm_threads(execution))  # (as in the jobs' workers)
+                outcome = _train(run_dir, overrides, arm_threads(execution), execution.resume)  # (as the workers)
             except ArmsInterrupted as exc:
                 raise ArmsInterrupted(exc.signum, [arm.name], [a.name for a, _, _ in todo[k + 1:]]) from None
             results[arm.name] = _result(arm, run_dir, *outcome, log)
     else:
         # closed at once when ``log`` raises (its reader gone: the running arms are stopped and checkpoint)
-        with contextlib.closing(_train_in_processes(todo, execution.jobs)) as finished:
+        with contextlib.closing(_train_in_processes(todo, execution.jobs, execution.resume)) as finished:
             for arm, run_dir, outcome in finished:
                 results[arm.name] = _result(arm, run_dir, *outcome, log)
     return [results[arm.name] for arm in arms]
@@ -525,7 +552,7 @@ class _ArmFailure:
     traceback: str
 
 
-def _arm_worker(channel, threads: int, parent: int | None = None) -> None:
+def _arm_worker(channel, threads: int, parent: int | None = None, resume: bool = False) -> None:
     """A worker process: trains the arms it is sent, one after another, until it gets None. One
     process trains many arms, as the serial path does, so each arm pays no interpreter and torch
     start-up (~4 s of CPU, a sixth of a quick arm). An arm that raises is sent back as an
@@ -537,16 +564,16 @@ def _arm_worker(channel, threads: int, parent: int | None = None) -> None:
     parent = os.getppid() if parent is None else parent
     _die_with_parent(parent)
     try:
-        _arm_tasks(channel, threads, parent)
+        _arm_tasks(channel, threads, parent, resume)
     except KeyboardInterrupt:  # SIGINT passed on by the parent before an arm's trainer took it over
         return  # (starting up, between arms): nothing to save; the parent names the arms it stopped
 
 
-def _arm_tasks(channel, threads: int, parent: int) -> None:
+def _arm_tasks(channel, threads: int, parent: int, resume: bool = False) -> None:
     while (task := _next_task(channel, parent)) is not None:
         index, run_dir, overrides = task
         try:
-            outcome = _train(run_dir, overrides, threads)
+            outcome = _train(run_dir, overrides, threads, resume)
         except ArmsInterrupted as exc:  # SIGTERM (from the parent, or to this worker alone): checkpointed
             _send(channel, (index, _ArmStopped(exc.signum)))  # unread when the parent sent it
             return
@@ -570,7 +597,7 @@ def _raise_failure(arm: Arm, failure: _ArmFailure):
     raise failure.error
 
 
-def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int):
+def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int, resume: bool = False):
     """Yield (arm, run_dir, (wall, diverged)) as arms finish, in ``jobs`` worker processes (spawned
     once; each trains the next pending arm when it is free).
 
@@ -614,7 +641,7 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int)
                 free = next((w for w in range(len(workers)) if w not in busy), None)
                 if free is None:
                     mine, theirs = ctx.Pipe()
-                    process = ctx.Process(target=_arm_worker, args=(theirs, threads, os.getpid()),
+                    process = ctx.Process(target=_arm_worker, args=(theirs, threads, os.getpid(), resume),
                                           name=f"arms-{len(workers)}")
                     with interrupt.held():  # a signal now is raised once the worker is listed
                         with passive_openmp():
