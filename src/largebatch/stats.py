@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 import statistics
 
-# Student t 0.975 quantiles by degrees of freedom (1-9): the 95% interval of a mean over 2-10 seeds
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Student t 0.975 quantiles by degrees of freedom (1-9): the 95% interval of a mean over 2-10 seeds,
+# to 10 decimals (at 3, an interval's end could round the other way in a report's 4th decimal)
+T_975 = {1: 12.7062047362, 2: 4.3026527297, 3: 3.1824463053, 4: 2.7764451052, 5: 2.5705818356,
+         6: 2.4469118511, 7: 2.3646242516, 8: 2.3060041352, 9: 2.2621571628}
 
 SAME_GAP = 1e-12
 """Paired gaps closer than this are one value: losses and accuracies that really differ differ by far
