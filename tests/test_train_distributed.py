@@ -397,6 +397,25 @@ def _pending(pid: int, sig: int) -> bool:
     return any(int(status[key], 16) >> (sig - 1) & 1 for key in ("SigPnd", "ShdPnd"))
 
 
+def _signal_held(ranks: list[int], targets: list[int], sig: int, receivers: list[int]) -> None:
+    """Send ``sig`` to ``targets`` while the ``ranks`` are held (SIGSTOP: a loaded machine must not let
+    the run end first), wait until it is pending on every one of ``receivers`` (torchrun's forwarded
+    copy takes >0.5 s on a loaded machine), then let the ranks go on."""
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    while not all(_status(pid)["State"].startswith("T") for pid in ranks):  # (SIGSTOP takes a moment;
+        time.sleep(0.01)  # a lower-numbered signal arriving first would be delivered first)
+    try:
+        for pid in targets:
+            os.kill(pid, sig)
+        deadline = time.time() + 60
+        while not all(_pending(pid, sig) for pid in receivers) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
     """SIGINT to rank 1 alone, then SIGTERM to torchrun (what Kubernetes does), then SIGHUP to
     torchrun (its terminal closed; torchrun forwards it), then SIGUSR1 to torchrun and both ranks at
@@ -418,20 +437,7 @@ def test_signals_stop_both_ranks_at_one_step_and_the_same_command_continues(sing
         # round closer to the end of the run (19 steps), which would leave it nothing to stop
         _wait_until(proc, lambda: _train_steps(out) >= start + after_steps, poll=0.002)
         targets = {"torchrun": [proc.pid], "rank1": ranks[1:], "all": [proc.pid, *ranks]}[target]
-        for pid in ranks:  # held while the signals go out: a loaded machine must not let the run end first
-            os.kill(pid, signal.SIGSTOP)
-        while not all(_status(pid)["State"].startswith("T") for pid in ranks):  # (SIGSTOP takes a moment;
-            time.sleep(0.01)  # a lower-numbered signal arriving first would be delivered first)
-        try:
-            for pid in targets:
-                os.kill(pid, sig)
-            deadline = time.time() + 60  # torchrun's forwarded copy reaches the held ranks (a loaded
-            receivers = ranks[1:] if target == "rank1" else ranks  # machine: >0.5 s)
-            while not all(_pending(pid, sig) for pid in receivers) and time.time() < deadline:
-                time.sleep(0.05)
-        finally:
-            for pid in ranks:
-                os.kill(pid, signal.SIGCONT)
+        _signal_held(ranks, targets, sig, ranks[1:] if target == "rank1" else ranks)
         stdout, err = proc.communicate(timeout=120)
         assert proc.returncode != 0, err[-3000:]
         steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
@@ -460,16 +466,7 @@ def test_max_restarts_does_not_undo_a_stop_signalled_to_the_workers(single, ddp_
     _wait_until(proc, lambda: None not in (_rank_pid(0, proc.pid), _rank_pid(1, proc.pid)))
     ranks = [_rank_pid(0, parent=proc.pid), _rank_pid(1, parent=proc.pid)]
     _wait_until(proc, lambda: _train_steps(out) >= 2, poll=0.002)
-    for pid in ranks:  # held while the signal goes out (a loaded machine must not let the run end first)
-        os.kill(pid, signal.SIGSTOP)
-    while not all(_status(pid)["State"].startswith("T") for pid in ranks):
-        time.sleep(0.01)
-    try:
-        for pid in ranks:
-            os.kill(pid, signal.SIGUSR1)
-    finally:
-        for pid in ranks:
-            os.kill(pid, signal.SIGCONT)
+    _signal_held(ranks, ranks, signal.SIGUSR1, ranks)
     stdout, err = proc.communicate(timeout=180)
     assert proc.returncode != 0, err[-3000:]
     steps = [r["step"] for r in read_metrics(out) if r["kind"] == "train"]
