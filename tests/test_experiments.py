@@ -493,6 +493,9 @@ def test_resume_continues_an_interrupted_arm_from_its_checkpoint(tmp_path, one_t
     runner._train(run_dir, {**overrides, "run.max_steps": 3})
     assert not runner._continues(run_dir, runner._resolved(overrides), threads=2)
     assert runner._continues(run_dir, runner._resolved(overrides), threads=1)
+    # a finished arm trained again (its metrics history damaged, say) starts afresh: continuing it
+    # would keep the damaged history
+    assert not runner._continues(whole.run_dir, runner._resolved(overrides), threads=1)
 
 
 def test_a_diverging_arm_is_recorded_and_the_experiment_goes_on(tmp_path, one_thread):

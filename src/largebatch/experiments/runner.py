@@ -389,8 +389,8 @@ def _continues(run_dir: Path, cfg, threads: int) -> bool:
     from largebatch.typed_config import ConfigError
 
     started = _read_record(run_dir / _ARM_START)
-    if started is None or started.get("threads") != threads:
-        return False
+    if started is None or started.get("threads") != threads or (run_dir / "summary.json").exists():
+        return False  # (a finished arm trained again, its history damaged or of another config: afresh)
     try:
         return continues_run(run_dir, cfg)
     except ConfigError:  # checkpoints of another config: trained afresh
