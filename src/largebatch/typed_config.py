@@ -96,7 +96,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+        if _none_spelling(value, tp):
             return None
         for arg in args:
             if arg is type(None):
@@ -213,6 +213,11 @@ def _choice(value: Any, choices: Any, key: str) -> Any:
 # building dataclasses from dicts
 
 
+def _none_spelling(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is "none" / "null" (any case) for a field whose type admits None."""
+    return isinstance(value, str) and value.lower() in ("none", "null") and type(None) in typing.get_args(tp)
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys and wrong types.
 
@@ -241,9 +246,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if isinstance(value, str) and value.lower() in refused:  # a known value with its reason
             raise ConfigError(f"{full} = {value!r}: {refused[value.lower()]}")
         parse = fields[key].metadata.get("parse")
-        optional_none = isinstance(value, str) and value.lower() in ("none", "null") and \
-            type(None) in typing.get_args(hints[key])
-        if parse is not None and isinstance(value, str) and not optional_none:  # a short form: '1/1.1'
+        if parse is not None and isinstance(value, str) and not _none_spelling(value, hints[key]):  # '1/1.1'
             try:
                 value = parse(value)
             except ValueError as exc:

@@ -46,6 +46,7 @@ from largebatch.experiments.runner import (
     Arm,
     ArmResult,
     Execution,
+    arm_threads,
     check_seed_count,
     map_in_processes,
     run_arms,
@@ -344,7 +345,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     results = run_arms(every, recipe, out_dir, log, execution)
     n = len(OPTIMIZERS)
     per_seed = [results[i * n:(i + 1) * n] for i in range(n_seeds)]
-    threads = noise_floor.arm_threads(execution)
+    threads = arm_threads(execution)
     kinds = setting.floor if n_seeds > 1 else ()
     perturbed = noise_floor.measure(every[:n], per_seed[0], kinds, threads, recipe, out_dir, log, execution)[1]
     extra = [r for rs in perturbed.values() for r in rs]

@@ -17,7 +17,7 @@ paper's claim (agrees / contradicts / not resolvable at this scale).
 
 Shared by the seeded experiments (seesaw, optimizers, noise-scale): ``SEEDS`` and ``seeded`` (a
 seed's arms share init and data order), ``Gaps`` (paired gaps over seeds with their interval),
-``measure`` (run a group's perturbed arms and return its floors), ``arm_threads``, ``check_seeds``
+``measure`` (run a group's perturbed arms and return its floors), ``check_seeds``
 and ``never_left_plateau``.
 """
 
@@ -34,7 +34,6 @@ from largebatch.experiments.runner import (
     Arm,
     ArmResult,
     Execution,
-    arm_threads,  # noqa: F401 -- the experiments read it here
     check_seed_count,
     run_arms,
 )

@@ -36,7 +36,7 @@ from largebatch.experiments.report import (
     markdown_table,
     plot_schedules,
 )
-from largebatch.experiments.runner import Arm, ArmResult, Execution, base_overrides, run_arms
+from largebatch.experiments.runner import Arm, ArmResult, Execution, arm_threads, base_overrides, run_arms
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     n = len(first_arms)
     per_seed = [ran[i * n:(i + 1) * n] for i in range(seeds)]
     results = per_seed[0]
-    threads = noise_floor.arm_threads(execution)
+    threads = arm_threads(execution)
     kinds = setting.floor if seeds > 1 else ()
     perturbed = noise_floor.measure(first_arms, results, kinds, threads, base, out_dir, log, execution)[1]
     constant = results[0]

@@ -58,6 +58,7 @@ from largebatch.experiments.runner import (
     Arm,
     ArmResult,
     Execution,
+    arm_threads,
     base_overrides,
     run_arms,
 )
@@ -233,7 +234,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     log(f"optimizers ({size}): best LR per cell picked; {seeds} seed(s) per cell")
     ran = run_arms(later, base, out_dir, log, execution)
     per_seed = [first] + [ran[i * len(cells):(i + 1) * len(cells)] for i in range(seeds - 1)]
-    threads = noise_floor.arm_threads(execution)
+    threads = arm_threads(execution)
     kinds = setting.floor if seeds > 1 else ()
     perturbed = noise_floor.measure([r.arm for r in first], first, kinds, threads, base, out_dir, log,
                                     execution)[1]

@@ -239,6 +239,7 @@ THREADS = "threads"
 floor's thread-count perturbation (experiments/floor.py); other arms run with the experiment's."""
 
 _ARM_RECORD = "arm.json"  # written next to summary.json when an arm finishes: its config and wall time
+_UNFINISHED = "its earlier run did not finish"  # the one stale case that _train may continue
 _ARM_START = ".arm-start.json"  # written when an arm starts afresh: its thread count (``_continues``)
 
 
@@ -290,7 +291,7 @@ def _finished(run_dir: Path, overrides: dict[str, Any], log: Callable[[str], Non
     if record is None or not isinstance(record.get("wall_seconds"), (int, float)):
         why = f"its record {record_path} is unreadable (cut short by a kill or a full disk)"
     elif not (record.get("diverged") or summary_path.exists()):
-        why = "its earlier run did not finish"
+        why = _UNFINISHED
     elif not record.get("diverged") and _read_record(summary_path) is None:
         why = f"its {summary_path.name} is unreadable (cut short by a kill or a full disk)"
     elif (recorded_threads := record.get("overrides", {}).get(THREADS)) != overrides.get(THREADS):
@@ -305,9 +306,8 @@ def _finished(run_dir: Path, overrides: dict[str, Any], log: Callable[[str], Non
         differences = config_differences(saved, _resolved(overrides))
         why = "; ".join(differences) or None
     if why is not None:
-        unfinished = why == "its earlier run did not finish"
-        log(f"  {run_dir.name}: " + ("its earlier run did not finish: continued from its newest checkpoint "
-                                     "where one of this config fits, else trained again" if unfinished
+        log(f"  {run_dir.name}: " + (f"{why}: continued from its newest checkpoint where one of this "
+                                     "config fits, else trained again" if why is _UNFINISHED
                                      else f"trained again ({why})"))
         return None
     return float(record["wall_seconds"]), record.get("diverged")

@@ -48,6 +48,7 @@ from largebatch.experiments.runner import (
     Arm,
     ArmResult,
     Execution,
+    arm_threads,
     base_overrides,
     run_arms,
     steps_to_reach,
@@ -265,7 +266,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds, kinds=kinds)
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
                    len(kinds))
-    threads = _arm_threads(execution)
+    threads = arm_threads(execution)
     low_floor, low_perturbed = noise_floor.measure(low_arms[0], low[0], setting.floor, threads, base, out_dir, log,
                                                    execution)
     b_crit = critical_batch(low[0][0])
@@ -311,8 +312,6 @@ second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} seque
                                        "Realised LR and batch schedules").name)
     return report
 
-
-_arm_threads = noise_floor.arm_threads
 
 
 # ---------------------------------------------------------------------------------- the paper's claims

@@ -368,6 +368,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             plain = not is_dtensor(p) and not p.is_complex()
             target = p if plain else _real(local_shard(p))  # the parameter's values as a real local tensor
+            dtype = target.dtype
+            compute = torch.float32 if dtype in _LOW_PRECISION else dtype
             if not state:
                 state["step"] = next(new_counts) if self.capturable else 0
                 for key in keys:
@@ -376,8 +378,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if isinstance(state["step"], Tensor) != self.capturable:  # `capturable` changed since
                     state["step"] = step_count(state["step"], target.device, self.capturable)
                 if plain:  # the model moved or changed dtype since (model.double(), .to(device)): the
-                    compute = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype  # state follows,
-                    where = p.get_device()  # as a load puts it (it stayed, or failed later)
+                    where = p.get_device()  # state follows, as a load puts it (it stayed, or failed later)
                     for key in keys:
                         held = state[key]
                         if held.dtype != compute or held.get_device() != where:
@@ -386,8 +387,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 counts.append(state["step"])  # advanced below, all at once
             else:
                 state["step"] += 1
-            dtype = target.dtype
-            compute = torch.float32 if dtype in _LOW_PRECISION else dtype
             b = buckets.get((target.device, compute))
             if b is None:
                 b = buckets[(target.device, compute)] = Bucket(states={key: [] for key in keys})
