@@ -46,6 +46,8 @@ def test_the_report_directory_holds_one_experiment_at_a_time(tmp_path, capsys, m
     err = _refused(capsys, ["optimizers", "--quick", "--out", str(other), "--check"])
     assert "optimizers at smoke size, not optimizers at quick size" in err
     assert cli.main(["optimizers", "--smoke", "--out", str(other), "--check"]) == 0  # its own: accepted
+    err = _refused(capsys, ["all", "--smoke", "--out", str(other), "--check"])  # not one subdirectory each
+    assert f"--out {other} is the report directory of one experiment" in err
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()

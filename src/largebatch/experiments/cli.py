@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     outs = {name: _report_dir(name, size_name, args.out if args.name != "all" or args.out is None
                               else Path(args.out) / name) for name in names}
+    if args.name == "all" and args.out is not None and (Path(args.out) / MARKER).exists():
+        parser.error(f"--out {args.out} is the report directory of one experiment; 'all' writes one "
+                     f"subdirectory per experiment under --out: choose a new or empty directory")
     for name, out in outs.items():  # every report directory, before the first arm trains
         try:
             check_output_dir(out, "--out")
