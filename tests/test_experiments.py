@@ -675,12 +675,15 @@ def test_a_rerun_without_resume_drops_the_old_report_and_says_what_it_retrains(t
     monkeypatch.setattr(runner, "_train", stopped)
     capsys.readouterr()
     assert cli.main(["seesaw", "--smoke", "--out", str(out)]) == 128 + signal.SIGTERM
-    printed = capsys.readouterr().out
+    printed, said = capsys.readouterr()
     arms = len(list((out / "runs").iterdir()))
     assert (f"warning: {out} holds {arms} finished arm(s) of an earlier run; without --resume they are "
             f"trained again (stop now and add --resume to keep them)") in printed
     assert not (out / "report.md").exists() and not list(out.glob("*.png"))
     assert json.loads((out / cli.MARKER).read_text()) == {"experiment": "seesaw", "size": "smoke"}
+    # the arms after this set depend on its results: the line does not claim that nothing else is left
+    assert ("not started: below-seesaw-r0.5, " in said
+            and "-seed7, and any arm the experiment plans from these arms' results." in said), said
 
 
 def test_a_full_disk_ends_the_experiment_in_one_line(tmp_path, seesaw_smoke):

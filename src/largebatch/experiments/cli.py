@@ -310,8 +310,8 @@ def _run_all(outs: dict, size_name: str, args) -> int:
         except ArmsInterrupted as exc:
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
                   f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "
-                  f"{', '.join(exc.not_started) or 'none'}. Run the same command with --resume to keep "
-                  f"the finished arms", file=sys.stderr)
+                  f"{''.join(a + ', ' for a in exc.not_started)}and any arm the experiment plans from these "
+                  f"arms' results. Run the same command with --resume to keep the finished arms", file=sys.stderr)
             return 128 + exc.signum
         except KeyboardInterrupt as exc:  # a signal between arms (setup, a report): no arm was running
             signum = getattr(exc, "signum", signal.SIGINT)
