@@ -210,7 +210,8 @@ def test_the_default_passage_stays_within_the_positions_the_phases_trained(tiny_
     """A two-phase BERT recipe (seq 32, then 64) stopped in its first phase has never trained
     positions 32-63: the default passage was min(128, model.seq_len) = 64, half of it on untrained
     positions; it is now the 32 the run reached, and a longer --passage-len gets a note."""
-    from largebatch.finetune import Settings, check_settings, trained_positions
+    from largebatch.export import trained_positions
+    from largebatch.finetune import Settings, check_settings
     from largebatch.train.loop import Trainer
 
     phases = [{"seq_len": 32, "total_tokens": 32 * 8 * 6}, {"seq_len": 64, "total_tokens": 64 * 8 * 3}]
@@ -218,8 +219,8 @@ def test_the_default_passage_stays_within_the_positions_the_phases_trained(tiny_
     config.write_text("".join(f"[[phases]]\nseq_len = {p['seq_len']}\ntotal_tokens = {p['total_tokens']}\n\n"
                               for p in phases))
     overrides = tiny(tiny_data_cache, tmp_path / "stopped", **{
-        "model.kind": "bert", "model.seq_len": 64, "run.max_steps": 2,
-        "run.total_tokens": 32 * 8 * 6 + 64 * 8 * 3})
+        "model.kind": "bert", "model.seq_len": 64, "model.norm_position": "post", "run.max_steps": 2,
+        "run.total_tokens": 32 * 8 * 6 + 64 * 8 * 3})  # post-LN: it exports below
     Trainer(load_config(config, overrides), overrides["run.out_dir"], log=lambda *_: None).fit()
     stopped = tmp_path / "stopped"
     code = cli_main(["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "2"])
@@ -231,6 +232,14 @@ def test_the_default_passage_stays_within_the_positions_the_phases_trained(tiny_
                      "--passage-len", "48"])
     assert code == 0 and "note: --passage-len 48 is longer than the 32 tokens the run's phases trained so far" \
         in capsys.readouterr().out
+
+    # the export of that run: its tokenizer truncates at the 32 trained positions, which it says
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(stopped), str(out), "--format", "hf", "--no-verify"]) == 0
+    assert ("note: the run has trained positions 0-31 only (it stopped in a phase at seq_len 32); the "
+            "tokenizer's model_max_length is 32") in capsys.readouterr().err
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 32
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
 
     class Loaded:  # a run past its phase switch, one without phases, one whose positions were imported
         def __init__(self, config, tokens):

@@ -62,6 +62,22 @@ def stopped_early(loaded: LoadedRun) -> str | None:
     return f"the run stopped at {loaded.tokens:,} of its {int(budget):,} tokens"
 
 
+def trained_positions(loaded) -> int | None:
+    """The longest sequence the run's checkpoint trained at: the longest seq_len among the phases it
+    had begun (a two-phase BERT recipe stopped in its short phase has never trained the later
+    positions), None when every position was trained (no phases, or positions imported with
+    ``model.init_from``)."""
+    phases = loaded.config.get("phases") or []
+    if not phases or loaded.config.get("model", {}).get("init_from") or loaded.tokens is None:
+        return None
+    start, reached = 0, []
+    for phase in phases:
+        if start < loaded.tokens or not reached:
+            reached.append(int(phase["seq_len"]))
+        start += int(phase.get("total_tokens", 0))
+    return max(reached)
+
+
 def check_run_dir_given(run_dir: str | Path) -> None:
     """ExportError for an empty RUN_DIR argument ('' would be read as the working directory)."""
     if isinstance(run_dir, str) and not run_dir.strip():
@@ -291,6 +307,13 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if (stopped := stopped_early(loaded)) is not None:
         log(f"note: {stopped}: this exports a partly trained model (continue it with `largebatch train "
             f"--resume` for the finished one)")
+    seq_len = loaded.model.config.seq_len
+    if (trained := trained_positions(loaded)) is not None and trained < seq_len:
+        log(f"note: the run has trained positions 0-{trained - 1} only (it stopped in a phase at seq_len "
+            f"{trained}); the tokenizer's model_max_length is {trained}, so truncation=True cuts there "
+            f"(config.json keeps max_position_embeddings={seq_len}, the size of the position table)")
+    else:
+        trained = None
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
     host = socket.gethostname()
@@ -307,7 +330,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         raise ExportError(f"OUT {str(out)!r} cannot be created ({exc.strerror or exc}: "
                           f"{exc.filename}): pick a writable directory path") from None
     try:
-        info = save_hf(loaded.model, loaded.tokenizer, staging)
+        info = save_hf(loaded.model, loaded.tokenizer, staging, max_length=trained)
         if verify:
             info["max_abs_diff"] = verify_hf(loaded.model, loaded.tokenizer, staging)
         if out.exists():

@@ -286,22 +286,6 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
                       "verdict": probe_verdict}}
 
 
-def trained_positions(loaded) -> int | None:
-    """The longest sequence the run's checkpoint trained at: the longest seq_len among the phases it
-    had begun (a two-phase BERT recipe stopped in its short phase has never trained the later
-    positions), None when every position was trained (no phases, or positions imported with
-    ``model.init_from``)."""
-    phases = loaded.config.get("phases") or []
-    if not phases or loaded.config.get("model", {}).get("init_from") or loaded.tokens is None:
-        return None
-    start, reached = 0, []
-    for phase in phases:
-        if start < loaded.tokens or not reached:
-            reached.append(int(phase["seq_len"]))
-        start += int(phase.get("total_tokens", 0))
-    return max(reached)
-
-
 def _partial_note(loaded) -> str | None:
     """What to say of a run judged before the end of its token budget (a stopped run's newest
     checkpoint), or None: the comparison then measures a partly trained model."""
@@ -407,6 +391,8 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
         raise FinetuneError(str(exc)) from None
     if loaded.tokenizer is None:
         raise FinetuneError(f"RUN_DIR {run_dir!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
+    from largebatch.export import trained_positions
+
     trained = trained_positions(loaded)
     s = check_settings(settings, loaded.model.config.seq_len, trained)
     data = build_task(s.task, loaded.tokenizer, s.passage_len, s.passages_per_document)

@@ -248,8 +248,10 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int):
         model_input_names=inputs, clean_up_tokenization_spaces=False, **special)
 
 
-def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
-    """Write config.json, model.safetensors and the tokenizer files for ``model`` into ``out``."""
+def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) -> dict[str, Any]:
+    """Write config.json, model.safetensors and the tokenizer files for ``model`` into ``out``.
+    ``max_length``: the tokenizer's ``model_max_length`` when it is not the model's context (a run
+    stopped in a short phase has trained only that many positions)."""
     cfg: ModelConfig = model.config
     arch = check_exportable(cfg)
     out = Path(out)
@@ -263,7 +265,7 @@ def save_hf(model, tokenizer, out: str | Path) -> dict[str, Any]:
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:
-        hf_tokenizer(tokenizer, cfg.kind, cfg.seq_len).save_pretrained(out)
+        hf_tokenizer(tokenizer, cfg.kind, max_length or cfg.seq_len).save_pretrained(out)
     # (a model over save_pretrained's max_shard_size, 50 GB, is written as an index and shards)
     if not any((out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")
