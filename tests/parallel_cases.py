@@ -253,16 +253,18 @@ def grad_norm_cases(results: dict) -> None:
 
 # ----------------------------------------------------------------------- sequence-parallel memory
 REGIONS = ("ln1", "ln2", "attn.drop", "mlp.drop")  # the norm / dropout / residual regions
+OUTPUT_REGIONS = ("ln_f", "lm_head")  # the final norm and the output layer (GPT)
 
 
 def saved_region_bytes(model, state, idx, targets) -> dict[str, int]:
     """Bytes autograd saves for backward in block 0, per rank: in each norm/dropout module, and in
-    the whole block ("block"). Parameters are not activations and are not counted."""
+    the whole block ("block"); and in the final norm and the output layer (OUTPUT_REGIONS).
+    Parameters are not activations and are not counted."""
     params = {full_or_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     block = unwrap(model).blocks[0]
     active, in_block = [None], [False]
     seen: dict[str, set] = {"region": set(), "block": set()}
-    sizes = {r: 0 for r in (*REGIONS, "block")}
+    sizes = {r: 0 for r in (*REGIONS, *OUTPUT_REGIONS, "block")}
 
     def pack(t):
         local = t.to_local() if isinstance(t, DTensor) else t
@@ -278,8 +280,8 @@ def saved_region_bytes(model, state, idx, targets) -> dict[str, int]:
             sizes["block"] += storage.nbytes()
         return t
 
-    for region in REGIONS:
-        module = block.get_submodule(region)
+    for region in (*REGIONS, *OUTPUT_REGIONS):
+        module = (block if region in REGIONS else unwrap(model)).get_submodule(region)
         module.register_forward_pre_hook(lambda m, a, r=region: active.__setitem__(0, r))
         module.register_forward_hook(lambda m, a, o: active.__setitem__(0, None))
     block.register_forward_pre_hook(lambda m, a: in_block.__setitem__(0, True))

@@ -70,8 +70,10 @@ def test_whole_model_terms():
     s, b, h, v, L, t = 2048, 1, 12288, 51200, 96, 8
     per_layer = 34 * s * b * h / t
     total = model_activation_bytes(c, b, "selective", tp=t, sequence_parallel=True)
-    assert total == pytest.approx(L * per_layer + s * b * h / t + 4 * s * b * h / t * (1 + v / h),
-                                  rel=1e-12)
+    # the output layer: final-norm input 2sbh/t (sequence parallel), the projection input 2sbh (the
+    # output layer all-gathers the sequence and keeps it gathered), fp32 logits 4sbv/t
+    assert total == pytest.approx(L * per_layer + s * b * h / t + 2 * s * b * h / t + 2 * s * b * h
+                                  + 4 * s * b * v / t, rel=1e-12)
     # pipeline parallel: first stage holds L layers' worth, p embedding masks, no output layer
     staged = model_activation_bytes(c, b, "selective", tp=t, pp=8, sequence_parallel=True)
     assert staged == pytest.approx(L * per_layer + 8 * s * b * h / t, rel=1e-12)

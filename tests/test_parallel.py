@@ -123,6 +123,30 @@ def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):
             assert rank_results[f"memory/sp_regather/torch/autocast={autocast}/waited_gathers"] == 0
 
 
+def test_the_output_layer_keeps_its_gathered_input_as_the_memory_model_counts(ranks):
+    """Under sequence parallel the final norm's input is split by t, while the output layer
+    all-gathers the sequence and keeps the whole input for its weight gradient: the memory model
+    divided both by t (s b h d (1 - 1/t) short on every rank); the change from tp to tp + sp is now
+    the model's."""
+    from largebatch.memory.activations import stage_activation_bytes
+
+    t, s, b, h, fp32 = 2, cases.T, cases.B, 32, 4
+    config = cases.tiny("gpt", dropout=0.1)
+
+    def model(sp: bool) -> float:  # per rank: dp = 1 in both meshes, the whole batch on each rank
+        return stage_activation_bytes(config, b, 0, first=False, last=True, tp=t, sequence_parallel=sp,
+                                      dtype_bytes=fp32, device="cpu")
+
+    stats = 2 * s * b * fp32  # a LayerNorm's per-token mean and rstd, which the model does not count
+    for rank_results in ranks[1]:
+        for mode in ("tp", "sp"):
+            assert rank_results[f"memory/{mode}/lm_head"] == s * b * h * fp32  # the whole sequence
+        assert rank_results["memory/tp/ln_f"] == s * b * h * fp32 + stats
+        assert rank_results["memory/sp/ln_f"] == (s * b * h * fp32 + stats) / t
+        measured = sum(rank_results[f"memory/sp/{r}"] - rank_results[f"memory/tp/{r}"] for r in cases.OUTPUT_REGIONS)
+        assert measured + stats * (1 - 1 / t) == model(True) - model(False) == -s * b * h * fp32 * (1 - 1 / t)
+
+
 def test_noise_scale_inputs_from_local_and_all_reduced_norms(ranks):
     """The small-batch input is the mean over dp ranks of each rank's own mean-gradient norm^2
     (float64 reference per half). With BERT's uneven target counts the trainer's loss scale has

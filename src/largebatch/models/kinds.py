@@ -47,8 +47,10 @@ def _gpt_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool)
 
 def gpt_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_rep: int,
                            mask_fraction: float) -> float:
-    """Per token: the final-norm input and the projection input, plus fp32 logits (vocabulary-parallel)."""
-    return 2 * config.n_embd * dtype_bytes / t_rep + 4 * config.vocab_size / tp
+    """Per token: the final-norm input (split by t_rep under sequence parallel), the projection input
+    and fp32 logits (vocabulary-parallel). The projection input is whole on every rank: the output
+    layer all-gathers the sequence and keeps the gathered input for its weight gradient."""
+    return config.n_embd * dtype_bytes * (1 / t_rep + 1) + 4 * config.vocab_size / tp
 
 
 def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
