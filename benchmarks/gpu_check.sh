@@ -25,3 +25,8 @@ timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_skip.py 
 # against eager steps (a host read in the step would make the capture fail; CPU test of the logic:
 # tests/test_optim_capturable.py)
 timeout 60 "$PYTHON" benchmarks/capturable_graph.py
+# the peak of a training step against the memory model's stored activations + backward working set
+# (docs/memory.md): on CPU the loss's backward held three fp32 copies of the logits; measured here on
+# the device, in fp32 and bf16, with torch.cuda.max_memory_allocated()
+timeout 120 "$PYTHON" benchmarks/step_peak_memory.py --device cuda --scale 4
+timeout 120 "$PYTHON" benchmarks/step_peak_memory.py --device cuda --dtype bf16 --scale 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
+    backward_working_bytes,
     config_layer_kwargs,
     first_stage_layers,
     model_activation_bytes,
@@ -25,14 +26,14 @@ from largebatch.memory.pipeline_schedule import schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, micro_batch_sweep
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "Setup", "activation_bytes_per_layer", "apply_recompute",
-           "cheapest_plan", "config_from_hf", "config_layer_kwargs", "estimate", "first_stage_layers",
-           "hf_eager_bytes_per_layer", "hf_eager_layer_bytes", "measure_forward_bytes", "micro_batch_sweep",
-           "model_activation_bytes", "schedule_activation_bytes", "stage_activation_bytes", "transformer_layers",
-           "walk"]
+           "backward_working_bytes", "cheapest_plan", "config_from_hf", "config_layer_kwargs", "estimate",
+           "first_stage_layers", "hf_eager_bytes_per_layer", "hf_eager_layer_bytes", "measure_forward_bytes",
+           "measure_peak_bytes", "micro_batch_sweep", "model_activation_bytes", "schedule_activation_bytes",
+           "stage_activation_bytes", "transformer_layers", "walk"]
 
 
-_TORCH = {"measure_forward_bytes": "largebatch.memory.measure", "apply_recompute": "largebatch.memory.recompute",
-          "transformer_layers": "largebatch.memory.recompute"}
+_TORCH = {"measure_forward_bytes": "largebatch.memory.measure", "measure_peak_bytes": "largebatch.memory.measure",
+          "apply_recompute": "largebatch.memory.recompute", "transformer_layers": "largebatch.memory.recompute"}
 
 
 def __getattr__(name: str):

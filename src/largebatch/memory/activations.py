@@ -237,6 +237,50 @@ def last_rank_activation_bytes(config: ModelConfig, micro_batch: int, recompute:
     return walk(schedule, pp, virtual, micro_batches).peak_bytes(per.__getitem__, last_stage_rank(schedule, pp))
 
 
+LOGITS_GRADIENT_COPIES = 3
+"""fp32 vocabulary-wide tensors the loss's backward holds at once beside the stored logits: the
+gradient of the log-softmax output, a temporary and the logits' gradient (measured on CPU)."""
+
+
+def backward_working_bytes(config: ModelConfig, micro_batch: int, recompute: str | Sequence[str] = "none", *,
+                           layers: int | None = None, output_layer: bool = True, tp: int = 1,
+                           sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,
+                           device: str = "cuda", training: bool = True, mask_fraction: float = 0.15,
+                           loss_parallel: bool = True) -> float:
+    """What the backward pass allocates on top of the stored activations at its peak, per device.
+
+    The paper's Table 2 counts what the forward leaves stored; backward needs more while it runs.
+    First the loss: LOGITS_GRADIENT_COPIES fp32 tensors of the logits' size (4 s b v, / t under
+    ``loss_parallel``; BERT: on ``mask_fraction`` of the positions), on the rank holding the output
+    layer. Then one layer at a time, last to first, each freeing what it stored once done: layer i
+    re-materialises what its policy dropped (full: the whole layer's activations less the kept
+    input; selective: the core attention; op: the pointwise outputs) and holds the gradients of its
+    largest intermediates -- the attention scores' (a s^2 b d / t; two at once without dropout,
+    where the softmax output stays saved until the softmax's backward, one with dropout, whose
+    output is freed first, two under the op-level policy, which holds its recomputed dropout
+    output) or the MLP's (2 s b f d / t). Layer i's peak is that, less what the
+    layers after it stored (already freed). The largest of these, or 0. ``layers``: the blocks of a
+    stage (default all); ``recompute``: one policy or one per block. Measured on CPU, fp32, against
+    ``measure_peak_bytes`` (docs/memory.md)."""
+    s = config.seq_len if seq_len is None else seq_len
+    kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
+    policies = per_layer_policies(recompute, config.n_layer if layers is None else layers)
+    layer = dict(tp=tp, sequence_parallel=sequence_parallel, **kw)
+    stored = {p: activation_bytes_per_layer(s, micro_batch, recompute=p, **layer) for p in set(policies) | {"none"}}
+    scores = 0.0 if kw["fused_attention"] else config.n_head * s * s * micro_batch * dtype_bytes / tp
+    mlp = 2 * s * micro_batch * config.ffn * dtype_bytes / tp
+    peak, freed = 0.0, 0.0
+    for p in reversed(policies):  # backward order
+        copies = 1 if kw["dropout"] and p != "op" else 2  # op: the recomputed dropout output is held too
+        peak = max(peak, stored["none"] - stored[p] + max(copies * scores, mlp) - freed)
+        freed += stored[p]
+    if output_layer:
+        share = mask_fraction if model_spec(config.kind).objective == "masked" else 1.0
+        logits = 4 * share * s * micro_batch * config.vocab_size / (tp if loss_parallel else 1)
+        peak = max(peak, LOGITS_GRADIENT_COPIES * logits)
+    return peak
+
+
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
                            recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
                            sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,

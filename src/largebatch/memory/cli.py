@@ -243,7 +243,9 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     reference = per_layer["tensor parallel"]
     width = max(len(r[0]) for r in rows)
     lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
-             f"h={config.n_embd} a={config.n_head} t={t} L={L}, {dtype_bytes:g}-byte activations",
+             f"h={config.n_embd} a={config.n_head} t={t} L={L}, {dtype_bytes:g}-byte activations"
+             + ("" if kw["dropout"] else ", no dropout (no masks; the softmax output is what @V keeps)")
+             + (", fused attention (no s^2 term)" if kw["fused_attention"] else ""),
              f"  {'setting':<{width}}  {'per layer':>11}  {f'{L} layers':>11}  tensor parallel / this"]
     for name, *_ in rows:
         bytes_ = per_layer[name]

@@ -1,4 +1,6 @@
-"""Total memory per device: activations (Korthikanti et al. 2022 §4, see activations.py) plus model
+"""Total memory per device at the peak of a training step: the stored activations (Korthikanti et
+al. 2022 §4, see activations.py), what backward allocates on top of them
+(activations.backward_working_bytes), plus model
 state -- parameters, gradients, fp32 master weights and optimizer state -- counted as in ZeRO
 (Rajbhandari et al. 2020 §3.1: 2 + 2 + K bytes per parameter in mixed precision, K = 12 for Adam).
 
@@ -13,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from largebatch.memory.activations import last_rank_activation_bytes, last_stage_rank, model_activation_bytes
+from largebatch.memory.activations import (
+    backward_working_bytes,
+    last_rank_activation_bytes,
+    last_stage_rank,
+    model_activation_bytes,
+)
 from largebatch.models.config import ModelConfig
 from largebatch.models.registry import model_spec
 
@@ -33,13 +40,16 @@ class MemoryEstimate:
     gradients: float
     optimizer: float
     """fp32 master weights (mixed precision) plus the optimizer's state."""
+    backward: float = 0.0
+    """What the backward pass allocates on top of the stored activations at its peak
+    (activations.backward_working_bytes)."""
 
     @property
     def total(self) -> float:
-        return self.activations + self.parameters + self.gradients + self.optimizer
+        return self.activations + self.backward + self.parameters + self.gradients + self.optimizer
 
     def __str__(self) -> str:
-        parts = ("activations", "parameters", "gradients", "optimizer")
+        parts = ("activations", "backward", "parameters", "gradients", "optimizer")
         body = ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
         return f"{self.total / GIB:.2f} GiB ({body})"
 
@@ -89,26 +99,31 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
                                   virtual_stages=virtual_stages, micro_batches=micro_batches or 2 * pp,
                                   loss_parallel=loss_parallel, mask_fraction=mask_fraction)
 
-    def on_device(acts: float, n: float) -> MemoryEstimate:
+    last_rank = last_stage_rank(pp_schedule, pp)
+
+    def on_device(acts: float, n: float, output_layer: bool) -> MemoryEstimate:
         state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
+        working = backward_working_bytes(config, micro_batch, recompute, layers=config.n_layer // pp,
+                                         output_layer=output_layer, tp=tp, sequence_parallel=sequence_parallel,
+                                         seq_len=seq_len, dtype_bytes=dtype_bytes, device=device,
+                                         mask_fraction=mask_fraction, loss_parallel=loss_parallel)
         return MemoryEstimate(activations=acts,
                               parameters=n * dtype_bytes / (dp if zero_stage >= 3 else 1),
                               gradients=n * dtype_bytes / (dp if zero_stage >= 2 else 1),
-                              optimizer=state / (dp if zero_stage >= 1 else 1))
+                              optimizer=state / (dp if zero_stage >= 1 else 1), backward=working)
 
-    first = on_device(acts, stage_parameters(config, tp, pp))
+    first = on_device(acts, stage_parameters(config, tp, pp), pp == 1 or last_rank == 0)
     if pp == 1:
         return first
     # The rank with the last stage keeps fewer micro-batches in flight but the output layer's inputs
     # and fp32 logits (4 s b v bytes, / tp only under loss_parallel), which the paper leaves out
     # (§4.3: the first stage dominates) and which can dominate (a large vocabulary, gathered logits,
     # recomputed layers): the larger of the two is what must fit. Under ZBV rank 0 holds both.
-    last_rank = last_stage_rank(pp_schedule, pp)
     last_acts = last_rank_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                            sequence_parallel=sequence_parallel, seq_len=seq_len,
                                            dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
                                            virtual_stages=virtual_stages,
                                            micro_batches=micro_batches or 2 * pp, loss_parallel=loss_parallel,
                                            mask_fraction=mask_fraction)
-    last = on_device(last_acts, stage_parameters(config, tp, pp, first=last_rank == 0, last=True))
+    last = on_device(last_acts, stage_parameters(config, tp, pp, first=last_rank == 0, last=True), True)
     return last if last.total > first.total else first
