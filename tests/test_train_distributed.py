@@ -127,6 +127,20 @@ def test_a_vocabulary_tensor_parallel_does_not_divide_is_split_unevenly(single, 
     assert cli_main(["export", str(out), str(tmp_path / "hf"), "--format", "hf"]) == 0  # checks its logits
 
 
+def test_a_tensor_parallel_run_with_the_vocabulary_parallel_loss_ends_with_its_sample(single, tmp_path):
+    """tp = 2 without SP, under parallel.loss_parallel: every step and the final checkpoint ran, then
+    the end-of-run sample failed on both ranks (the logits were a DTensor split over the vocabulary:
+    "aten.cat.default got mixed torch.Tensor and DTensor"), exit 1 without summary.json, and again
+    on every relaunch. The sample is now drawn from the gathered logits, the same on both ranks."""
+    cache, _ = single
+    out = tmp_path / "tp-loss"
+    _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.loss_parallel": True,
+                                        "schedule.batch_policy": "constant", "run.total_tokens": 1024,
+                                        "run.sample_tokens": 12, "run.sample_prompt": "ROMEO:"}))
+    sample = json.loads((out / "summary.json").read_text())["sample"]
+    assert sample.startswith("ROMEO:") and len(sample) > len("ROMEO:"), sample
+
+
 def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
     """...from the newest intact checkpoint: a shard of the newest one overwritten with garbage is
     passed over, with a warning, for the one before (DCP's read error is a BaseException)."""

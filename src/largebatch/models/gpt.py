@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
@@ -131,6 +132,8 @@ class GPT(TransformerBase):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len:]
             logits = self(context)[0][:, -1, :]  # (B, v)
+            if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
+                logits = logits.full_tensor()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
