@@ -475,3 +475,65 @@ def test_an_export_killed_mid_write_leaves_nothing_for_good(gpt_run, tmp_path, c
     live.mkdir()
     assert export(gpt_run, out) == 0, capsys.readouterr().err
     assert not killed.exists() and live.is_dir() and (out / "config.json").is_file()
+
+
+def test_out_a_link_to_a_directory_and_out_written_meanwhile(gpt_run, tmp_path, capsys, monkeypatch):
+    """OUT a symbolic link to a directory ("latest -> export-7") ended in a traceback (rmtree
+    refuses links), even to an empty one: the export is now written through the link. Two exports
+    into one new OUT both said they succeeded, the second replacing the first without --force: OUT
+    is now checked again before the rename, and one written meanwhile is kept (one line, exit 2)."""
+    from transformers import AutoConfig
+
+    from largebatch.integrations import hf_export
+
+    target = tmp_path / "export-7"
+    target.mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to(target)
+    assert export(gpt_run, link, "--no-verify") == 0
+    assert link.is_symlink() and (target / "model.safetensors").is_file()
+    assert AutoConfig.from_pretrained(link).n_layer == 2
+    assert export(gpt_run, link, "--no-verify", "--force") == 0 and link.is_symlink()
+
+    out = tmp_path / "raced"
+    save = hf_export.save_hf
+
+    def another_export_finishes_first(*args, **kwargs):
+        info = save(*args, **kwargs)
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # what the other export renamed into place
+        return info
+
+    monkeypatch.setattr(hf_export, "save_hf", another_export_finishes_first)
+    capsys.readouterr()
+    assert export(gpt_run, out, "--no-verify") == 2
+    err = capsys.readouterr().err
+    assert f"OUT '{out}' was written while this export ran" in err and "Traceback" not in err
+    assert (out / "config.json").read_text() == "{}" and not list(tmp_path.glob(".raced.export-*"))
+
+
+def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged(gpt_run, tmp_path, capsys, monkeypatch):
+    """A run still training deletes checkpoints past keep_checkpoints while export reads the one it
+    listed: with one kept, the export failed ("no checkpoint could be read ... No such file") where
+    a newer checkpoint had just been written. It now lists the checkpoints again."""
+    from largebatch import export as export_module
+
+    run = tmp_path / "live"
+    shutil.copytree(gpt_run, run)
+    (newest,) = sorted((run / "checkpoints").glob("*.pt"))[-1:]
+    older = newest.with_name("step_00000001.pt")
+    shutil.copy(newest, older)
+    newest.rename(newest.with_name("hold"))  # the newest is written while the older is read
+    real = export_module._load_checkpoint
+
+    def retention_meanwhile(path):
+        if path == older and older.exists():
+            (run / "checkpoints" / "hold").rename(newest)
+            older.unlink()
+            raise FileNotFoundError(2, "No such file or directory", str(older))
+        return real(path)
+
+    monkeypatch.setattr(export_module, "_load_checkpoint", retention_meanwhile)
+    loaded = load_run(run, log=print)
+    assert loaded.checkpoint == newest
+    assert "skipping unreadable" not in capsys.readouterr().out

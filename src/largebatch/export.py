@@ -112,23 +112,32 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     tokenizer = None  # read first where it needs no config: a bad file fails before the model loads
     if tokenizer_file is not None or (run_dir / TOKENIZER_NAME).is_file():
         tokenizer = run_tokenizer({}, tokenizer_file, run_dir)
-    problems = []
-    for path in reversed(candidates):
-        try:
-            model, extra = _load_checkpoint(path)
-        except ExportError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- damaged in any way: fall back to the previous
-            # (a damaged .pt or .dcp shard is a CheckpointError, a RuntimeError; unpickling garbage
-            # raises about anything)
-            problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
-            log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
-            continue
-        step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
-        if tokenizer is None:
-            tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
-        tokens = extra.get("progress", {}).get("tokens")
-        return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens))
+    problems, tried = [], set()
+    for _ in range(5):  # a run still training saves and deletes checkpoints (retention) meanwhile
+        for path in reversed(candidates):
+            if path in tried or not path.exists():
+                continue
+            tried.add(path)
+            try:
+                model, extra = _load_checkpoint(path)
+            except ExportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- damaged in any way: fall back to the previous
+                # (a damaged .pt or .dcp shard is a CheckpointError, a RuntimeError; unpickling garbage
+                # raises about anything)
+                if not path.exists():  # deleted while it was read: not damaged; the list is read again
+                    continue
+                problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+                log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
+                continue
+            step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
+            if tokenizer is None:
+                tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
+            tokens = extra.get("progress", {}).get("tokens")
+            return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens))
+        candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
+        if set(candidates) <= tried:
+            break
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
 
 
@@ -290,6 +299,8 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is unknown: use one of {', '.join(FORMATS)}")
     out = Path(out)
+    if out.is_symlink() and out.is_dir():  # a link to a directory ("latest -> run-7"): written through
+        out = out.resolve()
     run_path = Path(run_dir).resolve()
     if out.resolve() == run_path or out.resolve() in run_path.parents:
         raise ExportError(f"OUT {str(out)!r} is RUN_DIR or holds it: replacing it would delete the "
@@ -333,8 +344,13 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         info = save_hf(loaded.model, loaded.tokenizer, staging, max_length=trained)
         if verify:
             info["max_abs_diff"] = verify_hf(loaded.model, loaded.tokenizer, staging)
-        if out.exists():
-            shutil.rmtree(out)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        elif out.exists():  # written by someone else since the check at the start (another export)
+            if not force:
+                raise ExportError(f"OUT {str(out)!r} was written while this export ran (another export "
+                                  "into it?): pick another path, or pass --force to replace it")
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
