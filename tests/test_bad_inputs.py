@@ -233,6 +233,18 @@ def test_what_tensor_parallel_splits_is_checked_before_any_work(args, needle, pa
     assert not (paths / "runs").exists()
 
 
+def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_named_before_the_launch_size(paths, capsys,
+                                                                                            monkeypatch):
+    """One process, --parallel.tp=3 on 4 heads: the error asked to "launch a multiple of 3
+    processes", and the relaunch then failed on the heads. The heads come first."""
+    monkeypatch.chdir(paths)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_head=4", "--parallel.tp=3",
+                              "--run.out_dir=runs/tp"], capsys)
+    assert code == 2 and "parallel.tp = 3 does not divide model.n_head = 4" in err, err
+    assert "processes started" not in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL runs where CUDA does")
 def test_nccl_without_a_gpu_is_refused_by_check(paths, capsys, monkeypatch):
     """Under torchrun, --parallel.backend=nccl on a machine without CUDA passed --check and failed in

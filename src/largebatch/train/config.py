@@ -300,10 +300,11 @@ def check(cfg: TrainConfig) -> TrainConfig:
         cfg = dataclasses.replace(cfg, run=with_phase_total(cfg.run, cfg.phases))
     par = cfg.parallel
     try:
-        pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
-        if par.tp > 1:  # what the tensor-parallel ranks split (the vocabulary: preflight, which knows it)
+        if par.tp > 1:  # what the tensor-parallel ranks split (the vocabulary: preflight, which knows it);
+            # before the launch's size, so that a layout that can never run says so before "launch N"
             check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
             check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
+        pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch, init_from=cfg.model.init_from):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
