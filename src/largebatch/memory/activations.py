@@ -33,6 +33,10 @@ Per pipeline schedule (Korthikanti et al. 2022 §4.2.3, citing Narayanan et al. 
 stage's layers' worth (``first_stage_layers``): 1F1B keeps p micro-batches of its L/p layers, L; the
 interleaved schedule with V stages per rank keeps L (1 + (p - 1) / (p V)); GPipe keeps all m
 micro-batches of the step, m L / p. The embedding masks follow the same count of micro-batches.
+
+Beyond the paper: what the backward pass allocates on top of the stored activations at its peak
+(``backward_working_bytes``: a layer's recomputation and gradients, the loss's fp32 logits
+gradients), measured against ``measure.measure_peak_bytes``.
 """
 
 from __future__ import annotations
