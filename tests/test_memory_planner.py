@@ -138,6 +138,9 @@ def test_planner_reads_the_run_fields_that_change_the_answer(capsys, tmp_path):
     assert "the config's run.recompute = selective:" in out
     out = run('[run]\nrecompute = ["full", "selective", "none", "none"]\n')
     assert "run.recompute = ['full', 'selective', 'none', 'none']:" in out
+    # spelled on the command line as largebatch train spells it (it was "unrecognized arguments")
+    flag = run('[run]\nrecompute = ["selective"]\n', "--run.recompute=full,selective,none,none")
+    assert flag.replace("--run.recompute", "the config's run.recompute") == out
     gpipe = ('tie_embeddings = false\n[run]\nmicro_batch = 1\n[parallel]\npp = 2\npp_schedule = "gpipe"\n'
              '[schedule]\nbatch_size = 16\n')
     out = run(gpipe)

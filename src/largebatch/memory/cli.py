@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel.loss_parallel", dest="loss_parallel", type=_boolean, metavar="true|false",
                    help="with tp > 1: the logits stay split over the vocabulary (true: the paper's layout, the "
                    "default without --config) or are gathered on every rank (false: the trainer's default)")
+    p.add_argument("--run.recompute", dest="run_recompute", metavar="POLICY[,POLICY...]",
+                   help="a line for this recomputation beside 'no recompute', spelled as in largebatch train: "
+                   "one policy for every layer (selective) or one per layer (full,full,selective,selective); "
+                   "overrides a --config's run.recompute")
     p.add_argument("--budget-gib", type=finite_float, help="memory per device in GiB; omit for the table only")
     p.add_argument("--optim.name", "--optimizer", dest="optimizer", choices=sorted(OPTIMIZER_STATE_BYTES),
                    help="sizes its state (default adamw, or the --config's): fp32 bytes per parameter, 8 for "
@@ -348,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dtype-bytes {args.dtype_bytes:g}: bytes per stored value, from 1 (fp8) to 8 "
                              f"(fp64); 2 for fp16/bf16, 4 for fp32")
         config = _config(args)
+        if args.run_recompute is not None:  # (after a --config's, which it overrides)
+            names = [name.strip() for name in args.run_recompute.split(",")]
+            args.config_recompute = names[0] if len(names) == 1 else names
         if config.n_layer > MAX_LAYERS:  # the estimates keep a policy per layer (time and memory grow with L)
             raise ValueError(f"--layers {config.n_layer:,}: at most {MAX_LAYERS:,} (the estimates go layer by "
                              "layer; the largest trained models have a few hundred)")
@@ -407,13 +414,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 layers = per_layer_policies(policies, config.n_layer)
             except ValueError as err:
-                raise ValueError(f"run.recompute = {policies!r} in {args.config}: {err}") from None
+                where = "--run.recompute" if args.run_recompute is not None else f"run.recompute in {args.config}"
+                raise ValueError(f"{where} = {policies!r}: {err}") from None
             # the list runs over the whole model: each rank has its own slice (the planner's mixes are
             # one per rank); the rank that needs the most, each slice taken as every rank's
             per_rank = config.n_layer // args.pp
             worst = max((setup.estimate(config, layers[r * per_rank:(r + 1) * per_rank]) for r in range(args.pp)),
                         key=lambda e: e.total)
-            lines.append(f"Per device, the config's run.recompute = {policies}: {worst}")
+            source = "--run.recompute" if args.run_recompute is not None else "the config's run.recompute"
+            lines.append(f"Per device, {source} = {policies}: {worst}")
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)
         return 2
