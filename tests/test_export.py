@@ -423,8 +423,8 @@ def test_an_unfinished_run_exports_with_a_note(cache, tmp_path, capsys):
     stopped = train(tiny(cache, tmp_path / "stopped", **{"run.max_steps": 2}))
     assert cli_main(["export", str(stopped), str(tmp_path / "hf"), "--format", "hf", "--no-verify"]) == 0
     budget = load_config(stopped / "config.toml").run.total_tokens
-    assert f"note: the run stopped at {2 * 8 * 48:,} of its {budget:,} tokens: this exports a partly " \
-        "trained model" in capsys.readouterr().err
+    assert (f"note: the newest readable checkpoint is at {2 * 8 * 48:,} of the run's {budget:,} tokens: this "
+            "exports a partly trained model") in capsys.readouterr().err
 
 
 def test_gpt_tokenizer_without_pad_declares_no_pad_token(gpt_run, tmp_path):

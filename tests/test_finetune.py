@@ -202,7 +202,7 @@ def test_a_run_stopped_before_its_budget_is_judged_with_a_note(tiny_data_cache, 
     report = json.loads((stopped / "finetune" / "folio-genre.json").read_text())
     budget = load_config(stopped / "config.toml").run.total_tokens  # (the tiny run has no phases)
     assert 0 < report["trained_tokens"] < budget
-    note = f"the run stopped at {report['trained_tokens']:,} of its {budget:,} tokens"
+    note = f"the newest readable checkpoint is at {report['trained_tokens']:,} of the run's {budget:,} tokens"
     assert f"note: {note}" in out and note in (stopped / "finetune" / "folio-genre.md").read_text()
 
 

@@ -52,14 +52,15 @@ class LoadedRun:
 
 
 def stopped_early(loaded: LoadedRun) -> str | None:
-    """"the run stopped at N of its B tokens" for a checkpoint before the end of the run's token
-    budget (a stopped run's newest, or a live run's), else None."""
+    """"the newest readable checkpoint is at N of the run's B tokens" for a checkpoint before the end
+    of the run's token budget (a stopped run's newest, a live run's, or the one before an unreadable
+    final checkpoint), else None."""
     run = loaded.config.get("run", {})
     phases = loaded.config.get("phases") or []
     budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
     if loaded.tokens is None or not budget or loaded.tokens >= budget:
         return None
-    return f"the run stopped at {loaded.tokens:,} of its {int(budget):,} tokens"
+    return f"the newest readable checkpoint is at {loaded.tokens:,} of the run's {int(budget):,} tokens"
 
 
 def trained_positions(loaded) -> int | None:
