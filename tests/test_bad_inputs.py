@@ -287,8 +287,24 @@ def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)
     assert code == 0 and out.startswith("ok: runs/") and "a new run" in out and "parameters" in out, err
-    assert "activations are not counted here: `largebatch memory --config FILE`" in out
     assert not (paths / "runs").exists()
+    # the activations at a step's peak (stored + backward's working set, the closed form), which
+    # --check did not count: a config needing ~180 GiB of them passed as "ok" with nothing said
+    from largebatch.memory import estimate
+    from largebatch.models import ModelConfig
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.progress import human_bytes
+
+    config = load_config(resolve_config(None), {"model.n_layer": 2, "model.n_embd": 64})  # the default recipe
+    model = ModelConfig(**{**config.model.__dict__, "vocab_size": config.data.vocab_size})
+    e = estimate(model, config.run.micro_batch, recompute="none", dtype_bytes=4, device="cpu")
+    assert f"activations at a step's peak ~{human_bytes(e.activations + e.backward)} (fp32; closed form" in out
+    assert "`largebatch memory --config FILE` breaks the activations down" in out and "warning" not in err
+    code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64", "--model.seq_len=4096",
+                              "--run.micro_batch=64", "--schedule.batch_size=64", "--schedule.batch_policy=constant"],
+                             capsys)
+    assert code == 0 and "largebatch train: warning: the state and the predicted activations" in err, err
+    assert "exceed the" in err and "set run.recompute" in err and not (paths / "runs").exists()
 
 
 def test_resume_that_changes_the_state_is_refused(reference_run, tmp_path, capsys):

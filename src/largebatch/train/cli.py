@@ -208,15 +208,25 @@ def _launch(args, unknown: list[str], parser) -> int:
                   f"again. Continue with the same command in a new job", file=sys.stderr, flush=True)
         return exit_code(note["signal"])
     if check_only:
+        from largebatch.train.preflight import estimate_activations
         from largebatch.train.progress import human_bytes, human_count
 
         if os.environ.get("RANK", "0") != "0":  # under torchrun every rank checks; one reports
             return 0
+        activations, assumed = estimate_activations(cfg)
+        acts = (f"activations at a step's peak ~{human_bytes(activations)} ({assumed}; closed form, "
+                "docs/memory.md)" if activations is not None else f"activations not estimated ({assumed})")
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
-              f"gradients and {cfg.optim.name} state per process, {human_bytes(state.available)} "
-              f"available ({state.source}); activations are not counted here: `largebatch memory "
-              f"--config FILE` predicts them and plans recomputation")
+              f"gradients and {cfg.optim.name} state per process, {acts}; {human_bytes(state.available)} "
+              f"available ({state.source}); `largebatch memory --config FILE` breaks the activations down "
+              f"and plans recomputation")
+        if activations is not None and state.bytes + activations > state.available:
+            print(f"largebatch train: warning: the state and the predicted activations, "
+                  f"{human_bytes(state.bytes + activations)} per process, exceed the "
+                  f"{human_bytes(state.available)} available: lower run.micro_batch, set run.recompute "
+                  f"(`largebatch memory --config FILE --budget-gib G` plans it), or split the model "
+                  f"(parallel.tp, parallel.pp)", file=sys.stderr)
         return 0
 
     from largebatch.checkpoint import CheckpointError
