@@ -213,7 +213,7 @@ def _launch(args, unknown: list[str], parser) -> int:
 
         if os.environ.get("RANK", "0") != "0":  # under torchrun every rank checks; one reports
             return 0
-        activations, assumed = estimate_activations(cfg)
+        activations, assumed = estimate_activations(cfg, state.vocab_size)
         acts = (f"activations at a step's peak ~{human_bytes(activations)} ({assumed}; closed form, "
                 "docs/memory.md)" if activations is not None else f"activations not estimated ({assumed})")
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "

@@ -55,6 +55,8 @@ class StateEstimate:
     available: float
     """Memory free for them: the device's on CUDA, the machine's (shared by its local ranks) on CPU."""
     source: str
+    vocab_size: int | None = None
+    """The tokenizer's size the estimate sized the model for (None: ``data.vocab_size``)."""
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -287,7 +289,7 @@ def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEsti
             pass
     per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
     available, source = _available_bytes(cfg)
-    return StateEstimate(n, n * per_parameter, available, source)
+    return StateEstimate(n, n * per_parameter, available, source, vocab_size)
 
 
 def estimate_activations(cfg: TrainConfig, vocab_size: int | None = None) -> tuple[float | None, str]:
