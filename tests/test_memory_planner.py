@@ -417,3 +417,17 @@ def test_the_python_api_refuses_what_it_cannot_plan(call, fragment):
     divided by zero; pp = 0 or 7 of 96 layers gave 96 layers' worth.)"""
     with pytest.raises(ValueError, match=re.escape(fragment)):
         call(preset("gpt2-small"))
+
+
+def test_the_table_says_which_rows_no_run_takes_and_small_totals_in_mib(capsys):
+    """The sequence-parallel rows were printed for a t that does not divide s, which
+    --sequence-parallel (and the trainer) refuse; and a small model's L-layer column read 0.00 GiB."""
+    assert main(["--model", "gpt3-175b", "--tp", "8", "--seq-len", "1001"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "does not divide s=1001" in line]
+    assert [r.split("  ")[1].strip() for r in rows] == [
+        "tensor + sequence parallel", "tensor + sequence parallel + selective",
+        "full recompute (tensor + sequence parallel)"]
+    assert main(["--model", "demo"]) == 0
+    out = capsys.readouterr().out
+    table = out[:out.index("\n\n")] if "\n\n" in out else out
+    assert "0.00 GiB" not in table and "    4.50 MiB" in table and "does not divide" not in table

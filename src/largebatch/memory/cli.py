@@ -251,10 +251,13 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
              + ("" if kw["dropout"] else ", no dropout (no masks; the softmax output is what @V keeps)")
              + (", fused attention (no s^2 term)" if kw["fused_attention"] else ""),
              f"  {'setting':<{width}}  {'per layer':>11}  {f'{L} layers':>11}  tensor parallel / this"]
-    for name, *_ in rows:
+    for name, _, sp, _ in rows:
         bytes_ = per_layer[name]
-        lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {L * bytes_ / GIB:>7.2f} GiB  "
-                     f"{reference / bytes_:>6.1f}x")
+        whole = (f"{L * bytes_ / GIB:>7.2f} GiB" if L * bytes_ >= GIB / 100  # small models: MiB, not 0.00 GiB
+                 else f"{L * bytes_ / 2**20:>7.2f} MiB")
+        refused = sp and t > 1 and s % t  # the formula takes any t; a run cannot split s unevenly
+        lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {whole}  {reference / bytes_:>6.1f}x"
+                     + (f"  (t={t} does not divide s={s}: no run splits the sequence so)" if refused else ""))
     return lines
 
 
