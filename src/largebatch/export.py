@@ -320,12 +320,12 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         log(f"note: {stopped}: this exports a partly trained model (continue it with `largebatch train "
             f"--resume` for the finished one)")
     seq_len = loaded.model.config.seq_len
-    if (trained := trained_positions(loaded)) is not None and trained < seq_len:
+    trained = trained_positions(loaded)
+    trained = trained if trained is not None and trained < seq_len else None  # None: every position
+    if trained is not None:
         log(f"note: the run has trained positions 0-{trained - 1} only (it stopped in a phase at seq_len "
             f"{trained}); the tokenizer's model_max_length is {trained}, so truncation=True cuts there "
             f"(config.json keeps max_position_embeddings={seq_len}, the size of the position table)")
-    else:
-        trained = None
     from largebatch.integrations.hf_export import save_hf, verify_hf
 
     host = socket.gethostname()

@@ -31,12 +31,11 @@ from largebatch.memory.activations import (
     model_activation_bytes,
     stages_per_rank,
 )
-from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES
+from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, rank_policies
 from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models import PRESETS, ModelConfig, preset
-from largebatch.models.flops import per_layer_policies
 from largebatch.models.registry import model_spec
 from largebatch.schedules.config import ScheduleConfig
 from largebatch.typed_config import from_dict, load_toml
@@ -355,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--dtype-bytes {args.dtype_bytes:g}: bytes per stored value, from 1 (fp8) to 8 "
                              f"(fp64); 2 for fp16/bf16, 4 for fp32")
         config = _config(args)
+        source = "the config's run.recompute"
         if args.run_recompute is not None:  # (after a --config's, which it overrides)
             names = [name.strip() for name in args.run_recompute.split(",")]
-            args.config_recompute = names[0] if len(names) == 1 else names
+            args.config_recompute, source = (names[0] if len(names) == 1 else names), "--run.recompute"
         if config.n_layer > MAX_LAYERS:  # the estimates keep a policy per layer (time and memory grow with L)
             raise ValueError(f"--layers {config.n_layer:,}: at most {MAX_LAYERS:,} (the estimates go layer by "
                              "layer; the largest trained models have a few hundred)")
@@ -415,16 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.config_recompute not in (None, ["none"], "none"):
             policies = args.config_recompute
             try:
-                layers = per_layer_policies(policies, config.n_layer)
+                slices = rank_policies(policies, config.n_layer, args.pp)
             except ValueError as err:
-                where = "--run.recompute" if args.run_recompute is not None else f"run.recompute in {args.config}"
+                where = source if args.run_recompute is not None else f"run.recompute in {args.config}"
                 raise ValueError(f"{where} = {policies!r}: {err}") from None
             # the list runs over the whole model: each rank has its own slice (the planner's mixes are
             # one per rank); the rank that needs the most, each slice taken as every rank's
-            per_rank = config.n_layer // args.pp
-            worst = max((setup.estimate(config, layers[r * per_rank:(r + 1) * per_rank]) for r in range(args.pp)),
-                        key=lambda e: e.total)
-            source = "--run.recompute" if args.run_recompute is not None else "the config's run.recompute"
+            worst = max((setup.estimate(config, layers) for layers in slices), key=lambda e: e.total)
             lines.append(f"Per device, {source} = {policies}: {worst}")
     except ValueError as err:
         print(f"largebatch memory: error: {err}", file=sys.stderr)

@@ -22,6 +22,7 @@ from largebatch.memory.activations import (
     model_activation_bytes,
 )
 from largebatch.models.config import ModelConfig
+from largebatch.models.flops import per_layer_policies
 from largebatch.models.registry import model_spec
 
 # fp32 state bytes per parameter by optimizer name; largebatch.train.optimizer.register_optimizer adds
@@ -72,6 +73,14 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
         n += v * h / tp + s * h  # token and position embeddings
     # the kind's other modules: norms, heads (the output layer sits on the last stage)
     return n + spec.stage_parameters(config, tp, first, pp == 1 if last is None else last)
+
+
+def rank_policies(recompute: str | Sequence[str], n_layer: int, pp: int = 1) -> list[list[str]]:
+    """Each pipeline rank's slice of a run's recomputation: one policy for every layer, or a list of
+    one per layer over the whole model (ValueError naming what is wrong, as per_layer_policies)."""
+    layers = per_layer_policies(recompute, n_layer)
+    per_rank = n_layer // pp
+    return [layers[r * per_rank:(r + 1) * per_rank] for r in range(pp)]
 
 
 def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int = 1, dp: int = 1,

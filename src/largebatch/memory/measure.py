@@ -73,7 +73,9 @@ class _NewStorages(TorchDispatchMode):
 class _PeakStorages(_NewStorages):
     """_NewStorages that also follows the bytes alive after each op, and their peak."""
 
-    peak = 0
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -82,14 +84,20 @@ class _PeakStorages(_NewStorages):
         return out
 
 
+def _warm_up() -> None:
+    """The first dispatch-mode use in a process allocates ~25 MB, once; what is already garbage goes
+    before a measurement."""
+    with _NewStorages():
+        torch.ones(2).add_(1)
+    gc.collect()
+
+
 def measure_peak_bytes(step: Callable[[], object]) -> int:
     """The most bytes of storages created during ``step()`` (say a forward and backward) alive at
     once, sampled after every op: activations, their gradients, recomputed tensors, workspaces --
     on any device what torch.cuda.max_memory_allocated() adds over the start on a GPU. Tensors that
     exist before the step (parameters, gradients kept from an earlier step) are not counted."""
-    with _NewStorages():  # the first dispatch-mode use in a process allocates ~25 MB, once
-        torch.ones(2).add_(1)
-    gc.collect()
+    _warm_up()
     tracker = _PeakStorages()
     with tracker:
         step()
@@ -110,13 +118,10 @@ def measure_forward_bytes(forward: Callable[[], object], device: str = "cpu") ->
     (and call backward on it if you like). The first measurement of a given set of ops in a process
     also counts one-time Python dispatch caches (~2 MB seen on CPU): measure once to warm up."""
     in_use = (lambda: torch.cuda.memory_allocated()) if device.startswith("cuda") else _glibc_in_use()
-    with _NewStorages():  # the first dispatch-mode use in a process allocates ~25 MB, once
-        torch.ones(2).add_(1)
-
     # no garbage collection inside the window: a cycle of earlier tensors freed there made the
     # allocator's growth negative (-14.8 MB for a forward holding 17.0 MB, once in a full test run);
-    # what is already garbage goes first
-    gc.collect()
+    # what is already garbage goes first (_warm_up)
+    _warm_up()
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -297,10 +297,9 @@ def estimate_activations(cfg: TrainConfig, vocab_size: int | None = None) -> tup
     (largebatch.memory.estimate's closed form: what the forward stores for backward plus what
     backward adds; under pipeline parallel the rank that needs the most), and a few words on what
     it assumed; (None, why) where the closed form does not describe the run."""
-    from largebatch.memory import estimate
-    from largebatch.models.flops import per_layer_policies
+    from largebatch.memory.estimate import estimate, rank_policies
     from largebatch.parallel.mesh import resolve_sizes
-    from largebatch.train.loop import resolve_device
+    from largebatch.train.loop import _recompute_policy, resolve_device
     from largebatch.train.phases import resolve_phases
 
     par = cfg.parallel
@@ -310,10 +309,8 @@ def estimate_activations(cfg: TrainConfig, vocab_size: int | None = None) -> tup
         pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
         model = cfg.model.replace(vocab_size=check_model_vocab(cfg, vocab_size))
         device = resolve_device(cfg.run.device).type
-        layers = per_layer_policies(cfg.run.recompute[0] if len(cfg.run.recompute) == 1 else cfg.run.recompute,
-                                    model.n_layer)
-        per_rank = model.n_layer // pp  # each pipeline rank its slice of a per-layer list; the worst counts
-        slices = [layers[r * per_rank:(r + 1) * per_rank] for r in range(pp)]
+        # each pipeline rank its slice of a per-layer list (as the trainer applies it); the worst counts
+        slices = rank_policies(_recompute_policy(cfg.run.recompute, model.n_layer), model.n_layer, pp)
         peak = 0.0
         for phase in resolve_phases(cfg.phases, cfg.schedule, model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch, init_from=model.init_from):
