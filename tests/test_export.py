@@ -317,10 +317,10 @@ def test_pre_ln_bert_is_refused_naming_the_setting(cache, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing_run", "empty_run", "no_checkpoint", "format", "non_empty_out",
-                                  "out_is_run", "tokenizer", "tokenizer_not_json", "tokenizer_not_the_runs",
-                                  "tokenizer_not_tokenizers", "run_tokenizer_damaged",
+                                  "out_is_run", "out_is_cwd", "tokenizer", "tokenizer_not_json",
+                                  "tokenizer_not_the_runs", "tokenizer_not_tokenizers", "run_tokenizer_damaged",
                                   "out_parent_is_file"])
-def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
+def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys, monkeypatch):
     out, args = tmp_path / "out", []
     run = gpt_run
     bad = tmp_path / "bad.json"
@@ -332,6 +332,10 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
         run = tmp_path / "empty_run"
         run.mkdir()
         expect = "has no checkpoint"
+    elif case == "out_is_cwd":  # `export RUN . --force` replaced the directory the shell is in
+        (tmp_path / "mine.txt").write_text("mine")
+        monkeypatch.chdir(tmp_path)
+        out, args, expect = Path("."), ["--format", "hf", "--force"], "is the working directory or holds it"
     elif case == "out_is_run":
         out, args, expect = run.parent, ["--format", "hf", "--force"], "would delete the run"
     elif case == "tokenizer":
@@ -372,7 +376,9 @@ def test_bad_input_gives_one_line_errors(case, gpt_run, tmp_path, capsys):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expect in err and "Traceback" not in err, err
-    assert not out.exists() or case in ("non_empty_out", "out_is_run")
+    assert not out.exists() or case in ("non_empty_out", "out_is_run", "out_is_cwd")
+    if case == "out_is_cwd":
+        assert (tmp_path / "mine.txt").read_text() == "mine"
     if case == "run_tokenizer_damaged":
         assert "--tokenizer PATH" in err
     if case == "out_parent_is_file":
@@ -539,3 +545,53 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged(gpt_run, tmp_path,
     loaded = load_run(run, log=print)
     assert loaded.checkpoint == newest
     assert "skipping unreadable" not in capsys.readouterr().out
+
+
+def test_checkpoint_exports_an_earlier_checkpoint_and_refuses_one_the_run_does_not_keep(cache, gpt_run, tmp_path,
+                                                                                         capsys):
+    """`--checkpoint STEP` (or its name, or its path) exports that checkpoint, not the newest; a step
+    retention deleted, a missing name and another run's file are one-line errors naming the kept steps."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+
+    run = train(tiny(cache, tmp_path / "run", **{"run.checkpoint_every_tokens": 2 * 8 * 48,
+                                                  "run.keep_checkpoints": 3}))
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["step_00000004.pt", "step_00000006.pt", "step_00000008.pt"], kept
+
+    def logits_of(name, idx):  # the reference: the checkpoint file read directly into a fresh model
+        raw = torch.load(run / "checkpoints" / name, map_location="cpu", weights_only=False)
+        model = build_model(from_dict(ModelConfig, raw["config"]["model"]))
+        model.load_state_dict(raw["model"])
+        with torch.no_grad():
+            return model.eval()(idx)[0]
+
+    idx = torch.tensor([list(range(5, 53))])
+    for which, step in (("4", 4), ("step_00000006.pt", 6), (str(run / "checkpoints" / "step_00000004.pt"), 4)):
+        out = tmp_path / f"hf-{step}"
+        assert export(run, out, "--checkpoint", which, "--force") == 0
+        captured = capsys.readouterr()
+        name = f"step_{step:08d}.pt"
+        assert f"{name} (step {step})" in captured.out
+        assert (f"note: checkpoint {name} is at {step * 8 * 48:,} of the run's {8 * 8 * 48:,} tokens: this "
+                "exports a partly trained model, the one --checkpoint chose") in captured.err
+        with torch.no_grad():
+            theirs = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=idx).logits
+        assert torch.allclose(theirs, logits_of(name, idx), atol=1e-5, rtol=0)
+        assert not torch.allclose(theirs, logits_of("step_00000008.pt", idx), atol=1e-3, rtol=0)
+    assert export(run, tmp_path / "hf-8", "--checkpoint=8") == 0  # the newest, chosen: no note
+    assert "note:" not in capsys.readouterr().err
+
+    for which, expect in (
+            ("2", "--checkpoint 2: no checkpoint at step 2; RUN_DIR"),
+            ("step_00000002.pt", "--checkpoint 'step_00000002.pt' does not exist"),
+            (str(next((gpt_run / "checkpoints").iterdir())), "is not one of this run's checkpoints"),
+            (" ", "--checkpoint is empty")):
+        assert export(run, tmp_path / "refused", "--checkpoint", which) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expect in err, err
+        if which != " ":
+            assert "keeps checkpoints at steps 4, 6, 8" in err
+        assert not (tmp_path / "refused").exists()

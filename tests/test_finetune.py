@@ -369,3 +369,25 @@ def test_a_transformers_directory_is_named_with_what_to_pass_instead(tmp_path, c
     assert len(err.splitlines()) == 1, err
     assert f"RUN_DIR {str(hf)!r} is a transformers directory" in err and "exported from" in err, err
     assert f"--model.init_from=hf:{hf}" in err and "train it (or resume it)" not in err, err
+
+
+def test_checkpoint_judges_an_earlier_checkpoint_in_its_own_report(tiny_data_cache, tmp_path, capsys):
+    """`finetune --checkpoint STEP` fine-tunes that checkpoint and writes TASK@step_NNNNNNNN.md beside
+    the newest one's report; a step the run does not keep is a one-line error before any work."""
+    run = train(tiny(tiny_data_cache, tmp_path / "bert", **{
+        "model.kind": "bert", "model.seq_len": 64, "run.checkpoint_every_tokens": 4 * 8 * 64}))
+    steps = sorted(int(p.name[5:13]) for p in (run / "checkpoints").iterdir())
+    assert len(steps) == 2, steps
+    args = ["--seeds", "2", "--epochs", "1", "--passages-per-document", "3", "--passage-len", "32"]
+    assert cli_main(["finetune", str(run), "--checkpoint", "999", *args]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint 999: no checkpoint at step 999" in err and f"steps {steps[0]}, {steps[1]}" in err
+    assert cli_main(["finetune", str(run), "--checkpoint", str(steps[0]), *args]) == 0
+    printed = capsys.readouterr().out
+    name = f"step_{steps[0]:08d}"
+    assert f"fine-tuning {run / 'checkpoints' / name}.pt (step {steps[0]})" in printed
+    assert "this judges a partly trained model, the one --checkpoint chose" in printed
+    report = json.loads((run / "finetune" / f"folio-genre@{name}.json").read_text())
+    assert report["step"] == steps[0] and report["checkpoint"].endswith(f"{name}.pt")
+    assert (run / "finetune" / f"folio-genre@{name}.md").is_file()
+    assert not (run / "finetune" / "folio-genre.json").exists()

@@ -4,14 +4,15 @@
     largebatch export runs/bert-post hf-bert --format hf --force     # replace an existing OUT
 
 Reads the newest intact checkpoint of RUN_DIR (a single-process ``step_*.pt`` or a distributed
-``step_*.dcp``, loaded into one process), rebuilds the model from the config stored in that
-checkpoint, recovers the run's tokenizer (RUN_DIR/tokenizer.json, which the trainer keeps), and
-writes OUT in the chosen format. ``--format hf`` writes a transformers directory (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json): ``AutoModelForCausalLM`` (GPT runs) or
-``AutoModelForMaskedLM`` (BERT runs with ``model.norm_position="post"``) and ``AutoTokenizer``
-load it offline. Before OUT is put in place the written directory is loaded back with those Auto
-classes and its logits are compared with largebatch's on a sentence; a difference above the
-tolerance is an error (``--no-verify`` skips it). See docs/models.md, "Exporting to transformers".
+``step_*.dcp``, loaded into one process), or the one ``--checkpoint`` names, rebuilds the model
+from the config stored in that checkpoint, recovers the run's tokenizer (RUN_DIR/tokenizer.json,
+which the trainer keeps), and writes OUT in the chosen format. ``--format hf`` writes a
+transformers directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json):
+``AutoModelForCausalLM`` (GPT runs) or ``AutoModelForMaskedLM`` (BERT runs with
+``model.norm_position="post"``) and ``AutoTokenizer`` load it offline. Before OUT is put in place
+the written directory is loaded back with those Auto classes and its logits are compared with
+largebatch's on a sentence; a difference above the tolerance is an error (``--no-verify`` skips
+it). See docs/models.md, "Exporting to transformers".
 
 Options:
   --format hf          the output format (hf is the only one)
@@ -19,6 +20,9 @@ Options:
   --tokenizer PATH     the run's tokenizer.json when the run cannot give it (a run on a pre-tokenized
                        array without data.tokenizer_file); refused when it differs from the copy
                        the run keeps (RUN_DIR/tokenizer.json)
+  --checkpoint STEP    export the run's checkpoint at optimizer step STEP (or give its name,
+                       step_00000100.pt, or its path) instead of the newest; the run keeps the newest
+                       run.keep_checkpoints of them
   --no-verify          skip loading OUT back and comparing logits
 """
 
@@ -49,18 +53,32 @@ class LoadedRun:
     tokenizer: Any | None  # tokenizers.Tokenizer
     config: dict[str, Any]  # the run's TrainConfig as a dict (from the checkpoint)
     tokens: int | None = None  # tokens the run had trained on at that checkpoint (None: not recorded)
+    chosen: bool = False  # named by the caller (--checkpoint), not the newest readable one
 
 
 def stopped_early(loaded: LoadedRun) -> str | None:
     """"the newest readable checkpoint is at N of the run's B tokens" for a checkpoint before the end
     of the run's token budget (a stopped run's newest, a live run's, or the one before an unreadable
-    final checkpoint), else None."""
+    final checkpoint; "checkpoint step_... is at" for one chosen with --checkpoint), else None."""
     run = loaded.config.get("run", {})
     phases = loaded.config.get("phases") or []
     budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
     if loaded.tokens is None or not budget or loaded.tokens >= budget:
         return None
-    return f"the newest readable checkpoint is at {loaded.tokens:,} of the run's {int(budget):,} tokens"
+    which = f"checkpoint {loaded.checkpoint.name}" if loaded.chosen else "the newest readable checkpoint"
+    return f"{which} is at {loaded.tokens:,} of the run's {int(budget):,} tokens"
+
+
+def partial_note(loaded: LoadedRun, verb: str) -> str | None:
+    """The note for a partly trained checkpoint (``stopped_early``) with what to do about it; ``verb``
+    is what the command does with it ("exports", "judges")."""
+    stopped = stopped_early(loaded)
+    if stopped is None:
+        return None
+    if loaded.chosen:
+        return f"{stopped}: this {verb} a partly trained model, the one --checkpoint chose"
+    return (f"{stopped}: this {verb} a partly trained model (continue it with `largebatch train "
+            "--resume` for the finished one)")
 
 
 def trained_positions(loaded) -> int | None:
@@ -86,12 +104,46 @@ def check_run_dir_given(run_dir: str | Path) -> None:
                           "(it holds config.toml and checkpoints/)")
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1].split(".")[0])
+
+
+def choose_checkpoint(run_dir: Path, which: str | int, candidates: list[Path]) -> Path:
+    """The checkpoint of ``run_dir`` that ``which`` names: an optimizer step (``100``), a checkpoint's
+    name (``step_00000100.pt``) or its path. ExportError naming the steps the run keeps otherwise."""
+    from largebatch.checkpoint import checkpoint_dir
+
+    text = str(which).strip()
+    if not text:
+        raise ExportError("--checkpoint is empty: give a step number (e.g. --checkpoint 1000), a "
+                          "checkpoint's name or its path, or leave --checkpoint out for the newest")
+    kept = ", ".join(str(_step_of(p)) for p in candidates) or "none"
+    fix = (f"RUN_DIR {str(run_dir)!r} keeps checkpoints at steps {kept} (run.keep_checkpoints keeps "
+           "the newest ones): pass one of those, or leave --checkpoint out for the newest")
+    if text.isdigit():
+        found = [p for p in candidates if _step_of(p) == int(text)]
+        if not found:
+            raise ExportError(f"--checkpoint {text}: no checkpoint at step {int(text)}; {fix}")
+        return found[-1]
+    path = Path(text)
+    if not path.exists() and not path.is_absolute():
+        path = checkpoint_dir(run_dir) / text
+    kept_paths = {p.resolve(): p for p in candidates}
+    if path.exists() and path.resolve() in kept_paths:
+        return kept_paths[path.resolve()]
+    why = ("is not one of this run's checkpoints" if path.exists() else "does not exist")
+    raise ExportError(f"--checkpoint {text!r} {why}: give a step number or a checkpoint of RUN_DIR's "
+                      f"checkpoints/ (step_NNNNNNNN.pt or .dcp); {fix}")
+
+
 def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
-             log=print) -> LoadedRun:
-    """The newest intact checkpoint of ``run_dir`` loaded into a largebatch model on CPU.
+             log=print, checkpoint: str | int | None = None) -> LoadedRun:
+    """The newest intact checkpoint of ``run_dir`` (or the one ``checkpoint`` names: a step, a name or
+    a path, see ``choose_checkpoint``) loaded into a largebatch model on CPU.
 
     A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata or with a
-    damaged shard) is skipped with a note, and the next older one is used.
+    damaged shard) is skipped with a note, and the next older one is used; a chosen one that
+    cannot be read is an error.
     """
     from largebatch.checkpoint import list_checkpoints
     from largebatch.train.rundir import TOKENIZER_NAME
@@ -110,9 +162,23 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     if not candidates:
         raise ExportError(f"RUN_DIR {str(run_dir)!r} has no checkpoint in "
                           f"{run_dir / 'checkpoints'}: train it (or resume it) to the end first")
+    chosen = None if checkpoint is None else choose_checkpoint(run_dir, checkpoint, candidates)
     tokenizer = None  # read first where it needs no config: a bad file fails before the model loads
     if tokenizer_file is not None or (run_dir / TOKENIZER_NAME).is_file():
         tokenizer = run_tokenizer({}, tokenizer_file, run_dir)
+    if chosen is not None:
+        try:
+            model, extra = _load_checkpoint(chosen)
+        except ExportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- damaged in any way (see below)
+            if not chosen.exists():
+                raise ExportError(f"--checkpoint {str(checkpoint)!r}: {chosen} was deleted while it was "
+                                  "read (retention of a run still training): choose a newer one") from None
+            raise ExportError(f"--checkpoint {str(checkpoint)!r}: {chosen} cannot be read "
+                              f"({(str(exc).splitlines() or [type(exc).__name__])[0]}): choose another "
+                              "checkpoint, or leave --checkpoint out for the newest readable one") from None
+        return _loaded(run_dir, chosen, model, extra, tokenizer, tokenizer_file, chosen=True)
     problems, tried = [], set()
     for _ in range(5):  # a run still training saves and deletes checkpoints (retention) meanwhile
         for path in reversed(candidates):
@@ -131,15 +197,20 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
                 problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
                 log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
                 continue
-            step = int(extra.get("progress", {}).get("step", int(path.stem.split("_")[1])))
-            if tokenizer is None:
-                tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
-            tokens = extra.get("progress", {}).get("tokens")
-            return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens))
+            return _loaded(run_dir, path, model, extra, tokenizer, tokenizer_file)
         candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
         if set(candidates) <= tried:
             break
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
+
+
+def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_file, chosen: bool = False):
+    step = int(extra.get("progress", {}).get("step", _step_of(path)))
+    if tokenizer is None:
+        tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
+    tokens = extra.get("progress", {}).get("tokens")
+    return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens),
+                     chosen=chosen)
 
 
 def _load_checkpoint(path: Path):
@@ -248,7 +319,8 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _parse(argv: list[str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {"format": None, "force": False, "tokenizer": None, "verify": True}
+    opts: dict[str, Any] = {"format": None, "force": False, "tokenizer": None, "verify": True,
+                            "checkpoint": None}
     positional: list[str] = []
     i = 0
     while i < len(argv):
@@ -257,10 +329,10 @@ def _parse(argv: list[str]) -> dict[str, Any]:
             name, value = arg[2:].split("=", 1)
             if name in ("force", "no-verify"):
                 raise ExportError(f"--{name} takes no value: write --{name} alone")
-        elif arg in ("--format", "--tokenizer"):
+        elif arg in ("--format", "--tokenizer", "--checkpoint"):
             if i + 1 >= len(argv):
-                raise ExportError(f"{arg} needs a value, e.g. {arg} "
-                                  f"{'hf' if arg == '--format' else 'PATH/tokenizer.json'}")
+                example = {"--format": "hf", "--tokenizer": "PATH/tokenizer.json", "--checkpoint": "1000"}[arg]
+                raise ExportError(f"{arg} needs a value, e.g. {arg} {example}")
             name, value = arg[2:], argv[i + 1]
             i += 1
         elif arg == "--force":
@@ -268,15 +340,15 @@ def _parse(argv: list[str]) -> dict[str, Any]:
         elif arg == "--no-verify":
             name, value = "verify", False
         elif arg.startswith("-"):
-            raise ExportError(f"unknown option {arg!r}: use --format, --force, --tokenizer or "
-                              "--no-verify (largebatch export --help)")
+            raise ExportError(f"unknown option {arg!r}: use --format, --force, --tokenizer, "
+                              "--checkpoint or --no-verify (largebatch export --help)")
         else:
             positional.append(arg)
             i += 1
             continue
-        if name not in ("format", "tokenizer", "force", "verify"):
-            raise ExportError(f"unknown option '--{name}': use --format, --force, --tokenizer or "
-                              "--no-verify (largebatch export --help)")
+        if name not in ("format", "tokenizer", "checkpoint", "force", "verify"):
+            raise ExportError(f"unknown option '--{name}': use --format, --force, --tokenizer, "
+                              "--checkpoint or --no-verify (largebatch export --help)")
         opts[name] = value
         i += 1
     if len(positional) != 2:
@@ -291,8 +363,10 @@ def _parse(argv: list[str]) -> dict[str, Any]:
 
 
 def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool = False,
-           tokenizer_file: str | Path | None = None, verify: bool = True, log=print) -> dict[str, Any]:
-    """Export the newest checkpoint of ``run_dir`` to ``out``; returns what was written.
+           tokenizer_file: str | Path | None = None, verify: bool = True, log=print,
+           checkpoint: str | int | None = None) -> dict[str, Any]:
+    """Export the newest checkpoint of ``run_dir`` (or the one ``checkpoint`` names) to ``out``;
+    returns what was written.
 
     ``out`` is written in a temporary sibling directory and renamed into place, so a failed export
     never leaves a half-written OUT (with ``force`` an existing OUT is replaced only then).
@@ -306,6 +380,10 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if out.resolve() == run_path or out.resolve() in run_path.parents:
         raise ExportError(f"OUT {str(out)!r} is RUN_DIR or holds it: replacing it would delete the "
                           "run; pick a path outside the run directory")
+    cwd = Path.cwd().resolve()
+    if out.is_dir() and (out.resolve() == cwd or out.resolve() in cwd.parents):
+        raise ExportError(f"OUT {str(out)!r} is the working directory or holds it: the export replaces "
+                          "OUT as a whole; pick a new directory path, e.g. hf-model")
     if out.exists() and not out.is_dir():
         raise ExportError(f"OUT {str(out)!r} exists and is a file: pick a directory path")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -315,10 +393,9 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if blocked is not None:  # checked before the (long) checkpoint load
         raise ExportError(f"OUT {str(out)!r} cannot be created: {str(blocked)!r} is a file, not a "
                           "directory; pick an OUT path whose parents are directories")
-    loaded = load_run(run_dir, tokenizer_file, log=log)
-    if (stopped := stopped_early(loaded)) is not None:
-        log(f"note: {stopped}: this exports a partly trained model (continue it with `largebatch train "
-            f"--resume` for the finished one)")
+    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint)
+    if (partial := partial_note(loaded, "exports")) is not None:
+        log(f"note: {partial}")
     seq_len = loaded.model.config.seq_len
     trained = trained_positions(loaded)
     trained = trained if trained is not None and trained < seq_len else None  # None: every position
@@ -383,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = _parse(argv)
         _quiet_transformers()
         info = export(opts["run_dir"], opts["out"], opts["format"], force=opts["force"],
-                      tokenizer_file=opts["tokenizer"], verify=opts["verify"],
+                      tokenizer_file=opts["tokenizer"], verify=opts["verify"], checkpoint=opts["checkpoint"],
                       log=lambda m: print(m, file=sys.stderr))
     except ExportError as exc:
         return _fail(str(exc))

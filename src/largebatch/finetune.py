@@ -33,6 +33,8 @@ Options:
                               (default 1: the one held-out split)
   --probe-l2 L                l2 penalty of the linear probe on the frozen encoder (default 0.01)
   --tokenizer PATH            the run's tokenizer.json when it cannot be rebuilt from the run
+  --checkpoint STEP           judge the run's checkpoint at optimizer step STEP (or its name or path)
+                              instead of the newest; its report is TASK@step_NNNNNNNN.md beside TASK.md
 """
 
 from __future__ import annotations
@@ -286,16 +288,6 @@ def compare(pretrained: nn.Module, data: TaskData, s: Settings, log=print) -> di
                       "verdict": probe_verdict}}
 
 
-def _partial_note(loaded) -> str | None:
-    """What to say of a run judged before the end of its token budget (a stopped run's newest
-    checkpoint), or None: the comparison then measures a partly trained model."""
-    from largebatch.export import stopped_early
-
-    stopped = stopped_early(loaded)
-    return None if stopped is None else (f"{stopped}: this judges a partly trained model (continue it "
-                                         "with `largebatch train --resume` for the finished one)")
-
-
 def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpoint: str, command: str) -> str:
     def ci(pair):
         return ("n/a (one seed)" if s.seeds < 2 else "n/a (sd 0)") if pair is None else \
@@ -352,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("dropout", finite_float), ("folds", int), ("probe-l2", finite_float)):
         p.add_argument(f"--{name}", type=kind, default=getattr(Settings, name.replace("-", "_")))
     p.add_argument("--tokenizer")
+    p.add_argument("--checkpoint")
     return p
 
 
@@ -362,15 +355,30 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a one-line usage error (2)
         return int(exc.code or 0)
     try:
-        settings = Settings(**{k: v for k, v in vars(args).items() if k not in ("run_dir", "tokenizer")})
-        return run(args.run_dir, settings, args.tokenizer, "largebatch finetune " + " ".join(argv))
+        settings = Settings(**{k: v for k, v in vars(args).items()
+                               if k not in ("run_dir", "tokenizer", "checkpoint")})
+        return run(args.run_dir, settings, args.tokenizer, "largebatch finetune " + " ".join(argv),
+                   checkpoint=args.checkpoint)
     except (FinetuneError, TaskError) as exc:
         print(f"largebatch finetune: error: {exc}", file=sys.stderr)
         return 2
 
 
-def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "") -> int:
-    from largebatch.export import ExportError, check_run_dir_given, load_run
+def _check_report_paths(out: Path, stem: str) -> None:
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise FinetuneError(f"{str(out)!r} exists and is not a directory: the report is written into "
+                            "RUN_DIR/finetune/; move or delete that file and run again")
+    for report in (out / f"{stem}.md", out / f"{stem}.json"):
+        if report.is_dir():
+            raise FinetuneError(f"{str(report)!r} is a directory: the report is written to that path; "
+                                "move or delete it and run again")
+
+
+def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "",
+        checkpoint: str | None = None) -> int:
+    """Fine-tune the run's newest checkpoint (or the one ``checkpoint`` names, reported as
+    ``TASK@step_NNNNNNNN``) against scratch; writes the report to RUN_DIR/finetune/."""
+    from largebatch.export import ExportError, check_run_dir_given, load_run, partial_note
 
     try:
         check_run_dir_given(run_dir)
@@ -378,17 +386,13 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
         raise FinetuneError(str(exc)) from None
     check_settings(settings)  # everything that does not need the model, before the (slow) load
     out = Path(run_dir) / "finetune"  # where the report goes: checked now, not when the results are in
-    if (out.exists() or out.is_symlink()) and not out.is_dir():
-        raise FinetuneError(f"{str(out)!r} exists and is not a directory: the report is written into "
-                            "RUN_DIR/finetune/; move or delete that file and run again")
-    for report in (out / f"{settings.task}.md", out / f"{settings.task}.json"):
-        if report.is_dir():
-            raise FinetuneError(f"{str(report)!r} is a directory: the report is written to that path; "
-                                "move or delete it and run again")
+    _check_report_paths(out, settings.task)
     try:
-        loaded = load_run(run_dir, tokenizer_file)
+        loaded = load_run(run_dir, tokenizer_file, checkpoint=checkpoint)
     except ExportError as exc:
         raise FinetuneError(str(exc)) from None
+    stem = settings.task if checkpoint is None else f"{settings.task}@{loaded.checkpoint.name.split('.')[0]}"
+    _check_report_paths(out, stem)
     if loaded.tokenizer is None:
         raise FinetuneError(f"RUN_DIR {run_dir!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
     from largebatch.export import trained_positions
@@ -408,7 +412,7 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
                 f"{len(data.train_ids) + len(data.test_ids)} passages in {s.folds} folds of whole documents")
     print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {passages} of {s.passage_len} "
           f"tokens, {s.seeds} seeds x 2 arms")
-    partial = _partial_note(loaded)
+    partial = partial_note(loaded, "judges")  # judged before the end of the run's token budget
     if partial:
         print(f"note: {partial}")
     if trained is not None and s.passage_len > trained:
@@ -422,12 +426,12 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
                "trained_tokens": loaded.tokens, "partial": partial,
                "classes": data.classes, "train_documents": data.train_documents,
                "test_documents": data.test_documents, **result}
-    for path, content in ((out / f"{s.task}.md", text), (out / f"{s.task}.json", json.dumps(payload, indent=1))):
+    for path, content in ((out / f"{stem}.md", text), (out / f"{stem}.json", json.dumps(payload, indent=1))):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(content)
         tmp.replace(path)
     print("\n" + text)
-    print(f"report: {out / (s.task + '.md')}")
+    print(f"report: {out / (stem + '.md')}")
     return 0
 
 
