@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -221,10 +222,8 @@ def test_a_tied_config_whose_stored_output_layer_differs_loads_untied_as_transfo
     for stale in path.glob("*model*"):
         stale.unlink()
     torch.save(state, path / "pytorch_model.bin")
-    import warnings
-
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*untied")
         cfg, _ = _imported(path)
     assert cfg.model.tie_embeddings
 
@@ -466,7 +465,7 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
                f"phase to at most {T}"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", f"--model.seq_len={T // 2}"),
               [f"model.seq_len={T // 2}", f"has {T}", "declare [[phases]] with a smaller seq_len"]),
-             ((f"--model.init_from=hf:{no_weights}", "--check"), ["no model.safetensors or pytorch_model.bin"]),
+             ((f"--model.init_from=hf:{no_weights}", "--check"), ["holds no model.safetensors or model.safetensors.index.json or pytorch_model.bin"]),
              ((f"--model.init_from=hf:{extra}", "--check"), ["unexpected h.0.attn.rotary.weight"]),
              ((f"--model.init_from={dirs['gpt']}",), ["give hf:PATH"])]
     for args, words in cases:
@@ -502,3 +501,60 @@ def test_a_recipe_whose_kind_gives_way_is_noted_in_one_line(recipe, hf, kind, ob
     assert len(notes) == 1, err
     assert all(w in notes[0] for w in (f"{recipe}.toml trains a {recipe_kind!r}", f"holds a {kind!r}",
                                        f"trains that {kind} ({objective})")), notes[0]
+
+
+def test_safetensors_shards_win_over_an_older_pytorch_model_bin(hf_dirs, tmp_path):
+    """save_pretrained leaves a pytorch_model.bin of an earlier save beside newer safetensors shards;
+    transformers loads the shards (its order: model.safetensors, its index, pytorch_model.bin, its
+    index). The import read the stale .bin, with logits 6.9 away and no message."""
+    from transformers import AutoModelForCausalLM
+
+    dirs, hf_models = hf_dirs
+    path = tmp_path / "stale"
+    shutil.copytree(dirs["gpt"], path)
+    (path / "model.safetensors").unlink()
+    torch.save({k: v * 0.5 for k, v in hf_models["gpt"].state_dict().items()}, path / "pytorch_model.bin")
+    hf_models["gpt"].save_pretrained(path, max_shard_size="20KB")  # the newer weights, sharded
+    assert (path / "model.safetensors.index.json").is_file() and (path / "pytorch_model.bin").is_file()
+    theirs = AutoModelForCausalLM.from_pretrained(path).eval()
+    _, model = _imported(path)
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model.eval()(idx)[0], theirs(input_ids=idx).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model(idx)[0], hf_models["gpt"](input_ids=idx).logits, rtol=0, atol=1e-5)
+
+
+def test_roberta_with_a_tanh_gelu_is_refused_as_its_head_computes_the_exact_one(hf_dirs, tmp_path, capsys):
+    """transformers' RoBERTa head applies the exact GeLU whatever hidden_act says; largebatch's BERT
+    has one activation, so a RoBERTa with hidden_act gelu_new imported with logits 2e-3 away."""
+    dirs, _ = hf_dirs
+    path = tmp_path / "roberta-tanh"
+    shutil.copytree(dirs["roberta"], path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "hidden_act": "gelu_new"}))
+    code, err = _train_cli(capsys, f"--model.init_from=hf:{path}", "--check", f"--run.out_dir={tmp_path / 'run'}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "hidden_act='gelu_new'" in err and "only hidden_act='gelu' maps exactly" in err
+
+
+def test_a_segment_b_row_that_is_dropped_is_warned_of_and_the_dropout_rates_noted(hf_dirs, tmp_path, capsys):
+    """BERT's segment embedding: row 0 is folded into the positions, the others were dropped
+    silently. And the directory's dropout rates give way to the run's model.dropout, said in a note."""
+    dirs, _ = hf_dirs
+    with pytest.warns(UserWarning, match=r"segment \(token-type\) embedding has 2 rows.*other rows are dropped"):
+        _imported(dirs["bert"])
+    with warnings.catch_warnings():  # RoBERTa's one row: nothing to say
+        warnings.simplefilter("error")
+        _imported(dirs["roberta"])
+    path = tmp_path / "bert-dropout"
+    shutil.copytree(dirs["bert"], path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "hidden_dropout_prob": 0.1,
+                                                  "attention_probs_dropout_prob": 0.1}))
+    notes = []
+    load_config(REPO / "configs" / "bert-demo.toml", {"model.init_from": f"hf:{path}"}, warn=notes.append)
+    assert notes == [f"note: hf:{path} was trained with hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1 "
+                     "(config.json); this run trains with model.dropout=0, and an export writes that rate; "
+                     "set --model.dropout=0.1 to keep the model's"], notes
+    notes.clear()  # set by the user: no note
+    load_config(None, {"model.init_from": f"hf:{path}", "model.dropout": 0.05}, warn=notes.append)
+    assert notes == []

@@ -273,10 +273,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         given.add(key)
     cfg = from_dict(TrainConfig, tree)
     if cfg.model.init_from and resolve_init:
+        from largebatch.train.hf_import import dropout_note
         from largebatch.train.hf_import import resolve_init as resolve
 
         recipe_kind = tree.get("model", {}).get("kind")  # set by a shipped recipe (a user's must agree)
         cfg = resolve(cfg, given)
+        if (note := dropout_note(cfg, given)) is not None:
+            (warn or (lambda line: print(line, file=sys.stderr)))(note)
         if recipe_kind is not None and recipe_kind != cfg.model.kind:
             kind = cfg.model.kind
             (warn or (lambda line: print(line, file=sys.stderr)))(

@@ -52,7 +52,9 @@ from largebatch.typed_config import ConfigError
 PREFIX = "hf:"
 # a whole checkpoint in one file, or the index of one sharded across files (save_pretrained's
 # max_shard_size: transformers shards what is larger), in order of preference
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+# transformers' own order: a directory holding an older pytorch_model.bin beside newer safetensors
+# shards (save_pretrained leaves other formats' files) loads the shards
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
@@ -200,13 +202,18 @@ def model_fields(path: Path) -> dict[str, Any]:
                 "activation": _activation(raw, "activation_function", "gelu_new", path), **common}
     _refuse(raw, path, {"position_embedding_type": "absolute", "is_decoder": False,
                         "add_cross_attention": False})
+    activation = _activation(raw, "hidden_act", "gelu", path)
+    if model_type in ROBERTA_LAYOUTS and activation != "gelu":
+        raise ConfigError(f"model.init_from: {path / 'config.json'} has hidden_act={raw['hidden_act']!r}; "
+                          f"{model_type}'s masked-LM head computes the exact GeLU whatever hidden_act says, "
+                          "and largebatch's BERT computes one GeLU in the blocks and the head, so only "
+                          "hidden_act='gelu' maps exactly")
     h = _need(raw, "hidden_size", path)
     return {"kind": "bert", "n_layer": _need(raw, "num_hidden_layers", path), "n_embd": h,
             "n_head": _need(raw, "num_attention_heads", path),
             "ffn_hidden": raw.get("intermediate_size") or 4 * h,
             "seq_len": _positions(raw, path), "norm_position": "post",
-            "norm_eps": float(raw.get("layer_norm_eps", 1e-12)),
-            "activation": _activation(raw, "hidden_act", "gelu", path), **common}
+            "norm_eps": float(raw.get("layer_norm_eps", 1e-12)), "activation": activation, **common}
 
 
 def _positions(raw: dict, path: Path) -> int:
@@ -252,6 +259,28 @@ def resolve_init(cfg, given: set[str]):
     model = dataclasses.replace(cfg.model, **fields)
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+# transformers' dropout fields per model type, with their config classes' defaults
+HF_DROPOUTS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+               **dict.fromkeys(BERT_LAYOUTS, ("hidden_dropout_prob", "attention_probs_dropout_prob"))}
+
+
+def dropout_note(cfg, given: set[str]) -> str | None:
+    """A note when the init_from model's config.json trains with other dropout rates than the run's
+    ``model.dropout`` and the user did not set it (a recipe's value is a default): dropout is a
+    training setting the run keeps, and an export writes the run's rate."""
+    if not cfg.model.init_from or "model.dropout" in given:
+        return None
+    raw = _raw_config(hf_dir(cfg.model.init_from))
+    rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(raw.get("model_type"), ())}
+    if all(rate == cfg.model.dropout for rate in rates.values()):
+        return None
+    theirs = ", ".join(f"{k}={v:g}" for k, v in rates.items())
+    keep = f"; set --model.dropout={max(rates.values()):g} to keep the model's" if len(set(rates.values())) == 1 \
+        else f"; set --model.dropout to one rate for all ({theirs})"
+    return (f"note: {cfg.model.init_from} was trained with {theirs} (config.json); this run trains with "
+            f"model.dropout={cfg.model.dropout:g}, and an export writes that rate{keep}")
 
 
 def _tokenizer_file(cfg, path: Path, given: set[str], model: ModelConfig) -> str:
@@ -438,6 +467,12 @@ def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     types = take.left.get(e + "token_type_embeddings.weight", torch.zeros(1, h))
     segment = take(e + "token_type_embeddings.weight", max(1, types.shape[0]), h)
     positions = take(e + "position_embeddings.weight", offset + cfg.seq_len, h)[offset:]
+    if segment.shape[0] > 1 and not torch.equal(segment[1:], segment[:1].expand_as(segment[1:])):
+        warnings.warn(f"model.init_from={cfg.init_from!r}: its segment (token-type) embedding has "
+                      f"{segment.shape[0]} rows; largebatch's BERT has none: row 0, what a sequence without "
+                      "token_type_ids gets, is added to the positions and the other rows are dropped "
+                      "(an export writes them as zeros, so fine-tuning on sentence pairs learns segment "
+                      "B afresh)", stacklevel=2)
     out = {"tok_emb.weight": take(e + "word_embeddings.weight", v, h),
            # segment 0, the one every sequence gets without token_type_ids, folded into positions
            "pos_emb.weight": positions + segment[0],
