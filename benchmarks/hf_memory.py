@@ -30,10 +30,12 @@ SHAPES = [("gpt2", 128, 4, 128, 4, torch.float32), ("gpt2", 64, 4, 256, 8, torch
 
 def hf_config(kind: str, n_layer: int, s: int, h: int, a: int, dropout: float = 0.1):
     import transformers
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):  # "gpt2-pytorch-tanh": torch's one-kernel tanh GeLU for gelu_new
+        act = "gelu_pytorch_tanh" if kind == "gpt2-pytorch-tanh" else "gelu_new"
         return transformers.GPT2Config(vocab_size=64, n_positions=s, n_embd=h, n_layer=n_layer,
                                        n_head=a, attn_pdrop=dropout, resid_pdrop=dropout,
-                                       embd_pdrop=dropout, attn_implementation="eager")
+                                       embd_pdrop=dropout, activation_function=act,
+                                       bos_token_id=None, eos_token_id=None, attn_implementation="eager")
     if kind == "roberta":  # positions from pad_token_id + 1 = 2: two more rows for s positions
         return transformers.RobertaConfig(vocab_size=64, hidden_size=h, num_hidden_layers=n_layer,
                                           num_attention_heads=a, intermediate_size=4 * h,
@@ -51,7 +53,7 @@ def hf_model_and_loss(kind: str, n_layer: int, s: int, b: int, h: int, a: int, d
     import transformers
     config = hf_config(kind, n_layer, s, h, a)
     ids = torch.randint(0, 64, (b, s))
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):
         model = transformers.GPT2LMHeadModel(config).to(dtype).train()
         return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
     masked_lm = transformers.RobertaForMaskedLM if kind == "roberta" else transformers.BertForMaskedLM

@@ -465,7 +465,8 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
                f"phase to at most {T}"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", f"--model.seq_len={T // 2}"),
               [f"model.seq_len={T // 2}", f"has {T}", "declare [[phases]] with a smaller seq_len"]),
-             ((f"--model.init_from=hf:{no_weights}", "--check"), ["holds no model.safetensors or model.safetensors.index.json or pytorch_model.bin"]),
+             ((f"--model.init_from=hf:{no_weights}", "--check"),
+              ["holds no model.safetensors or model.safetensors.index.json or pytorch_model.bin"]),
              ((f"--model.init_from=hf:{extra}", "--check"), ["unexpected h.0.attn.rotary.weight"]),
              ((f"--model.init_from={dirs['gpt']}",), ["give hf:PATH"])]
     for args, words in cases:
@@ -558,3 +559,61 @@ def test_a_segment_b_row_that_is_dropped_is_warned_of_and_the_dropout_rates_note
     notes.clear()  # set by the user: no note
     load_config(None, {"model.init_from": f"hf:{path}", "model.dropout": 0.05}, warn=notes.append)
     assert notes == []
+
+
+@pytest.mark.parametrize("kind", ["roberta", "camembert"])
+def test_a_run_from_the_roberta_family_exports_as_that_family(hf_dirs, kind, tmp_path):
+    """A run continued from RobertaForMaskedLM exported as BertForMaskedLM, so
+    RobertaForSequenceClassification.from_pretrained(export) found none of the encoder's weights
+    (41 missing keys: a random model). init_from now sets model.hf_model_type and the export writes
+    that family: its logits are the original model's, and every encoder weight loads by name."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from largebatch.integrations.hf_export import save_hf
+
+    dirs, hf_models = hf_dirs
+    cfg, model = _imported(dirs[kind])
+    assert cfg.model.hf_model_type == kind
+    tokenizer = Tokenizer.from_file(str(dirs[kind] / "tokenizer.json"))
+    out = tmp_path / "export"
+    info = save_hf(model.eval(), tokenizer, out)
+    assert info["architecture"] == {"roberta": "RobertaForMaskedLM", "camembert": "CamembertForMaskedLM"}[kind]
+    config = json.loads((out / "config.json").read_text())
+    pad = tokenizer.token_to_id("[PAD]")  # the run's pad token: positions from pad + 1
+    assert (config["model_type"], config["type_vocab_size"], config["pad_token_id"],
+            config["max_position_embeddings"]) == (kind, 1, pad, T + pad + 1)
+    from transformers import AutoModelForMaskedLM
+
+    exported = AutoModelForMaskedLM.from_pretrained(out).eval()
+    idx = torch.randint(5, V, (3, T), generator=torch.Generator().manual_seed(2))  # no special ids
+    theirs = hf_models[kind](input_ids=idx).logits
+    assert theirs.abs().max() > 1.0
+    torch.testing.assert_close(exported(input_ids=idx).logits, theirs, rtol=0, atol=1e-5)
+    classifier, loading = AutoModelForSequenceClassification.from_pretrained(out, num_labels=2,
+                                                                             output_loading_info=True)
+    assert type(classifier).__name__.startswith(type(hf_models[kind]).__name__.replace("ForMaskedLM", ""))
+    assert all(k.startswith("classifier.") for k in loading["missing_keys"]), loading["missing_keys"]
+    assert all(k.startswith("lm_head.") for k in loading["unexpected_keys"]), loading["unexpected_keys"]
+    # one segment: a pair is <cls> A <sep> <sep> B <sep> without token_type_ids (a type id 1 would
+    # index past the one-row segment embedding), whatever the special tokens are called
+    pair = AutoTokenizer.from_pretrained(out)("w5 w6", "w7")
+    assert "token_type_ids" not in pair and pair["input_ids"].count(tokenizer.token_to_id("[SEP]")) == 3
+
+    # the export's family is yours to choose: BertForMaskedLM, the same logits
+    cfg, model = _imported(dirs[kind], **{"model.hf_model_type": "bert"})
+    assert save_hf(model.eval(), tokenizer, tmp_path / "as-bert")["architecture"] == "BertForMaskedLM"
+    as_bert = AutoModelForMaskedLM.from_pretrained(tmp_path / "as-bert").eval()
+    torch.testing.assert_close(as_bert(input_ids=idx).logits, theirs, rtol=0, atol=1e-5)
+
+
+def test_hf_model_type_is_checked_against_the_kind_and_the_activation(capsys, tmp_path):
+    for args, words in ((("--model.hf_model_type=roberta",), ["hf_model_type='roberta'", "a 'gpt' model",
+                                                            "gpt2, or none"]),
+                        (("bert-demo", "--model.hf_model_type=roberta", "--model.norm_position=post",
+                          "--model.activation=gelu_tanh"), ["activation='gelu_tanh'", "exact GeLU",
+                                                            "hf_model_type='bert'"]),
+                        (("--model.hf_model_type=llama",), ["hf_model_type", "llama"])):
+        code, err = _train_cli(capsys, *args, "--check", f"--run.out_dir={tmp_path / 'run'}")
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert all(w in err for w in words), err

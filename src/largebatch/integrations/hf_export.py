@@ -1,4 +1,5 @@
-"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` / ``BertForMaskedLM``.
+"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` / ``BertForMaskedLM`` (or the
+RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
 
@@ -10,6 +11,11 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   after each residual add, the head dense -> GeLU -> LayerNorm -> decoder with bias. largebatch's
   pre-LN BERT (the default, Cramming's layout) ends in a LayerNorm that BertForMaskedLM has no
   place for, so it is refused. BERT's segment embedding (absent here) is exported as zeros.
+* BERT -> RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM with
+  ``model.hf_model_type`` (init_from sets it from a RoBERTa-family directory; Liu et al. 2019):
+  the same blocks under ``roberta.``, the head under ``lm_head``, one segment, and positions from
+  ``pad_token_id + 1`` (the tokenizer's pad), so the position table gets pad + 1 rows of zeros in
+  front. That head's GeLU is the exact one: only ``model.activation="gelu"`` maps.
 * The GeLU follows ``model.activation``: "gelu" (exact, erf) -> ``activation_function`` /
   ``hidden_act`` = "gelu"; "gelu_tanh" -> "gelu_new" (GPT-2's own tanh approximation; the two
   differ by up to 4.7e-4 per activation, which on a barely trained model moves the logits by only
@@ -38,7 +44,7 @@ import torch
 
 from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
-from largebatch.models.config import ModelConfig
+from largebatch.models.config import ModelConfig, hf_model_type_problem
 
 VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "
                "or close the wall up with our English dead.")
@@ -48,8 +54,19 @@ VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; 
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
-# model kind -> the transformers architecture it exports to (keyed by kind: each maps to one class)
+# model kind -> the transformers architecture it exports to by default (model.hf_model_type unset)
 HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM"}
+# model.hf_model_type -> the architecture written; the RoBERTa family's masked-LM models are one
+# network (positions from pad_token_id + 1, one segment, the head under lm_head)
+HF_TYPE_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
+                         "roberta": "RobertaForMaskedLM", "xlm-roberta": "XLMRobertaForMaskedLM",
+                         "camembert": "CamembertForMaskedLM"}
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The transformers model_type ``cfg`` exports as: model.hf_model_type, else by kind."""
+    return cfg.hf_model_type or {"gpt": "gpt2", "bert": "bert"}[cfg.kind]
 
 
 def check_exportable(cfg: ModelConfig) -> str:
@@ -58,14 +75,15 @@ def check_exportable(cfg: ModelConfig) -> str:
         known = ", ".join(f"{k!r} ({v})" for k, v in HF_ARCHITECTURES.items())
         raise ExportError(f"model.kind={cfg.kind!r}: the hf format exports {known} only; "
                           f"{cfg.kind!r} maps to no transformers architecture")
-    if cfg.kind == "gpt":
-        return "GPT2LMHeadModel"
-    if cfg.norm_position != "post":
+    if (problem := hf_model_type_problem(cfg)) is not None:
+        raise ExportError(problem)
+    arch = HF_TYPE_ARCHITECTURES[hf_model_type(cfg)]
+    if cfg.kind == "bert" and cfg.norm_position != "post":
         raise ExportError(
             f"model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm that "
-            "transformers' BertForMaskedLM cannot express; only post-LN BERT exports -- train "
+            f"transformers' {arch} cannot express; only post-LN BERT exports -- train "
             "with --model.norm_position=post")
-    return "BertForMaskedLM"
+    return arch
 
 
 def special_tokens(tokenizer, kind: str) -> dict[str, str]:
@@ -100,9 +118,19 @@ def special_tokens(tokenizer, kind: str) -> dict[str, str]:
     return special
 
 
+def roberta_pad(cfg: ModelConfig, special: dict[str, int]) -> int:
+    """The pad id a RoBERTa-family export counts positions from (``pad_token_id + 1``): the run's
+    tokenizer's pad token; ExportError without a tokenizer to take it from."""
+    if special.get("pad_token") is None:
+        raise ExportError(f"model.hf_model_type={cfg.hf_model_type!r} counts positions from the pad "
+                          "token's id, and the run's tokenizer is unknown: pass --tokenizer PATH to the "
+                          "tokenizer.json the run trained with")
+    return int(special["pad_token"])
+
+
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
-    from transformers import BertConfig, GPT2Config
+    from transformers import AutoConfig, BertConfig, GPT2Config
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
@@ -116,13 +144,19 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                           scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                           bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"),
                           pad_token_id=special.get("pad_token"), **common)
-    return BertConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-                      num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn,
-                      hidden_act=HF_ACTIVATION[cfg.activation],
-                      hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
-                      max_position_embeddings=cfg.seq_len, type_vocab_size=2,
-                      layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"),
-                      bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"), **common)
+    fields = dict(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+                  num_attention_heads=cfg.n_head, intermediate_size=cfg.ffn,
+                  hidden_act=HF_ACTIVATION[cfg.activation],
+                  hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+                  max_position_embeddings=cfg.seq_len, type_vocab_size=2,
+                  layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"),
+                  bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"), **common)
+    model_type = hf_model_type(cfg)
+    if model_type in ROBERTA_TYPES:  # rows 0..pad come before the first position; one segment
+        pad = roberta_pad(cfg, special)
+        fields.update(max_position_embeddings=cfg.seq_len + pad + 1, type_vocab_size=1, pad_token_id=pad)
+        return AutoConfig.for_model(model_type, **fields)
+    return BertConfig(**fields)
 
 
 def _bias(state: dict[str, torch.Tensor], name: str, size: int) -> torch.Tensor:
@@ -155,20 +189,26 @@ def gpt_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def bert_state_dict(model) -> dict[str, torch.Tensor]:
-    """largebatch post-LN BERT parameters under BertForMaskedLM's names."""
+def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
+    """largebatch post-LN BERT parameters under BertForMaskedLM's names, or under the RoBERTa
+    family's (model.hf_model_type; ``pad``: its pad token id, the rows before the first position)."""
     cfg: ModelConfig = model.config
     check_exportable(cfg)
     s = {k: v.detach().float() for k, v in model.state_dict().items()}
     h, f = cfg.n_embd, cfg.ffn
-    e = "bert.embeddings."
+    roberta = hf_model_type(cfg) in ROBERTA_TYPES
+    prefix = "roberta." if roberta else "bert."
+    e = prefix + "embeddings."
+    positions = s["pos_emb.weight"]
+    if roberta:  # RoBERTa's position ids start at pad + 1; the rows before are never a position
+        positions = torch.cat([torch.zeros(pad + 1, h), positions])
     out = {e + "word_embeddings.weight": s["tok_emb.weight"],
-           e + "position_embeddings.weight": s["pos_emb.weight"],
-           e + "token_type_embeddings.weight": torch.zeros(2, h),
+           e + "position_embeddings.weight": positions,
+           e + "token_type_embeddings.weight": torch.zeros(1 if roberta else 2, h),
            e + "LayerNorm.weight": s["emb_norm.weight"],
            e + "LayerNorm.bias": _bias(s, "emb_norm.bias", h)}
     for i in range(cfg.n_layer):
-        b, o = f"blocks.{i}.", f"bert.encoder.layer.{i}."
+        b, o = f"blocks.{i}.", f"{prefix}encoder.layer.{i}."
         for ours, theirs in (("q", "query"), ("k", "key"), ("v", "value")):
             out[f"{o}attention.self.{theirs}.weight"] = s[f"{b}attn.{ours}.weight"]
             out[f"{o}attention.self.{theirs}.bias"] = _bias(s, f"{b}attn.{ours}.bias", h)
@@ -180,11 +220,12 @@ def bert_state_dict(model) -> dict[str, torch.Tensor]:
         for theirs, ours in (("attention.output.LayerNorm", "ln1"), ("output.LayerNorm", "ln2")):
             out[f"{o}{theirs}.weight"] = s[f"{b}{ours}.weight"]
             out[f"{o}{theirs}.bias"] = _bias(s, f"{b}{ours}.bias", h)
-    c = "cls.predictions."
-    out.update({c + "transform.dense.weight": s["head.dense.weight"],
-                c + "transform.dense.bias": _bias(s, "head.dense.bias", h),
-                c + "transform.LayerNorm.weight": s["head.norm.weight"],
-                c + "transform.LayerNorm.bias": _bias(s, "head.norm.bias", h),
+    c, dense, norm = ("lm_head.", "dense", "layer_norm") if roberta else \
+        ("cls.predictions.", "transform.dense", "transform.LayerNorm")
+    out.update({f"{c}{dense}.weight": s["head.dense.weight"],
+                f"{c}{dense}.bias": _bias(s, "head.dense.bias", h),
+                f"{c}{norm}.weight": s["head.norm.weight"],
+                f"{c}{norm}.bias": _bias(s, "head.norm.bias", h),
                 c + "decoder.weight": s["head.decoder.weight"],
                 c + "decoder.bias": s["head.decoder.bias"], c + "bias": s["head.decoder.bias"]})
     return out
@@ -192,14 +233,14 @@ def bert_state_dict(model) -> dict[str, torch.Tensor]:
 
 def hf_model(model, special: dict[str, int]):
     """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
-    from transformers import BertForMaskedLM, GPT2LMHeadModel
+    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel
 
     cfg: ModelConfig = model.config
     config = hf_config(cfg, special)
     if cfg.kind == "gpt":
         hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)
-    else:
-        hf, state = BertForMaskedLM(config), bert_state_dict(model)
+    else:  # BertForMaskedLM or the RoBERTa family's, by config.model_type
+        hf, state = AutoModelForMaskedLM.from_config(config), bert_state_dict(model, config.pad_token_id)
     expected = hf.state_dict()
     unknown = sorted(set(state) - set(expected))
     # buffers transformers builds itself (position_ids, causal masks) are not weights to fill
@@ -217,9 +258,11 @@ def hf_model(model, special: dict[str, int]):
     return hf.float().eval()
 
 
-def hf_tokenizer(tokenizer, kind: str, max_length: int):
+def hf_tokenizer(tokenizer, kind: str, max_length: int, one_segment: bool = False):
     """The run's ``tokenizers.Tokenizer`` as a transformers fast tokenizer with its special tokens;
-    ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there."""
+    ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there.
+    ``one_segment``: the model has one segment (the RoBERTa family): pairs as RoBERTa's, without
+    token_type_ids, whatever the special tokens' names."""
     from tokenizers import AddedToken, Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -233,7 +276,7 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int):
     cls, sep, mask = special["cls_token"], special["sep_token"], special["mask_token"]
     # a pair as the model family has it: BERT's segment B (type 1, the second row of the exported
     # segment embedding, zeros until fine-tuned) after [SEP]; RoBERTa's </s></s> between, one segment
-    roberta = sep == "</s>"
+    roberta = sep == "</s>" or one_segment
     pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B:1 {sep}:1"
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=pair,
@@ -265,7 +308,8 @@ def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) ->
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:
-        hf_tokenizer(tokenizer, cfg.kind, max_length or cfg.seq_len).save_pretrained(out)
+        hf_tokenizer(tokenizer, cfg.kind, max_length or cfg.seq_len,
+                     one_segment=hf_model_type(cfg) in ROBERTA_TYPES).save_pretrained(out)
     # (a model over save_pretrained's max_shard_size, 50 GB, is written as an index and shards)
     if not any((out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")

@@ -70,7 +70,9 @@ def bert_positions(raw: dict, where: str) -> int:
                          f"{position_offset(raw)} rows {raw.get('model_type')} skips (pad_token_id + 1)")
     return usable
 
-_GELU_EXACT = ("gelu",)           # torch's GeLU: keeps its input only, as the closed form counts
+# torch's GeLU, exact or tanh (gelu_pytorch_tanh, one kernel): keeps its input only, as the closed
+# form counts (measured, tests/test_memory_hf.py)
+_GELU_EXACT = ("gelu", "gelu_pytorch_tanh")
 _GELU_POINTWISE = ("gelu_new",)   # transformers' NewGELUActivation: three more f-wide tensors
 
 

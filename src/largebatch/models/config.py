@@ -17,6 +17,9 @@ from largebatch.typed_config import check_literals
 Attention = Literal["explicit", "sdpa"]
 NormPosition = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh"]
+HfModelType = Literal["gpt2", "bert", "roberta", "xlm-roberta", "camembert"]
+# model kind -> the transformers model types it exports as (largebatch export --format hf)
+HF_MODEL_TYPES = {"gpt": ("gpt2",), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 ATTENTION_KINDS = get_args(Attention)
 NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
 
@@ -67,6 +70,12 @@ class ModelConfig:
     CamembertForMaskedLM directory (config.json + model.safetensors, pytorch_model.bin, or a
     sharded checkpoint's index and shards). The shape fields above and data.tokenizer_file then
     come from it (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
+    hf_model_type: HfModelType | None = None
+    """The transformers model_type `largebatch export --format hf` writes (None: "gpt2" for GPT,
+    "bert" for BERT). "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's
+    *ForMaskedLM: positions counted from pad_token_id + 1, no segment embedding, the head under
+    lm_head. init_from sets it to its directory's model_type, so a run continued from RoBERTa
+    exports as RoBERTa; set it to export another family. It changes nothing in training."""
 
     def __post_init__(self) -> None:
         check_literals(self, "ModelConfig")
@@ -95,6 +104,23 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def hf_model_type_problem(cfg: ModelConfig) -> str | None:
+    """What makes ``cfg.hf_model_type`` unexportable (another kind's type, or a RoBERTa-family type
+    with the tanh GeLU, which that family's head does not compute), None when it is fine. Checked
+    once the model is whole (after init_from has set the kind), by the trainer and the export."""
+    if cfg.hf_model_type is None:
+        return None
+    types = HF_MODEL_TYPES.get(cfg.kind, ())
+    if cfg.hf_model_type not in types:
+        fix = f"one of {', '.join(types)}, or none" if types else "none (no transformers architecture)"
+        return f"model.hf_model_type={cfg.hf_model_type!r}: a {cfg.kind!r} model exports as {fix}"
+    if cfg.hf_model_type in HF_MODEL_TYPES["bert"][1:] and cfg.activation != "gelu":
+        return (f"model.hf_model_type={cfg.hf_model_type!r} with model.activation={cfg.activation!r}: the "
+                f"{cfg.hf_model_type} head computes the exact GeLU, so the export would compute other "
+                "logits; use activation='gelu', or hf_model_type='bert'")
+    return None
 
 
 def _nearest_divisor(n: int, near: int) -> int:

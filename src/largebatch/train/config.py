@@ -295,6 +295,10 @@ def _is_shipped(path: str | Path) -> bool:
 
 def check(cfg: TrainConfig) -> TrainConfig:
     """Cross-table checks that need no data or model: fail in a second, not after setup."""
+    from largebatch.models.config import hf_model_type_problem
+
+    if (problem := hf_model_type_problem(cfg.model)) is not None:
+        raise ConfigError(problem)
     if cfg.phases:
         total = phases_total(cfg.phases)
         if cfg.run.total_tokens not in (total, RunConfig.total_tokens):

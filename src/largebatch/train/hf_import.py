@@ -58,7 +58,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
-                "tie_embeddings", "norm_eps", "norm_position", "activation")
+                "tie_embeddings", "norm_eps", "norm_position", "activation", "hf_model_type")
+# fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
+YOURS_TO_CHOOSE = ("hf_model_type",)
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # buffers transformers builds itself (causal masks, position ids): not weights, skipped
 BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.position_ids)$")
@@ -190,7 +192,8 @@ def model_fields(path: Path) -> dict[str, Any]:
                           "(post-LN BertForMaskedLM), roberta, xlm-roberta and camembert (RobertaForMaskedLM, "
                           "XLMRobertaForMaskedLM, CamembertForMaskedLM) only")
     tied = bool(raw.get("tie_word_embeddings", True)) and not _stored_apart(path, *TIED_PAIRS[model_type])
-    common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path)}
+    common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
+              "hf_model_type": model_type}
     if model_type == "gpt2":
         _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                             "add_cross_attention": False})
@@ -248,6 +251,9 @@ def resolve_init(cfg, given: set[str]):
             mine = cfg.model.ffn
         if name == "tie_embeddings" and f"model.{name}" in given and value and not mine:
             fields[name] = False  # untied on request (pipeline parallel): the output layer a copy
+            continue
+        if name in YOURS_TO_CHOOSE and f"model.{name}" in given:
+            fields[name] = mine  # (checked against the kind and activation by ModelConfig)
             continue
         if f"model.{name}" in given and mine != value:
             shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
@@ -559,7 +565,7 @@ def _check_fields(cfg: ModelConfig) -> None:
     not through load_config, may disagree)."""
     for name, value in model_fields(hf_dir(cfg.init_from)).items():
         mine = cfg.ffn if name == "ffn_hidden" else getattr(cfg, name)
-        if name == "tie_embeddings" and value and not mine:
+        if (name == "tie_embeddings" and value and not mine) or name in YOURS_TO_CHOOSE:
             continue  # a tied directory loads untied on request (the output layer a copy)
         if mine != value:
             raise ConfigError(f"model.{name}={mine!r} but {cfg.init_from} has {value!r} (config.json): "
