@@ -129,3 +129,36 @@ def test_rng_state_round_trips_numpy_in_both_of_its_forms():
         got = (np.random.standard_normal(5), np.random.randint(0, 1000, 5), random.random())
         assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
     assert isinstance(saved["numpy"], dict) and saved["numpy"]["keys"].dtype == torch.int64
+
+
+def test_a_sharded_checkpoint_whose_shards_rank_0_cannot_see_is_not_put_in_place(tmp_path):
+    """Every rank reports its DCP shard written, but a node-local checkpoints/ (a link or a mount per
+    node) holds it where rank 0 cannot see it: rank 0 renamed such a checkpoint into place, reported
+    it good, and no process could load it. Rank 0 now checks the files .metadata names (present, as
+    long as the byte ranges it lists) before the rename; a save with one missing or cut short fails
+    with the fix."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from largebatch.checkpoint.distributed import _unseen_shards
+    from largebatch.checkpoint.local import write_failure
+    from largebatch.parallel.mesh import ParallelState
+
+    tmp = tmp_path / "checkpoints" / ".step_00000004.dcp.tmp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (DCP in one process says it assumes one)
+        dcp.save({"model": {"w": torch.randn(64, 64)}, "optim": {"m": torch.randn(64)}}, checkpoint_id=tmp)
+    assert _unseen_shards(tmp, ParallelState()) is None
+    shard = next(tmp.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # a shard cut short
+    rank, cause = _unseen_shards(tmp, ParallelState())
+    assert rank == 0 and shard.name in cause.strerror and "node-local disk" in cause.strerror
+    shard.unlink()  # and one that is not there at all
+    rank, cause = _unseen_shards(tmp, ParallelState())
+    message = str(write_failure(tmp_path / "checkpoints" / "step_00000004.dcp", tmp_path, cause, rank))
+    assert f"the shard files {shard.name} that the other ranks wrote are not in rank 0's view" in message
+    assert "Keep RUN_DIR/checkpoints on a filesystem every rank shares" in message and "(rank 0)" in message
+    (tmp / ".metadata").unlink()
+    assert ".metadata" in _unseen_shards(tmp, ParallelState())[1].strerror

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -536,12 +537,15 @@ def test_a_signal_during_an_evaluation_on_one_rank_checkpoints_both_at_once(sing
     assert _losses(out) == _losses(ddp_run)
 
 
-def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single, tmp_path):
+@pytest.mark.parametrize("local", ["run_dir", "checkpoints"])
+def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single, tmp_path, local):
     """Two torchrun nodes (one process each) whose relative run.out_dir lies on their own disks (each
     node started in its own directory): rank 0 used to report its checkpoints as good although their
     shards lay half on the other node (no process could load them), and the next launch hung in
     mismatched collectives for parallel.timeout_s. Now both ranks refuse at start, naming the rank
-    that cannot see rank 0's files, and no step runs."""
+    that cannot see rank 0's files, and no step runs. "checkpoints": the run directory is shared but
+    its checkpoints/ is node-local (a link resolving per process, as a link or mount to each node's
+    local disk does), which the check of the run directory alone let through."""
     import socket
 
     from processes import src_env
@@ -549,11 +553,15 @@ def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    o = _overrides(single[0], Path("run"))
+    if local == "checkpoints":
+        shared = tmp_path / "shared" / "run"
+        shared.mkdir(parents=True)
+        (shared / "checkpoints").symlink_to("/proc/self/cwd/ck")
+    o = _overrides(single[0], Path("run") if local == "run_dir" else shared)
     procs = []
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"
-        cwd.mkdir()
+        (cwd / "ck").mkdir(parents=True)
         args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                 "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in o.items()]
@@ -562,8 +570,68 @@ def test_nodes_without_a_shared_run_directory_are_refused_before_any_step(single
     outputs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode != 0 for p in procs), outputs
     for _, err in outputs:
-        assert "run.out_dir='run': rank 1 on " in err and "cannot see the files rank 0 writes" in err, err[-3000:]
-    for node in (0, 1):
-        run = tmp_path / f"node{node}" / "run"
+        if local == "run_dir":
+            assert "run.out_dir='run': rank 1 on " in err and "cannot see the files rank 0 writes" in err, err[-3000:]
+        else:
+            assert (f"run.out_dir={str(shared)!r}: rank 1 on " in err and "see the run directory but not the "
+                    "files rank 0 writes in its checkpoints/" in err), err[-3000:]
+    runs = [tmp_path / f"node{node}" / "run" for node in (0, 1)] if local == "run_dir" else [shared]
+    for run in runs:
         assert not (run / "metrics.jsonl").exists() and not list(run.glob("checkpoints/*"))
         assert not (run / ".shared").exists()
+    assert not [p for node in (0, 1) for p in (tmp_path / f"node{node}" / "ck").iterdir()]
+
+
+@pytest.mark.parametrize("case", ["config_on_one_node", "finished_on_one_node"])
+def test_a_rank_that_stops_before_the_start_stops_the_others_at_once(single, tmp_path, case):
+    """Two torchrun nodes (one process each). One node's checks before the start end the launch (its
+    config file is not there; the run it names is finished there only): it used to exit alone while
+    the other waited in init_process_group for parallel.timeout_s (600 s) and died with a store
+    traceback. Now every rank learns every rank's outcome through torchrun's store and exits at
+    once, in one line naming the rank."""
+    import socket
+    import tomllib
+
+    from processes import src_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    o = _overrides(single[0], Path("run"))
+    config = []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+    if case == "config_on_one_node":
+        (tmp_path / "node0" / "my.toml").write_text((single[1] / "config.toml").read_text())
+        config = ["my.toml"]
+        o = {"run.out_dir": "run"}
+    else:  # node 0 holds a finished copy of the run its command names, node 1 nothing
+        shutil.copytree(single[1], tmp_path / "node0" / "run")
+        saved = tomllib.loads((single[1] / "config.toml").read_text())
+        config = [str(single[1] / "config.toml")]
+        o = {"run.out_dir": "run"}
+        assert saved["run"]["out_dir"] != "run"
+    procs = []
+    for node in (0, 1):
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "largebatch", "train", *config] + [f"--{k}={v}" for k, v in o.items()]
+        procs.append(subprocess.Popen(args, cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=src_env(OMP_NUM_THREADS="1")))
+    started = time.monotonic()
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert time.monotonic() - started < 150  # not parallel.timeout_s (600 s): the others were told
+    errs = [err for _, err in outputs]
+    # (torchrun's agent prints its own ChildFailedError traceback for a worker that exits non-zero)
+    assert "DistStoreError" not in "".join(errs) and "wait timeout" not in "".join(errs), errs
+    if case == "config_on_one_node":
+        # (torchrun exits 1 when a worker fails; the worker's own exit code is in its report: 2)
+        assert procs[1].returncode != 0 and "my.toml' is neither a file" in errs[1], errs[1][-2000:]
+        assert procs[0].returncode != 0 and "exitcode  : 2" in errs[0], errs[0][-2000:]
+        assert "largebatch train: error: rank 1 on " in errs[0] and "stopped before the start: " in errs[0]
+    else:
+        assert all(p.returncode != 0 and "exitcode  : 2" in err for p, err in zip(procs, errs)), errs
+        for err in errs:
+            assert "the ranks disagree on what to do with the run directory (rank 0 on " in err, err[-2000:]
+            assert ": finished; rank 1 on " in err and ": go)" in err and "filesystem every node shares" in err
+        assert not (tmp_path / "node1" / "run" / "metrics.jsonl").exists()

@@ -26,6 +26,7 @@ checkpoint still intact; the partial temporary is removed.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import warnings
@@ -129,6 +130,8 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         failure = _write_error(exc)
     _barrier(state)  # every shard is written (or every rank knows it was not)
     if state.is_main and failure is None:
+        failure = _unseen_shards(tmp, state)
+    if state.is_main and failure is None:
         try:
             torch.save(extra, tmp / EXTRA)
             _fsync_tree(tmp)
@@ -151,6 +154,30 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         remove_superseded(run_dir, final, keep_last)
     _barrier(state)
     return final
+
+
+def _unseen_shards(tmp: Path, state: ParallelState) -> tuple[int, OSError] | None:
+    """(0, OSError) when a shard file the checkpoint's .metadata names is missing or short in rank 0's
+    view of ``tmp``: every rank reported its write done, so another rank wrote it where rank 0 cannot
+    see it (RUN_DIR/checkpoints on a node-local disk: a link or a mount per node). Renamed into
+    place, that checkpoint was reported good, could not be loaded, and the next launch of the job hung
+    in mismatched collectives until parallel.timeout_s."""
+    try:
+        metadata = dcp.FileSystemReader(str(tmp)).read_metadata()
+    except Exception:  # noqa: BLE001 -- no readable .metadata: reported as a missing file below
+        metadata = None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data.values() if metadata is not None else ()):
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    short = [name for name, size in sorted(needed.items())
+             if not (tmp / name).is_file() or (tmp / name).stat().st_size < size]
+    if metadata is not None and not short:
+        return None
+    what = ", ".join(short[:3]) + (f" (+{len(short) - 3} more)" if len(short) > 3 else "") if short else ".metadata"
+    return state.rank, FileNotFoundError(
+        errno.ENOENT, f"the shard files {what} that the other ranks wrote are not in rank 0's view of "
+        f"{tmp.parent}: RUN_DIR/checkpoints must be one directory that every node shares, not a "
+        "node-local disk (a link or a mount per node)")
 
 
 def _write_error(exc: CheckpointException) -> tuple[int, OSError]:

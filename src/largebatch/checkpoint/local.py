@@ -66,7 +66,8 @@ def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | 
     previous = latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     fix = ("Make it writable" if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-           else "Free disk space")
+           else "Keep RUN_DIR/checkpoints on a filesystem every rank shares, in place during the run,"
+           if cause.errno == errno.ENOENT else "Free disk space")
     where = f" (rank {rank})" if rank is not None else ""
     return CheckpointError(f"could not write checkpoint {final}: {cause.strerror or cause}{where}; {kept}. "
                            f"{fix} and run the same command again (or --resume {shlex.quote(str(run_dir))})")

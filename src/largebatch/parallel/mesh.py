@@ -221,6 +221,37 @@ def _restart_store(world_size: int, timeout: timedelta) -> dict:
             "rank": _env_int("RANK", 0), "world_size": world_size}
 
 
+def agree_at_start(outcome: str, detail: str, timeout_s: float) -> list[tuple[str, str, str]] | None:
+    """Every rank's ``(outcome, detail, host)`` as it ends its checks before the job starts: "go", or
+    the reason it will not ("fail": its one-line error; "done": the run is finished; ...). Under
+    torchrun a rank that exits before the process group forms (a read-only disk, a finished run, a
+    missing file on its node only) left the others waiting in ``init_process_group`` for
+    ``parallel.timeout_s`` and a traceback; with this each learns at once. Exchanged through the
+    agent's TCPStore (no process group: it needs no backend), polled so that a signal is handled
+    while waiting. None outside torchelastic's agent store (a launcher without one). TimeoutError
+    naming the ranks that did not arrive within ``timeout_s``."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import json
+    import time
+
+    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size,
+                          is_master=False, timeout=timedelta(seconds=max(timeout_s, 1.0)))
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    box = dist.PrefixStore(f"largebatch/attempt_{attempt}/start", store)
+    box.set(str(rank), json.dumps([outcome, detail, socket.gethostname()]))
+    keys = [str(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not box.check(keys):
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not box.check([k])]
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(missing)} did not finish "
+                               f"the checks before the start within parallel.timeout_s = {timeout_s:g} s")
+        time.sleep(0.05)
+    return [tuple(json.loads(box.get(k))) for k in keys]
+
+
 def check_backend(cfg: ParallelConfig) -> None:
     """ValueError when ``parallel.backend`` cannot run on this machine (NCCL without a CUDA GPU)."""
     if cfg.backend == "nccl" and not torch.cuda.is_available():

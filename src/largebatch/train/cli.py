@@ -164,6 +164,37 @@ def _launch(args, unknown: list[str], parser) -> int:
         return finished is not None
 
     config_path, resume_dir, check_only = args.config, args.resume, args.check
+    cfg = None
+
+    def settle(code: int | None, outcome: str, detail: str = "") -> int | None:
+        """Under torchrun, every rank's outcome of these checks before the start (agree_at_start):
+        a rank that would train while another exits returns 2 at once, naming it, instead of waiting
+        in init_process_group for parallel.timeout_s. ``code``: this rank's own exit code (None: go)."""
+        if check_only or not _under_torchrun():
+            return code
+        from largebatch.parallel.config import ParallelConfig
+        from largebatch.parallel.mesh import agree_at_start
+
+        timeout = (cfg.parallel if cfg is not None else ParallelConfig()).timeout_s
+        try:
+            views = agree_at_start(outcome, detail, timeout)
+        except TimeoutError as exc:
+            return _fail(str(exc), 1)
+        if views is None or outcome == "fail":  # (its own error is printed already)
+            return code
+        failed = [(rank, why, host) for rank, (kind, why, host) in enumerate(views) if kind == "fail"]
+        if failed:
+            rank, why, host = failed[0]
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            return _fail(f"rank {rank} on {host}{more} stopped before the start: {why}", 2)
+        kinds = {kind for kind, _, _ in views}
+        if len(kinds) > 1:
+            seen = "; ".join(f"rank {rank} on {host}: {kind}" for rank, (kind, _, host) in enumerate(views))
+            return _fail(f"the ranks disagree on what to do with the run directory ({seen}): each decides "
+                         "from the directory, so run.out_dir must be on a filesystem every node shares, "
+                         "the same path on every node", 2)
+        return code
+
     try:
         overrides = {**config_overrides(args), **_unknown_options(parser, unknown)}
         if resume_dir is not None:
@@ -172,7 +203,8 @@ def _launch(args, unknown: list[str], parser) -> int:
                              "(a resumed run uses the config saved in its directory)", 2)
             saved = Path(resume_dir) / "config.toml"
             if not saved.is_file():
-                return _fail(f"--resume {resume_dir}: no config.toml there; is it a run directory?", 2)
+                message = f"--resume {resume_dir}: no config.toml there; is it a run directory?"
+                return settle(_fail(message, 2), "fail", message)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False)
             run_dir, resume = Path(resume_dir), True
@@ -180,14 +212,14 @@ def _launch(args, unknown: list[str], parser) -> int:
                                    lambda line: print(line, file=sys.stderr))
             check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
             if complete(run_dir, cfg):
-                return 0
+                return settle(0, "finished")
             check_run_dir(run_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
             run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
             if complete(run_dir, cfg):
-                return 0
+                return settle(0, "finished")
             check_run_dir(run_dir)
         state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
         if resume_dir is None:
@@ -196,7 +228,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             # the same command line starts a run and restarts it (a scheduler, torchrun --max-restarts)
             resume = continues_run(run_dir, cfg)
     except ConfigError as exc:
-        return _fail(str(exc), 2)
+        return settle(_fail(str(exc), 2), "fail", str(exc))
     note = None if check_only else stopped_in_this_job(run_dir)
     if note is not None:  # torchrun --max-restarts took a stop for a failure: the stop stands
         from largebatch.train.stopping import exit_code
@@ -206,7 +238,9 @@ def _launch(args, unknown: list[str], parser) -> int:
             print(f"[largebatch] this torchrun job stopped on {name} at step {note['step']} (checkpointed); "
                   f"torchrun started it again (--max-restarts), which would undo the stop: exiting "
                   f"again. Continue with the same command in a new job", file=sys.stderr, flush=True)
-        return exit_code(note["signal"])
+        return settle(exit_code(note["signal"]), "stopped")
+    if (code := settle(None, "go")) is not None:
+        return code
     if check_only:
         from largebatch.train.preflight import estimate_activations
         from largebatch.train.progress import human_bytes, human_count

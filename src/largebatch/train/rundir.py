@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from largebatch.checkpoint.files import atomic_write_text, list_checkpoints
+from largebatch.checkpoint.files import atomic_write_text, checkpoint_dir, list_checkpoints
 from largebatch.train.config import TrainConfig
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
@@ -288,25 +288,39 @@ def check_shared(run_dir: Path, is_main: bool) -> None:
     Rank 0 writes a random note, every other rank reads it back; ConfigError on every rank, naming
     the ranks that could not, when any could not."""
     box = [secrets.token_hex(16) if is_main else None]
-    note = run_dir / SHARED_NAME
+    # the run directory, and checkpoints/ in it, where the shards go (a link or a mount per node there
+    # hid each node's shards from the others while the run directory itself was shared)
+    notes = [run_dir / SHARED_NAME, checkpoint_dir(run_dir) / SHARED_NAME]
     if is_main:
-        atomic_write_text(note, box[0])
+        notes[1].parent.mkdir(parents=True, exist_ok=True)
+        for note in notes:
+            atomic_write_text(note, box[0])
     dist.broadcast_object_list(box, src=0)
-    seen = is_main
+    seen = [is_main] * len(notes)
     deadline = time.monotonic() + SHARED_WAIT_S
-    while not seen:
-        try:
-            seen = note.read_text() == box[0]
-        except OSError:
-            pass
-        if seen or time.monotonic() > deadline:
+    while not all(seen):
+        for i, note in enumerate(notes):
+            try:
+                seen[i] = seen[i] or note.read_text() == box[0]
+            except OSError:
+                pass
+        if all(seen) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (seen, socket.gethostname()))
     if is_main:
-        note.unlink(missing_ok=True)
-    blind = [f"{rank} on {host}" for rank, (ok, host) in enumerate(views) if not ok]
+        for note in notes:
+            note.unlink(missing_ok=True)
+    blind = [f"{rank} on {host}" for rank, ((ok, _), host) in enumerate(views) if not ok]
+    local = [f"{rank} on {host}" for rank, ((ok, ok_ck), host) in enumerate(views) if ok and not ok_ck]
+    if local and not blind:
+        raise ConfigError(f"run.out_dir={str(run_dir)!r}: rank{'s' if len(local) > 1 else ''} "
+                          f"{', '.join(local)} see the run directory but not the files rank 0 writes in "
+                          f"its checkpoints/ (on {views[0][1]}): that directory is node-local (a link "
+                          "or a mount per node), where every rank writes its shards and reads all of "
+                          f"them back; make {str(checkpoint_dir(run_dir))!r} a directory of the shared "
+                          "filesystem")
     if blind:
         raise ConfigError(f"run.out_dir={str(run_dir)!r}: rank{'s' if len(blind) > 1 else ''} "
                           f"{', '.join(blind)} cannot see the files rank 0 writes there (on "
