@@ -246,3 +246,27 @@ def test_bad_inputs():
         GPT(ModelConfig(kind="bert", **TINY))
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
         preset("gpt5")
+
+
+def test_the_peak_matmul_is_sized_to_its_kernel_and_counts_the_models_linear():
+    """MFU's measured peak: bf16 on a CPU without bf16 units ran three 2048^3 torch.mm products at
+    ~1.4 GFLOP/s (minutes before step 1), while the model's F.linear ran ~6x faster, so MFU read
+    above 1000%. The size now shrinks for a slow kernel, and the peak is the best of mm and linear."""
+    import time
+
+    import torch.nn.functional as F
+
+    from largebatch.models.flops import matmul_size, measure_peak_flops
+
+    # a product at 256 taking 20 ms (1.7 GFLOP/s): 2048 would take 10 s; a budget of 0.75 s allows 512
+    assert matmul_size(0.02, 0.75) == 512 and matmul_size(0.02, 0.75, smallest=1024) == 1024
+    assert matmul_size(2e-6, 0.75) == 2048 and matmul_size(1.0, 0.75) == 256
+    peak = measure_peak_flops(torch.device("cpu"), torch.bfloat16, seconds=0.3)
+    a, b = torch.randn(256, 256).bfloat16(), torch.randn(256, 256).bfloat16()
+    F.linear(a, b)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        F.linear(a, b)
+    linear_rate = 3 * 2 * 256**3 / (time.perf_counter() - t0)
+    # the peak counts linear's kernel: not far below its rate at a small size (mm alone was 6x below)
+    assert peak > 0.5 * linear_rate, (peak, linear_rate)

@@ -103,39 +103,60 @@ def utilization(config: ModelConfig, tokens_per_second: float, peak_flops_per_se
     return tokens_per_second * flops_per_token(config, recompute, seq_len) / peak_flops_per_second
 
 
+def matmul_size(seconds_at_256: float, budget: float, n: int = 2048, smallest: int = 256) -> int:
+    """The largest size n, n/2, ... (down to ``smallest``) whose n x n x n product takes at most
+    ``budget`` / 4 seconds, judged from one at 256 (a cube in n): a slow kernel (bf16 ``torch.mm``
+    on a CPU without bf16 units: ~1.4 GFLOP/s, 12 s at 2048) is measured at a size it finishes."""
+    while n > smallest and seconds_at_256 * (n / 256) ** 3 > budget / 4:
+        n //= 2
+    return n
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype | None = None, n: int = 2048,
                        seconds: float = 1.5) -> float:
-    """Best achieved FLOP/s of an n x n x n matmul on ``device`` (``dtype``: float32 when None) --
+    """Best achieved FLOP/s of an n x n x n product on ``device`` (``dtype``: float32 when None) --
     an honest MFU denominator.
 
-    The best of many repetitions, so a busy moment on a shared machine lowers it little; on a
-    machine shared with other jobs it can still be low (and MFU then high): declare the peak with
-    ``run.peak_flops`` for numbers to compare across machines.
+    Both ``torch.mm`` and ``F.linear`` (the model's dense layers): they can run different kernels,
+    and on a CPU in bf16 linear ran ~6x mm's rate (9 against 1.4 GFLOP/s), so a peak from mm alone
+    gave MFU above 1000%. The best of many repetitions, so a busy moment on a shared machine lowers
+    it little; on a machine shared with other jobs it can still be low (and MFU then high): declare
+    the peak with ``run.peak_flops`` for numbers to compare across machines. Takes about
+    ``seconds`` (the size shrinks for a slow kernel; it took 5 minutes in bf16 on a CPU).
     """
     import torch  # here: the FLOP counts above need no torch
+    import torch.nn.functional as F
 
     dtype = torch.float32 if dtype is None else dtype
+
+    def timed(op, a, b) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        op(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
     # drawn from a generator of its own: the global one is a run's (dropout) stream, restored from a
     # checkpoint just before the trainer measures; drawing from it made every resume with dropout
     # inexact (and a fresh run's masks depend on whether run.peak_flops was declared)
     own = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
-    for _ in range(2):  # warm up kernels and caches
-        a @ b
-    best = math.inf
-    deadline = time.perf_counter() + seconds
-    reps = 0
-    while reps < 3 or time.perf_counter() < deadline:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return 2.0 * n**3 / best
+    rate = 0.0
+    for op in (torch.mm, F.linear):
+        small = [torch.randn(256, 256, device=device, dtype=dtype, generator=own) for _ in range(2)]
+        timed(op, *small)  # warm up kernels and caches
+        size = matmul_size(min(timed(op, *small) for _ in range(2)), seconds / 2, n)
+        a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=own) for _ in range(2))
+        op(a, b)
+        best = math.inf
+        deadline = time.perf_counter() + seconds / 2
+        reps = 0
+        while reps < 3 or time.perf_counter() < deadline:
+            best = min(best, timed(op, a, b))
+            reps += 1
+        rate = max(rate, 2.0 * size**3 / best)
+    return rate
 
 
 def mfu_over_peak(mfu: float, peak_flops: float, source: str) -> str:
