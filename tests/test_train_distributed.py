@@ -186,10 +186,22 @@ def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never
     _torchrun(_overrides(cache, grown))  # 2 DDP replicas continue it: the one-process run's steps
     assert _losses(grown) == pytest.approx(_losses(one), rel=1e-6, abs=1e-6)
     assert _val(grown) == pytest.approx(_val(one), abs=1e-6)
-    misfit = tmp_path / "odd"
-    # batches of 6 split in two, but 189 sequences end in a step of 3 (trimmed at one replica's granularity)
+    # batches of 6 split in two, but 189 sequences end in a step of 3 (trimmed at one replica's
+    # granularity): that resume was refused; the last step now takes 4, as a 2-replica run's does,
+    # and every step before it is the one-process run's
+    last = tmp_path / "last"
     odd = {"schedule.batch_policy": "constant", "schedule.batch_size": 6, "run.micro_batch": 3,
            "run.total_tokens": 189 * 32}
+    ref = tmp_path / "last-ref"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **odd)), ref, log=lambda *_: None).fit()
+    o = _overrides(cache, last, **odd, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+    Trainer(load_config(resolve_config(None), o), last, log=lambda *_: None).fit()
+    _torchrun(_overrides(cache, last, **odd))
+    assert _losses(last)[:-1] == pytest.approx(_losses(ref)[:-1], rel=1e-6, abs=1e-6)
+    steps = [r for r in read_metrics(last) if r["kind"] == "train"]
+    assert [r["batch_size"] for r in steps][-2:] == [6, 4] and steps[-1]["tokens"] == 190 * 32
+    misfit = tmp_path / "odd"  # Seesaw grows 6 to 9 sequences (multiples of micro_batch 3): no split in two
+    odd = {"schedule.batch_size": 6, "run.micro_batch": 3, "schedule.ratio": "1/1.5"}
     o = _overrides(cache, misfit, **odd, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
     Trainer(load_config(resolve_config(None), o), misfit, log=lambda *_: None).fit()
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -199,8 +211,8 @@ def test_one_process_checkpoint_resumes_on_pipeline_stages_and_a_misfit_is_never
     assert proc.returncode != 0
     assert "cannot resume from" in proc.stderr and "step_00000005.pt (intact" in proc.stderr
     assert "data-parallel degree that divides 1" in proc.stderr and "damaged" not in proc.stderr
-    assert ("multiples of micro_batch x 1 = 3 sequences, and the step at 5,952 tokens takes a batch of 3 "
-            "sequences, which 2 replicas cannot split evenly") in proc.stderr, proc.stderr[-2000:]
+    assert ("multiples of micro_batch x 1 = 3 sequences, and the step at" in proc.stderr and
+            "takes a batch of 9 sequences, which 2 replicas cannot split evenly") in proc.stderr, proc.stderr[-2000:]
     assert len(_losses(misfit)) == 5  # nothing trained, nothing rolled back
 
 

@@ -256,7 +256,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
 
     def _check_remaining_batches_split(self, saved_dp: int, progress: dict) -> None:
         """ValueError unless every remaining step's batch (the run's: multiples of micro_batch x
-        ``saved_dp`` sequences, its last trimmed to the budget) splits evenly over this run's
+        ``saved_dp`` sequences, its last trimmed to the budget and rounded up to split,
+        ``_last_step_granularity``) splits evenly over this run's
         data-parallel replicas. An adaptive Seesaw's batches follow the noise estimate, unknown ahead."""
         dp = self.par.dp_size
         fix = (f"resume with a data-parallel degree that divides {saved_dp}, or one that splits every "
@@ -271,7 +272,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                             micro_batch=phase.micro_batch, dp_size=saved_dp)
             tokens = progress["tokens"] - progress["phase_start"] if phase.index == progress["phase"] else 0
             while tokens < phase.total_tokens:
-                batch = schedule.step_batch(tokens, phase.seq_len, saved_dp)
+                batch = schedule.step_batch(tokens, phase.seq_len, math.lcm(saved_dp, dp))
                 if batch % dp:
                     raise ValueError(
                         f"it was written with {saved_dp} data-parallel replica(s) and this run has {dp}: the "
@@ -585,7 +586,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     def _step_batch(self, in_phase: int) -> int:
         """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in
         multiples of the dp replicas (under pp too: the pipeline pads what its schedule needs)."""
-        return self.schedule.step_batch(in_phase, self.phase.seq_len, self.schedule_dp)
+        return self.schedule.step_batch(in_phase, self.phase.seq_len, self._last_step_granularity())
+
+    def _last_step_granularity(self) -> int:
+        """Sequences the budget's last step is rounded up to a multiple of: the run's replica count,
+        and, resumed on more replicas than its checkpoints were written with, theirs too (each rank
+        takes the same count): that step takes up to dp - 1 more sequences than the run would have,
+        as a run started with that many replicas does; every other step is the run's own."""
+        return math.lcm(self.schedule_dp, self.par.dp_size)
 
     def _close(self) -> None:
         """Close the logs and release the run directory (idempotent; also after a failure)."""
