@@ -33,6 +33,10 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
 # (name, model kind, optimizer, pp_schedule, virtual stages per rank, run.total_tokens)
 TRIMMED = [("gpt-1f1b-lamb-trimmed", "gpt", "lamb", "1f1b", 1, 3072 + 32),
            ("bert-interleaved-lamb-trimmed", "bert", "lamb", "interleaved-1f1b", 2, 3072 + 3 * 32)]
+# Seesaw at ratio 1/1.5 grows batch 8 to 12 and 18: 18 sequences are 9 micro-batches, not a whole
+# number of interleaved 1F1B's rounds on pp = 2 (refused, until the step ran padded to 10)
+ROUNDS = ("gpt-interleaved-lamb-rounds", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                                          "parallel.pp_virtual_stages": 2, "schedule.ratio": "1/1.5"})
 STOP_AT = 5  # the resumed case stops after this many steps
 MEMORY_MODEL = ModelConfig(kind="gpt", n_layer=4, n_embd=64, n_head=2, seq_len=32, vocab_size=64,
                            tie_embeddings=False)  # fp32, no dropout, explicit attention
@@ -114,6 +118,7 @@ def run_all(out_dir: str, cache: str) -> None:
         train(overrides(cache, str(out / name), kind, optim, **{
             "parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual,
             "run.total_tokens": total, "run.eval_every_tokens": total}), out / name)
+    train(overrides(cache, str(out / ROUNDS[0]), **ROUNDS[1]), out / ROUNDS[0])
     # stopped after STOP_AT steps on pp = 2 with uneven stages (1 + 3 layers), then resumed on pp = 2; a
     # copy of the stopped run is resumed on one process by the test
     # data parallel without stages: the reference of the pp x dp (ddp) noise scale

@@ -42,6 +42,8 @@ def runs(tmp_path_factory):
         ref = out / f"one-{name}"
         cases.train(cases.overrides(cache, str(ref), kind, optim, **{
             "run.total_tokens": total, "run.eval_every_tokens": total}), ref)
+    ref = out / f"one-{cases.ROUNDS[0]}"
+    cases.train(cases.overrides(cache, str(ref), **{"schedule.ratio": cases.ROUNDS[1]["schedule.ratio"]}), ref)
     spawn(cases.run_all, 2, str(out), cache)
     return cache, out
 
@@ -93,6 +95,16 @@ def test_pp2_ends_on_the_token_budget_as_one_process_does(runs, name, total):
     assert ours[-1]["batch_size"] % (cases.MICRO_BATCH * 2) != 0  # short of a round of pp micro-batches
     # (a 3-sequence last step of the tiny BERT has too few masked tokens to show its learning)
     _assert_same_trajectory(out / name, out / f"one-{name}", learned=False)
+
+
+def test_a_step_short_of_whole_interleaved_rounds_runs_padded_as_one_process(runs):
+    """A Seesaw milestone's batch of 9 micro-batches under interleaved 1F1B on pp = 2 (rounds of 4: 9
+    is none) was refused at the config's check, naming no cause and no usable fix; the step runs
+    padded to 10 (the tenth of no loss), and every step is the one-process run's."""
+    _, out = runs
+    name = cases.ROUNDS[0]
+    assert 9 in [r["micro_batches"] for r in _train_records(out / name)]
+    _assert_same_trajectory(out / name, out / f"one-{name}")
 
 
 def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
@@ -273,3 +285,14 @@ def test_pipeline_stages_draw_their_own_dropout_masks(runs):
     for a, b in pairs:
         assert 0.3 < a.float().mean() < 0.7  # p = 0.5 is active
         assert (a == b).float().mean() < 0.7
+
+
+def test_a_count_of_micro_batches_off_whole_rounds_is_accepted_and_its_padding_said(monkeypatch):
+    from largebatch.parallel.pipeline import padding_note
+
+    cfg = _config(monkeypatch, 2, **cases.ROUNDS[1])  # (refused before: "not a multiple of 4 rounds")
+    assert cfg.parallel.pp_schedule == "interleaved-1f1b"
+    note = padding_note("interleaved-1f1b", 2, {4, 6, 9, 13})
+    assert note.startswith("steps of 9 as 10, 13 as 14 micro-batches (interleaved-1f1b takes whole rounds")
+    assert "up to 10% of such a step's compute" in note
+    assert padding_note("1f1b", 2, {3, 9}) is None and padding_note("interleaved-1f1b", 2, {4, 6, 8}) is None

@@ -647,3 +647,37 @@ def test_a_rank_that_stops_before_the_start_stops_the_others_at_once(single, tmp
             assert "the ranks disagree on what to do with the run directory (rank 0 on " in err, err[-2000:]
             assert ": finished; rank 1 on " in err and ": go)" in err and "filesystem every node shares" in err
         assert not (tmp_path / "node1" / "run" / "metrics.jsonl").exists()
+
+
+def test_a_run_whose_micro_batch_is_its_batch_continues_on_two_replicas(single, tmp_path):
+    """A one-process run of batch 8 with micro_batch 8 (its memory's limit) relaunched on 2 replicas
+    (the same command, and --resume): the config's check refused it, batch 8 not being a multiple of
+    micro_batch x 2 = 16, and a changed micro_batch is refused as another schedule. The run's batches
+    are multiples of micro_batch x its checkpoints' replicas (1): each replica now takes 4 sequences
+    a step, and the losses are the one-process run's."""
+    cache, _ = single
+    same = {"schedule.batch_policy": "constant", "schedule.batch_size": 8, "run.micro_batch": 8}
+    ref = tmp_path / "ref"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **same)), ref, log=lambda *_: None).fit()
+    for how in ("same command", "--resume"):
+        out = tmp_path / how.strip("-").replace(" ", "-")
+        o = _overrides(cache, out, **same, **{"run.max_steps": 5, "run.checkpoint_every_tokens": 512})
+        Trainer(load_config(resolve_config(None), o), out, log=lambda *_: None).fit()
+        if how == "same command":
+            _torchrun(_overrides(cache, out, **same))
+        else:
+            args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "largebatch", "train", "--resume", str(out)]
+            done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "multiples of micro_batch x 1 (the replicas its checkpoints were written with), split " \
+                   "over 2 replicas" in done.stdout + done.stderr
+        assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
+        assert len(_losses(out)) == len(_losses(ref))
+    # a new run on 2 replicas with that config is still refused, naming the fix
+    fresh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            "2", "-m", "largebatch", "train", "--check"]
+                           + [f"--{k}={json.dumps(v)}" for k, v in _overrides(cache, tmp_path / "new", **same).items()],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert fresh.returncode != 0 and "is not a whole number of micro_batch (8) x dp_size (2)" in fresh.stderr

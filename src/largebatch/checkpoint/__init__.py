@@ -12,7 +12,13 @@ The distributed format is imported on use (``largebatch.checkpoint.distributed``
 torch.distributed.checkpoint, which a one-process run never needs.
 """
 
-from largebatch.checkpoint.files import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_temporaries
+from largebatch.checkpoint.files import (
+    checkpoint_dir,
+    checkpoint_dp_size,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_temporaries,
+)
 from largebatch.checkpoint.local import CheckpointError, load_checkpoint, save_checkpoint
 from largebatch.checkpoint.rng import gather_rng, rng_state, set_rng_state
 
@@ -22,6 +28,7 @@ __all__ = [
     "gather_rng",
     "latest_checkpoint",
     "list_checkpoints",
+    "checkpoint_dp_size",
     "load_checkpoint",
     "remove_temporaries",
     "rng_state",

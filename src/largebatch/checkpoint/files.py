@@ -36,6 +36,25 @@ def list_checkpoints(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> 
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_dp_size(run_dir: str | Path) -> int | None:
+    """The data-parallel replica count the newest checkpoint of ``run_dir`` was written with (its
+    batches are multiples of micro_batch x that count): 1 for a one-process ``.pt``; a ``.dcp``'s
+    from its small ``extra.pt``, the tensors unread. None without a checkpoint, or when it cannot
+    be read (the trainer's resume then says why)."""
+    found = list_checkpoints(run_dir, (".pt", ".dcp"))
+    if not found:
+        return None
+    if found[-1].suffix == ".pt":
+        return 1
+    import torch  # on use: a config check without checkpoints needs no torch.load
+
+    try:
+        extra = torch.load(found[-1] / "extra.pt", map_location="cpu", weights_only=False)
+        return int(extra["schedule"]["config"]["dp_size"])
+    except Exception:  # noqa: BLE001 -- damaged or of another layout: the resume reports it
+        return None
+
+
 def latest_checkpoint(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> Path | None:
     ckpts = list_checkpoints(run_dir, kinds)
     return ckpts[-1] if ckpts else None

@@ -94,17 +94,30 @@ def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str = "1f1b") -> 
 
 
 def check_micro_batches(schedule: str, pp: int, counts: set[int]) -> None:
-    """ValueError if a step's micro-batch count does not fit the schedule (before any work)."""
+    """ValueError if a step's micro-batch count does not fill the schedule's pipeline (before any
+    work). A count that is not a whole number of the multi-stage schedules' rounds is run padded
+    (``padded_micro_batches``; ``padding_note`` says so): a Seesaw milestone's batch of 9
+    micro-batches under interleaved 1F1B on pp = 2 was refused, though the step runs as 10."""
     for n in sorted(counts):
         if schedule != "gpipe" and n < pp:
             raise ValueError(f"parallel.pp_schedule = {schedule!r} with pp = {pp} needs at least {pp} "
                              f"micro-batches per step, but a step has {n}: lower run.micro_batch, raise "
                              f"schedule.batch_size, or use pp_schedule = 'gpipe'")
-        rounds = max(1, n // pp)
-        if schedule in MULTI_STAGE and n % rounds:
-            raise ValueError(f"parallel.pp_schedule = {schedule!r}: a step of {n} micro-batches is not a "
-                             f"multiple of {rounds} rounds of pp = {pp}; use batch sizes with a multiple of "
-                             f"pp micro-batches per step")
+
+
+def padding_note(schedule: str, pp: int, counts: set[int]) -> str | None:
+    """What the pipeline pads, for steps of ``counts`` micro-batches: the multi-stage schedules take a
+    whole number of rounds (``schedule_micro_batches``), the rest is padding of no loss; None when
+    every count runs as it is."""
+    padded = {n: schedule_micro_batches(schedule, pp, n) for n in sorted(counts)}
+    padded = {n: m for n, m in padded.items() if m != n}
+    if not padded:
+        return None
+    runs = ", ".join(f"{n} as {m}" for n, m in padded.items())
+    worst = max((m - n) / m for n, m in padded.items())
+    return (f"steps of {runs} micro-batches ({schedule} takes whole rounds of its stages): the extra "
+            f"micro-batches are padding of no loss, up to {100 * worst:.0f}% of such a step's compute; "
+            f"batch sizes of a multiple of pp x run.micro_batch x dp sequences need none")
 
 
 def schedule_micro_batches(schedule: str, pp: int, n: int) -> int:

@@ -206,7 +206,7 @@ def _launch(args, unknown: list[str], parser) -> int:
                 message = f"--resume {resume_dir}: no config.toml there; is it a run directory?"
                 return settle(_fail(message, 2), "fail", message)
             # max_steps limits one invocation: a resumed run goes to the end unless told again
-            cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False)
+            cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
             run_dir, resume = Path(resume_dir), True
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))

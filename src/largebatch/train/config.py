@@ -254,7 +254,8 @@ KIND_OBJECTIVE = {"gpt": "causal language model", "bert": "masked language model
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                resolve_init: bool = True, warn: Callable[[str], None] | None = None) -> TrainConfig:
+                resolve_init: bool = True, warn: Callable[[str], None] | None = None,
+                run_dir: str | Path | None = None) -> TrainConfig:
     """Defaults <- TOML file <- dotted overrides, validated (ConfigError on any problem).
 
     With ``model.init_from`` the model's shape fields and data.tokenizer_file come from that
@@ -262,7 +263,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     otherwise is refused. A shipped recipe's model fields are defaults, not requests: they give
     way, and a recipe whose model.kind gives way (a BERT recipe from a GPT directory) is named in a
     one-line note to ``warn`` (default: stderr). ``resolve_init=False`` (a ``--resume``, whose saved
-    config is already resolved) skips it."""
+    config is already resolved) skips it. ``run_dir``: the run it continues (``--resume``; else
+    run.out_dir), whose checkpoints' replica count sets the batch granularity checked (``check``)."""
     tree: dict[str, Any] = load_toml(path) if path else {}
     given = set() if path is None or _is_shipped(path) else {
         f"{table}.{name}" for table, fields in tree.items() if isinstance(fields, dict) for name in fields}
@@ -286,15 +288,33 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 f"note: the recipe {Path(path).name} trains a {recipe_kind!r}, but model.init_from="
                 f"{cfg.model.init_from!r} holds a {kind!r} (config.json): this run trains that {kind} "
                 f"({KIND_OBJECTIVE.get(kind, 'its own objective')}) with the recipe's other settings")
-    return check(cfg)
+    return check(cfg, run_dir)
 
 
 def _is_shipped(path: str | Path) -> bool:
     return Path(path).resolve().parent == (Path(__file__).resolve().parent.parent / "configs")
 
 
-def check(cfg: TrainConfig) -> TrainConfig:
-    """Cross-table checks that need no data or model: fail in a second, not after setup."""
+def batch_replicas(cfg: TrainConfig, dp: int, run_dir: str | Path | None = None) -> int:
+    """The replica count a run's batches are multiples of (x micro_batch): this launch's ``dp`` for a
+    new run; for one that continues (``run_dir``, else run.out_dir, holding checkpoints) the count its
+    checkpoints were written with, which the trainer keeps (a one-process run of batch 8 and
+    micro_batch 8 continues on 2 replicas of 4 sequences each, though 8 x 2 does not divide 8)."""
+    if run_dir is None:
+        if "{time}" in cfg.run.out_dir:
+            return dp
+        try:
+            run_dir = cfg.run.out_dir.format(kind=cfg.model.kind)
+        except (KeyError, IndexError, ValueError):
+            return dp
+    from largebatch.checkpoint.files import checkpoint_dp_size
+
+    return checkpoint_dp_size(run_dir) or dp
+
+
+def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
+    """Cross-table checks that need no data or model: fail in a second, not after setup. ``run_dir``:
+    see ``load_config``."""
     from largebatch.models.config import hf_model_type_problem
 
     if (problem := hf_model_type_problem(cfg.model)) is not None:
@@ -312,6 +332,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
             check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
             check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
         pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
+        granularity = dp  # replicas the batches are multiples of: a continued run's own (its checkpoints')
+        if dp > 1:
+            granularity = batch_replicas(cfg, dp, run_dir)
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch, init_from=cfg.model.init_from):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
@@ -331,7 +354,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
                     f"parallel.dp_mode = 'ddp' (tp = 1) or one replica, or leave noise_scale_multiple out")
             try:
                 schedule = phase.schedule.build(total_tokens=phase.total_tokens, seq_len=phase.seq_len,
-                                                micro_batch=phase.micro_batch, dp_size=dp)
+                                                micro_batch=phase.micro_batch, dp_size=granularity)
                 first = schedule.step_batch(0, phase.seq_len, dp) if multiple is not None and dp == 1 else 0
                 if first and first <= phase.micro_batch:
                     field = f"phases[{phase.index}].micro_batch" if cfg.phases else "run.micro_batch"
@@ -364,9 +387,14 @@ def check_pipeline(cfg: TrainConfig, schedule, dp: int, total_tokens: int, micro
                          "stage) and the output layer (last stage) sit on different ranks; set "
                          "model.tie_embeddings = false")
     stage_layers(cfg.model.n_layer, par.pp, par.pp_virtual_stages, par.pp_split)
+    check_micro_batches(par.pp_schedule, par.pp, step_micro_batches(schedule, dp, total_tokens, micro_batch))
+
+
+def step_micro_batches(schedule, dp: int, total_tokens: int, micro_batch: int) -> set[int]:
+    """The micro-batch counts of a replica's steps through the schedule (sampled at 64 points)."""
     step_tokens = total_tokens / 64  # the batch sizes the schedule goes through
     sizes = {schedule.batch_size(i * step_tokens) for i in range(64)}
-    check_micro_batches(par.pp_schedule, par.pp, {size // (micro_batch * dp) for size in sizes})
+    return {size // (micro_batch * dp) for size in sizes}
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from largebatch.checkpoint import (
     CheckpointError,
+    checkpoint_dp_size,
     gather_rng,
     latest_checkpoint,
     list_checkpoints,
@@ -171,7 +172,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
                                                          capturable=run.on_nonfinite == "skip"), self.par)
-        self.schedule_dp = self.par.dp_size  # the batch granularity's replica count (see _load)
+        # the batch granularity's replica count (see _load): a resume's checkpoints' (a one-process run
+        # of batch 8 = micro_batch continues on 2 replicas, whose micro_batch x 2 would not divide 8)
+        self.schedule_dp = (checkpoint_dp_size(self.run_dir) or self.par.dp_size) if resume else self.par.dp_size
         self.schedule = self._build_schedule()
         self.noise = cfg.schedule.build_noise_scale()
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss

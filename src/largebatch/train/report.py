@@ -119,8 +119,23 @@ class Reporting:
                  f"budget       {human_count(cfg.run.total_tokens)} tokens, micro-batch {cfg.run.micro_batch}"]
         if cfg.phases:
             lines += [f"phases       {line}" for line in describe_phases(self.phases)]
-        lines += [p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, self.par.dp_size)
+        lines += [p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, self.schedule_dp)
                   for p in self.phases]
+        if self.par.pp_size > 1:
+            from largebatch.parallel.pipeline import padding_note
+            from largebatch.train.config import step_micro_batches
+
+            for p in self.phases:
+                schedule = p.schedule.build(p.total_tokens, p.seq_len, p.micro_batch, self.schedule_dp)
+                counts = step_micro_batches(schedule, self.par.dp_size, p.total_tokens, p.micro_batch)
+                note = padding_note(self.par.pp_schedule, self.par.pp_size, counts)
+                if note:
+                    where = f"phase {p.index}: " if cfg.phases else ""
+                    lines.append(f"pipeline     {where}{note}")
+        if self.schedule_dp != self.par.dp_size:  # resumed on another replica count: the run's batches
+            lines.append(f"batches      the run's own, multiples of micro_batch x {self.schedule_dp} (the "
+                         f"replicas its checkpoints were written with), split over {self.par.dp_size} "
+                         "replicas (the budget's last step rounded up to split)")
         return "\n".join(line for line in lines if line)
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
