@@ -162,3 +162,21 @@ def test_a_sharded_checkpoint_whose_shards_rank_0_cannot_see_is_not_put_in_place
     assert "Keep RUN_DIR/checkpoints on a filesystem every rank shares" in message and "(rank 0)" in message
     (tmp / ".metadata").unlink()
     assert ".metadata" in _unseen_shards(tmp, ParallelState())[1].strerror
+
+
+def test_retention_counts_both_formats_and_never_the_checkpoint_just_written(tmp_path):
+    """A run continued from torchrun (.dcp) on one process (.pt) kept keep_last of each format (after
+    an elastic shrink: step_10.dcp, step_20.dcp, step_190.pt, step_196.pt with keep 2); the newest
+    keep_last of both are kept now, and a save of a step another format also holds keeps itself."""
+    from largebatch.checkpoint.files import checkpoint_dir, superseded
+
+    ckdir = checkpoint_dir(tmp_path)
+    for step in (10, 20):
+        (ckdir / f"step_{step:08d}.dcp").mkdir(parents=True)
+    for step in (190, 196):
+        save_checkpoint(tmp_path, step, _state(4, step), keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path, (".pt", ".dcp"))] == ["step_00000190.pt", "step_00000196.pt"]
+    (ckdir / "step_00000196.dcp").mkdir()  # the same step in the other format, listed before the .pt
+    assert superseded(tmp_path, ckdir / "step_00000196.dcp", 1) == [ckdir / "step_00000190.pt",
+                                                                   ckdir / "step_00000196.pt"]
+    assert superseded(tmp_path, ckdir / "step_00000196.pt", 2) == [ckdir / "step_00000190.pt"]

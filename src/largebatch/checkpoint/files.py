@@ -61,17 +61,19 @@ def latest_checkpoint(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) ->
 
 
 def superseded(run_dir: str | Path, written: Path, keep_last: int) -> list[Path]:
-    """The checkpoints a save of ``written`` ends: those of its kind beyond the newest ``keep_last``
-    up to its step, and every one of a LATER step, of either kind. A later one exists only when this
-    run resumed from an earlier checkpoint (the newest was damaged): it is of a trajectory the run
-    left, and were it kept, retention would count it among the newest and delete the one just
-    written (only a damaged checkpoint was then left), and a relaunch would resume from it."""
+    """The checkpoints a save of ``written`` ends: those beyond the newest ``keep_last`` up to its
+    step (``written`` one of them, whatever the order of another of its step), of either format (a
+    run continued from one process on torchrun, or back, kept ``keep_last`` of each), and every one
+    of a LATER step. A later one exists only when this run resumed from an earlier checkpoint (the
+    newest was damaged): it is of a trajectory the run left, and were it kept, retention would count
+    it among the newest and delete the one just written (only a damaged checkpoint was then left),
+    and a relaunch would resume from it."""
     step = int(_NAME.match(written.name).group(1))
-    kind = written.suffix
-    later = [p for p in list_checkpoints(run_dir, (".pt", ".dcp"))
-             if int(_NAME.match(p.name).group(1)) > step]
-    same = [p for p in list_checkpoints(run_dir, (kind,)) if p not in later]
-    return later + same[:-keep_last]
+    both = list_checkpoints(run_dir, (".pt", ".dcp"))
+    later = [p for p in both if int(_NAME.match(p.name).group(1)) > step]
+    older = [p for p in both if p not in later and p != written]
+    room = keep_last - (1 if written.exists() else 0)  # (asked before the write: keep_last of the others)
+    return later + older[:max(0, len(older) - room)]
 
 
 def remove_superseded(run_dir: str | Path, written: Path, keep_last: int) -> None:
