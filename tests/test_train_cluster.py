@@ -421,6 +421,7 @@ def test_damaged_newest_checkpoint_is_passed_and_another_config_refused(referenc
     assert main(_args({**o, "optim.name": "lamb"})) == 2  # another config: refused, fields named
     err = capsys.readouterr().err
     assert "holds checkpoints of another config (optim.name: 'lans' -> 'lamb')" in err, err
+    assert f"continue that run with its own config: --resume {out} (a resume takes the config it saved" in err
     moved = tmp_path / "moved-cache"  # the data cache elsewhere: not another config (content-keyed)
     shutil.copytree(cache, moved)
     # one step from step 4, keeping 1: the damaged step-6 checkpoint is of a trajectory the run left;

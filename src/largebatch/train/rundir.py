@@ -188,7 +188,9 @@ def continues_run(run_dir: Path, cfg) -> bool:
     if differences:
         raise ConfigError(f"run.out_dir = {str(run_dir)!r} holds checkpoints of another config "
                           f"({'; '.join(differences)}); choose another --run.out_dir, or continue "
-                          f"that run with --resume {shlex.quote(str(run_dir))}")
+                          f"that run with its own config: --resume {shlex.quote(str(run_dir))} (a "
+                          "resume takes the config it saved, and refuses changes to what its checkpoints "
+                          "depend on)")
     return True
 
 
