@@ -1,5 +1,6 @@
 """ScheduleConfig (the trainer's [schedule] section) and the `largebatch schedule` CLI."""
 
+import argparse
 import dataclasses
 import math
 import subprocess
@@ -76,6 +77,19 @@ def test_describe_reports_coupling_phase_table_and_steps():
     assert linear.coupled_peak_lr() == pytest.approx(4e-3)
 
 
+def test_the_table_policy_couples_the_lr_at_its_own_batch_not_the_unread_batch_size():
+    """batch_policy 'table' never reads batch_size, yet the LR coupling and the base compared with
+    did: a table of batches 8 and 16 tuned at 8 trained at 8x the tuned peak (batch_size 64)."""
+    config = ScheduleConfig(peak_lr=3e-4, batch_size=64, batch_policy="table", batch_table=[[0, 8], [0.5, 16]],
+                            lr_coupling="linear", reference_batch_size=8)
+    assert config.build(TOTAL, SEQ).lr_schedule.peak_lr == pytest.approx(3e-4, rel=1e-12)  # 8 / 8
+    text = config.describe(TOTAL, SEQ)
+    assert "tuned at batch 8 -> 0.0003 at batch 8)" in text
+    assert f"base (cosine, constant batch 8): {math.ceil(TOTAL / (8 * SEQ)):,} optimizer steps" in text
+    doubled = dataclasses.replace(config, batch_table=[[0, 16], [0.5, 32]])  # starts at twice the tuned batch
+    assert doubled.coupled_peak_lr() == pytest.approx(6e-4, rel=1e-12)
+
+
 def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
     # one meaning: the [schedule] field and the class argument are the same number, and the
     # schedule ends at final_lr * peak_lr
@@ -103,7 +117,13 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
     ({"batch_policy": "seesaw-family"}, {}, "schedule.alpha = None: seesaw-family needs alpha and beta"),
     ({"batch_policy": "seesaw-family", "alpha": 1.0, "beta": 4.0}, {}, "schedule.alpha=1.0 < sqrt(beta)"),
     ({"batch_policy": "ramp", "ramp_start": 16, "ramp_increment": 20}, {}, "ramp_increment = 20: must be > 0"),
-    ({"batch_policy": "ramp", "ramp_start": 0, "ramp_increment": 16}, {}, "ramp_start = 0: 0 does not mean off"),
+    ({"batch_policy": "ramp", "ramp_start": 0, "ramp_increment": 16}, {}, "ramp_start = 0: must be a positive number"),
+    ({"batch_policy": "ramp", "ramp_start": 8, "ramp_increment": 0}, {},
+     "ramp_increment = 0: must be a positive number"),
+    ({"peak_lr": -1.0}, {}, "schedule.peak_lr = -1.0: must be a finite number >= 0"),
+    ({"batch_policy": "seesaw", "lr_schedule": "constant"}, {}, "Seesaw-type schedules place a milestone"),
+    ({"batch_policy": "ramp", "ramp_start": 8, "ramp_increment": 8}, {"micro_batch": 3},
+     "schedule.ramp_start=8 is not a whole number of micro_batch (3)"),
     ({"lr_schedule": "wsd", "wsd_cooldown": 0.95}, {}, "schedule.wsd_cooldown = 0.95"),
     ({"batch_policy": "table", "batch_table": [[0, 64], [0.5, 62]]}, {"micro_batch": 4},
      "table batch at token 5000000=62"),
@@ -292,6 +312,12 @@ def test_token_counts_take_the_short_forms_in_train_as_in_schedule(tmp_path):
         load_config(resolve_config(None), parse_overrides(["--run.total_tokens=300X"]))
     with pytest.raises(ConfigError, match=r"run.total_tokens = '1e30': at most 2\*\*53"):
         load_config(resolve_config(None), {"run.total_tokens": "1e30"})
+    # a fraction of a token: refused by train; `largebatch schedule` rounded it away (2.5 -> 2)
+    with pytest.raises(ConfigError, match=r"run.total_tokens = 100000.7: expected a whole number"):
+        load_config(resolve_config(None), parse_overrides(["--run.total_tokens=100000.7"]))
+    with pytest.raises(argparse.ArgumentTypeError, match="'2.5': 2.5 is not a whole number of tokens"):
+        parse_tokens("2.5")
+    assert parse_tokens("1.1M") == 1_100_000 and parse_tokens("2.5k") == 2_500
 
 
 def test_whole_token_counts_written_as_floats_stay_whole():
@@ -380,3 +406,12 @@ def test_token_lr_takes_an_integer_tensor_of_tokens():
     optimizer.step()
     scheduler.step(tokens=torch.tensor(512))
     assert scheduler.tokens_seen == 512 and optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 512 / 1000)
+
+
+def test_an_adaptive_seesaw_table_says_it_is_the_uncapped_plan():
+    """With noise_scale_multiple the start-up table showed batches 8 -> 64 in 56 steps, while the
+    measured noise scale held the batch at 8 for all 79 steps of the run, and nothing said so."""
+    adaptive = ScheduleConfig(batch_size=8, batch_policy="seesaw", final_lr=0.1, noise_scale_multiple=2.0)
+    assert "adaptive: each milestone's batch is capped at 2 x the noise scale measured by then, so the " \
+           "batches and steps above are the uncapped plan" in adaptive.describe(TOTAL, SEQ)
+    assert "adaptive:" not in dataclasses.replace(adaptive, noise_scale_multiple=None).describe(TOTAL, SEQ)

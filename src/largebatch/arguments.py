@@ -81,6 +81,8 @@ def token_count(text: str) -> int:
                          "arithmetic keeps exact")
     if round(value) < 1:
         raise ValueError("less than one token; give the budget in tokens, e.g. 2e9, 300M")
+    if abs(value - round(value)) > max(1e-6, 1e-12 * value):  # (1.1M is 1100000.0000000002 in floats)
+        raise ValueError(f"{value:g} is not a whole number of tokens; give e.g. {round(value):d}")
     return int(round(value))
 
 

@@ -9,6 +9,7 @@ phase table next to the base schedule's optimizer steps (docs/papers.md: schedul
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -108,7 +109,8 @@ class ScheduleConfig:
     """Batch size against tokens (add one with largebatch.schedules.config.register_batch_policy)."""
     batch_size: int = 64
     """Sequences per optimizer step: the constant batch; the final batch of a ramp; the starting
-    batch of seesaw / seesaw-family / smith. A multiple of micro_batch x data-parallel ranks."""
+    batch of seesaw / seesaw-family / smith. A multiple of micro_batch x data-parallel ranks. Not
+    read by table, whose first row is the batch lr_coupling and the base compare with."""
     ramp_start: int | None = None
     """ramp (required there): first batch size in sequences (Megatron --rampup-batch-size START)."""
     ramp_increment: int | None = None
@@ -151,6 +153,14 @@ class ScheduleConfig:
         for name, choices in REGISTRIES.items():
             if getattr(self, name) not in choices:
                 self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
+        if not (isinstance(self.peak_lr, (int, float)) and math.isfinite(self.peak_lr) and self.peak_lr >= 0):
+            self._fail("peak_lr", "must be a finite number >= 0: the LR at the end of the warmup, e.g. 1e-3")
+        if self.batch_policy == "ramp":  # required there: 0 is no value to turn off
+            for name in ("ramp_start", "ramp_increment"):
+                value = getattr(self, name)
+                if value is not None and (not isinstance(value, int) or value <= 0):
+                    self._fail(name, f"must be a positive number of sequences (batch_policy 'ramp' needs "
+                               f"it), e.g. {8 if name == 'ramp_increment' else 16}")
         for name in OFF_FIELDS:
             check_off(f"schedule.{name}", getattr(self, name))
         if self.batch_size <= 0:
@@ -163,6 +173,12 @@ class ScheduleConfig:
         if self.lr_schedule == "inverse-sqrt" and self.warmup <= 0:
             self._fail("warmup", "inverse-sqrt decays relative to the warmup; set warmup > 0")
         policy = BATCH_POLICIES[self.batch_policy]
+        if policy.milestones and self.lr_schedule in ("constant", "lans"):
+            fall = "never falls" if self.lr_schedule == "constant" else "falls to 0 whatever final_lr says"
+            self._fail("lr_schedule", f"{self.lr_schedule!r} with batch_policy {self.batch_policy!r}: "
+                       f"Seesaw-type schedules place a milestone wherever the base LR has fallen by ratio "
+                       f"again, down to final_lr, and {self.lr_schedule!r} {fall}; use cosine, linear, "
+                       "wsd or inverse-sqrt")
         if policy.milestones and self.final_lr <= 0:
             self._fail("final_lr", "Seesaw-type schedules place milestones down to final_lr; "
                        "set it > 0, e.g. 0.1")
@@ -221,10 +237,21 @@ class ScheduleConfig:
         if any(b <= a for a, b in zip(fractions, fractions[1:])):
             self._fail("batch_table", f"the fractions {fractions} must increase from row to row, {example}")
 
+    @property
+    def run_batch_size(self) -> int:
+        """The batch peak_lr is coupled at and the base schedule runs: batch_size, except under the
+        table policy, which never reads batch_size: its first row's batch (the run's starting one; the
+        coupling and the "% of base" used the unread batch_size, so a table of batches 8 and 16 trained
+        at the LR for 64)."""
+        if self.batch_policy == "table" and self.batch_table:
+            return int(self.batch_table[0][1])
+        return self.batch_size
+
     def coupled_peak_lr(self) -> float:
-        """peak_lr after the lr_coupling policy moves it from reference_batch_size to batch_size."""
-        reference = self.reference_batch_size or self.batch_size
-        return lr_module.scale_lr_for_batch(self.peak_lr, self.batch_size, reference,
+        """peak_lr after the lr_coupling policy moves it from reference_batch_size to the run's batch
+        (``run_batch_size``)."""
+        reference = self.reference_batch_size or self.run_batch_size
+        return lr_module.scale_lr_for_batch(self.peak_lr, self.run_batch_size, reference,
                                             self.lr_coupling)
 
     def build_lr(self, total_tokens: int) -> lr_module.LRSchedule:
@@ -258,7 +285,7 @@ class ScheduleConfig:
     def build_base(self, total_tokens: int, micro_batch: int = 1,
                    dp_size: int = 1) -> ConstantBatch:
         """The base schedule for comparison: the same LR schedule at a constant batch_size."""
-        return ConstantBatch(self.build_lr(total_tokens), self.batch_size, micro_batch, dp_size)
+        return ConstantBatch(self.build_lr(total_tokens), self.run_batch_size, micro_batch, dp_size)
 
     def build_noise_scale(self) -> NoiseScale:
         return NoiseScale(self.noise_scale_ema)
@@ -270,18 +297,23 @@ class ScheduleConfig:
         base_steps = count_optimizer_steps(self.build_base(total_tokens, micro_batch, dp_size),
                                            seq_len)
         steps = count_optimizer_steps(schedule, seq_len)
-        reference = self.reference_batch_size or self.batch_size
+        reference = self.reference_batch_size or self.run_batch_size
         coupling = (f"lr coupling: {self.lr_coupling} (peak_lr {self.peak_lr:.4g} tuned at batch "
-                    f"{reference} -> {self.coupled_peak_lr():.4g} at batch {self.batch_size})")
+                    f"{reference} -> {self.coupled_peak_lr():.4g} at batch {self.run_batch_size})")
         lines = [
             f"schedule: lr {self.lr_schedule}, batch {self.batch_policy} "
             f"({type(schedule).__name__}), {total_tokens:,} tokens, seq_len {seq_len}, "
             f"micro_batch {micro_batch} x dp {dp_size}",
             coupling,
             format_phase_table(schedule.phases(seq_len)),
-            f"base ({self.lr_schedule}, constant batch {self.batch_size}): {base_steps:,} "
+            f"base ({self.lr_schedule}, constant batch {self.run_batch_size}): {base_steps:,} "
             f"optimizer steps; this schedule: {steps:,} ({100 * steps / base_steps:.2f}% of base)",
         ]
+        if self.noise_scale_multiple is not None and BATCH_POLICIES[self.batch_policy].milestones:
+            lines.append(f"adaptive: each milestone's batch is capped at {self.noise_scale_multiple:g} x the "
+                         "noise scale measured by then, so the batches and steps above are the uncapped "
+                         "plan, an upper bound; a held batch keeps the full LR fall at its milestone. "
+                         "The run's own are in metrics.jsonl and schedule.png")
         return "\n".join(lines)
 
 
@@ -310,7 +342,10 @@ def _ramp(c: ScheduleConfig, lr: lr_module.LRSchedule, total: int, sizes: dict) 
     if tokens < 1:
         c._fail("ramp_tokens", f"is {c.ramp_tokens * total:.3g} tokens of the {total:,}-token budget, "
                 "less than one; raise it")
-    return LinearRamp(lr, c.ramp_start, c.ramp_increment, tokens, c.batch_size, **sizes)
+    try:
+        return LinearRamp(lr, c.ramp_start, c.ramp_increment, tokens, c.batch_size, **sizes)
+    except ValueError as exc:  # the class's argument names as the config's fields
+        raise ValueError(re.sub(r"\bstart_batch\b", "schedule.ramp_start", str(exc))) from exc
 
 
 register_batch_policy("ramp", _ramp,

@@ -14,7 +14,9 @@ warmup, final = 0.1 * peak, r = 1/1.1).
 The general family: at each milestone batch * beta and LR / alpha with alpha * sqrt(beta) = 1/r
 and alpha >= sqrt(beta) (Seesaw is the boundary alpha = sqrt(beta); beta = 1 is the base
 schedule's step version). Smith et al. 2017, "Don't Decay the Learning Rate, Increase the Batch
-Size", is the constant-LR corner: batch / r and LR unchanged (the SGD rule, LR / batch constant).
+Size": batch / r and LR unchanged, the SGD rule (LR / batch constant). It is not in the family
+(alpha = 1, beta = 1/r gives alpha * sqrt(beta) = r**-0.5, not 1/r): for Adam-type optimizers the
+effective LR falls by sqrt(r) per milestone where the base's falls by r.
 
 All of them are realised here by one rule. With B_k the batch actually used after milestone k
 (the ideal ``B_0 * beta**k``, held at ``max_batch_size``, at ``noise_scale_multiple * B_simple``
@@ -275,7 +277,8 @@ class SeesawFamily(MilestoneSchedule):
 
 
 class SmithRamp(MilestoneSchedule):
-    """Smith et al. 2017: at each milestone batch / ratio and the LR held (the alpha = 1 corner).
+    """Smith et al. 2017: at each milestone batch / ratio and the LR held (the SGD rule; outside the
+    Seesaw family, see the module docstring).
     When the batch is held at a cap the LR falls by ratio instead (the SGD rule LR / batch)."""
 
     def __init__(self, base: LRSchedule, batch_size: int, ratio: float = 0.5,
