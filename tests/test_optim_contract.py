@@ -717,3 +717,36 @@ def test_the_functional_form_refuses_a_step_count_below_one():
         states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
         with pytest.raises(ValueError, match=r"steps: t = 0 for a tensor.*1 on the first step"):
             function([p.clone() for p in params], grads[0], *states, [0, 0], lr=0.01)
+
+
+@pytest.mark.parametrize("cls, kwargs", [(LAMB, {}), (LANS, {}), (LARS, {"lr": 1.0})])
+def test_parameters_on_the_meta_device_step_as_torchs_adamw_does(cls, kwargs):
+    """A model built on 'meta' (shapes only, as large models are before their weights load): the
+    default path's bucketing sized a segment index from device data (repeat_interleave without
+    output_size), which meta tensors have not ("cannot repeat_interleave a meta tensor")."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, device="meta"), torch.nn.LayerNorm(3, device="meta"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = cls(model.parameters(), **kwargs)
+    opt.step()
+    assert all(v.device.type == "meta" for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    reference = torch.optim.AdamW(model.parameters())  # what torch's own does there
+    reference.step()
+
+
+def test_lars_warns_of_a_group_left_out_of_adaptation_at_a_lars_learning_rate():
+    """param_groups()' default adapts weights and embeddings only (the LAMB recipe); handed to LARS at
+    lr 10, biases and norm weights took plain momentum SGD at that LR (a 2-layer net: loss 7e29)."""
+    import warnings
+
+    from largebatch.optim import CATEGORIES, param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    with pytest.warns(UserWarning, match=r"LARS: 4 tensor\(s\) \(0.bias, 1.weight, 1.bias, \.\.\.\) are in a group "
+                                         r"with adapt=False at lr >= 1.*param_groups\(model, adapt="):
+        LARS(param_groups(model, 0.0), lr=10.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LARS(param_groups(model, 0.0, adapt=CATEGORIES), lr=10.0)  # every tensor adapted
+        LARS(param_groups(model, 0.0), lr=0.0)  # the trainer's start: the schedule sets the LR per step
+        LARS(model.parameters(), lr=10.0)

@@ -294,7 +294,9 @@ class KernelRun:
             sizes, n = host_constant(tuple(layout_sizes), like.device), len(chunk)
             index = host_constant(tuple(chunk), like.device)
             seg = _once(("segment ids", tuple(layout_sizes), like.device),
-                        lambda: torch.repeat_interleave(torch.arange(n, device=like.device), sizes))
+                        # output_size from the host: no device sync to read it, and meta tensors work
+                        lambda: torch.repeat_interleave(torch.arange(n, device=like.device), sizes,
+                                                        output_size=sum(layout_sizes)))
             self.segments.append((index, Segments(seg, sizes)))
             flat = {}
             for name, ts in tensors.items():

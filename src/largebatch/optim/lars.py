@@ -12,6 +12,7 @@ Paper trust coefficient tc = 0.001. Off-by-default switches shared with LAMB: ``
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -130,6 +131,14 @@ class LARS(LayerwiseOptimizer):
         self._lr_per_group = lr is None
         if self._lr_per_group:  # every group has one (checked): defaults["lr"] is what schedulers read
             self.defaults["lr"] = self.param_groups[0]["lr"]
+        plain = [g for g in self.param_groups if not g["adapt"] and float(g["lr"]) >= 1.0]
+        if plain:  # param_groups()'s default (the LAMB recipe's) left biases and norms out
+            names = [n for g in plain for n in g.get("names", [])][:3]
+            warnings.warn(f"LARS: {sum(len(g['params']) for g in plain)} tensor(s) "
+                          f"{'(' + ', '.join(names) + ', ...) ' if names else ''}are in a group with adapt=False at "
+                          f"lr >= 1: without the trust ratio they take plain momentum SGD at the LARS learning "
+                          "rate and can diverge (a 2-layer net reached loss 7e29 at lr 10); LARS adapts every "
+                          "tensor: param_groups(model, adapt=largebatch.optim.CATEGORIES)", stacklevel=2)
 
     _options = LayerwiseOptimizer._options + ("_lr_per_group",)
 
