@@ -210,6 +210,33 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
     assert ours.std() > 0.1
 
+    # the family is chosen at export too (training never reads it): a resume of the finished run
+    # with --model.hf_model_type rewrote config.toml while export read the checkpoint's field
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert cli_main(["train", "--resume", str(run_dir), "--model.hf_model_type=roberta"]) == 0
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # "already complete"
+    as_roberta = tmp_path / "hf-roberta"
+    assert export(run_dir, as_roberta, "--hf-model-type", "roberta") == 0
+    hf = AutoModelForMaskedLM.from_pretrained(as_roberta).eval()
+    assert type(hf).__name__ == "RobertaForMaskedLM" and hf.config.pad_token_id == tok.pad_token_id
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=idx).logits, ours, atol=1e-5, rtol=0)
+    assert export(run_dir, tmp_path / "bad", "--hf-model-type", "llama") == 2
+    assert export(run_dir, tmp_path / "bad", "--hf-model-type", "gpt2") == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_hf_model_type_refused_before_training_where_the_export_would_refuse_it(cache, tmp_path, capsys):
+    """A pre-LN BERT (the default) with hf_model_type set trained to its end, and then its export was
+    refused; a GPT's or a tanh-GeLU RoBERTa's was refused at once. All three now are."""
+    base = ["train", "--check", f"--run.out_dir={tmp_path / 'run'}", f"--data.cache_dir={cache}"]
+    for args, words in ((["bert-demo", "--model.hf_model_type=roberta"], ["norm_position='pre'",
+                                                                         "set model.norm_position='post'"]),
+                        (["--model.hf_model_type=roberta"], ["a 'gpt' model exports as gpt2 (or leave it unset)"])):
+        assert cli_main([*base[:1], *args, *base[1:]]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
 
 def roberta_style_tokenizer(path: Path) -> str:
     """A byte-level BPE trained as RoBERTa's was: its special tokens <s>, <pad>, </s>, <unk>, <mask>

@@ -609,7 +609,7 @@ def test_a_run_from_the_roberta_family_exports_as_that_family(hf_dirs, kind, tmp
 
 def test_hf_model_type_is_checked_against_the_kind_and_the_activation(capsys, tmp_path):
     for args, words in ((("--model.hf_model_type=roberta",), ["hf_model_type='roberta'", "a 'gpt' model",
-                                                            "gpt2, or none"]),
+                                                            "gpt2 (or leave it unset)"]),
                         (("bert-demo", "--model.hf_model_type=roberta", "--model.norm_position=post",
                           "--model.activation=gelu_tanh"), ["activation='gelu_tanh'", "exact GeLU",
                                                             "hf_model_type='bert'"]),

@@ -413,5 +413,6 @@ def test_an_adaptive_seesaw_table_says_it_is_the_uncapped_plan():
     measured noise scale held the batch at 8 for all 79 steps of the run, and nothing said so."""
     adaptive = ScheduleConfig(batch_size=8, batch_policy="seesaw", final_lr=0.1, noise_scale_multiple=2.0)
     assert "adaptive: each milestone's batch is capped at 2 x the noise scale measured by then, so the " \
-           "batches and steps above are the uncapped plan" in adaptive.describe(TOTAL, SEQ)
+           "table above is the uncapped plan: its batches an upper bound, its steps and % of base a lower " \
+           "bound" in adaptive.describe(TOTAL, SEQ)
     assert "adaptive:" not in dataclasses.replace(adaptive, noise_scale_multiple=None).describe(TOTAL, SEQ)

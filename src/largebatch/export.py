@@ -23,6 +23,8 @@ Options:
   --checkpoint STEP    export the run's checkpoint at optimizer step STEP (or give its name,
                        step_00000100.pt, or its path) instead of the newest; the run keeps the newest
                        run.keep_checkpoints of them
+  --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2
+                       (GPT), bert, roberta, xlm-roberta or camembert (post-LN BERT)
   --no-verify          skip loading OUT back and comparing logits
 """
 
@@ -320,7 +322,7 @@ def _fail(message: str, code: int = 2) -> int:
 
 def _parse(argv: list[str]) -> dict[str, Any]:
     opts: dict[str, Any] = {"format": None, "force": False, "tokenizer": None, "verify": True,
-                            "checkpoint": None}
+                            "checkpoint": None, "hf-model-type": None}
     positional: list[str] = []
     i = 0
     while i < len(argv):
@@ -329,9 +331,10 @@ def _parse(argv: list[str]) -> dict[str, Any]:
             name, value = arg[2:].split("=", 1)
             if name in ("force", "no-verify"):
                 raise ExportError(f"--{name} takes no value: write --{name} alone")
-        elif arg in ("--format", "--tokenizer", "--checkpoint"):
+        elif arg in ("--format", "--tokenizer", "--checkpoint", "--hf-model-type"):
             if i + 1 >= len(argv):
-                example = {"--format": "hf", "--tokenizer": "PATH/tokenizer.json", "--checkpoint": "1000"}[arg]
+                example = {"--format": "hf", "--tokenizer": "PATH/tokenizer.json", "--checkpoint": "1000",
+                           "--hf-model-type": "roberta"}[arg]
                 raise ExportError(f"{arg} needs a value, e.g. {arg} {example}")
             name, value = arg[2:], argv[i + 1]
             i += 1
@@ -341,14 +344,14 @@ def _parse(argv: list[str]) -> dict[str, Any]:
             name, value = "verify", False
         elif arg.startswith("-"):
             raise ExportError(f"unknown option {arg!r}: use --format, --force, --tokenizer, "
-                              "--checkpoint or --no-verify (largebatch export --help)")
+                              "--checkpoint, --hf-model-type or --no-verify (largebatch export --help)")
         else:
             positional.append(arg)
             i += 1
             continue
-        if name not in ("format", "tokenizer", "checkpoint", "force", "verify"):
+        if name not in ("format", "tokenizer", "checkpoint", "hf-model-type", "force", "verify"):
             raise ExportError(f"unknown option '--{name}': use --format, --force, --tokenizer, "
-                              "--checkpoint or --no-verify (largebatch export --help)")
+                              "--checkpoint, --hf-model-type or --no-verify (largebatch export --help)")
         opts[name] = value
         i += 1
     if len(positional) != 2:
@@ -364,9 +367,10 @@ def _parse(argv: list[str]) -> dict[str, Any]:
 
 def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool = False,
            tokenizer_file: str | Path | None = None, verify: bool = True, log=print,
-           checkpoint: str | int | None = None) -> dict[str, Any]:
-    """Export the newest checkpoint of ``run_dir`` (or the one ``checkpoint`` names) to ``out``;
-    returns what was written.
+           checkpoint: str | int | None = None, hf_model_type: str | None = None) -> dict[str, Any]:
+    """Export the newest checkpoint of ``run_dir`` (or the one ``checkpoint`` names) to ``out``, as
+    the transformers ``hf_model_type`` when given (else the run's model.hf_model_type); returns what
+    was written.
 
     ``out`` is written in a temporary sibling directory and renamed into place, so a failed export
     never leaves a half-written OUT (with ``force`` an existing OUT is replaced only then).
@@ -393,7 +397,15 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     if blocked is not None:  # checked before the (long) checkpoint load
         raise ExportError(f"OUT {str(out)!r} cannot be created: {str(blocked)!r} is a file, not a "
                           "directory; pick an OUT path whose parents are directories")
+    if hf_model_type is not None:
+        from largebatch.models.config import HF_MODEL_TYPES
+
+        known = sorted({t for types in HF_MODEL_TYPES.values() for t in types})
+        if hf_model_type not in known:
+            raise ExportError(f"--hf-model-type {hf_model_type!r} is unknown: use one of {', '.join(known)}")
     loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint)
+    if hf_model_type is not None:  # the function is the same: only what the export writes changes
+        loaded.model.config = loaded.model.config.replace(hf_model_type=hf_model_type)
     if (partial := partial_note(loaded, "exports")) is not None:
         log(f"note: {partial}")
     seq_len = loaded.model.config.seq_len
@@ -461,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_transformers()
         info = export(opts["run_dir"], opts["out"], opts["format"], force=opts["force"],
                       tokenizer_file=opts["tokenizer"], verify=opts["verify"], checkpoint=opts["checkpoint"],
+                      hf_model_type=opts["hf-model-type"],
                       log=lambda m: print(m, file=sys.stderr))
     except ExportError as exc:
         return _fail(str(exc))

@@ -318,7 +318,8 @@ def report_markdown(result: dict, data: TaskData, s: Settings, run: str, checkpo
         f"Task: {TASKS[data.name].description}; {task}: {result['majority_rate']:.4f}.", "",
     ]
     lines += [
-        f"Fine-tuning: {s.epochs} epochs, AdamW lr {s.lr:g} (10% warmup, linear decay), batch {s.batch_size}, "
+        f"Fine-tuning: {s.epochs} epoch{'s' if s.epochs != 1 else ''}, AdamW lr {s.lr:g} (10% warmup, "
+        f"linear decay), batch {s.batch_size}, "
         f"weight decay {s.weight_decay:g}, head dropout {s.dropout:g}.", "",
         "| arm | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean | 95% CI |",
         "|---|" + "---|" * (len(result["seeds"]) + 2), *rows, "",

@@ -75,15 +75,15 @@ def check_exportable(cfg: ModelConfig) -> str:
         known = ", ".join(f"{k!r} ({v})" for k, v in HF_ARCHITECTURES.items())
         raise ExportError(f"model.kind={cfg.kind!r}: the hf format exports {known} only; "
                           f"{cfg.kind!r} maps to no transformers architecture")
-    if (problem := hf_model_type_problem(cfg)) is not None:
-        raise ExportError(problem)
-    arch = HF_TYPE_ARCHITECTURES[hf_model_type(cfg)]
     if cfg.kind == "bert" and cfg.norm_position != "post":
+        arch = HF_TYPE_ARCHITECTURES.get(cfg.hf_model_type or "bert", "BertForMaskedLM")
         raise ExportError(
             f"model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm that "
             f"transformers' {arch} cannot express; only post-LN BERT exports -- train "
             "with --model.norm_position=post")
-    return arch
+    if (problem := hf_model_type_problem(cfg)) is not None:
+        raise ExportError(problem)
+    return HF_TYPE_ARCHITECTURES[hf_model_type(cfg)]
 
 
 def special_tokens(tokenizer, kind: str) -> dict[str, str]:

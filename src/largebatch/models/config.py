@@ -75,7 +75,8 @@ class ModelConfig:
     "bert" for BERT). "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's
     *ForMaskedLM: positions counted from pad_token_id + 1, no segment embedding, the head under
     lm_head. init_from sets it to its directory's model_type, so a run continued from RoBERTa
-    exports as RoBERTa; set it to export another family. It changes nothing in training."""
+    exports as RoBERTa; set it to export another family (or give export --hf-model-type). It
+    changes nothing in training, and may differ when a run continues."""
 
     def __post_init__(self) -> None:
         check_literals(self, "ModelConfig")
@@ -114,8 +115,14 @@ def hf_model_type_problem(cfg: ModelConfig) -> str | None:
         return None
     types = HF_MODEL_TYPES.get(cfg.kind, ())
     if cfg.hf_model_type not in types:
-        fix = f"one of {', '.join(types)}, or none" if types else "none (no transformers architecture)"
+        fix = ((f"one of {', '.join(types)}" if len(types) > 1 else types[0]) + " (or leave it unset)"
+               if types else "nothing (no transformers architecture): leave it unset")
         return f"model.hf_model_type={cfg.hf_model_type!r}: a {cfg.kind!r} model exports as {fix}"
+    if cfg.kind == "bert" and cfg.norm_position != "post":
+        return (f"model.hf_model_type={cfg.hf_model_type!r} with model.norm_position={cfg.norm_position!r}: a "
+                "pre-LN BERT ends in a LayerNorm that transformers' masked-LM models have no place for, so the "
+                "export would be refused after training; set model.norm_position='post', or leave "
+                "hf_model_type unset")
     if cfg.hf_model_type in HF_MODEL_TYPES["bert"][1:] and cfg.activation != "gelu":
         return (f"model.hf_model_type={cfg.hf_model_type!r} with model.activation={cfg.activation!r}: the "
                 f"{cfg.hf_model_type} head computes the exact GeLU, so the export would compute other "

@@ -311,9 +311,9 @@ class ScheduleConfig:
         ]
         if self.noise_scale_multiple is not None and BATCH_POLICIES[self.batch_policy].milestones:
             lines.append(f"adaptive: each milestone's batch is capped at {self.noise_scale_multiple:g} x the "
-                         "noise scale measured by then, so the batches and steps above are the uncapped "
-                         "plan, an upper bound; a held batch keeps the full LR fall at its milestone. "
-                         "The run's own are in metrics.jsonl and schedule.png")
+                         "noise scale measured by then, so the table above is the uncapped plan: its batches "
+                         "an upper bound, its steps and % of base a lower bound; a held batch keeps the full "
+                         "LR fall at its milestone. The run's own are in metrics.jsonl and schedule.png")
         return "\n".join(lines)
 
 

@@ -50,7 +50,8 @@ RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoin
                   "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.plots",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
                   "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.",
-                  "data.cache_dir")  # the cache is keyed on content: moving it changes no token
+                  "data.cache_dir",  # the cache is keyed on content: moving it changes no token
+                  "model.hf_model_type")  # what the export writes (export --hf-model-type chooses it too)
 
 
 class RunDirLocked(RuntimeError):
