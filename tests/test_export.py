@@ -140,8 +140,8 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
         assert torch.allclose(reloaded.model(idx)[0], ref, atol=0, rtol=0)
     # a damaged newest checkpoint (its DCP metadata gone) is skipped for the previous one, and the
     # note suggests only the complete ones
-    for step in (pt.step + 2, pt.step + 3):
-        save_distributed(run_dir, step, model, optimizer, extra, ParallelState(), keep_last=3)
+    for step in (pt.step + 2, pt.step + 3):  # (retention counts both formats: the .pt is the 4th)
+        save_distributed(run_dir, step, model, optimizer, extra, ParallelState(), keep_last=4)
     dcps = sorted((run_dir / "checkpoints").glob("*.dcp"))
     assert len(dcps) == 3
     (dcps[2] / ".metadata").unlink()
