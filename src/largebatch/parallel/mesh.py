@@ -223,7 +223,7 @@ def _restart_store(world_size: int, timeout: timedelta) -> dict:
 
 def agree_at_start(outcome: str, detail: str, timeout_s: float) -> list[tuple[str, str, str]] | None:
     """Every rank's ``(outcome, detail, host)`` as it ends its checks before the job starts: "go", or
-    the reason it will not ("fail": its one-line error; "done": the run is finished; ...). Under
+    the reason it will not ("fail": its one-line error; "finished": the run is; "stopped": by a signal). Under
     torchrun a rank that exits before the process group forms (a read-only disk, a finished run, a
     missing file on its node only) left the others waiting in ``init_process_group`` for
     ``parallel.timeout_s`` and a traceback; with this each learns at once. Exchanged through the
