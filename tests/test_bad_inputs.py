@@ -300,6 +300,16 @@ def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     e = estimate(model, config.run.micro_batch, recompute="none", dtype_bytes=4, device="cpu")
     assert f"activations at a step's peak ~{human_bytes(e.activations + e.backward)} (fp32; closed form" in out
     assert "`largebatch memory --config FILE` breaks the activations down" in out and "warning" not in err
+    # the schedule as the run takes it (gpt-demo: Seesaw from batch 16, micro-batch 8), the table
+    # `largebatch schedule` prints for the same numbers (which it needs given by hand)
+    from largebatch.schedules.cli import main as schedule_main
+
+    assert schedule_main(["--run.total_tokens", str(config.run.total_tokens), "--model.seq_len",
+                          str(config.model.seq_len), "--run.micro_batch", "8", "--schedule.batch_policy", "seesaw",
+                          "--schedule.batch_size", "16", "--schedule.ratio", "0.5", "--schedule.peak_lr", "1e-2",
+                          "--schedule.warmup", "0.05", "--schedule.final_lr", "0.1"]) == 0
+    table = capsys.readouterr().out.strip()
+    assert out.strip().endswith(table) and "milestone 1" in table and "micro_batch 8 x dp 1" in table
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64", "--model.seq_len=4096",
                               "--run.micro_batch=64", "--schedule.batch_size=64", "--schedule.batch_policy=constant"],
                              capsys)

@@ -9,7 +9,9 @@ Every ``ScheduleConfig`` field is an option spelled as in ``largebatch train``
 the field's type, default and docstring as its help; so are the budget and batch sizes the schedule
 needs (``--run.total_tokens``, ``--model.seq_len``, ``--run.micro_batch``, ``--parallel.dp``).
 Older spellings stay as aliases: ``--peak-lr`` for ``--schedule.peak_lr`` (every field, dashes for
-underscores), ``--total-tokens``, ``--seq-len``, ``--micro-batch``, ``--dp``.
+underscores), ``--total-tokens``, ``--seq-len``, ``--micro-batch``, ``--dp``. A training config's
+schedule, as the run will take it (its budget, phases, micro-batch and replicas):
+``largebatch train CONFIG --check``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=positive_int, required=True,
                         help="tokens per sequence")
     parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=positive_int,
-                        default=1, help="sequences per micro-batch")
+                        default=1, help="sequences per micro-batch (default 1; largebatch train's is 8)")
     parser.add_argument("--parallel.dp", "--dp", dest="dp", type=positive_int, default=1,
                         help="data-parallel ranks")
     parser.add_argument("--plot", metavar="OUT.png",

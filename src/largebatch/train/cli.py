@@ -261,6 +261,7 @@ def _launch(args, unknown: list[str], parser) -> int:
                   f"{human_bytes(state.available)} available: lower run.micro_batch, set run.recompute "
                   f"(`largebatch memory --config FILE --budget-gib G` plans it), or split the model "
                   f"(parallel.tp, parallel.pp)", file=sys.stderr)
+        print(_schedule_tables(cfg, run_dir))
         return 0
 
     from largebatch.checkpoint import CheckpointError
@@ -318,6 +319,23 @@ def _run(cfg, run_dir: Path, resume: bool) -> dict:
     if _under_torchrun():
         run = record(run)  # torchrun's error file: its summary names the failing rank and error
     return run()
+
+
+def _schedule_tables(cfg, run_dir: Path) -> str:
+    """Each phase's LR / batch schedule as the run will take it (``largebatch schedule``'s table, at
+    this config's budget, micro-batch and replicas -- a continued run's granularity its checkpoints'),
+    for ``--check``: `largebatch schedule` reads no config file, and its micro_batch default is 1."""
+    from largebatch.parallel.mesh import resolve_sizes
+    from largebatch.train.config import batch_replicas
+    from largebatch.train.phases import resolve_phases
+
+    _, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    granularity = batch_replicas(cfg, dp, run_dir) if dp > 1 else dp
+    phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
+                            cfg.run.micro_batch, init_from=cfg.model.init_from)
+    return "\n".join((f"phase {p.index}: " if cfg.phases else "")
+                     + p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, granularity)
+                     for p in phases)
 
 
 def _note_once(line: str) -> None:
