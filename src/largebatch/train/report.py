@@ -133,9 +133,10 @@ class Reporting:
                     where = f"phase {p.index}: " if cfg.phases else ""
                     lines.append(f"pipeline     {where}{note}")
         if self.schedule_dp != self.par.dp_size:  # resumed on another replica count: the run's batches
+            rounded = " (the budget's last step rounded up to split)" if self.schedule_dp % self.par.dp_size else ""
             lines.append(f"batches      the run's own, multiples of micro_batch x {self.schedule_dp} (the "
                          f"replicas its checkpoints were written with), split over {self.par.dp_size} "
-                         "replicas (the budget's last step rounded up to split)")
+                         f"replica{'s' if self.par.dp_size > 1 else ''}{rounded}")
         return "\n".join(line for line in lines if line)
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
