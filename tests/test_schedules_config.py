@@ -112,7 +112,7 @@ def test_final_lr_means_a_fraction_of_peak_in_config_and_classes():
      "schedule.batch_size=100 is not a whole number of micro_batch (8)"),
     ({"batch_policy": "seesaw", "ratio": 1.1}, {}, "schedule.ratio=1.1"),
     ({"batch_policy": "seesaw", "ratio": 0.999}, {}, "schedule.ratio=0.999 gives 2,301 milestones"),
-    ({"batch_policy": "smith", "ratio": 1e-9}, {}, "schedule.ratio=1e-09 is below final_lr=0.1"),
+    ({"batch_policy": "smith", "ratio": 1e-9}, {}, "schedule.ratio=1e-09 is at or below final_lr=0.1"),
     ({"batch_policy": "seesaw", "final_lr": 0.0}, {}, "schedule.final_lr = 0.0: Seesaw-type"),
     ({"batch_policy": "seesaw-family"}, {}, "schedule.alpha = None: seesaw-family needs alpha and beta"),
     ({"batch_policy": "seesaw-family", "alpha": 1.0, "beta": 4.0}, {}, "schedule.alpha=1.0 < sqrt(beta)"),

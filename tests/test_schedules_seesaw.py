@@ -166,17 +166,29 @@ def test_a_ratio_near_1_is_refused_before_its_milestones_are_searched(make):
 
 
 @pytest.mark.parametrize("ratio, fragment", [
-    (1e-9, "is below final_lr=0.1"), (0.05, "is below final_lr=0.1"),
-    (0.1, "does not fall to peak_lr * ratio before the end"),  # reached only at the last token
+    (1e-9, "is at or below final_lr=0.1"), (0.05, "is at or below final_lr=0.1"),
+    (0.1, "is at or below final_lr=0.1"),  # reached only at the last token
 ])
-def test_a_ratio_that_leaves_no_milestone_is_refused(ratio, fragment):
+@pytest.mark.parametrize("total", [10**6, 10**10])
+def test_a_ratio_that_leaves_no_milestone_is_refused(ratio, fragment, total):
     """A ratio at or below final_lr leaves k_max < 1 (or its milestone on the last token): the
-    schedule would silently be the base schedule."""
-    cosine = Cosine(PEAK, 10**6, 10**5, 0.1)
+    schedule would silently be the base schedule. At a 1e10 budget ratio = final_lr was accepted:
+    the cosine's flat end fell within the search's tolerance 1,909 tokens before the last one."""
+    cosine = Cosine(PEAK, total, total // 10, 0.1)
     assert math.floor(math.log(0.1) / math.log(ratio) + 1e-9) <= 1
     with pytest.raises(ValueError, match=re.escape(f"ratio={ratio!r}")) as err:
         Seesaw(cosine, 64, ratio=ratio)
     assert fragment in str(err.value) and "use ratio in (0.1, 0.9977]" in str(err.value)
+
+
+@pytest.mark.parametrize("total", [10**6, 10**10])
+def test_a_milestone_at_the_base_end_lr_is_dropped_at_any_budget(total):
+    """ratio = sqrt(final_lr): its second milestone's LR is the base's end LR, reached at the last
+    token; one milestone at every budget (two at 1e10 before, the second 1,909 tokens from the end)."""
+    ratio = math.sqrt(0.1)
+    seesaw = Seesaw(Cosine(PEAK, total, total // 10, 0.1), 64, ratio=ratio)
+    assert len(seesaw.milestones) == 1
+    assert seesaw.milestones[0] / total == pytest.approx(cosine_milestone_fractions(0.1, 0.1, ratio)[0], abs=1e-5)
 
 
 def test_seesaw_family_names_its_ratio_when_it_is_near_1():

@@ -85,6 +85,11 @@ def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list
     final = base.end_lr / base.peak_lr
     allowed = f"use {name} in ({final:g}, {largest_ratio(final):g}] for final_lr={final:g}"
     k_max = math.floor(math.log(final) / math.log(ratio) + 1e-9)
+    if k_max >= 1 and ratio**k_max <= final * (1 + 1e-9):
+        # peak * ratio**k_max is the base's end LR itself: it is reached at the budget's last token,
+        # a milestone of no length, at any budget (found only where the base's end is steep enough:
+        # a cosine over 1e10 tokens reached it 1,909 tokens early, and that milestone was kept)
+        k_max -= 1
     if k_max > MAX_MILESTONES:
         raise ValueError(
             f"{name}={ratio!r} gives {k_max:,} milestones (floor(log(final_lr={final:g}) / "
@@ -92,8 +97,9 @@ def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list
             f"few steps; {allowed} (the paper uses 1/2 and 1/1.1)")
     if k_max < 1:
         raise ValueError(
-            f"{name}={ratio!r} is below final_lr={final:g}: the base LR never falls to peak_lr * "
-            f"{name}, so there would be no milestone and the schedule would be the base's; {allowed} "
+            f"{name}={ratio!r} is at or below final_lr={final:g}: the base LR falls to peak_lr * "
+            f"{name} at the end of its budget or never, so there would be no milestone and the schedule "
+            f"would be the base's; {allowed} "
             "(the paper uses 1/2 and 1/1.1)")
     milestones, lo = [], base.warmup_tokens
     for k in range(1, k_max + 1):
