@@ -106,24 +106,20 @@ def check_run_dir_given(run_dir: str | Path) -> None:
                           "(it holds config.toml and checkpoints/)")
 
 
-def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[1].split(".")[0])
-
-
 def choose_checkpoint(run_dir: Path, which: str | int, candidates: list[Path]) -> Path:
     """The checkpoint of ``run_dir`` that ``which`` names: an optimizer step (``100``), a checkpoint's
     name (``step_00000100.pt``) or its path. ExportError naming the steps the run keeps otherwise."""
-    from largebatch.checkpoint import checkpoint_dir
+    from largebatch.checkpoint.files import checkpoint_dir, checkpoint_step
 
     text = str(which).strip()
     if not text:
         raise ExportError("--checkpoint is empty: give a step number (e.g. --checkpoint 1000), a "
                           "checkpoint's name or its path, or leave --checkpoint out for the newest")
-    kept = ", ".join(str(_step_of(p)) for p in candidates) or "none"
+    kept = ", ".join(str(checkpoint_step(p)) for p in candidates) or "none"
     fix = (f"RUN_DIR {str(run_dir)!r} keeps checkpoints at steps {kept} (run.keep_checkpoints keeps "
            "the newest ones): pass one of those, or leave --checkpoint out for the newest")
     if text.isdigit():
-        found = [p for p in candidates if _step_of(p) == int(text)]
+        found = [p for p in candidates if checkpoint_step(p) == int(text)]
         if not found:
             raise ExportError(f"--checkpoint {text}: no checkpoint at step {int(text)}; {fix}")
         return found[-1]
@@ -207,7 +203,9 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
 
 
 def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_file, chosen: bool = False):
-    step = int(extra.get("progress", {}).get("step", _step_of(path)))
+    from largebatch.checkpoint.files import checkpoint_step
+
+    step = int(extra.get("progress", {}).get("step", checkpoint_step(path)))
     if tokenizer is None:
         tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
     tokens = extra.get("progress", {}).get("tokens")

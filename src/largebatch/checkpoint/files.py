@@ -36,6 +36,11 @@ def list_checkpoints(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> 
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint's name holds (``step_00000100.pt`` -> 100)."""
+    return int(_NAME.match(path.name).group(1))
+
+
 def checkpoint_dp_size(run_dir: str | Path) -> int | None:
     """The data-parallel replica count the newest checkpoint of ``run_dir`` was written with (its
     batches are multiples of micro_batch x that count): 1 for a one-process ``.pt``; a ``.dcp``'s
@@ -68,9 +73,9 @@ def superseded(run_dir: str | Path, written: Path, keep_last: int) -> list[Path]
     newest was damaged): it is of a trajectory the run left, and were it kept, retention would count
     it among the newest and delete the one just written (only a damaged checkpoint was then left),
     and a relaunch would resume from it."""
-    step = int(_NAME.match(written.name).group(1))
+    step = checkpoint_step(written)
     both = list_checkpoints(run_dir, (".pt", ".dcp"))
-    later = [p for p in both if int(_NAME.match(p.name).group(1)) > step]
+    later = [p for p in both if checkpoint_step(p) > step]
     older = [p for p in both if p not in later and p != written]
     room = keep_last - (1 if written.exists() else 0)  # (asked before the write: keep_last of the others)
     return later + older[:max(0, len(older) - room)]

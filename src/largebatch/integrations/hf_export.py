@@ -44,7 +44,9 @@ import torch
 
 from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
-from largebatch.models.config import ModelConfig, hf_model_type_problem
+from largebatch.memory.hf import ROBERTA_LAYOUTS
+from largebatch.models.config import HF_MODEL_TYPES, ModelConfig, hf_model_type_problem
+from largebatch.train.hf_import import HF_LAYOUTS
 
 VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "
                "or close the wall up with our English dead.")
@@ -54,19 +56,16 @@ VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; 
 HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
-# model kind -> the transformers architecture it exports to by default (model.hf_model_type unset)
-HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM"}
-# model.hf_model_type -> the architecture written; the RoBERTa family's masked-LM models are one
-# network (positions from pad_token_id + 1, one segment, the head under lm_head)
-HF_TYPE_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
-                         "roberta": "RobertaForMaskedLM", "xlm-roberta": "XLMRobertaForMaskedLM",
-                         "camembert": "CamembertForMaskedLM"}
-ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+# model.hf_model_type -> the architecture written (the one the import reads); the RoBERTa family's
+# masked-LM models are one network (positions from pad_token_id + 1, one segment, the head under lm_head)
+HF_TYPE_ARCHITECTURES = {model_type: arch for model_type, (_, _, arch) in HF_LAYOUTS.items()}
+# model kind -> the architecture it exports to by default (model.hf_model_type unset): its first type's
+HF_ARCHITECTURES = {kind: HF_TYPE_ARCHITECTURES[types[0]] for kind, types in HF_MODEL_TYPES.items()}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The transformers model_type ``cfg`` exports as: model.hf_model_type, else by kind."""
-    return cfg.hf_model_type or {"gpt": "gpt2", "bert": "bert"}[cfg.kind]
+    """The transformers model_type ``cfg`` exports as: model.hf_model_type, else its kind's first."""
+    return cfg.hf_model_type or HF_MODEL_TYPES[cfg.kind][0]
 
 
 def check_exportable(cfg: ModelConfig) -> str:
@@ -152,7 +151,7 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                   layer_norm_eps=cfg.norm_eps, pad_token_id=special.get("pad_token"),
                   bos_token_id=special.get("bos_token"), eos_token_id=special.get("eos_token"), **common)
     model_type = hf_model_type(cfg)
-    if model_type in ROBERTA_TYPES:  # rows 0..pad come before the first position; one segment
+    if model_type in ROBERTA_LAYOUTS:  # rows 0..pad come before the first position; one segment
         pad = roberta_pad(cfg, special)
         fields.update(max_position_embeddings=cfg.seq_len + pad + 1, type_vocab_size=1, pad_token_id=pad)
         return AutoConfig.for_model(model_type, **fields)
@@ -196,7 +195,7 @@ def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
     check_exportable(cfg)
     s = {k: v.detach().float() for k, v in model.state_dict().items()}
     h, f = cfg.n_embd, cfg.ffn
-    roberta = hf_model_type(cfg) in ROBERTA_TYPES
+    roberta = hf_model_type(cfg) in ROBERTA_LAYOUTS
     prefix = "roberta." if roberta else "bert."
     e = prefix + "embeddings."
     positions = s["pos_emb.weight"]
@@ -309,7 +308,7 @@ def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) ->
     hf.save_pretrained(out)  # safetensors; tied weights stored once
     if tokenizer is not None:
         hf_tokenizer(tokenizer, cfg.kind, max_length or cfg.seq_len,
-                     one_segment=hf_model_type(cfg) in ROBERTA_TYPES).save_pretrained(out)
+                     one_segment=hf_model_type(cfg) in ROBERTA_LAYOUTS).save_pretrained(out)
     # (a model over save_pretrained's max_shard_size, 50 GB, is written as an index and shards)
     if not any((out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise RuntimeError(f"transformers did not write {out / 'model.safetensors'}")

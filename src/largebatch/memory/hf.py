@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from largebatch.memory.activations import activation_bytes_per_layer
-from largebatch.models.config import ModelConfig
+from largebatch.models.config import HF_MODEL_TYPES, ModelConfig
 
 # Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
 UNSUPPORTED = {
@@ -44,7 +44,7 @@ UNSUPPORTED = {
 # trained on other corpora) are BERT's post-LN blocks, with positions counted from pad_token_id + 1
 # (RobertaEmbeddings: rows 0 .. pad_token_id are never used by a sequence without padding), so
 # max_position_embeddings - (pad_token_id + 1) positions are usable
-ROBERTA_LAYOUTS = ("roberta", "xlm-roberta", "camembert")
+ROBERTA_LAYOUTS = HF_MODEL_TYPES["bert"][1:]  # ("roberta", "xlm-roberta", "camembert")
 BERT_LAYOUTS = ("bert", *ROBERTA_LAYOUTS)
 
 
@@ -121,6 +121,11 @@ def _field(raw: dict, name: str, default=None):
     return value
 
 
+# transformers' dropout fields per model type (each defaults to 0.1 in its config class)
+HF_DROPOUTS = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+               **dict.fromkeys(BERT_LAYOUTS, ("hidden_dropout_prob", "attention_probs_dropout_prob"))}
+
+
 def _dropout(raw: dict, names: tuple[str, ...]) -> float:
     """One dropout probability for the model: the memory model only needs to know whether the masks
     exist, so equal-or-not probabilities are fine, but some on and some off is not describable."""
@@ -174,7 +179,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
             kind="gpt", n_layer=_field(raw, "n_layer"), n_embd=_field(raw, "n_embd"),
             n_head=_field(raw, "n_head"), ffn_hidden=_ffn(raw.get("n_inner"), raw["n_embd"], "n_inner"),
             seq_len=_field(raw, "n_positions"), vocab_size=_field(raw, "vocab_size"),
-            dropout=_dropout(raw, ("attn_pdrop", "resid_pdrop", "embd_pdrop")),
+            dropout=_dropout(raw, HF_DROPOUTS["gpt2"]),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="pre",
             norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
     _activation(raw, "hidden_act", "gelu")
@@ -188,7 +193,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
         n_head=_field(raw, "num_attention_heads"),
         ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"], "intermediate_size"),
         seq_len=bert_positions(raw, "hf config"), vocab_size=_field(raw, "vocab_size"),
-        dropout=_dropout(raw, ("hidden_dropout_prob", "attention_probs_dropout_prob")),
+        dropout=_dropout(raw, HF_DROPOUTS["bert"]),
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="post",
         norm_eps=float(raw.get("layer_norm_eps", 1e-12)))
 

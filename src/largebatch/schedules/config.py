@@ -317,12 +317,19 @@ class ScheduleConfig:
         return "\n".join(lines)
 
 
+# a schedule class's argument -> the config field it comes from, where the names differ
+CLASS_ARGUMENTS = {"start_batch": "ramp_start"}
+
+
 def _named_once(message: str) -> str:
     """A schedule class's message with its field named as the config writes it, once:
-    'alpha=1 < sqrt(beta)=2' -> 'schedule.alpha=1 < sqrt(beta)=2'; an already named one stays."""
+    'alpha=1 < sqrt(beta)=2' -> 'schedule.alpha=1 < sqrt(beta)=2'; an already named one stays; an
+    argument the config calls otherwise is renamed throughout ('start_batch' -> 'schedule.ramp_start')."""
     if message.startswith("schedule.") or ".schedule." in message.split(" ")[0]:
         return message
     first = message.split("=")[0].split(" ")[0]
+    if first in CLASS_ARGUMENTS:
+        return re.sub(rf"\b{first}\b", f"schedule.{CLASS_ARGUMENTS[first]}", message)
     return f"schedule.{message}" if first in ScheduleConfig.__dataclass_fields__ else f"schedule: {message}"
 
 
@@ -342,10 +349,7 @@ def _ramp(c: ScheduleConfig, lr: lr_module.LRSchedule, total: int, sizes: dict) 
     if tokens < 1:
         c._fail("ramp_tokens", f"is {c.ramp_tokens * total:.3g} tokens of the {total:,}-token budget, "
                 "less than one; raise it")
-    try:
-        return LinearRamp(lr, c.ramp_start, c.ramp_increment, tokens, c.batch_size, **sizes)
-    except ValueError as exc:  # the class's argument names as the config's fields
-        raise ValueError(re.sub(r"\bstart_batch\b", "schedule.ramp_start", str(exc))) from exc
+    return LinearRamp(lr, c.ramp_start, c.ramp_increment, tokens, c.batch_size, **sizes)
 
 
 register_batch_policy("ramp", _ramp,

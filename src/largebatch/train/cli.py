@@ -330,7 +330,7 @@ def _schedule_tables(cfg, run_dir: Path) -> str:
     from largebatch.train.phases import resolve_phases
 
     _, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    granularity = batch_replicas(cfg, dp, run_dir) if dp > 1 else dp
+    granularity = batch_replicas(cfg, dp, run_dir)
     phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                             cfg.run.micro_batch, init_from=cfg.model.init_from)
     return "\n".join((f"phase {p.index}: " if cfg.phases else "")

@@ -300,6 +300,8 @@ def batch_replicas(cfg: TrainConfig, dp: int, run_dir: str | Path | None = None)
     new run; for one that continues (``run_dir``, else run.out_dir, holding checkpoints) the count its
     checkpoints were written with, which the trainer keeps (a one-process run of batch 8 and
     micro_batch 8 continues on 2 replicas of 4 sequences each, though 8 x 2 does not divide 8)."""
+    if dp == 1:  # one replica splits any batch
+        return dp
     if run_dir is None:
         if "{time}" in cfg.run.out_dir:
             return dp
@@ -332,9 +334,7 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
             check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
             check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
         pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
-        granularity = dp  # replicas the batches are multiples of: a continued run's own (its checkpoints')
-        if dp > 1:
-            granularity = batch_replicas(cfg, dp, run_dir)
+        granularity = batch_replicas(cfg, dp, run_dir)  # a continued run's own (its checkpoints')
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
                                     cfg.run.micro_batch, init_from=cfg.model.init_from):
             where = f"phases[{phase.index}]: " if cfg.phases else ""

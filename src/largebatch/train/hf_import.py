@@ -45,7 +45,14 @@ from typing import Any
 
 import torch
 
-from largebatch.memory.hf import BERT_LAYOUTS, ROBERTA_LAYOUTS, UNSUPPORTED, bert_positions, position_offset
+from largebatch.memory.hf import (
+    BERT_LAYOUTS,
+    HF_DROPOUTS,
+    ROBERTA_LAYOUTS,
+    UNSUPPORTED,
+    bert_positions,
+    position_offset,
+)
 from largebatch.models.config import ModelConfig
 from largebatch.typed_config import ConfigError
 
@@ -253,7 +260,7 @@ def resolve_init(cfg, given: set[str]):
             fields[name] = False  # untied on request (pipeline parallel): the output layer a copy
             continue
         if name in YOURS_TO_CHOOSE and f"model.{name}" in given:
-            fields[name] = mine  # (checked against the kind and activation by ModelConfig)
+            fields[name] = mine  # (checked against the kind, activation and norms by config.check)
             continue
         if f"model.{name}" in given and mine != value:
             shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
@@ -265,11 +272,6 @@ def resolve_init(cfg, given: set[str]):
     model = dataclasses.replace(cfg.model, **fields)
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
-
-
-# transformers' dropout fields per model type, with their config classes' defaults
-HF_DROPOUTS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
-               **dict.fromkeys(BERT_LAYOUTS, ("hidden_dropout_prob", "attention_probs_dropout_prob"))}
 
 
 def dropout_note(cfg, given: set[str]) -> str | None:
