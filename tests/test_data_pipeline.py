@@ -576,6 +576,14 @@ def test_a_corpus_that_is_one_large_file_is_encoded_in_pieces_with_the_whole_fil
         def encode(self, text, **kwargs):  # (cut_mode's probe)
             return self.tok.encode(text, **kwargs)
 
+        @property
+        def encode_special_tokens(self):  # (set while the stream is written: special strings as text)
+            return self.tok.encode_special_tokens
+
+        @encode_special_tokens.setter
+        def encode_special_tokens(self, value):
+            self.tok.encode_special_tokens = value
+
     monkeypatch.setattr(tokenizer_lib, "ENCODE_CHARS", 5000)
     for tok, eot in ((bpe, 0), (wordpiece, 1), *((t, 0) for t in sentencepiece.values())):
         seen = Longest(tok)
@@ -642,3 +650,87 @@ def test_the_predicted_share_counts_the_one_position_a_row_always_gets(seq_len):
     n = seq_len - 2
     assert expected == pytest.approx((0.15 * n + 0.85 ** n) / seq_len, rel=1e-12)
     assert measured == pytest.approx(expected, abs=4 * np.sqrt(expected / (rows * seq_len)))
+
+
+SPECIAL_PROSE = ("A note on tokenizers: GPT-2 ends a document with <|endoftext|>, and BERT writes "
+                 "[CLS] text [SEP], pads with [PAD] and hides a word behind [MASK].\n")
+
+
+@pytest.mark.parametrize("tokenizer", ["trained", "wordpiece"])
+def test_special_token_strings_in_a_document_are_encoded_as_its_text(tmp_path, tokenizer):
+    """A document that writes "<|endoftext|>" or "[MASK]" (text about tokenizers, code) used to get
+    the special tokens themselves: a second separator cut it in two, and a BERT sample held a
+    [MASK] input without a label. Now they are the characters they are: one separator per document,
+    no special id inside a document, the text decodes back, and every [MASK] input of every BERT
+    sample is a prediction target."""
+    from largebatch.data import tokenizer as tokenizer_lib
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet", "macbeth", "othello"):
+        (corpus / f"{name}.txt").write_text((SHKSPR_TEXTS / f"{name}_gut.txt").read_text()[:30_000])
+    (corpus / "notes.txt").write_text(SPECIAL_PROSE * 40 + (SHKSPR_TEXTS / "lear_gut.txt").read_text()[:8_000])
+    extra = {}
+    if tokenizer == "wordpiece":  # a user's BERT vocabulary: [SEP] separates its documents
+        texts = [p.read_text() for p in corpus.iterdir()]
+        extra["tokenizer_file"] = _wordpiece(tmp_path / "wp.json", texts,
+                                             ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    config = DataConfig(corpus=str(corpus), vocab_size=400, val_documents=["macbeth"],
+                        cache_dir=str(tmp_path / "cache"), **extra)
+    gpt = build_data(config, SEQ_LEN, "causal")
+    special = set(gpt.special_ids.values())
+    separator = tokenizer_lib.document_separator(gpt.tokenizer)[1]
+    train = gpt.train.tokens.astype(np.int64)
+    assert int((train == separator).sum()) == 3  # hamlet, notes, othello: one separator each
+    assert int((gpt.val.tokens == separator).sum()) == 1
+    starts = np.flatnonzero(train == separator).tolist() + [len(train)]
+    segments = [train[a + 1:b] for a, b in zip(starts, starts[1:])]
+    assert all(not special & set(seg.tolist()) for seg in segments)
+    notes = [gpt.tokenizer.decode(seg.tolist(), skip_special_tokens=False) for seg in segments]
+    want = SPECIAL_PROSE.lower() if tokenizer == "wordpiece" else SPECIAL_PROSE  # (its normalizer lowercases)
+    assert sum(text.startswith(want.split(":")[0]) for text in notes) == 1
+    if tokenizer == "trained":
+        assert (corpus / "notes.txt").read_text() in notes  # byte-level BPE round-trips it exactly
+    bert = build_data(config, SEQ_LEN, "masked")
+    mask_id = bert.special_ids["[MASK]"]
+    batch = bert.train.get_batch(range(len(bert.train)))
+    is_mask = batch["input_ids"] == mask_id
+    assert int(is_mask.sum()) > 100 and not (is_mask & (batch["labels"] == IGNORE_INDEX)).any()
+
+
+def test_validation_documents_repeated_in_training_are_named_at_start_up(tmp_path):
+    """The split is by name: a record repeated in a corpus, or a val_corpus whose file is also in the
+    corpus, put the same text on both sides, and nothing said so. The data's warnings name each pair,
+    and the trainer logs them before its first step."""
+    from largebatch.train.config import load_config
+    from largebatch.train.loop import Trainer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    plays = {name: (SHKSPR_TEXTS / f"{name}_gut.txt").read_text()[:20_000]
+             for name in ("hamlet", "macbeth", "othello", "tempest")}
+    for name, text in plays.items():
+        (corpus / f"{name}.txt").write_text(text)
+    (corpus / "macbeth_copy.txt").write_text(plays["macbeth"])
+    common = dict(vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    repeated = build_data(DataConfig(corpus=str(corpus), val_documents=["macbeth", "tempest"], **common), 32)
+    assert repeated.stats.val_in_train == [("macbeth", "macbeth_copy")]
+    (warning,) = repeated.stats.warnings()
+    assert warning.startswith("1 of the 2 validation documents have the text of a training document "
+                              "(macbeth = macbeth_copy)") and "remove the repeated documents" in warning
+    inside = build_data(DataConfig(corpus=str(corpus), val_corpus=str(corpus / "othello.txt"), **common), 32)
+    assert inside.stats.val_in_train == [("othello", "othello")]
+    assert "keep its files out of data.corpus" in inside.stats.warnings()[0]
+    clean = build_data(DataConfig(corpus=str(corpus), val_documents=["hamlet"], **common), 32)
+    assert clean.stats.val_in_train == [] and clean.stats.warnings() == []
+
+    overrides = {"data.corpus": str(corpus), "data.val_documents": ["macbeth", "tempest"],
+                 "data.vocab_size": 300, "data.cache_dir": str(tmp_path / "cache"),
+                 "model.n_layer": 1, "model.n_embd": 16, "model.n_head": 2, "model.seq_len": 32,
+                 "schedule.batch_size": 4, "run.micro_batch": 4, "run.total_tokens": 32 * 4 * 2,
+                 "run.eval_tokens": 64, "run.tensorboard": False, "run.progress": "off",
+                 "run.sample_tokens": 0, "run.plots": False, "run.out_dir": str(tmp_path / "run")}
+    lines = []
+    Trainer(load_config(None, overrides), overrides["run.out_dir"], log=lines.append).fit()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step"))
+    assert any(line.startswith("warning: 1 of the 2 validation documents") for line in lines[:first_step])

@@ -62,9 +62,22 @@ class DataStats:
     cache_hit: bool = False  # True: tokenizer and streams were loaded, nothing was trained
     cache_rebuilt: str | None = None  # why a damaged cache entry was built again, if it was
     content_key: str | None = None  # token arrays: token_array_fingerprint of the files (text: the cache entry)
+    val_in_train: list[tuple[str, str]] = field(default_factory=list)
+    """(validation document, training document) pairs with the same text (build.val_in_train)."""
 
     def __str__(self) -> str:
         return self.describe()
+
+    def warnings(self) -> list[str]:
+        """What a run should warn of about its data (the trainer logs each at start-up)."""
+        if not self.val_in_train:
+            return []
+        pairs = ", ".join(f"{val} = {train}" for val, train in self.val_in_train[:3])
+        more = f" and {len(self.val_in_train) - 3} more" if len(self.val_in_train) > 3 else ""
+        return [f"{len(self.val_in_train)} of the {self.val_documents} validation documents have the text "
+                f"of a training document ({pairs}{more}): the validation loss on them measures recall, "
+                "not generalisation; remove the repeated documents from the corpus (or, with "
+                "data.val_corpus, keep its files out of data.corpus)"]
 
     def describe(self) -> str:
         def docs(n):
@@ -205,16 +218,33 @@ def _text_streams(cfg: DataConfig):
     if cfg.tokenizer_file:  # encoded without the file's truncation and padding (entries before: with)
         key_parts["tokenizer_file"] = hashlib.sha256(_read_tokenizer_bytes(cfg)).hexdigest()
         key_parts["encoding"] = "plain"
+        specials = tokenizer_lib.special_strings(read_tokenizer_file(cfg))
     else:
         key_parts["vocab_size"] = cfg.vocab_size
+        specials = list(tokenizer_lib.SPECIAL_TOKENS)
+    if any(special in doc.text for doc in (*train_docs, *val_docs) for special in specials):
+        # written as text (tokenizer.encode_texts); entries before matched them as the tokens. A
+        # corpus without such strings keeps its key: its streams are the same either way.
+        key_parts["special_text"] = "literal"
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
     cache_hit, damage = _ensure_entry(entry, cfg, train_docs, val_docs)
     tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
     stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
                       len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
-                      cache_hit, damage)
+                      cache_hit, damage, val_in_train=val_in_train(train_docs, val_docs))
     return tokenizer, train_tokens, val_tokens, stats
+
+
+def val_in_train(train_docs: list[Document], val_docs: list[Document]) -> list[tuple[str, str]]:
+    """(validation document, training document with the same text) for every validation document
+    whose text is also a training document's: a corpus with repeated records (web dumps often
+    have them) or a val_corpus that lies inside the corpus. The split is by name, so nothing else
+    keeps such text out of training; its validation loss measures recall."""
+    first = {}
+    for doc in train_docs:
+        first.setdefault(doc.text, doc.name)
+    return [(doc.name, first[doc.text]) for doc in val_docs if doc.text in first]
 
 
 def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],

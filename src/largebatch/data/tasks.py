@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from largebatch.data.corpus import Document, bible_documents, shakespeare_documents
-from largebatch.data.tokenizer import plain
+from largebatch.data.tokenizer import encode_texts, plain
 
 FOLIO = {
     "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure",
@@ -149,7 +149,7 @@ def build_task(task: str, tokenizer, passage_len: int, passages_per_document: in
             texts.append(doc.text[TITLE_CHARS + b * block: TITLE_CHARS + (b + 1) * block])
             owners.append((doc.name, label))
     split: dict[bool, tuple[list[list[int]], list[int], list[str]]] = {False: ([], [], []), True: ([], [], [])}
-    encodings = plain(tokenizer).encode_batch(texts, add_special_tokens=False)  # every token: no truncation
+    encodings = encode_texts(plain(tokenizer), texts)  # every token (no truncation), special strings as text
     for text, enc, (name, label) in zip(texts, encodings, owners):
         ids = enc.ids[1:passage_len + 1]  # the first token may be the tail of a cut word
         if len(ids) < passage_len:

@@ -206,6 +206,26 @@ def plain(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer
 
 
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list:
+    """``tokenizer``'s encodings of ``texts`` taken as text: no special tokens added, and a special
+    token's string written in a text (``"<|endoftext|>"``, ``"[MASK]"`` in a document about
+    tokenizers, or in code) encoded as the characters it is, as GPT-2's training data and
+    tiktoken's ``encode_ordinary`` treat it. Matched as the token, it cut a document in two or put
+    an unlabelled ``[MASK]`` into a BERT sample. A transformers tokenizer exported from a run still
+    reads such strings as its special tokens (its ``split_special_tokens=False``), as prompts expect."""
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=False)
+    finally:
+        tokenizer.encode_special_tokens = before
+
+
+def special_strings(tokenizer: Tokenizer) -> list[str]:
+    """The strings of ``tokenizer``'s special tokens (what ``encode_texts`` encodes as text)."""
+    return [added.content for added in tokenizer.get_added_tokens_decoder().values() if added.special]
+
+
 ENCODE_CHARS = 1 << 22
 """Characters of text encoded at a time when writing a token stream: the tokenizer's Encoding
 objects cost ~100 bytes a token, so encoding a whole split at once took ~80x the corpus in memory.
@@ -225,7 +245,7 @@ def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dty
     with open(path, "wb") as out:
         def flush(batch: list[str], starts: list[bool]) -> None:
             nonlocal written
-            encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+            encodings = encode_texts(tokenizer, batch)
             stream = np.empty(sum(len(e.ids) + first for e, first in zip(encodings, starts)), dtype=dtype)
             position = 0
             for encoding, first in zip(encodings, starts):

@@ -510,6 +510,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     def _fit(self) -> dict[str, Any]:
         run, pos = self.cfg.run, self.pos
         self.log(self.describe())
+        for warning in self.data.stats.warnings():
+            self.log(f"warning: {warning}")
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens, pos.model_flops)  # the last record
         self._warned_mfu = False
