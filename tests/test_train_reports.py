@@ -80,6 +80,26 @@ def test_summary_lists_only_the_outputs_the_run_wrote(tmp_path):
     line = format_summary(summary, tmp_path).splitlines()[-1]
     assert line == f"run directory     {tmp_path}  (metrics.jsonl, loss.png, schedule.png, tensorboard/)"
 
+def test_a_seesaw_grown_past_the_noise_scale_is_noted_in_the_summary(reference_run):
+    """Seesaw's loss-for-loss match with the LR schedule holds below the critical batch; the default
+    recipe ended at batch 128 against a B_simple of ~56 and the summary said nothing. The summary
+    now records the batch the schedule reached and notes an uncapped Seesaw that passed the
+    estimate (the reference run: Seesaw 8 -> 16 -> 32 in micro-batches of 4)."""
+    cache, out, summary = reference_run
+    batches = [r["batch_size"] for r in read_metrics(out) if r["kind"] == "train"]
+    # the schedule's batch at the last token: 32 (8 doubled twice), though the last step, cut to the
+    # budget, ran 24
+    assert summary["final_batch_size"] == 32 and batches[-1] == 24 and summary["uncapped_seesaw"]
+    assert summary["noise_scale"] is not None
+    text = format_summary(summary, out)
+    assert ("note: Seesaw's schedule reached a batch of" in text) == (32 > summary["noise_scale"])
+    for noise_scale, policy_uncapped, noted in ((8.0, True, True), (40.0, True, False), (8.0, False, False)):
+        text = format_summary({**summary, "noise_scale": noise_scale, "uncapped_seesaw": policy_uncapped}, out)
+        assert ("note: Seesaw's schedule reached a batch of 32 sequences, 4.0x this estimate" in text) == noted, text
+        if noted:
+            assert "schedule.noise_scale_multiple = 1" in text
+
+
 DRIVER = """
 import json, sys
 from pathlib import Path

@@ -374,6 +374,13 @@ def format_summary(s: dict, run_dir: Path) -> str:
         lines.insert(-1, f"                  warning: {warning}")
     if s.get("noise_scale") is not None:
         lines.append(f"noise scale       B_simple ~ {s['noise_scale']:.0f} sequences")
+        final = s.get("final_batch_size") or 0
+        if s.get("uncapped_seesaw") and final > s["noise_scale"]:
+            lines.append(f"                  note: Seesaw's schedule reached a batch of {final} sequences, "
+                         f"{final / s['noise_scale']:.1f}x this estimate of the critical batch; its "
+                         "loss-for-loss match with the LR schedule holds below the critical batch "
+                         "(docs/schedules.md). schedule.noise_scale_multiple = 1 caps the batch at the "
+                         "estimate as the run goes")
     if s.get("skipped_steps"):
         lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss)")
     if "sample" in s:

@@ -152,6 +152,11 @@ class Reporting:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": self.peak_memory(), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        # the batch the (last phase's) schedule had reached at the run's last token, and whether it is a
+        # Seesaw that grows without the noise-scale cap (format_summary compares the two)
+        summary["final_batch_size"] = self.schedule.batch_size(max(pos.tokens - pos.phase_start - 1, 0))
+        summary["uncapped_seesaw"] = (self.phase.schedule.batch_policy == "seesaw"
+                                      and self.phase.schedule.noise_scale_multiple is None)
         summary["final_val_accuracy"] = self.val_accuracy
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
         evaluated = self.evaluated_targets()  # the baseline on the tokens the validation loss is on
