@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"largebatch: '{name}' is not available in this build ({exc.name} missing).",
                   file=sys.stderr)
             return 2
-        if exc.name and exc.name.split(".")[0] in TRAIN_EXTRA:
-            print(f"largebatch: '{name}' needs the package {exc.name.split('.')[0]!r}, part of the [train] "
-                  "extra: pip install 'largebatch[train]'", file=sys.stderr)
+        if _missing_extra(name, exc):
             return 2
         raise
     try:
@@ -70,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     except TorchTooOld as exc:  # a command that imports the trainer when it runs
         print(f"largebatch {name}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # a command that imports a [train] package only when it runs
+        if _missing_extra(name, exc):  # (experiment's data, schedule's --plot)
+            return 2
+        raise
+
+
+def _missing_extra(name: str, exc: ModuleNotFoundError) -> bool:
+    """Say which extra brings the package ``exc`` names, when it is a [train] one; True if said."""
+    package = (exc.name or "").split(".")[0]
+    if package not in TRAIN_EXTRA:
+        return False
+    print(f"largebatch: '{name}' needs the package {package!r}, part of the [train] "
+          "extra: pip install 'largebatch[train]'", file=sys.stderr)
+    return True
 
 
 def console() -> None:

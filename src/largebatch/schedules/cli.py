@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import sys
 
@@ -124,6 +125,9 @@ def main(argv: list[str]) -> int:
         config = ScheduleConfig.from_dict(fields)
         if args.plot is not None:  # before the work: a plot that cannot be written is known now
             check_output_file(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError(f"--plot {args.plot!r} needs matplotlib, part of the [train] extra: pip "
+                                 "install 'largebatch[train]', or leave --plot out for the table alone")
         text = config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp)
         if args.plot is not None:  # drawn before the table is printed: `| head` must not lose it
             try:
