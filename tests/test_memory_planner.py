@@ -96,6 +96,16 @@ def test_planner_reads_a_training_config(capsys, tmp_path, monkeypatch):
     by_name = capsys.readouterr().out
     assert memory_main(["--config", str(shipped_configs()["bert-large-lans"])]) == 0
     assert by_name == capsys.readouterr().out and "L=24" in by_name
+    # the docs' spelling (a path in the repository) means the shipped file where no such file exists
+    for spelling in ("configs/bert-large-lans.toml", "bert-large-lans.toml"):
+        assert memory_main(["--config", spelling]) == 0
+        assert capsys.readouterr().out == by_name
+    (tmp_path / "configs").mkdir()  # a file of the user's own at that path comes first
+    (tmp_path / "configs" / "bert-large-lans.toml").write_text("[model]\nn_layer = 3\n")
+    assert memory_main(["--config", "configs/bert-large-lans.toml"]) == 0
+    assert "L=3" in capsys.readouterr().out
+    assert memory_main(["--config", "other/bert-large-lans.toml"]) == 2
+    capsys.readouterr()
     assert memory_main(["--config", "bert-large-lasn"]) == 2
     assert "neither a file nor a shipped config; shipped: bert-base" in capsys.readouterr().err
 

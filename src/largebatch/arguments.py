@@ -34,10 +34,17 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def config_file(name: str) -> Path | None:
-    """The TOML file ``name`` means: the file, else the shipped config of that name; None if neither."""
-    if Path(name).is_file():
-        return Path(name)
-    return shipped_configs().get(name)
+    """The TOML file ``name`` means: the file, else the shipped config of that name; None if neither.
+    Where no such file exists, ``configs/NAME.toml`` and ``NAME.toml`` (the docs' spelling, a path
+    in the repository, whose configs/ points at the shipped files) mean the shipped NAME too, so the
+    docs' commands work for an installed package run from any directory."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    if name not in shipped and path.suffix == ".toml" and path.parent.as_posix() in (".", "configs"):
+        return shipped.get(path.stem)
+    return shipped.get(name)
 
 
 class OneLineParser(argparse.ArgumentParser):

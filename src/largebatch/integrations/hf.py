@@ -41,9 +41,9 @@ import warnings
 
 try:
     from transformers import TrainerCallback
-except ImportError as err:  # pragma: no cover - transformers is a test dependency
-    raise ImportError("largebatch.integrations.hf needs transformers: pip install transformers"
-                      ) from err
+except ImportError as err:  # the [hf] extra: transformers and the accelerate its Trainer needs
+    raise ImportError("largebatch.integrations.hf needs transformers, part of the [hf] extra: "
+                      "pip install 'largebatch[hf]'") from err
 
 from largebatch.schedules.batch import ConstantBatch, JointSchedule
 from largebatch.schedules.lr import LRSchedule, check_tokens
