@@ -565,6 +565,31 @@ def test_seesaw_without_the_granularity_pair(tmp_path, seesaw_smoke, monkeypatch
     assert {p.name for p in (out / "runs").iterdir()} == {p.name for p in (seesaw_smoke / "runs").iterdir()}
 
 
+def test_one_seed_runs_no_floor_and_the_report_states_the_arms_thread_count(tmp_path, seesaw_smoke, one_thread):
+    """`seesaw --seeds 1` ran the noise floor's arms (twice the arms at smoke size) though no verdict
+    can use a floor without an interval; the other experiments skip it. The header gave the parent's
+    thread count (2 with `--jobs 2`, where every arm ran 1), and the command left it out."""
+    import shutil
+
+    from largebatch.experiments.report import Report
+
+    out = tmp_path / "seesaw"
+    shutil.copytree(seesaw_smoke, out)
+    for report in out.glob("report.*"):
+        report.unlink()
+    assert cli.main(["seesaw", "--smoke", "--seeds", "1", "--out", str(out), "--resume"]) == 0
+    report = (out / "report.md").read_text()
+    assert "which kept 10 arm(s)" in report  # 2 groups x 5 arms at seed 1337; no floor arm trained
+    assert {p.name for p in (out / "runs").iterdir()} == {p.name for p in (seesaw_smoke / "runs").iterdir()}
+    assert not [t for t in parse_tables(report) if t and "gap vs cosine" in t[0]]
+    assert "Every arm ran with 1 torch thread(s)." in report
+    assert f"Reproduce: `OMP_NUM_THREADS=1 largebatch experiment seesaw --smoke --seeds 1 --out {out}" in report
+    torch.set_num_threads(2)  # a parent of 2 threads whose arms ran 1 each (--jobs 2)
+    path = Report("x", "X", "largebatch experiment x", threads=1).write(tmp_path)
+    assert "CPU (1 torch thread(s) per arm)" in path.read_text()
+    assert "Reproduce: `OMP_NUM_THREADS=2 largebatch experiment x`" in path.read_text()
+
+
 def test_seesaw_findings_judge_runs_on_the_plateau_as_the_claims_do(seesaw_smoke):
     """A gap to cosine between runs that never left the unigram plateau measures when each escaped, not
     the schedules: the claims table said "not resolvable" there while the "What this shows" line of

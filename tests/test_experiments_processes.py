@@ -309,6 +309,30 @@ def test_a_signal_to_one_worker_or_sighup_ends_the_experiment_in_one_line(tmp_pa
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_signal_while_the_arms_checkpoint_kills_them_and_says_so(tmp_path):
+    """SIGTERM, then SIGINT while the stopped arms checkpoint: the parent's setup handler took the
+    second one, left the workers unwaited and said "stopped between arms" with two arms running.
+    Now the running arms are killed and the one line names them as killed before their checkpoint.
+    A repeat of the first signal (0.1 s later: a cluster signals every process, a terminal twice)
+    is still that signal: the arms checkpoint and nothing is said of killing."""
+    def repeat_then_other(experiment, workers):
+        experiment.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        experiment.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # well before a worker has checkpointed and exited (a process's exit alone takes longer)
+        experiment.send_signal(signal.SIGINT)
+
+    experiment, err, left, took = _signalled(tmp_path / "out", repeat_then_other)
+    lines = [line for line in err.splitlines() if line.strip() and "[largebatch]" not in line]
+    assert experiment.returncode == 128 + signal.SIGTERM, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("largebatch experiment: error: SIGTERM: noise-scale stopped; arms interrupted: "), err
+    assert "(a second signal killed them before they checkpointed" in lines[0], err
+    assert not left, "workers outlived the experiment"
+    assert took < 30.0, f"the experiment ended {took:.0f} s after the second signal"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_closed_pipe_stops_the_experiment_in_one_line(tmp_path):
     """``largebatch experiment ... | head``: when the reader has gone, the next line (an arm that
     finished) stops the experiment as a signal does -- no arm started after it, the running one
@@ -396,6 +420,7 @@ def test_a_signal_before_any_arm_trains_is_one_line(tmp_path):
                            "--out", str(tmp_path / "setup")], env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 143, done.stderr[-2000:]
-    assert lines == ["largebatch experiment: error: SIGTERM: noise-scale stopped between arms. Run the same "
-                     "command with --resume to keep the finished arms"], done.stderr[-2000:]
+    assert lines == ["largebatch experiment: error: SIGTERM: noise-scale stopped outside the arms' training "
+                     "(setup, fine-tuning, a report). Run the same command with --resume to keep the finished "
+                     "arms"], done.stderr[-2000:]
     assert not (tmp_path / "setup" / "runs").exists() or not any((tmp_path / "setup" / "runs").iterdir())

@@ -308,14 +308,17 @@ def _run_all(outs: dict, size_name: str, args) -> int:
                   f"stopped. Run the same command with --resume to keep the finished arms", file=sys.stderr)
             return 128 + signal.SIGPIPE
         except ArmsInterrupted as exc:
+            killed = (" (a second signal killed them before they checkpointed: each continues from its last "
+                      "checkpoint, if it has one)" if exc.killed and exc.stopped else "")
             print(f"largebatch experiment: error: {signal.Signals(exc.signum).name}: {name} stopped; "
-                  f"arms interrupted: {', '.join(exc.stopped) or 'none'}; not started: "
+                  f"arms interrupted: {', '.join(exc.stopped) or 'none'}{killed}; not started: "
                   f"{''.join(a + ', ' for a in exc.not_started)}and any arm the experiment plans from these "
                   f"arms' results. Run the same command with --resume to keep the finished arms", file=sys.stderr)
             return 128 + exc.signum
-        except KeyboardInterrupt as exc:  # a signal between arms (setup, a report): no arm was running
+        except KeyboardInterrupt as exc:  # no arm training: setup, a fine-tuning in this process, a report
             signum = getattr(exc, "signum", signal.SIGINT)
-            print(f"largebatch experiment: error: {signal.Signals(signum).name}: {name} stopped between arms. "
-                  f"Run the same command with --resume to keep the finished arms", file=sys.stderr)
+            print(f"largebatch experiment: error: {signal.Signals(signum).name}: {name} stopped outside the "
+                  f"arms' training (setup, fine-tuning, a report). Run the same command with --resume to keep "
+                  f"the finished arms", file=sys.stderr)
             return 128 + signum
     return 0

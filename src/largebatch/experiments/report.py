@@ -60,6 +60,8 @@ class Report:
     """(arm, its own wall seconds) of every arm an earlier invocation trained and --resume kept."""
     arms: bool = True
     """Whether the experiment trains arms, each in runs/<arm>/ (recompute measures in-process)."""
+    threads: int | None = None
+    """Torch threads per arm (runner.arm_threads); None: this process's count (an in-process report)."""
 
     def _time_scope(self) -> str:
         if not self.kept:
@@ -76,10 +78,15 @@ class Report:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         import torch
 
+        threads = torch.get_num_threads() if self.threads is None else self.threads
         device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-                  else f"{platform.machine()} CPU ({torch.get_num_threads()} torch threads)")
+                  else f"{platform.machine()} CPU ({threads} torch thread(s) per arm)" if self.arms
+                  else f"{platform.machine()} CPU ({threads} torch thread(s))")
+        # the results change with the thread count (summation order): the command names the one it ran at
+        command = self.command if self.command.startswith("OMP_NUM_THREADS=") else \
+            f"OMP_NUM_THREADS={torch.get_num_threads()} {self.command}"
         header = [f"# {self.title}", "",
-                  f"Reproduce: `{self.command}`", "",
+                  f"Reproduce: `{command}`", "",
                   f"Measured {stamp} on {device}, fp32, torch {torch.__version__}; "
                   f"{self.seconds:.0f} s {self._time_scope()}."
                   + (" Raw metrics: `runs/<arm>/metrics.jsonl`." if self.arms else ""), ""]

@@ -450,9 +450,12 @@ class ArmsInterrupted(KeyboardInterrupt):
     """A stopping.SIGNALS signal reached an experiment training arms in processes: none more was
     started and the running ones were sent that signal (they checkpoint and exit) and waited for."""
 
-    def __init__(self, signum: int, stopped: list[str], not_started: list[str]):
+    def __init__(self, signum: int, stopped: list[str], not_started: list[str], killed: bool = False):
         super().__init__(signum, stopped, not_started)
         self.signum, self.stopped, self.not_started = signum, stopped, not_started
+        self.killed = killed
+        """A second signal came while the running arms were checkpointing: they were killed, and
+        each continues from its last checkpoint (the one before this stop, if any)."""
 
 
 class ArmWorkerLost(RuntimeError):
@@ -607,7 +610,7 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int,
     then ArmsInterrupted is raised -- no process is left behind training on its own."""
     import torch
 
-    from largebatch.train.stopping import take_signals
+    from largebatch.train.stopping import REPEAT_WINDOW_S, take_signals
 
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, torch.get_num_threads() // jobs)
@@ -682,11 +685,24 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int,
             process.join()
             channel.close()
     except ArmsInterrupted as exc:
-        for sig, handler in previous.items():  # a second signal now ends this process at once
-            signal.signal(sig, handler)
-        _stop(workers, exc.signum)
-        raise ArmsInterrupted(exc.signum, [todo[i][0].name for i in busy.values()],
-                              [todo[i][0].name for i, _ in pending]) from None
+        stopped, not_started = [todo[i][0].name for i in busy.values()], [todo[i][0].name for i, _ in pending]
+        first, first_at = exc.signum, time.monotonic()
+
+        def second(signum, frame):  # another signal while the arms checkpoint: kill them, stop at once
+            if signum == first and time.monotonic() - first_at < REPEAT_WINDOW_S:
+                return  # a repeat of the first (a cluster signals every process; a terminal twice)
+            raise ArmsInterrupted(first, stopped, not_started, killed=True)
+
+        take_signals(second)
+        try:
+            _stop(workers, exc.signum)
+        except ArmsInterrupted as again:
+            for process, _ in workers:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            raise again from None
+        raise ArmsInterrupted(exc.signum, stopped, not_started) from None
     except BaseException:
         _stop(workers)
         raise

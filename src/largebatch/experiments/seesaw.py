@@ -14,9 +14,10 @@ Arms, each from the same starting batch B0 and the same token budget, AdamW:
 Every arm runs at each of ``seeds`` seeds (init and data order; ``*-seed7`` etc.; the first seed is
 the config default, 1337). A seed's arms share init and data order, so the gap "arm minus cosine"
 is paired per seed; the report gives each seed's table and the mean, standard deviation and range
-of the paired gaps over seeds. The paper's claim: below the critical batch size Seesaw matches
-cosine's validation loss with ~38% fewer optimizer steps (r = 1/1.1: 61.55% of cosine's steps);
-starting above it, Seesaw loses.
+of the paired gaps over seeds; with two or more seeds, each group's first-seed arms are re-run
+under the noise floor's perturbations (with one seed there is no interval, and no floor is run).
+The paper's claim: below the critical batch size Seesaw matches cosine's validation loss with ~38%
+fewer optimizer steps (r = 1/1.1: 61.55% of cosine's steps); starting above it, Seesaw loses.
 
 The critical batch is measured, not assumed: the first seed's cosine arm at B0 logs the gradient
 noise scale B_simple (McCandlish et al. 2018); its median over the second half of training is the
@@ -266,20 +267,23 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     low_arms = arms_from(setting.below, setting.micro_below, setting.peak_lr, "below", seeds, kinds=kinds)
     low = _by_seed(run_arms([a for arms in low_arms for a in arms], base, out_dir, log, execution),
                    len(kinds))
-    threads = arm_threads(execution)
-    low_floor, low_perturbed = noise_floor.measure(low_arms[0], low[0], setting.floor, threads, base, out_dir, log,
+    threads = report.threads = arm_threads(execution)
+    # one seed gives no interval, so no verdict can use a floor: not measured (as the other experiments)
+    floor_kinds = setting.floor if seeds > 1 else ()
+    low_floor, low_perturbed = noise_floor.measure(low_arms[0], low[0], floor_kinds, threads, base, out_dir, log,
                                                    execution)
     b_crit = critical_batch(low[0][0])
     above = above_batch(setting.above, b_crit)
     above_total = above_budget(total, above, seq_len, setting.above_steps)
-    log(f"seesaw ({size}): measured B_simple {b_crit}; start batch {above} (above), "
+    measured = "n/a" if b_crit is None else f"{b_crit:.1f}"
+    log(f"seesaw ({size}): measured B_simple {measured}; start batch {above} (above), "
         f"{above_total:,} tokens per arm")
     budget = {"run.total_tokens": above_total, "run.eval_every_tokens": above_total // setting.evaluations}
     high_arms = arms_from(above, max(setting.micro_below, above // 8), setting.peak_lr, "above", seeds,
                           extra=budget if above_total != total else None, kinds=kinds)
     high = _by_seed(run_arms([a for arms in high_arms for a in arms], base, out_dir, log, execution),
                     len(kinds))
-    high_floor, high_perturbed = noise_floor.measure(high_arms[0], high[0], setting.floor, threads, base, out_dir,
+    high_floor, high_perturbed = noise_floor.measure(high_arms[0], high[0], floor_kinds, threads, base, out_dir,
                                                      log, execution)
     report.add(f"""AdamW (weight decay 0.1), peak LR {setting.peak_lr:g} for every arm,
 {100 * base['schedule.warmup']:g}% warmup,
@@ -288,7 +292,8 @@ vocab {base['data.vocab_size']}, Shakespeare; {seeds} seed(s) per arm ({', '.joi
         seed_name(s) for s in SEEDS[:seeds])}: init and data order). Tokens per arm: {total:,} from
 batch {setting.below}, {above_total:,} from batch {above} (at least {setting.above_steps} cosine steps).
 Measured critical batch (median B_simple of the seed-1337 cosine arm at batch {setting.below},
-second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} sequences**.""")
+second half of training): **{'n/a' if b_crit is None else f'{b_crit:.1f}'} sequences**.
+{noise_floor.threads_sentence(threads, floor_kinds)}""")
     for per_seed, floors in ((low, low_floor), (high, high_floor)):
         start = per_seed[0][0].arm.overrides["schedule.batch_size"]
         side = "n/a" if b_crit is None else ("below" if start < b_crit else "above")
