@@ -17,7 +17,7 @@ PACKAGE = "largebatch"
 
 # Lowest first. The one place the layering is written down; docs/architecture.md explains it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("largebatch", "arguments", "typed_config", "stats"),  # utilities: standard library only
+    ("largebatch", "arguments", "typed_config", "stats", "signals"),  # utilities: standard library only
     ("models", "optim", "schedules", "data"),  # the library parts, independent of each other
     ("memory",),  # the activation-memory model reads models' configs
     ("parallel",),  # data / tensor / sequence / pipeline plans over models, optim and memory

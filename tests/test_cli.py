@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from largebatch.cli import main
 
 
@@ -33,3 +35,44 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
     proc.stdout.close()  # as head does after its line
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def _caught(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (Linux: /proc/PID/status, SigCgt)."""
+    status = open(f"/proc/{pid}/status").read()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask & (1 << (signum - 1)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_in_a_commands_first_seconds_is_one_line(tmp_path, signame):
+    """The commands took the stop signals over only after they had imported torch (~3 s): a SIGTERM
+    then ended `largebatch experiment` silently, a Ctrl-C in a KeyboardInterrupt traceback. The
+    dispatcher takes them before it imports a command: here the signal is sent as soon as the
+    process catches SIGTERM, which is before it has loaded torch, and the command ends in one line."""
+    import signal
+    import time
+
+    from processes import src_env
+
+    signum = getattr(signal, signame)
+    proc = subprocess.Popen([sys.executable, "-m", "largebatch", "experiment", "noise-scale", "--smoke",
+                             "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=src_env(OMP_NUM_THREADS="1"), text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _caught(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        torch_loaded = "libtorch" in open(f"/proc/{proc.pid}/maps").read()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not torch_loaded, "the stop signals were taken over only after torch was imported"
+    assert proc.returncode == 128 + signum, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"largebatch experiment: stopped by {signame}"), err
+    assert not (tmp_path / "out").exists()

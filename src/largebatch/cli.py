@@ -14,6 +14,7 @@ import sys
 
 from largebatch import TorchTooOld, __version__
 from largebatch.arguments import TRAIN_EXTRA
+from largebatch.signals import exit_code, raise_on_signals
 
 # name -> (module that owns it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,9 +50,33 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"largebatch: unknown command '{name}'.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # a stop signal from here on raises (largebatch.signals): one line, not a silent end (SIGTERM
+    # while torch imports, ~3 s) or a KeyboardInterrupt traceback; each command's own handling takes over
+    with raise_on_signals():
+        try:
+            module = _load(name)
+        except KeyboardInterrupt as exc:  # while the command's modules (torch among them) import
+            return _stopped(name, exc, "while starting; nothing was written")
+        if isinstance(module, int):  # could not be loaded: said why
+            return module
+        try:
+            return _run(name, module, rest)
+        except KeyboardInterrupt as exc:  # a command that does not handle stop signals itself
+            return _stopped(name, exc)
+
+
+def _stopped(name: str, exc: KeyboardInterrupt, when: str = "") -> int:
+    signum = getattr(exc, "signum", signal.SIGINT)
+    print(f"largebatch {name}: stopped by {signal.Signals(signum).name}{' ' + when if when else ''}",
+          file=sys.stderr)
+    return exit_code(signum)
+
+
+def _load(name: str):
+    """The module of command ``name``, or the exit code when it cannot be imported (said why)."""
     module_name, _ = COMMANDS[name]
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except TorchTooOld as exc:
         print(f"largebatch {name}: error: {exc}", file=sys.stderr)
         return 2
@@ -63,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if _missing_extra(name, exc):
             return 2
         raise
+
+
+def _run(name: str, module, rest: list[str]) -> int:
     try:
         return int(module.main(rest) or 0)
     except TorchTooOld as exc:  # a command that imports the trainer when it runs

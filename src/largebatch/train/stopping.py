@@ -29,7 +29,6 @@ queues a collective on the device nor waits for the device's queue to drain.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -40,31 +39,17 @@ import torch
 import torch.distributed as dist
 
 from largebatch.parallel.mesh import ParallelState
+from largebatch.signals import (
+    REPEAT_WINDOW_S,
+    SIGNALS,
+    SignalledOutside,
+    exit_code,
+    raise_on_signals,
+    take_signals,
+)
 
-SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, *(getattr(signal, name, None) for name in
-                                                            ("SIGHUP", "SIGUSR1", "SIGUSR2"))) if s is not None)
-"""The signals that stop a run (or an experiment) cleanly; SIGHUP, SIGUSR1 and SIGUSR2 where the
-platform has them."""
-REPEAT_WINDOW_S = 2.0
-
-
-def take_signals(handler, signals=SIGNALS) -> dict[int, object]:
-    """Install ``handler`` for each of ``signals`` that this process does not ignore, and return the
-    handlers it replaced (restore them with ``signal.signal``). An ignored signal stays ignored:
-    ``nohup`` (SIGHUP) and a non-interactive shell's background job (SIGINT) ask that the process
-    outlive the terminal. Call from the main thread."""
-    previous = {}
-    for sig in signals:
-        if signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        previous[sig] = signal.signal(sig, handler)
-    return previous
-
-
-def exit_code(signum: int) -> int:
-    """The shell's convention for a process ended by a signal: 128 + its number."""
-    return 128 + signum
-
+__all__ = ["REPEAT_WINDOW_S", "SIGNALS", "SignalledOutside", "StepInterrupted", "StopRequest", "control_group",
+           "exit_code", "raise_on_signals", "take_signals"]
 
 _SIDE_GROUPS: dict[int, object] = {}  # id(default group) -> its gloo side group
 
@@ -81,36 +66,6 @@ def control_group(par: ParallelState):
     if key not in _SIDE_GROUPS:
         _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
     return _SIDE_GROUPS[key]
-
-
-class SignalledOutside(KeyboardInterrupt):
-    """A stop signal outside the training loop (setup: the data cache, a tokenizer's training, the
-    model's build; or after the run): raised where the main thread is, so cleanups (a data cache's
-    staging directory) run and the command can say what is intact. Python's SIGINT is already a
-    KeyboardInterrupt; the other ``SIGNALS`` ended the process at once, saying nothing."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def raise_on_signals():
-    """While it is active (and no ``StopRequest`` holds them), each of ``SIGNALS`` that this process
-    does not ignore raises ``SignalledOutside`` (SIGINT: KeyboardInterrupt, as Python's own)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise SignalledOutside(signum) if signum != signal.SIGINT else KeyboardInterrupt()
-
-    previous = take_signals(handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 class StepInterrupted(Exception):
