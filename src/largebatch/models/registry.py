@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
+from largebatch.typed_config import check_registration
+
 if TYPE_CHECKING:
     import torch.nn as nn
 
@@ -108,6 +110,7 @@ def register_model(name: str, *, build: Callable[[ModelConfig], nn.Module], obje
                    help: str, **fields) -> ModelSpec:
     """Declare ``model.kind = name`` (replacing one of that name); ``fields`` are the other fields
     of :class:`ModelSpec`."""
+    check_registration("register_model", name, MODELS, {"build": build}, {"help": help})
     if objective not in OBJECTIVES:
         raise ValueError(f"register_model({name!r}): objective={objective!r} must be one of "
                          f"{', '.join(OBJECTIVES)}")

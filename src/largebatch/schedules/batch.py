@@ -138,11 +138,23 @@ class JointSchedule:
         """Micro-batches each data-parallel rank accumulates for the step starting at ``tokens``."""
         return self.batch_size(tokens) // (self.micro_batch * self.dp_size)
 
+    def check_batch(self, tokens: float) -> int:
+        """``batch_size(tokens)``, checked: a whole number of micro_batch x dp_size sequences (a batch
+        policy registered from outside may return anything); ValueError naming the value otherwise."""
+        batch = self.batch_size(tokens)
+        granularity = self.micro_batch * self.dp_size
+        if (isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < granularity
+                or batch % granularity):
+            raise ValueError(f"{type(self).__name__}.batch_size({tokens:,} tokens) = {batch!r}: a batch must be a "
+                             f"whole multiple of micro_batch x dp_size = {self.micro_batch} x {self.dp_size} = "
+                             f"{granularity} sequences")
+        return int(batch)
+
     def step_batch(self, tokens: float, seq_len: int, granularity: int | None = None) -> int:
         """Sequences of the step starting at ``tokens``: ``batch_size(tokens)``, except the budget's
         last step, which takes only the sequences still needed (``trim_to_budget``; ``granularity``
         defaults to ``dp_size``). The LR of that step is ``lr(tokens)`` as ever."""
-        return trim_to_budget(self.batch_size(tokens), self.total_tokens - int(tokens), seq_len,
+        return trim_to_budget(self.check_batch(tokens), self.total_tokens - int(tokens), seq_len,
                               self.dp_size if granularity is None else granularity)
 
     def plan(self, tokens_seen: float, seq_len: int) -> StepPlan:

@@ -9,6 +9,7 @@ phase table next to the base schedule's optimizer steps (docs/papers.md: schedul
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,7 +26,7 @@ from largebatch.schedules.batch import (
 from largebatch.schedules.lr import Coupling, WSDShape
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
-from largebatch.typed_config import check_literals, check_off, from_dict
+from largebatch.typed_config import check_literals, check_off, check_registration, from_dict
 
 # lr_schedule name -> LRScheduleEntry: the one place an LR shape is declared (register_lr_schedule,
 # below the class); the choices, --help and build_lr read it
@@ -264,7 +265,18 @@ class ScheduleConfig:
         if self.warmup and warmup >= total_tokens:
             self._fail("warmup", f"is {warmup:,} of the {total_tokens:,}-token budget, which leaves no "
                        "token after the warmup; lower it")
-        return LR_BUILDERS[self.lr_schedule].build(self, peak, total_tokens, warmup)
+        schedule = LR_BUILDERS[self.lr_schedule].build(self, peak, total_tokens, warmup)
+        if not isinstance(schedule, lr_module.LRSchedule):
+            self._fail("lr_schedule", f"its builder (register_lr_schedule) returned {type(schedule).__name__!r}, "
+                       "not a largebatch.schedules.LRSchedule; return an instance of a subclass")
+        points = sorted({0, warmup, total_tokens // 2, total_tokens - 1,
+                         *(t for t in schedule.breakpoints() if 0 <= t < total_tokens)})
+        for tokens in points:  # a registered schedule's values, where they change: once, before any step
+            value = schedule(tokens)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+                self._fail("lr_schedule", f"its schedule gives lr({tokens:,} tokens) = {value!r}; an LR must be "
+                           "a finite number >= 0 (check the builder given to register_lr_schedule)")
+        return schedule
 
     def build(self, total_tokens: int, seq_len: int, micro_batch: int = 1,
               dp_size: int = 1) -> JointSchedule:
@@ -280,7 +292,21 @@ class ScheduleConfig:
         sizes = {"micro_batch": micro_batch, "dp_size": dp_size}
         if policy.milestones:
             sizes.update(max_batch_size=self.max_batch_size, noise_scale_multiple=self.noise_scale_multiple)
-        return policy.build(self, lr_sched, total_tokens, sizes)
+        schedule = policy.build(self, lr_sched, total_tokens, sizes)
+        if not isinstance(schedule, JointSchedule):
+            self._fail("batch_policy", f"its builder (register_batch_policy) returned {type(schedule).__name__!r}, "
+                       "not a largebatch.schedules.JointSchedule; return an instance of a subclass")
+        try:  # once, before any step: a checkpoint rebuilds the schedule from these
+            schedule._config()
+        except NotImplementedError:
+            self._fail("batch_policy", f"its schedule {type(schedule).__name__} does not implement _config() (the "
+                       "constructor arguments a checkpoint records to rebuild it): add it")
+        for tokens in sorted({0, *(t for t in schedule.breakpoints() if 0 <= t < total_tokens)}):
+            try:
+                schedule.check_batch(tokens)
+            except ValueError as exc:
+                self._fail("batch_policy", str(exc))
+        return schedule
 
     def build_base(self, total_tokens: int, micro_batch: int = 1,
                    dp_size: int = 1) -> ConstantBatch:
@@ -338,6 +364,8 @@ def register_batch_policy(name: str, build: Callable[[ScheduleConfig, lr_module.
                           validate: Callable[[ScheduleConfig], None] | None = None) -> BatchPolicy:
     """Declare ``schedule.batch_policy = name`` (replacing one of that name): ``build(config, lr_schedule,
     total_tokens, sizes)`` returns the joint schedule (``sizes``: see :class:`BatchPolicy`)."""
+    check_registration("register_batch_policy", name, BATCH_POLICIES, {"build": build, "validate?": validate},
+                       {"help": help})
     BATCH_POLICIES[name] = BatchPolicy(build, help, milestones, validate)
     return BATCH_POLICIES[name]
 
@@ -383,6 +411,7 @@ def register_lr_schedule(name: str, build: Callable[[ScheduleConfig, float, int,
     """Declare ``schedule.lr_schedule = name`` (replacing one of that name): ``build(config, peak_lr,
     total_tokens, warmup_tokens)`` returns the schedule (``config.final_lr`` is a fraction of the
     peak, as the classes take it); ``help`` is its line in --help-config."""
+    check_registration("register_lr_schedule", name, LR_BUILDERS, {"build": build}, {"help": help})
     LR_BUILDERS[name] = LRScheduleEntry(build, help)
     return LR_BUILDERS[name]
 

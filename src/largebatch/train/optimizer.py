@@ -16,6 +16,7 @@ optim.unadapted_lr_mult) that scales the scheduled LR.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -24,6 +25,7 @@ import torch
 from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES
 from largebatch.optim import LAMB, LANS, LARS, LayerwiseOptimizer, param_groups
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
+from largebatch.typed_config import check_registration
 
 if TYPE_CHECKING:  # train.config reads OPTIMIZERS for optim.name's choices
     from largebatch.train.config import OptimConfig
@@ -59,8 +61,23 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {}
 def register_optimizer(name: str, build: Builder, *, summary: str, fields: tuple[str, ...],
                        adapt_default: tuple[str, ...] | None, state_bytes: int,
                        title: str | None = None) -> OptimizerSpec:
-    """Declare an optimizer under ``name`` (replacing one of that name)."""
-    spec = OptimizerSpec(name, build, summary, tuple(fields), adapt_default, state_bytes, title or name)
+    """Declare an optimizer under ``name`` (replacing one of that name, with a warning); the
+    arguments are checked here, and the builder once on a small model before a run starts
+    (largebatch.train.preflight.check_optimizer)."""
+    check_registration("register_optimizer", name, OPTIMIZERS, {"build": build},
+                       {"summary": summary, **({} if title is None else {"title": title})})
+    where = f"register_optimizer({name!r})"
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise ValueError(f"{where}: fields={fields!r} must be a tuple of [optim] field names, e.g. "
+                         "('betas', 'eps')")
+    if adapt_default is not None and (isinstance(adapt_default, str) or set(adapt_default) - set(CATEGORIES)):
+        raise ValueError(f"{where}: adapt_default={adapt_default!r} must be None (no trust ratio) or a tuple "
+                         f"of the parameter categories {', '.join(map(repr, CATEGORIES))}")
+    if isinstance(state_bytes, bool) or not isinstance(state_bytes, int) or state_bytes < 0:
+        raise ValueError(f"{where}: state_bytes={state_bytes!r} must be a whole number >= 0 (fp32 optimizer-"
+                         "state bytes per parameter: 8 for two moments, 4 for one)")
+    spec = OptimizerSpec(name, build, summary, tuple(fields),
+                         None if adapt_default is None else tuple(adapt_default), state_bytes, title or name)
     OPTIMIZERS[name] = spec
     OPTIMIZER_STATE_BYTES[name] = state_bytes  # the memory model sizes it: `largebatch memory --optim.name`
     return spec
@@ -106,3 +123,47 @@ register_optimizer(
                                                    weight_decay=cfg.weight_decay, fused=cfg.fused or None),
     summary="torch.optim.AdamW, the baseline", fields=("betas", "eps", "weight_decay", "fused"),
     adapt_default=None, state_bytes=OPTIMIZER_STATE_BYTES["adamw"], title="AdamW")
+
+_SHIPPED = dict(OPTIMIZERS)  # the optimizers above, tested with the package: no probe before a run
+
+
+def probe_optimizer(cfg: OptimConfig) -> str | None:
+    """What is wrong with a registered optimizer's builder, tried on a small model (an embedding, a
+    linear layer, a norm): it must build from the parameter groups, be a ``torch.optim.Optimizer``
+    (or have its ``param_groups``, ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), take
+    a step, and give a state that a copy built the same way loads (a checkpoint saves and restores
+    it). None when all holds, or for an optimizer that ships with the package."""
+    import copy
+
+    spec = OPTIMIZERS[cfg.name]
+    if _SHIPPED.get(cfg.name) is spec:
+        return None
+    unknown = [f for f in spec.fields if f not in {f.name for f in dataclasses.fields(cfg)}]
+    if unknown:
+        return (f"its registration (register_optimizer) lists [optim] field(s) {', '.join(map(repr, unknown))} "
+                "that [optim] does not have")
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    stage = "building it from the parameter groups"
+    try:
+        optimizer = build_optimizer(model, cfg)
+        missing = [a for a in ("param_groups", "step", "zero_grad", "state_dict", "load_state_dict")
+                   if not hasattr(optimizer, a)]
+        if missing:
+            return (f"its builder (register_optimizer) returned a {type(optimizer).__name__}, without "
+                    f"{', '.join(missing)}: return a torch.optim.Optimizer")
+        stage = "a step"
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * group.get("lr_mult", 1.0)
+        model(torch.tensor([[1, 2, 3]])).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stage = "state_dict() and a copy's load_state_dict() (what a checkpoint does)"
+        state = copy.deepcopy(optimizer.state_dict())
+        build_optimizer(model, cfg).load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 -- a user's code: whatever it raises is the answer
+        return f"its optimizer failed on a small model at {stage}: {type(exc).__name__}: {exc}"
+    return None

@@ -155,6 +155,17 @@ def check_device(cfg: TrainConfig, distributed: bool) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def check_optimizer(cfg: TrainConfig) -> None:
+    """An optimizer registered from outside the package builds, steps and saves on a small model
+    (train.optimizer.probe_optimizer): a wrong builder was met only once the run had started, and a
+    state that cannot be saved only at the first checkpoint."""
+    from largebatch.train.optimizer import probe_optimizer
+
+    problem = probe_optimizer(cfg.optim)
+    if problem:
+        raise ConfigError(f"optim.name = {cfg.optim.name!r}: {problem}")
+
+
 def check_corpora(cfg: TrainConfig) -> None:
     """``data.corpus`` and ``data.val_corpus`` exist and are of kinds that are read; a JSON Lines
     corpus's first record has its text under ``data.text_field`` (one record read)."""
@@ -387,6 +398,7 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     before it creates the directory). ``fresh``: not a ``--resume``, so ``model.init_from``'s
     weights are read and mapped now (a resume loads its checkpoint instead)."""
     check_device(cfg, distributed)
+    check_optimizer(cfg)
     check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
     check_bin_dtype(cfg, vocab)
