@@ -15,6 +15,7 @@ all but the last micro-batch of a step (DDP ``no_sync``, FSDP2 ``set_requires_gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -66,6 +67,27 @@ def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list
             return apply_fsdp(model, state.dp_mesh, param_dtype)
         return apply_ddp(model, state)
     return model
+
+
+def settle_ddp_buckets(model: nn.Module, backward: Callable[[], None]) -> bool:
+    """Give a DDP model, in a process that continues a run, the gradient buckets the run had.
+
+    DDP all-reduces its first backward's gradients in one bucket in reverse parameter order, and the
+    next forward rebuilds the buckets in the order the gradients arrived (torch's reducer, once per
+    process). A run's steps after its first use the rebuilt layout; a process that resumed it used
+    the first-step layout for its first step. An all-reduce sums each element in an order set by its
+    offset in the bucket: with 3 or more replicas that order, and so the rounding, moved, and the
+    resumed run left the uninterrupted one by ~1e-7 from its first step on (2 replicas add two
+    numbers, in either order the same). ``backward()``: the caller's forward and backward of any
+    batch, with the random state kept; its gradients are dropped here, and the next forward
+    rebuilds the buckets as the run's own second step did. Collective: every rank calls it. True if
+    it ran (a DDP model), False otherwise."""
+    if not isinstance(model, DistributedDataParallel):
+        return False
+    backward()
+    for parameter in model.parameters():
+        parameter.grad = None
+    return True
 
 
 def unwrap(model: nn.Module) -> nn.Module:

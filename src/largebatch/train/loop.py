@@ -58,6 +58,7 @@ from largebatch.parallel import (
     init_distributed,
     parallelize,
     seed_ranks,
+    settle_ddp_buckets,
     shard_optimizer,
     unwrap,
 )
@@ -199,6 +200,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             ckpt = self._load_newest_intact()
             resume_step = self.pos.step
             self.log(f"resumed from {ckpt} at step {self.pos.step}, {human_count(self.pos.tokens)} tokens")
+            if self.par.dp_size > 2 and self.pos.step > 0:  # 2 replicas sum in one order either way
+                if settle_ddp_buckets(self.model, self._bucket_backward) and self.local_grad_norm is not None:
+                    self.local_grad_norm.take()  # (its comm hook saw that backward: not a step's gradient)
         self.skip = (DeviceSkip(self.device, run.max_skipped_steps, self.pos.skipped_steps,
                                 self.pos.skipped_in_a_row) if run.on_nonfinite == "skip" else None)
         self.metrics = None
@@ -353,6 +357,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             path = save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
         self.saved_step, self.saved_path = self.pos.step, path
         return path
+
+    def _bucket_backward(self) -> None:
+        """A forward and backward of one sequence of zeros, the random state kept (dropout's draws):
+        what DDP needs to see once to lay out its buckets (parallelize.settle_ddp_buckets)."""
+        ids = torch.zeros((1, self.phase.seq_len), dtype=torch.long)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            _, loss, _ = self._forward({"input_ids": ids, "targets": ids})
+            loss.backward()
 
     # ------------------------------------------------------------------------------------------
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
