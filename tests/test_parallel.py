@@ -313,3 +313,22 @@ def test_compiled_blocks_under_tensor_and_sequence_parallel(ranks):
     for rank_results in ranks[1]:
         assert rank_results["compile/all_blocks_compiled"]
         assert rank_results["compile/grad_diff"] < TOL
+
+
+def test_the_trainer_quiets_fsdps_view_warning_and_nothing_else():
+    """FSDP2 with tensor parallel warned, on every rank of every run, that a block "returned a view
+    tensor" and that an in-place op on it would give wrong gradients; the trainer's blocks are used
+    out of place only. The filter matches torch's message (as torch 2.13 words it) and no other."""
+    import warnings
+
+    from largebatch.parallel import quiet_fsdp_view_warning
+
+    torch_message = ("FSDP2-wrapped module (FSDPBlock) returned a view tensor. An in-place op on this view "
+                     "(e.g., `x += y`) will silently drop the pre-backward hook and skip the all-gather, which "
+                     "can cause backward to fail or produce wrong gradients.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_fsdp_view_warning()
+        warnings.warn(torch_message, UserWarning)
+        warnings.warn("FSDP2 requires something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["FSDP2 requires something else"]

@@ -19,9 +19,16 @@ from largebatch.parallel.config import ParallelConfig
 from largebatch.parallel.launch import spawn
 from largebatch.parallel.mesh import ParallelState, RankFailure, init_distributed, rank_guard, seed_ranks, shutdown
 from largebatch.parallel.norms import clip_grad_norm_, global_grad_norm, shard_optimizer, sharded_norms
-from largebatch.parallel.parallelize import gradient_sync, parallelize, settle_ddp_buckets, unwrap
+from largebatch.parallel.parallelize import (
+    gradient_sync,
+    parallelize,
+    quiet_fsdp_view_warning,
+    settle_ddp_buckets,
+    unwrap,
+)
 from largebatch.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["ParallelConfig", "ParallelState", "RankFailure", "apply_tensor_parallel", "clip_grad_norm_",
-           "global_grad_norm", "gradient_sync", "init_distributed", "parallelize", "rank_guard",
-           "seed_ranks", "settle_ddp_buckets", "shard_optimizer", "sharded_norms", "shutdown", "spawn", "unwrap"]
+           "global_grad_norm", "gradient_sync", "init_distributed", "parallelize", "quiet_fsdp_view_warning",
+           "rank_guard", "seed_ranks", "settle_ddp_buckets", "shard_optimizer", "sharded_norms", "shutdown", "spawn",
+           "unwrap"]

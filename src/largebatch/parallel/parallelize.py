@@ -69,6 +69,21 @@ def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list
     return model
 
 
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(\w+\) returned a view tensor"
+"""torch's warning for a block whose output is a view (tensor parallel's sequence-sharded output
+under FSDP2): an in-place op on it would skip FSDP's pre-backward hook."""
+
+
+def quiet_fsdp_view_warning() -> None:
+    """Silence FSDP_VIEW_WARNING for the trainer's models, whose block outputs are only ever used out
+    of place (``x = block(x)`` in ``run_blocks``, never ``x += ...``): under FSDP2 with tensor parallel
+    it was printed on every rank of every run, naming wrong gradients that cannot occur here. Not
+    called by ``parallelize``: a model of one's own may do what the warning is about."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING, category=UserWarning)
+
+
 def settle_ddp_buckets(model: nn.Module, backward: Callable[[], None]) -> bool:
     """Give a DDP model, in a process that continues a run, the gradient buckets the run had.
 

@@ -57,6 +57,7 @@ from largebatch.parallel import (
     gradient_sync,
     init_distributed,
     parallelize,
+    quiet_fsdp_view_warning,
     seed_ranks,
     settle_ddp_buckets,
     shard_optimizer,
@@ -149,6 +150,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
         param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
+        if self.par.dp_mode == "fsdp" and self.par.tp_size > 1:
+            quiet_fsdp_view_warning()  # (our blocks' outputs are used out of place only)
         if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP / PP: no rank holds the whole model
             model, init_log = build_on_meta(lambda: build_model(cfg.model))
             self.n_params = model.num_params()
