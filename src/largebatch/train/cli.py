@@ -369,6 +369,10 @@ def format_summary(s: dict, run_dir: Path) -> str:
         f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
         f"memory            {human_bytes(s['memory_bytes'])}",
     ]
+    steady = s.get("tokens_per_s_after_first_step")
+    if steady is not None and steady > 1.1 * s["tokens_per_s"]:  # a short run, or compilation
+        lines.insert(-1, f"                  {steady:,.0f} tokens/s after this launch's first step (its "
+                         "warm-up: allocations, and compilation under run.compile)")
     if s["mfu"] > 1:
         warning = mfu_over_peak(s["mfu"], s["peak_flops"], s["peak_flops_source"])
         lines.insert(-1, f"                  warning: {warning}")

@@ -530,6 +530,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         progress = Progress(run.total_tokens, enabled={"auto": None, "on": True, "off": False}[run.progress])
         steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens, pos.model_flops)  # the last record
         self._warned_mfu = False
+        self.after_first_step = None  # (train seconds, tokens) once this launch's first step is done
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
@@ -583,11 +584,13 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     signum = exc.signum
                     continue
                 logs = pos.step % run.log_every_steps == 0
-                if self.device.type == "cuda" and (logs or pos.tokens >= min(pos.next_eval,
-                                                                               pos.next_checkpoint)):
+                if self.device.type == "cuda" and (logs or steps_here == 0 or pos.tokens >= min(
+                        pos.next_eval, pos.next_checkpoint)):
                     torch.cuda.synchronize(self.device)  # the queued steps' time, before a read
                 pos.train_seconds += time.perf_counter() - t0
                 steps_here += 1
+                if steps_here == 1:  # the launch's warm-up (allocations, compilation) ends with it
+                    self.after_first_step = (pos.train_seconds, pos.tokens)
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
                 if logs:

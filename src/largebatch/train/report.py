@@ -152,6 +152,9 @@ class Reporting:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": self.peak_memory(), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        first = getattr(self, "after_first_step", None)  # (train seconds, tokens) after this launch's first step
+        if first is not None and pos.tokens > first[1] and pos.train_seconds > first[0]:
+            summary["tokens_per_s_after_first_step"] = (pos.tokens - first[1]) / (pos.train_seconds - first[0])
         # the batch the (last phase's) schedule had reached at the run's last token, and whether it is a
         # Seesaw that grows without the noise-scale cap (format_summary compares the two)
         summary["final_batch_size"] = self.schedule.batch_size(max(pos.tokens - pos.phase_start - 1, 0))
