@@ -227,3 +227,28 @@ def test_a_registered_optimizer_is_tried_on_a_small_model_before_a_run(tmp_path,
     finally:
         OPTIMIZERS.pop("probe")
     assert not (tmp_path / "run").exists()
+
+
+def test_what_a_registered_corpus_returns_and_an_unregistered_name_are_named():
+    """A corpus whose load() returned strings failed in an AttributeError deep in the split; a run
+    naming an extension's optimizer, schedule or corpus, continued by plain `largebatch train`, was
+    told only the shipped names, and never that the extension must be imported first."""
+    register_corpus("strings", lambda: ["one text", "another"], help="a test's own")
+    try:
+        with pytest.raises(ValueError, match=re.escape(
+                "corpus 'strings': its load() (register_corpus) returned a list holding str; return a list of "
+                "largebatch.data.corpus.Document(name, text)")):
+            load_documents("strings")
+    finally:
+        CORPORA.pop("strings")
+    extension = "exists only in a process that imports that module first"
+    for field, name in (("optim.name", "lion"), ("schedule.lr_schedule", "rsqrt"), ("schedule.batch_policy", "linear")):
+        with pytest.raises(ConfigError, match=f"{re.escape(field)} = '{name}': must be one of .*{extension}"):
+            load_config(None, {field: name})
+    from largebatch.data.corpus import check_corpus
+
+    with pytest.raises(ValueError, match=f"data.corpus = 'wikitext' does not exist: .*{extension}"):
+        check_corpus("wikitext", "data.corpus")
+    with pytest.raises(ValueError) as typo:  # a path: no word of extensions
+        check_corpus("data/wiki.txt", "data.corpus")
+    assert extension not in str(typo.value)

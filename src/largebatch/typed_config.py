@@ -206,6 +206,9 @@ def _choice(value: Any, choices: Any, key: str) -> Any:
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1) or \
         [str(c) for c in choices if str(c).lower() == str(value).lower()]  # (BF16)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if not close and isinstance(choices, dict):  # a registry: the name may be an extension's
+        hint = ("; a name registered by an extension module (register_*) exists only in a process that "
+                "imports that module first: run the command through the script that registers it")
     raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(repr, choices))}{hint}")
 
 

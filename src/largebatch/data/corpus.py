@@ -177,7 +177,15 @@ def load_documents(spec: str, document_separator: str | None = None,
     under ``text_field``; a ``.json`` holding one array of records too), each possibly compressed
     (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package)."""
     if spec in CORPORA:
-        return CORPORA[spec].load()
+        documents = CORPORA[spec].load()
+        if not isinstance(documents, list) or not all(
+                isinstance(d, Document) and isinstance(d.name, str) and isinstance(d.text, str) for d in documents):
+            got = type(documents).__name__ if not isinstance(documents, list) else \
+                f"a list holding {type(next(d for d in documents if not isinstance(d, Document))).__name__}" \
+                if not all(isinstance(d, Document) for d in documents) else "Documents whose name or text is no str"
+            raise CorpusError(f"corpus {spec!r}: its load() (register_corpus) returned {got}; return a list of "
+                              "largebatch.data.corpus.Document(name, text), with str names and texts")
+        return documents
     path = Path(spec).expanduser()
     if not path.exists():
         raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
@@ -316,8 +324,10 @@ def check_corpus(spec: str, field: str, text_field: str = "text") -> None:
         return
     path = Path(spec).expanduser()
     if not path.exists():
+        named = ("" if any(c in spec for c in "/\\.") else "; a corpus registered by an extension module "
+                 "(register_corpus) exists only in a process that imports that module first")
         raise CorpusError(f"{field} = {spec!r} does not exist: pass an existing text or JSON Lines file, a "
-                          f"directory of them, a .npy or .bin array, or one of {', '.join(CORPORA)}")
+                          f"directory of them, a .npy or .bin array, or one of {', '.join(CORPORA)}{named}")
     if is_token_array_path(spec):
         return
     files = _corpus_files(path)
@@ -491,8 +501,8 @@ def split_documents(documents: list[Document], val_fraction: float,
     if len(documents) < 2:
         raise CorpusError(
             f"a split by document needs at least 2 documents, the corpus has {len(documents)}: "
-            f"use a directory with several files, set DataConfig.document_separator to cut files "
-            f"into documents, or pass a separate DataConfig.val_corpus")
+            f"use a directory with several files (or a registered corpus whose load() returns several), set "
+            f"data.document_separator to cut files into documents, or pass a separate data.val_corpus")
     names = [doc.name for doc in documents]
     if len(set(names)) != len(names):
         raise CorpusError(duplicate_names_message(names))
