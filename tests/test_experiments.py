@@ -467,6 +467,19 @@ def test_parallel_arms_equal_serial_and_resume_keeps_finished_arms(tmp_path, one
         said.clear()
         assert runner._finished(copy, record["overrides"], said.append, threads=1) is None
         assert why in said[0], said
+    # stopped mid-run: no record yet, a checkpoint: said to be continued (it said nothing)
+    copy = tmp_path / "stopped"
+    shutil.copytree(kept[0], copy)
+    (copy / runner._ARM_RECORD).unlink()
+    (copy / "checkpoints").mkdir(exist_ok=True)
+    (copy / "checkpoints" / "step_00000003.pt").write_bytes(b"")
+    said.clear()
+    assert runner._finished(copy, record["overrides"], said.append, threads=1) is None
+    assert said == ["  stopped: its earlier run did not finish: continued from its newest checkpoint where one "
+                    "of this config fits, else trained again"], said
+    shutil.rmtree(copy / "checkpoints")
+    said.clear()
+    assert runner._finished(copy, record["overrides"], said.append, threads=1) is None and not said
     with pytest.raises(ValueError, match="jobs=0: must be an integer >= 1"):
         runner.Execution(jobs=0)
 

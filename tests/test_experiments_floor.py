@@ -169,6 +169,11 @@ def test_optimizers_smoke_report_agrees_with_metrics(optimizers_smoke, one_threa
             cell, key=lambda r: _final(out, r["arm"]))["arm"]
     batches = [2, 16, 64]
     claims = _claims(report)
+    stuck_runs = {r["arm"] for r in every if _expected_escape(out, r["arm"]) == "never"}
+
+    def judged(verdict, agrees, contradicts, *pairs):  # a seed whose compared runs both stayed on the plateau
+        both = any(all(arm_of[(n, b, seed)] in stuck_runs for n, b in pair) for pair in pairs for seed in ("1337", "7"))
+        return "not resolvable at this scale" if both else _status(verdict, agrees, contradicts)
 
     def loss(name, batch, seed, kind=""):
         return _final(out, arm_of[(name, batch, "1337")] + kind if kind else arm_of[(name, batch, seed)])
@@ -197,12 +202,13 @@ def test_optimizers_smoke_report_agrees_with_metrics(optimizers_smoke, one_threa
             return loss(name, 16, seed, kind) - loss(name, 2, seed, kind)
         v = _check_comparison(degrade_rows[f"{name}: batch 16 - batch 2"], [degrade("1337"), degrade("7")],
                               floor_of(degrade), "degrades", "improves")
+        own = ((name, 2), (name, 16))
         if name == "adamw":
             assert claims["adamw degrades from batch 2 to 16 at equal tokens (the papers' premise)"] == \
-                _status(v, "degrades", "improves")
+                judged(v, "degrades", "improves", own)
             continue
         assert claims[f"{name} holds its loss from batch 2 to 16 at equal tokens (its paper's claim)"] == \
-            _status(v, "improves", "degrades")
+            judged(v, "improves", "degrades", own)
 
         def relative(seed, kind="", name=name):
             return (loss(name, 16, seed, kind) - loss(name, 2, seed, kind)
@@ -211,13 +217,14 @@ def test_optimizers_smoke_report_agrees_with_metrics(optimizers_smoke, one_threa
                               floor_of(relative), "degrades more than adamw", "degrades less than adamw")
         if name in ("lamb", "lans"):
             assert claims[f"{name} degrades less than adamw from batch 2 to 16 (the papers' claim)"] == \
-                _status(v, "degrades less than adamw", "degrades more than adamw")
+                judged(v, "degrades less than adamw", "degrades more than adamw", own, (("adamw", 2), ("adamw", 16)))
             for b in batches[1:]:
-                assert claims[f"{name} beats adamw at batch {b}"] == _status(
-                    verdicts[(name, b)], "better than adamw", "worse than adamw")
+                assert claims[f"{name} beats adamw at batch {b}"] == judged(
+                    verdicts[(name, b)], "better than adamw", "worse than adamw", ((name, b), ("adamw", b)))
     for b in batches:
         key = next(c for c in claims if c.startswith(f"lars trails adamw on this transformer at batch {b} "))
-        assert claims[key] == _status(verdicts[("lars", b)], "worse than adamw", "better than adamw")
+        assert claims[key] == judged(verdicts[("lars", b)], "worse than adamw", "better than adamw",
+                                     (("lars", b), ("adamw", b)))
     assert "LARS fails" not in report and "does not carry over" not in report
     stuck = sum(_expected_escape(out, r["arm"]) == "never" for r in every)
     assert f"never leave the unigram plateau: {stuck} of 24" in report

@@ -255,10 +255,15 @@ def compare(name: str, diff, per_seed: list, perturbed: dict[str, list], worse: 
     return Comparison(gaps, floor, worse, better)
 
 
-def claim_line(claim_text: str, c: Comparison, agrees: str, contradicts: str, unit: str = " nats") -> str:
-    """A report's bullet: the claim, what the comparison's verdict says about it, and the numbers."""
-    status = claim(c.verdict, agrees, contradicts)
-    return (f"- {claim_text}: **{status}** ({c.gaps.name}: {signed(c.gaps.mean)}{unit} over "
+def claim_line(claim_text: str, c: Comparison, agrees: str, contradicts: str, unit: str = " nats",
+               on_plateau: int = 0) -> str:
+    """A report's bullet: the claim, what the comparison's verdict says about it, and the numbers.
+    ``on_plateau``: seeds whose compared runs both ended on the unigram plateau (then the gap
+    measures when each would have escaped, and the claim is not resolvable whatever the numbers)."""
+    status, note = claim(c.verdict, agrees, contradicts), ""
+    if on_plateau:
+        status, note = UNRESOLVED, f" ({on_plateau} seed(s) with both compared runs on the plateau)"
+    return (f"- {claim_text}: **{status}**{note} ({c.gaps.name}: {signed(c.gaps.mean)}{unit} over "
             f"{len(c.gaps.gaps)} seed(s), 95% CI {interval(c.gaps.ci95)}, noise floor {c.floor_text}: "
             f"{c.verdict}).")
 

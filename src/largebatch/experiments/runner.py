@@ -209,8 +209,8 @@ class Execution:
     """How an experiment's arms are run; never what they compute."""
 
     jobs: int = 1
-    """Arms trained at once, in ``jobs`` worker processes spawned once, each with threads/jobs torch
-    threads and training one arm after another. Small models scale poorly over threads. Measured on
+    """Arms trained at once, in ``jobs`` worker processes spawned once per ``run_arms`` call, each with
+    threads/jobs torch threads and training one arm after another. Small models scale poorly over threads. Measured on
     2 cores at full size: 33 arms in 3,410 s with 2 jobs, their own wall times summing to 6,775 s
     (~2x the arms per hour). SIGTERM or Ctrl-C: no arm is started after it, the running ones are
     sent SIGTERM (they checkpoint) and waited for, then ArmsInterrupted is raised."""
@@ -284,7 +284,10 @@ def _finished(run_dir: Path, overrides: dict[str, Any], log: Callable[[str], Non
     from largebatch.typed_config import from_dict, load_toml
 
     record_path = run_dir / _ARM_RECORD
-    if not record_path.exists():
+    if not record_path.exists():  # never finished; stopped after a checkpoint, or before any
+        if any((run_dir / "checkpoints").glob("step_*")):
+            log(f"  {run_dir.name}: {_UNFINISHED}: continued from its newest checkpoint where one of this "
+                "config fits, else trained again")
         return None
     record, why = _read_record(record_path), None
     summary_path = run_dir / "summary.json"
