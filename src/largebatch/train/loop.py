@@ -362,9 +362,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         return path
 
     def _bucket_backward(self) -> None:
-        """A forward and backward of one sequence of zeros, the random state kept (dropout's draws):
-        what DDP needs to see once to lay out its buckets (parallelize.settle_ddp_buckets)."""
-        ids = torch.zeros((1, self.phase.seq_len), dtype=torch.long)
+        """A forward and backward of a micro-batch of zeros (the training shape: a compiled block sees
+        no new shape), the random state kept (dropout's draws): what DDP needs to see once to lay out
+        its buckets (parallelize.settle_ddp_buckets)."""
+        ids = torch.zeros((self.phase.micro_batch, self.phase.seq_len), dtype=torch.long)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             _, loss, _ = self._forward({"input_ids": ids, "targets": ids})
             loss.backward()
