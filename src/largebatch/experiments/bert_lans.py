@@ -352,8 +352,8 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
     downstream, line = finetune_arms(results + extra, setting.finetune, log, execution.jobs,
                                      keep_dir=out_dir / "downstream")
     found = comparisons(per_seed, perturbed, downstream)
-    report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command)
-    report.threads = threads
+    report = Report("bert-lans", "LANS vs LAMB vs AdamW on the two-phase BERT recipe, equal tokens", command,
+                    threads=threads)
     first = results[0]
     report.add(f"""The {RECIPE} recipe (two phases, LANS's warmup-hold-decay schedule per phase) with
 {', '.join(f'{k} = {v}' for k, v in setting.overrides.items()) or 'no changes'}; {first.tokens:,}

@@ -127,8 +127,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                               "positive: B_simple falls with the loss", "negative: B_simple grows as the loss falls",
                               bounds=(-1.0, 1.0))  # a rank correlation: the t interval cut to [-1, 1]
     report = Report("noise-scale", "Gradient noise scale over training, and Seesaw capped by it "
-                    "(McCandlish et al. 2018)", command)
-    report.threads = threads
+                    "(McCandlish et al. 2018)", command, threads=threads)
     report.add(f"""AdamW, peak LR {PEAK_LR:g}, warmup + cosine; {base['model.n_layer']} layers x
 {base['model.n_embd']} hidden, seq {base['model.seq_len']}, {base['run.total_tokens']:,} tokens of
 Shakespeare per arm. B_simple is in sequences, EMA 0.95, from micro-batch {setting.micro} vs

@@ -258,8 +258,7 @@ def run(size: str, out_dir: Path, command: str, log=print, execution: Execution 
                 for name in OPTIMIZERS if name != BASELINE}
 
     report = Report("optimizers", "AdamW vs LAMB / LANS / LARS as the batch grows, equal tokens",
-                    command)
-    report.threads = threads
+                    command, threads=threads)
     lars = ", ".join(f"{k} {v:g}" for k, v in LARS_OVERRIDES.items())
     extension = (f", extended while a cell's best LR is at an end of its grid by the next half-decade point "
                  f"past that end (1, 3, 10, 30 x 10^k), at most {setting.extend} per side" if setting.extend else "")

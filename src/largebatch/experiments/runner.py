@@ -700,10 +700,7 @@ def _train_in_processes(todo: list[tuple[Arm, Path, dict[str, Any]]], jobs: int,
         try:
             _stop(workers, exc.signum)
         except ArmsInterrupted as again:
-            for process, _ in workers:
-                if process.is_alive():
-                    process.kill()
-                process.join()
+            _stop(workers, signal.SIGKILL)  # (no grace: killed and reaped at once)
             raise again from None
         raise ArmsInterrupted(exc.signum, stopped, not_started) from None
     except BaseException:

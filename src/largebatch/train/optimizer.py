@@ -138,7 +138,8 @@ def probe_optimizer(cfg: OptimConfig) -> str | None:
     spec = OPTIMIZERS[cfg.name]
     if _SHIPPED.get(cfg.name) is spec:
         return None
-    unknown = [f for f in spec.fields if f not in {f.name for f in dataclasses.fields(cfg)}]
+    known = {f.name for f in dataclasses.fields(cfg)}
+    unknown = [name for name in spec.fields if name not in known]
     if unknown:
         return (f"its registration (register_optimizer) lists [optim] field(s) {', '.join(map(repr, unknown))} "
                 "that [optim] does not have")
