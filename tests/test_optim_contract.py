@@ -719,6 +719,64 @@ def test_the_functional_form_refuses_a_step_count_below_one():
             function([p.clone() for p in params], grads[0], *states, [0, 0], lr=0.01)
 
 
+def _functional_call(info: OptimizerInfo):
+    """(function, params, positional state lists) for one step of ``info``'s functional form."""
+    from largebatch.optim import lamb, lans, lars
+    params, grads = make_problem(dtype=torch.float64)
+    states = [[torch.zeros_like(p) for p in params] for _ in range(1 if info.name == "lars" else 2)]
+    steps = [] if info.name == "lars" else [[1] * len(params)]
+    return {"lamb": lamb, "lans": lans, "lars": lars}[info.name], params, [grads[0], *states, *steps]
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
+def test_the_functional_form_checks_its_arguments_as_the_class_does(info):
+    """``lamb(..., lr=-1)`` stepped uphill, ``eps=0`` on a zero gradient made NaN parameters, ``betas``
+    of 1 divided by zero, and a short state list raised IndexError: each is now the class's ValueError
+    naming the argument, before any tensor changes."""
+    function, params, lists = _functional_call(info)
+    before = [p.clone() for p in params]
+    for field, value in info.bad.items():
+        with pytest.raises(ValueError, match=rf"^{info.name}: {field}(\[\d\])?="):
+            function(params, *lists, **{**info.kwargs, field: value})
+    with pytest.raises(ValueError, match=rf"^{info.name}: lr=nan"):
+        function(params, *lists, **{**info.kwargs, "lr": float("nan")})
+    with pytest.raises(ValueError, match=rf"^{info.name}: lr='x'"):
+        function(params, *lists, **{**info.kwargs, "lr": "x"})
+    short = [lists[0], lists[1][:1], *lists[2:]]
+    with pytest.raises(ValueError, match=r"has 1 entries for 2 params"):
+        function(params, *short, **info.kwargs)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    if info.name != "lars":
+        with pytest.raises(ValueError, match=r"steps=1: expected a list"):
+            function(params, *lists[:-1], 1, **info.kwargs)
+    function(params, *lists, **{**info.kwargs, "lr": torch.tensor(info.kwargs["lr"], dtype=torch.float64)})
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[info.name for info in INFOS])
+def test_the_functional_form_calls_reduce_norms_as_the_class_does(info):
+    """docs/optim.md's ``reduce_norms(squared_norms, params)`` works with the class and the function
+    alike (the function called it with the squared norms alone, a TypeError for the documented one):
+    doubling every squared norm gives the same step through both."""
+    function, params, lists = _functional_call(info)
+    seen = []
+
+    def reduce_norms(squared_norms, given):
+        seen.append(given)
+        return squared_norms * 2
+
+    function(params, *lists, **info.kwargs, reduce_norms=reduce_norms)
+    assert seen and all(given is params for given in seen)
+    live = leaves(make_problem(dtype=torch.float64)[0])
+    opt = info.cls(live, **info.kwargs, reduce_norms=reduce_norms)
+    for p, g in zip(live, lists[0]):
+        p.grad = g.clone()
+    opt.step()
+    for actual, expected in zip(live, params):
+        torch.testing.assert_close(actual, expected, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match=rf"{info.name}: reduce_norms=3: expected None or a callable"):
+        function(params, *lists, **info.kwargs, reduce_norms=3)
+
+
 @pytest.mark.parametrize("cls, kwargs", [(LAMB, {}), (LANS, {}), (LARS, {"lr": 1.0})])
 def test_parameters_on_the_meta_device_step_as_torchs_adamw_does(cls, kwargs):
     """A model built on 'meta' (shapes only, as large models are before their weights load): the

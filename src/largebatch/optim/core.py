@@ -80,12 +80,12 @@ def trust_ratio(
     return ratio, pinned
 
 
-def hooked_norms(squared: Tensor, reduce: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
-    """(k, n) squared norms -> k norm tensors (n,), through ``reduce`` as ONE (k*n,) tensor."""
+def hooked_norms(squared: Tensor, reduce: NormReduction | None, params: list[Tensor]) -> list[Tensor]:
+    """(k, n) squared norms -> k norm tensors (n,), through ``reduce(flat, params)`` as ONE (k*n,) tensor."""
     k = squared.shape[0]
     flat = squared.reshape(-1)
     if reduce is not None:
-        flat = reduce(flat)
+        flat = reduce(flat, params)
     return list(flat.sqrt().view(k, -1))
 
 
@@ -448,15 +448,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if isinstance(t, Tensor) and t._base is not None and t.untyped_storage().data_ptr() in buffers:
                 state[key] = t.clone()
 
-    def _reduction(self, bucket: Bucket) -> Callable[[Tensor], Tensor] | None:
-        """``reduce_norms`` bound to the bucket's parameters (None: the identity); by default the sum
-        over the device meshes of DTensor parameters (``mesh_squared_norms``)."""
+    def _reduction(self, bucket: Bucket) -> NormReduction | None:
+        """``reduce_norms`` for the bucket (None: the identity); by default the sum over the device
+        meshes of DTensor parameters (``mesh_squared_norms``). It is handed the bucket's parameters as
+        given to the optimizer (DTensors carry their placements), not the local tensors the update
+        function passes on."""
         reduce = self.reduce_norms
         if reduce is None:
             if not any(is_dtensor(p) for p in bucket.params):
                 return None
             reduce = mesh_squared_norms
-        return lambda squared: reduce(squared, bucket.params)
+        return lambda squared, _local: reduce(squared, bucket.params)
 
     def _global_grad_scale(self, buckets: list[Bucket]) -> Tensor | None:
         """1 / max(||g||_global / max_grad_norm, 1) as a 0-d float64 tensor (apex / timm pre-clipping)."""
@@ -466,7 +468,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in buckets:
             squared = stacked_squared_norms(b.grads, self.foreach)  # (n,)
             reduce = self._reduction(b)
-            part = (squared if reduce is None else reduce(squared)).double().sum()
+            part = (squared if reduce is None else reduce(squared, b.x)).double().sum()
             total = part if total is None else total + part.to(total.device)
         return 1.0 / torch.clamp(total.sqrt() / self.max_grad_norm, min=1.0)
 

@@ -104,11 +104,18 @@ def lamb_apply_kernel(x, m, v, r, hp, step_scale, l2_decay, seg, n):
 
 
 # ------------------------------------------------------------------------------ the functional form
+FUNCTIONAL_SPEC: dict[str, checks.Check] = dict(
+    lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
+    trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive,
+    reduce_norms=checks.optional_callable)
+"""The checks of the functional forms' hyperparameters (``lamb`` and ``lans``; the class's ``_spec``)."""
+
+
 def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
          steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.01, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,
-         grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
+         grad_scale: Tensor | None = None, reduce_norms: NormReduction | None = None,
          foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
          rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
@@ -116,10 +123,18 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     t per tensor after this update, host ints or 0-d device tensors (then the bias corrections are
     computed on the device and the step reads nothing on the host: torch's ``capturable``).
     Returns (trust ratios (n,), pinned (n,)), or None when not ``adapt``.
-    ``reduce_norms``: the (k*n,) squared norms -> their sum over shards (see core.py). ``work_buffers``:
+    ``reduce_norms(squared_norms, params)``: the (k*n,) squared norms -> their sum over shards, as the
+    classes' (see core.py), handed ``params``. ``work_buffers``:
     (slot, indices) -> kept CPU buffers for those tensors (None: fresh ones). ``rebind_state``: see
     kernels.KernelRun.finish (None: flat buckets are copied back into the state tensors each step).
-    ``maximize``: the step of -grads (torch's maximize; ``grads`` are left as they are)."""
+    ``maximize``: the step of -grads (torch's maximize; ``grads`` are left as they are).
+    Hyperparameters are checked as the class checks them (ValueError naming the argument); a tensor
+    one is used unread."""
+    checks.per_tensor("lamb: ", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    hyper = checks.arguments("lamb: ", FUNCTIONAL_SPEC, dict(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_clip=trust_clip,
+        weight_norm_clip=weight_norm_clip, reduce_norms=reduce_norms))
+    lr, betas, eps, weight_decay = hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"]
     if not params:
         return None
     if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
@@ -135,7 +150,7 @@ def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
                              weight_decay, bias_correction, l2_decay, grad_scale, work)
     multi.pass1(squared)
     if adapt:  # (an unadapted step needs no norms: no reduction, no collective)
-        x_norm, r_norm = hooked_norms(squared, reduce_norms)
+        x_norm, r_norm = hooked_norms(squared, reduce_norms, params)
         ratio, pinned = trust_ratio(x_norm, r_norm, numerator_clip=weight_norm_clip, ratio_clip=trust_clip)
     else:
         ratio, pinned = squared.new_ones(len(params)), None

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
 from .kernels import (
     HP_EPS,
@@ -39,7 +40,7 @@ from .kernels import (
     squared_norms_kernel,
     sums,
 )
-from .lamb import LAMB
+from .lamb import FUNCTIONAL_SPEC, LAMB
 from .multi_tensor import (
     adam_moments_scaled_,
     column,
@@ -95,11 +96,17 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
          steps: Steps, *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          weight_decay: float = 0.01, adapt: bool = True, bias_correction: bool = True,
          trust_clip: float | None = None, weight_norm_clip: float | None = None,
-         grad_scale: Tensor | None = None, reduce_norms: Callable[[Tensor], Tensor] | None = None,
+         grad_scale: Tensor | None = None, reduce_norms: NormReduction | None = None,
          foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
          rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
-    """One LANS step; arguments and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's then c's)."""
+    """One LANS step; arguments, checks and return as ``largebatch.optim.lamb.lamb`` (ratios: (2n,), r's
+    then c's)."""
+    checks.per_tensor("lans: ", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    hyper = checks.arguments("lans: ", FUNCTIONAL_SPEC, dict(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_clip=trust_clip,
+        weight_norm_clip=weight_norm_clip, reduce_norms=reduce_norms))
+    lr, betas, eps, weight_decay = hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"]
     if not params:
         return None
     if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
@@ -118,7 +125,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     run(squared_norms_kernel, ("g",), (), (), out=squared_g, buckets_only=layout.compiled)
     if native:
         squared_g[:, native] = stacked_squared_norms([grads[i] for i in native], True)
-    (g_norm,) = hooked_norms(squared_g, reduce_norms)
+    (g_norm,) = hooked_norms(squared_g, reduce_norms, params)
     scale = 1.0 if grad_scale is None else grad_scale
     grad_coef = torch.where(g_norm > 0, scale / (g_norm * scale + eps), torch.ones_like(g_norm) * scale)  # (n,)
 
@@ -133,7 +140,7 @@ def lans(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
     multi.pass1(squared)
     beta1 = betas[0]
     if adapt:  # (an unadapted step needs no norms: no reduction, no collective)
-        x_norm, r_norm, c_norm = hooked_norms(squared, reduce_norms)
+        x_norm, r_norm, c_norm = hooked_norms(squared, reduce_norms, params)
         ratio_r, pinned_r = trust_ratio(x_norm, r_norm, numerator_clip=weight_norm_clip, ratio_clip=trust_clip)
         ratio_c, pinned_c = trust_ratio(x_norm, c_norm, numerator_clip=weight_norm_clip, ratio_clip=trust_clip)
         diagnostics = torch.cat([ratio_r, ratio_c]), torch.cat([pinned_r, pinned_c])

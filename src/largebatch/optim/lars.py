@@ -43,14 +43,27 @@ def lars_apply_kernel(x, g, buf, hp, step_scale, grad_scale, seg, n):
 
 
 # ------------------------------------------------------------------------------ the functional form
+FUNCTIONAL_SPEC: dict[str, checks.Check] = dict(
+    lr=checks.learning_rate, momentum=checks.unit_interval, weight_decay=checks.non_negative,
+    trust_coefficient=checks.positive, eps=checks.positive, trust_clip=checks.optional_positive,
+    reduce_norms=checks.optional_callable)
+"""The checks of ``lars``'s hyperparameters (the class's ``_spec``)."""
+
+
 def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], *, lr: float,
          momentum: float = 0.9, weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 1e-8,
          adapt: bool = True, trust_clip: float | None = None, grad_scale: Tensor | None = None,
-         reduce_norms: Callable[[Tensor], Tensor] | None = None, foreach: bool = True, fused: bool = False,
+         reduce_norms: NormReduction | None = None, foreach: bool = True, fused: bool = False,
          work_buffers: Callable[[int, list[int]], list[Tensor] | None] | None = None,
          rebind_state: Rebind | None = None, maximize: bool = False) -> tuple[Tensor, Tensor] | None:
     """One LARS step on same-device, same-dtype, contiguous real tensors (updated in place). Returns
-    (local LRs (n,), pinned (n,)), or None when not ``adapt``; other arguments as ``lamb``."""
+    (local LRs (n,), pinned (n,)), or None when not ``adapt``; other arguments and checks as ``lamb``."""
+    checks.per_tensor("lars: ", params, grads=grads, momentum_buffers=momentum_buffers)
+    hyper = checks.arguments("lars: ", FUNCTIONAL_SPEC, dict(
+        lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
+        trust_clip=trust_clip, reduce_norms=reduce_norms))
+    lr, momentum, weight_decay = hyper["lr"], hyper["momentum"], hyper["weight_decay"]
+    trust_coefficient, eps = hyper["trust_coefficient"], hyper["eps"]
     if not params:
         return None
     if maximize:  # ascend: the update of -g, the caller's gradients untouched (torch's maximize)
@@ -67,7 +80,7 @@ def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
                                          stacked_squared_norms([grads[i] for i in large], True)])
     diagnostics = None
     if adapt:  # local = tc*||x|| / (||g|| + wd*||x|| + eps), pinned to 1 on a zero norm
-        x_norm, g_norm = hooked_norms(squared, reduce_norms)
+        x_norm, g_norm = hooked_norms(squared, reduce_norms, params)
         if grad_scale is not None:
             g_norm = g_norm * grad_scale
         # a zero gradient norm pins the ratio to 1; a NaN one must stay NaN (``> 0`` would pin it too)
