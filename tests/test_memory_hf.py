@@ -119,6 +119,8 @@ def test_hf_config_gives_the_paper_formula_and_the_preset(name, raw, preset_name
         expected = preset(preset_name)
         if c.kind == "bert":  # transformers' BERT is post-LN; the presets are pre-LN
             expected = expected.replace(norm_position="post")
+        else:  # GPT-2's gelu_new is the tanh GeLU (the presets keep the exact one: the same bytes and FLOPs)
+            expected = expected.replace(activation="gelu_tanh")
         assert c == expected
     assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b)]) == 0
     rows = _printed_rows(capsys.readouterr().out)
@@ -288,3 +290,48 @@ def test_a_config_json_of_another_shape_is_one_line(text, fragment, tmp_path, ca
     assert memory_main(["--hf-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_transformers_config_objects_and_activation_names():
+    """``config_from_hf(GPT2Config(...))`` was a TypeError from inside pathlib, and GPT-2's gelu_new
+    came back as the exact GeLU (``hf:`` imports it as gelu_tanh); a misspelt ``Setup.hf_activation``
+    ("gelu-new") was counted as a fused GeLU: 3 f d bytes per token fewer than GPT-2's eager layer."""
+    transformers = pytest.importorskip("transformers")
+    from largebatch.memory import Setup, hf_eager_layer_bytes
+    from largebatch.train.hf_import import HF_ACTIVATIONS
+    for act, ours in HF_ACTIVATIONS.items():
+        gpt = config_from_hf(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, activation_function=act))
+        bert = config_from_hf(transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                                      intermediate_size=256, hidden_act=act))
+        assert (gpt.n_layer, gpt.n_embd, gpt.activation) == (2, 64, ours)
+        assert (bert.kind, bert.ffn, bert.activation) == ("bert", 256, ours)
+    with pytest.raises(ValueError, match=r"hf config 3: expected a config.json path"):
+        config_from_hf(3)
+    g = preset("gpt2-small")
+    fused = Setup(micro_batch=8, hf_activation="gelu").estimate(g, "none").total
+    pointwise = Setup(micro_batch=8, hf_activation="gelu_new").estimate(g, "none").total
+    s, b, f, d, L = 1024, 8, 4 * 768, 2, 12
+    assert pointwise - fused == pytest.approx(L * s * b * 3 * f * d, rel=1e-12)
+    for bad in ("gelu-new", "relu"):
+        with pytest.raises(ValueError, match=rf"Setup.hf_activation='{bad}': not a transformers activation"):
+            Setup(micro_batch=8, hf_activation=bad)
+        with pytest.raises(ValueError, match=rf"activation='{bad}'"):
+            hf_eager_layer_bytes(g, bad, 8)
+
+
+def test_numpy_integers_and_the_bert_head_share():
+    """numpy integers (a sweep over ``np.arange``) were refused as "not a positive integer"; a
+    ``mask_fraction`` of 2 was accepted and doubled the BERT head's bytes."""
+    import numpy as np
+
+    from largebatch.memory import Setup, cheapest_plan, estimate
+    from largebatch.models import ModelConfig
+    g = preset("gpt2-small")
+    assert estimate(g, np.int64(2), tp=np.int64(4), dp=np.int32(2)) == estimate(g, 2, tp=4, dp=2)
+    assert cheapest_plan(g, Setup(micro_batch=2), np.int64(60 * 2**30)) == cheapest_plan(g, Setup(micro_batch=2),
+                                                                                      60 * 2**30)
+    c = ModelConfig(n_layer=np.int64(2), ffn_hidden=np.int64(256))
+    assert type(c.n_layer) is int and type(c.ffn_hidden) is int and c == ModelConfig(n_layer=2, ffn_hidden=256)
+    for bad in (0, 2, float("nan")):
+        with pytest.raises(ValueError, match=r"mask_fraction=.*in \(0, 1\]"):
+            Setup(mask_fraction=bad).estimate(preset("bert-base"), "none")

@@ -65,6 +65,8 @@ class LayerShape:
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp"):
             value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, value := int(value))  # a numpy integer
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer.")
         if self.heads % self.tp:

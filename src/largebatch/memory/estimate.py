@@ -12,6 +12,7 @@ stage 2 also the gradients, stage 3 also the parameters.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,10 +99,14 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
         raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZER_STATE_BYTES)}.")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3.")
-    if not isinstance(dp, int) or dp < 1:
+    if not isinstance(dp, numbers.Integral) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"dp={dp!r}: must be a positive integer.")
-    if not (isinstance(dtype_bytes, (int, float)) and 0 < dtype_bytes <= 8):
+    if not (isinstance(dtype_bytes, numbers.Real) and not isinstance(dtype_bytes, bool) and 0 < dtype_bytes <= 8):
         raise ValueError(f"dtype_bytes={dtype_bytes!r}: bytes per stored value, from 1 (fp8) to 8 (fp64).")
+    if not (isinstance(mask_fraction, numbers.Real) and not isinstance(mask_fraction, bool)
+            and 0 < mask_fraction <= 1):
+        raise ValueError(f"mask_fraction={mask_fraction!r}: the share of positions a BERT head runs on, in (0, 1] "
+                         "(largebatch's masked ones: 0.15; transformers' BertForMaskedLM: 1)")
     acts = model_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                   sequence_parallel=sequence_parallel, seq_len=seq_len,
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,

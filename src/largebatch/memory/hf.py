@@ -76,9 +76,32 @@ _GELU_EXACT = ("gelu", "gelu_pytorch_tanh")
 _GELU_POINTWISE = ("gelu_new",)   # transformers' NewGELUActivation: three more f-wide tensors
 
 
-def _load(source: str | Path | Mapping) -> dict:
+HF_ACTIVATIONS = _GELU_EXACT + _GELU_POINTWISE
+"""transformers' activation names whose eager layers the memory model counts."""
+# each as largebatch's model.activation: the same function ("gelu_new" is the tanh formula written
+# out, "gelu_pytorch_tanh" torch's tanh kernel)
+_ACTIVATION = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def check_activation(activation, name: str = "activation") -> str:
+    """``activation`` if it is one of HF_ACTIVATIONS, else ValueError naming ``name`` (a misspelt
+    "gelu-new" would otherwise be counted as a fused GeLU: ~10% fewer bytes for GPT-2)."""
+    if activation not in HF_ACTIVATIONS:
+        raise ValueError(f"{name}={activation!r}: not a transformers activation the memory model counts; "
+                         f"choose one of {', '.join(HF_ACTIVATIONS)} (GPT-2's default is gelu_new, BERT's gelu)")
+    return activation
+
+
+def _load(source) -> dict:
     if isinstance(source, Mapping):
         return dict(source)
+    if callable(getattr(source, "to_dict", None)) and not isinstance(source, (str, Path)):
+        raw = source.to_dict()  # a transformers config object (GPT2Config, BertConfig, ...)
+        if isinstance(raw, Mapping):
+            return dict(raw)
+    if not isinstance(source, (str, Path)):
+        raise ValueError(f"hf config {source!r}: expected a config.json path, a directory holding one, its "
+                         "dict, or a transformers config object (GPT2Config(...), BertConfig(...))")
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
@@ -164,7 +187,9 @@ def _ffn(width, hidden, name: str) -> int | None:
 
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config: a config.json path, a
-    directory holding one, or its dict (e.g. `GPT2Config(...).to_dict()`). Refuses other architectures, naming what
+    directory holding one, its dict, or the transformers config object (`GPT2Config(...)`). The
+    activation is largebatch's name for transformers' (gelu_new -> gelu_tanh, as `hf:` imports it).
+    Refuses other architectures, naming what
     in them the closed form does not describe. Attention is "explicit" (transformers' eager layout);
     pass the result through `.replace(attention="sdpa")` for a fused kernel."""
     raw = _load(source)
@@ -174,22 +199,23 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
             raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
                              "fp32 attention tensors the closed form does not count); set it to false.")
     if model_type == "gpt2":
-        _activation(raw, "activation_function", "gelu_new")
-        return ModelConfig(
+        act = _activation(raw, "activation_function", "gelu_new")
+        return ModelConfig(activation=_ACTIVATION[act],
             kind="gpt", n_layer=_field(raw, "n_layer"), n_embd=_field(raw, "n_embd"),
             n_head=_field(raw, "n_head"), ffn_hidden=_ffn(raw.get("n_inner"), raw["n_embd"], "n_inner"),
             seq_len=_field(raw, "n_positions"), vocab_size=_field(raw, "vocab_size"),
             dropout=_dropout(raw, HF_DROPOUTS["gpt2"]),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)), norm_position="pre",
             norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
-    _activation(raw, "hidden_act", "gelu")
+    act = _activation(raw, "hidden_act", "gelu")
     position = raw.get("position_embedding_type", "absolute")
     if position != "absolute":
         raise ValueError(f"hf config field 'position_embedding_type'={position!r}: not supported "
                          "(relative position scores add tensors the closed form does not count); "
                          "use 'absolute'.")
     return ModelConfig(
-        kind="bert", n_layer=_field(raw, "num_hidden_layers"), n_embd=_field(raw, "hidden_size"),
+        kind="bert", activation=_ACTIVATION[act], n_layer=_field(raw, "num_hidden_layers"),
+        n_embd=_field(raw, "hidden_size"),
         n_head=_field(raw, "num_attention_heads"),
         ffn_hidden=_ffn(raw.get("intermediate_size"), raw["hidden_size"], "intermediate_size"),
         seq_len=bert_positions(raw, "hf config"), vocab_size=_field(raw, "vocab_size"),
@@ -216,6 +242,7 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: transformers' eager layers are counted for "
                          "none, selective and full only.")
+    check_activation(activation)
     s = config.seq_len if seq_len is None else seq_len
     h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
     if recompute == "full":

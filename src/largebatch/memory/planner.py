@@ -13,12 +13,13 @@ it recomputes no matmuls, so FLOPs cannot rank it -- measure it (benchmarks/reco
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, stages_per_rank
 from largebatch.memory.estimate import MemoryEstimate, estimate
-from largebatch.memory.hf import hf_eager_layer_bytes
+from largebatch.memory.hf import check_activation, hf_eager_layer_bytes
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token, per_layer_policies
 
@@ -52,6 +53,10 @@ class Setup:
     """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
     layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
     not the closed form. None: largebatch's own layers, the closed form."""
+
+    def __post_init__(self) -> None:
+        if self.hf_activation is not None:
+            check_activation(self.hf_activation, "Setup.hf_activation")
 
     @property
     def formula(self) -> str:
@@ -125,7 +130,8 @@ def check_plannable(config: ModelConfig, setup: Setup) -> None:
 
 def cheapest_plan(config: ModelConfig, setup: Setup, budget_bytes: float) -> Plan | None:
     """The fitting mix with the least recompute FLOPs (ties: least memory), or None."""
-    if not (isinstance(budget_bytes, (int, float)) and math.isfinite(budget_bytes) and budget_bytes > 0):
+    if not (isinstance(budget_bytes, numbers.Real) and not isinstance(budget_bytes, bool)
+            and math.isfinite(budget_bytes) and budget_bytes > 0):
         raise ValueError(f"budget_bytes={budget_bytes!r}: must be a positive finite number of bytes per device")
     check_plannable(config, setup)
     stage = config.n_layer // setup.pp

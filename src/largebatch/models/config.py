@@ -8,6 +8,7 @@ f = ffn_hidden (4h in the paper).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -81,11 +82,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_literals(self, "ModelConfig")
         model_spec(self.kind, key="ModelConfig.kind=")  # a registered kind (largebatch.models.MODELS)
+        for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "ffn_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))  # a numpy integer: kept as the Python int it is
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer.")
-        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1):
+        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or isinstance(self.ffn_hidden, bool)
+                                            or self.ffn_hidden < 1):
             raise ValueError(f"ModelConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive "
                              "integer, or None for 4 * n_embd.")
         if self.n_embd % self.n_head:
