@@ -189,9 +189,9 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config: a config.json path, a
     directory holding one, its dict, or the transformers config object (`GPT2Config(...)`). The
     activation is largebatch's name for transformers' (gelu_new -> gelu_tanh, as `hf:` imports it).
-    Refuses other architectures, naming what
-    in them the closed form does not describe. Attention is "explicit" (transformers' eager layout);
-    pass the result through `.replace(attention="sdpa")` for a fused kernel."""
+    Refuses other architectures, naming what in them the closed form does not describe. Attention is
+    "explicit" (transformers' eager layout); pass the result through `.replace(attention="sdpa")` for
+    a fused kernel."""
     raw = _load(source)
     model_type = _model_type(raw)
     for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
