@@ -131,3 +131,10 @@ def test_tiny_model_loss_falls_on_shakespeare(make_optimizer):
         after = loss_of(held_out).item()
     assert before > 5.0  # ~ln 256 at initialisation
     assert after < before - 1.5, (before, after)
+
+
+def test_a_parameter_list_instead_of_the_model_is_named():
+    """``param_groups(list(model.parameters()))`` was an AttributeError ('named_modules')."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"model=list: param_groups needs the nn.Module.*not model.parameters"):
+        param_groups(list(model.parameters()))

@@ -168,3 +168,12 @@ def test_a_budget_past_the_lr_schedules_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ConstantBatch(Constant(1.0, 1000), 8, total_tokens=100_000)  # no decay to have planned
+
+
+@pytest.mark.parametrize("build", [lambda lr: ConstantBatch(lr, 64), lambda lr: LinearRamp(lr, 8, 8, 1000, 64),
+                                   lambda lr: PiecewiseBatch(lr, [(0, 8)])])
+def test_a_number_where_the_lr_schedule_belongs_is_named(build):
+    """``ConstantBatch(3e-4, 64)`` (the LR where the schedule goes) was an AttributeError
+    ('float' object has no attribute 'total_tokens'); Seesaw already named it."""
+    with pytest.raises(TypeError, match=r"lr_schedule=0.0003 must be an LR schedule"):
+        build(3e-4)

@@ -309,3 +309,9 @@ def test_last_epoch_starts_the_clock_as_torch_counts_steps():
         TokenLR(resumed(), schedule, None, last_epoch=49)
     with pytest.raises(ValueError, match="last_epoch=-2 must be an integer >= -1"):
         TokenLR(two_groups(), schedule, TOKENS_PER_STEP, last_epoch=-2)
+
+
+def test_an_optimizer_that_is_none_is_named():
+    """``TokenLR(None, schedule)``: an AttributeError from inside; torch's schedulers refuse it first."""
+    with pytest.raises(TypeError, match=r"optimizer=None is not a torch.optim.Optimizer"):
+        TokenLR(None, Cosine(3e-4, 10**6, 10**5, 0.1))

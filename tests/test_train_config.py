@@ -181,3 +181,29 @@ def test_flag_spellings_parse_as_a_config_file_does(tmp_path):
     config.write_text('[run]\nseed = 7\nrecompute = ["full"]\n[optim]\nbetas = [0.9, 0.98]\n')
     assert flags == load_config(config)
     assert flags.run.seed == 7 and flags.optim.betas == (0.9, 0.98) and flags.schedule.max_batch_size is None
+
+
+def test_configs_built_from_python_are_checked_as_a_config_file_is():
+    """``RunConfig(total_tokens="1e6")`` failed with a TypeError from a comparison, naming no field,
+    where the same value in TOML is read as 1,000,000; a numpy integer was kept as one; an unknown
+    optimizer name passed until the optimizer was built."""
+    import numpy as np
+
+    from largebatch.parallel.config import ParallelConfig
+    from largebatch.train.config import OptimConfig, RunConfig
+    from largebatch.train.phases import PhaseConfig
+    assert RunConfig(total_tokens="1e6").total_tokens == 1_000_000 == load_config(
+        overrides={"run.total_tokens": "1e6"}).run.total_tokens
+    run = RunConfig(micro_batch=np.int64(4), total_tokens=np.int32(4096))
+    assert type(run.micro_batch) is int and type(run.total_tokens) is int and run.micro_batch == 4
+    assert type(OptimConfig(weight_decay=np.float32(0.5)).weight_decay) is float
+    for build, message in [
+        (lambda: RunConfig(total_tokens=[1]), r"run.total_tokens = \[1\]: expected a whole number"),
+        (lambda: RunConfig(dtype="bf17"), r"run.dtype = 'bf17': must be one of 'fp32', 'bf16'; did you mean 'bf16'"),
+        (lambda: OptimConfig(name="adam"), r"optim.name = 'adam': must be one of"),
+        (lambda: OptimConfig(weight_decay="x"), r"optim.weight_decay = 'x': expected a number"),
+        (lambda: ParallelConfig(tp="2"), r"parallel.tp = '2': expected a whole number"),
+        (lambda: PhaseConfig(seq_len=64, total_tokens="lots"), r"phase.total_tokens = 'lots'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build()

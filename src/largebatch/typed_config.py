@@ -20,7 +20,7 @@ Rules that keep a run reproducible and mistakes loud:
 Conventions every config dataclass follows (docs/architecture.md):
 
 * a closed set of names is a ``Literal[...]`` (checked here, listed by ``--help-config``; a
-  dataclass built from Python checks it with :func:`check_literals`); an open set -- a registry
+  dataclass built from Python checks it, and every field's type, with :func:`check_fields`); an open set -- a registry
   that grows with ``register_*`` -- is ``field(metadata={"choices": REGISTRY})``;
 * "off" (or "derive it") is ``None`` and nothing else: in TOML the key is omitted, on the command line
   ``--section.field=none``. A 0 given where 0 used to mean off is refused by :func:`check_off`.
@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import numbers
 import re
 import textwrap
 import tomllib
@@ -132,6 +133,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)  # a numpy integer (a config built from Python)
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             return int(value)  # 1e9 tokens written as a float is still a whole number
         if isinstance(value, float) and value.is_integer():
@@ -139,7 +142,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                               "number; write its digits")
         raise ConfigError(f"{key} = {value!r}: expected a whole number")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
             if not math.isfinite(value):  # TOML reads inf and nan; no setting means either
                 raise ConfigError(f"{key} = {value!r}: expected a finite number")
             return float(value)
@@ -161,13 +164,31 @@ def _holds_names(tp: Any) -> bool:
     return bool(args) and all(a is str or typing.get_origin(a) is typing.Literal for a in args)
 
 
-def check_literals(obj: Any, prefix: str) -> None:
-    """Every ``Literal`` field of dataclass ``obj`` (also inside Optional, list and tuple) holds one of
-    its names; raise ConfigError naming ``prefix.field`` otherwise. For configs built from Python,
-    which :func:`from_dict` does not see."""
+def check_fields(obj: Any, prefix: str) -> None:
+    """Every field of dataclass ``obj`` holds a value of its annotated type, as :func:`from_dict`
+    requires of a config file (a ``Literal`` one of its names, also inside Optional, list and tuple;
+    a registry field one of the registry's names; a ``parse`` field's string read by it); raise
+    ConfigError naming ``prefix.field`` otherwise. For configs built from Python, which from_dict does
+    not see: ``RunConfig(total_tokens="1e6")`` becomes 1,000,000 as in TOML, a numpy integer an int,
+    and ``RunConfig(total_tokens=[1])`` an error naming run.total_tokens instead of a TypeError from
+    a comparison. A field holding a dataclass (a nested config) is left to its own check."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        _check_literal(getattr(obj, f.name), hints[f.name], f"{prefix}.{f.name}")
+        value, tp, key = getattr(obj, f.name), hints[f.name], f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            continue
+        parse = f.metadata.get("parse")
+        if parse is not None and isinstance(value, str) and not _none_spelling(value, tp):
+            try:
+                value = parse(value)
+            except ValueError as exc:
+                raise ConfigError(f"{key} = {value!r}: {exc}") from None
+        checked = _coerce(value, tp, key)
+        _check_literal(checked, tp, key)
+        if "choices" in f.metadata:
+            checked = _choice(checked, f.metadata["choices"], key)
+        if checked is not getattr(obj, f.name):
+            object.__setattr__(obj, f.name, checked)  # (frozen dataclasses too)
 
 
 def _check_literal(value: Any, tp: Any, key: str) -> None:

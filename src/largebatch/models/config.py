@@ -8,12 +8,11 @@ f = ffn_hidden (4h in the paper).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from largebatch.models.registry import MODELS, model_spec
-from largebatch.typed_config import check_literals
+from largebatch.typed_config import check_fields
 
 Attention = Literal["explicit", "sdpa"]
 NormPosition = Literal["pre", "post"]
@@ -80,12 +79,8 @@ class ModelConfig:
     changes nothing in training, and may differ when a run continues."""
 
     def __post_init__(self) -> None:
-        check_literals(self, "ModelConfig")
+        check_fields(self, "ModelConfig")
         model_spec(self.kind, key="ModelConfig.kind=")  # a registered kind (largebatch.models.MODELS)
-        for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "ffn_hidden"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
-                object.__setattr__(self, name, int(value))  # a numpy integer: kept as the Python int it is
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

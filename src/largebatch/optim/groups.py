@@ -75,6 +75,10 @@ def param_groups(model: nn.Module, weight_decay: float = 0.01, *, decay: tuple[s
     ``decay``: categories that get ``weight_decay`` (others 0.0). ``adapt``: categories whose step is
     scaled by a trust ratio (others take the plain step). Categories: weight, embedding, bias, norm.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={type(model).__name__}: param_groups needs the nn.Module (each parameter's "
+                        "category, weight / embedding / bias / norm, is read from the module that holds it); "
+                        "pass the model, not model.parameters()")
     decay_value = weight_decay.item() if isinstance(weight_decay, torch.Tensor) and weight_decay.dim() == 0 \
         else weight_decay  # a 0-d tensor or numpy scalar, as the optimizers take it
     if isinstance(decay_value, bool) or not isinstance(decay_value, numbers.Real) or not decay_value >= 0:

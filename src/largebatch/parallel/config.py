@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from largebatch.typed_config import check_literals
+from largebatch.typed_config import check_fields
 
 DPMode = Literal["ddp", "fsdp"]
 Backend = Literal["auto", "nccl", "gloo"]
@@ -81,12 +81,12 @@ class ParallelConfig:
     one died). Checkpoint saves of large models may need more."""
 
     def __post_init__(self):
+        check_fields(self, "parallel")
         for name in ("dp", "tp", "pp", "pp_virtual_stages", "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "dp" else 1):
                 bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
                 raise ValueError(f"parallel.{name} = {value!r}: must be an integer {bound}")
-        check_literals(self, "parallel")
         self._check_pipeline()
         if not self.timeout_s > 0:
             raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds")

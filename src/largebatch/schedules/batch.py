@@ -246,6 +246,10 @@ def _resolve_total(lr_schedule: LRSchedule, total_tokens: int | None) -> int:
     """The joint schedule's budget: ``total_tokens``, else the LR schedule's. A budget past the LR
     schedule's is allowed (its final LR is held, as past any budget) but warned about, since its
     decay was then planned for a shorter run -- except for a ``Constant`` LR, which has no decay."""
+    if not isinstance(lr_schedule, LRSchedule):
+        raise TypeError(f"lr_schedule={lr_schedule!r} must be an LR schedule (Cosine(...), WSD(...), "
+                        "Constant(...)), the first argument: the batch schedule sets the batch, the LR schedule "
+                        "the learning rate at each token")
     total = lr_schedule.total_tokens if total_tokens is None else total_tokens
     if total is None:
         raise ValueError(f"total_tokens is required: {type(lr_schedule).__name__} has no budget")

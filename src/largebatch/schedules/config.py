@@ -26,7 +26,7 @@ from largebatch.schedules.batch import (
 from largebatch.schedules.lr import Coupling, WSDShape
 from largebatch.schedules.noise_scale import NoiseScale
 from largebatch.schedules.seesaw import Seesaw, SeesawFamily, SmithRamp
-from largebatch.typed_config import check_literals, check_off, check_registration, from_dict
+from largebatch.typed_config import check_fields, check_off, check_registration, from_dict
 
 # lr_schedule name -> LRScheduleEntry: the one place an LR shape is declared (register_lr_schedule,
 # below the class); the choices, --help and build_lr read it
@@ -150,7 +150,7 @@ class ScheduleConfig:
         raise ValueError(f"schedule.{name} = {getattr(self, name)!r}: {why}")
 
     def _validate(self) -> None:
-        check_literals(self, "schedule")
+        check_fields(self, "schedule")
         for name, choices in REGISTRIES.items():
             if getattr(self, name) not in choices:
                 self._fail(name, f"must be one of {', '.join(map(repr, choices))}")

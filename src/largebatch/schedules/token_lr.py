@@ -76,6 +76,9 @@ class TokenLR(LRScheduler):
         else:
             raise TypeError(f"schedule={schedule!r} must be an LR schedule (Cosine(...), WSD(...)) "
                             "or a joint schedule (Seesaw(...), ConstantBatch(...))")
+        if not isinstance(optimizer, Optimizer):  # (as torch's schedulers refuse it, before reading it)
+            raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer: TokenLR(optimizer, "
+                            "schedule) writes the schedule's LR into the optimizer's param_groups")
         self.schedule = schedule
         self.tokens_per_step = _check_tokens_per_step(tokens_per_step, "tokens_per_step")
         self.tokens_seen = check_tokens(tokens_seen, "tokens_seen")

@@ -39,7 +39,7 @@ from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
 from largebatch.typed_config import (
     ConfigError,
-    check_literals,
+    check_fields,
     check_off,
     dump_toml,
     from_dict,
@@ -87,6 +87,7 @@ class OptimConfig:
     the host only when a step logs)."""
 
     def __post_init__(self):
+        check_fields(self, "optim")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
         check_off("optim.grad_clip", self.grad_clip)
@@ -190,6 +191,7 @@ class RunConfig:
     """Progress bar in tokens on stderr ('auto': only on a terminal)."""
 
     def __post_init__(self):
+        check_fields(self, "run")
         for name in ("total_tokens", "micro_batch", "eval_tokens", "log_every_steps",
                      "keep_checkpoints"):
             if getattr(self, name) <= 0:
@@ -205,7 +207,6 @@ class RunConfig:
                              "(the training micro-batch)")
         if self.sample_tokens < 0:
             raise ValueError(f"run.sample_tokens = {self.sample_tokens}: must be >= 0 (0: no sample)")
-        check_literals(self, "run")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)

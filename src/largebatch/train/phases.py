@@ -41,7 +41,7 @@ from largebatch.models.registry import model_spec
 from largebatch.parallel import shard_optimizer
 from largebatch.schedules import ScheduleConfig
 from largebatch.train.progress import human_count
-from largebatch.typed_config import ConfigError, check_off, from_dict, to_dict
+from largebatch.typed_config import ConfigError, check_fields, check_off, from_dict, to_dict
 
 
 @dataclass
@@ -61,6 +61,7 @@ class PhaseConfig:
     ('reset'). The LR always follows this phase's schedule (its warmup re-warms it)."""
 
     def __post_init__(self):
+        check_fields(self, "phase")
         for name in ("seq_len", "total_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")
