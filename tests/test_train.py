@@ -202,6 +202,12 @@ def test_finished_run_relaunched_is_already_complete(tmp_path, reference_run, ca
         assert main(args) == 0
         stdout = capsys.readouterr().out
         assert "already complete" in stdout and f"{summary['tokens']} tokens" in stdout, stdout
+    # --resume with a change its checkpoints allow (dropout) trained no step, then wrote the change
+    # into config.toml, so the run's record named a dropout it never ran with and the original
+    # command was refused as another config
+    assert main(["--resume", str(out), "--model.dropout=0.5"]) == 0
+    stdout = capsys.readouterr().out
+    assert "already complete" in stdout and "model.dropout: 0.1 -> 0.5 would apply to no step" in stdout, stdout
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     # its checkpoints deleted to save space: still finished (it trained again from scratch over its
     # metrics, leaving the old summary.json, which the next launch then took as the end)

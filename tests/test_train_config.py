@@ -207,3 +207,34 @@ def test_configs_built_from_python_are_checked_as_a_config_file_is():
     ]:
         with pytest.raises(ConfigError, match=message):
             build()
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"optim.betas": [1.5, -1.0]}, r"optim.betas = \[1.5, -1.0\]: each must lie in \[0, 1\)"),
+    ({"optim.betas": [0.9, 1.0]}, r"optim.betas = \[0.9, 1.0\]"),
+    ({"optim.eps": 0.0}, r"optim.eps = 0.0: must be > 0"),
+    ({"optim.name": "lars", "optim.momentum": 1.5}, r"optim.momentum = 1.5: must lie in \[0, 1\)"),
+    ({"optim.name": "lars", "optim.trust_coefficient": 0.0}, r"optim.trust_coefficient = 0.0: must be > 0"),
+    ({"run.seed": -1}, r"run.seed = -1: must lie in \[0, 2\*\*32 - 1\]"),
+    ({"run.seed": 2**32}, r"run.seed = 4294967296"),
+    ({"data.split_seed": -1}, r"data.split_seed=-1 is invalid: use an integer >= 0"),
+    ({"parallel.timeout_s": 1e300}, r"parallel.timeout_s = 1e\+300: must be > 0 seconds and at most 1e9"),
+    ({"run.sample_prompt": ""}, r"run.sample_prompt = '': .*run.sample_tokens = 0"),
+    ({"model.init_from": ""}, r"model.init_from='': give hf:PATH.*or none"),
+    ({"data.tokenizer_file": ""}, r"data.tokenizer_file='' is invalid"),
+])
+def test_settings_a_run_would_fail_on_later_are_refused_when_loaded(override, message):
+    """Each passed ``--check`` and failed later: the optimizer's ranges once the tokenizer was built,
+    naming ``param_groups[0]`` (torch's own words for AdamW), the seeds in numpy ("Seed must be between
+    0 and 2**32 - 1", "expected non-negative integer"), the timeout in torch's store (OverflowError),
+    an empty prompt after the whole run had trained (a reshape error); an empty init_from or
+    tokenizer_file was taken for "off", which is spelt none."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=override)
+
+
+def test_edge_values_that_are_fine_still_load():
+    assert load_config(overrides={"optim.name": "adamw", "optim.eps": 0.0}).optim.eps == 0.0  # torch allows it
+    assert load_config(overrides={"run.sample_prompt": "", "run.sample_tokens": 0}).run.sample_prompt == ""
+    assert load_config(overrides={"parallel.pp_split": []}).parallel.pp_split == []  # one stage: no split
+    assert load_config(overrides={"run.seed": 2**32 - 1, "data.split_seed": 0}).run.seed == 2**32 - 1

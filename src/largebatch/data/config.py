@@ -111,7 +111,8 @@ class DataConfig:
         _check(isinstance(self.val_documents, tuple) and
                all(isinstance(n, str) and n for n in self.val_documents), "val_documents",
                self.val_documents, "use a tuple of document names, e.g. ('hamlet',)")
-        _check(_is_int(self.split_seed), "split_seed", self.split_seed, "use an integer")
+        _check(_is_int(self.split_seed) and 0 <= self.split_seed < 2**128, "split_seed", self.split_seed,
+               "use an integer >= 0 (numpy's generator takes no negative seed)")
         _check(self.document_separator is None or
                (isinstance(self.document_separator, str) and self.document_separator),
                "document_separator", self.document_separator, 'use None or a non-empty string')
@@ -119,8 +120,9 @@ class DataConfig:
                'use the name of the JSON field that holds the text, e.g. "text"')
         _check(_is_int(self.vocab_size) and MIN_VOCAB_SIZE <= self.vocab_size < 2**32,
                "vocab_size", self.vocab_size, f"use an integer >= {MIN_VOCAB_SIZE}, e.g. 8192")
-        _check(self.tokenizer_file is None or isinstance(self.tokenizer_file, str),
-               "tokenizer_file", self.tokenizer_file, "use None or a path to a tokenizer.json")
+        _check(self.tokenizer_file is None or (isinstance(self.tokenizer_file, str) and self.tokenizer_file),
+               "tokenizer_file", self.tokenizer_file, "use None (the default: a BPE trained on the corpus) or a "
+               "path to a tokenizer.json")
         _check(self.bin_dtype in BIN_DTYPES, "bin_dtype", self.bin_dtype, f"use one of {BIN_DTYPES}")
         _check(isinstance(self.cache_dir, str) and self.cache_dir, "cache_dir", self.cache_dir,
                'use a directory path, e.g. ".cache/largebatch"')

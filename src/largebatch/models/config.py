@@ -97,6 +97,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dropout={self.dropout!r}: must be in [0, 1).")
         if not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps={self.norm_eps!r}: must be > 0.")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError(f"ModelConfig.init_from={self.init_from!r}: give hf:PATH (a transformers directory), "
+                             "or none to start from random weights")
 
     @property
     def ffn(self) -> int:

@@ -88,8 +88,9 @@ class ParallelConfig:
                 bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
                 raise ValueError(f"parallel.{name} = {value!r}: must be an integer {bound}")
         self._check_pipeline()
-        if not self.timeout_s > 0:
-            raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds")
+        if not 0 < self.timeout_s <= 1e9:  # (torch's store refuses ~1e15 s with an OverflowError)
+            raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds and at most 1e9 "
+                             "(~32 years)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the "
                              "sequence across the tensor-parallel ranks); set tp, or turn it off")
@@ -134,7 +135,7 @@ class ParallelConfig:
                 or any(not isinstance(i, int) or isinstance(i, bool) for i in split)):
             raise ValueError(f"parallel.pp_split = {split!r}: give {stages - 1} layer indices (one per "
                              f"stage after the first of pp x pp_virtual_stages = {stages}), or omit it")
-        if split[0] < 1 or any(b <= a for a, b in zip(split, split[1:])):
+        if split and (split[0] < 1 or any(b <= a for a, b in zip(split, split[1:]))):
             raise ValueError(f"parallel.pp_split = {split!r}: indices must increase from >= 1 (every stage "
                              "needs at least one layer)")
 

@@ -154,13 +154,17 @@ def _launch(args, unknown: list[str], parser) -> int:
     """``main`` once the arguments are parsed: resolve the config and the run directory, check, train."""
     from largebatch.train.config import TrainConfig, load_config
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
-    from largebatch.train.rundir import continues_run, finished_run, stopped_in_this_job
+    from largebatch.train.rundir import config_differences, continues_run, finished_run, stopped_in_this_job
 
-    def complete(run_dir: Path, cfg) -> bool:  # relaunching a finished run is a no-op: says so, writes nothing
-        finished = None if check_only else finished_run(run_dir, cfg)
+    def complete(run_dir: Path, cfg, saved=None) -> bool:  # relaunching a finished run is a no-op: says so,
+        # writes nothing; ``saved``: the config a --resume read (its changes would apply to no step)
+        finished = None if check_only else finished_run(run_dir, cfg, resumed=saved is not None)
         if finished is not None:
+            changed = config_differences(saved, cfg) if saved is not None else []
+            unapplied = (f"; {'; '.join(changed)} would apply to no step (raise run.total_tokens to train on "
+                         "with it)" if changed else "")
             print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
-                  f"{finished['tokens']} tokens); nothing changed")
+                  f"{finished['tokens']} tokens); nothing changed{unapplied}")
         return finished is not None
 
     config_path, resume_dir, check_only = args.config, args.resume, args.check
@@ -210,8 +214,9 @@ def _launch(args, unknown: list[str], parser) -> int:
             run_dir, resume = Path(resume_dir), True
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))
-            check_resume(from_dict(TrainConfig, load_toml(saved)), cfg, run_dir)
-            if complete(run_dir, cfg):
+            saved_cfg = from_dict(TrainConfig, load_toml(saved))
+            check_resume(saved_cfg, cfg, run_dir)
+            if complete(run_dir, cfg, saved_cfg):
                 return settle(0, "finished")
             check_run_dir(run_dir)
         else:

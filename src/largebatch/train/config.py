@@ -90,6 +90,17 @@ class OptimConfig:
         check_fields(self, "optim")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay = {self.weight_decay}: must be >= 0")
+        # the optimizers' own ranges, checked here so that --check reports them (the optimizer, built
+        # after the tokenizer, would name param_groups[0] instead of the [optim] field)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas = {list(self.betas)}: each must lie in [0, 1), e.g. [0.9, 0.999]")
+        if not (self.eps > 0 or (self.eps == 0 and self.name == "adamw")):
+            raise ValueError(f"optim.eps = {self.eps}: must be > 0 (e.g. 1e-6)")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optim.momentum = {self.momentum}: must lie in [0, 1), e.g. 0.9")
+        if not self.trust_coefficient > 0:
+            raise ValueError(f"optim.trust_coefficient = {self.trust_coefficient}: must be > 0 (LARS's eta, "
+                             "e.g. 0.001)")
         check_off("optim.grad_clip", self.grad_clip)
         for name in ("no_decay_lr_mult", "unadapted_lr_mult"):
             value = getattr(self, name)
@@ -207,6 +218,12 @@ class RunConfig:
                              "(the training micro-batch)")
         if self.sample_tokens < 0:
             raise ValueError(f"run.sample_tokens = {self.sample_tokens}: must be >= 0 (0: no sample)")
+        if self.sample_tokens and not self.sample_prompt:
+            raise ValueError("run.sample_prompt = '': the end-of-run sample continues a prompt; give one "
+                             "(e.g. 'KING HENRY:'), or set run.sample_tokens = 0 for no sample")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"run.seed = {self.seed}: must lie in [0, 2**32 - 1] (numpy's and torch's "
+                             "generators take it)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)

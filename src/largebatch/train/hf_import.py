@@ -76,8 +76,11 @@ BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.posit
 def hf_dir(init_from: str) -> Path:
     """The directory of ``model.init_from = "hf:PATH"``; ConfigError naming the fix otherwise."""
     if not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
+        hint = (f"; did you mean {PREFIX}{init_from}? (the prefix says where the weights come from)"
+                if init_from and (Path(init_from).expanduser() / "config.json").is_file() else "")
         raise ConfigError(f"model.init_from={init_from!r}: give hf:PATH, a transformers directory "
-                          "(config.json + model.safetensors, pytorch_model.bin or a sharded checkpoint)")
+                          "(config.json + model.safetensors, pytorch_model.bin or a sharded checkpoint), or "
+                          f"none to start from random weights{hint}")
     path = Path(init_from[len(PREFIX):]).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.init_from={init_from!r}: {path / 'config.json'} does not exist; "

@@ -153,16 +153,18 @@ def stopped_in_this_job(run_dir: Path) -> dict | None:
     return None
 
 
-def finished_run(run_dir: Path, cfg) -> dict | None:
+def finished_run(run_dir: Path, cfg, resumed: bool = False) -> dict | None:
     """The summary.json of a run of ``cfg`` that ``run_dir`` holds finished (written only at a run's
     end; its tokens reach ``cfg``'s budget and its config.toml differs from ``cfg`` in no field that
     changes the trajectory), else None. Read before anything is written or checked for writing, so
     relaunching a finished run changes no file, also on a read-only disk or with its checkpoints
-    deleted."""
+    deleted. ``resumed``: ``cfg`` is the saved config with ``--resume``'s changes, which check_resume
+    has allowed; a finished run is then finished whatever they are, since they would apply to no
+    step (before, the run trained no step and its config.toml took the changes it never ran with)."""
     summary, saved = run_dir / "summary.json", run_dir / "config.toml"
     try:
         finished = json.loads(summary.read_text())
-        same = not config_differences(from_dict(TrainConfig, load_toml(saved)), cfg)
+        same = resumed or not config_differences(from_dict(TrainConfig, load_toml(saved)), cfg)
     except (OSError, ValueError, ConfigError):  # none there, or unreadable: not a finished run of cfg
         return None
     tokens = finished.get("tokens") if isinstance(finished, dict) else None
