@@ -441,3 +441,13 @@ def test_the_table_says_which_rows_no_run_takes_and_small_totals_in_mib(capsys):
     out = capsys.readouterr().out
     table = out[:out.index("\n\n")] if "\n\n" in out else out
     assert "0.00 GiB" not in table and "    4.50 MiB" in table and "does not divide" not in table
+
+
+def test_zbv_with_another_virtual_stage_count_is_refused_as_train_refuses_it(capsys):
+    """``--parallel.pp_virtual_stages 3`` with zbv was planned silently with V = 2."""
+    assert main(["--model", "gpt2-small", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
+                 "--parallel.pp_virtual_stages", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "pp_virtual_stages 3 with --parallel.pp_schedule zbv" in err and "Traceback" not in err, err
+    assert main(["--model", "gpt2-small", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
+                 "--parallel.pp_virtual_stages", "2"]) == 0

@@ -238,3 +238,37 @@ def test_edge_values_that_are_fine_still_load():
     assert load_config(overrides={"run.sample_prompt": "", "run.sample_tokens": 0}).run.sample_prompt == ""
     assert load_config(overrides={"parallel.pp_split": []}).parallel.pp_split == []  # one stage: no split
     assert load_config(overrides={"run.seed": 2**32 - 1, "data.split_seed": 0}).run.seed == 2**32 - 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"schedule.batch_policy": "seesaw", "schedule.alpha": 2.0, "schedule.beta": 4.0},
+     r"schedule.alpha = 2.0: only batch_policy seesaw-family reads it, and this run's is 'seesaw'"),
+    ({"schedule.ramp_start": 8, "schedule.ramp_increment": 8},
+     r"schedule.ramp_start = 8: only batch_policy ramp reads it, and this run's is 'constant'"),
+    ({"schedule.batch_policy": "seesaw", "schedule.batch_table": [[0, 8]]},
+     r"schedule.batch_table = \[\[0, 8\]\]: only batch_policy table reads it"),
+    ({"run.total_tokens": 100}, r"run.total_tokens = 100 is less than one optimizer step \(64 sequences x 128"),
+])
+def test_settings_that_would_be_silently_ignored_are_refused(override, message):
+    """alpha and beta under seesaw (seesaw-family meant), a ramp under constant: trained as if absent;
+    a budget under one step trained one cut-short step at the warmup's first LR, 0."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.seq_len": 128, **override})
+
+
+def test_phases_budget_and_an_empty_phase_table(tmp_path):
+    """run.total_tokens written as 600000 (the default's value) beside [[phases]] was ignored; a bare
+    [[phases]] table gave "__init__() missing 2 required positional arguments"."""
+    phase = "[[phases]]\nseq_len = 32\ntotal_tokens = 8192\n"
+    given = tmp_path / "given.toml"
+    given.write_text("[run]\ntotal_tokens = 600000\n" + phase)
+    with pytest.raises(ConfigError, match=r"run.total_tokens = 600000 but the phases sum to 8192"):
+        load_config(given)
+    bare = tmp_path / "bare.toml"
+    bare.write_text(phase + "[[phases]]\n")
+    with pytest.raises(ConfigError, match=r"^phases\[1\] needs 'seq_len', 'total_tokens' \(no default\): set "
+                       r"phases\[1\].seq_len and phases\[1\].total_tokens$"):
+        load_config(bare)
+    alone = tmp_path / "alone.toml"
+    alone.write_text(phase)
+    assert load_config(alone).run.total_tokens == 8192

@@ -278,6 +278,12 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         kwargs[key] = _coerce(value, hints[key], full)
         if "choices" in fields[key].metadata:
             kwargs[key] = _choice(kwargs[key], fields[key].metadata["choices"], full)
+    required = [name for name, f in fields.items() if name not in kwargs and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    if required:  # (else the dataclass's own "__init__() missing 2 required positional arguments")
+        where = prefix or "the top level"
+        raise ConfigError(f"{where} needs {', '.join(repr(n) for n in required)} (no default): set "
+                          f"{' and '.join(f'{prefix}.{n}' if prefix else n for n in required)}")
     try:
         return cls(**kwargs)
     except ConfigError:

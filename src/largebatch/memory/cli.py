@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         eager = args.hf_config and config.attention == "explicit"
         # the estimates and the plan follow one schedule: the one asked for, else 1F1B
         schedule = "1f1b" if args.pp_schedule == "all" else args.pp_schedule
+        if schedule == "zbv" and args.pp_virtual_stages not in (None, 2):  # (as largebatch train refuses it)
+            raise ValueError(f"--parallel.pp_virtual_stages {args.pp_virtual_stages} with --parallel.pp_schedule "
+                             "zbv: the V shape holds exactly 2 stages per rank; give 2 or leave it out")
         virtual = stages_per_rank(schedule, args.pp_virtual_stages)
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,

@@ -87,6 +87,11 @@ class BatchPolicy:
     """Its own field checks (ValueError via ``config._fail``), run before it is built."""
 
 
+# the fields of [schedule] each shipped batch policy reads beyond batch_size and the LR schedule's
+POLICY_FIELDS = {"constant": (), "ramp": ("ramp_start", "ramp_increment", "ramp_tokens"), "table": ("batch_table",),
+                 "seesaw": ("ratio",), "smith": ("ratio",), "seesaw-family": ("alpha", "beta")}
+
+
 @dataclass
 class ScheduleConfig:
     lr_schedule: str = field(default="cosine", metadata={"choices": LR_BUILDERS})
@@ -154,8 +159,8 @@ class ScheduleConfig:
         for name, choices in REGISTRIES.items():
             if getattr(self, name) not in choices:
                 self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
-        if not (isinstance(self.peak_lr, (int, float)) and math.isfinite(self.peak_lr) and self.peak_lr >= 0):
-            self._fail("peak_lr", "must be a finite number >= 0: the LR at the end of the warmup, e.g. 1e-3")
+        if not (isinstance(self.peak_lr, (int, float)) and math.isfinite(self.peak_lr) and self.peak_lr > 0):
+            self._fail("peak_lr", "must be a finite number > 0: the LR at the end of the warmup, e.g. 1e-3")
         if self.batch_policy == "ramp":  # required there: 0 is no value to turn off
             for name in ("ramp_start", "ramp_increment"):
                 value = getattr(self, name)
@@ -187,6 +192,19 @@ class ScheduleConfig:
             self._fail("wsd_cooldown", f"must lie in (0, 1 - warmup = {1 - self.warmup:g}]")
         if self.lr_schedule == "lans" and not 0 <= self.lans_hold < 1 - self.warmup:
             self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
+        # the ranges of the fields other schedules and policies read, whichever is chosen: a value no
+        # schedule could take is a mistake wherever it stands (a policy's own checks add the rest)
+        for name, inside, bounds, what in (
+                ("wsd_cooldown", 0 < self.wsd_cooldown <= 1, "(0, 1]", "the wsd cooldown's share of the budget"),
+                ("lans_hold", 0 <= self.lans_hold < 1, "[0, 1)", "the lans hold's share of the budget"),
+                ("ramp_tokens", 0 < self.ramp_tokens <= 1, "(0, 1]", "the ramp's share of the budget"),
+                ("ratio", 0 < self.ratio < 1, "(0, 1)", "the base LR's fall between milestones, e.g. 0.5")):
+            if not inside and not (name == "ratio" and "ratio" in POLICY_FIELDS.get(self.batch_policy, ("ratio",))):
+                self._fail(name, f"must lie in {bounds}: {what}")  # (seesaw and smith say more of ratio)
+        for name in ("alpha", "beta", "ramp_start", "ramp_increment"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                self._fail(name, "must be > 0, or none when the batch policy does not read it")
         if not self.lans_power > 0:
             self._fail("lans_power", "must be > 0: the exponent of the decay to 0 (1 = linear)")
         if not 0 <= self.noise_scale_ema < 1:
@@ -199,6 +217,21 @@ class ScheduleConfig:
             if getattr(self, name) is not None and not policy.milestones:
                 self._fail(name, f"only applies to batch_policy {milestone_policies}, "
                            f"not {self.batch_policy!r}; omit it")
+
+    def unread_fields_problem(self) -> str | None:
+        """A message naming a field set for another batch policy than this one (alpha and beta under
+        seesaw, where seesaw-family was meant; ramp_start under constant): it would be silently
+        ignored. Fields whose unset value is none or empty only (a default value cannot be told from
+        one that was set), and for the shipped policies only (a registered one may read any)."""
+        reads = POLICY_FIELDS.get(self.batch_policy)
+        if reads is None:
+            return None
+        for name in ("alpha", "beta", "ramp_start", "ramp_increment", "batch_table"):
+            if getattr(self, name) not in (None, [], ()) and name not in reads:
+                users = " | ".join(p for p, fields in POLICY_FIELDS.items() if name in fields)
+                return (f"schedule.{name} = {getattr(self, name)!r}: only batch_policy {users} reads it, and this "
+                        f"run's is {self.batch_policy!r}; omit it, or choose that policy")
+        return None
 
     def _validate_family(self) -> None:
         if self.alpha is None or self.beta is None:

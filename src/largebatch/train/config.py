@@ -116,7 +116,7 @@ class OptimConfig:
             unknown = [c for c in self.adapt if c not in CATEGORIES]
             if unknown or len(set(self.adapt)) != len(self.adapt):
                 raise ValueError(f"optim.adapt = {list(self.adapt)}: expected distinct categories from "
-                                 f"{', '.join(CATEGORIES)} (unknown: {', '.join(unknown) or 'none'})")
+                                 f"{', '.join(CATEGORIES)} (unknown: {', '.join(map(repr, unknown)) or 'none'})")
             if spec is not None and spec.adapt_default is None:
                 raise ValueError(f"optim.adapt = {list(self.adapt)}: {spec.title} has no trust ratio; "
                                  f"remove optim.adapt or choose {adaptive}")
@@ -292,6 +292,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_dotted(tree, key, value)
         given.add(key)
     cfg = from_dict(TrainConfig, tree)
+    if cfg.phases and "run.total_tokens" in given and cfg.run.total_tokens != phases_total(cfg.phases):
+        # (check() can tell a given budget from the default only when it differs from it)
+        raise ConfigError(f"run.total_tokens = {cfg.run.total_tokens} but the phases sum to "
+                          f"{phases_total(cfg.phases)}: with [[phases]] the budget is their sum; remove "
+                          "run.total_tokens")
     if cfg.model.init_from and resolve_init:
         from largebatch.train.hf_import import dropout_note
         from largebatch.train.hf_import import resolve_init as resolve
@@ -383,12 +388,21 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
                         f"{first} is one micro-batch ({field} = {phase.micro_batch}), so the first "
                         f"milestone would grow the batch with no estimate to cap it; use a {field} below "
                         f"{first} (e.g. {max(1, first // 2)}), or leave noise_scale_multiple out")
+                first_tokens = schedule.batch_size(0) * phase.seq_len
+                if phase.total_tokens < first_tokens:  # one cut-short step at the warmup's first LR (0)
+                    field = f"phases[{phase.index}].total_tokens" if cfg.phases else "run.total_tokens"
+                    raise ValueError(
+                        f"{field} = {phase.total_tokens:,} is less than one optimizer step ({schedule.batch_size(0)} "
+                        f"sequences x {phase.seq_len} tokens = {first_tokens:,}): the run would take a single "
+                        f"cut-short step; give at least {first_tokens:,} tokens, or a smaller batch")
                 if pp > 1:
                     check_pipeline(cfg, schedule, dp, phase.total_tokens, phase.micro_batch)
             except ValueError as exc:
                 raise ValueError(f"{where}{exc}") from exc
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if not cfg.phases and (problem := cfg.schedule.unread_fields_problem()) is not None:  # (a phase may
+        raise ConfigError(problem)  # change the policy and inherit the others' fields: not checked there)
     policies = cfg.run.recompute
     if len(policies) not in (1, cfg.model.n_layer):
         raise ConfigError(f"run.recompute = {list(policies)!r}: {len(policies)} per-layer "
