@@ -79,8 +79,8 @@ class ModelConfig:
     changes nothing in training, and may differ when a run continues."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "ModelConfig")
-        model_spec(self.kind, key="ModelConfig.kind=")  # a registered kind (largebatch.models.MODELS)
+        model_spec(self.kind, key="ModelConfig.kind=")  # a registered kind (largebatch.models.MODELS), named
+        check_fields(self, "ModelConfig")  # with register_model, before check_fields' generic message
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
