@@ -424,3 +424,46 @@ def test_an_adaptive_seesaw_table_says_it_is_the_uncapped_plan():
            "table above is the uncapped plan: its batches an upper bound, its steps and % of base a lower " \
            "bound" in adaptive.describe(TOTAL, SEQ)
     assert "adaptive:" not in dataclasses.replace(adaptive, noise_scale_multiple=None).describe(TOTAL, SEQ)
+
+
+def test_cli_reads_a_train_config_as_the_trainer_does(tmp_path, capsys):
+    """``largebatch schedule --config FILE [--phase N]``: the schedule of a `largebatch train` config
+    (there was no way to table or plot one; every field had to be copied as a flag). The table equals
+    the one built from the trainer's own config loader; a flag beside it overrides the file."""
+    import largebatch.schedules.cli as schedule_cli
+    from largebatch.models.config import ModelConfig
+    from largebatch.train.config import RunConfig, load_config
+    from largebatch.train.phases import resolve_phases
+    assert schedule_cli.TRAIN_DEFAULTS == {"run.total_tokens": RunConfig.total_tokens,
+                                           "run.micro_batch": RunConfig.micro_batch,
+                                           "model.seq_len": ModelConfig.seq_len}
+    config = tmp_path / "run.toml"
+    config.write_text("[model]\nseq_len = 64\n[run]\ntotal_tokens = 200_000\nmicro_batch = 4\n"
+                      "[schedule]\nbatch_policy = 'seesaw'\nratio = 0.5\nbatch_size = 16\npeak_lr = 2e-3\n")
+    cfg = load_config(config)
+    expected = cfg.schedule.describe(cfg.run.total_tokens, cfg.model.seq_len, cfg.run.micro_batch, 1)
+    assert main(["--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+    assert main(["--config", str(config), "--schedule.ratio", "1/1.1", "--run.micro_batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "micro_batch 2" in out and out.strip() == cfg.schedule.__class__.from_dict(
+        {**{k: v for k, v in vars(cfg.schedule).items()}, "ratio": 1 / 1.1}).describe(200_000, 64, 2, 1).strip()
+    phased = tmp_path / "phased.toml"
+    phased.write_text("[model]\nseq_len = 128\n[schedule]\nlr_schedule = 'lans'\nbatch_size = 16\n"
+                      "[[phases]]\nseq_len = 32\ntotal_tokens = 65536\nmicro_batch = 8\n"
+                      "[[phases]]\nseq_len = 128\ntotal_tokens = 32768\n[phases.schedule]\nbatch_size = 8\n")
+    cfg = load_config(phased)
+    phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens, cfg.run.micro_batch)
+    for phase in phases:
+        assert main(["--config", str(phased), "--phase", str(phase.index)]) == 0
+        wanted = phase.schedule.describe(phase.total_tokens, phase.seq_len, phase.micro_batch, 1)
+        assert capsys.readouterr().out.strip() == wanted.strip()
+    for argv, fragment in ((["--config", str(phased)], "it has [[phases]] 0..1, each with its own budget"),
+                           (["--config", str(phased), "--phase", "2"], "--phase 2: "),
+                           (["--config", str(config), "--phase", "0"], "has no [[phases]]"),
+                           (["--phase", "0"], "--phase 0: needs --config"),
+                           (["--config", str(tmp_path / "none.toml")], "is neither a file nor a shipped config"),
+                           ([], "--run.total_tokens and --model.seq_len required (or --config CONFIG")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, (argv, err)

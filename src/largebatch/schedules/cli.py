@@ -9,9 +9,15 @@ Every ``ScheduleConfig`` field is an option spelled as in ``largebatch train``
 the field's type, default and docstring as its help; so are the budget and batch sizes the schedule
 needs (``--run.total_tokens``, ``--model.seq_len``, ``--run.micro_batch``, ``--parallel.dp``).
 Older spellings stay as aliases: ``--peak-lr`` for ``--schedule.peak_lr`` (every field, dashes for
-underscores), ``--total-tokens``, ``--seq-len``, ``--micro-batch``, ``--dp``. A training config's
-schedule, as the run will take it (its budget, phases, micro-batch and replicas):
-``largebatch train CONFIG --check``.
+underscores), ``--total-tokens``, ``--seq-len``, ``--micro-batch``, ``--dp``.
+
+A training config's schedule: ``largebatch schedule --config CONFIG [--phase N] [--plot OUT.png]`` (a
+``largebatch train`` TOML file or a shipped config's name) reads its [schedule], run.total_tokens,
+model.seq_len, run.micro_batch and parallel.dp (the trainer's defaults where it sets none; a
+parallel.dp of 0 means the launch's ranks and is taken as 1 unless --parallel.dp says); with
+[[phases]], --phase N gives phase N's (its budget, seq_len, micro_batch and [schedule] overrides).
+A flag given beside it overrides the config's value. ``largebatch train CONFIG --check`` prints the
+schedule as a launch will take it (its replicas counted from the launch).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from largebatch.schedules.config import ScheduleConfig, batch_table, fraction
 from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+TRAIN_DEFAULTS = {"run.total_tokens": 600_000, "run.micro_batch": 8, "model.seq_len": 128}
+"""The trainer's defaults of the fields --config reads beyond [schedule] (this layer cannot import
+the trainer's config; a test holds them equal)."""
 def parse_tokens(text: str) -> int:
     """'2e9', '300M', '1.5B' -> an integer token count (``largebatch.arguments.token_count``)."""
     try:
@@ -73,14 +83,18 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="largebatch schedule", description=__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a `largebatch train` TOML file or a shipped config's name: its "
+                        "schedule, budget, sequence length, micro-batch and data-parallel size (flags given "
+                        "beside it override them)")
+    parser.add_argument("--phase", type=int, help="with --config holding [[phases]]: phase N's schedule (0, 1, ...)")
     parser.add_argument("--run.total_tokens", "--total-tokens", dest="total_tokens", type=parse_tokens,
-                        required=True, help="token budget, e.g. 2e9 or 300M")
-    parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=positive_int, required=True,
-                        help="tokens per sequence")
+                        help="token budget, e.g. 2e9 or 300M (required without --config)")
+    parser.add_argument("--model.seq_len", "--seq-len", dest="seq_len", type=positive_int,
+                        help="tokens per sequence (required without --config)")
     parser.add_argument("--run.micro_batch", "--micro-batch", dest="micro_batch", type=positive_int,
-                        default=1, help="sequences per micro-batch (default 1; largebatch train's is 8)")
-    parser.add_argument("--parallel.dp", "--dp", dest="dp", type=positive_int, default=1,
-                        help="data-parallel ranks")
+                        help="sequences per micro-batch (default 1, or the --config's; largebatch train's is 8)")
+    parser.add_argument("--parallel.dp", "--dp", dest="dp", type=positive_int,
+                        help="data-parallel ranks (default 1, or the --config's parallel.dp)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write LR and batch size vs tokens to this file (.png, .pdf or .svg; its "
                              "directory must exist and be writable, checked before any work)")
@@ -118,10 +132,59 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
     plt.close(fig)
 
 
+def from_train_config(args: argparse.Namespace) -> dict:
+    """The [schedule] fields of ``args.config`` (phase ``args.phase``'s, with [[phases]]); fills the
+    budget, sequence length, micro-batch and replicas the flags left unset."""
+    from largebatch.arguments import config_file, shipped_configs
+    from largebatch.typed_config import load_toml
+
+    path = config_file(args.config)
+    if path is None:
+        raise ValueError(f"--config {args.config!r} is neither a file nor a shipped config; shipped: "
+                         f"{', '.join(shipped_configs())}")
+    tree = load_toml(path)
+    run, model, par = (tree.get(name, {}) for name in ("run", "model", "parallel"))
+    schedule = dict(tree.get("schedule", {}))
+    phases = tree.get("phases") or []
+    total, seq_len = run.get("total_tokens", TRAIN_DEFAULTS["run.total_tokens"]), model.get("seq_len")
+    micro_batch = run.get("micro_batch", TRAIN_DEFAULTS["run.micro_batch"])
+    if phases and args.phase is None:
+        raise ValueError(f"--config {args.config}: it has [[phases]] 0..{len(phases) - 1}, each with its own budget "
+                         "and schedule; give --phase N")
+    if args.phase is not None:
+        if not 0 <= args.phase < len(phases):
+            have = f"phases 0..{len(phases) - 1}" if phases else "no [[phases]]"
+            raise ValueError(f"--phase {args.phase}: {args.config} has {have}; give one of those, or leave "
+                             "--phase out")
+        phase = phases[args.phase]
+        total, seq_len = phase.get("total_tokens", total), phase.get("seq_len", seq_len)
+        micro_batch = phase.get("micro_batch") or micro_batch
+        schedule.update(phase.get("schedule", {}))
+    if args.total_tokens is None:
+        args.total_tokens = token_count(total) if isinstance(total, str) else total
+    if args.seq_len is None:
+        args.seq_len = seq_len or TRAIN_DEFAULTS["model.seq_len"]
+    if args.micro_batch is None:
+        args.micro_batch = micro_batch
+    if args.dp is None:
+        args.dp = par.get("dp") or 1
+    return schedule
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         fields = {key.split(".", 1)[1]: value for key, value in config_overrides(args).items()}
+        if args.config is not None:
+            fields = {**from_train_config(args), **fields}
+        elif args.phase is not None:
+            raise ValueError(f"--phase {args.phase}: needs --config, a `largebatch train` TOML with [[phases]]")
+        missing = [flag for flag, value in (("--run.total_tokens", args.total_tokens),
+                                            ("--model.seq_len", args.seq_len)) if value is None]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} required (or --config CONFIG, a `largebatch train` TOML "
+                             "whose budget and sequence length the schedule takes)")
+        args.micro_batch, args.dp = args.micro_batch or 1, args.dp or 1
         config = ScheduleConfig.from_dict(fields)
         if args.plot is not None:  # before the work: a plot that cannot be written is known now
             check_output_file(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
