@@ -180,3 +180,24 @@ def test_retention_counts_both_formats_and_never_the_checkpoint_just_written(tmp
     assert superseded(tmp_path, ckdir / "step_00000196.dcp", 1) == [ckdir / "step_00000190.pt",
                                                                    ckdir / "step_00000196.pt"]
     assert superseded(tmp_path, ckdir / "step_00000196.pt", 2) == [ckdir / "step_00000190.pt"]
+
+
+def test_a_one_process_checkpoint_tells_the_replicas_its_batches_were_built_for(tmp_path):
+    """A run that went from 2 ranks to one process keeps the 2 ranks' batches (multiples of
+    micro_batch x 2), and its .pt says so in its schedule; checkpoint_dp_size took every .pt for 1,
+    so the next launch on 2 ranks built its schedule for 1 replica and its resume was refused
+    ("checkpoint schedule has dp_size=2 but this one has dp_size=1"), and a one-process --check
+    printed batches for 1 replica where the run took the 2 ranks' (batch_replicas returned 1 at once
+    for one process)."""
+    from largebatch.checkpoint import checkpoint_dp_size, save_checkpoint
+    from largebatch.train.config import batch_replicas, load_config
+
+    run_dir = tmp_path / "run"
+    state = {"model": {"w": torch.zeros(3)}, "schedule": {"config": {"dp_size": 2}}}
+    save_checkpoint(run_dir, 7, state)
+    assert checkpoint_dp_size(run_dir) == 2
+    cfg = load_config(overrides={"run.out_dir": str(run_dir)})
+    assert batch_replicas(cfg, 1, run_dir) == 2 and batch_replicas(cfg, 1) == 2
+    save_checkpoint(run_dir, 8, {**state, "schedule": {"config": {"dp_size": 1}}})
+    assert checkpoint_dp_size(run_dir) == 1 and batch_replicas(cfg, 2, run_dir) == 1
+    assert batch_replicas(cfg, 2, tmp_path / "empty") == 2  # a new run: this launch's ranks

@@ -115,6 +115,32 @@ def test_a_seesaw_grown_past_the_noise_scale_is_noted_in_the_summary(reference_r
             assert "schedule.noise_scale_multiple = 1" in text
 
 
+
+def test_the_noted_batch_is_one_a_step_took(reference_run, tmp_path):
+    """A milestone inside the budget's last step (linear decay, ratio 1/2): the summary named the
+    schedule's batch at the last token, 64, a batch no step took (the largest was 32). It now names
+    the batch of the last step's start, as metrics.jsonl records it."""
+    cache = reference_run[0]
+    seq = 32
+    for total in range(seq * 8 * 16, seq * 8 * 40, seq):  # a budget whose last milestone no step reaches
+        o = tiny_overrides(cache, tmp_path / "run", **{"schedule.lr_schedule": "linear", "run.total_tokens": total})
+        cfg = load_config(resolve_config(None), o)
+        schedule = cfg.schedule.build(total, seq, cfg.run.micro_batch, 1)
+        starts, t = [], 0
+        while t < total:
+            starts.append(t)
+            t += schedule.batch_size(t) * seq
+        if schedule.batch_size(starts[-1]) < schedule.batch_size(total - 1):
+            break
+    else:
+        pytest.fail("no budget puts a milestone inside the last step")
+    summary = Trainer(cfg, o["run.out_dir"], log=lambda *_: None).fit()
+    records = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    largest = schedule.batch_size(starts[-1])
+    assert summary["final_batch_size"] == largest < schedule.batch_size(total - 1)
+    assert max(r["batch_size"] for r in records) <= largest and len(records) == len(starts)
+
+
 DRIVER = """
 import json, sys
 from pathlib import Path

@@ -43,19 +43,22 @@ def checkpoint_step(path: Path) -> int:
 
 def checkpoint_dp_size(run_dir: str | Path) -> int | None:
     """The data-parallel replica count the newest checkpoint of ``run_dir`` was written with (its
-    batches are multiples of micro_batch x that count): 1 for a one-process ``.pt``; a ``.dcp``'s
-    from its small ``extra.pt``, the tensors unread. None without a checkpoint, or when it cannot
-    be read (the trainer's resume then says why)."""
+    batches are multiples of micro_batch x that count): a ``.dcp``'s from its small ``extra.pt``, a
+    ``.pt``'s from its schedule entry, the tensors memory-mapped and unread (a run that went from 2
+    ranks to one process keeps the 2 ranks' batches, and its ``.pt`` says so; it was taken for 1, so
+    the next launch on 2 ranks built the schedule for 1 and its resume was refused). None without a
+    checkpoint, or when it cannot be read (the trainer's resume then says why)."""
     found = list_checkpoints(run_dir, (".pt", ".dcp"))
     if not found:
         return None
-    if found[-1].suffix == ".pt":
-        return 1
     import torch  # on use: a config check without checkpoints needs no torch.load
 
     try:
-        extra = torch.load(found[-1] / "extra.pt", map_location="cpu", weights_only=False)
-        return int(extra["schedule"]["config"]["dp_size"])
+        if found[-1].suffix == ".pt":
+            extra = torch.load(found[-1], map_location="cpu", weights_only=False, mmap=True)
+        else:
+            extra = torch.load(found[-1] / "extra.pt", map_location="cpu", weights_only=False)
+        return int(extra["schedule"].get("config", {}).get("dp_size", 1))
     except Exception:  # noqa: BLE001 -- damaged or of another layout: the resume reports it
         return None
 

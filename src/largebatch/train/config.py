@@ -323,8 +323,6 @@ def batch_replicas(cfg: TrainConfig, dp: int, run_dir: str | Path | None = None)
     new run; for one that continues (``run_dir``, else run.out_dir, holding checkpoints) the count its
     checkpoints were written with, which the trainer keeps (a one-process run of batch 8 and
     micro_batch 8 continues on 2 replicas of 4 sequences each, though 8 x 2 does not divide 8)."""
-    if dp == 1:  # one replica splits any batch
-        return dp
     if run_dir is None:
         if "{time}" in cfg.run.out_dir:
             return dp

@@ -395,6 +395,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         cfg, pos, par = self.cfg, self.pos, self.par
         in_phase = pos.tokens - pos.phase_start  # the phase's schedule starts at its first token
         batch_size = self._step_batch(in_phase)  # the phase's last step: only what its budget needs
+        self.last_step_start = (pos.phase, in_phase)  # (the summary's batch the schedule reached)
         lr = self.schedule.lr(in_phase)
         for group in self.optimizer.param_groups:  # a group's LR ratio to the schedule survives
             group["lr"] = lr * group.get("lr_mult", 1.0)

@@ -155,9 +155,13 @@ class Reporting:
         first = getattr(self, "after_first_step", None)  # (train seconds, tokens) after this launch's first step
         if first is not None and pos.tokens > first[1] and pos.train_seconds > first[0]:
             summary["tokens_per_s_after_first_step"] = (pos.tokens - first[1]) / (pos.train_seconds - first[0])
-        # the batch the (last phase's) schedule had reached at the run's last token, and whether it is a
-        # Seesaw that grows without the noise-scale cap (format_summary compares the two)
-        summary["final_batch_size"] = self.schedule.batch_size(max(pos.tokens - pos.phase_start - 1, 0))
+        # the batch the (last phase's) schedule had reached at its last step's start (a milestone on
+        # the budget's last tokens would name a batch no step took; a launch that took no step: at the
+        # run's last token), and whether it is a Seesaw that grows without the noise-scale cap
+        # (format_summary compares the two)
+        phase, start = getattr(self, "last_step_start", (None, None))
+        at = start if phase == pos.phase else max(pos.tokens - pos.phase_start - 1, 0)
+        summary["final_batch_size"] = self.schedule.batch_size(at)
         summary["uncapped_seesaw"] = (self.phase.schedule.batch_policy == "seesaw"
                                       and self.phase.schedule.noise_scale_multiple is None)
         summary["final_val_accuracy"] = self.val_accuracy
