@@ -47,6 +47,15 @@ def config_file(name: str) -> Path | None:
     return shipped.get(name)
 
 
+def required_config_file(name: str, flag: str = "--config") -> Path:
+    """``config_file(name)``, or a ValueError naming ``flag``, the value and the shipped configs."""
+    path = config_file(name)
+    if path is None:
+        raise ValueError(f"{flag} {name!r} is neither a file nor a shipped config; shipped: "
+                         f"{', '.join(shipped_configs())}")
+    return path
+
+
 class OneLineParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line on stderr, exit code 2."""
 

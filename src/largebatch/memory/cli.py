@@ -23,7 +23,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from largebatch.arguments import OneLineParser, config_file, finite_float, shipped_configs
+from largebatch.arguments import OneLineParser, finite_float, required_config_file
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
     config_layer_kwargs,
@@ -151,11 +151,7 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     """The model of a trainer config; its micro-batch and mesh fill the flags left at defaults."""
     explicit_micro_batch = args.micro_batch is not None
-    path = config_file(args.config)  # a file or a shipped config's name
-    if path is None:
-        raise ValueError(f"--config {args.config!r} is neither a file nor a shipped config; shipped: "
-                         f"{', '.join(shipped_configs())}")
-    tree = load_toml(path)
+    tree = load_toml(required_config_file(args.config))  # a file or a shipped config's name
     model = dict(tree.get("model", {}))
     if "vocab_size" in tree.get("data", {}):  # the trainer sizes the model to its tokenizer
         model["vocab_size"] = tree["data"]["vocab_size"]

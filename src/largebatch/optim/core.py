@@ -215,9 +215,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = checks.optional_positive("max_grad_norm", max_grad_norm)
         if fused and foreach:
             raise ValueError("fused=True, foreach=True: choose one path (fused already batches per tensor)")
-        if reduce_norms is not None and not callable(reduce_norms):
-            raise ValueError(f"reduce_norms={reduce_norms!r}: expected a callable (squared_norms, params) -> "
-                             "squared_norms, or None")
+        checks.optional_callable("reduce_norms", reduce_norms)
         self.fused = bool(fused)
         self.foreach = not self.fused if foreach is None else bool(foreach)
         self.track_trust_ratios = bool(track_trust_ratios)

@@ -108,7 +108,8 @@ FUNCTIONAL_SPEC: dict[str, checks.Check] = dict(
     lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
     trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive,
     reduce_norms=checks.optional_callable)
-"""The checks of the functional forms' hyperparameters (``lamb`` and ``lans``; the class's ``_spec``)."""
+"""The checks of the functional forms' hyperparameters (``lamb`` and ``lans``; the classes' ``_spec`` adds
+their switches)."""
 
 
 def lamb(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -231,10 +232,9 @@ class LAMB(LayerwiseOptimizer):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _kernel_names = ("m", "v")
-    _spec = dict(lr=checks.learning_rate, betas=checks.betas, eps=checks.positive, weight_decay=checks.non_negative,
-                 adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,
-                 trust_clip=checks.optional_positive, weight_norm_clip=checks.optional_positive, l2_decay=checks.flag,
-                 maximize=checks.flag)
+    _spec = {**{key: check for key, check in FUNCTIONAL_SPEC.items() if key != "reduce_norms"},  # (a constructor
+             **dict(adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,  # argument)
+                    l2_decay=checks.flag, maximize=checks.flag)}
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,

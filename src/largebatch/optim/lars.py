@@ -47,7 +47,7 @@ FUNCTIONAL_SPEC: dict[str, checks.Check] = dict(
     lr=checks.learning_rate, momentum=checks.unit_interval, weight_decay=checks.non_negative,
     trust_coefficient=checks.positive, eps=checks.positive, trust_clip=checks.optional_positive,
     reduce_norms=checks.optional_callable)
-"""The checks of ``lars``'s hyperparameters (the class's ``_spec``)."""
+"""The checks of ``lars``'s hyperparameters (the class's ``_spec`` adds its switches)."""
 
 
 def lars(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], *, lr: float,
@@ -125,9 +125,8 @@ class LARS(LayerwiseOptimizer):
 
     _state_keys = ("momentum_buffer",)
     _kernel_names = ("buf",)
-    _spec = dict(lr=checks.learning_rate, momentum=checks.unit_interval, weight_decay=checks.non_negative,
-                 trust_coefficient=checks.positive, eps=checks.positive, adapt=checks.flag,
-                 skip_adapt_if_no_decay=checks.flag, trust_clip=checks.optional_positive, maximize=checks.flag)
+    _spec = {**{key: check for key, check in FUNCTIONAL_SPEC.items() if key != "reduce_norms"},  # (a constructor
+             **dict(adapt=checks.flag, skip_adapt_if_no_decay=checks.flag, maximize=checks.flag)}  # argument)
 
     def __init__(self, params, lr: float | None = None, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, adapt: bool = True,

@@ -135,14 +135,10 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
 def from_train_config(args: argparse.Namespace) -> dict:
     """The [schedule] fields of ``args.config`` (phase ``args.phase``'s, with [[phases]]); fills the
     budget, sequence length, micro-batch and replicas the flags left unset."""
-    from largebatch.arguments import config_file, shipped_configs
+    from largebatch.arguments import required_config_file
     from largebatch.typed_config import load_toml
 
-    path = config_file(args.config)
-    if path is None:
-        raise ValueError(f"--config {args.config!r} is neither a file nor a shipped config; shipped: "
-                         f"{', '.join(shipped_configs())}")
-    tree = load_toml(path)
+    tree = load_toml(required_config_file(args.config))
     run, model, par = (tree.get(name, {}) for name in ("run", "model", "parallel"))
     schedule = dict(tree.get("schedule", {}))
     phases = tree.get("phases") or []

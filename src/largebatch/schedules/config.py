@@ -194,13 +194,14 @@ class ScheduleConfig:
             self._fail("lans_hold", f"must lie in [0, 1 - warmup = {1 - self.warmup:g})")
         # the ranges of the fields other schedules and policies read, whichever is chosen: a value no
         # schedule could take is a mistake wherever it stands (a policy's own checks add the rest)
-        for name, inside, bounds, what in (
-                ("wsd_cooldown", 0 < self.wsd_cooldown <= 1, "(0, 1]", "the wsd cooldown's share of the budget"),
-                ("lans_hold", 0 <= self.lans_hold < 1, "[0, 1)", "the lans hold's share of the budget"),
-                ("ramp_tokens", 0 < self.ramp_tokens <= 1, "(0, 1]", "the ramp's share of the budget"),
-                ("ratio", 0 < self.ratio < 1, "(0, 1)", "the base LR's fall between milestones, e.g. 0.5")):
-            if not inside and not (name == "ratio" and "ratio" in POLICY_FIELDS.get(self.batch_policy, ("ratio",))):
-                self._fail(name, f"must lie in {bounds}: {what}")  # (seesaw and smith say more of ratio)
+        ranges = [("wsd_cooldown", 0 < self.wsd_cooldown <= 1, "(0, 1]", "the wsd cooldown's share of the budget"),
+                  ("lans_hold", 0 <= self.lans_hold < 1, "[0, 1)", "the lans hold's share of the budget"),
+                  ("ramp_tokens", 0 < self.ramp_tokens <= 1, "(0, 1]", "the ramp's share of the budget")]
+        if "ratio" not in POLICY_FIELDS.get(self.batch_policy, ("ratio",)):  # (seesaw and smith say more of it)
+            ranges.append(("ratio", 0 < self.ratio < 1, "(0, 1)", "the base LR's fall between milestones, e.g. 0.5"))
+        for name, inside, bounds, what in ranges:
+            if not inside:
+                self._fail(name, f"must lie in {bounds}: {what}")
         for name in ("alpha", "beta", "ramp_start", "ramp_increment"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -292,11 +292,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_dotted(tree, key, value)
         given.add(key)
     cfg = from_dict(TrainConfig, tree)
-    if cfg.phases and "run.total_tokens" in given and cfg.run.total_tokens != phases_total(cfg.phases):
-        # (check() can tell a given budget from the default only when it differs from it)
-        raise ConfigError(f"run.total_tokens = {cfg.run.total_tokens} but the phases sum to "
-                          f"{phases_total(cfg.phases)}: with [[phases]] the budget is their sum; remove "
-                          "run.total_tokens")
+    if cfg.phases and "run.total_tokens" in given:  # (check() can tell a given budget from the default
+        check_phases_budget(cfg.run.total_tokens, cfg.phases)  # only when it differs from it)
     if cfg.model.init_from and resolve_init:
         from largebatch.train.hf_import import dropout_note
         from largebatch.train.hf_import import resolve_init as resolve
@@ -335,6 +332,14 @@ def batch_replicas(cfg: TrainConfig, dp: int, run_dir: str | Path | None = None)
     return checkpoint_dp_size(run_dir) or dp
 
 
+def check_phases_budget(total_tokens: int, phases: list) -> None:
+    """ConfigError unless a run.total_tokens given beside [[phases]] is their sum (the run's budget)."""
+    total = phases_total(phases)
+    if total_tokens != total:
+        raise ConfigError(f"run.total_tokens = {total_tokens} but the phases sum to {total}: with [[phases]] "
+                          "the budget is their sum; remove run.total_tokens")
+
+
 def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
     """Cross-table checks that need no data or model: fail in a second, not after setup. ``run_dir``:
     see ``load_config``."""
@@ -343,10 +348,8 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
     if (problem := hf_model_type_problem(cfg.model)) is not None:
         raise ConfigError(problem)
     if cfg.phases:
-        total = phases_total(cfg.phases)
-        if cfg.run.total_tokens not in (total, RunConfig.total_tokens):
-            raise ConfigError(f"run.total_tokens = {cfg.run.total_tokens} but the phases sum to {total}: with "
-                              "[[phases]] the budget is their sum; remove run.total_tokens")
+        if cfg.run.total_tokens != RunConfig.total_tokens:
+            check_phases_budget(cfg.run.total_tokens, cfg.phases)
         cfg = dataclasses.replace(cfg, run=with_phase_total(cfg.run, cfg.phases))
     par = cfg.parallel
     try:
