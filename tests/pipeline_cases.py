@@ -52,7 +52,7 @@ def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **ex
          "schedule.final_lr": 0.2, "optim.name": optim, "optim.grad_clip": 0.5, "run.micro_batch": 2,
          "run.total_tokens": 3072, "run.eval_tokens": 160, "run.eval_every_tokens": 3072,
          "run.progress": "off", "run.sample_tokens": 0, "run.peak_flops": 1e11, "run.tensorboard": False,
-         "run.out_dir": out}
+         "run.plots": False, "run.out_dir": out}
     o.update(extra)
     return o
 

@@ -33,7 +33,7 @@ def tiny(cache, out, **extra) -> dict:
          "schedule.warmup": 0.1, "schedule.batch_policy": "constant", "schedule.batch_size": 8,
          "run.micro_batch": 8, "run.total_tokens": 48 * 8 * 8, "run.eval_tokens": 48 * 8,
          "run.tensorboard": False, "run.progress": "off", "run.sample_tokens": 0,
-         "run.out_dir": str(out), "run.peak_flops": 1e11, "run.device": "cpu"}
+         "run.out_dir": str(out), "run.peak_flops": 1e11, "run.device": "cpu", "run.plots": False}
     o.update(extra)
     return o
 

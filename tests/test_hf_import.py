@@ -309,7 +309,7 @@ def _tiny(corpus: Path, cache: Path, out: Path, **extra) -> dict:
          "run.eval_every_tokens": 32 * 8 * 4,
          "run.tensorboard": False, "run.progress": "off", "run.sample_tokens": 0,
          "run.out_dir": str(out), "run.peak_flops": 1e11, "run.device": "cpu",
-         "optim.name": "lamb"}
+         "optim.name": "lamb", "run.plots": False}
     o.update(extra)
     return o
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -466,6 +467,62 @@ def test_partial_metrics_line_is_dropped_and_reported(tmp_path):
     log.close()
     assert read_metrics(tmp_path) == records[:3] + [{"kind": "train", "step": 4, "loss": 0.5}]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _kept_by_filter(text: str, resume_step: int, evaluates_again: bool) -> tuple[list[dict], int]:
+    """What a resume keeps, by its definition: every readable record before the checkpoint's step,
+    and at it all but an evaluation the resumed run makes again (and how many lines were unreadable)."""
+    kept, bad = [], 0
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if record["step"] < resume_step or record["step"] == resume_step and not (
+                    evaluates_again and record["kind"] == "val"):
+                kept.append(record)
+    return kept, bad
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 20])
+def test_a_resume_cuts_metrics_where_its_checkpoint_is_reading_only_the_tail(tmp_path, block):
+    """The records a resume keeps are those of the filter above, whatever block the file is read
+    backwards in (lines split across blocks), with a last line cut short or without its newline, and
+    with empty lines; the records before the cut are not read (a long run's restart costs its tail)."""
+    from largebatch.train.metrics import _resume_cut
+
+    rng = random.Random(block)
+    for case in range(40):
+        records = []
+        for step in range(1, rng.randint(2, 30)):
+            records.append({"kind": "train", "step": step, "loss": rng.random(), "note": "x" * rng.randint(0, 9)})
+            if rng.random() < 0.3:
+                records.append({"kind": "val", "step": step, "val_loss": rng.random()})
+        lines = [json.dumps(r) for r in records]
+        if rng.random() < 0.3:
+            lines.insert(rng.randint(len(lines) // 2, len(lines)), "")
+        text = "\n".join(lines) + rng.choice(["\n", "", '\n{"kind": "train", "step": 99, "lo'])
+        path = tmp_path / f"{case}.jsonl"
+        path.write_text(text)
+        resume_step, again = rng.randint(1, records[-1]["step"]), rng.random() < 0.5
+        expected, bad = _kept_by_filter(text, resume_step, again)
+        cut, at_step, dropped = _resume_cut(path, resume_step, again, block=block)
+        kept = text.encode()[:cut].decode()
+        assert [json.loads(line) for line in kept.splitlines() if line] == expected  # nothing else
+        assert (dropped, at_step) == (bad, [r for r in expected if r["step"] == resume_step])
+    # a million-step run's resume: what comes before the checkpoint's step is never read (an
+    # unreadable first line would be counted and dropped if it were)
+    body = "".join(json.dumps({"kind": "train", "step": s, "loss": 1.0}) + "\n" for s in range(1, 30_001))
+    (tmp_path / "metrics.jsonl").write_text("not json\n" + body)
+    log = MetricsLog(tmp_path, tensorboard=False, resume_step=29_990)
+    log.log({"kind": "train", "step": 29_991, "loss": 0.5})
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert not log.notes and text.startswith("not json\n") and text.count("\n") == 29_992
+    assert read_metrics(tmp_path)[-2:] == [{"kind": "train", "step": 29_990, "loss": 1.0},
+                                           {"kind": "train", "step": 29_991, "loss": 0.5}]
 
 
 DRIVER = """

@@ -304,3 +304,36 @@ def test_memory_reported_is_the_busiest_ranks(tmp_path):
     out = json.loads(line[len("RESULT "):])
     assert out["own"][1] > out["own"][0] + 200 * 2**20
     assert out["peak"] >= out["own"][1] and out["peak"] < out["own"][1] + 50 * 2**20
+
+
+def test_a_long_runs_plots_draw_bin_means_with_their_range(tmp_path):
+    """Past MAX_POINTS train records the loss is drawn as the mean of equal bins of consecutive steps
+    with the bins' least and greatest loss (computed here by hand, in float64), a bin of skipped
+    (non-finite) steps only is a gap, and the schedule's points keep the last step; the phase
+    boundary is found in a stream of records."""
+    import math
+
+    import numpy as np
+
+    from largebatch.train import plots
+
+    n = 2 * plots.MAX_POINTS + 5  # bins of 3 steps, the last one of 2 (its third a NaN pad)
+    loss = [5.0 + math.sin(s) for s in range(1, n + 1)]
+    loss[9:12] = [float("nan")] * 3  # steps 10-12, the 4th bin
+    x, mean, least, greatest = plots._binned(list(range(1, n + 1)), loss)
+    assert len(x) == -(-n // 3) <= plots.MAX_POINTS
+    for i in (0, 1, len(x) - 1):
+        chunk = loss[3 * i: 3 * i + 3]
+        assert x[i] == pytest.approx(sum(range(3 * i + 1, min(3 * i + 4, n + 1))) / len(chunk))
+        assert (mean[i], least[i], greatest[i]) == pytest.approx((sum(chunk) / len(chunk), min(chunk), max(chunk)))
+    assert np.isnan(mean[3]) and np.isnan(least[3]) and x[3] == 11.0
+    assert plots._binned([1, 2], [3.0, None])[1][1] != plots._binned([1, 2], [3.0, None])[1][1]  # None: NaN
+    xs, ys = plots._sampled(list(range(n)), list(range(n)))
+    assert len(xs) <= plots.MAX_POINTS + 1 and xs[-1] == n - 1 and xs == ys
+    records = [{"kind": "train", "step": s, "tokens": 64 * s, "loss": loss[s - 1], "lr": 1e-3, "batch_size": 8,
+                "phase": int(s > 3000), "seq_len": 32 if s <= 3000 else 64} for s in range(1, n + 1)]
+    records += [{"kind": "val", "step": s, "tokens": 64 * s, "val_loss": 5.0} for s in range(0, n, 500)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plots.phase_boundaries(r for r in records if r["kind"] == "train") == [(3000 * 64, 3000, 1, 64)]
+    assert [p.name for p in plots.plot_run(tmp_path)] == ["loss.png", "schedule.png"]
+    assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in ("loss.png", "schedule.png"))

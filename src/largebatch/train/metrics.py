@@ -11,14 +11,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from largebatch.checkpoint.files import atomic_write_text
-
 
 class MetricsLog:
     """Append-only metrics.jsonl plus optional TensorBoard scalars.
 
-    At resume the records after the checkpoint are dropped (the resumed run writes them again) by an
-    atomic rewrite; lines that do not parse (a last line cut short by a kill or a full disk) are
+    At resume the records after the checkpoint are dropped (the resumed run writes them again) by
+    truncating the file, read from its end (_resume_cut: a restart costs the same at step 100 and
+    step 1,000,000); lines that do not parse (a last line cut short by a kill or a full disk) are
     dropped too and reported in ``notes``. A failed write raises the OSError (one line, see the CLI).
     """
 
@@ -30,15 +29,16 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.notes: list[str] = []
         self._failed = False
-        kept: list[dict[str, Any]] = []
+        kept: list[dict[str, Any]] = []  # the kept records of the resume step (TensorBoard writes them again)
         if resume_step is not None and self.path.exists():
-            records, bad = _parse_lines(self.path.read_text(errors="replace"))
+            cut, kept, bad = _resume_cut(self.path, resume_step, evaluates_again)
             if bad:
                 self.notes.append(f"{self.path}: dropped {bad} unreadable line(s) (a write cut short "
                                   f"by a kill or a full disk)")
-            kept = [r for r in records if r.get("step", 0) < resume_step or r.get("step", 0) == resume_step
-                    and not (evaluates_again and r.get("kind") == "val")]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            with open(self.path, "r+b") as file:
+                file.truncate(cut)  # one metadata update: the old length or the new one, never half
+                if cut and not _ends_with_newline(file, cut):
+                    file.write(b"\n")
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
@@ -57,8 +57,7 @@ class MetricsLog:
                                      resume_step + (0 if evaluates_again else 1))
             if evaluates_again:
                 for record in kept:
-                    if record.get("step", 0) == resume_step:
-                        self._scalars(record)
+                    self._scalars(record)
 
     def log(self, record: dict[str, Any]) -> None:
         try:
@@ -86,19 +85,73 @@ class MetricsLog:
             self._tb.close()
 
 
-def _parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:
-    """(the records of a metrics.jsonl text, how many non-empty lines did not parse)."""
-    records, bad = [], 0
-    for line in text.splitlines():
+def _ends_with_newline(file, end: int) -> bool:
+    file.seek(end - 1)
+    return file.read(1) == b"\n"
+
+
+def _lines_from_the_end(path: Path, block: int = 1 << 20):
+    """(start offset, end offset, bytes) of each line of ``path`` (without its newline), the last
+    first: the file is read backwards a block at a time, so what is not asked for is never read."""
+    with open(path, "rb") as file:
+        end = file.seek(0, 2)
+        tail = b""  # the start of a line, read with the block after it (it begins at ``end``)
+        while end > 0:
+            start = max(0, end - block)
+            file.seek(start)
+            lines = (file.read(end - start) + tail).split(b"\n")
+            tail = lines.pop(0) if start > 0 else b""  # it may begin in the block before
+            offsets, offset = [], start + len(tail) + (1 if start > 0 else 0)
+            for line in lines:
+                offsets.append(offset)
+                offset += len(line) + 1
+            for offset, line in zip(reversed(offsets), reversed(lines)):
+                yield offset, offset + len(line), line
+            end = start
+
+
+def _resume_cut(path: Path, resume_step: int, evaluates_again: bool,
+                block: int = 1 << 20) -> tuple[int, list[dict[str, Any]], int]:
+    """(the length metrics.jsonl keeps at a resume from ``resume_step``, the kept records of that step,
+    how many unreadable lines were dropped).
+
+    A run appends its records in step order (a step's train record, then its evaluation), so the
+    records a resume drops -- those past its checkpoint, and the checkpoint step's evaluation when it
+    ``evaluates_again`` -- and the lines a kill or a full disk cut short are all at the end: the file
+    is read from the end up to the last record kept, whatever the length of the run before it."""
+    cut, kept, bad = 0, [], 0
+    for _, end, line in _lines_from_the_end(path, block):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            bad += 1
-    return records, bad
+            if not cut:
+                bad += 1
+            continue
+        step = record.get("step", 0)
+        if not cut:
+            if step > resume_step or step == resume_step and evaluates_again and record.get("kind") == "val":
+                continue
+            cut = end + 1
+        if step < resume_step:
+            break
+        kept.insert(0, record)
+    return min(cut, path.stat().st_size), kept, bad
+
+
+def iter_metrics(run_dir: str | Path):
+    """The records of a run one at a time, read a line at a time (a million-step run's file is not
+    held whole); a line cut short by a kill or a full disk is skipped."""
+    with open(Path(run_dir) / "metrics.jsonl", errors="replace") as file:
+        for line in file:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run; a line cut short by a kill or a full disk is skipped."""
-    return _parse_lines((Path(run_dir) / "metrics.jsonl").read_text(errors="replace"))[0]
+    return list(iter_metrics(run_dir))

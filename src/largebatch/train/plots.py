@@ -4,15 +4,20 @@ begins. matplotlib (the [train] extra) is imported on use."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
+from itertools import pairwise
 from pathlib import Path
 
-from largebatch.train.metrics import read_metrics
+import numpy as np
+
+from largebatch.train.metrics import iter_metrics
 
 
-def phase_boundaries(train: list[dict]) -> list[tuple[int, int, int, int]]:
+def phase_boundaries(train: Iterable[dict]) -> list[tuple[int, int, int, int]]:
     """(tokens, step, new phase, its seq_len) where a phase begins: the tokens and step at the end of
     the phase before, read from consecutive train records."""
-    return [(a["tokens"], a["step"], b["phase"], b.get("seq_len")) for a, b in zip(train, train[1:])
+    return [(a["tokens"], a["step"], b["phase"], b.get("seq_len")) for a, b in pairwise(train)
             if a.get("phase", 0) != b.get("phase", 0)]
 
 
@@ -24,6 +29,56 @@ def _mark_phases(ax, boundaries: list[tuple[int, int, int, int]], by_step: bool 
                     xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
 
 
+MAX_POINTS = 2000
+"""The most points a line is drawn with (about twice the pixels across a panel): a longer run's train
+loss is drawn as the mean of equal bins of consecutive steps, with a band from the bin's least to its
+greatest loss, and its LR and batch at the last step of each bin."""
+
+TRAIN_FIELDS = ("step", "tokens", "loss", "lr", "batch_size", "phase", "seq_len")
+
+
+def _columns(run_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """The fields the plots draw, per train and validation record, read a record at a time."""
+    train: dict[str, list] = {key: [] for key in TRAIN_FIELDS}
+    val: dict[str, list] = {"step": [], "tokens": [], "val_loss": []}
+    for record in iter_metrics(run_dir):
+        kind = record.get("kind")
+        columns = train if kind == "train" else val if kind == "val" else None
+        if columns is not None:
+            for key, column in columns.items():
+                column.append(record.get(key, 0 if key == "phase" else None))
+    return train, val
+
+
+def _float(values: list) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _binned(x: list, y: list, limit: int = MAX_POINTS) -> tuple[np.ndarray, ...]:
+    """(x, mean y, least y, greatest y) over equal bins of consecutive points, at most ``limit`` of
+    them (each x the bin's mean); the points themselves (and no band: None) when there are fewer."""
+    xs, ys = _float(x), _float(y)
+    if len(xs) <= limit:
+        return xs, ys, None, None
+    size = -(-len(xs) // limit)
+    pad = np.full((-len(xs)) % size, np.nan)
+    xs, ys = (np.concatenate([v, pad]).reshape(-1, size) for v in (xs, ys))
+    with warnings.catch_warnings():  # a bin of non-finite losses only (skipped steps) is a gap
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(xs, 1), np.nanmean(ys, 1), np.nanmin(ys, 1), np.nanmax(ys, 1)
+
+
+def _sampled(x: list, y: list, limit: int = MAX_POINTS) -> tuple[list, list]:
+    """At most ``limit`` of the points, evenly spaced, the last one always among them."""
+    if len(x) <= limit:
+        return x, y
+    size = -(-len(x) // limit)
+    index = list(range(size - 1, len(x), size))
+    if index[-1] != len(x) - 1:
+        index.append(len(x) - 1)
+    return [x[i] for i in index], [y[i] for i in index]
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write loss.png (vs tokens and vs steps) and schedule.png (LR, batch vs tokens)."""
     import matplotlib
@@ -32,18 +87,23 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
-    train = [r for r in records if r.get("kind") == "train"]
-    val = [r for r in records if r.get("kind") == "val"]
-    if not train:
+    train, val = _columns(run_dir)
+    if not train["step"]:
         return []
     out = []
-    boundaries = phase_boundaries(train)
+    boundaries = phase_boundaries(dict(zip(TRAIN_FIELDS, values)) for values in zip(*train.values()))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "tokens", "tokens seen"), (axes[1], "step", "optimizer step")):
-        ax.plot([r[key] for r in train], [r["loss"] for r in train], lw=1, label="train")
-        if val:
-            ax.plot([r[key] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        x, mean, least, greatest = _binned(train[key], train["loss"])
+        if least is None:
+            ax.plot(x, mean, lw=1, label="train")
+        else:
+            size = -(-len(train[key]) // MAX_POINTS)
+            ax.fill_between(x, least, greatest, alpha=0.25, lw=0, color="tab:blue")
+            ax.plot(x, mean, lw=1, color="tab:blue", label=f"train (mean of {size} steps; band: least to greatest)")
+        if val["step"]:
+            x, mean, _, _ = _binned(val[key], val["val_loss"])
+            ax.plot(x, mean, "o-" if len(x) <= 100 else "-", color="tab:orange", label="validation")
         _mark_phases(ax, boundaries, by_step=key == "step")
         ax.set_xlabel(label)
         ax.set_ylabel("loss (nats/token)")
@@ -56,12 +116,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out.append(run_dir / "loss.png")
 
     fig, ax1 = plt.subplots(figsize=(7, 4))
-    tokens = [r["tokens"] for r in train]
-    ax1.plot(tokens, [r["lr"] for r in train], color="tab:blue")
+    ax1.plot(*_sampled(train["tokens"], train["lr"]), color="tab:blue")
     ax1.set_xlabel("tokens seen")
     ax1.set_ylabel("learning rate", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.step(tokens, [r["batch_size"] for r in train], color="tab:orange", where="post")
+    ax2.step(*_sampled(train["tokens"], train["batch_size"]), color="tab:orange", where="post")
     ax2.set_ylabel("batch size (sequences)", color="tab:orange")
     _mark_phases(ax1, boundaries)
     ax1.grid(alpha=0.3)
