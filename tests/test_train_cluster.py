@@ -608,3 +608,38 @@ def _wait_until_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 1
             return
         time.sleep(0.01)
     raise AssertionError(f"no checkpoint: {proc.poll()}")
+
+
+def test_a_moved_or_copied_run_continues_where_it_is_and_its_config_follows(reference_run, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A run started from a relative data.cache_dir records the directory it named (a resume from
+    elsewhere finds the cache); copied to another directory, its config.toml names the original, so
+    launching that file is refused (it would continue and rotate the original's checkpoints) while
+    --resume COPY continues the copy exactly, leaves the original as it was, and writes the copy's
+    own directory into its config.toml, after which the copied config.toml launches it."""
+    cache, ref_dir, _ = reference_run
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "cache").symlink_to(cache)  # the shared tokenized data, reached by a relative path
+    monkeypatch.chdir(home)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    o = tiny_overrides(Path("cache"), original, **{"run.max_steps": 12, "run.checkpoint_every_tokens": 32 * 8 * 4})
+    assert main(_args(o)) == 0
+    saved = (original / "config.toml").read_text()
+    assert f'cache_dir = "{home / "cache"}"' in saved and f'out_dir = "{original}"' in saved
+    shutil.copytree(original, copy)
+    before = sorted(p.name for p in (original / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main([str(copy / "config.toml")]) == 2
+    err = capsys.readouterr().err
+    assert f"is the config of the run in {str(copy)!r}, but its run.out_dir = {str(original)!r}" in err
+    assert f"--resume {copy}" in err
+    monkeypatch.chdir(tmp_path)  # elsewhere: the recorded cache is found, nothing is tokenized again
+    assert main(["--resume", str(copy)]) == 0
+    err = capsys.readouterr().err
+    assert f"was moved or copied from run.out_dir = {str(original)!r}" in err, err
+    assert sorted(p.name for p in (original / "checkpoints").iterdir()) == before
+    assert not (tmp_path / "cache").exists()  # the relative path from here: not read, nothing built
+    assert _train_losses(copy) == _train_losses(ref_dir)
+    assert f'out_dir = "{copy}"' in (copy / "config.toml").read_text()
+    assert main([str(copy / "config.toml")]) == 0 and "already complete" in capsys.readouterr().out

@@ -154,7 +154,14 @@ def _launch(args, unknown: list[str], parser) -> int:
     """``main`` once the arguments are parsed: resolve the config and the run directory, check, train."""
     from largebatch.train.config import TrainConfig, load_config
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
-    from largebatch.train.rundir import config_differences, continues_run, finished_run, stopped_in_this_job
+    from largebatch.train.rundir import (
+        check_config_home,
+        config_differences,
+        continues_run,
+        finished_run,
+        moved_run,
+        stopped_in_this_job,
+    )
 
     def complete(run_dir: Path, cfg, saved=None) -> bool:  # relaunching a finished run is a no-op: says so,
         # writes nothing; ``saved``: the config a --resume read (its changes would apply to no step)
@@ -212,6 +219,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
             run_dir, resume = Path(resume_dir), True
+            cfg = moved_run(cfg, run_dir, _note_once)
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))
             saved_cfg = from_dict(TrainConfig, load_toml(saved))
@@ -221,6 +229,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             check_run_dir(run_dir)
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
+            check_config_home(config_path, cfg, overrides)
             stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
             run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
             if complete(run_dir, cfg):

@@ -431,7 +431,11 @@ def step_micro_batches(schedule, dp: int, total_tokens: int, micro_batch: int) -
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
-    """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it."""
+    """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it. A relative
+    ``data.cache_dir`` is written as the directory it named from where the run started, so a resume
+    launched from elsewhere finds the cache instead of tokenizing the corpus again into a new one."""
+    if not Path(cfg.data.cache_dir).expanduser().is_absolute():
+        cfg = replace_section(cfg, "data", cache_dir=str(Path(cfg.data.cache_dir).expanduser().absolute()))
     atomic_write_text(path, dump_toml(to_dict(cfg)))
 
 

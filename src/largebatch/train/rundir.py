@@ -13,8 +13,13 @@
 * **Unique default directories.** ``runs/{time}-{kind}`` is claimed with an atomic ``mkdir``; two
   runs started in the same second get ``...-gpt`` and ``...-gpt-2``.
 * **Atomic rewrites.** ``largebatch.checkpoint.files.atomic_write_text`` (temporary, fsync, rename)
-  for config.toml and the metrics history trimmed at resume: a kill leaves the old file or the new
-  one, never a mix.
+  for config.toml (and a truncation for the metrics history cut at resume): a kill leaves the old
+  file or the new one, never a mix.
+* **A run directory that moved.** A run's config.toml names the directory it ran in; after the
+  directory is moved or copied, ``--resume NEW`` writes NEW there (:func:`moved_run`), and launching
+  the config.toml of a run directory whose ``run.out_dir`` names another directory is refused
+  (:func:`check_config_home`): it would continue, and rotate the checkpoints of, the run it was
+  copied from.
 * **The tokenizer travels with the run.** :func:`keep_tokenizer` writes ``RUN_DIR/tokenizer.json``
   (the one trained on the corpus or read from data.tokenizer_file), which export and finetune read
   first: a deleted data cache or a moved tokenizer file no longer means retraining it.
@@ -115,6 +120,48 @@ def among(key: str, fields: tuple[str, ...]) -> bool:
 def config_differences(saved, new) -> list[str]:
     """'table.field: saved -> new' for every field that differs and changes the trajectory."""
     return differing_fields(saved, new, lambda k: not among(k, RESTART_FIELDS))
+
+
+def same_directory(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one directory (through links or two mounts of one disk: by inode when
+    both exist)."""
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.absolute() == b.absolute()
+
+
+def _concrete(out_dir: str) -> bool:
+    return "{" not in out_dir  # run.out_dir without {time} or {kind}: one directory
+
+
+def moved_run(cfg: TrainConfig, run_dir: Path, note: Callable[[str], None]) -> TrainConfig:
+    """``cfg`` (a ``--resume run_dir``'s) naming ``run_dir`` as its run.out_dir: a run whose
+    config.toml names another directory was moved or copied there, and the record follows it."""
+    if not _concrete(cfg.run.out_dir) or same_directory(cfg.run.out_dir, run_dir):
+        return cfg
+    note(f"note: {run_dir} was moved or copied from run.out_dir = {cfg.run.out_dir!r}; its config.toml "
+         f"names {str(run_dir.absolute())!r} from now on")
+    from largebatch.train.config import replace_section
+
+    return replace_section(cfg, "run", out_dir=str(run_dir.absolute()))
+
+
+def check_config_home(config: str | Path | None, cfg: TrainConfig, overrides: dict) -> None:
+    """Refuse to launch a run directory's own config.toml when its ``run.out_dir`` names another
+    directory (the run was moved or copied, or the file was copied into a run directory): the launch
+    would continue, and rotate the checkpoints of, the run in that other directory."""
+    if config is None or "run.out_dir" in overrides or not _concrete(cfg.run.out_dir):
+        return
+    home = Path(config).expanduser().parent
+    if Path(config).name != "config.toml" or not (has_checkpoints(home) or (home / "metrics.jsonl").is_file()):
+        return
+    if not same_directory(cfg.run.out_dir, home):
+        raise ConfigError(f"{config} is the config of the run in {str(home)!r}, but its run.out_dir = "
+                          f"{cfg.run.out_dir!r} names another directory (the run was moved or copied): "
+                          f"continue it with --resume {shlex.quote(str(home))}, or give --run.out_dir "
+                          "for the run this launch writes")
 
 
 def has_checkpoints(run_dir: Path) -> bool:
