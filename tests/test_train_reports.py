@@ -337,3 +337,21 @@ def test_a_long_runs_plots_draw_bin_means_with_their_range(tmp_path):
     assert plots.phase_boundaries(r for r in records if r["kind"] == "train") == [(3000 * 64, 3000, 1, 64)]
     assert [p.name for p in plots.plot_run(tmp_path)] == ["loss.png", "schedule.png"]
     assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in ("loss.png", "schedule.png"))
+
+
+def test_the_eta_counts_the_wall_clock_between_steps():
+    """Steps train at 100 tokens/s, but each 100-token record also waits 1 s (an evaluation, a
+    checkpoint, logging): the tokens go by at 50 per wall-clock second, and the ETA says so; with no
+    time between the steps it is the training rate's."""
+    import io
+
+    from largebatch.train.progress import Progress, format_seconds
+
+    for between, per_wall_second in ((1.0, 50.0), (0.0, 100.0)):
+        clock = [0.0]
+        stream = io.StringIO()
+        progress = Progress(10_000, enabled=True, stream=stream, clock=lambda: clock[0])
+        for tokens in range(100, 3_100, 100):
+            clock[0] += 1.0 + between
+            progress.update(tokens, 100.0)
+        assert f"ETA {format_seconds((10_000 - 3_000) / per_wall_second)}" in stream.getvalue().rsplit("\r", 1)[-1]
