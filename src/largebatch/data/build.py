@@ -17,6 +17,7 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -150,16 +151,20 @@ class Data:
         return self.train.decode(ids)
 
 
-def build_data(cfg: DataConfig, seq_len: int, objective: str = "causal") -> Data:
+def build_data(cfg: DataConfig, seq_len: int, objective: str = "causal",
+               log: Callable[[str], None] | None = None) -> Data:
     """Load, split, tokenize (or reuse the cache) and pack ``cfg.corpus`` for ``objective``: "causal"
-    (next-token targets) or "masked" (masked-LM inputs and labels) -- a model kind's objective."""
+    (next-token targets) or "masked" (masked-LM inputs and labels) -- a model kind's objective.
+    ``log`` (one line at a time) hears how a first build of a text corpus's cache entry goes: its size,
+    the tokenizer's training, and the tokenizing, at most every ``BUILD_LOG_S`` seconds with its rate
+    and the time left (a build of a corpus of 500 MB takes ~10 minutes on 2 cores)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"build_data objective={objective!r} is invalid: use one of {OBJECTIVES}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"build_data seq_len={seq_len!r} is invalid: use a positive integer")
     cfg.validate()
     with _rank_zero_first():
-        return _build(cfg, seq_len, objective)
+        return _build(cfg, seq_len, objective, log or (lambda line: None))
 
 
 BUILD_WAIT = timedelta(days=7)
@@ -192,13 +197,13 @@ def _rank_zero_first():
             dist.barrier(group=group)
 
 
-def _build(cfg: DataConfig, seq_len: int, objective: str) -> Data:
+def _build(cfg: DataConfig, seq_len: int, objective: str, log: Callable[[str], None]) -> Data:
     if is_token_array_path(cfg.corpus):
         tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
         vocab_size = tokenizer_lib.id_space(tokenizer) if tokenizer else cfg.vocab_size
         _check_ids_fit(train_tokens, val_tokens, vocab_size, cfg)
     else:
-        tokenizer, train_tokens, val_tokens, stats = _text_streams(cfg)
+        tokenizer, train_tokens, val_tokens, stats = _text_streams(cfg, log)
         vocab_size = tokenizer_lib.id_space(tokenizer)
     special_ids = tokenizer_lib.special_token_ids(tokenizer) if tokenizer else {}
     common = dict(tokenizer=tokenizer)
@@ -223,7 +228,7 @@ def _build(cfg: DataConfig, seq_len: int, objective: str) -> Data:
 # ---------------------------------------------------------------------------------------------
 # text corpora: split by document, tokenizer + streams cached
 
-def _text_streams(cfg: DataConfig):
+def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: None):
     if cfg.val_corpus is not None:
         if is_token_array_path(cfg.val_corpus):
             raise CorpusError(f"DataConfig.val_corpus={cfg.val_corpus!r} is a token array but "
@@ -250,7 +255,7 @@ def _text_streams(cfg: DataConfig):
         key_parts["special_text"] = "literal"
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
-    cache_hit, damage = _ensure_entry(entry, cfg, train_docs, val_docs)
+    cache_hit, damage = _ensure_entry(entry, cfg, train_docs, val_docs, log)
     tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
     stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
                       len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
@@ -269,8 +274,8 @@ def val_in_train(train_docs: list[Document], val_docs: list[Document]) -> list[t
     return [(doc.name, first[doc.text]) for doc in val_docs if doc.text in first]
 
 
-def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
-                  val_docs: list[Document]) -> tuple[bool, str | None]:
+def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document], val_docs: list[Document],
+                  log: Callable[[str], None] = lambda line: None) -> tuple[bool, str | None]:
     """Make ``entry`` hold the tokenizer and both streams: (whether it was there whole already, what
     was wrong with it when a damaged one was set aside and built again). A cache that cannot be
     written is one CorpusError naming data.cache_dir."""
@@ -293,7 +298,7 @@ def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
             pass
     if not cache_hit and not (entry / "meta.json").is_file():
         try:
-            _write_cache_entry(entry, cfg, train_docs, val_docs)
+            _write_cache_entry(entry, cfg, train_docs, val_docs, log)
         except OSError as exc:  # a full disk, a read-only directory, a cache_dir that is a file
             where = Path(cfg.cache_dir).expanduser()
             if where.exists() and not where.is_dir():
@@ -328,8 +333,41 @@ def entry_damage(entry: Path) -> str | None:
     return None
 
 
+BUILD_LOG_S = 30.0
+"""Seconds between two lines on a cache entry's tokenizing (build_data's ``log``)."""
+
+
+def _megabytes(docs: list[Document]) -> float:
+    return sum(len(d.text) for d in docs) / 1e6  # characters: bytes for ASCII text
+
+
+class _BuildProgress:
+    """build_data's lines on one split's tokenizing: done, rate and time left, at most every
+    BUILD_LOG_S seconds (a small corpus's build says nothing of it)."""
+
+    def __init__(self, log: Callable[[str], None], split: str, total_chars: int):
+        self.log, self.split, self.total = log, split, max(total_chars, 1)
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, chars: int) -> None:
+        now = time.monotonic()
+        if now - self.last < BUILD_LOG_S or chars >= self.total:
+            return
+        self.last = now
+        rate = chars / max(now - self.start, 1e-9)
+        left = format_duration((self.total - chars) / rate)
+        self.log(f"data: tokenizing the {self.split} split: {chars / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
+                 f"({100 * chars / self.total:.0f}%), {rate / 1e6:.2f} MB/s, ~{left} left")
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
 def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
-                       val_docs: list[Document]) -> None:
+                       val_docs: list[Document], log: Callable[[str], None] = lambda line: None) -> None:
     # the staging directory first: a cache that cannot be written fails before a tokenizer is trained
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
@@ -338,22 +376,31 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
     staging.mkdir()
     try:
         (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        started = time.monotonic()
+        log(f"data: a first build of the cache entry {entry} ({len(train_docs):,} train documents, "
+            f"{_megabytes(train_docs):,.1f} MB of text; {len(val_docs):,} validation, {_megabytes(val_docs):,.1f} "
+            "MB): later starts read it")
         if cfg.tokenizer_file:
             tokenizer = read_tokenizer_file(cfg)
         else:  # trained on the TRAINING split only: validation text must stay unseen
+            log(f"data: training a byte-level BPE tokenizer of {cfg.vocab_size:,} entries on the train split")
             tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
+            log(f"data: tokenizer trained in {format_duration(time.monotonic() - started)}")
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
             raise CorpusError(tokenizer_lib.no_separator_message("data.tokenizer_file", cfg.tokenizer_file))
         eot_id = separator[1]
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
-        tokens = {split: tokenizer_lib.write_documents(tokenizer, (d.text for d in docs), eot_id, dtype,
-                                                       staging / f"{split}.bin")
+        tokens = {split: tokenizer_lib.write_documents(
+                      tokenizer, (d.text for d in docs), eot_id, dtype, staging / f"{split}.bin",
+                      _BuildProgress(log, split, sum(len(d.text) for d in docs)))
                   for split, docs in (("train", train_docs), ("val", val_docs))}
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
                 "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        log(f"data: cache entry built in {format_duration(time.monotonic() - started)} "
+            f"({tokens['train']:,} train tokens, {tokens['val']:,} validation)")
         (staging / _OWNER).unlink()
         try:
             os.rename(staging, entry)  # atomic; fails if another process got there first

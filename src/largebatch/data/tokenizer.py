@@ -17,7 +17,7 @@ are BERT's names or else RoBERTa's (``MASKED_LM_NAMES``): ``<s>`` ... ``</s>`` a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -234,17 +234,18 @@ is one large file too."""
 
 
 def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dtype: np.dtype,
-                    path: str | Path) -> int:
+                    path: str | Path, progress: Callable[[int], None] | None = None) -> int:
     """Write one flat token stream to ``path`` and return its length: every document preceded by the
     separator ``eot_id`` (<|endoftext|> or see document_separator), so the first token of a document
     is always predicted from the separator, as in GPT-2 training data. Documents are encoded a batch
     of about ``ENCODE_CHARS`` characters at a time (memory: one batch, not the corpus), a longer
     document in pieces that encode to the same ids as the whole (see pieces and cut_mode; whole
-    where the tokenizer allows no such cut)."""
-    written = 0
+    where the tokenizer allows no such cut). ``progress``, if given, is called with the characters
+    encoded so far after each batch."""
+    written = encoded = 0
     with open(path, "wb") as out:
         def flush(batch: list[str], starts: list[bool]) -> None:
-            nonlocal written
+            nonlocal written, encoded
             encodings = encode_texts(tokenizer, batch)
             stream = np.empty(sum(len(e.ids) + first for e, first in zip(encodings, starts)), dtype=dtype)
             position = 0
@@ -256,6 +257,9 @@ def write_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int, dty
                 position += len(encoding.ids)
             out.write(stream.data)  # (ndarray.tofile hides the errno of a full disk)
             written += len(stream)
+            if progress is not None:
+                encoded += sum(len(text) for text in batch)
+                progress(encoded)
 
         batch, starts, chars, mode = [], [], 0, "unknown"
         for text in texts:

@@ -140,7 +140,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, run.total_tokens,
                                      run.micro_batch)
         self.phase = self.phases[0]
-        self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective)
+        self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective,
+                               log=self.log)
         keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main, cfg.data.corpus)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         vocab = model_vocab(cfg, self.data.vocab_size)
