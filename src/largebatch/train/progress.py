@@ -73,7 +73,7 @@ class Progress:
     """A progress bar in tokens. The ETA is the remaining tokens at the recent training tokens/s (so it
     stays right as batches grow), stretched by the wall-clock time per second of training so far
     (evaluations, checkpoints and logging happen between the steps a tokens/s measures: without the
-    stretch the ETA came out 1.5-2x short on a run that logged every step to TensorBoard)."""
+    stretch the ETA came out 1.5-2x short on a 100,000-step run that logged every step to TensorBoard)."""
 
     def __init__(self, total_tokens: int, enabled: bool | None = None, stream=sys.stderr,
                  clock=time.monotonic):
