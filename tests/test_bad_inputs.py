@@ -88,6 +88,9 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--optim.weight_decay=nan"], ["optim.weight_decay", "nan", "finite"]),
     # the corpus, before the run directory is made: a wrong path or JSON field is known in a second
     (["train", "--data.corpus={tmp}/missing.txt"], ["data.corpus = '{tmp}/missing.txt' does not exist"]),
+    # one text file is one document: said from the path, not after the file is read whole
+    (["train", "--data.corpus={tmp}/file"], ["data.corpus = '{tmp}/file' is one text file", "at least 2 documents",
+                                              "data.document_separator", "data.val_corpus"]),
     (["train", "--data.val_corpus={tmp}/missing"], ["data.val_corpus = '{tmp}/missing' does not exist"]),
     (["train", "--data.corpus={tmp}/web.jsonl.gz"],
      ["web.jsonl.gz' line 2 has no field data.text_field='text' (its fields: 'content', 'url')"]),

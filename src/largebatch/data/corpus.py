@@ -502,6 +502,22 @@ def token_array_fingerprint(paths: list[str], extra: str = "") -> str:
 # ---------------------------------------------------------------------------------------------
 # the split
 
+def too_few_documents(count: int) -> str:
+    return (f"a split by document needs at least 2 documents, the corpus has {count}: use a directory "
+            f"with several files (or a registered corpus whose load() returns several), set "
+            f"data.document_separator to cut files into documents, or pass a separate data.val_corpus")
+
+
+def one_text_document(spec: str) -> bool:
+    """Whether corpus ``spec`` is a path to one text file (alone, or alone in its directory): one
+    document without a separator, known from the path before a large file is read."""
+    path = Path(spec).expanduser()
+    if spec in CORPORA or not path.exists() or is_token_array_path(spec):
+        return False
+    files = _corpus_files(path)
+    return len(files) == 1 and content_suffix(files[0]) not in JSON_SUFFIXES
+
+
 def split_documents(documents: list[Document], val_fraction: float,
                     val_documents: tuple[str, ...] = (), seed: int = 1234
                     ) -> tuple[list[Document], list[Document]]:
@@ -509,10 +525,7 @@ def split_documents(documents: list[Document], val_fraction: float,
     visited in a permutation seeded by ``seed`` and moved to validation until their characters
     reach ``val_fraction`` of the corpus. Both lists keep the corpus order."""
     if len(documents) < 2:
-        raise CorpusError(
-            f"a split by document needs at least 2 documents, the corpus has {len(documents)}: "
-            f"use a directory with several files (or a registered corpus whose load() returns several), set "
-            f"data.document_separator to cut files into documents, or pass a separate data.val_corpus")
+        raise CorpusError(too_few_documents(len(documents)))
     names = [doc.name for doc in documents]
     if len(set(names)) != len(names):
         raise CorpusError(duplicate_names_message(names))

@@ -219,7 +219,6 @@ def _launch(args, unknown: list[str], parser) -> int:
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
             run_dir, resume = Path(resume_dir), True
-            cfg = moved_run(cfg, run_dir, _note_once)
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))
             saved_cfg = from_dict(TrainConfig, load_toml(saved))
@@ -227,6 +226,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             if complete(run_dir, cfg, saved_cfg):
                 return settle(0, "finished")
             check_run_dir(run_dir)
+            cfg = moved_run(cfg, run_dir, _note_once)  # (said once the resume is known to go on)
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             check_config_home(config_path, cfg, overrides)
