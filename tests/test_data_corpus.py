@@ -238,6 +238,28 @@ def test_bad_corpus_raises_value_error_naming_path_and_problem(tmp_path, kind, m
     assert Path(path).name in str(info.value)
 
 
+def test_every_unreadable_file_of_a_directory_is_named_in_one_error(tmp_path):
+    """Five bad files among good ones took five runs to find, one per run; a UTF-16 file was called
+    "not text (NUL byte ...)". One error now names each, with its own fix."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"good{i}.txt").write_text(f"document {i} of plain text\n" * 20)
+    (corpus / "empty.txt").write_text("  \n")
+    (corpus / "latin.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (corpus / "wide.txt").write_bytes("a UTF-16 note".encode("utf-16"))
+    with pytest.raises(CorpusError) as info:
+        load_documents(str(corpus))
+    message = str(info.value)
+    assert message.startswith(f"corpus {str(corpus)!r}: 3 of its 7 files cannot be read: ")
+    assert "empty.txt' is empty" in message and "latin.txt' is not UTF-8 text (invalid byte at offset 3)" in message
+    assert "wide.txt' is UTF-16 text (its byte-order mark): convert it to UTF-8" in message
+    (corpus / "empty.txt").unlink()
+    (corpus / "wide.txt").unlink()
+    with pytest.raises(CorpusError, match="^'.*latin.txt' is not UTF-8 text"):  # one: its own message
+        load_documents(str(corpus))
+
+
 def test_single_document_cannot_be_split_by_document(tmp_path):
     (tmp_path / "one.txt").write_text("only one document here\n")
     with pytest.raises(CorpusError, match="at least 2 documents.*document_separator.*val_corpus"):

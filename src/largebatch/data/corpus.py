@@ -204,7 +204,7 @@ def load_documents(spec: str, document_separator: str | None = None,
     if not files:
         raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
                           f"add UTF-8 text files, one document per file")
-    documents, origin, clashes = [], {}, []
+    documents, origin, clashes, unreadable = [], {}, [], []
     for file in files:
         kind = content_suffix(file)
         name = file.name if file == path else file.relative_to(path).as_posix()
@@ -212,7 +212,11 @@ def load_documents(spec: str, document_separator: str | None = None,
         if stem in origin and origin[stem] != file:
             clashes.append(f"{str(origin[stem])!r} and {str(file)!r} (both {stem!r})")
         origin[stem] = file
-        text = read_text_file(file)
+        try:
+            text = read_text_file(file)
+        except CorpusError as exc:  # every file is read before one error names them all
+            unreadable.append(str(exc))
+            continue
         records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
                    else [Document(stem, text)])
         if document_separator is None:
@@ -221,6 +225,12 @@ def load_documents(spec: str, document_separator: str | None = None,
         for record in records:
             parts = [part.strip() for part in record.text.split(document_separator)]
             documents += [Document(f"{record.name}#{k}", part) for k, part in enumerate(p for p in parts if p)]
+    if len(unreadable) == 1:
+        raise CorpusError(unreadable[0])
+    if unreadable:  # found in one pass, not one per run
+        more = f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+        raise CorpusError(f"corpus {spec!r}: {len(unreadable)} of its {len(files):,} files cannot be read: "
+                          f"{'; '.join(unreadable[:5])}{more}")
     if clashes:  # a document is named after its file without the suffix
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
         raise CorpusError(f"corpus {spec!r}: files whose names differ only in their suffix give documents of "
@@ -416,6 +426,9 @@ def read_text_file(path: Path) -> str:
     data = _read_bytes(path)
     if not data.strip():
         raise CorpusError(f"text file {str(path)!r} is empty: remove it or add text")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (its text is full of NULs)
+        raise CorpusError(f"{str(path)!r} is UTF-16 text (its byte-order mark): convert it to UTF-8, e.g. "
+                          f"`iconv -f UTF-16 -t UTF-8`")
     nul = data.find(b"\x00")
     if nul >= 0:
         raise CorpusError(f"{str(path)!r} is not text (NUL byte at offset {nul}): remove it, or "
