@@ -258,6 +258,12 @@ def test_every_unreadable_file_of_a_directory_is_named_in_one_error(tmp_path):
     (corpus / "wide.txt").unlink()
     with pytest.raises(CorpusError, match="^'.*latin.txt' is not UTF-8 text"):  # one: its own message
         load_documents(str(corpus))
+    (corpus / "latin.txt").unlink()
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / "good0.txt").write_text("another document of plain text\n" * 20)
+    data = build_data(DataConfig(corpus=str(corpus), val_documents=("sub/good0", "good0"), vocab_size=300,
+                                 cache_dir=str(tmp_path / "cache")), 8)
+    assert str(data.stats).endswith("[good0, sub/good0]")  # a subdirectory is part of the name
 
 
 def test_single_document_cannot_be_split_by_document(tmp_path):

@@ -32,6 +32,7 @@ from largebatch.arguments import pid_alive
 from . import tokenizer as tokenizer_lib
 from .config import DataConfig
 from .corpus import (
+    CORPORA,
     CorpusError,
     Document,
     fingerprint,
@@ -83,9 +84,10 @@ class DataStats:
     def describe(self) -> str:
         def docs(n):
             return "" if n is None else f"{n} docs, "
-        combined = "+" in self.corpus  # keep "bible/john" apart from "shakespeare/john"
-        names = ", ".join(name if combined else name.split("/", 1)[-1]
-                          for name in self.val_document_names[:6])
+        # a named corpus's prefix is dropped ("shakespeare/hamlet": hamlet), but not a combined one's
+        # ("bible/john" apart from "shakespeare/john"), nor a directory's subdirectories (d000/doc1)
+        short = self.corpus in CORPORA and "+" not in self.corpus
+        names = ", ".join(name.split("/", 1)[-1] if short else name for name in self.val_document_names[:6])
         more = " ..." if len(self.val_document_names) > 6 else ""
         return (f"{self.corpus} ({self.split}): train {docs(self.train_documents)}"
                 f"{self.train_tokens:,} tokens, {self.train_samples:,} samples | val "
