@@ -339,10 +339,6 @@ BUILD_LOG_S = 30.0
 """Seconds between two lines on a cache entry's tokenizing (build_data's ``log``)."""
 
 
-def _megabytes(docs: list[Document]) -> float:
-    return sum(len(d.text) for d in docs) / 1e6  # characters: bytes for ASCII text
-
-
 class _BuildProgress:
     """build_data's lines on one split's tokenizing: done, rate and time left, at most every
     BUILD_LOG_S seconds (a small corpus's build says nothing of it)."""
@@ -357,15 +353,13 @@ class _BuildProgress:
             return
         self.last = now
         rate = chars / max(now - self.start, 1e-9)
-        left = format_duration((self.total - chars) / rate)
+        left = _duration((self.total - chars) / rate)
         self.log(f"data: tokenizing the {self.split} split: {chars / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
                  f"({100 * chars / self.total:.0f}%), {rate / 1e6:.2f} MB/s, ~{left} left")
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
-        f"{seconds // 60}:{seconds % 60:02d}"
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
@@ -379,15 +373,17 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
     try:
         (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
         started = time.monotonic()
+        splits = (("train", train_docs), ("val", val_docs))
+        chars = {split: sum(len(d.text) for d in docs) for split, docs in splits}  # MB for ASCII text
         log(f"data: a first build of the cache entry {entry} ({len(train_docs):,} train documents, "
-            f"{_megabytes(train_docs):,.1f} MB of text; {len(val_docs):,} validation, {_megabytes(val_docs):,.1f} "
+            f"{chars['train'] / 1e6:,.1f} MB of text; {len(val_docs):,} validation, {chars['val'] / 1e6:,.1f} "
             "MB): later starts read it")
         if cfg.tokenizer_file:
             tokenizer = read_tokenizer_file(cfg)
         else:  # trained on the TRAINING split only: validation text must stay unseen
             log(f"data: training a byte-level BPE tokenizer of {cfg.vocab_size:,} entries on the train split")
             tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
-            log(f"data: tokenizer trained in {format_duration(time.monotonic() - started)}")
+            log(f"data: tokenizer trained in {_duration(time.monotonic() - started)}")
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
             raise CorpusError(tokenizer_lib.no_separator_message("data.tokenizer_file", cfg.tokenizer_file))
@@ -395,13 +391,13 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
         tokens = {split: tokenizer_lib.write_documents(
                       tokenizer, (d.text for d in docs), eot_id, dtype, staging / f"{split}.bin",
-                      _BuildProgress(log, split, sum(len(d.text) for d in docs)))
-                  for split, docs in (("train", train_docs), ("val", val_docs))}
+                      _BuildProgress(log, split, chars[split]))
+                  for split, docs in splits}
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
                 "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
-        log(f"data: cache entry built in {format_duration(time.monotonic() - started)} "
+        log(f"data: cache entry built in {_duration(time.monotonic() - started)} "
             f"({tokens['train']:,} train tokens, {tokens['val']:,} validation)")
         (staging / _OWNER).unlink()
         try:

@@ -91,22 +91,20 @@ def _ends_with_newline(file, end: int) -> bool:
 
 
 def _lines_from_the_end(path: Path, block: int = 1 << 20):
-    """(start offset, end offset, bytes) of each line of ``path`` (without its newline), the last
-    first: the file is read backwards a block at a time, so what is not asked for is never read."""
+    """(end offset, bytes) of each line of ``path`` (without its newline), the last first: the file is
+    read backwards a block at a time, so what is not asked for is never read."""
     with open(path, "rb") as file:
         end = file.seek(0, 2)
         tail = b""  # the start of a line, read with the block after it (it begins at ``end``)
         while end > 0:
             start = max(0, end - block)
             file.seek(start)
+            line_end = end + len(tail)  # where the last line read ends (before its newline, if any)
             lines = (file.read(end - start) + tail).split(b"\n")
             tail = lines.pop(0) if start > 0 else b""  # it may begin in the block before
-            offsets, offset = [], start + len(tail) + (1 if start > 0 else 0)
-            for line in lines:
-                offsets.append(offset)
-                offset += len(line) + 1
-            for offset, line in zip(reversed(offsets), reversed(lines)):
-                yield offset, offset + len(line), line
+            for line in reversed(lines):
+                yield line_end, line
+                line_end -= len(line) + 1
             end = start
 
 
@@ -120,7 +118,7 @@ def _resume_cut(path: Path, resume_step: int, evaluates_again: bool,
     ``evaluates_again`` -- and the lines a kill or a full disk cut short are all at the end: the file
     is read from the end up to the last record kept, whatever the length of the run before it."""
     cut, kept, bad = 0, [], 0
-    for _, end, line in _lines_from_the_end(path, block):
+    for end, line in _lines_from_the_end(path, block):
         if not line.strip():
             continue
         try:

@@ -41,7 +41,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from largebatch.checkpoint.files import atomic_write_text, checkpoint_dir, list_checkpoints
-from largebatch.train.config import TrainConfig
+from largebatch.train.config import TrainConfig, replace_section
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
@@ -143,8 +143,6 @@ def moved_run(cfg: TrainConfig, run_dir: Path, note: Callable[[str], None]) -> T
         return cfg
     note(f"note: {run_dir} was moved or copied from run.out_dir = {cfg.run.out_dir!r}; its config.toml "
          f"names {str(run_dir.absolute())!r} from now on")
-    from largebatch.train.config import replace_section
-
     return replace_section(cfg, "run", out_dir=str(run_dir.absolute()))
 
 
