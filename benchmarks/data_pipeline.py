@@ -9,7 +9,11 @@ Prints ratios measured interleaved in the same run (the machine may be shared):
   not reproducible per sample) on the same (B, T) tokens;
 * with ``--one-file-mb N``: peak memory and time of tokenizing a corpus that is one N MB document
   (the plays repeated, as one large ``input.txt``), encoded in pieces (``write_documents``) / the
-  same document handed to the tokenizer whole, each in a fresh process; the ids are compared too.
+  same document handed to the tokenizer whole, each in a fresh process; the ids are compared too;
+* with ``--cached-start-mb N``: peak memory and time of a start that finds its cache entry
+  (``build_data`` on a directory of N MB of text files: the plays copied under other names), against
+  the corpus loaded whole (``load_documents``: what every start held before the corpus was read one
+  file at a time), each in a fresh process.
 """
 
 from __future__ import annotations
@@ -80,6 +84,74 @@ def one_file(tokenizer, text_mb: int) -> None:
           f"time {whole_s / piece_s:.1f}x; same ids: {same}")
 
 
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (Linux), in bytes: VmRSS (resident now), VmHWM (its peak)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak resident set to the current one (Linux: clear_refs 5); the current
+    resident set, in bytes. The imports' transient peak would otherwise hide a smaller one."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def _cached_start(corpus: str, cache: str, whole: bool, queue) -> None:
+    """Child process: a start on ``corpus`` whose cache entry exists, or (``whole``) what a start did
+    before the corpus was read one file at a time: the corpus loaded whole, split and keyed; put (peak
+    RSS above the RSS before, in bytes; seconds)."""
+    from largebatch.data.corpus import fingerprint, load_documents, split_documents
+
+    before = _reset_peak()
+    start = time.perf_counter()
+    if whole:
+        train, val = split_documents(load_documents(corpus), 0.1)
+        keys = fingerprint(train), fingerprint(val)
+        same_text = {doc.text: doc.name for doc in train}  # the copies of a validation text in training
+        copies = [doc.name for doc in val if doc.text in same_text]
+        assert keys and len(copies) <= len(val)
+    else:
+        data = build_data(DataConfig(corpus=corpus, vocab_size=512, cache_dir=cache), 128, "causal")
+        assert data.stats.cache_hit
+    seconds = time.perf_counter() - start
+    queue.put((_status_bytes("VmHWM") - before, seconds))
+
+
+def cached_start(text_mb: int) -> None:
+    """Print a cache-hit start's peak memory and time on a directory of ``text_mb`` MB of text files,
+    against the corpus loaded whole."""
+    from largebatch.data.corpus import load_documents
+
+    plays = load_documents("shakespeare")
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus, cache = Path(tmp) / "corpus", str(Path(tmp) / "cache")
+        written, copy = 0, 0
+        while written < text_mb * 2**20:
+            for doc in plays:
+                path = corpus / f"copy{copy}" / f"{doc.name.split('/')[-1]}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(doc.text)
+                written += len(doc.text.encode())
+            copy += 1
+        start = time.perf_counter()
+        build_data(DataConfig(corpus=str(corpus), vocab_size=512, cache_dir=cache), 128, "causal")
+        print(f"cached start {written / 2**20:.0f} MB in {copy * len(plays)} files: cache entry built in "
+              f"{time.perf_counter() - start:.0f} s")
+        results = {}
+        for whole in (False, True, False, True):  # interleaved; the second of each is kept
+            queue = context.Queue()
+            child = context.Process(target=_cached_start, args=(str(corpus), cache, whole, queue))
+            child.start()
+            results[whole] = queue.get()
+            child.join()
+    (hit_rss, hit_s), (whole_rss, whole_s) = results[False], results[True]
+    print(f"cached start a cache hit {hit_rss / 2**20:.0f} MiB {hit_s:.2f} s; the corpus loaded whole "
+          f"{whole_rss / 2**20:.0f} MiB {whole_s:.2f} s; memory whole/hit {whole_rss / max(hit_rss, 1):.1f}x, "
+          f"time {whole_s / hit_s:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default="shakespeare")
@@ -88,7 +160,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--one-file-mb", type=int, default=0,
                         help="also tokenize one document of this many MB, in pieces and whole (0: skip)")
+    parser.add_argument("--cached-start-mb", type=int, default=0,
+                        help="also time a cache-hit start on a directory of this many MB of text, against "
+                             "the corpus loaded whole (0: skip)")
+    parser.add_argument("--only-cached-start", action="store_true",
+                        help="with --cached-start-mb: skip everything else")
     args = parser.parse_args()
+    if args.cached_start_mb and args.only_cached_start:
+        cached_start(args.cached_start_mb)
+        return
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -103,6 +183,8 @@ def main() -> None:
     print(f"build        cold {cold:.2f} s, cached {warm * 1e3:.1f} ms, ratio {cold / warm:.0f}x")
     if args.one_file_mb:
         one_file(gpt.tokenizer, args.one_file_mb)
+    if args.cached_start_mb:
+        cached_start(args.cached_start_mb)
 
     steps = [range(p, p + args.batch) for p in range(0, 20 * args.batch, args.batch)]
     t_gpt, t_bert = [], []

@@ -788,3 +788,54 @@ def test_validation_documents_repeated_in_training_are_named_at_start_up(tmp_pat
     Trainer(load_config(None, overrides), overrides["run.out_dir"], log=lines.append).fit()
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step"))
     assert any(line.startswith("warning: 1 of the 2 validation documents") for line in lines[:first_step])
+
+
+def test_a_start_holds_one_file_of_the_corpus_at_a_time_and_keys_it_as_the_whole(tmp_path, monkeypatch):
+    """A text corpus is read one file at a time, more than once (names and sizes, the content key,
+    then on a miss the tokenizer and the streams): a cache hit's Python allocations peak near one
+    file's text, where every start held the whole corpus before (a 1.2 GB corpus: ~1.4x its size
+    on every rank). The entry is the one the documented key of the corpus loaded whole names, the
+    split and the copies of validation text in training are the same, and a cold build trains on the
+    training split alone."""
+    import hashlib
+    import tracemalloc
+
+    from largebatch.data import tokenizer as tokenizer_lib
+    from largebatch.data.corpus import fingerprint, load_documents, split_documents
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    plays = sorted(SHKSPR_TEXTS.glob("*_gut.txt"))[:24]
+    for path in plays:  # 24 files of ~120-200 KB, ~3.7 MB in all
+        (corpus / path.name).write_text(path.read_text()[:200_000])
+    (corpus / "repeat.txt").write_text(plays[0].read_text()[:200_000])  # a copy of one file's text
+    sizes = [p.stat().st_size for p in corpus.iterdir()]
+    trained_on = []
+    train_tokenizer = tokenizer_lib.train_tokenizer
+
+    def recording(texts, vocab_size):
+        texts = list(texts)
+        trained_on.append(len(texts))
+        return train_tokenizer(texts, vocab_size)
+
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", recording)
+    cfg = DataConfig(corpus=str(corpus), vocab_size=300, val_fraction=0.3, cache_dir=str(tmp_path / "cache"))
+    cold = build_data(cfg, SEQ_LEN)
+    tracemalloc.start()
+    try:
+        hit = build_data(cfg, SEQ_LEN)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not cold.stats.cache_hit and hit.stats.cache_hit
+    assert peak < 4 * max(sizes) < sum(sizes) / 4, (peak, max(sizes), sum(sizes))
+    train, val = split_documents(load_documents(str(corpus)), 0.3)  # the corpus loaded whole
+    key = hashlib.sha256(json.dumps({"train": fingerprint(train), "val": fingerprint(val), "vocab_size": 300,
+                                     "version": tokenizer_lib.TOKENIZER_VERSION}, sort_keys=True).encode())
+    assert Path(hit.stats.cache_path).name == key.hexdigest()[:20]
+    assert hit.stats.val_document_names == [d.name for d in val] and trained_on == [len(train)]
+    assert (hit.stats.train_documents, hit.stats.val_documents) == (len(train), len(val))
+    first = {}
+    for doc in train:
+        first.setdefault(doc.text, doc.name)
+    assert hit.stats.val_in_train == [(d.name, first[d.text]) for d in val if d.text in first] != []

@@ -17,7 +17,8 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,11 +36,11 @@ from .corpus import (
     CORPORA,
     CorpusError,
     Document,
-    fingerprint,
+    DocumentSource,
+    Fingerprint,
+    choose_validation,
     is_token_array_path,
-    load_documents,
     load_token_array,
-    split_documents,
     token_array_fingerprint,
 )
 from .dataset import BERTDataset, GPTDataset, PackedDataset
@@ -230,53 +231,109 @@ def _build(cfg: DataConfig, seq_len: int, objective: str, log: Callable[[str], N
 # ---------------------------------------------------------------------------------------------
 # text corpora: split by document, tokenizer + streams cached
 
+@dataclass
+class _TextSplit:
+    """One split of a text corpus as a start needs it, its text left on the disk: its documents'
+    names and characters; ``documents()`` reads them again, one file at a time (DocumentSource)."""
+
+    documents: Callable[[], Iterable[Document]]
+    names: list[str]
+    chars: int
+
+
+def _survey(documents: Iterable[Document], specials: list[str]) -> tuple[list[str], array, bool]:
+    """One pass over ``documents``, keeping no text: (names, characters of each, whether any text writes
+    one of ``specials``)."""
+    names, chars, special = [], array("q"), False
+    for doc in documents:
+        names.append(doc.name)
+        chars.append(len(doc.text))
+        special = special or any(string in doc.text for string in specials)
+    return names, chars, special
+
+
+def _keyed(documents: Iterable[Document], key: Callable[[Document], Fingerprint]) -> list[bytes]:
+    """One pass over ``documents`` feeding each to ``key(doc)``, the content key of its split: a
+    16-byte digest of each text, in order (val_in_train compares them)."""
+    return [hashlib.blake2b(key(doc).add(doc), digest_size=16).digest() for doc in documents]
+
+
 def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: None):
+    """The tokenizer and both token streams of a text corpus, from its cache entry (built first on a
+    miss). The corpus is read one file at a time, more than once (DocumentSource): its names, sizes
+    and content key, then -- on a miss -- the tokenizer's training and the streams; a start never
+    holds the corpus's text (a cache hit of a 1.2 GB corpus held ~1.4x its size as Python strings)."""
+    if cfg.tokenizer_file:
+        specials = tokenizer_lib.special_strings(read_tokenizer_file(cfg))
+    else:
+        specials = list(tokenizer_lib.SPECIAL_TOKENS)
+    keys = {"train": Fingerprint(), "val": Fingerprint()}
     if cfg.val_corpus is not None:
         if is_token_array_path(cfg.val_corpus):
             raise CorpusError(f"DataConfig.val_corpus={cfg.val_corpus!r} is a token array but "
                               f"corpus={cfg.corpus!r} is text: give both as text or both as arrays")
-        train_docs = load_documents(cfg.corpus, cfg.document_separator, cfg.text_field)
-        val_docs = load_documents(cfg.val_corpus, cfg.document_separator, cfg.text_field)
+        sources = {"train": DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field),
+                   "val": DocumentSource(cfg.val_corpus, cfg.document_separator, cfg.text_field)}
+        surveys = {split: _survey(sources[split], specials) for split in sources}
+        digests = {split: _keyed(sources[split], lambda doc, split=split: keys[split]) for split in sources}
+        splits = {split: _TextSplit(sources[split].__iter__, surveys[split][0], sum(surveys[split][1]))
+                  for split in sources}
+        special = surveys["train"][2] or surveys["val"][2]
+        pairs = [(name, digest, split) for split in ("train", "val") for name, digest in
+                 zip(surveys[split][0], digests[split])]
         split = "separate val_corpus"
     else:
-        train_docs, val_docs = split_documents(load_documents(cfg.corpus, cfg.document_separator, cfg.text_field),
-                                               cfg.val_fraction, cfg.val_documents, cfg.split_seed)
+        source = DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field)
+        names, chars, special = _survey(source, specials)
+        chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed)
+        # the content keys: a second pass, the split being known
+        digests = _keyed(source, lambda doc: keys["val" if doc.name in chosen else "train"])
+
+        def documents(of_val: bool) -> Callable[[], Iterable[Document]]:
+            return lambda: (doc for doc in source if (doc.name in chosen) == of_val)
+
+        splits = {"train": _TextSplit(documents(False), [n for n in names if n not in chosen],
+                                      sum(c for n, c in zip(names, chars) if n not in chosen)),
+                  "val": _TextSplit(documents(True), [n for n in names if n in chosen],
+                                    sum(c for n, c in zip(names, chars) if n in chosen))}
+        pairs = [(name, digest, "val" if name in chosen else "train") for name, digest in zip(names, digests)]
         split = "by document"
-    key_parts = {"train": fingerprint(train_docs), "val": fingerprint(val_docs),
+    key_parts = {"train": keys["train"].hexdigest(), "val": keys["val"].hexdigest(),
                  "version": tokenizer_lib.TOKENIZER_VERSION}
     if cfg.tokenizer_file:  # encoded without the file's truncation and padding (entries before: with)
         key_parts["tokenizer_file"] = hashlib.sha256(_read_tokenizer_bytes(cfg)).hexdigest()
         key_parts["encoding"] = "plain"
-        specials = tokenizer_lib.special_strings(read_tokenizer_file(cfg))
     else:
         key_parts["vocab_size"] = cfg.vocab_size
-        specials = list(tokenizer_lib.SPECIAL_TOKENS)
-    if any(special in doc.text for doc in (*train_docs, *val_docs) for special in specials):
+    if special:
         # written as text (tokenizer.encode_texts); entries before matched them as the tokens. A
         # corpus without such strings keeps its key: its streams are the same either way.
         key_parts["special_text"] = "literal"
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
-    cache_hit, damage = _ensure_entry(entry, cfg, train_docs, val_docs, log)
+    cache_hit, damage = _ensure_entry(entry, cfg, splits["train"], splits["val"], log)
     tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
-    stats = DataStats(cfg.corpus, len(train_docs), len(val_docs), len(train_tokens),
-                      len(val_tokens), 0, 0, [d.name for d in val_docs], split, str(entry),
-                      cache_hit, damage, val_in_train=val_in_train(train_docs, val_docs))
+    stats = DataStats(cfg.corpus, len(splits["train"].names), len(splits["val"].names), len(train_tokens),
+                      len(val_tokens), 0, 0, list(splits["val"].names), split, str(entry),
+                      cache_hit, damage, val_in_train=val_in_train(pairs))
     return tokenizer, train_tokens, val_tokens, stats
 
 
-def val_in_train(train_docs: list[Document], val_docs: list[Document]) -> list[tuple[str, str]]:
+def val_in_train(documents: Iterable[tuple[str, bytes, str]]) -> list[tuple[str, str]]:
     """(validation document, training document with the same text) for every validation document
-    whose text is also a training document's: a corpus with repeated records (web dumps often
-    have them) or a val_corpus that lies inside the corpus. The split is by name, so nothing else
-    keeps such text out of training; its validation loss measures recall."""
+    whose text is also a training document's, from (name, digest of its text, split) in corpus
+    order: a corpus with repeated records (web dumps often have them) or a val_corpus that lies
+    inside the corpus. The split is by name, so nothing else keeps such text out of training; its
+    validation loss measures recall."""
+    documents = list(documents)
     first = {}
-    for doc in train_docs:
-        first.setdefault(doc.text, doc.name)
-    return [(doc.name, first[doc.text]) for doc in val_docs if doc.text in first]
+    for name, digest, split in documents:
+        if split == "train":
+            first.setdefault(digest, name)
+    return [(name, first[digest]) for name, digest, split in documents if split == "val" and digest in first]
 
 
-def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: list[Document], val_docs: list[Document],
+def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit, val_docs: _TextSplit,
                   log: Callable[[str], None] = lambda line: None) -> tuple[bool, str | None]:
     """Make ``entry`` hold the tokenizer and both streams: (whether it was there whole already, what
     was wrong with it when a damaged one was set aside and built again). A cache that cannot be
@@ -362,8 +419,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
-                       val_docs: list[Document], log: Callable[[str], None] = lambda line: None) -> None:
+def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
+                       val_docs: _TextSplit, log: Callable[[str], None] = lambda line: None) -> None:
     # the staging directory first: a cache that cannot be written fails before a tokenizer is trained
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
@@ -374,15 +431,15 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
         (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
         started = time.monotonic()
         splits = (("train", train_docs), ("val", val_docs))
-        chars = {split: sum(len(d.text) for d in docs) for split, docs in splits}  # MB for ASCII text
-        log(f"data: a first build of the cache entry {entry} ({len(train_docs):,} train documents, "
-            f"{chars['train'] / 1e6:,.1f} MB of text; {len(val_docs):,} validation, {chars['val'] / 1e6:,.1f} "
-            "MB): later starts read it")
+        chars = {split: docs.chars for split, docs in splits}  # MB for ASCII text
+        log(f"data: a first build of the cache entry {entry} ({len(train_docs.names):,} train documents, "
+            f"{chars['train'] / 1e6:,.1f} MB of text; {len(val_docs.names):,} validation, "
+            f"{chars['val'] / 1e6:,.1f} MB): later starts read it")
         if cfg.tokenizer_file:
             tokenizer = read_tokenizer_file(cfg)
         else:  # trained on the TRAINING split only: validation text must stay unseen
             log(f"data: training a byte-level BPE tokenizer of {cfg.vocab_size:,} entries on the train split")
-            tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs), cfg.vocab_size)
+            tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs.documents()), cfg.vocab_size)
             log(f"data: tokenizer trained in {_duration(time.monotonic() - started)}")
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
@@ -390,12 +447,12 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: list[Document],
         eot_id = separator[1]
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
         tokens = {split: tokenizer_lib.write_documents(
-                      tokenizer, (d.text for d in docs), eot_id, dtype, staging / f"{split}.bin",
+                      tokenizer, (d.text for d in docs.documents()), eot_id, dtype, staging / f"{split}.bin",
                       _BuildProgress(log, split, chars[split]))
                   for split, docs in splits}
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
-                "corpus": cfg.corpus, "val_documents": [d.name for d in val_docs]}
+                "corpus": cfg.corpus, "val_documents": list(val_docs.names)}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         log(f"data: cache entry built in {_duration(time.monotonic() - started)} "
             f"({tokens['train']:,} train tokens, {tokens['val']:,} validation)")

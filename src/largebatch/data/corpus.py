@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -182,20 +182,20 @@ def load_documents(spec: str, document_separator: str | None = None,
     """Documents of a named corpus or of a file / directory of files: text files (one document per
     file), JSON Lines files (``.jsonl``, ``.ndjson``, ``.json``: one document per record, its text
     under ``text_field``; a ``.json`` holding one array of records too), each possibly compressed
-    (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package)."""
+    (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package). All of them at once: see
+    iter_documents (and DocumentSource) for one file at a time."""
+    return list(iter_documents(spec, document_separator, text_field))
+
+
+def iter_documents(spec: str, document_separator: str | None = None,
+                   text_field: str = "text") -> Iterator[Document]:
+    """load_documents' documents in the same order, read one file at a time: what is held at once is
+    one file's text and its documents, not the corpus's (a registered corpus's ``load()`` returns its
+    list whole). The errors are load_documents': every unreadable file and every clash of names is
+    named in one CorpusError, raised after the last file."""
     if spec in CORPORA:
-        documents = CORPORA[spec].load()
-        got = None
-        if not isinstance(documents, list):
-            got = type(documents).__name__
-        elif (bad := next((d for d in documents if not isinstance(d, Document)), None)) is not None:
-            got = f"a list holding {type(bad).__name__}"
-        elif not all(isinstance(d.name, str) and isinstance(d.text, str) for d in documents):
-            got = "Documents whose name or text is no str"
-        if got is not None:
-            raise CorpusError(f"corpus {spec!r}: its load() (register_corpus) returned {got}; return a list of "
-                              "largebatch.data.corpus.Document(name, text), with str names and texts")
-        return documents
+        yield from registered_documents(spec)
+        return
     path = Path(spec).expanduser()
     if not path.exists():
         raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
@@ -204,7 +204,7 @@ def load_documents(spec: str, document_separator: str | None = None,
     if not files:
         raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
                           f"add UTF-8 text files, one document per file")
-    documents, origin, clashes, unreadable = [], {}, [], []
+    origin, clashes, unreadable = {}, [], []
     for file in files:
         kind = content_suffix(file)
         name = file.name if file == path else file.relative_to(path).as_posix()
@@ -219,12 +219,13 @@ def load_documents(spec: str, document_separator: str | None = None,
             continue
         records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
                    else [Document(stem, text)])
+        del text  # a JSON file's records hold their texts; the file's whole text is not needed again
         if document_separator is None:
-            documents += records
+            yield from records
             continue
         for record in records:
             parts = [part.strip() for part in record.text.split(document_separator)]
-            documents += [Document(f"{record.name}#{k}", part) for k, part in enumerate(p for p in parts if p)]
+            yield from (Document(f"{record.name}#{k}", part) for k, part in enumerate(p for p in parts if p))
     if len(unreadable) == 1:
         raise CorpusError(unreadable[0])
     if unreadable:  # found in one pass, not one per run
@@ -235,7 +236,39 @@ def load_documents(spec: str, document_separator: str | None = None,
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
         raise CorpusError(f"corpus {spec!r}: files whose names differ only in their suffix give documents of "
                           f"the same name: {'; '.join(clashes[:3])}{more}; rename or remove one of each")
+
+
+def registered_documents(spec: str) -> list[Document]:
+    """The documents of the corpus registered as ``spec`` (register_corpus): its ``load()``, checked
+    to be a list of Documents with str names and texts."""
+    documents = CORPORA[spec].load()
+    got = None
+    if not isinstance(documents, list):
+        got = type(documents).__name__
+    elif (bad := next((d for d in documents if not isinstance(d, Document)), None)) is not None:
+        got = f"a list holding {type(bad).__name__}"
+    elif not all(isinstance(d.name, str) and isinstance(d.text, str) for d in documents):
+        got = "Documents whose name or text is no str"
+    if got is not None:
+        raise CorpusError(f"corpus {spec!r}: its load() (register_corpus) returned {got}; return a list of "
+                          "largebatch.data.corpus.Document(name, text), with str names and texts")
     return documents
+
+
+class DocumentSource:
+    """A corpus that can be read more than once, one file at a time (iter_documents): each iteration
+    reads its files again, so a caller that needs several passes (a cache key, then a tokenizer, then
+    the streams) holds one file's text at a time, never the corpus. A registered corpus's ``load()``
+    runs once, here, and its list is kept (it may download, or be slow)."""
+
+    def __init__(self, spec: str, document_separator: str | None = None, text_field: str = "text"):
+        self.spec, self.document_separator, self.text_field = spec, document_separator, text_field
+        self._documents = registered_documents(spec) if spec in CORPORA else None
+
+    def __iter__(self) -> Iterator[Document]:
+        if self._documents is not None:
+            return iter(self._documents)
+        return iter_documents(self.spec, self.document_separator, self.text_field)
 
 
 def _corpus_files(path: Path) -> list[Path]:
@@ -528,28 +561,37 @@ def too_few_documents(count: int) -> str:
 def split_documents(documents: list[Document], val_fraction: float,
                     val_documents: tuple[str, ...] = (), seed: int = 1234
                     ) -> tuple[list[Document], list[Document]]:
-    """(train, val) by whole document. Explicit ``val_documents`` win; otherwise documents are
-    visited in a permutation seeded by ``seed`` and moved to validation until their characters
-    reach ``val_fraction`` of the corpus. Both lists keep the corpus order."""
-    if len(documents) < 2:
-        raise CorpusError(too_few_documents(len(documents)))
-    names = [doc.name for doc in documents]
+    """(train, val) by whole document (choose_validation). Both lists keep the corpus order."""
+    chosen = choose_validation([doc.name for doc in documents], [len(doc.text) for doc in documents],
+                               val_fraction, val_documents, seed)
+    train = [doc for doc in documents if doc.name not in chosen]
+    val = [doc for doc in documents if doc.name in chosen]
+    return train, val
+
+
+def choose_validation(names: list[str], chars: Sequence[int], val_fraction: float,
+                      val_documents: tuple[str, ...] = (), seed: int = 1234) -> set[str]:
+    """The names of the validation documents of a corpus whose documents are ``names``, of ``chars``
+    characters each (in corpus order): explicit ``val_documents`` win; otherwise documents are visited in
+    a permutation seeded by ``seed`` and moved to validation until their characters reach
+    ``val_fraction`` of the corpus. Needs no text, so a corpus read one file at a time splits as a
+    loaded one does."""
+    if len(names) < 2:
+        raise CorpusError(too_few_documents(len(names)))
     if len(set(names)) != len(names):
         raise CorpusError(duplicate_names_message(names))
     if val_documents:
         chosen = {resolve_document_name(name, names) for name in val_documents}
     else:
-        chars = np.array([len(doc.text) for doc in documents], dtype=np.int64)
+        lengths = np.asarray(chars, dtype=np.int64)
         by_name = np.argsort(names, kind="stable")  # the split ignores the input order
-        order = by_name[np.random.default_rng(seed).permutation(len(documents))]
-        taken = np.cumsum(chars[order]) < val_fraction * chars.sum()
-        count = min(int(taken.sum()) + 1, len(documents) - 1)  # first doc that crosses the line
+        order = by_name[np.random.default_rng(seed).permutation(len(names))]
+        taken = np.cumsum(lengths[order]) < val_fraction * lengths.sum()
+        count = min(int(taken.sum()) + 1, len(names) - 1)  # first doc that crosses the line
         chosen = {names[i] for i in order[:count]}
-    train = [doc for doc in documents if doc.name not in chosen]
-    val = [doc for doc in documents if doc.name in chosen]
-    if not train:
+    if len(chosen) == len(names):
         raise CorpusError("data.val_documents lists every document: leave some for training")
-    return train, val
+    return chosen
 
 
 def duplicate_names_message(names: list[str]) -> str:
@@ -574,12 +616,27 @@ def resolve_document_name(name: str, names: list[str]) -> str:
     raise CorpusError(f"data.val_documents: no unique document named {name!r} ({hint})")
 
 
-def fingerprint(documents: list[Document]) -> str:
+class Fingerprint:
+    """fingerprint's SHA-256, fed one document at a time (a corpus read one file at a time)."""
+
+    def __init__(self):
+        self._digest = hashlib.sha256()
+
+    def add(self, doc: Document) -> bytes:
+        """Feed ``doc``; its text's UTF-8 bytes (a caller that digests the text too encodes it once)."""
+        text = doc.text.encode("utf-8")
+        for data in (doc.name.encode("utf-8"), text):
+            self._digest.update(len(data).to_bytes(8, "little"))
+            self._digest.update(data)
+        return text
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def fingerprint(documents: Iterable[Document]) -> str:
     """SHA-256 over names and texts: the content key of a document list."""
-    digest = hashlib.sha256()
+    key = Fingerprint()
     for doc in documents:
-        for part in (doc.name, doc.text):
-            data = part.encode("utf-8")
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-    return digest.hexdigest()
+        key.add(doc)
+    return key.hexdigest()
