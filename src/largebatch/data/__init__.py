@@ -15,7 +15,9 @@ from .config import DataConfig
 from .corpus import (
                      CorpusError,
                      Document,
+                     DocumentSource,
                      bible_documents,
+                     iter_documents,
                      load_documents,
                      load_token_array,
                      shakespeare_documents,
@@ -28,9 +30,9 @@ from .sampler import Sampler, shard_indices, step_indices
 from .tokenizer import SPECIAL_TOKENS, TOKENIZER_VERSION, train_tokenizer
 
 __all__ = [
-    "BERTDataset", "CorpusError", "Data", "DataConfig", "DataStats", "Document", "GPTDataset",
+    "BERTDataset", "CorpusError", "Data", "DataConfig", "DataStats", "Document", "DocumentSource", "GPTDataset",
     "IGNORE_INDEX", "PackedDataset", "SPECIAL_TOKENS", "Sampler", "TOKENIZER_VERSION",
-    "bible_documents", "build_data", "load_documents", "load_token_array", "mask_tokens",
+    "bible_documents", "build_data", "iter_documents", "load_documents", "load_token_array", "mask_tokens",
     "shakespeare_documents", "shard_indices", "split_documents", "step_indices",
     "strip_gutenberg_boilerplate", "train_tokenizer",
 ]
