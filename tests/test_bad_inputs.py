@@ -369,9 +369,14 @@ except CheckpointError as exc:
     error = str(exc)
 intact = load_checkpoint(first)["progress"]["step"]
 trainer._close()  # its lock and metrics files are open for writing: a remount would be busy
+metrics = Path(overrides["run.out_dir"], "metrics.jsonl")
+records = metrics.read_text()
+again = main(["--resume", overrides["run.out_dir"]])  # continued, its checkpoints still read-only
+untouched = metrics.read_text() == records
 subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
 code = main([f"--{k}={json.dumps(v)}" for k, v in {**overrides, "run.out_dir": str(disk / "new")}.items()])
-report.write_text(json.dumps({"error": error, "first": str(first), "intact_step": intact, "code": code}))
+report.write_text(json.dumps({"error": error, "first": str(first), "intact_step": intact, "code": code,
+                              "again": again, "untouched": untouched}))
 """
 
 
@@ -394,9 +399,14 @@ def test_read_only_disk_is_one_line_and_keeps_the_previous_checkpoint(reference_
     r = json.loads(report.read_text())
     assert r["error"] and "Read-only file system" in r["error"], r
     assert f"the previous checkpoint {r['first']} is intact" in r["error"] and "Make it writable" in r["error"]
-    assert r["intact_step"] == 1 and r["code"] == 2, r
+    assert r["intact_step"] == 1 and r["code"] == 2 and r["again"] == 2, r
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "run.out_dir" in errors[0] and "not writable" in errors[0], done.stderr
+    assert len(errors) == 2 and "run.out_dir" in errors[1] and "not writable" in errors[1], done.stderr
+    # continued, its checkpoints still read-only: refused before any step, naming the directory and
+    # the fix (it trained to its first save, then lost those steps)
+    assert f"its checkpoints directory {r['first'].rsplit('/', 1)[0]} cannot be written (Read-only file system)" \
+        in errors[0] and "make it writable and run the same command again" in errors[0], errors[0]
+    assert r["untouched"], r  # nothing trained, nothing written
     assert "Traceback" not in done.stderr
 
 

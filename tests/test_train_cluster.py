@@ -595,6 +595,7 @@ def test_write_error_between_checkpoints_is_one_line_and_resumable(reference_run
     error_lines = [line for line in err.splitlines() if line.startswith("largebatch train: error:")]
     assert proc.returncode == 1 and len(error_lines) == 1 and "Traceback" not in err, err[-2000:]
     assert f"could not write {out / 'metrics.jsonl'}: File too large; the newest checkpoint" in err, err
+    assert "Raise the file-size limit (ulimit -f" in err and "Free" not in err, err  # the fix of its cause
     assert main(_args(o)) == 0
     assert _train_losses(out) == _train_losses(ref_dir)
 

@@ -65,12 +65,22 @@ def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | 
     (the newest complete checkpoint of either format), and the fix."""
     previous = latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    fix = ("Make it writable" if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-           else "Keep RUN_DIR/checkpoints on a filesystem every rank shares, in place during the run,"
-           if cause.errno == errno.ENOENT else "Free disk space")
+    fix = ("Keep RUN_DIR/checkpoints on a filesystem every rank shares, in place during the run,"
+           if cause.errno == errno.ENOENT else write_fix(cause))
     where = f" (rank {rank})" if rank is not None else ""
     return CheckpointError(f"could not write checkpoint {final}: {cause.strerror or cause}{where}; {kept}. "
                            f"{fix} and run the same command again (or --resume {shlex.quote(str(run_dir))})")
+
+
+def write_fix(cause: OSError) -> str:
+    """What to do about a write that failed with ``cause``, as the start of "... and run the same
+    command again": a read-only or forbidden place, a file-size limit (``ulimit -f``: "File too
+    large"), or else a full disk or quota."""
+    if cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "Make it writable"
+    if cause.errno == errno.EFBIG:
+        return "Raise the file-size limit (ulimit -f, or the job's)"
+    return "Free disk space"
 
 
 def os_error_in(exc: BaseException) -> OSError | None:

@@ -193,8 +193,8 @@ def _write_failure(exc: BaseException, out: Path) -> str:
     text = str(exc) if not isinstance(exc, OSError) else (
         f"could not write {exc.filename}: {exc.strerror}" if exc.filename and exc.strerror
         else f"could not write a file: {exc.strerror or exc}")
-    text = re.sub(r"\.?\s*(Free disk space|Make it writable) and run the same command again "
-                  r"\(or --resume [^)]*\)\s*$", "", text.splitlines()[0] if text else "").rstrip(". ")
+    text = re.sub(r"\.?\s*(Free disk space|Make it writable|Raise the file-size limit \([^)]*\)) and run the same "
+                  r"command again \(or --resume [^)]*\)\s*$", "", text.splitlines()[0] if text else "").rstrip(". ")
     base = next((p for p in [out, *out.absolute().parents] if p.exists()), None)
     try:
         free = f"{_bytes(shutil.disk_usage(base).free)} free on the file system of {out}" if base else ""

@@ -279,6 +279,7 @@ def _launch(args, unknown: list[str], parser) -> int:
         return 0
 
     from largebatch.checkpoint import CheckpointError
+    from largebatch.checkpoint.local import write_fix
     from largebatch.parallel import RankFailure
     from largebatch.train.loop import NonFiniteLoss, latest_any_checkpoint
     from largebatch.train.rundir import RunDirLocked
@@ -295,7 +296,7 @@ def _launch(args, unknown: list[str], parser) -> int:
         last = latest_any_checkpoint(run_dir)
         kept = f"the newest checkpoint {last} is intact" if last else "no checkpoint was written"
         return _fail(f"could not write {exc.filename or run_dir}: {exc.strerror or exc}; {kept}. "
-                     f"Free space and run the same command again (or --resume {shlex.quote(str(run_dir))})", 1)
+                     f"{write_fix(exc)} and run the same command again (or --resume {shlex.quote(str(run_dir))})", 1)
     except KeyboardInterrupt as exc:  # a signal during setup or the final plots: no step was lost
         from largebatch.train.stopping import exit_code
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -61,11 +62,22 @@ class StateEstimate:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """The run directory can be created and written (a file there or a read-only disk: refused)."""
+    """The run directory can be created and written (a file there or a read-only disk: refused), and
+    so can its checkpoints directory where it exists already (a run continued into a read-only one
+    trained to its first save and lost those steps)."""
     try:
         check_output_dir(run_dir, "run.out_dir")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    checkpoints = run_dir / "checkpoints"
+    if not checkpoints.is_dir():
+        return
+    try:  # probed for real, as check_output_dir does: permission bits do not stop root
+        os.rmdir(tempfile.mkdtemp(prefix=".largebatch-probe-", dir=checkpoints))
+    except OSError as exc:
+        raise ConfigError(f"run.out_dir = {str(run_dir)!r}: its checkpoints directory {checkpoints} cannot be "
+                          f"written ({exc.strerror or exc}), so this run could save no checkpoint; make it "
+                          "writable and run the same command again") from None
 
 
 def make_run_dir(run_dir: Path, unique: bool) -> Path:
