@@ -320,12 +320,59 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
     _, err = proc.communicate(timeout=300)
     assert victim and proc.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
+    # rank 0, whose collective lost its peer, names the rank that reported no error (it said "look for
+    # that rank's own 'failed' line", which a killed rank never prints)
+    assert re.search(r"\[largebatch\] rank 0/2 [^\n]*: \(a collective failed or timed out: rank 1 of 2 reported no "
+                     r"error within 3 s -- killed outright \(SIGKILL", err), err[-3000:]
     assert not list((out / "checkpoints").glob(".*.tmp"))  # no temporary left behind
     again = _launch(o)
     stdout, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     assert f"resumed from {out / 'checkpoints'}" in stdout
     assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
+
+
+FLAKY_LAUNCHER = """
+import os, sys
+import torch
+from largebatch.cli import main
+from largebatch.train.optimizer import register_optimizer
+
+class Flaky(torch.optim.SGD):
+    steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        if os.environ["RANK"] == "1" and self.steps == 3:
+            raise RuntimeError("flaky step 3 on rank 1")
+        return super().step(closure)
+
+register_optimizer("flaky", lambda groups, cfg: Flaky(groups, lr=0.01), summary="SGD that fails on rank 1",
+                   fields=(), adapt_default=None, state_bytes=0)
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_the_rank_that_failed_first_is_named_by_the_ranks_its_failure_took_down(single, tmp_path):
+    """A registered optimizer (a user's launcher imports it, then runs the CLI) raises on rank 1 at
+    its third step. Rank 0, whose gradient all-reduce then loses its peer, names rank 1 as the first
+    failure, with its error: in its own line and in the message torchrun's closing "Root Cause" block
+    quotes (that block breaks a tie of the same second toward rank 0, and quoted only its
+    "Connection closed by peer")."""
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(FLAKY_LAUNCHER)
+    o = _overrides(single[0], tmp_path / "flaky", **{"optim.name": "flaky", "optim.grad_clip": None})
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(launcher)]
+    proc = subprocess.run(args + [f"--{k}={json.dumps(v)}" for k, v in o.items()], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    err = proc.stderr
+    assert proc.returncode != 0 and "rank 1/2 (dp 1/2, tp 0/1)" in err, err[-3000:]
+    assert "failed: RuntimeError: flaky step 3 on rank 1" in err, err[-3000:]
+    consequence = re.search(r"\[largebatch\] rank 0/2 [^\n]*: \(a consequence: rank 1/2 \(dp 1/2, tp 0/1\) on "
+                            r"\S+ failed first: RuntimeError: flaky step 3 on rank 1\)", err)
+    assert consequence, err[-3000:]
+    root = err[err.index("Root Cause"):]
+    assert "flaky step 3 on rank 1" in root, root  # whichever rank's error file it quotes
 
 
 def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(single, ddp_run, tmp_path):
@@ -373,7 +420,8 @@ def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, d
     assert "CheckpointException" not in err, err[-3000:]
     for line in errors:
         assert (f"could not write checkpoint {ckdir / 'step_00000008.dcp'}: File too large" in line
-                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact" in line), line
+                and f"the previous checkpoint {ckdir / 'step_00000004.dcp'} is intact" in line
+                and "Raise the file-size limit (ulimit -f" in line), line
     assert _dcp_steps(out) == [4] and not list(ckdir.glob(".*.tmp"))
     again = _launch(o)
     stdout, err = again.communicate(timeout=300)

@@ -379,16 +379,119 @@ _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "ti
                        "watchdog", "nccl communicator was aborted", "peer")
 
 
+FAILURE_WAIT_S = 3.0
+"""Seconds a rank whose collective failed waits for the other ranks' reports of their own failures
+(rank_guard) before it names the rank that failed first, or the ranks that reported nothing."""
+
+
 @contextmanager
 def rank_guard(state: ParallelState):
-    """Run a rank's work; on an exception, print and raise a RankFailure naming this rank."""
+    """Run a rank's work; on an exception, print and raise a RankFailure naming this rank.
+
+    Under torchrun every failing rank also reports its error in the agent's store. A rank whose
+    collective failed or timed out (a consequence: its peer died, or is stuck) waits up to
+    ``FAILURE_WAIT_S`` for those reports, and its message names the rank that failed first with that
+    rank's error, or the ranks that reported none (killed outright -- SIGKILL, the out-of-memory
+    killer, a native crash -- or stuck). Before, it said "look for that rank's own 'failed' line",
+    which a killed or stuck rank never prints, and torchrun's closing "Root Cause" block, which breaks
+    a tie of the same second toward the lowest rank, quoted rank 0's "Connection closed by peer"."""
     try:
         yield
     except Exception as exc:  # noqa: BLE001 -- re-raised with the rank named
         text = f"{type(exc).__name__}: {exc}"
         message = f"{state.describe()} failed: {text}"
-        if any(hint in text.lower() for hint in _PEER_FAILURE_HINTS):
-            message += ("\n  (a collective failed or timed out: most likely another rank died or is stuck "
-                        "first -- look for that rank's own 'failed' line)")
-        print(f"[largebatch] {message}", file=sys.stderr, flush=True)
+        peer = any(hint in text.lower() for hint in _PEER_FAILURE_HINTS)
+        box = _failure_box()
+        if box is not None:
+            _report_failure(box, state, text.splitlines()[0] if text else "", peer)
+        if peer and box is not None:
+            # said at once: torchrun may end this rank while it waits (it signals the others as soon
+            # as one exits); the wait itself defers those signals, bounded by FAILURE_WAIT_S
+            print(f"[largebatch] {message}", file=sys.stderr, flush=True)
+            with _stop_signals_deferred():
+                diagnosis = _first_failure(box, state, FAILURE_WAIT_S)
+            message += "\n  " + diagnosis
+            print(f"[largebatch] {state.describe()}: {diagnosis}", file=sys.stderr, flush=True)
+        else:
+            if peer:
+                message += ("\n  (a collective failed or timed out: most likely another rank died or is "
+                            "stuck first -- look for that rank's own 'failed' line)")
+            print(f"[largebatch] {message}", file=sys.stderr, flush=True)
         raise RankFailure(message) from exc
+
+
+@contextmanager
+def _stop_signals_deferred():
+    """SIGTERM, SIGINT and SIGHUP do nothing inside (a failing rank ends with its own error right
+    after); their handlers are put back on leaving. Nothing outside the main thread."""
+    import signal
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, lambda *_: None)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+
+
+def _failure_box():
+    """This torchrun attempt's failure reports (rank -> JSON) in the agent's store, or None outside
+    torchelastic's agent store or where it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), _env_int("WORLD_SIZE", 1),
+                              is_master=False, timeout=timedelta(seconds=5))
+    except Exception:  # noqa: BLE001 -- the agent gone (or its store unreachable): no reports
+        return None
+    return dist.PrefixStore(f"largebatch/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}/failed", store)
+
+
+def _report_failure(box, state: ParallelState, text: str, peer: bool) -> None:
+    """Put this rank's failure in ``box``: who (rank, coordinates, host), the error's first line,
+    whether it was a collective's (a consequence) and when."""
+    import json
+    import time
+
+    try:
+        box.set(str(state.rank), json.dumps({"who": state.describe(), "text": text, "peer": peer,
+                                             "time": time.time()}))
+    except Exception:  # noqa: BLE001 -- the store gone: the rank's own line still says it
+        pass
+
+
+def _first_failure(box, state: ParallelState, wait_s: float) -> str:
+    """For a rank whose collective failed: the line naming the rank that failed first (the earliest
+    report that was not a collective's), or the ranks that reported nothing within ``wait_s``."""
+    import json
+    import time
+
+    others = [r for r in range(state.world_size) if r != state.rank]
+    reports: dict[int, dict] = {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            for r in others:
+                if r not in reports and box.check([str(r)]):
+                    reports[r] = json.loads(box.get(str(r)))
+            causes = sorted((report["time"], r) for r, report in reports.items() if not report["peer"])
+            if causes or len(reports) == len(others) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 -- the store gone mid-wait: say what is known
+        causes = sorted((report["time"], r) for r, report in reports.items() if not report["peer"])
+    if causes:
+        first = reports[causes[0][1]]
+        return f"(a consequence: {first['who']} failed first: {first['text']})"
+    silent = [r for r in others if r not in reports]
+    if silent:
+        ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+        return (f"(a collective failed or timed out: {ranks} of {state.world_size} reported no error within "
+                f"{wait_s:g} s -- killed outright (SIGKILL, e.g. by the out-of-memory killer, or a native crash: "
+                f"torchrun's summary gives the exit code) or stuck (a hang, a stopped process))")
+    return "(a collective failed or timed out on every rank, none of them first: the network, or a rank's host)"
