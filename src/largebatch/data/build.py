@@ -241,21 +241,23 @@ class _TextSplit:
     chars: int
 
 
-def _survey(documents: Iterable[Document], specials: list[str]) -> tuple[list[str], array, bool]:
+def _survey(documents: Iterable[Document], specials: list[str],
+            key: Callable[[Document], Fingerprint] | None = None) -> tuple[list[str], array, bool, list[bytes]]:
     """One pass over ``documents``, keeping no text: (names, characters of each, whether any text writes
-    one of ``specials``)."""
-    names, chars, special = [], array("q"), False
+    one of ``specials``, and -- with ``key`` -- a 16-byte digest of each text, each document fed to
+    ``key(doc)``, the content key of its split; val_in_train compares the digests)."""
+    names, chars, special, digests = [], array("q"), False, []
     for doc in documents:
         names.append(doc.name)
         chars.append(len(doc.text))
         special = special or any(string in doc.text for string in specials)
-    return names, chars, special
+        if key is not None:
+            digests.append(_digest(key(doc).add(doc)))
+    return names, chars, special, digests
 
 
-def _keyed(documents: Iterable[Document], key: Callable[[Document], Fingerprint]) -> list[bytes]:
-    """One pass over ``documents`` feeding each to ``key(doc)``, the content key of its split: a
-    16-byte digest of each text, in order (val_in_train compares them)."""
-    return [hashlib.blake2b(key(doc).add(doc), digest_size=16).digest() for doc in documents]
+def _digest(text: bytes) -> bytes:
+    return hashlib.blake2b(text, digest_size=16).digest()
 
 
 def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: None):
@@ -274,20 +276,20 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
                               f"corpus={cfg.corpus!r} is text: give both as text or both as arrays")
         sources = {"train": DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field),
                    "val": DocumentSource(cfg.val_corpus, cfg.document_separator, cfg.text_field)}
-        surveys = {split: _survey(sources[split], specials) for split in sources}
-        digests = {split: _keyed(sources[split], lambda doc, split=split: keys[split]) for split in sources}
+        surveys = {split: _survey(sources[split], specials, lambda doc, split=split: keys[split])
+                   for split in sources}  # one pass each: the split is known
         splits = {split: _TextSplit(sources[split].__iter__, surveys[split][0], sum(surveys[split][1]))
                   for split in sources}
         special = surveys["train"][2] or surveys["val"][2]
         pairs = [(name, digest, split) for split in ("train", "val") for name, digest in
-                 zip(surveys[split][0], digests[split])]
+                 zip(surveys[split][0], surveys[split][3])]
         split = "separate val_corpus"
     else:
         source = DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field)
-        names, chars, special = _survey(source, specials)
+        names, chars, special, _ = _survey(source, specials)
         chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed)
         # the content keys: a second pass, the split being known
-        digests = _keyed(source, lambda doc: keys["val" if doc.name in chosen else "train"])
+        digests = [_digest(keys["val" if doc.name in chosen else "train"].add(doc)) for doc in source]
 
         def documents(of_val: bool) -> Callable[[], Iterable[Document]]:
             return lambda: (doc for doc in source if (doc.name in chosen) == of_val)
