@@ -52,6 +52,10 @@ def paths(tmp_path):
 
     (tmp_path / "web.jsonl.gz").write_bytes(gzip.compress(b'\n{"content": "a page", "url": "x"}\n'))
     (tmp_path / "table.parquet").write_bytes(b"PAR1")
+    (tmp_path / "plays").mkdir()
+    for name in ("hamlet.txt", "acts/macbeth.txt.gz"):
+        (tmp_path / "plays" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "plays" / name).write_bytes(gzip.compress(b"a play") if name.endswith(".gz") else b"a play")
     return tmp_path
 
 
@@ -95,6 +99,12 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--data.corpus={tmp}/web.jsonl.gz"],
      ["web.jsonl.gz' line 2 has no field data.text_field='text' (its fields: 'content', 'url')"]),
     (["train", "--data.corpus={tmp}", "--data.text_field=content"], ["table.parquet", "JSON Lines"]),
+    # a validation document the corpus does not hold: named before the corpus is read (it was found
+    # after the run directory was made and the text read)
+    (["train", "--data.corpus={tmp}/plays", "--data.val_documents=othello"],
+     ["data.val_documents: no unique document named 'othello'", "known: ['acts/macbeth', 'hamlet']"]),
+    (["train", "--data.corpus={tmp}/plays", '--data.val_documents=["hamlet", "macbeth"]'],
+     ["data.val_documents lists every document"]),
     (["train", "--run.total_tokens=1e30"], ["run.total_tokens = 1e+30", "above 2**53", "write its digits"]),
     (["train", "--run.total_tokens=" + "1" + "0" * 28], ["run.total_tokens = 1" + "0" * 28, "at most 2**53"]),
     (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),

@@ -207,8 +207,7 @@ def iter_documents(spec: str, document_separator: str | None = None,
     origin, clashes, unreadable = {}, [], []
     for file in files:
         kind = content_suffix(file)
-        name = file.name if file == path else file.relative_to(path).as_posix()
-        stem = name[: len(name) - len(_suffixes(file))]  # "notes/day1.txt", "web.jsonl.gz" -> "notes/day1", "web"
+        stem = _document_stem(file, path)
         if stem in origin and origin[stem] != file:
             clashes.append(f"{str(origin[stem])!r} and {str(file)!r} (both {stem!r})")
         origin[stem] = file
@@ -269,6 +268,14 @@ class DocumentSource:
         if self._documents is not None:
             return iter(self._documents)
         return iter_documents(self.spec, self.document_separator, self.text_field)
+
+
+def _document_stem(file: Path, path: Path) -> str:
+    """The name of ``file``'s document (of its records' documents: ``<stem>:<line>``) in the corpus at
+    ``path``: its path under ``path`` without its suffixes ("notes/day1.txt", "web.jsonl.gz" ->
+    "notes/day1", "web")."""
+    name = file.name if file == path else file.relative_to(path).as_posix()
+    return name[: len(name) - len(_suffixes(file))]
 
 
 def _corpus_files(path: Path) -> list[Path]:
@@ -407,6 +414,26 @@ def check_corpus(spec: str, field: str, text_field: str = "text", split: bool = 
         if isinstance(err, CorpusError):
             raise
         raise CorpusError(f"{str(first)!r} is not readable text ({err}): check or re-create it") from None
+
+
+def check_val_documents(spec: str, val_documents: tuple[str, ...], document_separator: str | None = None) -> None:
+    """Before any work: each of ``val_documents`` names one document of ``spec``, where the names are
+    known from the paths alone (a file or directory of text files, no document separator: one
+    document per file, named by its path without the suffix); CorpusError naming the field
+    otherwise. Named corpora, JSON Lines files and separated documents are checked when the data is
+    built (their names need the text)."""
+    if not val_documents or document_separator is not None or spec in CORPORA or is_token_array_path(spec):
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return  # check_corpus says so
+    files = _corpus_files(path)
+    if any(content_suffix(file) in JSON_SUFFIXES for file in files):
+        return
+    names = [_document_stem(file, path) for file in files]
+    chosen = {resolve_document_name(name, names) for name in val_documents}
+    if len(chosen) == len(names):
+        raise CorpusError("data.val_documents lists every document: leave some for training")
 
 
 def _opener(path: Path):

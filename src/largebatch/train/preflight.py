@@ -181,14 +181,18 @@ def check_optimizer(cfg: TrainConfig) -> None:
 
 def check_corpora(cfg: TrainConfig) -> None:
     """``data.corpus`` and ``data.val_corpus`` exist and are of kinds that are read; a JSON Lines
-    corpus's first record has its text under ``data.text_field`` (one record read)."""
-    from largebatch.data.corpus import CorpusError, check_corpus
+    corpus's first record has its text under ``data.text_field`` (one record read); each of
+    ``data.val_documents`` names a document, where the names are known without reading
+    (check_val_documents)."""
+    from largebatch.data.corpus import CorpusError, check_corpus, check_val_documents
 
     try:
         check_corpus(cfg.data.corpus, "data.corpus", cfg.data.text_field,
                      split=cfg.data.val_corpus is None and cfg.data.document_separator is None)
         if cfg.data.val_corpus is not None:
             check_corpus(cfg.data.val_corpus, "data.val_corpus", cfg.data.text_field)
+        else:
+            check_val_documents(cfg.data.corpus, cfg.data.val_documents, cfg.data.document_separator)
     except CorpusError as exc:
         raise ConfigError(str(exc)) from None
 
