@@ -98,3 +98,24 @@ def test_a_failing_rank_ends_at_once_without_waiting_for_its_peers():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_only_a_backends_own_errors_count_as_a_peer_failure():
+    """rank_guard waits for and names another rank only after a communication backend's error (what
+    a peer's death or hang causes); a rank's own error that says "timed out" or "reset by peer" (a
+    data loader, an HTTP read) is its own: taken as a peer's, the first failure blamed live ranks."""
+    import torch.distributed as dist
+
+    from largebatch.parallel.mesh import collective_failure
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:30942")
+    stuck = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                         "30000ms for recv operation to complete")
+    wrapped = RuntimeError("checkpoint save failed")
+    wrapped.__cause__ = gloo
+    assert collective_failure(gloo) and collective_failure(stuck) and collective_failure(wrapped)
+    assert collective_failure(dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"))
+    for own in (RuntimeError("HTTP read timed out fetching shard"), ConnectionResetError("connection reset by peer"),
+                BrokenPipeError("broken pipe"), TimeoutError("DataLoader timed out after 60 seconds")):
+        assert not collective_failure(own), own

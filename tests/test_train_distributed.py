@@ -344,7 +344,7 @@ class Flaky(torch.optim.SGD):
     def step(self, closure=None):
         self.steps += 1
         if os.environ["RANK"] == "1" and self.steps == 3:
-            raise RuntimeError("flaky step 3 on rank 1")
+            raise RuntimeError("flaky step 3 on rank 1: its read timed out")  # its own error, not a peer's
         return super().step(closure)
 
 register_optimizer("flaky", lambda groups, cfg: Flaky(groups, lr=0.01), summary="SGD that fails on rank 1",
@@ -367,10 +367,14 @@ def test_the_rank_that_failed_first_is_named_by_the_ranks_its_failure_took_down(
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     err = proc.stderr
     assert proc.returncode != 0 and "rank 1/2 (dp 1/2, tp 0/1)" in err, err[-3000:]
-    assert "failed: RuntimeError: flaky step 3 on rank 1" in err, err[-3000:]
+    assert "failed: RuntimeError: flaky step 3 on rank 1: its read timed out" in err, err[-3000:]
     consequence = re.search(r"\[largebatch\] rank 0/2 [^\n]*: \(a consequence: rank 1/2 \(dp 1/2, tp 0/1\) on "
-                            r"\S+ failed first: RuntimeError: flaky step 3 on rank 1\)", err)
+                            r"\S+ failed first: RuntimeError: flaky step 3 on rank 1: its read timed out\)", err)
     assert consequence, err[-3000:]
+    # rank 1's own error says "timed out" but is no collective's: it neither waits nor blames rank 0
+    assert not re.search(r"\[largebatch\] rank 1/2 [^\n]*: \(a ", err) and "reported no error" not in err, err[-3000:]
+    closing = [line for line in err.splitlines() if line.startswith("largebatch train: error: rank 0/2")]
+    assert len(closing) == 1 and "(a consequence: rank 1/2" in closing[0], err[-3000:]  # its one line says it too
     root = err[err.index("Root Cause"):]
     assert "flaky step 3 on rank 1" in root, root  # whichever rank's error file it quotes
 

@@ -375,8 +375,26 @@ def end_process(code: int) -> int:
     os._exit(code)
 
 
-_PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-                       "watchdog", "nccl communicator was aborted", "peer")
+# where a communication backend's own errors say who raised them: gloo's (a plain RuntimeError naming
+# its source file: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Timed out
+# waiting 30000ms for recv operation") and NCCL's (a DistBackendError, or its watchdog's abort)
+_BACKEND_MARKERS = ("gloo/transport", "/gloo/", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator",
+                    "Watchdog caught collective")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a communication backend's: torch's
+    DistError family, or an error text of gloo or NCCL (_BACKEND_MARKERS) -- what another rank's
+    death or hang causes on this one. A rank's own error that merely says "timed out" or "connection
+    reset" (a data loader, an HTTP read) is not one: taken as one, the rank that failed first waited
+    and blamed its live peers."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, getattr(dist, "DistError", ())) or any(marker in str(exc) for marker in _BACKEND_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 FAILURE_WAIT_S = 3.0
@@ -400,7 +418,7 @@ def rank_guard(state: ParallelState):
     except Exception as exc:  # noqa: BLE001 -- re-raised with the rank named
         text = f"{type(exc).__name__}: {exc}"
         message = f"{state.describe()} failed: {text}"
-        peer = any(hint in text.lower() for hint in _PEER_FAILURE_HINTS)
+        peer = collective_failure(exc)
         box = _failure_box()
         if box is not None:
             _report_failure(box, state, text.splitlines()[0] if text else "", peer)
