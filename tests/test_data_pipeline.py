@@ -839,3 +839,38 @@ def test_a_start_holds_one_file_of_the_corpus_at_a_time_and_keys_it_as_the_whole
     for doc in train:
         first.setdefault(doc.text, doc.name)
     assert hit.stats.val_in_train == [(d.name, first[d.text]) for d in val if d.text in first] != []
+
+
+@pytest.mark.parametrize("change", ["append", "remove", "add"])
+def test_a_corpus_that_changes_during_a_cold_build_leaves_no_entry(change, tmp_path):
+    """The corpus is read more than once; a file edited, removed or added after the start keyed it
+    (here: when the tokenizer's training begins) would have left an entry under the old text's key
+    holding the new text, which later starts on the old text took as a hit. The build now compares what
+    it read with the key, keeps nothing and says so; the next start builds the entry of the text then."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"):
+        (corpus / name).write_text((SHKSPR_TEXTS / name).read_text()[:60_000])
+    cfg = DataConfig(corpus=str(corpus), vocab_size=300, val_documents=("macbeth_gut",),
+                     cache_dir=str(tmp_path / "cache"))
+
+    def edit(line: str) -> None:
+        if "training a byte-level BPE" not in line:
+            return
+        if change == "append":
+            with open(corpus / "hamlet_gut.txt", "a") as f:
+                f.write("\nA line the start never saw.\n")
+        elif change == "remove":
+            (corpus / "othello_gut.txt").unlink()
+        else:
+            (corpus / "lear_gut.txt").write_text("A play the start never saw.\n")
+
+    from largebatch.data.corpus import CorpusError
+
+    with pytest.raises(CorpusError, match=r"the corpus changed while its cache entry was built: the train split"):
+        build_data(cfg, SEQ_LEN, log=edit)
+    assert not any((tmp_path / "cache").iterdir())  # no entry, no staging directory left
+    again = build_data(cfg, SEQ_LEN)  # the text as it is now: its own entry
+    reference = build_data(replace(cfg, cache_dir=str(tmp_path / "clean")), SEQ_LEN)
+    assert not again.stats.cache_hit and np.array_equal(again.train.tokens, reference.train.tokens)
+    assert Path(again.stats.cache_path).name == Path(reference.stats.cache_path).name

@@ -18,7 +18,7 @@ import shutil
 import socket
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -239,6 +239,31 @@ class _TextSplit:
     documents: Callable[[], Iterable[Document]]
     names: list[str]
     chars: int
+    key: str
+    """The content key (corpus.fingerprint) of the text the start read: a build that reads other text
+    (the corpus changed meanwhile) keeps no entry (_Reread)."""
+
+
+class _Reread:
+    """A split's texts read again for a build, each document fed to a fingerprint on the way: ``check``
+    then says whether they are the texts the entry's key was made from. A file edited, added or
+    removed between the start's read and the build's would otherwise leave an entry under the old
+    text's key holding the new text, which every later start on the old text takes as a hit."""
+
+    def __init__(self, split: _TextSplit, name: str):
+        self.split, self.name, self._key = split, name, Fingerprint()
+
+    def texts(self) -> Iterator[str]:
+        for doc in self.split.documents():
+            self._key.add(doc)
+            yield doc.text
+
+    def check(self, what: str) -> None:
+        if self._key.hexdigest() != self.split.key:
+            raise CorpusError(f"the corpus changed while its cache entry was built: the {self.name} split "
+                              f"read for {what} is not the text the run started from (a file edited, added "
+                              "or removed meanwhile); no entry was kept. Run again once the corpus stays as "
+                              "it is")
 
 
 def _survey(documents: Iterable[Document], specials: list[str],
@@ -278,8 +303,8 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
                    "val": DocumentSource(cfg.val_corpus, cfg.document_separator, cfg.text_field)}
         surveys = {split: _survey(sources[split], specials, lambda doc, split=split: keys[split])
                    for split in sources}  # one pass each: the split is known
-        splits = {split: _TextSplit(sources[split].__iter__, surveys[split][0], sum(surveys[split][1]))
-                  for split in sources}
+        splits = {split: _TextSplit(sources[split].__iter__, surveys[split][0], sum(surveys[split][1]),
+                                    keys[split].hexdigest()) for split in sources}
         special = surveys["train"][2] or surveys["val"][2]
         pairs = [(name, digest, split) for split in ("train", "val") for name, digest in
                  zip(surveys[split][0], surveys[split][3])]
@@ -289,15 +314,21 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
         names, chars, special, _ = _survey(source, specials)
         chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed)
         # the content keys: a second pass, the split being known
-        digests = [_digest(keys["val" if doc.name in chosen else "train"].add(doc)) for doc in source]
+        seen, digests = [], []
+        for doc in source:
+            seen.append(doc.name)
+            digests.append(_digest(keys["val" if doc.name in chosen else "train"].add(doc)))
+        if seen != names:  # the split was chosen from another list of documents
+            raise CorpusError(f"the corpus {cfg.corpus!r} changed while it was read (its documents were "
+                              f"{len(names):,}, then {len(seen):,}{_first_change(names, seen)}): run again once "
+                              "it stays as it is")
 
         def documents(of_val: bool) -> Callable[[], Iterable[Document]]:
             return lambda: (doc for doc in source if (doc.name in chosen) == of_val)
 
-        splits = {"train": _TextSplit(documents(False), [n for n in names if n not in chosen],
-                                      sum(c for n, c in zip(names, chars) if n not in chosen)),
-                  "val": _TextSplit(documents(True), [n for n in names if n in chosen],
-                                    sum(c for n, c in zip(names, chars) if n in chosen))}
+        splits = {split: _TextSplit(documents(split == "val"), [n for n in names if (n in chosen) == (split == "val")],
+                                    sum(c for n, c in zip(names, chars) if (n in chosen) == (split == "val")),
+                                    keys[split].hexdigest()) for split in ("train", "val")}
         pairs = [(name, digest, "val" if name in chosen else "train") for name, digest in zip(names, digests)]
         split = "by document"
     key_parts = {"train": keys["train"].hexdigest(), "val": keys["val"].hexdigest(),
@@ -319,6 +350,13 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
                       len(val_tokens), 0, 0, list(splits["val"].names), split, str(entry),
                       cache_hit, damage, val_in_train=val_in_train(pairs))
     return tokenizer, train_tokens, val_tokens, stats
+
+
+def _first_change(before: list[str], after: list[str]) -> str:
+    """'; first difference: X' between two lists of document names (empty when none is found)."""
+    gone = next((name for name in before if name not in set(after)), None)
+    new = next((name for name in after if name not in set(before)), None)
+    return f"; {gone!r} gone" if gone else f"; {new!r} new" if new else ""
 
 
 def val_in_train(documents: Iterable[tuple[str, bytes, str]]) -> list[tuple[str, str]]:
@@ -441,17 +479,22 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
             tokenizer = read_tokenizer_file(cfg)
         else:  # trained on the TRAINING split only: validation text must stay unseen
             log(f"data: training a byte-level BPE tokenizer of {cfg.vocab_size:,} entries on the train split")
-            tokenizer = tokenizer_lib.train_tokenizer((d.text for d in train_docs.documents()), cfg.vocab_size)
+            read = _Reread(train_docs, "train")
+            tokenizer = tokenizer_lib.train_tokenizer(read.texts(), cfg.vocab_size)
+            read.check("the tokenizer")
             log(f"data: tokenizer trained in {_duration(time.monotonic() - started)}")
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
             raise CorpusError(tokenizer_lib.no_separator_message("data.tokenizer_file", cfg.tokenizer_file))
         eot_id = separator[1]
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
-        tokens = {split: tokenizer_lib.write_documents(
-                      tokenizer, (d.text for d in docs.documents()), eot_id, dtype, staging / f"{split}.bin",
-                      _BuildProgress(log, split, chars[split]))
-                  for split, docs in splits}
+        tokens = {}
+        for split, docs in splits:
+            read = _Reread(docs, split)
+            progress = _BuildProgress(log, split, chars[split])
+            tokens[split] = tokenizer_lib.write_documents(tokenizer, read.texts(), eot_id, dtype,
+                                                          staging / f"{split}.bin", progress)
+            read.check("its token stream")
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
                 "corpus": cfg.corpus, "val_documents": list(val_docs.names)}

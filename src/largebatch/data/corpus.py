@@ -474,7 +474,11 @@ def _read_bytes(path: Path) -> bytes:
     _check_kind(path)
     suffix = path.suffix.lower()
     if suffix not in COMPRESSED_SUFFIXES:
-        return path.read_bytes()
+        try:
+            return path.read_bytes()
+        except OSError as err:  # removed since the directory was listed (a corpus read more than once), no permission
+            raise CorpusError(f"{str(path)!r} cannot be read ({err.strerror or err}): check it, or remove it "
+                              "from the corpus") from None
     opener = _opener(path)
     try:
         with opener(path, "rb") as stream:
