@@ -52,17 +52,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # a stop signal from here on raises (largebatch.signals): one line, not a silent end (SIGTERM
     # while torch imports, ~3 s) or a KeyboardInterrupt traceback; each command's own handling takes over
-    with raise_on_signals():
-        try:
-            module = _load(name)
-        except KeyboardInterrupt as exc:  # while the command's modules (torch among them) import
-            return _stopped(name, exc, "while starting; nothing was written")
-        if isinstance(module, int):  # could not be loaded: said why
-            return module
-        try:
-            return _run(name, module, rest)
-        except KeyboardInterrupt as exc:  # a command that does not handle stop signals itself
-            return _stopped(name, exc)
+    entered = False
+    try:
+        with raise_on_signals():
+            entered = True
+            try:
+                module = _load(name)
+            except KeyboardInterrupt as exc:  # while the command's modules (torch among them) import
+                return _stopped(name, exc, "while starting; nothing was written")
+            if isinstance(module, int):  # could not be loaded: said why
+                return module
+            try:
+                return _run(name, module, rest)
+            except KeyboardInterrupt as exc:  # a command that does not handle stop signals itself
+                return _stopped(name, exc)
+    except KeyboardInterrupt as exc:  # while the handlers were put in (the first is live before the last) or back
+        return _stopped(name, exc, "" if entered else "while starting; nothing was written")
 
 
 def _stopped(name: str, exc: KeyboardInterrupt, when: str = "") -> int:
