@@ -378,8 +378,8 @@ def end_process(code: int) -> int:
 # where a communication backend's own errors say who raised them: gloo's (a plain RuntimeError naming
 # its source file: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Timed out
 # waiting 30000ms for recv operation") and NCCL's (a DistBackendError, or its watchdog's abort)
-_BACKEND_MARKERS = ("gloo/transport", "/gloo/", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator",
-                    "Watchdog caught collective")
+_BACKEND_MARKERS = ("gloo/transport", "/gloo/", "gloo::", "ProcessGroupGloo", "ProcessGroupNCCL",
+                    "NCCL communicator", "Watchdog caught collective")
 
 
 def collective_failure(exc: BaseException) -> bool:
