@@ -1,10 +1,13 @@
 """Checkpoints are atomic: a kill mid-save or a full disk never loses the previous checkpoint."""
 
+import errno
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +204,45 @@ def test_a_one_process_checkpoint_tells_the_replicas_its_batches_were_built_for(
     save_checkpoint(run_dir, 8, {**state, "schedule": {"config": {"dp_size": 1}}})
     assert checkpoint_dp_size(run_dir) == 1 and batch_replicas(cfg, 2, run_dir) == 1
     assert batch_replicas(cfg, 2, tmp_path / "empty") == 2  # a new run: this launch's ranks
+
+
+def test_a_step_saved_again_keeps_the_finished_one_until_the_new_one_is_in(tmp_path, monkeypatch):
+    """A DCP checkpoint of a step that is already there (saved again after a resume) replaced it by
+    deleting it first, then renaming the new one in: a crash in between lost a finished checkpoint.
+    Now the old one is renamed aside and removed only after; a rename that fails puts it back."""
+    import warnings
+
+    from largebatch.checkpoint import CheckpointError
+    from largebatch.checkpoint.distributed import load_distributed, save_distributed
+    from largebatch.parallel.mesh import ParallelState
+
+    def saved(value: float) -> Path:
+        model = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(model.weight, value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (DCP in one process says it assumes one)
+            return save_distributed(tmp_path, 5, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    {"value": value}, ParallelState())
+
+    def weight(path: Path) -> float:
+        model = torch.nn.Linear(4, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_distributed(path, model, None, ParallelState())
+        return float(model.weight[0, 0])
+
+    final = saved(1.0)
+    rename = os.replace
+
+    def failing(src, dst):  # the new checkpoint's rename into place fails (the old one aside)
+        if str(src).endswith(".dcp.tmp") and not str(src).endswith(".old.tmp"):
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(CheckpointError, match="could not write checkpoint .*step_00000005.dcp: Input/output error"):
+        saved(2.0)
+    monkeypatch.setattr(os, "replace", rename)
+    assert weight(final) == 1.0  # the finished one, back in place
+    assert saved(3.0) == final and weight(final) == 3.0
+    assert sorted(p.name for p in final.parent.iterdir()) == ["step_00000005.dcp"]  # nothing aside left

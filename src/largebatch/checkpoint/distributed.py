@@ -135,9 +135,7 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         try:
             torch.save(extra, tmp / EXTRA)
             _fsync_tree(tmp)
-            if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            _put_in_place(tmp, final)
         except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
             cause = os_error_in(exc)
             if cause is None:
@@ -154,6 +152,26 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         remove_superseded(run_dir, final, keep_last)
     _barrier(state)
     return final
+
+
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the written ``tmp`` to ``final``. A checkpoint of the same step already there (a step
+    saved again, e.g. after a resume) is renamed aside first and removed only once the new one is in,
+    so a crash never leaves the step with neither: the old one was deleted first (``rmtree``, seconds
+    for a large checkpoint) and a kill in between lost it. A kill between the two renames leaves it
+    as ``.step_N.dcp.old.tmp``, a temporary the next save removes."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    aside = final.with_name(f".{final.name}.old.tmp")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        os.replace(aside, final)  # the finished one back in place
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _unseen_shards(tmp: Path, state: ParallelState) -> tuple[int, OSError] | None:
