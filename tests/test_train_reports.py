@@ -43,8 +43,11 @@ def test_throughput_excludes_evaluation_and_checkpoints(reference_run, tmp_path)
     stamps: list[tuple[float, str]] = []
     trainer = Trainer(load_config(resolve_config(None), o), o["run.out_dir"],
                       log=lambda line: stamps.append((time.perf_counter(), line)))
+    started = time.time()
     summary = trainer.fit()
-    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    ended = time.time()
+    records = read_metrics(tmp_path / "run")
+    train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 3
     eval_at = [t for t, line in stamps if line.startswith("  eval")]
     step_at = [t for t, line in stamps if line.startswith("step ")]
@@ -58,6 +61,18 @@ def test_throughput_excludes_evaluation_and_checkpoints(reference_run, tmp_path)
             assert eval_at[k] - step_at[k - 1] > window
     assert abs(sum((r["tokens"] - p) / r["tokens_per_s"] for r, p in
                    zip(train, [0] + [r["tokens"] for r in train])) - summary["train_seconds"]) < 1e-6
+    # every record carries the wall clock it was written at (evaluations and steps in file order), and
+    # a step's the optimizer steps' seconds so far: loss against time, the evaluations left out or not
+    walls = [r["wall_time"] for r in records]
+    assert started <= walls[0] and walls == sorted(walls) and walls[-1] <= ended, (started, walls, ended)
+    assert [r["kind"] for r in records] == ["val", "train"] * 3 + ["val"]
+    seconds, tokens = 0.0, 0
+    for record in train:  # each step's window, added up
+        seconds += (record["tokens"] - tokens) / record["tokens_per_s"]
+        tokens = record["tokens"]
+        assert record["train_seconds"] == pytest.approx(seconds)
+    assert train[-1]["train_seconds"] == pytest.approx(summary["train_seconds"])
+    assert walls[-1] - walls[0] > train[-1]["train_seconds"]  # the evaluations' time is the difference
     # a peak of 1 kFLOP/s makes the MFU absurd: it is flagged once, naming the peak's source
     warnings = [line for _, line in stamps if line.startswith("warning: MFU")]
     assert len(warnings) == 1 and "was declared" in warnings[0] and "--run.peak_flops" in warnings[0]

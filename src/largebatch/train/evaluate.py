@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 
 import numpy as np
 import torch
@@ -144,7 +145,7 @@ class Evaluation:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                              "val_accuracy": self.val_accuracy})
+                              "val_accuracy": self.val_accuracy, "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")

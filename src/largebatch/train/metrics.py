@@ -70,10 +70,13 @@ class MetricsLog:
             self._scalars(record)
 
     def _scalars(self, record: dict[str, Any]) -> None:
+        """Every finite number of ``record`` as a scalar at its step; ``wall_time`` as each event's
+        own time (TensorBoard's relative-time axis), not as a curve of its own."""
         step = int(record.get("step", 0))
+        wall = record.get("wall_time")
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
+            if key not in ("step", "wall_time") and isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(key, value, step, walltime=wall)
 
     def close(self) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import time
 from typing import Any
 
 import torch
@@ -73,7 +74,8 @@ class Reporting:
         tps = (pos.tokens - mark[1]) / seconds
         mfu = (pos.model_flops - mark[2]) / seconds / (self.peak_flops * self.par.world_size)
         record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
-                      mfu=mfu, memory_bytes=self.peak_memory())
+                      mfu=mfu, memory_bytes=self.peak_memory(), train_seconds=pos.train_seconds,
+                      wall_time=time.time())
         if record["mfu"] > 1 and not self._warned_mfu:
             self._warned_mfu = True
             self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")
