@@ -81,7 +81,7 @@ def test_a_stop_signal_in_a_commands_first_seconds_is_one_line(tmp_path, signame
 def test_a_stop_signal_while_the_handlers_are_put_in_is_one_line(monkeypatch, capsys):
     """The dispatcher's handlers go in one signal at a time, and the first is live before the last:
     a SIGTERM in between raised from the context manager's entry, outside every handler of it, and
-    ended the command in a traceback (seen once in ~20 runs of the test above). Here the signal is
+    ended the command in a traceback (the test above met it once in a full test run). Here the signal is
     delivered by the real handler while the second is being put in."""
     import os
     import signal
