@@ -267,17 +267,17 @@ class _Reread:
 
 
 def _survey(documents: Iterable[Document], specials: list[str],
-            key: Callable[[Document], Fingerprint] | None = None) -> tuple[list[str], array, bool, list[bytes]]:
+            key: Fingerprint | None = None) -> tuple[list[str], array, bool, list[bytes]]:
     """One pass over ``documents``, keeping no text: (names, characters of each, whether any text writes
-    one of ``specials``, and -- with ``key`` -- a 16-byte digest of each text, each document fed to
-    ``key(doc)``, the content key of its split; val_in_train compares the digests)."""
+    one of ``specials``, and -- with ``key``, their split's content key, fed every document -- a 16-byte
+    digest of each text; val_in_train compares the digests)."""
     names, chars, special, digests = [], array("q"), False, []
     for doc in documents:
         names.append(doc.name)
         chars.append(len(doc.text))
         special = special or any(string in doc.text for string in specials)
         if key is not None:
-            digests.append(_digest(key(doc).add(doc)))
+            digests.append(_digest(key.add(doc)))
     return names, chars, special, digests
 
 
@@ -301,8 +301,7 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
                               f"corpus={cfg.corpus!r} is text: give both as text or both as arrays")
         sources = {"train": DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field),
                    "val": DocumentSource(cfg.val_corpus, cfg.document_separator, cfg.text_field)}
-        surveys = {split: _survey(sources[split], specials, lambda doc, split=split: keys[split])
-                   for split in sources}  # one pass each: the split is known
+        surveys = {split: _survey(sources[split], specials, keys[split]) for split in sources}  # one pass each
         splits = {split: _TextSplit(sources[split].__iter__, surveys[split][0], sum(surveys[split][1]),
                                     keys[split].hexdigest()) for split in sources}
         special = surveys["train"][2] or surveys["val"][2]
@@ -354,8 +353,9 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
 
 def _first_change(before: list[str], after: list[str]) -> str:
     """'; first difference: X' between two lists of document names (empty when none is found)."""
-    gone = next((name for name in before if name not in set(after)), None)
-    new = next((name for name in after if name not in set(before)), None)
+    were, are = set(before), set(after)
+    gone = next((name for name in before if name not in are), None)
+    new = next((name for name in after if name not in were), None)
     return f"; {gone!r} gone" if gone else f"; {new!r} new" if new else ""
 
 

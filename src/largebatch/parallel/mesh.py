@@ -41,7 +41,13 @@ _JOINED = False  # init_distributed joined a process group in this process (end_
 
 
 class RankFailure(RuntimeError):
-    """A rank of a distributed job failed; the message names the rank and the cause."""
+    """A rank of a distributed job failed; the message names the rank and the cause. ``line``: the
+    same in one line (the error's first line, and which rank failed first where this one was taken
+    down by it)."""
+
+    def __init__(self, message: str, line: str | None = None):
+        super().__init__(message)
+        self.line = line if line is not None else (message.splitlines() or [""])[0]
 
 
 @dataclass
@@ -418,6 +424,7 @@ def rank_guard(state: ParallelState):
     except Exception as exc:  # noqa: BLE001 -- re-raised with the rank named
         text = f"{type(exc).__name__}: {exc}"
         message = f"{state.describe()} failed: {text}"
+        line = message.splitlines()[0]
         peer = collective_failure(exc)
         box = _failure_box()
         if box is not None:
@@ -428,14 +435,15 @@ def rank_guard(state: ParallelState):
             print(f"[largebatch] {message}", file=sys.stderr, flush=True)
             with _stop_signals_deferred():
                 diagnosis = _first_failure(box, state, FAILURE_WAIT_S)
-            message += "\n  " + diagnosis
+            message, line = f"{message}\n  {diagnosis}", f"{line} {diagnosis}"
             print(f"[largebatch] {state.describe()}: {diagnosis}", file=sys.stderr, flush=True)
         else:
             if peer:
-                message += ("\n  (a collective failed or timed out: most likely another rank died or is "
-                            "stuck first -- look for that rank's own 'failed' line)")
+                hint = ("(a collective failed or timed out: most likely another rank died or is stuck first "
+                        "-- look for that rank's own 'failed' line)")
+                message, line = f"{message}\n  {hint}", f"{line} {hint}"
             print(f"[largebatch] {message}", file=sys.stderr, flush=True)
-        raise RankFailure(message) from exc
+        raise RankFailure(message, line) from exc
 
 
 @contextmanager

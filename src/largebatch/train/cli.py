@@ -287,9 +287,7 @@ def _launch(args, unknown: list[str], parser) -> int:
     try:
         summary = _run(cfg, run_dir, resume=resume)
     except RankFailure as exc:  # the rank and its error were printed by rank_guard
-        lines = str(exc).splitlines()  # the error's first line, and rank_guard's "(a consequence: ...)"
-        cause = lines[-1].strip() if len(lines) > 1 and lines[-1].startswith("  (") else ""
-        return _fail(f"{lines[0]} {cause}".rstrip(), 1)
+        return _fail(exc.line, 1)
     except (ConfigError, ValueError, FileNotFoundError, RunDirLocked) as exc:
         return _fail(str(exc), 2)
     except (NonFiniteLoss, CheckpointError) as exc:
