@@ -468,7 +468,11 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
     staging = entry.parent / f".{entry.name}.tmp-{secrets.token_hex(8)}"
     staging.mkdir()
     try:
-        (staging / _OWNER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        # written whole, then renamed in: a kill between creating and filling the note would
+        # leave an empty one, read as "no owner note" (kept an hour) rather than "writer gone"
+        note = staging / f"{_OWNER}.part"
+        note.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+        os.rename(note, staging / _OWNER)
         started = time.monotonic()
         splits = (("train", train_docs), ("val", val_docs))
         chars = {split: docs.chars for split, docs in splits}  # MB for ASCII text
