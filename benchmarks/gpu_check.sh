@@ -6,7 +6,7 @@
 # wall-clock at equal tokens; the trainer's step time with device reads every step vs deferred to
 # the log (benchmarks/step_sync.py); LAMB/LANS/LARS captured in a CUDA graph with a tensor LR
 # (benchmarks/capturable_graph.py). Prints one summary table per part. The same code runs on CPU with
-#   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny     (tests/test_experiments_floor.py)
+#   PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --tiny --no-fused   (tests/test_experiments_floor.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"

@@ -24,12 +24,14 @@ def test_gpu_check_code_paths_on_cpu(capsys, one_thread):
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    assert gpu_check.main(["--device", "cpu", "--tiny"]) == 0
+    # --no-fused: LAMB/LANS(fused=True) compile for ~28 s here; tests/test_optim_fused.py compiles
+    # and checks them, and the GPU run takes them (the same timing loop, two more entries)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--no-fused"]) == 0
     text = capsys.readouterr().out
     for name in ("sdpa/none", "sdpa/selective", "sdpa/full", "explicit/none", "explicit/full",
-                 "AdamW(foreach=True)", "AdamW(fused=True)", "LAMB", "LANS", "LAMB(fused=True)",
-                 "LANS(fused=True)", "cosine", "seesaw r=1/2"):
+                 "AdamW(foreach=True)", "AdamW(fused=True)", "LAMB", "LANS", "cosine", "seesaw r=1/2"):
         assert re.search(rf"^{re.escape(name)}\s", text, re.M), name
+    assert "LAMB(fused=True)" not in text and "LANS(fused=True)" not in text
     assert "OOM" not in text
     assert "optimizer (model)" in text and "optimizer (small tensors)" in text
     # the ~350M GPT the GPU run uses really is ~350M parameters (12 L h^2 + embeddings)

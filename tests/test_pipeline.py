@@ -31,9 +31,9 @@ def _val(run_dir) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tiny_data_cache, tmp_path_factory):
     """One-process references (per model kind and optimizer), then every pp = 2 case in one spawn."""
-    cache = str(tmp_path_factory.mktemp("cache"))
+    cache = str(tiny_data_cache)
     out = tmp_path_factory.mktemp("pp")
     for kind, optim in sorted({(kind, optim) for _, kind, optim, _, _ in cases.CASES}):
         ref = out / f"one-{kind}-{optim}"

@@ -79,6 +79,12 @@ class ParallelConfig:
     timeout_s: float = 600.0
     """Seconds a collective may wait before it fails the job (no rank hangs forever when another
     one died). Checkpoint saves of large models may need more."""
+    shared_fs_wait_s: float = 15.0
+    """Seconds each rank waits at start for the note rank 0 writes into the run directory (and its
+    checkpoints/) to appear: a network filesystem's caches can hold a new file back. A rank that has
+    not seen it by then is named on every rank and the job stops before any step (the run directory
+    must be on a filesystem every node shares). Raise it for a slow filesystem; ranks that share one
+    see the note at once and never wait."""
 
     def __post_init__(self):
         check_fields(self, "parallel")
@@ -91,6 +97,10 @@ class ParallelConfig:
         if not 0 < self.timeout_s <= 1e9:  # (torch's store refuses ~1e15 s with an OverflowError)
             raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds and at most 1e9 "
                              "(~32 years)")
+        if not 0 <= self.shared_fs_wait_s <= 86400:
+            raise ValueError(f"parallel.shared_fs_wait_s = {self.shared_fs_wait_s!r}: must be a number of "
+                             "seconds in [0, 86400] (how long each rank waits at start to see rank 0's "
+                             "note in the run directory); 15 is the default")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the "
                              "sequence across the tensor-parallel ranks); set tp, or turn it off")

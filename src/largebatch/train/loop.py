@@ -134,7 +134,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         torch.manual_seed(run.seed)  # the same initial model on every rank
         random.seed(run.seed)
         np.random.seed(run.seed)
-        self.lock = lock_run_dir(self.run_dir, self.par)  # one run per directory; freed at death
+        # one run per directory; freed at death
+        self.lock = lock_run_dir(self.run_dir, self.par, cfg.parallel.shared_fs_wait_s)
         if self.lock is not None and self.lock.warning:
             self.log(f"warning: {self.lock.warning}")
         self.phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, run.total_tokens,

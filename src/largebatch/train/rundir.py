@@ -46,7 +46,7 @@ from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
 SHARED_NAME = ".shared"  # rank 0's note, read back by every rank (lock_run_dir); removed at once
-SHARED_WAIT_S = 15.0
+SHARED_WAIT_S = 15.0  # the default of parallel.shared_fs_wait_s
 """How long a rank looks for rank 0's note before it takes the directory as not shared (a network
 filesystem may show a new file on another node only after its attribute cache expires, ~3-60 s on
 NFS; the note is written with fsync, and opening a file revalidates it)."""
@@ -303,10 +303,10 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: Path, par) -> RunLock | None:
+def lock_run_dir(run_dir: Path, par, shared_wait_s: float = SHARED_WAIT_S) -> RunLock | None:
     """Rank 0 locks the run directory; every rank learns whether it could (a collective under
     torchrun), so all ranks of a refused job fail with the same message. Under torchrun every rank
-    must also see the directory rank 0 writes (``check_shared``)."""
+    must also see the directory rank 0 writes (``check_shared``, waiting up to ``shared_wait_s``)."""
     lock, error = None, None
     if par.is_main:
         try:
@@ -321,7 +321,7 @@ def lock_run_dir(run_dir: Path, par) -> RunLock | None:
         raise RunDirLocked(error)
     if par.distributed:
         try:
-            check_shared(run_dir, par.is_main)
+            check_shared(run_dir, par.is_main, shared_wait_s)
         except ConfigError:
             if lock is not None:
                 lock.release()
@@ -329,14 +329,15 @@ def lock_run_dir(run_dir: Path, par) -> RunLock | None:
     return lock
 
 
-def check_shared(run_dir: Path, is_main: bool) -> None:
+def check_shared(run_dir: Path, is_main: bool, wait_s: float = SHARED_WAIT_S) -> None:
     """Every rank of the job sees the files rank 0 writes in ``run_dir`` (a collective). Each rank
     writes its checkpoint shards there and reads all of them back, and each decides from the
     directory whether a launch continues the run: on nodes that do not share the directory, rank 0
     wrote checkpoints it reported as good but no process could load (the other ranks' shards lay on
     their own disks), and the next launch hung in mismatched collectives until ``parallel.timeout_s``.
-    Rank 0 writes a random note, every other rank reads it back; ConfigError on every rank, naming
-    the ranks that could not, when any could not."""
+    Rank 0 writes a random note, every other rank reads it back within ``wait_s`` seconds
+    (``parallel.shared_fs_wait_s``); ConfigError on every rank, naming the ranks that could not,
+    when any could not."""
     box = [secrets.token_hex(16) if is_main else None]
     # the run directory, and checkpoints/ in it, where the shards go (a link or a mount per node there
     # hid each node's shards from the others while the run directory itself was shared)
@@ -347,7 +348,7 @@ def check_shared(run_dir: Path, is_main: bool) -> None:
             atomic_write_text(note, box[0])
     dist.broadcast_object_list(box, src=0)
     seen = [is_main] * len(notes)
-    deadline = time.monotonic() + SHARED_WAIT_S
+    deadline = time.monotonic() + wait_s
     while not all(seen):
         for i, note in enumerate(notes):
             try:
@@ -367,13 +368,16 @@ def check_shared(run_dir: Path, is_main: bool) -> None:
     if local and not blind:
         raise ConfigError(f"run.out_dir={str(run_dir)!r}: rank{'s' if len(local) > 1 else ''} "
                           f"{', '.join(local)} see the run directory but not the files rank 0 writes in "
-                          f"its checkpoints/ (on {views[0][1]}): that directory is node-local (a link "
+                          f"its checkpoints/ (on {views[0][1]}; waited parallel.shared_fs_wait_s = "
+                          f"{wait_s:g} s): that directory is node-local (a link "
                           "or a mount per node), where every rank writes its shards and reads all of "
                           f"them back; make {str(checkpoint_dir(run_dir))!r} a directory of the shared "
                           "filesystem")
     if blind:
         raise ConfigError(f"run.out_dir={str(run_dir)!r}: rank{'s' if len(blind) > 1 else ''} "
                           f"{', '.join(blind)} cannot see the files rank 0 writes there (on "
-                          f"{views[0][1]}): every rank writes its checkpoint shards into the run "
-                          "directory and reads all of them back, so it must be on a filesystem all "
-                          "nodes share; set run.out_dir to such a path (the same on every node)")
+                          f"{views[0][1]}; waited parallel.shared_fs_wait_s = {wait_s:g} s): every rank "
+                          "writes its checkpoint shards into the run directory and reads all of them "
+                          "back, so it must be on a filesystem all nodes share; set run.out_dir to such "
+                          "a path (the same on every node), or raise parallel.shared_fs_wait_s if it is "
+                          "one whose caches are slow")
