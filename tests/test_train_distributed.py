@@ -100,17 +100,27 @@ def test_a_ddp_run_of_three_replicas_resumes_to_the_bit(single, tmp_path):
     assert _val(resumed) == _val(full)
 
 
-@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp", "tp2-sp-loss-parallel"])
+@pytest.mark.parametrize("mode", ["dp2-ddp", "tp2-sp", "tp2-loss-parallel"])
 def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     """Losses, clipped gradient norms and every evaluation's loss and accuracy as one process's; the
-    accuracy under the vocabulary-parallel loss too (its logits stay split over the vocabulary)."""
+    accuracy under the vocabulary-parallel loss too (its logits stay split over the vocabulary; SP
+    with it: the uneven-vocabulary test below).
+
+    tp = 2 without SP under the vocabulary-parallel loss: every step and the final checkpoint ran,
+    then the end-of-run sample failed on both ranks (the logits were a DTensor split over the
+    vocabulary: "aten.cat.default got mixed torch.Tensor and DTensor"), exit 1 without summary.json,
+    and again on every relaunch. The sample is now drawn from the gathered logits."""
     cache, ref = single
     if mode == "dp2-ddp":
         out = request.getfixturevalue("ddp_run")
     else:
         out = tmp_path / "run"
-        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": True,
-                                            "parallel.loss_parallel": mode.endswith("loss-parallel")}))
+        sample = {"run.sample_tokens": 12, "run.sample_prompt": "ROMEO:"} if mode == "tp2-loss-parallel" else {}
+        _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": mode == "tp2-sp",
+                                            "parallel.loss_parallel": mode == "tp2-loss-parallel"}, **sample))
+        if sample:
+            text = json.loads((out / "summary.json").read_text())["sample"]
+            assert text.startswith("ROMEO:") and len(text) > len("ROMEO:"), text
     accuracies = [[r["val_accuracy"] for r in read_metrics(run) if r["kind"] == "val"] for run in (out, ref)]
     assert None not in accuracies[0] and accuracies[0] == pytest.approx(accuracies[1], abs=2.5e-3)  # 1 in ~500
     ours, theirs = _losses(out), _losses(ref)
@@ -149,20 +159,6 @@ def test_a_vocabulary_tensor_parallel_does_not_divide_is_split_unevenly(single, 
     assert [v for v, _ in vals[0]] == pytest.approx([v for v, _ in vals[1]], rel=1e-5)
     assert [a for _, a in vals[0]] == pytest.approx([a for _, a in vals[1]], abs=2.5e-3)  # 1 in ~500
     assert cli_main(["export", str(out), str(tmp_path / "hf"), "--format", "hf"]) == 0  # checks its logits
-
-
-def test_a_tensor_parallel_run_with_the_vocabulary_parallel_loss_ends_with_its_sample(single, tmp_path):
-    """tp = 2 without SP, under parallel.loss_parallel: every step and the final checkpoint ran, then
-    the end-of-run sample failed on both ranks (the logits were a DTensor split over the vocabulary:
-    "aten.cat.default got mixed torch.Tensor and DTensor"), exit 1 without summary.json, and again
-    on every relaunch. The sample is now drawn from the gathered logits, the same on both ranks."""
-    cache, _ = single
-    out = tmp_path / "tp-loss"
-    _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.loss_parallel": True,
-                                        "schedule.batch_policy": "constant", "run.total_tokens": 1024,
-                                        "run.sample_tokens": 12, "run.sample_prompt": "ROMEO:"}))
-    sample = json.loads((out / "summary.json").read_text())["sample"]
-    assert sample.startswith("ROMEO:") and len(sample) > len("ROMEO:"), sample
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(single, tmp_path):
@@ -712,7 +708,7 @@ def test_a_rank_that_stops_before_the_start_stops_the_others_at_once(single, tmp
         assert not (tmp_path / "node1" / "run" / "metrics.jsonl").exists()
 
 
-def test_a_run_whose_micro_batch_is_its_batch_continues_on_two_replicas(single, tmp_path):
+def test_a_run_whose_micro_batch_is_its_batch_continues_on_two_replicas(single, tmp_path, capsys, monkeypatch):
     """A one-process run of batch 8 with micro_batch 8 (its memory's limit) relaunched on 2 replicas
     (the same command, and --resume): the config's check refused it, batch 8 not being a multiple of
     micro_batch x 2 = 16, and a changed micro_batch is refused as another schedule. The run's batches
@@ -738,9 +734,13 @@ def test_a_run_whose_micro_batch_is_its_batch_continues_on_two_replicas(single, 
                    "over 2 replicas" in done.stdout + done.stderr
         assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
         assert len(_losses(out)) == len(_losses(ref))
-    # a new run on 2 replicas with that config is still refused, naming the fix
-    fresh = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            "2", "-m", "largebatch", "train", "--check"]
-                           + [f"--{k}={json.dumps(v)}" for k, v in _overrides(cache, tmp_path / "new", **same).items()],
-                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert fresh.returncode != 0 and "is not a whole number of micro_batch (8) x dp_size (2)" in fresh.stderr
+    # a new run on 2 replicas with that config is still refused, naming the fix (`train --check` as
+    # each rank of torchrun runs it: its checks read the world size from the environment)
+    from largebatch.cli import main as cli_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    fresh = _overrides(cache, tmp_path / "new", **same)
+    assert cli_main(["train", "--check"] + [f"--{k}={json.dumps(v)}" for k, v in fresh.items()]) == 2
+    assert "is not a whole number of micro_batch (8) x dp_size (2)" in capsys.readouterr().err
