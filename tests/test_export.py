@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -173,6 +174,21 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
     assert all(f"{p.name}: " in err[-1] for p in (*dcps, pt.checkpoint))
     assert (tmp_path / "hf-fallback" / "model.safetensors").is_file()
     assert not (tmp_path / "hf-none").exists()
+
+
+def test_every_exported_file_is_readable_as_the_umask_allows(gpt_run, tmp_path):
+    """Under umask 022 every file of the export is 0644: transformers wrote model.safetensors 0600
+    (through a private temporary file) while the rest was 0644, so a serving container under another
+    uid read the config but not the weights. Under umask 077 everything stays private."""
+    for umask, expected in ((0o022, 0o644), (0o077, 0o600)):
+        previous = os.umask(umask)
+        try:
+            out = tmp_path / f"hf-{umask:o}"
+            assert export(gpt_run, out, "--no-verify") == 0
+        finally:
+            os.umask(previous)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {expected}, {k: oct(v) for k, v in modes.items()}
 
 
 def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):

@@ -354,6 +354,37 @@ def test_a_long_runs_plots_draw_bin_means_with_their_range(tmp_path):
     assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in ("loss.png", "schedule.png"))
 
 
+def test_tokens_axes_are_labelled_as_token_counts_are_written(tmp_path, monkeypatch):
+    """A 400k-token run's loss.png printed every digit of its tokens ticks (100000150000200000...
+    ran together); the tokens axes of loss.png and schedule.png now read 0, 100k, 200k, ... -- each
+    tick label a count the CLI reads back as that tick's value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from largebatch.arguments import token_count, token_label
+    from largebatch.train import plots
+
+    assert [token_label(v) for v in (0, 512, 150_000, 1_500_000, 2e9, 3.5e12, 1234)] == \
+        ["0", "512", "150k", "1.5M", "2B", "3.5T", "1.23k"]
+    records = [{"kind": "train", "step": s, "tokens": 4096 * s, "loss": 6.0 - s / 100, "lr": 1e-3,
+                "batch_size": 8} for s in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or close(fig))
+    plots.plot_run(tmp_path)
+    loss, schedule = figures
+    for ax in (loss.axes[0], schedule.axes[0]):
+        ax.figure.canvas.draw()
+        ticks = [(t.get_text(), t.get_position()[0]) for t in ax.get_xticklabels() if t.get_text()]
+        assert len(ticks) >= 3 and ticks[-1][1] >= 200_000, ticks
+        for text, value in ticks:
+            assert len(text) <= 5 and (value <= 0 or token_count(text) == value), ticks
+            assert value >= 0 or text == token_label(value)  # (a margin before 0: "-50k")
+
+
 def test_the_eta_counts_the_wall_clock_between_steps():
     """Steps train at 100 tokens/s, but each 100-token record also waits 1 s (an evaluation, a
     checkpoint, logging): the tokens go by at 50 per wall-clock second, and the ETA says so; with no

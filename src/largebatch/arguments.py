@@ -6,7 +6,7 @@ A leaf module (standard library only): the commands import it, it imports nothin
 * :class:`OneLineParser` -- ``argparse`` whose errors are one line (argparse prints the usage first);
 * :func:`finite_float` -- an ``argparse`` type that refuses ``inf`` and ``nan`` (``float()`` takes both);
 * :func:`token_count` -- '2e9', '300M', '1.5B' as a whole number of tokens (the CLI flags and the
-  config fields that hold token counts read it alike);
+  config fields that hold token counts read it alike); :func:`token_label`, the other way (plots' axes);
 * :func:`check_output_file`, :func:`check_output_dir` -- a path the command will write is checked
   up front (a missing parent directory, a file where a directory goes, a read-only disk), not when
   the write fails after the work was done;
@@ -100,6 +100,20 @@ def token_count(text: str) -> int:
     if abs(value - round(value)) > max(1e-6, 1e-12 * value):  # (1.1M is 1100000.0000000002 in floats)
         raise ValueError(f"{value:g} is not a whole number of tokens; give e.g. {round(value):d}")
     return int(round(value))
+
+
+_TOKEN_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def token_label(value: float, _position=None) -> str:
+    """A token count as :func:`token_count` reads it, in at most 3 significant digits: 150000 ->
+    '150k', 1500000 -> '1.5M', 2e9 -> '2B', 512 -> '512'. Also a matplotlib tick formatter
+    (``FuncFormatter(token_label)``): tokens axes printed every digit (100000150000200000... run
+    together on a panel of a 400k-token run)."""
+    for unit, scale in _TOKEN_UNITS:
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -432,6 +432,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         info = save_hf(loaded.model, loaded.tokenizer, staging, max_length=trained)
         if verify:
             info["max_abs_diff"] = verify_hf(loaded.model, loaded.tokenizer, staging)
+        readable_as_made(staging)
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         elif out.exists():  # written by someone else since the check at the start (another export)
@@ -444,6 +445,17 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         shutil.rmtree(staging, ignore_errors=True)
     info.update(checkpoint=str(loaded.checkpoint), step=loaded.step, out=str(out))
     return info
+
+
+def readable_as_made(directory: Path) -> None:
+    """Give every file in ``directory`` the permissions a file made there gets (the directory's, made
+    by mkdir under the umask, without the execute bits): transformers writes model.safetensors
+    through a private temporary file (mode 0600), so another user or a serving container running
+    under another uid could read the config and the tokenizer but not the weights."""
+    mode = directory.stat().st_mode & 0o666
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 # the package a format needs -> the extra that brings it

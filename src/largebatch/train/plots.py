@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from largebatch.arguments import token_label
 from largebatch.train.metrics import iter_metrics
 
 
@@ -85,6 +86,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     run_dir = Path(run_dir)
     train, val = _columns(run_dir)
@@ -106,6 +108,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             ax.plot(x, mean, "o-" if len(x) <= 100 else "-", color="tab:orange", label="validation")
         _mark_phases(ax, boundaries, by_step=key == "step")
         ax.set_xlabel(label)
+        if key == "tokens":
+            ax.xaxis.set_major_formatter(FuncFormatter(token_label))
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -118,6 +122,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax1.plot(*_sampled(train["tokens"], train["lr"]), color="tab:blue")
     ax1.set_xlabel("tokens seen")
+    ax1.xaxis.set_major_formatter(FuncFormatter(token_label))
     ax1.set_ylabel("learning rate", color="tab:blue")
     ax2 = ax1.twinx()
     ax2.step(*_sampled(train["tokens"], train["batch_size"]), color="tab:orange", where="post")
