@@ -2,8 +2,16 @@
 
 import os
 
-import pytest
-import torch
+# Before torch loads its OpenMP runtime: threads that wait at a barrier sleep instead of spinning.
+# The two pytest-xdist workers keep both cores busy, and a test at 2 torch threads (the thread-count
+# checks) had its spinning threads compete with the other worker's process: the seesaw smoke at 2
+# threads beside one busy core took 86 s spinning, 35 s sleeping (31 s spinning on quiet cores).
+# The results are bit for bit the same (the policy changes no summation order). The processes the
+# tests start inherit it; the experiment runner sets the same for its arm workers.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
