@@ -165,11 +165,12 @@ def test_an_older_torch_is_refused_in_one_line_where_the_trainer_starts():
             assert "needs torch >= 2.13, and this is torch 2.12.1+cu121" in line and "Traceback" not in line
 
 
-def test_the_source_distribution_holds_every_tracked_file_and_the_license(tmp_path):
+def test_the_source_distribution_holds_every_tracked_file_and_the_wheel_its_package_data(tmp_path):
     """setuptools alone shipped tests/test_*.py without conftest.py and the helper modules they
     import (13 collection errors in an unpacked sdist), and no docs, examples, constraints.txt,
     Makefile or license text; MANIFEST.in makes the sdist the tree `make test` runs in."""
     import tarfile
+    import zipfile
 
     listed = subprocess.run(["git", "ls-files", "-s"], capture_output=True, text=True, cwd=ROOT)
     if listed.returncode != 0:
@@ -193,3 +194,11 @@ def test_the_source_distribution_holds_every_tracked_file_and_the_license(tmp_pa
         members = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     assert not tracked - members, sorted(tracked - members)[:20]
     assert "LICENSE" in members and not any("__pycache__" in name for name in members)
+    # the wheel: the shipped configs, and py.typed (PEP 561), without which a type checker treats
+    # every largebatch import as untyped (Any)
+    script = f"from setuptools import build_meta; print(build_meta.build_wheel({str(tmp_path)!r}))"
+    built = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tree, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    with zipfile.ZipFile(tmp_path / built.stdout.strip().splitlines()[-1]) as wheel:
+        names = set(wheel.namelist())
+    assert {"largebatch/py.typed", "largebatch/configs/gpt-demo.toml", "largebatch/cli.py"} <= names

@@ -113,3 +113,22 @@ def test_an_array_of_tables_the_config_lacks_is_named_on_the_command_line():
         set_dotted(tree, "phases.1.seq_len", 64)
     set_dotted(tree, "model.n_layer", 2)  # a table the tree lacks is still made
     assert tree["model"] == {"n_layer": 2}
+
+
+def test_a_phases_schedule_key_merges_and_a_table_value_replaces_as_the_help_says(capsys):
+    """bert-lans-demo's second phase overrides batch_size and peak_lr: one key set on the command
+    line keeps the other, a table value replaces both (as a TOML value would); `train --help` says so."""
+    from largebatch.train.cli import main, resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.typed_config import parse_overrides
+
+    def phase_schedule(*args):
+        return load_config(resolve_config("bert-lans-demo"), parse_overrides(list(args))).phases[1].schedule
+
+    assert phase_schedule() == {"batch_size": 16, "peak_lr": 7e-3}
+    assert phase_schedule("--phases.1.schedule.peak_lr=3e-3") == {"batch_size": 16, "peak_lr": 3e-3}
+    assert phase_schedule("--phases.1.schedule={peak_lr=3e-3}") == {"peak_lr": 3e-3}
+    assert main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--phases.1.schedule.peak_lr=3e-3 sets one key" in help_text
+    assert "--phases.1.schedule={peak_lr=3e-3} replaces them all" in help_text

@@ -12,7 +12,8 @@
 
 Every field is an option: --table.field=VALUE or --table.field VALUE, VALUE read as in a TOML file
 (--optim.betas=[0.9,0.98]); --table.field=none turns a setting off; --phases.N.field sets entry N of
-the file's [[phases]].
+the file's [[phases]]: --phases.1.schedule.peak_lr=3e-3 sets one key of that phase's schedule
+overrides and keeps the others, --phases.1.schedule={peak_lr=3e-3} replaces them all.
 
 Every check that needs no data and no model runs before any work starts (largebatch.train.preflight);
 a bad value is one line naming the field, the value and the fix, exit code 2.
