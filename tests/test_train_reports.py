@@ -110,6 +110,36 @@ def test_the_summary_gives_the_throughput_after_the_first_step_too(reference_run
     assert "after this launch's first step" not in format_summary({**summary, "tokens_per_s": expected}, out)
 
 
+def test_the_summary_gives_the_wall_clock_time_of_every_launch_too(reference_run, tmp_path):
+    """The summary's seconds were the optimizer steps' alone (0.4 s of a 4 s run here: setup,
+    evaluations and checkpoints left out, rightly for tokens/s and MFU). It now also gives the
+    wall-clock seconds of the run -- each launch's from its trainer's setup to its last checkpoint,
+    summed over a stop and resume -- and the tokens/s over them, bounded here by the wall clock read
+    around each launch."""
+    cache = reference_run[0]
+    out = tmp_path / "run"
+    o = tiny_overrides(cache, out, **{"run.eval_every_tokens": 32 * 8 * 2, "run.checkpoint_every_tokens": 32 * 8 * 4})
+    started = time.perf_counter()
+    Trainer(load_config(resolve_config(None), {**o, "run.max_steps": 6}), out, log=lambda *_: None).fit()
+    first_launch = time.perf_counter() - started
+    import torch
+
+    extra = torch.load(sorted((out / "checkpoints").glob("step_*.pt"))[-1], weights_only=False)
+    kept = extra["progress"]["wall_seconds"]  # the first launch, to its last checkpoint
+    assert 0 < extra["progress"]["train_seconds"] < kept <= first_launch
+    started = time.perf_counter()
+    trainer = Trainer(load_config(resolve_config(None), o), out, resume=True, log=lambda *_: None)
+    trainer.fit()
+    second_launch = time.perf_counter() - started
+    summary = json.loads((out / "summary.json").read_text())
+    assert kept + 0.5 * second_launch < summary["wall_seconds"] <= kept + second_launch
+    assert summary["wall_seconds"] > summary["train_seconds"]
+    assert summary["tokens_per_s_wall"] == pytest.approx(summary["tokens"] / summary["wall_seconds"])
+    text = format_summary(summary, out)
+    assert (f"tokens in {summary['train_seconds']:.1f} s of steps; {summary['wall_seconds']:.1f} s in all with "
+            f"setup, evaluations and checkpoints ({summary['tokens_per_s_wall']:,.0f} tokens/s)") in text
+
+
 def test_a_seesaw_grown_past_the_noise_scale_is_noted_in_the_summary(reference_run):
     """Seesaw's loss-for-loss match with the LR schedule holds below the critical batch; the default
     recipe ended at batch 128 against a B_simple of ~56 and the summary said nothing. The summary

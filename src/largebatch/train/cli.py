@@ -380,7 +380,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
             f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
           if s.get("final_val_accuracy") is not None else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
-        f"{s['train_seconds']:.1f} s",
+        f"{s['train_seconds']:.1f} s of steps"
+        + (f"; {s['wall_seconds']:.1f} s in all with setup, evaluations and checkpoints "
+           f"({s['tokens_per_s_wall']:,.0f} tokens/s)" if s.get("wall_seconds") is not None else ""),
         f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "
         f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
         f"memory            {human_bytes(s['memory_bytes'])}",

@@ -100,6 +100,9 @@ class Progression:
     phase: int = 0  # the current phase (largebatch.train.phases); ``samples`` counts within it
     phase_start: int = 0  # tokens at which the current phase began (its schedule's zero)
     model_flops: float = 0.0  # of the optimizer steps so far: each step's tokens x its phase's FLOPs per token
+    # wall-clock seconds of the run's launches up to here, each from its trainer's setup on (data,
+    # model, steps, evaluations, checkpoints); a launch's time after its last checkpoint is not kept
+    wall_seconds: float = 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,6 +124,7 @@ def latest_any_checkpoint(run_dir: Path) -> Path | None:
 
 class Trainer(PhaseSwitch, Evaluation, Reporting):
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=None):
+        self._launch_start, self._wall_before = time.perf_counter(), 0.0  # (the run's earlier launches)
         # log: a callable taking one line; by default ConsoleLog (stdout, flushed; a closed pipe stops
         # the run as a signal does, after a checkpoint)
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), ConsoleLog() if log in (None, print) else log
@@ -228,8 +232,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.pos.model_flops = self.pos.tokens * self.flops_per_token
 
     # ------------------------------------------------------------------------------------------
+    def wall_seconds(self) -> float:
+        """Wall-clock seconds of the run so far: its earlier launches' (to their last checkpoint) and
+        this one's, from its setup on."""
+        return self._wall_before + time.perf_counter() - self._launch_start
+
     def extra_state(self) -> dict[str, Any]:
         """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
+        self.pos.wall_seconds = self.wall_seconds()
         return {"version": 1, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "phase_val_losses": list(self.phase_val_losses), "data_entry": self._data_entry(),
@@ -329,6 +339,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      "resume are not comparable, and a document validated on before is now trained on "
                      "or gone; list them in data.val_documents to keep the split as the corpus grows")
         self.pos = Progression(**extra["progress"])
+        self._wall_before = self.pos.wall_seconds
         # the checkpoint cadence of this launch (a restart field): the saved next point was the old
         # cadence's, so a --run.checkpoint_every_tokens added on a requeue waited for it (the run's end)
         every = self.cfg.run.checkpoint_every_tokens or self.cfg.run.total_tokens

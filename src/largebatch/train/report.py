@@ -154,6 +154,8 @@ class Reporting:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": self.peak_memory(), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        pos.wall_seconds = self.wall_seconds()
+        summary.update(wall_seconds=pos.wall_seconds, tokens_per_s_wall=pos.tokens / max(pos.wall_seconds, 1e-9))
         first = getattr(self, "after_first_step", None)  # (train seconds, tokens) after this launch's first step
         if first is not None and pos.tokens > first[1] and pos.train_seconds > first[0]:
             summary["tokens_per_s_after_first_step"] = (pos.tokens - first[1]) / (pos.train_seconds - first[0])
