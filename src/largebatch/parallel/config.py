@@ -79,6 +79,13 @@ class ParallelConfig:
     timeout_s: float = 600.0
     """Seconds a collective may wait before it fails the job (no rank hangs forever when another
     one died). Checkpoint saves of large models may need more."""
+    step_timeout_s: float | None = None
+    """Seconds a collective inside an optimizer step may wait, from each launch's second step on;
+    the start-up, the launch's first step (allocations, compilation), evaluations and checkpoint
+    saves keep ``timeout_s``. A rank that hangs in a step (a stuck read, a stopped process, a device
+    fault) is then found after this many seconds instead of ``timeout_s``. Set it well above the
+    slowest step and above rank 0's logging between steps (the other ranks wait for it in the next
+    step's first collective). None: ``timeout_s`` throughout."""
     shared_fs_wait_s: float = 15.0
     """Seconds each rank waits at start for the note rank 0 writes into the run directory (and its
     checkpoints/) to appear: a network filesystem's caches can hold a new file back. A rank that has
@@ -97,6 +104,9 @@ class ParallelConfig:
         if not 0 < self.timeout_s <= 1e9:  # (torch's store refuses ~1e15 s with an OverflowError)
             raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds and at most 1e9 "
                              "(~32 years)")
+        if self.step_timeout_s is not None and not 0 < self.step_timeout_s <= 1e9:
+            raise ValueError(f"parallel.step_timeout_s = {self.step_timeout_s!r}: must be > 0 seconds and at "
+                             "most 1e9, or none (parallel.timeout_s throughout)")
         if not 0 <= self.shared_fs_wait_s <= 86400:
             raise ValueError(f"parallel.shared_fs_wait_s = {self.shared_fs_wait_s!r}: must be a number of "
                              "seconds in [0, 86400] (how long each rank waits at start to see rank 0's "

@@ -318,6 +318,19 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                          flat=flat)
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """From now on every process group of this process (the default one, the mesh's, the side
+    groups) fails a collective that waits longer than ``seconds`` (``parallel.step_timeout_s`` inside
+    a step, ``parallel.timeout_s`` outside). Nothing before ``init_distributed``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
 def seed_ranks(seed: int, state: ParallelState) -> int:
     """Seed torch's RNG for training (dropout), AFTER the model was initialised with ``seed``.
 

@@ -65,6 +65,7 @@ from largebatch.parallel import (
 )
 from largebatch.parallel.batch import LocalGradNorm, global_sum, noise_scale_inputs, rank_samples
 from largebatch.parallel.materialize import build_on_meta, materialize, meta_init_applies
+from largebatch.parallel.mesh import set_collective_timeout
 from largebatch.parallel.pipeline import padded_micro_batches, pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
@@ -547,6 +548,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self._warned_mfu = False
         self.after_first_step = None  # (train seconds, tokens) once this launch's first step is done
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
+        step_timeout = self.cfg.parallel.step_timeout_s if self.par.distributed else None
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
             self.stop_request = stop  # (evaluations poll it)
@@ -592,12 +594,19 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     progress.close()
                     return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens,
                             "signal": signum}
+                # parallel.step_timeout_s from this launch's second step on, inside the step alone
+                short = step_timeout is not None and steps_here >= 1
+                if short:
+                    set_collective_timeout(step_timeout)
                 t0 = time.perf_counter()
                 try:
                     record = self.train_step()
                 except StepInterrupted as exc:  # dropped: the top of the loop checkpoints the step before
                     signum = exc.signum
                     continue
+                finally:
+                    if short:
+                        set_collective_timeout(self.cfg.parallel.timeout_s)
                 logs = pos.step % run.log_every_steps == 0
                 if self.device.type == "cuda" and (logs or steps_here == 0 or pos.tokens >= min(
                         pos.next_eval, pos.next_checkpoint)):
