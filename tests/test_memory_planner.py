@@ -451,3 +451,29 @@ def test_zbv_with_another_virtual_stage_count_is_refused_as_train_refuses_it(cap
     assert "pp_virtual_stages 3 with --parallel.pp_schedule zbv" in err and "Traceback" not in err, err
     assert main(["--model", "gpt2-small", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
                  "--parallel.pp_virtual_stages", "2"]) == 0
+
+
+def test_tied_embeddings_under_pp_are_planned_untied_with_a_note(capsys, tmp_path):
+    """The trainer refuses tied embeddings under pp > 1 (the first stage's embedding and the last
+    stage's output layer sit on different ranks). gpt2-small (tied) at pp 2 was planned with the
+    output layer's v x h parameters on no rank: "3 selective, 3 none; 1.90 GiB" in a 2 GiB budget,
+    which the untied model it must run as needs 2.30 GiB of. Now it is planned untied, with a note,
+    as the same config written untied: the last stage's rank holds its 6 layers, the final norm and
+    the output layer (counted here by hand), and the plan is the untied config's."""
+    c = preset("gpt2-small")
+    h, v, L = c.n_embd, c.vocab_size, c.n_layer
+    setup = Setup(pp=2, micro_batch=1, pp_micro_batches=8)
+    last_stage = (L // 2) * (12 * h * h + 13 * h) + 2 * h + v * h  # layers, ln_f, untied lm_head
+    assert setup.estimate(c, "full").parameters == last_stage * setup.dtype_bytes  # the last rank: the larger
+    assert setup.estimate(c, "full") == setup.estimate(c.replace(tie_embeddings=False), "full")
+    argv = ["--pp", "2", "--pp-micro-batches", "8", "--budget-gib", "2", "--dtype-bytes", "2", "--optimizer", "adamw"]
+    assert main(["--model", "gpt2-small", *argv]) == 0
+    tied = capsys.readouterr().out
+    config = tmp_path / "untied.toml"
+    config.write_text("[model]\nn_layer = {}\nn_embd = {}\nn_head = {}\nseq_len = {}\nvocab_size = {}\n"
+                      "tie_embeddings = false\n".format(c.n_layer, c.n_embd, c.n_head, c.seq_len, c.vocab_size))
+    assert "model.tie_embeddings = true with pp = 2" in tied and "planned untied" in tied
+    assert main(["--config", str(config), *argv]) == 0
+    untied = capsys.readouterr().out
+    plan = [re.search(r"micro-batch 1: (.*)", out).group(1) for out in (tied, untied)]
+    assert plan[0] == plan[1] and "6 full" in plan[0], plan

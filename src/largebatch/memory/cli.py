@@ -393,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
                              "layout); choose a seq_len that tp divides, or no --sequence-parallel.")
         if args.budget_gib is not None:
             check_plannable(config, setup)
+        if args.pp > 1 and config.tie_embeddings:
+            args.notes.append(f"model.tie_embeddings = true with pp = {args.pp}: pipeline stages cannot share "
+                              "the token embedding (first stage) with the output layer (last stage), so the "
+                              "trainer refuses it; planned untied, as it would run with "
+                              "model.tie_embeddings = false")
         lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
         if eager:  # (with --attention sdpa the model is not transformers' eager one)
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)

@@ -91,7 +91,8 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
              micro_batches: int | None = None, loss_parallel: bool = True,
              mask_fraction: float = 0.15) -> MemoryEstimate:
     """Bytes per device for training `config` (under pipeline parallel the larger of the first rank's
-    and the last stage's rank's). recompute: one policy or a per-layer list for the L / pp layers of a stage.
+    and the last stage's rank's, untied: stages cannot share the embedding with the output layer).
+    recompute: one policy or a per-layer list for the L / pp layers of a stage.
     pp_schedule, virtual_stages, micro_batches (default 2 pp): the pipeline schedule, which sets how
     many layers' worth the first stage keeps (activations.first_stage_layers). mask_fraction: the
     share of positions a BERT head runs on (largebatch's: the masked ones; transformers': all, 1)."""
@@ -107,6 +108,8 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
             and 0 < mask_fraction <= 1):
         raise ValueError(f"mask_fraction={mask_fraction!r}: the share of positions a BERT head runs on, in (0, 1] "
                          "(largebatch's masked ones: 0.15; transformers' BertForMaskedLM: 1)")
+    if pp > 1 and config.tie_embeddings:  # (the trainer refuses tied embeddings under pp: the first
+        config = config.replace(tie_embeddings=False)  # stage's embedding and the last's output layer)
     acts = model_activation_bytes(config, micro_batch, recompute, tp=tp, pp=pp,
                                   sequence_parallel=sequence_parallel, seq_len=seq_len,
                                   dtype_bytes=dtype_bytes, device=device, schedule=pp_schedule,
