@@ -62,6 +62,8 @@ def test_cli_says_what_would_fit(capsys):
     (["--tp", "4", "--seq-len", "1001", "--sequence-parallel"], "tp=4 does not divide seq_len=1001"),
     (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),  # as the trainer refuses it
     (["--micro-batch", "big"], "--micro-batch 'big'"),
+    (["--micro-batch", "0"], "--micro-batch '0': give a positive integer"),  # (was "micro_batch=0")
+    (["--model.dropout", "1.5"], "--model.dropout=1.5: must be in [0, 1)"),  # (was "ModelConfig.dropout")
     (["--pp", "3"], "pp=3"),
     (["--pp", "2", "--pp-micro-batches", "0"], "--pp-micro-batches 0: must be a positive"),
     (["--dtype-bytes", "1e30"], "--dtype-bytes 1e+30: bytes per stored value"),

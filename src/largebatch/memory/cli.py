@@ -131,6 +131,20 @@ DEFAULTS = {"micro_batch": "1", "tp": 1, "pp": 1, "pp_virtual_stages": 2, "dp": 
 
 
 def _config(args: argparse.Namespace) -> ModelConfig:
+    """The model the flags, --config or --hf-config describe; a bad field is named as it was given
+    (--model.dropout on the command line, model.dropout in a config), not as ModelConfig's."""
+    try:
+        return _model_config(args)
+    except ValueError as exc:
+        text, prefix = str(exc), "ModelConfig."
+        if not text.startswith(prefix):
+            raise
+        field = text[len(prefix):].split("=", 1)[0].split(" ", 1)[0]
+        given = field in {f for flag, f in OVERRIDES.items() if getattr(args, flag) is not None}
+        raise ValueError(("--model." if given else "model.") + text[len(prefix):]) from None
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
     changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
                if getattr(args, flag) is not None}
     if args.seq_len is not None:
@@ -364,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         args.optimizer = args.optimizer or "adamw"
         args.loss_parallel = True if args.loss_parallel is None else args.loss_parallel
         auto = args.micro_batch == "auto"
-        if not auto and not args.micro_batch.isdigit():
+        if not auto and (not args.micro_batch.isdigit() or int(args.micro_batch) == 0):
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
         # an HF config with eager (explicit) attention is a transformers eager model: its layers
         # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel
