@@ -253,7 +253,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     ``metadata={"parse": function}`` reads a string value in a short form the field documents
     (``schedule.ratio = "1/1.1"``; a ValueError it raises names the field). The dataclass's
     own ``__post_init__`` validation runs too; a ValueError it raises is re-raised as ConfigError
-    naming the field as the config writes it (``_named_as_written``).
+    naming the field as the config writes it (``named_as_written``).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -289,10 +289,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(_named_as_written(str(exc), cls, prefix, fields)) from exc
+        raise ConfigError(named_as_written(str(exc), cls, prefix, fields)) from exc
 
 
-def _named_as_written(message: str, cls: type, prefix: str, fields: Any) -> str:
+def named_as_written(message: str, cls: type, prefix: str, fields: Any) -> str:
     """A dataclass's validation message with its fields named once, as the config writes them:
     ``ModelConfig.n_head=3`` -> ``model.n_head=3``; ``micro_batch = 0`` -> ``phases[1].micro_batch
     = 0``; ``run.device = 'tpu'`` (already named so) stays; any other message gets ``[prefix] ``."""

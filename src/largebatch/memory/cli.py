@@ -20,8 +20,9 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from largebatch.arguments import OneLineParser, finite_float, required_config_file
 from largebatch.memory.activations import (
@@ -38,7 +39,7 @@ from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, mic
 from largebatch.models import PRESETS, ModelConfig, preset
 from largebatch.models.registry import model_spec
 from largebatch.schedules.config import ScheduleConfig
-from largebatch.typed_config import from_dict, load_toml
+from largebatch.typed_config import from_dict, load_toml, named_as_written
 
 TRAIN_DEFAULTS = {"run.dtype": "fp32", "optim.name": "lamb", "parallel.loss_parallel": False}
 """The trainer's defaults of the fields --config reads beyond the model and mesh (this layer cannot
@@ -136,12 +137,12 @@ def _config(args: argparse.Namespace) -> ModelConfig:
     try:
         return _model_config(args)
     except ValueError as exc:
-        text, prefix = str(exc), "ModelConfig."
-        if not text.startswith(prefix):
+        named = named_as_written(str(exc), ModelConfig, "model", {f.name for f in fields(ModelConfig)})
+        field = re.match(r"model\.(\w+)", named)
+        if field is None:
             raise
-        field = text[len(prefix):].split("=", 1)[0].split(" ", 1)[0]
-        given = field in {f for flag, f in OVERRIDES.items() if getattr(args, flag) is not None}
-        raise ValueError(("--model." if given else "model.") + text[len(prefix):]) from None
+        given = {f for flag, f in OVERRIDES.items() if getattr(args, flag) is not None}
+        raise ValueError(("--" if field.group(1) in given else "") + named) from None
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:

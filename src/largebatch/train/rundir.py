@@ -46,7 +46,6 @@ from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
 SHARED_NAME = ".shared"  # rank 0's note, read back by every rank (lock_run_dir); removed at once
-SHARED_WAIT_S = 15.0  # the default of parallel.shared_fs_wait_s
 """How long a rank looks for rank 0's note before it takes the directory as not shared (a network
 filesystem may show a new file on another node only after its attribute cache expires, ~3-60 s on
 NFS; the note is written with fsync, and opening a file revalidates it)."""
@@ -303,7 +302,7 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: Path, par, shared_wait_s: float = SHARED_WAIT_S) -> RunLock | None:
+def lock_run_dir(run_dir: Path, par, shared_wait_s: float) -> RunLock | None:
     """Rank 0 locks the run directory; every rank learns whether it could (a collective under
     torchrun), so all ranks of a refused job fail with the same message. Under torchrun every rank
     must also see the directory rank 0 writes (``check_shared``, waiting up to ``shared_wait_s``)."""
@@ -329,7 +328,7 @@ def lock_run_dir(run_dir: Path, par, shared_wait_s: float = SHARED_WAIT_S) -> Ru
     return lock
 
 
-def check_shared(run_dir: Path, is_main: bool, wait_s: float = SHARED_WAIT_S) -> None:
+def check_shared(run_dir: Path, is_main: bool, wait_s: float) -> None:
     """Every rank of the job sees the files rank 0 writes in ``run_dir`` (a collective). Each rank
     writes its checkpoint shards there and reads all of them back, and each decides from the
     directory whether a launch continues the run: on nodes that do not share the directory, rank 0
