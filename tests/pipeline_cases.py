@@ -175,9 +175,17 @@ def run_four_ranks(out_dir: str, cache: str) -> None:
     (out / f"hsdp_rank{dist.get_rank()}.json").write_text(json.dumps({
         "state_bytes": optimizer_state_bytes(hsdp.optimizer), "describe": par.describe(),
         "sizes": [par.dp_replicate_size, par.dp_shard_size, par.dp_size],
-        "placements": sorted({str(p.placements) for p in hsdp.raw_model.parameters()})}))
+        "placements": sorted({str(p.placements) for p in hsdp.raw_model.parameters()}),
+        "group_timeouts": group_timeouts(par)}))
     record_forward_dtypes(overrides(cache, str(out / "pp2-dp2-fsdp-bf16"), **{
         **FOUR_RANK_CASES["pp2-dp2-fsdp"][1], "run.dtype": "bf16", "run.total_tokens": 1024}), out)
+
+
+def group_timeouts(par) -> list[float]:
+    """The timeout, in seconds, of the group of each mesh dimension and of each flattened mesh."""
+    groups = [par.mesh.get_group(dim) for dim in par.mesh.mesh_dim_names]
+    groups += [mesh.get_group() for mesh in par.flat.values()]
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
 
 
 def record_forward_dtypes(o: dict, out: Path) -> None:

@@ -108,7 +108,7 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--run.total_tokens=1e30"], ["run.total_tokens = 1e+30", "above 2**53", "write its digits"]),
     (["train", "--run.total_tokens=" + "1" + "0" * 28], ["run.total_tokens = 1" + "0" * 28, "at most 2**53"]),
     (["train", "--run.checkpoint_every_seconds=inf"], ["run.checkpoint_every_seconds", "inf"]),
-    (["train", "--parallel.step_timeout_s=0"], ["parallel.step_timeout_s = 0", "> 0 seconds", "or none"]),
+    (["train", "--parallel.step_timeout_s=0"], ["parallel.step_timeout_s = 0", "at least 0.001 seconds", "or none"]),
     (["train", "--parallel.shared_fs_wait_s=-1"], ["parallel.shared_fs_wait_s = -1", "[0, 86400]"]),
     (["train", "--parallel.shared_fs_wait_s=nan"], ["parallel.shared_fs_wait_s = nan", "finite"]),
     (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),

@@ -182,6 +182,9 @@ def test_hsdp_2x2_equals_one_process_shards_state_in_half_and_resumes_on_one(fou
     assert all(r["sizes"] == [2, 2, 4] for r in ranks)
     assert all(r["placements"] == ["(Replicate(), Shard(dim=0))"] for r in ranks)
     assert "replica 1/2, shard 0/2" in ranks[2]["describe"]
+    # the replica and shard groups span 2 of the 4 ranks: they wait parallel.timeout_s (600 s), as
+    # the default group does, not torch's 30-minute default for a group of its own
+    assert all(r["group_timeouts"] == [600.0] * 7 for r in ranks), [r["group_timeouts"] for r in ranks]
     cfg = load_config(resolve_config(None), cases.overrides(cache, "unused")).model
     model = build_model(cfg.replace(vocab_size=512))  # the trainer sizes the vocabulary to its tokenizer
     total = 2 * 4 * sum(p.numel() for p in model.parameters())  # LAMB: exp_avg and exp_avg_sq, fp32

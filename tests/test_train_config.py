@@ -218,7 +218,9 @@ def test_configs_built_from_python_are_checked_as_a_config_file_is():
     ({"run.seed": -1}, r"run.seed = -1: must lie in \[0, 2\*\*32 - 1\]"),
     ({"run.seed": 2**32}, r"run.seed = 4294967296"),
     ({"data.split_seed": -1}, r"data.split_seed=-1 is invalid: use an integer >= 0"),
-    ({"parallel.timeout_s": 1e300}, r"parallel.timeout_s = 1e\+300: must be > 0 seconds and at most 1e9"),
+    ({"parallel.timeout_s": 1e300}, r"parallel.timeout_s = 1e\+300: must be at least 0.001 seconds .*and at most 1e9"),
+    # below a millisecond torch's timeout is 0 ms: every wait of every step failed at once
+    ({"parallel.step_timeout_s": 1e-4}, r"parallel.step_timeout_s = 0.0001: must be at least 0.001 seconds"),
     ({"run.sample_prompt": ""}, r"run.sample_prompt = '': .*run.sample_tokens = 0"),
     ({"model.init_from": ""}, r"model.init_from='': give hf:PATH.*or none"),
     ({"data.tokenizer_file": ""}, r"data.tokenizer_file='' is invalid"),

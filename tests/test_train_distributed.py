@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from largebatch import LONG_WAIT_GROUP
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
@@ -388,9 +389,16 @@ def train_step(self):  # rank 1: slow in this launch's first step, stuck in the 
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stuck: torchrun's SIGTERM ends it at once
             time.sleep(60)
     return step(self)
-def slow_save(self):  # rank 1: every save starts 5 s late
+def slow_save(self):  # rank 1: every save starts 5 s late; rank 0 notes each group's timeout then
     if os.environ["RANK"] == "1":
         time.sleep(5)
+    else:
+        import json, torch
+        from torch.distributed import distributed_c10d as c10d
+        waits = sorted({(g.group_desc, g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+                        for g in c10d._world.pg_map})
+        with open(os.path.join(self.run_dir, "group_timeouts.json"), "w") as f:
+            json.dump(waits, f)
     return save(self)
 Trainer.train_step, Trainer.save = train_step, slow_save
 from largebatch.train.cli import main
@@ -417,6 +425,11 @@ def test_a_rank_stuck_in_a_step_is_found_after_the_step_timeout(single, tmp_path
     assert re.search(r"\[largebatch\] rank 0/2 [^\n]*: \(a collective failed or timed out: rank 1 of 2 "
                      r"reported no error", proc.stderr), proc.stderr[-3000:]
     assert len(_losses(out)) == 6 and _dcp_steps(out) == [4]  # past the slow first step and save
+    # at the save, between steps: every group back at timeout_s, the mesh's size-1 groups too (made
+    # with torch's 1800 s before), and the data build's wait group still at its 7 days
+    waits = json.loads((out / "group_timeouts.json").read_text())
+    assert {desc for desc, _ in waits} >= {"default_pg", LONG_WAIT_GROUP, "mesh_tp"}, waits
+    assert all(seconds == (7 * 86400 if desc == LONG_WAIT_GROUP else 120) for desc, seconds in waits), waits
 
 
 def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(single, ddp_run, tmp_path):

@@ -17,6 +17,10 @@ __version__ = "0.1.0"
 # schedules' return_outputs, FSDP2 on CPU streams, ...): tested in CI on this version.
 TORCH_MINIMUM = (2, 13)
 
+# The description of a process group that waits longer than any collective on purpose (the other
+# ranks waiting for rank 0's cold data build): parallel.timeout_s and step_timeout_s leave it alone.
+LONG_WAIT_GROUP = "largebatch-long-wait"
+
 
 class TorchTooOld(ImportError):
     """The installed torch is older than TORCH_MINIMUM (``require_torch``)."""

@@ -28,6 +28,7 @@ import numpy as np
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
+from largebatch import LONG_WAIT_GROUP
 from largebatch.arguments import pid_alive
 
 from . import tokenizer as tokenizer_lib
@@ -189,7 +190,8 @@ def _rank_zero_first():
     if distributed:
         key = id(dist.group.WORLD)
         if key not in _WAIT_GROUPS:
-            _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=BUILD_WAIT)
+            _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=BUILD_WAIT,
+                                                group_desc=LONG_WAIT_GROUP)
         group = _WAIT_GROUPS[key]
     try:
         if not leader:

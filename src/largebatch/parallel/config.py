@@ -101,12 +101,15 @@ class ParallelConfig:
                 bound = ">= 0 (0: world size / (pp x tp))" if name == "dp" else ">= 1"
                 raise ValueError(f"parallel.{name} = {value!r}: must be an integer {bound}")
         self._check_pipeline()
-        if not 0 < self.timeout_s <= 1e9:  # (torch's store refuses ~1e15 s with an OverflowError)
-            raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be > 0 seconds and at most 1e9 "
-                             "(~32 years)")
-        if self.step_timeout_s is not None and not 0 < self.step_timeout_s <= 1e9:
-            raise ValueError(f"parallel.step_timeout_s = {self.step_timeout_s!r}: must be > 0 seconds and at "
-                             "most 1e9, or none (parallel.timeout_s throughout)")
+        # torch keeps timeouts in whole milliseconds (less is 0 ms: every wait fails at once), and its
+        # store refuses ~1e15 s with an OverflowError
+        if not 0.001 <= self.timeout_s <= 1e9:
+            raise ValueError(f"parallel.timeout_s = {self.timeout_s!r}: must be at least 0.001 seconds (torch "
+                             "counts whole milliseconds) and at most 1e9 (~32 years)")
+        if self.step_timeout_s is not None and not 0.001 <= self.step_timeout_s <= 1e9:
+            raise ValueError(f"parallel.step_timeout_s = {self.step_timeout_s!r}: must be at least 0.001 seconds "
+                             "(torch counts whole milliseconds) and at most 1e9, or none (parallel.timeout_s "
+                             "throughout)")
         if not 0 <= self.shared_fs_wait_s <= 86400:
             raise ValueError(f"parallel.shared_fs_wait_s = {self.shared_fs_wait_s!r}: must be a number of "
                              "seconds in [0, 86400] (how long each rank waits at start to see rank 0's "

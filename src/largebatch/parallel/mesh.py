@@ -24,6 +24,7 @@ because a peer died is labelled as such, so the job's log points at the rank tha
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import socket
 import sys
@@ -34,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from largebatch import LONG_WAIT_GROUP
 from largebatch.parallel.config import ParallelConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's dimension names
@@ -76,6 +78,7 @@ class ParallelState:
     device: torch.device = torch.device("cpu")
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh, dimensions DIMS
     flat: dict | None = None  # meshes built once, by name: "dp" (dp_replicate x dp_shard), "dp_tp", "tp"
+    timeout_s: float = 600.0  # parallel.timeout_s: what every group of the job waits
 
     def size(self, dim: str) -> int:
         return getattr(self, f"{dim}_size")
@@ -301,9 +304,21 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                                 **({"device_id": device} if use_cuda else {}))
         _JOINED = True
         _enable_faulthandler()
-    mesh = init_device_mesh(device.type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
-    flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),  # batch slices, loss scale, DDP
-            "dp_tp": mesh["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp"),  # ParallelState.stage_group
+    # Every group the mesh makes waits parallel.timeout_s, as the default group does. Left to torch,
+    # a dimension spanning less than the whole job got a group of its own with torch's 30-minute
+    # default (the dp group of pp2 x dp2, HSDP's groups), and gloo's sends and receives keep the
+    # timeout their group was made with whatever is set later.
+    sizes = (pp, replicate, shard, tp)
+    options = _group_options(use_cuda, cfg.timeout_s)
+    override = {name: options for name, size in zip(DIMS, sizes) if size != world_size}
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS, backend_override=override or None)
+
+    def flatten(dims: tuple[str, ...], name: str):
+        size = math.prod(sizes[DIMS.index(d)] for d in dims)
+        return mesh[dims]._flatten(name, backend_override=options if size != world_size else None)
+
+    flat = {"dp": flatten(("dp_replicate", "dp_shard"), "dp"),  # batch slices, loss scale, DDP
+            "dp_tp": flatten(("dp_replicate", "dp_shard", "tp"), "dp_tp"),  # ParallelState.stage_group
             "tp": mesh["tp"]}  # ParallelState.tp_mesh
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                          pp_rank=mesh.get_local_rank("pp"), pp_size=pp,
@@ -315,20 +330,31 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                          loss_parallel=cfg.loss_parallel and tp > 1,
                          dp_mode=cfg.dp_mode, pp_schedule=cfg.pp_schedule,
                          pp_virtual_stages=cfg.pp_virtual_stages, pp_split=cfg.pp_split, device=device, mesh=mesh,
-                         flat=flat)
+                         flat=flat, timeout_s=cfg.timeout_s)
+
+
+def _group_options(use_cuda: bool, seconds: float) -> tuple[str, object]:
+    """The (backend, options) that make a device-mesh group with a ``seconds`` timeout."""
+    backend = "nccl" if use_cuda else "gloo"
+    options = dist.ProcessGroupNCCL.Options() if use_cuda else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=seconds)
+    return backend, options
 
 
 def set_collective_timeout(seconds: float) -> None:
     """From now on every process group of this process (the default one, the mesh's, the side
     groups) fails a collective that waits longer than ``seconds`` (``parallel.step_timeout_s`` inside
-    a step, ``parallel.timeout_s`` outside). Nothing before ``init_distributed``."""
+    a step, ``parallel.timeout_s`` outside). Nothing before ``init_distributed``. Not changed: a group
+    that waits on purpose for longer (the data build's, ``LONG_WAIT_GROUP``), and on gloo the timeout
+    of sends and receives (pipeline stages), which stays the one the group was made with."""
     if not dist.is_available() or not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=seconds)
     for group in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timeout, group)
+        if getattr(group, "group_desc", "") != LONG_WAIT_GROUP:
+            c10d._set_pg_timeout(timeout, group)
 
 
 def seed_ranks(seed: int, state: ParallelState) -> int:

@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ def control_group(par: ParallelState):
         return None
     key = id(dist.group.WORLD)
     if key not in _SIDE_GROUPS:
-        _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
+        _SIDE_GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=par.timeout_s))
     return _SIDE_GROUPS[key]
 
 
