@@ -108,10 +108,26 @@ def test_resume_is_bit_identical_across_batch_changes(reference_run, tmp_path):
     assert first["stopped_early"] and first["step"] == stop_at
     state = torch.load(list_checkpoints(out)[-1], weights_only=True)  # torch.load's default since torch 2.6
     assert state["progress"]["step"] == stop_at and "tok_emb.weight" in state["model"]
+    assert state["numerics"] == {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    other = tmp_path / "other-threads"  # a copy, resumed under another thread count: the note says so
+    shutil.copytree(out, other)
+    threads, lines = torch.get_num_threads(), []
+    torch.set_num_threads(threads + 1)
+    try:
+        cfg = load_config(resolve_config(None), {**o, "run.out_dir": str(other), "run.max_steps": stop_at + 1})
+        Trainer(cfg, other, resume=True, log=lines.append).fit()
+    finally:
+        torch.set_num_threads(threads)
+    note = [line for line in lines if "sums round in another order" in line]
+    assert len(note) == 1 and f"with {threads} torch thread" in note[0] and f"has {threads + 1} torch threads" \
+        in note[0], lines
     o["run.max_steps"] = None
-    summary = _run(o, resume=True)
+    lines = []
+    cfg = load_config(resolve_config(None), o)
+    summary = Trainer(cfg, out, resume=True, log=lines.append).fit()
     assert _train_losses(out) == ref  # every step's loss equal to the last bit
     assert summary["final_val_loss"] == ref_summary["final_val_loss"]
+    assert not [line for line in lines if "round in another order" in line]  # the same threads: no note
 
 
 def test_sigkill_then_resume_continues_exactly(reference_run, tmp_path):

@@ -106,6 +106,18 @@ class Progression:
     wall_seconds: float = 0.0
 
 
+def numerics() -> dict[str, Any]:
+    """What sets the order of this process's floating-point sums besides the code: torch's thread
+    count and version (kept in each checkpoint; a resume under others is exact in what it loads and
+    no longer bit-identical to the uninterrupted run)."""
+    return {"threads": torch.get_num_threads(), "torch": str(torch.__version__)}  # (a str: weights_only loads it)
+
+
+def _numerics_text(n: dict[str, Any]) -> str:
+    threads = n.get("threads")
+    return f"{threads} torch thread{'s' if threads != 1 else ''} (torch {n.get('torch')})"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,7 +257,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "phase_val_losses": list(self.phase_val_losses), "data_entry": self._data_entry(),
                 "val_documents": list(self.data.stats.val_document_names),
-                "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg)}
+                "rng": gather_rng(rng_state(self.device), self.par), "config": to_dict(self.cfg),
+                "numerics": numerics()}
 
     def _data_entry(self) -> str | None:
         """What the run trains on, as a key a resume compares: a text corpus's data cache entry name
@@ -339,6 +352,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      f"({_names(saved_val)} -> {_names(val)}): validation losses before and after this "
                      "resume are not comparable, and a document validated on before is now trained on "
                      "or gone; list them in data.val_documents to keep the split as the corpus grows")
+        saved_numerics, now = extra.get("numerics"), numerics()
+        if saved_numerics and saved_numerics != now:
+            self.log(f"note: {path.name} was written with {_numerics_text(saved_numerics)}, and this launch has "
+                     f"{_numerics_text(now)}: the run continues from exactly what was saved, but its sums "
+                     "round in another order from here on, so its losses are not bit-identical to a run "
+                     "left uninterrupted (start it with the saved thread count and torch for that)")
         self.pos = Progression(**extra["progress"])
         self._wall_before = self.pos.wall_seconds
         # the checkpoint cadence of this launch (a restart field): the saved next point was the old
