@@ -12,6 +12,8 @@ Nothing here imports largebatch.train: it drops into any PyTorch loop.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
     backward_working_bytes,
@@ -31,6 +33,10 @@ __all__ = ["OPTIMIZER_STATE_BYTES", "MemoryEstimate", "Setup", "activation_bytes
            "measure_peak_bytes", "micro_batch_sweep", "model_activation_bytes", "schedule_activation_bytes",
            "stage_activation_bytes", "transformer_layers", "walk"]
 
+
+if TYPE_CHECKING:  # what __getattr__ serves, for type checkers (imported on first use at run time)
+    from largebatch.memory.measure import measure_forward_bytes, measure_peak_bytes
+    from largebatch.memory.recompute import apply_recompute, transformer_layers
 
 _TORCH = {"measure_forward_bytes": "largebatch.memory.measure", "measure_peak_bytes": "largebatch.memory.measure",
           "apply_recompute": "largebatch.memory.recompute", "transformer_layers": "largebatch.memory.recompute"}

@@ -12,6 +12,8 @@ The layer layout and the FLOP formula follow Korthikanti et al. 2022 (docs/paper
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, flops_per_token, per_layer_policies, utilization
 from largebatch.models.presets import PRESETS, preset
@@ -22,10 +24,17 @@ __all__ = ["BERT", "GPT", "MODELS", "PRESETS", "RECOMPUTE_POLICIES", "Block", "C
            "register_model", "utilization"]
 
 
-def build_model(config: ModelConfig):
+def build_model(config: ModelConfig) -> nn.Module:
     """The model of the registered kind ``config.kind`` (GPT for "gpt", BERT for "bert")."""
     return model_spec(config.kind).build(config)
 
+
+if TYPE_CHECKING:  # what __getattr__ serves, for type checkers (imported on first use at run time)
+    from torch import nn
+
+    from largebatch.models.bert import BERT
+    from largebatch.models.gpt import GPT
+    from largebatch.models.layers import Block, CoreAttention
 
 _MODULES = {"BERT": "largebatch.models.bert", "GPT": "largebatch.models.gpt", "Block": "largebatch.models.layers",
             "CoreAttention": "largebatch.models.layers"}

@@ -42,12 +42,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.optim.optimizer import required
+from torch.optim.optimizer import ParamsT, required
 
 from . import checks
 from .kernels import Rebind, host_constant, packed
@@ -194,6 +194,9 @@ class Bucket:
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter view, x): written back
 
 
+_Loss = TypeVar("_Loss")
+
+
 class LayerwiseOptimizer(torch.optim.Optimizer):
     """Base class of LAMB, LANS and LARS; see the module docstring. Subclasses define ``_state_keys``,
     ``_spec`` (hyperparameter checks) and ``_update(h, bucket, grad_scale, reduce)``."""
@@ -203,7 +206,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     _spec: dict[str, checks.Check] = {}
     _options = ("max_grad_norm", "foreach", "fused", "track_trust_ratios", "reduce_norms", "capturable")
 
-    def __init__(self, params, defaults: dict, *, max_grad_norm: float | None, foreach: bool | None,
+    def __init__(self, params: ParamsT, defaults: dict, *, max_grad_norm: float | None, foreach: bool | None,
                  fused: bool, track_trust_ratios: bool, reduce_norms: NormReduction | None,
                  capturable: bool = False, differentiable: bool = False) -> None:
         if differentiable:
@@ -302,8 +305,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         return h["adapt"] and not (h.get("skip_adapt_if_no_decay", False) and h["weight_decay"] == 0)
 
     # ------------------------------------------------------------------------------------ the step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...  # what the closure returns (a loss tensor)
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

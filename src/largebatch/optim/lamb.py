@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
@@ -236,7 +237,7 @@ class LAMB(LayerwiseOptimizer):
              **dict(adapt=checks.flag, bias_correction=checks.flag, skip_adapt_if_no_decay=checks.flag,  # argument)
                     l2_decay=checks.flag, maximize=checks.flag)}
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None, l2_decay: bool = False,

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
@@ -242,7 +243,7 @@ class LANS(LayerwiseOptimizer):
     _kernel_names = ("m", "v")
     _spec = {key: check for key, check in LAMB._spec.items() if key != "l2_decay"}  # the decay is decoupled
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, *, adapt: bool = True, bias_correction: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, weight_norm_clip: float | None = None,

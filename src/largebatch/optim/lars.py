@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import required
+from torch.optim.optimizer import ParamsT, required
 
 from . import checks
 from .core import LayerwiseOptimizer, NormReduction, hooked_norms, trust_ratio
@@ -128,7 +128,7 @@ class LARS(LayerwiseOptimizer):
     _spec = {**{key: check for key, check in FUNCTIONAL_SPEC.items() if key != "reduce_norms"},  # (a constructor
              **dict(adapt=checks.flag, skip_adapt_if_no_decay=checks.flag, maximize=checks.flag)}  # argument)
 
-    def __init__(self, params, lr: float | None = None, momentum: float = 0.9, weight_decay: float = 0.0,
+    def __init__(self, params: ParamsT, lr: float | None = None, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, adapt: bool = True,
                  max_grad_norm: float | None = None, skip_adapt_if_no_decay: bool = False,
                  trust_clip: float | None = None, foreach: bool | None = None, fused: bool = False,

@@ -13,6 +13,8 @@ Time is tokens consumed; optimizer steps are derived. Usable in any PyTorch loop
 ``largebatch.integrations.hf`` applies the same schedules inside ``transformers.Trainer``.
 """
 
+from typing import TYPE_CHECKING
+
 from largebatch.schedules.batch import (
                                         ConstantBatch,
                                         JointSchedule,
@@ -47,6 +49,10 @@ __all__ = [
     "MilestoneSchedule", "Seesaw", "SeesawFamily", "SmithRamp", "find_milestones",
     "NoiseScale", "ScheduleConfig", "TokenLR",
 ]
+
+
+if TYPE_CHECKING:  # what __getattr__ serves, for type checkers (imported on first use at run time)
+    from largebatch.schedules.token_lr import TokenLR
 
 
 def __getattr__(name: str):

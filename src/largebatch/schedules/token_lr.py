@@ -81,7 +81,7 @@ class TokenLR(LRScheduler):
                             "schedule) writes the schedule's LR into the optimizer's param_groups")
         self.schedule = schedule
         self.tokens_per_step = _check_tokens_per_step(tokens_per_step, "tokens_per_step")
-        self.tokens_seen = check_tokens(tokens_seen, "tokens_seen")
+        self.tokens_seen: float = check_tokens(tokens_seen, "tokens_seen")
         if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Integral) or last_epoch < -1:
             raise ValueError(f"last_epoch={last_epoch!r} must be an integer >= -1 (-1: a fresh run; k: "
                              "k + 1 steps were taken, as torch's schedulers count)")
@@ -121,7 +121,7 @@ class TokenLR(LRScheduler):
         super().step()
         self._written = [float(group["lr"]) for group in self.optimizer.param_groups]
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | Tensor]:  # (torch's LRScheduler.get_lr type; floats here)
         unloaded, self._unloaded = self._unloaded, None
         for i, group in enumerate(self.optimizer.param_groups):
             current, written = float(group["lr"]), self._written[i]
