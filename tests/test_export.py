@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
@@ -176,7 +177,7 @@ def test_gpt_export_without_bias_and_untied_from_a_distributed_checkpoint(cache,
     assert not (tmp_path / "hf-none").exists()
 
 
-def test_every_exported_file_is_readable_as_the_umask_allows(gpt_run, tmp_path):
+def test_exported_files_are_readable_as_the_umask_allows_and_a_replaced_out_keeps_its_mode_and_group(gpt_run, tmp_path):
     """Under umask 022 every file of the export is 0644: transformers wrote model.safetensors 0600
     (through a private temporary file) while the rest was 0644, so a serving container under another
     uid read the config but not the weights. Under umask 077 everything stays private."""
@@ -189,6 +190,21 @@ def test_every_exported_file_is_readable_as_the_umask_allows(gpt_run, tmp_path):
             os.umask(previous)
         modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
         assert "model.safetensors" in modes and set(modes.values()) == {expected}, {k: oct(v) for k, v in modes.items()}
+    # OUT made beforehand for a group (setgid, group-writable), empty, then replaced with --force: the
+    # export replaces the directory, which used to come back 0755 in the user's own group
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    group = next((g for g in os.getgroups() if g != os.getgid()), None)
+    if group is None and os.geteuid() == 0:
+        group = 4242  # root may give any group
+    if group is not None:
+        os.chown(shared, -1, group)
+    shared.chmod(0o2770)
+    expected_group = shared.stat().st_gid
+    for extra in ((), ("--force",)):
+        assert export(gpt_run, shared, "--no-verify", *extra) == 0
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o2770, oct(shared.stat().st_mode)
+        assert {p.stat().st_gid for p in [shared, *shared.iterdir()]} == {expected_group}
 
 
 def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):

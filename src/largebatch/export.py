@@ -34,6 +34,7 @@ import glob
 import os
 import shutil
 import socket
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -433,6 +434,8 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         if verify:
             info["max_abs_diff"] = verify_hf(loaded.model, loaded.tokenizer, staging)
         readable_as_made(staging)
+        if out.is_dir():  # replaced: the new OUT keeps the old one's permissions and group
+            keep_directory_access(staging, out.stat())
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         elif out.exists():  # written by someone else since the check at the start (another export)
@@ -456,6 +459,20 @@ def readable_as_made(directory: Path) -> None:
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink():
             path.chmod(mode)
+
+
+def keep_directory_access(directory: Path, old: os.stat_result) -> None:
+    """Give ``directory`` (about to replace a directory whose stat is ``old``) that directory's mode
+    (a group-shared 2770 stays 2770, setgid included) and group, and its files that group, as files
+    made inside the old one would have had under its setgid bit. A group this user may not give
+    (not a member) is left as made."""
+    for path in [directory, *directory.rglob("*")]:
+        if path.stat().st_gid != old.st_gid:
+            try:
+                os.chown(path, -1, old.st_gid)
+            except PermissionError:
+                break
+    directory.chmod(stat.S_IMODE(old.st_mode))
 
 
 # the package a format needs -> the extra that brings it
