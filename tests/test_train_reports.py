@@ -393,11 +393,17 @@ def test_tokens_axes_are_labelled_as_token_counts_are_written(tmp_path, monkeypa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from largebatch.arguments import token_count, token_label
+    from largebatch.arguments import token_count, token_label, token_labels
     from largebatch.train import plots
 
     assert [token_label(v) for v in (0, 512, 150_000, 1_500_000, 2e9, 3.5e12, 1234)] == \
         ["0", "512", "150k", "1.5M", "2B", "3.5T", "1.23k"]
+    # rounded before the unit is chosen (999999 read '1e+03k'); no '-0'; past the last unit, digits
+    assert [token_label(v) for v in (999_999, 999.6, 999_500_000, -0.0, 1e15, -50_000)] == \
+        ["1M", "1k", "1B", "0", "1,000T", "-50k"]
+    # an axis that does not start at 0: ticks 1 k apart showed '102k' twice
+    assert token_labels([100_500, 101_500, 102_500]) == ["100.5k", "101.5k", "102.5k"]
+    assert token_labels([0, 100_000, 200_000]) == ["0", "100k", "200k"]  # (3 digits where they suffice)
     records = [{"kind": "train", "step": s, "tokens": 4096 * s, "loss": 6.0 - s / 100, "lr": 1e-3,
                 "batch_size": 8} for s in range(1, 101)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 # import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
@@ -105,15 +106,43 @@ def token_count(text: str) -> int:
 _TOKEN_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3))
 
 
-def token_label(value: float, _position=None) -> str:
-    """A token count as :func:`token_count` reads it, in at most 3 significant digits: 150000 ->
-    '150k', 1500000 -> '1.5M', 2e9 -> '2B', 512 -> '512'. Also a matplotlib tick formatter
-    (``FuncFormatter(token_label)``): tokens axes printed every digit (100000150000200000... run
-    together on a panel of a 400k-token run)."""
+def token_label(value: float, _position=None, digits: int = 3) -> str:
+    """A token count as :func:`token_count` reads it, in at most ``digits`` significant digits:
+    150000 -> '150k', 1500000 -> '1.5M', 2e9 -> '2B', 512 -> '512', 999999 -> '1M' (rounded before
+    the unit is chosen: not '1e+03k'). Also a matplotlib tick formatter; :func:`token_formatter`
+    keeps a whole axis's labels distinct."""
+    rounded = float(f"{value:.{digits}g}") + 0.0  # (+ 0.0: -0.0 reads '0')
     for unit, scale in _TOKEN_UNITS:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{unit}"
-    return f"{value:.3g}"
+        if abs(rounded) >= scale:
+            scaled = rounded / scale
+            return f"{scaled:,.0f}{unit}" if abs(scaled) >= 10 ** digits else f"{scaled:.{digits}g}{unit}"
+    return f"{rounded:.{digits}g}"
+
+
+def token_labels(values: Sequence[float]) -> list[str]:
+    """The labels of an axis's ticks: :func:`token_label`'s, with as many significant digits as keep
+    distinct ticks distinct (101500 and 102500 are '101.5k' and '102.5k', not '102k' twice)."""
+    labels = [token_label(v) for v in values]
+    for digits in range(4, 16):
+        if len(set(labels)) == len(set(values)):
+            break
+        labels = [token_label(v, digits=digits) for v in values]
+    return labels
+
+
+def token_formatter():
+    """A matplotlib tick formatter for tokens axes (:func:`token_labels`): the axes printed every digit
+    before (100000150000200000... ran together on a panel of a 400k-token run)."""
+    from matplotlib.ticker import Formatter
+
+    class TokenFormatter(Formatter):
+        def __call__(self, x, pos=None):
+            return token_label(x)
+
+        def format_ticks(self, values):
+            return token_labels(list(values))
+
+    return TokenFormatter()
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -17,9 +17,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from largebatch.arguments import token_label  # noqa: E402
+from largebatch.arguments import token_formatter  # noqa: E402
 from largebatch.checkpoint.files import atomic_write_text  # noqa: E402
 from largebatch.experiments.runner import ESCAPE_NATS, ArmResult  # noqa: E402
 
@@ -136,7 +135,7 @@ def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
         ax_tokens.plot(tokens, losses, style, color=colour, marker=".", label=label)
         ax_steps.plot(steps, losses, style, color=colour, marker=".", label=label)
     ax_tokens.set(xlabel="tokens", ylabel="validation loss (nats/token)", title="vs tokens")
-    ax_tokens.xaxis.set_major_formatter(FuncFormatter(token_label))
+    ax_tokens.xaxis.set_major_formatter(token_formatter())
     ax_steps.set(xlabel="optimizer steps", title="vs optimizer steps")
     _set_loss_limits(ax_tokens, results)
     return finish_figure(fig, (ax_tokens, ax_steps), path, title, legend_axes=(ax_steps,))
@@ -162,5 +161,5 @@ def plot_schedules(results: list[ArmResult], path: Path, title: str) -> Path:
     ax_lr.set(xlabel="tokens", ylabel="learning rate", title="learning rate")
     ax_batch.set(xlabel="tokens", ylabel="batch size (sequences)", title="batch size", yscale="log")
     for ax in (ax_lr, ax_batch):
-        ax.xaxis.set_major_formatter(FuncFormatter(token_label))
+        ax.xaxis.set_major_formatter(token_formatter())
     return finish_figure(fig, (ax_lr, ax_batch), path, title, legend_axes=(ax_batch,))

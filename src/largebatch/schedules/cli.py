@@ -28,7 +28,7 @@ import importlib.util
 import math
 import sys
 
-from largebatch.arguments import OneLineParser, check_output_file, token_count, token_label
+from largebatch.arguments import OneLineParser, check_output_file, token_count, token_formatter
 from largebatch.schedules.config import ScheduleConfig, batch_table, fraction
 from largebatch.typed_config import add_config_arguments, config_overrides, parse_value
 
@@ -112,7 +112,6 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import FuncFormatter
 
     schedule = config.build(total_tokens, seq_len, micro_batch, dp)
     base = config.build_base(total_tokens, micro_batch, dp)
@@ -126,7 +125,7 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
     ax_lr.set_ylabel("learning rate")
     ax_batch.set_ylabel("batch size (sequences)")
     ax_batch.set_xlabel("tokens consumed")
-    ax_batch.xaxis.set_major_formatter(FuncFormatter(token_label))
+    ax_batch.xaxis.set_major_formatter(token_formatter())
     ax_lr.legend()
     ax_lr.set_title(f"{config.lr_schedule} / {config.batch_policy}")
     fig.tight_layout()

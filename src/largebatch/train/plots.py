@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from largebatch.arguments import token_label
+from largebatch.arguments import token_formatter
 from largebatch.train.metrics import iter_metrics
 
 
@@ -86,7 +86,6 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     run_dir = Path(run_dir)
     train, val = _columns(run_dir)
@@ -109,7 +108,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         _mark_phases(ax, boundaries, by_step=key == "step")
         ax.set_xlabel(label)
         if key == "tokens":
-            ax.xaxis.set_major_formatter(FuncFormatter(token_label))
+            ax.xaxis.set_major_formatter(token_formatter())
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -122,7 +121,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax1.plot(*_sampled(train["tokens"], train["lr"]), color="tab:blue")
     ax1.set_xlabel("tokens seen")
-    ax1.xaxis.set_major_formatter(FuncFormatter(token_label))
+    ax1.xaxis.set_major_formatter(token_formatter())
     ax1.set_ylabel("learning rate", color="tab:blue")
     ax2 = ax1.twinx()
     ax2.step(*_sampled(train["tokens"], train["batch_size"]), color="tab:orange", where="post")
