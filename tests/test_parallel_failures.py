@@ -119,3 +119,34 @@ def test_only_a_backends_own_errors_count_as_a_peer_failure():
     for own in (RuntimeError("HTTP read timed out fetching shard"), ConnectionResetError("connection reset by peer"),
                 BrokenPipeError("broken pipe"), TimeoutError("DataLoader timed out after 60 seconds")):
         assert not collective_failure(own), own
+
+
+def test_the_rank_that_came_late_is_told_so_and_ranks_failing_together_are_not():
+    """The failure reports in a real TCPStore, as torchrun's agent store holds them: every other rank's
+    collective timed out 7-8 s before this one's (they waited for it: stuck in its step, it woke to
+    closed connections); it used to read "none of them first: the network". Ranks whose collectives
+    fail within milliseconds of each other still read as the network's."""
+    import json
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from largebatch.parallel import ParallelState
+    from largebatch.parallel.mesh import _first_failure
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=10))
+    now = time.time()
+    for attempt, ago in (("late", (7.0, 8.0, 7.5)), ("together", (0.002, 0.001, 0.003))):
+        box = dist.PrefixStore(attempt, store)
+        for rank, seconds in zip((0, 1, 3), ago):
+            box.set(str(rank), json.dumps({"who": f"rank {rank}/4", "text": "Timed out", "peer": True,
+                                           "time": now - seconds}))
+        line = _first_failure(box, ParallelState(rank=2, world_size=4), 0.5, failed_at=now)
+        if attempt == "late":
+            assert line.startswith("(this rank came late") and "7-8 s before its own" in line, line
+        else:
+            assert "none of them first: the network" in line, line

@@ -406,15 +406,21 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_rank_stuck_in_a_step_is_found_after_the_step_timeout(single, tmp_path):
+@pytest.mark.parametrize("layout", ["ddp", "pp2"])
+def test_a_rank_stuck_in_a_step_is_found_after_the_step_timeout(single, tmp_path, layout):
     """parallel.step_timeout_s = 3 with timeout_s = 120: rank 1, 5 s late in its first step and in
     the checkpoint save after step 4 (the start-up, the first step and saves keep timeout_s), trains
-    on; stuck in the 7th step, rank 0's collective gives up after 3 s (not 120) and names it."""
+    on; stuck in the 7th step, rank 0's collective gives up after 3 s (not 120) and names it. Under
+    pipeline parallel rank 0 waits in a receive from rank 1's stage, which gloo bounded by the group's
+    first timeout (120 s) whatever was set later: the step's sends and receives run on a copy of the
+    pp group made with the step timeout."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_LAUNCHER)
     out = tmp_path / "run"
     extra = {"parallel.step_timeout_s": 3, "parallel.timeout_s": 120, "run.total_tokens": 32 * 8 * 12,
              "schedule.batch_policy": "constant", "run.checkpoint_every_tokens": 32 * 8 * 4}
+    if layout == "pp2":
+        extra.update({"parallel.pp": 2, "model.tie_embeddings": False})
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             str(script)] + [f"--{k}={json.dumps(v)}" for k, v in _overrides(single[0], out, **extra).items()]
     started = time.monotonic()
@@ -430,6 +436,7 @@ def test_a_rank_stuck_in_a_step_is_found_after_the_step_timeout(single, tmp_path
     waits = json.loads((out / "group_timeouts.json").read_text())
     assert {desc for desc, _ in waits} >= {"default_pg", LONG_WAIT_GROUP, "mesh_tp"}, waits
     assert all(seconds == (7 * 86400 if desc == LONG_WAIT_GROUP else 120) for desc, seconds in waits), waits
+    assert ("pp_step" in {desc for desc, _ in waits}) == (layout == "pp2")  # (the copy: gloo, pp > 1 only)
 
 
 def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(single, ddp_run, tmp_path):

@@ -28,6 +28,7 @@ import math
 import os
 import socket
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,6 +80,11 @@ class ParallelState:
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh, dimensions DIMS
     flat: dict | None = None  # meshes built once, by name: "dp" (dp_replicate x dp_shard), "dp_tp", "tp"
     timeout_s: float = 600.0  # parallel.timeout_s: what every group of the job waits
+    # gloo under pp > 1 with parallel.step_timeout_s: the pipeline's sends and receives inside a step
+    # run on this copy of the "pp" group, made with step_timeout_s (gloo keeps a group's first timeout
+    # for them); ``in_step_timeout`` says when (set by set_collective_timeout's caller)
+    pp_step_group: object | None = None
+    in_step_timeout: bool = False
 
     def size(self, dim: str) -> int:
         return getattr(self, f"{dim}_size")
@@ -242,7 +248,6 @@ def agree_at_start(outcome: str, detail: str, timeout_s: float) -> list[tuple[st
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import json
-    import time
 
     world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), world_size,
@@ -320,6 +325,13 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     flat = {"dp": flatten(("dp_replicate", "dp_shard"), "dp"),  # batch slices, loss scale, DDP
             "dp_tp": flatten(("dp_replicate", "dp_shard", "tp"), "dp_tp"),  # ParallelState.stage_group
             "tp": mesh["tp"]}  # ParallelState.tp_mesh
+    pp_step_group = None
+    if pp > 1 and not use_cuda and cfg.step_timeout_s is not None:  # (NCCL applies a new timeout to all)
+        for ranks in mesh.mesh.permute(1, 2, 3, 0).reshape(-1, pp).tolist():  # every pp group, in one order
+            group = dist.new_group(ranks, timeout=timedelta(seconds=cfg.step_timeout_s), backend="gloo",
+                                   group_desc="pp_step")
+            if dist.get_rank() in ranks:
+                pp_step_group = group
     return ParallelState(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                          pp_rank=mesh.get_local_rank("pp"), pp_size=pp,
                          dp_rank=flat["dp"].get_local_rank(), dp_size=dp,
@@ -330,7 +342,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
                          loss_parallel=cfg.loss_parallel and tp > 1,
                          dp_mode=cfg.dp_mode, pp_schedule=cfg.pp_schedule,
                          pp_virtual_stages=cfg.pp_virtual_stages, pp_split=cfg.pp_split, device=device, mesh=mesh,
-                         flat=flat, timeout_s=cfg.timeout_s)
+                         flat=flat, timeout_s=cfg.timeout_s, pp_step_group=pp_step_group)
 
 
 def _group_options(use_cuda: bool, seconds: float) -> tuple[str, object]:
@@ -346,7 +358,8 @@ def set_collective_timeout(seconds: float) -> None:
     groups) fails a collective that waits longer than ``seconds`` (``parallel.step_timeout_s`` inside
     a step, ``parallel.timeout_s`` outside). Nothing before ``init_distributed``. Not changed: a group
     that waits on purpose for longer (the data build's, ``LONG_WAIT_GROUP``), and on gloo the timeout
-    of sends and receives (pipeline stages), which stays the one the group was made with."""
+    of sends and receives, which stays the one the group was made with (pipeline stages switch to
+    ``ParallelState.pp_step_group`` for that)."""
     if not dist.is_available() or not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
@@ -465,6 +478,7 @@ def rank_guard(state: ParallelState):
         message = f"{state.describe()} failed: {text}"
         line = message.splitlines()[0]
         peer = collective_failure(exc)
+        failed_at = time.time()
         box = _failure_box()
         if box is not None:
             _report_failure(box, state, text.splitlines()[0] if text else "", peer)
@@ -473,7 +487,7 @@ def rank_guard(state: ParallelState):
             # as one exits); the wait itself defers those signals, bounded by FAILURE_WAIT_S
             print(f"[largebatch] {message}", file=sys.stderr, flush=True)
             with _stop_signals_deferred():
-                diagnosis = _first_failure(box, state, FAILURE_WAIT_S)
+                diagnosis = _first_failure(box, state, FAILURE_WAIT_S, failed_at)
             message, line = f"{message}\n  {diagnosis}", f"{line} {diagnosis}"
             print(f"[largebatch] {state.describe()}: {diagnosis}", file=sys.stderr, flush=True)
         else:
@@ -504,6 +518,11 @@ def _stop_signals_deferred():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
 
 
+LATE_S = 1.0
+"""A rank whose collective failed this many seconds or more after every other rank's is the one they
+waited for (ranks failing together, as on a network fault, fail within milliseconds of each other)."""
+
+
 def _failure_box():
     """This torchrun attempt's failure reports (rank -> JSON) in the agent's store, or None outside
     torchelastic's agent store or where it cannot be reached."""
@@ -521,7 +540,6 @@ def _report_failure(box, state: ParallelState, text: str, peer: bool) -> None:
     """Put this rank's failure in ``box``: who (rank, coordinates, host), the error's first line,
     whether it was a collective's (a consequence) and when."""
     import json
-    import time
 
     try:
         box.set(str(state.rank), json.dumps({"who": state.describe(), "text": text, "peer": peer,
@@ -530,11 +548,12 @@ def _report_failure(box, state: ParallelState, text: str, peer: bool) -> None:
         pass
 
 
-def _first_failure(box, state: ParallelState, wait_s: float) -> str:
-    """For a rank whose collective failed: the line naming the rank that failed first (the earliest
-    report that was not a collective's), or the ranks that reported nothing within ``wait_s``."""
+def _first_failure(box, state: ParallelState, wait_s: float, failed_at: float | None = None) -> str:
+    """For a rank whose collective failed (at ``failed_at``, time.time()): the line naming the rank that
+    failed first (the earliest report that was not a collective's), or the ranks that reported nothing
+    within ``wait_s``, or this rank itself when every other one's collective had failed well before
+    (they timed out waiting for it: it was late or stuck, and found its peers gone when it came back)."""
     import json
-    import time
 
     others = [r for r in range(state.world_size) if r != state.rank]
     reports: dict[int, dict] = {}
@@ -559,4 +578,9 @@ def _first_failure(box, state: ParallelState, wait_s: float) -> str:
         return (f"(a collective failed or timed out: {ranks} of {state.world_size} reported no error within "
                 f"{wait_s:g} s -- killed outright (SIGKILL, e.g. by the out-of-memory killer, or a native crash: "
                 f"torchrun's summary gives the exit code) or stuck (a hang, a stopped process))")
+    before = [failed_at - report["time"] for report in reports.values()] if failed_at is not None else []
+    if before and min(before) > LATE_S:
+        return (f"(this rank came late: the collectives of every other rank had already failed, "
+                f"{min(before):.0f}-{max(before):.0f} s before its own, waiting for it -- it was stuck or slow "
+                "in this step (a hang, a stopped process, a slow read), and found its peers gone)")
     return "(a collective failed or timed out on every rank, none of them first: the network, or a rank's host)"

@@ -332,6 +332,12 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(stage.is_last for stage in self.stages)
 
+    def _use_group(self, group) -> None:
+        """The stages send and receive on ``group`` (the same ranks as the "pp" group, in the same
+        order: a step's copy made with parallel.step_timeout_s), or on the "pp" group itself (None)."""
+        for stage in self.stages:
+            stage.group = group if group is not None else self.state.pp_group
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, targets, "sum") * self.scale
 
@@ -403,6 +409,7 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int, scale: float) -> torch.Tensor:
         """Forward and backward of one step's micro-batches (inputs, targets: (n x mb, T))."""
         self.scale = scale
+        self._use_group(self.state.pp_step_group if self.state.in_step_timeout else None)
         schedule = self._schedule(self.schedule, n_microbatches, tuple(inputs.shape))
         if self.first_norm is not None:
             self.first_norm.reset()
@@ -415,6 +422,7 @@ class Pipeline:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed loss of one micro-batch, forward only (a one-micro-batch schedule)."""
         self.scale = 1.0
+        self._use_group(None)
         name = "GPipe" if len(self.stages) == 1 else "forward-v" if self.schedule == "zbv" else "LoopedBFS"
         return self._run(self._schedule(name, 1, tuple(inputs.shape)), inputs, targets, forward_only=True)
 
