@@ -365,6 +365,17 @@ def noise_scale_cases(results: dict) -> None:
                 (loss_sum * state.dp_size / n_targets).backward()
         local_sq = recorder.take()
         big_sq = global_grad_norm(list(unwrap(model).parameters()), state) ** 2
+        # the same gradients again, in DDP's rebuilt buckets (the layout every step after a process's
+        # first has; a resumed process's first step had the first one): the same local norm, to the bit
+        grads = [p.grad.clone() for p in unwrap(model).parameters()]
+        model.zero_grad(set_to_none=True)
+        for i in range(micro):
+            with gradient_sync(model, enabled=i == micro - 1):
+                _, loss_sum = model(mine_idx[i:i + 1], mine_targets[i:i + 1], reduction="sum")
+                (loss_sum * state.dp_size / n_targets).backward()
+        same_grads = all(torch.equal(g, p.grad) for g, p in zip(grads, unwrap(model).parameters()))
+        results[f"noise/{kind}/local_norm_bits_after_rebuild"] = [float(local_sq), float(recorder.take()),
+                                                                   same_grads]
         small, b_small, big, b_big = noise_scale_inputs(local_sq, big_sq, B // state.dp_size, state,
                                                         n_local, n_targets)
         refs, counts = [], []  # each half's own mean gradient, in float64, in one process

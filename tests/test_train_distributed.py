@@ -53,6 +53,10 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
 
+def _noise(run_dir: Path) -> list[float | None]:
+    return [r.get("noise_scale") for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
 def _grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in read_metrics(run_dir) if r["kind"] == "train"]
 
@@ -327,6 +331,10 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
     assert again.returncode == 0, err[-3000:]
     assert f"resumed from {out / 'checkpoints'}" in stdout
     assert _losses(out) == _losses(ddp_run)  # same mesh, restored RNG and data position: exact
+    # the noise scale too: each replica's local squared norm is summed over DDP's bucket in its layout,
+    # which a resumed process had from its first backward (the all-reduce of 2 replicas is the same in
+    # any order, the local sum was not: 1 ulp off from the resume on, before the buckets were settled)
+    assert _noise(out) == _noise(ddp_run) and any(_noise(ddp_run))
 
 
 FLAKY_LAUNCHER = """
@@ -453,6 +461,10 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(
     assert f"resumed from {out / 'checkpoints'}" in stdout, stdout[-2000:]  # the second attempt
     assert not list((out / "checkpoints").glob(".*.tmp"))
     assert _losses(out) == _losses(ddp_run)  # every step once, as the uninterrupted run took it
+    # the noise scale too: each replica's local squared norm is summed over DDP's bucket in its layout,
+    # which a resumed process had from its first backward (the all-reduce of 2 replicas is the same in
+    # any order, the local sum was not: 1 ulp off from the resume on, before the buckets were settled)
+    assert _noise(out) == _noise(ddp_run) and any(_noise(ddp_run))
 
 
 def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):

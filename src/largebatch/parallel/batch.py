@@ -53,25 +53,39 @@ class LocalGradNorm:
 
     ``LocalGradNorm.install(ddp_model, state)`` registers the comm hook; read ``take()`` after the
     step's last (synchronising) backward: it returns the squared norm and resets.
+
+    Each parameter's part is summed on its own and the parts in the model's parameter order, so the
+    value does not depend on how DDP laid the gradients out in its buckets: a process that resumed a
+    run has its first backward's layout for one step where the run had the rebuilt one, and a sum
+    over the bucket in layout order came out 1 ulp apart (the noise scale then too).
     """
 
-    def __init__(self, state: ParallelState):
+    def __init__(self, state: ParallelState, parameters: Sequence[torch.nn.Parameter] = ()):
         self.state = state
-        self.squared = torch.zeros((), dtype=torch.float64, device=state.device)
+        self.order = {id(p): i for i, p in enumerate(parameters)}
+        self.parts: dict[int, torch.Tensor] = {}
 
     @classmethod
     def install(cls, ddp_model: torch.nn.Module, state: ParallelState) -> "LocalGradNorm":
-        recorder = cls(state)
+        recorder = cls(state, list(ddp_model.parameters()))
         ddp_model.register_comm_hook(recorder, _record_then_allreduce)
         return recorder
 
+    def record(self, parameters: Sequence[torch.Tensor], gradients: Sequence[torch.Tensor]) -> None:
+        for p, g in zip(parameters, gradients):
+            part = g.double().square().sum()
+            self.parts[id(p)] = self.parts[id(p)] + part if id(p) in self.parts else part
+
     def take(self) -> torch.Tensor:
-        value, self.squared = self.squared, torch.zeros_like(self.squared)
+        keys = sorted(self.parts, key=lambda k: self.order.get(k, len(self.order)))
+        value = (torch.stack([self.parts[k] for k in keys]).sum() if keys
+                 else torch.zeros((), dtype=torch.float64, device=self.state.device))
+        self.parts = {}
         return value
 
 
 def _record_then_allreduce(recorder, bucket):  # no annotations: DDP checks them literally
-    recorder.squared += bucket.buffer().double().square().sum()  # local gradient, not yet averaged
+    recorder.record(bucket.parameters(), bucket.gradients())  # local gradient, not yet averaged
     return default_hooks.allreduce_hook(recorder.state.dp_group, bucket)
 
 
