@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-process GPU check for one H200, <= 10 minutes: bf16 tokens/s, MFU and peak memory of
+# One-process GPU check for one H200, <= 10 minutes in all (each part under its own timeout, every
+# timeout cut to what is left of 570 s): bf16 tokens/s, MFU and peak memory of
 # a ~350M GPT at seq 2048 under none/selective/full recompute with SDPA and explicit attention, next
 # to the memory model; LAMB/LANS step time vs torch.optim.AdamW on the GPT's shapes and on 2000 small
 # tensors of 200 distinct shapes (with the fused paths' first-step compile time); Seesaw vs cosine
@@ -12,8 +13,20 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 echo "gpu_check $(date -u '+%Y-%m-%d %H:%M UTC') $(git rev-parse --short HEAD 2>/dev/null || true)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 480 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False): this script measures on a" \
+       "GPU. The CPU test of its code paths: PYTHONPATH=src python benchmarks/gpu_check.py --device cpu" \
+       "--tiny --no-fused" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+TOTAL_S=570  # one lent machine's command runs at most 600 s: the parts share this, in order
+timeout() {  # timeout SECONDS CMD...: the part's own limit, or what is left of TOTAL_S if less
+  local left=$((TOTAL_S - SECONDS))
+  if [ "$left" -le 5 ]; then echo "gpu_check: out of time before: ${*:2:3}" >&2; return 0; fi
+  command timeout "$(( $1 < left ? $1 : left ))" "${@:2}" || echo "gpu_check: part failed or timed out (rc $?): ${*:2:3}" >&2
+}
+timeout 300 "$PYTHON" benchmarks/gpu_check.py --device cuda "$@"
 # the trainer's step reading the device every step vs only when it logs (what only a GPU shows:
 # the host stops queueing kernels at each read); the CPU run of the same script shows equal times
 timeout 120 "$PYTHON" benchmarks/step_sync.py --device cuda --layers 12 --embd 768 --steps 20
