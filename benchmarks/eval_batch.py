@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         times = time_interleaved({name: t.evaluate for name, t in trainers.items()}, args.rounds)
     ratios = median_ratios(times, f"eval micro-batch {MICRO_BATCHES[0]}")
     print(f"one evaluation, {base['run.eval_tokens']:,} tokens, {args.threads} torch thread(s), "
-          f"median of {args.rounds} interleaved rounds")
+          f"median of {args.rounds} interleaved rounds; the ratio is the median of each round's ratio to "
+          f"micro-batch {MICRO_BATCHES[0]} in that round (not the ratio of the medians: on a busy "
+          f"machine the two can differ)")
     for name, series in times.items():
         print(f"{name:<20} {1e3 * statistics.median(series):7.1f} ms  {ratios[name]:5.2f}x  loss {losses[name]:.8f}")
     return 0

@@ -63,7 +63,7 @@ def start(preset_name: str, mode: str, meta: bool, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="gpt2-small")
     parser.add_argument("--mode", choices=[*MODES, "all"], default="all")
     args = parser.parse_args()

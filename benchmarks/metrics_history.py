@@ -49,7 +49,8 @@ def write_history(path: Path, steps: int) -> None:
 
 
 def run_case(code: str, run_dir: Path, step: int) -> tuple[float, float]:
-    """(seconds, peak RSS in GB) of ``code`` in a fresh process, imports excluded."""
+    """(seconds, peak RSS in GB) of ``code`` in a fresh process: the seconds exclude the imports, the peak
+    RSS is the whole process's (interpreter and imports included)."""
     script = (f"import resource, time\nfrom pathlib import Path\nD, S = Path({str(run_dir)!r}), {step}\n"
               "import largebatch.train.plots, largebatch.train.metrics\n"
               f"t = time.perf_counter()\n{code}\n"

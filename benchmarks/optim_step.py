@@ -152,7 +152,7 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     n_params = sum(p.numel() for p in params)
-    print(f"{len(params)} tensors, {n_params / 1e6:.1f}M parameters, device {args.device}, "
+    print(f"{len(params)} tensors, {n_params:,} parameters, device {args.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {args.malloc}")
     entries = build(params, fused=not args.no_fused, peers=not args.no_peers, capturable=args.capturable)
 

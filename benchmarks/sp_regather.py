@@ -78,7 +78,7 @@ def ranks(config, micro_batch: int, rounds: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=21)

@@ -92,7 +92,8 @@ def train(name: str, make_optimizer, train_data, held_out) -> float:
         evaluation = [loss_fn(x, y).item() for x, y in batches(held_out, 8, seed=2)]
     held_out_loss = sum(evaluation) / len(evaluation)
     summary = getattr(optimizer, "trust_ratio_summary", lambda: None)()
-    extra = f", last-step trust ratios {summary}" if summary else ""
+    extra = (", last-step trust ratios " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in summary.items())) if summary else ""
     print(f"  {name:<6} held-out loss {held_out_loss:.3f} ({time.perf_counter() - start:.1f} s){extra}")
     return held_out_loss
 

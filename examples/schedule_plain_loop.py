@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> float:
         if step.batch_size != batch:  # a new phase (or the last step, trimmed to the budget)
             batch = step.batch_size
             print(f"step {k:4d}  tokens {step.tokens_seen:8,}  batch {step.batch_size:3d} = "
-                  f"{step.micro_batches} micro-batches of {step.micro_batch}  "
+                  f"{step.micro_batches} micro-batch{'es' if step.micro_batches > 1 else ''} of "
+                  f"{min(step.micro_batch, step.batch_size)}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}")
         for i in range(step.micro_batches):  # accumulate: the loss is a mean over the step's sequences
             size = min(step.micro_batch, step.batch_size - i * step.micro_batch)  # the last may be short

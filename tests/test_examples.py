@@ -26,7 +26,7 @@ def test_plain_loop_grows_the_batch_by_micro_batches(capsys):
     # Seesaw at ratio 1/2, final 0.1: three milestones, batch 8 -> 64 in micro-batches of 8; the
     # batch-64 step is the last and takes only the 40,000 - 36,864 tokens left: 49 sequences of 64
     for batch, micro in ((8, 1), (16, 2), (32, 4), (49, 7)):
-        assert f"batch {batch:3d} = {micro} micro-batches of 8" in out
+        assert f"batch {batch:3d} = {micro} micro-batch{'es' if micro > 1 else ''} of 8" in out
     assert "40,000 tokens in" in out
     lrs = [float(x) for x in re.findall(r"lr (\S+)\n", out)]
     assert lrs[0] == 0 and lrs[1:] == pytest.approx([2e-2 * 0.5**(k / 2) for k in (1, 2, 3)],
