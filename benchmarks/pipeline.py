@@ -4,9 +4,10 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline.py --micro-batches 4 --rounds 3   # quick
 
 One process (1 thread) runs a step of m micro-batches through the whole GPT (gradient accumulation);
-then 2 gloo ranks (1 thread each, one spawn) run the same step through a 2-stage pipeline with each
-schedule the trainer offers (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV). Per
-schedule: the median step time, its ratio to one process, and the measured bubble fraction
+2 gloo ranks (1 thread each, one spawn) run the same step through a 2-stage pipeline with each
+schedule the trainer offers (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble, ZBV); the
+one-process step is timed on rank 0 of that spawn, in the same rounds as the schedules. Per
+schedule: the median step time, its speed-up over one process (T_one / T_pp), and the measured bubble fraction
 1 - T_one / (p T_pp) (the share of a rank's step not spent on its 1/p of the work, p2p communication
 included) beside the walk's (largebatch.memory.pipeline_schedule: idle slots of torch's action lists,
 a forward, input- and weight-gradient one slot each) and the closed form (p - 1) / (V m + p - 1)
@@ -50,48 +51,60 @@ def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, args.vocab, shape, generator=gen), torch.randint(0, args.vocab, shape, generator=gen)
 
 
-def one_process_times(args) -> list[float]:
-    torch.manual_seed(0)
-    model = build_model(model_config(args))
-    idx, targets = batch(args)
-    times = []
-    for _ in range(args.rounds + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        for i in range(0, len(idx), args.micro_batch):
-            logits, _ = model(idx[i:i + args.micro_batch])
-            token_loss(logits, targets[i:i + args.micro_batch], "sum").backward()
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return times[1:]
+def one_process_step(args, model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> None:
+    """One step of m micro-batches through the whole GPT (gradient accumulation)."""
+    for i in range(0, len(idx), args.micro_batch):
+        logits, _ = model(idx[i:i + args.micro_batch])
+        token_loss(logits, targets[i:i + args.micro_batch], "sum").backward()
+    model.zero_grad(set_to_none=True)
 
 
 def pipeline_worker(args, out_dir: str) -> None:
+    """Every schedule's pipeline, and on rank 0 the whole model; then rounds that time, in turn, the
+    one-process step (rank 0 alone, rank 1 waiting at a barrier) and each schedule's step (the order
+    of the schedules turns each round), so that the peer and the pipelines see the same machine."""
     import torch.distributed as dist
 
-    results = {}
+    idx, targets = batch(args)
+    pipes = {}
     for schedule, virtual in SCHEDULES:
         state = init_distributed(ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual))
         torch.manual_seed(0)
         model = build_model(model_config(args))
         pipe = pipeline_parallelize(model, state)
-        idx, targets = batch(args)
 
-        def step():
+        def step(pipe=pipe, model=model):
             pipe.step(idx, targets, args.micro_batches, 1.0)
             for p in model.parameters():
                 p.grad = None
 
         step()  # the first step infers the stages' shapes
-        times = []
-        for _ in range(args.rounds):
+        pipes[schedule] = (virtual, model, step)
+    rank0 = dist.get_rank() == 0
+    torch.manual_seed(0)
+    whole = build_model(model_config(args)) if rank0 else None
+    if rank0:
+        one_process_step(args, whole, idx, targets)  # warm-up
+    one: list[float] = []
+    times: dict[str, list[float]] = {schedule: [] for schedule in pipes}
+    order = list(pipes)
+    for r in range(args.rounds):
+        dist.barrier()
+        if rank0:
+            t0 = time.perf_counter()
+            one_process_step(args, whole, idx, targets)
+            one.append(time.perf_counter() - t0)
+        for schedule in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier()
             t0 = time.perf_counter()
-            step()
+            pipes[schedule][2]()
             dist.barrier()  # the step ends when the last rank is done
-            times.append(time.perf_counter() - t0)
+            times[schedule].append(time.perf_counter() - t0)
+    results = {"one": one, "schedules": {}}
+    for schedule, (virtual, model, step) in pipes.items():
         _, peak = peak_saved_activation_bytes(step, model)
-        results[schedule] = {"times": times, "peak": peak, "virtual": virtual}
-    if dist.get_rank() == 0:
+        results["schedules"][schedule] = {"times": times[schedule], "peak": peak, "virtual": virtual}
+    if rank0:
         Path(out_dir, "pipeline.json").write_text(json.dumps(results))
 
 
@@ -113,22 +126,23 @@ def main() -> None:
     args = model_arguments(__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(1)
     p, m = 2, args.micro_batches
-    one = statistics.median(one_process_times(args))
     with tempfile.TemporaryDirectory() as out:
         spawn(pipeline_worker, p, args, out)
-        results = json.loads(Path(out, "pipeline.json").read_text())
+        measured = json.loads(Path(out, "pipeline.json").read_text())
+    one, results = statistics.median(measured["one"]), measured["schedules"]
     cfg = model_config(args)
     print(f"GPT {args.layers} layers x {args.width}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"m = {m} micro-batches, p = {p}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    print(f"one process: {one * 1e3:.0f} ms per step (median of {args.rounds})")
-    print(f"{'schedule':<17} {'step ms':>8} {'vs one':>7} {'bubble':>7} {'walk':>6} {'formula':>7} "
+    print(f"one process: {one * 1e3:.0f} ms per step (median of {args.rounds}, rounds interleaved with the "
+          f"pipelines'; speed-up = one-process time / pipeline time)")
+    print(f"{'schedule':<17} {'step ms':>8} {'speed-up':>8} {'bubble':>7} {'walk':>6} {'formula':>7} "
           f"{'1st-stage MiB':>13} {'walk MiB':>8} {'ratio':>6}")
     for schedule, r in results.items():
         t = statistics.median(r["times"])
         v = r["virtual"]
         formula = theoretical_bubble(schedule, p, v, m)
         walked = schedule_activation_bytes(cfg, args.micro_batch, schedule, p, v, m, dtype_bytes=4, device="cpu")
-        print(f"{schedule:<17} {t * 1e3:>8.0f} {one / t:>6.2f}x {1 - one / (p * t):>7.3f} "
+        print(f"{schedule:<17} {t * 1e3:>8.0f} {one / t:>7.2f}x {1 - one / (p * t):>7.3f} "
               f"{walk(schedule, p, v, m).bubble:>6.3f} {'-' if formula is None else f'{formula:.3f}':>7} "
               f"{r['peak'] / 2**20:>13.1f} {walked / 2**20:>8.1f} {r['peak'] / walked:>6.3f}")
 
