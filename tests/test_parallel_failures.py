@@ -150,3 +150,9 @@ def test_the_rank_that_came_late_is_told_so_and_ranks_failing_together_are_not()
             assert line.startswith("(this rank came late") and "7-8 s before its own" in line, line
         else:
             assert "none of them first: the network" in line, line
+    # pp 2 x dp 2 (stages {0, 1} and {2, 3}): rank 0's dp partner 1 is stuck; 2 and 3, the other stage,
+    # wait in a receive and have not reported yet. The line named all three as killed or stuck
+    line = _first_failure(dist.PrefixStore("pipeline", store), ParallelState(rank=0, world_size=4, pp_size=2),
+                          0.2, failed_at=now)
+    assert "ranks 1, 2, 3 of 4 reported no error" in line, line
+    assert "; 2, 3 of another pipeline stage may only be waiting on a transfer" in line, line

@@ -575,9 +575,18 @@ def _first_failure(box, state: ParallelState, wait_s: float, failed_at: float | 
     silent = [r for r in others if r not in reports]
     if silent:
         ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+        per_stage = state.world_size // max(state.pp_size, 1)  # "pp" is the mesh's outermost dimension
+        elsewhere = [r for r in silent if r // per_stage != state.pp_rank] if state.pp_size > 1 else []
+        waiting = ""
+        if elsewhere and len(elsewhere) < len(silent):  # this stage's silent ranks are the suspects
+            waiting = (f"; {', '.join(map(str, elsewhere))} of another pipeline stage may only be waiting on "
+                       "a transfer from a stuck or dead rank (each reports when its own wait times out)")
+        elif elsewhere:
+            waiting = ("; under pipeline parallel a rank of another stage may only be waiting on a transfer "
+                       "from the one that failed")
         return (f"(a collective failed or timed out: {ranks} of {state.world_size} reported no error within "
                 f"{wait_s:g} s -- killed outright (SIGKILL, e.g. by the out-of-memory killer, or a native crash: "
-                f"torchrun's summary gives the exit code) or stuck (a hang, a stopped process))")
+                f"torchrun's summary gives the exit code) or stuck (a hang, a stopped process){waiting})")
     before = [failed_at - report["time"] for report in reports.values()] if failed_at is not None else []
     if before and min(before) > LATE_S:
         return (f"(this rank came late: the collectives of every other rank had already failed, "
