@@ -82,7 +82,7 @@ class ParallelState:
     timeout_s: float = 600.0  # parallel.timeout_s: what every group of the job waits
     # gloo under pp > 1 with parallel.step_timeout_s: the pipeline's sends and receives inside a step
     # run on this copy of the "pp" group, made with step_timeout_s (gloo keeps a group's first timeout
-    # for them); ``in_step_timeout`` says when (set by set_collective_timeout's caller)
+    # for them); ``in_step_timeout`` says when (set_collective_timeout sets it)
     pp_step_group: object | None = None
     in_step_timeout: bool = False
 
@@ -353,13 +353,15 @@ def _group_options(use_cuda: bool, seconds: float) -> tuple[str, object]:
     return backend, options
 
 
-def set_collective_timeout(seconds: float) -> None:
+def set_collective_timeout(seconds: float, state: ParallelState | None = None) -> None:
     """From now on every process group of this process (the default one, the mesh's, the side
     groups) fails a collective that waits longer than ``seconds`` (``parallel.step_timeout_s`` inside
     a step, ``parallel.timeout_s`` outside). Nothing before ``init_distributed``. Not changed: a group
     that waits on purpose for longer (the data build's, ``LONG_WAIT_GROUP``), and on gloo the timeout
     of sends and receives, which stays the one the group was made with (pipeline stages switch to
     ``ParallelState.pp_step_group`` for that)."""
+    if state is not None:  # a timeout other than the job's is a step's (the pipeline's sends follow it)
+        state.in_step_timeout = seconds != state.timeout_s
     if not dist.is_available() or not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d

@@ -616,8 +616,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 # parallel.step_timeout_s from this launch's second step on, inside the step alone
                 short = step_timeout is not None and steps_here >= 1
                 if short:
-                    set_collective_timeout(step_timeout)
-                    self.par.in_step_timeout = True
+                    set_collective_timeout(step_timeout, self.par)
                 t0 = time.perf_counter()
                 try:
                     record = self.train_step()
@@ -626,8 +625,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     continue
                 finally:
                     if short:
-                        set_collective_timeout(self.cfg.parallel.timeout_s)
-                        self.par.in_step_timeout = False
+                        set_collective_timeout(self.cfg.parallel.timeout_s, self.par)
                 logs = pos.step % run.log_every_steps == 0
                 if self.device.type == "cuda" and (logs or steps_here == 0 or pos.tokens >= min(
                         pos.next_eval, pos.next_checkpoint)):
