@@ -322,9 +322,12 @@ def test_sigkilled_rank_is_named_and_the_same_command_continues_exactly(single, 
     assert victim and proc.returncode != 0
     assert re.search(r"rank\s*:\s*1\b", err), err[-2000:]  # torchrun's failure summary names it
     # rank 0, whose collective lost its peer, names the rank that reported no error (it said "look for
-    # that rank's own 'failed' line", which a killed rank never prints)
+    # that rank's own 'failed' line", which a killed rank never prints). On a loaded machine torchrun
+    # can stop rank 0 (SIGTERM, on seeing rank 1 gone) before gloo reports the lost peer: rank 0 then
+    # says it was interrupted and that the checkpoint is intact (seen once in a fresh-clone run)
     assert re.search(r"\[largebatch\] rank 0/2 [^\n]*: \(a collective failed or timed out: rank 1 of 2 reported no "
-                     r"error within 3 s -- killed outright \(SIGKILL", err), err[-3000:]
+                     r"error within 3 s -- killed outright \(SIGKILL", err) or re.search(
+        r"interrupted outside the training loop \(SIGTERM\); the newest checkpoint \S+ is intact", err), err[-3000:]
     assert not list((out / "checkpoints").glob(".*.tmp"))  # no temporary left behind
     again = _launch(o)
     stdout, err = again.communicate(timeout=300)

@@ -299,7 +299,10 @@ class RunLock:
             self._fd = None
 
     def __del__(self) -> None:  # a Trainer dropped without finishing (an exception in a library loop)
-        self.release()
+        try:
+            self.release()
+        except OSError:  # at interpreter exit after a failure the descriptor can be gone already
+            pass
 
 
 def lock_run_dir(run_dir: Path, par, shared_wait_s: float) -> RunLock | None:
