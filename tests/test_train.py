@@ -329,7 +329,30 @@ def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_pa
     capsys.readouterr()
     smaller = tiny_overrides(cache, tmp_path / "smaller", **{"model.vocab_size": 500})
     assert main(["--check", *[f"--{k}={json.dumps(v)}" for k, v in smaller.items()]]) == 2
-    assert "model.vocab_size=500 is smaller than the tokenizer's 512 ids" in capsys.readouterr().err
+    assert ("model.vocab_size=500 is smaller than data.vocab_size=512, the size the run's tokenizer is "
+            "trained to: lower data.vocab_size to 500") in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_stops_short_of_data_vocab_size_resumes(tmp_path, capsys):
+    """On a corpus too small to fill data.vocab_size the trained tokenizer has fewer ids, and the
+    run's config.toml keeps that size as model.vocab_size: ``--resume`` took data.vocab_size for the
+    tokenizer's size and refused the run's own vocabulary."""
+    from largebatch.data.corpus import shakespeare_documents
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k, document in enumerate(shakespeare_documents()[:3]):  # three openings, 1,200 characters
+        (corpus / f"play{k}.txt").write_text(document.text[:400])
+    o = tiny_overrides(tmp_path / "cache", tmp_path / "run", **{
+        "data.corpus": str(corpus), "data.vocab_size": 2048, "model.seq_len": 16, "run.total_tokens": 16 * 8 * 3,
+        "run.eval_tokens": 64, "run.eval_every_tokens": 16 * 8 * 3, "schedule.batch_policy": "constant",
+        "run.max_steps": 1})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    kept = load_config(tmp_path / "run" / "config.toml", resolve_init=False).model.vocab_size
+    assert kept < 2048  # the tokenizer stopped short
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"] == [1, 2, 3]
 
 
 def test_the_unigram_baseline_is_also_given_on_the_evaluated_tokens(reference_run):

@@ -287,11 +287,18 @@ def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
     cannot hold every id. (A token array's largest id is checked when the data is read. Tensor
     parallel takes any vocabulary: the embedding and the output layer are split unevenly over the
     ranks where tp does not divide it.)"""
+    from largebatch.data.corpus import is_token_array_path
     from largebatch.train.loop import model_vocab
 
     try:
         return model_vocab(cfg, vocab_size or cfg.data.vocab_size)
     except ValueError as exc:
+        if vocab_size is None and not is_token_array_path(cfg.data.corpus):  # a tokenizer the run trains
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}, "
+                f"the size the run's tokenizer is trained to: lower data.vocab_size to {cfg.model.vocab_size} "
+                f"(the tokenizer is then trained to that size), leave model.vocab_size out (the trainer takes "
+                f"the tokenizer's size) or set it >= {cfg.data.vocab_size} to pad the embedding") from None
         raise ConfigError(str(exc)) from None
 
 
@@ -415,11 +422,18 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     """Every check that needs no data and no model (the run directory is checked by the caller
     before it creates the directory). ``fresh``: not a ``--resume``, so ``model.init_from``'s
     weights are read and mapped now (a resume loads its checkpoint instead)."""
+    from largebatch.data.corpus import is_token_array_path
+
     check_device(cfg, distributed)
     check_optimizer(cfg)
     check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
     check_bin_dtype(cfg, vocab)
+    if vocab is None and not fresh and not is_token_array_path(cfg.data.corpus):
+        # a resumed run's trained tokenizer: the run fixed its size (config.toml's model.vocab_size, its
+        # checkpoints' rows), fewer than data.vocab_size ids on a corpus too small to fill it; the
+        # Trainer compares it with the tokenizer it builds again (rundir.keep_tokenizer)
+        vocab = cfg.model.vocab_size
     check_cache_dir(cfg)
     if fresh and cfg.model.init_from:
         from largebatch.train.hf_import import check_init
