@@ -334,3 +334,24 @@ def test_the_trainer_quiets_fsdps_view_warning_and_nothing_else():
         warnings.warn(torch_message, UserWarning)
         warnings.warn("FSDP2 requires something else", UserWarning)
     assert [str(w.message) for w in caught] == ["FSDP2 requires something else"]
+
+
+def test_shutdown_leaves_a_process_group_the_caller_made(tmp_path):
+    """``largebatch train``'s end (parallel.shutdown) destroyed the default group even when the caller
+    had made it before: its later collectives then failed. Only a group init_distributed joined is
+    left (a one-process gloo group here, made as a user's script makes it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from largebatch.parallel import shutdown
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        shutdown(ParallelState(mesh=init_device_mesh("cpu", (1,))))
+        assert dist.is_initialized()
+        total = torch.ones(2)
+        dist.all_reduce(total)  # the caller's group still works
+        assert total.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -372,3 +372,53 @@ def test_the_unigram_baseline_is_also_given_on_the_evaluated_tokens(reference_ru
     assert summary["unigram_eval_loss"] == pytest.approx(-log_p[targets].mean(), rel=1e-12)
     assert summary["unigram_eval_accuracy"] == pytest.approx((targets == counts.argmax()).mean(), rel=1e-12)
     assert summary["unigram_eval_loss"] != pytest.approx(summary["unigram_val_loss"], abs=1e-4)
+
+
+def test_run_dtype_alone_sets_the_precision_and_the_callers_state_is_left_alone(reference_run, tmp_path):
+    """From Python: a caller's ``torch.set_default_dtype(torch.float64)`` made an fp32 run train in
+    float64, and a caller's bf16 ``torch.autocast`` moved its loss by 0.24, both unsaid; a run's plots
+    switched the caller's matplotlib backend to Agg; the progress bar wrote to the stderr of import
+    time, past ``contextlib.redirect_stderr``."""
+    import contextlib
+    import io
+
+    import matplotlib
+
+    cache, _, _ = reference_run
+    plain = _run(tiny_overrides(cache, tmp_path / "plain"))
+    backend, err = matplotlib.get_backend(), io.StringIO()
+    matplotlib.use("svg")
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), contextlib.redirect_stderr(err):
+            odd = _run(tiny_overrides(cache, tmp_path / "odd", **{"run.plots": True, "run.progress": "on"}))
+            assert torch.is_autocast_enabled("cpu") and torch.get_default_dtype() == torch.float64
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        torch.set_default_dtype(torch.float32)
+        matplotlib.use(backend)
+    assert odd["final_val_loss"] == plain["final_val_loss"]
+    state = load_checkpoint(list_checkpoints(tmp_path / "odd")[-1])["model"]
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}
+    assert "% " in err.getvalue() and " tok  ETA " in err.getvalue()  # the bar, where the caller sent stderr
+    assert (tmp_path / "odd" / "loss.png").stat().st_size > 0
+
+
+def test_warning_filters_a_run_adds_are_removed_when_its_methods_return():
+    """FSDP2 with tensor parallel silences FSDP2's view warning for the trainer's blocks; the filter
+    stayed in the process after ``fit`` and silenced it for the caller's own models."""
+    import warnings
+
+    from largebatch.parallel.parallelize import FSDP_VIEW_WARNING
+    from largebatch.train.loop import _run_state
+
+    class Run:
+        quiet_view_warning = True
+
+        @_run_state
+        def fit(self):
+            return [f[1].pattern for f in warnings.filters if f[1] is not None]
+
+    before = list(warnings.filters)
+    assert FSDP_VIEW_WARNING in Run().fit()
+    assert warnings.filters == before

@@ -388,10 +388,8 @@ def test_tokens_axes_are_labelled_as_token_counts_are_written(tmp_path, monkeypa
     """A 400k-token run's loss.png printed every digit of its tokens ticks (100000150000200000...
     ran together); the tokens axes of loss.png and schedule.png now read 0, 100k, 200k, ... -- each
     tick label a count the CLI reads back as that tick's value."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     from largebatch.arguments import token_count, token_label, token_labels
     from largebatch.train import plots
@@ -408,12 +406,12 @@ def test_tokens_axes_are_labelled_as_token_counts_are_written(tmp_path, monkeypa
                 "batch_size": 8} for s in range(1, 101)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig) or close(fig))
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kw: figures.append(fig) or save(fig, *args, **kw))
     plots.plot_run(tmp_path)
     loss, schedule = figures
     for ax in (loss.axes[0], schedule.axes[0]):
-        ax.figure.canvas.draw()
+        FigureCanvasAgg(ax.figure).draw()
         ticks = [(t.get_text(), t.get_position()[0]) for t in ax.get_xticklabels() if t.get_text()]
         assert len(ticks) >= 3 and ticks[-1][1] >= 200_000, ticks
         for text, value in ticks:

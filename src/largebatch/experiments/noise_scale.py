@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import (
@@ -184,7 +184,8 @@ def findings(comparisons: list[noise_floor.Comparison], rho: noise_floor.Compari
 
 
 def plot_noise(results: list[ArmResult], path: Path) -> Path:
-    fig, (ax_noise, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    ax_noise, ax_loss = fig.subplots(1, 2)
     for i, r in enumerate(results):
         records = [t for t in r.train if t.get("noise_scale") is not None]
         tokens = [t["tokens"] for t in records]

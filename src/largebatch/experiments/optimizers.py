@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from largebatch.experiments import floor as noise_floor
 from largebatch.experiments.report import (
@@ -379,7 +379,8 @@ def findings(vs_adamw: dict[tuple[str, int], noise_floor.Comparison], degrade: d
 
 
 def plot_loss_vs_batch(best: dict[tuple[str, int], ArmResult], batches: list[int], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for i, name in enumerate(OPTIMIZERS):
         losses = [best[(name, b)].final_val_loss for b in batches]
         ax.plot(batches, losses, marker="o", color=f"C{i}", label=name)

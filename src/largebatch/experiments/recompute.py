@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure
 
 from largebatch.experiments.report import Report, finish_figure, markdown_table
 from largebatch.experiments.timing import median_ratios, time_interleaved
@@ -99,7 +99,8 @@ with 4-byte activations.""")
 
 
 def plot_policies(by_attention: dict[str, list[dict]], path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.subplots(1, 2)
     width = 0.2
     for i, (attention, rows) in enumerate(by_attention.items()):
         x = range(len(rows))

@@ -13,13 +13,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from largebatch.arguments import token_formatter  # noqa: E402
-from largebatch.checkpoint.files import atomic_write_text  # noqa: E402
+from largebatch.arguments import token_formatter
+from largebatch.checkpoint.files import atomic_write_text
 from largebatch.experiments.runner import ESCAPE_NATS, ArmResult  # noqa: E402
 
 
@@ -112,15 +109,14 @@ def finish_figure(fig, axes, path: Path, title: str | None = None, legend_axes=(
         fig.savefig(path, dpi=110)
     except OSError as exc:  # a full disk: the image writer's error names no file
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-    finally:
-        plt.close(fig)
     return path
 
 
 def plot_validation(results: list[ArmResult], path: Path, title: str) -> Path:
     """Validation loss against tokens (left) and against optimizer steps (right), one line per arm.
     Arms of the same group share a line style; colours follow the arm order within a group."""
-    fig, (ax_tokens, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig = Figure(figsize=(12, 4.5))
+    ax_tokens, ax_steps = fig.subplots(1, 2, sharey=True)
     groups = list(dict.fromkeys(r.arm.group for r in results))
     styles = ["-", "--", ":", "-."]
     colours: dict[str, int] = {}
@@ -151,7 +147,8 @@ def _set_loss_limits(ax, results: list[ArmResult]) -> None:
 
 def plot_schedules(results: list[ArmResult], path: Path, title: str) -> Path:
     """The realised learning rate and batch size against tokens, one line per arm."""
-    fig, (ax_lr, ax_batch) = plt.subplots(1, 2, figsize=(12, 4))
+    fig = Figure(figsize=(12, 4))
+    ax_lr, ax_batch = fig.subplots(1, 2)
     for i, r in enumerate(results):
         tokens = [t["tokens"] for t in r.train]
         label = f"{r.arm.group}: {r.arm.legend}" if r.arm.group else r.arm.legend

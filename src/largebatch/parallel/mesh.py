@@ -392,8 +392,9 @@ def seed_ranks(seed: int, state: ParallelState) -> int:
 
 
 def shutdown(state: ParallelState) -> None:
-    """Leave the process group (after a last barrier, so no rank exits while others still talk)."""
-    if state.distributed:
+    """Leave the process group init_distributed joined (after a last barrier, so no rank exits while
+    others still talk); a group the caller made before is left to the caller."""
+    if state.distributed and _JOINED:
         leave_process_group()
 
 

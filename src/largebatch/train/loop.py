@@ -23,11 +23,13 @@ evaluation (train.evaluate.Evaluation), and what it logs and reports (train.repo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import random
 import signal
 import time
-from contextlib import nullcontext
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +137,32 @@ def latest_any_checkpoint(run_dir: Path) -> Path | None:
     return latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
 
 
+def _run_state(method):
+    """A Trainer entry point, run in the process state the run sets and given back after:
+    ``run.dtype`` alone decides the precision (torch's default dtype float32 whatever the caller's
+    ``torch.set_default_dtype``, and a caller's ``torch.autocast`` off: the forward enters the run's
+    own), and the warning filters the run adds (``quiet_view_warning``) are removed when it returns."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        dtype = torch.get_default_dtype()
+        with warnings.catch_warnings(), contextlib.ExitStack() as outer:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    outer.enter_context(torch.autocast(device, enabled=False))
+            if getattr(self, "quiet_view_warning", False):
+                quiet_fsdp_view_warning()
+            torch.set_default_dtype(torch.float32)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                torch.set_default_dtype(dtype)
+
+    return wrapped
+
+
 class Trainer(PhaseSwitch, Evaluation, Reporting):
+    @_run_state
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=None):
         self._launch_start, self._wall_before = time.perf_counter(), 0.0  # (the run's earlier launches)
         # log: a callable taking one line; by default ConsoleLog (stdout, flushed; a closed pipe stops
@@ -169,8 +196,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
         param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
-        if self.par.dp_mode == "fsdp" and self.par.tp_size > 1:
-            quiet_fsdp_view_warning()  # (our blocks' outputs are used out of place only)
+        # FSDP2's view warning cannot apply to our blocks (their outputs are used out of place only);
+        # silenced while the trainer's own methods run (_run_state), not for the caller's models after
+        self.quiet_view_warning = self.par.dp_mode == "fsdp" and self.par.tp_size > 1
+        if self.quiet_view_warning:
+            quiet_fsdp_view_warning()
         if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP / PP: no rank holds the whole model
             model, init_log = build_on_meta(lambda: build_model(cfg.model))
             self.n_params = model.num_params()
@@ -211,8 +241,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # stages); FSDP over several replicas -> none
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par) if self.par.dp_size > 1
                                 and self.par.dp_mode == "ddp" and not self.pipeline else None)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if run.dtype == "bf16" else nullcontext())
+        # run.dtype alone sets the precision: an fp32 run also turns off an autocast its caller entered
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=run.dtype == "bf16")
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
         self.pos = Progression(next_eval=0, next_checkpoint=run.checkpoint_every_tokens or run.total_tokens)
         self._legacy_progress = False
@@ -419,6 +449,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             logits, loss_sum = self.model(inputs, targets, reduction="sum")
         return logits, loss_sum, targets
 
+    @_run_state
     def train_step(self) -> dict[str, Any]:
         """One optimizer step at the current token position; returns its log record. The loss and
         gradient norm stay device tensors (deferred.read_record reads them when the loop logs), so
@@ -548,6 +579,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         return params
 
     # ------------------------------------------------------------------------------------------
+    @_run_state
     def fit(self) -> dict[str, Any]:
         try:
             return self._fit()
@@ -671,6 +703,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+    evaluate = _run_state(Evaluation.evaluate)  # the mixins' entry points, in the run's state too
+    generate = _run_state(Reporting.generate)
 
 def _first_share(n_targets: torch.Tensor, first: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N_step / N_mb)^2: the accumulated gradient after the first micro-batch is its own mean

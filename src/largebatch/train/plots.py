@@ -82,10 +82,7 @@ def _sampled(x: list, y: list, limit: int = MAX_POINTS) -> tuple[list, list]:
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write loss.png (vs tokens and vs steps) and schedule.png (LR, batch vs tokens)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the caller's backend and figures are left alone
 
     run_dir = Path(run_dir)
     train, val = _columns(run_dir)
@@ -93,7 +90,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         return []
     out = []
     boundaries = phase_boundaries(dict(zip(TRAIN_FIELDS, values)) for values in zip(*train.values()))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
     for ax, key, label in ((axes[0], "tokens", "tokens seen"), (axes[1], "step", "optimizer step")):
         x, mean, least, greatest = _binned(train[key], train["loss"])
         if least is None:
@@ -115,10 +113,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(fig)
     out.append(run_dir / "loss.png")
 
-    fig, ax1 = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax1 = fig.subplots()
     ax1.plot(*_sampled(train["tokens"], train["lr"]), color="tab:blue")
     ax1.set_xlabel("tokens seen")
     ax1.xaxis.set_major_formatter(token_formatter())
@@ -130,6 +128,5 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax1.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "schedule.png", dpi=110)
-    plt.close(fig)
     out.append(run_dir / "schedule.png")
     return out

@@ -75,11 +75,11 @@ class Progress:
     (evaluations, checkpoints and logging happen between the steps a tokens/s measures: without the
     stretch the ETA came out 1.5-2x short on a 100,000-step run that logged every step to TensorBoard)."""
 
-    def __init__(self, total_tokens: int, enabled: bool | None = None, stream=sys.stderr,
+    def __init__(self, total_tokens: int, enabled: bool | None = None, stream=None,
                  clock=time.monotonic):
         self.total = total_tokens
-        self.stream = stream
-        self.enabled = stream.isatty() if enabled is None else enabled
+        self.stream = sys.stderr if stream is None else stream  # (read now: contextlib.redirect_stderr)
+        self.enabled = self.stream.isatty() if enabled is None else enabled
         self.clock = clock
         self._rate = None  # EMA of tokens/s
         self._last: tuple[int, float] | None = None  # (tokens, clock) at the last update
