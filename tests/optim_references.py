@@ -64,19 +64,21 @@ def lamb_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_de
 
 
 def lans_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, adapt=True,
-                   bias_correction=True):
-    """LANS, Zheng et al. 2020 Alg. 2 (docs/papers.md: optimizers)."""
+                   bias_correction=True, max_grad_norm=None):
+    """LANS, Zheng et al. 2020 Alg. 2 (docs/papers.md: optimizers); ``max_grad_norm``: the gradients
+    first divided by the global clip factor, as LAMB's."""
     b1, b2 = betas
     x = [p.detach().double().clone() for p in params]
     m = [torch.zeros_like(t) for t in x]
     v = [torch.zeros_like(t) for t in x]
     t = [0] * len(x)
     for grads in steps:
+        clip = _global_clip_factor(grads, max_grad_norm)
         for i, g in enumerate(grads):
             if g is None:
                 continue
             t[i] += 1
-            g = g.double()
+            g = g.double() / clip
             g_norm = float(g.norm())
             g_tilde = g / (g_norm + eps) if g_norm > 0 else g
             m[i] = b1 * m[i] + (1 - b1) * g_tilde
@@ -94,17 +96,18 @@ def lans_reference(params, steps, *, lr, betas=(0.9, 0.999), eps=1e-6, weight_de
 
 
 def lars_reference(params, steps, *, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8,
-                   adapt=True):
+                   adapt=True, max_grad_norm=None):
     """LARS, You, Gitman, Ginsburg 2017 Alg. 1 (docs/papers.md: optimizers). ``lr``: one value, or
-    one per step (a list)."""
+    one per step (a list); ``max_grad_norm``: the gradients first divided by the global clip factor."""
     x = [p.detach().double().clone() for p in params]
     buf = [torch.zeros_like(t) for t in x]
     for k, grads in enumerate(steps):
         lr_k = lr[k] if isinstance(lr, list) else lr
+        clip = _global_clip_factor(grads, max_grad_norm)
         for i, g in enumerate(grads):
             if g is None:
                 continue
-            g = g.double()
+            g = g.double() / clip
             x_norm, g_norm = float(x[i].norm()), float(g.norm())
             if not adapt or x_norm == 0.0 or g_norm == 0.0:
                 local = 1.0

@@ -466,6 +466,20 @@ def test_a_float64_tensor_in_a_float32_group_gets_float64_accuracy(info, path):
     assert_close(live[0], info.reference([p32], [[g[0]] for g in grads], **info.kwargs)[0], 2e-6)
 
 
+@over_cases
+def test_the_global_clip_keeps_a_float64_tensor_float64_accurate_beside_float32_ones(info, path):
+    """With ``max_grad_norm`` the clip factor scales every tensor's update; it was summed from float32
+    squares for the float32 gradients, and a float64 tensor beside them came out ~1e-10 off."""
+    (p32, p64), grads = make_problem(seed=8, shapes=((4, 5), (6,)), n_steps=3)
+    grads = [[10 * g32, 10 * g64.double()] for g32, g64 in grads]  # a global norm of ~40: clipped to 1
+    live = leaves([p32, p64.double()])
+    run(factory(info, path, max_grad_norm=1.0, eps=1.0), live, grads)
+    reference = info.reference([p32.double(), p64.double()], [[g.double() for g in step] for step in grads],
+                               **{**info.kwargs, "max_grad_norm": 1.0, "eps": 1.0})
+    assert_close(live[1], reference[1], 1e-12)
+    assert_close(live[0], reference[0].float(), 2e-6)
+
+
 # ----------------------------------------------------------------------------- 8. the torch contract
 @over_cases
 def test_step_returns_the_closure_loss(info, path):
@@ -808,3 +822,20 @@ def test_lars_warns_of_a_group_left_out_of_adaptation_at_a_lars_learning_rate():
         LARS(param_groups(model, 0.0, adapt=CATEGORIES), lr=10.0)  # every tensor adapted
         LARS(param_groups(model, 0.0), lr=0.0)  # the trainer's start: the schedule sets the LR per step
         LARS(model.parameters(), lr=10.0)
+
+
+@pytest.mark.parametrize("info,path", [case for case in CASES if case.values[1] != "fused"])
+def test_a_meta_default_device_leaves_the_step_on_the_parameters_device(info, path):
+    """Under ``torch.set_default_device("meta")`` (as a model built on meta leaves it) the step's
+    host numbers were made on the default device and could not be copied: NotImplementedError, where
+    torch.optim.AdamW steps. The result is the step taken without it."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(3, 4, generator=gen), torch.randn(6, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(2)]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    run(factory(info, path), plain, grads)
+    on_meta = [torch.nn.Parameter(v.clone()) for v in values]
+    with torch.device("meta"):
+        run(factory(info, path), on_meta, grads)
+    for p, q in zip(on_meta, plain):
+        assert p.device.type == "cpu" and torch.equal(p, q)

@@ -472,8 +472,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is None or not buckets:
             return None
         total = None
+        # beside a float64 tensor the other buckets' squares are summed in float64 too: the clip
+        # factor scales the float64 tensor's update, which keeps float64 accuracy
+        wide = any(b.grads[0].dtype == torch.float64 for b in buckets)
         for b in buckets:
-            squared = stacked_squared_norms(b.grads, self.foreach)  # (n,)
+            grads = [g.double() for g in b.grads] if wide and b.grads[0].dtype != torch.float64 else b.grads
+            squared = stacked_squared_norms(grads, self.foreach)  # (n,)
             reduce = self._reduction(b)
             part = (squared if reduce is None else reduce(squared, b.x)).double().sum()
             total = part if total is None else total + part.to(total.device)

@@ -41,7 +41,7 @@ CPU_FLAT_BUCKET_ELEMENTS = 1 << 15
 
 def device_tensor(rows: list, like: Tensor) -> Tensor:
     """Host numbers as a tensor on ``like``'s device and dtype, copied without a host sync."""
-    host = torch.tensor(rows, dtype=like.dtype)
+    host = torch.tensor(rows, dtype=like.dtype, device="cpu")  # not torch's default device
     if like.device.type == "cuda":
         return host.pin_memory().to(like.device, non_blocking=True)
     return host.to(like.device)
