@@ -177,3 +177,43 @@ def test_a_number_where_the_lr_schedule_belongs_is_named(build):
     ('float' object has no attribute 'total_tokens'); Seesaw already named it."""
     with pytest.raises(TypeError, match=r"lr_schedule=0.0003 must be an LR schedule"):
         build(3e-4)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda lr: PiecewiseBatch(lr, [(0, 8, 1)]), ValueError,
+     "table row (0, 8, 1) is not a (start_tokens, batch_size) pair; e.g. table=[(0, 64), (500_000, 128)]"),
+    (lambda lr: PiecewiseBatch(lr, [8]), ValueError, "table row 8 is not a (start_tokens, batch_size) pair"),
+    (lambda lr: PiecewiseBatch(lr, [(0, 8), "ab"]), ValueError, "table row 'ab' is not a (start_tokens, batch"),
+    (lambda lr: PiecewiseBatch(lr, 8), TypeError, "table=8 is a int, not a list of (start_tokens, batch_size) rows"),
+    (lambda lr: ConstantBatch(lr, 64).load_state_dict({"kind": "ConstantBatch"}), ValueError,
+     "checkpoint schedule state has config=None (keys: ['kind']): not a state_dict() of a ConstantBatch"),
+    (lambda lr: ConstantBatch(lr, 64).load_state_dict(None), TypeError, "state=None is a NoneType, not the dict"),
+])
+def test_a_malformed_argument_is_named_not_a_raw_python_error(make, error, message):
+    """A table row of three or a bare number raised "too many values to unpack" / "cannot unpack
+    non-iterable int object"; a state without its config a bare KeyError('config')."""
+    with pytest.raises(error) as err:
+        make(Cosine(1e-3, 10**6, 1000, 0.1))
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda lr: ConstantBatch(lr, 64, total_tokens=1000.5), "total_tokens=1000.5 must be a whole number of "
+     "tokens (the budget's optimizer steps are counted from it), e.g. total_tokens=1000"),
+    (lambda lr: LinearRamp(lr, 8, 8, 1000.7, 64), "ramp_tokens=1000.7 must be a whole number of tokens, "
+     "e.g. ramp_tokens=1001"),
+    (lambda lr: next(ConstantBatch(lr, 64).steps(16, 100.5)), "tokens_seen=100.5 must be a whole number"),
+    (lambda lr: ConstantBatch(lr, 64).plan(100.5, 16), "tokens_seen=100.5 must be a whole number"),
+])
+def test_a_fractional_token_count_is_refused_not_truncated(make, message):
+    """ConstantBatch(total_tokens=1000.5) ran a budget of 1000, LinearRamp(ramp_tokens=1000.7) a ramp of 1000,
+    steps(tokens_seen=100.5) a plan at token 100 with the LR of token 100.5. Whole floats stay accepted."""
+    base = Cosine(1e-3, 10**6, 1000, 0.1)
+    with pytest.raises(ValueError) as err:
+        make(base)
+    assert str(err.value).startswith(message)
+    assert ConstantBatch(base, 64, total_tokens=5e5).total_tokens == 500_000
+    ramp = LinearRamp(base, 8, 8, 1e4, 64)
+    assert ramp.ramp_tokens == 10_000 and type(ramp.ramp_tokens) is int
+    step = next(ConstantBatch(base, 64).steps(16, 100.0))
+    assert step.tokens_seen == 100 and step.lr == pytest.approx(1e-3 * 100 / 1000, rel=1e-12)

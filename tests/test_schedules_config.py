@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from largebatch.schedules import (
+    WSD,
     ConstantBatch,
     Cosine,
     LinearRamp,
@@ -467,3 +468,60 @@ def test_cli_reads_a_train_config_as_the_trainer_does(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err, (argv, err)
+
+
+def test_wsd_cooldown_at_its_documented_bound_is_accepted_at_every_budget(capsys):
+    """schedule.wsd_cooldown = 1 - warmup is documented as allowed; at 206,075 tokens (warmup 0.1) the CLI
+    refused it ("schedule: cooldown_fraction=0.9 starts the cooldown at token 20607, inside the warmup
+    (20608 tokens)"): the two roundings differed by one token. Random budgets and shares: none refused."""
+    argv = ["--run.total_tokens", "206075", "--model.seq_len", "1", "--schedule.batch_size", "1",
+            "--schedule.lr_schedule", "wsd", "--schedule.warmup", "0.1", "--schedule.wsd_cooldown", "0.9"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "20,608        206,075  3.000e-04  3.000e-05" in out  # the cooldown starts at the warmup's end
+    rng = __import__("random").Random(3)
+    for _ in range(3000):
+        share, total = round(rng.uniform(0.01, 0.9), rng.choice([1, 2, 3])), rng.randint(10, 10**6)
+        schedule = ScheduleConfig(lr_schedule="wsd", warmup=share, wsd_cooldown=1 - share).build_lr(total)
+        assert schedule.warmup_tokens == round(share * total), (share, total)
+        assert schedule.cooldown_start - schedule.warmup_tokens in (0, 1), (share, total)  # both rounded
+    with pytest.raises(ValueError, match=r"schedule.wsd_cooldown = 0.91: must lie in \(0, 1 - warmup = 0.9\]"):
+        ScheduleConfig(lr_schedule="wsd", warmup=0.1, wsd_cooldown=0.91).build_lr(206_075)
+    from largebatch.schedules.config import _named_once  # the class's message, as the config names it
+
+    with pytest.raises(ValueError) as err:
+        WSD(3e-4, 1000, 101, 0.1, cooldown_fraction=0.9)  # a real overlap (one whole token): refused
+    assert _named_once(str(err.value)).startswith("schedule.wsd_cooldown=0.9 starts the cooldown at token 100, "
+                                                  "inside the warmup (101 tokens)")
+
+
+def test_the_schedule_command_refuses_a_field_of_another_policy_as_train_does(tmp_path, capsys):
+    """`largebatch schedule` never asked unread_fields_problem(), so it printed a table for a config that
+    `largebatch train --check` refuses (schedule.alpha under batch_policy constant, silently ignored).
+    Refused now with the trainer's message and exit code 2; a phase of [[phases]] is not checked, as the
+    trainer does not check one."""
+    from largebatch.train.config import load_config
+    from largebatch.typed_config import ConfigError
+
+    config = tmp_path / "unread.toml"
+    config.write_text("[schedule]\nbatch_policy = 'constant'\nalpha = 2.0\nbatch_size = 8\n"
+                      "[run]\ntotal_tokens = 20000\nmicro_batch = 4\n[model]\nseq_len = 32\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    message = ("schedule.alpha = 2.0: only batch_policy seesaw-family reads it, and this run's is 'constant'; "
+               "omit it, or choose that policy")
+    assert str(err.value) == message
+    for argv in (["--config", str(config)],
+                 ["--run.total_tokens", "1e6", "--model.seq_len", "16", "--schedule.alpha", "2"]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"largebatch schedule: error: {message}\n" and captured.out == "", argv
+    assert main(["--run.total_tokens", "1e6", "--model.seq_len", "16", "--schedule.ramp_start", "8"]) == 2
+    assert "schedule.ramp_start = 8: only batch_policy ramp reads it" in capsys.readouterr().err
+    phased = tmp_path / "phased.toml"
+    phased.write_text("[model]\nseq_len = 32\n[schedule]\nbatch_policy = 'seesaw-family'\nalpha = 2.0\n"
+                      "beta = 1.0\nbatch_size = 8\n[[phases]]\nseq_len = 32\ntotal_tokens = 20000\n"
+                      "[[phases]]\nseq_len = 32\ntotal_tokens = 20000\n[phases.schedule]\nbatch_policy = 'constant'\n")
+    load_config(phased)  # the trainer takes it
+    assert main(["--config", str(phased), "--phase", "1"]) == 0
+    assert "base (cosine, constant batch 8)" in capsys.readouterr().out

@@ -156,3 +156,53 @@ def test_lr_batch_coupling_policies():
     assert scale_lr_for_batch(1e-3, 1024, 256, "linear") == pytest.approx(4e-3)
     assert scale_lr_for_batch(1e-3, 1024, 256, "sqrt") == pytest.approx(2e-3)
     assert scale_lr_for_batch(1e-3, 64, 256, "sqrt") == pytest.approx(5e-4)
+
+
+def test_a_wsd_cooldown_that_rounds_to_no_token_is_refused_and_a_span_of_none_holds_until_it():
+    """WSD(3e-4, 1e6, 1e5, 0.1, cooldown_fraction=1e-7) put its cooldown start on the last token, and
+    the progress through a span of no token was 1 everywhere: the LR was final_lr over the whole
+    stable phase. Such a cooldown (0.1 token) is refused; progress through an empty span is 0 before it."""
+    with pytest.raises(ValueError, match=re.escape(
+            "cooldown_fraction=1e-07 is 0.1 tokens of the 1,000,000-token budget, which rounds to no token: "
+            "there would be no cooldown; raise it to at least 1 / total_tokens = 1e-06")):
+        WSD(3e-4, TOTAL, WARMUP, 0.1, cooldown_fraction=1e-7)
+    shortest = WSD(3e-4, TOTAL, WARMUP, 0.1, cooldown_fraction=1e-6)  # the suggested fix: one token
+    assert shortest.cooldown_start == TOTAL - 1
+    assert [shortest(t) for t in (WARMUP, 500_000, TOTAL - 1)] == [3e-4, 3e-4, 3e-4]
+    assert shortest(TOTAL) == pytest.approx(3e-5, rel=1e-12)
+    cosine = Cosine(PEAK, TOTAL, WARMUP, FRACTION)
+    assert [cosine._progress(t, TOTAL) for t in (0, WARMUP, TOTAL - 1, TOTAL, TOTAL + 5)] == [0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("total, share", [(206_075, 0.1), (653_625, 0.22), (87_500, 0.293), (1015, 0.1)])
+def test_a_wsd_cooldown_of_one_minus_the_warmup_share_starts_at_the_warmups_end(total, share):
+    """cooldown_fraction = 1 - warmup share (the documented bound of schedule.wsd_cooldown) was refused at
+    these budgets: round(206,075 * (1 - 0.9)) = 20,607 (1 - 0.9 is 0.09999999999999998) fell one token
+    inside the warmup round(0.1 * 206,075) = 20,608 (half to even). A start inside the warmup by rounding
+    alone (< 1 token) is moved to the warmup's end; a real overlap is still refused."""
+    warmup = round(share * total)
+    assert round(total * (1 - (1 - share))) == warmup - 1  # the case: one token apart by rounding
+    schedule = WSD(PEAK, total, warmup, FRACTION, cooldown_fraction=1 - share)
+    assert schedule.cooldown_start == warmup and schedule(warmup) == PEAK
+    for t in (warmup + 1, (warmup + total) // 2, total - 1):  # linear from the warmup's end, float64
+        assert schedule(t) == pytest.approx(PEAK + (FINAL - PEAK) * (t - warmup) / (total - warmup), rel=1e-12)
+    with pytest.raises(ValueError, match=r"cooldown_fraction=0.9 starts the cooldown at token 100, inside the "
+                                         r"warmup \(101 tokens\); shorten the warmup or the cooldown"):
+        WSD(PEAK, 1000, 101, FRACTION, cooldown_fraction=0.9)  # exactly one token of overlap: refused
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Cosine(PEAK, TOTAL, 10.5), "warmup_tokens=10.5 must be a whole number of tokens, e.g. warmup_tokens=10"),
+    (lambda: WarmupHoldPolynomial(PEAK, TOTAL, WARMUP, 0.0, hold_tokens=1000.7),
+     "hold_tokens=1000.7 must be a whole number of tokens, e.g. hold_tokens=1001"),
+    (lambda: Cosine(PEAK, 1000.5, 100), "total_tokens=1000.5 must be a whole number of tokens (the budget's "
+                                        "optimizer steps are counted from it), e.g. total_tokens=1000"),
+])
+def test_a_fractional_token_count_is_refused(make, message):
+    """Cosine(warmup_tokens=10.5) was accepted and its phase table ended the warmup at token 10.5; the docs
+    promise a fractional token count is refused. A whole count written as a float stays accepted."""
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == message
+    held = WarmupHoldPolynomial(PEAK, 1e6, 1e5, 0.0, hold_tokens=2e5)
+    assert (held.warmup_tokens, held.hold_tokens) == (100_000, 200_000) and type(held.hold_tokens) is int

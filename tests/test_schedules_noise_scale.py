@@ -84,3 +84,25 @@ def test_b_simple_undefined_while_grad_estimate_is_not_positive():
     estimator = NoiseScale(0.0)
     estimator.update(1.0, 1, 1.0, 2)  # no drop with batch: tr(Sigma) estimate 0
     assert estimator.b_simple is None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: NoiseScale("0.9"), "ema_decay='0.9' is a str, not a number; pass a number, e.g. ema_decay=0.9"),
+    (lambda: NoiseScale().update("1", 1, 0.5, 2), "small_sq_norm='1' is a str, not a number"),
+    (lambda: NoiseScale().update(1.0, 1, "0.5", 2), "big_sq_norm='0.5' is a str, not a number"),
+])
+def test_a_string_argument_is_a_type_error_naming_it(make, message):
+    """NoiseScale("0.9") raised "'<=' not supported between instances of 'int' and 'str'", and update()
+    parsed strings as numbers (float("1"))."""
+    with pytest.raises(TypeError) as err:
+        make()
+    assert str(err.value).startswith(message)
+    # a 0-d tensor and a numpy scalar stay numbers: |G|^2 = (2 * 0.75 - 1) / 1, tr = 0.25 / (1 - 1/2)
+    assert NoiseScale().update(torch.tensor(1.0), 1, np.float64(0.75), 2) == pytest.approx(0.5 / 0.5)
+
+
+def test_a_state_without_its_fields_is_named():
+    """(It raised a bare KeyError('ema_decay').)"""
+    with pytest.raises(ValueError, match=r"noise-scale state=\{'updates': 3\} lacks ema_decay, "
+                                         r"ema_trace_covariance, ema_grad_sq_norm: it is not a NoiseScale"):
+        NoiseScale().load_state_dict({"updates": 3})

@@ -7,7 +7,17 @@ import re
 
 import pytest
 
-from largebatch.schedules import ConstantBatch, Cosine, Seesaw, SeesawFamily, SmithRamp, count_optimizer_steps
+from largebatch.schedules import (
+    Constant,
+    ConstantBatch,
+    Cosine,
+    InverseSqrt,
+    Seesaw,
+    SeesawFamily,
+    SmithRamp,
+    WarmupHoldPolynomial,
+    count_optimizer_steps,
+)
 
 PEAK = 1.0
 
@@ -320,3 +330,38 @@ def test_seesaw_on_an_inverse_sqrt_base_cuts_where_its_lr_crosses_each_level():
     schedule = Seesaw(base, batch_size=8, ratio=r)
     assert [schedule.batch_size(t + 1) for t in expected] == [16, 32, 64]
     assert [schedule.lr(t + 1) for t in expected] == pytest.approx([3e-4 * math.sqrt(r) ** k for k in (1, 2, 3)])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Cosine(PEAK, 10**6, 1000, 1.0), "base Cosine has final_lr=1.0: it ends at its peak LR and never "
+     "falls, so there is no milestone to place; set final_lr below 1, e.g. 0.1"),
+    (lambda: WarmupHoldPolynomial(PEAK, 10**6, 1000, 0.0), "base WarmupHoldPolynomial (LANS) decays to 0 and "
+     "takes no other final_lr: milestones are placed down to the base's end LR, so they would never end; use a "
+     "base that ends above 0: Cosine, LinearDecay or WSD with final_lr in (0, 1), e.g. 0.1, or InverseSqrt "
+     "with total_tokens"),
+    (lambda: InverseSqrt(PEAK, None, 1000), "base InverseSqrt has total_tokens=None: milestones are placed down "
+     "to its LR at the end of a token budget, and it has none; give it total_tokens (the run's budget)"),
+    (lambda: Constant(PEAK, 10**6, 1000), "base Constant: its LR never falls, so there is no milestone to place"),
+    (lambda: Constant(PEAK, 10**6, 1000, 0.1), "base Constant: its LR never falls"),
+    (lambda: Cosine(PEAK, 10**6, 1000, 0.0), "base Cosine has final_lr=0.0: it ends at LR 0"),
+])
+def test_a_base_without_milestones_is_refused_with_its_cause_and_a_fix_that_works(make, message):
+    """final_lr=1 was blamed on the ratio with the empty range "(1, 1]"; LANS, Constant and a budget-less
+    InverseSqrt were told "set final_lr, e.g. 0.1", which LANS refuses, Constant ignores and InverseSqrt
+    does not read. Each fix named is checked to be accepted."""
+    with pytest.raises(ValueError) as err:
+        Seesaw(make(), 8, 0.5)
+    assert str(err.value).startswith(message)
+    fixed = {"Cosine": Cosine(PEAK, 10**6, 1000, 0.1), "InverseSqrt": InverseSqrt(PEAK, 10**6, 1000)}
+    for base in fixed.values():
+        assert len(Seesaw(base, 8, 0.5).milestones) >= 1
+
+
+def test_observe_noise_scale_names_a_string_b_simple():
+    """observe_noise_scale(0, "5") raised TypeError("must be real number, not str")."""
+    schedule = Seesaw(Cosine(PEAK, 10**6, 10**5, 0.1), 8, 0.5, noise_scale_multiple=1.0)
+    with pytest.raises(TypeError, match=re.escape("b_simple='5' is a str, not a number; pass a number, "
+                                                  "e.g. b_simple=5")):
+        schedule.observe_noise_scale(0, "5")
+    schedule.observe_noise_scale(0, 3.0)
+    assert schedule.noise_cap_log == [(0, 3.0)]

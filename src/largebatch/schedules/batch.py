@@ -28,10 +28,10 @@ import bisect
 import math
 import numbers
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from largebatch.schedules.lr import Constant, LRSchedule, check_tokens, upgrade_lr_state
+from largebatch.schedules.lr import Constant, LRSchedule, check_tokens, check_whole_tokens, upgrade_lr_state
 
 
 def check_batch_size(batch_size: int, micro_batch: int = 1, dp_size: int = 1,
@@ -161,6 +161,7 @@ class JointSchedule:
         """The optimizer step that starts at ``tokens_seen``: batch size, micro-batches, LR (the last
         step trimmed to the budget, see ``step_batch``)."""
         check_batch_size(seq_len, name="seq_len")
+        tokens_seen = check_whole_tokens(tokens_seen, "tokens_seen")
         batch = self.step_batch(tokens_seen, seq_len)
         per_rank = -(-batch // (self.micro_batch * self.dp_size))
         return StepPlan(int(tokens_seen), batch, self.micro_batch, per_rank, self.lr(tokens_seen),
@@ -172,7 +173,7 @@ class JointSchedule:
         Each plan is computed when the loop asks for it, so an ``observe_noise_scale`` made during
         a step shapes the next one. They are the steps ``count_optimizer_steps`` counts."""
         check_batch_size(seq_len, name="seq_len")
-        check_tokens(tokens_seen, "tokens_seen")
+        tokens_seen = check_whole_tokens(tokens_seen, "tokens_seen")
         while tokens_seen < self.total_tokens:
             step = self.plan(tokens_seen, seq_len)
             yield step
@@ -204,9 +205,16 @@ class JointSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Check that ``state`` came from a schedule built the same way; restore its record."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state={state!r} is a {type(state).__name__}, not the dict a schedule's "
+                            "state_dict() returns; pass that dict (as saved with the checkpoint)")
         if state.get("kind") != type(self).__name__:
             raise ValueError(f"checkpoint schedule kind={state.get('kind')!r} does not match this "
                              f"{type(self).__name__}; resume with the same [schedule] config")
+        if not isinstance(state.get("config"), Mapping):
+            raise ValueError(f"checkpoint schedule state has config={state.get('config')!r} (keys: "
+                             f"{sorted(state)}): not a state_dict() of a {type(self).__name__}, which holds "
+                             "its constructor arguments there; resume from the state this schedule saved")
         mine, saved_config = self._config(), dict(state["config"])
         if "lr_schedule" in saved_config:
             saved_config["lr_schedule"] = upgrade_lr_state(saved_config["lr_schedule"],
@@ -253,7 +261,7 @@ def _resolve_total(lr_schedule: LRSchedule, total_tokens: int | None) -> int:
     total = lr_schedule.total_tokens if total_tokens is None else total_tokens
     if total is None:
         raise ValueError(f"total_tokens is required: {type(lr_schedule).__name__} has no budget")
-    check_tokens(total, "total_tokens")
+    total = check_whole_tokens(total, "total_tokens", " (the budget's optimizer steps are counted from it)")
     if total <= 0:
         raise ValueError(f"total_tokens={total} must be positive")
     lr_total = lr_schedule.total_tokens
@@ -314,12 +322,12 @@ class LinearRamp(_PlainLR):
         if batch_size < start_batch or (batch_size - start_batch) % increment:
             raise ValueError(f"batch_size - start_batch = {batch_size - start_batch} must be a "
                              f"non-negative multiple of increment={increment}")
-        check_tokens(ramp_tokens, "ramp_tokens")
+        ramp_tokens = check_whole_tokens(ramp_tokens, "ramp_tokens")
         if not 0 < ramp_tokens <= self.total_tokens:
             raise ValueError(f"ramp_tokens={ramp_tokens} must lie in (0, total_tokens="
                              f"{self.total_tokens}]")
         self.start_batch, self.increment, self.final_batch = start_batch, increment, batch_size
-        self.ramp_tokens = int(ramp_tokens)
+        self.ramp_tokens = ramp_tokens
         self.increments = (batch_size - start_batch) // increment
 
     def batch_size(self, tokens: float) -> int:
@@ -349,9 +357,17 @@ class PiecewiseBatch(_PlainLR):
                  micro_batch: int = 1, dp_size: int = 1, total_tokens: int | None = None):
         self.lr_schedule, self.micro_batch, self.dp_size = lr_schedule, micro_batch, dp_size
         self.total_tokens = _resolve_total(lr_schedule, total_tokens)
+        example = "e.g. table=[(0, 64), (500_000, 128)]"
+        if isinstance(table, (str, bytes, Mapping)) or not isinstance(table, Iterable):
+            raise TypeError(f"table={table!r} is a {type(table).__name__}, not a list of (start_tokens, "
+                            f"batch_size) rows; {example}")
         rows = []
-        for start, batch in table:  # checked before any int(): 12.7 must not become 12
-            check_tokens(start, "table start")
+        for row in table:
+            pair = () if isinstance(row, (str, bytes, Mapping)) or not isinstance(row, Iterable) else tuple(row)
+            if len(pair) != 2:
+                raise ValueError(f"table row {row!r} is not a (start_tokens, batch_size) pair; {example}")
+            start, batch = pair
+            check_tokens(start, "table start")  # checked before any int(): 12.7 must not become 12
             if isinstance(start, bool) or not float(start).is_integer():
                 raise ValueError(f"table start {start!r} must be a whole number of tokens")
             check_batch_size(batch, micro_batch, dp_size, name=f"table batch at token {start}")

@@ -107,17 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: int, dp: int,
          path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure  # not pyplot: a caller's backend and figures are left alone
 
     schedule = config.build(total_tokens, seq_len, micro_batch, dp)
     base = config.build_base(total_tokens, micro_batch, dp)
     tokens = np.unique(np.concatenate([np.linspace(0, total_tokens - 1, 2000),
                                        np.array(schedule.breakpoints(), dtype=float)]))
-    fig, (ax_lr, ax_batch) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    fig = Figure(figsize=(8, 6))
+    ax_lr, ax_batch = fig.subplots(2, 1, sharex=True)
     for sched, name, style in ((base, "base", "--"), (schedule, config.batch_policy, "-")):
         ax_lr.plot(tokens, [sched.lr(t) for t in tokens], style, label=name, drawstyle="steps-post")
         ax_batch.plot(tokens, [sched.batch_size(t) for t in tokens], style, label=name,
@@ -130,7 +128,6 @@ def plot(config: ScheduleConfig, total_tokens: int, seq_len: int, micro_batch: i
     ax_lr.set_title(f"{config.lr_schedule} / {config.batch_policy}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def from_train_config(args: argparse.Namespace) -> dict:
@@ -189,6 +186,10 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"--plot {args.plot!r} needs matplotlib, part of the [train] extra: pip "
                                  "install 'largebatch[train]', or leave --plot out for the table alone")
         text = config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp)
+        # refused as `largebatch train --check` refuses it; not for a phase of [[phases]] (--phase), which
+        # may change the policy and inherit fields set for another phase's, as the trainer takes it
+        if args.phase is None and (problem := config.unread_fields_problem()) is not None:
+            raise ValueError(problem)
         if args.plot is not None:  # drawn before the table is printed: `| head` must not lose it
             try:
                 plot(config, args.total_tokens, args.seq_len, args.micro_batch, args.dp, args.plot)

@@ -378,7 +378,7 @@ class ScheduleConfig:
 
 
 # a schedule class's argument -> the config field it comes from, where the names differ
-CLASS_ARGUMENTS = {"start_batch": "ramp_start"}
+CLASS_ARGUMENTS = {"start_batch": "ramp_start", "cooldown_fraction": "wsd_cooldown"}
 
 
 def _named_once(message: str) -> str:

@@ -81,6 +81,29 @@ def check_tokens(tokens: float, name: str = "tokens") -> float:
     return tokens
 
 
+def check_whole_tokens(tokens, name: str, why: str = "") -> int:
+    """``check_tokens``, and a whole number: a float such as 1e9 becomes the int it writes; a fractional
+    count (1000.5) is refused naming ``name`` (``why``: what the count is for, in the message)."""
+    if isinstance(tokens, bool):
+        raise TypeError(f"{name}={tokens!r} is a bool, not a number of tokens")
+    check_tokens(tokens, name)
+    value = float(tokens)
+    if not value.is_integer():
+        raise ValueError(f"{name}={tokens!r} must be a whole number of tokens{why}, e.g. {name}={round(value)}")
+    return tokens if isinstance(tokens, numbers.Integral) else int(value)
+
+
+def as_real(value, name: str) -> float:
+    """``float(value)`` for a real number or a 0-d tensor of one; a TypeError naming ``name`` for a
+    string, a bool or anything else (``float("5")`` would quietly parse a string)."""
+    if isinstance(value, (str, bytes, bool)):
+        raise _not_a_number(value, name)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise _not_a_number(value, name) from None
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """Shared fields and validation; subclasses implement ``_decay(tokens)`` after warmup.
@@ -109,17 +132,12 @@ class LRSchedule:
             if isinstance(value, bool) or (value is None and name == "warmup_tokens"):
                 raise TypeError(f"{name}={value!r} is not a number of tokens (0: no warmup)"
                                 if value is None else f"{name}={value!r} is a bool, not a number of tokens")
-            if value is not None:
-                check_tokens(value, name)
-            if isinstance(value, float) and value.is_integer():  # 1e9 as Python writes it: a whole count
-                object.__setattr__(self, name, int(value))
+            if value is not None:  # 1e9 as Python writes it is a whole count; 1000.5 is refused
+                why = " (the budget's optimizer steps are counted from it)" if name == "total_tokens" else ""
+                object.__setattr__(self, name, check_whole_tokens(value, name, why))
         if self.needs_total and self.total_tokens is None:
             raise ValueError(f"{type(self).__name__} needs total_tokens (the token budget)")
         if self.total_tokens is not None:
-            if isinstance(self.total_tokens, float):
-                raise ValueError(f"total_tokens={self.total_tokens!r} must be a whole number of tokens "
-                                 f"(the budget's optimizer steps are counted from it), e.g. "
-                                 f"{round(self.total_tokens)}")
             if self.warmup_tokens >= self.total_tokens:
                 raise ValueError(
                     f"warmup_tokens={self.warmup_tokens} must be shorter than total_tokens="
@@ -140,9 +158,12 @@ class LRSchedule:
         raise NotImplementedError
 
     def _progress(self, tokens: float, start: float) -> float:
-        """Fraction of the way from ``start`` to ``total_tokens``, clamped to [0, 1]."""
+        """Fraction of the way from ``start`` to ``total_tokens``, clamped to [0, 1] (a span of no
+        token: 0 before ``start``, 1 from it on)."""
         span = self.total_tokens - start
-        return min(1.0, max(0.0, (tokens - start) / span)) if span > 0 else 1.0
+        if span <= 0:
+            return 0.0 if tokens < start else 1.0
+        return min(1.0, max(0.0, (tokens - start) / span))
 
     def breakpoints(self) -> list[int]:
         """Token counts where the formula changes (phase-table boundaries), excluding 0 and T."""
@@ -199,15 +220,26 @@ class WSD(LRSchedule):
             raise ValueError("shape='exponential' needs final_lr > 0 (it decays geometrically)")
         if not 0 < self.cooldown_fraction <= 1:
             raise ValueError(f"cooldown_fraction={self.cooldown_fraction!r} must lie in (0, 1]")
+        if self.cooldown_start >= self.total_tokens:
+            raise ValueError(
+                f"cooldown_fraction={self.cooldown_fraction!r} is {self.cooldown_fraction * self.total_tokens:.3g} "
+                f"tokens of the {self.total_tokens:,}-token budget, which rounds to no token: there would be "
+                f"no cooldown; raise it to at least 1 / total_tokens = {1 / self.total_tokens:.3g}")
         if self.cooldown_start < self.warmup_tokens:
             raise ValueError(
                 f"cooldown_fraction={self.cooldown_fraction} starts the cooldown at token "
                 f"{self.cooldown_start}, inside the warmup ({self.warmup_tokens} tokens); "
-                "shorten the warmup or the cooldown")
+                f"shorten the warmup or the cooldown (cooldown_fraction <= 1 - warmup_tokens / total_tokens "
+                f"= {1 - self.warmup_tokens / self.total_tokens:.6g})")
 
     @property
     def cooldown_start(self) -> int:
-        return round(self.total_tokens * (1 - self.cooldown_fraction))
+        """The first token of the cooldown, ``round(total_tokens * (1 - cooldown_fraction))``; one that
+        rounding alone puts inside the warmup (less than a token before its end: a cooldown_fraction of
+        1 - warmup share, as a config's fractions give) starts at the warmup's end instead."""
+        exact = self.total_tokens * (1 - self.cooldown_fraction)
+        start = round(exact)
+        return self.warmup_tokens if start < self.warmup_tokens and self.warmup_tokens - exact < 1 else start
 
     def _decay(self, tokens: float) -> float:
         s = self._progress(tokens, self.cooldown_start)
@@ -234,7 +266,7 @@ class WarmupHoldPolynomial(LRSchedule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_tokens(self.hold_tokens, "hold_tokens")
+        object.__setattr__(self, "hold_tokens", check_whole_tokens(self.hold_tokens, "hold_tokens"))
         check_number(self.power, "power")
         if self.final_lr != 0:
             raise ValueError(f"final_lr={self.final_lr!r}: LANS's polynomial decay ends at 0")

@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 import numbers
 
+from largebatch.schedules.lr import as_real, check_number
+
 
 def _as_float(value, name: str) -> float:
-    value = float(value)  # accepts 0-d tensors
+    value = as_real(value, name)  # accepts 0-d tensors; a string is a TypeError naming it
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be a finite squared norm >= 0")
     return value
@@ -33,6 +35,7 @@ class NoiseScale:
     """Running estimate of B_simple; ``ema_decay`` in [0, 1) smooths each half separately."""
 
     def __init__(self, ema_decay: float = 0.95):
+        check_number(ema_decay, "ema_decay")
         if not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} must lie in [0, 1) (0 = no smoothing)")
         self.ema_decay = ema_decay
@@ -84,6 +87,11 @@ class NoiseScale:
                 "ema_grad_sq_norm": self.ema_grad_sq_norm, "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
+        keys = ("ema_decay", "ema_trace_covariance", "ema_grad_sq_norm", "updates")
+        missing = [key for key in keys if key not in state] if isinstance(state, dict) else list(keys)
+        if missing:
+            raise ValueError(f"noise-scale state={state!r} lacks {', '.join(missing)}: it is not a "
+                             "NoiseScale.state_dict(); load the one saved with the checkpoint")
         if state["ema_decay"] != self.ema_decay:
             raise ValueError(f"checkpoint has ema_decay={state['ema_decay']!r} but this NoiseScale "
                              f"has ema_decay={self.ema_decay!r}; build it with the saved value")

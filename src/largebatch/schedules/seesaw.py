@@ -45,7 +45,7 @@ import bisect
 import math
 
 from largebatch.schedules.batch import JointSchedule, check_batch_size, round_down_to_multiple
-from largebatch.schedules.lr import LRSchedule, check_number, check_tokens
+from largebatch.schedules.lr import Constant, LRSchedule, WarmupHoldPolynomial, as_real, check_number, check_tokens
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> float:
@@ -69,6 +69,33 @@ def largest_ratio(final_lr: float) -> float:
     return math.floor(final_lr ** (1 / MAX_MILESTONES) * 1e6) / 1e6
 
 
+def check_base(base: LRSchedule) -> None:
+    """Refuse a base schedule on which no milestone can be placed, naming the cause and a fix that works
+    for it: milestones are where its LR has fallen by the ratio again, down to its LR at the end of its
+    budget, so it needs a budget and an end LR strictly between 0 and its peak."""
+    kind = type(base).__name__
+    decaying = "Cosine, LinearDecay or WSD with final_lr in (0, 1), e.g. 0.1, or InverseSqrt with total_tokens"
+    if isinstance(base, Constant):
+        raise ValueError(f"base {kind}: its LR never falls, so there is no milestone to place (whatever its "
+                         f"final_lr); use a base that decays: {decaying}")
+    if base.total_tokens is None:
+        raise ValueError(f"base {kind} has total_tokens=None: milestones are placed down to its LR at the end "
+                         "of a token budget, and it has none; give it total_tokens (the run's budget)")
+    if isinstance(base, WarmupHoldPolynomial):
+        raise ValueError(f"base {kind} (LANS) decays to 0 and takes no other final_lr: milestones are placed "
+                         f"down to the base's end LR, so they would never end; use a base that ends above 0: "
+                         f"{decaying}")
+    if base.end_lr <= 0:
+        raise ValueError(
+            f"base {kind} has final_lr={base.final_lr}: it ends at LR 0, and k_max = floor(log(final_lr) / "
+            "log(ratio)) milestones would never end (final_lr is a fraction of peak_lr); set final_lr > 0, "
+            "e.g. 0.1")
+    if base.end_lr >= base.peak_lr:
+        raise ValueError(
+            f"base {kind} has final_lr={base.final_lr}: it ends at its peak LR and never falls, so there is "
+            "no milestone to place; set final_lr below 1, e.g. 0.1")
+
+
 def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list[int]:
     """Token counts at which ``base`` first reaches ``peak * ratio**k`` after warmup (k >= 1).
 
@@ -77,11 +104,7 @@ def find_milestones(base: LRSchedule, ratio: float, name: str = "ratio") -> list
     final_lr, or a base LR that never falls that far before the end of its budget): such a
     schedule would be the base schedule under another name."""
     check_ratio(ratio, name)
-    if base.total_tokens is None or base.end_lr <= 0:
-        raise ValueError(
-            f"the base schedule needs a token budget and an LR above 0 at its end (got final_lr="
-            f"{base.final_lr}): k_max = floor(log(final_lr) / log(ratio)) milestones (final_lr is "
-            "a fraction of peak_lr); set final_lr, e.g. 0.1")
+    check_base(base)
     final = base.end_lr / base.peak_lr
     allowed = f"use {name} in ({final:g}, {largest_ratio(final):g}] for final_lr={final:g}"
     k_max = math.floor(math.log(final) / math.log(ratio) + 1e-9)
@@ -214,7 +237,7 @@ class MilestoneSchedule(JointSchedule):
         check_tokens(tokens)
         if b_simple is None:
             return
-        if not (math.isfinite(b_simple) and b_simple > 0):
+        if not (math.isfinite(as_real(b_simple, "b_simple")) and b_simple > 0):
             raise ValueError(f"b_simple={b_simple!r} must be a positive finite number of sequences")
         log, cap = self.noise_cap_log, self.noise_scale_multiple * float(b_simple)
         if log and tokens < log[-1][0]:
