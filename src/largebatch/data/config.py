@@ -34,8 +34,10 @@ class DataConfig:
     """Share of the corpus's characters (text) or tokens (token arrays) held out for validation.
     Text corpora are split BY DOCUMENT: whole documents, drawn in a ``split_seed`` order, go to
     validation until at least this share of characters is reached (at least one document on each
-    side). Token arrays have no document boundaries, so their last ``val_fraction`` of tokens is
-    the validation split (pass ``val_corpus`` instead to avoid that)."""
+    side): the document that crosses the line goes whole, so a long one can make the split far
+    larger, and a build's log says so when it holds more than twice this share. Token arrays have
+    no document boundaries, so their last ``val_fraction`` of tokens is the validation split (pass
+    ``val_corpus`` instead to avoid that)."""
 
     val_documents: tuple[str, ...] = ()
     """Explicit validation documents by name (e.g. ``("hamlet", "genesis")``; names are the file
@@ -47,13 +49,17 @@ class DataConfig:
 
     document_separator: str | None = None
     """If set, every text file (and JSON record) is further cut into documents at this string (e.g. "\\n\\n\\n"),
-    so that a single file can still be split by document. Documents are then named
-    ``<file stem>#<k>``."""
+    so that a single file can still be split by document. Each part is stripped of leading and
+    trailing whitespace (indentation and newlines at its ends are lost) and whitespace-only parts
+    are dropped; the documents are named ``<file stem>#<k>`` (a JSON record's
+    ``<file stem>:<line>#<k>``), ``k`` counting the parts kept. The string is matched as it is: a
+    file with Windows line ends ("\\r\\n") needs "\\r\\n\\r\\n", not "\\n\\n", to be cut at its blank
+    lines. Registered corpora are not cut."""
 
     text_field: str = "text"
     """JSON Lines corpora (``.jsonl``, ``.ndjson``, ``.json``; ``datasets``' ``Dataset.to_json``
     writes them): the field of each record that holds its text. Each record is one document,
-    named ``<file stem>:<line>``; records with empty text are skipped."""
+    named ``<file stem>:<line>``; records whose text is empty or whitespace only are skipped."""
 
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split (special tokens

@@ -302,7 +302,8 @@ def content_suffix(path: Path) -> str:
 
 def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Document]:
     """One document per JSON record, its text under ``text_field``; named ``<stem>:<line>`` (JSON
-    Lines) or ``<stem>:<index>`` (a JSON array). Records whose text is empty are skipped."""
+    Lines) or ``<stem>:<index>`` (a JSON array). Records whose text is empty or whitespace only are
+    skipped (their text, when kept, is kept as it is)."""
     where = str(path)
     if text.lstrip().startswith("["):  # one JSON array of records
         try:
@@ -490,10 +491,13 @@ def _read_bytes(path: Path) -> bytes:
 
 def read_text_file(path: Path) -> str:
     """Read a UTF-8 text file (decompressed by its suffix), refusing empty and binary files with an
-    error naming the path."""
+    error naming the path. A file of nothing but whitespace, after a UTF-8 byte-order mark if it
+    starts with one, is empty."""
     data = _read_bytes(path)
-    if not data.strip():
-        raise CorpusError(f"text file {str(path)!r} is empty: remove it or add text")
+    body = data.removeprefix(b"\xef\xbb\xbf")  # the mark is dropped from the text below
+    if not body.strip():
+        mark = "" if len(body) == len(data) else f" (only a UTF-8 byte-order mark{' and whitespace' if body else ''})"
+        raise CorpusError(f"text file {str(path)!r} is empty{mark}: remove it or add text")
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (its text is full of NULs)
         raise CorpusError(f"{str(path)!r} is UTF-16 text (its byte-order mark): convert it to UTF-8, e.g. "
                           f"`iconv -f UTF-16 -t UTF-8`")
@@ -583,10 +587,32 @@ def token_array_fingerprint(paths: list[str], extra: str = "") -> str:
 # ---------------------------------------------------------------------------------------------
 # the split
 
-def too_few_documents(count: int) -> str:
-    return (f"a split by document needs at least 2 documents, the corpus has {count}: use a directory "
-            f"with several files (or a registered corpus whose load() returns several), set "
-            f"data.document_separator to cut files into documents, or pass a separate data.val_corpus")
+def too_few_documents(count: int, source: DocumentSource | None = None) -> str:
+    """The error for a corpus of fewer than 2 documents split by document. With ``source`` (the corpus
+    read) cut at a ``document_separator``, it says what the separator did: matched nothing (and, for
+    text with "\\r\\n" line ends and a separator with "\\n", the separator those line ends need), or left
+    whitespace-only parts besides; the corpus is read again to tell, on this error only."""
+    need = f"a split by document needs at least 2 documents, the corpus has {count}"
+    separator = None if source is None or source.spec in CORPORA else source.document_separator
+    if separator is None:
+        return (f"{need}: use a directory with several files (or a registered corpus whose load() returns "
+                f"several), set data.document_separator to cut files into documents, or pass a separate "
+                f"data.val_corpus")
+    matched = crlf = False
+    for record in iter_documents(source.spec, None, source.text_field):  # the records before the cut
+        matched = matched or separator in record.text
+        crlf = crlf or "\r\n" in record.text
+    field = f"data.document_separator={separator!r}"
+    if matched:
+        found = (f"{field} cuts {source.spec!r} into {count} document{'' if count == 1 else 's'} and "
+                 f"whitespace-only parts, which are dropped")
+    else:
+        found = f"{field} matched nothing in {source.spec!r}"
+        windows = separator.replace("\r\n", "\n").replace("\n", "\r\n")
+        if crlf and windows != separator:
+            found += f' (its lines end in "\\r\\n", not "\\n": try data.document_separator={windows!r})'
+    return (f"{need}: {found}; set data.document_separator to the string between its documents, or pass "
+            f"a separate data.val_corpus")
 
 
 def split_documents(documents: list[Document], val_fraction: float,
@@ -600,15 +626,24 @@ def split_documents(documents: list[Document], val_fraction: float,
     return train, val
 
 
+OVERSHOOT_NOTE = 2.0
+"""choose_validation notes a validation split whose share of the characters is more than this many
+times ``val_fraction`` (documents go whole: one long document can take most of the corpus)."""
+
+
 def choose_validation(names: list[str], chars: Sequence[int], val_fraction: float,
-                      val_documents: tuple[str, ...] = (), seed: int = 1234) -> set[str]:
+                      val_documents: tuple[str, ...] = (), seed: int = 1234, *,
+                      source: DocumentSource | None = None,
+                      log: Callable[[str], None] | None = None) -> set[str]:
     """The names of the validation documents of a corpus whose documents are ``names``, of ``chars``
     characters each (in corpus order): explicit ``val_documents`` win; otherwise documents are visited in
     a permutation seeded by ``seed`` and moved to validation until their characters reach
     ``val_fraction`` of the corpus. Needs no text, so a corpus read one file at a time splits as a
-    loaded one does."""
+    loaded one does. ``source`` (the corpus the names were read from) lets the error for fewer than 2
+    documents say what its ``document_separator`` did (too_few_documents); ``log`` hears one line when
+    the split drawn by ``val_fraction`` holds more than ``OVERSHOOT_NOTE`` times that share."""
     if len(names) < 2:
-        raise CorpusError(too_few_documents(len(names)))
+        raise CorpusError(too_few_documents(len(names), source))
     if len(set(names)) != len(names):
         raise CorpusError(duplicate_names_message(names))
     if val_documents:
@@ -620,6 +655,14 @@ def choose_validation(names: list[str], chars: Sequence[int], val_fraction: floa
         taken = np.cumsum(lengths[order]) < val_fraction * lengths.sum()
         count = min(int(taken.sum()) + 1, len(names) - 1)  # first doc that crosses the line
         chosen = {names[i] for i in order[:count]}
+        total = int(lengths.sum())
+        share = int(lengths[order[:count]].sum()) / total if total else 0.0
+        if log is not None and share > OVERSHOOT_NOTE * val_fraction:
+            last = order[count - 1]
+            log(f"data: the validation split holds {share:.0%} of the corpus's characters, more than "
+                f"{OVERSHOOT_NOTE:g}x data.val_fraction={val_fraction:g}: documents go whole, and the last one "
+                f"drawn, {names[last]!r}, holds {int(lengths[last]) / total:.0%}; name the validation "
+                f"documents with data.val_documents, or cut long documents into more (data.document_separator)")
     if len(chosen) == len(names):
         raise CorpusError("data.val_documents lists every document: leave some for training")
     return chosen
