@@ -422,3 +422,20 @@ def test_warning_filters_a_run_adds_are_removed_when_its_methods_return():
     before = list(warnings.filters)
     assert FSDP_VIEW_WARNING in Run().fit()
     assert warnings.filters == before
+
+
+def test_the_summary_mfu_counts_each_launch_at_its_own_peak(reference_run, tmp_path):
+    """The run's MFU divided all its steps' seconds by the last launch's peak FLOP/s x processes: after
+    a resume on more processes (or with the peak measured again) the earlier launches were counted at
+    the new rate, and the run's MFU fell outside the range of its launches' own (0.12 for launches of
+    0.16 and 0.15, 1 -> 2 processes). Here the second launch declares 4x the first one's peak."""
+    cache, _, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "run", **{"run.peak_flops": 1e9, "run.max_steps": 4})
+    _run(o)
+    first = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])["progress"]
+    assert first["step"] == 4
+    summary = _run({**o, "run.peak_flops": 4e9, "run.max_steps": None}, resume=True)
+    last = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])["progress"]
+    assert last["step"] == summary["steps"] > 4 and last["train_seconds"] == summary["train_seconds"]
+    seconds = (first["train_seconds"], last["train_seconds"] - first["train_seconds"])
+    assert summary["mfu"] == pytest.approx(last["model_flops"] / (seconds[0] * 1e9 + seconds[1] * 4e9), rel=1e-9)

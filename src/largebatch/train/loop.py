@@ -106,6 +106,9 @@ class Progression:
     # wall-clock seconds of the run's launches up to here, each from its trainer's setup on (data,
     # model, steps, evaluations, checkpoints); a launch's time after its last checkpoint is not kept
     wall_seconds: float = 0.0
+    # the steps' seconds, each times its launch's peak FLOP/s x processes: the run's MFU denominator
+    # when launches differ in processes or peak (None: a checkpoint from before it was kept)
+    peak_flop_seconds: float | None = None
 
 
 def numerics() -> dict[str, Any]:
@@ -270,6 +273,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
+        if self.pos.peak_flop_seconds is None:  # a new run (0 s), or a checkpoint without it: this launch's
+            self.pos.peak_flop_seconds = self.pos.train_seconds * self.peak_flops * self.par.world_size
         self.flops_per_token = self.model_flops_per_token(self.phase.seq_len)
         if self._legacy_progress:  # a checkpoint from before model_flops was kept: its tokens at this phase's rate
             self.pos.model_flops = self.pos.tokens * self.flops_per_token
@@ -662,7 +667,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 if self.device.type == "cuda" and (logs or steps_here == 0 or pos.tokens >= min(
                         pos.next_eval, pos.next_checkpoint)):
                     torch.cuda.synchronize(self.device)  # the queued steps' time, before a read
-                pos.train_seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                pos.train_seconds += seconds
+                pos.peak_flop_seconds += seconds * self.peak_flops * self.par.world_size
                 steps_here += 1
                 if steps_here == 1:  # the launch's warm-up (allocations, compilation) ends with it
                     self.after_first_step = (pos.train_seconds, pos.tokens)

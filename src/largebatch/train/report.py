@@ -145,8 +145,9 @@ class Reporting:
         """The end-of-run numbers (written to summary.json by rank 0, with the plots)."""
         pos = self.pos
         tps = pos.tokens / max(pos.train_seconds, 1e-9)
-        # every step at its own phase's FLOPs per token (phases change the sequence length)
-        mfu = pos.model_flops / max(pos.train_seconds, 1e-9) / (self.peak_flops * self.par.world_size)
+        # every step at its own phase's FLOPs per token (phases change the sequence length), over every
+        # step's seconds at its own launch's peak and processes (a resume may change either)
+        mfu = pos.model_flops / max(pos.peak_flop_seconds or 0.0, 1e-9)
         summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
                    "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
                    "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
