@@ -427,3 +427,58 @@ def test_floor_claims_and_infinite_floors():
     assert above.verdict == "within the noise floor 0.7000: no difference established"
     assert floor.compare("x", lambda rs: rs[1] - rs[0], [[1.0, 1.5]], {}, "worse", "better").verdict == \
         "one seed: no interval"
+
+
+def test_a_diverged_seed_or_the_same_gap_at_every_seed_establishes_nothing():
+    """A comparison whose arm diverged at one seed (an infinite gap) was judged on the other seeds
+    while its row counted them all: 'better' over 5 seeds from 4, and a claim 'agrees'. And 'the same
+    gap at every seed' was read from the interval's width, which t = 12.7 widens past SAME_GAP at 2
+    seeds: gaps 5e-13 apart were 'worse' here and 'the same' in fine-tuning's verdicts."""
+    from largebatch.experiments import floor
+    from largebatch.stats import SAME_GAP
+
+    diff = lambda rs: rs[1] - rs[0]  # noqa: E731
+    diverged = floor.compare("x", diff, [[1.0, 0.9], [1.0, 0.89], [1.0, math.inf], [1.0, 0.88], [1.0, 0.87]],
+                             {}, "worse", "better")
+    assert diverged.gaps.nonfinite == 1 and len(diverged.gaps.finite) == 4
+    assert _expected_verdict(diverged.gaps.finite, 0.0, "worse", "better") == "better"  # on the four alone
+    assert diverged.verdict == "a run diverged at 1 seed(s) (a non-finite gap): no difference established"
+    assert floor.claim(diverged.verdict, "better", "worse") == floor.UNRESOLVED
+    g = diverged.gaps
+    assert floor.claim_verdict(g.mean, g.ci95, 0.0, "same", values=g.finite, nonfinite=g.nonfinite) == \
+        "not resolvable at this scale (a run diverged at 1 seed(s) (a non-finite gap))"
+    same = floor.compare("x", diff, [[1.0, 1.25], [1.0, 1.25 + 5e-13]], {}, "worse", "better")
+    low, high = same.gaps.ci95
+    assert high - low > SAME_GAP  # the interval is wider than the values' spread
+    assert same.verdict == "the same gap at every seed (sd 0): no interval, no difference established"
+    g = same.gaps
+    assert floor.claim_verdict(g.mean, g.ci95, 0.0, "worse", values=g.finite) == \
+        "not resolvable at this scale (the same gap at every seed: sd 0, no interval)"
+
+
+def test_noise_scale_claims_of_runs_that_never_left_the_plateau_are_not_resolvable():
+    """noise-scale judged Seesaw against constant batch when both runs of every seed ended on the
+    unigram plateau ('agrees', beside 'never leave the unigram plateau: 9 of 9'), where seesaw and
+    optimizers call such a gap not resolvable: it measures when each run would have escaped."""
+    from largebatch.experiments import floor, noise_scale
+    from largebatch.experiments.runner import Arm, ArmResult
+
+    def result(name: str, loss: float, unigram: float = 5.2) -> ArmResult:
+        val = [{"step": 0, "tokens": 0, "val_loss": 6.2}, {"step": 10, "tokens": 2000, "val_loss": loss}]
+        train = [{"step": s, "tokens": 200 * s, "batch_size": 8, "loss": 6 - 0.01 * s, "noise_scale": 5.0 + s}
+                 for s in range(1, 11)]
+        return ArmResult(Arm(name, {}), Path("."), {"unigram_val_loss": unigram}, train, val, 1.0)
+
+    def claims(offset: float) -> dict[str, str]:  # losses at unigram 5.2 - offset: on it for offset < 0.25
+        per_seed = [[result(f"{arm}{seed}", 5.2 - offset + loss + 0.003 * k * (1 + i))
+                     for i, (arm, loss) in enumerate((("constant", 0.1), ("seesaw", 0.0), ("seesaw-capped", 0.01)))]
+                    for k, seed in enumerate(("", "-seed7", "-seed11"))]
+        comparisons = [floor.compare(name, lambda rs, i=i, j=j: rs[i].final_val_loss - rs[j].final_val_loss,
+                                     per_seed, {}, "worse", "better") for name, i, j in noise_scale.COMPARISONS]
+        rho = floor.compare(noise_scale.RHO, lambda rs: noise_scale.loss_noise_rho(rs[0]), per_seed, {},
+                            "positive", "negative", bounds=(-1.0, 1.0))
+        return _claims(noise_scale.findings(comparisons, rho, per_seed))
+
+    seesaw = "Seesaw r=1/2 ends below constant batch at equal tokens, with fewer steps"
+    assert claims(1.0)[seesaw] == floor.AGREES  # every run off the plateau: the interval decides
+    assert claims(0.0)[seesaw] == floor.UNRESOLVED  # the same gaps, every run on it

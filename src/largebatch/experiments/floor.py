@@ -58,6 +58,12 @@ def never_left_plateau(per_seed: list[list[ArmResult]]) -> list[str]:
     return [r.arm.name for rs in per_seed for r in rs if r.plateau_escape is None]
 
 
+def both_on_plateau(per_seed: list[list[ArmResult]], a: int, b: int) -> int:
+    """Seeds at which the compared runs ``a`` and ``b`` (indices into each seed's results) both ended
+    on the unigram plateau: their gap measures when each would have escaped (claim_line's ``on_plateau``)."""
+    return sum(rs[a].plateau_escape is None and rs[b].plateau_escape is None for rs in per_seed)
+
+
 def seeded(arm: Arm, seed: int | None) -> Arm:
     """The arm at another seed (init and data order): ``NAME-seedS``; the first seed is the arm itself."""
     if seed is None:
@@ -150,6 +156,12 @@ class Gaps:
         return [g for g in self.gaps if math.isfinite(g)]
 
     @property
+    def nonfinite(self) -> int:
+        """Seeds whose gap is inf or nan (a run diverged): the mean and interval leave them out, so no
+        difference is established from the others (``verdict``, ``claim_verdict``)."""
+        return len(self.gaps) - len(self.finite)
+
+    @property
     def mean(self) -> float | None:
         return statistics.fmean(self.finite) if self.finite else None
 
@@ -168,15 +180,22 @@ class Gaps:
         return max(ci[0], low), min(ci[1], high)
 
 
+def diverged_note(nonfinite: int) -> str:
+    return f"a run diverged at {nonfinite} seed(s) (a non-finite gap)"
+
+
 def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None,
-            worse: str, better: str) -> str:
-    """'worse' / 'better' only when the 95% interval excludes 0 and |mean| exceeds the floor (never on
-    a zero-width interval: the same gap at every seed)."""
+            worse: str, better: str, *, values: list[float] | None = None, nonfinite: int = 0) -> str:
+    """'worse' / 'better' only when the 95% interval excludes 0 and |mean| exceeds the floor; never
+    on the same gap at every seed (``values``, the finite gaps; without them, a zero-width interval),
+    nor when ``nonfinite`` seeds' gaps were left out of the interval (a run diverged there)."""
     if mean is None:
         return "no finite gap"
+    if nonfinite:
+        return f"{diverged_note(nonfinite)}: no difference established"
     if ci is None:
         return "one seed: no interval"
-    if all_same(list(ci)):
+    if all_same(values if values is not None else list(ci)):
         return "the same gap at every seed (sd 0): no interval, no difference established"
     if ci[0] <= 0 <= ci[1]:
         return "interval contains 0: no difference established"
@@ -233,7 +252,8 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.gaps.mean, self.gaps.ci95, self.floor_value, self.worse, self.better)
+        return verdict(self.gaps.mean, self.gaps.ci95, self.floor_value, self.worse, self.better,
+                       values=self.gaps.finite, nonfinite=self.gaps.nonfinite)
 
     def row(self) -> list[object]:
         """The cells under COMPARISON_HEADERS."""
@@ -274,16 +294,20 @@ the setup can see that much: its noise floor no larger). The papers' own effects
 Seesaw's "same loss" is 0.001 nats, its loss above the critical batch 0.09."""
 
 
-def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str) -> str:
+def claim_verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None, expect: str,
+                  *, values: list[float] | None = None, nonfinite: int = 0) -> str:
     """agrees / contradicts / not resolvable at this scale, from a paired gap's mean, 95% interval and
     noise floor. A gap is established when the interval excludes 0 and |mean| exceeds the floor. Two
     arms are equivalent when the whole interval lies within +-EQUIVALENCE_NATS and the floor is no
-    larger: a setup whose harmless perturbations move the gap by more cannot call two arms equal."""
+    larger: a setup whose harmless perturbations move the gap by more cannot call two arms equal.
+    ``values`` and ``nonfinite``: as ``verdict``'s."""
     if expect not in ("same", "worse"):
         raise ValueError(f"expect={expect!r}: must be 'same' or 'worse'")
+    if nonfinite:
+        return f"not resolvable at this scale ({diverged_note(nonfinite)})"
     if mean is None or ci is None:
         return "not resolvable at this scale (fewer than 2 finite seeds)"
-    if all_same(list(ci)):
+    if all_same(values if values is not None else list(ci)):
         return "not resolvable at this scale (the same gap at every seed: sd 0, no interval)"
     margin = 0.0 if floor is None else floor
     established = (ci[0] > 0 or ci[1] < 0) and abs(mean) > margin

@@ -170,11 +170,13 @@ def findings(comparisons: list[noise_floor.Comparison], rho: noise_floor.Compari
     lines = ["## What this shows\n",
              noise_floor.claim_line("B_simple grows as the training loss falls (McCandlish et al. 2018)", rho,
                                     rho.better, rho.worse, unit=""),
-             noise_floor.claim_line("Seesaw r=1/2 ends below constant batch at equal tokens, with fewer steps",
-                                    seesaw, "better", "worse"),
-             noise_floor.claim_line("Seesaw capped at B_simple ends below constant batch", capped, "better", "worse"),
-             noise_floor.claim_line("capping Seesaw's batch at B_simple ends below uncapped Seesaw",
-                                    capped_vs_seesaw, "better", "worse"),
+             *(noise_floor.claim_line(text, c, "better", "worse",
+                                      on_plateau=noise_floor.both_on_plateau(per_seed, i, j))
+               for text, c, (_, i, j) in zip(
+                   ("Seesaw r=1/2 ends below constant batch at equal tokens, with fewer steps",
+                    "Seesaw capped at B_simple ends below constant batch",
+                    "capping Seesaw's batch at B_simple ends below uncapped Seesaw"),
+                   (seesaw, capped, capped_vs_seesaw), COMPARISONS)),
              f"- Capped Seesaw ends at batch {first[2].final_batch} vs {first[1].final_batch} uncapped, after "
              f"{first[2].steps} vs {first[1].steps} steps (constant: {first[0].steps}; seed 1337).",
              f"- Arms that never leave the unigram plateau: {len(stuck)} of {sum(len(rs) for rs in per_seed)}"

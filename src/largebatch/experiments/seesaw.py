@@ -220,7 +220,7 @@ def _verdict(p: PairedGaps, floor: noise_floor.Floor | None, on_plateau: int = 0
         return ""
     judged = (f"not resolvable at this scale ({on_plateau} of {runs} runs on the plateau)" if on_plateau else
               noise_floor.verdict(p.mean, p.ci95, None if floor is None else floor.floor,
-                                  "worse than cosine", "better than cosine"))
+                                  "worse than cosine", "better than cosine", values=p.finite, nonfinite=p.nonfinite))
     return f"; 95% CI {_interval(p.ci95)}, noise floor {'n/a' if floor is None else f'{floor.floor:.4f}'}: {judged}"
 
 
@@ -349,7 +349,8 @@ class Claim:
         if self.wrong_side:
             return f"not resolvable at this scale ({self.wrong_side})"
         gaps = self.comparison.gaps
-        return noise_floor.claim_verdict(gaps.mean, gaps.ci95, self.comparison.floor_value, self.expect)
+        return noise_floor.claim_verdict(gaps.mean, gaps.ci95, self.comparison.floor_value, self.expect,
+                                         values=gaps.finite, nonfinite=gaps.nonfinite)
 
 
 CLAIMS = (  # (group, arm, reference, expect, the paper's claim)
