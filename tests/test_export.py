@@ -258,6 +258,24 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_an_export_flags_refusal_names_the_flag_and_a_fix_for_trained_weights(gpt_run, tmp_path, capsys):
+    """``--hf-model-type roberta`` on a GPT run was told about ``model.hf_model_type`` (a field of a
+    training config), and a tanh-GeLU BERT's to change its activation, which trained weights fix."""
+    from largebatch.models.config import ModelConfig, hf_model_type_problem
+
+    capsys.readouterr()
+    assert export(gpt_run, tmp_path / "bad", "--hf-model-type", "roberta") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--hf-model-type 'roberta': a 'gpt' model exports as gpt2 (or leave --hf-model-type out)")
+    assert not (tmp_path / "bad").exists()
+    tanh = ModelConfig(kind="bert", norm_position="post", activation="gelu_tanh", hf_model_type="roberta")
+    assert hf_model_type_problem(tanh, "--hf-model-type", fixed=True).endswith(
+        "use --hf-model-type bert (its head computes 'gelu_tanh'), or leave --hf-model-type out")
+    assert hf_model_type_problem(tanh).endswith("use model.activation='gelu', or model.hf_model_type='bert'")
+    assert hf_model_type_problem(tanh, fixed=True).endswith(  # (model.init_from's activation: not the user's)
+        "use model.hf_model_type='bert' (its head computes 'gelu_tanh'), or leave it unset")
+
+
 def test_hf_model_type_refused_before_training_where_the_export_would_refuse_it(cache, tmp_path, capsys):
     """A pre-LN BERT (the default) with hf_model_type set trained to its end, and then its export was
     refused; a GPT's or a tanh-GeLU RoBERTa's was refused at once. All three now are."""

@@ -404,7 +404,11 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             raise ExportError(f"--hf-model-type {hf_model_type!r} is unknown: use one of {', '.join(known)}")
     loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint)
     if hf_model_type is not None:  # the function is the same: only what the export writes changes
+        from largebatch.models.config import hf_model_type_problem
+
         loaded.model.config = loaded.model.config.replace(hf_model_type=hf_model_type)
+        if (problem := hf_model_type_problem(loaded.model.config, "--hf-model-type", fixed=True)) is not None:
+            raise ExportError(problem)
     if (partial := partial_note(loaded, "exports")) is not None:
         log(f"note: {partial}")
     seq_len = loaded.model.config.seq_len

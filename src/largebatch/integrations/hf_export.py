@@ -80,7 +80,7 @@ def check_exportable(cfg: ModelConfig) -> str:
             f"model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm that "
             f"transformers' {arch} cannot express; only post-LN BERT exports -- train "
             "with --model.norm_position=post")
-    if (problem := hf_model_type_problem(cfg)) is not None:
+    if (problem := hf_model_type_problem(cfg, fixed=True)) is not None:  # (trained weights: only the type can change)
         raise ExportError(problem)
     return HF_TYPE_ARCHITECTURES[hf_model_type(cfg)]
 

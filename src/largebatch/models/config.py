@@ -111,26 +111,38 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def hf_model_type_problem(cfg: ModelConfig) -> str | None:
+def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", fixed: bool = False) -> str | None:
     """What makes ``cfg.hf_model_type`` unexportable (another kind's type, or a RoBERTa-family type
     with the tanh GeLU, which that family's head does not compute), None when it is fine. Checked
-    once the model is whole (after init_from has set the kind), by the trainer and the export."""
+    once the model is whole (after init_from has set the kind), by the trainer and the export.
+    ``field``: how the type was set (the export's ``--hf-model-type``); ``fixed``: the model's other
+    fields cannot change (trained weights being exported, or model.init_from's), so only the type's
+    own fix is named."""
     if cfg.hf_model_type is None:
         return None
+    flag = field.startswith("--")
+    value = f"{field} {cfg.hf_model_type!r}" if flag else f"{field}={cfg.hf_model_type!r}"
+    unset = f"leave {field} out" if flag else "leave it unset"
+
+    def as_type(name: str) -> str:
+        return f"{field} {name}" if flag else f"{field}={name!r}"
+
     types = HF_MODEL_TYPES.get(cfg.kind, ())
     if cfg.hf_model_type not in types:
-        fix = ((f"one of {', '.join(types)}" if len(types) > 1 else types[0]) + " (or leave it unset)"
-               if types else "nothing (no transformers architecture): leave it unset")
-        return f"model.hf_model_type={cfg.hf_model_type!r}: a {cfg.kind!r} model exports as {fix}"
+        fix = ((f"one of {', '.join(types)}" if len(types) > 1 else types[0]) + f" (or {unset})"
+               if types else f"nothing (no transformers architecture): {unset}")
+        return f"{value}: a {cfg.kind!r} model exports as {fix}"
     if cfg.kind == "bert" and cfg.norm_position != "post":
-        return (f"model.hf_model_type={cfg.hf_model_type!r} with model.norm_position={cfg.norm_position!r}: a "
-                "pre-LN BERT ends in a LayerNorm that transformers' masked-LM models have no place for, so the "
-                "export would be refused after training; set model.norm_position='post', or leave "
-                "hf_model_type unset")
+        fix = ("only a post-LN BERT (model.norm_position='post') exports" if fixed else
+               f"set model.norm_position='post', or {unset}")
+        return (f"{value} with model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm "
+                f"that transformers' masked-LM models have no place for, so the export would be refused"
+                f"{'' if fixed else ' after training'}; {fix}")
     if cfg.hf_model_type in HF_MODEL_TYPES["bert"][1:] and cfg.activation != "gelu":
-        return (f"model.hf_model_type={cfg.hf_model_type!r} with model.activation={cfg.activation!r}: the "
-                f"{cfg.hf_model_type} head computes the exact GeLU, so the export would compute other "
-                "logits; use activation='gelu', or hf_model_type='bert'")
+        fix = (f"use {as_type('bert')} (its head computes {cfg.activation!r}), or {unset}" if fixed else
+               f"use model.activation='gelu', or {as_type('bert')}")
+        return (f"{value} with model.activation={cfg.activation!r}: the {cfg.hf_model_type} head computes the "
+                f"exact GeLU, so the export would compute other logits; {fix}")
     return None
 
 

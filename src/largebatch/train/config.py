@@ -345,7 +345,8 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
     see ``load_config``."""
     from largebatch.models.config import hf_model_type_problem
 
-    if (problem := hf_model_type_problem(cfg.model)) is not None:
+    # (model.init_from's architecture sets the other fields: only the type's own fix can work)
+    if (problem := hf_model_type_problem(cfg.model, fixed=bool(cfg.model.init_from))) is not None:
         raise ConfigError(problem)
     if cfg.phases:
         if cfg.run.total_tokens != RunConfig.total_tokens:
