@@ -246,3 +246,63 @@ def test_a_step_saved_again_keeps_the_finished_one_until_the_new_one_is_in(tmp_p
     assert weight(final) == 1.0  # the finished one, back in place
     assert saved(3.0) == final and weight(final) == 3.0
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_00000005.dcp"]  # nothing aside left
+
+
+class _RunsAShellCommand:
+    """What a crafted checkpoint can carry: unpickling it calls os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_checkpoint_is_not_unpickled_and_an_earlier_versions_numpy_state_still_loads(tmp_path):
+    """Every checkpoint read (resume, --check's replica count, export, a .dcp's extra.pt) used
+    weights_only=False, so a .pt planted in a run directory ran its code on `largebatch train --resume
+    RUN --check`, where plain torch.load refuses it. They read with weights_only=True now; an earlier
+    version's NumPy random-state tuple (an array) still loads."""
+    import pickle
+
+    import numpy as np
+
+    from largebatch.checkpoint import load_checkpoint
+    from largebatch.checkpoint.files import checkpoint_dp_size, read_torch_file
+    from largebatch.checkpoint.local import CheckpointError
+
+    marker = tmp_path / "ran"
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_00000002.dcp").mkdir(parents=True)
+    crafted = {"schedule": {"config": {"dp_size": 1}}, "payload": _RunsAShellCommand(marker)}
+    torch.save(crafted, ckpts / "step_00000001.pt")
+    torch.save(crafted, ckpts / "step_00000002.dcp" / "extra.pt")
+    with pytest.raises(CheckpointError, match=r"holds more than tensors and plain values \(.*GLOBAL posix.system"):
+        load_checkpoint(ckpts / "step_00000001.pt")
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL posix.system"):
+        read_torch_file(ckpts / "step_00000002.dcp" / "extra.pt")
+    assert checkpoint_dp_size(tmp_path / "run") is None  # (the resume then says why)
+    assert not marker.exists()
+    np.random.seed(4)
+    legacy = {"rng": {"numpy": np.random.get_state()}, "model": {"w": torch.ones(3)}}
+    torch.save(legacy, tmp_path / "legacy.pt")
+    loaded = load_checkpoint(tmp_path / "legacy.pt")["rng"]["numpy"]
+    assert loaded[0] == "MT19937" and np.array_equal(loaded[1], legacy["rng"]["numpy"][1])
+
+
+def test_load_distributed_given_a_run_directory_names_its_complete_checkpoint(tmp_path):
+    """Given the run directory or its checkpoints/ instead of a step_N.dcp, the error said no complete
+    checkpoint existed (it looked two levels up from the path given) though one did."""
+    import torch.distributed.checkpoint as dcp
+
+    from largebatch.checkpoint.distributed import load_distributed
+    from largebatch.parallel.mesh import ParallelState
+
+    model = torch.nn.Linear(3, 2)
+    step = tmp_path / "run" / "checkpoints" / "step_00000005.dcp"
+    with pytest.warns(UserWarning, match="save in a single process"):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=step)
+    assert (step / ".metadata").is_file()
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        with pytest.raises(FileNotFoundError, match=rf"a step_N.dcp directory is needed\); pick one of \['{step}'\]"):
+            load_distributed(given, model, None, ParallelState())

@@ -439,3 +439,17 @@ def test_the_summary_mfu_counts_each_launch_at_its_own_peak(reference_run, tmp_p
     assert last["step"] == summary["steps"] > 4 and last["train_seconds"] == summary["train_seconds"]
     seconds = (first["train_seconds"], last["train_seconds"] - first["train_seconds"])
     assert summary["mfu"] == pytest.approx(last["model_flops"] / (seconds[0] * 1e9 + seconds[1] * 4e9), rel=1e-9)
+
+
+def test_a_pt_that_is_not_a_trainers_checkpoint_is_named_so(reference_run, tmp_path):
+    """A model's state dict saved by hand (or torch's dcp_to_torch_save output) under a checkpoint's
+    name ended the resume with the bare text of a KeyError: "'optimizer'"."""
+    cache, _, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "run", **{"run.max_steps": 2})
+    _run(o)
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    torch.save({"model": load_checkpoint(newest)["model"]}, newest)
+    with pytest.raises(ValueError, match=r"cannot resume from .*step_00000002.pt \(intact, so no older checkpoint is "
+                                         r"used instead\): it has no '\w+' entry, so it is not a checkpoint of this "
+                                         r"trainer"):
+        _run({**o, "run.max_steps": None}, resume=True)

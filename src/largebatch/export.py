@@ -215,13 +215,14 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
 
 
 def _load_checkpoint(path: Path):
-    import torch
 
     from largebatch.models import ModelConfig, build_model
     from largebatch.typed_config import from_dict
 
     if path.suffix == ".dcp":
-        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        from largebatch.checkpoint.files import read_torch_file
+
+        extra = read_torch_file(path / "extra.pt")
     else:
         from largebatch.checkpoint import load_checkpoint
 

@@ -50,6 +50,7 @@ from largebatch.checkpoint.files import (
     checkpoint_dir,
     latest_checkpoint,
     list_checkpoints,
+    read_torch_file,
     remove_superseded,
     remove_temporaries,
 )
@@ -224,11 +225,15 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
-        others = [p.name for p in list_distributed_checkpoints(path.parent.parent)
-                  if p != path and (p / ".metadata").is_file()]
-        choice = f"pick one of {others}" if others else f"no other one in {path.parent} is complete"
-        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata); "
-                                f"{choice}")
+        # the run directory it may lie in: a step_N.dcp's, or the one given (or its checkpoints/)
+        run = next((d for d in (path.parent.parent, path, path.parent) if (d / "checkpoints").is_dir()),
+                   path.parent.parent)
+        others = [str(p) for p in list_distributed_checkpoints(run) if p != path and (p / ".metadata").is_file()]
+        choice = (f"pick one of {others}" if others else f"no complete one is in {run / 'checkpoints'}")
+        what = ("a .pt checkpoint: read it with largebatch.checkpoint.load_checkpoint" if path.suffix == ".pt" else
+                "a step_N.dcp directory is needed" if path.is_dir() and not path.name.endswith(".dcp") else
+                "no .metadata")
+        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint ({what}); {choice}")
     try:  # first, so that a damaged .metadata is one line (DCP logs a traceback per fallback)
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 -- unpickling garbage raises about anything
@@ -271,8 +276,8 @@ def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         dcp.load(target, checkpoint_id=path)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                        options=options)
-    try:  # weights_only=False: extra.pt holds RNG states and config dicts written by this run's rank 0
-        return torch.load(path / EXTRA, map_location="cpu", weights_only=False)
+    try:  # tensors and plain values only (files.read_torch_file)
+        return read_torch_file(path / EXTRA)
     except Exception as exc:  # noqa: BLE001 -- a missing or damaged file: unpickling raises about anything
         first = (str(exc).splitlines() or [""])[0]
         raise CheckpointError(f"could not read checkpoint {path}: its {EXTRA} is missing or damaged "

@@ -11,11 +11,35 @@ metrics history trimmed at resume).
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 
 _NAME = re.compile(r"^step_(\d{8,})(\.pt|\.dcp)$")
+
+
+def read_torch_file(path: str | Path, mmap: bool = False):
+    """``torch.load`` of a checkpoint file (a ``.pt``, a ``.dcp``'s ``extra.pt``) with
+    ``weights_only=True``: tensors and plain Python values, all a checkpoint holds, so a file crafted
+    to run code when unpickled is refused when a run directory is resumed, checked or exported.
+    Checkpoints of an earlier version keep NumPy's random state as its tuple, whose array needs
+    NumPy's array-rebuilding globals: those alone are allowed besides (pickle.UnpicklingError names
+    any other)."""
+    import numpy as np
+    import torch
+
+    array_globals = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct,
+                     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]  # (NumPy 1's name)
+    with torch.serialization.safe_globals(array_globals):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as exc:  # torch's text: a paragraph, with the global in one line
+            found = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), "")
+            raise pickle.UnpicklingError(
+                f"{path} holds more than tensors and plain values ({found or str(exc).splitlines()[0]}), "
+                "which no checkpoint of this project holds: it was written by something else or altered, "
+                "and is not unpickled; one you trust reads with torch.load(path, weights_only=False)") from None
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -51,13 +75,10 @@ def checkpoint_dp_size(run_dir: str | Path) -> int | None:
     found = list_checkpoints(run_dir, (".pt", ".dcp"))
     if not found:
         return None
-    import torch  # on use: a config check without checkpoints needs no torch.load
 
     try:
-        if found[-1].suffix == ".pt":
-            extra = torch.load(found[-1], map_location="cpu", weights_only=False, mmap=True)
-        else:
-            extra = torch.load(found[-1] / "extra.pt", map_location="cpu", weights_only=False)
+        extra = (read_torch_file(found[-1], mmap=True) if found[-1].suffix == ".pt" else
+                 read_torch_file(found[-1] / "extra.pt"))
         return int(extra["schedule"].get("config", {}).get("dp_size", 1))
     except Exception:  # noqa: BLE001 -- damaged or of another layout: the resume reports it
         return None

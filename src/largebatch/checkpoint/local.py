@@ -24,6 +24,7 @@ from largebatch.checkpoint.files import (
     checkpoint_dir,
     fsync_dir,
     latest_checkpoint,
+    read_torch_file,
     remove_quietly,
     remove_superseded,
     remove_temporaries,
@@ -92,10 +93,10 @@ def os_error_in(exc: BaseException) -> OSError | None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (a trusted file of this run)."""
+    """Load a checkpoint written by :func:`save_checkpoint` (tensors and plain values only:
+    files.read_torch_file)."""
     path = Path(path)
     try:
-        # weights_only=False: the file holds Python RNG states and config dicts written by us.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return read_torch_file(path)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc

@@ -320,6 +320,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                          f"one before it")
             except Exception as exc:  # noqa: BLE001 -- read whole but does not fit: never an older one
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if isinstance(exc, KeyError):  # (its text is the key alone)
+                    reason = (f"it has no {exc.args[0]!r} entry, so it is not a checkpoint of this trainer (a "
+                              f"file of another program, or state dicts saved by hand)")
                 raise ValueError(f"cannot resume from {ckpt} (intact, so no older checkpoint is "
                                  f"used instead): {reason}") from exc
         raise CheckpointError(f"no intact checkpoint in {self.run_dir / 'checkpoints'} "
