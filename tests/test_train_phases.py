@@ -177,6 +177,11 @@ def test_optimizer_state_reset_starts_the_moments_afresh(reference, tiny_data_ca
     ("", "warmup = 0.1", "unknown key 'phases[1].warmup'"),
     ("", "schedule = { batch_sise = 8 }", "unknown key 'phases[1].schedule.batch_sise'"),
     ("total_tokens = 5000", "", "run.total_tokens = 5000 but the phases sum to 4096"),
+    # a field the phase's own table sets for another batch policy was accepted and never read
+    ("", "schedule = { batch_size = 8, ramp_start = 4 }",
+     "phases[1].schedule.ramp_start = 4: only batch_policy ramp reads it, and this phase's is 'constant'"),
+    # (the phase was named twice: "phases[1]: phases[1].total_tokens")
+    ("", "total_tokens = 100", "error: phases[1].total_tokens = 100 is less than one optimizer step"),
 ])
 def test_bad_phase_lists_are_one_line_errors(run_extra, phase_extra, expected, reference, tiny_data_cache,
                                              capsys):
@@ -328,3 +333,18 @@ def test_masked_lm_accuracy_is_logged_per_phase_and_recomputes_from_the_checkpoi
     tokens = data.val.tokens
     most = max(range(400), key=lambda t: int((data.train.tokens == t).sum()))
     assert data.unigram_accuracy() == pytest.approx(float((tokens == most).mean()))
+
+
+def test_a_phases_noise_scale_fields_are_its_own(reference, tiny_data_cache):
+    """The noise-scale estimator was built from the run's [schedule] in every phase, so a phase's
+    own ``noise_scale_ema`` (and what an adaptive Seesaw cap reads from the estimate) was ignored:
+    set in both phases it logged the run without it. It must log as the same field set for the run."""
+    tmp, config, ref = reference
+    runs = {}
+    for name, args in (("phases", [f"--phases.{k}.schedule.noise_scale_ema=0.0" for k in (0, 1)]),
+                       ("run", ["--schedule.noise_scale_ema=0.0"])):
+        runs[name] = tmp / f"ema-{name}"
+        assert main([str(config), f"--run.out_dir={runs[name]}", *args]) == 0
+    noise = {name: [r["noise_scale"] for r in train_records(run)] for name, run in runs.items()}
+    assert noise["phases"] == noise["run"]
+    assert noise["run"] != [r["noise_scale"] for r in train_records(ref)]  # (the default EMA differs)

@@ -219,19 +219,23 @@ class ScheduleConfig:
                 self._fail(name, f"only applies to batch_policy {milestone_policies}, "
                            f"not {self.batch_policy!r}; omit it")
 
-    def unread_fields_problem(self) -> str | None:
+    def unread_fields_problem(self, only=None, table: str = "schedule", owner: str = "run") -> str | None:
         """A message naming a field set for another batch policy than this one (alpha and beta under
         seesaw, where seesaw-family was meant; ramp_start under constant): it would be silently
         ignored. Fields whose unset value is none or empty only (a default value cannot be told from
-        one that was set), and for the shipped policies only (a registered one may read any)."""
+        one that was set), and for the shipped policies only (a registered one may read any).
+        ``only``: the fields to look at (a phase's own table; None: all); ``table`` and ``owner``
+        name them in the message ("phases[1].schedule", "phase 1")."""
         reads = POLICY_FIELDS.get(self.batch_policy)
         if reads is None:
             return None
         for name in ("alpha", "beta", "ramp_start", "ramp_increment", "batch_table"):
+            if only is not None and name not in only:
+                continue
             if getattr(self, name) not in (None, [], ()) and name not in reads:
                 users = " | ".join(p for p, fields in POLICY_FIELDS.items() if name in fields)
-                return (f"schedule.{name} = {getattr(self, name)!r}: only batch_policy {users} reads it, and this "
-                        f"run's is {self.batch_policy!r}; omit it, or choose that policy")
+                return (f"{table}.{name} = {getattr(self, name)!r}: only batch_policy {users} reads it, and this "
+                        f"{owner}'s is {self.batch_policy!r}; omit it, or choose that policy")
         return None
 
     def _validate_family(self) -> None:

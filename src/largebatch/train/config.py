@@ -370,6 +370,9 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
             if par.sequence_parallel:
                 check_tp_divides(par.tp, f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len",
                                  phase.seq_len)
+            if cfg.phases and (problem := phase.schedule.unread_fields_problem(
+                    cfg.phases[phase.index].schedule, f"phases[{phase.index}].schedule", "phase")) is not None:
+                raise ValueError(problem)  # (a field the phase's own table sets; inherited ones may serve another)
             multiple = phase.schedule.noise_scale_multiple
             if multiple is not None and dp > 1 and par.dp_mode != "ddp":
                 raise ValueError(
@@ -399,8 +402,8 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
                         f"cut-short step; give at least {first_tokens:,} tokens, or a smaller batch")
                 if pp > 1:
                     check_pipeline(cfg, schedule, dp, phase.total_tokens, phase.micro_batch)
-            except ValueError as exc:
-                raise ValueError(f"{where}{exc}") from exc
+            except ValueError as exc:  # (a message that names the phase's field already is not prefixed)
+                raise ValueError(f"{'' if str(exc).startswith('phases[') else where}{exc}") from exc
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if not cfg.phases and (problem := cfg.schedule.unread_fields_problem()) is not None:  # (a phase may

@@ -232,7 +232,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # of batch 8 = micro_batch continues on 2 replicas, whose micro_batch x 2 would not divide 8)
         self.schedule_dp = (checkpoint_dp_size(self.run_dir) or self.par.dp_size) if resume else self.par.dp_size
         self.schedule = self._build_schedule()
-        self.noise = cfg.schedule.build_noise_scale()
+        self.noise = self.phase.schedule.build_noise_scale()  # (the first phase's fields)
         self.phase_val_losses: list[float] = []  # each finished phase's last validation loss
         self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded
         self.saved_path: Path | None = None

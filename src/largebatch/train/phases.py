@@ -164,7 +164,7 @@ class PhaseSwitch:
         pos = self.pos
         self._set_phase(self.phases[pos.phase + 1])
         pos.phase, pos.phase_start, pos.samples = self.phase.index, pos.tokens, 0
-        self.noise = self.cfg.schedule.build_noise_scale()  # B_noise is in sequences of the old length
+        self.noise = self.phase.schedule.build_noise_scale()  # B_noise is in sequences of the old length
         if self.phase.optimizer_state == "reset":
             self.optimizer = shard_optimizer(build_optimizer(
                 self.raw_model, self.cfg.optim, capturable=self.cfg.run.on_nonfinite == "skip"), self.par)
