@@ -304,5 +304,6 @@ def test_load_distributed_given_a_run_directory_names_its_complete_checkpoint(tm
         dcp.save({"model": model.state_dict()}, checkpoint_id=step)
     assert (step / ".metadata").is_file()
     for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
-        with pytest.raises(FileNotFoundError, match=rf"a step_N.dcp directory is needed\); pick one of \['{step}'\]"):
+        expected = rf"a step_N.dcp directory is needed\); pick one of \['{step.name}'\]"
+        with pytest.raises(FileNotFoundError, match=expected):
             load_distributed(given, model, None, ParallelState())

@@ -228,7 +228,7 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
         # the run directory it may lie in: a step_N.dcp's, or the one given (or its checkpoints/)
         run = next((d for d in (path.parent.parent, path, path.parent) if (d / "checkpoints").is_dir()),
                    path.parent.parent)
-        others = [str(p) for p in list_distributed_checkpoints(run) if p != path and (p / ".metadata").is_file()]
+        others = [p.name for p in list_distributed_checkpoints(run) if p != path and (p / ".metadata").is_file()]
         choice = (f"pick one of {others}" if others else f"no complete one is in {run / 'checkpoints'}")
         what = ("a .pt checkpoint: read it with largebatch.checkpoint.load_checkpoint" if path.suffix == ".pt" else
                 "a step_N.dcp directory is needed" if path.is_dir() and not path.name.endswith(".dcp") else
