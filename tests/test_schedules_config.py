@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 
@@ -498,8 +499,8 @@ def test_wsd_cooldown_at_its_documented_bound_is_accepted_at_every_budget(capsys
 def test_the_schedule_command_refuses_a_field_of_another_policy_as_train_does(tmp_path, capsys):
     """`largebatch schedule` never asked unread_fields_problem(), so it printed a table for a config that
     `largebatch train --check` refuses (schedule.alpha under batch_policy constant, silently ignored).
-    Refused now with the trainer's message and exit code 2; a phase of [[phases]] is not checked, as the
-    trainer does not check one."""
+    Refused now with the trainer's message and exit code 2; for a phase of [[phases]], only the fields
+    its own table sets, as the trainer checks them."""
     from largebatch.train.config import load_config
     from largebatch.typed_config import ConfigError
 
@@ -522,6 +523,15 @@ def test_the_schedule_command_refuses_a_field_of_another_policy_as_train_does(tm
     phased.write_text("[model]\nseq_len = 32\n[schedule]\nbatch_policy = 'seesaw-family'\nalpha = 2.0\n"
                       "beta = 1.0\nbatch_size = 8\n[[phases]]\nseq_len = 32\ntotal_tokens = 20000\n"
                       "[[phases]]\nseq_len = 32\ntotal_tokens = 20000\n[phases.schedule]\nbatch_policy = 'constant'\n")
-    load_config(phased)  # the trainer takes it
+    load_config(phased)  # the trainer takes it (alpha inherited: it serves phase 0's policy)
     assert main(["--config", str(phased), "--phase", "1"]) == 0
     assert "base (cosine, constant batch 8)" in capsys.readouterr().out
+    # a field the phase's own table sets for another policy: refused by both, naming the phase's field
+    own = tmp_path / "own.toml"
+    own.write_text(phased.read_text() + "ramp_start = 4\n")
+    message = ("phases[1].schedule.ramp_start = 4: only batch_policy ramp reads it, and this phase's is "
+               "'constant'; omit it, or choose that policy")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(own)
+    assert main(["--config", str(own), "--phase", "1"]) == 2
+    assert capsys.readouterr().err == f"largebatch schedule: error: {message}\n"

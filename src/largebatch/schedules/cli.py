@@ -154,6 +154,7 @@ def from_train_config(args: argparse.Namespace) -> dict:
         total, seq_len = phase.get("total_tokens", total), phase.get("seq_len", seq_len)
         micro_batch = phase.get("micro_batch") or micro_batch
         schedule.update(phase.get("schedule", {}))
+        args.phase_fields = set(phase.get("schedule", {}))  # the phase's own (main checks them)
     if args.total_tokens is None:
         args.total_tokens = token_count(total) if isinstance(total, str) else total
     if args.seq_len is None:
@@ -186,9 +187,12 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"--plot {args.plot!r} needs matplotlib, part of the [train] extra: pip "
                                  "install 'largebatch[train]', or leave --plot out for the table alone")
         text = config.describe(args.total_tokens, args.seq_len, args.micro_batch, args.dp)
-        # refused as `largebatch train --check` refuses it; not for a phase of [[phases]] (--phase), which
-        # may change the policy and inherit fields set for another phase's, as the trainer takes it
-        if args.phase is None and (problem := config.unread_fields_problem()) is not None:
+        # refused as `largebatch train --check` refuses it; for a phase of [[phases]] (--phase) only the
+        # fields its own table or the flags set: it may inherit fields set for another phase's policy
+        problem = (config.unread_fields_problem() if args.phase is None else config.unread_fields_problem(
+            getattr(args, "phase_fields", set()) | {key.split(".", 1)[1] for key in config_overrides(args)},
+            f"phases[{args.phase}].schedule", "phase"))
+        if problem is not None:
             raise ValueError(problem)
         if args.plot is not None:  # drawn before the table is printed: `| head` must not lose it
             try:
