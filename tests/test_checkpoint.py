@@ -307,3 +307,31 @@ def test_load_distributed_given_a_run_directory_names_its_complete_checkpoint(tm
         expected = rf"a step_N.dcp directory is needed\); pick one of \['{step.name}'\]"
         with pytest.raises(FileNotFoundError, match=expected):
             load_distributed(given, model, None, ParallelState())
+
+
+def test_a_checkpoint_written_under_numpy_1_names_its_array_globals_as_numpy_1_did(tmp_path):
+    """NumPy 1 pickles an array through numpy.core.multiarray._reconstruct, NumPy 2 through
+    numpy._core's: a checkpoint's older RNG tuple must load under weights_only whichever wrote it."""
+    import zipfile
+
+    import numpy as np
+
+    from largebatch.checkpoint.files import read_torch_file
+
+    keys = np.random.RandomState(5).get_state()[1]
+    torch.save({"rng": {"numpy": ("MT19937", keys, 3, 0, 0.0)}}, tmp_path / "now.pt")
+    with zipfile.ZipFile(tmp_path / "now.pt") as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    pickled = next(name for name in files if name.endswith("data.pkl"))
+    for written, other in ((b"numpy._core.multiarray", b"numpy.core.multiarray"),
+                           (b"numpy.core.multiarray", b"numpy._core.multiarray")):
+        if written in files[pickled]:
+            files[pickled] = files[pickled].replace(written, other)
+            break
+    else:
+        raise AssertionError("no NumPy array global in the pickle")
+    with zipfile.ZipFile(tmp_path / "other.pt", "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    for name in ("now.pt", "other.pt"):
+        assert np.array_equal(read_torch_file(tmp_path / name)["rng"]["numpy"][1], keys)

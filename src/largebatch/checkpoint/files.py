@@ -29,8 +29,10 @@ def read_torch_file(path: str | Path, mmap: bool = False):
     import numpy as np
     import torch
 
-    array_globals = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct,
-                     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]  # (NumPy 1's name)
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # (NumPy 2's module, 1's)
+    array_globals = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
+                     *((reconstruct, f"{module}.multiarray._reconstruct")  # as either NumPy wrote the file
+                       for module in ("numpy.core", "numpy._core"))]
     with torch.serialization.safe_globals(array_globals):
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
