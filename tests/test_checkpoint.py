@@ -335,3 +335,10 @@ def test_a_checkpoint_written_under_numpy_1_names_its_array_globals_as_numpy_1_d
             z.writestr(name, data)
     for name in ("now.pt", "other.pt"):
         assert np.array_equal(read_torch_file(tmp_path / name)["rng"]["numpy"][1], keys)
+    # a caller's own safe globals stay (leaving torch's context removed every global it listed)
+    torch.serialization.add_safe_globals([np.ndarray])
+    try:
+        read_torch_file(tmp_path / "now.pt")
+        assert np.ndarray in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.clear_safe_globals()

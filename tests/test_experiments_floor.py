@@ -442,11 +442,12 @@ def test_a_diverged_seed_or_the_same_gap_at_every_seed_establishes_nothing():
                              {}, "worse", "better")
     assert diverged.gaps.nonfinite == 1 and len(diverged.gaps.finite) == 4
     assert _expected_verdict(diverged.gaps.finite, 0.0, "worse", "better") == "better"  # on the four alone
-    assert diverged.verdict == "a run diverged at 1 seed(s) (a non-finite gap): no difference established"
+    assert diverged.verdict == ("a non-finite value at 1 seed(s) (a run diverged, or the statistic is undefined): "
+                                "no difference established")
     assert floor.claim(diverged.verdict, "better", "worse") == floor.UNRESOLVED
     g = diverged.gaps
     assert floor.claim_verdict(g.mean, g.ci95, 0.0, "same", values=g.finite, nonfinite=g.nonfinite) == \
-        "not resolvable at this scale (a run diverged at 1 seed(s) (a non-finite gap))"
+        "not resolvable at this scale (a non-finite value at 1 seed(s) (a run diverged, or the statistic is undefined))"
     same = floor.compare("x", diff, [[1.0, 1.25], [1.0, 1.25 + 5e-13]], {}, "worse", "better")
     low, high = same.gaps.ci95
     assert high - low > SAME_GAP  # the interval is wider than the values' spread

@@ -348,3 +348,18 @@ def test_a_phases_noise_scale_fields_are_its_own(reference, tiny_data_cache):
     noise = {name: [r["noise_scale"] for r in train_records(run)] for name, run in runs.items()}
     assert noise["phases"] == noise["run"]
     assert noise["run"] != [r["noise_scale"] for r in train_records(ref)]  # (the default EMA differs)
+
+
+def test_a_run_stopped_in_a_phase_with_its_own_noise_scale_ema_continues(reference, tiny_data_cache):
+    """With the estimator built from the phase's fields, a run stopped in a phase whose own
+    ``noise_scale_ema`` differs from the first phase's was refused on resume (the checkpoint's
+    ema_decay against the first phase's); it continues, as the same run left uninterrupted."""
+    tmp, config, _ = reference
+    ema = ["--phases.1.schedule.noise_scale_ema=0.5"]
+    straight, stopped = tmp / "ema-straight", tmp / "ema-stopped"
+    assert main([str(config), f"--run.out_dir={straight}", *ema]) == 0
+    assert main([str(config), f"--run.out_dir={stopped}", *ema, "--run.max_steps=6"]) == 0
+    assert main([str(config), f"--run.out_dir={stopped}", *ema]) == 0  # the same command continues
+    fields = ("step", "loss", "noise_scale", "batch_size")
+    assert [[r[k] for k in fields] for r in train_records(stopped)] == \
+        [[r[k] for k in fields] for r in train_records(straight)]

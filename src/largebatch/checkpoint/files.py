@@ -33,7 +33,8 @@ def read_torch_file(path: str | Path, mmap: bool = False):
     array_globals = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
                      *((reconstruct, f"{module}.multiarray._reconstruct")  # as either NumPy wrote the file
                        for module in ("numpy.core", "numpy._core"))]
-    with torch.serialization.safe_globals(array_globals):
+    known = torch.serialization.get_safe_globals()  # (leaving the context removes what it added: not a caller's)
+    with torch.serialization.safe_globals([g for g in array_globals if g not in known]):
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:  # torch's text: a paragraph, with the global in one line

@@ -181,7 +181,7 @@ class Gaps:
 
 
 def diverged_note(nonfinite: int) -> str:
-    return f"a run diverged at {nonfinite} seed(s) (a non-finite gap)"
+    return f"a non-finite value at {nonfinite} seed(s) (a run diverged, or the statistic is undefined)"
 
 
 def verdict(mean: float | None, ci: tuple[float, float] | None, floor: float | None,

@@ -41,6 +41,7 @@ from largebatch.parallel.config import ParallelConfig
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's dimension names
 _JOINED = False  # init_distributed joined a process group in this process (end_process)
+_OWN_GROUP = False  # ... and has not left it since (shutdown: a group a caller made is the caller's)
 
 
 class RankFailure(RuntimeError):
@@ -287,7 +288,7 @@ def _enable_faulthandler() -> None:
 def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
     """Join the job torchrun started and build the DIMS mesh; a no-op at world size 1. A process
     that joined ends best through ``end_process``."""
-    global _JOINED
+    global _JOINED, _OWN_GROUP
     cfg = cfg or ParallelConfig()
     world_size = _env_int("WORLD_SIZE", 1)
     pp, dp, tp = resolve_sizes(cfg, world_size)
@@ -307,7 +308,7 @@ def init_distributed(cfg: ParallelConfig | None = None) -> ParallelState:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 **_restart_store(world_size, timeout),
                                 **({"device_id": device} if use_cuda else {}))
-        _JOINED = True
+        _JOINED = _OWN_GROUP = True
         _enable_faulthandler()
     # Every group the mesh makes waits parallel.timeout_s, as the default group does. Left to torch,
     # a dimension spanning less than the whole job got a group of its own with torch's 30-minute
@@ -394,16 +395,18 @@ def seed_ranks(seed: int, state: ParallelState) -> int:
 def shutdown(state: ParallelState) -> None:
     """Leave the process group init_distributed joined (after a last barrier, so no rank exits while
     others still talk); a group the caller made before is left to the caller."""
-    if state.distributed and _JOINED:
+    if state.distributed and _OWN_GROUP:
         leave_process_group()
 
 
 def leave_process_group() -> None:
     """A last barrier, then destroy the default group, if one is initialised (see ``end_process``:
     this alone does not stop the backend's worker threads)."""
+    global _OWN_GROUP
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def end_process(code: int) -> int:

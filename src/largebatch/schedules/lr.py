@@ -90,7 +90,7 @@ def check_whole_tokens(tokens, name: str, why: str = "") -> int:
     value = float(tokens)
     if not value.is_integer():
         raise ValueError(f"{name}={tokens!r} must be a whole number of tokens{why}, e.g. {name}={round(value)}")
-    return tokens if isinstance(tokens, numbers.Integral) else int(value)
+    return int(tokens) if isinstance(tokens, numbers.Integral) else int(value)  # (np.int64 too: a plain int)
 
 
 def as_real(value, name: str) -> float:

@@ -134,7 +134,8 @@ class _PythonReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PYTHON_READS:
             self.reads.calls.append(func.__name__)
-        elif func is torch.tensor and torch.device((kwargs or {}).get("device") or "cpu").type != "cpu":
+        elif func is torch.tensor and (kwargs or {}).get("device") is not None and \
+                torch.device(kwargs["device"]).type != "cpu":
             # host values copied to a device without a pinned buffer: on CUDA a blocking copy, which
             # waits for every queued kernel as a read does (largebatch.optim.kernels.host_constant)
             self.reads.calls.append("tensor(device=...)")

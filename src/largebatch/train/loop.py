@@ -148,17 +148,22 @@ def _run_state(method):
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        dtype = torch.get_default_dtype()
-        with warnings.catch_warnings(), contextlib.ExitStack() as outer:
+        dtype, depth = torch.get_default_dtype(), self.__dict__.get("_state_depth", 0)
+        with contextlib.ExitStack() as outer:
             for device in ("cpu", "cuda"):
                 if torch.is_autocast_enabled(device):
                     outer.enter_context(torch.autocast(device, enabled=False))
-            if getattr(self, "quiet_view_warning", False):
+            # the filter, at the outermost call only: catch_warnings clears Python's record of the
+            # warnings already shown once, so entering it at every step would show them at every step
+            if depth == 0 and getattr(self, "quiet_view_warning", False):
+                outer.enter_context(warnings.catch_warnings())
                 quiet_fsdp_view_warning()
             torch.set_default_dtype(torch.float32)
+            self._state_depth = depth + 1
             try:
                 return method(self, *args, **kwargs)
             finally:
+                self._state_depth = depth
                 torch.set_default_dtype(dtype)
 
     return wrapped
@@ -201,9 +206,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
         # FSDP2's view warning cannot apply to our blocks (their outputs are used out of place only);
         # silenced while the trainer's own methods run (_run_state), not for the caller's models after
-        self.quiet_view_warning = self.par.dp_mode == "fsdp" and self.par.tp_size > 1
-        if self.quiet_view_warning:
-            quiet_fsdp_view_warning()
+        self.quiet_view_warning = self.par.dp_mode == "fsdp" and self.par.tp_size > 1  # (no forward here)
         if meta_init_applies(self.par, cfg.model.init_from):  # FSDP / TP / PP: no rank holds the whole model
             model, init_log = build_on_meta(lambda: build_model(cfg.model))
             self.n_params = model.num_params()
@@ -408,7 +411,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if self.pos.phase != self.phase.index or saved_dp != self.par.dp_size:
             self._set_phase(self.phases[self.pos.phase])
         self.schedule.load_state_dict(extra["schedule"])
-        self.noise.load_state_dict(extra["noise_scale"])
+        self.noise = self.phase.schedule.build_noise_scale()  # the saved phase's fields (its noise_scale_ema)
+        saved_noise = extra["noise_scale"]
+        if isinstance(saved_noise, dict) and saved_noise.get("ema_decay") not in (None, self.noise.ema_decay):
+            # a checkpoint of a version that read the run's [schedule] in every phase: its own, to the end
+            self.noise = type(self.noise)(saved_noise["ema_decay"])
+        self.noise.load_state_dict(saved_noise)
         rngs = extra["rng"]
         if len(rngs) == self.par.world_size:
             set_rng_state(rngs[self.par.rank], self.device)
