@@ -97,7 +97,7 @@ class Report:
 
 
 def finish_figure(fig, axes, path: Path, title: str | None = None, legend_axes=()) -> Path:
-    """Grid on every axis, legends where asked, a title, save as PNG and free the figure."""
+    """Grid on every axis, legends where asked, a title, save as PNG (a pyplot-free Figure: nothing to close)."""
     for ax in axes:
         ax.grid(alpha=0.3)
     for ax in legend_axes:
