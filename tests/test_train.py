@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from largebatch.checkpoint import list_checkpoints, load_checkpoint
-from largebatch.train.cli import main, resolve_config
+from largebatch.train.cli import format_summary, main, resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
@@ -429,7 +429,9 @@ def test_the_summary_mfu_counts_each_launch_at_its_own_peak(reference_run, tmp_p
     a resume on more processes (or with the peak measured again) the earlier launches were counted at
     the new rate, and the run's MFU fell outside the range of its launches' own (0.12 for launches of
     0.16 and 0.15, 1 -> 2 processes). Here the second launch declares 4x the first one's peak."""
-    cache, _, _ = reference_run
+    cache, out, straight = reference_run
+    assert straight["peak_varied"] is False  # one launch: its own peak, named
+    assert f"% of {straight['peak_flops'] / 1e12:.3f} TFLOP/s (" in format_summary(straight, out)
     o = tiny_overrides(cache, tmp_path / "run", **{"run.peak_flops": 1e9, "run.max_steps": 4})
     _run(o)
     first = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])["progress"]
@@ -439,6 +441,10 @@ def test_the_summary_mfu_counts_each_launch_at_its_own_peak(reference_run, tmp_p
     assert last["step"] == summary["steps"] > 4 and last["train_seconds"] == summary["train_seconds"]
     seconds = (first["train_seconds"], last["train_seconds"] - first["train_seconds"])
     assert summary["mfu"] == pytest.approx(last["model_flops"] / (seconds[0] * 1e9 + seconds[1] * 4e9), rel=1e-9)
+    # and the summary does not call it a fraction of this launch's peak alone
+    assert summary["peak_varied"] is True
+    assert "of each launch's own peak and processes (this launch: 1 x 0.004 TFLOP/s" in format_summary(
+        summary, tmp_path / "run")
 
 
 def test_a_pt_that_is_not_a_trainers_checkpoint_is_named_so(reference_run, tmp_path):

@@ -384,7 +384,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
         + (f"; {s['wall_seconds']:.1f} s in all with setup, evaluations and checkpoints "
            f"({s['tokens_per_s_wall']:,.0f} tokens/s)" if s.get("wall_seconds") is not None else ""),
         f"throughput        {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% of "
-        f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})",
+        + (f"each launch's own peak and processes (this launch: {s['world_size']} x "
+           f"{s['peak_flops'] / 1e12:.3f} TFLOP/s, {s['peak_flops_source']})" if s.get("peak_varied") else
+           f"{s['peak_flops'] / 1e12:.3f} TFLOP/s ({s['peak_flops_source']})"),
         f"memory            {human_bytes(s['memory_bytes'])}",
     ]
     steady = s.get("tokens_per_s_after_first_step")
