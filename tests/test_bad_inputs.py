@@ -98,7 +98,8 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--data.val_corpus={tmp}/missing"], ["data.val_corpus = '{tmp}/missing' does not exist"]),
     (["train", "--data.corpus={tmp}/web.jsonl.gz"],
      ["web.jsonl.gz' line 2 has no field data.text_field='text' (its fields: 'content', 'url')"]),
-    (["train", "--data.corpus={tmp}", "--data.text_field=content"], ["table.parquet", "JSON Lines"]),
+    (["train", "--data.corpus={tmp}", "--data.text_field=content"],
+     ["table.parquet' is not a readable .parquet file", "re-create it"]),
     # a validation document the corpus does not hold: named before the corpus is read (it was found
     # after the run directory was made and the text read)
     (["train", "--data.corpus={tmp}/plays", "--data.val_documents=othello"],

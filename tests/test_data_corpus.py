@@ -180,11 +180,99 @@ def test_another_text_field_and_unreadable_archives(tmp_path):
     (tmp_path / "broken.txt.gz").write_bytes(gzip.compress(b"some text")[:-6])
     with pytest.raises(CorpusError, match="broken.txt.gz' is not a readable .gz file"):
         load_documents(str(tmp_path / "broken.txt.gz"))
-    (tmp_path / "t.parquet").write_bytes(b"PAR1\x00")
-    with pytest.raises(CorpusError, match="parquet files are not read; write the text out as JSON Lines"):
-        load_documents(str(tmp_path / "t.parquet"))
+    (tmp_path / "t.tar").write_bytes(b"\x00" * 512)
+    with pytest.raises(CorpusError, match="tar files are not read; write the text out as JSON Lines"):
+        load_documents(str(tmp_path / "t.tar"))
     with pytest.raises(ValueError, match="DataConfig.text_field=''"):
         DataConfig(text_field="")
+
+
+def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
+    """Pretraining corpora ship as Parquet (the Hub's format) and Arrow (`datasets`' save_to_disk):
+    both were refused. Each row is one document now, read one record batch at a time, through every
+    row group and batch; null and blank texts are skipped; the metadata save_to_disk writes beside
+    its .arrow files is not read as a corpus; and trained with val_corpus, the token streams equal
+    those of the same texts as plain text files."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [d.text for d in shakespeare_documents()[:6]]
+    rows = [texts[0], None, texts[1], "  \n", *texts[2:5]]  # 7 rows: one null, one blank
+    table = pa.table({"id": list(range(len(rows))), "text": rows})
+    pq.write_table(table, tmp_path / "plays.parquet", row_group_size=2)
+    (tmp_path / "hub").mkdir()
+    pq.write_table(table.cast(pa.schema([("id", pa.int64()), ("text", pa.large_string())])),
+                   tmp_path / "hub" / "train-00000-of-00001.parquet")
+    saved = tmp_path / "saved"  # the layout of Dataset.save_to_disk: a stream-format .arrow and its metadata
+    saved.mkdir()
+    with pa.OSFile(str(saved / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=3)
+    (saved / "dataset_info.json").write_text('{"features": {"text": {"dtype": "string"}}}')
+    (saved / "state.json").write_text('{\n  "_data_files": [{"filename": "data-00000-of-00001.arrow"}]\n}')
+    with pa.OSFile(str(tmp_path / "random.arrow"), "wb") as sink:  # the IPC file (random-access) format
+        with pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=2)
+
+    names = [f"{{}}:{row}" for row in (0, 2, 4, 5, 6)]
+    for spec, stem in (("plays.parquet", "plays"), ("hub", "train-00000-of-00001"),
+                       ("saved", "data-00000-of-00001"), ("random.arrow", "random")):
+        docs = load_documents(str(tmp_path / spec))
+        assert [d.text for d in docs] == texts[:5], spec
+        assert [d.name for d in docs] == [name.format(stem) for name in names], spec
+
+    import shutil  # a DatasetDict's save_to_disk: one such directory per split, and its list of splits
+
+    for split in ("train", "validation"):
+        shutil.copytree(saved, tmp_path / "dd" / split)
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}')
+    with pytest.raises(CorpusError, match=r"dd' is a DatasetDict written by save_to_disk \(splits: train, "
+                                          r"validation\): .* data.corpus = '.*dd/train' and data.val_corpus = "
+                                          r"'.*dd/validation'"):
+        load_documents(str(tmp_path / "dd"))
+    assert [d.text for d in load_documents(str(tmp_path / "dd" / "train"))] == texts[:5]
+
+    pq.write_table(pa.table({"text": [texts[5]]}), tmp_path / "val.parquet")
+    (tmp_path / "txt").mkdir()
+    for k, text in enumerate(texts[:5]):
+        (tmp_path / "txt" / f"{k}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "val.txt").write_text(texts[5], encoding="utf-8")
+    common = dict(vocab_size=512, cache_dir=str(tmp_path / "cache"))
+    from_table = build_data(DataConfig(corpus=str(tmp_path / "saved"), val_corpus=str(tmp_path / "val.parquet"),
+                                       **common), 64)
+    from_text = build_data(DataConfig(corpus=str(tmp_path / "txt"), val_corpus=str(tmp_path / "val.txt"),
+                                      **common), 64)
+    assert np.array_equal(from_table.train.tokens, from_text.train.tokens)
+    assert np.array_equal(from_table.val.tokens, from_text.val.tokens)
+
+
+def test_bad_parquet_and_arrow_files_are_named_before_the_corpus_is_read(tmp_path, monkeypatch):
+    """A missing column lists the file's columns, a column of numbers names its type, a damaged file
+    and a compressed one say what to do; check_corpus (before any work) finds the column problems from
+    the first table's schema; without pyarrow the error names the package."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from largebatch.data.corpus import check_corpus
+
+    pq.write_table(pa.table({"id": [1, 2], "content": ["a page", "another"]}), tmp_path / "t.parquet")
+    for check in (lambda f: load_documents(str(tmp_path / "t.parquet"), text_field=f),
+                  lambda f: check_corpus(str(tmp_path), "data.corpus", text_field=f)):
+        with pytest.raises(CorpusError, match=r"t.parquet' has no column data.text_field='text' \(its columns: "
+                                              r"'id', 'content'\): set data.text_field"):
+            check("text")
+        with pytest.raises(CorpusError, match="t.parquet': its column 'id' holds int64, not strings"):
+            check("id")
+    assert [d.text for d in load_documents(str(tmp_path / "t.parquet"), text_field="content")] == ["a page", "another"]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not a table")
+    with pytest.raises(CorpusError, match="broken.parquet' is not a readable .parquet file .*re-create it"):
+        load_documents(str(tmp_path / "broken.parquet"))
+    (tmp_path / "t.parquet.gz").write_bytes(gzip.compress((tmp_path / "t.parquet").read_bytes()))
+    with pytest.raises(CorpusError, match="t.parquet.gz': a compressed .parquet file is not read .*decompress it"):
+        load_documents(str(tmp_path / "t.parquet.gz"), text_field="content")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if it were not installed
+    with pytest.raises(CorpusError, match=r"t.parquet' is a .parquet file, read with pyarrow: pip install pyarrow"):
+        load_documents(str(tmp_path / "t.parquet"), text_field="content")
 
 
 def test_the_corpus_check_reads_one_record(tmp_path):

@@ -20,10 +20,11 @@ class DataConfig:
     corpus: str = field(default="shakespeare", metadata={"names": CORPORA})
     """What to train on. A named corpus (below; add one with largebatch.data.corpus.register_corpus)
     or a path: a UTF-8 text file, a JSON Lines file (one document per record, its text under
-    ``text_field``), a directory of such files (one document per text file, searched recursively,
-    hidden files skipped), each possibly compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the
-    ``zstandard`` package), or a pre-tokenized array of token ids (``.npy``, or raw ``.bin`` of
-    ``bin_dtype``)."""
+    ``text_field``), a Parquet or Arrow file (one document per row, its text in the column
+    ``text_field``; needs ``pyarrow``), a directory of such files (one document per text file,
+    searched recursively, hidden files skipped; a ``Dataset.save_to_disk`` directory too), text and
+    JSON Lines files possibly compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard``
+    package), or a pre-tokenized array of token ids (``.npy``, or raw ``.bin`` of ``bin_dtype``)."""
 
     val_corpus: str | None = None
     """Optional separate validation corpus (same kinds of path as ``corpus``). When given, all of
@@ -58,8 +59,9 @@ class DataConfig:
 
     text_field: str = "text"
     """JSON Lines corpora (``.jsonl``, ``.ndjson``, ``.json``; ``datasets``' ``Dataset.to_json``
-    writes them): the field of each record that holds its text. Each record is one document,
-    named ``<file stem>:<line>``; records whose text is empty or whitespace only are skipped."""
+    writes them): the field of each record that holds its text; Parquet and Arrow corpora: the
+    column. Each record or row is one document, named ``<file stem>:<line>`` (``<file stem>:<row>``
+    for a row, from 0); records whose text is empty or whitespace only (or null) are skipped."""
 
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split (special tokens

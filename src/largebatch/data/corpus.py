@@ -173,8 +173,12 @@ def is_token_array_path(spec: str) -> bool:
 
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow: one document per row
+RECORD_SUFFIXES = JSON_SUFFIXES + TABLE_SUFFIXES  # one document per record, not per file
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-UNSUPPORTED_SUFFIXES = (".parquet", ".arrow", ".tar", ".zip")
+UNSUPPORTED_SUFFIXES = (".tar", ".zip")
+# what `datasets`' Dataset.save_to_disk writes beside its .arrow files: its metadata, not records
+DATASETS_METADATA = ("dataset_info.json", "state.json")
 
 
 def load_documents(spec: str, document_separator: str | None = None,
@@ -182,8 +186,10 @@ def load_documents(spec: str, document_separator: str | None = None,
     """Documents of a named corpus or of a file / directory of files: text files (one document per
     file), JSON Lines files (``.jsonl``, ``.ndjson``, ``.json``: one document per record, its text
     under ``text_field``; a ``.json`` holding one array of records too), each possibly compressed
-    (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package). All of them at once: see
-    iter_documents (and DocumentSource) for one file at a time."""
+    (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard`` package), and Parquet and Arrow
+    files (``.parquet``, ``.arrow``, with ``pyarrow``: one document per row, its text in the column
+    ``text_field``). All of them at once: see iter_documents (and DocumentSource) for one file at a
+    time."""
     return list(iter_documents(spec, document_separator, text_field))
 
 
@@ -212,13 +218,16 @@ def iter_documents(spec: str, document_separator: str | None = None,
             clashes.append(f"{str(origin[stem])!r} and {str(file)!r} (both {stem!r})")
         origin[stem] = file
         try:
-            text = read_text_file(file)
+            if kind in TABLE_SUFFIXES:
+                records = table_documents(file, stem, text_field)
+            else:
+                text = read_text_file(file)
+                records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
+                           else [Document(stem, text)])
+                del text  # a JSON file's records hold their texts; the file's whole text is not needed again
         except CorpusError as exc:  # every file is read before one error names them all
             unreadable.append(str(exc))
             continue
-        records = (json_documents(file, stem, text, text_field) if kind in JSON_SUFFIXES
-                   else [Document(stem, text)])
-        del text  # a JSON file's records hold their texts; the file's whole text is not needed again
         if document_separator is None:
             yield from records
             continue
@@ -279,11 +288,33 @@ def _document_stem(file: Path, path: Path) -> str:
 
 
 def _corpus_files(path: Path) -> list[Path]:
-    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted."""
+    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted. In a folder
+    that holds .arrow files, the metadata `datasets`' save_to_disk writes beside them
+    (dataset_info.json, state.json) is not a corpus file."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    _refuse_dataset_dict(path)
+    files = sorted(p for p in path.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    arrow_dirs = {p.parent for p in files if content_suffix(p) == ".arrow"}
+    return [p for p in files if not (p.name in DATASETS_METADATA and p.parent in arrow_dirs)]
+
+
+def _refuse_dataset_dict(path: Path) -> None:
+    """CorpusError naming its splits when ``path`` is a DatasetDict written by save_to_disk: read
+    whole, its splits (validation among them) would be one corpus."""
+    marker = path / "dataset_dict.json"
+    if not marker.is_file():
+        return
+    try:
+        splits = [str(s) for s in json.loads(marker.read_text(encoding="utf-8"))["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+    train = next((s for s in splits if s == "train"), splits[0] if splits else "train")
+    val = next((s for s in splits if s in ("validation", "valid", "val", "test")), None)
+    way = (f"data.corpus = {str(path / train)!r}" + (f" and data.val_corpus = {str(path / val)!r}" if val else ""))
+    raise CorpusError(f"{str(path)!r} is a DatasetDict written by save_to_disk (splits: {', '.join(splits)}): "
+                      f"read whole, its splits would be one corpus; pass one split's directory: {way}")
 
 
 def _suffixes(path: Path) -> str:
@@ -325,6 +356,87 @@ def json_documents(path: Path, stem: str, text: str, text_field: str) -> list[Do
             documents.append(Document(f"{stem}:{number}", value))
     if not documents:
         raise CorpusError(f"{where!r} holds no text under data.text_field={text_field!r}: remove it or "
+                          f"fill it")
+    return documents
+
+
+def _pyarrow(path: Path):
+    """pyarrow, or CorpusError naming the way to install it (it reads Parquet and Arrow files)."""
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet  # noqa: F401 -- pyarrow.parquet is a submodule imported on demand
+    except ImportError:
+        raise CorpusError(f"{str(path)!r} is a {content_suffix(path)} file, read with pyarrow: pip install "
+                          "pyarrow (or largebatch[parquet]), or write the text out as JSON Lines") from None
+    return pyarrow
+
+
+class _Table:
+    """A Parquet or Arrow file (IPC file or stream format, as `datasets`' save_to_disk writes it),
+    read one record batch at a time: its schema, and its ``text_field`` column's batches."""
+
+    def __init__(self, path: Path):
+        _check_kind(path)
+        pa = _pyarrow(path)
+        self.path, self.pa = path, pa
+        try:
+            if content_suffix(path) == ".parquet":
+                self._parquet = pa.parquet.ParquetFile(str(path))
+                self.schema = self._parquet.schema_arrow
+            else:
+                self._parquet, self.schema = None, self._open_ipc().schema
+        except (pa.ArrowException, OSError) as err:
+            raise CorpusError(f"{str(path)!r} is not a readable {content_suffix(path)} file ({err}): check or "
+                              "re-create it") from None
+
+    def _open_ipc(self):
+        source = self.pa.memory_map(str(self.path))
+        try:
+            return self.pa.ipc.open_file(source)
+        except self.pa.ArrowInvalid:  # not the random-access format: the stream format save_to_disk writes
+            source.seek(0)
+            return self.pa.ipc.open_stream(source)
+
+    def column(self, text_field: str) -> Iterator:
+        """The text column's values, one record batch at a time (pyarrow arrays)."""
+        pa, where = self.pa, str(self.path)
+        if text_field not in self.schema.names:
+            fields = ", ".join(repr(k) for k in self.schema.names[:8]) or "none"
+            raise CorpusError(f"{where!r} has no column data.text_field={text_field!r} (its columns: {fields}): "
+                              "set data.text_field to the one that holds the text")
+        kind = self.schema.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+            raise CorpusError(f"{where!r}: its column {text_field!r} holds {kind}, not strings: set "
+                              "data.text_field to the column that holds the text")
+        try:
+            if self._parquet is not None:
+                for batch in self._parquet.iter_batches(batch_size=4096, columns=[text_field]):
+                    yield batch.column(0)
+            else:
+                reader = self._open_ipc()
+                batches = ((reader.get_batch(i) for i in range(reader.num_record_batches))
+                           if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader)
+                for batch in batches:
+                    yield batch.column(text_field)
+        except (pa.ArrowException, OSError) as err:
+            raise CorpusError(f"{where!r} is not a readable {content_suffix(self.path)} file ({err}): check or "
+                              "re-create it") from None
+
+
+def table_documents(path: Path, stem: str, text_field: str) -> list[Document]:
+    """One document per row of a Parquet or Arrow file, its text in the column ``text_field``; named
+    ``<stem>:<row>`` (rows counted from 0 over the whole file). Rows whose text is null, empty or
+    whitespace only are skipped (a text kept is kept as it is)."""
+    documents, row = [], 0
+    for values in _Table(path).column(text_field):
+        for value in values.to_pylist():
+            if value is not None and value.strip():
+                documents.append(Document(f"{stem}:{row}", value))
+            row += 1
+    if not documents:
+        raise CorpusError(f"{str(path)!r} holds no text under data.text_field={text_field!r}: remove it or "
                           f"fill it")
     return documents
 
@@ -396,8 +508,11 @@ def check_corpus(spec: str, field: str, text_field: str = "text", split: bool = 
     files = _corpus_files(path)
     for file in files:
         _check_kind(file)
-    if split and len(files) == 1 and content_suffix(files[0]) not in JSON_SUFFIXES:
+    if split and len(files) == 1 and content_suffix(files[0]) not in RECORD_SUFFIXES:
         raise CorpusError(f"{field} = {spec!r} is one text file: {too_few_documents(1)}")
+    table = next((f for f in files if content_suffix(f) in TABLE_SUFFIXES), None)
+    if table is not None:  # pyarrow there, the first such file readable, its column present and of strings
+        next(_Table(table).column(text_field), None)
     first = next((f for f in files if content_suffix(f) in JSON_SUFFIXES), None)
     if first is None:
         return
@@ -429,7 +544,7 @@ def check_val_documents(spec: str, val_documents: tuple[str, ...], document_sepa
     if not path.exists():
         return  # check_corpus says so
     files = _corpus_files(path)
-    if any(content_suffix(file) in JSON_SUFFIXES for file in files):
+    if any(content_suffix(file) in RECORD_SUFFIXES for file in files):
         return
     names = [_document_stem(file, path) for file in files]
     chosen = {resolve_document_name(name, names) for name in val_documents}
@@ -468,6 +583,9 @@ def _check_kind(path: Path) -> None:
     if kind in UNSUPPORTED_SUFFIXES:
         raise CorpusError(f"{str(path)!r}: {kind} files are not read; write the text out as JSON Lines "
                           f"(one object per line, e.g. datasets' Dataset.to_json) or as text files")
+    if kind in TABLE_SUFFIXES and path.suffix.lower() in COMPRESSED_SUFFIXES:
+        raise CorpusError(f"{str(path)!r}: a compressed {kind} file is not read (the format compresses its own "
+                          "columns): decompress it")
 
 
 def _read_bytes(path: Path) -> bytes:
