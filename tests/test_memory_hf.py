@@ -330,6 +330,18 @@ def test_numpy_integers_and_the_bert_head_share():
     assert estimate(g, np.int64(2), tp=np.int64(4), dp=np.int32(2)) == estimate(g, 2, tp=4, dp=2)
     assert cheapest_plan(g, Setup(micro_batch=2), np.int64(60 * 2**30)) == cheapest_plan(g, Setup(micro_batch=2),
                                                                                       60 * 2**30)
+    # gpt3-175b's sizes as int32 (what an np.arange sweep gives): their products passed 2^31 and wrapped,
+    # to -1 GiB a layer and a 16 GiB model, and a plan "fitted" 80 GiB at micro-batch 64 (nothing does)
+    from largebatch.memory import activation_bytes_per_layer, model_activation_bytes
+
+    s, b, h, a = 2048, 64, 12288, 96
+    paper = s * b * h * (34 + 5 * a * s / h)  # Table 2, no parallelism, 16-bit values and 1-byte masks
+    assert activation_bytes_per_layer(*map(np.int32, (s, b, h, a))) == pytest.approx(paper, rel=1e-12)
+    big = preset("gpt3-175b")
+    assert model_activation_bytes(big, np.int32(b)) == model_activation_bytes(big, b) > 96 * paper
+    assert estimate(big, np.int32(b), tp=8, pp=8, sequence_parallel=True) == estimate(
+        big, b, tp=8, pp=8, sequence_parallel=True)
+    assert cheapest_plan(big, Setup(tp=8, pp=8, sequence_parallel=True, micro_batch=np.int32(b)), 80 * 2**30) is None
     c = ModelConfig(n_layer=np.int64(2), ffn_hidden=np.int64(256))
     assert type(c.n_layer) is int and type(c.ffn_hidden) is int and c == ModelConfig(n_layer=2, ffn_hidden=256)
     for bad in (0, 2, float("nan")):

@@ -54,6 +54,30 @@ def test_cli_says_what_would_fit(capsys):
     assert "Nothing fits in 80 GiB" in out and "Would fit: --tp 8 --sequence-parallel --pp" in out
 
 
+def _suggestions(capsys, argv: list[str]) -> list[str]:
+    assert main(argv) == 1
+    return re.search(r"Would fit: (.*)", capsys.readouterr().out).group(1).split("; ")
+
+
+def test_every_suggestion_runs_as_printed(capsys):
+    """A larger tp came with --sequence-parallel even where tp does not divide the sequence, which the
+    command then refuses (seq 1001: every suggestion); without --pp-micro-batches, the default count
+    at pp 1 (2) was carried to the suggested pp as if asked for."""
+    base = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "1000", "--budget-gib", "0.3"]
+    odd = _suggestions(capsys, [*base, "--seq-len", "1001"])
+    assert any(fix.startswith("--tp 2 ") for fix in odd) and not any("--sequence-parallel" in fix for fix in odd)
+    # asked for sequence parallelism: only a tp that splits the sequence (1002 = 2 x 501)
+    even = _suggestions(capsys, [*base, "--seq-len", "1002", "--tp", "2", "--sequence-parallel"])
+    assert even and all(fix.startswith("--tp 2 --sequence-parallel ") for fix in even)
+    medium = _suggestions(capsys, ["--model", "gpt2-medium", "--budget-gib", "4"])
+    assert "--tp 1 --pp 2" in medium and not any("--pp-micro-batches" in fix for fix in medium)
+    for argv, fixes in (([*base, "--seq-len", "1001"], odd), ([*base, "--seq-len", "1002"], even),
+                        (["--model", "gpt2-medium", "--budget-gib", "4"], medium)):
+        for fix in fixes:
+            assert main([*argv, *fix.split()]) == 0, fix
+            capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--layers", "1000000000"], "--layers 1,000,000,000: at most 100,000"),  # (it ran for minutes before)
@@ -201,7 +225,8 @@ def test_logits_gathered_without_the_vocabulary_parallel_loss(kind, capsys, tmp_
 def test_what_would_fit_runs_as_suggested(capsys):
     """The suggestion at another pp kept the asked GPipe micro-batch count, while the command re-run
     with the suggested flags used 2 x the new pp: "Nothing fits" again. It now names m."""
-    assert main(["--model", "gpt3-175b", "--pp", "2", "--pp-schedule", "gpipe", "--budget-gib", "10"]) == 1
+    assert main(["--model", "gpt3-175b", "--pp", "2", "--pp-schedule", "gpipe", "--pp-micro-batches", "4",
+                 "--budget-gib", "10"]) == 1
     out = capsys.readouterr().out
     first = re.search(r"Would fit: ([^;\n]+)", out).group(1)
     assert "--pp-micro-batches 4" in first

@@ -101,7 +101,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}.")
     _check_bytes(dtype_bytes, mask_bytes)
-    s, b, h, a, f, t = seq_len, micro_batch, hidden, heads, shape.ffn_hidden, tp
+    # the shape's values: numpy integers made Python ints (their products wrapped at 2^31 or 2^63)
+    s, b, h, a, f, t = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads, shape.ffn_hidden, shape.tp
     d, m = dtype_bytes, (mask_bytes if dropout else 0)
     t_rep = t if sequence_parallel else 1  # what splits the "replicated" regions
     if recompute == "full":
@@ -147,6 +148,12 @@ def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
 def last_stage_rank(schedule: str, pp: int) -> int:
     """The rank holding the last pipeline stage: pp - 1, except under ZBV's V shape (rank 0)."""
     return 0 if schedule == "zbv" else pp - 1
+
+
+def _plain(value):
+    """A numpy integer as a Python int (the products here pass 2^31 and 2^63, where numpy wraps);
+    anything else as it is, for the checks to name."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)) else value
 
 
 def _positive_int(value) -> bool:
@@ -201,6 +208,7 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     loss_parallel: the fp32 logits stay split over the vocabulary across tp (the paper's layout, the
     trainer's parallel.loss_parallel); False: gathered, the whole vocabulary on every rank.
     """
+    micro_batch, tp, pp, seq_len = _plain(micro_batch), _plain(tp), _plain(pp), _plain(seq_len)
     if not isinstance(pp, int) or pp < 1 or config.n_layer % pp:
         raise ValueError(f"pp={pp!r}: must be a positive integer dividing n_layer={config.n_layer}.")
     in_flight = first_stage_layers(config.n_layer, pp, schedule, virtual_stages, micro_batches) * pp / config.n_layer
@@ -229,6 +237,7 @@ def last_rank_activation_bytes(config: ModelConfig, micro_batch: int, recompute:
     same mix; a rank's k-th virtual stage takes the k-th share of the list)."""
     from largebatch.memory.pipeline_schedule import walk  # it imports this module
 
+    micro_batch, tp, pp, seq_len = _plain(micro_batch), _plain(tp), _plain(pp), _plain(seq_len)
     virtual = stages_per_rank(schedule, virtual_stages)
     stages = pp * virtual
     if config.n_layer % stages:
@@ -268,7 +277,8 @@ def backward_working_bytes(config: ModelConfig, micro_batch: int, recompute: str
     layers after it stored (already freed). The largest of these, or 0. ``layers``: the blocks of a
     stage (default all); ``recompute``: one policy or one per block. Measured on CPU, fp32, against
     ``measure_peak_bytes`` (docs/memory.md)."""
-    s = config.seq_len if seq_len is None else seq_len
+    micro_batch, tp = _plain(micro_batch), _plain(tp)
+    s = config.seq_len if seq_len is None else _plain(seq_len)
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
     policies = per_layer_policies(recompute, config.n_layer if layers is None else layers)
     layer = dict(tp=tp, sequence_parallel=sequence_parallel, **kw)
@@ -296,7 +306,8 @@ def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
     blocks (recompute: one policy or one per block), the embeddings' if ``first``, the final norm's
     and output layer's and loss's if ``last`` (Korthikanti et al. 2022 §4.3; ``loss_parallel`` as in
     model_activation_bytes)."""
-    s = config.seq_len if seq_len is None else seq_len
+    micro_batch, tp = _plain(micro_batch), _plain(tp)
+    s = config.seq_len if seq_len is None else _plain(seq_len)
     kw = config_layer_kwargs(config, dtype_bytes=dtype_bytes, device=device, training=training)
     policies = per_layer_policies(recompute, layers) if layers else []
     total = sum(policies.count(p) * activation_bytes_per_layer(

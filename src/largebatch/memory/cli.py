@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"\nNothing fits in {args.budget_gib:g} GiB: micro-batch 1 with full recomputation needs "
               f"{floor}.")
-        fixes = what_would_fit(config, setup, budget)
+        fixes = what_would_fit(config, setup, budget, micro_batches_asked=args.pp_micro_batches is not None)
         print("Would fit: " + ("; ".join(fixes) if fixes else "no tp/pp/ZeRO setting on this budget; "
                                                               "use devices with more memory."))
         return 1

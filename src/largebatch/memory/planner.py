@@ -163,15 +163,20 @@ def micro_batch_sweep(config: ModelConfig, setup: Setup, budget_bytes: float,
     return plans
 
 
-def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> list[str]:
+def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
+                   micro_batches_asked: bool = True) -> list[str]:
     """Up to three larger (tp, pp, ZeRO stage) settings, fewest devices per replica first, under
-    which micro-batch 1 with full recomputation fits."""
+    which micro-batch 1 with full recomputation fits. A larger tp comes with sequence parallelism
+    where the sequence splits over it (and without, unless ``setup`` asked for it, where it does
+    not). ``micro_batches_asked``: ``setup.pp_micro_batches`` was given by the user (it carries over
+    to another pp), rather than the command's default 2 pp (which follows the pp)."""
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.n_head % t == 0]
     pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
     if setup.hf_activation is not None:  # transformers' eager layers: ZeRO only
         tps, pps = [1], [1]
     zeros = range(setup.zero_stage, 4 if setup.dp > 1 else setup.zero_stage + 1)
     grid = sorted(((tp * pp, tp, pp, z) for tp in tps for pp in pps for z in zeros))
+    seq_len = config.seq_len if setup.seq_len is None else setup.seq_len
     found = []
     for _, tp, pp, zero in grid:
         if (tp, pp, zero) == (setup.tp, setup.pp, setup.zero_stage):
@@ -180,17 +185,20 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float) -> li
             continue  # a schedule of V stages per rank needs V to divide the layers per rank
         # the asked m carries over (it is the global batch / micro-batch), named in the command, where
         # the schedule can run it at this pp (all but GPipe need m >= pp); else the command's default 2 pp
-        m = setup.pp_micro_batches
+        m = setup.pp_micro_batches if micro_batches_asked else None
         if m is None or (setup.pp_schedule != "gpipe" and m < pp):
             m = 2 * pp
+        splits = tp > 1 and seq_len % tp == 0  # sequence parallelism needs tp | seq_len (the trainer's check)
+        if setup.sequence_parallel and not splits:
+            continue
         changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero, pp_micro_batches=m,
-                          sequence_parallel=setup.sequence_parallel or tp > 1)
+                          sequence_parallel=setup.sequence_parallel or splits)
         try:
             fits = changed.estimate(config, "full").total <= budget_bytes
         except ValueError:  # the schedule cannot run at this pp
             continue
         if fits:
-            flags = f"--tp {tp}{' --sequence-parallel' if tp > 1 else ''} --pp {pp}"
+            flags = f"--tp {tp}{' --sequence-parallel' if changed.sequence_parallel else ''} --pp {pp}"
             if pp > 1 and m != 2 * pp:  # (the command's m is 2 pp unless given)
                 flags += f" --pp-micro-batches {m}"
             found.append(flags + (f" --zero-stage {zero}" if zero else ""))
