@@ -224,6 +224,28 @@ def test_generate_extends_and_respects_context():
     assert out.shape == (2, 22) and torch.equal(out[:, :12], idx)
     greedy = model.generate(idx, 3, temperature=0)
     assert torch.equal(greedy, model.generate(idx, 3, temperature=0))
+    # a temperature below float32's range divided the logits to inf and sampled from NaN (torch's
+    # "probability tensor contains either inf, nan"): it is greedy, as 0 is
+    for tiny in (1e-40, 5e-324):
+        assert torch.equal(model.generate(idx, 3, temperature=tiny), greedy)
+
+
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((torch.zeros(1, 0, dtype=torch.long), 2), {}, r"shape \(1, 0\); give token ids of shape \(batch, T\) with T >= 1"),
+    ((torch.zeros(4, dtype=torch.long), 2), {}, r"1-D torch.int64 tensor of shape \(4,\).*ids\[None\]"),
+    ((torch.zeros(1, 4), 2), {}, r"torch.float32 tensor"),
+    ((torch.zeros(1, 4, dtype=torch.long), -3), {}, r"max_new_tokens=-3: must be a whole number >= 0"),
+    ((torch.zeros(1, 4, dtype=torch.long), 2.5), {}, r"max_new_tokens=2.5"),
+    ((torch.zeros(1, 4, dtype=torch.long), 2), {"temperature": float("nan")}, r"temperature=nan: must be a finite"),
+    ((torch.zeros(1, 4, dtype=torch.long), 2), {"temperature": -1.0}, r"temperature=-1.0"),
+    ((torch.zeros(1, 4, dtype=torch.long), 2), {"top_k": 2.5}, r"top_k=2.5: must be a positive integer"),
+    ((torch.zeros(1, 4, dtype=torch.long), 2), {"top_k": 0}, r"top_k=0")])
+def test_generate_refuses_bad_arguments_by_name(args, kwargs, words):
+    """An empty prompt failed inside the attention ("cannot reshape tensor of 0 elements"), a 1-D one
+    with an IndexError, a fractional top_k in torch.topk, a NaN temperature in torch.multinomial, and
+    a negative max_new_tokens returned the prompt as if it were allowed."""
+    with pytest.raises(ValueError, match=words):
+        GPT(ModelConfig(**TINY)).eval().generate(*args, **kwargs)
 
 
 @pytest.mark.parametrize("field, value, words", [

@@ -8,6 +8,8 @@ output layer (final norm input, projection input, fp32 logits).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -125,19 +127,28 @@ class GPT(TransformerBase):
                  top_k: int | None = None) -> torch.Tensor:
         """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens).
         temperature 0 means greedy; top_k keeps only the k most likely tokens."""
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k={top_k}: must be a positive integer or None.")
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.size(1) < 1 or idx.is_floating_point():
+            got = (f"a {idx.dim()}-D {idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor)
+                   else type(idx).__name__)
+            raise ValueError(f"idx: {got}; give token ids of shape (batch, T) with T >= 1 (one prompt: "
+                             "ids[None]; an empty prompt: start from a token such as <|endoftext|>).")
+        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a whole number >= 0.")
+        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy).")
+        if top_k is not None and (not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1):
+            raise ValueError(f"top_k={top_k!r}: must be a positive integer or None.")
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len:]
             logits = self(context)[0][:, -1, :]  # (B, v)
             if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
                 logits = logits.full_tensor()
-            if temperature == 0:
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one the logits' dtype rounds to 0
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # from the largest logit down: a tiny temperature gives 0 and -inf (greedy), where the
+                # logits themselves over it overflowed to inf and the softmax to NaN
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
