@@ -229,6 +229,16 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
         masked = (tok.convert_tokens_to_string(tokens[:i]) + " [MASK]"
                   + tok.convert_tokens_to_string(tokens[i + 1:]))
         assert tok(masked, add_special_tokens=False)["input_ids"] == [*bare[:i], tok.mask_token_id, *bare[i + 1:]]
+    # but only that space: a newline, a tab or a second space before the masked token are tokens of
+    # their own in training (a mask that stripped all whitespace dropped them: ids the model never saw)
+    for text, start in (("more\nKING HENRY", 5), ("end.\n\nKING", 6), ("to be:\tthe end", 7), ("the  crown", 5)):
+        enc = run.tokenizer.encode(text)
+        i = next(k for k, (s, e) in enumerate(enc.offsets) if s <= start < e)
+        s, e = enc.offsets[i]
+        own = text[s:e][: len(text[s:e]) - len(text[s:e].lstrip())]  # the token's own leading space, if any
+        trained = [*enc.ids[:i], tok.mask_token_id, *enc.ids[i + 1:]]
+        assert tok(text[:s] + own + "[MASK]" + text[e:], add_special_tokens=False)["input_ids"] == trained, text
+        assert run.tokenizer.id_to_token(enc.ids[i - 1]) in ("\u010a", "\u0109", "\u0120"), text  # kept before it
     cut = tok(TEXT * 4, truncation=True)["input_ids"]  # the context, [CLS] and [SEP] included
     assert tok.model_max_length == 48 and len(cut) == 48 and (cut[0], cut[-1]) == (cls, sep)
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()

@@ -262,7 +262,7 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int, one_segment: bool = Fals
     ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there.
     ``one_segment``: the model has one segment (the RoBERTa family): pairs as RoBERTa's, without
     token_type_ids, whatever the special tokens' names."""
-    from tokenizers import AddedToken, Tokenizer, processors
+    from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
@@ -280,14 +280,29 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int, one_segment: bool = Fals
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=pair,
         special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
-    # the mask token takes the space before it, as RoBERTa's does: training replaces a whole token, its
-    # leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone
-    # space token in front of it (WordPiece drops the space either way)
-    tok.add_special_tokens([AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)])
+    tok.add_special_tokens([_mask_token(tok, mask)])
     inputs = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids", "attention_mask"]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, model_max_length=max_length,
         model_input_names=inputs, clean_up_tokenization_spaces=False, **special)
+
+
+def _mask_token(tok, mask: str):
+    """The mask token as the exported tokenizer adds it. Training replaces one whole token, its
+    leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone space
+    token before the mask; but a newline, a tab or a second space before the masked token are tokens
+    of their own ("Ċ" before "word"), which stay. RoBERTa's ``lstrip`` takes all of them: here, for a
+    byte-level tokenizer, a normalizer takes the one space before the mask, and the mask is matched
+    in the normalized text. WordPiece drops whitespace either way (and may lowercase, so its mask
+    is matched in the raw text, taking what is before it as RoBERTa's does)."""
+    from tokenizers import AddedToken, normalizers, pre_tokenizers
+
+    byte_level = isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel)
+    if not byte_level or (tok.normalizer is not None and tok.normalizer.normalize_str(f" {mask}") != f" {mask}"):
+        return AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)
+    space = normalizers.Replace(f" {mask}", mask)
+    tok.normalizer = space if tok.normalizer is None else normalizers.Sequence([tok.normalizer, space])
+    return AddedToken(mask, lstrip=False, rstrip=False, normalized=True, special=True)
 
 
 def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) -> dict[str, Any]:
