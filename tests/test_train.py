@@ -286,11 +286,14 @@ def test_relaunches_log_every_record_once(tmp_path, reference_run):
     cache = reference_run[0]
     out = tmp_path / "relaunched"
     o = tiny_overrides(cache, out, **{"run.tensorboard": True, "schedule.batch_policy": "constant",
-                                      "run.total_tokens": 32 * 8 * 6, "run.eval_every_tokens": 32 * 8 * 3})
+                                      "run.total_tokens": 32 * 8 * 6, "run.eval_every_tokens": 32 * 8 * 3,
+                                      "run.checkpoint_every_tokens": 32 * 8 * 3})
     _run(o)
     expected = {"train": [r["step"] for r in read_metrics(out) if r["kind"] == "train"],
                 "val": [r["step"] for r in read_metrics(out) if r["kind"] == "val"]}
     assert expected == {"train": [1, 2, 3, 4, 5, 6], "val": [0, 3, 6]}
+    # an evaluation's record wrote tokens, phase and seq_len again at its step: twice at steps 3 and 6
+    assert _tensorboard_steps(out, "tokens") == _tensorboard_steps(out, "seq_len") == expected["train"]
     # the state a kill after the final checkpoint leaves: every record, no summary
     (out / "summary.json").unlink()
     assert not _run(o, resume=True).get("stopped_early")
@@ -304,6 +307,18 @@ def test_relaunches_log_every_record_once(tmp_path, reference_run):
     _run(o)
     assert _tensorboard_steps(out, "val_loss") == expected["val"]
     assert _tensorboard_steps(out, "loss") == expected["train"]
+    # relaunched with run.tensorboard = false: a resume drops what was written past its checkpoint
+    # (they stayed, as the run's), and a fresh start the earlier attempt's events and their folder
+    newest = list_checkpoints(out)[-1]
+    assert load_checkpoint(newest)["progress"]["step"] == 6
+    newest.unlink()  # the state of a kill after step 6 was logged, before its checkpoint was written
+    (out / "summary.json").unlink()
+    assert not _run({**o, "run.tensorboard": False}, resume=True).get("stopped_early")
+    assert _tensorboard_steps(out, "loss") == [step for step in expected["train"] if step <= 3]
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    _run({**o, "run.tensorboard": False})
+    assert not (out / "tensorboard").exists()
 
 
 def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):

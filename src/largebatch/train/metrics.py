@@ -42,22 +42,30 @@ class MetricsLog:
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional for library users
-                return
-            events = run_dir / "tensorboard"
-            if resume_step is None:  # a fresh run over an earlier attempt's events (killed before any
-                for old in events.glob("events.out.tfevents.*"):  # checkpoint): they would show twice
-                    old.unlink(missing_ok=True)
+        events = run_dir / "tensorboard"
+        if resume_step is None:  # a fresh run over an earlier attempt's events (killed before any
+            for old in events.glob("events.out.tfevents.*"):  # checkpoint): they would show twice
+                old.unlink(missing_ok=True)
+            if not tensorboard and events.is_dir() and not any(events.iterdir()):
+                events.rmdir()  # (with run.tensorboard = false the run has none)
+        elif not tensorboard and not any(events.glob("events.out.tfevents.*")):
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional for library users
+            return
+        if tensorboard or resume_step is not None:
             # TensorBoard drops earlier events from the purge step on: from the resume step when its
-            # validation is redone, the kept records of that step written again
+            # validation is redone, the kept records of that step written again. A resume without
+            # TensorBoard still purges what the run wrote past its checkpoint, then writes nothing.
             self._tb = SummaryWriter(log_dir=str(events), purge_step=None if resume_step is None else
                                      resume_step + (0 if evaluates_again else 1))
             if evaluates_again:
                 for record in kept:
                     self._scalars(record)
+            if not tensorboard:
+                self._tb.close()
+                self._tb = None
 
     def log(self, record: dict[str, Any]) -> None:
         try:
@@ -71,11 +79,16 @@ class MetricsLog:
 
     def _scalars(self, record: dict[str, Any]) -> None:
         """Every finite number of ``record`` as a scalar at its step; ``wall_time`` as each event's
-        own time (TensorBoard's relative-time axis), not as a curve of its own."""
+        own time (TensorBoard's relative-time axis), not as a curve of its own. An evaluation's
+        record gives its ``val_*`` numbers only: its step's training record gave the others (tokens,
+        phase, seq_len), which would otherwise show twice at that step."""
         step = int(record.get("step", 0))
         wall = record.get("wall_time")
+        evaluation = record.get("kind") == "val"
         for key, value in record.items():
-            if key not in ("step", "wall_time") and isinstance(value, (int, float)) and math.isfinite(value):
+            if key in ("step", "wall_time") or (evaluation and not key.startswith("val_")):
+                continue
+            if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(key, value, step, walltime=wall)
 
     def close(self) -> None:
