@@ -249,6 +249,21 @@ def grad_norm_cases(results: dict) -> None:
         clipped = float(global_grad_norm(params, state))
         results[f"grad_norm/{mode}"] = abs(norm - ref_norm) / ref_norm
         results[f"grad_norm_clipped/{mode}"] = abs(clipped - 0.5)
+        # a fault on one rank only: an inf in rank 1's copy of a replicated gradient (which the sum
+        # leaves to rank 0's copy), or in rank 1's own loss, makes the norm non-finite on every rank
+        # (rank 1 alone skipped or stopped, or none did, and the ranks went apart)
+        same = float(global_grad_norm(params, state, local_value=torch.tensor(3.0)))
+        bad_loss = torch.tensor(math.inf if torch.distributed.get_rank() == 1 else 3.0)
+        on_all = [same == clipped]
+        if mode != "ddp":  # (DDP: no reduction here; its gradients are already alike, its loss summed by the caller)
+            on_all.append(not math.isfinite(float(global_grad_norm(params, state, local_value=bad_loss))))
+        if mode in ("tp", "sp"):
+            replica = next(p for p in params if isinstance(p, DTensor) and p.grad is not None
+                           and all(placement.is_replicate() for placement in p.placements))
+            if torch.distributed.get_rank() == 1:
+                replica.grad.to_local().fill_(math.nan)
+            on_all.append(not math.isfinite(float(global_grad_norm(params, state))))
+        results[f"grad_norm_nonfinite_anywhere/{mode}"] = on_all
 
 
 # ----------------------------------------------------------------------- sequence-parallel memory

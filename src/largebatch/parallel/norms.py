@@ -100,11 +100,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state: ParallelState) -> t
     return optimizer
 
 
-def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:
+def global_grad_norm(params: list[Tensor], state: ParallelState, local_value: Tensor | None = None) -> Tensor:
     """L2 norm of all gradients of the (possibly sharded) model, identical on every rank: (,) fp64.
 
     One all-reduce. Parameters without a gradient are skipped. Under DDP, call it after the
     gradients were all-reduced (it then needs no communication, except to sum pipeline stages).
+    Where it all-reduces (sharded parameters, pipeline stages), it is non-finite on every rank when
+    any rank holds a non-finite gradient -- a replica the sum leaves to another rank included -- or a
+    non-finite ``local_value`` (the step's own loss), so that every rank decides a non-finite step
+    alike (a fault on one tensor-parallel rank made them disagree). Under DDP the gradients are
+    already alike and the caller sums the loss over the ranks.
     """
     with_grad = [p for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=state.device)
@@ -112,25 +117,31 @@ def global_grad_norm(params: list[Tensor], state: ParallelState) -> Tensor:
         grads = [local_grad(p) for p in with_grad]
         squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
         total = squared.sum()
+    # x * 0 is 0 for a finite x and NaN for inf or NaN: this rank's own values, in the one all-reduce
+    own = total * 0 if local_value is None else total * 0 + local_value.detach().to(total) * 0
     sharded = any(isinstance(p, DTensor) for p in with_grad)
     if state.mesh is not None and (sharded or state.pp_size > 1):
         if with_grad:  # every element once: replicas along dp/tp leave it to coordinate 0
             keep = host_constant(tuple(contributes(p, state) for p in with_grad), squared.device)
             total = torch.where(keep, squared, torch.zeros_like(squared)).sum()
+        total = total + own
         dist.all_reduce(total)  # over the job: shards and pipeline stages
+    elif local_value is not None:
+        total = total + own
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[Tensor], max_norm: float, state: ParallelState) -> Tensor:
+def clip_grad_norm_(params: list[Tensor], max_norm: float, state: ParallelState,
+                    local_value: Tensor | None = None) -> Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; return the norm before.
 
     ``max_norm = math.inf`` only measures. Same rule as torch.nn.utils.clip_grad_norm_, with the
-    norm summed over shards.
+    norm summed over shards (and non-finite on every rank as global_grad_norm says).
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm = {max_norm!r}: must be > 0 (math.inf to only measure)")
-    norm = global_grad_norm(params, state)
+    norm = global_grad_norm(params, state, local_value)
     if math.isfinite(max_norm):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [local_grad(p) for p in params if p.grad is not None]

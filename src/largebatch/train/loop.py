@@ -526,7 +526,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
-        grad_norm = clip_grad_norm_(params, max_norm, par)  # (), identical on every rank
+        # (), identical on every rank: non-finite on all when any rank's gradients or loss are
+        grad_norm = clip_grad_norm_(params, max_norm, par, local_value=loss_sum)
         loss_value = global_sum(loss_sum, par) / n_targets
         record: dict[str, Any] = {"kind": "train", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                                   "loss": loss_value, "lr": lr,
