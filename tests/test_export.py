@@ -570,6 +570,47 @@ def test_an_export_killed_mid_write_leaves_nothing_for_good(gpt_run, tmp_path, c
     assert not killed.exists() and live.is_dir() and (out / "config.json").is_file()
 
 
+def test_a_stop_while_force_replaces_out_leaves_one_whole_export(gpt_run, tmp_path, monkeypatch):
+    """--force deleted the old OUT before it renamed the new one in, and a stop meanwhile (Ctrl-C while
+    an OUT of many files was deleted) left neither: the old export half deleted, the new one removed
+    with its staging directory. The old OUT is renamed aside first now: a stop before the new one is
+    in place puts it back whole; a stop while it is deleted leaves the new export whole."""
+    from largebatch.export import export as export_run
+
+    out = tmp_path / "out"
+    assert export(gpt_run, out, "--no-verify") == 0
+    (out / "notes.txt").write_text("the old export")
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    rename, rmtree = Path.rename, shutil.rmtree
+
+    def stopped_before_the_new_one_is_in(self, target):
+        if Path(target) == out and self.name.startswith(".out.export-") and "-old-" not in self.name:
+            raise KeyboardInterrupt  # what a SIGINT handler raises, at the worst moment
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped_before_the_new_one_is_in)
+    with pytest.raises(KeyboardInterrupt):
+        export_run(gpt_run, out, force=True, verify=False, log=lambda *_: None)
+    monkeypatch.setattr(Path, "rename", rename)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+    assert not list(tmp_path.glob(".out.*"))
+
+    def stopped_while_the_old_one_is_deleted(path, *args, **kwargs):
+        if "-old-" in Path(path).name and Path(path).exists():
+            raise KeyboardInterrupt
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stopped_while_the_old_one_is_deleted)
+    with pytest.raises(KeyboardInterrupt):
+        export_run(gpt_run, out, force=True, verify=False, log=lambda *_: None)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    new = {p.name for p in out.iterdir()}
+    assert "notes.txt" not in new and {"config.json", "model.safetensors", "tokenizer.json"} <= new
+    assert (out / "model.safetensors").read_bytes() == old["model.safetensors"]  # the same checkpoint
+    assert export(gpt_run, out, "--no-verify", "--force") == 0  # and the next export clears what was left
+    assert not list(tmp_path.glob(".out.*"))
+
+
 def test_out_a_link_to_a_directory_and_out_written_meanwhile(gpt_run, tmp_path, capsys, monkeypatch):
     """OUT a symbolic link to a directory ("latest -> export-7") ended in a traceback (rmtree
     refuses links), even to an empty one: the export is now written through the link. Two exports

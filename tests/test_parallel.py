@@ -82,7 +82,8 @@ def test_global_grad_norm_and_clipping(ranks, mode):
     for rank_results in ranks[1]:
         assert rank_results[f"grad_norm/{mode}"] < 1e-6  # relative to the float64 single-process norm
         assert rank_results[f"grad_norm_clipped/{mode}"] < 1e-5  # clipped to max_norm = 0.5
-        assert rank_results[f"grad_norm_nonfinite_anywhere/{mode}"] == [True] * {"tp": 3, "sp": 3, "fsdp": 2, "ddp": 1}[mode]
+        checks = {"tp": 3, "sp": 3, "fsdp": 2, "ddp": 1}[mode]
+        assert rank_results[f"grad_norm_nonfinite_anywhere/{mode}"] == [True] * checks
 
 
 def test_sequence_parallel_divides_norm_and_dropout_activations_by_t(ranks):

@@ -430,10 +430,13 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(left, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging.with_name(staging.name.replace(f"-{os.getpid()}", f"-old-{os.getpid()}")),
+                      ignore_errors=True)  # an OUT this process replaced, its deletion stopped
         staging.mkdir()
     except OSError as exc:  # a read-only or permission-denied parent
         raise ExportError(f"OUT {str(out)!r} cannot be created ({exc.strerror or exc}: "
                           f"{exc.filename}): pick a writable directory path") from None
+    aside = None  # an OUT being replaced, renamed out of the way until the new one is in place
     try:
         info = save_hf(loaded.model, loaded.tokenizer, staging, max_length=trained)
         if verify:
@@ -447,9 +450,19 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             if not force:
                 raise ExportError(f"OUT {str(out)!r} was written while this export ran (another export "
                                   "into it?): pick another path, or pass --force to replace it")
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            # renamed aside, not deleted first: a stop (Ctrl-C) while a large OUT was deleted left
+            # neither the old export nor the new one
+            aside = out.parent / f".{out.name}.export-{host}-old-{os.getpid()}"
+            out.rename(aside)
         staging.rename(out)
     finally:
+        if aside is not None:
+            if not out.exists():  # stopped between the two renames: the old OUT goes back
+                aside.rename(out)
+            elif aside.is_dir():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                aside.unlink(missing_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
     info.update(checkpoint=str(loaded.checkpoint), step=loaded.step, out=str(out))
     return info
