@@ -52,6 +52,7 @@ def paths(tmp_path):
 
     (tmp_path / "web.jsonl.gz").write_bytes(gzip.compress(b'\n{"content": "a page", "url": "x"}\n'))
     (tmp_path / "table.parquet").write_bytes(b"PAR1")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     (tmp_path / "plays").mkdir()
     for name in ("hamlet.txt", "acts/macbeth.txt.gz"):
         (tmp_path / "plays" / name).parent.mkdir(exist_ok=True)
@@ -113,6 +114,16 @@ CASES = [  # (argv with {tmp} for the test's directory, what the line must name)
     (["train", "--parallel.shared_fs_wait_s=-1"], ["parallel.shared_fs_wait_s = -1", "[0, 86400]"]),
     (["train", "--parallel.shared_fs_wait_s=nan"], ["parallel.shared_fs_wait_s = nan", "finite"]),
     (["train", "--model.n_layer=1e8"], ["model.n_layer=100000000", "GiB", "available", "lower model.n_layer"]),
+    # a name longer than the filesystem allows (255 bytes): Python 3.11's Path.exists() raises on it,
+    # and every command ended in a traceback; --check said "ok" when a parent was still to be made
+    (["train", "--check", "--run.out_dir={tmp}/new/" + "z" * 256], ["run.out_dir", "is 256 bytes", "shorten it"]),
+    (["train", "--resume", "{tmp}/" + "z" * 256], ["too long for its filesystem (at most 255 bytes", "shorten it"]),
+    (["train", "--data.corpus={tmp}/" + "z" * 256], ["too long for its filesystem"]),
+    (["export", "{tmp}/" + "z" * 256, "{tmp}/out", "--format", "hf"], ["too long for its filesystem"]),
+    (["memory", "--config", "{tmp}/" + "z" * 256], ["too long for its filesystem"]),
+    # OUT a link to nothing (or a loop): refused up front, not a traceback after the whole export
+    (["export", "{tmp}/plays", "{tmp}/dangling", "--format", "hf"],
+     ["OUT '{tmp}/dangling' is a symbolic link to '{tmp}/nowhere'", "missing or a loop of links"]),
 ]
 if os.path.isdir("/proc/self"):  # a file system that refuses new files whatever the permission bits say
     CASES.append((["schedule", "--total-tokens", "1e6", "--seq-len", "64", "--plot", "/proc/x.png"],

@@ -192,11 +192,15 @@ def test_finetune_compares_pretrained_and_scratch_on_held_out_documents(bert_run
 
 def test_a_run_stopped_before_its_budget_is_judged_with_a_note(tiny_data_cache, tmp_path, capsys):
     """The newest checkpoint of a stopped run is a partly trained model: said on the console and
-    in the report, with the tokens it had trained on and its budget."""
-    stopped = train(tiny(tiny_data_cache, tmp_path / "stopped", **{
+    in the report, with the tokens it had trained on and its budget. The report's command is one a
+    shell runs again (it was joined with spaces: a run directory with a space or a quote broke it)."""
+    import shlex
+
+    stopped = train(tiny(tiny_data_cache, tmp_path / "a stopped run's", **{
         "model.kind": "bert", "model.seq_len": 64, "run.max_steps": 2}))
-    code = cli_main(["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "3",
-                     "--passage-len", "32"])
+    argv = ["finetune", str(stopped), "--seeds", "2", "--epochs", "1", "--passages-per-document", "3",
+            "--passage-len", "32"]
+    code = cli_main(argv)
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((stopped / "finetune" / "folio-genre.json").read_text())
@@ -204,6 +208,7 @@ def test_a_run_stopped_before_its_budget_is_judged_with_a_note(tiny_data_cache, 
     assert 0 < report["trained_tokens"] < budget
     note = f"the newest readable checkpoint is at {report['trained_tokens']:,} of the run's {budget:,} tokens"
     assert f"note: {note}" in out and note in (stopped / "finetune" / "folio-genre.md").read_text()
+    assert f"Command: `{shlex.join(['largebatch', *argv])}`" in out
 
 
 def test_the_default_passage_stays_within_the_positions_the_phases_trained(tiny_data_cache, tmp_path, capsys):

@@ -175,12 +175,21 @@ def check_output_dir(path: str | Path, field: str) -> None:
     """Raise ValueError naming ``field`` unless ``path`` is, or can be made, a writable directory (a
     directory is created in it, or in its nearest existing parent, and removed again)."""
     path = Path(path)
+    base = _nearest_existing(path)
+    try:
+        limit = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    long = next((part for part in path.parts if len(os.fsencode(part)) > limit), None)
+    if long is not None:  # (a parent still to be made hid it from the probe below)
+        raise ValueError(f"{_named(field, path)}: the name {long[:40]!r}... is {len(os.fsencode(long))} bytes, "
+                         f"more than its filesystem allows ({limit}); shorten it")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{_named(field, path)} is a file, not a directory; choose a directory path")
     reason = _unwritable_reason(path, "the directory")
     if reason:
         raise ValueError(f"{_named(field, path)}: {reason}; choose a writable directory")
-    base = _nearest_existing(path)  # probed for real: permission bits do not stop root, and some
+    # probed for real: permission bits do not stop root, and some
     try:  # file systems (/proc, /sys) look writable but refuse new entries
         os.rmdir(tempfile.mkdtemp(prefix=".largebatch-probe-", dir=base))
     except OSError as exc:

@@ -7,10 +7,12 @@ it is imported only when called, so ``largebatch schedule`` never pays for the t
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 from largebatch import TorchTooOld, __version__
 from largebatch.arguments import TRAIN_EXTRA
@@ -105,6 +107,25 @@ def _run(name: str, module, rest: list[str]) -> int:
         if _missing_extra(name, exc):  # (experiment's data, schedule's --plot)
             return 2
         raise
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        # Python 3.11's Path.exists() and is_dir() raise it rather than say False: wherever a command
+        # first looks at such a path (a run directory, a corpus, a config), one line, not a traceback
+        name_max = _name_max(exc.filename)
+        print(f"largebatch {name}: error: {exc.filename!r}: a name in this path is too long for its "
+              f"filesystem (at most {name_max} bytes a name): shorten it", file=sys.stderr)
+        return 2
+
+
+def _name_max(path) -> int:
+    """The longest file name the filesystem holding ``path`` allows (255 on common ones)."""
+    for parent in [Path(os.fspath(path or ".")).absolute(), *Path(os.fspath(path or ".")).absolute().parents]:
+        try:
+            return os.pathconf(parent, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
 
 
 def _missing_extra(name: str, exc: ModuleNotFoundError) -> bool:

@@ -148,7 +148,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
     from largebatch.train.rundir import TOKENIZER_NAME
 
     check_run_dir_given(run_dir)
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ExportError(f"RUN_DIR {str(run_dir)!r} is not a directory: pass a run directory "
                           "written by `largebatch train` (it holds config.toml and checkpoints/)")
@@ -377,10 +377,15 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
     """
     if format not in FORMATS:
         raise ExportError(f"format {format!r} is unknown: use one of {', '.join(FORMATS)}")
-    out = Path(out)
+    out = Path(out).expanduser()
     if out.is_symlink() and out.is_dir():  # a link to a directory ("latest -> run-7"): written through
         out = out.resolve()
-    run_path = Path(run_dir).resolve()
+    elif out.is_symlink():  # (it failed at the end, after the whole export, or as a RuntimeError)
+        target = os.readlink(out)
+        raise ExportError(f"OUT {str(out)!r} is a symbolic link to {target!r}, which is "
+                          f"{'a file' if out.exists() else 'missing or a loop of links'}: pick a directory "
+                          "path, or make the link point to a directory")
+    run_path = Path(run_dir).expanduser().resolve()
     if out.resolve() == run_path or out.resolve() in run_path.parents:
         raise ExportError(f"OUT {str(out)!r} is RUN_DIR or holds it: replacing it would delete the "
                           "run; pick a path outside the run directory")

@@ -43,6 +43,8 @@ import argparse
 import copy
 import json
 import math
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings(**{k: v for k, v in vars(args).items()
                                if k not in ("run_dir", "tokenizer", "checkpoint")})
-        return run(args.run_dir, settings, args.tokenizer, "largebatch finetune " + " ".join(argv),
+        return run(args.run_dir, settings, args.tokenizer, shlex.join(["largebatch", "finetune", *argv]),
                    checkpoint=args.checkpoint)
     except (FinetuneError, TaskError) as exc:
         print(f"largebatch finetune: error: {exc}", file=sys.stderr)
@@ -386,6 +388,7 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
     except ExportError as exc:
         raise FinetuneError(str(exc)) from None
     check_settings(settings)  # everything that does not need the model, before the (slow) load
+    run_dir = os.path.expanduser(run_dir)
     out = Path(run_dir) / "finetune"  # where the report goes: checked now, not when the results are in
     _check_report_paths(out, settings.task)
     try:

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import os
 import sys
 
 from largebatch.arguments import OneLineParser, check_output_file, token_count, token_formatter
@@ -182,6 +183,7 @@ def main(argv: list[str]) -> int:
         args.micro_batch, args.dp = args.micro_batch or 1, args.dp or 1
         config = ScheduleConfig.from_dict(fields)
         if args.plot is not None:  # before the work: a plot that cannot be written is known now
+            args.plot = os.path.expanduser(args.plot)  # ~/p.png (the shell expands only an unquoted ~ alone)
             check_output_file(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError(f"--plot {args.plot!r} needs matplotlib, part of the [train] extra: pip "

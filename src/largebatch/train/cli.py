@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(args, unknown: list[str], parser) -> int:
     """``main`` once the arguments are parsed: resolve the config and the run directory, check, train."""
-    from largebatch.train.config import TrainConfig, load_config
+    from largebatch.train.config import TrainConfig, load_config, out_dir_fields, run_dir_of
     from largebatch.train.preflight import check_resume, check_run_dir, make_run_dir, preflight, resume_tokenizer
     from largebatch.train.rundir import (
         check_config_home,
@@ -213,6 +213,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             if config_path is not None:
                 return _fail("give either a config file or --resume RUN_DIR, not both "
                              "(a resumed run uses the config saved in its directory)", 2)
+            resume_dir = os.path.expanduser(resume_dir)
             saved = Path(resume_dir) / "config.toml"
             if not saved.is_file():
                 message = f"--resume {resume_dir}: no config.toml there; is it a run directory?"
@@ -231,15 +232,16 @@ def _launch(args, unknown: list[str], parser) -> int:
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             check_config_home(config_path, cfg, overrides)
-            stamp = _launch_time() if "{time}" in cfg.run.out_dir else ""  # (needs a run id under torchrun)
-            run_dir = Path(cfg.run.out_dir.format(time=stamp, kind=cfg.model.kind))
+            timed = "time" in out_dir_fields(cfg.run.out_dir)
+            stamp = _launch_time() if timed else ""  # (needs a run id under torchrun)
+            run_dir = run_dir_of(cfg.run.out_dir, cfg.model.kind, stamp)
             if complete(run_dir, cfg):
                 return settle(0, "finished")
             check_run_dir(run_dir)
         state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
         if resume_dir is None:
             if not check_only:  # two runs started in the same second: -2
-                run_dir = make_run_dir(run_dir, unique="{time}" in cfg.run.out_dir and not _under_torchrun())
+                run_dir = make_run_dir(run_dir, unique=timed and not _under_torchrun())
             # the same command line starts a run and restarts it (a scheduler, torchrun --max-restarts)
             resume = continues_run(run_dir, cfg)
     except ConfigError as exc:

@@ -133,8 +133,10 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     out_dir: str = "runs/{time}-{kind}"
-    """Run directory; '{time}' and '{kind}' are filled in. Holds config.toml, metrics.jsonl,
-    tensorboard/, PNG plots, summary.json and checkpoints/."""
+    """Run directory; '{time}' and '{kind}' are filled in ('{{' and '}}' are literal braces) and a
+    leading '~' is the home directory. Holds config.toml (which records it, and relative data paths,
+    as the absolute paths they named where the run started), metrics.jsonl, tensorboard/, PNG
+    plots, summary.json and checkpoints/."""
     total_tokens: int = field(default=600_000, metadata={"parse": token_count})
     """Training budget in tokens (sequences x sequence length). Schedules are keyed on it. Token
     counts here and in the fields below take 2e9, 300M, 1.5B or 600_000."""
@@ -232,6 +234,20 @@ class RunConfig:
 OUT_DIR_FIELDS = ("time", "kind")  # what run.out_dir may hold in braces
 
 
+def out_dir_fields(out_dir: str) -> set[str]:
+    """The placeholders ``run.out_dir`` names ({{ and }} are literal braces, not placeholders)."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(out_dir) if name is not None}
+    except ValueError:  # a single brace: refused by the config's check
+        return set()
+
+
+def run_dir_of(out_dir: str, kind: str, time: str = "") -> Path:
+    """The directory ``run.out_dir`` names: its placeholders filled in, a leading ``~`` expanded (as
+    data.corpus's and data.cache_dir's are; it made a directory named ``~`` in the working one)."""
+    return Path(out_dir.format(time=time, kind=kind)).expanduser()
+
+
 def _check_out_dir_template(out_dir: str) -> None:
     """run.out_dir may name only {time} and {kind}; anything else in braces is refused up front."""
     fix = "use only {time} and {kind} in braces (write {{ and }} for literal braces)"
@@ -321,10 +337,10 @@ def batch_replicas(cfg: TrainConfig, dp: int, run_dir: str | Path | None = None)
     checkpoints were written with, which the trainer keeps (a one-process run of batch 8 and
     micro_batch 8 continues on 2 replicas of 4 sequences each, though 8 x 2 does not divide 8)."""
     if run_dir is None:
-        if "{time}" in cfg.run.out_dir:
+        if "time" in out_dir_fields(cfg.run.out_dir):
             return dp
         try:
-            run_dir = cfg.run.out_dir.format(kind=cfg.model.kind)
+            run_dir = run_dir_of(cfg.run.out_dir, cfg.model.kind)
         except (KeyError, IndexError, ValueError):
             return dp
     from largebatch.checkpoint.files import checkpoint_dp_size
@@ -434,13 +450,34 @@ def step_micro_batches(schedule, dp: int, total_tokens: int, micro_batch: int) -
     return {size // (micro_batch * dp) for size in sizes}
 
 
+PATH_FIELDS = ("data.corpus", "data.val_corpus", "data.tokenizer_file")
+"""Fields naming a file or directory (or a registered corpus): the same path written otherwise
+(relative, through a link, with ~) is the same value (largebatch.train.rundir.differing_fields)."""
+
+
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it. A relative
     ``data.cache_dir`` is written as the directory it named from where the run started, so a resume
-    launched from elsewhere finds the cache instead of tokenizing the corpus again into a new one."""
-    if not Path(cfg.data.cache_dir).expanduser().is_absolute():
-        cfg = replace_section(cfg, "data", cache_dir=str(Path(cfg.data.cache_dir).expanduser().absolute()))
+    launched from elsewhere finds the cache instead of tokenizing the corpus again into a new one;
+    so are relative ``data.corpus``, ``data.val_corpus`` and ``data.tokenizer_file`` paths that exist
+    (a resume from another directory failed on a corpus that "does not exist"), and a ``run.out_dir``
+    without {time} (a resume from elsewhere took the run for one moved there)."""
+    data = {"cache_dir": str(Path(cfg.data.cache_dir).expanduser().absolute())}
+    for name in ("corpus", "val_corpus", "tokenizer_file"):
+        value = getattr(cfg.data, name)
+        if value is not None and not is_registered_corpus(value) and Path(value).expanduser().exists():
+            data[name] = os.path.abspath(Path(value).expanduser())
+    cfg = replace_section(cfg, "data", **data)
+    if "time" not in out_dir_fields(cfg.run.out_dir):  # one directory: where it is from here ({{ kept literal)
+        where = os.path.abspath(run_dir_of(cfg.run.out_dir, cfg.model.kind))
+        cfg = replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
     atomic_write_text(path, dump_toml(to_dict(cfg)))
+
+
+def is_registered_corpus(value: str) -> bool:
+    from largebatch.data.corpus import CORPORA
+
+    return value in CORPORA
 
 
 def replace_section(cfg: TrainConfig, section: str, **changes: Any) -> TrainConfig:

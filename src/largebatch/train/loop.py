@@ -175,7 +175,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self._launch_start, self._wall_before = time.perf_counter(), 0.0  # (the run's earlier launches)
         # log: a callable taking one line; by default ConsoleLog (stdout, flushed; a closed pipe stops
         # the run as a signal does, after a checkpoint)
-        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), ConsoleLog() if log in (None, print) else log
+        self.cfg, self.run_dir = cfg, Path(run_dir).expanduser()
+        self.log = ConsoleLog() if log in (None, print) else log
         run = cfg.run
         # -- 1. setup -------------------------------------------------------------------------
         self.par = init_distributed(cfg.parallel)  # a no-op in one process

@@ -41,7 +41,14 @@ from typing import Callable
 import torch.distributed as dist
 
 from largebatch.checkpoint.files import atomic_write_text, checkpoint_dir, list_checkpoints
-from largebatch.train.config import TrainConfig, replace_section
+from largebatch.train.config import (
+    PATH_FIELDS,
+    TrainConfig,
+    is_registered_corpus,
+    out_dir_fields,
+    replace_section,
+    run_dir_of,
+)
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
@@ -105,10 +112,24 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
-    """'table.field: saved -> new' for every ``selected`` field that differs between two configs."""
+    """'table.field: saved -> new' for every ``selected`` field that differs between two configs (a
+    path field naming one file or directory two ways -- the absolute path the run saved and the
+    relative one a relaunch gives -- does not differ)."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and selected(k)]
+            if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))]
+
+
+def _same_path_field(key: str, a, b) -> bool:
+    if key not in PATH_FIELDS or not isinstance(a, str) or not isinstance(b, str):
+        return False
+    if is_registered_corpus(a) or is_registered_corpus(b):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return os.path.samefile(pa, pb)
+    except OSError:  # one is missing: the same only when written the same way from here
+        return os.path.abspath(pa) == os.path.abspath(pb)
 
 
 def among(key: str, fields: tuple[str, ...]) -> bool:
@@ -132,17 +153,19 @@ def same_directory(a: str | Path, b: str | Path) -> bool:
 
 
 def _concrete(out_dir: str) -> bool:
-    return "{" not in out_dir  # run.out_dir without {time} or {kind}: one directory
+    """run.out_dir names one directory: it has no {time} ({kind} is the config's own; {{ a brace})."""
+    return "time" not in out_dir_fields(out_dir)
 
 
 def moved_run(cfg: TrainConfig, run_dir: Path, note: Callable[[str], None]) -> TrainConfig:
     """``cfg`` (a ``--resume run_dir``'s) naming ``run_dir`` as its run.out_dir: a run whose
     config.toml names another directory was moved or copied there, and the record follows it."""
-    if not _concrete(cfg.run.out_dir) or same_directory(cfg.run.out_dir, run_dir):
+    if not _concrete(cfg.run.out_dir) or same_directory(run_dir_of(cfg.run.out_dir, cfg.model.kind), run_dir):
         return cfg
+    where = os.path.abspath(run_dir)
     note(f"note: {run_dir} was moved or copied from run.out_dir = {cfg.run.out_dir!r}; its config.toml "
-         f"names {str(run_dir.absolute())!r} from now on")
-    return replace_section(cfg, "run", out_dir=str(run_dir.absolute()))
+         f"names {where!r} from now on")
+    return replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
 
 
 def check_config_home(config: str | Path | None, cfg: TrainConfig, overrides: dict) -> None:
@@ -154,7 +177,7 @@ def check_config_home(config: str | Path | None, cfg: TrainConfig, overrides: di
     home = Path(config).expanduser().parent
     if Path(config).name != "config.toml" or not (has_checkpoints(home) or (home / "metrics.jsonl").is_file()):
         return
-    if not same_directory(cfg.run.out_dir, home):
+    if not same_directory(run_dir_of(cfg.run.out_dir, cfg.model.kind), home):
         raise ConfigError(f"{config} is the config of the run in {str(home)!r}, but its run.out_dir = "
                           f"{cfg.run.out_dir!r} names another directory (the run was moved or copied): "
                           f"continue it with --resume {shlex.quote(str(home))}, or give --run.out_dir "
