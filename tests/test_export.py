@@ -239,6 +239,25 @@ def test_post_ln_bert_export_matches_bert_for_masked_lm(cache, tmp_path):
         trained = [*enc.ids[:i], tok.mask_token_id, *enc.ids[i + 1:]]
         assert tok(text[:s] + own + "[MASK]" + text[e:], add_special_tokens=False)["input_ids"] == trained, text
         assert run.tokenizer.id_to_token(enc.ids[i - 1]) in ("\u010a", "\u0109", "\u0120"), text  # kept before it
+    # the mask's offsets are its own characters (a literal Replace of " [MASK]" gave it the last one only)
+    spans = tok("the [MASK] of [MASK]", add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert [spans[k] for k, i in enumerate(tok("the [MASK] of [MASK]", add_special_tokens=False)["input_ids"])
+            if i == tok.mask_token_id] == [(4, 10), (14, 20)]
+    # a byte-level vocabulary whose pre-tokenizer is a Sequence (Llama 3's: a split, then bytes) too
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    from largebatch.integrations.hf_export import hf_tokenizer
+
+    seq = Tokenizer.from_str(run.tokenizer.to_str())
+    seq.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s*[\r\n]+|\s+(?!\S)|\s+|[^\s]+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    exported = hf_tokenizer(seq, "bert", 48)
+    enc = seq.encode("more\nKING HENRY", add_special_tokens=False)
+    trained = [*enc.ids[:3], tok.mask_token_id, *enc.ids[4:]]
+    assert seq.id_to_token(enc.ids[2]) == "\u010a" and enc.offsets[3][0] == 5  # "more", "\n", then "K..."
+    masked = "more\n[MASK]" + "KING HENRY"[enc.offsets[3][1] - 5:]
+    assert exported(masked, add_special_tokens=False)["input_ids"] == trained
     cut = tok(TEXT * 4, truncation=True)["input_ids"]  # the context, [CLS] and [SEP] included
     assert tok.model_max_length == 48 and len(cut) == 48 and (cut[0], cut[-1]) == (cls, sep)
     hf = AutoModelForMaskedLM.from_pretrained(out).eval()

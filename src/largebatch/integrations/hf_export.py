@@ -292,17 +292,32 @@ def _mask_token(tok, mask: str):
     leading space included (byte-level BPE's "Ġword"), so "the [MASK] of" must not leave a lone space
     token before the mask; but a newline, a tab or a second space before the masked token are tokens
     of their own ("Ċ" before "word"), which stay. RoBERTa's ``lstrip`` takes all of them: here, for a
-    byte-level tokenizer, a normalizer takes the one space before the mask, and the mask is matched
-    in the normalized text. WordPiece drops whitespace either way (and may lowercase, so its mask
-    is matched in the raw text, taking what is before it as RoBERTa's does)."""
-    from tokenizers import AddedToken, normalizers, pre_tokenizers
+    byte-level tokenizer (its pre-tokenizer ByteLevel, alone or in a Sequence as Llama 3's), a
+    normalizer drops the one space before the mask (a regex that looks ahead, so the mask's offsets
+    stay its own characters), and the mask is matched in the normalized text. WordPiece drops
+    whitespace either way (and may lowercase, so its mask is matched in the raw text, taking what is
+    before it as RoBERTa's does)."""
+    import json
+    import re
 
-    byte_level = isinstance(tok.pre_tokenizer, pre_tokenizers.ByteLevel)
+    from tokenizers import AddedToken, Regex, normalizers
+
+    byte_level = "ByteLevel" in _types(json.loads(tok.to_str()).get("pre_tokenizer"))
     if not byte_level or (tok.normalizer is not None and tok.normalizer.normalize_str(f" {mask}") != f" {mask}"):
         return AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)
-    space = normalizers.Replace(f" {mask}", mask)
+    space = normalizers.Replace(Regex(f" (?={re.escape(mask)})"), "")
     tok.normalizer = space if tok.normalizer is None else normalizers.Sequence([tok.normalizer, space])
     return AddedToken(mask, lstrip=False, rstrip=False, normalized=True, special=True)
+
+
+def _types(node) -> set[str]:
+    """Every "type" in a tokenizer.json component (a Sequence's members included)."""
+    if isinstance(node, dict):
+        own = {node["type"]} if isinstance(node.get("type"), str) else set()
+        return own.union(*map(_types, node.values()))
+    if isinstance(node, list):
+        return set().union(*map(_types, node))
+    return set()
 
 
 def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) -> dict[str, Any]:
