@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 import lzma
+import shutil
 import sys
 from pathlib import Path
 
@@ -210,6 +211,9 @@ def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
             writer.write_table(table, max_chunksize=3)
     (saved / "dataset_info.json").write_text('{"features": {"text": {"dtype": "string"}}}')
     (saved / "state.json").write_text('{\n  "_data_files": [{"filename": "data-00000-of-00001.arrow"}]\n}')
+    # what Dataset.map leaves beside the shards of a loaded save_to_disk folder: a cached copy of the
+    # rows (it was read as more documents: every text twice)
+    shutil.copy(saved / "data-00000-of-00001.arrow", saved / "cache-0123456789abcdef.arrow")
     with pa.OSFile(str(tmp_path / "random.arrow"), "wb") as sink:  # the IPC file (random-access) format
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=2)
@@ -221,8 +225,7 @@ def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
         assert [d.text for d in docs] == texts[:5], spec
         assert [d.name for d in docs] == [name.format(stem) for name in names], spec
 
-    import shutil  # a DatasetDict's save_to_disk: one such directory per split, and its list of splits
-
+    # a DatasetDict's save_to_disk: one such directory per split, and its list of splits
     for split in ("train", "validation"):
         shutil.copytree(saved, tmp_path / "dd" / split)
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}')
@@ -230,7 +233,10 @@ def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
                                           r"validation\): .* data.corpus = '.*dd/train' and data.val_corpus = "
                                           r"'.*dd/validation'"):
         load_documents(str(tmp_path / "dd"))
-    assert [d.text for d in load_documents(str(tmp_path / "dd" / "train"))] == texts[:5]
+    shutil.move(tmp_path / "dd", tmp_path / "parent" / "dd")  # found inside a directory given too
+    with pytest.raises(CorpusError, match=r"parent/dd' is a DatasetDict"):
+        load_documents(str(tmp_path / "parent"))
+    assert [d.text for d in load_documents(str(tmp_path / "parent" / "dd" / "train"))] == texts[:5]
 
     pq.write_table(pa.table({"text": [texts[5]]}), tmp_path / "val.parquet")
     (tmp_path / "txt").mkdir()
@@ -264,6 +270,21 @@ def test_bad_parquet_and_arrow_files_are_named_before_the_corpus_is_read(tmp_pat
         with pytest.raises(CorpusError, match="t.parquet': its column 'id' holds int64, not strings"):
             check("id")
     assert [d.text for d in load_documents(str(tmp_path / "t.parquet"), text_field="content")] == ["a page", "another"]
+    # two columns of one name gave a KeyError traceback; a pandas Categorical (dictionary-encoded
+    # strings) was "not strings"; a string that is not UTF-8 passed the check and failed the load
+    # without naming the file or the row
+    pq.write_table(pa.Table.from_arrays([pa.array(["x"]), pa.array(["y"])], names=["text", "text"]),
+                   tmp_path / "twice.parquet")
+    with pytest.raises(CorpusError, match="twice.parquet' has 2 columns named 'text'"):
+        load_documents(str(tmp_path / "twice.parquet"))
+    pq.write_table(pa.table({"text": pa.array(["a page", "another", "a page"]).dictionary_encode()}),
+                   tmp_path / "categorical.parquet")
+    assert [d.text for d in load_documents(str(tmp_path / "categorical.parquet"))] == ["a page", "another", "a page"]
+    raw = pa.array([b"fine", b"bad \xff byte"], pa.binary())
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), 2, raw.buffers())}), tmp_path / "latin.parquet")
+    check_corpus(str(tmp_path / "latin.parquet"), "data.corpus")  # (the schema only: nothing decoded)
+    with pytest.raises(CorpusError, match=r"latin.parquet' row 1: its 'text' is not UTF-8 text"):
+        load_documents(str(tmp_path / "latin.parquet"))
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not a table")
     with pytest.raises(CorpusError, match="broken.parquet' is not a readable .parquet file .*re-create it"):
         load_documents(str(tmp_path / "broken.parquet"))

@@ -296,8 +296,25 @@ def _corpus_files(path: Path) -> list[Path]:
     _refuse_dataset_dict(path)
     files = sorted(p for p in path.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    for marker in (p for p in files if p.name == "dataset_dict.json"):
+        _refuse_dataset_dict(marker.parent)
     arrow_dirs = {p.parent for p in files if content_suffix(p) == ".arrow"}
-    return [p for p in files if not (p.name in DATASETS_METADATA and p.parent in arrow_dirs)]
+    shards = {d: _saved_shards(d) for d in arrow_dirs}
+    return [p for p in files if not (p.parent in arrow_dirs and (
+        p.name in DATASETS_METADATA or (content_suffix(p) == ".arrow" and shards[p.parent] is not None
+                                        and p.name not in shards[p.parent])))]
+
+
+def _saved_shards(folder: Path) -> set[str] | None:
+    """The .arrow files a `datasets` save_to_disk folder holds its rows in (its state.json's
+    ``_data_files``): beside them, `datasets` writes the caches of ``map`` and ``filter``
+    (``cache-*.arrow``), copies of the rows or lists of indices, not more documents. None when the
+    folder has no such list (not a save_to_disk folder: every .arrow file is read)."""
+    try:
+        listed = json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]
+        return {str(entry["filename"]) for entry in listed}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _refuse_dataset_dict(path: Path) -> None:
@@ -398,18 +415,29 @@ class _Table:
             source.seek(0)
             return self.pa.ipc.open_stream(source)
 
-    def column(self, text_field: str) -> Iterator:
-        """The text column's values, one record batch at a time (pyarrow arrays)."""
-        pa, where = self.pa, str(self.path)
-        if text_field not in self.schema.names:
+    def check_column(self, text_field: str) -> None:
+        """CorpusError unless the schema has one column ``text_field`` of strings (plain, large, view,
+        or dictionary-encoded strings, as a pandas Categorical writes them); nothing is read."""
+        where, types = str(self.path), self.pa.types
+        found = self.schema.get_all_field_indices(text_field)
+        if not found:
             fields = ", ".join(repr(k) for k in self.schema.names[:8]) or "none"
             raise CorpusError(f"{where!r} has no column data.text_field={text_field!r} (its columns: {fields}): "
                               "set data.text_field to the one that holds the text")
-        kind = self.schema.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        if len(found) > 1:
+            raise CorpusError(f"{where!r} has {len(found)} columns named {text_field!r}: rename all but the one "
+                              "that holds the text, or set data.text_field to another column")
+        kind = self.schema.field(found[0]).type
+        value = kind.value_type if types.is_dictionary(kind) else kind
+        if not (types.is_string(value) or types.is_large_string(value)
+                or getattr(types, "is_string_view", lambda _: False)(value)):
             raise CorpusError(f"{where!r}: its column {text_field!r} holds {kind}, not strings: set "
                               "data.text_field to the column that holds the text")
+
+    def column(self, text_field: str) -> Iterator:
+        """The text column's values, one record batch at a time (pyarrow arrays)."""
+        pa, where = self.pa, str(self.path)
+        self.check_column(text_field)
         try:
             if self._parquet is not None:
                 for batch in self._parquet.iter_batches(batch_size=4096, columns=[text_field]):
@@ -431,7 +459,13 @@ def table_documents(path: Path, stem: str, text_field: str) -> list[Document]:
     whitespace only are skipped (a text kept is kept as it is)."""
     documents, row = [], 0
     for values in _Table(path).column(text_field):
-        for value in values.to_pylist():
+        try:
+            texts = values.to_pylist()
+        except UnicodeDecodeError as err:  # a writer that did not check its strings were UTF-8
+            at = next((row + k for k in range(len(values)) if not _utf8(values[k])), row)
+            raise CorpusError(f"{str(path)!r} row {at}: its {text_field!r} is not UTF-8 text ({err.reason} at "
+                              f"byte {err.start}): fix or drop that row") from None
+        for value in texts:
             if value is not None and value.strip():
                 documents.append(Document(f"{stem}:{row}", value))
             row += 1
@@ -439,6 +473,15 @@ def table_documents(path: Path, stem: str, text_field: str) -> list[Document]:
         raise CorpusError(f"{str(path)!r} holds no text under data.text_field={text_field!r}: remove it or "
                           f"fill it")
     return documents
+
+
+def _utf8(value) -> bool:
+    """Whether one pyarrow string scalar decodes as UTF-8 (a null does)."""
+    try:
+        value.as_py()
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _json_line(line: str, where: str, number: int, text_field: str):
@@ -512,7 +555,7 @@ def check_corpus(spec: str, field: str, text_field: str = "text", split: bool = 
         raise CorpusError(f"{field} = {spec!r} is one text file: {too_few_documents(1)}")
     table = next((f for f in files if content_suffix(f) in TABLE_SUFFIXES), None)
     if table is not None:  # pyarrow there, the first such file readable, its column present and of strings
-        next(_Table(table).column(text_field), None)
+        _Table(table).check_column(text_field)  # (its schema only: no column chunk is decoded)
     first = next((f for f in files if content_suffix(f) in JSON_SUFFIXES), None)
     if first is None:
         return
