@@ -435,7 +435,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(left, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(staging.with_name(staging.name.replace(f"-{os.getpid()}", f"-old-{os.getpid()}")),
+        shutil.rmtree(out.parent / f".{out.name}.export-{host}-old-{os.getpid()}",
                       ignore_errors=True)  # an OUT this process replaced, its deletion stopped
         staging.mkdir()
     except OSError as exc:  # a read-only or permission-denied parent

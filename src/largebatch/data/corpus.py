@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -456,7 +457,8 @@ class _Table:
 def table_documents(path: Path, stem: str, text_field: str) -> list[Document]:
     """One document per row of a Parquet or Arrow file, its text in the column ``text_field``; named
     ``<stem>:<row>`` (rows counted from 0 over the whole file). Rows whose text is null, empty or
-    whitespace only are skipped (a text kept is kept as it is)."""
+    whitespace only are skipped (a text kept is kept as it is); a file of rows without text is an
+    error, one of no rows (an empty shard) none."""
     documents, row = [], 0
     for values in _Table(path).column(text_field):
         try:
@@ -469,7 +471,7 @@ def table_documents(path: Path, stem: str, text_field: str) -> list[Document]:
             if value is not None and value.strip():
                 documents.append(Document(f"{stem}:{row}", value))
             row += 1
-    if not documents:
+    if not documents and row:  # (a table of no rows is a shard with nothing in it, as save_to_disk may write)
         raise CorpusError(f"{str(path)!r} holds no text under data.text_field={text_field!r}: remove it or "
                           f"fill it")
     return documents
@@ -544,8 +546,11 @@ def check_corpus(spec: str, field: str, text_field: str = "text", split: bool = 
     if not path.exists():
         named = ("" if any(c in spec for c in "/\\.") else "; a corpus registered by an extension module "
                  "(register_corpus) exists only in a process that imports that module first")
-        raise CorpusError(f"{field} = {spec!r} does not exist: pass an existing text or JSON Lines file, a "
-                          f"directory of them, a .npy or .bin array, or one of {', '.join(CORPORA)}{named}")
+        here = ("" if path.is_absolute() else f"; a relative path is read from the working directory "
+                f"({os.getcwd()}): a run continues from the directory it was started in")
+        raise CorpusError(f"{field} = {spec!r} does not exist: pass an existing text, JSON Lines, Parquet or "
+                          f"Arrow file, a directory of them, a .npy or .bin array, or one of "
+                          f"{', '.join(CORPORA)}{named}{here}")
     if is_token_array_path(spec):
         return
     files = _corpus_files(path)

@@ -114,7 +114,7 @@ def _run_locked(name, size, out, log, execution, seeds, granularity, extra) -> P
 
 
 def _report_dir(name: str, size: str, out_dir: str | Path | None) -> Path:
-    return Path(out_dir) if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
+    return Path(out_dir).expanduser() if out_dir else Path("runs") / "experiments" / f"{name}-{size}"
 
 
 _ARM_RECORD = "arm.json"  # runner._ARM_RECORD (not imported: the runner imports torch)

@@ -146,9 +146,11 @@ class GPT(TransformerBase):
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one the logits' dtype rounds to 0
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                # from the largest logit down: a tiny temperature gives 0 and -inf (greedy), where the
-                # logits themselves over it overflowed to inf and the softmax to NaN
-                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+                # where the logits over a tiny temperature overflow to inf (the softmax then NaN), from
+                # the largest logit down: 0 and -inf (greedy); elsewhere as before, bit for bit
+                scaled = logits / temperature
+                logits = torch.where(torch.isfinite(scaled).all(), scaled,
+                                     (logits - logits.amax(dim=-1, keepdim=True)) / temperature)
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -134,9 +134,9 @@ class OptimConfig:
 class RunConfig:
     out_dir: str = "runs/{time}-{kind}"
     """Run directory; '{time}' and '{kind}' are filled in ('{{' and '}}' are literal braces) and a
-    leading '~' is the home directory. Holds config.toml (which records it, and relative data paths,
-    as the absolute paths they named where the run started), metrics.jsonl, tensorboard/, PNG
-    plots, summary.json and checkpoints/."""
+    leading '~' is the home directory. Holds config.toml (which records it, without {time}, as the
+    absolute path it named where the run started), metrics.jsonl, tensorboard/, PNG plots,
+    summary.json and checkpoints/."""
     total_tokens: int = field(default=600_000, metadata={"parse": token_count})
     """Training budget in tokens (sequences x sequence length). Schedules are keyed on it. Token
     counts here and in the fields below take 2e9, 300M, 1.5B or 600_000."""
@@ -459,15 +459,10 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it. A relative
     ``data.cache_dir`` is written as the directory it named from where the run started, so a resume
     launched from elsewhere finds the cache instead of tokenizing the corpus again into a new one;
-    so are relative ``data.corpus``, ``data.val_corpus`` and ``data.tokenizer_file`` paths that exist
-    (a resume from another directory failed on a corpus that "does not exist"), and a ``run.out_dir``
-    without {time} (a resume from elsewhere took the run for one moved there)."""
-    data = {"cache_dir": str(Path(cfg.data.cache_dir).expanduser().absolute())}
-    for name in ("corpus", "val_corpus", "tokenizer_file"):
-        value = getattr(cfg.data, name)
-        if value is not None and not is_registered_corpus(value) and Path(value).expanduser().exists():
-            data[name] = os.path.abspath(Path(value).expanduser())
-    cfg = replace_section(cfg, "data", **data)
+    so is a ``run.out_dir`` without {time} (a resume from elsewhere took the run for one moved
+    there). The data paths stay as written: a project moved as a whole (corpus and runs) continues
+    from its new place, which absolute paths to the old one would refuse."""
+    cfg = replace_section(cfg, "data", cache_dir=str(Path(cfg.data.cache_dir).expanduser().absolute()))
     if "time" not in out_dir_fields(cfg.run.out_dir):  # one directory: where it is from here ({{ kept literal)
         where = os.path.abspath(run_dir_of(cfg.run.out_dir, cfg.model.kind))
         cfg = replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
@@ -475,6 +470,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 
 
 def is_registered_corpus(value: str) -> bool:
+    """Whether ``value`` names a registered corpus ("shakespeare"), not a path."""
     from largebatch.data.corpus import CORPORA
 
     return value in CORPORA

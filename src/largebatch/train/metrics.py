@@ -48,24 +48,23 @@ class MetricsLog:
                 old.unlink(missing_ok=True)
             if not tensorboard and events.is_dir() and not any(events.iterdir()):
                 events.rmdir()  # (with run.tensorboard = false the run has none)
-        elif not tensorboard and not any(events.glob("events.out.tfevents.*")):
+        if not tensorboard and (resume_step is None or not any(events.glob("events.out.tfevents.*"))):
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard is optional for library users
             return
-        if tensorboard or resume_step is not None:
-            # TensorBoard drops earlier events from the purge step on: from the resume step when its
-            # validation is redone, the kept records of that step written again. A resume without
-            # TensorBoard still purges what the run wrote past its checkpoint, then writes nothing.
-            self._tb = SummaryWriter(log_dir=str(events), purge_step=None if resume_step is None else
-                                     resume_step + (0 if evaluates_again else 1))
-            if evaluates_again:
-                for record in kept:
-                    self._scalars(record)
-            if not tensorboard:
-                self._tb.close()
-                self._tb = None
+        # TensorBoard drops earlier events from the purge step on: from the resume step when its
+        # validation is redone, the kept records of that step written again. A resume without
+        # TensorBoard still purges what the run wrote past its checkpoint, then writes nothing.
+        self._tb = SummaryWriter(log_dir=str(events), purge_step=None if resume_step is None else
+                                 resume_step + (0 if evaluates_again else 1))
+        if evaluates_again:
+            for record in kept:
+                self._scalars(record)
+        if not tensorboard:
+            self._tb.close()
+            self._tb = None
 
     def log(self, record: dict[str, Any]) -> None:
         try:

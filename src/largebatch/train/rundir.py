@@ -113,8 +113,8 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 
 def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
     """'table.field: saved -> new' for every ``selected`` field that differs between two configs (a
-    path field naming one file or directory two ways -- the absolute path the run saved and the
-    relative one a relaunch gives -- does not differ)."""
+    path field naming one file or directory two ways -- "plays", "./plays", its absolute path, a link
+    to it -- does not differ)."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))]
