@@ -351,7 +351,8 @@ def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_pa
 def test_a_tokenizer_that_stops_short_of_data_vocab_size_resumes(tmp_path, capsys):
     """On a corpus too small to fill data.vocab_size the trained tokenizer has fewer ids, and the
     run's config.toml keeps that size as model.vocab_size: ``--resume`` took data.vocab_size for the
-    tokenizer's size and refused the run's own vocabulary."""
+    tokenizer's size and refused the run's own vocabulary; so did launching the run's own config.toml
+    (which continues it)."""
     from largebatch.data.corpus import shakespeare_documents
 
     corpus = tmp_path / "corpus"
@@ -366,6 +367,7 @@ def test_a_tokenizer_that_stops_short_of_data_vocab_size_resumes(tmp_path, capsy
     kept = load_config(tmp_path / "run" / "config.toml", resolve_init=False).model.vocab_size
     assert kept < 2048  # the tokenizer stopped short
     capsys.readouterr()
+    assert main([str(tmp_path / "run" / "config.toml"), "--run.max_steps=1"]) == 0, capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"] == [1, 2, 3]
 

@@ -683,3 +683,20 @@ def test_run_paths_as_users_write_them(reference_run, tmp_path, capsys, monkeypa
     shutil.copytree(run, copy)
     assert main([str(copy / "config.toml")]) == 2  # the copy's config names the original
     assert f"--resume {copy}" in capsys.readouterr().err
+
+
+def test_config_toml_records_the_directory_a_link_and_dotdot_name(tmp_path, monkeypatch):
+    """run.out_dir = 'L/../runs/x' with L a link to real/sub names real/runs/x; config.toml recorded
+    the text's reading (./runs/x, collapsing 'L/..'), a directory that does not exist, so every resume
+    called the run moved and a launch of its own config.toml was refused."""
+    from largebatch.train.config import TrainConfig, load_config, replace_section, save_config
+    from largebatch.train.rundir import same_directory
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "L").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    cfg = replace_section(TrainConfig(), "run", out_dir="L/../runs/x")
+    save_config(cfg, tmp_path / "config.toml")
+    saved = load_config(tmp_path / "config.toml", resolve_init=False).run.out_dir
+    assert same_directory(saved, tmp_path / "real" / "runs" / "x") and not (tmp_path / "runs").exists()

@@ -160,6 +160,7 @@ def _launch(args, unknown: list[str], parser) -> int:
         config_differences,
         continues_run,
         finished_run,
+        has_checkpoints,
         moved_run,
         stopped_in_this_job,
     )
@@ -238,7 +239,10 @@ def _launch(args, unknown: list[str], parser) -> int:
             if complete(run_dir, cfg):
                 return settle(0, "finished")
             check_run_dir(run_dir)
-        state = preflight(cfg, distributed=_under_torchrun(), fresh=resume_dir is None)
+        # the same command (or the run's own config.toml) again continues a run with checkpoints there:
+        # checked as a resume (its tokenizer's size is the run's; init_from's weights are not read again)
+        fresh = resume_dir is None and not has_checkpoints(run_dir)
+        state = preflight(cfg, distributed=_under_torchrun(), fresh=fresh)
         if resume_dir is None:
             if not check_only:  # two runs started in the same second: -2
                 run_dir = make_run_dir(run_dir, unique=timed and not _under_torchrun())

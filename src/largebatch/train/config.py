@@ -464,7 +464,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     from its new place, which absolute paths to the old one would refuse."""
     cfg = replace_section(cfg, "data", cache_dir=str(Path(cfg.data.cache_dir).expanduser().absolute()))
     if "time" not in out_dir_fields(cfg.run.out_dir):  # one directory: where it is from here ({{ kept literal)
-        where = os.path.abspath(run_dir_of(cfg.run.out_dir, cfg.model.kind))
+        where = str(run_dir_of(cfg.run.out_dir, cfg.model.kind).absolute())  # (not abspath: "link/.." is not "")
         cfg = replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
     atomic_write_text(path, dump_toml(to_dict(cfg)))
 

@@ -162,7 +162,7 @@ def moved_run(cfg: TrainConfig, run_dir: Path, note: Callable[[str], None]) -> T
     config.toml names another directory was moved or copied there, and the record follows it."""
     if not _concrete(cfg.run.out_dir) or same_directory(run_dir_of(cfg.run.out_dir, cfg.model.kind), run_dir):
         return cfg
-    where = os.path.abspath(run_dir)
+    where = str(Path(run_dir).absolute())  # (not abspath, which takes "link/.." away by its text)
     note(f"note: {run_dir} was moved or copied from run.out_dir = {cfg.run.out_dir!r}; its config.toml "
          f"names {where!r} from now on")
     return replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
