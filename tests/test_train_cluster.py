@@ -674,15 +674,22 @@ def test_run_paths_as_users_write_them(reference_run, tmp_path, capsys, monkeypa
     assert main(_args(o)) == 0  # the same command continues the run (a literal brace is no placeholder)
     assert not (home / "runs" / "gpt-{time}-2").exists()
     assert max(r["step"] for r in read_metrics(run)) == 4
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
     monkeypatch.chdir(elsewhere)  # a resume from elsewhere: the run is not "moved"
     capsys.readouterr()
     assert main(["--resume", "~/runs/gpt-{time}"]) == 0
     assert "moved or copied" not in capsys.readouterr().err
     assert max(r["step"] for r in read_metrics(run)) == 6
-    copy = tmp_path / "copy"
-    shutil.copytree(run, copy)
+    assert main(["~/runs/gpt-{time}/config.toml"]) == 0  # a quoted ~ in the config's path too
+    assert "already complete" in capsys.readouterr().out
     assert main([str(copy / "config.toml")]) == 2  # the copy's config names the original
     assert f"--resume {copy}" in capsys.readouterr().err
+    # a resume refused by a later check does not say the copy's config.toml now names it (it does not)
+    assert main(["--resume", str(copy), "--run.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "run.device" in err and "moved or copied" not in err
+    assert main(["--resume", str(copy)]) == 0 and "moved or copied" in capsys.readouterr().err
 
 
 def test_config_toml_records_the_directory_a_link_and_dotdot_name(tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ DEFAULT_CONFIG = "gpt-demo"
 def resolve_config(name: str | None) -> Path:
     """A path, or the name of a shipped config; None is the default recipe."""
     name = name or DEFAULT_CONFIG
-    path = config_file(name)
+    path = config_file(os.path.expanduser(name))  # ('~/x.toml' quoted: the shell left the ~)
     if path is not None:
         return path
     from largebatch.typed_config import ConfigError
@@ -208,6 +208,7 @@ def _launch(args, unknown: list[str], parser) -> int:
                          "the same path on every node", 2)
         return code
 
+    moved: list[str] = []  # a moved run's note: said once the resume is known to go on
     try:
         overrides = {**config_overrides(args), **_unknown_options(parser, unknown)}
         if resume_dir is not None:
@@ -229,7 +230,7 @@ def _launch(args, unknown: list[str], parser) -> int:
             if complete(run_dir, cfg, saved_cfg):
                 return settle(0, "finished")
             check_run_dir(run_dir)
-            cfg = moved_run(cfg, run_dir, _note_once)  # (said once the resume is known to go on)
+            cfg = moved_run(cfg, run_dir, moved.append)  # (said once the checks below pass)
         else:
             cfg = load_config(resolve_config(config_path), overrides, warn=_note_once)
             check_config_home(config_path, cfg, overrides)
@@ -243,6 +244,8 @@ def _launch(args, unknown: list[str], parser) -> int:
         # checked as a resume (its tokenizer's size is the run's; init_from's weights are not read again)
         fresh = resume_dir is None and not has_checkpoints(run_dir)
         state = preflight(cfg, distributed=_under_torchrun(), fresh=fresh)
+        for line in moved:
+            _note_once(line)
         if resume_dir is None:
             if not check_only:  # two runs started in the same second: -2
                 run_dir = make_run_dir(run_dir, unique=timed and not _under_torchrun())
