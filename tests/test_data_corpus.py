@@ -182,8 +182,11 @@ def test_another_text_field_and_unreadable_archives(tmp_path):
     with pytest.raises(CorpusError, match="broken.txt.gz' is not a readable .gz file"):
         load_documents(str(tmp_path / "broken.txt.gz"))
     (tmp_path / "t.tar").write_bytes(b"\x00" * 512)
-    with pytest.raises(CorpusError, match="tar files are not read; write the text out as JSON Lines"):
+    with pytest.raises(CorpusError, match="tar archives are not read; unpack it into a directory of text files"):
         load_documents(str(tmp_path / "t.tar"))
+    (tmp_path / "t.tgz").write_bytes(gzip.compress(b"\x00" * 512))  # (it was read as text: "NUL byte")
+    with pytest.raises(CorpusError, match="tgz archives are not read; unpack it"):
+        load_documents(str(tmp_path / "t.tgz"))
     with pytest.raises(ValueError, match="DataConfig.text_field=''"):
         DataConfig(text_field="")
 
@@ -237,6 +240,13 @@ def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
     with pytest.raises(CorpusError, match=r"parent/dd' is a DatasetDict"):
         load_documents(str(tmp_path / "parent"))
     assert [d.text for d in load_documents(str(tmp_path / "parent" / "dd" / "train"))] == texts[:5]
+
+    # the Hub's layout: data/<split>-NNNNN-of-NNNNN.parquet, every split in one folder
+    (tmp_path / "hub" / "data").mkdir()
+    for name in ("train-00000-of-00002", "train-00001-of-00002", "test-00000-of-00001"):
+        pq.write_table(table, tmp_path / "hub" / "data" / f"{name}.parquet")
+    with pytest.raises(CorpusError, match=r"data' holds the shards of several splits \(test, train; the Hub's"):
+        load_documents(str(tmp_path / "hub"))
 
     pq.write_table(pa.table({"text": [texts[5]]}), tmp_path / "val.parquet")
     (tmp_path / "txt").mkdir()

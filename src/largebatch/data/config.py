@@ -61,7 +61,8 @@ class DataConfig:
     """JSON Lines corpora (``.jsonl``, ``.ndjson``, ``.json``; ``datasets``' ``Dataset.to_json``
     writes them): the field of each record that holds its text; Parquet and Arrow corpora: the
     column. Each record or row is one document, named ``<file stem>:<line>`` (``<file stem>:<row>``
-    for a row, from 0); records whose text is empty or whitespace only (or null) are skipped."""
+    for a row, from 0); records whose text is empty or whitespace only are skipped (a Parquet or
+    Arrow row whose text is null too; a JSON null is an error)."""
 
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split (special tokens

@@ -177,7 +177,7 @@ JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow: one document per row
 RECORD_SUFFIXES = JSON_SUFFIXES + TABLE_SUFFIXES  # one document per record, not per file
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-UNSUPPORTED_SUFFIXES = (".tar", ".zip")
+UNSUPPORTED_SUFFIXES = (".tar", ".tgz", ".zip")
 # what `datasets`' Dataset.save_to_disk writes beside its .arrow files: its metadata, not records
 DATASETS_METADATA = ("dataset_info.json", "state.json")
 
@@ -299,11 +299,33 @@ def _corpus_files(path: Path) -> list[Path]:
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     for marker in (p for p in files if p.name == "dataset_dict.json"):
         _refuse_dataset_dict(marker.parent)
+    _refuse_hub_splits(files)
     arrow_dirs = {p.parent for p in files if content_suffix(p) == ".arrow"}
     shards = {d: _saved_shards(d) for d in arrow_dirs}
     return [p for p in files if not (p.parent in arrow_dirs and (
         p.name in DATASETS_METADATA or (content_suffix(p) == ".arrow" and shards[p.parent] is not None
                                         and p.name not in shards[p.parent])))]
+
+
+_HUB_SHARD = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}$")  # the Hub's data/<split>-00000-of-00003.parquet
+
+
+def _refuse_hub_splits(files: list[Path]) -> None:
+    """CorpusError when one folder holds the Parquet or Arrow shards of several splits, named as the
+    Hugging Face Hub names them (``train-00000-of-00003.parquet``, ``test-00000-of-00001.parquet``):
+    read whole, the test or validation split would be trained on."""
+    splits: dict[Path, set[str]] = {}
+    for file in files:
+        match = _HUB_SHARD.fullmatch(file.name[: len(file.name) - len(_suffixes(file))])
+        if match and content_suffix(file) in TABLE_SUFFIXES:
+            splits.setdefault(file.parent, set()).add(match["split"])
+    for folder, names in splits.items():
+        if len(names) > 1:
+            listed = ", ".join(sorted(names))
+            raise CorpusError(f"{str(folder)!r} holds the shards of several splits ({listed}; the Hub's "
+                              "<split>-NNNNN-of-NNNNN files): read whole, its held-out split would be trained on; "
+                              "move each split's files into a directory of its own and pass them as data.corpus "
+                              "and data.val_corpus")
 
 
 def _saved_shards(folder: Path) -> set[str] | None:
@@ -629,8 +651,9 @@ def _check_kind(path: Path) -> None:
     """CorpusError naming the way out when ``path`` is a kind of file that is not read."""
     kind = content_suffix(path)  # "t.parquet", "t.tar.gz" -> ".parquet", ".tar"
     if kind in UNSUPPORTED_SUFFIXES:
-        raise CorpusError(f"{str(path)!r}: {kind} files are not read; write the text out as JSON Lines "
-                          f"(one object per line, e.g. datasets' Dataset.to_json) or as text files")
+        raise CorpusError(f"{str(path)!r}: {kind} archives are not read; unpack it into a directory of text "
+                          f"files, or write the text out as JSON Lines (one object per line, e.g. datasets' "
+                          f"Dataset.to_json)")
     if kind in TABLE_SUFFIXES and path.suffix.lower() in COMPRESSED_SUFFIXES:
         raise CorpusError(f"{str(path)!r}: a compressed {kind} file is not read (the format compresses its own "
                           "columns): decompress it")

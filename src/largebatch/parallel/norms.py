@@ -118,6 +118,7 @@ def global_grad_norm(params: list[Tensor], state: ParallelState, local_value: Te
         squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
         total = squared.sum()
     # x * 0 is 0 for a finite x and NaN for inf or NaN: this rank's own values, in the one all-reduce
+    # (without one, every gradient is already in the sum, and the caller sums the loss over the ranks)
     own = total * 0 if local_value is None else total * 0 + local_value.detach().to(total) * 0
     sharded = any(isinstance(p, DTensor) for p in with_grad)
     if state.mesh is not None and (sharded or state.pp_size > 1):
@@ -126,8 +127,6 @@ def global_grad_norm(params: list[Tensor], state: ParallelState, local_value: Te
             total = torch.where(keep, squared, torch.zeros_like(squared)).sum()
         total = total + own
         dist.all_reduce(total)  # over the job: shards and pipeline stages
-    elif local_value is not None:
-        total = total + own
     return total.sqrt()
 
 

@@ -134,9 +134,9 @@ class OptimConfig:
 class RunConfig:
     out_dir: str = "runs/{time}-{kind}"
     """Run directory; '{time}' and '{kind}' are filled in ('{{' and '}}' are literal braces) and a
-    leading '~' is the home directory. Holds config.toml (which records it, without {time}, as the
-    absolute path it named where the run started), metrics.jsonl, tensorboard/, PNG plots,
-    summary.json and checkpoints/."""
+    leading '~' is the home directory. Holds config.toml (which records a run.out_dir that has no
+    {time} as the absolute path it named where the run started, and one with {time} as written),
+    metrics.jsonl, tensorboard/, PNG plots, summary.json and checkpoints/."""
     total_tokens: int = field(default=600_000, metadata={"parse": token_count})
     """Training budget in tokens (sequences x sequence length). Schedules are keyed on it. Token
     counts here and in the fields below take 2e9, 300M, 1.5B or 600_000."""

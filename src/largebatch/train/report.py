@@ -87,11 +87,15 @@ class Reporting:
         return pos.train_seconds, pos.tokens, pos.model_flops
 
     def _resume_command(self) -> str:
-        """How to continue a stopped run."""
+        """How to continue a stopped run (the same command again only where run.out_dir names one
+        directory: a {time} in it names a new one at each launch)."""
+        from largebatch.train.config import out_dir_fields
+
         command = f"largebatch train --resume {shlex.quote(str(self.run_dir))}"
+        again = "time" not in out_dir_fields(self.cfg.run.out_dir)
         if self.par.distributed:
-            return f"the same torchrun command, with `{command}` (or the same arguments again)"
-        return f"{command} (or the same command again)"
+            return f"the same torchrun command, with `{command}`" + (" (or the same arguments again)" if again else "")
+        return command + (" (or the same command again)" if again else "")
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token (no recomputation: MFU's numerator) at ``seq_len``; for a masked
