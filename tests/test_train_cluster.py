@@ -707,3 +707,13 @@ def test_config_toml_records_the_directory_a_link_and_dotdot_name(tmp_path, monk
     save_config(cfg, tmp_path / "config.toml")
     saved = load_config(tmp_path / "config.toml", resolve_init=False).run.out_dir
     assert same_directory(saved, tmp_path / "real" / "runs" / "x") and not (tmp_path / "runs").exists()
+
+
+def test_a_stopped_timed_run_is_continued_by_resume_alone(reference_run, tmp_path, capsys):
+    """A stop told a run in runs/{time}-... it could be continued by "the same command again", which
+    makes a new directory at each launch (a fresh start from step 0): only --resume is given."""
+    o = tiny_overrides(reference_run[0], str(tmp_path / "runs" / "t{time}"), **{"run.max_steps": 1})
+    assert main(_args(o)) == 0
+    out = capsys.readouterr().out
+    run = next((tmp_path / "runs").iterdir())
+    assert f"Continue with: largebatch train --resume {run}" in out and "same command again" not in out, out
