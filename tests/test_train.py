@@ -294,6 +294,11 @@ def test_relaunches_log_every_record_once(tmp_path, reference_run):
     assert expected == {"train": [1, 2, 3, 4, 5, 6], "val": [0, 3, 6]}
     # an evaluation's record wrote tokens, phase and seq_len again at its step: twice at steps 3 and 6
     assert _tensorboard_steps(out, "tokens") == _tensorboard_steps(out, "seq_len") == expected["train"]
+    # a kill after the final checkpoint, relaunched without TensorBoard: the final evaluation's
+    # points, at the checkpoint's step, stay (they were purged with nothing written again)
+    (out / "summary.json").unlink()
+    assert not _run({**o, "run.tensorboard": False}, resume=True).get("stopped_early")
+    assert _tensorboard_steps(out, "val_loss") == expected["val"]
     # the state a kill after the final checkpoint leaves: every record, no summary
     (out / "summary.json").unlink()
     assert not _run(o, resume=True).get("stopped_early")
@@ -319,6 +324,12 @@ def test_relaunches_log_every_record_once(tmp_path, reference_run):
     (out / "summary.json").unlink()
     _run({**o, "run.tensorboard": False})
     assert not (out / "tensorboard").exists()
+    # a new run directory's tensorboard/ holding a user's own event file: not an earlier attempt's
+    mine = tmp_path / "mine" / "tensorboard" / "events.out.tfevents.1.host.1.0.mine"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"")
+    _run({**o, "run.out_dir": str(tmp_path / "mine")})
+    assert mine.exists()
 
 
 def test_model_vocab_size_pads_the_embedding_or_is_refused(reference_run, tmp_path, capsys):

@@ -39,13 +39,15 @@ class MetricsLog:
                 file.truncate(cut)  # one metadata update: the old length or the new one, never half
                 if cut and not _ends_with_newline(file, cut):
                     file.write(b"\n")
+        earlier = self.path.exists()  # an earlier attempt of this run logged here
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
         events = run_dir / "tensorboard"
-        if resume_step is None:  # a fresh run over an earlier attempt's events (killed before any
-            for old in events.glob("events.out.tfevents.*"):  # checkpoint): they would show twice
-                old.unlink(missing_ok=True)
+        if resume_step is None and earlier:  # a fresh run over an earlier attempt's events (killed
+            for old in events.glob("events.out.tfevents.*"):  # before any checkpoint): they would show twice
+                if old.is_file() and not old.is_symlink():  # (not a user's folder or link of that name)
+                    old.unlink(missing_ok=True)
             if not tensorboard and events.is_dir() and not any(events.iterdir()):
                 events.rmdir()  # (with run.tensorboard = false the run has none)
         if not tensorboard and (resume_step is None or not any(events.glob("events.out.tfevents.*"))):
@@ -57,9 +59,10 @@ class MetricsLog:
         # TensorBoard drops earlier events from the purge step on: from the resume step when its
         # validation is redone, the kept records of that step written again. A resume without
         # TensorBoard still purges what the run wrote past its checkpoint, then writes nothing.
+        # (without TensorBoard from the resume step's end: its evaluation, redone, is not written again)
         self._tb = SummaryWriter(log_dir=str(events), purge_step=None if resume_step is None else
-                                 resume_step + (0 if evaluates_again else 1))
-        if evaluates_again:
+                                 resume_step + (0 if evaluates_again and tensorboard else 1))
+        if evaluates_again and tensorboard:
             for record in kept:
                 self._scalars(record)
         if not tensorboard:
