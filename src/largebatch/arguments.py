@@ -145,6 +145,14 @@ def token_formatter():
     return TokenFormatter()
 
 
+def name_max(path: str | Path) -> int:
+    """The longest file name the filesystem that would hold ``path`` allows (255 on common ones)."""
+    try:
+        return os.pathconf(_nearest_existing(Path(path)), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def _nearest_existing(path: Path) -> Path:
     """``path`` or its nearest ancestor that exists (what a ``mkdir -p`` would start from)."""
     path = Path(os.path.abspath(path))
@@ -175,11 +183,7 @@ def check_output_dir(path: str | Path, field: str) -> None:
     """Raise ValueError naming ``field`` unless ``path`` is, or can be made, a writable directory (a
     directory is created in it, or in its nearest existing parent, and removed again)."""
     path = Path(path)
-    base = _nearest_existing(path)
-    try:
-        limit = os.pathconf(base, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
+    base, limit = _nearest_existing(path), name_max(path)
     long = next((part for part in path.parts if len(os.fsencode(part)) > limit), None)
     if long is not None:  # (a parent still to be made hid it from the probe below)
         raise ValueError(f"{_named(field, path)}: the name {long[:40]!r}... is {len(os.fsencode(long))} bytes, "

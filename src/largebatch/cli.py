@@ -12,10 +12,9 @@ import importlib
 import os
 import signal
 import sys
-from pathlib import Path
 
 from largebatch import TorchTooOld, __version__
-from largebatch.arguments import TRAIN_EXTRA
+from largebatch.arguments import TRAIN_EXTRA, name_max
 from largebatch.signals import exit_code, raise_on_signals
 
 # name -> (module that owns it, one-line help)
@@ -112,20 +111,10 @@ def _run(name: str, module, rest: list[str]) -> int:
             raise
         # Python 3.11's Path.exists() and is_dir() raise it rather than say False: wherever a command
         # first looks at such a path (a run directory, a corpus, a config), one line, not a traceback
-        name_max = _name_max(exc.filename)
         print(f"largebatch {name}: error: {exc.filename!r}: a name in this path is too long for its "
-              f"filesystem (at most {name_max} bytes a name): shorten it", file=sys.stderr)
+              f"filesystem (at most {name_max(os.fspath(exc.filename or '.'))} bytes a name): shorten it",
+              file=sys.stderr)
         return 2
-
-
-def _name_max(path) -> int:
-    """The longest file name the filesystem holding ``path`` allows (255 on common ones)."""
-    for parent in [Path(os.fspath(path or ".")).absolute(), *Path(os.fspath(path or ".")).absolute().parents]:
-        try:
-            return os.pathconf(parent, "PC_NAME_MAX")
-        except (OSError, ValueError):
-            continue
-    return 255
 
 
 def _missing_extra(name: str, exc: ModuleNotFoundError) -> bool:

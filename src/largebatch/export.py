@@ -215,7 +215,6 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
 
 
 def _load_checkpoint(path: Path):
-
     from largebatch.models import ModelConfig, build_model
     from largebatch.typed_config import from_dict
 
@@ -428,6 +427,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
 
     host = socket.gethostname()
     staging = out.parent / f".{out.name}.export-{host}-{os.getpid()}"  # mkdir: the umask's permissions
+    old = out.parent / f".{out.name}.export-{host}-old-{os.getpid()}"  # an OUT replaced, until the new is in
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         for left in out.parent.glob(glob.escape(f".{out.name}.export-{host}-") + "*"):  # killed exports' here
@@ -435,8 +435,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(left, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(out.parent / f".{out.name}.export-{host}-old-{os.getpid()}",
-                      ignore_errors=True)  # an OUT this process replaced, its deletion stopped
+        shutil.rmtree(old, ignore_errors=True)  # an OUT this process replaced, its deletion stopped
         staging.mkdir()
     except OSError as exc:  # a read-only or permission-denied parent
         raise ExportError(f"OUT {str(out)!r} cannot be created ({exc.strerror or exc}: "
@@ -457,7 +456,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
                                   "into it?): pick another path, or pass --force to replace it")
             # renamed aside, not deleted first: a stop (Ctrl-C) while a large OUT was deleted left
             # neither the old export nor the new one
-            aside = out.parent / f".{out.name}.export-{host}-old-{os.getpid()}"
+            aside = old
             out.rename(aside)
         staging.rename(out)
     finally:

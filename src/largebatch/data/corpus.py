@@ -294,7 +294,6 @@ def _corpus_files(path: Path) -> list[Path]:
     (dataset_info.json, state.json) is not a corpus file."""
     if path.is_file():
         return [path]
-    _refuse_dataset_dict(path)
     files = sorted(p for p in path.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     for marker in (p for p in files if p.name == "dataset_dict.json"):

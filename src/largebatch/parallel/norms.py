@@ -117,11 +117,11 @@ def global_grad_norm(params: list[Tensor], state: ParallelState, local_value: Te
         grads = [local_grad(p) for p in with_grad]
         squared = torch.stack(torch._foreach_norm(grads)).double().square()  # (n,)
         total = squared.sum()
-    # x * 0 is 0 for a finite x and NaN for inf or NaN: this rank's own values, in the one all-reduce
-    # (without one, every gradient is already in the sum, and the caller sums the loss over the ranks)
-    own = total * 0 if local_value is None else total * 0 + local_value.detach().to(total) * 0
     sharded = any(isinstance(p, DTensor) for p in with_grad)
-    if state.mesh is not None and (sharded or state.pp_size > 1):
+    if state.mesh is not None and (sharded or state.pp_size > 1):  # (else every gradient is in the sum
+        # already, and the caller sums the loss over the ranks)
+        # x * 0 is 0 for a finite x and NaN for inf or NaN: this rank's own values, in the one all-reduce
+        own = total * 0 if local_value is None else total * 0 + local_value.detach().to(total) * 0
         if with_grad:  # every element once: replicas along dp/tp leave it to coordinate 0
             keep = host_constant(tuple(contributes(p, state) for p in with_grad), squared.device)
             total = torch.where(keep, squared, torch.zeros_like(squared)).sum()

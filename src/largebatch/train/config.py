@@ -248,6 +248,12 @@ def run_dir_of(out_dir: str, kind: str, time: str = "") -> Path:
     return Path(out_dir.format(time=time, kind=kind)).expanduser()
 
 
+def out_dir_naming(run_dir: str | Path) -> str:
+    """A run.out_dir naming ``run_dir`` alone: its absolute path (not abspath's, which takes
+    "link/.." away by its text), braces written literally."""
+    return str(Path(run_dir).absolute()).replace("{", "{{").replace("}", "}}")
+
+
 def _check_out_dir_template(out_dir: str) -> None:
     """run.out_dir may name only {time} and {kind}; anything else in braces is refused up front."""
     fix = "use only {time} and {kind} in braces (write {{ and }} for literal braces)"
@@ -450,11 +456,6 @@ def step_micro_batches(schedule, dp: int, total_tokens: int, micro_batch: int) -
     return {size // (micro_batch * dp) for size in sizes}
 
 
-PATH_FIELDS = ("data.corpus", "data.val_corpus", "data.tokenizer_file")
-"""Fields naming a file or directory (or a registered corpus): the same path written otherwise
-(relative, through a link, with ~) is the same value (largebatch.train.rundir.differing_fields)."""
-
-
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Atomically: the ranks of a relaunched job read it while rank 0 rewrites it. A relative
     ``data.cache_dir`` is written as the directory it named from where the run started, so a resume
@@ -464,16 +465,8 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     from its new place, which absolute paths to the old one would refuse."""
     cfg = replace_section(cfg, "data", cache_dir=str(Path(cfg.data.cache_dir).expanduser().absolute()))
     if "time" not in out_dir_fields(cfg.run.out_dir):  # one directory: where it is from here ({{ kept literal)
-        where = str(run_dir_of(cfg.run.out_dir, cfg.model.kind).absolute())  # (not abspath: "link/.." is not "")
-        cfg = replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
+        cfg = replace_section(cfg, "run", out_dir=out_dir_naming(run_dir_of(cfg.run.out_dir, cfg.model.kind)))
     atomic_write_text(path, dump_toml(to_dict(cfg)))
-
-
-def is_registered_corpus(value: str) -> bool:
-    """Whether ``value`` names a registered corpus ("shakespeare"), not a path."""
-    from largebatch.data.corpus import CORPORA
-
-    return value in CORPORA
 
 
 def replace_section(cfg: TrainConfig, section: str, **changes: Any) -> TrainConfig:

@@ -41,14 +41,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from largebatch.checkpoint.files import atomic_write_text, checkpoint_dir, list_checkpoints
-from largebatch.train.config import (
-    PATH_FIELDS,
-    TrainConfig,
-    is_registered_corpus,
-    out_dir_fields,
-    replace_section,
-    run_dir_of,
-)
+from largebatch.data.corpus import CORPORA
+from largebatch.train.config import TrainConfig, out_dir_fields, out_dir_naming, replace_section, run_dir_of
 from largebatch.typed_config import ConfigError, from_dict, load_toml, to_dict
 
 LOCK_NAME = ".lock"
@@ -120,16 +114,12 @@ def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
             if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))]
 
 
+PATH_FIELDS = ("data.corpus", "data.val_corpus", "data.tokenizer_file")  # a file or directory (or a corpus name)
+
+
 def _same_path_field(key: str, a, b) -> bool:
-    if key not in PATH_FIELDS or not isinstance(a, str) or not isinstance(b, str):
-        return False
-    if is_registered_corpus(a) or is_registered_corpus(b):
-        return False
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    try:
-        return os.path.samefile(pa, pb)
-    except OSError:  # one is missing: the same only when written the same way from here
-        return os.path.abspath(pa) == os.path.abspath(pb)
+    return (key in PATH_FIELDS and isinstance(a, str) and isinstance(b, str)
+            and a not in CORPORA and b not in CORPORA and same_directory(a, b))
 
 
 def among(key: str, fields: tuple[str, ...]) -> bool:
@@ -143,8 +133,8 @@ def config_differences(saved, new) -> list[str]:
 
 
 def same_directory(a: str | Path, b: str | Path) -> bool:
-    """Whether two paths name one directory (through links or two mounts of one disk: by inode when
-    both exist)."""
+    """Whether two paths name one directory or file (through links or two mounts of one disk: by
+    inode when both exist)."""
     a, b = Path(a).expanduser(), Path(b).expanduser()
     try:
         return os.path.samefile(a, b)
@@ -162,10 +152,9 @@ def moved_run(cfg: TrainConfig, run_dir: Path, note: Callable[[str], None]) -> T
     config.toml names another directory was moved or copied there, and the record follows it."""
     if not _concrete(cfg.run.out_dir) or same_directory(run_dir_of(cfg.run.out_dir, cfg.model.kind), run_dir):
         return cfg
-    where = str(Path(run_dir).absolute())  # (not abspath, which takes "link/.." away by its text)
     note(f"note: {run_dir} was moved or copied from run.out_dir = {cfg.run.out_dir!r}; its config.toml "
-         f"names {where!r} from now on")
-    return replace_section(cfg, "run", out_dir=where.replace("{", "{{").replace("}", "}}"))
+         f"names {str(Path(run_dir).absolute())!r} from now on")
+    return replace_section(cfg, "run", out_dir=out_dir_naming(run_dir))
 
 
 def check_config_home(config: str | Path | None, cfg: TrainConfig, overrides: dict) -> None:
