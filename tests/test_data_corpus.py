@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 import lzma
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -260,6 +261,103 @@ def test_parquet_and_arrow_corpora_are_their_rows(tmp_path):
                                       **common), 64)
     assert np.array_equal(from_table.train.tokens, from_text.train.tokens)
     assert np.array_equal(from_table.val.tokens, from_text.val.tokens)
+
+
+def test_glob_patterns_read_one_splits_shards(tmp_path, monkeypatch):
+    """The Hub keeps a dataset's splits side by side (data/train-00000-of-00002.parquet beside
+    data/test-00000-of-00001.parquet): a folder of them was refused and the way out was to move files.
+    A glob pattern now names one split's shards, its documents named from the pattern's leading
+    directory; ** spans directories; a pattern matching several splits, token arrays or nothing is
+    refused naming the field; a path that exists is read as that path whatever its characters."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from largebatch.data.corpus import check_corpus, check_val_documents, is_token_array_path
+
+    texts = [d.text for d in shakespeare_documents()[:7]]
+    data = tmp_path / "hub" / "data"
+    data.mkdir(parents=True)
+    shards = {"train-00000-of-00002": texts[0:3], "train-00001-of-00002": texts[3:5],
+              "test-00000-of-00001": texts[5:7]}
+    for name, rows in shards.items():
+        pq.write_table(pa.table({"text": rows}), data / f"{name}.parquet")
+    with pytest.raises(CorpusError, match=r"several splits \(test, train; .* pass one split's shards by a pattern: "
+                                          r"data.corpus = '.*hub/data/train-\*.parquet' and data.val_corpus = "
+                                          r"'.*hub/data/test-\*.parquet'"):
+        load_documents(str(tmp_path / "hub"))
+    with pytest.raises(CorpusError, match=r"several splits \(test, train"):  # a pattern spanning both: the same
+        check_corpus(str(data / "*.parquet"), "data.corpus")
+    train = load_documents(str(data / "train-*.parquet"))
+    assert [d.text for d in train] == texts[:5]
+    assert [d.name for d in train] == ["train-00000-of-00002:0", "train-00000-of-00002:1", "train-00000-of-00002:2",
+                                       "train-00001-of-00002:0", "train-00001-of-00002:1"]
+    # trained from the patterns, the streams are those of the same texts as text files
+    (tmp_path / "txt").mkdir()
+    for k, text in enumerate(texts[:5]):
+        (tmp_path / "txt" / f"{k}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "val").mkdir()
+    for k, text in enumerate(texts[5:]):
+        (tmp_path / "val" / f"{k}.txt").write_text(text, encoding="utf-8")
+    common = dict(vocab_size=512, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    check_corpus("hub/data/train-*.parquet", "data.corpus", split=True)
+    from_glob = build_data(DataConfig(corpus="hub/data/train-*.parquet", val_corpus="hub/*/test-*.parquet",
+                                      **common), 64)
+    from_text = build_data(DataConfig(corpus="txt", val_corpus="val", **common), 64)
+    assert np.array_equal(from_glob.train.tokens, from_text.train.tokens)
+    assert np.array_equal(from_glob.val.tokens, from_text.val.tokens)
+    # the cache is keyed by names and texts: a pattern reading a directory's files is that directory
+    again = build_data(DataConfig(corpus="txt/*.txt", val_corpus=str(tmp_path / "val" / "*"), **common), 64)
+    assert again.stats.cache_hit and again.stats.cache_path == from_text.stats.cache_path
+
+    # ** across directories, directories matched give their files, hidden files are not matched
+    for where, text in (("notes/a/day1.txt", "one"), ("notes/b/c/day2.txt", "two"), ("notes/b/.draft.txt", "no"),
+                        ("notes/b/readme.md", "three")):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(text)
+    assert [(d.name, d.text) for d in load_documents("notes/**/*.txt")] == [("a/day1", "one"), ("b/c/day2", "two")]
+    assert [d.name for d in load_documents("notes/*")] == ["a/day1", "b/c/day2", "b/readme"]
+    assert [d.name for d in load_documents("*/a/*.txt")] == ["notes/a/day1"]
+    check_val_documents("notes/**/*.txt", ("b/c/day2",))
+    with pytest.raises(CorpusError, match="data.val_documents lists every document"):
+        check_val_documents("notes/**/*.txt", ("a/day1", "b/c/day2"))
+    with pytest.raises(CorpusError, match=r"data.corpus = '\*/a/\*.txt' matches one text file \('notes/a/day1.txt'\):"
+                                          r" a split by document needs at least 2 documents"):
+        check_corpus("*/a/*.txt", "data.corpus", split=True)
+    with pytest.raises(CorpusError, match=r"data.val_corpus = 'notes/\*\*/\*.jsonl' is a glob pattern that matches no "
+                                          rf"file \(a relative pattern is matched from the working directory, "
+                                          rf"{re.escape(str(tmp_path))}\)"):
+        check_corpus("notes/**/*.jsonl", "data.val_corpus")
+    # a file or directory whose name holds a glob character is that file or directory
+    (tmp_path / "v[1]").mkdir()
+    (tmp_path / "v[1]" / "x.txt").write_text("bracketed")
+    (tmp_path / "v[1]" / "y.txt").write_text("names")
+    assert [d.text for d in load_documents("v[1]")] == ["bracketed", "names"]
+    # token arrays are one file a field: a pattern of them is refused, not read as text
+    for k in range(2):
+        np.save(tmp_path / f"tokens{k}.npy", np.arange(10, dtype=np.uint16))
+    assert not is_token_array_path("tokens*.npy") and is_token_array_path("tokens0.npy")
+    with pytest.raises(CorpusError, match=r"data.corpus = 'tokens\*.npy' matches token arrays \('tokens0.npy' and 1 "
+                                          r"more\): a pattern reads text, JSON Lines, Parquet and Arrow files"):
+        check_corpus("tokens*.npy", "data.corpus")
+
+    # a DatasetDict's save_to_disk: a pattern across its split directories is refused, one split's is read
+    for split, rows in (("train", texts[:2]), ("validation", texts[2:3])):
+        (tmp_path / "dd" / split).mkdir(parents=True)
+        with pa.OSFile(str(tmp_path / "dd" / split / "data-00000-of-00001.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, pa.schema([("text", pa.string())])) as writer:
+                writer.write_table(pa.table({"text": rows}))
+        (tmp_path / "dd" / split / "state.json").write_text(
+            '{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}')
+    for spec in ("dd/*/*.arrow", "dd/**/data-*.arrow", str(tmp_path / "*" / "*" / "*.arrow")):
+        with pytest.raises(CorpusError, match=r"matches the files of several splits \(train, validation\) of the "
+                                              r"DatasetDict '.*dd'"):
+            load_documents(spec)
+    with pytest.raises(CorpusError, match=r"dd' is a DatasetDict written by save_to_disk"):
+        load_documents("d[d]/*.json")
+    assert [d.text for d in load_documents("dd/train/*.arrow")] == texts[:2]
+    assert [d.text for d in load_documents("dd/t*")] == texts[:2]
 
 
 def test_bad_parquet_and_arrow_files_are_named_before_the_corpus_is_read(tmp_path, monkeypatch):

@@ -628,7 +628,8 @@ def _token_array_streams(cfg: DataConfig):
 def check_bin_width(cfg: DataConfig, vocab_size: int) -> None:
     """CorpusError naming data.bin_dtype when a raw .bin corpus is read as uint16 but the vocabulary
     (``vocab_size``: the tokenizer file's ids, or data.vocab_size) has ids a uint16 cannot hold."""
-    bins = [spec for spec in (cfg.corpus, cfg.val_corpus) if spec and Path(spec).suffix.lower() == ".bin"]
+    bins = [spec for spec in (cfg.corpus, cfg.val_corpus)
+            if spec and is_token_array_path(spec) and Path(spec).suffix.lower() == ".bin"]
     if bins and cfg.bin_dtype == "uint16" and vocab_size > 2**16:
         source = (f"data.tokenizer_file={cfg.tokenizer_file!r}" if cfg.tokenizer_file
                   else f"data.vocab_size={cfg.vocab_size}")

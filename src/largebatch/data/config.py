@@ -22,7 +22,9 @@ class DataConfig:
     or a path: a UTF-8 text file, a JSON Lines file (one document per record, its text under
     ``text_field``), a Parquet or Arrow file (one document per row, its text in the column
     ``text_field``; needs ``pyarrow``), a directory of such files (one document per text file,
-    searched recursively, hidden files skipped; a ``Dataset.save_to_disk`` directory too), text and
+    searched recursively, hidden files skipped; a ``Dataset.save_to_disk`` directory too), a glob
+    pattern of such files (``data/train-*.parquet``, one split of a Hub dataset; ``**`` spans
+    directories; documents named from its leading directories without a glob character), text and
     JSON Lines files possibly compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard``
     package), or a pre-tokenized array of token ids (``.npy``, or raw ``.bin`` of ``bin_dtype``)."""
 

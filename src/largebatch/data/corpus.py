@@ -15,6 +15,7 @@ plot and vocabulary into validation): the held-out documents are chosen by a see
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -170,7 +171,29 @@ def strip_gutenberg_boilerplate(text: str) -> str:
 # user corpora
 
 def is_token_array_path(spec: str) -> bool:
-    return Path(spec).suffix.lower() in TOKEN_ARRAY_SUFFIXES
+    return Path(spec).suffix.lower() in TOKEN_ARRAY_SUFFIXES and not is_pattern(spec)
+
+
+GLOB_CHARACTERS = "*?["
+
+
+def is_pattern(spec: str) -> bool:
+    """Whether ``spec`` names its files by a glob pattern (``data/train-*.parquet``,
+    ``shards/**/*.jsonl.gz``): it holds ``*``, ``?`` or ``[`` and no file or directory has that very
+    name (a path that exists is read as that path, whatever its characters)."""
+    return (spec not in CORPORA and any(c in spec for c in GLOB_CHARACTERS)
+            and not Path(spec).expanduser().exists())
+
+
+def _pattern_base(pattern: Path) -> Path:
+    """The directory a pattern's files are named from: its leading components without a glob
+    character ("data/train-*.parquet" -> "data"; "*.txt" -> ".")."""
+    parts: list[str] = []
+    for part in pattern.parts[:-1]:
+        if any(c in part for c in GLOB_CHARACTERS):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
 
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -204,10 +227,10 @@ def iter_documents(spec: str, document_separator: str | None = None,
         yield from registered_documents(spec)
         return
     path = Path(spec).expanduser()
-    if not path.exists():
+    if not path.exists() and not is_pattern(spec):
         raise CorpusError(f"corpus {spec!r} does not exist: pass an existing text file, "
-                          f"directory, .npy or .bin, or one of {', '.join(CORPORA)}")
-    files = _corpus_files(path)
+                          f"directory, glob pattern, .npy or .bin, or one of {', '.join(CORPORA)}")
+    path, files = corpus_files(spec)
     if not files:
         raise CorpusError(f"corpus directory {str(path)!r} holds no (non-hidden) files: "
                           f"add UTF-8 text files, one document per file")
@@ -288,22 +311,76 @@ def _document_stem(file: Path, path: Path) -> str:
     return name[: len(name) - len(_suffixes(file))]
 
 
-def _corpus_files(path: Path) -> list[Path]:
-    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted. In a folder
-    that holds .arrow files, the metadata `datasets`' save_to_disk writes beside them
-    (dataset_info.json, state.json) is not a corpus file."""
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    for marker in (p for p in files if p.name == "dataset_dict.json"):
-        _refuse_dataset_dict(marker.parent)
+def corpus_files(spec: str, field: str | None = None) -> tuple[Path, list[Path]]:
+    """The files a corpus path or pattern names, sorted, and the directory its documents are named
+    from (the file itself for one file). A directory gives its files (recursively, hidden ones
+    skipped); a glob pattern (is_pattern; ``**`` spans directories) the files it matches and the
+    files of the directories it matches, named from its leading components without a glob
+    character. In a folder that holds .arrow files, the metadata `datasets`' save_to_disk writes
+    beside them (dataset_info.json, state.json) is not a corpus file, nor are the map and filter
+    caches beside the shards its state.json lists. CorpusError (naming ``field``, the config field
+    that gave ``spec``, where known) when a pattern
+    matches no file or matches token arrays, and when the files hold several splits of one dataset
+    (a DatasetDict's, or the Hub's ``<split>-NNNNN-of-NNNNN`` shards)."""
+    path = Path(spec).expanduser()
+    if is_pattern(spec):
+        what = f"{field} = {spec!r}" if field else f"corpus {spec!r}"
+        base = _pattern_base(path)
+        files = sorted({file for match in glob.glob(str(path), recursive=True)
+                        for file in _files_under(Path(match))})
+        if not files:
+            here = ("" if path.is_absolute() else f" (a relative pattern is matched from the working directory, "
+                    f"{os.getcwd()})")
+            raise CorpusError(f"{what} is a glob pattern that matches no file{here}: check it "
+                              "(* matches within a name, ** across directories), or pass a file or directory")
+        arrays = [f for f in files if content_suffix(f) in TOKEN_ARRAY_SUFFIXES]
+        if arrays:
+            raise CorpusError(f"{what} matches token arrays ({str(arrays[0])!r}"
+                              f"{f' and {len(arrays) - 1} more' if len(arrays) > 1 else ''}): a pattern reads text, "
+                              "JSON Lines, Parquet and Arrow files; pass one .npy or .bin array (join the "
+                              "shards into one, e.g. with numpy.concatenate)")
+        _refuse_split_span(files, what)
+    else:
+        base = path
+        files = _files_under(path)
+        for marker in (p for p in files if p.name == "dataset_dict.json"):
+            _refuse_dataset_dict(marker.parent)
     _refuse_hub_splits(files)
     arrow_dirs = {p.parent for p in files if content_suffix(p) == ".arrow"}
     shards = {d: _saved_shards(d) for d in arrow_dirs}
-    return [p for p in files if not (p.parent in arrow_dirs and (
+    return base, [p for p in files if not (p.parent in arrow_dirs and (
         p.name in DATASETS_METADATA or (content_suffix(p) == ".arrow" and shards[p.parent] is not None
                                         and p.name not in shards[p.parent])))]
+
+
+def _files_under(path: Path) -> list[Path]:
+    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def _refuse_split_span(files: list[Path], what: str) -> None:
+    """CorpusError when a pattern's files lie in more than one split directory of a DatasetDict written
+    by save_to_disk (``ds/*/*.arrow``: its validation split would be trained on)."""
+    splits: dict[Path, set[str]] = {}
+    homes: dict[Path, Path | None] = {}  # a folder -> the DatasetDict directory above it, if any
+    for folder in {f.parent for f in files}:
+        home = next((d for d in (folder.absolute(), *folder.absolute().parents)
+                     if (d / "dataset_dict.json").is_file()), None)
+        homes[folder] = home
+        if home is not None and home != folder.absolute():
+            splits.setdefault(home, set()).add(folder.absolute().relative_to(home).parts[0])
+    for home, names in splits.items():
+        if len(names) > 1:
+            raise CorpusError(f"{what} matches the files of several splits ({', '.join(sorted(names))}) "
+                              f"of the DatasetDict {str(home)!r}: read together, its held-out split would be trained "
+                              f"on; pass one split's directory or pattern as data.corpus and another's as "
+                              "data.val_corpus")
+    for folder, home in homes.items():
+        if home == folder.absolute():  # the DatasetDict's own folder: its dataset_dict.json matched
+            _refuse_dataset_dict(home)
 
 
 _HUB_SHARD = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}$")  # the Hub's data/<split>-00000-of-00003.parquet
@@ -321,10 +398,15 @@ def _refuse_hub_splits(files: list[Path]) -> None:
     for folder, names in splits.items():
         if len(names) > 1:
             listed = ", ".join(sorted(names))
+            suffix = next(content_suffix(f) for f in files
+                          if f.parent == folder and content_suffix(f) in TABLE_SUFFIXES)
+            train = "train" if "train" in names else sorted(names)[0]
+            val = next((n for n in ("validation", "valid", "val", "test") if n in names and n != train), None)
+            way = f"data.corpus = {str(folder / f'{train}-*{suffix}')!r}" + (
+                f" and data.val_corpus = {str(folder / f'{val}-*{suffix}')!r}" if val else "")
             raise CorpusError(f"{str(folder)!r} holds the shards of several splits ({listed}; the Hub's "
-                              "<split>-NNNNN-of-NNNNN files): read whole, its held-out split would be trained on; "
-                              "move each split's files into a directory of its own and pass them as data.corpus "
-                              "and data.val_corpus")
+                              "<split>-NNNNN-of-NNNNN files): read together, its held-out split would be trained "
+                              f"on; pass one split's shards by a pattern: {way}")
 
 
 def _saved_shards(folder: Path) -> set[str] | None:
@@ -564,21 +646,23 @@ def check_corpus(spec: str, field: str, text_field: str = "text", split: bool = 
             CORPORA[spec].check()
         return
     path = Path(spec).expanduser()
-    if not path.exists():
+    if not path.exists() and not is_pattern(spec):
         named = ("" if any(c in spec for c in "/\\.") else "; a corpus registered by an extension module "
                  "(register_corpus) exists only in a process that imports that module first")
         here = ("" if path.is_absolute() else f"; a relative path is read from the working directory "
                 f"({os.getcwd()}): a run continues from the directory it was started in")
         raise CorpusError(f"{field} = {spec!r} does not exist: pass an existing text, JSON Lines, Parquet or "
-                          f"Arrow file, a directory of them, a .npy or .bin array, or one of "
+                          f"Arrow file, a directory of them or a glob pattern matching them, a .npy or .bin "
+                          f"array, or one of "
                           f"{', '.join(CORPORA)}{named}{here}")
     if is_token_array_path(spec):
         return
-    files = _corpus_files(path)
+    _, files = corpus_files(spec, field)
     for file in files:
         _check_kind(file)
     if split and len(files) == 1 and content_suffix(files[0]) not in RECORD_SUFFIXES:
-        raise CorpusError(f"{field} = {spec!r} is one text file: {too_few_documents(1)}")
+        what = f"matches one text file ({str(files[0])!r})" if is_pattern(spec) else "is one text file"
+        raise CorpusError(f"{field} = {spec!r} {what}: {too_few_documents(1)}")
     table = next((f for f in files if content_suffix(f) in TABLE_SUFFIXES), None)
     if table is not None:  # pyarrow there, the first such file readable, its column present and of strings
         _Table(table).check_column(text_field)  # (its schema only: no column chunk is decoded)
@@ -609,13 +693,12 @@ def check_val_documents(spec: str, val_documents: tuple[str, ...], document_sepa
     built (their names need the text)."""
     if not val_documents or document_separator is not None or spec in CORPORA or is_token_array_path(spec):
         return
-    path = Path(spec).expanduser()
-    if not path.exists():
+    if not Path(spec).expanduser().exists() and not is_pattern(spec):
         return  # check_corpus says so
-    files = _corpus_files(path)
+    base, files = corpus_files(spec)
     if any(content_suffix(file) in RECORD_SUFFIXES for file in files):
         return
-    names = [_document_stem(file, path) for file in files]
+    names = [_document_stem(file, base) for file in files]
     chosen = {resolve_document_name(name, names) for name in val_documents}
     if len(chosen) == len(names):
         raise CorpusError("data.val_documents lists every document: leave some for training")
