@@ -326,7 +326,7 @@ def test_glob_patterns_read_one_splits_shards(tmp_path, monkeypatch):
         check_corpus("*/a/*.txt", "data.corpus", split=True)
     with pytest.raises(CorpusError, match=r"data.val_corpus = 'notes/\*\*/\*.jsonl' is a glob pattern that matches no "
                                           rf"file \(a relative pattern is matched from the working directory, "
-                                          rf"{re.escape(str(tmp_path))}\)"):
+                                          rf"{re.escape(str(tmp_path))}: a run continues from the directory"):
         check_corpus("notes/**/*.jsonl", "data.val_corpus")
     # a file or directory whose name holds a glob character is that file or directory
     (tmp_path / "v[1]").mkdir()
@@ -358,6 +358,42 @@ def test_glob_patterns_read_one_splits_shards(tmp_path, monkeypatch):
         load_documents("d[d]/*.json")
     assert [d.text for d in load_documents("dd/train/*.arrow")] == texts[:2]
     assert [d.text for d in load_documents("dd/t*")] == texts[:2]
+
+    # the Hub's older shard names (a content hash after them) and its Parquet conversion
+    # (<config>/<split>/0000.parquet) mix splits too: both were read whole, test split and all
+    (tmp_path / "old" / "data").mkdir(parents=True)
+    for name in ("train-00000-of-00001-a09b74b3ef9c3b56", "test-00000-of-00001-a09b74b3ef9c3b56"):
+        pq.write_table(pa.table({"text": texts[:2]}), tmp_path / "old" / "data" / f"{name}.parquet")
+    with pytest.raises(CorpusError, match=r"data.val_corpus = 'old': 'old/data' holds the shards of several splits "
+                                          r"\(test, train;"):
+        check_corpus("old", "data.val_corpus")  # (the field that named it begins the message)
+    for split in ("train", "test"):
+        (tmp_path / "conv" / "default" / split).mkdir(parents=True)
+        pq.write_table(pa.table({"text": texts[:2]}), tmp_path / "conv" / "default" / split / "0000.parquet")
+    for spec in ("conv", "conv/default/*/*.parquet"):
+        with pytest.raises(CorpusError, match=r"'conv/default' holds the Parquet shards of several splits \(test, "
+                                              r"train; .* data.corpus = 'conv/default/train' and data.val_corpus = "
+                                              r"'conv/default/test'"):
+            check_corpus(spec, "data.corpus")
+    assert len(load_documents("conv/default/train")) == 2
+    # a folder with a glob character in its name: the patterns the refusal names are escaped, and work
+    shutil.copytree(tmp_path / "hub", tmp_path / "ds[v2]")
+    with pytest.raises(CorpusError, match=re.escape("data.corpus = 'ds[[]v2]/data/train-*.parquet' and "
+                                                    "data.val_corpus = 'ds[[]v2]/data/test-*.parquet'")):
+        check_corpus("ds[v2]", "data.corpus")
+    assert [d.text for d in load_documents("ds[[]v2]/data/train-*.parquet")] == texts[:5]
+    with pytest.raises(CorpusError, match=re.escape("a [ in a name is a glob character: write it [[]")):
+        check_corpus("ds[v2]/data/train-*.parquet", "data.corpus")
+    # links to directories: not followed below the pattern's fixed part, as in a directory (a link
+    # to a parent made every file appear again at each depth, and validation copies of training texts)
+    (tmp_path / "loop" / "d").mkdir(parents=True)
+    for k in range(2):
+        (tmp_path / "loop" / "d" / f"doc{k}.txt").write_text(f"text {k}")
+    (tmp_path / "loop" / "d" / "up").symlink_to("..")
+    (tmp_path / "loop" / "alias").symlink_to("d")
+    for spec in ("loop", "loop/**/*.txt", "loop/*"):
+        assert [d.name for d in load_documents(spec)] == ["d/doc0", "d/doc1"], spec
+    assert [d.name for d in load_documents("loop/alias/*.txt")] == ["doc0", "doc1"]  # a link in the fixed part
 
 
 def test_bad_parquet_and_arrow_files_are_named_before_the_corpus_is_read(tmp_path, monkeypatch):

@@ -168,6 +168,22 @@ def test_unknown_or_incomplete_flag_is_one_line(args, needle, capsys):
     assert needle in err and err.count("\n") == 1, err
 
 
+def test_a_pattern_the_shell_expanded_is_said_to_need_quotes(tmp_path, capsys, monkeypatch):
+    """--data.corpus data/train-*.parquet unquoted reaches the trainer as several paths: the second was
+    "unexpected argument ...: overrides look like --section.key=value", no word of the quoting."""
+    monkeypatch.chdir(tmp_path)
+    for k in range(2):
+        (tmp_path / f"train-{k}.txt").write_text("text")
+    (tmp_path / "c.toml").write_text("[run]\nseed = 3\n")
+    assert main(["c.toml", "--data.corpus", "train-0.txt", "train-1.txt", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert ("unexpected argument 'train-1.txt': overrides look like --section.key=value (a glob pattern is expanded "
+            "by the shell into several paths unless quoted, e.g. --data.corpus 'data/train-*.parquet')") in err, err
+    assert main(["--data.corpus", "train-0.txt", "train-1.txt", "--check"]) == 2  # (no config: taken as one)
+    err = capsys.readouterr().err
+    assert "config file 'train-1.txt' is not valid TOML" in err and "quote the pattern" in err, err
+
+
 def test_flag_spellings_parse_as_a_config_file_does(tmp_path):
     """--key=value, --key value and the same keys in a TOML file load the same config."""
     from largebatch.train.cli import _unknown_options, build_parser

@@ -386,7 +386,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+        expanded = ("" if path.suffix.lower() == ".toml" else " (not a .toml file: where an unquoted glob pattern "
+                    "such as --data.corpus data/*.txt was expanded by the shell, its second path is taken as the "
+                    "config; quote the pattern)")
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}{expanded}") from exc
 
 
 def dump_toml(tree: dict[str, Any]) -> str:

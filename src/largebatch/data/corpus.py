@@ -15,6 +15,7 @@ plot and vocabulary into validation): the held-out documents are chosen by a see
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import importlib.util
@@ -313,26 +314,26 @@ def _document_stem(file: Path, path: Path) -> str:
 
 def corpus_files(spec: str, field: str | None = None) -> tuple[Path, list[Path]]:
     """The files a corpus path or pattern names, sorted, and the directory its documents are named
-    from (the file itself for one file). A directory gives its files (recursively, hidden ones
-    skipped); a glob pattern (is_pattern; ``**`` spans directories) the files it matches and the
-    files of the directories it matches, named from its leading components without a glob
-    character. In a folder that holds .arrow files, the metadata `datasets`' save_to_disk writes
-    beside them (dataset_info.json, state.json) is not a corpus file, nor are the map and filter
-    caches beside the shards its state.json lists. CorpusError (naming ``field``, the config field
-    that gave ``spec``, where known) when a pattern
-    matches no file or matches token arrays, and when the files hold several splits of one dataset
-    (a DatasetDict's, or the Hub's ``<split>-NNNNN-of-NNNNN`` shards)."""
+    from (the file itself for one file). A directory gives its files (recursively, hidden ones and
+    links to directories skipped); a glob pattern (is_pattern; ``**`` spans directories) the files it
+    matches and the files of the directories it matches, named from its leading components without a
+    glob character, links to directories below those not followed (as in a directory) and a file
+    reached twice read once. In a folder that holds .arrow files, the metadata `datasets`'
+    save_to_disk writes beside them (dataset_info.json, state.json) is not a corpus file, nor are the
+    map and filter caches beside the shards its state.json lists. CorpusError (naming ``field``, the
+    config field that gave ``spec``, where known) when a pattern matches no file or matches token
+    arrays, and when the files hold several splits of one dataset (a DatasetDict's, or the Hub's)."""
     path = Path(spec).expanduser()
+    what = f"{field} = {spec!r}" if field else f"corpus {spec!r}"
     if is_pattern(spec):
-        what = f"{field} = {spec!r}" if field else f"corpus {spec!r}"
         base = _pattern_base(path)
-        files = sorted({file for match in glob.glob(str(path), recursive=True)
-                        for file in _files_under(Path(match))})
+        files = _pattern_files(str(path), base, directories=spec.endswith(("/", os.sep)))
         if not files:
             here = ("" if path.is_absolute() else f" (a relative pattern is matched from the working directory, "
-                    f"{os.getcwd()})")
-            raise CorpusError(f"{what} is a glob pattern that matches no file{here}: check it "
-                              "(* matches within a name, ** across directories), or pass a file or directory")
+                    f"{os.getcwd()}: a run continues from the directory it was started in)")
+            bracket = ("; a [ in a name is a glob character: write it [[] (glob.escape)" if "[" in spec else "")
+            raise CorpusError(f"{what} is a glob pattern that matches no file{here}: check it (* matches within a "
+                              f"name, ** across directories){bracket}, or pass a file or directory")
         arrays = [f for f in files if content_suffix(f) in TOKEN_ARRAY_SUFFIXES]
         if arrays:
             raise CorpusError(f"{what} matches token arrays ({str(arrays[0])!r}"
@@ -344,8 +345,8 @@ def corpus_files(spec: str, field: str | None = None) -> tuple[Path, list[Path]]
         base = path
         files = _files_under(path)
         for marker in (p for p in files if p.name == "dataset_dict.json"):
-            _refuse_dataset_dict(marker.parent)
-    _refuse_hub_splits(files)
+            _refuse_dataset_dict(marker.parent, what if field else None)
+    _refuse_hub_splits(files, what if field else None)
     arrow_dirs = {p.parent for p in files if content_suffix(p) == ".arrow"}
     shards = {d: _saved_shards(d) for d in arrow_dirs}
     return base, [p for p in files if not (p.parent in arrow_dirs and (
@@ -354,11 +355,67 @@ def corpus_files(spec: str, field: str | None = None) -> tuple[Path, list[Path]]
 
 
 def _files_under(path: Path) -> list[Path]:
-    """The file itself, or a directory's files (recursively, hidden ones skipped), sorted."""
+    """The file itself, or a directory's files (recursively, hidden ones skipped; Path.rglob does not
+    follow links to directories), sorted."""
     if path.is_file():
         return [path]
     return sorted(p for p in path.rglob("*")
                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def _pattern_files(pattern: str, base: Path, directories: bool = False) -> list[Path]:
+    """The files a glob pattern reaches, sorted: its matches that are files, and the files of those
+    that are directories (_files_under). Matched as ``glob`` matches (``*``, ``?``, ``[...]`` within a
+    name, ``**`` any number of directories, a leading ``.`` only where the pattern spells it), except
+    that below ``base`` (its fixed part) links to directories are not followed, as in a directory
+    corpus (glob's ``**`` follows them: a link to a parent made every file appear again at each
+    depth, or without end with two), and a file reached by two names (``a/../b``) is read once.
+    ``directories``: the pattern ends in a slash, and matches directories only."""
+    below = Path(pattern).parts[len(base.parts) if base != Path(".") else 0:]
+    found: dict[str, Path] = {}
+    for match in _match(base, list(below)):
+        if (match.is_symlink() and match.is_dir()) or (directories and not match.is_dir()):
+            continue
+        for file in _files_under(match):
+            found.setdefault(os.path.realpath(file), file)
+    return sorted(found.values())
+
+
+def _match(folder: Path, parts: list[str]) -> Iterator[Path]:
+    """The paths below ``folder`` that the pattern components ``parts`` match (see _pattern_files)."""
+    if not parts:
+        yield folder
+        return
+    head, rest = parts[0], parts[1:]
+    if head == "**":
+        yield from _match(folder, rest)  # no directory
+        for entry in _entries(folder):  # or one more, and what follows
+            if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
+                yield from _match(Path(entry.path), parts)
+        return
+    if not any(c in head for c in GLOB_CHARACTERS):
+        path = folder / head
+        if not rest:
+            if os.path.lexists(path):
+                yield path
+        elif path.is_dir() and not path.is_symlink():
+            yield from _match(path, rest)
+        return
+    for entry in _entries(folder):
+        if fnmatch.fnmatchcase(entry.name, head) and (head.startswith(".") or not entry.name.startswith(".")):
+            if not rest:
+                yield Path(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                yield from _match(Path(entry.path), rest)
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """A directory's entries sorted by name ([] when it is none, or cannot be listed)."""
+    try:
+        with os.scandir(folder) as listing:
+            return sorted(listing, key=lambda entry: entry.name)
+    except OSError:
+        return []
 
 
 def _refuse_split_span(files: list[Path], what: str) -> None:
@@ -380,33 +437,64 @@ def _refuse_split_span(files: list[Path], what: str) -> None:
                               "data.val_corpus")
     for folder, home in homes.items():
         if home == folder.absolute():  # the DatasetDict's own folder: its dataset_dict.json matched
-            _refuse_dataset_dict(home)
+            _refuse_dataset_dict(home, what)
 
 
-_HUB_SHARD = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}$")  # the Hub's data/<split>-00000-of-00003.parquet
+# the Hub's data/<split>-00000-of-00003.parquet, with a content hash after it in older datasets
+# (data/train-00000-of-00001-a09b74b3ef9c3b56.parquet)
+_HUB_SHARD = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]{8,})?$")
+# the Hub's Parquet conversion: <config>/<split>/0000.parquet
+SPLIT_NAMES = ("train", "validation", "valid", "val", "dev", "test", "eval", "evaluation")
+_CONVERTED_SHARD = re.compile(r"\d{4,}$")
 
 
-def _refuse_hub_splits(files: list[Path]) -> None:
+def _refuse_hub_splits(files: list[Path], what: str | None = None) -> None:
     """CorpusError when one folder holds the Parquet or Arrow shards of several splits, named as the
-    Hugging Face Hub names them (``train-00000-of-00003.parquet``, ``test-00000-of-00001.parquet``):
-    read whole, the test or validation split would be trained on."""
+    Hugging Face Hub names them (``train-00000-of-00003.parquet`` beside ``test-00000-of-00001.parquet``;
+    or its Parquet conversion's ``<config>/train/0000.parquet`` beside ``<config>/test/0000.parquet``):
+    read together, the test or validation split would be trained on."""
     splits: dict[Path, set[str]] = {}
+    converted: dict[Path, set[str]] = {}
     for file in files:
-        match = _HUB_SHARD.fullmatch(file.name[: len(file.name) - len(_suffixes(file))])
-        if match and content_suffix(file) in TABLE_SUFFIXES:
+        if content_suffix(file) not in TABLE_SUFFIXES:
+            continue
+        stem = file.name[: len(file.name) - len(_suffixes(file))]
+        if match := _HUB_SHARD.fullmatch(stem):
             splits.setdefault(file.parent, set()).add(match["split"])
+        elif _CONVERTED_SHARD.fullmatch(stem) and file.parent.name.lower() in SPLIT_NAMES:
+            converted.setdefault(file.parent.parent, set()).add(file.parent.name)
+    prefix = f"{what}: " if what else ""
     for folder, names in splits.items():
         if len(names) > 1:
-            listed = ", ".join(sorted(names))
             suffix = next(content_suffix(f) for f in files
                           if f.parent == folder and content_suffix(f) in TABLE_SUFFIXES)
-            train = "train" if "train" in names else sorted(names)[0]
-            val = next((n for n in ("validation", "valid", "val", "test") if n in names and n != train), None)
-            way = f"data.corpus = {str(folder / f'{train}-*{suffix}')!r}" + (
-                f" and data.val_corpus = {str(folder / f'{val}-*{suffix}')!r}" if val else "")
-            raise CorpusError(f"{str(folder)!r} holds the shards of several splits ({listed}; the Hub's "
-                              "<split>-NNNNN-of-NNNNN files): read together, its held-out split would be trained "
-                              f"on; pass one split's shards by a pattern: {way}")
+            train, val = _train_and_held_out(names)
+            way = f"data.corpus = {_glob_path(folder, f'{train}-*{suffix}')!r}" + (
+                f" and data.val_corpus = {_glob_path(folder, f'{val}-*{suffix}')!r}" if val else "")
+            listed = ", ".join(sorted(names))
+            raise CorpusError(f"{prefix}{str(folder)!r} holds the shards of several splits ({listed}; "
+                              "the Hub's <split>-NNNNN-of-NNNNN files): read together, its held-out split would be "
+                              f"trained on; pass one split's shards by a pattern: {way}")
+    for folder, names in converted.items():
+        if len(names) > 1:
+            train, val = _train_and_held_out(names)
+            way = f"data.corpus = {str(folder / train)!r}" + (
+                f" and data.val_corpus = {str(folder / val)!r}" if val else "")
+            raise CorpusError(f"{prefix}{str(folder)!r} holds the Parquet shards of several splits "
+                              f"({', '.join(sorted(names))}; the Hub's <config>/<split>/NNNN.parquet): read together, "
+                              f"its held-out split would be trained on; pass one split's directory: {way}")
+
+
+def _train_and_held_out(names: set[str]) -> tuple[str, str | None]:
+    """The split to train on and the one to validate on, of a dataset's split names."""
+    train = "train" if "train" in names else sorted(names)[0]
+    val = next((n for n in ("validation", "valid", "val", "dev", "test") if n in names and n != train), None)
+    return train, val
+
+
+def _glob_path(folder: Path, pattern: str) -> str:
+    """``folder / pattern`` as a glob pattern: the folder's own glob characters escaped."""
+    return os.path.join(glob.escape(str(folder)), pattern)
 
 
 def _saved_shards(folder: Path) -> set[str] | None:
@@ -421,9 +509,10 @@ def _saved_shards(folder: Path) -> set[str] | None:
         return None
 
 
-def _refuse_dataset_dict(path: Path) -> None:
+def _refuse_dataset_dict(path: Path, what: str | None = None) -> None:
     """CorpusError naming its splits when ``path`` is a DatasetDict written by save_to_disk: read
-    whole, its splits (validation among them) would be one corpus."""
+    whole, its splits (validation among them) would be one corpus. ``what``: the field and value that
+    named it, to begin the message with."""
     marker = path / "dataset_dict.json"
     if not marker.is_file():
         return
@@ -431,11 +520,11 @@ def _refuse_dataset_dict(path: Path) -> None:
         splits = [str(s) for s in json.loads(marker.read_text(encoding="utf-8"))["splits"]]
     except (OSError, ValueError, KeyError, TypeError):
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-    train = next((s for s in splits if s == "train"), splits[0] if splits else "train")
-    val = next((s for s in splits if s in ("validation", "valid", "val", "test")), None)
+    train, val = _train_and_held_out(set(splits)) if splits else ("train", None)
     way = (f"data.corpus = {str(path / train)!r}" + (f" and data.val_corpus = {str(path / val)!r}" if val else ""))
-    raise CorpusError(f"{str(path)!r} is a DatasetDict written by save_to_disk (splits: {', '.join(splits)}): "
-                      f"read whole, its splits would be one corpus; pass one split's directory: {way}")
+    raise CorpusError(f"{what + ': ' if what else ''}{str(path)!r} is a DatasetDict written by save_to_disk (splits: "
+                      f"{', '.join(splits)}): read whole, its splits would be one corpus; pass one split's "
+                      f"directory: {way}")
 
 
 def _suffixes(path: Path) -> str:

@@ -104,6 +104,10 @@ def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> dic
     the config loader refuses by name with a did-you-mean; anything else is refused here."""
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     for arg in unknown:
+        if not arg.startswith("-") and os.path.exists(arg):  # the shell expanded an unquoted glob pattern
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value (a glob "
+                              "pattern is expanded by the shell into several paths unless quoted, e.g. "
+                              "--data.corpus 'data/train-*.parquet')")
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and "." not in flag:
             close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.5)
