@@ -423,6 +423,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
     if "sample" in s:
         lines += ["sample:", "  " + s["sample"].replace("\n", "\n  ")]
     written = [f"{name}/" if (run_dir / name).is_dir() else name
-               for name in ("metrics.jsonl", "loss.png", "schedule.png", "tensorboard") if (run_dir / name).exists()]
+               for name in ("metrics.jsonl", "loss.png", "schedule.png", "tensorboard", "wandb")
+               if (run_dir / name).exists()]
     lines.append(f"run directory     {run_dir}" + (f"  ({', '.join(written)})" if written else ""))
     return "\n".join(lines)

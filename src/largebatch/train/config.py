@@ -196,6 +196,16 @@ class RunConfig:
     """Prompt for the generated sample."""
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Log to Weights & Biases as well (rank 0; needs ``pip install wandb``, or the ``largebatch[wandb]``
+    extra): each record of metrics.jsonl at its optimizer step, the config, and summary.json's numbers;
+    a resume continues the same W&B run (its id is kept in RUN_DIR/wandb-run.json), and a stop by a
+    signal marks it preempted. W&B's environment variables apply: ``WANDB_API_KEY`` (or ``wandb
+    login``), ``WANDB_ENTITY``, ``WANDB_MODE=offline`` (the run is written to RUN_DIR/wandb, uploaded
+    later with ``wandb sync``). See docs/training.md: monitoring."""
+    wandb_project: str | None = None
+    """The W&B project of a new run (None: ``WANDB_PROJECT``, else "largebatch"); a resume continues
+    its run in the project it was started in."""
     plots: bool = True
     """Write loss.png and schedule.png into RUN_DIR at the end of the run. They cost seconds of
     matplotlib, which dominates a tiny run; largebatch.train.plots.plot_run(RUN_DIR) draws them
@@ -229,6 +239,11 @@ class RunConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)
+        if self.wandb_project is not None and (not self.wandb_project.strip() or len(self.wandb_project) > 128
+                                               or any(c in self.wandb_project for c in "/\\#?%:")):
+            raise ValueError(f"run.wandb_project = {self.wandb_project!r}: W&B takes 1 to 128 characters without "
+                             "/ \\ # ? % or : (e.g. 'gpt-pretraining'); or leave it unset for WANDB_PROJECT or "
+                             "'largebatch'")
 
 
 OUT_DIR_FIELDS = ("time", "kind")  # what run.out_dir may hold in braces

@@ -73,14 +73,14 @@ from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
 from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
-from largebatch.train.metrics import MetricsLog
+from largebatch.train.metrics import MetricsLog, WandbSettings
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir, note_stop
 from largebatch.train.skip import DeviceSkip
-from largebatch.train.stopping import StepInterrupted, StopRequest, control_group
+from largebatch.train.stopping import StepInterrupted, StopRequest, control_group, exit_code
 from largebatch.typed_config import to_dict
 
 
@@ -270,8 +270,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             # resumed at the run's end: the final evaluation comes after the final checkpoint, and runs again
             at_end = resume_step is not None and self._last_phase() and \
                 self.pos.tokens - self.pos.phase_start >= self.phase.total_tokens
+            wandb = WandbSettings(to_dict(cfg), run.wandb_project) if run.wandb else None
             self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step,
-                                      evaluates_again=at_end)
+                                      evaluates_again=at_end, wandb=wandb)
             for note in self.metrics.notes:
                 self.log(f"note: {note}")
         self.peak_flops = run.peak_flops or measure_peak_flops(
@@ -599,13 +600,21 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     # ------------------------------------------------------------------------------------------
     @_run_state
     def fit(self) -> dict[str, Any]:
+        ended = (1, False)  # (exit code, stopped to be continued): how the W&B run ends
         try:
-            return self._fit()
+            result = self._fit()
+            if result.get("signal"):
+                ended = (exit_code(result["signal"]), True)
+            elif not result.get("stopped_early"):
+                ended = (0, False)
+            else:  # run.max_steps: a part of the run, to be continued
+                ended = (0, True)
+            return result
         finally:
             self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
             if isinstance(self.log, ConsoleLog):
                 self.log.on_lost = None
-            self._close()
+            self._close(*ended)
 
     def _fit(self) -> dict[str, Any]:
         run, pos = self.cfg.run, self.pos
@@ -713,13 +722,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         as a run started with that many replicas does; every other step is the run's own."""
         return math.lcm(self.schedule_dp, self.par.dp_size)
 
-    def _close(self) -> None:
-        """Close the logs and release the run directory (idempotent; also after a failure)."""
+    def _close(self, code: int = 0, preempted: bool = False) -> None:
+        """Close the logs and release the run directory (idempotent; also after a failure, with its
+        exit ``code``; ``preempted``: stopped, to be continued)."""
         metrics, self.metrics = self.metrics, None
         self.prefetch.close()
         try:
             if metrics is not None:
-                metrics.close()
+                metrics.close(code, preempted)
         finally:
             if self.lock is not None:
                 self.lock.release()

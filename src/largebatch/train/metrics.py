@@ -1,15 +1,19 @@
-"""Where a run's records go: ``metrics.jsonl`` (one JSON object per line) and, if available,
-TensorBoard event files. What a record holds -- loss, tokens/s, MFU with its denominator
-(largebatch.models.flops), memory (largebatch.memory.measure) -- is the trainer's; how it is
-printed is largebatch.train.progress; the PNG plots at the end are largebatch.train.plots.
+"""Where a run's records go: ``metrics.jsonl`` (one JSON object per line), if available
+TensorBoard event files, and with ``run.wandb`` a Weights & Biases run. What a record holds --
+loss, tokens/s, MFU with its denominator (largebatch.models.flops), memory
+(largebatch.memory.measure) -- is the trainer's; how it is printed is largebatch.train.progress;
+the PNG plots at the end are largebatch.train.plots.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+WANDB_RECORD = "wandb-run.json"  # RUN_DIR/wandb-run.json: the W&B run a resume continues
 
 
 class MetricsLog:
@@ -22,10 +26,12 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None,
-                 evaluates_again: bool = False):
+                 evaluates_again: bool = False, wandb: WandbSettings | None = None):
         """``resume_step``: the checkpoint's step (None: a fresh run). ``evaluates_again``: the resumed
         run evaluates at that step again (the end of the run: its final checkpoint is written before
-        the final evaluation), so a validation record at it is dropped, not kept twice."""
+        the final evaluation), so a validation record at it is dropped, not kept twice. ``wandb``:
+        the records go to a Weights & Biases run too (WandbRun)."""
+        self._wandb = None if wandb is None else WandbRun(run_dir, wandb, resume_step)  # (first: it may fail)
         self.path = run_dir / "metrics.jsonl"
         self.notes: list[str] = []
         self._failed = False
@@ -78,6 +84,13 @@ class MetricsLog:
             raise
         if self._tb is not None:
             self._scalars(record)
+        if self._wandb is not None:
+            self._wandb.log(record)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        """The end-of-run numbers (summary.json's), as the W&B run's summary."""
+        if self._wandb is not None:
+            self._wandb.summary(summary)
 
     def _scalars(self, record: dict[str, Any]) -> None:
         """Every finite number of ``record`` as a scalar at its step; ``wall_time`` as each event's
@@ -93,14 +106,96 @@ class MetricsLog:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(key, value, step, walltime=wall)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        """Close the file and the writers; ``exit_code`` and ``preempted`` (stopped by a signal, to be
+        continued) end the W&B run as finished, failed or preempted."""
         try:
             self._file.close()
         except OSError:
             if not self._failed:  # after a failed write, flushing its remainder fails again
                 raise
-        if self._tb is not None:
-            self._tb.close()
+        finally:
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                wandb, self._wandb = self._wandb, None
+                wandb.finish(exit_code, preempted)
+
+
+class WandbSettings:
+    """What a W&B run is started with: the run's config (a nested dict, shown as ``model.n_layer``
+    and so on) and ``run.wandb_project``."""
+
+    def __init__(self, config: dict[str, Any], project: str | None = None):
+        self.config, self.project = config, project
+
+
+class WandbRun:
+    """The run's Weights & Biases run, on rank 0: every finite number of each record at the record's
+    optimizer step (W&B's step), with the names metrics.jsonl uses (``loss``, ``lr``, ``tokens``,
+    ``val_loss``, ...; an evaluation's record merges into its step's row), the run's config, and the
+    summary.json numbers as the run's summary.
+
+    The run is named after the run directory (``WANDB_NAME`` otherwise) and keeps its files in
+    ``RUN_DIR/wandb`` (``WANDB_DIR`` otherwise). Its id, project and entity are kept in
+    ``RUN_DIR/wandb-run.json``: a resume continues that W&B run (W&B's ``resume="allow"``), in the project
+    it was started in; a fresh run in the directory starts a new one. W&B's history only grows: the
+    steps a resume trains again (those after its checkpoint) were logged before and are not sent again
+    -- with exact resume their losses are the same numbers. W&B's own environment variables apply
+    (``WANDB_ENTITY``, ``WANDB_MODE=offline`` to write the run to disk for a later ``wandb sync``,
+    ``WANDB_API_KEY``, ``WANDB_RUN_GROUP``, ``WANDB_TAGS``)."""
+
+    def __init__(self, run_dir: Path, settings: WandbSettings, resume_step: int | None):
+        import wandb
+
+        from largebatch.checkpoint.files import atomic_write_text
+        from largebatch.typed_config import ConfigError
+
+        record = run_dir / WANDB_RECORD
+        saved = _saved_wandb_run(record) if resume_step is not None else None
+        project = (saved or {}).get("project") or settings.project or os.environ.get("WANDB_PROJECT") or "largebatch"
+        entity = (saved or {}).get("entity") or None
+        try:
+            self.run = wandb.init(project=project, entity=entity, id=(saved or {}).get("id"), resume="allow",
+                                  name=None if os.environ.get("WANDB_NAME") else run_dir.name,
+                                  dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+        except Exception as exc:  # noqa: BLE001 -- wandb's CommError, UsageError, a timeout ...
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"run.wandb = true, but W&B could not start the run ({reason}): check the "
+                              "network and WANDB_API_KEY, or set WANDB_MODE=offline to write it to RUN_DIR/wandb "
+                              "and upload it later with `wandb sync`") from None
+        self.run.config.update(settings.config, allow_val_change=True)  # (a resume may change restart fields)
+        atomic_write_text(record, json.dumps({"id": self.run.id, "project": self.run.project or project,
+                                              "entity": self.run.entity or entity, "url": self.run.url}))
+        self._first_step = int(self.run.step or 0)  # a resumed run's next step, as W&B's history holds it
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        if step < self._first_step:  # W&B holds this step already (it would drop it, with a warning)
+            return
+        values = {key: value for key, value in record.items() if key not in ("step", "wall_time")
+                  and isinstance(value, (int, float)) and math.isfinite(value)}
+        if values:
+            self.run.log(values, step=step)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({key: value for key, value in summary.items()
+                                 if isinstance(value, (int, float, str)) and not (isinstance(value, float)
+                                                                                  and not math.isfinite(value))})
+
+    def finish(self, exit_code: int, preempted: bool) -> None:
+        if preempted:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=exit_code)
+
+
+def _saved_wandb_run(record: Path) -> dict[str, Any] | None:
+    """RUN_DIR/wandb-run.json's {id, project, entity}, or None (absent or unreadable: a new W&B run)."""
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and isinstance(saved.get("id"), str) and saved["id"] else None
 
 
 def _ends_with_newline(file, end: int) -> bool:

@@ -15,7 +15,9 @@ training are built is refused in one line naming the field, the value and the fi
   closed-form estimator of largebatch.memory (ZeRO accounting, Rajbhandari et al. 2020 §3.1; see
   docs/papers.md: memory) BEFORE the model is built, against the memory this machine has free --
   ``model.n_layer=1e8`` is refused in a second instead of growing until the kernel kills the job;
-* a ``--resume`` keeps what its checkpoints' state was built for (model shapes, the optimizer).
+* a ``--resume`` keeps what its checkpoints' state was built for (model shapes, the optimizer);
+* ``run.wandb``: on rank 0, the ``wandb`` package is there and W&B has credentials (or runs offline or
+  disabled): without them ``wandb.init`` failed once the data and the model were built.
 """
 
 from __future__ import annotations
@@ -418,6 +420,33 @@ def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstima
     return est
 
 
+def check_wandb(cfg: TrainConfig) -> None:
+    """``run.wandb``, on rank 0 (the rank that logs): the package imports, and W&B has an API key, or
+    ``WANDB_MODE`` is offline or disabled. Asked of ``wandb.login`` (without verifying the key over the
+    network): on a terminal with no key, it asks for one now, as ``wandb.init`` would have after the
+    data and model were built; elsewhere it refuses."""
+    if not cfg.run.wandb or int(os.environ.get("RANK", "0") or 0) != 0:
+        return
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("run.wandb = true needs the package wandb: pip install wandb (or the largebatch[wandb] "
+                          "extra), or set run.wandb = false") from None
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+        return
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        reason = None if wandb.login(verify=False) else "wandb.login() found none"
+    except Exception as exc:  # noqa: BLE001 -- wandb.errors.UsageError: no key, and no terminal to ask on
+        reason = str(exc).strip() or type(exc).__name__
+    if reason is not None:
+        raise ConfigError(f"run.wandb = true, but W&B has no API key ({reason}): run `wandb login` or set "
+                          "WANDB_API_KEY; or set WANDB_MODE=offline to write the run to RUN_DIR/wandb and upload "
+                          "it later with `wandb sync`")
+
+
 def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateEstimate:
     """Every check that needs no data and no model (the run directory is checked by the caller
     before it creates the directory). ``fresh``: not a ``--resume``, so ``model.init_from``'s
@@ -426,6 +455,7 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
 
     check_device(cfg, distributed)
     check_optimizer(cfg)
+    check_wandb(cfg)
     check_corpora(cfg)
     vocab = check_tokenizer_file(cfg)
     check_bin_dtype(cfg, vocab)

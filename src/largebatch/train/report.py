@@ -203,6 +203,8 @@ class Reporting:
         except Exception as exc:  # plots are a convenience; never fail a finished run on them
             self.log(f"(plots skipped: {exc})")
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))  # never half of one
+        if self.metrics is not None:
+            self.metrics.summary(summary)
         return summary
 
     @torch.no_grad()

@@ -1,0 +1,110 @@
+"""run.wandb: the trainer's records in a real Weights & Biases run (offline, read back from the file
+``wandb sync`` would upload), across a SIGTERM sent to the whole process group as a cluster sends it
+and the resume that continues the run; and the checks before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from largebatch.train.cli import main
+from largebatch.train.metrics import read_metrics
+from test_train import _train_losses, tiny_overrides
+from test_train_cluster import ENV, _args, _wait_for_train_records
+from wandb_records import read_run
+
+pytest.importorskip("wandb")
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """W&B offline, with no setting of the machine's (a key, a project, a directory) leaking in."""
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    return {**{k: v for k, v in ENV.items() if not k.startswith("WANDB_")}, "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+
+
+def test_a_runs_records_reach_wandb_across_a_sigterm_and_its_resume(reference_run, tmp_path, capsys, offline):
+    """A SIGTERM to the job's process group (W&B's own service process gets it too) checkpoints, ends the
+    W&B run as preempted with exit code 143, and the same command continues that W&B run (the id kept in
+    RUN_DIR/wandb-run.json): together the two launches' histories hold every record of metrics.jsonl at its
+    step once, with its numbers; the summary holds summary.json's; the config is the run's. Training is
+    the uninterrupted reference run's, to the bit."""
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "run"
+    o = tiny_overrides(cache, out, **{"run.wandb": True, "run.wandb_project": "lb-tests"})
+    proc = subprocess.Popen([sys.executable, "-m", "largebatch", "train", *_args(o)], env=offline,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_train_records(out, 3, proc)
+        os.killpg(proc.pid, signal.SIGSTOP)  # held mid-run (a loaded machine must not let it finish first)
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as Slurm and Kubernetes send it
+        os.killpg(proc.pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-2000:]
+    first = json.loads((out / "wandb-run.json").read_text())
+    assert main(_args(o)) == 0  # the same command line continues the run
+    capsys.readouterr()
+    assert json.loads((out / "wandb-run.json").read_text()) == first
+    assert first["project"] == "lb-tests"
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2, files
+    launches = [read_run(f) for f in files]
+    assert [r["id"] for r in launches] == [first["id"]] * 2
+    assert (launches[0]["exit_code"], launches[0]["preempting"]) == (143, True)
+    assert (launches[1]["exit_code"], launches[1]["preempting"]) == (0, False)
+
+    rows = [row for launch in launches for row in launch["history"]]
+    steps = [row["_step"] for row in rows]
+    assert steps == sorted(set(steps)), steps  # every step once, in order, across the two launches
+    by_step = {row["_step"]: row for row in rows}
+    records = read_metrics(out)
+    assert sorted(by_step) == sorted({r["step"] for r in records})
+    for record in records:  # each record's numbers in its step's row (a validation one merged into it)
+        row = by_step[record["step"]]
+        for key, value in record.items():
+            if key not in ("step", "wall_time", "kind") and isinstance(value, (int, float)) and math.isfinite(value):
+                assert row[key] == value, (record["step"], key)
+    summary = json.loads((out / "summary.json").read_text())
+    assert launches[1]["summary"]["final_val_loss"] == summary["final_val_loss"]
+    assert launches[1]["summary"]["tokens"] == summary["tokens"]
+    assert launches[1]["config"]["model"]["n_layer"] == 2
+    assert launches[1]["config"]["schedule"]["batch_policy"] == "seesaw"
+    assert _train_losses(out) == _train_losses(ref_dir)
+
+
+def test_wandb_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """Without an API key (and not offline) wandb.init failed once the data and model were built; the
+    check before any work says so with the ways out. A project name W&B refuses, and the package
+    missing, are one line naming the field."""
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # no terminal to ask for a key on
+    args = [f"--run.out_dir={tmp_path / 'run'}", "--run.wandb=true", "--check"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "run.wandb = true, but W&B has no API key" in err and "WANDB_MODE=offline" in err, err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--run.wandb_project=team/gpt"]) == 2
+    assert "run.wandb_project = 'team/gpt': W&B takes 1 to 128 characters without" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as when it is not installed
+    assert main(args) == 2
+    assert "run.wandb = true needs the package wandb: pip install wandb" in capsys.readouterr().err
