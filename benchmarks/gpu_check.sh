@@ -38,6 +38,9 @@ timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_skip.py 
 # against eager steps (a host read in the step would make the capture fail; CPU test of the logic:
 # tests/test_optim_capturable.py)
 timeout 60 "$PYTHON" benchmarks/capturable_graph.py
+# run.async_checkpoint on a GPU: a save holds the loop for the device-to-host copy only (CPU run of
+# the same script: docs/training.md, "Checkpoints in the background")
+timeout 90 "$PYTHON" benchmarks/checkpoint_async.py --device cuda --rounds 2
 # the peak of a training step against the memory model's stored activations + backward working set
 # (docs/memory.md): on CPU the loss's backward held three fp32 copies of the logits; measured here on
 # the device, in fp32 and bf16, with torch.cuda.max_memory_allocated()

@@ -342,3 +342,79 @@ def test_a_checkpoint_written_under_numpy_1_names_its_array_globals_as_numpy_1_d
         assert np.ndarray in torch.serialization.get_safe_globals()
     finally:
         torch.serialization.clear_safe_globals()
+
+
+def test_a_background_write_holds_the_state_of_its_start_laid_out_as_a_synchronous_one(tmp_path):
+    """run.async_checkpoint: LocalWrite copies the state to host memory at ``start`` and writes it in a
+    thread. The training then changes the tensors in place (as an optimizer step does): the file holds
+    the values of the start, and loads as the synchronous save of that state does -- tied tensors one
+    storage, moments kept as views of one flat buffer still views of one -- into the same bytes of state."""
+    from largebatch.checkpoint.background import staged
+    from largebatch.checkpoint.local import LocalWrite
+
+    flat = torch.arange(12, dtype=torch.float32)
+    weight = torch.randn(4, 3)
+    state = {"step": 5, "model": {"emb": weight, "head": weight.view(4, 3), "bias": torch.zeros(3)},
+             "optimizer": {"state": {0: {"exp_avg": flat[:6].view(2, 3), "exp_avg_sq": flat[6:]},
+                                     1: {"step": torch.tensor(5.0)}},
+                           "param_groups": [{"lr": 1e-3, "params": [0, 1]}]},
+             "rng": (torch.get_rng_state(), [1, 2])}
+    before = staged(state)
+    writes = LocalWrite()
+    path = writes.start(tmp_path / "async", 5, state)
+    flat.add_(100.0)  # the training goes on while the file is written
+    weight.mul_(-1.0)
+    state["model"]["bias"].fill_(7.0)
+    writes.wait()
+    assert path == tmp_path / "async" / "checkpoints" / "step_00000005.pt" and path.is_file()
+    save_checkpoint(tmp_path / "sync", 5, before)
+    got, want = load_checkpoint(path), load_checkpoint(tmp_path / "sync" / "checkpoints" / "step_00000005.pt")
+    assert torch.equal(got["model"]["emb"], want["model"]["emb"]) and not torch.equal(got["model"]["emb"], weight)
+    assert got["model"]["emb"].untyped_storage().data_ptr() == got["model"]["head"].untyped_storage().data_ptr()
+    moments = got["optimizer"]["state"][0]
+    assert moments["exp_avg"].untyped_storage().data_ptr() == moments["exp_avg_sq"].untyped_storage().data_ptr()
+    assert torch.equal(moments["exp_avg"].flatten(), torch.arange(6, dtype=torch.float32))
+    assert torch.equal(moments["exp_avg_sq"], torch.arange(6, 12, dtype=torch.float32))
+    assert torch.equal(got["model"]["bias"], torch.zeros(3))
+    assert torch.equal(got["rng"][0], want["rng"][0]) and got["rng"][1] == [1, 2]
+    assert got["step"] == 5 and got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert path.stat().st_size == (tmp_path / "sync" / "checkpoints" / "step_00000005.pt").stat().st_size
+
+
+def test_a_background_write_that_fails_raises_at_the_next_save_and_keeps_the_previous(tmp_path):
+    """A write that fails in the background (a file-size limit: the kernel refuses it as a full disk
+    would) is not lost: the next save (or the run's end) raises its CheckpointError, naming the
+    checkpoint still intact, and the partial temporary is gone."""
+    save_checkpoint(tmp_path, 1, _state(10, 1))
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from largebatch.checkpoint import CheckpointError
+        from largebatch.checkpoint.local import LocalWrite
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        writes = LocalWrite()
+        writes.start({str(tmp_path)!r}, 2, {{"w": torch.randn(1_000_000)}})
+        print("started", flush=True)
+        try:
+            writes.start({str(tmp_path)!r}, 3, {{"w": torch.randn(10)}})
+        except CheckpointError as exc:
+            print("ERROR", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("started\nERROR could not write checkpoint"), out.stdout + out.stderr
+    assert "step_00000002.pt" in out.stdout and "step_00000001.pt is intact" in out.stdout
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+
+
+def test_the_background_checkpoint_benchmark_runs(tmp_path):
+    """benchmarks/checkpoint_async.py on the demo GPT, one round: it saves both ways and says how long
+    the loop was held (the numbers are the benchmark's to report, not this test's)."""
+    script = Path(__file__).parents[1] / "benchmarks" / "checkpoint_async.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(script), "--preset", "demo", "--rounds", "1", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "median: the loop held" in out.stdout and "by a sync one" in out.stdout, out.stdout
+    assert [p.name for p in list_checkpoints(tmp_path / "sync")] == ["step_00000000.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path / "async")] == ["step_00000000.pt"]

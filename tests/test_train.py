@@ -255,6 +255,46 @@ def test_a_checkpoint_cadence_set_on_resume_applies_at_once(tmp_path, reference_
     assert [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "cadence")] == [3, 4, 6, 8, 9]
 
 
+def test_checkpoints_written_in_the_background_resume_to_the_bit(tmp_path, reference_run, monkeypatch):
+    """run.async_checkpoint: every save is started and the training goes on while its file is
+    written (here each write is held until the next step has run, so every checkpoint but the last is
+    written beside a step); the stop waits for its own. The checkpoints are those a synchronous run
+    keeps, and the run continued from them equals the uninterrupted reference run to the bit."""
+    import largebatch.checkpoint.local as local
+
+    cache, ref_dir, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "async", **{"run.async_checkpoint": True, "run.keep_checkpoints": 10,
+                                                    "run.checkpoint_every_tokens": 2 * 32 * 8})
+    overlapped = []
+    real_save = local.save_checkpoint
+    steps_seen = []
+
+    def save_after_a_step(run_dir, step, state, keep_last=2):
+        begun = len(steps_seen)
+        deadline = time.time() + 5
+        while len(steps_seen) == begun and time.time() < deadline:  # held until the training moves on
+            time.sleep(0.005)
+        overlapped.append(len(steps_seen) > begun)
+        return real_save(run_dir, step, state, keep_last)
+
+    monkeypatch.setattr(local, "save_checkpoint", save_after_a_step)
+    real_step = Trainer.train_step
+
+    def counted_step(self):
+        record = real_step(self)
+        steps_seen.append(self.pos.step)
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", counted_step)
+    assert _run({**o, "run.max_steps": 7})["stopped_early"]
+    steps = [int(c.stem.split("_")[1]) for c in list_checkpoints(tmp_path / "async")]
+    assert steps == [2, 4, 6, 7] and overlapped == [True, True, True, False], (steps, overlapped)
+    monkeypatch.setattr(local, "save_checkpoint", real_save)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    _run(o, resume=True)
+    assert _train_losses(tmp_path / "async") == _train_losses(ref_dir)
+
+
 def test_a_measured_peak_leaves_the_dropout_stream_alone(tmp_path, reference_run):
     """run.peak_flops left undeclared: the trainer measures a matmul after a resume has restored the
     RNG state. Its random matrices came from the global generator, so a resumed run's dropout masks

@@ -470,16 +470,21 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_trajectory(
     assert _noise(out) == _noise(ddp_run) and any(_noise(ddp_run))
 
 
-def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_full_disk_during_a_distributed_save_is_one_line_and_resumable(single, ddp_run, tmp_path, background):
     """After the first checkpoint both ranks may write no file past 32 KiB (RLIMIT_FSIZE set on the
     live workers, as `prlimit` does): the metrics still fit, the next DCP save's shards do not. Every
     rank stops with one line naming the checkpoint, the cause and the intact one before it (DCP's
     CheckpointException is a BaseException: it used to escape as a traceback per rank); nothing
-    half-written is left, and the same command continues the run exactly."""
+    half-written is left, and the same command continues the run exactly. With run.async_checkpoint
+    the shards are written by DCP's async_save in the background: the failure is agreed on and
+    raised at the next save or the run's end, the same line on every rank; and the run that continues
+    writes its checkpoints in the background too, each in place once written (every rank's losses the
+    uninterrupted synchronous run's)."""
     import resource
 
     out = tmp_path / "full"
-    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4})
+    o = _overrides(single[0], out, **{"run.checkpoint_every_tokens": 32 * 8 * 4, "run.async_checkpoint": background})
     proc, limited = _launch(o), []
 
     def limit_both_ranks() -> bool:

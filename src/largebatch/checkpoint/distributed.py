@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from largebatch.checkpoint.background import BackgroundWrite, staged
 from largebatch.checkpoint.files import (
     checkpoint_dir,
     latest_checkpoint,
@@ -153,6 +154,108 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         remove_superseded(run_dir, final, keep_last)
     _barrier(state)
     return final
+
+
+class DistributedWrite:
+    """save_distributed in the background (largebatch.checkpoint.background), as torchtitan's async
+    checkpointing: ``start`` (collective) copies every rank's shards to host memory and hands them to
+    DCP's ``async_save``, which writes them in a thread, its own collectives on a gloo group of their
+    own (the training's collectives go on beside them); when rank 0's write is done, every rank's is
+    (DCP's coordinator gathers their results before it writes the metadata), and rank 0's thread puts
+    ``extra.pt`` in, fsyncs, renames the checkpoint into place and rotates the old ones, so a
+    checkpoint is in place as soon as it is written. ``wait`` (collective; the next ``start`` too)
+    agrees on the outcome: a failed write raises its CheckpointError on every rank."""
+
+    def __init__(self, state: ParallelState) -> None:
+        self.state = state
+        self._write = BackgroundWrite()
+        self._group = None
+        self._pending: tuple[Path, Path, str | Path] | None = None  # (in flight: its path, temporary, run dir)
+        self._failure: tuple[int, OSError] | None = None
+
+    def start(self, run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: dict[str, Any], keep_last: int = 2) -> Path:
+        if keep_last < 1:
+            raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
+        self.wait()
+        state = self.state
+        if self._group is None and state.distributed:  # (collective: every rank's first save)
+            self._group = dist.new_group(backend="gloo")
+        ckdir = checkpoint_dir(run_dir)
+        final = ckdir / f"step_{step:08d}.dcp"
+        tmp = ckdir / f".{final.name}.tmp"
+        if state.is_main:
+            ckdir.mkdir(parents=True, exist_ok=True)
+            remove_temporaries(ckdir)
+        _barrier(state)
+        model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
+        future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp,
+                                process_group=self._group)  # (the shards are on the host when it returns)
+        host_extra = staged(extra) if state.is_main else None
+
+        def finish() -> None:
+            self._failure = _finish_async(future, tmp, final, run_dir, host_extra, state, keep_last)
+
+        self._pending = (final, tmp, run_dir)
+        self._write.start(finish)
+        return final
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        final, tmp, run_dir = self._pending
+        self._pending = None
+        try:
+            self._write.wait()
+        except BaseException as exc:  # noqa: BLE001 -- any other error: agreed on as one
+            self._failure = (self.state.rank, OSError(errno.EIO, f"{type(exc).__name__}: {exc}"))
+        failure, self._failure = _agree(self._failure, self.state), None
+        if failure is not None:
+            if self.state.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _barrier(self.state)
+            rank, cause = failure
+            raise write_failure(final, run_dir, cause, rank if self.state.distributed else None)
+
+    def close(self) -> BaseException | None:
+        """Wait for this rank's write in flight, after a failure elsewhere (no collective: the other
+        ranks may be gone); on rank 0 the checkpoint is then in place if it was written."""
+        self._pending = None
+        try:
+            self._write.wait()
+        except BaseException as exc:  # noqa: BLE001 -- the caller is already failing
+            return exc
+        return None
+
+
+def _finish_async(future, tmp: Path, final: Path, run_dir: str | Path, extra: dict[str, Any] | None,
+                  state: ParallelState, keep_last: int) -> tuple[int, OSError] | None:
+    """A background write's end, in its thread: this rank's shards written (DCP's future), then on rank
+    0 the checkpoint completed and put in place, or its temporary removed. The failure, if any."""
+    failure: tuple[int, OSError] | None = None
+    try:
+        future.result()
+    except CheckpointException as exc:  # raised on every rank, with every rank's error
+        failure = _write_error(exc)
+    if not state.is_main:
+        return failure
+    if failure is None:
+        failure = _unseen_shards(tmp, state)
+    if failure is None:
+        try:
+            torch.save(extra, tmp / EXTRA)
+            _fsync_tree(tmp)
+            _put_in_place(tmp, final)
+        except (OSError, RuntimeError) as exc:
+            cause = os_error_in(exc)
+            if cause is None:
+                raise
+            failure = (state.rank, cause)
+    if failure is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        remove_superseded(run_dir, final, keep_last)
+    return failure
 
 
 def _put_in_place(tmp: Path, final: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from largebatch.checkpoint.background import BackgroundWrite, staged
 from largebatch.checkpoint.files import (
     checkpoint_dir,
     fsync_dir,
@@ -59,6 +60,35 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
         raise write_failure(final, run_dir, cause) from exc
     remove_superseded(run_dir, final, keep_last)
     return final
+
+
+class LocalWrite:
+    """save_checkpoint in the background (largebatch.checkpoint.background): ``start`` copies the state
+    to host memory and returns the checkpoint's path at once; the file is written, fsynced, renamed
+    into place and the old ones rotated while training goes on. ``wait`` (the next ``start`` too)
+    blocks until that write is done and raises its CheckpointError."""
+
+    def __init__(self) -> None:
+        self._write = BackgroundWrite()
+
+    def start(self, run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
+        if keep_last < 1:
+            raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
+        self._write.wait()
+        host = staged(state)
+        self._write.start(lambda: save_checkpoint(run_dir, step, host, keep_last))
+        return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+
+    def wait(self) -> None:
+        self._write.wait()
+
+    def close(self) -> BaseException | None:
+        """Wait for the write in flight, after a failure elsewhere: its error is returned, not raised."""
+        try:
+            self._write.wait()
+        except BaseException as exc:  # noqa: BLE001 -- the caller is already failing
+            return exc
+        return None
 
 
 def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | None = None) -> CheckpointError:

@@ -177,6 +177,12 @@ class RunConfig:
     always checkpoint before the run exits (largebatch.train.stopping)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torchtitan's async checkpointing): a save waits only for
+    the state's copy to host memory, and the file is written while training goes on, one at a time.
+    A checkpoint is in place once written, as without it; a hard kill during the write loses that
+    one (the one before is intact); a stop by a signal and the run's end wait for it. Needs host
+    memory for one more copy of the model and optimizer state (per process: its shards)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in this invocation and checkpoint (None: run to the end
     of the budget). For time-limited jobs: continue later with --resume, which runs to the end

@@ -198,6 +198,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                log=self.log)
         keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main, cfg.data.corpus)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
+        self.writes = None  # run.async_checkpoint: the checkpoint write in the background
+        if run.async_checkpoint:
+            from largebatch.checkpoint.local import LocalWrite
+
+            if self.par.distributed:
+                from largebatch.checkpoint.distributed import DistributedWrite
+
+                self.writes = DistributedWrite(self.par)
+            else:
+                self.writes = LocalWrite()
         vocab = model_vocab(cfg, self.data.vocab_size)
         if cfg.model.vocab_size != vocab:
             cfg = self.cfg = _with_vocab(cfg, vocab)
@@ -428,19 +438,34 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      f"data position and state are exact, dropout streams are re-seeded")
 
     def save(self) -> Path:
+        """Checkpoint the current step (with run.async_checkpoint: started, written in the background;
+        ``finish_saves`` waits for it)."""
         self.settle()  # never a checkpoint past a non-finite step; the estimator up to date
         keep = self.cfg.run.keep_checkpoints
         if self.par.distributed:
             from largebatch.checkpoint.distributed import save_distributed  # DCP: on use (start-up)
 
-            path = save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
-                                    self.extra_state(), self.par, keep_last=keep)
+            if self.writes is not None:
+                path = self.writes.start(self.run_dir, self.pos.step, self.model, self.optimizer,
+                                         self.extra_state(), keep_last=keep)
+            else:
+                path = save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
+                                        self.extra_state(), self.par, keep_last=keep)
         else:
             state = {**self.extra_state(), "model": self.raw_model.state_dict(),
                      "optimizer": self.optimizer.state_dict()}
-            path = save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
+            if self.writes is not None:
+                path = self.writes.start(self.run_dir, self.pos.step, state, keep_last=keep)
+            else:
+                path = save_checkpoint(self.run_dir, self.pos.step, state, keep_last=keep)
         self.saved_step, self.saved_path = self.pos.step, path
         return path
+
+    def finish_saves(self) -> None:
+        """Wait until the checkpoint written in the background (run.async_checkpoint) is in place; its
+        failure raised here, on every rank. Nothing to wait for without it."""
+        if self.writes is not None:
+            self.writes.wait()
 
     def _bucket_backward(self) -> None:
         """A forward and backward of a micro-batch of zeros (the training shape: a compiled block sees
@@ -659,6 +684,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                         stop.checkpointed()
                     time_due = False
                 if stopping:
+                    self.finish_saves()  # (a background write: in place before the process exits)
                     if signum is not None:  # before any rank exits: torchrun restarting them must see it
                         if self.is_main:
                             note_stop(self.run_dir, signum, pos.step)
@@ -707,6 +733,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             stop.ending()
             if self.saved_step != pos.step:
                 self.save()
+            self.finish_saves()  # in place before the final evaluation: a kill during it loses no step
             val_loss = self._log_eval()
             return self._summary(val_loss)
 
@@ -727,6 +754,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         exit ``code``; ``preempted``: stopped, to be continued)."""
         metrics, self.metrics = self.metrics, None
         self.prefetch.close()
+        writes, self.writes = self.writes, None
+        if writes is not None and (error := writes.close()) is not None:  # (a failure already on its way)
+            self.log(f"warning: the checkpoint written in the background failed too: {error}")
         try:
             if metrics is not None:
                 metrics.close(code, preempted)

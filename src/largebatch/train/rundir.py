@@ -52,7 +52,8 @@ filesystem may show a new file on another node only after its attribute cache ex
 NFS; the note is written with fsync, and opening a file revalidates it)."""
 # may differ between the launch that wrote the checkpoints and the one that continues it
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
-                  "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.tensorboard", "run.wandb",
+                  "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.async_checkpoint",
+                  "run.tensorboard", "run.wandb",
                   "run.wandb_project", "run.plots",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
                   "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.",
