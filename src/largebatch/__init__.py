@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 TORCH_MINIMUM = (2, 13)
 
 # The description of a process group that waits longer than any collective on purpose (the other
-# ranks waiting for rank 0's cold data build): parallel.timeout_s and step_timeout_s leave it alone.
+# ranks waiting for rank 0's cold data build; a checkpoint written in the background across steps):
+# parallel.step_timeout_s leaves it alone.
 LONG_WAIT_GROUP = "largebatch-long-wait"
 
 

@@ -30,6 +30,7 @@ import errno
 import os
 import shutil
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from largebatch import LONG_WAIT_GROUP
 from largebatch.checkpoint.background import BackgroundWrite, staged
 from largebatch.checkpoint.files import (
     checkpoint_dir,
@@ -180,7 +182,10 @@ class DistributedWrite:
         self.wait()
         state = self.state
         if self._group is None and state.distributed:  # (collective: every rank's first save)
-            self._group = dist.new_group(backend="gloo")
+            # parallel.timeout_s, kept while a step's shorter parallel.step_timeout_s applies to the
+            # training's groups: the write goes on across steps (mesh.set_collective_timeout)
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=state.timeout_s),
+                                         group_desc=LONG_WAIT_GROUP)
         ckdir = checkpoint_dir(run_dir)
         final = ckdir / f"step_{step:08d}.dcp"
         tmp = ckdir / f".{final.name}.tmp"
