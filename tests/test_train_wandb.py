@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,9 +38,9 @@ def offline(monkeypatch, tmp_path):
 def test_a_runs_records_reach_wandb_across_a_sigterm_and_its_resume(reference_run, tmp_path, capsys, offline):
     """A SIGTERM to the job's process group (W&B's own service process gets it too) checkpoints, ends the
     W&B run as preempted with exit code 143, and the same command continues that W&B run (the id kept in
-    RUN_DIR/wandb-run.json): together the two launches' histories hold every record of metrics.jsonl at its
-    step once, with its numbers; the summary holds summary.json's; the config is the run's. Training is
-    the uninterrupted reference run's, to the bit."""
+    RUN_DIR/wandb-run.json): its history holds every record of metrics.jsonl at its step once, with its
+    numbers; the summary holds summary.json's; the config is the run's. Training is the uninterrupted
+    reference run's, to the bit."""
     cache, ref_dir, _ = reference_run
     out = tmp_path / "run"
     o = tiny_overrides(cache, out, **{"run.wandb": True, "run.wandb_project": "lb-tests"})
@@ -67,16 +68,20 @@ def test_a_runs_records_reach_wandb_across_a_sigterm_and_its_resume(reference_ru
     assert (launches[0]["exit_code"], launches[0]["preempting"]) == (143, True)
     assert (launches[1]["exit_code"], launches[1]["preempting"]) == (0, False)
 
-    rows = [row for launch in launches for row in launch["history"]]
-    steps = [row["_step"] for row in rows]
-    assert steps == sorted(set(steps)), steps  # every step once, in order, across the two launches
-    by_step = {row["_step"]: row for row in rows}
+    # offline, W&B cannot know what an earlier launch's file holds: the resume sends the records kept
+    # up to the checkpoint again, so the newest file alone is the whole history (what `wandb sync` of it
+    # gives), every step once, in order
+    first_steps = [row["_step"] for row in launches[0]["history"]]
+    steps = [row["_step"] for row in launches[1]["history"]]
+    assert steps == sorted(set(steps)) and set(first_steps) <= set(steps), (first_steps, steps)
+    by_step = {row["_step"]: row for row in launches[1]["history"]}
     records = read_metrics(out)
     assert sorted(by_step) == sorted({r["step"] for r in records})
-    for record in records:  # each record's numbers in its step's row (a validation one merged into it)
+    for record in records:  # each record's numbers in its step's row (an evaluation's val_* merged into it)
         row = by_step[record["step"]]
         for key, value in record.items():
-            if key not in ("step", "wall_time", "kind") and isinstance(value, (int, float)) and math.isfinite(value):
+            if (key not in ("step", "wall_time", "kind") and isinstance(value, (int, float)) and math.isfinite(value)
+                    and (record["kind"] == "train" or key.startswith("val_") or key == "tokens")):
                 assert row[key] == value, (record["step"], key)
     summary = json.loads((out / "summary.json").read_text())
     assert launches[1]["summary"]["final_val_loss"] == summary["final_val_loss"]
@@ -108,3 +113,51 @@ def test_wandb_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as when it is not installed
     assert main(args) == 2
     assert "run.wandb = true needs the package wandb: pip install wandb" in capsys.readouterr().err
+
+
+def test_a_phase_switch_two_trainers_and_a_disabled_wandb(tmp_path, offline, monkeypatch):
+    """At a [[phases]] switch a step holds the ending phase's evaluation and the next phase's: the
+    second overwrote the first's val_loss, and its phase and seq_len relabelled the step's training
+    numbers; now each phase's evaluation has its own key. Two runs alive in one process (two Trainers)
+    each get their own W&B run (they shared the first's). WANDB_MODE=disabled records no run id for a
+    later launch to continue (it continued a fake one). A hard kill loses what W&B had not written:
+    a resume sends the kept records again, here into a run whose file lost them all."""
+    from largebatch.train.metrics import MetricsLog, WandbSettings
+
+    config = {"model": {"n_layer": 2}, "phases": [{"seq_len": 32}, {"seq_len": 64}]}
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    logs = [MetricsLog(d, tensorboard=False, wandb=WandbSettings(config)) for d in (one, two)]
+    records = [{"kind": "train", "phase": 0, "seq_len": 32, "step": 32, "tokens": 8192, "loss": 6.02},
+               {"kind": "val", "phase": 0, "seq_len": 32, "step": 32, "tokens": 8192, "val_loss": 6.06},
+               {"kind": "val", "phase": 1, "seq_len": 64, "step": 32, "tokens": 8192, "val_loss": 6.05},
+               {"kind": "train", "phase": 1, "seq_len": 64, "step": 33, "tokens": 8448, "loss": 6.01}]
+    for record in records:
+        logs[0].log(record)
+    logs[1].log(records[0])
+    for log in logs:
+        log.close()
+    ids = [json.loads((d / "wandb-run.json").read_text())["id"] for d in (one, two)]
+    assert ids[0] != ids[1]
+    run = read_run(next((one / "wandb").glob("offline-run-*/run-*.wandb")))
+    rows = {row["_step"]: row for row in run["history"]}
+    assert {k: v for k, v in rows[32].items() if not k.startswith("_")} == {
+        "phase": 0, "seq_len": 32, "tokens": 8192, "loss": 6.02, "val_loss/phase_0": 6.06, "val_loss/phase_1": 6.05}
+    assert len(read_run(next((two / "wandb").glob("offline-run-*/run-*.wandb")))["history"]) == 1
+
+    # a resume of `one` from step 32 (its file as a hard kill can leave it: no records at all)
+    for file in (one / "wandb").glob("offline-run-*"):
+        shutil.rmtree(file)
+    log = MetricsLog(one, tensorboard=False, resume_step=32, wandb=WandbSettings(config))
+    log.close()
+    run = read_run(next((one / "wandb").glob("offline-run-*/run-*.wandb")))
+    assert run["id"] == ids[0] and [row["_step"] for row in run["history"]] == [32]
+    assert run["history"][0]["val_loss/phase_1"] == 6.05 and run["history"][0]["loss"] == 6.02
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    three = tmp_path / "three"
+    three.mkdir()
+    log = MetricsLog(three, tensorboard=False, wandb=WandbSettings(config))
+    log.log(records[0])
+    log.close()
+    assert not (three / "wandb-run.json").exists()

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 WANDB_RECORD = "wandb-run.json"  # RUN_DIR/wandb-run.json: the W&B run a resume continues
 
@@ -31,7 +31,7 @@ class MetricsLog:
         run evaluates at that step again (the end of the run: its final checkpoint is written before
         the final evaluation), so a validation record at it is dropped, not kept twice. ``wandb``:
         the records go to a Weights & Biases run too (WandbRun)."""
-        self._wandb = None if wandb is None else WandbRun(run_dir, wandb, resume_step)  # (first: it may fail)
+        self._wandb = None
         self.path = run_dir / "metrics.jsonl"
         self.notes: list[str] = []
         self._failed = False
@@ -46,6 +46,8 @@ class MetricsLog:
                 if cut and not _ends_with_newline(file, cut):
                     file.write(b"\n")
         earlier = self.path.exists()  # an earlier attempt of this run logged here
+        if wandb is not None and not wandb_disabled():  # (after the cut: a resume sends W&B the kept records it lacks)
+            self._wandb = WandbRun(run_dir, wandb, resume_step, self.path)
         # a fresh run starts a fresh file; a resumed one continues the kept records
         self._file = open(self.path, "a" if resume_step is not None else "w", buffering=1)
         self._tb = None
@@ -122,6 +124,13 @@ class MetricsLog:
                 wandb.finish(exit_code, preempted)
 
 
+def wandb_disabled() -> bool:
+    """W&B switched off by its environment (``WANDB_MODE=disabled``, ``WANDB_DISABLED=true``): no W&B run
+    is started, and none recorded for a later launch to continue."""
+    return (os.environ.get("WANDB_MODE", "").strip().lower() == "disabled"
+            or os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true"))
+
+
 class WandbSettings:
     """What a W&B run is started with: the run's config (a nested dict, shown as ``model.n_layer``
     and so on) and ``run.wandb_project``."""
@@ -132,20 +141,24 @@ class WandbSettings:
 
 class WandbRun:
     """The run's Weights & Biases run, on rank 0: every finite number of each record at the record's
-    optimizer step (W&B's step), with the names metrics.jsonl uses (``loss``, ``lr``, ``tokens``,
-    ``val_loss``, ...; an evaluation's record merges into its step's row), the run's config, and the
-    summary.json numbers as the run's summary.
+    optimizer step (W&B's step), with the names metrics.jsonl uses (``loss``, ``lr``, ``tokens``, ...);
+    an evaluation's ``val_*`` numbers (and its ``tokens``, for a tokens x-axis) join its step's row --
+    with ``[[phases]]``, as ``val_loss/phase_K``: at a phase switch two evaluations share a step, the
+    ending phase's and the next one's at its own sequence length. The run's config, and summary.json's
+    numbers as the run's summary.
 
     The run is named after the run directory (``WANDB_NAME`` otherwise) and keeps its files in
     ``RUN_DIR/wandb`` (``WANDB_DIR`` otherwise). Its id, project and entity are kept in
     ``RUN_DIR/wandb-run.json``: a resume continues that W&B run (W&B's ``resume="allow"``), in the project
-    it was started in; a fresh run in the directory starts a new one. W&B's history only grows: the
-    steps a resume trains again (those after its checkpoint) were logged before and are not sent again
-    -- with exact resume their losses are the same numbers. W&B's own environment variables apply
-    (``WANDB_ENTITY``, ``WANDB_MODE=offline`` to write the run to disk for a later ``wandb sync``,
-    ``WANDB_API_KEY``, ``WANDB_RUN_GROUP``, ``WANDB_TAGS``)."""
+    it was started in; a fresh run in the directory starts a new one. At a resume, the records
+    metrics.jsonl keeps (those up to the checkpoint) that W&B lacks are sent first: online, those from
+    the step the resumed W&B run reports on (a hard kill loses what W&B had not sent yet); offline,
+    where W&B cannot know, all of them, so that each launch's offline file holds the whole history
+    (``wandb sync`` of a later file of one id replaces what an earlier one gave). ``WANDB_MODE=disabled``
+    records nothing. W&B's own environment variables apply (``WANDB_ENTITY``, ``WANDB_API_KEY``,
+    ``WANDB_RUN_GROUP``, ``WANDB_TAGS``, ...)."""
 
-    def __init__(self, run_dir: Path, settings: WandbSettings, resume_step: int | None):
+    def __init__(self, run_dir: Path, settings: WandbSettings, resume_step: int | None, metrics: Path):
         import wandb
 
         from largebatch.checkpoint.files import atomic_write_text
@@ -155,26 +168,39 @@ class WandbRun:
         saved = _saved_wandb_run(record) if resume_step is not None else None
         project = (saved or {}).get("project") or settings.project or os.environ.get("WANDB_PROJECT") or "largebatch"
         entity = (saved or {}).get("entity") or None
-        try:
+        try:  # (create_new: a second Trainer alive in the process gets its own run, not the first's)
             self.run = wandb.init(project=project, entity=entity, id=(saved or {}).get("id"), resume="allow",
-                                  name=None if os.environ.get("WANDB_NAME") else run_dir.name,
-                                  dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+                                  name=None if os.environ.get("WANDB_NAME") else run_dir.absolute().name,
+                                  dir=None if os.environ.get("WANDB_DIR") else str(run_dir), reinit="create_new")
         except Exception as exc:  # noqa: BLE001 -- wandb's CommError, UsageError, a timeout ...
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"run.wandb = true, but W&B could not start the run ({reason}): check the "
                               "network and WANDB_API_KEY, or set WANDB_MODE=offline to write it to RUN_DIR/wandb "
                               "and upload it later with `wandb sync`") from None
+        self._phased = len(settings.config.get("phases") or ()) > 1
+        self._first_step = int(self.run.step or 0)  # a resumed run's next step, as W&B's history holds it
         self.run.config.update(settings.config, allow_val_change=True)  # (a resume may change restart fields)
         atomic_write_text(record, json.dumps({"id": self.run.id, "project": self.run.project or project,
                                               "entity": self.run.entity or entity, "url": self.run.url}))
-        self._first_step = int(self.run.step or 0)  # a resumed run's next step, as W&B's history holds it
+        if resume_step is not None and metrics.exists():
+            for kept in _records_from(metrics, self._first_step):
+                self.log(kept)
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
         if step < self._first_step:  # W&B holds this step already (it would drop it, with a warning)
             return
-        values = {key: value for key, value in record.items() if key not in ("step", "wall_time")
-                  and isinstance(value, (int, float)) and math.isfinite(value)}
+        evaluation = record.get("kind") == "val"
+        values = {}
+        for key, value in record.items():
+            if key in ("step", "wall_time") or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            if not evaluation:
+                values[key] = value
+            elif key == "tokens":
+                values[key] = value
+            elif key.startswith("val_"):
+                values[f"{key}/phase_{record.get('phase', 0)}" if self._phased else key] = value
         if values:
             self.run.log(values, step=step)
 
@@ -187,6 +213,32 @@ class WandbRun:
         if preempted:
             self.run.mark_preempting()
         self.run.finish(exit_code=exit_code)
+
+
+def _records_from(path: Path, step: int) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl from ``step`` on, in order: read from the end up to the first
+    record before it (the whole file from step 0)."""
+    if step <= 0:
+        with open(path, "rb") as file:
+            return list(_parsed(file))
+    found = []
+    for _, line in _lines_from_the_end(path):
+        record = next(iter(_parsed([line])), None)
+        if record is None:
+            continue
+        if int(record.get("step", 0)) < step:
+            break
+        found.append(record)
+    return found[::-1]
+
+
+def _parsed(lines) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
 
 
 def _saved_wandb_run(record: Path) -> dict[str, Any] | None:

@@ -432,8 +432,9 @@ def check_wandb(cfg: TrainConfig) -> None:
     except ImportError:
         raise ConfigError("run.wandb = true needs the package wandb: pip install wandb (or the largebatch[wandb] "
                           "extra), or set run.wandb = false") from None
-    mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    if mode in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+    from largebatch.train.metrics import wandb_disabled
+
+    if wandb_disabled() or os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun"):
         return
     if os.environ.get("WANDB_API_KEY"):
         return
