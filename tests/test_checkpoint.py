@@ -418,3 +418,30 @@ def test_the_background_checkpoint_benchmark_runs(tmp_path):
     assert "median: the loop held" in out.stdout and "by a sync one" in out.stdout, out.stdout
     assert [p.name for p in list_checkpoints(tmp_path / "sync")] == ["step_00000000.pt"]
     assert [p.name for p in list_checkpoints(tmp_path / "async")] == ["step_00000000.pt"]
+
+
+def test_a_signal_while_a_failing_run_waits_for_its_background_write_lets_the_write_finish(tmp_path):
+    """A run that fails (a non-finite loss) waits for the checkpoint it is writing in the background;
+    a SIGTERM or Ctrl-C then (its exception raised where the main thread waits) was taken for the
+    write's own failure ("failed too: SIGTERM"), and Python marked the thread, still writing, as ended:
+    the process exited with the checkpoint a temporary. Now the wait goes on through the signal, the
+    checkpoint is in place, and the signal is handed back for the caller to raise."""
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch
+        from largebatch.checkpoint.local import LocalWrite
+        real_fsync = os.fsync
+        os.fsync = lambda fd: (time.sleep(1.5), real_fsync(fd))  # a slow disk
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)  # as raise_on_signals does outside the loop
+        writes = LocalWrite()
+        writes.start({str(tmp_path)!r}, 1, {{"x": torch.arange(1000.0)}})
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # while close() waits
+        error, interrupted = writes.close()
+        print("closed", repr(error), type(interrupted).__name__, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "closed None KeyboardInterrupt", out.stdout + out.stderr
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+    assert torch.equal(load_checkpoint(list_checkpoints(tmp_path)[0])["x"], torch.arange(1000.0))
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))

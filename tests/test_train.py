@@ -295,6 +295,32 @@ def test_checkpoints_written_in_the_background_resume_to_the_bit(tmp_path, refer
     assert _train_losses(tmp_path / "async") == _train_losses(ref_dir)
 
 
+def test_a_run_failing_beside_a_background_write_names_that_checkpoint(tmp_path, reference_run, monkeypatch):
+    """A non-finite loss while a checkpoint was still being written in the background said "Last good
+    checkpoint: none", and the checkpoint landed a moment later; the failing run now waits for it and
+    names it."""
+    import threading
+
+    from largebatch.train.loop import NonFiniteLoss
+
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # a slow disk, for the background thread's writes
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(1.0)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    cache = reference_run[0]
+    o = tiny_overrides(cache, tmp_path / "nan", **{"run.async_checkpoint": True, "schedule.peak_lr": 1e4,
+                                                  "schedule.warmup": 0.0, "schedule.batch_policy": "constant",
+                                                  "run.checkpoint_every_tokens": 2 * 32 * 8})
+    with pytest.raises(NonFiniteLoss) as info:
+        _run(o)
+    kept = list_checkpoints(tmp_path / "nan")
+    assert kept and f"Last good checkpoint: {kept[-1]}." in str(info.value), (kept, str(info.value))
+
+
 def test_a_measured_peak_leaves_the_dropout_stream_alone(tmp_path, reference_run):
     """run.peak_flops left undeclared: the trainer measures a matmul after a resume has restored the
     RNG state. Its random matrices came from the global generator, so a resumed run's dropout masks

@@ -65,33 +65,60 @@ def _host_view(tensor: torch.Tensor, storages: dict[tuple, torch.UntypedStorage]
 class BackgroundWrite:
     """At most one write in flight, in a thread of its own. ``start`` waits for the previous write
     first (raising its error); ``wait`` blocks until the write in flight is done and raises its error,
-    once. The thread is not a daemon: an interpreter that exits (an exception in the training loop)
+    once; ``finish`` waits through stop signals (a cluster's SIGTERM while the run is already failing)
+    and returns the write's error and the signal's exception instead of raising them. The waits poll
+    an event the thread sets when it is done, never ``Thread.join`` alone: a signal's exception raised
+    in a join marked a thread still writing as ended, and the interpreter then exited without waiting
+    for it, leaving the checkpoint a temporary. The thread is not a daemon: an interpreter that exits
     still finishes the checkpoint it was writing."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()
         self._error: BaseException | None = None
 
     def start(self, write: Callable[[], Any]) -> None:
         self.wait()
+        done = self._done = threading.Event()
 
         def run() -> None:
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 -- handed to the training thread by wait()
                 self._error = exc
+            finally:
+                done.set()
 
         self._thread = threading.Thread(target=run, name="largebatch-checkpoint-write")
         self._thread.start()
 
     def wait(self) -> None:
         if self._thread is not None:
+            while not self._done.wait(0.5):
+                pass
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
+    def finish(self) -> tuple[BaseException | None, BaseException | None]:
+        """(the write's error, the first signal's exception that arrived while waiting), the write done."""
+        interrupted = None
+        while self._thread is not None:
+            try:
+                self.wait()
+            except BaseException as exc:  # noqa: BLE001 -- a signal's, or the write's own (returned below)
+                if self._thread is not None:  # the wait was interrupted: the write goes on
+                    interrupted = interrupted or exc
+                    continue
+                return exc, interrupted
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 -- the write's error, kept from an earlier wait
+            return exc, interrupted
+        return None, interrupted
+
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._done.is_set()

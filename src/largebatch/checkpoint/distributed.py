@@ -222,15 +222,16 @@ class DistributedWrite:
             rank, cause = failure
             raise write_failure(final, run_dir, cause, rank if self.state.distributed else None)
 
-    def close(self) -> BaseException | None:
-        """Wait for this rank's write in flight, after a failure elsewhere (no collective: the other
-        ranks may be gone); on rank 0 the checkpoint is then in place if it was written."""
+    def close(self) -> tuple[BaseException | None, BaseException | None]:
+        """Wait for this rank's write in flight (through stop signals), after a failure elsewhere (no
+        collective: the other ranks may be gone); on rank 0 the checkpoint is then in place if it was
+        written. (its error, a signal's exception that came meanwhile), returned, not raised."""
         self._pending = None
-        try:
-            self._write.wait()
-        except BaseException as exc:  # noqa: BLE001 -- the caller is already failing
-            return exc
-        return None
+        error, interrupted = self._write.finish()
+        failure, self._failure = self._failure, None
+        if error is None and failure is not None:
+            error = failure[1]
+        return error, interrupted
 
 
 def _finish_async(future, tmp: Path, final: Path, run_dir: str | Path, extra: dict[str, Any] | None,

@@ -82,13 +82,10 @@ class LocalWrite:
     def wait(self) -> None:
         self._write.wait()
 
-    def close(self) -> BaseException | None:
-        """Wait for the write in flight, after a failure elsewhere: its error is returned, not raised."""
-        try:
-            self._write.wait()
-        except BaseException as exc:  # noqa: BLE001 -- the caller is already failing
-            return exc
-        return None
+    def close(self) -> tuple[BaseException | None, BaseException | None]:
+        """Wait for the write in flight (through stop signals), after a failure elsewhere or at the end:
+        (its error, a signal's exception that came meanwhile), returned, not raised."""
+        return self._write.finish()
 
 
 def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | None = None) -> CheckpointError:

@@ -28,6 +28,7 @@ import functools
 import math
 import random
 import signal
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -461,6 +462,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.saved_step, self.saved_path = self.pos.step, path
         return path
 
+    def _end_write(self) -> None:
+        """Before naming the last good checkpoint of a failing run: the one written in the background is
+        in place (this rank's part of it; no collective), or its failure is logged."""
+        if self.writes is not None:
+            error, interrupted = self.writes.close()
+            if error is not None:
+                self.log(f"warning: the checkpoint written in the background failed too: {error}")
+            if interrupted is not None:
+                raise interrupted
+
     def finish_saves(self) -> None:
         """Wait until the checkpoint written in the background (run.async_checkpoint) is in place; its
         failure raised here, on every rank. Nothing to wait for without it."""
@@ -599,6 +610,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             pos.skipped_in_a_row, pos.skipped_steps, give_up = self.skip.settle(self.optimizer)
             if give_up is not None:
                 step, in_a_row, total = give_up
+                self._end_write()
                 last_ckpt = latest_any_checkpoint(self.run_dir)
                 raise NonFiniteLoss(
                     f"{in_a_row} consecutive non-finite steps skipped, the last at step {step} "
@@ -606,6 +618,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     f"schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps.")
         if bad is not None:
             step, tokens, loss, grad_norm = bad
+            self._end_write()
             last_ckpt = latest_any_checkpoint(self.run_dir)
             raise NonFiniteLoss(
                 f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens. Last "
@@ -755,14 +768,19 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         metrics, self.metrics = self.metrics, None
         self.prefetch.close()
         writes, self.writes = self.writes, None
-        if writes is not None and (error := writes.close()) is not None:  # (a failure already on its way)
-            self.log(f"warning: the checkpoint written in the background failed too: {error}")
+        interrupted = None
+        if writes is not None:  # the write in flight finishes, whatever signal comes meanwhile
+            error, interrupted = writes.close()
+            if error is not None:  # (a failure already on its way)
+                self.log(f"warning: the checkpoint written in the background failed too: {error}")
         try:
             if metrics is not None:
                 metrics.close(code, preempted)
         finally:
             if self.lock is not None:
                 self.lock.release()
+        if interrupted is not None and sys.exc_info()[1] is None:  # a stop signal came while the write ended
+            raise interrupted
 
     evaluate = _run_state(Evaluation.evaluate)  # the mixins' entry points, in the run's state too
     generate = _run_state(Reporting.generate)
