@@ -445,3 +445,70 @@ def test_a_signal_while_a_failing_run_waits_for_its_background_write_lets_the_wr
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
     assert torch.equal(load_checkpoint(list_checkpoints(tmp_path)[0])["x"], torch.arange(1000.0))
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+
+
+BACKGROUND_AGREEMENT = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def worker(rank, case, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import largebatch.checkpoint.distributed as distributed
+    from largebatch.checkpoint.local import CheckpointError
+    from largebatch.parallel.mesh import ParallelState
+    state = ParallelState(rank=rank, world_size=2, mesh=object(), timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    finish = distributed._finish_async
+    if case == "rank1" and rank == 1:  # an error of one rank's thread alone, after its shards are written
+        def failing(*args, **kwargs):
+            finish(*args, **kwargs)
+            raise RuntimeError("a gloo error seen on rank 1 only")
+        distributed._finish_async = failing
+    if case == "rank0" and rank == 0:  # a lost peer's error, no disk's
+        def failing(*args, **kwargs):
+            raise RuntimeError("Connection closed by peer")
+        distributed._finish_async = failing
+    writes = distributed.DistributedWrite(state)
+    writes.start(root, 1, model, optimizer, {"step": 1})
+    dist.all_reduce(torch.ones(1))  # the training's collectives meanwhile
+    try:
+        writes.wait()
+        print(f"rank {rank}: ok", flush=True)
+    except CheckpointError as exc:
+        print(f"rank {rank}: {exc}", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2)
+"""
+
+
+def test_a_background_write_failing_on_one_rank_stops_every_rank_with_its_cause(tmp_path):
+    """run.async_checkpoint under torchrun: an error of one rank's write thread that is not DCP's (which
+    every rank sees) was kept by that rank alone, and rank 0's view ("all well") was broadcast over it:
+    no rank raised. Every rank's view is gathered now, and every rank raises the lowest failing rank's
+    error; one that is no disk's is not given a disk's advice ("Free disk space")."""
+    import socket
+
+    script = tmp_path / "agree.py"
+    script.write_text(BACKGROUND_AGREEMENT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"), OMP_NUM_THREADS="1")
+    for case, cause, rank in (("rank1", "RuntimeError: a gloo error seen on rank 1 only", 1),
+                              ("rank0", "RuntimeError: Connection closed by peer", 0)):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        root = tmp_path / case
+        out = subprocess.run([sys.executable, str(script), case, str(port), str(root)], capture_output=True,
+                             text=True, timeout=180, env=env)
+        lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+        assert len(lines) == 2, out.stdout + out.stderr[-3000:]
+        for line in lines:
+            assert (f"could not write checkpoint {root / 'checkpoints' / 'step_00000001.dcp'}: {cause} (rank {rank})"
+                    in line and "See the ranks' messages above" in line and "Free disk space" not in line), line
+        assert not (root / "checkpoints" / "step_00000001.dcp").exists() or case == "rank1"
+        assert not list((root / "checkpoints").glob(".*.tmp"))

@@ -179,6 +179,9 @@ def test_a_pattern_the_shell_expanded_is_said_to_need_quotes(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert ("unexpected argument 'train-1.txt': overrides look like --section.key=value (a glob pattern is expanded "
             "by the shell into several paths unless quoted, e.g. --data.corpus 'data/train-*.parquet')") in err, err
+    assert main(["c.toml", "--data.corpsu", "train-0.txt", "--check"]) == 2  # a mistyped key's value: not that
+    err = capsys.readouterr().err
+    assert "data.corpsu" in err and "glob pattern" not in err, err
     assert main(["--data.corpus", "train-0.txt", "train-1.txt", "--check"]) == 2  # (no config: taken as one)
     err = capsys.readouterr().err
     assert "config file 'train-1.txt' is not valid TOML" in err and "quote the pattern" in err, err

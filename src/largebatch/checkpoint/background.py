@@ -7,9 +7,9 @@ What stays as it was: a checkpoint is in place only once complete (the same temp
 :mod:`.local` and :mod:`.distributed`), so a kill during a background write leaves the previous
 checkpoint, and the temporary is removed by the next save. A failed write (a full disk) raises its
 :class:`~largebatch.checkpoint.local.CheckpointError` at the next save or at the run's end, whichever
-comes first -- on every rank. What changes: a checkpoint is durable only once the next save starts
-(or the run ends), so a hard kill can lose the write in flight, and with it the steps since the one
-before; a stop by a signal and the end of the run wait for it.
+comes first -- on every rank. What changes: a checkpoint is in place (fsynced and renamed, by the
+thread) only once its write is done, so a hard kill during the write loses it, and with it the steps
+since the one before; a stop by a signal and the end of the run wait for it.
 """
 
 from __future__ import annotations

@@ -210,17 +210,26 @@ class DistributedWrite:
             return
         final, tmp, run_dir = self._pending
         self._pending = None
+        mine: tuple[int, int | None, str] | None = None  # (rank, errno: None for no disk's error, message)
         try:
             self._write.wait()
-        except BaseException as exc:  # noqa: BLE001 -- any other error: agreed on as one
-            self._failure = (self.state.rank, OSError(errno.EIO, f"{type(exc).__name__}: {exc}"))
-        failure, self._failure = _agree(self._failure, self.state), None
+        except BaseException as exc:  # noqa: BLE001 -- another error (a lost peer's), on this rank alone maybe
+            mine = (self.state.rank, None, f"{type(exc).__name__}: {exc}")
+        if mine is None and self._failure is not None:
+            rank, cause = self._failure
+            mine = (rank, cause.errno, cause.strerror or str(cause))
+        self._failure = None
+        failure = _first_failure(mine, self.state)  # every rank's view: any of them stops them all
         if failure is not None:
             if self.state.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             _barrier(self.state)
-            rank, cause = failure
-            raise write_failure(final, run_dir, cause, rank if self.state.distributed else None)
+            rank, code, message = failure
+            where = rank if self.state.distributed else None
+            if code is None:  # no disk's error: no disk's advice
+                raise write_failure(final, run_dir, OSError(errno.EIO, message), where,
+                                    fix="See the ranks' messages above for the cause,")
+            raise write_failure(final, run_dir, OSError(code, message), where)
 
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for this rank's write in flight (through stop signals), after a failure elsewhere (no
@@ -232,6 +241,17 @@ class DistributedWrite:
         if error is None and failure is not None:
             error = failure[1]
         return error, interrupted
+
+
+def _first_failure(failure: tuple[int, int | None, str] | None,
+                   state: ParallelState) -> tuple[int, int | None, str] | None:
+    """The failure of the lowest failing rank, every rank's view gathered (rank 0 sees DCP's failures
+    of every rank; another error may be one rank's alone): the same answer on every rank."""
+    if not state.distributed:
+        return failure
+    views: list = [None] * state.world_size
+    dist.all_gather_object(views, failure)
+    return min((view for view in views if view is not None), default=None, key=lambda view: view[0])
 
 
 def _finish_async(future, tmp: Path, final: Path, run_dir: str | Path, extra: dict[str, Any] | None,

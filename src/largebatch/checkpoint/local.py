@@ -88,13 +88,16 @@ class LocalWrite:
         return self._write.finish()
 
 
-def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | None = None) -> CheckpointError:
+def write_failure(final: Path, run_dir: str | Path, cause: OSError, rank: int | None = None,
+                  fix: str | None = None) -> CheckpointError:
     """The one-line error of a checkpoint that could not be written: which, why, what is still safe
-    (the newest complete checkpoint of either format), and the fix."""
+    (the newest complete checkpoint of either format), and the fix (``fix``: another than the
+    cause's, for a failure that is no disk's)."""
     previous = latest_checkpoint(run_dir, kinds=(".pt", ".dcp"))
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    fix = ("Keep RUN_DIR/checkpoints on a filesystem every rank shares, in place during the run,"
-           if cause.errno == errno.ENOENT else write_fix(cause))
+    if fix is None:
+        fix = ("Keep RUN_DIR/checkpoints on a filesystem every rank shares, in place during the run,"
+               if cause.errno == errno.ENOENT else write_fix(cause))
     where = f" (rank {rank})" if rank is not None else ""
     return CheckpointError(f"could not write checkpoint {final}: {cause.strerror or cause}{where}; {kept}. "
                            f"{fix} and run the same command again (or --resume {shlex.quote(str(run_dir))})")

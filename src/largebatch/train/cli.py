@@ -103,8 +103,9 @@ def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> dic
     """What argparse did not declare: --phases.N.field (entries of the file's [[phases]]) and keys
     the config loader refuses by name with a did-you-mean; anything else is refused here."""
     flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-    for arg in unknown:
-        if not arg.startswith("-") and os.path.exists(arg):  # the shell expanded an unquoted glob pattern
+    for i, arg in enumerate(unknown):
+        value = i > 0 and unknown[i - 1].startswith("--") and "=" not in unknown[i - 1]  # (--key VALUE)
+        if not value and not arg.startswith("-") and os.path.exists(arg):  # the shell expanded a glob pattern
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value (a glob "
                               "pattern is expanded by the shell into several paths unless quoted, e.g. "
                               "--data.corpus 'data/train-*.parquet')")
