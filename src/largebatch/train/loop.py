@@ -767,10 +767,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         exit ``code``; ``preempted``: stopped, to be continued)."""
         metrics, self.metrics = self.metrics, None
         self.prefetch.close()
-        writes, self.writes = self.writes, None
         interrupted = None
-        if writes is not None:  # the write in flight finishes, whatever signal comes meanwhile
-            error, interrupted = writes.close()
+        if self.writes is not None:  # the write in flight finishes, whatever signal comes meanwhile
+            error, interrupted = self.writes.close()  # (idle after it: a save after fit writes in the background too)
             if error is not None:  # (a failure already on its way)
                 self.log(f"warning: the checkpoint written in the background failed too: {error}")
         try:
