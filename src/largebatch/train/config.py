@@ -208,7 +208,7 @@ class RunConfig:
     a resume continues the same W&B run (its id is kept in RUN_DIR/wandb-run.json), and a stop by a
     signal marks it preempted. W&B's environment variables apply: ``WANDB_API_KEY`` (or ``wandb
     login``), ``WANDB_ENTITY``, ``WANDB_MODE=offline`` (the run is written to RUN_DIR/wandb, uploaded
-    later with ``wandb sync``). See docs/training.md: monitoring."""
+    later with ``wandb sync``). See docs/training.md, "Weights & Biases"."""
     wandb_project: str | None = None
     """The W&B project of a new run (None: ``WANDB_PROJECT``, else "largebatch"); a resume continues
     its run in the project it was started in."""
