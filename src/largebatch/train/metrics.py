@@ -219,8 +219,7 @@ def _records_from(path: Path, step: int) -> list[dict[str, Any]]:
     """The records of metrics.jsonl from ``step`` on, in order: read from the end up to the first
     record before it (the whole file from step 0)."""
     if step <= 0:
-        with open(path, "rb") as file:
-            return list(_parsed(file))
+        return list(iter_metrics(path.parent))
     found = []
     for _, line in _lines_from_the_end(path):
         record = next(iter(_parsed([line])), None)
@@ -233,6 +232,8 @@ def _records_from(path: Path, step: int) -> list[dict[str, Any]]:
 
 
 def _parsed(lines) -> Iterator[dict[str, Any]]:
+    """The JSON records of ``lines`` (str or bytes); blank lines and lines that do not parse (cut short
+    by a kill or a full disk) skipped."""
     for line in lines:
         if line.strip():
             try:
@@ -307,12 +308,7 @@ def iter_metrics(run_dir: str | Path):
     """The records of a run one at a time, read a line at a time (a million-step run's file is not
     held whole); a line cut short by a kill or a full disk is skipped."""
     with open(Path(run_dir) / "metrics.jsonl", errors="replace") as file:
-        for line in file:
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    continue
+        yield from _parsed(file)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
