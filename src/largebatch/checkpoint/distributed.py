@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import shutil
 import warnings
 from datetime import timedelta
@@ -223,9 +224,17 @@ class DistributedWrite:
         if failure is not None:
             if self.state.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
+            # rank 0 may have put the checkpoint in place (its shards all there) before another rank's
+            # thread failed on something else: the run stops, and says the checkpoint is good
+            in_place = _agree(self.state.is_main and final.is_dir(), self.state)
             _barrier(self.state)
             rank, code, message = failure
             where = rank if self.state.distributed else None
+            if in_place:
+                raise CheckpointError(f"checkpoint {final} is complete and in place, but the write failed "
+                                      f"afterwards on rank {rank}: {message}; see the ranks' messages above for "
+                                      f"the cause, and run the same command again (or --resume "
+                                      f"{shlex.quote(str(run_dir))})")
             if code is None:  # no disk's error: no disk's advice
                 raise write_failure(final, run_dir, OSError(errno.EIO, message), where,
                                     fix="See the ranks' messages above for the cause,")
