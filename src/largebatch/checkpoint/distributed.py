@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from largebatch import LONG_WAIT_GROUP
 from largebatch.checkpoint.background import BackgroundWrite, staged
 from largebatch.checkpoint.files import (
-    checkpoint_dir,
+    checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
     read_torch_file,
@@ -105,14 +105,7 @@ def _fsync_tree(path: Path) -> None:
 def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      extra: dict[str, Any], state: ParallelState, keep_last: int = 2) -> Path:
     """Save model + optimizer (sharded, every rank) and ``extra`` (rank 0) atomically; collective."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
-    ckdir = checkpoint_dir(run_dir)
-    final = ckdir / f"step_{step:08d}.dcp"
-    tmp = ckdir / f".{final.name}.tmp"
-    if state.is_main:
-        ckdir.mkdir(parents=True, exist_ok=True)
-        remove_temporaries(ckdir)  # left by saves that were killed
+    final, tmp = _prepare(run_dir, step, state, keep_last)
     try:
         return _save_into(tmp, final, run_dir, model, optimizer, extra, state, keep_last)
     except CheckpointError:  # a failed write: every rank agreed, and the temporary is gone already
@@ -121,6 +114,37 @@ def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, opt
         if state.is_main:  # its partial temporary goes now, not at the next save (a shared disk's space)
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _prepare(run_dir: str | Path, step: int, state: ParallelState, keep_last: int) -> tuple[Path, Path]:
+    """(the checkpoint of ``step``, its temporary); rank 0 makes the directory and removes the
+    temporaries of saves that were killed."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
+    final = checkpoint_path(run_dir, step, ".dcp")
+    tmp = final.with_name(f".{final.name}.tmp")
+    if state.is_main:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_temporaries(final.parent)  # left by saves that were killed
+    return final, tmp
+
+
+def _complete(tmp: Path, final: Path, extra: dict[str, Any], state: ParallelState) -> tuple[int, OSError] | None:
+    """Rank 0, every rank's shards written into ``tmp``: the shards checked, ``extra.pt`` added,
+    everything fsynced and renamed into place. The failure, if any."""
+    failure = _unseen_shards(tmp, state)
+    if failure is not None:
+        return failure
+    try:
+        torch.save(extra, tmp / EXTRA)
+        _fsync_tree(tmp)
+        _put_in_place(tmp, final)
+    except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
+        cause = os_error_in(exc)
+        if cause is None:
+            raise
+        return state.rank, cause
+    return None
 
 
 def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Module,
@@ -135,17 +159,7 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
         failure = _write_error(exc)
     _barrier(state)  # every shard is written (or every rank knows it was not)
     if state.is_main and failure is None:
-        failure = _unseen_shards(tmp, state)
-    if state.is_main and failure is None:
-        try:
-            torch.save(extra, tmp / EXTRA)
-            _fsync_tree(tmp)
-            _put_in_place(tmp, final)
-        except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
-            cause = os_error_in(exc)
-            if cause is None:
-                raise
-            failure = (state.rank, cause)
+        failure = _complete(tmp, final, extra, state)
     failure = _agree(failure, state)
     if failure is not None:
         if state.is_main:  # the partial shards: a full disk gets its space back
@@ -178,8 +192,6 @@ class DistributedWrite:
 
     def start(self, run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               extra: dict[str, Any], keep_last: int = 2) -> Path:
-        if keep_last < 1:
-            raise ValueError(f"keep_last = {keep_last}: at least 1 checkpoint must be kept")
         self.wait()
         state = self.state
         if self._group is None and state.distributed:  # (collective: every rank's first save)
@@ -187,12 +199,7 @@ class DistributedWrite:
             # training's groups: the write goes on across steps (mesh.set_collective_timeout)
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=state.timeout_s),
                                          group_desc=LONG_WAIT_GROUP)
-        ckdir = checkpoint_dir(run_dir)
-        final = ckdir / f"step_{step:08d}.dcp"
-        tmp = ckdir / f".{final.name}.tmp"
-        if state.is_main:
-            ckdir.mkdir(parents=True, exist_ok=True)
-            remove_temporaries(ckdir)
+        final, tmp = _prepare(run_dir, step, state, keep_last)
         _barrier(state)
         model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
         future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp,
@@ -275,17 +282,7 @@ def _finish_async(future, tmp: Path, final: Path, run_dir: str | Path, extra: di
     if not state.is_main:
         return failure
     if failure is None:
-        failure = _unseen_shards(tmp, state)
-    if failure is None:
-        try:
-            torch.save(extra, tmp / EXTRA)
-            _fsync_tree(tmp)
-            _put_in_place(tmp, final)
-        except (OSError, RuntimeError) as exc:
-            cause = os_error_in(exc)
-            if cause is None:
-                raise
-            failure = (state.rank, cause)
+        failure = _complete(tmp, final, extra, state)
     if failure is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     else:

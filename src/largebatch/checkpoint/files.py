@@ -49,6 +49,11 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_path(run_dir: str | Path, step: int, kind: str) -> Path:
+    """Where the checkpoint of ``step`` goes: ``RUN_DIR/checkpoints/step_00000123{kind}`` (".pt", ".dcp")."""
+    return checkpoint_dir(run_dir) / f"step_{step:08d}{kind}"
+
+
 def list_checkpoints(run_dir: str | Path, kinds: tuple[str, ...] = (".pt",)) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temporaries of killed saves are ignored).
 

@@ -23,6 +23,7 @@ import torch
 from largebatch.checkpoint.background import BackgroundWrite, staged
 from largebatch.checkpoint.files import (
     checkpoint_dir,
+    checkpoint_path,
     fsync_dir,
     latest_checkpoint,
     read_torch_file,
@@ -43,7 +44,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     ckdir = checkpoint_dir(run_dir)
     ckdir.mkdir(parents=True, exist_ok=True)
     remove_temporaries(ckdir)
-    final = ckdir / f"step_{step:08d}.pt"
+    final = checkpoint_path(run_dir, step, ".pt")
     tmp = ckdir / f".{final.name}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -77,7 +78,7 @@ class LocalWrite:
         self._write.wait()
         host = staged(state)
         self._write.start(lambda: save_checkpoint(run_dir, step, host, keep_last))
-        return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+        return checkpoint_path(run_dir, step, ".pt")
 
     def wait(self) -> None:
         self._write.wait()

@@ -462,15 +462,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.saved_step, self.saved_path = self.pos.step, path
         return path
 
-    def _end_write(self) -> None:
-        """Before naming the last good checkpoint of a failing run: the one written in the background is
-        in place (this rank's part of it; no collective), or its failure is logged."""
-        if self.writes is not None:
-            error, interrupted = self.writes.close()
-            if error is not None:
-                self.log(f"warning: the checkpoint written in the background failed too: {error}")
-            if interrupted is not None:
-                raise interrupted
+    def _end_write(self) -> BaseException | None:
+        """A failing or ending run's wait for the checkpoint written in the background: in place (this
+        rank's part of it; no collective), or its failure logged. Returns the exception of a stop signal
+        that came meanwhile (the wait goes on through it)."""
+        if self.writes is None:
+            return None
+        error, interrupted = self.writes.close()  # (idle after it: a save after fit writes in the background too)
+        if error is not None:  # (a failure already on its way)
+            self.log(f"warning: the checkpoint written in the background failed too: {error}")
+        return interrupted
 
     def finish_saves(self) -> None:
         """Wait until the checkpoint written in the background (run.async_checkpoint) is in place; its
@@ -610,7 +611,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             pos.skipped_in_a_row, pos.skipped_steps, give_up = self.skip.settle(self.optimizer)
             if give_up is not None:
                 step, in_a_row, total = give_up
-                self._end_write()
+                if (interrupted := self._end_write()) is not None:
+                    raise interrupted
                 last_ckpt = latest_any_checkpoint(self.run_dir)
                 raise NonFiniteLoss(
                     f"{in_a_row} consecutive non-finite steps skipped, the last at step {step} "
@@ -618,7 +620,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     f"schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps.")
         if bad is not None:
             step, tokens, loss, grad_norm = bad
-            self._end_write()
+            if (interrupted := self._end_write()) is not None:
+                raise interrupted
             last_ckpt = latest_any_checkpoint(self.run_dir)
             raise NonFiniteLoss(
                 f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens. Last "
@@ -641,12 +644,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         ended = (1, False)  # (exit code, stopped to be continued): how the W&B run ends
         try:
             result = self._fit()
-            if result.get("signal"):
-                ended = (exit_code(result["signal"]), True)
-            elif not result.get("stopped_early"):
-                ended = (0, False)
-            else:  # run.max_steps: a part of the run, to be continued
-                ended = (0, True)
+            signum = result.get("signal")  # (run.max_steps: stopped early too, to be continued, exit 0)
+            ended = (exit_code(signum) if signum else 0, bool(result.get("stopped_early")))
             return result
         finally:
             self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
@@ -767,11 +766,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         exit ``code``; ``preempted``: stopped, to be continued)."""
         metrics, self.metrics = self.metrics, None
         self.prefetch.close()
-        interrupted = None
-        if self.writes is not None:  # the write in flight finishes, whatever signal comes meanwhile
-            error, interrupted = self.writes.close()  # (idle after it: a save after fit writes in the background too)
-            if error is not None:  # (a failure already on its way)
-                self.log(f"warning: the checkpoint written in the background failed too: {error}")
+        interrupted = self._end_write()  # the write in flight finishes, whatever signal comes meanwhile
         try:
             if metrics is not None:
                 metrics.close(code, preempted)

@@ -99,14 +99,9 @@ class MetricsLog:
         own time (TensorBoard's relative-time axis), not as a curve of its own. An evaluation's
         record gives its ``val_*`` numbers only: its step's training record gave the others (tokens,
         phase, seq_len), which would otherwise show twice at that step."""
-        step = int(record.get("step", 0))
-        wall = record.get("wall_time")
-        evaluation = record.get("kind") == "val"
-        for key, value in record.items():
-            if key in ("step", "wall_time") or (evaluation and not key.startswith("val_")):
-                continue
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(key, value, step, walltime=wall)
+        step, wall = int(record.get("step", 0)), record.get("wall_time")
+        for key, value in _scalars_of(record):
+            self._tb.add_scalar(key, value, step, walltime=wall)
 
     def close(self, exit_code: int = 0, preempted: bool = False) -> None:
         """Close the file and the writers; ``exit_code`` and ``preempted`` (stopped by a signal, to be
@@ -190,17 +185,9 @@ class WandbRun:
         step = int(record.get("step", 0))
         if step < self._first_step:  # W&B holds this step already (it would drop it, with a warning)
             return
-        evaluation = record.get("kind") == "val"
-        values = {}
-        for key, value in record.items():
-            if key in ("step", "wall_time") or not isinstance(value, (int, float)) or not math.isfinite(value):
-                continue
-            if not evaluation:
-                values[key] = value
-            elif key == "tokens":
-                values[key] = value
-            elif key.startswith("val_"):
-                values[f"{key}/phase_{record.get('phase', 0)}" if self._phased else key] = value
+        suffix = f"/phase_{record.get('phase', 0)}" if self._phased and record.get("kind") == "val" else ""
+        values = {key + ("" if key == "tokens" else suffix): value
+                  for key, value in _scalars_of(record, evaluation_keeps=("tokens",))}
         if values:
             self.run.log(values, step=step)
 
@@ -249,6 +236,18 @@ def _saved_wandb_run(record: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return saved if isinstance(saved, dict) and isinstance(saved.get("id"), str) and saved["id"] else None
+
+
+def _scalars_of(record: dict[str, Any], evaluation_keeps: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(name, value) of every finite number of ``record`` but its ``step`` and ``wall_time``; of an
+    evaluation's record, its ``val_*`` numbers (and ``evaluation_keeps``) only: its step's training
+    record gives the others (tokens, phase, seq_len)."""
+    evaluation = record.get("kind") == "val"
+    for key, value in record.items():
+        if key in ("step", "wall_time") or (evaluation and not key.startswith("val_") and key not in evaluation_keeps):
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            yield key, value
 
 
 def _ends_with_newline(file, end: int) -> bool:
