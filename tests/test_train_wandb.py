@@ -23,6 +23,17 @@ from wandb_records import read_run
 pytest.importorskip("wandb")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_wandb():
+    """W&B reads its environment once per process (its service and settings are kept): each test
+    starts and ends with them shut down, so its own WANDB_* settings apply and its files are whole."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
     """W&B offline, with no setting of the machine's (a key, a project, a directory) leaking in."""
