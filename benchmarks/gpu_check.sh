@@ -41,6 +41,9 @@ timeout 60 "$PYTHON" benchmarks/capturable_graph.py
 # run.async_checkpoint on a GPU: a save holds the loop for the device-to-host copy only (CPU run of
 # the same script: docs/training.md, "Checkpoints in the background")
 timeout 90 "$PYTHON" benchmarks/checkpoint_async.py --device cuda --rounds 2
+# run.profile_steps on a GPU: device kernels in the trace, the operators table by device time, the
+# allocator's history written (the CPU run of the same script: docs/training.md, "Profiling steps")
+timeout 90 "$PYTHON" benchmarks/profile_steps.py --device cuda --memory
 # the peak of a training step against the memory model's stored activations + backward working set
 # (docs/memory.md): on CPU the loss's backward held three fp32 copies of the logits; measured here on
 # the device, in fp32 and bf16, with torch.cuda.max_memory_allocated()

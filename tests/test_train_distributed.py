@@ -6,6 +6,7 @@ unsharded after a no-grad evaluation)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -121,8 +122,16 @@ def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     else:
         out = tmp_path / "run"
         sample = {"run.sample_tokens": 12, "run.sample_prompt": "ROMEO:"} if mode == "tp2-loss-parallel" else {}
+        profile = {"run.profile_steps": "2-3"} if mode == "tp2-sp" else {}  # (it changes no number)
         _torchrun(_overrides(cache, out, **{"parallel.tp": 2, "parallel.sequence_parallel": mode == "tp2-sp",
-                                            "parallel.loss_parallel": mode == "tp2-loss-parallel"}, **sample))
+                                            "parallel.loss_parallel": mode == "tp2-loss-parallel"},
+                             **sample, **profile))
+        if profile:  # each rank writes its own trace of the window's steps
+            for rank in (0, 1):
+                with gzip.open(out / "profile" / "steps_2-3" / f"rank{rank}.pt.trace.json.gz", "rt") as file:
+                    names = {e.get("name", "") for e in json.load(file)["traceEvents"]}
+                assert {"ProfilerStep#2", "ProfilerStep#3", "aten::mm"} <= names
+                assert (out / "profile" / "steps_2-3" / f"rank{rank}.txt").is_file()
         if sample:
             text = json.loads((out / "summary.json").read_text())["sample"]
             assert text.startswith("ROMEO:") and len(text) > len("ROMEO:"), text

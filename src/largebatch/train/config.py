@@ -37,6 +37,7 @@ from largebatch.parallel.pipeline import check_micro_batches, stage_layers
 from largebatch.schedules import ScheduleConfig
 from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
+from largebatch.train.profile import profile_windows
 from largebatch.typed_config import (
     ConfigError,
     check_fields,
@@ -218,6 +219,16 @@ class RunConfig:
     later from metrics.jsonl."""
     progress: Literal["auto", "on", "off"] = "auto"
     """Progress bar in tokens on stderr ('auto': only on a terminal)."""
+    profile_steps: str | int | None = None
+    """Record these optimizer steps with torch.profiler: "10-12" (steps 10 to 12, numbered as in
+    metrics.jsonl), "10", or several ranges ("10-12,500-501"). Each rank writes the timeline to
+    RUN_DIR/profile/steps_10-12/rank{R}.pt.trace.json.gz (Perfetto, chrome://tracing or
+    TensorBoard open it) and its operators by own time to rank{R}.txt; rank 0 logs the top ones.
+    Profiled steps run slower (their metrics records say "profiled": true). See
+    largebatch.train.profile."""
+    profile_memory: bool = False
+    """With profile_steps: record the allocations too (memory columns in rank{R}.txt) and, on CUDA,
+    the allocator's history as rank{R}.memory.pickle (PyTorch's memory viewer opens it)."""
 
     def __post_init__(self):
         check_fields(self, "run")
@@ -245,6 +256,13 @@ class RunConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)
+        try:
+            profile_windows(self.profile_steps)
+        except ValueError as exc:
+            raise ValueError(f"run.profile_steps = {self.profile_steps!r}: {exc}") from None
+        if self.profile_memory and self.profile_steps is None:
+            raise ValueError("run.profile_memory = true records allocations in profiled steps, and "
+                             "run.profile_steps names none: set run.profile_steps too (e.g. '10-12')")
         if self.wandb_project is not None and (not self.wandb_project.strip() or len(self.wandb_project) > 128
                                                or any(c in self.wandb_project for c in "/\\#?%:")):
             raise ValueError(f"run.wandb_project = {self.wandb_project!r}: W&B takes 1 to 128 characters without "

@@ -77,6 +77,7 @@ from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog, WandbSettings
 from largebatch.train.optimizer import build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
+from largebatch.train.profile import StepProfiler, profile_windows
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir, note_stop
@@ -252,6 +253,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded
         self.saved_path: Path | None = None
         self.stop_request: StopRequest | None = None  # while fit runs: evaluations poll it
+        self.profiler: StepProfiler | None = None  # while fit runs: run.profile_steps
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
@@ -649,6 +651,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             return result
         finally:
             self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
+            if self.profiler is not None:  # a window the run stopped inside: its recorded steps written
+                self.profiler.close()
             if isinstance(self.log, ConsoleLog):
                 self.log.on_lost = None
             self._close(*ended)
@@ -662,6 +666,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         steps_here, val_loss, mark = 0, None, (pos.train_seconds, pos.tokens, pos.model_flops)  # the last record
         self._warned_mfu = False
         self.after_first_step = None  # (train seconds, tokens) once this launch's first step is done
+        self.profiler = StepProfiler(profile_windows(run.profile_steps), self.run_dir, self.par.rank,
+                                     self.device, run.profile_memory, self.log, pos.step + 1, self.is_main)
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
         step_timeout = self.cfg.parallel.step_timeout_s if self.par.distributed else None
         self.model.train()
@@ -714,6 +720,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 short = step_timeout is not None and steps_here >= 1
                 if short:
                     set_collective_timeout(step_timeout, self.par)
+                self.profiler.before(pos.step + 1)
                 t0 = time.perf_counter()
                 try:
                     record = self.train_step()
@@ -733,6 +740,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 steps_here += 1
                 if steps_here == 1:  # the launch's warm-up (allocations, compilation) ends with it
                     self.after_first_step = (pos.train_seconds, pos.tokens)
+                self.profiler.after(pos.step)  # (outside the step's time: a window's end writes its trace)
                 signum, due = stop.poll()  # the same answer on every rank
                 time_due |= due
                 if logs:

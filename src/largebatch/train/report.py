@@ -76,6 +76,9 @@ class Reporting:
         record.update(step=pos.step, tokens=pos.tokens, tokens_per_s=tps,
                       mfu=mfu, memory_bytes=self.peak_memory(), train_seconds=pos.train_seconds,
                       wall_time=time.time())
+        profiler = getattr(self, "profiler", None)
+        if profiler is not None and profiler.take_unreported():  # its steps ran slower: the profiler's cost
+            record["profiled"] = True
         if record["mfu"] > 1 and not self._warned_mfu:
             self._warned_mfu = True
             self.log(f"warning: {mfu_over_peak(record['mfu'], self.peak_flops, self.peak_source)}")

@@ -54,7 +54,7 @@ NFS; the note is written with fsync, and opening a file revalidates it)."""
 RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoint_every_tokens",
                   "run.checkpoint_every_seconds", "run.keep_checkpoints", "run.async_checkpoint",
                   "run.tensorboard", "run.wandb",
-                  "run.wandb_project", "run.plots",
+                  "run.wandb_project", "run.plots", "run.profile_steps", "run.profile_memory",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
                   "run.sample_prompt", "run.eval_micro_batch", "model.vocab_size", "parallel.",
                   "data.cache_dir",  # the cache is keyed on content: moving it changes no token
