@@ -10,6 +10,8 @@ Prints ratios measured interleaved in the same run (the machine may be shared):
 * with ``--one-file-mb N``: peak memory and time of tokenizing a corpus that is one N MB document
   (the plays repeated, as one large ``input.txt``), encoded in pieces (``write_documents``) / the
   same document handed to the tokenizer whole, each in a fresh process; the ids are compared too;
+* with ``--mixture shakespeare=3,bible=1``: GPT ``get_batch`` of that data.mixture (each sample drawn
+  from its corpus's own stream and order, the batch put back in index order) / of ``--corpus``;
 * with ``--cached-start-mb N``: peak memory and time of a start that finds its cache entry
   (``build_data`` on a directory of N MB of text files: the plays copied under other names), against
   the corpus loaded whole (``load_documents``: what every start held before the corpus was read one
@@ -163,6 +165,8 @@ def main() -> None:
     parser.add_argument("--cached-start-mb", type=int, default=0,
                         help="also time a cache-hit start on a directory of this many MB of text, against "
                              "the corpus loaded whole (0: skip)")
+    parser.add_argument("--mixture", default=None,
+                        help="also time get_batch of this data.mixture, e.g. shakespeare=3,bible=1")
     parser.add_argument("--only-cached-start", action="store_true",
                         help="with --cached-start-mb: skip everything else")
     args = parser.parse_args()
@@ -178,6 +182,11 @@ def main() -> None:
         cold = time.perf_counter() - start
         warm = timed(lambda: build_data(cfg, args.seq_len, "causal"), 5)
         bert = build_data(cfg, args.seq_len, "masked")
+        mixed = None
+        if args.mixture:
+            weights = {name: float(w) for name, w in (part.split("=") for part in args.mixture.split(","))}
+            mixed = build_data(DataConfig(mixture=weights, vocab_size=args.vocab_size, cache_dir=cache_dir),
+                               args.seq_len, "causal")
     print(f"corpus       {gpt.stats}")
     print(f"unigram      {gpt.unigram_loss():.4f} nats/token (val under train unigram)")
     print(f"build        cold {cold:.2f} s, cached {warm * 1e3:.1f} ms, ratio {cold / warm:.0f}x")
@@ -187,14 +196,20 @@ def main() -> None:
         cached_start(args.cached_start_mb)
 
     steps = [range(p, p + args.batch) for p in range(0, 20 * args.batch, args.batch)]
-    t_gpt, t_bert = [], []
+    t_gpt, t_bert, t_mixed = [], [], []
     for step in steps:  # interleaved
         t_gpt.append(timed(lambda: gpt.train.get_batch(step), 1))
         t_bert.append(timed(lambda: bert.train.get_batch(step), 1))
+        if mixed is not None:
+            t_mixed.append(timed(lambda: mixed.train.get_batch(step), 1))
     tokens = args.batch * args.seq_len
     g, b = statistics.median(t_gpt), statistics.median(t_bert)
     print(f"get_batch    gpt {g * 1e3:.2f} ms ({tokens / g / 1e6:.1f} M tok/s), "
           f"bert {b * 1e3:.2f} ms ({tokens / b / 1e6:.1f} M tok/s), bert/gpt {b / g:.1f}x")
+    if mixed is not None:
+        m = statistics.median(t_mixed)
+        print(f"get_batch    mixture {args.mixture} {m * 1e3:.2f} ms ({tokens / m / 1e6:.1f} M tok/s), "
+              f"mixture/gpt {m / g:.1f}x")
 
     try:
         from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast

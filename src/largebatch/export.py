@@ -294,7 +294,8 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
         return build_data(data_cfg, seq_len=int(model["seq_len"]), objective=objective).tokenizer
     except (OSError, ValueError) as exc:  # CorpusError is a ValueError: the corpus moved or changed
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ExportError(f"cannot rebuild the run's tokenizer from data.corpus={data_cfg.corpus!r} "
+        corpus = f"data.mixture={data_cfg.mixture!r}" if data_cfg.mixture else f"data.corpus={data_cfg.corpus!r}"
+        raise ExportError(f"cannot rebuild the run's tokenizer from {corpus} "
                           f"({first}): pass --tokenizer PATH to the tokenizer.json it used") from exc
 
 

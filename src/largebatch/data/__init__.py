@@ -24,15 +24,15 @@ from .corpus import (
                      split_documents,
                      strip_gutenberg_boilerplate,
 )
-from .dataset import BERTDataset, GPTDataset, PackedDataset
+from .dataset import BERTDataset, GPTDataset, MixtureDataset, PackedDataset
 from .masking import IGNORE_INDEX, mask_tokens
-from .sampler import Sampler, shard_indices, step_indices
+from .sampler import MixtureSampler, Sampler, mixture_counts, shard_indices, step_indices
 from .tokenizer import SPECIAL_TOKENS, TOKENIZER_VERSION, train_tokenizer
 
 __all__ = [
     "BERTDataset", "CorpusError", "Data", "DataConfig", "DataStats", "Document", "DocumentSource", "GPTDataset",
-    "IGNORE_INDEX", "PackedDataset", "SPECIAL_TOKENS", "Sampler", "TOKENIZER_VERSION",
-    "bible_documents", "build_data", "iter_documents", "load_documents", "load_token_array", "mask_tokens",
-    "shakespeare_documents", "shard_indices", "split_documents", "step_indices",
+    "IGNORE_INDEX", "MixtureDataset", "MixtureSampler", "PackedDataset", "SPECIAL_TOKENS", "Sampler",
+    "TOKENIZER_VERSION", "bible_documents", "build_data", "iter_documents", "load_documents", "load_token_array",
+    "mask_tokens", "mixture_counts", "shakespeare_documents", "shard_indices", "split_documents", "step_indices",
     "strip_gutenberg_boilerplate", "train_tokenizer",
 ]

@@ -44,9 +44,29 @@ from .corpus import (
     load_token_array,
     token_array_fingerprint,
 )
-from .dataset import BERTDataset, GPTDataset, PackedDataset
+from .dataset import BERTDataset, GPTDataset, MixtureDataset, PackedDataset
+from .sampler import mixture_counts
 
 OBJECTIVES = ("causal", "masked")  # a model kind's objective (largebatch.models.registry)
+
+
+@dataclass
+class MixtureSource:
+    """One corpus of a data.mixture, for logs and run summaries."""
+
+    corpus: str
+    share: float  # of the draws (training samples and the validation slice alike)
+    train_documents: int
+    val_documents: int
+    train_tokens: int
+    val_tokens: int
+
+    def describe(self, total_tokens: int | None = None) -> str:
+        line = (f"{self.corpus}: {100 * self.share:.3g}% of the samples; train {self.train_documents:,} docs, "
+                f"{self.train_tokens:,} tokens | val {self.val_documents:,} docs, {self.val_tokens:,} tokens")
+        if total_tokens:  # how often a run of total_tokens goes through this corpus's training split
+            line += f"; {self.share * total_tokens / max(self.train_tokens, 1):.2g} epochs over the run"
+        return line
 
 
 @dataclass
@@ -68,6 +88,8 @@ class DataStats:
     content_key: str | None = None  # token arrays: token_array_fingerprint of the files (text: the cache entry)
     val_in_train: list[tuple[str, str]] = field(default_factory=list)
     """(validation document, training document) pairs with the same text (build.val_in_train)."""
+    sources: list[MixtureSource] = field(default_factory=list)
+    """data.mixture: each corpus's share and sizes (empty for one corpus)."""
 
     def __str__(self) -> str:
         return self.describe()
@@ -83,19 +105,22 @@ class DataStats:
                 "not generalisation; remove the repeated documents from the corpus (or, with "
                 "data.val_corpus, keep its files out of data.corpus)"]
 
-    def describe(self) -> str:
+    def describe(self, total_tokens: int | None = None) -> str:
+        """One line (a mixture: one more per corpus, indented; with ``total_tokens``, the epochs a run
+        of that many tokens takes of each corpus's training split)."""
         def docs(n):
             return "" if n is None else f"{n} docs, "
         # a named corpus's prefix is dropped ("shakespeare/hamlet": hamlet), but not a combined one's
         # ("bible/john" apart from "shakespeare/john"), nor a directory's subdirectories (d000/doc1)
-        short = self.corpus in CORPORA and "+" not in self.corpus
+        short = self.corpus in CORPORA and "+" not in self.corpus and not self.sources
         names = ", ".join(name.split("/", 1)[-1] if short else name for name in self.val_document_names[:6])
         more = " ..." if len(self.val_document_names) > 6 else ""
         return (f"{self.corpus} ({self.split}): train {docs(self.train_documents)}"
                 f"{self.train_tokens:,} tokens, {self.train_samples:,} samples | val "
                 f"{docs(self.val_documents)}{self.val_tokens:,} tokens, {self.val_samples:,} "
                 f"samples" + (f" [{names}{more}]" if names else "")
-                + (f"; damaged cache entry rebuilt ({self.cache_rebuilt})" if self.cache_rebuilt else ""))
+                + (f"; damaged cache entry rebuilt ({self.cache_rebuilt})" if self.cache_rebuilt else "")
+                + "".join(f"\n  {source.describe(total_tokens)}" for source in self.sources))
 
 
 COUNT_CHUNK = 1 << 22
@@ -120,8 +145,8 @@ class Data:
 
     tokenizer: Tokenizer | None
     vocab_size: int
-    train: PackedDataset
-    val: PackedDataset
+    train: PackedDataset | MixtureDataset
+    val: PackedDataset | MixtureDataset
     stats: DataStats
     objective: str
     seq_len: int
@@ -134,22 +159,27 @@ class Data:
         loss should be well below it."""
         train_counts = self.train_counts().astype(np.float64)
         log_prob = np.log((train_counts + 1.0) / (train_counts.sum() + self.vocab_size))
-        tokens = self.val.tokens if targets is None else np.asarray(targets, dtype=np.int64)
-        val_counts = token_counts(tokens, self.vocab_size).astype(np.float64)
+        val_counts = self._val_counts(targets)
         return float(-(val_counts * log_prob).sum() / val_counts.sum())
+
+    def _val_counts(self, targets=None) -> np.ndarray:
+        """How often each id occurs in the validation split (a mixture's: weighted as its draws are),
+        or in ``targets``, as float64."""
+        if targets is None:
+            return self.val.unigram_counts(self.vocab_size)[:self.vocab_size]
+        return token_counts(np.asarray(targets, dtype=np.int64), self.vocab_size).astype(np.float64)
 
     def unigram_accuracy(self, targets=None) -> float:
         """Share of validation tokens (or of ``targets``) equal to the train split's most frequent
         token: the accuracy of a model that ignores context (the floor a trained model's accuracy
         should clear)."""
-        tokens = self.val.tokens if targets is None else np.asarray(targets)
-        return float(token_counts(tokens, self.vocab_size)[self.train_counts().argmax()] / max(len(tokens), 1))
+        counts = self._val_counts(targets)
+        return float(counts[self.train_counts().argmax()] / max(counts.sum(), 1.0))
 
     def train_counts(self) -> np.ndarray:
-        """How often each id occurs in the train stream (counted once, then kept)."""
-        if getattr(self, "_train_counts", None) is None:
-            self._train_counts = token_counts(self.train.tokens, self.vocab_size)
-        return self._train_counts
+        """How often each id occurs in the train stream (counted once, then kept; a mixture's: each
+        corpus's frequencies weighted by its share of the draws, as float64 counts)."""
+        return self.train.unigram_counts(self.vocab_size)[:self.vocab_size]
 
     def decode(self, ids) -> str:
         return self.train.decode(ids)
@@ -203,6 +233,8 @@ def _rank_zero_first():
 
 
 def _build(cfg: DataConfig, seq_len: int, objective: str, log: Callable[[str], None]) -> Data:
+    if cfg.mixture:
+        return _build_mixture(cfg, seq_len, objective, log)
     if is_token_array_path(cfg.corpus):
         tokenizer, train_tokens, val_tokens, stats = _token_array_streams(cfg)
         vocab_size = tokenizer_lib.id_space(tokenizer) if tokenizer else cfg.vocab_size
@@ -211,21 +243,53 @@ def _build(cfg: DataConfig, seq_len: int, objective: str, log: Callable[[str], N
         tokenizer, train_tokens, val_tokens, stats = _text_streams(cfg, log)
         vocab_size = tokenizer_lib.id_space(tokenizer)
     special_ids = tokenizer_lib.special_token_ids(tokenizer) if tokenizer else {}
+    train, val = _datasets(cfg, train_tokens, val_tokens, seq_len, objective, tokenizer, vocab_size, special_ids)
+    stats.train_samples, stats.val_samples = len(train), len(val)
+    return Data(tokenizer, vocab_size, train, val, stats, objective, seq_len, special_ids)
+
+
+def _datasets(cfg: DataConfig, train_tokens, val_tokens, seq_len: int, objective: str, tokenizer,
+              vocab_size: int, special_ids: dict[str, int], source: int | None = None):
+    """The packed (train, val) datasets of two streams for ``objective``; ``source``: the position of
+    a mixture's corpus, whose sample orders are seeded apart from the other corpora's."""
+    seed, split_seed = cfg.seed, cfg.split_seed
+    if source is not None:
+        seed, split_seed = (int(np.random.SeedSequence([value, source]).generate_state(1, np.uint64)[0])
+                            for value in (seed, split_seed))
     common = dict(tokenizer=tokenizer)
     if objective == "causal":
-        train = GPTDataset(train_tokens, seq_len, split="train", seed=cfg.seed, shuffle=cfg.shuffle,
-                           **common)
-        val = GPTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
-                         **common)
-    else:
+        train = GPTDataset(train_tokens, seq_len, split="train", seed=seed, shuffle=cfg.shuffle, **common)
+        val = GPTDataset(val_tokens, seq_len, split="val", seed=split_seed, shuffle=True, **common)
+    else:  # masks are seeded by data.seed and the global index (a mixture's too)
         masking = dict(special_ids=special_ids, vocab_size=vocab_size,
                        mlm_probability=cfg.mlm_probability,
                        mask_token_fraction=cfg.mask_token_fraction,
                        random_token_fraction=cfg.random_token_fraction, **common)
-        train = BERTDataset(train_tokens, seq_len, split="train", seed=cfg.seed,
+        train = BERTDataset(train_tokens, seq_len, split="train", seed=seed,
                             shuffle=cfg.shuffle, mask_seed=cfg.seed, **masking)
-        val = BERTDataset(val_tokens, seq_len, split="val", seed=cfg.split_seed, shuffle=True,
+        val = BERTDataset(val_tokens, seq_len, split="val", seed=split_seed, shuffle=True,
                           mask_seed=cfg.split_seed, **masking)
+    return train, val
+
+
+def _build_mixture(cfg: DataConfig, seq_len: int, objective: str, log: Callable[[str], None]) -> Data:
+    """data.mixture: one packed dataset per corpus and split, drawn as the weights say (MixtureDataset):
+    training samples, and the validation slice alike."""
+    specials = (tokenizer_lib.special_strings(read_tokenizer_file(cfg)) if cfg.tokenizer_file
+                else list(tokenizer_lib.SPECIAL_TOKENS))
+    tokenizer, train_streams, val_streams, stats = _mixture_streams(cfg, specials, log)
+    vocab_size = tokenizer_lib.id_space(tokenizer)
+    special_ids = tokenizer_lib.special_token_ids(tokenizer)
+    counts, names = mixture_counts(list(cfg.mixture.values())), list(cfg.mixture)
+    pairs = []
+    for d, (train_tokens, val_tokens) in enumerate(zip(train_streams, val_streams)):
+        try:
+            pairs.append(_datasets(cfg, train_tokens, val_tokens, seq_len, objective, tokenizer, vocab_size,
+                                   special_ids, source=d))
+        except ValueError as exc:  # too few tokens for one sample: name the corpus
+            raise CorpusError(f"data.mixture's corpus {names[d]!r}: {exc}") from None
+    train = MixtureDataset([t for t, _ in pairs], counts, names)
+    val = MixtureDataset([v for _, v in pairs], counts, names)
     stats.train_samples, stats.val_samples = len(train), len(val)
     return Data(tokenizer, vocab_size, train, val, stats, objective, seq_len, special_ids)
 
@@ -311,30 +375,94 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
                  zip(surveys[split][0], surveys[split][3])]
         split = "separate val_corpus"
     else:
-        source = DocumentSource(cfg.corpus, cfg.document_separator, cfg.text_field)
-        names, chars, special, _ = _survey(source, specials)
-        chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed,
-                                   source=source, log=log)
-        # the content keys: a second pass, the split being known
-        seen, digests = [], []
-        for doc in source:
-            seen.append(doc.name)
-            digests.append(_digest(keys["val" if doc.name in chosen else "train"].add(doc)))
-        if seen != names:  # the split was chosen from another list of documents
-            raise CorpusError(f"the corpus {cfg.corpus!r} changed while it was read (its documents were "
-                              f"{len(names):,}, then {len(seen):,}{_first_change(names, seen)}): run again once "
-                              "it stays as it is")
-
-        def documents(of_val: bool) -> Callable[[], Iterable[Document]]:
-            return lambda: (doc for doc in source if (doc.name in chosen) == of_val)
-
-        splits = {split: _TextSplit(documents(split == "val"), [n for n in names if (n in chosen) == (split == "val")],
-                                    sum(c for n, c in zip(names, chars) if (n in chosen) == (split == "val")),
-                                    keys[split].hexdigest()) for split in ("train", "val")}
-        pairs = [(name, digest, "val" if name in chosen else "train") for name, digest in zip(names, digests)]
+        splits, pairs, special = _split_by_document(cfg.corpus, cfg, specials, keys, log)
         split = "by document"
-    key_parts = {"train": keys["train"].hexdigest(), "val": keys["val"].hexdigest(),
-                 "version": tokenizer_lib.TOKENIZER_VERSION}
+    key_parts = {"train": keys["train"].hexdigest(), "val": keys["val"].hexdigest()}
+    entry, cache_hit, damage = _entry_of(key_parts, special, cfg, [("train", splits["train"]), ("val", splits["val"])],
+                                         log)
+    tokenizer, streams = _read_cache_entry(entry)
+    train_tokens, val_tokens = streams["train"], streams["val"]
+    stats = DataStats(cfg.corpus, len(splits["train"].names), len(splits["val"].names), len(train_tokens),
+                      len(val_tokens), 0, 0, list(splits["val"].names), split, str(entry),
+                      cache_hit, damage, val_in_train=val_in_train(pairs))
+    return tokenizer, train_tokens, val_tokens, stats
+
+
+def _split_by_document(spec: str, cfg: DataConfig, specials: list[str], keys: dict[str, Fingerprint],
+                       log: Callable[[str], None]) -> tuple[dict[str, _TextSplit], list, bool]:
+    """The corpus ``spec`` split by document (cfg.val_fraction, val_documents, split_seed): its two
+    splits, (name, digest, split) of every document (val_in_train) and whether any text writes one
+    of ``specials``; ``keys`` (train, val) are fed the documents' texts."""
+    source = DocumentSource(spec, cfg.document_separator, cfg.text_field)
+    names, chars, special, _ = _survey(source, specials)
+    chosen = choose_validation(names, chars, cfg.val_fraction, cfg.val_documents, cfg.split_seed,
+                               source=source, log=log)
+    # the content keys: a second pass, the split being known
+    seen, digests = [], []
+    for doc in source:
+        seen.append(doc.name)
+        digests.append(_digest(keys["val" if doc.name in chosen else "train"].add(doc)))
+    if seen != names:  # the split was chosen from another list of documents
+        raise CorpusError(f"the corpus {spec!r} changed while it was read (its documents were "
+                          f"{len(names):,}, then {len(seen):,}{_first_change(names, seen)}): run again once "
+                          "it stays as it is")
+
+    def documents(of_val: bool) -> Callable[[], Iterable[Document]]:
+        return lambda: (doc for doc in source if (doc.name in chosen) == of_val)
+
+    splits = {split: _TextSplit(documents(split == "val"), [n for n in names if (n in chosen) == (split == "val")],
+                                sum(c for n, c in zip(names, chars) if (n in chosen) == (split == "val")),
+                                keys[split].hexdigest()) for split in ("train", "val")}
+    pairs = [(name, digest, "val" if name in chosen else "train") for name, digest in zip(names, digests)]
+    return splits, pairs, special
+
+
+def _mixture_streams(cfg: DataConfig, specials: list[str], log: Callable[[str], None]):
+    """data.mixture: each corpus split by document on its own, one tokenizer trained on all their
+    training splits, and two streams per corpus, in one cache entry keyed on every corpus's content
+    in the mixture's order (not on the weights: the streams do not depend on them)."""
+    specs = list(cfg.mixture)
+    parts, pairs, special, streams = [], [], False, []
+    for d, spec in enumerate(specs):
+        keys = {"train": Fingerprint(), "val": Fingerprint()}
+        splits, source_pairs, source_special = _split_by_document(spec, cfg, specials, keys, log)
+        parts.append({"corpus": spec, "train": keys["train"].hexdigest(), "val": keys["val"].hexdigest()})
+        pairs += [(source_document(spec, name), digest, split) for name, digest, split in source_pairs]
+        special = special or source_special
+        streams += [(f"train.{d}", splits["train"]), (f"val.{d}", splits["val"])]
+    entry, cache_hit, damage = _entry_of({"mixture": parts}, special, cfg, streams, log)
+    tokenizer, tokens = _read_cache_entry(entry)
+    counts = mixture_counts(list(cfg.mixture.values()))
+    sources = [MixtureSource(spec, float(c) / sum(counts), len(streams[2 * d][1].names),
+                             len(streams[2 * d + 1][1].names), len(tokens[f"train.{d}"]), len(tokens[f"val.{d}"]))
+               for d, (spec, c) in enumerate(zip(specs, counts))]
+    val_names = [source_document(spec, name) for d, spec in enumerate(specs) for name in streams[2 * d + 1][1].names]
+    stats = DataStats(mixture_label(cfg.mixture), sum(s.train_documents for s in sources),
+                      sum(s.val_documents for s in sources), sum(s.train_tokens for s in sources),
+                      sum(s.val_tokens for s in sources), 0, 0, val_names, "by document, per corpus", str(entry),
+                      cache_hit, damage, val_in_train=val_in_train(pairs), sources=sources)
+    train = [tokens[f"train.{d}"] for d in range(len(specs))]
+    val = [tokens[f"val.{d}"] for d in range(len(specs))]
+    return tokenizer, train, val, stats
+
+
+def source_document(spec: str, name: str) -> str:
+    """A mixture's document name: its corpus's name for it, under the corpus (a named corpus's
+    names already are: "shakespeare/hamlet"; a file's "web.jsonl/web:12")."""
+    return name if name.startswith(f"{spec}/") else f"{spec}/{name}"
+
+
+def mixture_label(mixture: dict[str, float]) -> str:
+    """``mixture(shakespeare 75%, bible 25%)``: the corpora and the shares of the draws they get."""
+    counts = mixture_counts(list(mixture.values()))
+    return "mixture(" + ", ".join(f"{spec} {100 * c / sum(counts):.3g}%" for spec, c in zip(mixture, counts)) + ")"
+
+
+def _entry_of(key_parts: dict, special: bool, cfg: DataConfig, streams: list[tuple[str, _TextSplit]],
+              log: Callable[[str], None]) -> tuple[Path, bool, str | None]:
+    """The cache entry of ``streams`` (name, split) keyed on ``key_parts`` (the splits' content keys)
+    and the tokenizer's settings, made whole: (its path, whether it was there, its damage if rebuilt)."""
+    key_parts = {**key_parts, "version": tokenizer_lib.TOKENIZER_VERSION}
     if cfg.tokenizer_file:  # encoded without the file's truncation and padding (entries before: with)
         key_parts["tokenizer_file"] = hashlib.sha256(_read_tokenizer_bytes(cfg)).hexdigest()
         key_parts["encoding"] = "plain"
@@ -346,12 +474,8 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
         key_parts["special_text"] = "literal"
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cfg.cache_dir).expanduser() / key
-    cache_hit, damage = _ensure_entry(entry, cfg, splits["train"], splits["val"], log)
-    tokenizer, train_tokens, val_tokens = _read_cache_entry(entry)
-    stats = DataStats(cfg.corpus, len(splits["train"].names), len(splits["val"].names), len(train_tokens),
-                      len(val_tokens), 0, 0, list(splits["val"].names), split, str(entry),
-                      cache_hit, damage, val_in_train=val_in_train(pairs))
-    return tokenizer, train_tokens, val_tokens, stats
+    cache_hit, damage = _ensure_entry(entry, cfg, streams, log)
+    return entry, cache_hit, damage
 
 
 def _first_change(before: list[str], after: list[str]) -> str:
@@ -376,9 +500,9 @@ def val_in_train(documents: Iterable[tuple[str, bytes, str]]) -> list[tuple[str,
     return [(name, first[digest]) for name, digest, split in documents if split == "val" and digest in first]
 
 
-def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit, val_docs: _TextSplit,
+def _ensure_entry(entry: Path, cfg: DataConfig, streams: list[tuple[str, _TextSplit]],
                   log: Callable[[str], None] = lambda line: None) -> tuple[bool, str | None]:
-    """Make ``entry`` hold the tokenizer and both streams: (whether it was there whole already, what
+    """Make ``entry`` hold the tokenizer and the streams: (whether it was there whole already, what
     was wrong with it when a damaged one was set aside and built again). A cache that cannot be
     written is one CorpusError naming data.cache_dir."""
     cache_hit = (entry / "meta.json").is_file()
@@ -400,7 +524,7 @@ def _ensure_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit, val_docs
             pass
     if not cache_hit and not (entry / "meta.json").is_file():
         try:
-            _write_cache_entry(entry, cfg, train_docs, val_docs, log)
+            _write_cache_entry(entry, cfg, streams, log)
         except OSError as exc:  # a full disk, a read-only directory, a cache_dir that is a file
             where = Path(cfg.cache_dir).expanduser()
             if where.exists() and not where.is_dir():
@@ -423,7 +547,8 @@ def entry_damage(entry: Path) -> str | None:
         meta = json.loads((entry / "meta.json").read_text())
         Tokenizer.from_file(str(entry / "tokenizer.json"))
         itemsize = np.dtype(meta["dtype"]).itemsize
-        sizes = {split: (entry / f"{split}.bin").stat().st_size for split in ("train", "val")}
+        names = list(meta.get("tokens", {})) or ["train", "val"]  # (a mixture's: train.0, val.0, ...)
+        sizes = {split: (entry / f"{split}.bin").stat().st_size for split in names}
     except Exception as exc:  # noqa: BLE001 -- OSError, JSON errors, tokenizers' bare Exception
         return (str(exc).splitlines() or [type(exc).__name__])[0]
     for split, size in sizes.items():
@@ -462,8 +587,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
-                       val_docs: _TextSplit, log: Callable[[str], None] = lambda line: None) -> None:
+def _write_cache_entry(entry: Path, cfg: DataConfig, streams: list[tuple[str, _TextSplit]],
+                       log: Callable[[str], None] = lambda line: None) -> None:
+    """Train the tokenizer on the training streams (``train`` or ``train.D``) and write each stream
+    of ``streams`` (name, split) as NAME.bin, in a staging directory renamed into place."""
     # the staging directory first: a cache that cannot be written fails before a tokenizer is trained
     entry.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_staging(entry)
@@ -477,18 +604,22 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
         note.write_text(f"{os.getpid()} {socket.gethostname()}\n")
         os.rename(note, staging / _OWNER)
         started = time.monotonic()
-        splits = (("train", train_docs), ("val", val_docs))
-        chars = {split: docs.chars for split, docs in splits}  # MB for ASCII text
-        log(f"data: a first build of the cache entry {entry} ({len(train_docs.names):,} train documents, "
-            f"{chars['train'] / 1e6:,.1f} MB of text; {len(val_docs.names):,} validation, "
-            f"{chars['val'] / 1e6:,.1f} MB): later starts read it")
+        chars = {split: docs.chars for split, docs in streams}  # MB for ASCII text
+        trains = [(split, docs) for split, docs in streams if split.split(".")[0] == "train"]
+        vals = [docs for split, docs in streams if split.split(".")[0] == "val"]
+        log(f"data: a first build of the cache entry {entry} ({sum(len(d.names) for _, d in trains):,} train "
+            f"documents, {sum(d.chars for _, d in trains) / 1e6:,.1f} MB of text; "
+            f"{sum(len(d.names) for d in vals):,} validation, {sum(d.chars for d in vals) / 1e6:,.1f} MB): "
+            "later starts read it")
         if cfg.tokenizer_file:
             tokenizer = read_tokenizer_file(cfg)
         else:  # trained on the TRAINING split only: validation text must stay unseen
             log(f"data: training a byte-level BPE tokenizer of {cfg.vocab_size:,} entries on the train split")
-            read = _Reread(train_docs, "train")
-            tokenizer = tokenizer_lib.train_tokenizer(read.texts(), cfg.vocab_size)
-            read.check("the tokenizer")
+            reads = [_Reread(docs, split) for split, docs in trains]
+            tokenizer = tokenizer_lib.train_tokenizer((text for read in reads for text in read.texts()),
+                                                      cfg.vocab_size)
+            for read in reads:
+                read.check("the tokenizer")
             log(f"data: tokenizer trained in {_duration(time.monotonic() - started)}")
         separator = tokenizer_lib.document_separator(tokenizer)
         if separator is None:
@@ -496,7 +627,7 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
         eot_id = separator[1]
         dtype = tokenizer_lib.token_dtype(tokenizer_lib.id_space(tokenizer))
         tokens = {}
-        for split, docs in splits:
+        for split, docs in streams:
             read = _Reread(docs, split)
             progress = _BuildProgress(log, split, chars[split])
             tokens[split] = tokenizer_lib.write_documents(tokenizer, read.texts(), eot_id, dtype,
@@ -504,10 +635,13 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, train_docs: _TextSplit,
             read.check("its token stream")
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
-                "corpus": cfg.corpus, "val_documents": list(val_docs.names)}
+                "corpus": mixture_label(cfg.mixture) if cfg.mixture else cfg.corpus,
+                "val_documents": [name for docs in vals for name in docs.names]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        counted = {part: sum(n for split, n in tokens.items() if split.split(".")[0] == part)
+                   for part in ("train", "val")}
         log(f"data: cache entry built in {_duration(time.monotonic() - started)} "
-            f"({tokens['train']:,} train tokens, {tokens['val']:,} validation)")
+            f"({counted['train']:,} train tokens, {counted['val']:,} validation)")
         (staging / _OWNER).unlink()
         try:
             os.rename(staging, entry)  # atomic; fails if another process got there first
@@ -554,12 +688,13 @@ def remove_dead_staging(entry: Path) -> list[Path]:
     return removed
 
 
-def _read_cache_entry(entry: Path):
+def _read_cache_entry(entry: Path) -> tuple[Tokenizer, dict[str, np.ndarray]]:
+    """The entry's tokenizer and its streams by name (train, val; a mixture's train.D, val.D),
+    memory-mapped."""
     meta = json.loads((entry / "meta.json").read_text())
     tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
-    streams = [np.memmap(entry / f"{split}.bin", dtype=meta["dtype"], mode="r")
-               for split in ("train", "val")]
-    return tokenizer, streams[0], streams[1]
+    names = list(meta.get("tokens", {})) or ["train", "val"]
+    return tokenizer, {name: np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r") for name in names}
 
 
 TOKENIZER_NAME = "tokenizer.json"

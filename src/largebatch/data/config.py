@@ -12,12 +12,13 @@ from largebatch.data.corpus import CORPORA
 
 BinDtype = Literal["uint16", "uint32"]
 BIN_DTYPES = get_args(BinDtype)
+DEFAULT_CORPUS = "shakespeare"
 MIN_VOCAB_SIZE = 300  # 256 byte symbols + the special tokens + a few merges
 
 
 @dataclass
 class DataConfig:
-    corpus: str = field(default="shakespeare", metadata={"names": CORPORA})
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"names": CORPORA})
     """What to train on. A named corpus (below; add one with largebatch.data.corpus.register_corpus)
     or a path: a UTF-8 text file, a JSON Lines file (one document per record, its text under
     ``text_field``), a Parquet or Arrow file (one document per row, its text in the column
@@ -27,6 +28,17 @@ class DataConfig:
     directories; documents named from its leading directories without a glob character), text and
     JSON Lines files possibly compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the ``zstandard``
     package), or a pre-tokenized array of token ids (``.npy``, or raw ``.bin`` of ``bin_dtype``)."""
+
+    mixture: dict[str, float] | None = None
+    """Train on several corpora at once, each drawn in proportion to its weight: a table from a
+    corpus (any text kind ``corpus`` takes: a named corpus, a file, a directory, a glob pattern) to
+    its weight, e.g. ``{shakespeare = 3, bible = 1}`` (75% and 25% of the samples; the weights need
+    not sum to 1). Each corpus is split by document on its own (``val_fraction``), the tokenizer is
+    trained on all their training splits, and a step's samples come from the corpora in these
+    shares, spread evenly along the sample order (largebatch.data.sampler.MixtureSampler); a corpus
+    whose share outruns its size repeats (the run's header gives each one's epochs). The validation
+    slice is drawn in the same shares. With a mixture, ``corpus`` is not read (leave it unset);
+    ``val_corpus``, ``val_documents`` and token arrays are refused."""
 
     val_corpus: str | None = None
     """Optional separate validation corpus (same kinds of path as ``corpus``). When given, all of
@@ -115,6 +127,8 @@ class DataConfig:
         """Raise ValueError naming the field, the value and the fix for any invalid field."""
         _check(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus", self.corpus,
                f"use one of {', '.join(CORPORA)} or a path to a text file, directory, .npy or .bin")
+        if self.mixture is not None:
+            self._check_mixture()
         _check(self.val_corpus is None or (isinstance(self.val_corpus, str) and self.val_corpus),
                "val_corpus", self.val_corpus, "use None or a path like the ones corpus accepts")
         _check(_is_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0, "val_fraction",
@@ -151,6 +165,35 @@ class DataConfig:
                              f"DataConfig.random_token_fraction={self.random_token_fraction!r} are "
                              f"invalid: the two sum to {total:.3g}; make them sum to at most 1 (the "
                              "rest stay unchanged)")
+
+
+    def _check_mixture(self) -> None:
+        from .corpus import is_token_array_path
+        from .sampler import mixture_counts
+
+        example = "e.g. {shakespeare = 3, bible = 1}"
+        _check(isinstance(self.mixture, dict) and len(self.mixture) >= 2, "mixture", self.mixture,
+               f"give two or more corpora with their weights, {example} (one corpus: set corpus)")
+        for spec, weight in self.mixture.items():
+            _check(isinstance(spec, str) and spec.strip() != "", "mixture", self.mixture,
+                   f"name each corpus as corpus does, {example}")
+            _check(_is_number(weight) and weight > 0 and weight != float("inf"), "mixture", self.mixture,
+                   f"give {spec!r} a positive weight, {example}")
+            if is_token_array_path(spec):
+                raise ValueError(f"DataConfig.mixture={self.mixture!r} is invalid: {spec!r} is a token array; a "
+                                 "mixture takes text corpora (one tokenizer is trained on them all)")
+        try:
+            mixture_counts(list(self.mixture.values()))
+        except ValueError as exc:
+            raise ValueError(f"DataConfig.mixture={self.mixture!r} is invalid: {exc}") from None
+        if self.corpus != DEFAULT_CORPUS:
+            raise ValueError(f"DataConfig.corpus={self.corpus!r} and DataConfig.mixture are both set: the "
+                             "mixture names the corpora; leave corpus unset (or put it in the mixture)")
+        for name in ("val_corpus", "val_documents"):
+            if getattr(self, name):
+                raise ValueError(f"DataConfig.{name}={getattr(self, name)!r} is invalid with a mixture: each "
+                                 "corpus of the mixture is split by document on its own (val_fraction); "
+                                 f"leave {name} unset")
 
 
 def _is_int(value) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .masking import mask_tokens
-from .sampler import Sampler
+from .sampler import MixtureSampler, Sampler
 from .tokenizer import masked_lm_ids, masked_lm_missing
 
 
@@ -65,7 +65,20 @@ class PackedDataset:
         return np.asarray(self.tokens[starts[:, None] + np.arange(self._window)], dtype=np.int64)
 
     def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        return self.batch(self.sampler.ids_of(global_indices), global_indices)
+
+    def batch(self, sample_ids: np.ndarray, keys: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        """The samples ``sample_ids``; ``keys`` (one per sample: its global index) seed what is drawn
+        per sample (BERT's masks)."""
         raise NotImplementedError
+
+    def unigram_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each id occurs in the stream (float64; counted once, then kept)."""
+        if getattr(self, "_counts", None) is None or len(self._counts) < vocab_size:
+            from .build import token_counts
+
+            self._counts = token_counts(self.tokens, vocab_size).astype(np.float64)
+        return self._counts
 
     def decode(self, ids) -> str:
         """Text of token ids (a list, array or tensor) via the tokenizer."""
@@ -86,8 +99,8 @@ class GPTDataset(PackedDataset):
     def __init__(self, tokens: np.ndarray, seq_len: int, **kwargs):
         super().__init__(tokens, seq_len, window=seq_len + 1, stride=seq_len, **kwargs)
 
-    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
-        windows = self.windows(self.sampler.ids_of(global_indices))  # (B, T+1)
+    def batch(self, sample_ids: np.ndarray, keys: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        windows = self.windows(sample_ids)  # (B, T+1)
         return {"input_ids": torch.from_numpy(windows[:, :-1].copy()),  # (B, T)
                 "targets": torch.from_numpy(windows[:, 1:].copy())}  # (B, T)
 
@@ -129,9 +142,9 @@ class BERTDataset(PackedDataset):
         n = seq_len - 2
         return (mlm_probability * n + (1 - mlm_probability) ** n) / seq_len
 
-    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
-        keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)  # (B,)
-        body = self.windows(self.sampler.ids_of(keys))  # (B, T-2)
+    def batch(self, sample_ids: np.ndarray, keys: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # (B,)
+        body = self.windows(sample_ids)  # (B, T-2)
         tokens = np.concatenate([np.full((len(keys), 1), self.cls_id), body,
                                  np.full((len(keys), 1), self.sep_id)], axis=1)  # (B, T)
         input_ids, labels = mask_tokens(
@@ -140,3 +153,55 @@ class BERTDataset(PackedDataset):
             mlm_probability=self.mlm_probability, mask_token_fraction=self.mask_token_fraction,
             random_token_fraction=self.random_token_fraction)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}
+
+
+class MixtureDataset:
+    """Several packed datasets (one per corpus of ``data.mixture``) drawn in proportion to their
+    weights: global index ``g`` is a draw of the source ``MixtureSampler`` gives it, mapped through
+    that source's own Sampler (its own epochs and order), and keyed by ``g`` itself (BERT's mask of
+    a sample depends on its global index, as in one corpus). ``counts``: each source's draws per
+    period (sampler.mixture_counts)."""
+
+    def __init__(self, sources: Sequence[PackedDataset], counts: Sequence[int], names: Sequence[str]):
+        if len(sources) != len(counts) or len(sources) != len(names) or len(sources) < 2:
+            raise ValueError("MixtureDataset needs two or more sources, with one count and one name each")
+        self.sources, self.names = list(sources), list(names)
+        self.mixture = MixtureSampler(counts)
+        self.shares = self.mixture.counts / self.mixture.period  # (D,) each source's share of the draws
+        first = self.sources[0]
+        self.seq_len, self.split, self.tokenizer, self.kind = first.seq_len, first.split, first.tokenizer, first.kind
+
+    def __len__(self) -> int:
+        """Samples in all the sources together (an evaluation takes at most this many)."""
+        return sum(len(source) for source in self.sources)
+
+    def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
+        keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)
+        which, draws = self.mixture.sources_of(keys)
+        parts, order = [], []
+        for d in np.unique(which):
+            mine = np.flatnonzero(which == d)
+            source = self.sources[int(d)]
+            parts.append(source.batch(source.sampler.ids_of(draws[mine]), keys[mine]))
+            order.append(mine)
+        if len(parts) == 1:
+            return parts[0]
+        back = torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))  # to the indices' order
+        return {name: torch.cat([part[name] for part in parts])[back] for name in parts[0]}
+
+    def sources_of(self, global_indices: Sequence[int] | range) -> np.ndarray:
+        """The source (its position in ``names``) of each global index."""
+        return self.mixture.sources_of(global_indices)[0]
+
+    def unigram_counts(self, vocab_size: int) -> np.ndarray:
+        """The mixture's token frequencies as counts: each source's relative frequencies weighted by
+        its share of the draws, scaled to the sources' total tokens."""
+        total = sum(len(source.tokens) for source in self.sources)
+        mixed = np.zeros(vocab_size, dtype=np.float64)
+        for share, source in zip(self.shares, self.sources):
+            counts = source.unigram_counts(vocab_size)
+            mixed += share * counts[:vocab_size] / max(counts.sum(), 1.0)
+        return mixed * total
+
+    def decode(self, ids) -> str:
+        return self.sources[0].decode(ids)

@@ -189,6 +189,11 @@ def check_corpora(cfg: TrainConfig) -> None:
     from largebatch.data.corpus import CorpusError, check_corpus, check_val_documents
 
     try:
+        if cfg.data.mixture:  # each corpus of the mixture, split on its own
+            for spec in cfg.data.mixture:
+                check_corpus(spec, "data.mixture", cfg.data.text_field,
+                             split=cfg.data.document_separator is None)
+            return
         check_corpus(cfg.data.corpus, "data.corpus", cfg.data.text_field,
                      split=cfg.data.val_corpus is None and cfg.data.document_separator is None)
         if cfg.data.val_corpus is not None:

@@ -111,7 +111,7 @@ class Reporting:
         """The run's header: data, model, optimizer, device, parallel layout, budget, schedules."""
         cfg = self.cfg
         lines = [f"run dir      {self.run_dir}",
-                 f"data         {self.data.stats}",
+                 "data         " + self.data.stats.describe(cfg.run.total_tokens).replace("\n", "\n" + " " * 13),
                  f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
                  f"{cfg.model.attention} attention, recompute {','.join(cfg.run.recompute)}",
