@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from largebatch.data import DataConfig, build_data
 from largebatch.data.corpus import bible_documents
@@ -201,3 +202,42 @@ def test_a_mixture_run_stopped_and_resumed_is_the_uninterrupted_one(corpora, cac
     assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "full")
     vals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "val"] for d in ("full", "stopped")]
     assert vals[0] == vals[1] and vals[0][-1] < vals[0][0] - 0.3  # it learned
+
+
+def test_each_corpus_has_its_validation_loss(corpora, cache, tmp_path):
+    """Every evaluation's record holds each corpus's loss on its share of the slice (val_loss/<corpus>), the
+    summary the last ones: against the float64 cross-entropy of the final weights over that corpus's
+    samples of the slice, and val_loss as the token-weighted mean of the two."""
+    from largebatch.checkpoint import list_checkpoints, load_checkpoint
+    from largebatch.data.dataset import corpus_labels
+    from largebatch.models import ModelConfig, build_model
+    from largebatch.typed_config import from_dict
+    from test_train import tiny_overrides
+
+    plays, books = corpora
+    out = tmp_path / "run"
+    o = tiny_overrides(cache, out, **{"data.mixture": {plays: 3, books: 1}, "run.eval_tokens": 32 * 16})
+    summary = Trainer(load_config(resolve_config(None), o), out, log=lambda line: None).fit()
+    labels = corpus_labels([plays, books])
+    assert labels == [plays.strip("/").replace("/", "_"), books.strip("/").replace("/", "_")]
+    for record in (r for r in read_metrics(out) if r["kind"] == "val"):
+        assert {f"val_loss/{label}" for label in labels} <= set(record)
+    extra = load_checkpoint(list_checkpoints(out)[-1])
+    model = build_model(from_dict(ModelConfig, extra["config"]["model"]))
+    model.load_state_dict(extra["model"])
+    model = model.double().eval()
+    data = build_data(DataConfig(mixture={plays: 3, books: 1}, vocab_size=512, cache_dir=cache), SEQ_LEN)
+    which = data.val.sources_of(range(16))
+    sums, tokens = [], []
+    for d in (0, 1):
+        batch = data.val.get_batch(np.flatnonzero(which == d))
+        with torch.no_grad():
+            logits, _ = model(batch["input_ids"])
+        sums.append(float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1), reduction="sum")))
+        tokens.append(batch["targets"].numel())
+    by_corpus = summary["final_val_loss_by_corpus"]
+    assert list(by_corpus) == labels and tokens == [12 * SEQ_LEN, 4 * SEQ_LEN]
+    for label, total, n in zip(labels, sums, tokens):
+        assert by_corpus[label] == pytest.approx(total / n, rel=1e-5)
+    assert summary["final_val_loss"] == pytest.approx(sum(sums) / sum(tokens), rel=1e-5)

@@ -18,6 +18,7 @@ maps them through the dataset's ``Sampler`` to sample ids.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -166,6 +167,7 @@ class MixtureDataset:
         if len(sources) != len(counts) or len(sources) != len(names) or len(sources) < 2:
             raise ValueError("MixtureDataset needs two or more sources, with one count and one name each")
         self.sources, self.names = list(sources), list(names)
+        self.labels = corpus_labels(self.names)
         self.mixture = MixtureSampler(counts)
         self.shares = self.mixture.counts / self.mixture.period  # (D,) each source's share of the draws
         first = self.sources[0]
@@ -205,3 +207,18 @@ class MixtureDataset:
 
     def decode(self, ids) -> str:
         return self.sources[0].decode(ids)
+
+
+def corpus_labels(names: Sequence[str]) -> list[str]:
+    """Short distinct names of a mixture's corpora for metric names (``val_loss/<label>``): a named
+    corpus's own name, a path's with each run of other characters than letters, digits and ``_.+-``
+    as one ``_`` (``corpora/web/*.jsonl.gz``: ``corpora_web_.jsonl.gz``); ``_2``, ``_3``, ... after
+    a label that comes again."""
+    labels: list[str] = []
+    for name in names:
+        label = re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("_") or "corpus"
+        base, k = label, 2
+        while label in labels:
+            label, k = f"{base}_{k}", k + 1
+        labels.append(label)
+    return labels

@@ -393,6 +393,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
             f"baseline {s['unigram_val_accuracy']:.4f}"
             f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
           if s.get("final_val_accuracy") is not None else []),
+        *(["by corpus         " + ", ".join(f"{label} {loss:.4f}" for label, loss in
+                                            s["final_val_loss_by_corpus"].items())]
+          if s.get("final_val_loss_by_corpus") else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
         f"{s['train_seconds']:.1f} s of steps"
         + (f"; {s['wall_seconds']:.1f} s in all with setup, evaluations and checkpoints "

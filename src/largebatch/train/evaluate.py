@@ -6,7 +6,9 @@ and of a resumed run, sees the same tokens. Accuracy is the share of predicted t
 likely token is the target (BERT: the masked-LM accuracy over the masked positions); it is None
 under pipeline parallel (the logits are on the last stage only). Under the vocabulary-parallel
 loss the best token is found without gathering the logits
-(largebatch.parallel.tensor_parallel.vocab_parallel_argmax).
+(largebatch.parallel.tensor_parallel.vocab_parallel_argmax). A mixture of corpora (data.mixture)
+is evaluated on its slice's samples grouped by corpus: the loss over them all, and each corpus's
+own (``val_loss/<corpus>`` in the evaluation's record).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from largebatch.data import IGNORE_INDEX
+from largebatch.data import IGNORE_INDEX, MixtureDataset
 from largebatch.models.registry import model_spec
 from largebatch.parallel.batch import global_sum
 from largebatch.train.deferred import target_count
@@ -68,12 +70,12 @@ class Evaluation:
         stop = getattr(self, "stop_request", None)
         stop = stop if stop is not None and not stop.is_ending else None
         self.model.eval()
-        mb, n = self._eval_slice()
+        chunks, sources = self._eval_chunks()
         par = self.par
-        starts = range(0, n, mb)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct, count, accuracy = torch.zeros_like(total), 0, True
-        for first in range(0, len(starts), par.dp_size):
+        corpora = len(self.data.val.names) if isinstance(self.data.val, MixtureDataset) else 1
+        totals = torch.zeros(corpora, dtype=torch.float64, device=self.device)  # (D,) per corpus
+        counts, corrects, accuracy = torch.zeros_like(totals), torch.zeros_like(totals), True
+        for first in range(0, len(chunks), par.dp_size):
             if stop is not None and first:
                 signum, _ = stop.poll()
                 if signum is not None:
@@ -83,21 +85,44 @@ class Evaluation:
             # every rank runs as many forwards (FSDP's and tensor parallel's are collective): one
             # past the end repeats the last micro-batch and is not counted
             mine = first + par.dp_rank
-            start = starts[min(mine, len(starts) - 1)]
-            batch = self.data.val.get_batch(range(start, min(n, start + mb)))
+            batch = self.data.val.get_batch(chunks[min(mine, len(chunks) - 1)])
             loss, right = self._eval_batch(batch)
-            if mine < len(starts):
-                total += loss.double()
-                count += target_count(batch)
+            if mine < len(chunks):
+                d = sources[mine]
+                totals[d] += loss.double()
+                counts[d] += target_count(batch)
                 if right is None:
                     accuracy = False
                 else:
-                    correct += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
+                    corrects[d] += (right.full_tensor() if hasattr(right, "full_tensor") else right).double()
         self.model.train()
         self._reshard()
-        count = global_sum(count, par)
-        self.val_accuracy = float(global_sum(correct, par) / count) if accuracy else None
-        return float(global_sum(total, par) / count)
+        totals, counts, corrects = (global_sum(t, par) for t in (totals, counts, corrects))
+        count = counts.sum()
+        self.val_accuracy = float(corrects.sum() / count) if accuracy else None
+        self.val_by_corpus = None  # a mixture's: each corpus's share of the slice on its own
+        if corpora > 1:
+            losses = (totals / counts.clamp(min=1)).tolist()
+            self.val_by_corpus = {label: loss for label, loss, n in
+                                  zip(self.data.val.labels, losses, counts.tolist()) if n > 0}
+        return float(totals.sum() / count)
+
+    def _eval_chunks(self) -> tuple[list, list[int]]:
+        """The evaluation's micro-batches of validation indices, and the corpus of each (0 for one
+        corpus): the slice's first samples in order; a mixture's grouped by corpus, each corpus's in
+        order (so each corpus's loss is its own forwards' sum)."""
+        mb, n = self._eval_slice()
+        val = self.data.val
+        if not isinstance(val, MixtureDataset):
+            return [range(start, min(n, start + mb)) for start in range(0, n, mb)], [0] * len(range(0, n, mb))
+        which = val.sources_of(range(n))
+        chunks, sources = [], []
+        for d in range(len(val.names)):
+            mine = np.flatnonzero(which == d)
+            for start in range(0, len(mine), mb):
+                chunks.append(mine[start:start + mb])
+                sources.append(d)
+        return chunks, sources
 
     def _eval_slice(self) -> tuple[int, int]:
         """(micro-batch, samples) of an evaluation: the first run.eval_tokens of the validation split
@@ -109,10 +134,9 @@ class Evaluation:
         """The targets an evaluation predicts (the same fixed slice, at the current phase's length;
         BERT: the masked positions), for a unigram baseline over the very tokens the validation loss
         is measured on (the whole split's differs when ``run.eval_tokens`` is small)."""
-        mb, n = self._eval_slice()
         parts = []
-        for start in range(0, n, mb):
-            batch = self.data.val.get_batch(range(start, min(n, start + mb)))
+        for chunk in self._eval_chunks()[0]:
+            batch = self.data.val.get_batch(chunk)
             labels = (batch["targets"] if "targets" in batch else batch["labels"]).numpy()
             parts.append(labels[labels != IGNORE_INDEX])
         return np.concatenate(parts)
@@ -141,12 +165,17 @@ class Evaluation:
             self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
                      "it runs again when the run continues")
             raise
+        by_corpus = self.val_by_corpus or {}
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                              "val_accuracy": self.val_accuracy, "wall_time": time.time()})
+                              "val_accuracy": self.val_accuracy,
+                              **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
+                              "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
+        corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
+                   if by_corpus else "")
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
-                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}")
+                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}")
         return val_loss

@@ -255,6 +255,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.stop_request: StopRequest | None = None  # while fit runs: evaluations poll it
         self.profiler: StepProfiler | None = None  # while fit runs: run.profile_steps
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
+        self.val_by_corpus: dict[str, float] | None = None  # a mixture's: each corpus's loss, likewise
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
         # one; one replica -> the first micro-batch vs the accumulated step (summed over pipeline

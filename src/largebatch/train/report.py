@@ -182,6 +182,8 @@ class Reporting:
         summary["uncapped_seesaw"] = (self.phase.schedule.batch_policy == "seesaw"
                                       and self.phase.schedule.noise_scale_multiple is None)
         summary["final_val_accuracy"] = self.val_accuracy
+        if self.val_by_corpus:  # data.mixture: each corpus's validation loss (the eval records' val_loss/<corpus>)
+            summary["final_val_loss_by_corpus"] = dict(self.val_by_corpus)
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
         evaluated = self.evaluated_targets()  # the baseline on the tokens the validation loss is on
         summary["unigram_eval_loss"] = self.data.unigram_loss(evaluated)
