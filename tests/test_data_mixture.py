@@ -92,8 +92,10 @@ def test_weights_without_a_short_exact_period_are_rounded_to_a_million_draws():
     assert sum(counts) == MIXTURE_PERIOD_LIMIT
     for c, w in zip(counts, weights):
         assert abs(c - MIXTURE_PERIOD_LIMIT * w / sum(weights)) < 1.0
-    with pytest.raises(ValueError, match="below 1 in 1,000,000"):
-        mixture_counts([1e-7, 1.0])
+    for weights in ([1e-7, 1.0], [1.0, 1e-10], [1e308, 1e308, 1.0]):  # (1e-10: no draw in its exact period)
+        with pytest.raises(ValueError, match="below 1 in 1,000,000"):
+            mixture_counts(weights)
+    assert mixture_counts([1e308, 1e308]) == [1, 1]  # (their sum is no overflow)
 
 
 def test_each_sample_is_a_window_of_its_own_corpus_and_each_corpus_runs_through_its_epochs(mixed):
@@ -117,6 +119,18 @@ def test_each_sample_is_a_window_of_its_own_corpus_and_each_corpus_runs_through_
     # the same batch taken whole or as two ranks' shares
     halves = [train.get_batch(range(a, b))["input_ids"] for a, b in ((0, 48), (48, 96))]
     assert np.array_equal(np.concatenate(halves), batch[:96])
+
+
+def test_an_evaluation_takes_no_validation_sample_twice(mixed):
+    """The slice is capped at the indices before a corpus's draws pass its size (each corpus's draw k is
+    its own order's k-th sample, each sample once per its epoch): up to there no corpus repeats a
+    sample; the next index is the first repeat."""
+    val = mixed.val
+    n, sizes = len(val), [len(source) for source in val.sources]
+    which, draws = val.mixture.sources_of(range(n + 1))
+    assert n > 100 and all(draws[:n][which[:n] == d].max() == sizes[d] - 1 or draws[:n][which[:n] == d].max()
+                           < sizes[d] for d in (0, 1))
+    assert draws[n] == sizes[which[n]]
 
 
 def test_the_unigram_baseline_is_of_the_mixture(mixed):
@@ -185,22 +199,34 @@ def test_a_missing_corpus_of_a_mixture_is_named_before_any_work(tmp_path, capsys
     assert "data.mixture = 'no/such/*.txt'" in err and "matches no file" in err and not (tmp_path / "run").exists()
 
 
-def test_a_mixture_run_stopped_and_resumed_is_the_uninterrupted_one(corpora, cache, tmp_path):
+def _mixture_arg(mixture: dict) -> str:
+    return "--data.mixture={" + ", ".join(f"{json.dumps(k)} = {v}" for k, v in mixture.items()) + "}"
+
+
+def test_a_mixture_run_stopped_and_resumed_is_the_uninterrupted_one(corpora, cache, tmp_path, capsys):
+    """Through the command line: the run directory's config.toml holds the mixture's path keys (a "/" and
+    a "." in them: quoted), so --resume reads it back and continues to the uninterrupted run's losses;
+    a --resume that changes the weights, or only the corpora's order, is refused (either changes which
+    sample each global index draws)."""
     plays, books = corpora
     from test_train import _train_losses, tiny_overrides
 
-    def run(out, resume=False, **extra):
-        o = tiny_overrides(cache, out, **{"data.mixture": {plays: 3, books: 1}, **extra})
-        lines = []
-        Trainer(load_config(resolve_config(None), o), out, resume=resume, log=lines.append).fit()
-        return lines
-
-    lines = run(tmp_path / "full")
+    lines = []
+    full = tmp_path / "full"
+    o = tiny_overrides(cache, full, **{"data.mixture": {plays: 3, books: 1}})
+    Trainer(load_config(resolve_config(None), o), full, log=lines.append).fit()
     assert any(line.strip().startswith(f"{plays}: 75% of the samples") for line in "\n".join(lines).splitlines())
-    run(tmp_path / "stopped", **{"run.max_steps": 5})
-    run(tmp_path / "stopped", resume=True)
-    assert _train_losses(tmp_path / "stopped") == _train_losses(tmp_path / "full")
-    vals = [[r["val_loss"] for r in read_metrics(tmp_path / d) if r["kind"] == "val"] for d in ("full", "stopped")]
+    out = tmp_path / "stopped"
+    args = [f"--{k}={json.dumps(v)}" for k, v in tiny_overrides(cache, out).items()]
+    assert main([*args, _mixture_arg({plays: 3, books: 1}), "--run.max_steps=5"]) == 0
+    assert main(["--resume", str(out)]) == 0
+    assert _train_losses(out) == _train_losses(full)
+    capsys.readouterr()
+    for changed in ({plays: 1, books: 1}, {books: 1, plays: 3}):
+        assert main(["--resume", str(out), _mixture_arg(changed)]) == 2
+        err = capsys.readouterr().err
+        assert "data.mixture: " in err and "changes the sample order" in err, err
+    vals = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "val"] for run in (full, out)]
     assert vals[0] == vals[1] and vals[0][-1] < vals[0][0] - 0.3  # it learned
 
 

@@ -34,6 +34,14 @@ def _fresh_wandb():
     wandb.teardown()
 
 
+def _files_whole() -> None:
+    """W&B's service shut down: finish() may return before its file is whole (a loaded machine read a
+    resumed run's file without its run record)."""
+    import wandb
+
+    wandb.teardown()
+
+
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
     """W&B offline, with no setting of the machine's (a key, a project, a directory) leaking in."""
@@ -152,6 +160,7 @@ def test_a_phase_switch_two_trainers_and_a_disabled_wandb(tmp_path, offline, mon
     logs[1].log(records[0])
     for log in logs:
         log.close()
+    _files_whole()
     ids = [json.loads((d / "wandb-run.json").read_text())["id"] for d in (one, two)]
     assert ids[0] != ids[1]
     run = read_run(next((one / "wandb").glob("offline-run-*/run-*.wandb")))
@@ -165,6 +174,7 @@ def test_a_phase_switch_two_trainers_and_a_disabled_wandb(tmp_path, offline, mon
         shutil.rmtree(file)
     log = MetricsLog(one, tensorboard=False, resume_step=32, wandb=WandbSettings(config))
     log.close()
+    _files_whole()
     run = read_run(next((one / "wandb").glob("offline-run-*/run-*.wandb")))
     assert run["id"] == ids[0] and [row["_step"] for row in run["history"]] == [32]
     assert run["history"][0]["val_loss/phase_1"] == 6.05 and run["history"][0]["loss"] == 6.02

@@ -404,9 +404,12 @@ def dump_toml(tree: dict[str, Any]) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):  # an inline table (e.g. one of [[phases]] and its schedule overrides)
-            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items() if x is not None) + "}"
+        if isinstance(v, dict):  # an inline table (one of [[phases]] and its overrides; data.mixture's paths)
+            return "{" + ", ".join(f"{key(k)} = {value(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {v!r} as TOML")
+
+    def key(k: str) -> str:  # a bare key, or a quoted one (a path: "corpora/web.jsonl" has / and .)
+        return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else value(k)
 
     lines, tables = [], []
     for k, v in tree.items():

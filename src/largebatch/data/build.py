@@ -287,7 +287,8 @@ def _build_mixture(cfg: DataConfig, seq_len: int, objective: str, log: Callable[
             pairs.append(_datasets(cfg, train_tokens, val_tokens, seq_len, objective, tokenizer, vocab_size,
                                    special_ids, source=d))
         except ValueError as exc:  # too few tokens for one sample: name the corpus
-            raise CorpusError(f"data.mixture's corpus {names[d]!r}: {exc}") from None
+            raise CorpusError(f"data.mixture's corpus {names[d]!r}: {exc} (in a mixture each corpus is split "
+                              "by data.val_fraction and data.document_separator alone)") from None
     train = MixtureDataset([t for t, _ in pairs], counts, names)
     val = MixtureDataset([v for _, v in pairs], counts, names)
     stats.train_samples, stats.val_samples = len(train), len(val)
@@ -425,7 +426,11 @@ def _mixture_streams(cfg: DataConfig, specials: list[str], log: Callable[[str], 
     parts, pairs, special, streams = [], [], False, []
     for d, spec in enumerate(specs):
         keys = {"train": Fingerprint(), "val": Fingerprint()}
-        splits, source_pairs, source_special = _split_by_document(spec, cfg, specials, keys, log)
+        try:
+            splits, source_pairs, source_special = _split_by_document(spec, cfg, specials, keys, log)
+        except CorpusError as exc:  # (a mixture splits each corpus by val_fraction alone)
+            raise CorpusError(f"data.mixture's corpus {spec!r}: {exc} (in a mixture each corpus is split by "
+                              "data.val_fraction and data.document_separator alone)") from None
         parts.append({"corpus": spec, "train": keys["train"].hexdigest(), "val": keys["val"].hexdigest()})
         pairs += [(source_document(spec, name), digest, split) for name, digest, split in source_pairs]
         special = special or source_special

@@ -174,8 +174,15 @@ class MixtureDataset:
         self.seq_len, self.split, self.tokenizer, self.kind = first.seq_len, first.split, first.tokenizer, first.kind
 
     def __len__(self) -> int:
-        """Samples in all the sources together (an evaluation takes at most this many)."""
-        return sum(len(source) for source in self.sources)
+        """Global indices before a source would repeat a sample: the position of the first draw past
+        some source's size (an evaluation takes at most this many, so no validation sample counts
+        twice)."""
+        mixture, firsts = self.mixture, []
+        for d, source in enumerate(self.sources):
+            k = len(source)  # the source's first repeated draw
+            positions = np.flatnonzero(mixture.pattern == d)  # its draws' positions in a period
+            firsts.append((k // int(mixture.counts[d])) * mixture.period + int(positions[k % int(mixture.counts[d])]))
+        return min(firsts)
 
     def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
         keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)

@@ -79,11 +79,13 @@ def mixture_counts(weights: Sequence[float]) -> list[int]:
     draw at all."""
     if not weights or any(not math.isfinite(w) or w <= 0 for w in weights):
         raise ValueError(f"mixture weights must be positive finite numbers, got {list(weights)}")
+    given = list(weights)
+    weights = [w / max(given) for w in given]  # in (0, 1]: their sum cannot overflow (1e308 each)
     shares = [Fraction(w).limit_denominator(1000) for w in weights]  # 0.7 -> 7/10 (its float is not)
     total = sum(shares)
     shares = [share / total for share in shares]
     period = math.lcm(*(share.denominator for share in shares))
-    if period <= MIXTURE_PERIOD_LIMIT and all(abs(float(share) - w / sum(weights)) < 1e-9
+    if period <= MIXTURE_PERIOD_LIMIT and all(share > 0 and abs(float(share) / (w / sum(weights)) - 1) < 1e-9
                                               for share, w in zip(shares, weights)):
         return [int(share * period) for share in shares]
     exact = [w / sum(weights) * MIXTURE_PERIOD_LIMIT for w in weights]  # largest remainders
@@ -92,7 +94,7 @@ def mixture_counts(weights: Sequence[float]) -> list[int]:
         counts[i] += 1
     if min(counts) == 0:
         raise ValueError(f"a mixture weight is below 1 in {MIXTURE_PERIOD_LIMIT:,} of the total "
-                         f"({list(weights)}): raise it or leave that corpus out")
+                         f"({given}): raise it or leave that corpus out")
     return counts
 
 

@@ -44,7 +44,7 @@ STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "
 # the schedule a run's checkpoints continue is built from these (its state refuses another), and
 # the sample order their data position counts in from these
 SCHEDULE_FIELDS = ("schedule.", "run.total_tokens", "run.micro_batch", "phases")
-ORDER_FIELDS = ("data.seed", "data.shuffle")
+ORDER_FIELDS = ("data.seed", "data.shuffle", "data.mixture")  # (a mixture's weights and order: its draws)
 FP32_BYTES = 4  # parameters and gradients stay fp32 (bf16 runs autocast the compute only)
 
 

@@ -97,10 +97,17 @@ def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True, corpus: str |
         atomic_write_text(path, text)
 
 
+ORDERED_TABLES = ("data.mixture",)
+"""Config tables compared whole, as (key, value) pairs in order: a mixture's corpora are its keys,
+and their order is part of the sample order (each corpus's place seeds its own)."""
+
+
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and f"{prefix}{key}" in ORDERED_TABLES:
+            out[f"{prefix}{key}"] = list(value.items())
+        elif isinstance(value, dict):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
