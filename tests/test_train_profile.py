@@ -122,3 +122,95 @@ def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(refer
     warning = [line for line in lines if "profile" in line and line.startswith("warning:")]
     assert len(warning) == 1 and "profile of step 2 was not written (NotADirectoryError" in warning[0], lines
     assert (out / "summary.json").is_file() and _train_losses(out) == _train_losses(ref)
+
+
+class _Failing(Trainer):
+    """A run whose step ``at`` fails: with ``StepInterrupted`` (a stop signal between its micro-batches,
+    after its first forward and backward ran) or with another error (as an out-of-memory one would)."""
+
+    at, error = 0, None
+
+    def train_step(self):
+        if self.pos.step + 1 == self.at:
+            batch = self.data.train.get_batch(range(4))
+            _, loss, _ = self._forward(batch)
+            loss.backward()
+            raise self.error
+        return super().train_step()
+
+
+def _failing(overrides: dict, at: int, error: BaseException) -> tuple[_Failing, list[str]]:
+    lines: list[str] = []
+    trainer = _Failing(load_config(resolve_config(None), overrides), overrides["run.out_dir"], log=lines.append)
+    trainer.at, trainer.error = at, error
+    return trainer, lines
+
+
+def test_a_step_dropped_by_a_stop_signal_is_not_counted_and_the_stop_is_not_in_a_step(reference_run, tmp_path):
+    """A stop signal inside step 5 of the window 3-9: steps 3 and 4 are written; the dropped step is in
+    the timeline as far as it ran, its range ending there, and not in the table (its ProfilerStep count
+    is 2); the checkpoint after it lies outside every step."""
+    import signal
+
+    from largebatch.train.stopping import StepInterrupted
+
+    cache, _, _ = reference_run
+    out = tmp_path / "run"
+    trainer, lines = _failing(tiny_overrides(cache, out, **{"run.profile_steps": "3-9"}), 5,
+                              StepInterrupted(signal.SIGTERM))
+    result = trainer.fit()
+    assert result["stopped_early"] and result["step"] == 4
+    folder = out / "profile" / "steps_3-4"
+    assert f"profile of steps 3-4 (of 3-9: the run stopped) written to {folder}: " in "\n".join(lines)
+    events = _trace(folder)
+    assert _steps_in(events) == ["ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"]
+    dropped = next(e for e in events if e.get("name") == "ProfilerStep#5")
+    saving = [e for e in events if e.get("name", "").startswith("aten::") and e["ts"] > dropped["ts"] + dropped["dur"]]
+    assert not saving  # the profile ended before the checkpoint was written
+    row = next(line.split() for line in (folder / "rank0.txt").read_text().splitlines()
+               if line.split()[:1] == ["ProfilerStep*"])
+    assert int(row[-1]) == 2
+
+
+def test_a_failure_in_a_window_is_the_error_the_run_raises(reference_run, tmp_path):
+    """A step that fails in the window's first step (after its warm-up step, nothing recorded yet): the
+    caller gets that step's error, not the profiler's; so does a failure later in the window, whose
+    recorded steps are written."""
+    cache, _, _ = reference_run
+    for at, window in ((4, "4-6"), (5, "3-6")):
+        out = tmp_path / f"run{at}"
+        trainer, lines = _failing(tiny_overrides(cache, out, **{"run.profile_steps": window}), at,
+                                  RuntimeError("out of memory (a stand-in)"))
+        with pytest.raises(RuntimeError, match="a stand-in"):
+            trainer.fit()
+        said = "\n".join(lines)
+        if at == 4:
+            assert "profile of steps 4-6: not written (the run failed before a step of it was done)" in said
+            assert not (out / "profile").exists()
+        else:
+            assert f"profile of steps 3-4 (of 3-6: the run failed) written to {out / 'profile' / 'steps_3-4'}" in said
+
+
+def test_a_stop_right_after_a_windows_warm_up_step_writes_nothing_and_exits_cleanly(reference_run, tmp_path):
+    cache, _, _ = reference_run
+    out = tmp_path / "run"
+    result, lines = _fit(tiny_overrides(cache, out, **{"run.profile_steps": "4-5", "run.max_steps": 3}))
+    assert result["stopped_early"] and result["step"] == 3
+    assert "profile of steps 4-5: not written (the run stopped before a step of it was done)" in lines
+    assert not (out / "profile").exists()
+
+
+def test_windows_the_run_ends_inside_or_before_are_said_to_be_so(reference_run, tmp_path):
+    cache, ref, _ = reference_run
+    last = [r["step"] for r in read_metrics(ref) if r["kind"] == "train"][-1]
+    out = tmp_path / "run"
+    windows = f"{last - 1}-{last + 20},{last + 30}-{last + 40}"
+    _, lines = _fit(tiny_overrides(cache, out, **{"run.profile_steps": windows}))
+    said = "\n".join(lines)
+    assert (f"profile of steps {last - 1}-{last} (of {last - 1}-{last + 20}: the run ended) written to "
+            f"{out / 'profile' / f'steps_{last - 1}-{last}'}") in said
+    assert f"profile of steps {last + 30}-{last + 40}: not recorded (the run ended at step {last})" in said
+    events = _trace(out / "profile" / f"steps_{last - 1}-{last}")
+    end = next(e["ts"] + e["dur"] for e in events if e.get("name") == f"ProfilerStep#{last}")
+    assert not [e for e in events if e.get("name") == "aten::argmax" and e["ts"] > end]  # the final
+    # evaluation is not in it (the profile ends before the final checkpoint and evaluation)

@@ -652,8 +652,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             return result
         finally:
             self.stop_request = None  # (its handlers are given back: an evaluation after fit polls nothing)
-            if self.profiler is not None:  # a window the run stopped inside: its recorded steps written
-                self.profiler.close()
+            if self.profiler is not None:  # a window the run failed inside: its recorded steps written
+                self.profiler.close("the run failed")
             if isinstance(self.log, ConsoleLog):
                 self.log.on_lost = None
             self._close(*ended)
@@ -697,6 +697,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     every = run.checkpoint_every_tokens or run.total_tokens
                     pos.next_checkpoint = (pos.tokens // every + 1) * every
                     time_due = True
+                if stopping:  # (before the checkpoint: a window's trace holds its steps, not the save)
+                    self.profiler.close("the run stopped")
                 if (time_due or stopping) and pos.step > 0:
                     if self.saved_step != pos.step:  # (a resumed run stopped before its first step has it)
                         self.save()
@@ -726,6 +728,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 try:
                     record = self.train_step()
                 except StepInterrupted as exc:  # dropped: the top of the loop checkpoints the step before
+                    self.profiler.interrupted()
                     signum = exc.signum
                     continue
                 finally:
@@ -752,6 +755,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             # lets the evaluation and summary finish (the run is complete; a second signal still
             # exits at once) ---------------------------------------------------------------------
             stop.ending()
+            self.profiler.close("the run ended")
             if self.saved_step != pos.step:
                 self.save()
             self.finish_saves()  # in place before the final evaluation: a kill during it loses no step

@@ -15,9 +15,10 @@ history as ``rank{R}.memory.pickle`` (``torch.cuda.memory._dump_snapshot``, open
 memory viewer). Several windows: ``"10-12,500-501"``.
 
 A window a resumed run has already passed is not recorded again; one it is inside is recorded from
-the launch's first step. A run that stops inside a window writes the steps it recorded, named as
-such. Profiled steps are slower than the others (the profiler's own cost): their metrics records
-carry ``"profiled": true``.
+the launch's first step. A launch that stops, ends or fails inside a window writes the steps it
+recorded, named as such, before its checkpoint and final evaluation; a step a stop signal dropped is
+not counted. Profiled steps are slower than the others (the profiler's own cost): their metrics
+records carry ``"profiled": true``.
 """
 
 from __future__ import annotations
@@ -67,17 +68,23 @@ class StepProfiler:
     """Records the steps of ``windows`` (``profile_windows``) with torch.profiler.
 
     The loop calls :meth:`before` with the number the coming step will have, :meth:`after` once it
-    is done (outside the step's timing), and :meth:`close` at the end of the launch, whatever ended
-    it (a window cut short is written with the steps it holds)."""
+    is done (outside the step's timing), :meth:`interrupted` when a stop signal drops the step under
+    way, and :meth:`close` when the launch stops, ends or fails (a window cut short is written with
+    the steps it holds; close never raises: a profile is no reason to fail a run, nor to hide why
+    it failed)."""
 
     def __init__(self, windows: list[tuple[int, int]], run_dir: Path, rank: int, device: torch.device,
                  memory: bool, log: Callable[[str], None], first_step: int, is_main: bool):
-        self.windows = [(max(a, first_step), b) for a, b in windows if b >= first_step]
+        # (the window as asked, and the part of it this launch can record: a resume's first step on)
+        self.windows = [((a, b), (max(a, first_step), b)) for a, b in windows if b >= first_step]
         self.run_dir, self.rank, self.device = Path(run_dir), rank, device
         self.memory, self.log, self.is_main = memory, log, is_main
         self.first_step = first_step  # this launch's first step: a window starting there has no warm-up
         self.prof: torch.profiler.profile | None = None
-        self.window: tuple[int, int] | None = None
+        self.window: tuple[int, int] | None = None  # the open window's part this launch records
+        self.asked: tuple[int, int] | None = None  # the open window as run.profile_steps gives it
+        self.why = ""  # why the open window ends early, once it does
+        self.done = 0  # steps this launch took
         self.recorded: list[int] = []  # steps of the open window done under the active profiler
         self.step_range = None  # the record_function range of the step under way
         self.written: list[Path] = []  # the directories of the windows written
@@ -94,12 +101,12 @@ class StepProfiler:
             return
         if not self.windows:
             return
-        first, last = self.windows[0]
+        first, last = self.windows[0][1]
         warmup = 1 if first - 1 == step and step >= self.first_step else 0
         if step != first - warmup:
             return
-        self.windows.pop(0)
-        self.window, self.recorded = (first, last), []
+        self.asked, self.window = self.windows.pop(0)
+        self.recorded, self.why = [], ""
         cuda = self.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with warnings.catch_warnings():  # (a window at the launch's first step has no warm-up step)
@@ -127,6 +134,7 @@ class StepProfiler:
             step_range.__exit__(None, None, None)
 
     def after(self, step: int) -> None:
+        self.done += 1
         if self.prof is None:
             return
         self._exit_step()
@@ -137,10 +145,25 @@ class StepProfiler:
         if step >= self.window[1]:
             self._end()
 
-    def close(self) -> None:
-        """End a window that is open (a run stopped inside it: its recorded steps are written)."""
-        if self.prof is not None:
-            self._end()
+    def interrupted(self) -> None:
+        """A stop signal dropped the step under way (the resume takes it again): its range ends here,
+        and it is not among the recorded steps (in the timeline as far as it ran; not in the table)."""
+        self._exit_step()
+
+    def close(self, why: str) -> None:
+        """End the open window, ``why`` (``"the run stopped"``, ``"the run ended"``, ...): its recorded
+        steps are written. A window the run ended before is said to be so. Never raises."""
+        try:
+            if self.prof is not None:
+                self.why = why
+                self._end()
+            if self.windows and self.is_main and why == "the run ended":
+                asked = ", ".join(_steps(*window) for window, _ in self.windows)
+                self.log(f"profile of {asked}: not recorded (the run ended at step "
+                         f"{self.first_step - 1 + self.done})")
+            self.windows = []
+        except Exception as exc:  # noqa: BLE001 -- the profiler's own failure: said, never raised
+            self.log(f"warning: the profiler could not be stopped ({type(exc).__name__}: {exc})")
 
     def _end(self) -> None:
         prof, self.prof = self.prof, None
@@ -155,11 +178,13 @@ class StepProfiler:
             if self.memory and self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(enabled=None)
             if not self.recorded and self.is_main:
-                self.log(f"profile of {_steps(*self.window)}: not written (the run stopped before a "
-                         "step of it was done)")
+                self.log(f"profile of {_steps(*self.asked)}: not written ({self.why or 'the run stopped'} "
+                         "before a step of it was done)")
             self.window = None
 
     def _write(self, prof: torch.profiler.profile) -> None:
+        if not self.recorded:  # (torch writes on a stop during the first recorded step too)
+            return
         try:
             self._export(prof)
         except Exception as exc:  # a full disk, a read-only run directory: the run goes on without it
@@ -174,7 +199,7 @@ class StepProfiler:
         _atomic(trace, prof.export_chrome_trace)
         cuda = self.device.type == "cuda"
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-        averages = step_events(prof, cuda, self.memory).key_averages()
+        averages = step_events(prof, cuda, self.memory, len(self.recorded)).key_averages()
         table = averages.table(sort_by=sort_by, row_limit=TOP_OPERATORS)
         header = (f"steps {first}-{last} of {self.run_dir}, rank {self.rank}, {self.device}: operators inside "
                   f"the steps by their own {'device' if cuda else 'host'} time ({TOP_OPERATORS} most; "
@@ -184,16 +209,17 @@ class StepProfiler:
             _atomic(folder / f"rank{self.rank}.memory.pickle", torch.cuda.memory._dump_snapshot)
         self.written.append(folder)
         if self.is_main:
-            cut = "" if last == self.window[1] else f" (of {_steps(*self.window)[6:]}: the run stopped)"
+            cut = "" if (first, last) == self.asked else f" (of {_steps(*self.asked).split()[1]}: {self.why or 'cut'})"
             self.log(f"profile of {_steps(first, last)}{cut} written to {folder}: {top_operators(averages, cuda)}")
 
 
-def step_events(prof: torch.profiler.profile, cuda: bool, memory: bool) -> EventList:
-    """The recorded events inside the steps' ranges (``ProfilerStep#N``, named ``ProfilerStep*``
-    there): an evaluation or a checkpoint between two of the window's steps is in the trace,
-    outside every step, and not here."""
+def step_events(prof: torch.profiler.profile, cuda: bool, memory: bool, steps: int) -> EventList:
+    """The recorded events inside the first ``steps`` steps' ranges (``ProfilerStep#N``, named
+    ``ProfilerStep*`` there; after them, only a step a stop signal dropped): an evaluation or a
+    checkpoint between two of the window's steps is in the trace, outside every step, and not here."""
     events = prof.events()
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
+    steps = ranges[:steps]
     starts = [start for start, _ in steps]
 
     def inside(event) -> bool:
