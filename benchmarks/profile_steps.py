@@ -56,6 +56,10 @@ def main() -> None:
         events = json.load(file)["traceEvents"]
     kernels = sum(e.get("cat") == "kernel" for e in events)
     print(f"  trace: {len(events):,} events, {kernels:,} device kernels")
+    row = next(line.split() for line in (folder / "rank0.txt").read_text().splitlines()
+               if line.split()[:1] == ["ProfilerStep*"])
+    print(f"  table: {row[-1]} steps (the window has {last - first + 1})")
+    assert int(row[-1]) == last - first + 1, "the operators table does not count the window's steps"
     if args.device.startswith("cuda"):
         assert kernels > 0, "no device kernel in a CUDA run's trace"
         assert not args.memory or (folder / "rank0.memory.pickle").is_file(), "no allocator history"

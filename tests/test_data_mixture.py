@@ -167,6 +167,8 @@ def test_other_weights_reuse_the_cache_entry_and_the_header_lists_each_corpus(co
     text = mixed.stats.describe(total_tokens=1_000_000)
     lines = text.splitlines()
     assert lines[0].startswith(f"mixture({plays} 75%, {books} 25%) (by document, per corpus): train ")
+    samples = sum(len(source) for source in mixed.train.sources)  # every corpus's, not the mixture's no-repeat cap
+    assert f" tokens, {samples:,} samples | val " in lines[0]
     plays_tokens = len(mixed.train.sources[0].tokens)
     assert lines[1].startswith(f"  {plays}: 75% of the samples; train 5 docs, {plays_tokens:,} tokens")
     assert lines[1].endswith(f"; {0.75 * 1_000_000 / plays_tokens:.2g} epochs over the run")
@@ -226,6 +228,9 @@ def test_a_mixture_run_stopped_and_resumed_is_the_uninterrupted_one(corpora, cac
         assert main(["--resume", str(out), _mixture_arg(changed)]) == 2
         err = capsys.readouterr().err
         assert "data.mixture: " in err and "changes the sample order" in err, err
+    # the same draws, the corpora spelled another way: the same run (it is complete: nothing to do)
+    respelled = {str(Path(plays).parent / ".." / Path(plays).parent.name / "plays"): 6, books: 2}
+    assert main(["--resume", str(out), _mixture_arg(respelled)]) == 0, capsys.readouterr().err
     vals = [[r["val_loss"] for r in read_metrics(run) if r["kind"] == "val"] for run in (full, out)]
     assert vals[0] == vals[1] and vals[0][-1] < vals[0][0] - 0.3  # it learned
 

@@ -158,6 +158,7 @@ def test_a_phase_switch_two_trainers_and_a_disabled_wandb(tmp_path, offline, mon
     for record in records:
         logs[0].log(record)
     logs[1].log(records[0])
+    logs[0].summary({"final_val_loss": 6.05, "final_val_loss_by_corpus": {"plays": 5.9, "web_.jsonl": 6.3}})
     for log in logs:
         log.close()
     _files_whole()
@@ -168,6 +169,9 @@ def test_a_phase_switch_two_trainers_and_a_disabled_wandb(tmp_path, offline, mon
     assert {k: v for k, v in rows[32].items() if not k.startswith("_")} == {
         "phase": 0, "seq_len": 32, "tokens": 8192, "loss": 6.02, "val_loss/phase_0": 6.06, "val_loss/phase_1": 6.05}
     assert len(read_run(next((two / "wandb").glob("offline-run-*/run-*.wandb")))["history"]) == 1
+    # a mixture's per-corpus losses (a table in summary.json) as numbers of W&B's summary
+    assert {k: v for k, v in run["summary"].items() if k.startswith("final_val_loss")} == {
+        "final_val_loss": 6.05, "final_val_loss/plays": 5.9, "final_val_loss/web_.jsonl": 6.3}
 
     # a resume of `one` from step 32 (its file as a hard kill can leave it: no records at all)
     for file in (one / "wandb").glob("offline-run-*"):

@@ -100,10 +100,12 @@ class DataStats:
             return []
         pairs = ", ".join(f"{val} = {train}" for val, train in self.val_in_train[:3])
         more = f" and {len(self.val_in_train) - 3} more" if len(self.val_in_train) > 3 else ""
+        fix = ("remove the repeated documents from the mixture's corpora" if self.sources else
+               "remove the repeated documents from the corpus (or, with data.val_corpus, keep its files "
+               "out of data.corpus)")
         return [f"{len(self.val_in_train)} of the {self.val_documents} validation documents have the text "
                 f"of a training document ({pairs}{more}): the validation loss on them measures recall, "
-                "not generalisation; remove the repeated documents from the corpus (or, with "
-                "data.val_corpus, keep its files out of data.corpus)"]
+                f"not generalisation; {fix}"]
 
     def describe(self, total_tokens: int | None = None) -> str:
         """One line (a mixture: one more per corpus, indented; with ``total_tokens``, the epochs a run
@@ -291,7 +293,7 @@ def _build_mixture(cfg: DataConfig, seq_len: int, objective: str, log: Callable[
                               "by data.val_fraction and data.document_separator alone)") from None
     train = MixtureDataset([t for t, _ in pairs], counts, names)
     val = MixtureDataset([v for _, v in pairs], counts, names)
-    stats.train_samples, stats.val_samples = len(train), len(val)
+    stats.train_samples, stats.val_samples = (sum(len(source) for source in split.sources) for split in (train, val))
     return Data(tokenizer, vocab_size, train, val, stats, objective, seq_len, special_ids)
 
 

@@ -198,7 +198,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.phase = self.phases[0]
         self.data = build_data(cfg.data, seq_len=self.phase.seq_len, objective=model_spec(cfg.model.kind).objective,
                                log=self.log)
-        keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main, cfg.data.corpus)  # export/finetune read it
+        source = f"data.mixture={cfg.data.mixture!r}" if cfg.data.mixture else f"data.corpus={cfg.data.corpus!r}"
+        keep_tokenizer(self.run_dir, self.data.tokenizer, self.is_main, source)  # export/finetune read it
         self.prefetch = Prefetcher(self.data.train.get_batch, pin_memory=self.device.type == "cuda")
         self.writes = None  # run.async_checkpoint: the checkpoint write in the background
         if run.async_checkpoint:
@@ -408,7 +409,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.log(f"warning: the validation documents changed since {path.name} was written "
                      f"({_names(saved_val)} -> {_names(val)}): validation losses before and after this "
                      "resume are not comparable, and a document validated on before is now trained on "
-                     "or gone; list them in data.val_documents to keep the split as the corpus grows")
+                     "or gone" + ("" if self.cfg.data.mixture else
+                                  "; list them in data.val_documents to keep the split as the corpus grows"))
         saved_numerics, now = extra.get("numerics"), numerics()
         if saved_numerics and saved_numerics != now:
             self.log(f"note: {path.name} was written with {_numerics_text(saved_numerics)}, and this launch has "

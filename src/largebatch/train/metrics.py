@@ -192,7 +192,9 @@ class WandbRun:
             self.run.log(values, step=step)
 
     def summary(self, summary: dict[str, Any]) -> None:
-        self.run.summary.update({key: value for key, value in summary.items()
+        flat = {**summary, **{f"final_val_loss/{label}": loss for label, loss in
+                              (summary.get("final_val_loss_by_corpus") or {}).items()}}  # (data.mixture)
+        self.run.summary.update({key: value for key, value in flat.items()
                                  if isinstance(value, (int, float, str)) and not (isinstance(value, float)
                                                                                   and not math.isfinite(value))})
 

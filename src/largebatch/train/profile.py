@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList
 
 PROFILE_DIR = "profile"
@@ -218,7 +219,9 @@ def step_events(prof: torch.profiler.profile, cuda: bool, memory: bool, steps: i
     ``ProfilerStep*`` there; after them, only a step a stop signal dropped): an evaluation or a
     checkpoint between two of the window's steps is in the trace, outside every step, and not here."""
     events = prof.events()
-    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep"))
+    # (the host's ranges: on CUDA each range is also recorded on the device, as an annotation there)
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU)
     steps = ranges[:steps]
     starts = [start for start, _ in steps]
 
@@ -238,9 +241,12 @@ def top_operators(averages, cuda: bool, shown: int = 4) -> str:
     """The operators with most own time as ``"aten::mm 41%, aten::bmm 12%, ..."`` (shares of the
     profile's own time: host time on CPU, kernel time on CUDA)."""
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    # a step's own time (ProfilerStep#N) is what no operator inside it took: Python, the data
+    # a step's own host time (ProfilerStep#N) is what no operator inside it took: Python, the data; on
+    # the device a range is an annotation spanning the kernels, not time of its own (left out, as torch's
+    # table leaves it out of its totals)
     rows = [("(between operators)" if event.key.startswith("ProfilerStep") else event.key,
-             getattr(event, key)) for event in averages]
+             getattr(event, key)) for event in averages
+            if not (cuda and getattr(event, "is_user_annotation", False))]
     total = sum(time for _, time in rows)
     if total <= 0:
         return "no operator time recorded"

@@ -71,6 +71,8 @@ TOKENIZER_NAME = "tokenizer.json"
 def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True, corpus: str | None = None) -> None:
     """Write the run's tokenizer to ``RUN_DIR/tokenizer.json`` (atomically; rank 0 only; unchanged
     files are not rewritten). ``tokenizer`` None (a token array without one): nothing to keep.
+    ``corpus``: the setting the data came from, as the error names it (``data.corpus='plays'``,
+    ``data.mixture={...}``).
 
     A run that holds checkpoints keeps the tokenizer they were trained with: when the data now gives
     another vocabulary (a tokenizer trained again on a ``corpus`` whose text changed since the run
@@ -89,7 +91,7 @@ def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True, corpus: str |
         except Exception:  # noqa: BLE001 -- an unreadable copy: nothing to compare, it is rewritten
             kept = None
         if kept is not None and kept != tokenizer.get_vocab():
-            where = f"data.corpus={corpus!r}" if corpus is not None else "the data"
+            where = corpus if corpus is not None else "the data"
             raise ValueError(f"{where} no longer gives the tokenizer this run trained with ({path}): its text "
                              "changed since the checkpoints were written, and they index that tokenizer's "
                              "ids; restore the corpus, or start a new run (another run.out_dir) on the new text")
@@ -117,10 +119,21 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
 def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
     """'table.field: saved -> new' for every ``selected`` field that differs between two configs (a
     path field naming one file or directory two ways -- "plays", "./plays", its absolute path, a link
-    to it -- does not differ)."""
+    to it -- does not differ; nor does a mixture whose corpora are so named, in the same order, with
+    weights that give the same draws: 3 and 1, 6 and 2)."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))]
+            if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))
+            and not _same_mixture(k, a.get(k), b.get(k))]
+
+
+def _same_mixture(key: str, a, b) -> bool:
+    if key != "data.mixture" or not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
+        return False
+    from largebatch.data.sampler import mixture_counts
+
+    same_names = all(x == y or _same_path_field("data.corpus", x, y) for (x, _), (y, _) in zip(a, b))
+    return same_names and mixture_counts([w for _, w in a]) == mixture_counts([w for _, w in b])
 
 
 PATH_FIELDS = ("data.corpus", "data.val_corpus", "data.tokenizer_file")  # a file or directory (or a corpus name)
