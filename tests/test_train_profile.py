@@ -104,6 +104,8 @@ def test_a_window_cut_by_a_stop_is_written_and_the_resume_records_the_rest(refer
     _, lines = _fit({**o, "run.max_steps": 3})
     assert f"profile of step 3 (of 3-5: the run stopped) written to {out / 'profile' / 'step_3'}" in "\n".join(lines)
     _, lines = _fit(o, resume=True)
+    assert (f"profile of steps 4-5 (of 3-5: the launch resumed inside it) written to {out / 'profile' / 'steps_4-5'}"
+            in "\n".join(lines))
     assert _steps_in(_trace(out / "profile" / "step_3")) == ["ProfilerStep#3"]
     assert _steps_in(_trace(out / "profile" / "steps_4-5")) == ["ProfilerStep#4", "ProfilerStep#5"]
     assert [r["step"] for r in read_metrics(out) if r.get("profiled")] == [3, 4, 5]

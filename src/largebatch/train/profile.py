@@ -202,7 +202,7 @@ class StepProfiler:
         sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         averages = step_events(prof, cuda, self.memory, len(self.recorded)).key_averages()
         table = averages.table(sort_by=sort_by, row_limit=TOP_OPERATORS)
-        header = (f"steps {first}-{last} of {self.run_dir}, rank {self.rank}, {self.device}: operators inside "
+        header = (f"{_steps(first, last)} of {self.run_dir}, rank {self.rank}, {self.device}: operators inside "
                   f"the steps by their own {'device' if cuda else 'host'} time ({TOP_OPERATORS} most; "
                   "ProfilerStep#N's own time is the step's time outside every operator)\n")
         _atomic(folder / f"rank{self.rank}.txt", lambda path: Path(path).write_text(header + table + "\n"))
@@ -210,7 +210,9 @@ class StepProfiler:
             _atomic(folder / f"rank{self.rank}.memory.pickle", torch.cuda.memory._dump_snapshot)
         self.written.append(folder)
         if self.is_main:
-            cut = "" if (first, last) == self.asked else f" (of {_steps(*self.asked).split()[1]}: {self.why or 'cut'})"
+            why = [reason for reason, applies in (("the launch resumed inside it", first > self.asked[0]),
+                                                  (self.why or "cut short", last < self.asked[1])) if applies]
+            cut = f" (of {_steps(*self.asked).split()[1]}: {'; '.join(why)})" if why else ""
             self.log(f"profile of {_steps(first, last)}{cut} written to {folder}: {top_operators(averages, cuda)}")
 
 
