@@ -527,6 +527,7 @@ def _ensure_entry(entry: Path, cfg: DataConfig, streams: list[tuple[str, _TextSp
     if cache_hit:  # what killed builds of this entry left (each as large as the streams) goes on hits too
         try:
             remove_dead_staging(entry)
+            os.utime(entry / "meta.json")  # its last use (`largebatch data cache --unused-days` reads it)
         except OSError:  # a read-only cache: left as it is
             pass
     if not cache_hit and not (entry / "meta.json").is_file():
@@ -642,7 +643,8 @@ def _write_cache_entry(entry: Path, cfg: DataConfig, streams: list[tuple[str, _T
             read.check("its token stream")
         tokenizer.save(str(staging / "tokenizer.json"))
         meta = {"dtype": dtype.name, "version": tokenizer_lib.TOKENIZER_VERSION, "tokens": tokens,
-                "corpus": mixture_label(cfg.mixture) if cfg.mixture else cfg.corpus,
+                # (a mixture's entry serves any weights: its corpora alone name it)
+                "corpus": f"mixture({', '.join(cfg.mixture)})" if cfg.mixture else cfg.corpus,
                 "val_documents": [name for docs in vals for name in docs.names]}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         counted = {part: sum(n for split, n in tokens.items() if split.split(".")[0] == part)
@@ -693,6 +695,67 @@ def remove_dead_staging(entry: Path) -> list[Path]:
             shutil.rmtree(staging, ignore_errors=True)
             removed.append(staging)
     return removed
+
+
+@dataclass
+class CacheEntry:
+    """One entry of a data cache directory, as ``largebatch data cache`` lists it."""
+
+    path: Path
+    corpus: str  # what it was built from (meta.json; a mixture's label)
+    tokens: dict[str, int]  # per stream (train, val; a mixture's train.D, val.D)
+    bytes: int  # on disk
+    built: float  # Unix time its tokenizer was written
+    used: float  # Unix time of its last use by a start (its build, if none since)
+    damage: str | None  # what is wrong with it (entry_damage), None if whole
+
+
+def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
+    """The entries of the data cache ``cache_dir``, by key (its directories holding a meta.json)."""
+    root, entries = Path(cache_dir).expanduser(), []
+    if not root.is_dir():
+        return entries
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".") or not (path / "meta.json").is_file():
+            continue
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            used = (path / "meta.json").stat().st_mtime
+        except (OSError, ValueError):
+            meta, used = {}, 0.0
+        built = (path / "tokenizer.json").stat().st_mtime if (path / "tokenizer.json").is_file() else used
+        entries.append(CacheEntry(path, str(meta.get("corpus", "?")), dict(meta.get("tokens", {})),
+                                  _tree_bytes(path), built, used, entry_damage(path)))
+    return entries
+
+
+def cache_leftovers(cache_dir: str | Path) -> list[Path]:
+    """What builds left beside the entries: staging directories (``.KEY.tmp-*``: a build under way, or
+    one that was killed) and entries set aside for removal (``.KEY.damaged-*``)."""
+    root = Path(cache_dir).expanduser()
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".damaged-" in p.name))
+
+
+def remove_cache_entry(entry: Path) -> None:
+    """Remove ``entry``: renamed aside first (atomic: a start that looks for it then builds it again
+    rather than reading half of it), then deleted. A run that has its streams open keeps reading them
+    (POSIX keeps an open file until it is closed)."""
+    aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}"
+    os.rename(entry, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _read_cache_entry(entry: Path) -> tuple[Tokenizer, dict[str, np.ndarray]]:
