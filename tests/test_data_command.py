@@ -107,3 +107,50 @@ def test_cache_lists_entries_and_removes_them_by_disuse_and_by_key(tmp_path, cap
     assert main(["data", "cache", "--cache-dir", str(cache), "--remove", fresh.name]) == 0
     assert not fresh.exists()
     assert main(["data", "cache", "--cache-dir", str(cache), "--unused-days", "-1"]) == 2
+
+
+def test_cache_edges_a_bare_entry_a_link_a_repeated_key_and_a_missing_directory(tmp_path, capsys, monkeypatch):
+    """A key's directory without its meta.json (a copy cut short) is listed as damaged and a start builds
+    it again; overrides given as --table.field VALUE before the config; a key given twice is removed once;
+    an entry linked in from elsewhere loses its link, not its files; a missing cache directory is said to
+    be one, a file refused; an entry removed between a start finding it and reading it is built again."""
+    import largebatch.data.build as build_module
+    from largebatch.data import DataConfig, build_data
+
+    corpus, cache = _plays(tmp_path / "plays", ["hamlet", "macbeth"]), tmp_path / "cache"
+    args = ["data", "prepare", "--data.cache_dir", str(cache), "--data.vocab_size", "512", "--data.corpus", corpus,
+            "gpt-demo"]
+    assert main(args) == 0
+    entry = next(cache.iterdir())
+    (entry / "meta.json").unlink()
+    capsys.readouterr()
+    assert main(["data", "cache", "--cache-dir", str(cache)]) == 0
+    assert f"{entry.name}" in (out := capsys.readouterr().out) and "DAMAGED (" in out and "meta.json" in out
+    assert main(args) == 0 and (entry / "meta.json").is_file()
+    assert "damaged cache entry rebuilt" in capsys.readouterr().out
+
+    elsewhere = tmp_path / "elsewhere"
+    entry.rename(elsewhere)
+    entry.symlink_to(elsewhere)
+    assert main(["data", "cache", "--cache-dir", str(cache), "--remove", entry.name, entry.name]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert not os.path.lexists(entry) and (elsewhere / "meta.json").is_file() and list(cache.iterdir()) == []
+
+    assert main(["data", "cache", "--cache-dir", str(tmp_path / "nowhere")]) == 0
+    assert "no such directory (no entry built there yet)" in capsys.readouterr().out
+    assert main(["data", "cache", "--cache-dir", corpus + "/hamlet.txt"]) == 2
+    assert "a file, not a directory" in capsys.readouterr().err
+
+    read = build_module._read_cache_entry
+    removed = []
+
+    def removed_first(path):  # `data cache --remove` lands between the start's check and its read
+        if not removed:
+            build_module.remove_cache_entry(path)
+            removed.append(path)
+        return read(path)
+
+    monkeypatch.setattr(build_module, "_read_cache_entry", removed_first)
+    cfg = DataConfig(corpus=corpus, vocab_size=512, cache_dir=str(cache))
+    build_data(cfg, seq_len=32)  # built (the link is gone), then found, removed, and built again
+    assert removed and build_data(cfg, seq_len=32).stats.cache_hit

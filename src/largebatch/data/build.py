@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -381,9 +382,8 @@ def _text_streams(cfg: DataConfig, log: Callable[[str], None] = lambda line: Non
         splits, pairs, special = _split_by_document(cfg.corpus, cfg, specials, keys, log)
         split = "by document"
     key_parts = {"train": keys["train"].hexdigest(), "val": keys["val"].hexdigest()}
-    entry, cache_hit, damage = _entry_of(key_parts, special, cfg, [("train", splits["train"]), ("val", splits["val"])],
-                                         log)
-    tokenizer, streams = _read_cache_entry(entry)
+    entry, cache_hit, damage, tokenizer, streams = _read_entry_of(
+        key_parts, special, cfg, [("train", splits["train"]), ("val", splits["val"])], log)
     train_tokens, val_tokens = streams["train"], streams["val"]
     stats = DataStats(cfg.corpus, len(splits["train"].names), len(splits["val"].names), len(train_tokens),
                       len(val_tokens), 0, 0, list(splits["val"].names), split, str(entry),
@@ -437,8 +437,7 @@ def _mixture_streams(cfg: DataConfig, specials: list[str], log: Callable[[str], 
         pairs += [(source_document(spec, name), digest, split) for name, digest, split in source_pairs]
         special = special or source_special
         streams += [(f"train.{d}", splits["train"]), (f"val.{d}", splits["val"])]
-    entry, cache_hit, damage = _entry_of({"mixture": parts}, special, cfg, streams, log)
-    tokenizer, tokens = _read_cache_entry(entry)
+    entry, cache_hit, damage, tokenizer, tokens = _read_entry_of({"mixture": parts}, special, cfg, streams, log)
     counts = mixture_counts(list(cfg.mixture.values()))
     sources = [MixtureSource(spec, float(c) / sum(counts), len(streams[2 * d][1].names),
                              len(streams[2 * d + 1][1].names), len(tokens[f"train.{d}"]), len(tokens[f"val.{d}"]))
@@ -485,6 +484,19 @@ def _entry_of(key_parts: dict, special: bool, cfg: DataConfig, streams: list[tup
     return entry, cache_hit, damage
 
 
+def _read_entry_of(key_parts: dict, special: bool, cfg: DataConfig, streams: list[tuple[str, _TextSplit]],
+                   log: Callable[[str], None]):
+    """``_entry_of``, then the entry read: (path, hit, damage, tokenizer, streams). An entry removed
+    between the two (``largebatch data cache --remove`` at that moment) is built again, not a failure."""
+    for attempt in range(3):
+        entry, cache_hit, damage = _entry_of(key_parts, special, cfg, streams, log)
+        try:
+            return (entry, cache_hit, damage, *_read_cache_entry(entry))
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
 def _first_change(before: list[str], after: list[str]) -> str:
     """'; first difference: X' between two lists of document names (empty when none is found)."""
     were, are = set(before), set(after)
@@ -513,7 +525,7 @@ def _ensure_entry(entry: Path, cfg: DataConfig, streams: list[tuple[str, _TextSp
     was wrong with it when a damaged one was set aside and built again). A cache that cannot be
     written is one CorpusError naming data.cache_dir."""
     cache_hit = (entry / "meta.json").is_file()
-    damage = entry_damage(entry) if cache_hit else None
+    damage = entry_damage(entry) if cache_hit or entry.is_dir() else None  # (a directory without meta.json too)
     if damage is not None:  # (a partial copy, a disk error): set aside atomically, then built again
         aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}"
         try:
@@ -676,8 +688,12 @@ def remove_dead_staging(entry: Path) -> list[Path]:
     the rest of it: such leftovers go too. Returns the removed."""
     removed = []
     for aside in entry.parent.glob(f".{entry.name}.damaged-*"):
-        shutil.rmtree(aside, ignore_errors=True)
-        removed.append(aside)
+        if aside.is_symlink():
+            aside.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+        if not os.path.lexists(aside):  # (one that cannot be deleted here is not said to be)
+            removed.append(aside)
     host = socket.gethostname()
     for staging in entry.parent.glob(f".{entry.name}.tmp-*"):
         try:
@@ -693,7 +709,8 @@ def remove_dead_staging(entry: Path) -> list[Path]:
             dead = age > 3600.0
         if dead:
             shutil.rmtree(staging, ignore_errors=True)
-            removed.append(staging)
+            if not os.path.lexists(staging):
+                removed.append(staging)
     return removed
 
 
@@ -716,17 +733,26 @@ def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
     if not root.is_dir():
         return entries
     for path in sorted(root.iterdir()):
-        if path.name.startswith(".") or not (path / "meta.json").is_file():
+        if path.name.startswith(".") or not path.is_dir() or not (
+                (path / "meta.json").is_file() or re.fullmatch(ENTRY_KEY, path.name)):
             continue
         try:
-            meta = json.loads((path / "meta.json").read_text())
             used = (path / "meta.json").stat().st_mtime
+        except OSError:
+            used = path.stat().st_mtime
+        try:
+            meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError):
-            meta, used = {}, 0.0
+            meta = {}
         built = (path / "tokenizer.json").stat().st_mtime if (path / "tokenizer.json").is_file() else used
         entries.append(CacheEntry(path, str(meta.get("corpus", "?")), dict(meta.get("tokens", {})),
                                   _tree_bytes(path), built, used, entry_damage(path)))
     return entries
+
+
+ENTRY_KEY = r"[0-9a-f]{20}"
+"""A text corpus's cache entry is named by 20 hex digits of its key (_entry_of): a directory so named
+without a meta.json is an entry copied or built in part (damaged), not something else."""
 
 
 def cache_leftovers(cache_dir: str | Path) -> list[Path]:
@@ -744,7 +770,10 @@ def remove_cache_entry(entry: Path) -> None:
     (POSIX keeps an open file until it is closed)."""
     aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}"
     os.rename(entry, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside.is_symlink():  # an entry linked in from elsewhere: the link goes, what it names stays
+        aside.unlink()
+    else:
+        shutil.rmtree(aside)  # (an error names what could not be deleted; the rest is set aside)
 
 
 def _tree_bytes(path: Path) -> int:

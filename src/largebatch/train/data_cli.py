@@ -20,22 +20,27 @@ from __future__ import annotations
 import sys
 import time
 
-from largebatch.arguments import OneLineParser
-from largebatch.typed_config import ConfigError, parse_overrides
+from largebatch.arguments import OneLineParser, finite_float
+from largebatch.typed_config import ConfigError, config_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="largebatch data", description="a run's tokenized data built ahead of it, and "
                            "the data cache listed and cleaned (see docs/data.md, \"Preparing and cleaning the cache\")")
+    from largebatch.train.config import TrainConfig
+    from largebatch.typed_config import add_config_arguments
+
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    prepare = commands.add_parser("prepare", help="build the tokenizer and token streams a run of CONFIG reads")
+    prepare = commands.add_parser("prepare", help="build the tokenizer and token streams a run of CONFIG reads",
+                                  allow_abbrev=False)
     prepare.add_argument("config", nargs="?", help="a TOML file or a shipped config's name (default: gpt-demo); "
-                         "--table.field=VALUE options override it, as for largebatch train")
+                         "--table.field VALUE options override it, as for largebatch train")
+    add_config_arguments(prepare, TrainConfig)
     cache = commands.add_parser("cache", help="list the data cache's entries; remove some")
     cache.add_argument("--cache-dir", default=None, help="the cache directory (default: data.cache_dir's "
                        "default, .cache/largebatch under the working directory)")
     cache.add_argument("--remove", nargs="+", metavar="KEY", default=[], help="remove these entries")
-    cache.add_argument("--unused-days", type=float, default=None, metavar="N",
+    cache.add_argument("--unused-days", type=finite_float, default=None, metavar="N",
                        help="remove the entries no start has used for N days")
     cache.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     args, unknown = parser.parse_known_args(argv)
@@ -46,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             return _fail(f"unexpected argument(s) {' '.join(unknown)}", 2)
         return _cache(args)
-    return _prepare(args.config, unknown)
+    try:
+        from largebatch.train.cli import _unknown_options
+
+        overrides = {**config_overrides(args), **_unknown_options(prepare, unknown)}
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    return _prepare(args.config, overrides)
 
 
 def _fail(message: str, code: int) -> int:
@@ -54,7 +65,7 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _prepare(config: str | None, unknown: list[str]) -> int:
+def _prepare(config: str | None, overrides: dict) -> int:
     from largebatch.data import build_data
     from largebatch.data.corpus import is_token_array_path
     from largebatch.models import model_spec
@@ -63,7 +74,7 @@ def _prepare(config: str | None, unknown: list[str]) -> int:
     from largebatch.train.preflight import check_cache_dir, check_corpora, check_tokenizer_file
 
     try:
-        cfg = load_config(resolve_config(config), parse_overrides(unknown))
+        cfg = load_config(resolve_config(config), overrides)
         check_corpora(cfg)
         check_tokenizer_file(cfg)
         check_cache_dir(cfg)
@@ -73,10 +84,13 @@ def _prepare(config: str | None, unknown: list[str]) -> int:
         print(f"data.corpus={cfg.data.corpus!r} is a token array: a run reads it as it is (no cache entry); "
               "nothing to prepare")
         return 0
+    from largebatch.train.phases import resolve_phases
+
+    seq_len = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
+                             cfg.run.micro_batch)[0].seq_len  # (the entry is the same at any length)
     start = time.perf_counter()
     try:
-        data = build_data(cfg.data, seq_len=cfg.model.seq_len, objective=model_spec(cfg.model.kind).objective,
-                          log=print)
+        data = build_data(cfg.data, seq_len=seq_len, objective=model_spec(cfg.model.kind).objective, log=print)
     except (ValueError, OSError) as exc:
         return _fail(str(exc), 2)
     stats = data.stats
@@ -87,13 +101,24 @@ def _prepare(config: str | None, unknown: list[str]) -> int:
 
 
 def _cache(args) -> int:
+    from pathlib import Path
+
     from largebatch.data import DataConfig
     from largebatch.data.build import cache_entries, cache_leftovers, remove_cache_entry, remove_dead_staging
     from largebatch.train.progress import human_count
 
     root = args.cache_dir or DataConfig().cache_dir
+    where = Path(root).expanduser()
+    if where.exists() and not where.is_dir():
+        return _fail(f"--cache-dir {root}: a file, not a directory: give the data cache's directory "
+                     "(data.cache_dir)", 2)
+    if not where.is_dir():
+        other = "" if args.cache_dir else "; give --cache-dir for another"
+        print(f"data cache {root}: no such directory (no entry built there yet{other})")
+        return 0 if not (args.remove or args.unused_days is not None) else 2
     entries = cache_entries(root)
     by_key = {entry.path.name: entry for entry in entries}
+    args.remove = list(dict.fromkeys(args.remove))  # (a key given twice: removed once)
     unknown = [key for key in args.remove if key not in by_key]
     if unknown:
         return _fail(f"--remove {' '.join(unknown)}: no such entry in {root} (its entries: "
@@ -123,14 +148,17 @@ def _cache(args) -> int:
             try:
                 remove_cache_entry(e.path)
             except OSError as exc:
-                return _fail(f"could not remove {e.path}: {exc.strerror or exc}", 1)
+                return _fail(f"could not remove {e.path}: {exc.strerror or exc} ({exc.filename or e.path}); "
+                             "check its permissions", 1)
         print(f"{verb} {e.path.name} ({_size(e.bytes)}, {e.corpus}, last used {_days(now - e.used)})")
     if not args.dry_run:  # the dead leftovers of every key (a live build's staging stays)
-        from pathlib import Path
-
         for key in sorted({p.name[1:].split(".")[0] for p in leftovers}):
-            for gone in remove_dead_staging(Path(root).expanduser() / key):
+            for gone in remove_dead_staging(where / key):
                 print(f"removed the leftover {gone.name}")
+        stuck = [p.name for p in cache_leftovers(root) if ".damaged-" in p.name]
+        if stuck:
+            return _fail(f"could not delete {', '.join(stuck)} in {root} (set aside for removal): check its "
+                         "permissions, and remove it by hand", 1)
     print(f"{verb} {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'}, {_size(sum(e.bytes for e in doomed))}")
     return 0
 
