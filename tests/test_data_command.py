@@ -135,6 +135,19 @@ def test_cache_edges_a_bare_entry_a_link_a_repeated_key_and_a_missing_directory(
     assert main(["data", "cache", "--cache-dir", str(cache), "--remove", entry.name, entry.name]) == 0
     assert "removed 1 entry" in capsys.readouterr().out
     assert not os.path.lexists(entry) and (elsewhere / "meta.json").is_file() and list(cache.iterdir()) == []
+    entry.symlink_to(elsewhere)  # (and a key given as a path with a trailing /)
+    assert main(["data", "cache", "--cache-dir", str(cache), "--remove", f"{entry}/"]) == 0
+    assert not os.path.lexists(entry)
+
+    # another tool's directories in the same directory are no entries and no leftovers: never touched
+    (cache / "wandb-run").mkdir()
+    (cache / "wandb-run" / "meta.json").write_text("{}")
+    foreign = cache / ".pip.tmp-build"
+    foreign.mkdir()
+    long_ago = time.time() - 40 * DAY
+    os.utime(foreign, (long_ago, long_ago))
+    assert main(["data", "cache", "--cache-dir", str(cache), "--unused-days", "0"]) == 0
+    assert "0 entries" in capsys.readouterr().out and (cache / "wandb-run").is_dir() and foreign.is_dir()
 
     assert main(["data", "cache", "--cache-dir", str(tmp_path / "nowhere")]) == 0
     assert "no such directory (no entry built there yet)" in capsys.readouterr().out

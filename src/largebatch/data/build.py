@@ -9,6 +9,7 @@ memory-maps the cached streams and trains nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -565,7 +566,10 @@ def entry_damage(entry: Path) -> str | None:
     the streams."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        Tokenizer.from_file(str(entry / "tokenizer.json"))
+        try:
+            Tokenizer.from_file(str(entry / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 -- tokenizers' bare Exception names no file
+            raise ValueError(f"tokenizer.json: {exc}") from None
         itemsize = np.dtype(meta["dtype"]).itemsize
         names = list(meta.get("tokens", {})) or ["train", "val"]  # (a mixture's: train.0, val.0, ...)
         sizes = {split: (entry / f"{split}.bin").stat().st_size for split in names}
@@ -719,7 +723,7 @@ class CacheEntry:
     """One entry of a data cache directory, as ``largebatch data cache`` lists it."""
 
     path: Path
-    corpus: str  # what it was built from (meta.json; a mixture's label)
+    corpus: str  # what it was built from (meta.json; a mixture's: its corpora)
     tokens: dict[str, int]  # per stream (train, val; a mixture's train.D, val.D)
     bytes: int  # on disk
     built: float  # Unix time its tokenizer was written
@@ -728,31 +732,37 @@ class CacheEntry:
 
 
 def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
-    """The entries of the data cache ``cache_dir``, by key (its directories holding a meta.json)."""
+    """The entries of the data cache ``cache_dir``, by key: its directories named by a key (ENTRY_KEY),
+    with or without their meta.json (without: damaged). Anything else there is another tool's, and left
+    alone. An entry that goes while it is listed (a removal, a start setting it aside) is not listed."""
     root, entries = Path(cache_dir).expanduser(), []
     if not root.is_dir():
         return entries
     for path in sorted(root.iterdir()):
-        if path.name.startswith(".") or not path.is_dir() or not (
-                (path / "meta.json").is_file() or re.fullmatch(ENTRY_KEY, path.name)):
+        if not re.fullmatch(ENTRY_KEY, path.name) or not path.is_dir():
             continue
         try:
-            used = (path / "meta.json").stat().st_mtime
-        except OSError:
-            used = path.stat().st_mtime
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, ValueError):
-            meta = {}
-        built = (path / "tokenizer.json").stat().st_mtime if (path / "tokenizer.json").is_file() else used
-        entries.append(CacheEntry(path, str(meta.get("corpus", "?")), dict(meta.get("tokens", {})),
-                                  _tree_bytes(path), built, used, entry_damage(path)))
+            meta_file = path / "meta.json"
+            # its last use: a start sets meta.json's time where it may (not the access time: a listing
+            # reads the file too)
+            used = meta_file.stat().st_mtime if meta_file.is_file() else path.stat().st_mtime
+            try:
+                meta = json.loads(meta_file.read_text())
+            except (OSError, ValueError):
+                meta = {}
+            built = (path / "tokenizer.json").stat().st_mtime if (path / "tokenizer.json").is_file() else used
+            entries.append(CacheEntry(path, str(meta.get("corpus", "?")), dict(meta.get("tokens", {})),
+                                      _tree_bytes(path), built, used, entry_damage(path)))
+        except FileNotFoundError:
+            continue
     return entries
 
 
 ENTRY_KEY = r"[0-9a-f]{20}"
-"""A text corpus's cache entry is named by 20 hex digits of its key (_entry_of): a directory so named
-without a meta.json is an entry copied or built in part (damaged), not something else."""
+"""A cache entry (one corpus's or a mixture's) is named by 20 hex digits of its key (_entry_of): a
+directory so named without a meta.json is an entry copied or built in part (damaged)."""
+LEFTOVER = r"\.[0-9a-f]{20}\.(tmp|damaged)-.+"
+"""A build's staging directory (``.KEY.tmp-*``) or an entry set aside for removal (``.KEY.damaged-*``)."""
 
 
 def cache_leftovers(cache_dir: str | Path) -> list[Path]:
@@ -761,19 +771,29 @@ def cache_leftovers(cache_dir: str | Path) -> list[Path]:
     root = Path(cache_dir).expanduser()
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".damaged-" in p.name))
+    return sorted(p for p in root.iterdir() if re.fullmatch(LEFTOVER, p.name))
 
 
 def remove_cache_entry(entry: Path) -> None:
     """Remove ``entry``: renamed aside first (atomic: a start that looks for it then builds it again
     rather than reading half of it), then deleted. A run that has its streams open keeps reading them
     (POSIX keeps an open file until it is closed)."""
+    if not entry.is_symlink() and not os.access(entry, os.W_OK | os.X_OK):  # its files could not be deleted:
+        raise PermissionError(errno.EACCES, "its files cannot be deleted here (the directory is not "  # left in
+                              "writable)", str(entry))  # service, not set aside
     aside = entry.parent / f".{entry.name}.damaged-{os.getpid()}"
     os.rename(entry, aside)
     if aside.is_symlink():  # an entry linked in from elsewhere: the link goes, what it names stays
         aside.unlink()
-    else:
-        shutil.rmtree(aside)  # (an error names what could not be deleted; the rest is set aside)
+        return
+
+    def gone_meanwhile(function, path, exc_info):  # another process removing the set-aside one too
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(aside, onerror=gone_meanwhile)
+    if os.path.lexists(aside):
+        raise OSError(errno.ENOTEMPTY, "set aside but not wholly deleted", str(aside))
 
 
 def _tree_bytes(path: Path) -> int:
@@ -791,7 +811,9 @@ def _read_cache_entry(entry: Path) -> tuple[Tokenizer, dict[str, np.ndarray]]:
     """The entry's tokenizer and its streams by name (train, val; a mixture's train.D, val.D),
     memory-mapped."""
     meta = json.loads((entry / "meta.json").read_text())
-    tokenizer = Tokenizer.from_file(str(entry / "tokenizer.json"))
+    # (read as text: a file removed meanwhile is a FileNotFoundError, which _read_entry_of retries;
+    # tokenizers' own reader raises a bare Exception)
+    tokenizer = Tokenizer.from_str((entry / "tokenizer.json").read_text(encoding="utf-8"))
     names = list(meta.get("tokens", {})) or ["train", "val"]
     return tokenizer, {name: np.memmap(entry / f"{name}.bin", dtype=meta["dtype"], mode="r") for name in names}
 

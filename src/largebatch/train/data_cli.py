@@ -118,7 +118,7 @@ def _cache(args) -> int:
         return 0 if not (args.remove or args.unused_days is not None) else 2
     entries = cache_entries(root)
     by_key = {entry.path.name: entry for entry in entries}
-    args.remove = list(dict.fromkeys(args.remove))  # (a key given twice: removed once)
+    args.remove = list(dict.fromkeys(Path(key).name for key in args.remove))  # (KEY/, a path; twice: once)
     unknown = [key for key in args.remove if key not in by_key]
     if unknown:
         return _fail(f"--remove {' '.join(unknown)}: no such entry in {root} (its entries: "
@@ -136,20 +136,21 @@ def _cache(args) -> int:
     leftovers = cache_leftovers(root)
     if leftovers:
         print(f"  and {len(leftovers)} leftover(s) of builds under way or killed "
-              f"({_size(sum(_bytes(p) for p in leftovers))}); removed with the entries below, where dead")
+              f"({_size(sum(_bytes(p) for p in leftovers))}): a removal takes the dead ones too")
     doomed = [by_key[key] for key in args.remove]
     if args.unused_days is not None:
         doomed += [e for e in entries if now - e.used > args.unused_days * 86400 and e not in doomed]
     if not doomed and not args.remove and args.unused_days is None:
         return 0
     verb = "would remove" if args.dry_run else "removed"
+    failed = []
     for e in doomed:
         if not args.dry_run:
             try:
                 remove_cache_entry(e.path)
             except OSError as exc:
-                return _fail(f"could not remove {e.path}: {exc.strerror or exc} ({exc.filename or e.path}); "
-                             "check its permissions", 1)
+                failed.append(f"{e.path.name} ({exc.strerror or exc}: {exc.filename or e.path})")
+                continue
         print(f"{verb} {e.path.name} ({_size(e.bytes)}, {e.corpus}, last used {_days(now - e.used)})")
     if not args.dry_run:  # the dead leftovers of every key (a live build's staging stays)
         for key in sorted({p.name[1:].split(".")[0] for p in leftovers}):
@@ -157,8 +158,9 @@ def _cache(args) -> int:
                 print(f"removed the leftover {gone.name}")
         stuck = [p.name for p in cache_leftovers(root) if ".damaged-" in p.name]
         if stuck:
-            return _fail(f"could not delete {', '.join(stuck)} in {root} (set aside for removal): check its "
-                         "permissions, and remove it by hand", 1)
+            failed.append(f"{', '.join(stuck)} in {root}, set aside for removal, could not be deleted")
+    if failed:
+        return _fail(f"could not remove {'; '.join(failed)}: check the permissions", 1)
     print(f"{verb} {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'}, {_size(sum(e.bytes for e in doomed))}")
     return 0
 
