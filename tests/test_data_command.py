@@ -87,6 +87,9 @@ def test_cache_lists_entries_and_removes_them_by_disuse_and_by_key(tmp_path, cap
     assert f"{stale.name}" in out and "last used 40 days ago  " + old in out and "last used today  " + new in out
     assert "and 2 leftover(s) of builds under way or killed" in out
 
+    from largebatch.train.data_cli import _days
+
+    assert [_days(d * DAY) for d in (0.9, 1.0, 6.6)] == ["today", "1 day ago", "6 days ago"]  # as N counts
     assert main(["data", "cache", "--cache-dir", str(cache), "--unused-days", "30", "--dry-run"]) == 0
     assert f"would remove {stale.name} (" in capsys.readouterr().out and stale.is_dir()
     assert main(["data", "cache", "--cache-dir", str(cache), "--unused-days", "30"]) == 0

@@ -183,5 +183,7 @@ def _date(t: float) -> str:
 
 
 def _days(seconds: float) -> str:
-    days = max(seconds, 0.0) / 86400
-    return "today" if days < 1 else f"{days:.0f} day{'s' if round(days) != 1 else ''} ago"
+    """Whole days ago, rounded down (as --unused-days counts: "6 days ago" is 6 to 7 days, which
+    --unused-days 6 removes)."""
+    days = int(max(seconds, 0.0) // 86400)
+    return "today" if days < 1 else f"{days} day{'s' if days != 1 else ''} ago"
