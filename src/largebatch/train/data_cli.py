@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     prepare = commands.add_parser("prepare", help="build the tokenizer and token streams a run of CONFIG reads",
-                                  allow_abbrev=False)
+                                  allow_abbrev=False,
+                                  usage="largebatch data prepare [CONFIG] [--TABLE.FIELD VALUE ...]")
     prepare.add_argument("config", nargs="?", help="a TOML file or a shipped config's name (default: gpt-demo); "
                          "--table.field VALUE options override it, as for largebatch train")
     add_config_arguments(prepare, TrainConfig)
