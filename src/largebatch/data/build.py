@@ -47,7 +47,7 @@ from .corpus import (
     token_array_fingerprint,
 )
 from .dataset import BERTDataset, GPTDataset, MixtureDataset, PackedDataset
-from .sampler import mixture_counts
+from .sampler import MixtureSampler, mixture_counts
 
 OBJECTIVES = ("causal", "masked")  # a model kind's objective (largebatch.models.registry)
 
@@ -293,8 +293,9 @@ def _build_mixture(cfg: DataConfig, seq_len: int, objective: str, log: Callable[
         except ValueError as exc:  # too few tokens for one sample: name the corpus
             raise CorpusError(f"data.mixture's corpus {names[d]!r}: {exc} (in a mixture each corpus is split "
                               "by data.val_fraction and data.document_separator alone)") from None
-    train = MixtureDataset([t for t, _ in pairs], counts, names)
-    val = MixtureDataset([v for _, v in pairs], counts, names)
+    mixture = MixtureSampler(counts)  # (one draw order for both splits: a period of up to 10^6 positions)
+    train = MixtureDataset([t for t, _ in pairs], mixture, names)
+    val = MixtureDataset([v for _, v in pairs], mixture, names)
     stats.train_samples, stats.val_samples = (sum(len(source) for source in split.sources) for split in (train, val))
     return Data(tokenizer, vocab_size, train, val, stats, objective, seq_len, special_ids)
 
@@ -752,7 +753,7 @@ def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
                 meta = {}
             built = (path / "tokenizer.json").stat().st_mtime if (path / "tokenizer.json").is_file() else used
             entries.append(CacheEntry(path, str(meta.get("corpus", "?")), dict(meta.get("tokens", {})),
-                                      _tree_bytes(path), built, used, entry_damage(path)))
+                                      tree_bytes(path), built, used, entry_damage(path)))
         except FileNotFoundError:
             continue
     return entries
@@ -796,7 +797,8 @@ def remove_cache_entry(entry: Path) -> None:
         raise OSError(errno.ENOTEMPTY, "set aside but not wholly deleted", str(aside))
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
     total = 0
     for root, _, files in os.walk(path):
         for name in files:

@@ -160,29 +160,30 @@ class MixtureDataset:
     """Several packed datasets (one per corpus of ``data.mixture``) drawn in proportion to their
     weights: global index ``g`` is a draw of the source ``MixtureSampler`` gives it, mapped through
     that source's own Sampler (its own epochs and order), and keyed by ``g`` itself (BERT's mask of
-    a sample depends on its global index, as in one corpus). ``counts``: each source's draws per
-    period (sampler.mixture_counts)."""
+    a sample depends on its global index, as in one corpus). ``mixture``: the draw order (one
+    MixtureSampler of the weights' draws, shared by a run's training and validation mixtures)."""
 
-    def __init__(self, sources: Sequence[PackedDataset], counts: Sequence[int], names: Sequence[str]):
-        if len(sources) != len(counts) or len(sources) != len(names) or len(sources) < 2:
+    def __init__(self, sources: Sequence[PackedDataset], mixture: MixtureSampler, names: Sequence[str]):
+        if len(sources) != len(mixture.counts) or len(sources) != len(names) or len(sources) < 2:
             raise ValueError("MixtureDataset needs two or more sources, with one count and one name each")
         self.sources, self.names = list(sources), list(names)
         self.labels = corpus_labels(self.names)
-        self.mixture = MixtureSampler(counts)
-        self.shares = self.mixture.counts / self.mixture.period  # (D,) each source's share of the draws
+        self.mixture = mixture
+        self.shares = mixture.counts / mixture.period  # (D,) each source's share of the draws
         first = self.sources[0]
         self.seq_len, self.split, self.tokenizer, self.kind = first.seq_len, first.split, first.tokenizer, first.kind
+        # global indices before a source would repeat a sample: the position of the first draw past
+        # some source's size (an evaluation takes at most this many, so no validation sample counts twice)
+        firsts = []
+        for d, source in enumerate(self.sources):
+            k, c = len(source), int(mixture.counts[d])  # the source's first repeated draw; its draws per period
+            positions = np.flatnonzero(mixture.pattern == d)  # its draws' positions in a period
+            firsts.append((k // c) * mixture.period + int(positions[k % c]))
+        self._length = min(firsts)
 
     def __len__(self) -> int:
-        """Global indices before a source would repeat a sample: the position of the first draw past
-        some source's size (an evaluation takes at most this many, so no validation sample counts
-        twice)."""
-        mixture, firsts = self.mixture, []
-        for d, source in enumerate(self.sources):
-            k = len(source)  # the source's first repeated draw
-            positions = np.flatnonzero(mixture.pattern == d)  # its draws' positions in a period
-            firsts.append((k // int(mixture.counts[d])) * mixture.period + int(positions[k % int(mixture.counts[d])]))
-        return min(firsts)
+        """Global indices before a source would repeat a sample (see __init__)."""
+        return self._length
 
     def get_batch(self, global_indices: Sequence[int] | range) -> dict[str, torch.Tensor]:
         keys = np.asarray(global_indices, dtype=np.int64).reshape(-1)

@@ -105,8 +105,14 @@ def _cache(args) -> int:
     from pathlib import Path
 
     from largebatch.data import DataConfig
-    from largebatch.data.build import cache_entries, cache_leftovers, remove_cache_entry, remove_dead_staging
-    from largebatch.train.progress import human_count
+    from largebatch.data.build import (
+        cache_entries,
+        cache_leftovers,
+        remove_cache_entry,
+        remove_dead_staging,
+        tree_bytes,
+    )
+    from largebatch.train.progress import human_bytes, human_count
 
     root = args.cache_dir or DataConfig().cache_dir
     where = Path(root).expanduser()
@@ -128,16 +134,16 @@ def _cache(args) -> int:
         return _fail(f"--unused-days {args.unused_days:g}: give a number of days >= 0", 2)
     now = time.time()
     print(f"data cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
-          f"{_size(sum(e.bytes for e in entries))}")
+          f"{human_bytes(sum(e.bytes for e in entries))}")
     for e in entries:
         tokens = sum(e.tokens.values())
         state = f"; DAMAGED ({e.damage}): a start builds it again" if e.damage else ""
-        print(f"  {e.path.name}  {_size(e.bytes):>9}  {human_count(tokens) if tokens else '?':>7} tokens  "
+        print(f"  {e.path.name}  {human_bytes(e.bytes):>9}  {human_count(tokens) if tokens else '?':>7} tokens  "
               f"built {_date(e.built)}, last used {_days(now - e.used)}  {e.corpus}{state}")
     leftovers = cache_leftovers(root)
     if leftovers:
         print(f"  and {len(leftovers)} leftover(s) of builds under way or killed "
-              f"({_size(sum(_bytes(p) for p in leftovers))}): a removal takes the dead ones too")
+              f"({human_bytes(sum(tree_bytes(p) for p in leftovers))}): a removal takes the dead ones too")
     doomed = [by_key[key] for key in args.remove]
     if args.unused_days is not None:
         doomed += [e for e in entries if now - e.used > args.unused_days * 86400 and e not in doomed]
@@ -152,7 +158,7 @@ def _cache(args) -> int:
             except OSError as exc:
                 failed.append(f"{e.path.name} ({exc.strerror or exc}: {exc.filename or e.path})")
                 continue
-        print(f"{verb} {e.path.name} ({_size(e.bytes)}, {e.corpus}, last used {_days(now - e.used)})")
+        print(f"{verb} {e.path.name} ({human_bytes(e.bytes)}, {e.corpus}, last used {_days(now - e.used)})")
     if not args.dry_run:  # the dead leftovers of every key (a live build's staging stays)
         for key in sorted({p.name[1:].split(".")[0] for p in leftovers}):
             for gone in remove_dead_staging(where / key):
@@ -162,21 +168,8 @@ def _cache(args) -> int:
             failed.append(f"{', '.join(stuck)} in {root}, set aside for removal, could not be deleted")
     if failed:
         return _fail(f"could not remove {'; '.join(failed)}: check the permissions", 1)
-    print(f"{verb} {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'}, {_size(sum(e.bytes for e in doomed))}")
+    print(f"{verb} {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'}, {human_bytes(sum(e.bytes for e in doomed))}")
     return 0
-
-
-def _bytes(path) -> int:
-    from largebatch.data.build import _tree_bytes
-
-    return _tree_bytes(path)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _date(t: float) -> str:

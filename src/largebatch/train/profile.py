@@ -34,6 +34,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList
 
+from largebatch.checkpoint.files import atomic_write_text
+
 PROFILE_DIR = "profile"
 TOP_OPERATORS = 40  # rows of the per-rank table
 
@@ -88,7 +90,6 @@ class StepProfiler:
         self.done = 0  # steps this launch took
         self.recorded: list[int] = []  # steps of the open window done under the active profiler
         self.step_range = None  # the record_function range of the step under way
-        self.written: list[Path] = []  # the directories of the windows written
         self.unreported = False  # a step was recorded since the last metrics record (take_unreported)
 
     def take_unreported(self) -> bool:
@@ -194,21 +195,19 @@ class StepProfiler:
 
     def _export(self, prof: torch.profiler.profile) -> None:
         first, last = self.recorded[0], self.recorded[-1]
-        folder = self.run_dir / PROFILE_DIR / (f"steps_{first}-{last}" if last > first else f"step_{first}")
+        folder = self.run_dir / PROFILE_DIR / _steps(first, last).replace(" ", "_")  # steps_3-5, step_3
         folder.mkdir(parents=True, exist_ok=True)
         trace = folder / f"rank{self.rank}.pt.trace.json.gz"
         _atomic(trace, prof.export_chrome_trace)
         cuda = self.device.type == "cuda"
-        sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         averages = step_events(prof, cuda, self.memory, len(self.recorded)).key_averages()
-        table = averages.table(sort_by=sort_by, row_limit=TOP_OPERATORS)
+        table = averages.table(sort_by=_own_time(cuda), row_limit=TOP_OPERATORS)
         header = (f"{_steps(first, last)} of {self.run_dir}, rank {self.rank}, {self.device}: operators inside "
                   f"the steps by their own {'device' if cuda else 'host'} time ({TOP_OPERATORS} most; "
                   "ProfilerStep#N's own time is the step's time outside every operator)\n")
-        _atomic(folder / f"rank{self.rank}.txt", lambda path: Path(path).write_text(header + table + "\n"))
+        atomic_write_text(folder / f"rank{self.rank}.txt", header + table + "\n")
         if self.memory and cuda:
             _atomic(folder / f"rank{self.rank}.memory.pickle", torch.cuda.memory._dump_snapshot)
-        self.written.append(folder)
         if self.is_main:
             why = [reason for reason, applies in (("the launch resumed inside it", first > self.asked[0]),
                                                   (self.why or "cut short", last < self.asked[1])) if applies]
@@ -242,7 +241,7 @@ def step_events(prof: torch.profiler.profile, cuda: bool, memory: bool, steps: i
 def top_operators(averages, cuda: bool, shown: int = 4) -> str:
     """The operators with most own time as ``"aten::mm 41%, aten::bmm 12%, ..."`` (shares of the
     profile's own time: host time on CPU, kernel time on CUDA)."""
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    key = _own_time(cuda)
     # a step's own host time (ProfilerStep#N) is what no operator inside it took: Python, the data; on
     # the device a range is an annotation spanning the kernels, not time of its own (left out, as torch's
     # table leaves it out of its totals)
@@ -254,6 +253,11 @@ def top_operators(averages, cuda: bool, shown: int = 4) -> str:
         return "no operator time recorded"
     rows.sort(key=lambda row: -row[1])
     return ", ".join(f"{name} {100 * time / total:.0f}%" for name, time in rows[:shown])
+
+
+def _own_time(cuda: bool) -> str:
+    """The averages' field of an operator's own time: on the device (CUDA) or the host."""
+    return "self_device_time_total" if cuda else "self_cpu_time_total"
 
 
 def _steps(first: int, last: int) -> str:
