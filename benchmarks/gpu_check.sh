@@ -55,3 +55,8 @@ timeout 120 "$PYTHON" benchmarks/step_peak_memory.py --device cuda --dtype bf16 
 timeout 240 "$PYTHON" -m largebatch train gpt-demo --run.device=cuda --run.dtype=bf16 --run.compile=true \
   --run.total_tokens=400000 --run.sample_tokens=0 --run.plots=false --run.tensorboard=false \
   --run.progress=off --run.out_dir="$(mktemp -d)" | grep -A1 "^throughput"
+# run.ema_decay on a GPU: the weight average's update (a device step count, one multi-tensor lerp with
+# 0-d device weights, no host read) against torch's AveragedModel and a LAMB step (the CPU run:
+# docs/training.md, "Weight averaging"); then its tests on the device (run.device = auto picks it)
+timeout 120 "$PYTHON" benchmarks/weight_average.py --device cuda
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_ema.py

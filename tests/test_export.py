@@ -681,12 +681,12 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged(gpt_run, tmp_path,
     newest.rename(newest.with_name("hold"))  # the newest is written while the older is read
     real = export_module._load_checkpoint
 
-    def retention_meanwhile(path):
+    def retention_meanwhile(path, ema=False):
         if path == older and older.exists():
             (run / "checkpoints" / "hold").rename(newest)
             older.unlink()
             raise FileNotFoundError(2, "No such file or directory", str(older))
-        return real(path)
+        return real(path, ema)
 
     monkeypatch.setattr(export_module, "_load_checkpoint", retention_meanwhile)
     loaded = load_run(run, log=print)

@@ -837,3 +837,51 @@ def test_a_run_whose_micro_batch_is_its_batch_continues_on_two_replicas(single, 
     fresh = _overrides(cache, tmp_path / "new", **same)
     assert cli_main(["train", "--check"] + [f"--{k}={json.dumps(v)}" for k, v in fresh.items()]) == 2
     assert "is not a whole number of micro_batch (8) x dp_size (2)" in capsys.readouterr().err
+
+
+def _average(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's weight average by name (a .pt's, or a .dcp's loaded in one process)."""
+    from largebatch.export import load_run
+
+    return {name: p.detach() for name, p in load_run(run_dir, ema=True, log=lambda *_: None).model.named_parameters()}
+
+
+def _assert_same_average(ours: dict, theirs: dict, rtol: float, atol: float) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        if name.endswith("attn.k.bias"):  # its gradient is 0 in exact arithmetic (a softmax does not see a
+            continue  # constant added to every key): LAMB's steps of it follow rounding, the weights differ too
+        torch.testing.assert_close(value, theirs[name], rtol=rtol, atol=atol, msg=name)
+
+
+def test_the_weight_average_across_layouts_and_mesh_changes(single, tmp_path):
+    """run.ema_decay under FSDP with checkpoints in the background, stopped at step 5 and continued
+    under tp = 2 with sequence parallel (the average resharded from FSDP's shards to tensor-parallel
+    DTensors through the distributed checkpoint), and a one-process .pt checkpoint continued on
+    pipeline stages (each stage cutting its parameters' averages from the full tensors): every loss
+    and every evaluation of the average is one process's, and so is the final average."""
+    cache, _ = single
+    ema = {"run.ema_decay": 0.8}
+    one = tmp_path / "one"
+    Trainer(load_config(resolve_config(None), _overrides(cache, one, **ema)), one, log=lambda *_: None).fit()
+    out = tmp_path / "fsdp-tp"
+    _torchrun(_overrides(cache, out, **ema, **{"parallel.dp_mode": "fsdp", "run.async_checkpoint": True,
+                                               "run.max_steps": 5}))
+    _torchrun(_overrides(cache, out, **ema, **{"parallel.tp": 2, "parallel.sequence_parallel": True}))
+
+    def ema_vals(run):
+        return [r["val_loss_ema"] for r in read_metrics(run) if r["kind"] == "val"]
+
+    assert _losses(out) == pytest.approx(_losses(one), rel=1e-5, abs=1e-5)
+    assert len(ema_vals(out)) >= 4 and ema_vals(out) == pytest.approx(ema_vals(one), rel=1e-5)
+    _assert_same_average(_average(out), _average(one), rtol=1e-4, atol=1e-5)
+
+    untied = {**ema, "model.tie_embeddings": False}  # pipeline stages cannot share the embedding
+    ref = tmp_path / "ref"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **untied)), ref, log=lambda *_: None).fit()
+    pp = tmp_path / "pp"
+    o = _overrides(cache, pp, **untied, **{"run.max_steps": 5})
+    Trainer(load_config(resolve_config(None), o), pp, log=lambda *_: None).fit()
+    _torchrun(_overrides(cache, pp, **untied, **{"parallel.pp": 2}))
+    assert ema_vals(pp) == pytest.approx(ema_vals(ref), rel=1e-6)
+    _assert_same_average(_average(pp), _average(ref), rtol=1e-5, atol=1e-6)

@@ -25,6 +25,8 @@ Options:
                        run.keep_checkpoints of them
   --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2
                        (GPT), bert, roberta, xlm-roberta or camembert (post-LN BERT)
+  --ema                export the run's weight average (run.ema_decay) instead of its weights; an
+                       error when the checkpoint holds none
   --no-verify          skip loading OUT back and comparing logits
 """
 
@@ -57,6 +59,7 @@ class LoadedRun:
     config: dict[str, Any]  # the run's TrainConfig as a dict (from the checkpoint)
     tokens: int | None = None  # tokens the run had trained on at that checkpoint (None: not recorded)
     chosen: bool = False  # named by the caller (--checkpoint), not the newest readable one
+    ema: bool = False  # the model holds the checkpoint's weight average (run.ema_decay), not its weights
 
 
 def stopped_early(loaded: LoadedRun) -> str | None:
@@ -136,9 +139,10 @@ def choose_checkpoint(run_dir: Path, which: str | int, candidates: list[Path]) -
 
 
 def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
-             log=print, checkpoint: str | int | None = None) -> LoadedRun:
+             log=print, checkpoint: str | int | None = None, ema: bool = False) -> LoadedRun:
     """The newest intact checkpoint of ``run_dir`` (or the one ``checkpoint`` names: a step, a name or
-    a path, see ``choose_checkpoint``) loaded into a largebatch model on CPU.
+    a path, see ``choose_checkpoint``) loaded into a largebatch model on CPU; with ``ema``, the
+    weight average it keeps (run.ema_decay) in place of its weights (ExportError when it has none).
 
     A checkpoint that cannot be read (a damaged file, a ``.dcp`` without its metadata or with a
     damaged shard) is skipped with a note, and the next older one is used; a chosen one that
@@ -167,7 +171,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
         tokenizer = run_tokenizer({}, tokenizer_file, run_dir)
     if chosen is not None:
         try:
-            model, extra = _load_checkpoint(chosen)
+            model, extra = _load_checkpoint(chosen, ema)
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 -- damaged in any way (see below)
@@ -177,7 +181,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             raise ExportError(f"--checkpoint {str(checkpoint)!r}: {chosen} cannot be read "
                               f"({(str(exc).splitlines() or [type(exc).__name__])[0]}): choose another "
                               "checkpoint, or leave --checkpoint out for the newest readable one") from None
-        return _loaded(run_dir, chosen, model, extra, tokenizer, tokenizer_file, chosen=True)
+        return _loaded(run_dir, chosen, model, extra, tokenizer, tokenizer_file, chosen=True, ema=ema)
     problems, tried = [], set()
     for _ in range(5):  # a run still training saves and deletes checkpoints (retention) meanwhile
         for path in reversed(candidates):
@@ -185,7 +189,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
                 continue
             tried.add(path)
             try:
-                model, extra = _load_checkpoint(path)
+                model, extra = _load_checkpoint(path, ema)
             except ExportError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- damaged in any way: fall back to the previous
@@ -196,14 +200,15 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
                 problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
                 log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
                 continue
-            return _loaded(run_dir, path, model, extra, tokenizer, tokenizer_file)
+            return _loaded(run_dir, path, model, extra, tokenizer, tokenizer_file, ema=ema)
         candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
         if set(candidates) <= tried:
             break
     raise ExportError(f"RUN_DIR {str(run_dir)!r}: no checkpoint could be read ({'; '.join(problems)})")
 
 
-def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_file, chosen: bool = False):
+def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_file, chosen: bool = False,
+            ema: bool = False):
     from largebatch.checkpoint.files import checkpoint_step
 
     step = int(extra.get("progress", {}).get("step", checkpoint_step(path)))
@@ -211,10 +216,12 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
         tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
     tokens = extra.get("progress", {}).get("tokens")
     return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens),
-                     chosen=chosen)
+                     chosen=chosen, ema=ema)
 
 
-def _load_checkpoint(path: Path):
+def _load_checkpoint(path: Path, ema: bool = False):
+    import torch
+
     from largebatch.models import ModelConfig, build_model
     from largebatch.typed_config import from_dict
 
@@ -230,14 +237,32 @@ def _load_checkpoint(path: Path):
         raise ExportError(f"checkpoint {path} holds no run config: it was not written by "
                           "`largebatch train`")
     model = build_model(from_dict(ModelConfig, extra["config"]["model"]))  # eval(): no dropout
+    if ema and not extra.get("ema"):
+        raise ExportError(f"--ema: checkpoint {path} holds no weight average (its run had run.ema_decay "
+                          "off): leave --ema out for its weights, or continue the run with "
+                          "--run.ema_decay=0.999 (say) and use a later checkpoint")
+    average = {"ema": {name: torch.empty_like(p) for name, p in model.named_parameters()}} if ema else {}
     if path.suffix == ".dcp":  # DCP loads into a plain state dict in one process
         from largebatch.checkpoint.distributed import load_distributed
         from largebatch.parallel.mesh import ParallelState
 
-        load_distributed(path, model, None, ParallelState())
+        load_distributed(path, model, None, ParallelState(), tensors=average)
     else:
         state = {k.replace("_orig_mod.", ""): v for k, v in extra["model"].items()}
         model.load_state_dict(state, strict=True)
+        if ema:
+            saved = {k.replace("_orig_mod.", ""): v for k, v in (extra.get("ema_tensors") or {}).items()}
+            if set(saved) >= set(average["ema"]):
+                average["ema"] = saved
+            else:
+                average = {}
+    if ema:
+        if "ema" not in average:
+            raise ExportError(f"--ema: checkpoint {path} has no weight average for every parameter of "
+                              "its model: it is damaged, or was not written by `largebatch train`")
+        with torch.no_grad():  # (tied parameters are listed once: both names follow)
+            for name, p in model.named_parameters():
+                p.copy_(average["ema"][name])
     return model.float().eval(), extra
 
 
@@ -322,14 +347,14 @@ def _fail(message: str, code: int = 2) -> int:
 
 def _parse(argv: list[str]) -> dict[str, Any]:
     opts: dict[str, Any] = {"format": None, "force": False, "tokenizer": None, "verify": True,
-                            "checkpoint": None, "hf-model-type": None}
+                            "checkpoint": None, "hf-model-type": None, "ema": False}
     positional: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--") and "=" in arg:
             name, value = arg[2:].split("=", 1)
-            if name in ("force", "no-verify"):
+            if name in ("force", "no-verify", "ema"):
                 raise ExportError(f"--{name} takes no value: write --{name} alone")
         elif arg in ("--format", "--tokenizer", "--checkpoint", "--hf-model-type"):
             if i + 1 >= len(argv):
@@ -342,16 +367,18 @@ def _parse(argv: list[str]) -> dict[str, Any]:
             name, value = "force", True
         elif arg == "--no-verify":
             name, value = "verify", False
+        elif arg == "--ema":
+            name, value = "ema", True
         elif arg.startswith("-"):
             raise ExportError(f"unknown option {arg!r}: use --format, --force, --tokenizer, "
-                              "--checkpoint, --hf-model-type or --no-verify (largebatch export --help)")
+                              "--checkpoint, --hf-model-type, --ema or --no-verify (largebatch export --help)")
         else:
             positional.append(arg)
             i += 1
             continue
-        if name not in ("format", "tokenizer", "checkpoint", "hf-model-type", "force", "verify"):
+        if name not in ("format", "tokenizer", "checkpoint", "hf-model-type", "force", "verify", "ema"):
             raise ExportError(f"unknown option '--{name}': use --format, --force, --tokenizer, "
-                              "--checkpoint, --hf-model-type or --no-verify (largebatch export --help)")
+                              "--checkpoint, --hf-model-type, --ema or --no-verify (largebatch export --help)")
         opts[name] = value
         i += 1
     if len(positional) != 2:
@@ -367,10 +394,11 @@ def _parse(argv: list[str]) -> dict[str, Any]:
 
 def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool = False,
            tokenizer_file: str | Path | None = None, verify: bool = True, log=print,
-           checkpoint: str | int | None = None, hf_model_type: str | None = None) -> dict[str, Any]:
+           checkpoint: str | int | None = None, hf_model_type: str | None = None,
+           ema: bool = False) -> dict[str, Any]:
     """Export the newest checkpoint of ``run_dir`` (or the one ``checkpoint`` names) to ``out``, as
-    the transformers ``hf_model_type`` when given (else the run's model.hf_model_type); returns what
-    was written.
+    the transformers ``hf_model_type`` when given (else the run's model.hf_model_type); with ``ema``,
+    its weight average (run.ema_decay) instead of its weights. Returns what was written.
 
     ``out`` is written in a temporary sibling directory and renamed into place, so a failed export
     never leaves a half-written OUT (with ``force`` an existing OUT is replaced only then).
@@ -408,7 +436,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         known = sorted({t for types in HF_MODEL_TYPES.values() for t in types})
         if hf_model_type not in known:
             raise ExportError(f"--hf-model-type {hf_model_type!r} is unknown: use one of {', '.join(known)}")
-    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint)
+    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
     if hf_model_type is not None:  # the function is the same: only what the export writes changes
         from largebatch.models.config import hf_model_type_problem
 
@@ -469,7 +497,7 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
             else:
                 aside.unlink(missing_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-    info.update(checkpoint=str(loaded.checkpoint), step=loaded.step, out=str(out))
+    info.update(checkpoint=str(loaded.checkpoint), step=loaded.step, out=str(out), ema=ema)
     return info
 
 
@@ -523,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_transformers()
         info = export(opts["run_dir"], opts["out"], opts["format"], force=opts["force"],
                       tokenizer_file=opts["tokenizer"], verify=opts["verify"], checkpoint=opts["checkpoint"],
-                      hf_model_type=opts["hf-model-type"],
+                      hf_model_type=opts["hf-model-type"], ema=opts["ema"],
                       log=lambda m: print(m, file=sys.stderr))
     except ExportError as exc:
         return _fail(str(exc))
@@ -536,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     checked = (f"; logits match largebatch's to {info['max_abs_diff']:.1e}"
                if "max_abs_diff" in info else "")
-    print(f"exported {info['checkpoint']} (step {info['step']}) as {info['architecture']} to "
+    print(f"exported {info['checkpoint']} (step {info['step']}{', its weight average' if info['ema'] else ''}) "
+          f"as {info['architecture']} to "
           f"{info['out']}{checked}")
     return 0
 

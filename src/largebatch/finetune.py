@@ -35,6 +35,8 @@ Options:
   --tokenizer PATH            the run's tokenizer.json when it cannot be rebuilt from the run
   --checkpoint STEP           judge the run's checkpoint at optimizer step STEP (or its name or path)
                               instead of the newest; its report is TASK@step_NNNNNNNN.md beside TASK.md
+  --ema                       judge the checkpoint's weight average (run.ema_decay) instead of its
+                              weights; its report is TASK+ema.md (TASK@step_NNNNNNNN+ema.md)
 """
 
 from __future__ import annotations
@@ -348,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=kind, default=getattr(Settings, name.replace("-", "_")))
     p.add_argument("--tokenizer")
     p.add_argument("--checkpoint")
+    p.add_argument("--ema", action="store_true")
     return p
 
 
@@ -359,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         settings = Settings(**{k: v for k, v in vars(args).items()
-                               if k not in ("run_dir", "tokenizer", "checkpoint")})
+                               if k not in ("run_dir", "tokenizer", "checkpoint", "ema")})
         return run(args.run_dir, settings, args.tokenizer, shlex.join(["largebatch", "finetune", *argv]),
-                   checkpoint=args.checkpoint)
+                   checkpoint=args.checkpoint, ema=args.ema)
     except (FinetuneError, TaskError) as exc:
         print(f"largebatch finetune: error: {exc}", file=sys.stderr)
         return 2
@@ -378,9 +381,10 @@ def _check_report_paths(out: Path, stem: str) -> None:
 
 
 def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, command: str = "",
-        checkpoint: str | None = None) -> int:
+        checkpoint: str | None = None, ema: bool = False) -> int:
     """Fine-tune the run's newest checkpoint (or the one ``checkpoint`` names, reported as
-    ``TASK@step_NNNNNNNN``) against scratch; writes the report to RUN_DIR/finetune/."""
+    ``TASK@step_NNNNNNNN``; with ``ema``, its weight average, reported as ``...+ema``) against
+    scratch; writes the report to RUN_DIR/finetune/."""
     from largebatch.export import ExportError, check_run_dir_given, load_run, partial_note
 
     try:
@@ -392,10 +396,11 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
     out = Path(run_dir) / "finetune"  # where the report goes: checked now, not when the results are in
     _check_report_paths(out, settings.task)
     try:
-        loaded = load_run(run_dir, tokenizer_file, checkpoint=checkpoint)
+        loaded = load_run(run_dir, tokenizer_file, checkpoint=checkpoint, ema=ema)
     except ExportError as exc:
         raise FinetuneError(str(exc)) from None
     stem = settings.task if checkpoint is None else f"{settings.task}@{loaded.checkpoint.name.split('.')[0]}"
+    stem += "+ema" if ema else ""
     _check_report_paths(out, stem)
     if loaded.tokenizer is None:
         raise FinetuneError(f"RUN_DIR {run_dir!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
@@ -414,7 +419,8 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
                             "held-out split") from None
     passages = (f"{len(data.train_ids)} train / {len(data.test_ids)} test passages" if s.folds == 1 else
                 f"{len(data.train_ids) + len(data.test_ids)} passages in {s.folds} folds of whole documents")
-    print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}) on {s.task}: {passages} of {s.passage_len} "
+    print(f"fine-tuning {loaded.checkpoint} (step {loaded.step}{', its weight average' if ema else ''}) on "
+          f"{s.task}: {passages} of {s.passage_len} "
           f"tokens, {s.seeds} seeds x 2 arms")
     partial = partial_note(loaded, "judges")  # judged before the end of the run's token budget
     if partial:
@@ -424,9 +430,10 @@ def run(run_dir: str, settings: Settings, tokenizer_file: str | None = None, com
               f"trained so far: positions past {trained} are untrained in the pretrained arm")
     result = compare(loaded.model.train(), data, s)
     out.mkdir(exist_ok=True)
-    where = loaded.checkpoint.name + (f" ({partial})" if partial else "")
+    where = loaded.checkpoint.name + (" (its weight average, run.ema_decay)" if ema else "") \
+        + (f" ({partial})" if partial else "")
     text = report_markdown(result, data, s, Path(run_dir).name, where, command)
-    payload = {"settings": asdict(s), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
+    payload = {"settings": asdict(s), "checkpoint": str(loaded.checkpoint), "step": loaded.step, "ema": ema,
                "trained_tokens": loaded.tokens, "partial": partial,
                "classes": data.classes, "train_documents": data.train_documents,
                "test_documents": data.test_documents, **result}

@@ -103,11 +103,14 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_distributed(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     extra: dict[str, Any], state: ParallelState, keep_last: int = 2) -> Path:
-    """Save model + optimizer (sharded, every rank) and ``extra`` (rank 0) atomically; collective."""
+                     extra: dict[str, Any], state: ParallelState, keep_last: int = 2,
+                     tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Save model + optimizer (sharded, every rank) and ``extra`` (rank 0) atomically; collective.
+    ``tensors``: more entries of tensors by name, saved sharded beside them (``{"ema": {name: DTensor}}``
+    is saved as ``ema.NAME``)."""
     final, tmp = _prepare(run_dir, step, state, keep_last)
     try:
-        return _save_into(tmp, final, run_dir, model, optimizer, extra, state, keep_last)
+        return _save_into(tmp, final, run_dir, model, optimizer, extra, state, keep_last, tensors)
     except CheckpointError:  # a failed write: every rank agreed, and the temporary is gone already
         raise
     except BaseException:  # (a peer lost mid-save: its collectives raise; a signal's exception)
@@ -149,12 +152,12 @@ def _complete(tmp: Path, final: Path, extra: dict[str, Any], state: ParallelStat
 
 def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, extra: dict[str, Any], state: ParallelState,
-               keep_last: int) -> Path:
+               keep_last: int, tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     _barrier(state)
     model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
     failure: tuple[int, OSError] | None = None
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        dcp.save({"model": model_state, "optim": optim_state, **(tensors or {})}, checkpoint_id=tmp)
     except CheckpointException as exc:  # raised on every rank, with every rank's error
         failure = _write_error(exc)
     _barrier(state)  # every shard is written (or every rank knows it was not)
@@ -191,7 +194,8 @@ class DistributedWrite:
         self._failure: tuple[int, OSError] | None = None
 
     def start(self, run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              extra: dict[str, Any], keep_last: int = 2) -> Path:
+              extra: dict[str, Any], keep_last: int = 2,
+              tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
         self.wait()
         state = self.state
         if self._group is None and state.distributed:  # (collective: every rank's first save)
@@ -202,7 +206,7 @@ class DistributedWrite:
         final, tmp = _prepare(run_dir, step, state, keep_last)
         _barrier(state)
         model_state, optim_state = get_state_dict(unwrap(model), optimizer, options=FLAT)
-        future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp,
+        future = dcp.async_save({"model": model_state, "optim": optim_state, **(tensors or {})}, checkpoint_id=tmp,
                                 process_group=self._group)  # (the shards are on the host when it returns)
         host_extra = staged(extra) if state.is_main else None
 
@@ -353,8 +357,11 @@ def _agree(failure: tuple[int, OSError] | None, state: ParallelState) -> tuple[i
 
 
 def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                     state: ParallelState) -> dict[str, Any]:
+                     state: ParallelState, tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Load a DCP checkpoint into ``model`` (and ``optimizer``) as sharded NOW; returns ``extra``.
+    ``tensors``: more entries saved beside them (see save_distributed), loaded in place into the
+    tensors given; an entry the checkpoint does not hold in full is left as it is and removed from
+    ``tensors`` (so what remains there was loaded).
 
     Works on any mesh, including a single process without torch.distributed (2 ranks -> 1).
     """
@@ -378,7 +385,7 @@ def load_distributed(path: str | Path, model: torch.nn.Module, optimizer: torch.
     try:
         with warnings.catch_warnings():  # one process without torch.distributed is a supported load
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            return _load(path, model, optimizer)
+            return _load(path, model, optimizer, tensors)
     except CheckpointException as exc:  # a BaseException: no ``except Exception`` would see it
         raise CheckpointError(f"could not read checkpoint {path}: {_read_error(exc)}") from None
 
@@ -394,10 +401,19 @@ def _read_error(exc: CheckpointException) -> str:
     return f"{type(error).__name__}{': ' + first if first else ''}{where}"
 
 
-def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+          tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     module = unwrap(model)
+    more: dict[str, dict[str, torch.Tensor]] = {}
+    if tensors:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for entry in list(tensors):
+            if tensors[entry] and all(f"{entry}.{name}" in keys for name in tensors[entry]):
+                more[entry] = tensors[entry]
+            else:
+                del tensors[entry]
     if optimizer is None:
-        target = {"model": get_model_state_dict(module)}
+        target = {"model": get_model_state_dict(module), **more}
         dcp.load(target, checkpoint_id=path)
         set_model_state_dict(module, target["model"])
     else:
@@ -407,7 +423,7 @@ def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         model_state, optim_state = get_state_dict(module, optimizer, options=options)
         if options is FLAT:
             _take_saved_tensors(optim_state, keys)
-        target = {"model": model_state, "optim": optim_state}
+        target = {"model": model_state, "optim": optim_state, **more}
         dcp.load(target, checkpoint_id=path)
         set_state_dict(module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                        options=options)

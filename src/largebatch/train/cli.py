@@ -393,6 +393,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
             f"baseline {s['unigram_val_accuracy']:.4f}"
             f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
           if s.get("final_val_accuracy") is not None else []),
+        *([f"weight average    validation loss {s['final_val_loss_ema']:.4f} (run.ema_decay)"
+           + ("" if s.get("final_val_accuracy_ema") is None else f", accuracy {s['final_val_accuracy_ema']:.4f}")]
+          if s.get("final_val_loss_ema") is not None else []),
         *(["by corpus         " + ", ".join(f"{label} {loss:.4f}" for label, loss in
                                             s["final_val_loss_by_corpus"].items())]
           if s.get("final_val_loss_by_corpus") else []),

@@ -194,6 +194,15 @@ class RunConfig:
     max_skipped_steps: int | None = 10
     """With on_nonfinite='skip': stop the run (exit 1, naming the step, the count and the last good
     checkpoint) after this many consecutive skipped steps. None: never give up."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights, updated after every optimizer step with
+    this decay d (e.g. 0.999: an average over the last ~1/(1-d) = 1,000 steps), bias-corrected so
+    that it is the weighted mean of the weights after each step so far (weights d^age; no pull
+    toward the initial weights). Every evaluation also reports the average's validation loss
+    (val_loss_ema); checkpoints keep it, and ``largebatch export --ema`` / ``largebatch finetune
+    --ema`` use it. Costs one more copy of the parameters (in their dtype, sharded as they are).
+    None: off. It may change when a run continues (the average then starts from the resumed
+    weights where the checkpoint has none). See largebatch.train.ema."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU (e.g. 989e12 for H100 bf16). None: measured here with a
     matmul in the run's dtype, and printed as such."""
@@ -242,6 +251,9 @@ class RunConfig:
         for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
                      "max_steps", "max_skipped_steps", "peak_flops"):
             check_off(f"run.{name}", getattr(self, name))
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"run.ema_decay = {self.ema_decay}: must lie strictly between 0 and 1 (e.g. "
+                             "0.999, an average over ~1,000 steps), or none for no weight average")
         if self.eval_micro_batch is not None and self.eval_micro_batch <= 0:
             raise ValueError(f"run.eval_micro_batch = {self.eval_micro_batch}: must be > 0, or unset "
                              "(the training micro-batch)")

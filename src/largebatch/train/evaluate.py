@@ -161,21 +161,42 @@ class Evaluation:
         self.settle()
         try:
             val_loss = self.evaluate()
+            by_corpus = self.val_by_corpus or {}
+            average = self._evaluate_average()
         except EvalInterrupted as exc:
             self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
                      "it runs again when the run continues")
             raise
-        by_corpus = self.val_by_corpus or {}
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                               "val_accuracy": self.val_accuracy,
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
+                              **({} if average is None else {"val_loss_ema": average[0],
+                                                             "val_accuracy_ema": average[1]}),
                               "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
                    if by_corpus else "")
+        ema = "" if average is None else f"  ema {average[0]:.4f}"
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
-                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}")
+                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}{ema}")
         return val_loss
+
+    def _evaluate_average(self) -> tuple[float, float | None] | None:
+        """(validation loss, accuracy) of the weight average (run.ema_decay) on the same slice, the
+        evaluation's other results (accuracy, per-corpus losses) kept as the weights gave them; None
+        without an average. Kept as ``self.val_ema`` for the summary. A stop signal during it abandons
+        the evaluation as during the weights' (``EvalInterrupted``), the weights back in place."""
+        ema = getattr(self, "ema", None)
+        if ema is None:
+            return None
+        kept = self.val_accuracy, self.val_by_corpus
+        try:
+            with ema.applied():
+                loss = self.evaluate()
+            self.val_ema = (loss, self.val_accuracy)
+        finally:
+            self.val_accuracy, self.val_by_corpus = kept
+        return self.val_ema

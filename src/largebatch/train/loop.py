@@ -72,6 +72,7 @@ from largebatch.parallel.mesh import set_collective_timeout
 from largebatch.parallel.pipeline import padded_micro_batches, pipeline_parallelize
 from largebatch.train.config import TrainConfig, save_config
 from largebatch.train.deferred import Deferred, target_count
+from largebatch.train.ema import WeightAverage
 from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog, WandbSettings
@@ -245,6 +246,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
                                                          capturable=run.on_nonfinite == "skip"), self.par)
+        # run.ema_decay: the weights' moving average, beside the optimizer's parameters (train.ema)
+        self.ema = WeightAverage(self.optimizer, run.ema_decay, self.device) if run.ema_decay else None
         # the batch granularity's replica count (see _load): a resume's checkpoints' (a one-process run
         # of batch 8 = micro_batch continues on 2 replicas, whose micro_batch x 2 would not divide 8)
         self.schedule_dp = (checkpoint_dp_size(self.run_dir) or self.par.dp_size) if resume else self.par.dp_size
@@ -257,6 +260,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.profiler: StepProfiler | None = None  # while fit runs: run.profile_steps
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         self.val_by_corpus: dict[str, float] | None = None  # a mixture's: each corpus's loss, likewise
+        self.val_ema: tuple[float, float | None] | None = None  # the weight average's (loss, accuracy), likewise
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
         # one; one replica -> the first micro-batch vs the accumulated step (summed over pipeline
@@ -306,9 +310,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         return self._wall_before + time.perf_counter() - self._launch_start
 
     def extra_state(self) -> dict[str, Any]:
-        """Everything but model and optimizer: schedule, estimator, position, RNG, config."""
+        """Everything but model and optimizer: schedule, estimator, position, RNG, config (and the
+        weight average's decay and step count; its tensors are saved beside the model's)."""
         self.pos.wall_seconds = self.wall_seconds()
-        return {"version": 1, "schedule": self.schedule.state_dict(),
+        ema = None if self.ema is None else {"decay": self.ema.decay, "steps": self.ema.step_count()}
+        return {"version": 1, "ema": ema, "schedule": self.schedule.state_dict(),
                 "noise_scale": self.noise.state_dict(), "progress": vars(self.pos).copy(),
                 "phase_val_losses": list(self.phase_val_losses), "data_entry": self._data_entry(),
                 "val_documents": list(self.data.stats.val_document_names),
@@ -379,7 +385,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if path.suffix == ".dcp":  # from any number of ranks, onto this mesh
             from largebatch.checkpoint.distributed import load_distributed  # DCP: on use (start-up)
 
-            extra = load_distributed(path, self.model, self.optimizer, self.par)
+            average = {} if self.ema is None else {"ema": self.ema.state_dict()}
+            extra = load_distributed(path, self.model, self.optimizer, self.par, tensors=average)
+            saved_average = average.get("ema")  # (loaded in place)
         else:
             extra = load_checkpoint(path)  # CheckpointError when unreadable
             if self.pipeline is not None or any(is_dtensor(p) for p in self.raw_model.parameters()):
@@ -389,6 +397,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             else:
                 self.raw_model.load_state_dict(extra["model"])
                 self.optimizer.load_state_dict(extra["optimizer"])
+            saved_average = extra.get("ema_tensors")
+        self._load_average(path, saved_average, extra.get("ema"), extra["progress"]["step"])
         saved_dp = extra["schedule"].get("config", {}).get("dp_size", self.par.dp_size)
         if saved_dp != self.par.dp_size:
             # another number of replicas: keep the run's batch granularity (micro_batch x old dp), so
@@ -443,23 +453,45 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             self.log(f"note: checkpoint from {len(rngs)} ranks resumed on {self.par.world_size}: "
                      f"data position and state are exact, dropout streams are re-seeded")
 
+    def _load_average(self, path: Path, tensors: dict[str, Any] | None, saved: dict[str, Any] | None,
+                      step: int) -> None:
+        """The weight average of checkpoint ``path`` (``tensors`` by name, and its decay and count),
+        or, where the run keeps one and the checkpoint has none, a new one from the loaded weights."""
+        if self.ema is None:
+            if saved:
+                self.log(f"note: {path.name} holds a weight average (run.ema_decay = {saved['decay']}), and "
+                         "this launch has run.ema_decay off: the average is not kept from here on")
+            return
+        if saved and tensors is not None:
+            self.ema.load(tensors, saved["steps"])
+            if saved["decay"] != self.ema.decay:
+                self.log(f"note: the weight average continues with run.ema_decay = {self.ema.decay} (it was "
+                         f"{saved['decay']} up to {path.name})")
+            return
+        self.ema.restart()
+        self.log(f"note: {path.name} holds no weight average: run.ema_decay = {self.ema.decay} averages "
+                 f"from its weights (step {step}) on")
+
     def save(self) -> Path:
         """Checkpoint the current step (with run.async_checkpoint: started, written in the background;
         ``finish_saves`` waits for it)."""
         self.settle()  # never a checkpoint past a non-finite step; the estimator up to date
         keep = self.cfg.run.keep_checkpoints
+        average = None if self.ema is None else {"ema": self.ema.state_dict()}
         if self.par.distributed:
             from largebatch.checkpoint.distributed import save_distributed  # DCP: on use (start-up)
 
             if self.writes is not None:
                 path = self.writes.start(self.run_dir, self.pos.step, self.model, self.optimizer,
-                                         self.extra_state(), keep_last=keep)
+                                         self.extra_state(), keep_last=keep, tensors=average)
             else:
                 path = save_distributed(self.run_dir, self.pos.step, self.model, self.optimizer,
-                                        self.extra_state(), self.par, keep_last=keep)
+                                        self.extra_state(), self.par, keep_last=keep, tensors=average)
         else:
             state = {**self.extra_state(), "model": self.raw_model.state_dict(),
                      "optimizer": self.optimizer.state_dict()}
+            if average is not None:
+                state["ema_tensors"] = average["ema"]
             if self.writes is not None:
                 path = self.writes.start(self.run_dir, self.pos.step, state, keep_last=keep)
             else:
@@ -592,6 +624,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         else:  # "stop": recorded on the device; the next read stops the run
             self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
             self.optimizer.step()
+        if self.ema is not None:  # (after a skipped step's take-back: finite False leaves it as it was)
+            self.ema.update(finite)
         self.optimizer.zero_grad(set_to_none=True)
         if noise_inputs is not None:
             self.deferred.add_noise_inputs(*noise_inputs, keep=finite)

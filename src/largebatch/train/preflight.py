@@ -310,7 +310,8 @@ def check_model_vocab(cfg: TrainConfig, vocab_size: int | None) -> int:
 
 
 def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
-    """fp32 parameters + gradients + optimizer state of one process, from the config alone: its
+    """fp32 parameters + gradients + optimizer state (+ the weight average of run.ema_decay) of one
+    process, from the config alone: its
     tensor-parallel share of its pipeline stages (the rank with the most layers, with the embedding
     or with the output layer, whichever holds more; under ZBV rank 0 holds both), divided over the
     FSDP shard group."""
@@ -331,6 +332,8 @@ def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEsti
         except ValueError:  # a layout that does not fit the launch: refused with its own message later
             pass
     per_parameter = 2 * FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes
+    if cfg.run.ema_decay is not None:  # the weight average: one more copy (its evaluations' swap uses
+        per_parameter += FP32_BYTES    # the gradients' space, freed by then)
     available, source = _available_bytes(cfg)
     return StateEstimate(n, n * per_parameter, available, source, vocab_size)
 

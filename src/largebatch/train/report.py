@@ -117,7 +117,10 @@ class Reporting:
                  f"{cfg.model.attention} attention, recompute {','.join(cfg.run.recompute)}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
-                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})",
+                 f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})"
+                 + ("" if cfg.run.ema_decay is None else
+                    f"; weight average decay {cfg.run.ema_decay} (~{1 / (1 - cfg.run.ema_decay):,.0f} steps), "
+                    "evaluated beside the weights"),
                  f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
                  f"parallel     {self.par.world_size} process(es): "
@@ -182,6 +185,8 @@ class Reporting:
         summary["uncapped_seesaw"] = (self.phase.schedule.batch_policy == "seesaw"
                                       and self.phase.schedule.noise_scale_multiple is None)
         summary["final_val_accuracy"] = self.val_accuracy
+        if getattr(self, "ema", None) is not None:  # run.ema_decay: the average's, on the same tokens
+            summary["final_val_loss_ema"], summary["final_val_accuracy_ema"] = self.val_ema
         if self.val_by_corpus:  # data.mixture: each corpus's validation loss (the eval records' val_loss/<corpus>)
             summary["final_val_loss_by_corpus"] = dict(self.val_by_corpus)
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
