@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -717,3 +718,94 @@ def test_a_stopped_timed_run_is_continued_by_resume_alone(reference_run, tmp_pat
     out = capsys.readouterr().out
     run = next((tmp_path / "runs").iterdir())
     assert f"Continue with: largebatch train --resume {run}" in out and "same command again" not in out, out
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("5400", 5400.0), ("5400.5", 5400.5), ("90m", 5400.0), ("3h50m", 13800.0), ("1d12h", 129600.0),
+    ("1m30s", 90.0), ("45s", 45.0), ("1.5h", 5400.0), ("3:50:00", 13800.0), ("30:00", 1800.0),
+    ("1-12:00:00", 129600.0), ("1-12", 129600.0), ("2-3:30", 185400.0), (" 2H ", 7200.0)])
+def test_durations_are_read_as_people_and_slurm_write_them(text, seconds):
+    from largebatch.arguments import duration_seconds
+
+    assert duration_seconds(text) == seconds
+
+
+def test_a_bad_time_limit_is_one_line_naming_the_field(capsys, monkeypatch):
+    """Nonsense, zero and negative durations, a unit twice or out of order, and "slurm" outside a
+    Slurm job (or one whose end has passed) are refused before any work, naming the field and the fix."""
+    for bad, says in (("abc", "not a duration"), ("0", "must be positive and finite"), ("-3", "not a duration"),
+                      ("1h1h", "not a duration"), ("30s1m", "not a duration"), ("1:2:3:4", "not a duration"),
+                      ("inf", "must be positive and finite")):
+        assert main([f"--run.time_limit={json.dumps(bad)}", "--check"]) == 2
+        err = capsys.readouterr().err
+        assert "run.time_limit = " in err and says in err and err.count("\n") == 1, (bad, err)
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    assert main(["--run.time_limit=slurm", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "SLURM_JOB_END_TIME, which is not set" in err and "--run.time_limit=3h50m" in err, err
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) - 100))
+    assert main(["--run.time_limit=slurm", "--check"]) == 2
+    assert "the job's end (SLURM_JOB_END_TIME = " in capsys.readouterr().err
+
+
+def test_the_time_needed_is_the_slowest_rate_times_the_next_step_and_the_longest_save():
+    """TimeLimit's estimate from its measurements: the launch's first step (warm-up) counts until a
+    second is measured, then the most seconds per token of the others, times the next step's tokens;
+    the longest save (the checkpoint's record before any save of this launch; the step's before
+    either); the longest evaluation when one is due; all x 1.25."""
+    from largebatch.train.stopping import TimeLimit
+
+    limit = TimeLimit(100.0, time.monotonic())
+    limit.step_done(3.0, 1000)  # the first step: 3 ms a token, warm-up included
+    assert limit.needed(2000, False) == pytest.approx(1.25 * (6.0 + 6.0))  # the save as long as a step
+    limit.step_done(0.5, 1000)
+    limit.step_done(0.75, 1000)  # the slowest after the first: 0.75 ms a token
+    limit.saved(2.0)
+    limit.saved(1.0)
+    limit.evaluated(4.0)
+    assert limit.needed(4000, False) == pytest.approx(1.25 * (3.0 + 2.0))
+    assert limit.needed(4000, True) == pytest.approx(1.25 * (3.0 + 2.0 + 4.0))
+    assert TimeLimit(100.0, time.monotonic(), save_seconds=7.0).needed(1, False) == pytest.approx(1.25 * 7.0)
+    assert 99.0 < limit.left() <= 100.0
+
+
+def test_a_time_limit_stops_with_a_checkpoint_before_it_and_the_same_command_continues(reference_run, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """Each step of the reference run slowed to ~0.4 s and a limit 2.5 s after the trainer's setup:
+    the run stops with a checkpoint (exit 0, the resume command printed, no summary.json) before the
+    limit, the note giving the time left and the time the next step and a checkpoint would take,
+    and the same command without a limit continues to the uninterrupted run's losses, to the bit."""
+    from largebatch.train.loop import Trainer
+
+    cache, ref_dir, _ = reference_run
+    out = tmp_path / "limited"
+    o = tiny_overrides(cache, out, **{"run.time_limit": 3600})
+    step, setup = Trainer.train_step, Trainer.__init__
+    ends = []
+
+    def slow_step(self):
+        time.sleep(0.4)
+        return step(self)
+
+    def deadline_after_setup(self, *args, **kwargs):
+        setup(self, *args, **kwargs)
+        self.time_limit.deadline = time.monotonic() + 2.5  # (the setup's time varies: not part of the test)
+        ends.append(self.time_limit.deadline)
+
+    monkeypatch.setattr(Trainer, "train_step", slow_step)
+    monkeypatch.setattr(Trainer, "__init__", deadline_after_setup)
+    assert main(_args(o)) == 0
+    finished = time.monotonic()
+    log = capsys.readouterr().out
+    assert finished <= ends[0] + 0.5, (finished - ends[0], log[-2000:])  # its own 25% margin, and some
+    stop = [line for line in log.splitlines() if line.startswith("run.time_limit: ")]
+    assert len(stop) == 1 and " s left before run.time_limit = 3600 s from the launch's start; " \
+        "the next step and a checkpoint" in stop[0], log[-2000:]
+    steps = len(_train_losses(out))
+    assert 2 <= steps < len(_train_losses(ref_dir)) and not (out / "summary.json").exists()
+    assert f"stopped after {steps} steps (run.time_limit) at step {steps}" in log
+    assert _step(list_checkpoints(out)[-1]) == steps
+    monkeypatch.undo()
+    o["run.time_limit"] = None  # (a restart field: this launch has no limit)
+    assert main(_args(o)) == 0
+    assert _train_losses(out) == _train_losses(ref_dir)

@@ -885,3 +885,40 @@ def test_the_weight_average_across_layouts_and_mesh_changes(single, tmp_path):
     _torchrun(_overrides(cache, pp, **untied, **{"parallel.pp": 2}))
     assert ema_vals(pp) == pytest.approx(ema_vals(ref), rel=1e-6)
     _assert_same_average(_average(pp), _average(ref), rtol=1e-5, atol=1e-6)
+
+
+LIMITED_LAUNCHER = """
+import os, sys, time
+from largebatch.train.loop import Trainer
+step, setup = Trainer.train_step, Trainer.__init__
+def train_step(self):  # rank 1 slow (0.4 s a step): rank 0 waits for it in each step's collectives
+    if os.environ["RANK"] == "1":
+        time.sleep(0.4)
+    return step(self)
+def deadline_after_setup(self, *args, **kwargs):  # each rank's own limit, 2.5 s after its own setup
+    setup(self, *args, **kwargs)
+    self.time_limit.deadline = time.monotonic() + 2.5
+Trainer.train_step, Trainer.__init__ = train_step, deadline_after_setup
+from largebatch.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_time_limit_stops_both_ranks_at_one_step_and_the_same_command_continues(single, ddp_run, tmp_path):
+    """run.time_limit under torchrun, rank 1's steps slowed and each rank measuring its own time: the
+    ranks agree on the step to stop at, write one distributed checkpoint there and exit 0; the same
+    command without the limit continues to the uninterrupted 2-rank run's losses, to the bit."""
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED_LAUNCHER)
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)] + \
+        [f"--{k}={json.dumps(v)}" for k, v in _overrides(single[0], out, **{"run.time_limit": 3600}).items()]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = len(_losses(out))
+    assert 1 <= steps < len(_losses(ddp_run)) and _dcp_steps(out) == [steps], (steps, _dcp_steps(out))
+    assert f"stopped after {steps} steps (run.time_limit) at step {steps}" in proc.stdout, proc.stdout[-2000:]
+    assert not (out / "summary.json").exists()
+    _torchrun(_overrides(single[0], out))
+    assert _losses(out) == _losses(ddp_run)

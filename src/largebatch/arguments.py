@@ -103,6 +103,61 @@ def token_count(text: str) -> int:
     return int(round(value))
 
 
+_DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION_EXAMPLES = "e.g. 5400, '90m', '3h50m', '1d12h', '3:50:00' or Slurm's '1-12:00:00'"
+
+
+def duration_seconds(text: str) -> float:
+    """A duration as people write one, in seconds: a number of seconds ('5400', '5400.5'), units
+    ('90m', '3h50m', '1d12h', '45s'), or Slurm's ``--time`` forms with a colon or a dash
+    ('MM:SS', 'HH:MM:SS', 'D-HH', 'D-HH:MM', 'D-HH:MM:SS'). A bare number is seconds (Slurm reads
+    one as minutes: write '90m'). ValueError saying what is wrong; the caller names the field."""
+    text = text.strip().lower().replace(" ", "")
+    if not text:
+        raise ValueError(f"an empty duration; give one, {_DURATION_EXAMPLES}")
+    try:
+        if ":" in text or "-" in text:  # Slurm's forms
+            days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
+            parts = [float(p) for p in clock.split(":")]
+            if not days.isdigit() or len(parts) > 3 or any(p < 0 or not math.isfinite(p) for p in parts):
+                raise ValueError
+            if "-" in text:  # D-HH, D-HH:MM, D-HH:MM:SS
+                parts += [0.0] * (3 - len(parts))
+            elif len(parts) == 2:  # MM:SS
+                parts = [0.0, *parts]
+            elif len(parts) == 1:
+                raise ValueError
+            value = int(days) * 86400.0 + parts[0] * 3600.0 + parts[1] * 60.0 + parts[2]
+        elif text[-1] in _DURATION_UNITS:
+            value, number = 0.0, ""
+            seen = []
+            for char in text:
+                if char in _DURATION_UNITS:
+                    if not number or char in seen or (seen and "dhms".index(char) <= "dhms".index(seen[-1])):
+                        raise ValueError
+                    value += float(number) * _DURATION_UNITS[char]
+                    number, seen = "", [*seen, char]
+                else:
+                    number += char
+            if number:
+                raise ValueError
+        else:
+            value = float(text)
+    except ValueError:
+        raise ValueError(f"not a duration ({_DURATION_EXAMPLES})") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"the duration must be positive and finite ({_DURATION_EXAMPLES})")
+    return value
+
+
+def time_limit_value(text: str) -> float | str:
+    """``run.time_limit`` as written: "slurm" (the Slurm job's end), else a duration in seconds
+    (:func:`duration_seconds`)."""
+    if text.strip().lower() == "slurm":
+        return "slurm"
+    return duration_seconds(text)
+
+
 _TOKEN_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -76,17 +77,20 @@ class BackgroundWrite:
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.seconds: float | None = None  # the last finished write's own seconds
 
     def start(self, write: Callable[[], Any]) -> None:
         self.wait()
         done = self._done = threading.Event()
 
         def run() -> None:
+            began = time.perf_counter()
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 -- handed to the training thread by wait()
                 self._error = exc
             finally:
+                self.seconds = time.perf_counter() - began
                 done.set()
 
         self._thread = threading.Thread(target=run, name="largebatch-checkpoint-write")

@@ -251,6 +251,11 @@ class DistributedWrite:
                                     fix="See the ranks' messages above for the cause,")
             raise write_failure(final, run_dir, OSError(code, message), where)
 
+    @property
+    def seconds(self) -> float | None:
+        """The last finished background write's own seconds (None before the first)."""
+        return self._write.seconds
+
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for this rank's write in flight (through stop signals), after a failure elsewhere (no
         collective: the other ranks may be gone); on rank 0 the checkpoint is then in place if it was

@@ -83,6 +83,11 @@ class LocalWrite:
     def wait(self) -> None:
         self._write.wait()
 
+    @property
+    def seconds(self) -> float | None:
+        """The last finished background write's own seconds (None before the first)."""
+        return self._write.seconds
+
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for the write in flight (through stop signals), after a failure elsewhere or at the end:
         (its error, a signal's exception that came meanwhile), returned, not raised."""

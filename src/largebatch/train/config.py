@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from largebatch.arguments import token_count
+from largebatch.arguments import time_limit_value, token_count
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
 from largebatch.data.dataset import BERTDataset
@@ -188,6 +188,13 @@ class RunConfig:
     """Stop after this many optimizer steps in this invocation and checkpoint (None: run to the end
     of the budget). For time-limited jobs: continue later with --resume, which runs to the end
     unless given --run.max_steps again."""
+    time_limit: float | str | None = field(default=None, metadata={"parse": time_limit_value})
+    """This launch's wall-clock limit: the run stops with a checkpoint (exit 0, as run.max_steps;
+    the same command continues it) while the time left still holds its next step and a
+    checkpoint, as measured in this launch (largebatch.train.stopping.TimeLimit). A duration from
+    the trainer's start -- seconds (5400), '90m', '3h50m', '1d12h', or Slurm's '3:50:00' and
+    '1-12:00:00' -- or "slurm": the end of the Slurm job it runs in (SLURM_JOB_END_TIME). None: no
+    limit. It may change when a run continues."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss either stops the run (naming the step and the last good checkpoint) or
     skips that step's update."""
@@ -251,6 +258,12 @@ class RunConfig:
         for name in ("eval_every_tokens", "checkpoint_every_tokens", "checkpoint_every_seconds",
                      "max_steps", "max_skipped_steps", "peak_flops"):
             check_off(f"run.{name}", getattr(self, name))
+        if isinstance(self.time_limit, str) and self.time_limit != "slurm":
+            object.__setattr__(self, "time_limit", time_limit_value(self.time_limit))
+        if self.time_limit is not None and self.time_limit != "slurm" and not (
+                isinstance(self.time_limit, float) and math.isfinite(self.time_limit) and self.time_limit > 0):
+            raise ValueError(f"run.time_limit = {self.time_limit!r}: must be a positive duration (5400, '90m', "
+                             "'3h50m') or 'slurm', or none for no limit")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"run.ema_decay = {self.ema_decay}: must lie strictly between 0 and 1 (e.g. "
                              "0.999, an average over ~1,000 steps), or none for no weight average")

@@ -159,6 +159,7 @@ class Evaluation:
     def _log_eval(self) -> float:
         """Evaluate after reading what the steps left on the device; log and return the loss."""
         self.settle()
+        began = time.perf_counter()
         try:
             val_loss = self.evaluate()
             by_corpus = self.val_by_corpus or {}
@@ -167,6 +168,8 @@ class Evaluation:
             self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
                      "it runs again when the run continues")
             raise
+        if getattr(self, "time_limit", None) is not None:  # run.time_limit: what an evaluation takes
+            self.time_limit.evaluated(time.perf_counter() - began)
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,

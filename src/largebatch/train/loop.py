@@ -83,7 +83,7 @@ from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import keep_tokenizer, lock_run_dir, note_stop
 from largebatch.train.skip import DeviceSkip
-from largebatch.train.stopping import StepInterrupted, StopRequest, control_group, exit_code
+from largebatch.train.stopping import StepInterrupted, StopRequest, TimeLimit, control_group, exit_code
 from largebatch.typed_config import to_dict
 
 
@@ -112,6 +112,7 @@ class Progression:
     # the steps' seconds, each times its launch's peak FLOP/s x processes: the run's MFU denominator
     # when launches differ in processes or peak (None: a checkpoint from before it was kept)
     peak_flop_seconds: float | None = None
+    save_seconds: float = 0.0  # the longest checkpoint save so far (a background write's own time included)
 
 
 def numerics() -> dict[str, Any]:
@@ -176,6 +177,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     @_run_state
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, resume: bool = False, log=None):
         self._launch_start, self._wall_before = time.perf_counter(), 0.0  # (the run's earlier launches)
+        self._launch_monotonic = time.monotonic()  # run.time_limit counts from here
         # log: a callable taking one line; by default ConsoleLog (stdout, flushed; a closed pipe stops
         # the run as a signal does, after a checkpoint)
         self.cfg, self.run_dir = cfg, Path(run_dir).expanduser()
@@ -294,6 +296,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                       evaluates_again=at_end, wandb=wandb)
             for note in self.metrics.notes:
                 self.log(f"note: {note}")
+        # run.time_limit: this launch's deadline, and what its steps, checkpoints and evaluations take
+        self.time_limit = (TimeLimit(run.time_limit, self._launch_monotonic, self.pos.save_seconds)
+                           if run.time_limit is not None else None)
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
@@ -706,6 +711,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.profiler = StepProfiler(profile_windows(run.profile_steps), self.run_dir, self.par.rank,
                                      self.device, run.profile_memory, self.log, pos.step + 1, self.is_main)
         signum, time_due = None, False  # stopping.SIGNALS, and the wall-clock checkpoint interval
+        time_up = False  # run.time_limit: the time left holds no further step and checkpoint (every rank agreed)
         step_timeout = self.cfg.parallel.step_timeout_s if self.par.distributed else None
         self.model.train()
         with StopRequest(self.par, run.checkpoint_every_seconds) as stop:
@@ -714,6 +720,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 self.log.on_lost = lambda: stop.request(signal.SIGPIPE)
                 if self.log.lost:  # (already, during setup)
                     self.log.on_lost()
+            if self.time_limit is not None:  # a launch that starts past its limit takes no step
+                signum, _ = stop.poll(self.time_limit.left() <= 0)
+                time_up = stop.time_up
+                if time_up:
+                    self._time_note = f"run.time_limit: {self.time_limit.source} has passed before the first step"
             while True:
                 # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
                 # A stop signal checkpoints first: a cluster's grace period (30 s by default) is no
@@ -721,40 +732,47 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 # signal during an evaluation cuts it short the same way (``EvalInterrupted``).
                 try:
                     phase_over = pos.tokens - pos.phase_start >= self.phase.total_tokens
-                    if phase_over and (signum is None or self._last_phase()) and not self._next_phase():
+                    held = signum is not None or time_up  # a stop: the phase switch and evaluation wait
+                    if phase_over and (not held or self._last_phase()) and not self._next_phase():
                         break  # the last phase ended
-                    if pos.tokens >= pos.next_eval and signum is None:
+                    if pos.tokens >= pos.next_eval and not held:
                         val_loss = self._log_eval()
                         pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
                 except EvalInterrupted as exc:
                     signum = exc.signum
-                stopping = signum is not None or (run.max_steps and steps_here >= run.max_steps)
+                stopping = signum is not None or time_up or (run.max_steps and steps_here >= run.max_steps)
                 if pos.tokens >= pos.next_checkpoint and pos.step > 0:
                     every = run.checkpoint_every_tokens or run.total_tokens
                     pos.next_checkpoint = (pos.tokens // every + 1) * every
                     time_due = True
                 if stopping:  # (before the checkpoint: a window's trace holds its steps, not the save)
+                    if time_up and signum is None:
+                        self.log(getattr(self, "_time_note", None) or
+                                 f"run.time_limit: another rank found too little time left before "
+                                 f"{self.time_limit.source}")
                     self.profiler.close("the run stopped")
                 if (time_due or stopping) and pos.step > 0:
                     if self.saved_step != pos.step:  # (a resumed run stopped before its first step has it)
-                        self.save()
+                        self._timed_save()
                         stop.checkpointed()
                     time_due = False
                 if stopping:
                     self.finish_saves()  # (a background write: in place before the process exits)
+                    self._note_write_seconds()
                     if signum is not None:  # before any rank exits: torchrun restarting them must see it
                         if self.is_main:
                             note_stop(self.run_dir, signum, pos.step)
                         if self.par.distributed:
                             torch.distributed.barrier(group=control_group(self.par))
-                    reason = signal.Signals(signum).name if signum else "run.max_steps"
+                    reason = (signal.Signals(signum).name if signum else "run.time_limit" if time_up
+                              else "run.max_steps")
                     kept = (f"checkpoint {self.saved_path}" if self.saved_path is not None
                             else "no checkpoint (no step was taken)")
                     self.log(f"stopped after {steps_here} steps ({reason}) at step {pos.step}; "
                              f"{kept}. Continue with: {self._resume_command()}")
                     progress.close()
                     return {"stopped_early": True, "step": pos.step, "tokens": pos.tokens,
-                            "signal": signum}
+                            "signal": signum, "time_limit": bool(time_up and signum is None)}
                 # parallel.step_timeout_s from this launch's second step on, inside the step alone
                 short = step_timeout is not None and steps_here >= 1
                 if short:
@@ -781,7 +799,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 if steps_here == 1:  # the launch's warm-up (allocations, compilation) ends with it
                     self.after_first_step = (pos.train_seconds, pos.tokens)
                 self.profiler.after(pos.step)  # (outside the step's time: a window's end writes its trace)
-                signum, due = stop.poll()  # the same answer on every rank
+                signum, due = stop.poll(self._time_is_up(seconds, record["batch_size"]))  # the same on every rank
+                time_up = stop.time_up
                 time_due |= due
                 if logs:
                     mark = self._log_step(record, progress, mark)
@@ -793,10 +812,48 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             stop.ending()
             self.profiler.close("the run ended")
             if self.saved_step != pos.step:
-                self.save()
+                self._timed_save()
             self.finish_saves()  # in place before the final evaluation: a kill during it loses no step
             val_loss = self._log_eval()
             return self._summary(val_loss)
+
+    def _timed_save(self) -> None:
+        """``save``, its seconds kept for run.time_limit (the longest, in the checkpoints too)."""
+        began = time.perf_counter()
+        self.save()
+        self._note_write_seconds(time.perf_counter() - began)
+
+    def _note_write_seconds(self, held: float = 0.0) -> None:
+        """A save's seconds: ``held`` (the loop's wait), or a background write's own, once finished."""
+        seconds = max(held, (self.writes.seconds or 0.0) if self.writes is not None else 0.0)
+        self.pos.save_seconds = max(self.pos.save_seconds, seconds)
+        if self.time_limit is not None:
+            self.time_limit.saved(seconds)
+
+    def _time_is_up(self, seconds: float, batch_size: int) -> bool:
+        """After a step of ``seconds`` and ``batch_size`` sequences: whether run.time_limit leaves too
+        little time for the next step and a checkpoint (and the evaluation or phase switch due before
+        it); logged on rank 0 when so. False without a limit, and at the run's end (the final
+        checkpoint comes next)."""
+        limit, pos = self.time_limit, self.pos
+        if limit is None:
+            return False
+        limit.step_done(seconds, batch_size * self.phase.seq_len)
+        if self.writes is not None:
+            self._note_write_seconds()
+        in_phase = pos.tokens - pos.phase_start
+        phase_over = in_phase >= self.phase.total_tokens
+        if phase_over and self._last_phase():
+            return False
+        tokens = (batch_size if phase_over else self._step_batch(in_phase)) * self.phase.seq_len
+        evaluates = phase_over or pos.tokens >= pos.next_eval
+        left, needed = limit.left(), limit.needed(tokens, evaluates)
+        if left >= needed:
+            return False
+        self._time_note = (f"run.time_limit: {max(left, 0):.1f} s left before {limit.source}; the next step and "
+                           f"a checkpoint{' and the evaluation due' if evaluates else ''} would take ~{needed:.1f} s "
+                           "(with a 25% margin)")
+        return True
 
     def _step_batch(self, in_phase: int) -> int:
         """The schedule's batch at ``in_phase`` tokens, the phase's last step trimmed to its budget in

@@ -170,6 +170,24 @@ def check_device(cfg: TrainConfig, distributed: bool) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def check_time_limit(cfg: TrainConfig) -> None:
+    """run.time_limit = "slurm" needs the Slurm job's end in the environment (SLURM_JOB_END_TIME),
+    and one in the past leaves no step to take."""
+    if cfg.run.time_limit != "slurm":
+        return
+    import time
+
+    from largebatch.train.stopping import slurm_end_time
+
+    try:
+        end = slurm_end_time()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if end <= time.time():
+        raise ConfigError(f"run.time_limit = 'slurm': the job's end (SLURM_JOB_END_TIME = {end:.0f}) has passed "
+                          f"{time.time() - end:.0f} s ago: no step would fit; requeue the job, or give a duration")
+
+
 def check_optimizer(cfg: TrainConfig) -> None:
     """An optimizer registered from outside the package builds, steps and saves on a small model
     (train.optimizer.probe_optimizer): a wrong builder was met only once the run had started, and a
@@ -463,6 +481,7 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
     from largebatch.data.corpus import is_token_array_path
 
     check_device(cfg, distributed)
+    check_time_limit(cfg)
     check_optimizer(cfg)
     check_wandb(cfg)
     check_corpora(cfg)

@@ -25,10 +25,18 @@ decision, whichever rank the signal reached first. The wall-clock interval
 flag tensor lives on the CPU and goes over a gloo group (``control_group``: the default group when
 that is gloo, else one gloo side group over all ranks, created once), so under NCCL polling never
 queues a collective on the device nor waits for the device's queue to drain.
+
+``run.time_limit`` stops a launch before a wall-clock limit the same way, without a signal:
+:class:`TimeLimit` measures this launch's steps, checkpoint saves and evaluations, and after each
+step the ranks agree (the same all-reduce) to stop when the time left no longer holds the next step
+and a checkpoint with a 25% margin; the run then checkpoints and exits 0, as after ``run.max_steps``.
+For clusters that give no warning signal (or jobs that ask for none), and for Slurm's
+``SLURM_JOB_END_TIME`` (``run.time_limit = "slurm"``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -49,8 +57,8 @@ from largebatch.signals import (
     take_signals,
 )
 
-__all__ = ["REPEAT_WINDOW_S", "SIGNALS", "SignalledOutside", "StepInterrupted", "StopRequest", "control_group",
-           "exit_code", "raise_on_signals", "take_signals"]
+__all__ = ["REPEAT_WINDOW_S", "SIGNALS", "SignalledOutside", "StepInterrupted", "StopRequest", "TimeLimit",
+           "control_group", "exit_code", "raise_on_signals", "slurm_end_time", "take_signals"]
 
 _SIDE_GROUPS: dict[int, object] = {}  # id(default group) -> its gloo side group
 
@@ -90,6 +98,7 @@ class StopRequest:
         self._last_checkpoint = time.monotonic()
         self._previous: dict[int, object] = {}
         self._ending = False
+        self.time_up = False  # run.time_limit reached on some rank (the last poll's answer)
         self.group = control_group(par)  # every rank builds its StopRequest at the same point
 
     def __enter__(self) -> "StopRequest":
@@ -124,16 +133,18 @@ class StopRequest:
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()
 
-    def poll(self) -> tuple[int | None, bool]:
+    def poll(self, time_up: bool = False) -> tuple[int | None, bool]:
         """(the signal to stop on or None, whether a time-based checkpoint is due): the same on every
         rank. Call once per step, on every rank (under torchrun it is one small all-reduce of a CPU
-        tensor over ``control_group``: no device sync)."""
+        tensor over ``control_group``: no device sync). ``time_up``: this rank finds run.time_limit
+        reached (``TimeLimit``); ``self.time_up`` is then whether any rank does."""
         due = bool(self.every) and time.monotonic() - self._last_checkpoint >= self.every
         signum = self.signum or 0
         if self.par.distributed:
-            flags = torch.tensor([signum, int(due)], dtype=torch.int64)  # on the CPU
+            flags = torch.tensor([signum, int(due), int(time_up)], dtype=torch.int64)  # on the CPU
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            signum, due = int(flags[0]), bool(flags[1])
+            signum, due, time_up = int(flags[0]), bool(flags[1]), bool(flags[2])
+        self.time_up = bool(time_up)
         return (signum or None), due
 
     @property
@@ -149,3 +160,78 @@ class StopRequest:
     def checkpointed(self) -> None:
         """A checkpoint was written: the wall-clock interval starts again."""
         self._last_checkpoint = time.monotonic()
+
+
+SLURM_END = "SLURM_JOB_END_TIME"  # the job's end, Unix seconds, in every task's environment (Slurm >= 21.08)
+TIME_LIMIT_SAFETY = 1.25  # the margin on the measured step, checkpoint and evaluation seconds
+
+
+def slurm_end_time() -> float:
+    """The Slurm job's end (``SLURM_JOB_END_TIME``, Unix seconds); ValueError naming the fix when the
+    process is not in a Slurm job, or in one of a Slurm that does not set it."""
+    raw = os.environ.get(SLURM_END, "").strip()
+    try:
+        end = float(raw)
+    except ValueError:
+        end = math.nan
+    if not math.isfinite(end) or end <= 0:
+        got = f"is {raw!r}" if raw else "is not set"
+        raise ValueError(f"run.time_limit = 'slurm' reads the job's end from {SLURM_END}, which {got} (not in a "
+                         "Slurm job, or a Slurm older than 21.08): give the job's limit as a duration instead, "
+                         "e.g. --run.time_limit=3h50m")
+    return end
+
+
+class TimeLimit:
+    """``run.time_limit`` for one launch: whether the time left still holds the run's next step and a
+    checkpoint, as this launch has measured them.
+
+    The deadline is ``limit`` seconds after ``started`` (the trainer's start, ``time.monotonic()``), or
+    the Slurm job's end for ``"slurm"``. After each step the run continues only while the time left
+    is at least ``TIME_LIMIT_SAFETY`` x (the next step + a checkpoint, + an evaluation when one is due
+    before that step): the step from the most seconds per token any step of this launch took (the
+    launch's first step, which carries its warm-up, only until a second one is measured) times the
+    next step's tokens (a Seesaw milestone doubles the batch, and so the step); the checkpoint from
+    the longest save of this launch -- a background write's own seconds included -- else the
+    longest the run recorded in its checkpoint before, else the step's; the evaluation from the
+    longest of this launch. Under torchrun the ranks agree (``StopRequest.poll``), so they stop at
+    the same step."""
+
+    def __init__(self, limit: float | str, started: float, save_seconds: float = 0.0):
+        now = time.monotonic()
+        if limit == "slurm":
+            self.deadline = now + (slurm_end_time() - time.time())
+            self.source = f"the Slurm job's end ({SLURM_END})"
+        else:
+            self.deadline = started + float(limit)
+            self.source = f"run.time_limit = {float(limit):g} s from the launch's start"
+        self.per_token = 0.0  # the most seconds per token of this launch's steps (after its first)
+        self.first_per_token: float | None = None  # its first step's (warm-up included)
+        self.save = float(save_seconds or 0.0)  # the longest save known
+        self.evaluation = 0.0  # the longest evaluation of this launch
+
+    def step_done(self, seconds: float, tokens: int) -> None:
+        rate = seconds / max(tokens, 1)
+        if self.first_per_token is None:
+            self.first_per_token = rate
+        else:
+            self.per_token = max(self.per_token, rate)
+
+    def saved(self, seconds: float) -> None:
+        self.save = max(self.save, seconds)
+
+    def evaluated(self, seconds: float) -> None:
+        self.evaluation = max(self.evaluation, seconds)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def needed(self, next_tokens: int, evaluates: bool) -> float:
+        """Seconds the next step (of ``next_tokens``), a checkpoint after it, and an evaluation before
+        it when ``evaluates``, take, with the safety margin."""
+        rate = self.per_token if self.per_token else (self.first_per_token or 0.0)
+        step = rate * next_tokens
+        return TIME_LIMIT_SAFETY * (step + (self.save or step) + (self.evaluation if evaluates else 0.0))
+
+    def is_up(self, next_tokens: int, evaluates: bool) -> bool:
+        return self.left() < self.needed(next_tokens, evaluates)
