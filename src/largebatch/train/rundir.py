@@ -56,7 +56,8 @@ RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoin
                   "run.tensorboard", "run.wandb",
                   "run.wandb_project", "run.plots", "run.profile_steps", "run.profile_memory",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
-                  "run.sample_prompt", "run.eval_micro_batch", "run.ema_decay", "run.time_limit", "model.vocab_size", "parallel.",
+                  "run.sample_prompt", "run.eval_micro_batch", "run.ema_decay", "run.time_limit",
+                  "model.vocab_size", "parallel.",
                   "data.cache_dir",  # the cache is keyed on content: moving it changes no token
                   "model.hf_model_type")  # what the export writes (export --hf-model-type chooses it too)
 
