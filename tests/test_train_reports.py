@@ -435,3 +435,52 @@ def test_the_eta_counts_the_wall_clock_between_steps():
             clock[0] += 1.0 + between
             progress.update(tokens, 100.0)
         assert f"ETA {format_seconds((10_000 - 3_000) / per_wall_second)}" in stream.getvalue().rsplit("\r", 1)[-1]
+
+
+def test_time_to_a_target_loss_is_recorded_and_can_end_the_run(reference_run, tmp_path, capsys):
+    """run.target_val_loss set to the reference run's 3rd evaluation loss (the first at or below it):
+    the summary's target is that evaluation's step and tokens, with the steps' seconds the records
+    give up to it; the run goes on to its budget, every step the reference's. With stop_at_target
+    the run ends there (checkpoint at that step, summary.json saying so, that evaluation logged once)
+    and the same command finds it ended. A target never reached is said so; bad values are one line."""
+    from largebatch.checkpoint import list_checkpoints
+    from largebatch.train.cli import main
+    from test_train import _run, _train_losses, tiny_overrides
+
+    cache, ref_dir, _ = reference_run
+    vals = [r for r in read_metrics(ref_dir) if r["kind"] == "val"]
+    hit = next(i for i, r in enumerate(vals) if i >= 2 and all(v["val_loss"] > r["val_loss"] for v in vals[:i]))
+    target = vals[hit]["val_loss"]
+    out = tmp_path / "recorded"
+    summary = _run(tiny_overrides(cache, out, **{"run.target_val_loss": target}))
+    assert _train_losses(out) == _train_losses(ref_dir)
+    step = vals[hit]["step"]
+    t = summary["target"]
+    assert (t["step"], t["tokens"], t["val_loss"]) == (step, vals[hit]["tokens"], target)
+    train = [r for r in read_metrics(out) if r["kind"] == "train"]
+    assert t["train_seconds"] == pytest.approx(next(r for r in train if r["step"] == step)["train_seconds"])
+    assert 0 < t["train_seconds"] < t["wall_seconds"] < summary["wall_seconds"]
+    assert summary["stopped_at_target"] is False and summary["steps"] == len(train)
+    marked = [r["step"] for r in read_metrics(out) if r["kind"] == "val" and r.get("target_reached")]
+    assert marked == [step]
+
+    ended = tmp_path / "ended"
+    o = tiny_overrides(cache, ended, **{"run.target_val_loss": target, "run.stop_at_target": True})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    log = capsys.readouterr().out
+    assert f"target val loss {target} reached at step {step}," in log and "the run ends here" in log
+    done = json.loads((ended / "summary.json").read_text())
+    assert done["stopped_at_target"] is True and done["steps"] == step and done["final_val_loss"] == target
+    assert int(list_checkpoints(ended)[-1].stem.split("_")[1]) == step
+    assert [r["step"] for r in read_metrics(ended) if r["kind"] == "val"] == [r["step"] for r in vals[:hit + 1]]
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0  # the same command: ended, nothing trained
+    assert len([r for r in read_metrics(ended) if r["kind"] == "train"]) == step
+    assert "the run ended there (run.stop_at_target)" in capsys.readouterr().out
+
+    never = _run(tiny_overrides(cache, tmp_path / "never", **{"run.target_val_loss": 0.5}))
+    assert never["target"] is None and never["steps"] == len(train)
+    assert "target            val loss 0.5 not reached by the end of the run" in format_summary(never, tmp_path)
+    for bad, says in ((["--run.target_val_loss=-1"], "must be a positive finite loss"),
+                      (["--run.stop_at_target=true"], "set run.target_val_loss too")):
+        assert main([*bad, "--check"]) == 2
+        assert says in capsys.readouterr().err

@@ -380,6 +380,19 @@ def _on_these(s: dict, key: str, whole: float) -> str:
     return "" if value is None or f"{value:.4f}" == f"{whole:.4f}" else f" ({value:.4f} on the evaluated tokens)"
 
 
+def _target_line(s: dict) -> str:
+    """The summary's run.target_val_loss line: where the run reached it, or that it did not."""
+    from largebatch.train.progress import human_count
+
+    t = s.get("target")
+    if t is None:
+        return f"target            val loss {s['target_val_loss']} not reached by the end of the run"
+    ended = "; the run ended there (run.stop_at_target)" if s.get("stopped_at_target") else ""
+    return (f"target            val loss {s['target_val_loss']} reached at step {t['step']}, "
+            f"{human_count(t['tokens'])} tokens, after {t['train_seconds']:.1f} s of steps "
+            f"({t['wall_seconds']:.1f} s in all){ended}")
+
+
 def format_summary(s: dict, run_dir: Path) -> str:
     from largebatch.models.flops import mfu_over_peak
     from largebatch.train.progress import human_bytes, human_count
@@ -393,6 +406,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
             f"baseline {s['unigram_val_accuracy']:.4f}"
             f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
           if s.get("final_val_accuracy") is not None else []),
+        *([_target_line(s)] if s.get("target_val_loss") is not None else []),
         *([f"weight average    validation loss {s['final_val_loss_ema']:.4f} (run.ema_decay)"
            + ("" if s.get("final_val_accuracy_ema") is None else f", accuracy {s['final_val_accuracy_ema']:.4f}")]
           if s.get("final_val_loss_ema") is not None else []),

@@ -188,6 +188,16 @@ class RunConfig:
     """Stop after this many optimizer steps in this invocation and checkpoint (None: run to the end
     of the budget). For time-limited jobs: continue later with --resume, which runs to the end
     unless given --run.max_steps again."""
+    target_val_loss: float | None = None
+    """Time to a target: the first evaluation whose validation loss is at or below this value is
+    recorded -- its step, tokens, optimizer-step seconds and wall-clock seconds (summed over the run's
+    launches) -- in the log, its metrics record and summary.json's ``target`` (the measure MLPerf
+    takes of a training recipe, and the LANS paper's "BERT in 54 minutes"). Evaluations set the
+    resolution (run.eval_every_tokens). None: nothing recorded. With stop_at_target the run ends there."""
+    stop_at_target: bool = False
+    """End the run at the first evaluation that reaches run.target_val_loss, as at the end of its
+    token budget: final checkpoint, summary.json (which says so) and plots; the same command on the
+    directory then finds the run ended. Without it the run goes on to its budget."""
     time_limit: float | str | None = field(default=None, metadata={"parse": time_limit_value})
     """This launch's wall-clock limit: the run stops with a checkpoint (exit 0, as run.max_steps;
     the same command continues it) while the time left still holds its next step and a
@@ -264,6 +274,12 @@ class RunConfig:
                 isinstance(self.time_limit, float) and math.isfinite(self.time_limit) and self.time_limit > 0):
             raise ValueError(f"run.time_limit = {self.time_limit!r}: must be a positive duration (5400, '90m', "
                              "'3h50m') or 'slurm', or none for no limit")
+        if self.target_val_loss is not None and not (math.isfinite(self.target_val_loss) and self.target_val_loss > 0):
+            raise ValueError(f"run.target_val_loss = {self.target_val_loss}: must be a positive finite loss in nats "
+                             "per token (e.g. 3.5), or none to record no target")
+        if self.stop_at_target and self.target_val_loss is None:
+            raise ValueError("run.stop_at_target = true ends the run at run.target_val_loss, and it is unset: set "
+                             "run.target_val_loss too (e.g. 3.5)")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"run.ema_decay = {self.ema_decay}: must lie strictly between 0 and 1 (e.g. "
                              "0.999, an average over ~1,000 steps), or none for no weight average")

@@ -170,6 +170,8 @@ class Evaluation:
             raise
         if getattr(self, "time_limit", None) is not None:  # run.time_limit: what an evaluation takes
             self.time_limit.evaluated(time.perf_counter() - began)
+        self.last_eval = (self.pos.step, val_loss)
+        reached = self._reach_target(val_loss)
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
@@ -178,6 +180,8 @@ class Evaluation:
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
                               **({} if average is None else {"val_loss_ema": average[0],
                                                              "val_accuracy_ema": average[1]}),
+                              **({"target_reached": True} if reached or (self.pos.target or {}).get("step")
+                                 == self.pos.step else {}),
                               "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
@@ -185,7 +189,25 @@ class Evaluation:
         ema = "" if average is None else f"  ema {average[0]:.4f}"
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}{ema}")
+        if reached:
+            t = self.pos.target
+            self.log(f"  target val loss {self.cfg.run.target_val_loss} reached at step {t['step']}, "
+                     f"{human_count(t['tokens'])} tokens, after {t['train_seconds']:.1f} s of steps "
+                     f"({t['wall_seconds']:.1f} s in all)"
+                     + ("; the run ends here (run.stop_at_target)" if self.cfg.run.stop_at_target else ""))
         return val_loss
+
+    def _reach_target(self, val_loss: float) -> bool:
+        """The first evaluation at or below run.target_val_loss: where the run was, kept in the
+        progress (``pos.target``: step, tokens, optimizer-step and wall-clock seconds, the loss).
+        True for that evaluation only."""
+        target = self.cfg.run.target_val_loss
+        if target is None or self.pos.target is not None or not val_loss <= target:
+            return False
+        pos = self.pos
+        self.pos.target = {"val_loss": val_loss, "step": pos.step, "tokens": pos.tokens,
+                           "train_seconds": pos.train_seconds, "wall_seconds": self.wall_seconds()}
+        return True
 
     def _evaluate_average(self) -> tuple[float, float | None] | None:
         """(validation loss, accuracy) of the weight average (run.ema_decay) on the same slice, the

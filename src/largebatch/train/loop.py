@@ -113,6 +113,8 @@ class Progression:
     # when launches differ in processes or peak (None: a checkpoint from before it was kept)
     peak_flop_seconds: float | None = None
     save_seconds: float = 0.0  # the longest checkpoint save so far (a background write's own time included)
+    # run.target_val_loss: where the first evaluation at or below it was (step, tokens, seconds), or None
+    target: dict | None = None
 
 
 def numerics() -> dict[str, Any]:
@@ -263,6 +265,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.val_accuracy: float | None = None  # of the last evaluation (see evaluate)
         self.val_by_corpus: dict[str, float] | None = None  # a mixture's: each corpus's loss, likewise
         self.val_ema: tuple[float, float | None] | None = None  # the weight average's (loss, accuracy), likewise
+        self.last_eval: tuple[int, float] | None = None  # (step, validation loss) of this launch's last evaluation
         self.deferred = Deferred(self.device)  # the steps' device values until the loop reads them
         # noise-scale inputs: DDP (pipeline replicas too) -> one rank's gradient vs the all-reduced
         # one; one replica -> the first micro-batch vs the accumulated step (summed over pipeline
@@ -289,8 +292,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
             # resumed at the run's end: the final evaluation comes after the final checkpoint, and runs again
-            at_end = resume_step is not None and self._last_phase() and \
-                self.pos.tokens - self.pos.phase_start >= self.phase.total_tokens
+            at_end = resume_step is not None and (self._last_phase() and self.pos.tokens - self.pos.phase_start
+                                                  >= self.phase.total_tokens or self._ended_at_target())
             wandb = WandbSettings(to_dict(cfg), run.wandb_project) if run.wandb else None
             self.metrics = MetricsLog(self.run_dir, tensorboard=run.tensorboard, resume_step=resume_step,
                                       evaluates_again=at_end, wandb=wandb)
@@ -740,6 +743,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                         pos.next_eval = (pos.tokens // self.eval_every + 1) * self.eval_every
                 except EvalInterrupted as exc:
                     signum = exc.signum
+                if self._ended_at_target() and not held:  # run.stop_at_target: the run ends here
+                    break
                 stopping = signum is not None or time_up or (run.max_steps and steps_here >= run.max_steps)
                 if pos.tokens >= pos.next_checkpoint and pos.step > 0:
                     every = run.checkpoint_every_tokens or run.total_tokens
@@ -814,8 +819,15 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             if self.saved_step != pos.step:
                 self._timed_save()
             self.finish_saves()  # in place before the final evaluation: a kill during it loses no step
-            val_loss = self._log_eval()
+            if self._ended_at_target() and self.last_eval is not None and self.last_eval[0] == pos.step:
+                val_loss = self.last_eval[1]  # (ended at that evaluation: not run twice)
+            else:
+                val_loss = self._log_eval()
             return self._summary(val_loss)
+
+    def _ended_at_target(self) -> bool:
+        """run.stop_at_target, and an evaluation has reached run.target_val_loss: the run ends."""
+        return self.cfg.run.stop_at_target and self.pos.target is not None
 
     def _timed_save(self) -> None:
         """``save``, its seconds kept for run.time_limit (the longest, in the checkpoints too)."""

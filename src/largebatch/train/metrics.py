@@ -193,7 +193,8 @@ class WandbRun:
 
     def summary(self, summary: dict[str, Any]) -> None:
         flat = {**summary, **{f"final_val_loss/{label}": loss for label, loss in
-                              (summary.get("final_val_loss_by_corpus") or {}).items()}}  # (data.mixture)
+                              (summary.get("final_val_loss_by_corpus") or {}).items()},  # (data.mixture)
+                **{f"target/{key}": value for key, value in (summary.get("target") or {}).items()}}
         self.run.summary.update({key: value for key, value in flat.items()
                                  if isinstance(value, (int, float, str)) and not (isinstance(value, float)
                                                                                   and not math.isfinite(value))})

@@ -185,6 +185,10 @@ class Reporting:
         summary["uncapped_seesaw"] = (self.phase.schedule.batch_policy == "seesaw"
                                       and self.phase.schedule.noise_scale_multiple is None)
         summary["final_val_accuracy"] = self.val_accuracy
+        if self.cfg.run.target_val_loss is not None:  # run.target_val_loss: where it was reached, or None
+            summary["target_val_loss"] = self.cfg.run.target_val_loss
+            summary["target"] = None if pos.target is None else dict(pos.target)
+            summary["stopped_at_target"] = bool(self.cfg.run.stop_at_target and pos.target is not None)
         if getattr(self, "ema", None) is not None:  # run.ema_decay: the average's, on the same tokens
             summary["final_val_loss_ema"], summary["final_val_accuracy_ema"] = self.val_ema
         if self.val_by_corpus:  # data.mixture: each corpus's validation loss (the eval records' val_loss/<corpus>)
