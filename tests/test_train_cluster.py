@@ -748,25 +748,29 @@ def test_a_bad_time_limit_is_one_line_naming_the_field(capsys, monkeypatch):
     assert "the job's end (SLURM_JOB_END_TIME = " in capsys.readouterr().err
 
 
-def test_the_time_needed_is_the_slowest_rate_times_the_next_step_and_the_longest_save():
+def test_the_time_needed_is_the_slowest_rate_times_the_next_step_and_the_longest_save(tmp_path):
     """TimeLimit's estimate from its measurements: the launch's first step (warm-up) counts until a
     second is measured, then the most seconds per token of the others, times the next step's tokens;
-    the longest save (the checkpoint's record before any save of this launch; the step's before
-    either); the longest evaluation when one is due; all x 1.25."""
-    from largebatch.train.stopping import TimeLimit
+    the longest save timed (an earlier launch's before any of this one; before any at all, the
+    checkpoint's bytes at the disk's measured rate); the longest evaluation, once per evaluation due
+    (a phase switch has two); all x 1.25. The disk's rate: a real 64 MiB write with fsync."""
+    from largebatch.train.stopping import TimeLimit, write_seconds
 
-    limit = TimeLimit(100.0, time.monotonic())
+    limit = TimeLimit(100.0, time.monotonic(), estimated_save=5.0)
     limit.step_done(3.0, 1000)  # the first step: 3 ms a token, warm-up included
-    assert limit.needed(2000, False) == pytest.approx(1.25 * (6.0 + 6.0))  # the save as long as a step
+    assert limit.needed(2000) == pytest.approx(1.25 * (6.0 + 5.0))  # the save from the bytes and the disk
     limit.step_done(0.5, 1000)
     limit.step_done(0.75, 1000)  # the slowest after the first: 0.75 ms a token
     limit.saved(2.0)
     limit.saved(1.0)
     limit.evaluated(4.0)
-    assert limit.needed(4000, False) == pytest.approx(1.25 * (3.0 + 2.0))
-    assert limit.needed(4000, True) == pytest.approx(1.25 * (3.0 + 2.0 + 4.0))
-    assert TimeLimit(100.0, time.monotonic(), save_seconds=7.0).needed(1, False) == pytest.approx(1.25 * 7.0)
+    assert limit.needed(4000) == pytest.approx(1.25 * (3.0 + 2.0))
+    assert limit.needed(4000, 1) == pytest.approx(1.25 * (3.0 + 2.0 + 4.0))
+    assert limit.needed(4000, 2) == pytest.approx(1.25 * (3.0 + 2.0 + 8.0))
+    earlier = TimeLimit(100.0, time.monotonic(), save_seconds=7.0, eval_seconds=3.0, estimated_save=99.0)
+    assert earlier.needed(1, 1) == pytest.approx(1.25 * (7.0 + 3.0))
     assert 99.0 < limit.left() <= 100.0
+    assert 0 < write_seconds(tmp_path, nbytes=2**20) < 60 and list(tmp_path.iterdir()) == []
 
 
 def test_a_time_limit_stops_with_a_checkpoint_before_it_and_the_same_command_continues(reference_run, tmp_path,
@@ -790,14 +794,23 @@ def test_a_time_limit_stops_with_a_checkpoint_before_it_and_the_same_command_con
     def deadline_after_setup(self, *args, **kwargs):
         setup(self, *args, **kwargs)
         self.time_limit.deadline = time.monotonic() + 2.5  # (the setup's time varies: not part of the test)
-        ends.append(self.time_limit.deadline)
+        ends.append(time.time() + 2.5)
 
+    def deadline_in_setup(self, *args, **kwargs):
+        setup(self, *args, **kwargs)
+        self.time_limit.deadline = time.monotonic() - 1.0
+
+    monkeypatch.setattr(Trainer, "__init__", deadline_in_setup)  # a limit that passed during the setup
+    assert main(_args({**o, "run.out_dir": str(tmp_path / "late")})) == 2
+    err = capsys.readouterr().err
+    assert "run.time_limit: run.time_limit = 3600 s from the launch's start passed during the run's setup" in err
+    assert not list_checkpoints(tmp_path / "late")
     monkeypatch.setattr(Trainer, "train_step", slow_step)
     monkeypatch.setattr(Trainer, "__init__", deadline_after_setup)
     assert main(_args(o)) == 0
-    finished = time.monotonic()
     log = capsys.readouterr().out
-    assert finished <= ends[0] + 0.5, (finished - ends[0], log[-2000:])  # its own 25% margin, and some
+    written = list_checkpoints(out)[-1].stat().st_mtime  # in place before the limit (not the exit after it)
+    assert written <= ends[0], (written - ends[0], log[-2000:])
     stop = [line for line in log.splitlines() if line.startswith("run.time_limit: ")]
     assert len(stop) == 1 and " s left before run.time_limit = 3600 s from the launch's start; " \
         "the next step and a checkpoint" in stop[0], log[-2000:]

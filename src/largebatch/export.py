@@ -241,28 +241,34 @@ def _load_checkpoint(path: Path, ema: bool = False):
         raise ExportError(f"--ema: checkpoint {path} holds no weight average (its run had run.ema_decay "
                           "off): leave --ema out for its weights, or continue the run with "
                           "--run.ema_decay=0.999 (say) and use a later checkpoint")
-    average = {"ema": {name: torch.empty_like(p) for name, p in model.named_parameters()}} if ema else {}
+    average: dict[str, torch.Tensor] = {}  # the average by parameter name (the optimizer's: trainable ones)
     if path.suffix == ".dcp":  # DCP loads into a plain state dict in one process
         from largebatch.checkpoint.distributed import load_distributed
         from largebatch.parallel.mesh import ParallelState
 
-        load_distributed(path, model, None, ParallelState(), tensors=average)
+        template = {}
+        if ema:
+            import torch.distributed.checkpoint as dcp
+
+            keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            template = {"ema": {name: torch.empty_like(p) for name, p in model.named_parameters()
+                                if f"ema.{name}" in keys}}
+        load_distributed(path, model, None, ParallelState(), tensors=template)
+        average = template.get("ema", {})
     else:
         state = {k.replace("_orig_mod.", ""): v for k, v in extra["model"].items()}
         model.load_state_dict(state, strict=True)
-        if ema:
-            saved = {k.replace("_orig_mod.", ""): v for k, v in (extra.get("ema_tensors") or {}).items()}
-            if set(saved) >= set(average["ema"]):
-                average["ema"] = saved
-            else:
-                average = {}
+        average = {k.replace("_orig_mod.", ""): v for k, v in (extra.get("ema_tensors") or {}).items()}
     if ema:
-        if "ema" not in average:
-            raise ExportError(f"--ema: checkpoint {path} has no weight average for every parameter of "
-                              "its model: it is damaged, or was not written by `largebatch train`")
-        with torch.no_grad():  # (tied parameters are listed once: both names follow)
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in average]
+        if missing:
+            raise ExportError(f"--ema: checkpoint {path} has no weight average of {missing[0]!r} ({len(missing)} "
+                              "trainable parameter(s) without one): it is damaged, or was not written by "
+                              "`largebatch train`")
+        with torch.no_grad():  # (tied parameters are listed once: both names follow; frozen ones keep theirs)
             for name, p in model.named_parameters():
-                p.copy_(average["ema"][name])
+                if name in average:
+                    p.copy_(average[name])
     return model.float().eval(), extra
 
 

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "adamw, lamb and lans, 4 for lars and sgd with momentum (sgd: for planning a loop of your own; "
                    "the trainer does not offer it), and any optimizer register_optimizer declared "
                    "(largebatch.train.optimizer)")
+    p.add_argument("--run.ema_decay", dest="ema_decay", type=finite_float, metavar="DECAY",
+                   help="the trainer's weight average (default: the --config's): one more fp32 copy of the "
+                   "parameters, counted with the optimizer state; none for no average")
     p.add_argument("--dtype-bytes", type=finite_float,
                    help="bytes per activation/parameter (2 = fp16/bf16 with fp32 master, 4 = fp32; default 2, "
                    "or from the --config's run.dtype)")
@@ -183,6 +186,11 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
                               "weights: measured 1.24-1.55x this prediction on CPU (docs/memory.md)")
     if args.optimizer is None:
         args.optimizer = tree.get("optim", {}).get("name", TRAIN_DEFAULTS["optim.name"])
+    if args.ema_decay is None:
+        args.ema_decay = run.get("ema_decay")
+        if args.ema_decay is not None:
+            args.notes.append(f"run.ema_decay = {args.ema_decay}: the weight average, one more fp32 copy of the "
+                              "parameters, is counted with the optimizer state")
     recompute = run.get("recompute", ["none"])
     args.config_recompute = recompute[0] if isinstance(recompute, list) and len(recompute) == 1 else recompute
     if args.tp is None:
@@ -393,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
+                      weight_average=args.ema_decay is not None,
                       pp_schedule=schedule, pp_virtual_stages=virtual,
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       # transformers' BertForMaskedLM runs its head on every position, not the masked ones

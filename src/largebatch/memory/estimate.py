@@ -41,7 +41,7 @@ class MemoryEstimate:
     parameters: float
     gradients: float
     optimizer: float
-    """fp32 master weights (mixed precision) plus the optimizer's state."""
+    """fp32 master weights (mixed precision) plus the optimizer's state (plus a weight average)."""
     backward: float = 0.0
     """What the backward pass allocates on top of the stored activations at its peak
     (activations.backward_working_bytes)."""
@@ -89,13 +89,15 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
              optimizer: str = "adamw", seq_len: int | None = None, dtype_bytes: float = 2,
              zero_stage: int = 0, device: str = "cuda", pp_schedule: str = "1f1b", virtual_stages: int = 1,
              micro_batches: int | None = None, loss_parallel: bool = True,
-             mask_fraction: float = 0.15) -> MemoryEstimate:
+             mask_fraction: float = 0.15, weight_average: bool = False) -> MemoryEstimate:
     """Bytes per device for training `config` (under pipeline parallel the larger of the first rank's
     and the last stage's rank's, untied: stages cannot share the embedding with the output layer).
     recompute: one policy or a per-layer list for the L / pp layers of a stage.
     pp_schedule, virtual_stages, micro_batches (default 2 pp): the pipeline schedule, which sets how
     many layers' worth the first stage keeps (activations.first_stage_layers). mask_fraction: the
-    share of positions a BERT head runs on (largebatch's: the masked ones; transformers': all, 1)."""
+    share of positions a BERT head runs on (largebatch's: the masked ones; transformers': all, 1).
+    weight_average: the trainer's run.ema_decay, one more fp32 copy of the parameters, counted with
+    the optimizer state (and sharded as it is)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZER_STATE_BYTES)}.")
     if zero_stage not in (0, 1, 2, 3):
@@ -119,7 +121,7 @@ def estimate(config: ModelConfig, micro_batch: int = 1, *, tp: int = 1, pp: int 
     last_rank = last_stage_rank(pp_schedule, pp)
 
     def on_device(acts: float, n: float, output_layer: bool) -> MemoryEstimate:
-        state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0))
+        state = n * (OPTIMIZER_STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0) + (4 if weight_average else 0))
         working = backward_working_bytes(config, micro_batch, recompute, layers=config.n_layer // pp,
                                          output_layer=output_layer, tp=tp, sequence_parallel=sequence_parallel,
                                          seq_len=seq_len, dtype_bytes=dtype_bytes, device=device,

@@ -49,6 +49,8 @@ class Setup:
     mask_fraction: float = 0.15
     """The share of positions a BERT head runs on: largebatch's masked ones; transformers'
     BertForMaskedLM computes its head and logits on every position (1)."""
+    weight_average: bool = False
+    """The trainer's run.ema_decay: one more fp32 copy of the parameters, with the optimizer state."""
     hf_activation: str | None = None
     """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
     layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
@@ -73,7 +75,7 @@ class Setup:
                        dtype_bytes=self.dtype_bytes, zero_stage=self.zero_stage,
                        pp_schedule=self.pp_schedule, virtual_stages=self.pp_virtual_stages,
                        micro_batches=self.pp_micro_batches, loss_parallel=self.loss_parallel,
-                       mask_fraction=self.mask_fraction)
+                       mask_fraction=self.mask_fraction, weight_average=self.weight_average)
         if self.hf_activation is None:
             return est
         if self.tp > 1 or self.pp > 1 or self.sequence_parallel or config.attention != "explicit":

@@ -281,7 +281,9 @@ def _launch(args, unknown: list[str], parser) -> int:
                 "docs/memory.md)" if activations is not None else f"activations not estimated ({assumed})")
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
-              f"gradients and {cfg.optim.name} state per process, {acts}; {human_bytes(state.available)} "
+              f"gradients and {cfg.optim.name} state"
+              f"{' and the weight average' if cfg.run.ema_decay is not None else ''} per process, {acts}; "
+              f"{human_bytes(state.available)} "
               f"available ({state.source}); `largebatch memory --config FILE` breaks the activations down "
               f"and plans recomputation")
         if activations is not None and state.bytes + activations > state.available:

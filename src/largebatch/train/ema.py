@@ -44,22 +44,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class WeightAverage:
     """The bias-corrected exponential moving average of an optimizer's parameters (module docstring).
 
-    ``names``: one name per parameter of ``optimizer.param_groups`` (the model's state-dict names;
-    the trainer's groups carry them as ``names``). The average starts as a copy of the parameters
-    with a step count of 0: its first update replaces it with the weights after that step."""
+    Each parameter is named as in the model's state dict: by its group's ``names`` (the groups of
+    largebatch.optim.param_groups carry them), else by ``model``'s ``named_parameters`` (an optimizer
+    whose groups were built otherwise). The average starts as a copy of the parameters with a step
+    count of 0: its first update replaces it with the weights after that step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, device: torch.device):
+    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, device: torch.device,
+                 model: torch.nn.Module | None = None):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay = {decay}: must lie strictly between 0 and 1")
         self.decay = float(decay)
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
+        named = None
         for index, group in enumerate(optimizer.param_groups):
             names = group.get("names")
             if names is None or len(names) != len(group["params"]):
-                raise ValueError(f"param_groups[{index}] has no parameter names ('names'), which the weight "
-                                 "average is saved and exported under: build the groups with "
-                                 "largebatch.optim.param_groups")
+                if named is None:
+                    named = {id(p): name for name, p in (model.named_parameters() if model is not None else ())}
+                names = [named.get(id(p)) for p in group["params"]]
+                if None in names:
+                    raise ValueError(f"param_groups[{index}] holds a tensor that is no parameter of the model, and "
+                                     "the weight average is saved and exported under the model's parameter "
+                                     "names: give the optimizer the model's parameters")
             self.params.extend(group["params"])
             self.names.extend(names)
         with torch.no_grad():

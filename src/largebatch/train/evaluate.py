@@ -168,8 +168,10 @@ class Evaluation:
             self.log(f"  eval  step {self.pos.step:>5}  interrupted ({signal.Signals(exc.signum).name}): "
                      "it runs again when the run continues")
             raise
-        if getattr(self, "time_limit", None) is not None:  # run.time_limit: what an evaluation takes
-            self.time_limit.evaluated(time.perf_counter() - began)
+        took = time.perf_counter() - began  # run.time_limit: what an evaluation takes (kept across launches)
+        self.pos.eval_seconds = max(self.pos.eval_seconds, took)
+        if getattr(self, "time_limit", None) is not None:
+            self.time_limit.evaluated(took)
         self.last_eval = (self.pos.step, val_loss)
         reached = self._reach_target(val_loss)
         if self.metrics is not None:

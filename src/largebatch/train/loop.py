@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import random
 import signal
@@ -49,6 +50,7 @@ from largebatch.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
 from largebatch.models import build_model, model_spec
@@ -76,15 +78,22 @@ from largebatch.train.ema import WeightAverage
 from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.metrics import MetricsLog, WandbSettings
-from largebatch.train.optimizer import build_optimizer
+from largebatch.train.optimizer import OPTIMIZERS, build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.profile import StepProfiler, profile_windows
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
-from largebatch.train.rundir import keep_tokenizer, lock_run_dir, note_stop
+from largebatch.train.rundir import TIMINGS_NAME, keep_tokenizer, lock_run_dir, note_stop
 from largebatch.train.skip import DeviceSkip
-from largebatch.train.stopping import StepInterrupted, StopRequest, TimeLimit, control_group, exit_code
-from largebatch.typed_config import to_dict
+from largebatch.train.stopping import (
+    StepInterrupted,
+    StopRequest,
+    TimeLimit,
+    control_group,
+    exit_code,
+    write_seconds,
+)
+from largebatch.typed_config import ConfigError, to_dict
 
 
 class NonFiniteLoss(RuntimeError):
@@ -113,6 +122,7 @@ class Progression:
     # when launches differ in processes or peak (None: a checkpoint from before it was kept)
     peak_flop_seconds: float | None = None
     save_seconds: float = 0.0  # the longest checkpoint save so far (a background write's own time included)
+    eval_seconds: float = 0.0  # the longest evaluation so far (run.time_limit)
     # run.target_val_loss: where the first evaluation at or below it was (step, tokens, seconds), or None
     target: dict | None = None
 
@@ -251,7 +261,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
                                                          capturable=run.on_nonfinite == "skip"), self.par)
         # run.ema_decay: the weights' moving average, beside the optimizer's parameters (train.ema)
-        self.ema = WeightAverage(self.optimizer, run.ema_decay, self.device) if run.ema_decay else None
+        self.ema = (WeightAverage(self.optimizer, run.ema_decay, self.device, self.raw_model)
+                    if run.ema_decay else None)
         # the batch granularity's replica count (see _load): a resume's checkpoints' (a one-process run
         # of batch 8 = micro_batch continues on 2 replicas, whose micro_batch x 2 would not divide 8)
         self.schedule_dp = (checkpoint_dp_size(self.run_dir) or self.par.dp_size) if resume else self.par.dp_size
@@ -300,8 +311,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             for note in self.metrics.notes:
                 self.log(f"note: {note}")
         # run.time_limit: this launch's deadline, and what its steps, checkpoints and evaluations take
-        self.time_limit = (TimeLimit(run.time_limit, self._launch_monotonic, self.pos.save_seconds)
-                           if run.time_limit is not None else None)
+        self.time_limit = self._build_time_limit() if run.time_limit is not None else None
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
@@ -727,7 +737,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 signum, _ = stop.poll(self.time_limit.left() <= 0)
                 time_up = stop.time_up
                 if time_up:
-                    self._time_note = f"run.time_limit: {self.time_limit.source} has passed before the first step"
+                    raise ConfigError(f"run.time_limit: {self.time_limit.source} passed during the run's setup "
+                                      f"(data, model: {time.monotonic() - self._launch_monotonic:.1f} s), before "
+                                      "any step; give a longer limit (or requeue the job)")
             while True:
                 # -- 3. top of the iteration: next phase, evaluate, checkpoint, stop ----------
                 # A stop signal checkpoints first: a cluster's grace period (30 s by default) is no
@@ -829,6 +841,23 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         """run.stop_at_target, and an evaluation has reached run.target_val_loss: the run ends."""
         return self.cfg.run.stop_at_target and self.pos.target is not None
 
+    def _build_time_limit(self) -> TimeLimit:
+        """run.time_limit's deadline, with what the run has timed before (the longest save, in its
+        checkpoints and, for the save a stop wrote last, RUN_DIR/.timings.json; the longest evaluation);
+        a run that has timed no save yet has its checkpoint's bytes written at the rate of a test write
+        of 64 MiB on the checkpoints' disk."""
+        saved = self.pos.save_seconds
+        try:
+            saved = max(saved, float(json.loads((self.run_dir / TIMINGS_NAME).read_text())["save_seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        estimated = 0.0
+        if not saved:
+            local = sum((p.to_local() if is_dtensor(p) else p).numel() for p in self._live_params())
+            per_parameter = 4 + OPTIMIZERS[self.cfg.optim.name].state_bytes + (4 if self.ema is not None else 0)
+            estimated = local * per_parameter * write_seconds(self.run_dir / "checkpoints") / (64 * 2**20)
+        return TimeLimit(self.cfg.run.time_limit, self._launch_monotonic, saved, self.pos.eval_seconds, estimated)
+
     def _timed_save(self) -> None:
         """``save``, its seconds kept for run.time_limit (the longest, in the checkpoints too)."""
         began = time.perf_counter()
@@ -836,9 +865,17 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self._note_write_seconds(time.perf_counter() - began)
 
     def _note_write_seconds(self, held: float = 0.0) -> None:
-        """A save's seconds: ``held`` (the loop's wait), or a background write's own, once finished."""
+        """A save's seconds: ``held`` (the loop's wait), or a background write's own, once finished;
+        the longest is kept in the progress and (rank 0, for the next launch: a stop's checkpoint
+        cannot hold its own time) RUN_DIR/.timings.json."""
         seconds = max(held, (self.writes.seconds or 0.0) if self.writes is not None else 0.0)
-        self.pos.save_seconds = max(self.pos.save_seconds, seconds)
+        if seconds > self.pos.save_seconds:
+            self.pos.save_seconds = seconds
+            if self.is_main and self.time_limit is not None:
+                try:
+                    atomic_write_text(self.run_dir / TIMINGS_NAME, json.dumps({"save_seconds": seconds}))
+                except OSError:  # (an estimate: a full disk is reported by the checkpoints)
+                    pass
         if self.time_limit is not None:
             self.time_limit.saved(seconds)
 
@@ -857,14 +894,21 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         phase_over = in_phase >= self.phase.total_tokens
         if phase_over and self._last_phase():
             return False
-        tokens = (batch_size if phase_over else self._step_batch(in_phase)) * self.phase.seq_len
-        evaluates = phase_over or pos.tokens >= pos.next_eval
-        left, needed = limit.left(), limit.needed(tokens, evaluates)
+        if phase_over:  # a phase switch: an evaluation at each length, then the next phase's first step
+            nxt = self.phases[pos.phase + 1]
+            schedule = nxt.schedule.build(total_tokens=nxt.total_tokens, seq_len=nxt.seq_len,
+                                          micro_batch=nxt.micro_batch, dp_size=self.schedule_dp)
+            tokens = schedule.step_batch(0, nxt.seq_len, self._last_step_granularity()) * nxt.seq_len
+            evaluations, due = 2, " and the phase switch's two evaluations"
+        else:
+            tokens = self._step_batch(in_phase) * self.phase.seq_len
+            evaluations, due = (1, " and the evaluation due") if pos.tokens >= pos.next_eval else (0, "")
+        left, needed = limit.left(), limit.needed(tokens, evaluations)
         if left >= needed:
             return False
-        self._time_note = (f"run.time_limit: {max(left, 0):.1f} s left before {limit.source}; the next step and "
-                           f"a checkpoint{' and the evaluation due' if evaluates else ''} would take ~{needed:.1f} s "
-                           "(with a 25% margin)")
+        when = f"{left:.1f} s left before" if left >= 0 else f"{-left:.1f} s past"
+        self._time_note = (f"run.time_limit: {when} {limit.source}; the next step and a checkpoint{due} would "
+                           f"take ~{needed:.1f} s (with a 25% margin)")
         return True
 
     def _step_batch(self, in_phase: int) -> int:

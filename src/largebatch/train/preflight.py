@@ -439,7 +439,8 @@ def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstima
         raise ConfigError(
             f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd} (vocabulary "
             f"{vocab_size or cfg.data.vocab_size}): {est.parameters:.3g} parameters per process need "
-            f"{est.bytes / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state, "
+            f"{est.bytes / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state"
+            f"{' and the weight average (run.ema_decay)' if cfg.run.ema_decay is not None else ''}, "
             f"more than the {est.available / GIB:,.1f} GiB available ({est.source}); lower "
             f"model.n_layer or model.n_embd, or split the model (parallel.tp, parallel.pp, or "
             f"parallel.dp_mode = 'fsdp')")

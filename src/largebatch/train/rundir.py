@@ -67,6 +67,7 @@ class RunDirLocked(RuntimeError):
 
 
 TOKENIZER_NAME = "tokenizer.json"
+TIMINGS_NAME = ".timings.json"  # run.time_limit: the longest checkpoint save timed (a stop's own included)
 
 
 def keep_tokenizer(run_dir: Path, tokenizer, is_main: bool = True, corpus: str | None = None) -> None:

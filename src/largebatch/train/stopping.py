@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -182,22 +183,43 @@ def slurm_end_time() -> float:
     return end
 
 
+def write_seconds(directory: Path, nbytes: int = 64 * 2**20) -> float:
+    """Seconds to write and fsync ``nbytes`` (random bytes: no filesystem compresses them) into a
+    file in ``directory``, removed after: the disk's rate where a checkpoint goes, for a save no
+    launch has timed yet."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".write-test-{os.getpid()}"
+    block = os.urandom(min(nbytes, 4 * 2**20))
+    began = time.perf_counter()
+    try:
+        with open(path, "wb") as file:
+            for _ in range(max(1, nbytes // len(block))):
+                file.write(block)
+            file.flush()
+            os.fsync(file.fileno())
+        return time.perf_counter() - began
+    finally:
+        path.unlink(missing_ok=True)
+
+
 class TimeLimit:
     """``run.time_limit`` for one launch: whether the time left still holds the run's next step and a
     checkpoint, as this launch has measured them.
 
     The deadline is ``limit`` seconds after ``started`` (the trainer's start, ``time.monotonic()``), or
     the Slurm job's end for ``"slurm"``. After each step the run continues only while the time left
-    is at least ``TIME_LIMIT_SAFETY`` x (the next step + a checkpoint, + an evaluation when one is due
-    before that step): the step from the most seconds per token any step of this launch took (the
-    launch's first step, which carries its warm-up, only until a second one is measured) times the
-    next step's tokens (a Seesaw milestone doubles the batch, and so the step); the checkpoint from
-    the longest save of this launch -- a background write's own seconds included -- else the
-    longest the run recorded in its checkpoint before, else the step's; the evaluation from the
-    longest of this launch. Under torchrun the ranks agree (``StopRequest.poll``), so they stop at
-    the same step."""
+    is at least ``TIME_LIMIT_SAFETY`` x (the next step + a checkpoint + the evaluations due before
+    that step): the step from the most seconds per token any step of this launch took (the launch's
+    first step, which carries its warm-up, only until a second one is measured) times the next
+    step's tokens (a Seesaw milestone doubles the batch, and so the step); the checkpoint from the
+    longest save the run has timed (this launch's, a background write's own seconds included, or an
+    earlier launch's: ``save_seconds``), else from the checkpoint's bytes at the rate a test write
+    measured on its disk (``estimated_save``); an evaluation from the longest the run has timed
+    (``eval_seconds``). Under torchrun the ranks agree (``StopRequest.poll``), so they stop at the
+    same step."""
 
-    def __init__(self, limit: float | str, started: float, save_seconds: float = 0.0):
+    def __init__(self, limit: float | str, started: float, save_seconds: float = 0.0, eval_seconds: float = 0.0,
+                 estimated_save: float = 0.0):
         now = time.monotonic()
         if limit == "slurm":
             self.deadline = now + (slurm_end_time() - time.time())
@@ -207,8 +229,9 @@ class TimeLimit:
             self.source = f"run.time_limit = {float(limit):g} s from the launch's start"
         self.per_token = 0.0  # the most seconds per token of this launch's steps (after its first)
         self.first_per_token: float | None = None  # its first step's (warm-up included)
-        self.save = float(save_seconds or 0.0)  # the longest save known
-        self.evaluation = 0.0  # the longest evaluation of this launch
+        self.save = float(save_seconds or 0.0)  # the longest save timed
+        self.estimated_save = float(estimated_save or 0.0)  # before any: from the bytes and the disk's rate
+        self.evaluation = float(eval_seconds or 0.0)  # the longest evaluation timed
 
     def step_done(self, seconds: float, tokens: int) -> None:
         rate = seconds / max(tokens, 1)
@@ -226,12 +249,12 @@ class TimeLimit:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def needed(self, next_tokens: int, evaluates: bool) -> float:
-        """Seconds the next step (of ``next_tokens``), a checkpoint after it, and an evaluation before
-        it when ``evaluates``, take, with the safety margin."""
+    def needed(self, next_tokens: int, evaluations: int = 0) -> float:
+        """Seconds the next step (of ``next_tokens``), a checkpoint after it, and ``evaluations``
+        evaluations before it take, with the safety margin."""
         rate = self.per_token if self.per_token else (self.first_per_token or 0.0)
-        step = rate * next_tokens
-        return TIME_LIMIT_SAFETY * (step + (self.save or step) + (self.evaluation if evaluates else 0.0))
+        save = self.save or self.estimated_save
+        return TIME_LIMIT_SAFETY * (rate * next_tokens + save + self.evaluation * evaluations)
 
-    def is_up(self, next_tokens: int, evaluates: bool) -> bool:
-        return self.left() < self.needed(next_tokens, evaluates)
+    def is_up(self, next_tokens: int, evaluations: int = 0) -> bool:
+        return self.left() < self.needed(next_tokens, evaluations)
