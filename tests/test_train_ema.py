@@ -175,3 +175,62 @@ def test_export_and_finetune_take_the_average_with_ema(tmp_path, reference_run):
     assert not torch.equal(plain.model.tok_emb.weight, saved["tok_emb.weight"])
     with pytest.raises(ExportError, match="--ema: checkpoint .* holds no weight average .* leave --ema out"):
         load_run(ref_dir, ema=True)
+
+
+@pytest.fixture
+def frozen_positions_and_flat_sgd():
+    """A registered model kind whose position embedding has requires_grad=False, and a registered
+    optimizer whose builder takes one flat list of tensors (its groups carry no names)."""
+    from largebatch.memory.estimate import OPTIMIZER_STATE_BYTES
+    from largebatch.models import GPT, MODELS, register_model
+    from largebatch.train.optimizer import OPTIMIZERS, register_optimizer
+
+    class Frozen(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            self.pos_emb.weight.requires_grad_(False)
+
+    gpt = MODELS["gpt"]
+    register_model("frozen-pos-gpt", build=Frozen, objective="causal", help="a test's own",
+                   head_flops=gpt.head_flops, output_activations=gpt.output_activations,
+                   stage_parameters=gpt.stage_parameters, pipeline_first=gpt.pipeline_first,
+                   pipeline_last=gpt.pipeline_last, tp_plan=gpt.tp_plan)
+    register_optimizer("flat-sgd", lambda groups, cfg: torch.optim.SGD([p for g in groups for p in g["params"]],
+                                                                       lr=0.0, momentum=0.9),
+                       summary="a test's own", fields=(), adapt_default=None, state_bytes=4)
+    yield
+    MODELS.pop("frozen-pos-gpt")
+    OPTIMIZERS.pop("flat-sgd"), OPTIMIZER_STATE_BYTES.pop("flat-sgd")
+
+
+def test_groups_without_names_and_frozen_parameters(tmp_path, reference_run, frozen_positions_and_flat_sgd):
+    """An optimizer whose groups carry no names gets its tensors named from the model (the run started
+    where it failed after the data build); a frozen parameter has no average, keeps its weights in
+    load_run(ema=True), and is not taken for a damaged checkpoint."""
+    from largebatch.export import load_run
+
+    run = tmp_path / "frozen"
+    _run(tiny_overrides(reference_run[0], run, **{"run.ema_decay": DECAY, "optim.name": "flat-sgd",
+                                                   "model.kind": "frozen-pos-gpt"}))
+    extra = load_checkpoint(list_checkpoints(run)[-1])
+    assert set(extra["ema_tensors"]) == {k for k in extra["model"] if k not in ("pos_emb.weight", "lm_head.weight")}
+    loaded = load_run(run, ema=True, log=lambda *_: None)
+    assert torch.equal(loaded.model.pos_emb.weight, extra["model"]["pos_emb.weight"])
+    assert torch.equal(loaded.model.tok_emb.weight, extra["ema_tensors"]["tok_emb.weight"])
+
+
+def test_the_memory_estimates_count_the_average(tmp_path, capsys):
+    """`largebatch memory --config` counts the weight average's fp32 copy with the optimizer state
+    (4 bytes a parameter: as much again as fp32 parameters), as `largebatch train --check` does."""
+    import re
+
+    from largebatch.memory.cli import main as memory_main
+
+    config = tmp_path / "ema.toml"
+    config.write_text('[model]\nn_layer = 4\nn_embd = 256\n[run]\ndtype = "fp32"\nema_decay = 0.999\n')
+    parts = []
+    for extra in ([], ["--run.ema_decay", "none"]):
+        assert memory_main(["--config", str(config), *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Per device, no recompute"))
+        parts.append({k: float(v) for k, v in re.findall(r"(parameters|gradients|optimizer) (\d+\.\d+)", line)})
+    assert parts[0]["optimizer"] - parts[1]["optimizer"] == pytest.approx(parts[0]["parameters"], abs=0.011)

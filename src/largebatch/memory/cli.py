@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "adamw, lamb and lans, 4 for lars and sgd with momentum (sgd: for planning a loop of your own; "
                    "the trainer does not offer it), and any optimizer register_optimizer declared "
                    "(largebatch.train.optimizer)")
-    p.add_argument("--run.ema_decay", dest="ema_decay", type=finite_float, metavar="DECAY",
+    p.add_argument("--run.ema_decay", dest="ema_decay", type=_decay_or_none, metavar="DECAY",
                    help="the trainer's weight average (default: the --config's): one more fp32 copy of the "
                    "parameters, counted with the optimizer state; none for no average")
     p.add_argument("--dtype-bytes", type=finite_float,
@@ -127,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage of the data-parallel sharding (default 0; a --config with parallel.dp_mode "
                    "= 'fsdp' gives 3: FSDP shards parameters, gradients and optimizer state)")
     return p
+
+
+def _decay_or_none(text: str) -> float | str:
+    """--run.ema_decay: a decay in (0, 1), or "none" (no average, over a --config's)."""
+    if text.strip().lower() == "none":
+        return "none"
+    value = finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must lie strictly between 0 and 1, or be none")
+    return value
 
 
 MAX_LAYERS = 100_000
@@ -401,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       micro_batch=1 if auto else int(args.micro_batch), seq_len=config.seq_len,
                       optimizer=args.optimizer, dtype_bytes=args.dtype_bytes, zero_stage=args.zero_stage,
-                      weight_average=args.ema_decay is not None,
+                      weight_average=args.ema_decay not in (None, "none"),
                       pp_schedule=schedule, pp_virtual_stages=virtual,
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       # transformers' BertForMaskedLM runs its head on every position, not the masked ones
