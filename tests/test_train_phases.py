@@ -363,3 +363,20 @@ def test_a_run_stopped_in_a_phase_with_its_own_noise_scale_ema_continues(referen
     fields = ("step", "loss", "noise_scale", "batch_size")
     assert [[r[k] for k in fields] for r in train_records(stopped)] == \
         [[r[k] for k in fields] for r in train_records(straight)]
+
+
+def test_a_target_reached_at_a_phase_switch_ends_the_run_in_that_phase(reference, tmp_path):
+    """run.stop_at_target with the target set to phase 0's last evaluation (at the switch): the run
+    ends there, in phase 0 -- its final checkpoint, loss and phases as they were at that evaluation, no
+    step or evaluation of phase 1."""
+    tmp, config, ref = reference
+    vals = [r for r in read_metrics(ref) if r["kind"] == "val"]
+    switch = next(r for r in vals if r["tokens"] == 2048 and r["seq_len"] == 32)
+    assert all(r["val_loss"] > switch["val_loss"] for r in vals if r["tokens"] < 2048)  # (the first at or below)
+    run = tmp_path / "ended"
+    assert main([str(config), f"--run.out_dir={run}", f"--run.target_val_loss={switch['val_loss']}",
+                 "--run.stop_at_target=true"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_at_target"] and summary["final_val_loss"] == switch["val_loss"]
+    assert summary["target"]["step"] == switch["step"] and "phase_val_losses" in summary
+    assert {r["phase"] for r in read_metrics(run)} == {0}

@@ -473,9 +473,15 @@ def test_time_to_a_target_loss_is_recorded_and_can_end_the_run(reference_run, tm
     assert done["stopped_at_target"] is True and done["steps"] == step and done["final_val_loss"] == target
     assert int(list_checkpoints(ended)[-1].stem.split("_")[1]) == step
     assert [r["step"] for r in read_metrics(ended) if r["kind"] == "val"] == [r["step"] for r in vals[:hit + 1]]
-    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0  # the same command: ended, nothing trained
+    before = (ended / "summary.json").read_text()
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0  # the same command: ended, nothing changed
+    assert f"already complete ({step} steps" in capsys.readouterr().out
     assert len([r for r in read_metrics(ended) if r["kind"] == "train"]) == step
-    assert "the run ended there (run.stop_at_target)" in capsys.readouterr().out
+    assert (ended / "summary.json").read_text() == before
+    o["run.stop_at_target"] = False  # (a restart field) the same run goes on to its budget, as the reference
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    assert _train_losses(ended) == _train_losses(ref_dir)
+    assert json.loads((ended / "summary.json").read_text())["target"]["step"] == step
 
     never = _run(tiny_overrides(cache, tmp_path / "never", **{"run.target_val_loss": 0.5}))
     assert never["target"] is None and never["steps"] == len(train)

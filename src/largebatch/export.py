@@ -60,6 +60,7 @@ class LoadedRun:
     tokens: int | None = None  # tokens the run had trained on at that checkpoint (None: not recorded)
     chosen: bool = False  # named by the caller (--checkpoint), not the newest readable one
     ema: bool = False  # the model holds the checkpoint's weight average (run.ema_decay), not its weights
+    at_target: bool = False  # the run ended at run.target_val_loss (run.stop_at_target): finished, not stopped
 
 
 def stopped_early(loaded: LoadedRun) -> str | None:
@@ -69,7 +70,7 @@ def stopped_early(loaded: LoadedRun) -> str | None:
     run = loaded.config.get("run", {})
     phases = loaded.config.get("phases") or []
     budget = sum(p.get("total_tokens", 0) for p in phases) if phases else run.get("total_tokens")
-    if loaded.tokens is None or not budget or loaded.tokens >= budget:
+    if loaded.tokens is None or not budget or loaded.tokens >= budget or loaded.at_target:
         return None
     which = f"checkpoint {loaded.checkpoint.name}" if loaded.chosen else "the newest readable checkpoint"
     return f"{which} is at {loaded.tokens:,} of the run's {int(budget):,} tokens"
@@ -215,8 +216,9 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
     if tokenizer is None:
         tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
     tokens = extra.get("progress", {}).get("tokens")
+    at_target = bool(extra["config"].get("run", {}).get("stop_at_target") and extra.get("progress", {}).get("target"))
     return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens),
-                     chosen=chosen, ema=ema)
+                     chosen=chosen, ema=ema, at_target=at_target)
 
 
 def _load_checkpoint(path: Path, ema: bool = False):

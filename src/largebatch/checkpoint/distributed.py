@@ -256,6 +256,11 @@ class DistributedWrite:
         """The last finished background write's own seconds (None before the first)."""
         return self._write.seconds
 
+    @property
+    def busy(self) -> bool:
+        """A write is in flight."""
+        return self._write.busy
+
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for this rank's write in flight (through stop signals), after a failure elsewhere (no
         collective: the other ranks may be gone); on rank 0 the checkpoint is then in place if it was

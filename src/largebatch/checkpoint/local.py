@@ -88,6 +88,11 @@ class LocalWrite:
         """The last finished background write's own seconds (None before the first)."""
         return self._write.seconds
 
+    @property
+    def busy(self) -> bool:
+        """A write is in flight."""
+        return self._write.busy
+
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for the write in flight (through stop signals), after a failure elsewhere or at the end:
         (its error, a signal's exception that came meanwhile), returned, not raised."""

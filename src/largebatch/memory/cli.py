@@ -198,7 +198,7 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
         args.optimizer = tree.get("optim", {}).get("name", TRAIN_DEFAULTS["optim.name"])
     if args.ema_decay is None:
         args.ema_decay = run.get("ema_decay")
-        if args.ema_decay is not None:
+        if args.ema_decay not in (None, "none"):
             args.notes.append(f"run.ema_decay = {args.ema_decay}: the weight average, one more fp32 copy of the "
                               "parameters, is counted with the optimizer state")
     recompute = run.get("recompute", ["none"])

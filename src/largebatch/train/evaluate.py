@@ -207,7 +207,7 @@ class Evaluation:
         if target is None or self.pos.target is not None or not val_loss <= target:
             return False
         pos = self.pos
-        self.pos.target = {"val_loss": val_loss, "step": pos.step, "tokens": pos.tokens,
+        self.pos.target = {"target_val_loss": target, "val_loss": val_loss, "step": pos.step, "tokens": pos.tokens,
                            "train_seconds": pos.train_seconds, "wall_seconds": self.wall_seconds()}
         return True
 

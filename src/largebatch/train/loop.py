@@ -446,6 +446,13 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                      "round in another order from here on, so its losses are not bit-identical to a run "
                      "left uninterrupted (start it with the saved thread count and torch for that)")
         self.pos = Progression(**extra["progress"])
+        target = self.cfg.run.target_val_loss
+        if self.pos.target is not None and self.pos.target.get("target_val_loss", target) != target:
+            if target is not None:  # (evaluations before the resume are not read again)
+                self.log(f"note: run.target_val_loss is {target} now ({self.pos.target.get('target_val_loss')} "
+                         f"was reached at step {self.pos.target.get('step')}): the time to it is taken from the "
+                         "evaluations from here on")
+            self.pos.target = None
         self._wall_before = self.pos.wall_seconds
         # the checkpoint cadence of this launch (a restart field): the saved next point was the old
         # cadence's, so a --run.checkpoint_every_tokens added on a requeue waited for it (the run's end)
@@ -816,7 +823,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 if steps_here == 1:  # the launch's warm-up (allocations, compilation) ends with it
                     self.after_first_step = (pos.train_seconds, pos.tokens)
                 self.profiler.after(pos.step)  # (outside the step's time: a window's end writes its trace)
-                signum, due = stop.poll(self._time_is_up(seconds, record["batch_size"]))  # the same on every rank
+                time_up = self._time_is_up(seconds, record["batch_size"], time_due)
+                signum, due = stop.poll(time_up)  # the same on every rank
                 time_up = stop.time_up
                 time_due |= due
                 if logs:
@@ -828,7 +836,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             # exits at once) ---------------------------------------------------------------------
             stop.ending()
             self.profiler.close("the run ended")
-            if self.saved_step != pos.step:
+            if self.saved_step != pos.step and pos.step > 0:  # (a target reached before any step: nothing to keep)
                 self._timed_save()
             self.finish_saves()  # in place before the final evaluation: a kill during it loses no step
             if self._ended_at_target() and self.last_eval is not None and self.last_eval[0] == pos.step:
@@ -864,11 +872,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.save()
         self._note_write_seconds(time.perf_counter() - began)
 
-    def _note_write_seconds(self, held: float = 0.0) -> None:
-        """A save's seconds: ``held`` (the loop's wait), or a background write's own, once finished;
-        the longest is kept in the progress and (rank 0, for the next launch: a stop's checkpoint
-        cannot hold its own time) RUN_DIR/.timings.json."""
-        seconds = max(held, (self.writes.seconds or 0.0) if self.writes is not None else 0.0)
+    def _note_write_seconds(self, held: float | None = None) -> None:
+        """A save's seconds: ``held`` (the loop's wait), plus, in the background, the write's own once
+        finished (the latest wait's and the latest finished write's); the longest is kept in the
+        progress and (rank 0, for the next launch: a stop's checkpoint cannot hold its own time)
+        RUN_DIR/.timings.json."""
+        if held is not None:
+            self._held = held
+        seconds = getattr(self, "_held", 0.0) + ((self.writes.seconds or 0.0) if self.writes is not None else 0.0)
         if seconds > self.pos.save_seconds:
             self.pos.save_seconds = seconds
             if self.is_main and self.time_limit is not None:
@@ -879,7 +890,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if self.time_limit is not None:
             self.time_limit.saved(seconds)
 
-    def _time_is_up(self, seconds: float, batch_size: int) -> bool:
+    def _time_is_up(self, seconds: float, batch_size: int, checkpoint_due: bool = False) -> bool:
         """After a step of ``seconds`` and ``batch_size`` sequences: whether run.time_limit leaves too
         little time for the next step and a checkpoint (and the evaluation or phase switch due before
         it); logged on rank 0 when so. False without a limit, and at the run's end (the final
@@ -904,6 +915,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             tokens = self._step_batch(in_phase) * self.phase.seq_len
             evaluations, due = (1, " and the evaluation due") if pos.tokens >= pos.next_eval else (0, "")
         left, needed = limit.left(), limit.needed(tokens, evaluations)
+        if checkpoint_due or pos.tokens >= pos.next_checkpoint:  # a periodic save before the next step
+            needed += limit.needed(0)  # (one more save, with the margin)
+            due += " and the checkpoint due before it"
+        if self.writes is not None and self.writes.busy:  # the next save waits for the write in flight first
+            needed += limit.needed(0)
+            due += " (after the background write in flight)"
         if left >= needed:
             return False
         when = f"{left:.1f} s left before" if left >= 0 else f"{-left:.1f} s past"

@@ -154,6 +154,9 @@ class PhaseSwitch:
         if self._last_phase():
             return False
         self.phase_val_losses.append(self._log_eval())  # at the ending phase's length
+        if self._ended_at_target():  # run.stop_at_target reached by that evaluation: the run ends in this phase
+            self.phase_val_losses.pop()  # (the summary's final loss is that evaluation's)
+            return False
         self._begin_next_phase()
         self.pos.next_eval = self.pos.tokens  # and at the new length
         return True

@@ -57,6 +57,7 @@ RESTART_FIELDS = ("run.max_steps", "run.progress", "run.out_dir", "run.checkpoin
                   "run.wandb_project", "run.plots", "run.profile_steps", "run.profile_memory",
                   "run.peak_flops", "run.device", "run.log_every_steps", "run.sample_tokens",
                   "run.sample_prompt", "run.eval_micro_batch", "run.ema_decay", "run.time_limit",
+                  "run.target_val_loss", "run.stop_at_target",
                   "model.vocab_size", "parallel.",
                   "data.cache_dir",  # the cache is keyed on content: moving it changes no token
                   "model.hf_model_type")  # what the export writes (export --hf-model-type chooses it too)
@@ -248,7 +249,11 @@ def finished_run(run_dir: Path, cfg, resumed: bool = False) -> dict | None:
     except (OSError, ValueError, ConfigError):  # none there, or unreadable: not a finished run of cfg
         return None
     tokens = finished.get("tokens") if isinstance(finished, dict) else None
-    return finished if same and isinstance(tokens, int) and tokens >= cfg.run.total_tokens else None
+    ended = isinstance(tokens, int) and tokens >= cfg.run.total_tokens
+    # run.stop_at_target: a run that ended at its target is finished while the target is the same
+    at_target = (isinstance(finished, dict) and finished.get("stopped_at_target") is True and cfg.run.stop_at_target
+                 and finished.get("target_val_loss") == cfg.run.target_val_loss)
+    return finished if same and (ended or at_target) else None
 
 
 def continues_run(run_dir: Path, cfg) -> bool:
