@@ -33,6 +33,7 @@ Options:
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import socket
@@ -217,6 +218,12 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
         tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
     tokens = extra.get("progress", {}).get("tokens")
     at_target = bool(extra["config"].get("run", {}).get("stop_at_target") and extra.get("progress", {}).get("target"))
+    if not at_target and extra.get("progress", {}).get("target"):  # turned on when the run ended: its summary says
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+            at_target = summary.get("stopped_at_target") is True and summary.get("steps") == step
+        except (OSError, ValueError, AttributeError):
+            pass
     return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens),
                      chosen=chosen, ema=ema, at_target=at_target)
 

@@ -389,7 +389,8 @@ def _target_line(s: dict) -> str:
     t = s.get("target")
     if t is None:
         return f"target            val loss {s['target_val_loss']} not reached by the end of the run"
-    ended = "; the run ended there (run.stop_at_target)" if s.get("stopped_at_target") else ""
+    ended = ("" if not s.get("stopped_at_target") else "; the run ended there (run.stop_at_target)"
+             if s.get("steps") == t["step"] else f"; the run ended at step {s.get('steps')} (run.stop_at_target)")
     return (f"target            val loss {s['target_val_loss']} reached at step {t['step']}, "
             f"{human_count(t['tokens'])} tokens, after {t['train_seconds']:.1f} s of steps "
             f"({t['wall_seconds']:.1f} s in all){ended}")

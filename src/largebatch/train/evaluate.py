@@ -182,8 +182,7 @@ class Evaluation:
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
                               **({} if average is None else {"val_loss_ema": average[0],
                                                              "val_accuracy_ema": average[1]}),
-                              **({"target_reached": True} if reached or (self.pos.target or {}).get("step")
-                                 == self.pos.step else {}),
+                              **({"target_reached": True} if reached or self._target_again(val_loss) else {}),
                               "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
@@ -198,6 +197,11 @@ class Evaluation:
                      f"({t['wall_seconds']:.1f} s in all)"
                      + ("; the run ends here (run.stop_at_target)" if self.cfg.run.stop_at_target else ""))
         return val_loss
+
+    def _target_again(self, val_loss: float) -> bool:
+        """This evaluation is the one that reached the target, run again (a relaunch at the end)."""
+        target = self.pos.target or {}
+        return target.get("step") == self.pos.step and target.get("val_loss") == val_loss
 
     def _reach_target(self, val_loss: float) -> bool:
         """The first evaluation at or below run.target_val_loss: where the run was, kept in the
