@@ -853,14 +853,15 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         """run.time_limit's deadline, with what the run has timed before (the longest save, in its
         checkpoints and, for the save a stop wrote last, RUN_DIR/.timings.json; the longest evaluation);
         a run that has timed no save yet has its checkpoint's bytes written at the rate of a test write
-        of 64 MiB on the checkpoints' disk."""
+        of 64 MiB on the checkpoints' disk, on rank 0 (its shard's bytes)."""
         saved = self.pos.save_seconds
         try:
             saved = max(saved, float(json.loads((self.run_dir / TIMINGS_NAME).read_text())["save_seconds"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
         estimated = 0.0
-        if not saved:
+        if not saved and self.is_main:  # (rank 0 alone: a thousand ranks' test writes would load a shared
+            # disk at the start; the ranks stop on any rank's call, so rank 0's estimate stops them all)
             local = sum((p.to_local() if is_dtensor(p) else p).numel() for p in self._live_params())
             per_parameter = 4 + OPTIMIZERS[self.cfg.optim.name].state_bytes + (4 if self.ema is not None else 0)
             estimated = local * per_parameter * write_seconds(self.run_dir / "checkpoints") / (64 * 2**20)
