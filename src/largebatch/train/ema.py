@@ -84,8 +84,8 @@ class WeightAverage:
         self.steps += finite
         n = self.steps.clamp(min=1).to(torch.float64)
         beta = torch.where(finite, (1.0 - self.decay) / (1.0 - torch.pow(self.decay, n)), 0.0)
-        by_dtype: dict[torch.dtype, torch.Tensor] = {}
-        weights = [by_dtype.setdefault(p.dtype, beta.to(p.dtype)) for p in self.params]
+        by_dtype = {dtype: beta.to(dtype) for dtype in {p.dtype for p in self.params}}  # (one cast a dtype)
+        weights = [by_dtype[p.dtype] for p in self.params]
         torch._foreach_lerp_([_local(a) for a in self.tensors], [_local(p) for p in self.params], weights)
 
     @contextmanager

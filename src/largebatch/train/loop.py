@@ -894,8 +894,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
     def _time_is_up(self, seconds: float, batch_size: int, checkpoint_due: bool = False) -> bool:
         """After a step of ``seconds`` and ``batch_size`` sequences: whether run.time_limit leaves too
         little time for the next step and a checkpoint (and the evaluation or phase switch due before
-        it); logged on rank 0 when so. False without a limit, and at the run's end (the final
-        checkpoint comes next)."""
+        it); why is kept for the stop's log line. False without a limit, and at the run's end (the
+        final checkpoint comes next)."""
         limit, pos = self.time_limit, self.pos
         if limit is None:
             return False
