@@ -126,3 +126,19 @@ class BackgroundWrite:
     @property
     def busy(self) -> bool:
         return self._thread is not None and not self._done.is_set()
+
+
+class BackgroundWriter:
+    """What a checkpoint writer that keeps its BackgroundWrite as ``_write`` tells the trainer."""
+
+    _write: BackgroundWrite
+
+    @property
+    def seconds(self) -> float | None:
+        """The last finished background write's own seconds (None before the first)."""
+        return self._write.seconds
+
+    @property
+    def busy(self) -> bool:
+        """A write is in flight."""
+        return self._write.busy

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from largebatch import LONG_WAIT_GROUP
-from largebatch.checkpoint.background import BackgroundWrite, staged
+from largebatch.checkpoint.background import BackgroundWrite, BackgroundWriter, staged
 from largebatch.checkpoint.files import (
     checkpoint_path,
     latest_checkpoint,
@@ -176,7 +176,7 @@ def _save_into(tmp: Path, final: Path, run_dir: str | Path, model: torch.nn.Modu
     return final
 
 
-class DistributedWrite:
+class DistributedWrite(BackgroundWriter):
     """save_distributed in the background (largebatch.checkpoint.background), as torchtitan's async
     checkpointing: ``start`` (collective) copies every rank's shards to host memory and hands them to
     DCP's ``async_save``, which writes them in a thread, its own collectives on a gloo group of their
@@ -250,16 +250,6 @@ class DistributedWrite:
                 raise write_failure(final, run_dir, OSError(errno.EIO, message), where,
                                     fix="See the ranks' messages above for the cause,")
             raise write_failure(final, run_dir, OSError(code, message), where)
-
-    @property
-    def seconds(self) -> float | None:
-        """The last finished background write's own seconds (None before the first)."""
-        return self._write.seconds
-
-    @property
-    def busy(self) -> bool:
-        """A write is in flight."""
-        return self._write.busy
 
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for this rank's write in flight (through stop signals), after a failure elsewhere (no

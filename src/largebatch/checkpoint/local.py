@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from largebatch.checkpoint.background import BackgroundWrite, staged
+from largebatch.checkpoint.background import BackgroundWrite, BackgroundWriter, staged
 from largebatch.checkpoint.files import (
     checkpoint_dir,
     checkpoint_path,
@@ -63,7 +63,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     return final
 
 
-class LocalWrite:
+class LocalWrite(BackgroundWriter):
     """save_checkpoint in the background (largebatch.checkpoint.background): ``start`` copies the state
     to host memory and returns the checkpoint's path at once; the file is written, fsynced, renamed
     into place and the old ones rotated while training goes on. ``wait`` (the next ``start`` too)
@@ -82,16 +82,6 @@ class LocalWrite:
 
     def wait(self) -> None:
         self._write.wait()
-
-    @property
-    def seconds(self) -> float | None:
-        """The last finished background write's own seconds (None before the first)."""
-        return self._write.seconds
-
-    @property
-    def busy(self) -> bool:
-        """A write is in flight."""
-        return self._write.busy
 
     def close(self) -> tuple[BaseException | None, BaseException | None]:
         """Wait for the write in flight (through stop signals), after a failure elsewhere or at the end:
