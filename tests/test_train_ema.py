@@ -234,3 +234,30 @@ def test_the_memory_estimates_count_the_average(tmp_path, capsys):
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Per device, no recompute"))
         parts.append({k: float(v) for k, v in re.findall(r"(parameters|gradients|optimizer) (\d+\.\d+)", line)})
     assert parts[0]["optimizer"] - parts[1]["optimizer"] == pytest.approx(parts[0]["parameters"], abs=0.011)
+
+
+def test_the_loss_plot_draws_the_average_beside_the_validation_loss(tmp_path, monkeypatch):
+    """loss.png's validation curve has the weight average's beside it, at the evaluations' tokens and
+    steps with their val_loss_ema; a run without an average draws none."""
+    from matplotlib.figure import Figure
+
+    from largebatch.train import plots
+
+    train = [{"kind": "train", "step": s, "tokens": 256 * s, "loss": 6.0 - s / 100, "lr": 1e-3, "batch_size": 8}
+             for s in range(1, 21)]
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: figures.append(fig) or save(fig, *a, **kw))
+    for with_average in (True, False):
+        val = [{"kind": "val", "step": s, "tokens": 256 * s, "val_loss": 6.1 - s / 100,
+                **({"val_loss_ema": 6.2 - s / 200} if with_average else {})} for s in (5, 10, 20)]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train + val))
+        figures.clear()
+        plots.plot_run(tmp_path)
+        for ax, key in zip(figures[0].axes, ("tokens", "step")):
+            lines = {line.get_label(): line for line in ax.get_lines()}
+            assert ("validation, weight average" in lines) == with_average
+            if with_average:
+                average = lines["validation, weight average"]
+                assert list(average.get_xdata()) == [r[key] for r in val]
+                assert list(average.get_ydata()) == pytest.approx([r["val_loss_ema"] for r in val])

@@ -177,8 +177,9 @@ def _launch(args, unknown: list[str], parser) -> int:
             changed = config_differences(saved, cfg) if saved is not None else []
             unapplied = (f"; {'; '.join(changed)} would apply to no step (raise run.total_tokens to train on "
                          "with it)" if changed else "")
-            print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
-                  f"{finished['tokens']} tokens); nothing changed{unapplied}")
+            if os.environ.get("RANK", "0") == "0":  # (under torchrun: rank 0's line, not one per rank)
+                print(f"{run_dir}: already complete ({finished.get('steps')} steps, "
+                      f"{finished['tokens']} tokens); nothing changed{unapplied}")
         return finished is not None
 
     config_path, resume_dir, check_only = args.config, args.resume, args.check

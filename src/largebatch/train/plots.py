@@ -41,7 +41,7 @@ TRAIN_FIELDS = ("step", "tokens", "loss", "lr", "batch_size", "phase", "seq_len"
 def _columns(run_dir: Path) -> tuple[dict[str, list], dict[str, list]]:
     """The fields the plots draw, per train and validation record, read a record at a time."""
     train: dict[str, list] = {key: [] for key in TRAIN_FIELDS}
-    val: dict[str, list] = {"step": [], "tokens": [], "val_loss": []}
+    val: dict[str, list] = {"step": [], "tokens": [], "val_loss": [], "val_loss_ema": []}
     for record in iter_metrics(run_dir):
         kind = record.get("kind")
         columns = train if kind == "train" else val if kind == "val" else None
@@ -103,6 +103,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         if val["step"]:
             x, mean, _, _ = _binned(val[key], val["val_loss"])
             ax.plot(x, mean, "o-" if len(x) <= 100 else "-", color="tab:orange", label="validation")
+            if any(v is not None for v in val["val_loss_ema"]):  # run.ema_decay: the weight average's
+                x, mean, _, _ = _binned(val[key], val["val_loss_ema"])
+                ax.plot(x, mean, "s--" if len(x) <= 100 else "--", color="tab:green", ms=3,
+                        label="validation, weight average")
         _mark_phases(ax, boundaries, by_step=key == "step")
         ax.set_xlabel(label)
         if key == "tokens":
