@@ -922,3 +922,8 @@ def test_a_time_limit_stops_both_ranks_at_one_step_and_the_same_command_continue
     assert not (out / "summary.json").exists()
     _torchrun(_overrides(single[0], out))
     assert _losses(out) == _losses(ddp_run)
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "largebatch", "train"] + [f"--{k}={json.dumps(v)}" for k, v in
+                                                             _overrides(single[0], out).items()],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert again.returncode == 0 and again.stdout.count("already complete") == 1, again.stdout  # (rank 0's line)
