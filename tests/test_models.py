@@ -292,3 +292,18 @@ def test_the_peak_matmul_is_sized_to_its_kernel_and_counts_the_models_linear():
     linear_rate = 3 * 2 * 256**3 / (time.perf_counter() - t0)
     # the peak counts linear's kernel: not far below its rate at a small size (mm alone was 6x below)
     assert peak > 0.5 * linear_rate, (peak, linear_rate)
+
+
+def test_an_n_head_that_does_not_divide_n_embd_names_the_nearest_divisor():
+    """The refusal names the divisor of n_embd nearest n_head (the smaller on a tie), checked against
+    every divisor by brute force for small widths; for n_embd = 10^12 + 2 it is one line at once (the
+    divisors were listed by trying all 10^12 numbers: a fuzzed --model.n_embd=100000000 held the
+    test suite for many minutes)."""
+    from largebatch.models.config import _nearest_divisor
+
+    for n in range(1, 300):
+        for near in (1, 2, 3, 5, 7, 12, 50, 500):
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            assert _nearest_divisor(n, near) == min(divisors, key=lambda d: (abs(d - near), d)), (n, near)
+    with pytest.raises(ValueError, match=r"n_head=5 does not divide n_embd=1000000000002: .*\(e\.g\. 6\)"):
+        ModelConfig(n_embd=10**12 + 2, n_head=5)
