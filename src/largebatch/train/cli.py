@@ -385,16 +385,14 @@ def _on_these(s: dict, key: str, whole: float) -> str:
 
 def _target_line(s: dict) -> str:
     """The summary's run.target_val_loss line: where the run reached it, or that it did not."""
-    from largebatch.train.progress import human_count
+    from largebatch.train.evaluate import target_reached
 
     t = s.get("target")
     if t is None:
         return f"target            val loss {s['target_val_loss']} not reached by the end of the run"
     ended = ("" if not s.get("stopped_at_target") else "; the run ended there (run.stop_at_target)"
              if s.get("steps") == t["step"] else f"; the run ended at step {s.get('steps')} (run.stop_at_target)")
-    return (f"target            val loss {s['target_val_loss']} reached at step {t['step']}, "
-            f"{human_count(t['tokens'])} tokens, after {t['train_seconds']:.1f} s of steps "
-            f"({t['wall_seconds']:.1f} s in all){ended}")
+    return f"target            {target_reached(s['target_val_loss'], t).removeprefix('target ')}{ended}"
 
 
 def format_summary(s: dict, run_dir: Path) -> str:

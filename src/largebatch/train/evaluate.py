@@ -27,6 +27,13 @@ from largebatch.train.deferred import target_count
 from largebatch.train.progress import human_count
 
 
+def target_reached(target: float, where: dict) -> str:
+    """"target val loss T reached at step N, ..." for run.target_val_loss's record ``where``
+    (``pos.target``, the summary's ``target``): the log line's and the summary line's words."""
+    return (f"target val loss {target} reached at step {where['step']}, {human_count(where['tokens'])} tokens, "
+            f"after {where['train_seconds']:.1f} s of steps ({where['wall_seconds']:.1f} s in all)")
+
+
 class EvalInterrupted(Exception):
     """A stop signal reached every rank during an evaluation: it was abandoned (nothing logged, the
     training state untouched), so the run can checkpoint within the cluster's grace period; the
@@ -182,7 +189,7 @@ class Evaluation:
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
                               **({} if average is None else {"val_loss_ema": average[0],
                                                              "val_accuracy_ema": average[1]}),
-                              **({"target_reached": True} if reached or self._target_again(val_loss) else {}),
+                              **({"target_reached": True} if self._target_again(val_loss) else {}),
                               "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
@@ -191,15 +198,12 @@ class Evaluation:
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
                  f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}{ema}")
         if reached:
-            t = self.pos.target
-            self.log(f"  target val loss {self.cfg.run.target_val_loss} reached at step {t['step']}, "
-                     f"{human_count(t['tokens'])} tokens, after {t['train_seconds']:.1f} s of steps "
-                     f"({t['wall_seconds']:.1f} s in all)"
+            self.log(f"  {target_reached(self.cfg.run.target_val_loss, self.pos.target)}"
                      + ("; the run ends here (run.stop_at_target)" if self.cfg.run.stop_at_target else ""))
         return val_loss
 
     def _target_again(self, val_loss: float) -> bool:
-        """This evaluation is the one that reached the target, run again (a relaunch at the end)."""
+        """This evaluation is the one that reached the target (or it again: a relaunch at the end)."""
         target = self.pos.target or {}
         return target.get("step") == self.pos.step and target.get("val_loss") == val_loss
 

@@ -312,6 +312,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 self.log(f"note: {note}")
         # run.time_limit: this launch's deadline, and what its steps, checkpoints and evaluations take
         self.time_limit = self._build_time_limit() if run.time_limit is not None else None
+        self._held = 0.0  # the latest save's wait (a background write's own seconds come after it)
+        self._time_note: str | None = None  # why run.time_limit stops the run (its log line)
         self.peak_flops = run.peak_flops or measure_peak_flops(
             self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
@@ -771,7 +773,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                     time_due = True
                 if stopping:  # (before the checkpoint: a window's trace holds its steps, not the save)
                     if time_up and signum is None:
-                        self.log(getattr(self, "_time_note", None) or
+                        self.log(self._time_note or
                                  f"run.time_limit: another rank found too little time left before "
                                  f"{self.time_limit.source}")
                     self.profiler.close("the run stopped")
@@ -880,7 +882,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         RUN_DIR/.timings.json."""
         if held is not None:
             self._held = held
-        seconds = getattr(self, "_held", 0.0) + ((self.writes.seconds or 0.0) if self.writes is not None else 0.0)
+        seconds = self._held + ((self.writes.seconds or 0.0) if self.writes is not None else 0.0)
         if seconds > self.pos.save_seconds:
             self.pos.save_seconds = seconds
             if self.is_main and self.time_limit is not None:
