@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.gpt import TransformerBase, token_loss
-from largebatch.models.layers import gelu, init_weights
+from largebatch.models.layers import gelu, init_weights, norm_layer
 from largebatch.models.registry import model_spec
 
 
@@ -23,7 +23,7 @@ class MaskedLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.act = gelu(config)
-        self.norm = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.norm = norm_layer(config)
         self.decoder = nn.Linear(config.n_embd, config.vocab_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,8 @@ class BERT(TransformerBase):
                              "use build_model(config).")
         super().__init__(config)
         post = config.norm_position == "post"
-        self.emb_norm = (nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-                         if post else nn.Identity())
-        self.ln_f = nn.Identity() if post else nn.LayerNorm(config.n_embd, eps=config.norm_eps,
-                                                            bias=config.bias)
+        self.emb_norm = norm_layer(config) if post else nn.Identity()
+        self.ln_f = nn.Identity() if post else norm_layer(config)
         self.head = MaskedLMHead(config)
         init_weights(self, config.n_layer)
         if config.tie_embeddings:

@@ -17,12 +17,15 @@ from largebatch.typed_config import check_fields
 
 Attention = Literal["explicit", "sdpa"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["gelu", "gelu_tanh"]
+Activation = Literal["gelu", "gelu_tanh", "swiglu"]
+Position = Literal["learned", "rope"]
+Norm = Literal["layernorm", "rmsnorm"]
 HfModelType = Literal["gpt2", "bert", "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
 HF_MODEL_TYPES = {"gpt": ("gpt2",), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 ATTENTION_KINDS = get_args(Attention)
 NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
+POSITIONS, NORMS = get_args(Position), get_args(Norm)
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,14 @@ class ModelConfig:
     """h: hidden size (width of the residual stream)."""
     n_head: int = 4
     """a: attention heads; must divide n_embd (head size = n_embd // n_head)."""
+    n_kv_head: int | None = None
+    """Key/value heads; None means n_head (multi-head attention). Fewer, dividing n_head, is grouped-
+    query attention (Llama 2 70B, Llama 3, Mistral): each key/value head serves n_head / n_kv_head
+    query heads, shrinking the k and v projections and their stored activations by that factor."""
     ffn_hidden: int | None = None
     """f: width of the MLP's inner layer; None means 4 * n_embd (the paper's choice)."""
     seq_len: int = 128
-    """s: context length; also the number of learned position embeddings."""
+    """s: context length; also the number of learned position embeddings (or rotary table rows)."""
     vocab_size: int = 4096
     """v: vocabulary size (rows of the token embedding and of the output layer). The trainer sizes it
     to the tokenizer while it keeps this built-in default; any other value is kept when it holds
@@ -60,11 +67,23 @@ class ModelConfig:
     """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT; lets the BERT
     here match transformers' BertForMaskedLM exactly). The memory model counts both the same."""
     norm_eps: float = 1e-5
-    """LayerNorm epsilon (GPT-2: 1e-5, BERT: 1e-12)."""
+    """LayerNorm or RMSNorm epsilon (GPT-2: 1e-5, BERT: 1e-12, Llama: 1e-5 or 1e-6)."""
+    norm: Norm = "layernorm"
+    """"layernorm" (GPT-2, BERT), or "rmsnorm": x / sqrt(mean(x^2) + eps) times a gain, no mean
+    and never a bias (Llama). Both keep only their input for backward."""
+    position: Position = "learned"
+    """"learned": a learned position embedding added to the token embedding (GPT-2, BERT). "rope":
+    rotary position embeddings applied to queries and keys in every layer, no position weights
+    (Llama; transformers' half-split layout)."""
+    rope_theta: float = 10000.0
+    """The rotary base: pair i of a head rotates by position * rope_theta^(-2i/head_size) (Llama 1
+    and 2: 10000; Llama 3: 500000). Used with position="rope" only."""
     activation: Activation = "gelu"
-    """The MLP's (and BERT head's) GeLU: "gelu" is the exact erf form (BERT, transformers' "gelu");
-    "gelu_tanh" the tanh approximation GPT-2 was trained with (transformers' "gelu_new"). Both keep
-    only their input for backward, so the memory model counts them the same."""
+    """The MLP's (and BERT head's) activation: "gelu" is the exact erf form (BERT, transformers'
+    "gelu"); "gelu_tanh" the tanh approximation GPT-2 was trained with (transformers' "gelu_new").
+    Both keep only their input for backward, so the memory model counts them the same. "swiglu"
+    (Llama; GPT only): fc2(SiLU(gate(x)) * fc1(x)), a third h x f matrix; Llama's f is about
+    8/3 h (set ffn_hidden), which keeps the parameters of the 4 h GeLU MLP."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
     GPT2Model, post-LN BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM /
@@ -94,6 +113,27 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.n_head={self.n_head} does not divide n_embd={self.n_embd}: "
                              f"choose n_head among the divisors of n_embd (e.g. "
                              f"{_nearest_divisor(self.n_embd, self.n_head)}).")
+        if self.n_kv_head is not None:
+            if not isinstance(self.n_kv_head, int) or isinstance(self.n_kv_head, bool) or self.n_kv_head < 1:
+                raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head!r}: must be a positive integer, "
+                                 "or None for n_head.")
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
+                                 f"each key/value head serves a whole group of query heads; choose a divisor "
+                                 f"of n_head (e.g. {_nearest_divisor(self.n_head, self.n_kv_head)}), or none.")
+        if self.position == "rope":
+            if self.head_dim % 2:
+                raise ValueError(f"ModelConfig.position='rope' with head size n_embd / n_head = {self.head_dim}: "
+                                 "rotary embeddings rotate pairs of dimensions, so the head size must be even; "
+                                 "change n_embd or n_head.")
+        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                and math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"ModelConfig.rope_theta={self.rope_theta!r}: must be a finite number > 1 "
+                             "(10000 in Llama 1 and 2, 500000 in Llama 3).")
+        if self.activation == "swiglu" and model_spec(self.kind).objective == "masked":
+            raise ValueError(f"ModelConfig.activation='swiglu' with kind={self.kind!r}: the gated MLP is for "
+                             "causal models here (the masked-LM head has one activation and no gate); use "
+                             "'gelu' or 'gelu_tanh'.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout={self.dropout!r}: must be in [0, 1).")
         if not self.norm_eps > 0:
@@ -101,6 +141,16 @@ class ModelConfig:
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError(f"ModelConfig.init_from={self.init_from!r}: give hf:PATH (a transformers directory), "
                              "or none to start from random weights")
+
+    @property
+    def head_dim(self) -> int:
+        """The size of one attention head, n_embd // n_head."""
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads actually used: n_kv_head, or n_head when that is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def ffn(self) -> int:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import Block, Dropout, init_weights
+from largebatch.models.layers import Block, Dropout, init_weights, norm_layer
 from largebatch.models.registry import model_spec
 
 
@@ -39,7 +39,8 @@ class TransformerBase(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
+        # rotary positions live in each layer's attention: an empty module keeps the name stages use
+        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd) if config.position == "learned" else nn.Identity()
         self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(self.block(config) for _ in range(config.n_layer))
 
@@ -49,6 +50,8 @@ class TransformerBase(nn.Module):
         if T > self.config.seq_len:
             raise ValueError(f"input has {T} positions but the model's seq_len is "
                              f"{self.config.seq_len}: crop the input or build a longer model.")
+        if self.config.position != "learned":
+            return self.tok_emb(idx)
         positions = torch.arange(T, device=idx.device)
         return self.tok_emb(idx) + self.pos_emb(positions)
 
@@ -70,7 +73,7 @@ class TransformerBase(nn.Module):
         embeddings (with tied embeddings the output projection goes too, as in nanoGPT)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+            n -= self.tok_emb.weight.numel() + sum(p.numel() for p in self.pos_emb.parameters())
         return n
 
     def flops_per_token(self, recompute: str | Sequence[str] = "none",
@@ -98,7 +101,7 @@ class GPT(TransformerBase):
         if config.norm_position != "pre":
             raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
         super().__init__(config)
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ln_f = norm_layer(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         init_weights(self, config.n_layer)
         if config.tie_embeddings:

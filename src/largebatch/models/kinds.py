@@ -26,9 +26,16 @@ BLOCK_TP_PLAN = {f"blocks.*.{name}": role for name, role in (
 split by columns, proj and fc2 by rows, one gathered input per sub-layer, the norms sequence-split."""
 
 
+def block_tp_plan(config: ModelConfig) -> dict[str, str]:
+    """BLOCK_TP_PLAN, with the gated MLP's gate split by columns as fc1 is."""
+    if config.activation != "swiglu":
+        return dict(BLOCK_TP_PLAN)
+    return {**BLOCK_TP_PLAN, "blocks.*.mlp.gate": "colwise"}
+
+
 def norm_parameters(config: ModelConfig) -> int:
-    """Parameters of one LayerNorm."""
-    return (2 if config.bias else 1) * config.n_embd
+    """Parameters of one LayerNorm (a gain, and a bias when config.bias) or RMSNorm (a gain)."""
+    return (2 if config.bias and config.norm == "layernorm" else 1) * config.n_embd
 
 
 # ------------------------------------------------------------------------------------------- GPT
@@ -56,7 +63,7 @@ def gpt_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_r
 def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
     """The final norm stays in the sequence-parallel region; the output layer reads the stream."""
     return {"tok_emb": "vocab_embedding", "drop": "sequence_start", "ln_f": "norm", "lm_head": "output",
-            **BLOCK_TP_PLAN}
+            **block_tp_plan(model.config)}
 
 
 register_model(
@@ -105,7 +112,7 @@ def _bert_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t
 def _bert_tp_plan(model: nn.Module) -> dict[str, str]:
     """The head picks the masked positions (x[mask]), so it runs on the whole sequence."""
     return {"tok_emb": "vocab_embedding", "drop": "sequence_start", "ln_f": "gather",
-            "head.decoder": "output_whole", **BLOCK_TP_PLAN}
+            "head.decoder": "output_whole", **block_tp_plan(model.config)}
 
 
 register_model(

@@ -10,7 +10,20 @@ input, and the two 1-byte dropout masks. Keeping that true is why:
 * the core attention (Q K^T, softmax, dropout, @V) is its own module, ``attn.core``, so selective
   recomputation (``largebatch.memory.apply_recompute``) checkpoints exactly that region;
 * the linears carry the names tensor parallelism shards by: attn.q/k/v (column), attn.proj (row),
-  mlp.fc1 (column), mlp.fc2 (row).
+  mlp.fc1 and mlp.gate (column), mlp.fc2 (row).
+
+The Llama-style options (Touvron et al. 2023; docs/papers.md: Llama-style layers) change what a
+layer computes and keeps, and the memory model counts each:
+
+* ``norm="rmsnorm"``: y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019), no bias; it keeps
+  its input, as a LayerNorm does;
+* ``position="rope"``: rotary position embeddings (Su et al. 2021, eq. 34) applied to Q and K in
+  each layer, in transformers' half-split layout (dimension i pairs with i + d/2), angle
+  m * theta^(-2i/d) at position m. The rotation multiplies by constant tables, so it keeps nothing;
+* ``activation="swiglu"``: fc2(SiLU(gate(x)) * fc1(x)) (Shazeer 2020, eq. 6): a third f-wide
+  matrix, and four f-wide stored tensors instead of GeLU's two;
+* ``n_kv_head < n_head``: grouped-query attention (Ainslie et al. 2023): each K/V head serves
+  n_head / n_kv_head query heads; K and V are computed and stored at n_kv_head heads.
 """
 
 from __future__ import annotations
@@ -41,9 +54,63 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+class RMSNorm(nn.RMSNorm):
+    """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g; torch's, computed in fp32 for a
+    16-bit input (as transformers' LlamaRMSNorm) and returned in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return super().forward(x.float()).to(x.dtype)
+        return super().forward(x)
+
+
+def norm_layer(config: ModelConfig) -> nn.Module:
+    """The model's normalisation: LayerNorm (with a bias when config.bias) or RMSNorm (never a bias)."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021): x (B, heads, T, d) -> x cos(m w) + rot(x) sin(m w),
+    rot(x) = (-x[d/2:], x[:d/2]), w_i = theta^(-2i/d) for i < d/2, repeated for the second half.
+    The tables (seq_len, d) are buffers, not weights: rebuilt after a meta-device build."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim, self.theta, self.seq_len = config.head_dim, config.rope_theta, config.seq_len
+        cos, sin = self._tables(None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float64, device=device), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (s, d)
+        return angles.cos().float(), angles.sin().float()
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Rebuild the tables on ``device`` (after a meta-device build, largebatch.parallel.materialize)."""
+        self.cos, self.sin = self._tables(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, half = x.size(-2), x.size(-1) // 2
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d)) V with dropout on the probabilities: the region selective
-    recomputation recomputes (it holds the 5 a s^2 b bytes of docs/papers.md: memory)."""
+    recomputation recomputes (it holds the 5 a s^2 b bytes of docs/papers.md: memory).
+
+    With fewer K/V heads than query heads (grouped-query attention), the explicit form multiplies
+    each K/V head by its group of query heads stacked along the rows, so K and V are kept once per
+    K/V head, never repeated; sdpa gets ``enable_gqa``."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -64,10 +131,13 @@ class CoreAttention(nn.Module):
         self.future = self._future_mask(device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: (B, a, T, d) -> (B, a, T, d)
+        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d)
         if self.kind == "sdpa":
             p = self.dropout_p if self.training else 0.0
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+            grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, **grouped)
+        if k.size(1) != q.size(1):
+            return self._grouped(q, k, v)
         T = q.size(-2)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, a, T, T)
         if self.causal:
@@ -75,42 +145,64 @@ class CoreAttention(nn.Module):
         probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, a, T, T)
         return probs @ v
 
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, a, T, d = q.shape
+        kv = k.size(1)
+        g = a // kv
+        rows = q.reshape(B, kv, g * T, d)  # query heads kv*g+j: rows j*T.. of K/V head kv
+        scores = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, kv, g T, T)
+        scores = scores.view(B, kv, g, T, T)
+        if self.causal:
+            scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
+        probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, kv, g, T, T)
+        return (probs.view(B, kv, g * T, T) @ v).view(B, a, T, d)
+
 
 class Attention(nn.Module):
     """Multi-head self-attention: q/k/v projections, core attention, output projection, dropout."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h = config.n_embd
-        self.n_head = config.n_head
+        h, kv = config.n_embd, config.kv_heads * config.head_dim
+        self.head_dim = config.head_dim
         # separate q/k/v (not one fused qkv) so tensor parallelism can shard each by output rows
         self.q = nn.Linear(h, h, bias=config.bias)
-        self.k = nn.Linear(h, h, bias=config.bias)
-        self.v = nn.Linear(h, h, bias=config.bias)
+        self.k = nn.Linear(h, kv, bias=config.bias)
+        self.v = nn.Linear(h, kv, bias=config.bias)
+        self.rotary = Rotary(config) if config.position == "rope" else None
         self.core = CoreAttention(config)
         self.proj = nn.Linear(h, h, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        # (B, T, C) -> (B, a, T, d); shape from the tensor so a sharded linear (C / t) still works
-        q, k, v = (lin(x).view(B, T, -1, C // self.n_head).transpose(1, 2)
+        # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         y = self.core(q, k, v)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.drop(self.proj(y))
 
 
 class MLP(nn.Module):
+    """fc2(GeLU(fc1(x))), or with activation="swiglu" fc2(SiLU(gate(x)) * fc1(x))."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.gate = (nn.Linear(config.n_embd, config.ffn, bias=config.bias) if config.activation == "swiglu"
+                     else None)
         self.fc1 = nn.Linear(config.n_embd, config.ffn, bias=config.bias)
-        self.act = gelu(config)
+        self.act = nn.SiLU() if self.gate is not None else gelu(config)
         self.fc2 = nn.Linear(config.ffn, config.n_embd, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.act(self.fc1(x))))  # (B, T, C) -> (B, T, f) -> (B, T, C)
+        # (B, T, C) -> (B, T, f) -> (B, T, C)
+        if self.gate is not None:
+            return self.drop(self.fc2(self.act(self.gate(x)) * self.fc1(x)))
+        return self.drop(self.fc2(self.act(self.fc1(x))))
 
 
 class Block(nn.Module):
@@ -120,9 +212,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
-        self.ln1 = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ln1 = norm_layer(config)
         self.attn = Attention(config)
-        self.ln2 = nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        self.ln2 = norm_layer(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +234,7 @@ def gelu(config: ModelConfig) -> nn.GELU:
 
 def init_weights(model: nn.Module, n_layer: int) -> None:
     """GPT-2 initialisation: N(0, 0.02) everywhere, residual-branch outputs (attn.proj, mlp.fc2)
-    scaled by 1/sqrt(2 L) (Radford et al. 2019), zero biases, unit LayerNorms."""
+    scaled by 1/sqrt(2 L) (Radford et al. 2019), zero biases, unit LayerNorm and RMSNorm gains."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("attn.proj", "mlp.fc2")) else 0.02
@@ -155,3 +247,5 @@ def init_weights(model: nn.Module, n_layer: int) -> None:
             nn.init.ones_(module.weight)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
