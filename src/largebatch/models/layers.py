@@ -55,12 +55,13 @@ class Dropout(nn.Module):
 
 
 class RMSNorm(nn.RMSNorm):
-    """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g; torch's, computed in fp32 for a
-    16-bit input (as transformers' LlamaRMSNorm) and returned in the input's dtype."""
+    """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g; torch's. A 16-bit input is
+    normalised in fp32, rounded back to its dtype, then scaled by the gain, as transformers'
+    LlamaRMSNorm does (so the result has the promoted dtype of the input and the gain)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float16, torch.bfloat16):
-            return super().forward(x.float()).to(x.dtype)
+            return F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype) * self.weight
         return super().forward(x)
 
 

@@ -1,0 +1,196 @@
+"""The Llama-style layer options against float64 references written from their papers' formulas, and
+the whole model against transformers' LlamaForCausalLM.
+
+RMSNorm (Zhang & Sennrich 2019, eq. 4), rotary embeddings (Su et al. 2021, eq. 34, written here in
+its complex form: pair i of a head is one complex number, multiplied by exp(j m theta_i)), SwiGLU
+(Shazeer 2020, eq. 6) and grouped-query attention (Ainslie et al. 2023: K/V head k serves query heads
+k g .. k g + g - 1, the reference repeats it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from largebatch.models import build_model
+from largebatch.models.config import ModelConfig
+from largebatch.models.layers import Attention, CoreAttention, Rotary, norm_layer
+
+LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", bias=False)
+
+
+def _cfg(**changes) -> ModelConfig:
+    base = dict(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=64, ffn_hidden=48)
+    return ModelConfig(**{**base, **changes})
+
+
+def test_rmsnorm_matches_its_formula_and_has_no_bias():
+    torch.manual_seed(0)
+    cfg = _cfg(norm="rmsnorm", norm_eps=1e-6)  # bias=True is ignored: RMSNorm has a gain only
+    norm = norm_layer(cfg).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 32, dtype=torch.float64) * 3 + 1
+    ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), ref, rtol=1e-12, atol=1e-12)
+    assert [n for n, _ in norm.named_parameters()] == ["weight"]
+    # bf16 input: normalised in fp32, rounded to bf16, then scaled (bf16 gain: bf16 out; fp32 gain: fp32)
+    xb = x[:1, :1].to(torch.bfloat16)
+    ref_b = xb.double() / torch.sqrt((xb.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    out = norm_layer(cfg).to(torch.bfloat16)(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref_b, rtol=1e-2, atol=1e-2)
+    out = norm_layer(cfg)(xb)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_b.to(torch.bfloat16).double(), rtol=0, atol=0)
+
+
+def _rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """x (..., T, d) float64: dimension i and i + d/2 form z = x_i + j x_{i+d/2}; z * exp(j m theta_i)."""
+    T, d = x.shape[-2:]
+    half = d // 2
+    z = torch.complex(x[..., :half], x[..., half:])
+    angle = torch.tensor([[m * theta ** (-2.0 * i / d) for i in range(half)] for m in range(T)],
+                         dtype=torch.float64)
+    out = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([out.real, out.imag], dim=-1)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rotary_matches_the_complex_form_and_is_relative(theta):
+    torch.manual_seed(1)
+    cfg = _cfg(position="rope", rope_theta=theta, n_embd=64, n_head=4)  # head size 16
+    rot = Rotary(cfg)
+    x = torch.randn(2, 4, 16, 16, dtype=torch.float64)
+    # the tables are fp32 (as transformers' inv_freq): agreement to fp32 rounding of the angles
+    torch.testing.assert_close(rot(x), _rope_reference(x, theta), rtol=0, atol=2e-5)
+    # shorter inputs use the first rows of the tables
+    torch.testing.assert_close(rot(x[..., :5, :]), _rope_reference(x[..., :5, :], theta), rtol=0, atol=2e-5)
+    # q_m . k_n depends on m - n only: the same vectors at every position give a Toeplitz score matrix
+    q = torch.randn(16, dtype=torch.float64).expand(1, 1, 16, 16)
+    k = torch.randn(16, dtype=torch.float64).expand(1, 1, 16, 16)
+    scores = (rot(q) @ rot(k).transpose(-2, -1))[0, 0]
+    for shift in (1, 3, 7):
+        diag = torch.diagonal(scores, offset=shift)
+        torch.testing.assert_close(diag, diag[:1].expand_as(diag), rtol=0, atol=1e-4)
+
+
+def test_swiglu_mlp_matches_its_formula():
+    torch.manual_seed(2)
+    cfg = _cfg(activation="swiglu", bias=True)
+    mlp = build_model(cfg).blocks[0].mlp.double()
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    g = x @ mlp.gate.weight.T + mlp.gate.bias
+    u = x @ mlp.fc1.weight.T + mlp.fc1.bias
+    ref = (g / (1 + torch.exp(-g)) * u) @ mlp.fc2.weight.T + mlp.fc2.bias
+    torch.testing.assert_close(mlp(x), ref, rtol=1e-12, atol=1e-12)
+    assert mlp.gate.weight.shape == (48, 32) and mlp.fc1.weight.shape == (48, 32)
+
+
+def _attention_reference(q, k, v, causal: bool) -> torch.Tensor:
+    g = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        T = q.size(-2)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_grouped_query_attention_matches_repeated_heads(kind, attention, n_kv_head):
+    torch.manual_seed(3)
+    cfg = _cfg(kind=kind, attention=attention, n_kv_head=n_kv_head)
+    core = CoreAttention(cfg).double()
+    q = torch.randn(2, 4, 16, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, n_kv_head, 16, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, n_kv_head, 16, 8, dtype=torch.float64, requires_grad=True)
+    out = core(q, k, v)
+    ref = _attention_reference(q, k, v, causal=kind == "gpt")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_grouped_attention_module_shapes_and_parameter_count():
+    cfg = _cfg(n_kv_head=2, **LLAMA)
+    attn = Attention(cfg)
+    assert attn.k.weight.shape == (16, 32) and attn.v.weight.shape == (16, 32) and attn.q.weight.shape == (32, 32)
+    model = build_model(cfg)
+    h, f, v, L, kv = 32, 48, 64, 2, 16
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * f + 2 * h  # q, proj, k, v, gate/fc1/fc2, two RMSNorm gains
+    assert model.num_params() == v * h + L * per_layer + h  # tied embedding, no position weights, final norm
+    assert model.num_params(non_embedding=True) == L * per_layer + h
+    assert not any("pos_emb" in n for n, _ in model.named_parameters())
+
+
+def test_llama_style_gpt_matches_transformers_llama():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    L = 2
+    for attention in ("explicit", "sdpa"):
+        cfg = _cfg(n_layer=L, n_embd=64, n_kv_head=2, norm_eps=1e-6, rope_theta=500000.0, tie_embeddings=False,
+                   attention=attention, seq_len=24, vocab_size=100, ffn_hidden=96, **LLAMA)
+        ours = build_model(cfg).double().eval()
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=24, rms_norm_eps=1e-6, rope_theta=500000.0,
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).double().eval()
+        names = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "ln_f.weight",
+                 "lm_head.weight": "lm_head.weight"}
+        for i in range(L):
+            for hf, mine in (("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
+                             ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
+                             ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.fc1"), ("mlp.down_proj", "mlp.fc2"),
+                             ("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
+                names[f"model.layers.{i}.{hf}.weight"] = f"blocks.{i}.{mine}.weight"
+        state = ours.state_dict()
+        result = theirs.load_state_dict({hf: state[mine] for hf, mine in names.items()}, strict=False)
+        assert not result.missing_keys and not result.unexpected_keys
+        idx = torch.randint(0, 100, (2, 24))
+        # fp32 rotary tables on both sides: agreement to fp32 rounding of the angles
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(n_kv_head=3), ["n_kv_head=3", "n_head=4", "divisor"]),
+    (dict(n_kv_head=0), ["n_kv_head=0", "positive"]),
+    (dict(position="rope", n_embd=36, n_head=4, ffn_hidden=None), ["rope", "head size", "9", "even"]),
+    (dict(position="rope", rope_theta=0.5), ["rope_theta=0.5", "> 1"]),
+    (dict(rope_theta=float("nan")), ["rope_theta", "nan", "finite"]),
+    (dict(kind="bert", activation="swiglu"), ["swiglu", "bert", "gelu"]),
+    (dict(norm="batchnorm"), ["norm", "batchnorm", "rmsnorm"]),
+    (dict(position="alibi"), ["position", "alibi", "rope"]),
+])
+def test_bad_llama_options_name_the_field_and_the_fix(changes, words):
+    with pytest.raises(ValueError) as err:
+        _cfg(**changes)
+    message = str(err.value)
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_llama_style_model_trains_and_generates():
+    torch.manual_seed(5)
+    cfg = _cfg(n_kv_head=1, **LLAMA)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 64, (4, 16))
+    losses = []
+    for _ in range(30):
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]  # memorises four sequences
+    assert model.generate(idx[:1, :3], 5, temperature=0).shape == (1, 8)
