@@ -194,3 +194,25 @@ def test_llama_style_model_trains_and_generates():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]  # memorises four sequences
     assert model.generate(idx[:1, :3], 5, temperature=0).shape == (1, 8)
+
+
+def test_a_llama_style_run_resumes_to_the_bit_and_refuses_another_layout(tmp_path, tiny_data_cache, capsys):
+    """The trainer end to end: a Llama-style run stopped before a Seesaw batch change and continued
+    gives the uninterrupted run's losses to the last bit; continuing it as another layout is refused
+    before any work, naming the fields."""
+    from largebatch.train.cli import main
+    from test_train import _run, _train_losses, tiny_overrides
+
+    llama = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": "swiglu",
+             "model.n_kv_head": 1, "model.bias": False, "model.ffn_hidden": 88}
+    ref_dir, out = tmp_path / "ref", tmp_path / "stopped"
+    ref = _run(tiny_overrides(tiny_data_cache, ref_dir, **llama))
+    assert ref["final_val_loss"] < ref["unigram_val_loss"] + 1.0
+    losses = _train_losses(ref_dir)
+    _run(tiny_overrides(tiny_data_cache, out, **llama, **{"run.max_steps": 5}))
+    _run(tiny_overrides(tiny_data_cache, out, **llama), resume=True)
+    assert _train_losses(out) == losses
+    capsys.readouterr()
+    assert main(["--resume", str(out), "--model.norm=layernorm", "--model.position=learned"]) == 2
+    err = capsys.readouterr().err
+    assert "model.norm" in err and "model.position" in err and "does not fit" in err, err
