@@ -65,6 +65,12 @@ def local_bytes(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in unwrap(model).parameters())
 
 
+def table_bytes(model) -> int:
+    """Bytes of the floating-point buffers (the rotary cos/sin tables, whole on every rank; the causal
+    mask is bool): allocated by materialising, as the parameters are."""
+    return sum(b.nbytes for b in unwrap(model).buffers() if b.is_floating_point())
+
+
 def global_loss(model, state, idx, targets) -> float:
     """The step's mean loss over the global batch (every rank the same value), after backward."""
     loss_sum = loss_and_backward(model, state, idx, targets).double()
@@ -85,8 +91,17 @@ def train(model, state, idx, targets) -> list[float]:
     return losses
 
 
+def rotary_ok(model, reference) -> bool:
+    """Every held block's rotary tables (non-persistent buffers, rebuilt by Rotary.init_buffers after
+    the meta build) equal the plain build's bit for bit; True where the model has none."""
+    pairs = [(b.attn.rotary, r.attn.rotary) for b, r in zip(model.blocks, reference.blocks)
+             if b is not None and b.attn.rotary is not None]
+    return all(not ours.cos.is_meta and torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
+               for ours, theirs in pairs)
+
+
 def meta_cases(results: dict) -> None:
-    for kind in ("gpt", "bert"):
+    for kind in ("gpt", "bert", "llama"):
         cfg = tiny(kind, bias=False)  # no biases: see parallel_cases.optimizer_cases (k.bias noise)
         idx, targets = batch(kind)
         torch.manual_seed(0)
@@ -111,14 +126,16 @@ def meta_cases(results: dict) -> None:
                 materialize(unwrap(model), log, state.device)
             results[f"peak_bytes/{key}"] = live.peak
             results[f"local_bytes/{key}"] = local_bytes(model)
+            results[f"table_bytes/{key}"] = table_bytes(model)
             results[f"plain_local_bytes/{key}"] = local_bytes(parallelize(copy.deepcopy(model0), state))
             results[f"rng_same/{key}"] = torch.equal(torch.get_rng_state(), rng_after)
             raw, ref = unwrap(model), dict(model0.named_parameters())
             results[f"param_diff/{key}"] = max(float((full(p.detach()) - ref[n]).abs().max())
                                                for n, p in raw.named_parameters())
-            output = raw.lm_head if kind == "gpt" else raw.head.decoder
+            output = raw.head.decoder if kind == "bert" else raw.lm_head
             results[f"tied/{key}"] = output.weight is raw.tok_emb.weight
-            if kind == "gpt":
+            results[f"rotary_ok/{key}"] = rotary_ok(raw, model0)
+            if kind != "bert":
                 mask = raw.blocks[0].attn.core.future
                 results[f"mask_ok/{key}"] = bool(torch.equal(
                     mask, torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)))
@@ -131,7 +148,7 @@ def meta_cases(results: dict) -> None:
 def pipeline_cases(results: dict, config: ParallelConfig, prefix: str) -> None:
     """Pipeline stages started on the meta device: cut to this rank's stage, parallelized,
     materialised; compared with the one-process build and with the plain build cut the same way."""
-    for kind in ("gpt", "bert"):
+    for kind in ("gpt", "bert", "llama"):
         cfg = replace(tiny(kind), tie_embeddings=False)  # pipeline stages refuse tied embeddings
         key = f"{prefix}/{kind}"
         torch.manual_seed(0)
@@ -155,9 +172,11 @@ def pipeline_cases(results: dict, config: ParallelConfig, prefix: str) -> None:
         results[f"param_bytes/{key}"] = sum(p.nbytes for p in reference.parameters())
         results[f"largest_param_bytes/{key}"] = max(p.nbytes for p in reference.parameters())
         results[f"peak_bytes/{key}"] = live.peak
+        results[f"table_bytes/{key}"] = table_bytes(model)
         results[f"mask_ok/{key}"] = all(  # every kept GPT block's causal mask rebuilt
             torch.equal(b.attn.core.future, torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1))
-            for b in model.blocks if b is not None) if kind == "gpt" else True
+            for b in model.blocks if b is not None) if kind != "bert" else True
+        results[f"rotary_ok/{key}"] = rotary_ok(model, reference)
 
 
 def run_all(out_dir: str) -> None:
@@ -175,15 +194,17 @@ def run_2d(out_dir: str) -> None:
     state = init_distributed(ParallelConfig(dp=2, tp=2, dp_mode="fsdp", sequence_parallel=True))
     results: dict = {}
     with rank_guard(state):
-        for kind in ("gpt", "bert"):
+        for kind in ("gpt", "bert", "llama"):
             torch.manual_seed(0)
-            reference = dict(build_model(tiny(kind)).named_parameters())
+            plain = build_model(tiny(kind))
+            reference = dict(plain.named_parameters())
             torch.manual_seed(0)
             model, log = build_on_meta(lambda: build_model(tiny(kind)))
             model = parallelize(model, state)
             materialize(unwrap(model), log, state.device)
             results[f"param_diff/{kind}"] = max(float((full(p.detach()) - reference[n]).abs().max())
                                                 for n, p in unwrap(model).named_parameters())
+            results[f"rotary_ok/{kind}"] = rotary_ok(unwrap(model), plain)
             results[f"placements/{kind}"] = sorted({str(p.placements) for p in unwrap(model).parameters()})
         pipeline_cases(results, ParallelConfig(pp=2, tp=2, sequence_parallel=True), "pp_tp")
     (Path(out_dir) / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))

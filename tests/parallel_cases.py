@@ -44,9 +44,19 @@ from largebatch.parallel.batch import (
 B, T = 4, 16  # global batch (sequences) and sequence length of every case
 
 
-def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool = True) -> ModelConfig:
+# the Llama-style layers (Touvron et al. 2023): RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h,
+# even: tp = 2 splits it) and grouped-query attention, 2 K/V heads for the 4 query heads (one per tp rank)
+LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", n_kv_head=2, ffn_hidden=88)
+
+
+def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> ModelConfig:
+    """The tiny model of every case: "gpt", "bert", or "llama" (a GPT with the LLAMA layers; no
+    biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert)."""
+    if kind == "llama":
+        return ModelConfig(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
+                           bias=bool(bias), **LLAMA)
     return ModelConfig(kind=kind, n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
-                       bias=bias)
+                       bias=True if bias is None else bias)
 
 
 def batch(kind: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +138,15 @@ def recompute_cases(results: dict) -> None:
             results[f"recompute/{mode}/{policy}"] = max_grad_diff(model, reference)
 
 
+def relative_diff(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value - reference).abs().max() / reference.abs().max())
+
+
+NORM_GAINS = ("ln1.weight", "ln2.weight", "ln_f.weight")
+
+
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert"):
+    for kind in ("gpt", "bert", "llama"):
         idx, targets = batch(kind)
         torch.manual_seed(0)
         reference = build_model(tiny(kind))
@@ -141,12 +158,30 @@ def forward_backward_cases(results: dict) -> None:
             model = parallelize(copy.deepcopy(model0), state)
             loss_sum = loss_and_backward(model, state, idx, targets)
             results[f"fwd_bwd/{kind}/{mode}"] = max_grad_diff(model, reference)
+            if kind == "llama" and state.tp_size > 1:
+                norm_gain_grads(results, mode, model, reference)
             if state.dp_size == 1:  # the whole batch on every rank: the loss itself must match
                 results[f"loss/{kind}/{mode}"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
                 with torch.no_grad(), state.loss_context():
                     logits, _ = model(idx, targets)
                 results[f"logits_vocab_per_rank/{kind}/{mode}"] = (
                     logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
+
+
+def norm_gain_grads(results: dict, mode: str, model, reference) -> None:
+    """The RMSNorm gains' gradients as backward leaves them (placements; this rank's local value)
+    and as the optimizers read them (largebatch.optim.core.local_grad), against one process. Under
+    sequence parallel each rank's gain gradient sums over its own half of the tokens: a partial sum
+    that must be all-reduced first, as a LayerNorm's."""
+    from largebatch.optim.core import local_grad
+
+    ref = dict(reference.named_parameters())
+    gains = [(n, p) for n, p in unwrap(model).named_parameters() if n.endswith(NORM_GAINS)]
+    results[f"norm_gains/{mode}/names"] = [n for n, _ in gains]
+    results[f"norm_gains/{mode}/grad_placements"] = sorted({str(p.grad.placements) for _, p in gains})
+    results[f"norm_gains/{mode}/local_before_reduce"] = max(relative_diff(p.grad.to_local(), ref[n].grad)
+                                                            for n, p in gains)
+    results[f"norm_gains/{mode}/optimizer_reads"] = max(relative_diff(local_grad(p), ref[n].grad) for n, p in gains)
 
 
 # ------------------------------------------------------------------------------------ optimizers
@@ -447,6 +482,88 @@ def checkpoint_cases(results: dict, out_dir: Path) -> None:
                        out_dir / f"{mode}_expected.pt")
 
 
+def llama_cases(results: dict, out_dir: Path) -> None:
+    """The Llama-style GPT (tiny("llama"), untied as pipeline stages need) beyond one step's
+    gradients: pp = 2 stages' gradients and loss (1F1B, 2 micro-batches); two LAMB steps under
+    tensor + sequence parallel (the gains' partial gradients reduced before the trust ratios); a DCP
+    checkpoint written under tp = 2 + SP after one step, loaded under FSDP2 (dp = 2) and under pp =
+    2 (exactly), and the next step from it (the one-process load: test_parallel)."""
+    from largebatch.parallel.pipeline import pipeline_parallelize
+
+    idx, targets = batch("llama")
+    cfg = replace(tiny("llama"), tie_embeddings=False)
+    torch.manual_seed(0)
+    model0 = build_model(cfg)
+    n_targets = int((targets != -100).sum())
+    reference = copy.deepcopy(model0)
+    _, ref_loss = reference(idx, targets, reduction="sum")
+    (ref_loss / n_targets).backward()
+    ref = dict(reference.named_parameters())
+
+    pp = joined(ParallelConfig(pp=2))
+    pipe = pipeline_parallelize(copy.deepcopy(model0), pp)
+    loss_sum = pipe.step(idx, targets, 2, 1.0 / n_targets)  # the trainer's scale: 1 / the step's targets
+    held = dict(pipe.model.named_parameters())
+    results["llama/pp/held"] = sorted(held)
+    results["llama/pp/loss"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
+    results["llama/pp/grad"] = max(float((p.grad - ref[n].grad).abs().max()) for n, p in held.items())
+
+    sp = states("sp")
+
+    def lamb(model, state):
+        return shard_optimizer(LAMB(param_groups(unwrap(model), weight_decay=0.01), lr=0.02), state)
+
+    def step(model, opt, state):
+        opt.zero_grad()
+        loss_and_backward(model, state, idx, targets)
+        opt.step()
+
+    reference = copy.deepcopy(model0)
+    ref_opt = LAMB(param_groups(reference, weight_decay=0.01), lr=0.02)
+    model = parallelize(copy.deepcopy(model0), sp)
+    opt = lamb(model, sp)
+    for i in range(2):
+        ref_opt.zero_grad()
+        _, loss = reference(idx, targets)
+        loss.backward()
+        ref_opt.step()
+        step(model, opt, sp)
+        if i == 0:
+            path = save_distributed(out_dir / "llama_sp", 1, model, opt, {"step": 1}, sp)
+            saved = {n: full(p.detach()).clone() for n, p in unwrap(model).named_parameters()}
+            saved_state = {n: {k: full(v).clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                           for n, p in unwrap(model).named_parameters()}
+    results["llama/optim/lamb/sp"] = max_param_diff(model, reference)
+    after_two = {n: full(p.detach()).clone() for n, p in unwrap(model).named_parameters()}
+
+    def exact(model, opt) -> float:
+        """The largest difference of the loaded parameters and optimizer state from the saved."""
+        worst = 0.0
+        for n, p in unwrap(model).named_parameters():
+            worst = max(worst, float((full(p.detach()) - saved[n]).abs().max()))
+            for k, v in saved_state[n].items():
+                worst = max(worst, float((full(opt.state[p][k]) - v).abs().max()))
+        return worst
+
+    torch.manual_seed(123)  # another init: every value must come from the checkpoint
+    other = build_model(cfg)
+    fsdp = states("fsdp")
+    model = parallelize(copy.deepcopy(other), fsdp)
+    opt = lamb(model, fsdp)
+    results["llama/dcp/sp_to_fsdp/extra"] = load_distributed(path, model, opt, fsdp) == {"step": 1}
+    results["llama/dcp/sp_to_fsdp/max_diff"] = exact(model, opt)
+    step(model, opt, fsdp)
+    results["llama/dcp/sp_to_fsdp/next_step"] = max(float((full(p.detach()) - after_two[n]).abs().max())
+                                                   for n, p in unwrap(model).named_parameters())
+    pipe = pipeline_parallelize(copy.deepcopy(other), pp)
+    opt = lamb(pipe.model, pp)
+    load_distributed(path, pipe.model, opt, pp)
+    results["llama/dcp/sp_to_pp/max_diff"] = exact(pipe.model, opt)
+    if sp.is_main:
+        torch.save({"expected": {"model": saved, "optim": saved_state}, "after_two": after_two, "path": str(path)},
+                   out_dir / "llama_sp_expected.pt")
+
+
 def seed_cases(results: dict) -> None:
     import torch.distributed as dist
 
@@ -528,6 +645,7 @@ def run_all(out_dir: str, compile_too: bool = True) -> None:
         noise_scale_cases(results)
         mixed_precision_cases(results)
         checkpoint_cases(results, out)
+        llama_cases(results, out)
         seed_cases(results)
         argmax_cases(results)
         if compile_too:

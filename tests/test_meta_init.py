@@ -18,7 +18,10 @@ from largebatch.parallel import spawn
 from largebatch.parallel.materialize import build_on_meta, materialize
 from parallel_cases import tiny
 
-CASES = [(kind, mode) for kind in ("gpt", "bert") for mode in ("fsdp", "sp")]
+# "llama": the GPT with RMSNorm, rotary positions (non-persistent cos/sin tables), the SwiGLU MLP and
+# grouped-query attention (parallel_cases.tiny)
+KINDS = ("gpt", "bert", "llama")
+CASES = [(kind, mode) for kind in KINDS for mode in ("fsdp", "sp")]
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +34,13 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("kind,mode", CASES)
 def test_parameters_equal_the_one_process_build_bit_for_bit(ranks, kind, mode):
     """Gathered parameters == the plain build of the same seed, exactly; the CPU generator is left
-    where the plain build leaves it; tied embeddings are one tensor; the causal mask is rebuilt."""
+    where the plain build leaves it; tied embeddings are one tensor; the causal mask and the rotary
+    tables are rebuilt, equal to the plain build's."""
     for results in ranks:
         key = f"{kind}/{mode}"
         assert results[f"param_diff/{key}"] == 0.0
-        assert results[f"rng_same/{key}"] and results[f"tied/{key}"]
-        if kind == "gpt":
+        assert results[f"rng_same/{key}"] and results[f"tied/{key}"] and results[f"rotary_ok/{key}"]
+        if kind != "bert":
             assert results[f"mask_ok/{key}"]
 
 
@@ -45,20 +49,25 @@ def test_each_rank_holds_only_its_shards_and_never_the_whole_model(ranks, kind, 
     """Before materialisation every parameter is meta; after it, a rank holds exactly what the plain
     build sharded the same way holds (FSDP: half of every tensor; TP+SP: half of the split tensors
     plus the replicated norms and position embedding), and the peak of the floating-point storage
-    allocated while materialising is the local shards plus at most ONE full parameter."""
+    allocated while materialising is the local shards plus at most ONE full parameter (plus the
+    rotary tables, whole on every rank as the plain build's, where the model has them)."""
     key = f"{kind}/{mode}"
     total = ranks[0][f"param_bytes/{kind}"]
     for results in ranks:
         local = results[f"local_bytes/{key}"]
         assert results[f"meta_before/{key}"]
         assert local == results[f"plain_local_bytes/{key}"]
+        # (the memory model's count of the Llama-style layers is tests/test_memory*'s)
+        counted = kind != "llama"
         if mode == "fsdp":  # every dim 0 of the tiny model is even: exactly half
             assert local == total // 2
-            assert total == 4 * stage_parameters(tiny(kind, bias=False))  # the memory model's count
+            assert not counted or total == 4 * stage_parameters(tiny(kind, bias=False))  # the memory model's count
         else:
             assert total // 2 < local < 0.6 * total
-            assert local == 4 * stage_parameters(tiny(kind, bias=False), tp=2)
-        bound = local + results[f"largest_param_bytes/{kind}"]
+            assert not counted or local == 4 * stage_parameters(tiny(kind, bias=False), tp=2)
+        tables = results[f"table_bytes/{key}"]  # the rotary tables ("llama"; the causal mask is bool)
+        assert (tables > 0) == (kind == "llama")
+        bound = local + results[f"largest_param_bytes/{kind}"] + tables
         assert local < results[f"peak_bytes/{key}"] <= bound < local + total
 
 
@@ -101,7 +110,7 @@ def test_a_tie_between_plain_parameters_stays_one_tensor_with_the_one_process_va
     assert torch.equal(after, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_pipeline_stages_start_on_meta_with_the_one_process_values_and_only_their_stage(ranks, kind):
     """pp = 2: each rank holds only its stage's parameters (the embeddings on rank 0, the output on
     rank 1), equal to the one-process build exactly; the generator ends where that build leaves it
@@ -116,11 +125,13 @@ def test_pipeline_stages_start_on_meta_with_the_one_process_values_and_only_thei
         local = results[f"local_bytes/{key}"]
         assert results[f"param_diff/{key}"] == 0.0
         assert results[f"rng_same/{key}"] and results[f"mask_ok/{key}"] and results[f"names_same/{key}"]
+        assert results[f"rotary_ok/{key}"]
         assert local == results[f"stage_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
         assert local < results[f"param_bytes/{key}"]
-        assert local <= results[f"peak_bytes/{key}"] <= local + results[f"largest_param_bytes/{key}"]
+        tables = results[f"table_bytes/{key}"]  # the kept blocks' rotary tables ("llama")
+        assert local <= results[f"peak_bytes/{key}"] <= local + results[f"largest_param_bytes/{key}"] + tables
     first = ranks[0][f"local_bytes/{key}"]  # the memory model counts the first stage's parameters
-    assert first == 4 * stage_parameters(replace(tiny(kind), tie_embeddings=False), pp=2)
+    assert kind == "llama" or first == 4 * stage_parameters(replace(tiny(kind), tie_embeddings=False), pp=2)
 
 
 def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
@@ -131,14 +142,15 @@ def test_fsdp_over_tensor_parallel_on_a_2d_mesh_equals_one_process(tmp_path):
     spawn(cases.run_2d, 4, str(tmp_path))
     for rank in range(4):
         results = json.loads((tmp_path / f"results_rank{rank}.json").read_text())
-        for kind in ("gpt", "bert"):
-            assert results[f"param_diff/{kind}"] == 0.0
+        for kind in KINDS:
+            assert results[f"param_diff/{kind}"] == 0.0 and results[f"rotary_ok/{kind}"]
             assert any("_StridedShard" in p for p in results[f"placements/{kind}"])
             key = f"pp_tp/{kind}"
             assert results[f"param_diff/{key}"] == 0.0
             assert results[f"rng_same/{key}"] and results[f"mask_ok/{key}"] and results[f"names_same/{key}"]
+            assert results[f"rotary_ok/{key}"]
             assert results[f"local_bytes/{key}"] == results[f"plain_local_bytes/{key}"]
             assert results[f"local_bytes/{key}"] < results[f"stage_bytes/{key}"] < results[f"param_bytes/{key}"]
-            if "tok_emb.weight" in results[f"names/{key}"]:  # a first-stage rank: the memory model's count
+            if kind != "llama" and "tok_emb.weight" in results[f"names/{key}"]:  # the memory model's count
                 untied = replace(tiny(kind), tie_embeddings=False)
                 assert results[f"local_bytes/{key}"] == 4 * stage_parameters(untied, tp=2, pp=2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,10 +31,12 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "llama"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
-    """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered)."""
+    """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered). "llama": the GPT
+    with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads
+    for 4 query heads (one K/V head and its 2 query heads per tp rank)."""
     for rank_results in ranks[1]:
         assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL
         if mode not in ("ddp", "fsdp"):
@@ -41,6 +44,68 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
             vocab = cases.tiny().vocab_size
             per_rank = vocab // 2 if "loss" in mode else vocab  # gathered unless vocabulary-parallel
             assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == per_rank
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp", "tp_loss", "sp_loss"])
+def test_rmsnorm_gain_gradients_are_summed_over_the_sequence_parallel_ranks(ranks, mode):
+    """Under sequence parallel an RMSNorm sees only this rank's tokens: backward leaves each gain's
+    gradient a partial sum (a Partial(sum) DTensor, as a LayerNorm's), off the one-process gradient
+    by O(1) on each rank; what the optimizers, the gradient norm and clipping read (local_grad) is
+    the all-reduced sum, the one-process gradient. Without sequence parallel the norms run whole."""
+    for rank_results in ranks[1]:
+        key = f"norm_gains/{mode}"
+        assert rank_results[f"{key}/names"] == ["blocks.0.ln1.weight", "blocks.0.ln2.weight", "blocks.1.ln1.weight",
+                                                "blocks.1.ln2.weight", "ln_f.weight"]
+        assert rank_results[f"{key}/optimizer_reads"] < TOL
+        if mode.startswith("sp"):
+            assert rank_results[f"{key}/grad_placements"] == ["(Partial(sum),)"]
+            assert rank_results[f"{key}/local_before_reduce"] > 0.1
+        else:
+            assert rank_results[f"{key}/grad_placements"] == ["(Replicate(),)"]
+            assert rank_results[f"{key}/local_before_reduce"] < TOL
+
+
+def test_llama_layers_under_pipeline_stages_lamb_and_a_checkpoint_across_layouts(ranks):
+    """The Llama-style GPT: pp = 2 (1F1B) gives the one-process loss and every held parameter's
+    gradient, the two stages together holding every parameter once; two LAMB steps under tp = 2 +
+    SP equal one process's; a DCP checkpoint written under tp = 2 + SP loads under FSDP2 (dp = 2)
+    and under pp = 2 bit for bit (parameters and optimizer state), and FSDP2's next step from it is
+    the tp + SP run's next step."""
+    _, results = ranks
+    held = [set(r["llama/pp/held"]) for r in results]
+    everything = {n for n, _ in build_model(replace(cases.tiny("llama"), tie_embeddings=False)).named_parameters()}
+    assert not held[0] & held[1] and held[0] | held[1] == everything
+    assert "blocks.0.mlp.gate.weight" in held[0] and "blocks.1.mlp.gate.weight" in held[1]
+    for rank_results in results:
+        assert rank_results["llama/pp/loss"] < TOL and rank_results["llama/pp/grad"] < TOL
+        assert rank_results["llama/optim/lamb/sp"] < TOL
+        assert rank_results["llama/dcp/sp_to_fsdp/extra"]
+        assert rank_results["llama/dcp/sp_to_fsdp/max_diff"] == 0.0
+        assert rank_results["llama/dcp/sp_to_pp/max_diff"] == 0.0
+        assert rank_results["llama/dcp/sp_to_fsdp/next_step"] < TOL
+
+
+def test_llama_checkpoint_from_tensor_and_sequence_parallel_loads_on_one_process(ranks):
+    """The tp = 2 + SP checkpoint of the Llama-style GPT on one process: every parameter and LAMB
+    state tensor bit for bit, and the next step is the 2-rank run's next step."""
+    from dataclasses import replace
+
+    out, _ = ranks
+    saved = torch.load(out / "llama_sp_expected.pt", weights_only=False)
+    torch.manual_seed(123)
+    model = build_model(replace(cases.tiny("llama"), tie_embeddings=False))
+    opt = LAMB(param_groups(model, weight_decay=0.01), lr=0.02)
+    state = init_distributed(ParallelConfig())
+    assert load_distributed(saved["path"], model, opt, state) == {"step": 1}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["expected"]["model"][name], rtol=0, atol=0)
+        for key, value in saved["expected"]["optim"][name].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
+    idx, targets = cases.batch("llama")
+    cases.loss_and_backward(model, state, idx, targets)
+    opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("mode", ["sp", "fsdp"])
@@ -266,6 +331,12 @@ def test_tensor_parallel_size_must_divide_the_model():
     model = build_model(cases.tiny("gpt"))  # 4 heads, vocab 64
     with pytest.raises(ValueError, match="does not divide model.n_head = 4: choose parallel.tp among"):
         check_divisible(model, 3, False)
+    # grouped-query attention: k and v are split by whole K/V heads
+    mqa = build_model(replace(cases.tiny("llama"), n_kv_head=1))
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 does not divide model.n_kv_head = 1: choose parallel.tp "
+                                         r"among the divisors of 1, or change model.n_kv_head"):
+        check_divisible(mqa, 2, False)
+    check_divisible(build_model(cases.tiny("llama")), 2, True)  # 2 K/V heads over 2 ranks
     state = ParallelState()
     assert state.describe().startswith("rank 0/1 (dp 0/1, tp 0/1)")
 

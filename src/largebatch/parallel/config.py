@@ -50,8 +50,9 @@ class ParallelConfig:
     numbers), e.g. [3] for 2 stages of 3 and L - 3 layers; omitted: L / (p x V) layers each."""
     tp: int = 1
     """Tensor-parallel degree t: ranks that split every linear layer (q/k/v and fc1 by output
-    columns, attn.proj and fc2 by input rows) and the vocabulary. Must divide n_head and the MLP
-    width; a vocabulary it does not divide (GPT-2's 50257) is split unevenly. Keep it within one
+    columns, attn.proj and fc2 by input rows) and the vocabulary. Must divide n_head, n_kv_head
+    (grouped-query attention: k and v are split by whole heads) and the MLP width; a vocabulary it
+    does not divide (GPT-2's 50257) is split unevenly. Keep it within one
     node (it communicates every layer)."""
     sequence_parallel: bool = False
     """With tp > 1: also split the LayerNorm, dropout and residual regions along the sequence across

@@ -1,15 +1,25 @@
 """Tensor and sequence parallelism for largebatch's GPT and BERT (torch.distributed.tensor.parallel).
 
 Tensor parallel (Megatron layout; docs/papers.md: memory, Korthikanti et al. 2022 §2-§3): in every block the
-q, k, v projections and mlp.fc1 are split by output columns (each rank owns n_head/t heads and
-ffn/t hidden units), attn.proj and mlp.fc2 by input rows; their partial outputs are summed by an
-all-reduce (the paper's g operator) and the input gradients of the column-parallel linears by
-another (f). The token embedding is split over the vocabulary (each rank looks up its rows; an
-all-reduce sums the lookups) and so is the tied output projection (logits all-gathered).
+q, k, v projections and mlp.fc1 (and the gated MLP's mlp.gate, activation="swiglu") are split by
+output columns (each rank owns n_head/t query heads, n_kv_head/t key/value heads and ffn/t hidden
+units), attn.proj and mlp.fc2 by input rows; their partial outputs are summed by an all-reduce (the
+paper's g operator) and the input gradients of the column-parallel linears by another (f). Under
+grouped-query attention (Ainslie et al. 2023) query head i reads K/V head i // (n_head / n_kv_head),
+so rank r's query heads r n_head/t .. read exactly its own K/V heads r n_kv_head/t ..: t must divide
+n_kv_head (checked with n_head). Rotary positions (position="rope") rotate each rank's local heads by
+the whole sequence's positions: attention always sees the gathered sequence. The token embedding is
+split over the vocabulary (each rank looks up its rows; an all-reduce sums the lookups) and so is
+the tied output projection (logits all-gathered).
 
-Sequence parallel (Korthikanti et al. 2022 §4.2.2): the LayerNorm, dropout and residual regions
-between the tensor-parallel regions are split along the sequence across the same t ranks. Entering
-attention or the MLP all-gathers the sequence (reduce-scatter in backward), leaving it
+Sequence parallel (Korthikanti et al. 2022 §4.2.2): the LayerNorm (or RMSNorm), dropout and residual
+regions between the tensor-parallel regions are split along the sequence across the same t ranks.
+The norms' weights stay whole on every rank (replicated DTensors): each rank's weight gradient sums
+over its own tokens only, so backward leaves it a ``Partial(sum)`` DTensor, which
+``largebatch.optim.core.local_grad`` all-reduces over the t ranks (a redistribution to the
+parameter's ``Replicate()``) before the optimizers, the gradient norm and clipping read it: the same
+for a LayerNorm's gain and bias and an RMSNorm's gain. Entering attention or the MLP all-gathers the
+sequence (reduce-scatter in backward), leaving it
 reduce-scatters instead of all-reducing (all-gather in backward): the same communication volume,
 and the norm/dropout activations of docs/papers.md: memory (LayerNorm inputs 4sbh, dropout masks 2sbh at
 16 bits) are divided by t.
@@ -275,10 +285,14 @@ class _View:
 
 
 def check_divisible(model: nn.Module, tp: int, sequence_parallel: bool, seq_len: int | None = None) -> None:
-    """ValueError naming the model field that tensor parallel size ``tp`` does not divide."""
+    """ValueError naming the model field that tensor parallel size ``tp`` does not divide: the query
+    heads, the key/value heads (grouped-query attention: k and v are split by whole heads, rank r
+    holding K/V heads r n_kv/t .. and exactly the query heads that read them), the MLP width."""
     cfg = model.config
     sizes = {"model.n_head": cfg.n_head, "model.ffn_hidden (the MLP width)": cfg.ffn}  # (any vocabulary:
     # DTensor shards it unevenly, the first ranks one row more, as GPT-2's 50257 over 2)
+    if getattr(cfg, "n_kv_head", None) is not None:
+        sizes["model.n_kv_head"] = cfg.n_kv_head
     if sequence_parallel:
         sizes["model.seq_len"] = seq_len or cfg.seq_len
     for name, value in sizes.items():

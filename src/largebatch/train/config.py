@@ -459,6 +459,8 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
         if par.tp > 1:  # what the tensor-parallel ranks split (the vocabulary: preflight, which knows it);
             # before the launch's size, so that a layout that can never run says so before "launch N"
             check_tp_divides(par.tp, "model.n_head", cfg.model.n_head)
+            if cfg.model.n_kv_head is not None:  # grouped-query attention: k and v split by whole heads
+                check_tp_divides(par.tp, "model.n_kv_head", cfg.model.n_kv_head)
             check_tp_divides(par.tp, "model.ffn_hidden (the MLP width)", cfg.model.ffn)
         pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
         granularity = batch_replicas(cfg, dp, run_dir)  # a continued run's own (its checkpoints')
