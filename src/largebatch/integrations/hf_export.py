@@ -1,5 +1,5 @@
-"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` / ``BertForMaskedLM`` (or the
-RoBERTa family's masked LM).
+"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` /
+``BertForMaskedLM`` (or the RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
 
@@ -7,6 +7,17 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   projection without bias (tied or not: ``tie_word_embeddings``). GPT-2 fuses q/k/v into one
   ``Conv1D`` whose weight is (in, out): ``c_attn.weight = cat(q.W^T, k.W^T, v.W^T)``, and every
   Conv1D is a transposed Linear.
+* Llama-style GPT (model.norm="rmsnorm", position="rope", activation="swiglu"; Touvron et al. 2023)
+  -> LlamaForCausalLM, the default type of such a model (``model.hf_model_type`` unset): nn.Linear
+  on both sides, so a renaming (largebatch.train.hf_import's table read backwards); grouped-query
+  attention as ``num_key_value_heads``, ``head_dim`` = n_embd / n_head, ``attention_bias`` =
+  ``mlp_bias`` = model.bias, ``rope_theta``, ``rms_norm_eps``, ``max_position_embeddings`` = seq_len.
+  Llama has dropout on the attention probabilities only: ``attention_dropout`` = model.dropout, and
+  the embedding and residual dropout have no place (the same logits in eval). A mixed layout (rope
+  with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
+  GPT-2) maps to no transformers architecture and is refused naming its fields
+  (models.config.hf_layout_problem); the trainer refuses it before training when
+  ``model.hf_model_type`` asks for one (hf_model_type_problem).
 * BERT -> BertForMaskedLM, post-LN only (``model.norm_position="post"``): embedding LayerNorm, LN
   after each residual add, the head dense -> GeLU -> LayerNorm -> decoder with bias. largebatch's
   pre-LN BERT (the default, Cramming's layout) ends in a LayerNorm that BertForMaskedLM has no
@@ -45,7 +56,13 @@ import torch
 from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
 from largebatch.memory.hf import ROBERTA_LAYOUTS
-from largebatch.models.config import HF_MODEL_TYPES, ModelConfig, hf_model_type_problem
+from largebatch.models.config import (
+    HF_MODEL_TYPES,
+    ModelConfig,
+    default_hf_model_type,
+    hf_layout_problem,
+    hf_model_type_problem,
+)
 from largebatch.train.hf_import import HF_LAYOUTS
 
 VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "
@@ -53,7 +70,7 @@ VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; 
 
 
 # model.activation -> transformers' name (activation_function / hidden_act)
-HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "swiglu": "silu"}
 
 
 # model.hf_model_type -> the architecture written (the one the import reads); the RoBERTa family's
@@ -64,8 +81,9 @@ HF_ARCHITECTURES = {kind: HF_TYPE_ARCHITECTURES[types[0]] for kind, types in HF_
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The transformers model_type ``cfg`` exports as: model.hf_model_type, else its kind's first."""
-    return cfg.hf_model_type or HF_MODEL_TYPES[cfg.kind][0]
+    """The transformers model_type ``cfg`` exports as: model.hf_model_type, else its kind's first whose
+    blocks are the model's ("llama" for a Llama-style GPT, models.config.default_hf_model_type)."""
+    return default_hf_model_type(cfg)
 
 
 def check_exportable(cfg: ModelConfig) -> str:
@@ -81,6 +99,8 @@ def check_exportable(cfg: ModelConfig) -> str:
             f"transformers' {arch} cannot express; only post-LN BERT exports -- train "
             "with --model.norm_position=post")
     if (problem := hf_model_type_problem(cfg, fixed=True)) is not None:  # (trained weights: only the type can change)
+        raise ExportError(problem)
+    if cfg.hf_model_type is None and (problem := hf_layout_problem(cfg)) is not None:
         raise ExportError(problem)
     return HF_TYPE_ARCHITECTURES[hf_model_type(cfg)]
 
@@ -129,11 +149,24 @@ def roberta_pad(cfg: ModelConfig, special: dict[str, int]) -> int:
 
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
-    from transformers import AutoConfig, BertConfig, GPT2Config
+    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "architectures": [arch]}
+    tokens = {"bos_token_id": special.get("bos_token"), "eos_token_id": special.get("eos_token"),
+              "pad_token_id": special.get("pad_token")}
+    if hf_model_type(cfg) == "llama":
+        config = LlamaConfig(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
+                           num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                           head_dim=cfg.head_dim, hidden_act=HF_ACTIVATION[cfg.activation],
+                           max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+                           rope_theta=float(cfg.rope_theta), attention_bias=cfg.bias, mlp_bias=cfg.bias,
+                           attention_dropout=cfg.dropout, **tokens, **common)
+        # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
+        # the tools that read Llama configs without it) expect, or they would rotate with 10000
+        config.rope_theta = float(cfg.rope_theta)
+        return config
     if cfg.kind == "gpt":
         return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_inner=cfg.ffn,
@@ -188,6 +221,28 @@ def gpt_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+# largebatch's names in a Llama-style block -> LlamaDecoderLayer's (both nn.Linear: no transpose)
+LLAMA_NAMES = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
+               ("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc1", "mlp.up_proj"),
+               ("mlp.fc2", "mlp.down_proj"), ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+
+
+def llama_state_dict(model) -> dict[str, torch.Tensor]:
+    """Llama-style largebatch GPT parameters under LlamaForCausalLM's names (biases where model.bias;
+    RMSNorm has none). The rotary tables are buffers, not weights: transformers builds its own."""
+    cfg: ModelConfig = model.config
+    s = {k: v.detach().float() for k, v in model.state_dict().items()}
+    out = {"model.embed_tokens.weight": s["tok_emb.weight"], "model.norm.weight": s["ln_f.weight"],
+           "lm_head.weight": s["lm_head.weight"]}
+    for i in range(cfg.n_layer):
+        b, o = f"blocks.{i}.", f"model.layers.{i}."
+        for ours, theirs in LLAMA_NAMES:
+            for kind in ("weight", "bias"):
+                if f"{b}{ours}.{kind}" in s:
+                    out[f"{o}{theirs}.{kind}"] = s[f"{b}{ours}.{kind}"]
+    return out
+
+
 def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
     """largebatch post-LN BERT parameters under BertForMaskedLM's names, or under the RoBERTa
     family's (model.hf_model_type; ``pad``: its pad token id, the rows before the first position)."""
@@ -232,11 +287,13 @@ def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
 
 def hf_model(model, special: dict[str, int]):
     """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
-    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel
+    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
     cfg: ModelConfig = model.config
     config = hf_config(cfg, special)
-    if cfg.kind == "gpt":
+    if config.model_type == "llama":
+        hf, state = LlamaForCausalLM(config), llama_state_dict(model)
+    elif cfg.kind == "gpt":
         hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)
     else:  # BertForMaskedLM or the RoBERTa family's, by config.model_type
         hf, state = AutoModelForMaskedLM.from_config(config), bert_state_dict(model, config.pad_token_id)

@@ -20,9 +20,23 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
-HfModelType = Literal["gpt2", "bert", "roberta", "xlm-roberta", "camembert"]
+HfModelType = Literal["gpt2", "llama", "bert", "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2",), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
+# transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
+# heads as query heads, but Llama's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
+# LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
+# SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3)
+HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
+                  "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",)},
+                  **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
+# the architecture each type exports as, and what its blocks compute (for the messages)
+HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
+                                             "heads as query heads"),
+                 "llama": ("LlamaForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP"),
+                 **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query heads")
+                    for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
+                                    ("camembert", "Camembert"))}}
 ATTENTION_KINDS = get_args(Attention)
 NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
 POSITIONS, NORMS = get_args(Position), get_args(Norm)
@@ -86,14 +100,19 @@ class ModelConfig:
     8/3 h (set ffn_hidden), which keeps the parameters of the 4 h GeLU MLP."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model, post-LN BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM /
-    CamembertForMaskedLM directory (config.json + model.safetensors, pytorch_model.bin, or a
-    sharded checkpoint's index and shards). The shape fields above and data.tokenizer_file then
-    come from it (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
+    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), post-LN
+    BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM directory
+    (config.json + model.safetensors, pytorch_model.bin, or a sharded checkpoint's index and
+    shards). The shape fields above and data.tokenizer_file then come from it
+    (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
     hf_model_type: HfModelType | None = None
-    """The transformers model_type `largebatch export --format hf` writes (None: "gpt2" for GPT,
-    "bert" for BERT). "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's
-    *ForMaskedLM: positions counted from pad_token_id + 1, no segment embedding, the head under
+    """The transformers model_type `largebatch export --format hf` writes (None: for GPT "llama"
+    when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), else "gpt2";
+    "bert" for BERT). Set, it is checked before training against the blocks it computes (GPT-2 and
+    BERT: LayerNorm, learned positions, GeLU, n_kv_head = n_head; Llama: RMSNorm, rope, SwiGLU);
+    unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
+    "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's *ForMaskedLM:
+    positions counted from pad_token_id + 1, no segment embedding, the head under
     lm_head. init_from sets it to its directory's model_type, so a run continued from RoBERTa
     exports as RoBERTa; set it to export another family (or give export --hf-model-type). It
     changes nothing in training, and may differ when a run continues."""
@@ -162,9 +181,65 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
+    """The settings of ``cfg`` (as "model.name=value") that transformers' ``model_type`` does not
+    compute (HF_TYPE_FIELDS); [] when its blocks are ``cfg``'s."""
+    fields = HF_TYPE_FIELDS.get(model_type, {})
+    off = [f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
+           if getattr(cfg, name) not in values]
+    if model_type != "llama" and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
+        off.append(f"model.n_kv_head={cfg.n_kv_head!r}")
+    return off
+
+
+def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
+    """The settings that make ``cfg`` a ``model_type`` layout ("model.norm='rmsnorm', ...")."""
+    want = [f"model.{name}=" + " or ".join(map(repr, values)) for name, values in HF_TYPE_FIELDS[model_type].items()
+            if getattr(cfg, name) not in values]
+    if model_type != "llama" and cfg.kv_heads != cfg.n_head:
+        want.append("model.n_kv_head=None")
+    return ", ".join(want)
+
+
+def fitting_hf_model_types(cfg: ModelConfig) -> tuple[str, ...]:
+    """The transformers model types of ``cfg``'s kind whose blocks compute ``cfg``'s (none for a
+    mixed layout, e.g. rope with LayerNorm)."""
+    return tuple(t for t in HF_MODEL_TYPES.get(cfg.kind, ()) if not hf_layout_mismatch(cfg, t))
+
+
+def default_hf_model_type(cfg: ModelConfig) -> str | None:
+    """The model_type ``cfg`` exports as: model.hf_model_type; else its kind's first type whose blocks
+    are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "gpt2" for LayerNorm, learned positions
+    and GeLU), else its kind's first (a mixed layout, refused by ``hf_layout_problem``); None for a kind
+    without any."""
+    if cfg.hf_model_type is not None:
+        return cfg.hf_model_type
+    return (fitting_hf_model_types(cfg) or HF_MODEL_TYPES.get(cfg.kind, (None,)))[0]
+
+
+def hf_layout_problem(cfg: ModelConfig) -> str | None:
+    """Why no transformers architecture computes ``cfg``'s blocks (e.g. rope with LayerNorm, learned
+    positions with RMSNorm, GeLU with rope), None when one of its kind's types does. The export's
+    check where model.hf_model_type is unset: training such a model is fine, exporting it is not."""
+    types = HF_MODEL_TYPES.get(cfg.kind, ())
+    if not types or fitting_hf_model_types(cfg):
+        return None
+    families = {}  # one line per distinct layout: BERT's family shares one
+    for t in types:
+        families.setdefault(tuple(hf_layout_mismatch(cfg, t)), []).append(t)
+    differs = "; ".join(f"{'/'.join(HF_TYPE_WORDS[t][0] for t in ts)} comput{'e' if len(ts) > 1 else 'es'} "
+                        f"{HF_TYPE_WORDS[ts[0]][1]} "
+                        f"(train with {_layout_settings(cfg, ts[0])})" for ts in families.values())
+    return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "
+            f"model.n_kv_head={cfg.n_kv_head!r}: no transformers architecture computes these {cfg.kind} blocks, "
+            f"so the model cannot be exported; {differs}")
+
+
 def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", fixed: bool = False) -> str | None:
-    """What makes ``cfg.hf_model_type`` unexportable (another kind's type, or a RoBERTa-family type
-    with the tanh GeLU, which that family's head does not compute), None when it is fine. Checked
+    """What makes ``cfg.hf_model_type`` unexportable (another kind's type, a type whose blocks are
+    not the model's -- HF_TYPE_FIELDS: rope with "gpt2", LayerNorm or GeLU with "llama" --, or a
+    RoBERTa-family type with the tanh GeLU, which that family's head does not compute), None when it
+    is fine. Checked
     once the model is whole (after init_from has set the kind), by the trainer and the export.
     ``field``: how the type was set (the export's ``--hf-model-type``); ``fixed``: the model's other
     fields cannot change (trained weights being exported, or model.init_from's), so only the type's
@@ -180,9 +255,21 @@ def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", 
 
     types = HF_MODEL_TYPES.get(cfg.kind, ())
     if cfg.hf_model_type not in types:
+        types = fitting_hf_model_types(cfg) or types  # (those whose blocks are the model's)
         fix = ((f"one of {', '.join(types)}" if len(types) > 1 else types[0]) + f" (or {unset})"
                if types else f"nothing (no transformers architecture): {unset}")
         return f"{value}: a {cfg.kind!r} model exports as {fix}"
+    if off := hf_layout_mismatch(cfg, cfg.hf_model_type):
+        fits = fitting_hf_model_types(cfg)
+        arch, computes = HF_TYPE_WORDS[cfg.hf_model_type]
+        other = f"use {as_type(fits[0])}" if fits else None
+        if fixed:  # (trained weights: only the type can change)
+            fix = (f"{other}, or {unset}" if other else
+                   f"no transformers architecture computes these {cfg.kind} blocks, so the model does not export")
+        else:
+            fix = f"set {_layout_settings(cfg, cfg.hf_model_type)}" + (f", or {other}" if other else "")
+        return (f"{value} with {', '.join(off)}: transformers' {arch} computes {computes}, so the export "
+                f"would be refused{'' if fixed else ' after training'}; {fix}")
     if cfg.kind == "bert" and cfg.norm_position != "post":
         fix = ("only a post-LN BERT (model.norm_position='post') exports" if fixed else
                f"set model.norm_position='post', or {unset}")

@@ -20,6 +20,20 @@ renaming and reshapes run backwards:
   pad_token_id - 1`` (512 of roberta-base's 514 rows) and those rows, in order, are the positions;
   the rows before them are never used. largebatch's samples carry no padding, so every position is
   the one RoBERTa computes.
+* LlamaForCausalLM / LlamaModel (``model_type="llama"``; Touvron et al. 2023) -> the Llama-style GPT
+  (model.norm="rmsnorm", position="rope", activation="swiglu"): a renaming, no reshape --
+  ``embed_tokens`` -> tok_emb, ``q/k/v/o_proj`` -> attn.q/k/v/proj, ``gate_proj`` -> mlp.gate,
+  ``up_proj`` -> mlp.fc1, ``down_proj`` -> mlp.fc2, ``input_layernorm`` / ``post_attention_layernorm``
+  -> ln1 / ln2, ``norm`` -> ln_f. ``num_key_value_heads`` -> model.n_kv_head (grouped-query
+  attention), ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5) ->
+  model.rope_theta, ``rms_norm_eps`` -> model.norm_eps, ``attention_bias`` (= ``mlp_bias``) ->
+  model.bias, ``max_position_embeddings`` -> model.seq_len. Refused, naming the field: a rope
+  scaling (``rope_scaling`` or a ``rope_type`` other than "default": YaRN, Llama 3.1's "llama3",
+  linear, dynamic), ``attention_bias`` != ``mlp_bias``, ``head_dim`` != hidden_size /
+  num_attention_heads, a ``hidden_act`` other than "silu". MistralForCausalLM (``"mistral"``) is
+  the same network without biases; it maps where its ``sliding_window`` is null or covers the whole
+  context (>= max_position_embeddings), and exports back as LlamaForCausalLM (hf_model_type
+  "llama": the same function).
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -64,13 +78,26 @@ PREFIX = "hf:"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
-SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
-                "tie_embeddings", "norm_eps", "norm_position", "activation", "hf_model_type")
+SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
+                "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", "activation",
+                "hf_model_type")
 # fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
 YOURS_TO_CHOOSE = ("hf_model_type",)
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-# buffers transformers builds itself (causal masks, position ids): not weights, skipped
-BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.position_ids)$")
+# Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
+LLAMA_ACTIVATIONS = ("silu", "swish")
+LLAMA_TYPES = ("llama", "mistral")
+# Llama's relatives, and what in them largebatch's Llama-style blocks do not compute (the other types:
+# largebatch.memory.hf's UNSUPPORTED)
+IMPORT_UNSUPPORTED = {
+    "qwen2": "Llama's blocks with biases on q, k and v but none on the output projection, which one "
+             "model.bias cannot express",
+    "mixtral": "mixture-of-experts MLPs",
+    "gemma": "a GeGLU MLP, RMSNorm gains stored as 1 + w, and an embedding scaled by sqrt(hidden_size)",
+}
+# buffers transformers builds itself (causal masks, position ids, rotary frequencies, which old Llama
+# checkpoints stored): not weights, skipped
+BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.position_ids|rotary_emb\.inv_freq)$")
 
 
 def hf_dir(init_from: str) -> Path:
@@ -103,6 +130,8 @@ TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weigh
               "roberta": (("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
                           ("lm_head.decoder.weight",))}
 TIED_PAIRS.update(dict.fromkeys(ROBERTA_LAYOUTS, TIED_PAIRS["roberta"]))
+TIED_PAIRS.update(dict.fromkeys(LLAMA_TYPES, (("model.embed_tokens.weight", "embed_tokens.weight"),
+                                              ("lm_head.weight",))))
 
 
 def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
@@ -196,14 +225,20 @@ def model_fields(path: Path) -> dict[str, Any]:
     raw = _raw_config(path)
     model_type = raw.get("model_type")
     if model_type not in HF_LAYOUTS:
-        why = UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for")
+        why = (IMPORT_UNSUPPORTED.get(model_type) or
+               UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for"))
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
-                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), bert "
-                          "(post-LN BertForMaskedLM), roberta, xlm-roberta and camembert (RobertaForMaskedLM, "
-                          "XLMRobertaForMaskedLM, CamembertForMaskedLM) only")
-    tied = bool(raw.get("tie_word_embeddings", True)) and not _stored_apart(path, *TIED_PAIRS[model_type])
+                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama and mistral "
+                          "(LlamaForCausalLM, MistralForCausalLM), bert (post-LN BertForMaskedLM), roberta, "
+                          "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
+                          "CamembertForMaskedLM) only")
+    # (LlamaConfig's tie_word_embeddings defaults to false, GPT-2's and BERT's to true)
+    tied = (bool(raw.get("tie_word_embeddings", model_type not in LLAMA_TYPES))
+            and not _stored_apart(path, *TIED_PAIRS[model_type]))
     common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
-              "hf_model_type": model_type}
+              "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None}
+    if model_type in LLAMA_TYPES:
+        return _llama_fields(raw, path, common)
     if model_type == "gpt2":
         _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                             "add_cross_attention": False})
@@ -227,6 +262,71 @@ def model_fields(path: Path) -> dict[str, Any]:
             "ffn_hidden": raw.get("intermediate_size") or 4 * h,
             "seq_len": _positions(raw, path), "norm_position": "post",
             "norm_eps": float(raw.get("layer_norm_eps", 1e-12)), "activation": activation, **common}
+
+
+def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, Any]:
+    """model_fields of a LlamaForCausalLM / MistralForCausalLM config.json (module docstring); every
+    setting whose network largebatch's blocks do not compute refused, naming the field."""
+    where = path / "config.json"
+
+    def refuse(what: str, why: str) -> ConfigError:
+        return ConfigError(f"model.init_from: {where} has {what}; {why}, so it cannot continue training here")
+
+    model_type = raw["model_type"]
+    h, heads = _need(raw, "hidden_size", path), _need(raw, "num_attention_heads", path)
+    kv = raw.get("num_key_value_heads") or heads
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (h, heads, kv)):
+        raise refuse(f"hidden_size={h!r}, num_attention_heads={heads!r}, num_key_value_heads={kv!r}",
+                     "each must be a positive integer")
+    if h % heads or heads % kv:
+        raise refuse(f"hidden_size={h}, num_attention_heads={heads}, num_key_value_heads={kv}",
+                     "largebatch's attention needs num_attention_heads to divide hidden_size and "
+                     "num_key_value_heads to divide num_attention_heads")
+    if raw.get("head_dim") not in (None, h // heads):
+        raise refuse(f"head_dim={raw['head_dim']!r}", f"largebatch's heads are hidden_size / num_attention_heads "
+                     f"= {h // heads} wide (q, k and v project to n_head x head size = hidden_size)")
+    act = raw.get("hidden_act", "silu")
+    if act not in LLAMA_ACTIVATIONS:
+        raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
+    attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
+                     "largebatch has one model.bias for every Linear layer, so both must be equal")
+    seq_len = _need(raw, "max_position_embeddings", path)
+    window = raw.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and not (isinstance(window, int) and window >= seq_len):
+        raise refuse(f"sliding_window={window!r} below max_position_embeddings={seq_len}",
+                     "largebatch's attention sees every earlier position (set sliding_window to null or >= "
+                     "max_position_embeddings only if the model was trained so)")
+    return {**common, "kind": "gpt", "n_layer": _need(raw, "num_hidden_layers", path), "n_embd": h,
+            "n_head": heads, "n_kv_head": None if kv == heads else kv,
+            "ffn_hidden": _need(raw, "intermediate_size", path), "seq_len": seq_len, "norm_position": "pre",
+            "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)), "position": "rope",
+            "rope_theta": _rope_theta(raw, refuse), "activation": "swiglu", "bias": attention_bias,
+            "hf_model_type": "llama"}  # (a Mistral without a window is Llama's function: exports as Llama)
+
+
+def _rope_theta(raw: dict, refuse) -> float:
+    """The rotary base of a Llama-family config.json: transformers 5's ``rope_parameters``
+    ({"rope_type": "default", "rope_theta": ...}) or 4's ``rope_theta`` beside ``rope_scaling``;
+    a scaled rope (YaRN, "llama3", linear, dynamic) or a partial one refused."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(table, dict):
+            raise refuse(f"{name}={table!r}", "largebatch reads a dict with rope_type 'default' only")
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind != "default":
+            raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding is the unscaled one "
+                         "(rope_type 'default'); a scaled rope (linear, dynamic, yarn, llama3, longrope) "
+                         "rotates by other angles")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise refuse(f"partial_rotary_factor={partial!r}", "largebatch rotates every dimension of a head")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise refuse(f"rope_theta={theta!r}", "the rotary base must be a number > 1")
+    return float(theta)
 
 
 def _positions(raw: dict, path: Path) -> int:
@@ -256,9 +356,7 @@ def resolve_init(cfg, given: set[str]):
     path = hf_dir(cfg.model.init_from)
     fields = model_fields(path)
     for name, value in fields.items():
-        mine = getattr(cfg.model, name)
-        if name == "ffn_hidden":
-            mine = cfg.model.ffn
+        mine, value = _compared(cfg.model, fields, name)
         if name == "tie_embeddings" and f"model.{name}" in given and value and not mine:
             fields[name] = False  # untied on request (pipeline parallel): the output layer a copy
             continue
@@ -272,9 +370,21 @@ def resolve_init(cfg, given: set[str]):
                               f"(config.json): remove model.{name} (init_from sets it) or set it to "
                               f"{value!r}{shorter}")
     fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
+    if "model.n_kv_head" in given and fields["n_kv_head"] is None:
+        fields["n_kv_head"] = cfg.model.n_kv_head  # (n_head given as n_kv_head: the same attention)
     model = dataclasses.replace(cfg.model, **fields)
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
+    """(the run's value, the directory's) of the shape field ``name``, as the network uses them:
+    ffn_hidden None is 4 h, n_kv_head None is n_head."""
+    if name == "ffn_hidden":
+        return model.ffn, fields[name]
+    if name == "n_kv_head":
+        return model.kv_heads, fields[name] or fields["n_head"]
+    return getattr(model, name), fields[name]
 
 
 def dropout_note(cfg, given: set[str]) -> str | None:
@@ -466,6 +576,34 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's (or MistralForCausalLM's) tensors, "model." stripped: nn.Linear weights
+    (out, in) as largebatch's, so a renaming (module docstring); k and v are n_kv_head x head size wide."""
+    h, f, v, kv = cfg.n_embd, cfg.ffn, cfg.vocab_size, cfg.kv_heads * cfg.head_dim
+    out = {"tok_emb.weight": take("embed_tokens.weight", v, h), "ln_f.weight": take("norm.weight", h)}
+    if cfg.tie_embeddings:
+        if take.has("lm_head.weight"):
+            take("lm_head.weight", v, h)  # the tied copy of embed_tokens (a differing one loads untied)
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    elif _tied_in(raw, take, "lm_head.weight"):  # untied on request: the output layer starts as a copy
+        out["lm_head.weight"] = out["tok_emb.weight"].clone()
+    else:
+        out["lm_head.weight"] = take("lm_head.weight", v, h)
+    for i in range(cfg.n_layer):
+        o, b = f"layers.{i}.", f"blocks.{i}."
+        out[b + "ln1.weight"] = take(o + "input_layernorm.weight", h)
+        out[b + "ln2.weight"] = take(o + "post_attention_layernorm.weight", h)
+        for ours, theirs, n_out, n_in in (
+                ("attn.q", "self_attn.q_proj", h, h), ("attn.k", "self_attn.k_proj", kv, h),
+                ("attn.v", "self_attn.v_proj", kv, h), ("attn.proj", "self_attn.o_proj", h, h),
+                ("mlp.gate", "mlp.gate_proj", f, h), ("mlp.fc1", "mlp.up_proj", f, h),
+                ("mlp.fc2", "mlp.down_proj", h, f)):
+            out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
+            if cfg.bias:
+                out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
+    return out
+
+
 # the masked-LM head's names: (prefix, dense, LayerNorm), BertForMaskedLM's and RoBERTa's
 BERT_HEADS = {"bert": ("cls.predictions.", "transform.dense", "transform.LayerNorm"),
               **dict.fromkeys(ROBERTA_LAYOUTS, ("lm_head.", "dense", "layer_norm"))}
@@ -557,19 +695,21 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 # transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
-HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "bert": ("bert.", _bert, "BertForMaskedLM"),
+HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("model.", _llama, "LlamaForCausalLM"),
+              "mistral": ("model.", _llama, "MistralForCausalLM"), "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
               "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),
               "camembert": ("roberta.", _bert, "CamembertForMaskedLM")}
 # model kind -> the model types that load into it
-HF_KINDS = {"gpt": ("gpt2",), "bert": BERT_LAYOUTS}
+HF_KINDS = {"gpt": ("gpt2", *LLAMA_TYPES), "bert": BERT_LAYOUTS}
 
 
 def _check_fields(cfg: ModelConfig) -> None:
     """The shape fields of ``cfg`` are those of its init_from directory (a config built in Python,
     not through load_config, may disagree)."""
-    for name, value in model_fields(hf_dir(cfg.init_from)).items():
-        mine = cfg.ffn if name == "ffn_hidden" else getattr(cfg, name)
+    fields = model_fields(hf_dir(cfg.init_from))
+    for name in fields:
+        mine, value = _compared(cfg, fields, name)
         if (name == "tie_embeddings" and value and not mine) or name in YOURS_TO_CHOOSE:
             continue  # a tied directory loads untied on request (the output layer a copy)
         if mine != value:

@@ -1,0 +1,279 @@
+"""Llama in and out of transformers: a Llama-style largebatch GPT (RMSNorm, rotary positions, SwiGLU,
+grouped-query attention) exports as a LlamaForCausalLM that transformers' Auto classes load with the
+same logits and the same greedy continuation; a LlamaForCausalLM (and a window-free Mistral) built by
+transformers loads through model.init_from with transformers' logits and gradients and trains on;
+what neither architecture computes is refused in one line, before training where it can be."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from largebatch.cli import main as cli_main
+from largebatch.export import load_run
+from largebatch.integrations import ExportError
+from largebatch.models import build_model
+from largebatch.models.config import ModelConfig, default_hf_model_type
+from largebatch.train.config import load_config
+from largebatch.train.hf_import import init_from_pretrained, model_fields
+from largebatch.train.metrics import read_metrics
+from largebatch.typed_config import ConfigError
+from test_export import TEXT, export, tiny, train
+
+LLAMA = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": "swiglu"}
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_data_cache):
+    return tiny_data_cache
+
+
+@pytest.fixture(scope="module")
+def llama_run(cache, tmp_path_factory):
+    """A trained tiny Llama-style GPT: 4 query heads on 2 key/value heads, biases, untied, Llama 3's
+    rope_theta, dropout 0.1 and eps 1e-6 (test_export.tiny): a wrong mapping of any shows."""
+    return train(tiny(cache, tmp_path_factory.mktemp("runs") / "llama", **LLAMA, **{
+        "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 80, "model.rope_theta": 5e5,
+        "model.bias": True, "model.tie_embeddings": False}))
+
+
+def test_a_llama_style_run_exports_as_llama_with_the_same_logits_and_greedy_tokens(llama_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf-llama"
+    assert export(llama_run, out) == 0
+    printed = capsys.readouterr().out
+    assert "LlamaForCausalLM" in printed and "logits match" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_act"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["intermediate_size"]) == ("silu", 4, 2, 8, 80)
+    assert config["rms_norm_eps"] == 1e-6 and config["max_position_embeddings"] == 48
+    assert config["rope_theta"] == 5e5 and config["rope_parameters"] == {"rope_theta": 5e5, "rope_type": "default"}
+    assert config["attention_bias"] is True and config["mlp_bias"] is True
+    assert config["tie_word_embeddings"] is False and config["attention_dropout"] == 0.1
+
+    run = load_run(llama_run)
+    ours_ids = run.tokenizer.encode(TEXT).ids
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok(TEXT)["input_ids"] == ours_ids and tok.eos_token == "<|endoftext|>"
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 0, 1)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.model.layers[0].self_attn.k_proj.out_features == 16
+    idx = torch.tensor([ours_ids[:48]])
+    with torch.no_grad():
+        ours, theirs = run.model(idx)[0], hf(input_ids=idx).logits
+    assert ours.std() > 0.1  # trained, non-trivial logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    # greedy decoding: largebatch's generate and transformers' (its KV cache) pick the same 24 tokens
+    prompt = idx[:, :16]
+    hf.generation_config.eos_token_id = None  # (transformers would stop at <|endoftext|>; ours does not)
+    theirs_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    assert torch.equal(run.model.generate(prompt, 24, temperature=0), theirs_tokens)
+    # a rope model written as GPT-2 is refused, naming the type that fits
+    assert export(llama_run, tmp_path / "bad", "--hf-model-type", "gpt2") == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.position='rope'" in err and err.endswith("use --hf-model-type llama, or leave --hf-model-type out")
+    assert not (tmp_path / "bad").exists()
+
+
+def _scrambled(cfg: ModelConfig) -> torch.nn.Module:
+    """A largebatch model with weights far from the init (norm gains near 1): logits of order 1-10."""
+    model = build_model(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def test_a_tied_bias_free_multi_query_model_goes_out_and_back_unchanged(tmp_path):
+    """bias=False, tied, one key/value head: the export computes largebatch's logits, and init_from of
+    it builds the same model again, tensor for tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.integrations.hf_export import save_hf
+
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=1, ffn_hidden=48, seq_len=16, vocab_size=64,
+                      bias=False, norm_eps=1e-5, rope_theta=1e4, **{k[6:]: v for k, v in LLAMA.items()})
+    assert default_hf_model_type(cfg) == "llama"
+    ours = _scrambled(cfg)
+    assert save_hf(ours, None, tmp_path / "out")["architecture"] == "LlamaForCausalLM"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["attention_bias"], config["mlp_bias"], config["tie_word_embeddings"]) == (False, False, True)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ours(idx)[0]
+        assert expected.abs().max() > 1.0
+        torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-5)
+    back = build_model(model_fields_config(tmp_path / "out"))
+    init_from_pretrained(back)
+    assert back.config.replace(init_from=None, hf_model_type=None) == cfg
+    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def model_fields_config(path: Path) -> ModelConfig:
+    """The ModelConfig model.init_from builds for ``path`` (no tokenizer needed: model fields only)."""
+    fields = model_fields(path)
+    fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
+    return ModelConfig(init_from=f"hf:{path}", **fields)
+
+
+def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, mistral: bool = False, **config):
+    """A LlamaForCausalLM (or MistralForCausalLM) built and saved by transformers, weights scrambled:
+    4 query heads on 1 key/value head, tied, rope_theta 20000, eps 1e-5."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, max_position_embeddings=48, rms_norm_eps=1e-5, rope_theta=2e4,
+                 tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **config)
+    torch.manual_seed(0)
+    hf = (MistralForCausalLM(MistralConfig(sliding_window=None, **shape)) if mistral else
+          LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **shape)))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith("norm.weight") else 0.0))
+    hf.save_pretrained(path)
+    if tokenizer is not None:
+        shutil.copy(tokenizer, path / "tokenizer.json")
+    return hf.eval()
+
+
+@pytest.mark.parametrize("mistral", [False, True])
+def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_on(llama_run, cache, mistral, tmp_path):
+    from largebatch.data import build_data
+
+    tokenizer = llama_run / "tokenizer.json"
+    vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
+    V = len(vocab)
+    directory = tmp_path / "hf"
+    hf = _llama_dir(directory, V, tokenizer, mistral=mistral)
+    cfg = load_config(None, {"model.init_from": f"hf:{directory}"})
+    m = cfg.model
+    assert (m.kind, m.norm, m.position, m.activation, m.norm_position) == ("gpt", "rmsnorm", "rope", "swiglu", "pre")
+    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.ffn, m.seq_len, m.vocab_size) == (2, 32, 4, 1, 48, 48, V)
+    assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings, m.hf_model_type) == (2e4, 1e-5, False, True, "llama")
+    assert cfg.data.tokenizer_file == str(directory / "tokenizer.json")
+    model = build_model(m)
+    init_from_pretrained(model)
+    idx = torch.randint(0, V, (3, 48), generator=torch.Generator().manual_seed(2))
+    theirs = hf(input_ids=idx).logits
+    assert theirs.abs().max() > 1.0
+    # transformers computes the rotary angles position x inv_freq in fp32 (largebatch in fp64): angles
+    # off by ~position x 6e-8, which with these large weights moves logits of ~7 by ~1e-5 (in float64
+    # too); a wrong mapping is off by ~1, a wrong rope_theta by > 1e-3 (below)
+    torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0, atol=5e-6 * float(theirs.detach().abs().max()))
+    # the rotary base matters: Llama 1's 10000 in place of 20000 is far off
+    wrong = build_model(m.replace(rope_theta=1e4, init_from=None))
+    wrong.load_state_dict(model.state_dict())
+    assert (wrong.eval()(idx)[0] - theirs).abs().max() > 1e-3
+    targets = torch.randint(0, V, (3, 48), generator=torch.Generator().manual_seed(3))
+    for mod, logits_of in ((model, lambda x: model(x)[0]), (hf, lambda x: hf(input_ids=x).logits)):
+        mod.train().zero_grad()
+        F.cross_entropy(logits_of(idx).reshape(-1, V), targets.reshape(-1)).backward()
+    layer = hf.model.layers[1]
+    for ours_grad, theirs_grad in ((model.blocks[1].attn.k.weight.grad, layer.self_attn.k_proj.weight.grad),
+                                   (model.blocks[1].mlp.gate.weight.grad, layer.mlp.gate_proj.weight.grad),
+                                   (model.blocks[0].ln1.weight.grad, hf.model.layers[0].input_layernorm.weight.grad),
+                                   (model.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad)):
+        torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
+    if mistral:
+        return  # (the same network: the training below runs once)
+    # trains on: the first step's loss is transformers' loss on that batch, and training lowers it
+    o = {k: v for k, v in tiny(cache, tmp_path / "run").items() if not k.startswith("model.")}
+    o.update({"model.init_from": f"hf:{directory}", "model.dropout": 0.0, "run.total_tokens": 48 * 8 * 4})
+    run = train(o)
+    losses = [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+    data = build_data(load_config(None, o).data, seq_len=48, objective="causal")
+    batch = data.train.get_batch(range(8))
+    with torch.no_grad():
+        reference = float(F.cross_entropy(hf(input_ids=batch["input_ids"]).logits.reshape(-1, V),
+                                          batch["targets"].reshape(-1)))
+    assert len(losses) == 4 and losses[0] == pytest.approx(reference, rel=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def _variant(tmp_path: Path, source: Path, name: str, **changes) -> Path:
+    """A copy of ``source``'s config.json with ``changes`` (None removes the field)."""
+    path = tmp_path / name
+    path.mkdir()
+    raw = json.loads((source / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return path
+
+
+def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tmp_path, capsys):
+    source = tmp_path / "llama"
+    _llama_dir(source, 64)
+    # transformers 4's layout: rope_theta at the top, rope_scaling beside it
+    old = _variant(tmp_path, source, "v4", rope_parameters=None, rope_theta=3e4, rope_scaling=None)
+    assert model_fields(old)["rope_theta"] == 3e4
+    cases = {"yarn": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+                      ["rope_parameters with rope_type='yarn'", "unscaled"]),
+             "v4-linear": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+                           ["rope_scaling with rope_type='linear'"]),
+             "biases": ({"attention_bias": True, "mlp_bias": False},
+                        ["attention_bias=True and mlp_bias=False", "one model.bias"]),
+             "head-dim": ({"head_dim": 16}, ["head_dim=16", "hidden_size / num_attention_heads = 8"]),
+             "gelu": ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
+             "partial": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
+             "window": ({"model_type": "mistral", "sliding_window": 16}, ["sliding_window=16", "below"]),
+             "qwen2": ({"model_type": "qwen2"}, ["model_type='qwen2'", "biases on q, k and v", "llama"])}
+    for name, (changes, words) in cases.items():
+        with pytest.raises(ConfigError) as err:
+            model_fields(_variant(tmp_path, source, name, **changes))
+        assert all(w in str(err.value) for w in words), str(err.value)
+    # a Mistral whose window covers the whole context is Llama's function
+    wide = _variant(tmp_path, source, "wide", model_type="mistral", sliding_window=48)
+    assert model_fields(wide)["position"] == "rope"
+    # and in one line from the command line, before training
+    assert cli_main(["train", f"--model.init_from=hf:{tmp_path / 'biases'}", f"--run.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "attention_bias=True" in err, err
+
+
+def test_a_layout_no_transformers_architecture_computes_is_refused(cache, tmp_path, capsys):
+    """hf_model_type set: refused before training, naming the fields and the fix; unset: the model
+    trains (a research layout) and its export is refused naming the fields."""
+    from largebatch.integrations.hf_export import check_exportable
+
+    base = ["--check", f"--run.out_dir={tmp_path / 'run'}", f"--data.cache_dir={cache}"]
+    llama = [f"--{k}={v}" for k, v in LLAMA.items()]
+    for args, words in (((*llama, "--model.hf_model_type=gpt2"),
+                         ["model.hf_model_type='gpt2' with model.norm='rmsnorm', model.position='rope', "
+                          "model.activation='swiglu'", "GPT2LMHeadModel computes LayerNorm", "after training",
+                          "or use model.hf_model_type='llama'"]),
+                        (("--model.position=rope", "--model.hf_model_type=gpt2"),
+                         ["model.position='rope'", "set model.position='learned'"]),
+                        (("--model.norm=rmsnorm", "--model.hf_model_type=llama"),
+                         ["model.position='learned', model.activation='gelu'", "LlamaForCausalLM computes RMSNorm",
+                          "set model.position='rope', model.activation='swiglu'"]),
+                        (("--model.n_kv_head=2", "--model.hf_model_type=gpt2"),
+                         ["model.n_kv_head=2", "set model.n_kv_head=None"])):
+        assert cli_main(["train", *args, *base]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    for args in ((*llama, "--model.hf_model_type=llama"), ("--model.position=rope",)):  # the latter: no export
+        assert cli_main(["train", *args, *base]) == 0
+    capsys.readouterr()
+    for fields, differs in (({"position": "rope"}, "(train with model.position='learned')"),
+                            ({"norm": "rmsnorm"}, "(train with model.norm='layernorm')"),
+                            ({"norm": "rmsnorm", "position": "rope"}, "(train with model.activation='swiglu')"),
+                            ({"kind": "bert", "norm_position": "post", "norm": "rmsnorm"},
+                             "compute LayerNorm, learned positions")):
+        cfg = ModelConfig(**fields)
+        assert default_hf_model_type(cfg) == ("bert" if "kind" in fields else "gpt2")
+        with pytest.raises(ExportError, match="no transformers architecture computes these") as err:
+            check_exportable(cfg)
+        assert differs in str(err.value), str(err.value)
