@@ -189,6 +189,12 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
     if mistral:
         return  # (the same network: the training below runs once)
+    # untied on request (pipeline parallel needs it): the output layer starts as a copy, same logits
+    untied = build_model(load_config(None, {"model.init_from": f"hf:{directory}", "model.tie_embeddings": False}).model)
+    init_from_pretrained(untied)
+    assert untied.lm_head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(untied.eval()(idx)[0], model.eval()(idx)[0], rtol=0, atol=0)
     # trains on: the first step's loss is transformers' loss on that batch, and training lowers it
     o = {k: v for k, v in tiny(cache, tmp_path / "run").items() if not k.startswith("model.")}
     o.update({"model.init_from": f"hf:{directory}", "model.dropout": 0.0, "run.total_tokens": 48 * 8 * 4})
