@@ -27,7 +27,8 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-lans", "gpt", "lans", "interleaved-1f1b", 2),
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
          ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
-         ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1)]
+         ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1),
+         ("llama-1f1b-lamb", "llama", "lamb", "1f1b", 1)]  # the Llama-style layers (LLAMA)
 # budgets whose last step is short of whole pipeline rounds (mb 2 x pp 2 = 4 sequences): one sequence
 # (half a micro-batch, one micro-batch short of pp) and three (half a micro-batch short)
 # (name, model kind, optimizer, pp_schedule, virtual stages per rank, run.total_tokens)
@@ -44,8 +45,16 @@ MEMORY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1), ("interleave
 MICRO_BATCH, MICRO_BATCHES = 2, 4
 
 
+# kind "llama": the GPT with RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h) and 2 K/V heads for
+# 4 query heads (tp = 2 splits both), no biases; a higher peak LR, as it learns slower in these 10 steps
+LLAMA = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": "swiglu", "model.bias": False,
+         "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "schedule.peak_lr": 6e-2}
+
+
 def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **extra) -> dict:
     """A 4-layer model, a Seesaw batch doubling within ~10 steps, clipping that binds."""
+    if kind == "llama":
+        kind, extra = "gpt", {**LLAMA, **extra}
     o = {"model.kind": kind, "model.n_layer": 4, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
          "model.tie_embeddings": False, "data.vocab_size": 512, "data.cache_dir": cache,
          "schedule.batch_policy": "seesaw", "schedule.batch_size": 8, "schedule.peak_lr": 3e-2,
@@ -157,11 +166,17 @@ FOUR_RANK_CASES = {  # name: (dp, layout)
 
 
 HSDP = {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2}  # 2 replica groups x 2 shards
+# the Llama-style GPT on pp = 2 x tp = 2 with sequence parallel and the vocabulary-parallel loss (one
+# K/V head and its 2 query heads per tp rank), stopped and resumed; a copy resumes on one process
+LLAMA_FOUR_RANKS = ("pp2-tp2-sp-loss-parallel-llama", {"parallel.pp": 2, "parallel.tp": 2,
+                                                       "parallel.sequence_parallel": True,
+                                                       "parallel.loss_parallel": True})
 
 
 def run_four_ranks(out_dir: str, cache: str) -> None:
     """4 ranks, 1F1B: pp = 2 x dp = 2 (FSDP2 per stage, and replicas: stopped and resumed), pp = 2 x
-    tp = 2 (+ SP, or the vocabulary-parallel loss on the last stage); then
+    tp = 2 (+ SP, or the vocabulary-parallel loss on the last stage), the Llama-style GPT on pp = 2 x
+    tp = 2 + SP + the vocabulary-parallel loss (stopped and resumed); then
     HSDP 2 x 2 stopped and resumed (a copy of the stopped run is resumed on one process by the test),
     writing each rank's optimizer state bytes."""
     out = Path(out_dir)
@@ -170,6 +185,8 @@ def run_four_ranks(out_dir: str, cache: str) -> None:
             stop_then_resume(overrides(cache, str(out / name), **layout), out / name, out / f"{name}-on-one")
         else:
             train(overrides(cache, str(out / name), **layout), out / name)
+    name, layout = LLAMA_FOUR_RANKS
+    stop_then_resume(overrides(cache, str(out / name), "llama", **layout), out / name, out / f"{name}-on-one")
     hsdp = stop_then_resume(overrides(cache, str(out / "hsdp"), **HSDP), out / "hsdp", out / "hsdp-on-one")
     par = hsdp.par
     (out / f"hsdp_rank{dist.get_rank()}.json").write_text(json.dumps({

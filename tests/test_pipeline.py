@@ -80,8 +80,9 @@ def test_pp2_loss_at_every_step_equals_one_process(runs, name, kind, optim):
     assert any(r["grad_norm"] > 0.5 for r in _train_records(out / name))  # the clipped norm covers both stages
     # both squared norms summed over the stages, the small one from the first micro-batch (zero
     # bubble: read after its weight-gradient half); the tiny BERT gives no B_simple in these 10
-    # steps even on one process (a smoothed half stays <= 0)
-    _assert_same_noise_scale(out / name, out / f"one-{kind}-{optim}", estimated=3 if kind == "gpt" else 0)
+    # steps even on one process (a smoothed half stays <= 0). "llama": the GPT with RMSNorm, rotary
+    # positions, SwiGLU and grouped-query attention (pipeline_cases.LLAMA)
+    _assert_same_noise_scale(out / name, out / f"one-{kind}-{optim}", estimated=0 if kind == "bert" else 3)
 
 
 @pytest.mark.parametrize("name, total", [(c[0], c[5]) for c in cases.TRIMMED])
@@ -138,6 +139,23 @@ def test_pp2_x_dp2_and_pp2_x_tp2_sp_on_four_ranks_equal_one_process(four_ranks):
     for name in ("pp2-tp2-sp", "pp2-tp2-loss-parallel"):
         _assert_same_noise_scale(out / name, out / "one-gpt-lamb")
     assert all(r["noise_scale"] is None for r in _train_records(out / "pp2-dp2-fsdp"))  # FSDP2 replicas: none
+
+
+def test_llama_layers_on_pp2_x_tp2_with_sp_and_loss_parallel_equal_one_process_and_resume_on_one(four_ranks):
+    """The Llama-style GPT (RMSNorm, rotary positions, SwiGLU with mlp.gate split by columns, 2 K/V
+    heads split over tp = 2) on 4 ranks, pp = 2 x tp = 2 with sequence parallel and the
+    vocabulary-parallel loss, stopped after STOP_AT steps and resumed there: every step's loss,
+    gradient norm, trust ratios and noise scale are one process's; a copy of the stopped run's DCP
+    checkpoint (stage x tensor-parallel shards) resumes on one process with the one-process losses."""
+    cache, out = four_ranks
+    name, _ = cases.LLAMA_FOUR_RANKS
+    ref = out / "one-llama-lamb"
+    _assert_same_trajectory(out / name, ref)
+    _assert_same_noise_scale(out / name, ref)
+    one = out / f"{name}-on-one"
+    assert [r["step"] for r in _train_records(one)][-1] == cases.STOP_AT
+    cases.train(cases.overrides(cache, str(one), "llama"), one, resume=True)
+    _assert_same_trajectory(one, ref)
 
 
 def test_bf16_pipeline_stages_under_fsdp_gather_bf16_parameters(four_ranks):
@@ -259,6 +277,14 @@ def _config(monkeypatch, world: int, **extra):
      "parallel.dp_replicate = 2 with dp = 2"),
     (4, {"parallel.dp_mode": "fsdp", "parallel.dp_replicate": 2, "parallel.tp": 2, "parallel.pp": 2},
      "parallel.dp_replicate = 2 with 1 data-parallel"),
+    # what tensor parallel splits, before the launch's size is looked at: the query heads, and under
+    # grouped-query attention the K/V heads (k and v are split by whole heads)
+    (2, {"parallel.tp": 2, "model.n_head": 1}, "parallel.tp = 2 does not divide model.n_head = 1: choose "
+     "parallel.tp among the divisors of 1, or change model.n_head"),
+    (2, {"parallel.tp": 2, "model.n_kv_head": 1}, "parallel.tp = 2 does not divide model.n_kv_head = 1: choose "
+     "parallel.tp among the divisors of 1, or change model.n_kv_head"),
+    (2, {"parallel.tp": 2, "parallel.pp": 2, "model.n_head": 4, "model.n_kv_head": 1},
+     "parallel.tp = 2 does not divide model.n_kv_head = 1"),
 ])
 def test_bad_layouts_fail_in_one_line_naming_the_fix(monkeypatch, world, extra, message):
     with pytest.raises(ConfigError) as err:
