@@ -166,6 +166,31 @@ def test_flops_match_the_paper_formula():
     assert demo.flops_per_token() == 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.seq_len
 
 
+@pytest.mark.parametrize("options", [dict(n_kv_head=2), dict(n_kv_head=1), dict(activation="swiglu", ffn_hidden=88),
+                                     dict(norm="rmsnorm", position="rope", activation="swiglu", ffn_hidden=88,
+                                          n_kv_head=2)])
+def test_flops_of_the_llama_style_options_follow_the_module_shapes(options):
+    """Dense FLOPs per token from the built layer's own linears (2 x in x out each: the narrower k and
+    v, the gate), core attention 4 s h (Q K^T and @V over every query head, grouped or not), the
+    output layer 2 h v; and torch's FLOP counter on a real forward agrees (rotary and RMSNorm are
+    pointwise: not counted, as the paper counts no pointwise op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    c = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=16, vocab_size=96, attention="explicit", **options)
+    model = GPT(c)
+    linears = [m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    dense = sum(2.0 * m.in_features * m.out_features for m in linears)
+    core = 2 * 2.0 * c.seq_len * model.blocks[0].attn.q.out_features
+    head = 2.0 * model.lm_head.in_features * model.lm_head.out_features
+    assert flops_per_token(c) == 3 * (c.n_layer * (dense + core) + head)
+    assert flops_per_token(c, "full") - flops_per_token(c) == c.n_layer * (dense + core)
+    b = 2
+    idx = torch.randint(0, c.vocab_size, (b, c.seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert counter.get_total_flops() / (b * c.seq_len) == flops_per_token(c) / 3
+
+
 @pytest.mark.parametrize("kind, norm, dropout, policy, skipped", [
     ("gpt", "pre", 0.0, "selective", "pv"), ("gpt", "pre", 0.1, "selective", "pv"),
     ("gpt", "pre", 0.0, "full", "fc2"), ("gpt", "pre", 0.1, "full", None),

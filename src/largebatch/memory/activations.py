@@ -24,6 +24,22 @@ The op-level policy (save matmul outputs, recompute pointwise ops) keeps the lay
 projection and fc2 outputs (replicated: 3 h d), q, k, v and the attention output (4 h d), the fc1
 output (f d), and for explicit attention the scores (a s d) or, fused, the log-sum-exp (4 a).
 
+The Llama-style layer options (largebatch.models.layers; measured per layer on CPU in fp32 and bf16,
+tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
+* grouped-query attention: K and V are kept at a_kv heads, 2 h d a_kv / a per token in place of
+  2 h d (split by t); Q, the projection input and the s^2 terms are unchanged (the explicit grouped
+  path's reshaped copy of q is what Q K^T keeps, q itself is not kept);
+* SwiGLU, fc2(SiLU(gate(x)) * fc1(x)): four f-wide values in place of GeLU's two -- the gate output
+  (SiLU's input), the SiLU output and the fc1 output (the product's operands), the fc2 input; the
+  gate reads the fc1 input (kept once). The op-level policy keeps the gate and fc1 outputs (2 f d);
+* rotary positions keep nothing: the rotation multiplies by constant tables (buffers);
+* RMSNorm keeps more than LayerNorm's input: torch's composite rms_norm (CPU) keeps its input and
+  the normalised tensor the gain's gradient needs (2 h d); a 16-bit input is normalised in fp32
+  (as transformers' LlamaRMSNorm), so it keeps the fp32 copy (4 h bytes) and the d-byte normalised
+  tensor: (4/d + 1) h d = 3 h d at 16 bits (largebatch.models.kinds.norm_kept_values). With torch's
+  fused CUDA kernel (fp32 input and gain) it keeps its input only, as a LayerNorm (not measured
+  here: no GPU). Per-token statistics (LayerNorm's mean and rstd, RMSNorm's rstd) are not counted.
+
 Whole model (Korthikanti et al. 2022 §4.3): the first pipeline stage holds L layers' worth (L/p layers
 for each of p micro-batches in flight), p embedding dropout masks (s b h m), and, without pipeline
 parallelism, the output layer (GPT): final-norm input and projection input (2 s b h d) plus fp32 logits
@@ -47,6 +63,7 @@ from dataclasses import dataclass
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, per_layer_policies
+from largebatch.models.kinds import norm_kept_values
 from largebatch.models.registry import model_spec
 
 
@@ -61,9 +78,10 @@ class LayerShape:
     ffn_hidden: int
     tp: int
     sequence_parallel: bool
+    kv_heads: int
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp"):
+        for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp", "kv_heads"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, value := int(value))  # a numpy integer
@@ -72,6 +90,13 @@ class LayerShape:
         if self.heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide heads={self.heads}: tensor parallelism "
                              "splits whole heads; choose tp among the divisors of heads.")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads={self.kv_heads} does not divide heads={self.heads}: each key/value "
+                             "head serves a whole group of query heads; choose a divisor of heads.")
+        if self.kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide kv_heads={self.kv_heads} (model.n_kv_head): tensor "
+                             "parallelism splits whole key/value heads; choose tp among the divisors of "
+                             "kv_heads, or more key/value heads.")
 
 
 def _check_bytes(dtype_bytes: float, mask_bytes: float) -> None:
@@ -85,7 +110,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none", *,
                                ffn_hidden: int | None = None, dtype_bytes: float = 2,
                                mask_bytes: float = 1, fused_attention: bool = False,
-                               dropout: bool = True, replicated_values: int = 4) -> float:
+                               dropout: bool = True, replicated_values: float = 4,
+                               kv_heads: int | None = None, gated_mlp: bool = False) -> float:
     """Bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022, Table 2).
 
     recompute: "none" | "selective" (core attention recomputed) | "op" (matmul outputs saved,
@@ -94,24 +120,33 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     fused_attention: SDPA flash/memory-efficient kernel (no s^2 term). dropout=False: no masks, and
     the softmax output doubles as the attention-dropout output. replicated_values: h-wide values
     per token kept outside the tensor-parallel regions (4: two LayerNorm inputs, the Q/K/V input and
-    the fc1 input; a block whose attention and MLP read one normed input keeps 2).
+    the fc1 input; a block whose attention and MLP read one normed input keeps 2; RMSNorms keep
+    more, config_layer_kwargs adds it). kv_heads: key/value heads a_kv (None: heads; grouped-query
+    attention keeps K and V at 2 s b h d a_kv / a). gated_mlp: the SwiGLU MLP, four f-wide values
+    kept (gate output, SiLU output, fc1 output, fc2 input) in place of two.
     """
     shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
-                       else ffn_hidden, tp, bool(sequence_parallel))
+                       else ffn_hidden, tp, bool(sequence_parallel), heads if kv_heads is None else kv_heads)
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}.")
     _check_bytes(dtype_bytes, mask_bytes)
+    if not (isinstance(replicated_values, numbers.Real) and not isinstance(replicated_values, bool)
+            and replicated_values >= 0):
+        raise ValueError(f"replicated_values={replicated_values!r}: must be a number >= 0 (h-wide values per "
+                         "token outside the tensor-parallel regions; 4 for the GPT/BERT block).")
     # the shape's values: numpy integers made Python ints (their products wrapped at 2^31 or 2^63)
     s, b, h, a, f, t = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads, shape.ffn_hidden, shape.tp
     d, m = dtype_bytes, (mask_bytes if dropout else 0)
     t_rep = t if sequence_parallel else 1  # what splits the "replicated" regions
+    kv = h * shape.kv_heads / a  # the width of K and of V (h unless grouped)
     if recompute == "full":
         return s * b * h * d / t_rep
-    if recompute == "op":
+    if recompute == "op":  # matmul outputs: q, k, v, the attention output; fc1 (and the gate)
         kept_core = 4 * a * s * b if fused_attention else a * s * s * b * d
-        return s * b * (3 * h * d / t_rep + (4 * h + f) * d / t) + kept_core / t
+        return s * b * (3 * h * d / t_rep + (2 * h + 2 * kv + (2 if gated_mlp else 1) * f) * d / t) + kept_core / t
     replicated = s * b * (replicated_values * h * d + 2 * h * m) / t_rep
-    split = s * b * (4 * h + 2 * f) * d / t
+    # Q and the projection input, K and V, the MLP's f-wide values
+    split = s * b * (2 * h + 2 * kv + (4 if gated_mlp else 2) * f) * d / t
     if recompute == "selective":
         return replicated + split
     core = 4 * a * s * b if fused_attention else a * s * s * b * ((2 * d + m) if dropout else d)
@@ -123,7 +158,8 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
     """The keywords of activation_bytes_per_layer that describe `config` (everything but s, b, tp).
 
     SDPA counts as fused except where PyTorch falls back to its unfused math kernel: on CPU with
-    attention dropout in training (the CPU flash kernel has no dropout).
+    attention dropout in training (the CPU flash kernel has no dropout). An fp32 RMSNorm keeps its
+    input only off the CPU (torch's fused kernel), its input and normalised output on the CPU.
     """
     dropout = training and config.dropout > 0
     fused = config.attention == "sdpa" and not (device == "cpu" and dropout)
@@ -131,9 +167,13 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
         raise ValueError("attention='sdpa' with dropout on CPU runs PyTorch's unfused math kernel, "
                          "whose float dropout mask the memory model does not describe: use "
                          "attention='explicit' or dropout=0 for CPU memory estimates.")
+    spec = model_spec(config.kind)
+    # an RMSNorm keeps more than a LayerNorm's input (module docstring): the extra values per norm
+    norm_extra = norm_kept_values(config, dtype_bytes, fused=device != "cpu") - 1
     return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
-                replicated_values=model_spec(config.kind).layer_replicated)
+                replicated_values=spec.layer_replicated + spec.layer_norms * norm_extra,
+                kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu")
 
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")

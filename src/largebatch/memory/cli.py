@@ -14,7 +14,9 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 ``--model.n_layer`` (``--layers``), ``--model.n_embd`` (``--hidden``), ``--model.n_head`` (``--heads``),
 ``--model.ffn_hidden`` (``--ffn``), ``--model.vocab_size`` (``--vocab``), ``--model.seq_len``,
 ``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_schedule`` / ``pp_virtual_stages`` /
-``sequence_parallel``, ``--optim.name`` (``--optimizer``).
+``sequence_parallel``, ``--optim.name`` (``--optimizer``). The Llama-style layer options too:
+``--model.norm rmsnorm`` (``--norm``), ``--model.position rope`` (``--position``), ``--model.activation
+swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ TRAIN_DEFAULTS = {"run.dtype": "fp32", "optim.name": "lamb", "parallel.loss_para
 import the trainer's config; a test holds them equal)."""
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
-             "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout"}
+             "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout",
+             "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head"}
+"""Short flag (``--kv-heads``: underscores written as dashes) -> the ModelConfig field it overrides."""
 
 
 def _kind(text: str) -> str:
@@ -58,7 +62,7 @@ def _kind(text: str) -> str:
     return text
 
 
-TYPES = {"kind": _kind, "attention": str, "dropout": finite_float}
+TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str}
 
 
 def _boolean(text: str) -> bool:
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config.json "
                    "(or a directory holding one); also prints what transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
-        p.add_argument(f"--model.{field}", f"--{flag}", dest=flag, type=TYPES.get(flag, int),
+        p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
                        help=f"override the preset's {field}")
     p.add_argument("--phase", type=int, help="with --config holding [[phases]]: plan phase N (0, 1, ...) "
                    "at its own sequence length and micro-batch (default: the model's context, run.micro_batch)")
@@ -274,8 +278,14 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
                  for name, tp, sp, rec in rows}
     reference = per_layer["tensor parallel"]
     width = max(len(r[0]) for r in rows)
+    llama = [f"f={config.ffn}"] if config.ffn != 4 * config.n_embd else []
+    llama += [f"a_kv={config.kv_heads}"] if config.kv_heads != config.n_head else []
+    llama += [f"{config.norm}"] if config.norm != "layernorm" else []
+    llama += [f"{config.position} positions"] if config.position != "learned" else []
+    llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
     lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
-             f"h={config.n_embd} a={config.n_head} t={t} L={L}, {dtype_bytes:g}-byte activations"
+             f"h={config.n_embd} a={config.n_head} t={t} L={L}" + "".join(f" {x}" for x in llama)
+             + f", {dtype_bytes:g}-byte activations"
              + ("" if kw["dropout"] else ", no dropout (no masks; the softmax output is what @V keeps)")
              + (", fused attention (no s^2 term)" if kw["fused_attention"] else ""),
              f"  {'setting':<{width}}  {'per layer':>11}  {f'{L} layers':>11}  tensor parallel / this"]

@@ -24,6 +24,7 @@ from largebatch.memory.activations import (
 )
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import per_layer_policies
+from largebatch.models.kinds import norm_parameters
 from largebatch.models.registry import model_spec
 
 # fp32 state bytes per parameter by optimizer name; largebatch.train.optimizer.register_optimizer adds
@@ -62,16 +63,20 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     holds the ``first`` stage, the final norm and output layer if it holds the ``last`` (default:
     only when pp = 1). Matrices and embeddings are split by tp (vocabulary-parallel embedding);
     LayerNorms, position embeddings and the biases of row-parallel linears are replicated. With
-    tp = pp = 1 this is the model's exact parameter count."""
+    tp = pp = 1 this is the model's exact parameter count. The Llama-style options: k and v map h to
+    a_kv h / a (grouped-query attention), the SwiGLU MLP adds the gate (h x f, split by columns as
+    fc1), rotary positions have no weights, an RMSNorm a gain and no bias."""
     h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
+    kv = config.kv_heads * config.head_dim  # the k and v projections' width (h unless grouped)
+    mlp_in = 2 if config.activation == "swiglu" else 1  # h -> f matrices: fc1 (and the gate)
     spec = model_spec(config.kind)
     bias = 1 if config.bias else 0
-    norm = (1 + bias) * h  # one LayerNorm
-    split = 4 * h * h + 2 * h * f + bias * (3 * h + f)  # q, k, v, proj, fc1, fc2 (+ column biases)
-    replicated = bias * 2 * h + spec.layer_norms * norm  # proj and fc2 biases, the block's norms
+    # q, k, v, proj, the MLP's h x f matrices and fc2 (+ the column-parallel biases)
+    split = 2 * h * h + 2 * h * kv + (mlp_in + 1) * h * f + bias * (h + 2 * kv + mlp_in * f)
+    replicated = bias * 2 * h + spec.layer_norms * norm_parameters(config)  # proj and fc2 biases, the norms
     n = config.n_layer // pp * (split / tp + replicated)
-    if first:
-        n += v * h / tp + s * h  # token and position embeddings
+    if first:  # token embeddings, and learned position embeddings
+        n += v * h / tp + (s * h if config.position == "learned" else 0)
     # the kind's other modules: norms, heads (the output layer sits on the last stage)
     return n + spec.stage_parameters(config, tp, first, pp == 1 if last is None else last)
 

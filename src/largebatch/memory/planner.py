@@ -172,7 +172,7 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
     where the sequence splits over it (and without, unless ``setup`` asked for it, where it does
     not). ``micro_batches_asked``: ``setup.pp_micro_batches`` was given by the user (it carries over
     to another pp), rather than the command's default 2 pp (which follows the pp)."""
-    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.n_head % t == 0]
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.kv_heads % t == 0]  # (| n_head too)
     pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
     if setup.hf_activation is not None:  # transformers' eager layers: ZeRO only
         tps, pps = [1], [1]

@@ -1,0 +1,230 @@
+"""The memory model of the Llama-style layer options (RMSNorm, rotary positions, the SwiGLU MLP,
+grouped-query attention; largebatch.models.layers) against an independent float64 transcription of
+the per-layer formula (docs/papers.md: memory; Korthikanti et al. 2022, Table 2, extended) and against
+the bytes a real tiny model keeps for backward (largebatch.memory.measure, on CPU), under recompute
+none / selective / op / full; the parameter count against the built model's."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from largebatch.memory import (
+    activation_bytes_per_layer,
+    apply_recompute,
+    config_layer_kwargs,
+    estimate,
+    measure_forward_bytes,
+    model_activation_bytes,
+)
+from largebatch.memory.estimate import stage_parameters
+from largebatch.models import BERT, GPT, ModelConfig
+from largebatch.models.kinds import block_tp_plan
+
+LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", ffn_hidden=96, n_kv_head=2)
+OPTIONS = {
+    "rmsnorm": dict(norm="rmsnorm"),
+    "rope": dict(position="rope"),
+    "swiglu": dict(activation="swiglu", ffn_hidden=96),
+    "gqa": dict(n_kv_head=2),
+    "mqa": dict(n_kv_head=1),
+    "llama": LLAMA,
+}
+S, B, H, A = 64, 4, 64, 4
+BASE = dict(n_embd=H, n_head=A, seq_len=S, vocab_size=32, bias=False)
+
+
+def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t: int = 1, sp: bool = False,
+                    dropout: bool, fused: bool, device: str = "cpu") -> float:
+    """Bytes one layer keeps, written in float64 from the formula of docs/papers.md (memory, the
+    Llama-style terms), not from the code under test: per token, at d bytes per value and 1-byte
+    masks, with f = ffn, a_kv key/value heads,
+        replicated (/ t under sequence parallel): 2 norms x n h d + Q/K/V input h d + MLP input h d
+            + 2 h masks, with n = 1 (LayerNorm), RMSNorm: 4/d + 1 at 16 bits, 2 in fp32 on the CPU
+        split by t: Q h d, K and V 2 h d a_kv / a, projection input h d, MLP 2 f d (GeLU: its input,
+            fc2's input) or 4 f d (SwiGLU: gate output, SiLU output, fc1 output, fc2 input)
+        core (split by t): a s (2 d + 1) with dropout, a s d without, 4 a fused
+    selective: all but the core; op: layer input, projection and fc2 outputs (3 h d, replicated), q,
+    k, v, the attention output and the fc1 (and gate) outputs, the scores a s d (fused: 4 a); full:
+    the layer input h d."""
+    s, b, d, t = float(s), float(b), float(d), float(t)
+    h, a, f, a_kv = float(c.n_embd), float(c.n_head), float(c.ffn), float(c.kv_heads)
+    gated = c.activation == "swiglu"
+    t_rep = t if sp else 1.0
+    m = 1.0 if dropout else 0.0
+    if c.norm == "layernorm":
+        n = 1.0
+    else:
+        n = 4.0 / d + 1.0 if d < 4 else (2.0 if device == "cpu" else 1.0)
+    if policy == "full":
+        return s * b * h * d / t_rep
+    if policy == "op":
+        core = 4 * a if fused else a * s * d
+        return s * b * (3 * h * d / t_rep + (2 * h + 2 * h * a_kv / a + (2 if gated else 1) * f) * d / t
+                        + core / t)
+    replicated = (2 * n * h * d + h * d + h * d + 2 * h * m) / t_rep
+    split = (h * d + 2 * h * d * a_kv / a + h * d + (4 if gated else 2) * f * d) / t
+    core = 4 * a if fused else a * s * ((2 * d + m) if dropout else d)
+    per_token = replicated + split + (0.0 if policy == "selective" else core / t)
+    return s * b * per_token
+
+
+def held_per_layer(config: ModelConfig, b: int, policies: tuple[str, ...], dtype: torch.dtype) -> dict[str, float]:
+    """Measured bytes of one layer per policy: (3-layer model - 1-layer model) / 2, so the embedding
+    and output terms and any constant overhead cancel (tests/test_memory.py does the same)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (b, config.seq_len))
+    held = {}
+    for n_layer in (1, 3):
+        model = GPT(config.replace(n_layer=n_layer)).to(dtype)
+        for policy in policies:
+            apply_recompute(model, policy)
+            measure_forward_bytes(lambda: model(idx, idx))  # warm-up
+            held[n_layer, policy] = measure_forward_bytes(lambda: model(idx, idx))[1].tensor_bytes
+    return {p: (held[3, p] - held[1, p]) / 2 for p in policies}
+
+
+POLICIES = ("none", "selective", "op", "full")
+# (option, dtype, attention, dropout): every option alone and together in fp32 with dropout (the
+# masks and the s^2 terms); the fused kernel (no s^2 term, the op policy's log-sum-exp); bf16,
+# where an RMSNorm keeps an fp32 copy of its input
+CASES = ([(name, torch.float32, "explicit", 0.1) for name in OPTIONS]
+         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama")]
+         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama")])
+
+
+@pytest.mark.parametrize("name, dtype, attention, dropout", CASES,
+                         ids=[f"{n}-{str(d)[6:]}-{a}-{p}" for n, d, a, p in CASES])
+def test_each_option_keeps_what_the_formula_counts(name, dtype, attention, dropout):
+    c = ModelConfig(**BASE, **OPTIONS[name], attention=attention, dropout=dropout)
+    d = 4 if dtype == torch.float32 else 2
+    kw = config_layer_kwargs(c, dtype_bytes=d, device="cpu")
+    measured = held_per_layer(c, B, POLICIES, dtype)
+    for policy in POLICIES:
+        reference = reference_layer(c, S, B, d, policy, dropout=dropout > 0, fused=attention == "sdpa")
+        assert activation_bytes_per_layer(S, B, recompute=policy, **kw) == pytest.approx(reference, rel=1e-12), policy
+        # measured within 1% (the norms' per-token statistics, 4-8 bytes, are not counted); each
+        # option's own term is >= 3.5% of the layer's bytes here (fp32 RMSNorm h d per norm: 7%,
+        # a_kv = a/2: 4%, SwiGLU's 2 f d: 13%), so a term counted wrong fails this
+        assert measured[policy] == pytest.approx(reference, rel=0.01), (name, policy, measured[policy], reference)
+
+
+def test_each_new_term_is_large_enough_for_the_measurement_to_see():
+    """The 1% tolerance above would miss a term smaller than it: each option's term is >= 3.5% of
+    its layer's bytes (no recompute, fp32, dropout), against the same layer without the option."""
+    plain = ModelConfig(**BASE, dropout=0.1)
+    for name in ("rmsnorm", "swiglu", "gqa"):
+        c = plain.replace(**OPTIONS[name])
+        without = plain.replace(ffn_hidden=c.ffn_hidden)
+        new, old = (reference_layer(x, S, B, 4, "none", dropout=True, fused=False) for x in (c, without))
+        assert abs(new - old) / new > 0.035, name
+
+
+def test_rope_keeps_nothing_and_bf16_rmsnorm_keeps_three_values():
+    """The two claims the brief asked to verify by measurement, in bytes: rotary positions add nothing
+    (fp32 and bf16: the tables are buffers, the rotation's multiplications keep only them); a bf16
+    RMSNorm keeps 6 h bytes per token (its fp32 input copy and the bf16 normalised tensor), a
+    LayerNorm 2 h."""
+    plain = ModelConfig(**BASE, dropout=0.0)
+    none = ("none",)
+    layernorm = {dtype: held_per_layer(plain, B, none, dtype)["none"] for dtype in (torch.float32, torch.bfloat16)}
+    for dtype in (torch.float32, torch.bfloat16):
+        assert held_per_layer(plain.replace(position="rope"), B, none, dtype)["none"] == layernorm[dtype]
+    extra = held_per_layer(plain.replace(norm="rmsnorm"), B, none, torch.bfloat16)["none"] - layernorm[torch.bfloat16]
+    # two norms per layer, (6 h - 2 h) bytes per token each; LayerNorm's 2 bf16 statistics (4 bytes)
+    # against RMSNorm's fp32 rstd (4 bytes) cancel
+    assert extra == 2 * 4 * H * S * B
+
+
+@pytest.mark.parametrize("t, sp", [(2, False), (2, True)])
+def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp):
+    """K and V (a_kv / t heads per rank) and the gate's outputs split by t, the RMSNorm's extra values
+    replicated unless sequence parallel: the code against the reference, at the paper's 16 bits."""
+    c = ModelConfig(**BASE, **LLAMA, dropout=0.1)
+    kw = config_layer_kwargs(c, dtype_bytes=2)
+    for policy in POLICIES:
+        reference = reference_layer(c, S, B, 2, policy, t=t, sp=sp, dropout=True, fused=False, device="cuda")
+        got = activation_bytes_per_layer(S, B, tp=t, sequence_parallel=sp, recompute=policy, **kw)
+        assert got == pytest.approx(reference, rel=1e-12), policy
+    with pytest.raises(ValueError, match=r"tp=4 does not divide kv_heads=2 \(model.n_kv_head\)"):
+        activation_bytes_per_layer(S, B, tp=4, **kw)
+
+
+def test_the_paper_notation_at_16_bits():
+    """docs/papers.md's per-layer line for a Llama-style layer at 16 bits with dropout (the form the
+    DOC NOTES state): s b (22 h + 4 h a_kv / a + 8 f) + 5 a s^2 b."""
+    s, b, h, a, a_kv, f = 2048, 1, 4096, 32, 8, 14336
+    c = ModelConfig(n_layer=1, n_embd=h, n_head=a, seq_len=s, vocab_size=32000, dropout=0.1, **{
+        **LLAMA, "n_kv_head": a_kv, "ffn_hidden": f})
+    got = activation_bytes_per_layer(s, b, **config_layer_kwargs(c, dtype_bytes=2))
+    assert got == s * b * (22 * h + 4 * h * a_kv / a + 8 * f) + 5 * a * s * s * b
+    gpt = ModelConfig(n_layer=1, n_embd=h, n_head=a, seq_len=s, vocab_size=32000, dropout=0.1)
+    assert activation_bytes_per_layer(s, b, **config_layer_kwargs(gpt, dtype_bytes=2)) == \
+        s * b * h * (34 + 5 * a * s / h)
+
+
+def test_the_whole_model_with_its_final_rmsnorm_matches_the_measurement():
+    """model_activation_bytes (blocks, embedding mask, final RMSNorm, output layer) against what the
+    whole 2-layer model keeps, fp32 and bf16, and a BERT with RMSNorms (embedding, head)."""
+    b = 4
+    c = ModelConfig(n_layer=2, **BASE, **LLAMA, dropout=0.1)
+    idx = torch.randint(0, c.vocab_size, (b, c.seq_len))
+    for dtype, d in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = GPT(c).to(dtype)
+        for policy in ("none", "full"):
+            apply_recompute(model, policy)
+            measure_forward_bytes(lambda: model(idx, idx))
+            _, held = measure_forward_bytes(lambda: model(idx, idx))
+            predicted = model_activation_bytes(c, b, policy, dtype_bytes=d, device="cpu")
+            assert held.tensor_bytes == pytest.approx(predicted, rel=0.02), (dtype, policy)
+    bert = ModelConfig(kind="bert", n_layer=2, **BASE, norm="rmsnorm", position="rope", n_kv_head=2, dropout=0.1)
+    model = BERT(bert)
+    labels = torch.full_like(idx, -100)
+    labels[:, ::8] = idx[:, ::8]
+    measure_forward_bytes(lambda: model(idx, labels))
+    _, held = measure_forward_bytes(lambda: model(idx, labels))
+    predicted = model_activation_bytes(bert, b, dtype_bytes=4, device="cpu", mask_fraction=1 / 8)
+    assert held.tensor_bytes == pytest.approx(predicted, rel=0.02)
+
+
+def test_parameter_counts_match_the_built_models():
+    """estimate's parameters (4 bytes each at dtype_bytes=4) = sum(p.numel()) of the built model, for
+    every combination of the options with bias and tied embeddings."""
+    small = dict(n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=50)
+    for norm, position, activation, kv, bias, tie in itertools.product(
+            ("layernorm", "rmsnorm"), ("learned", "rope"), ("gelu", "swiglu"), (None, 2, 1), (True, False),
+            (True, False)):
+        c = ModelConfig(**small, norm=norm, position=position, activation=activation, n_kv_head=kv, bias=bias,
+                        tie_embeddings=tie, ffn_hidden=88 if activation == "swiglu" else None)
+        n = sum(p.numel() for p in GPT(c).parameters())
+        assert estimate(c, 1, dtype_bytes=4).parameters == 4 * n, c
+    for norm, position, kv, post in itertools.product(("layernorm", "rmsnorm"), ("learned", "rope"), (None, 2),
+                                                      ("pre", "post")):
+        c = ModelConfig(kind="bert", **small, norm=norm, position=position, n_kv_head=kv, norm_position=post)
+        assert estimate(c, 1, dtype_bytes=4).parameters == 4 * sum(p.numel() for p in BERT(c).parameters()), c
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_stage_parameters_under_tp_and_pp_follow_the_module_shapes(bias):
+    """A pipeline rank's parameters per device (tp = 2, pp = 2) against a count of the built model's
+    own tensors: a column-parallel linear (q, k, v, fc1, the gate) split by t with its bias, a
+    row-parallel one (proj, fc2) its weight split, the bias whole; norms whole; the token embedding
+    and the output layer split over the vocabulary."""
+    t, pp = 2, 2
+    c = ModelConfig(n_layer=4, n_embd=32, n_head=4, seq_len=16, vocab_size=50, bias=bias, tie_embeddings=False,
+                    **{**LLAMA, "ffn_hidden": 88})
+    model = GPT(c)
+    roles = {name.removeprefix("blocks.*."): role for name, role in block_tp_plan(c).items()}
+    block = 0.0
+    for name, p in model.blocks[0].named_parameters():
+        module, kind = name.rsplit(".", 1)
+        role = roles.get(module)
+        split = role == "colwise" or (role == "rowwise" and kind == "weight")
+        block += p.numel() / t if split else p.numel()
+    per_rank = c.n_layer // pp * block
+    first = per_rank + model.tok_emb.weight.numel() / t + sum(p.numel() for p in model.pos_emb.parameters())
+    last = per_rank + sum(p.numel() for p in model.ln_f.parameters()) + model.lm_head.weight.numel() / t
+    assert stage_parameters(c, t, pp, first=True, last=False) == pytest.approx(first, rel=1e-12)
+    assert stage_parameters(c, t, pp, first=False, last=True) == pytest.approx(last, rel=1e-12)
