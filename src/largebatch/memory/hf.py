@@ -24,13 +24,16 @@ from largebatch.memory.activations import activation_bytes_per_layer
 from largebatch.models.config import HF_MODEL_TYPES, ModelConfig
 
 # Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
+_LLAMA_EAGER = ("; largebatch's own layers of that kind are counted (--model.norm rmsnorm --model.position rope "
+                "--model.activation swiglu --model.n_kv_head N), but transformers' eager attention keeps more "
+                "(K and V repeated to every query head, an fp32 softmax), not measured here")
 UNSUPPORTED = {
     "llama": "gated MLP (SwiGLU: three f-wide projections), RMSNorm, rotary embeddings and "
-             "grouped-query attention (fewer K/V heads than Q heads)",
+             "grouped-query attention (fewer K/V heads than Q heads)" + _LLAMA_EAGER,
     "mistral": "gated MLP (SwiGLU), RMSNorm, rotary embeddings, grouped-query and sliding-window "
-               "attention",
+               "attention" + _LLAMA_EAGER,
     "mixtral": "mixture-of-experts gated MLPs, RMSNorm, rotary embeddings, grouped-query attention",
-    "qwen2": "gated MLP (SwiGLU), RMSNorm, rotary embeddings and grouped-query attention",
+    "qwen2": "gated MLP (SwiGLU), RMSNorm, rotary embeddings and grouped-query attention" + _LLAMA_EAGER,
     "gemma": "gated MLP (GeGLU), RMSNorm, rotary embeddings and multi-query attention",
     "phi": "parallel attention and MLP branches, partial rotary embeddings",
     "gpt_neox": "parallel attention and MLP branches and rotary embeddings",
@@ -130,10 +133,12 @@ def _model_type(raw: dict) -> str:
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) layouts (LayerNorm, one GeLU MLP, as many K/V heads as Q heads)"
+                     "(RoBERTa, XLM-R, CamemBERT) layouts as transformers' eager layers keep them (LayerNorm, "
+                     "one GeLU MLP, as many K/V heads as Q heads)"
                      + (f", and this model has {why}" if why else "")
-                     + ". Describe the model with --layers/--hidden/--heads/--ffn only if its layers "
-                       "are that layout.")
+                     + ". Describe the model with --layers/--hidden/--heads/--ffn (and --model.norm, "
+                       "--model.position, --model.activation, --model.n_kv_head) only if its layers are "
+                       "largebatch's.")
 
 
 def _field(raw: dict, name: str, default=None):
