@@ -228,3 +228,56 @@ def test_stage_parameters_under_tp_and_pp_follow_the_module_shapes(bias):
     last = per_rank + sum(p.numel() for p in model.ln_f.parameters()) + model.lm_head.weight.numel() / t
     assert stage_parameters(c, t, pp, first=True, last=False) == pytest.approx(first, rel=1e-12)
     assert stage_parameters(c, t, pp, first=False, last=True) == pytest.approx(last, rel=1e-12)
+
+
+@pytest.mark.parametrize("s, b, h, a, v, dropout, attention, policy, ffn", [
+    (128, 8, 256, 4, 4096, 0.1, "explicit", "full", 704),   # logits-bound
+    (64, 8, 256, 4, 512, 0.0, "sdpa", "full", 1024),        # MLP-bound: SwiGLU's backward
+    (64, 8, 256, 4, 512, 0.0, "sdpa", "none", 1024),
+])
+def test_the_peak_of_a_llama_step_is_stored_plus_backward_working_set(s, b, h, a, v, dropout, attention, policy,
+                                                                      ffn):
+    """As tests/test_memory.py's GPT and BERT cases: what a forward and backward of the Llama-style GPT
+    hold at their peak (every op, measure_peak_bytes) against the stored activations plus
+    backward_working_bytes, within the same 0.97-1.4 (measured 1.30, 1.08, 1.05)."""
+    from largebatch.memory import backward_working_bytes, measure_peak_bytes
+
+    torch.manual_seed(0)
+    c = ModelConfig(n_layer=2, n_embd=h, n_head=a, seq_len=s, vocab_size=v, dropout=dropout, attention=attention,
+                    **{**LLAMA, "ffn_hidden": ffn})
+    model = GPT(c).train()
+    apply_recompute(model, policy)
+    idx = torch.randint(0, v, (b, s))
+
+    def step():
+        model(idx, idx)[1].backward()
+
+    step()
+    peak = measure_peak_bytes(step)
+    kw = dict(dtype_bytes=4, device="cpu")
+    ratio = (model_activation_bytes(c, b, policy, **kw) + backward_working_bytes(c, b, policy, **kw)) / peak
+    assert 0.97 <= ratio <= 1.4, ratio
+
+
+def test_the_memory_command_takes_the_llama_fields(capsys):
+    """`largebatch memory --model.norm rmsnorm --model.position rope --model.activation swiglu
+    --model.n_kv_head 2` (and the short spellings) prints the Llama-style layer's bytes."""
+    from largebatch.memory.cli import main
+
+    argv = ["--model", "demo", "--model.ffn_hidden", "688", "--model.seq_len", "1024", "--micro-batch", "4"]
+    llama = ["--model.norm", "rmsnorm", "--model.position", "rope", "--model.activation", "swiglu",
+             "--model.n_kv_head", "2"]
+    short = ["--norm", "rmsnorm", "--position", "rope", "--activation", "swiglu", "--kv-heads", "2"]
+    outputs = []
+    for extra in (llama, short, []):
+        assert main(argv + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] != outputs[2]
+    assert "f=688 a_kv=2 rmsnorm rope positions swiglu MLP" in outputs[0]
+    row = next(line for line in outputs[0].splitlines() if line.strip().startswith("no parallelism"))
+    c = ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=1024, vocab_size=4096, ffn_hidden=688, **{
+        k: v for k, v in LLAMA.items() if k != "ffn_hidden"})
+    reference = reference_layer(c, 1024, 4, 2, "none", dropout=False, fused=False, device="cuda")
+    assert float(row.split()[2]) == pytest.approx(reference / 2**20, abs=0.051)
+    assert main(argv + ["--model.n_kv_head", "2", "--tp", "4"]) == 2
+    assert "tp=4 does not divide kv_heads=2 (model.n_kv_head)" in capsys.readouterr().err
