@@ -216,3 +216,11 @@ def test_a_llama_style_run_resumes_to_the_bit_and_refuses_another_layout(tmp_pat
     assert main(["--resume", str(out), "--model.norm=layernorm", "--model.position=learned"]) == 2
     err = capsys.readouterr().err
     assert "model.norm" in err and "model.position" in err and "does not fit" in err, err
+
+
+def test_the_run_header_names_the_layer_options():
+    from largebatch.train.report import _layer_options
+
+    assert _layer_options(_cfg()) == ""
+    assert _layer_options(_cfg(n_kv_head=2, rope_theta=5e5, **LLAMA)) == \
+        ", RMSNorm, rope (theta 500000), SwiGLU, 2 key/value heads for 4"

@@ -114,7 +114,7 @@ class Reporting:
                  "data         " + self.data.stats.describe(cfg.run.total_tokens).replace("\n", "\n" + " " * 13),
                  f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
                  f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
-                 f"{cfg.model.attention} attention, recompute {','.join(cfg.run.recompute)}",
+                 f"{cfg.model.attention} attention{_layer_options(cfg.model)}, recompute {','.join(cfg.run.recompute)}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
                  f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})"
@@ -231,3 +231,13 @@ class Reporting:
             out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
         self.raw_model.train()
         return self.data.tokenizer.decode(out[0].tolist())
+
+
+def _layer_options(model) -> str:
+    """The Llama-style layer options a model uses, for the run's header ("" for the GPT-2 layout)."""
+    parts = [name for name, on in (("RMSNorm", model.norm == "rmsnorm"), (f"rope (theta {model.rope_theta:g})",
+                                                                        model.position == "rope"),
+                                   ("SwiGLU", model.activation == "swiglu")) if on]
+    if model.kv_heads != model.n_head:
+        parts.append(f"{model.kv_heads} key/value heads for {model.n_head}")
+    return "".join(f", {part}" for part in parts)
