@@ -184,6 +184,32 @@ def norm_gain_grads(results: dict, mode: str, model, reference) -> None:
     results[f"norm_gains/{mode}/optimizer_reads"] = max(relative_diff(local_grad(p), ref[n].grad) for n, p in gains)
 
 
+def ddp_buffer_cases(results: dict) -> None:
+    """Bytes DDP broadcasts before each of 2 forwards (torch.distributed._broadcast_coalesced, what its
+    buffer sync calls): none for the built-in kinds, whose buffers (the causal mask, the rotary
+    tables) are non-persistent and equal on every rank; a persistent buffer of one's own still is."""
+    import torch.distributed as dist
+
+    idx, targets = batch("gpt")
+    state = states("ddp")
+    for name in ("gpt", "llama", "persistent"):
+        torch.manual_seed(0)
+        model = build_model(tiny("gpt" if name == "persistent" else name))
+        if name == "persistent":
+            model.register_buffer("seen", torch.zeros(3))  # state a model keeps: rank 0's is sent
+        model = parallelize(model, state)
+        sent, real = [], dist._broadcast_coalesced
+        dist._broadcast_coalesced = lambda group, tensors, *a, **k: (
+            sent.append(sum(t.nbytes for t in tensors)), real(group, tensors, *a, **k))[1]
+        try:
+            for _ in range(2):
+                loss_and_backward(model, state, idx, targets)
+        finally:
+            dist._broadcast_coalesced = real
+        results[f"ddp_buffers/{name}/broadcast_bytes"] = sent
+        results[f"ddp_buffers/{name}/buffer_bytes"] = sum(b.nbytes for b in unwrap(model).buffers())
+
+
 # ------------------------------------------------------------------------------------ optimizers
 def lamb_float64(x, g, wd, adapt, lr, b1=0.9, b2=0.999, eps=1e-6):
     """One LAMB step from a zero state, docs/papers.md: optimizers, float64 (independent of largebatch.optim)."""
@@ -637,6 +663,7 @@ def run_all(out_dir: str, compile_too: bool = True) -> None:
     results: dict = {}
     with rank_guard(state):
         forward_backward_cases(results)
+        ddp_buffer_cases(results)
         recompute_cases(results)
         optimizer_cases(results)
         grad_norm_cases(results)

@@ -46,6 +46,21 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
             assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == per_rank
 
 
+def test_ddp_sends_no_buffers_before_each_forward_unless_one_is_persistent(ranks):
+    """DDP sent every buffer from rank 0 before every forward: the causal mask (bool, s^2 a layer)
+    and the rotary cos/sin tables (fp32, 2 s d a layer), constants of the config equal on every rank.
+    A persistent buffer (a model's own state) is still sent, the whole of it, before each forward."""
+    for rank_results in ranks[1]:
+        key = "ddp_buffers/{}/{}"
+        T, d, layers = cases.T, 32 // 4, 2
+        assert rank_results[key.format("gpt", "buffer_bytes")] == layers * T * T  # the masks
+        assert rank_results[key.format("llama", "buffer_bytes")] == layers * (T * T + 2 * T * d * 4)
+        assert rank_results[key.format("gpt", "broadcast_bytes")] == []
+        assert rank_results[key.format("llama", "broadcast_bytes")] == []
+        everything = layers * T * T + 3 * 4
+        assert rank_results[key.format("persistent", "broadcast_bytes")] == [everything, everything]
+
+
 @pytest.mark.parametrize("mode", ["tp", "sp", "tp_loss", "sp_loss"])
 def test_rmsnorm_gain_gradients_are_summed_over_the_sequence_parallel_ranks(ranks, mode):
     """Under sequence parallel an RMSNorm sees only this rank's tokens: backward leaves each gain's

@@ -42,8 +42,15 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None
 
 
 def apply_ddp(model: nn.Module, state: ParallelState) -> nn.Module:
+    """DDP over the "dp" group. Buffers are broadcast from rank 0 at the start (as the parameters are),
+    and again before every forward only where one is persistent (state of the model's own, saved in
+    checkpoints): the built-in kinds' buffers are all non-persistent functions of the config, the
+    same on every rank (the explicit attention's causal mask, s^2 bytes a layer; the rotary cos/sin
+    tables, 8 s d bytes a layer in fp32), which DDP's default sent again before every forward."""
     device_ids = [state.device.index] if state.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=state.dp_group)
+    persistent = {name for name, _ in model.named_buffers()} & set(model.state_dict())
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=state.dp_group,
+                                   forward_sync_buffers=bool(persistent))
 
 
 def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list[str] = "none",
