@@ -588,6 +588,29 @@ def llama_cases(results: dict, out_dir: Path) -> None:
     if sp.is_main:
         torch.save({"expected": {"model": saved, "optim": saved_state}, "after_two": after_two, "path": str(path)},
                    out_dir / "llama_sp_expected.pt")
+    llama_regather_cases(results)
+
+
+def llama_regather_cases(results: dict) -> None:
+    """Sequence parallel's kept shard (SequenceGather) with the gated MLP: gate and fc1 share the
+    MLP's one gathered input, as q, k and v share attention's. Block 0's saved bytes with the shard
+    kept and with torch's own (the gathered input saved), in fp32 and under bf16 autocast (one bf16
+    copy per linear: q, k, v, gate, fc1), and the gradients of both, which must be equal."""
+    idx, targets = batch("llama")
+    torch.manual_seed(0)
+    model0 = build_model(tiny("llama"))
+    state = states("sp")
+    for autocast in (False, True):
+        grads = {}
+        for regather in (True, False):
+            model = apply_tensor_parallel(copy.deepcopy(model0), state.tp_mesh, True, regather=regather)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                results[f"llama/sp_regather={regather}/autocast={autocast}/block"] = saved_region_bytes(
+                    model, state, idx, targets)["block"]
+                loss_and_backward(model, state, idx, targets)
+            grads[regather] = [full(p.grad) for p in model.parameters()]
+        results[f"llama/sp_regather/autocast={autocast}/grad_diff"] = max(
+            float((a - b).abs().max()) for a, b in zip(grads[True], grads[False]))
 
 
 def seed_cases(results: dict) -> None:

@@ -100,6 +100,22 @@ def test_llama_layers_under_pipeline_stages_lamb_and_a_checkpoint_across_layouts
         assert rank_results["llama/dcp/sp_to_fsdp/next_step"] < TOL
 
 
+def test_sequence_parallel_keeps_the_shard_for_the_gated_mlps_two_column_linears(ranks):
+    """The Llama-style block under SP: gate and fc1 read the MLP's one gathered input, as q, k and v
+    read attention's, and the sub-layer keeps its sequence shard in place of it (in fp32: s/t of
+    each of the two inputs instead of all of it; under bf16 autocast, where torch keeps a bf16 copy
+    per linear, 5 of them, the fp32 shard once per sub-layer). The gradients are torch's own."""
+    t, s, b, h, fp32 = 2, cases.T, cases.B, 32, 4
+    key = "llama/sp_regather={}/autocast={}/block"
+    for rank_results in ranks[1]:
+        assert rank_results[key.format(False, False)] - rank_results[key.format(True, False)] == \
+            2 * (s * b * h * fp32) * (1 - 1 / t)
+        assert rank_results[key.format(False, True)] - rank_results[key.format(True, True)] == \
+            5 * s * b * h * 2 - 2 * (s * b * h * fp32) / t
+        for autocast in (False, True):
+            assert rank_results[f"llama/sp_regather/autocast={autocast}/grad_diff"] == 0.0
+
+
 def test_llama_checkpoint_from_tensor_and_sequence_parallel_loads_on_one_process(ranks):
     """The tp = 2 + SP checkpoint of the Llama-style GPT on one process: every parameter and LAMB
     state tensor bit for bit, and the next step is the 2-rank run's next step."""
