@@ -187,16 +187,19 @@ def norm_gain_grads(results: dict, mode: str, model, reference) -> None:
 def ddp_buffer_cases(results: dict) -> None:
     """Bytes DDP broadcasts before each of 2 forwards (torch.distributed._broadcast_coalesced, what its
     buffer sync calls): none for the built-in kinds, whose buffers (the causal mask, the rotary
-    tables) are non-persistent and equal on every rank; a persistent buffer of one's own still is."""
+    tables) are non-persistent and rebuilt by init_buffers, equal on every rank; a persistent buffer
+    of one's own still is, and so is a non-persistent one no init_buffers rebuilds (torch's default)."""
     import torch.distributed as dist
 
     idx, targets = batch("gpt")
     state = states("ddp")
-    for name in ("gpt", "llama", "persistent"):
+    for name in ("gpt", "llama", "persistent", "users"):
         torch.manual_seed(0)
-        model = build_model(tiny("gpt" if name == "persistent" else name))
+        model = build_model(tiny(name if name in ("gpt", "llama") else "gpt"))
         if name == "persistent":
             model.register_buffer("seen", torch.zeros(3))  # state a model keeps: rank 0's is sent
+        if name == "users":  # a non-persistent buffer no init_buffers rebuilds (a running scale): sent too
+            model.register_buffer("seen", torch.zeros(3), persistent=False)
         model = parallelize(model, state)
         sent, real = [], dist._broadcast_coalesced
         dist._broadcast_coalesced = lambda group, tensors, *a, **k: (

@@ -49,7 +49,8 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
 def test_ddp_sends_no_buffers_before_each_forward_unless_one_is_persistent(ranks):
     """DDP sent every buffer from rank 0 before every forward: the causal mask (bool, s^2 a layer)
     and the rotary cos/sin tables (fp32, 2 s d a layer), constants of the config equal on every rank.
-    A persistent buffer (a model's own state) is still sent, the whole of it, before each forward."""
+    A persistent buffer (a model's own state) is still sent, the whole of it, before each forward, and
+    so is a non-persistent buffer that no module's init_buffers rebuilds (a user's running scale)."""
     for rank_results in ranks[1]:
         key = "ddp_buffers/{}/{}"
         T, d, layers = cases.T, 32 // 4, 2
@@ -59,6 +60,7 @@ def test_ddp_sends_no_buffers_before_each_forward_unless_one_is_persistent(ranks
         assert rank_results[key.format("llama", "broadcast_bytes")] == []
         everything = layers * T * T + 3 * 4
         assert rank_results[key.format("persistent", "broadcast_bytes")] == [everything, everything]
+        assert rank_results[key.format("users", "broadcast_bytes")] == [everything, everything]
 
 
 @pytest.mark.parametrize("mode", ["tp", "sp", "tp_loss", "sp_loss"])

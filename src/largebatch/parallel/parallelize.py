@@ -43,14 +43,17 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None
 
 def apply_ddp(model: nn.Module, state: ParallelState) -> nn.Module:
     """DDP over the "dp" group. Buffers are broadcast from rank 0 at the start (as the parameters are),
-    and again before every forward only where one is persistent (state of the model's own, saved in
-    checkpoints): the built-in kinds' buffers are all non-persistent functions of the config, the
-    same on every rank (the explicit attention's causal mask, s^2 bytes a layer; the rotary cos/sin
-    tables, 8 s d bytes a layer in fp32), which DDP's default sent again before every forward."""
+    and again before every forward, as torch's DDP does, unless every buffer is a constant of the
+    config: non-persistent and owned by a module that rebuilds it with ``init_buffers(device)`` (the
+    built-in kinds' explicit-attention causal mask, s^2 bytes a layer, and rotary cos/sin tables,
+    8 s d bytes a layer in fp32, the same on every rank). A model of the user's with any other
+    buffer (a BatchNorm's running statistics, a non-persistent running scale) keeps torch's sync."""
     device_ids = [state.device.index] if state.device.type == "cuda" else None
-    persistent = {name for name, _ in model.named_buffers()} & set(model.state_dict())
+    saved = set(model.state_dict())
+    constant = all(hasattr(module, "init_buffers") and f"{prefix}.{name}".lstrip(".") not in saved
+                   for prefix, module in model.named_modules() for name, _ in module.named_buffers(recurse=False))
     return DistributedDataParallel(model, device_ids=device_ids, process_group=state.dp_group,
-                                   forward_sync_buffers=bool(persistent))
+                                   forward_sync_buffers=not constant)
 
 
 def parallelize(model: nn.Module, state: ParallelState, *, recompute: str | list[str] = "none",
