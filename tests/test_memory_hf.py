@@ -4,6 +4,7 @@ GPT-2 and BERT layers really keep (measured on CPU) against the closed form."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from largebatch.memory import (
     model_activation_bytes,
 )
 from largebatch.memory.cli import main as memory_main
+from largebatch.memory.hf import hf_activation
 from largebatch.models import preset
 
 transformers = pytest.importorskip("transformers")
@@ -138,10 +140,19 @@ def test_preset_cli_prints_the_paper_table(capsys):
 
 
 @pytest.mark.parametrize("raw, match", [
-    (transformers.LlamaConfig().to_dict(), r"model_type='llama': not supported.*gated MLP.*RMSNorm"
-                                           r".*grouped-query"),
-    (transformers.MistralConfig().to_dict(), r"model_type='mistral': not supported"),
-    ({"model_type": "mamba"}, r"model_type='mamba': not supported; the closed form describes GPT-2"),
+    (transformers.MixtralConfig().to_dict(), r"model_type='mixtral': not supported.*mixture-of-experts"),
+    (transformers.GemmaConfig().to_dict(), r"model_type='gemma': not supported.*GeGLU"),
+    # a window below the context: eager keeps the same s^2 tensors, but the mask and sdpa's path differ
+    (transformers.MistralConfig().to_dict(), r"'mistral' has sliding_window=4096 below max_position_embeddings"
+                                             r"=131072.*does not describe it"),
+    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_window_layers=4).to_dict(),
+     r"'qwen2' has sliding_window=1024 below max_position_embeddings=32768"),
+    (transformers.LlamaConfig(head_dim=64).to_dict(), r"'llama' has head_dim=64; largebatch's heads are "
+                                                      r"hidden_size / num_attention_heads = 128 wide"),
+    (transformers.LlamaConfig(hidden_act="gelu").to_dict(), r"'llama' has hidden_act='gelu'.*SwiGLU"),
+    (transformers.LlamaConfig(num_key_value_heads=3).to_dict(), r"num_key_value_heads=3.*to divide"),
+    ({**transformers.LlamaConfig().to_dict(), "attention_dropout": None}, r"'attention_dropout'=None: expected"),
+    ({"model_type": "mamba"}, r"model_type='mamba': not supported; the memory model describes GPT-2"),
     ({"architectures": ["FooForCausalLM"]}, r"architectures=\['FooForCausalLM'\] \(no model_type\)"),
     (roberta_dict(max_position_embeddings=2), r"max_position_embeddings=2 leaves no position after the 2 rows"),
     (gpt2_dict(activation_function="relu"), r"'activation_function'='relu': not supported"),
@@ -165,10 +176,10 @@ def test_bad_paths_and_cli_errors(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         config_from_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(transformers.LlamaConfig().to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(transformers.MixtralConfig().to_dict()))
     assert memory_main(["--hf-config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("largebatch memory: error: hf config model_type='llama'") and err.count("\n") == 1
+    assert err.startswith("largebatch memory: error: hf config model_type='mixtral'") and err.count("\n") == 1
     assert memory_main(["--hf-config", str(tmp_path), "--config", "x.toml"]) == 2
     assert "give one" in capsys.readouterr().err
     assert memory_main(["--hf-config", str(tmp_path), "--model", "gpt2-xl"]) == 2
@@ -347,3 +358,180 @@ def test_numpy_integers_and_the_bert_head_share():
     for bad in (0, 2, float("nan")):
         with pytest.raises(ValueError, match=r"mask_fraction=.*in \(0, 1\]"):
             Setup(mask_fraction=bad).estimate(preset("bert-base"), "none")
+
+
+# ---------------------------------------------------------------------------------- Llama family
+def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none"):
+    """What one transformers LlamaDecoderLayer keeps, in float64 from the saved tensors its graph
+    holds (docs/memory.md), not from the code under test. Per token: two RMSNorms, each its fp32
+    input (4 h bytes: the input itself in fp32), the d-byte normalised tensor the gain needs, a
+    4-byte rsqrt; the Q/K/V and MLP inputs, q after the rotation, the o_proj input (4 h values);
+    K and V at all a heads in eager attention (repeat_kv's copies are what Q K^T and P V keep),
+    at a_kv heads through sdpa (enable_gqa) or inside selective recompute's checkpoint (its inputs);
+    SwiGLU's gate output, SiLU output, up output and down input (4 f values). The core (policy
+    "none"): eager, the fp32 softmax (4 bytes a score) and what P V keeps -- the cast to d bytes
+    (no copy in fp32), or with dropout its mask (m bytes) and output (d); sdpa a 4-byte log-sum-exp
+    per head. "full": the layer input."""
+    s, b, h, a, a_kv, f, d, m = map(float, (s, b, h, a, a_kv, f, d, m))
+    if policy == "full":
+        return s * b * h * d
+    norms = 2 * (4 * h + h * d + 4)
+    k_and_v = 2 * h * d if eager and policy == "none" else 2 * h * a_kv / a * d
+    per_token = norms + 4 * h * d + k_and_v + 4 * f * d
+    if policy == "none":
+        if not eager:
+            per_token += 4 * a
+        else:
+            per_token += a * s * 4 + (a * s * (m + d) if dropout else (a * s * d if d != 4 else 0.0))
+    return s * b * per_token
+
+
+LLAMA_TYPES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+
+
+def llama_dict(model_type="llama", *, n_layer=1, s=64, h=64, a=4, a_kv=2, f=160, dropout=0.0, v=64, **kw):
+    config_class = LLAMA_TYPES[model_type][0]
+    return config_class(vocab_size=v, hidden_size=h, num_hidden_layers=n_layer, num_attention_heads=a,
+                        num_key_value_heads=a_kv, intermediate_size=f, max_position_embeddings=s,
+                        attention_dropout=dropout, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                        **kw).to_dict()
+
+
+def llama_model(raw, attn, dtype):
+    config_class, model_class = LLAMA_TYPES[raw["model_type"]]
+    torch.manual_seed(0)
+    # (layer_types, when written, follows num_hidden_layers)
+    config = config_class(**{k: v for k, v in raw.items() if k not in ("model_type", "layer_types")},
+                          attn_implementation=attn)
+    return model_class(config).to(dtype).train()
+
+
+def llama_measured_per_layer(raw, b, attn, dtype, policy="none"):
+    """Tensor bytes one layer leaves for backward: (3 layers - 1 layer) / 2 (embedding and head cancel)."""
+    from largebatch.memory import apply_recompute, measure_forward_bytes
+
+    ids = torch.randint(0, raw["vocab_size"], (b, raw["max_position_embeddings"]))
+    held = {}
+    for n_layer in (1, 3):
+        model = llama_model({**raw, "num_hidden_layers": n_layer}, attn, dtype)
+        apply_recompute(model, policy)
+        loss = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+        measure_forward_bytes(loss)  # warm-up: one-time dispatch caches are not activations
+        _, held[n_layer] = measure_forward_bytes(loss)
+    return (held[3].tensor_bytes - held[1].tensor_bytes) / 2
+
+
+LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
+    ("llama", "eager", torch.float32, 2, 0.1, False, "none"),   # K/V repeated, d-byte CPU masks
+    ("llama", "eager", torch.bfloat16, 2, 0.1, True, "none"),   # fp32 softmax, cast consumed by dropout
+    ("llama", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # fp32 softmax + its bf16 cast
+    ("llama", "eager", torch.float32, 4, 0.0, False, "none"),   # no GQA: repeat_kv copies nothing
+    ("llama", "sdpa", torch.float32, 2, 0.0, False, "none"),    # enable_gqa: K/V at a_kv heads
+    ("llama", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
+    ("llama", "eager", torch.bfloat16, 2, 0.1, False, "selective"),  # the checkpoint keeps un-repeated K/V
+    ("qwen2", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # q/k/v biases keep nothing
+]
+
+
+@pytest.mark.parametrize("model_type, attn, dtype, a_kv, dropout, bool_masks, policy", LLAMA_MEASURED, ids=[
+    f"{m[0]}-{m[1]}-{str(m[2])[6:]}-kv{m[3]}-p{m[4]}{'-bool' if m[5] else ''}-{m[6]}" for m in LLAMA_MEASURED])
+def test_measured_hf_llama_layers(model_type, attn, dtype, a_kv, dropout, bool_masks, policy):
+    """A tiny real LlamaForCausalLM (Qwen2ForCausalLM) on CPU: the bytes one layer keeps, to the
+    byte, against the float64 reference and against hf_eager_layer_bytes of config_from_hf."""
+    from largebatch.memory import hf_eager_layer_bytes
+
+    s, b, h, a, f, d = 64, 2, 64, 4, 160, dtype.itemsize
+    raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout)
+    with hf_memory.bool_mask_dropout() if bool_masks else contextlib.nullcontext():
+        measured = llama_measured_per_layer(raw, b, attn, dtype, policy)
+    m = 1 if bool_masks else d
+    reference = llama_reference(s, b, h, a, a_kv, f, d, eager=attn == "eager", dropout=dropout > 0, m=m,
+                                policy=policy)
+    assert measured == pytest.approx(reference, rel=1e-9)
+    config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
+    estimate = hf_eager_layer_bytes(config, "silu", b, policy, dtype_bytes=d, device="cuda" if bool_masks else "cpu")
+    assert estimate == pytest.approx(measured, rel=0.01)
+    if attn == "eager" and policy == "none":
+        assert hf_eager_bytes_per_layer(raw, b, dtype_bytes=d, device="cuda" if bool_masks else "cpu") == estimate
+
+
+def test_a_transformers_llama_whole_model_against_the_estimate():
+    """The whole model's forward bytes (2 layers, GQA, eager, fp32) against Setup's estimate with the
+    Llama terms: the closed form's output layer (final RMSNorm, lm_head input, fp32 log-softmax) is
+    transformers'; left over: the rotary cos/sin (2 s d_head 4 bytes, once) and the final rsqrt."""
+    from largebatch.memory import Setup, measure_forward_bytes
+
+    s, b = 64, 2
+    raw = llama_dict(n_layer=2, s=s, v=256)
+    model = llama_model(raw, "eager", torch.float32)
+    ids = torch.randint(0, 256, (b, s))
+    for _ in range(2):  # (the first forward also allocates what torch keeps for later ones)
+        out, measured = measure_forward_bytes(lambda: tuple(model(input_ids=ids, labels=ids, use_cache=False).values()))
+        del out
+    estimate = Setup(micro_batch=b, dtype_bytes=4, hf_activation="silu").estimate(config_from_hf(raw), "none")
+    assert measured.tensor_bytes == pytest.approx(estimate.activations, rel=0.01)
+    # what the closed form alone misses: the Llama terms less the closed form's, in each of the 2 layers
+    config = config_from_hf(raw)
+    closed = Setup(micro_batch=b, dtype_bytes=4).estimate(config, "none")
+    layer = llama_reference(s, b, 64, 4, 2, 160, 4, eager=True, dropout=False, m=0)
+    assert estimate.activations - closed.activations == pytest.approx(
+        2 * (layer - activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=4))), rel=1e-12)
+
+
+def test_llama_family_configs():
+    """LlamaForCausalLM, window-free MistralForCausalLM and Qwen2ForCausalLM configs as the
+    Llama-style GPT; a scaled rope and the biases change no kept tensor (the yarn model keeps the
+    unscaled one's bytes: test above's terms hold for it), so they are read, not refused."""
+    g = config_from_hf(transformers.LlamaConfig(num_key_value_heads=8).to_dict())
+    assert (g.kind, g.n_layer, g.n_embd, g.n_head, g.kv_heads, g.ffn, g.seq_len, g.vocab_size) == \
+        ("gpt", 32, 4096, 32, 8, 11008, 2048, 32000)
+    assert (g.norm, g.position, g.activation, g.norm_position, g.dropout, g.tie_embeddings, g.bias) == \
+        ("rmsnorm", "rope", "swiglu", "pre", 0.0, False, False)
+    mistral = config_from_hf(transformers.MistralConfig(sliding_window=None).to_dict())
+    assert (mistral.kv_heads, mistral.ffn, mistral.seq_len) == (8, 14336, 131072)
+    assert config_from_hf(transformers.MistralConfig(sliding_window=131072).to_dict()) == mistral
+    assert config_from_hf(transformers.Qwen2Config(num_key_value_heads=4).to_dict()).kv_heads == 4
+    # no model_type: the architecture names it
+    assert config_from_hf({**llama_dict(), "model_type": None, "architectures": ["LlamaForCausalLM"]}) == \
+        config_from_hf(llama_dict())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, "original_max_position_embeddings": 16}
+    assert config_from_hf(llama_dict(rope_parameters=yarn)) == config_from_hf(llama_dict()).replace(rope_theta=5e5)
+    assert config_from_hf(llama_dict(attention_bias=True)).bias
+    assert hf_activation(llama_dict(hidden_act="swish")) == "swish" and hf_activation(llama_dict()) == "silu"
+    b, d = 2, 2
+    c = config_from_hf(llama_dict(dropout=0.1))
+    assert c.dropout == 0.1
+    # the sdpa path with dropout on CPU is torch's unfused math kernel: refused, not guessed
+    from largebatch.memory import hf_eager_layer_bytes
+    with pytest.raises(ValueError, match=r"attention='sdpa' with attention_dropout on CPU"):
+        hf_eager_layer_bytes(c.replace(attention="sdpa"), "silu", b, dtype_bytes=d, device="cpu")
+    with pytest.raises(ValueError, match=r"activation='gelu' with model.activation='swiglu'"):
+        hf_eager_layer_bytes(c, "gelu", b)
+    with pytest.raises(ValueError, match=r"activation='silu' with model.activation='gelu'"):
+        hf_eager_layer_bytes(preset("gpt2-small"), "silu", b)
+
+
+def test_the_memory_command_on_a_llama_config(tmp_path, capsys):
+    """--hf-config on a Llama config.json: the eager line's ratio and MiB from the reference, the
+    estimates and the plan with the Llama terms; with --attention sdpa the sdpa layers' line."""
+    from largebatch.memory import Setup
+    s, b, h, a, a_kv, f = 256, 4, 128, 8, 2, 352
+    raw = llama_dict(n_layer=4, s=s, h=h, a=a, a_kv=a_kv, f=f, v=1000)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = config_from_hf(tmp_path)
+    closed = activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=2))
+    eager = llama_reference(s, b, h, a, a_kv, f, 2, eager=True, dropout=False, m=0)
+    assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("HF eager layers"))
+    assert f"~{eager / closed:.2f}x" in line and f"({eager / 2**20:.1f} MiB per layer; K/V repeated" in line
+    assert "transformers eager layers (silu;" in out
+    total = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
+    assert total.endswith(str(Setup(micro_batch=b, hf_activation="silu").estimate(config, "none")))
+    assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b), "--attention", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    sdpa = llama_reference(s, b, h, a, a_kv, f, 2, eager=False, dropout=False, m=0)
+    closed = activation_bytes_per_layer(s, b, **config_layer_kwargs(config.replace(attention="sdpa")))
+    line = next(x for x in out.splitlines() if x.startswith("HF sdpa layers"))
+    assert f"~{sdpa / closed:.2f}x" in line and "HF eager" not in out

@@ -4,7 +4,7 @@ least recompute FLOPs that fits a budget.
 
     largebatch memory --model gpt3-175b --tp 8 --budget-gib 80
     largebatch memory --model demo --micro-batch auto --budget-gib 2 --dtype-bytes 4
-    largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT config.json
+    largebatch memory --hf-config path/to/gpt2-medium   # a Hugging Face GPT-2 / BERT / Llama config.json
     largebatch memory --hf-config path/to/gpt2-medium --budget-gib 16   # planned with its eager layers
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-virtual-stages 3   # first stage per schedule
     largebatch memory --model gpt3-175b --tp 8 --pp 16 --pp-schedule zbv   # one schedule's row
@@ -35,7 +35,7 @@ from largebatch.memory.activations import (
     stages_per_rank,
 )
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, rank_policies
-from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_bytes_per_layer
+from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_layer_bytes
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
 from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
 from largebatch.models import PRESETS, ModelConfig, preset
@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "[data] vocab_size, [run] micro_batch / dtype / recompute, [optim] name, [schedule] "
                    "batch_size (the pipeline's micro-batches) and [parallel] tp / pp / sequence_parallel / "
                    "dp, so the prediction is per rank of that run (flags given explicitly still override)")
-    p.add_argument("--hf-config", help="a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config.json "
-                   "(or a directory holding one); also prints what transformers' eager layers keep")
+    p.add_argument("--hf-config", help="a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama "
+                   "(Mistral, Qwen2) config.json (or a directory holding one); also prints what "
+                   "transformers' eager layers keep")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
                        help=f"override the preset's {field}")
@@ -365,13 +366,26 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
 
 
 def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: float) -> list[str]:
-    """transformers' eager layers against the closed form, per layer, no parallelism or recompute."""
-    s = config.seq_len
-    closed = activation_bytes_per_layer(s, b, config.n_embd, config.n_head, ffn_hidden=config.ffn,
-                                        dtype_bytes=dtype_bytes, dropout=config.dropout > 0)
-    gpu, cpu = (hf_eager_bytes_per_layer(hf_config, b, seq_len=s, dtype_bytes=dtype_bytes,
-                                         device=device) for device in ("cuda", "cpu"))
-    extras = "float dropout masks" + (", gelu_new intermediates" if gpu > closed else "")
+    """transformers' layers against the closed form, per layer, no parallelism or recompute: eager
+    (GPT-2, BERT, Llama), or a Llama's sdpa layers under --attention sdpa."""
+    s, act = config.seq_len, hf_activation(hf_config)
+    closed = activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=dtype_bytes))
+    gpu, cpu = (hf_eager_layer_bytes(config, act, b, seq_len=s, dtype_bytes=dtype_bytes, device=device)
+                for device in ("cuda", "cpu" if config.attention == "explicit" else "cuda"))
+    if config.activation == "swiglu":  # a Llama-family model (memory/hf.py: llama_layer_bytes)
+        if config.attention != "explicit":
+            return ["", f"HF sdpa layers: ~{gpu / closed:.2f}x this model's 'no parallelism' row ({gpu / 2**20:.1f} "
+                        f"MiB per layer; RMSNorm's fp32 input and normalised tensor; torch's fused kernel with "
+                        "enable_gqa, measured on CPU without dropout, docs/memory.md)."]
+        extras = ("K/V repeated to all heads" if config.kv_heads != config.n_head else "K/V") + \
+            (", the fp32 softmax" if dtype_bytes != 4 else "") + ", RMSNorm's fp32 input and normalised tensor"
+        if config.dropout == 0:  # no masks: CPU and GPU keep the same
+            return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row "
+                        f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models on CPU, "
+                        "docs/memory.md)."]
+        extras += ", float dropout masks"
+    else:
+        extras = "float dropout masks" + (", gelu_new intermediates" if act == "gelu_new" else "")
     return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row on CPU "
                 f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models, "
                 "docs/memory.md),",
@@ -443,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                               "trainer refuses it; planned untied, as it would run with "
                               "model.tie_embeddings = false")
         lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
-        if eager:  # (with --attention sdpa the model is not transformers' eager one)
+        # (with --attention sdpa a GPT-2 / BERT is not transformers' eager one; a Llama's sdpa layers are
+        # measured too, though the estimates below count them with the closed form)
+        if eager or (args.hf_config and config.activation == "swiglu"):
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,

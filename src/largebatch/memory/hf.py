@@ -1,7 +1,8 @@
-"""Hugging Face configs for the memory model: `config_from_hf` maps a GPT-2 or BERT `config.json`
-(a path, a directory holding one, or the dict) to a ModelConfig, without importing transformers, and
-`hf_eager_bytes_per_layer` counts what transformers' own eager layers keep, which is more than the
-closed form of Korthikanti et al. 2022 (docs/papers.md: memory) counts for largebatch's layers.
+"""Hugging Face configs for the memory model: `config_from_hf` maps a GPT-2, BERT or Llama-family
+`config.json` (a path, a directory holding one, or the dict) to a ModelConfig, without importing
+transformers, and `hf_eager_bytes_per_layer` counts what transformers' own eager layers keep, which
+is more than the closed form of Korthikanti et al. 2022 (docs/papers.md: memory) counts for
+largebatch's layers.
 
 What transformers' eager GPT-2 / BERT layers keep beyond the closed form (found by walking the
 autograd graph of GPT2LMHeadModel and BertForMaskedLM, docs/memory.md):
@@ -12,6 +13,27 @@ autograd graph of GPT2LMHeadModel and BertForMaskedLM, docs/memory.md):
   1-byte bool mask: three masks per layer (attention probabilities, two residual branches).
 No attention mask or bias is kept (transformers 5 adds the causal/padding mask), and the softmax
 runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below).
+
+transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM without a sliding window and
+Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the same layer), found by walking the graph
+of a tiny model and measured to the byte (tests/test_memory_hf.py), per token with d bytes a value,
+a_kv key/value heads, h_kv = h a_kv / a, m bytes a dropout mask (d on CPU, 1 on CUDA), p > 0 the
+attention dropout (the only dropout those layers have):
+* LlamaRMSNorm is written out: x.to(fp32) (the input itself in fp32), pow, mean, rsqrt, multiply,
+  cast back, times the gain: each of the two keeps the fp32 input (4 h bytes), the d-byte normalised
+  tensor the gain's gradient needs (h d) and its fp32 rsqrt (4 bytes): (4 + d) h + 4;
+* the Q/K/V input and the MLP input (h d each, the norms' outputs); q after the rotation (h d), the
+  o_proj input (h d); the rotary cos/sin are computed once per model and shared by every layer;
+* eager attention: repeat_kv copies K and V to all a heads and Q K^T and P V keep the copies, so
+  K and V are kept h wide whatever a_kv (2 h d; the a_kv-wide ones are not kept); the softmax runs in
+  fp32 and is cast back: a s (4 + d) bytes (4 in fp32, where the cast is no copy); with dropout the
+  cast output is consumed by the dropout, which keeps its mask and P V its output: a s (4 + m + d);
+* sdpa (torch's fused kernel, enable_gqa where transformers asks for it: no padding mask): K and V at
+  a_kv heads (2 h_kv d) and a 4-byte log-sum-exp per head, 4 a;
+* SwiGLU: the gate output (SiLU's input), the SiLU output, the up output, the down input: 4 f d.
+Under selective recomputation (apply_recompute checkpoints the attention function) the layer keeps
+the function's inputs -- q, and K and V un-repeated (2 h_kv d) -- and none of the a s terms; full
+recomputation keeps the layer input, h d.
 """
 
 from __future__ import annotations
@@ -23,17 +45,9 @@ from pathlib import Path
 from largebatch.memory.activations import activation_bytes_per_layer
 from largebatch.models.config import HF_MODEL_TYPES, ModelConfig
 
-# Families that are not GPT-2 / BERT layouts, and what in them the closed form does not describe.
-_LLAMA_EAGER = ("; largebatch's own layers of that kind are counted (--model.norm rmsnorm --model.position rope "
-                "--model.activation swiglu --model.n_kv_head N), but transformers' eager attention keeps more "
-                "(K and V repeated to every query head, an fp32 softmax), not measured here")
+# Families that are not GPT-2 / BERT / Llama layouts, and what in them the closed form does not describe.
 UNSUPPORTED = {
-    "llama": "gated MLP (SwiGLU: three f-wide projections), RMSNorm, rotary embeddings and "
-             "grouped-query attention (fewer K/V heads than Q heads)" + _LLAMA_EAGER,
-    "mistral": "gated MLP (SwiGLU), RMSNorm, rotary embeddings, grouped-query and sliding-window "
-               "attention" + _LLAMA_EAGER,
     "mixtral": "mixture-of-experts gated MLPs, RMSNorm, rotary embeddings, grouped-query attention",
-    "qwen2": "gated MLP (SwiGLU), RMSNorm, rotary embeddings and grouped-query attention" + _LLAMA_EAGER,
     "gemma": "gated MLP (GeGLU), RMSNorm, rotary embeddings and multi-query attention",
     "phi": "parallel attention and MLP branches, partial rotary embeddings",
     "gpt_neox": "parallel attention and MLP branches and rotary embeddings",
@@ -42,6 +56,87 @@ UNSUPPORTED = {
     "t5": "an encoder-decoder with cross-attention, relative position biases and RMSNorm",
     "bart": "an encoder-decoder with cross-attention",
 }
+
+# Llama's family: the same decoder layer (RMSNorm, rotary positions, SwiGLU, grouped-query
+# attention) as transformers writes it; Mistral without a sliding window, and Qwen2, whose q/k/v
+# biases keep nothing (measured: its layers keep Llama's bytes exactly)
+LLAMA_TYPES = ("llama", "mistral")
+LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2")
+# Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
+LLAMA_ACTIVATIONS = ("silu", "swish")
+_LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Qwen2": "qwen2"}
+
+
+def _positive_ints(**values) -> bool:
+    return all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in values.values())
+
+
+def llama_fields(raw: dict, need, refuse) -> dict:
+    """The ModelConfig fields of a Llama-family config.json (LLAMA_LAYOUTS) that both the memory
+    model and ``model.init_from`` read: the shapes (``num_key_value_heads`` -> n_kv_head), RMSNorm,
+    rotary positions, the SwiGLU MLP. Refused through ``refuse(what, why)`` (an exception to raise):
+    ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than SiLU, a
+    sliding window shorter than the context (Mistral's ``sliding_window``; Qwen2's when
+    ``use_sliding_window`` or its ``layer_types`` name a sliding layer). ``need(name)``: the value
+    of a required field, or raises naming it. The biases, dropout and rotary base are the caller's."""
+    model_type = raw.get("model_type")
+    h, heads = need("hidden_size"), need("num_attention_heads")
+    kv = raw.get("num_key_value_heads") or heads
+    if not _positive_ints(h=h, heads=heads, kv=kv):
+        raise refuse(f"hidden_size={h!r}, num_attention_heads={heads!r}, num_key_value_heads={kv!r}",
+                     "each must be a positive integer")
+    if h % heads or heads % kv:
+        raise refuse(f"hidden_size={h}, num_attention_heads={heads}, num_key_value_heads={kv}",
+                     "largebatch's attention needs num_attention_heads to divide hidden_size and "
+                     "num_key_value_heads to divide num_attention_heads")
+    if raw.get("head_dim") not in (None, h // heads):
+        raise refuse(f"head_dim={raw['head_dim']!r}", f"largebatch's heads are hidden_size / num_attention_heads "
+                     f"= {h // heads} wide (q, k and v project to n_head x head size = hidden_size)")
+    act = raw.get("hidden_act", "silu")
+    if act not in LLAMA_ACTIVATIONS:
+        raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
+    seq_len = need("max_position_embeddings")
+    window = raw.get("sliding_window")
+    if model_type == "qwen2":  # (a window only where use_sliding_window, or layer_types, turns it on)
+        sliding = "sliding_attention" in (raw.get("layer_types") or ()) or (
+            raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < need("num_hidden_layers"))
+        window = window if sliding else None
+    elif model_type != "mistral":
+        window = None
+    if window is not None and not (isinstance(window, int) and window >= seq_len):
+        raise refuse(f"sliding_window={window!r} below max_position_embeddings={seq_len}",
+                     "largebatch's attention sees every earlier position (set sliding_window to null or >= "
+                     "max_position_embeddings only if the model was trained so)")
+    return {"kind": "gpt", "n_layer": need("num_hidden_layers"), "n_embd": h, "n_head": heads,
+            "n_kv_head": None if kv == heads else kv, "ffn_hidden": need("intermediate_size"), "seq_len": seq_len,
+            "norm_position": "pre", "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+            "position": "rope", "activation": "swiglu"}
+
+
+def rope_theta(raw: dict, refuse, scaled: bool = False) -> float:
+    """The rotary base of a Llama-family config.json: transformers 5's ``rope_parameters``
+    ({"rope_type": "default", "rope_theta": ...}) or 4's ``rope_theta`` beside ``rope_scaling``.
+    ``scaled=False``: a scaled rope (YaRN, "llama3", linear, dynamic) or a partial one refused
+    through ``refuse(what, why)`` (they rotate by other angles than largebatch's rotary embedding);
+    True (the memory model): read past them -- a rope's angles change no tensor a layer keeps."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(table, dict):
+            raise refuse(f"{name}={table!r}", "largebatch reads a dict with rope_type 'default' only")
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind != "default" and not scaled:
+            raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding is the unscaled one "
+                         "(rope_type 'default'); a scaled rope (linear, dynamic, yarn, llama3, longrope) "
+                         "rotates by other angles")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and not scaled:
+        raise refuse(f"partial_rotary_factor={partial!r}", "largebatch rotates every dimension of a head")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise refuse(f"rope_theta={theta!r}", "the rotary base must be a number > 1")
+    return float(theta)
+
 
 # BERT's layout under other model types: RoBERTa (Liu et al. 2019), XLM-R and CamemBERT (RoBERTa
 # trained on other corpora) are BERT's post-LN blocks, with positions counted from pad_token_id + 1
@@ -79,8 +174,9 @@ _GELU_EXACT = ("gelu", "gelu_pytorch_tanh")
 _GELU_POINTWISE = ("gelu_new",)   # transformers' NewGELUActivation: three more f-wide tensors
 
 
-HF_ACTIVATIONS = _GELU_EXACT + _GELU_POINTWISE
-"""transformers' activation names whose eager layers the memory model counts."""
+HF_ACTIVATIONS = _GELU_EXACT + _GELU_POINTWISE + LLAMA_ACTIVATIONS
+"""transformers' activation names whose eager layers the memory model counts (silu / swish: the
+Llama family's SwiGLU layers)."""
 # each as largebatch's model.activation: the same function ("gelu_new" is the tanh formula written
 # out, "gelu_pytorch_tanh" torch's tanh kernel)
 _ACTIVATION = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -91,7 +187,8 @@ def check_activation(activation, name: str = "activation") -> str:
     "gelu-new" would otherwise be counted as a fused GeLU: ~10% fewer bytes for GPT-2)."""
     if activation not in HF_ACTIVATIONS:
         raise ValueError(f"{name}={activation!r}: not a transformers activation the memory model counts; "
-                         f"choose one of {', '.join(HF_ACTIVATIONS)} (GPT-2's default is gelu_new, BERT's gelu)")
+                         f"choose one of {', '.join(HF_ACTIVATIONS)} (GPT-2's default is gelu_new, BERT's gelu, "
+                         "Llama's silu)")
     return activation
 
 
@@ -126,15 +223,16 @@ def _model_type(raw: dict) -> str:
     model_type = raw.get("model_type")
     if not model_type:
         arch = " ".join(raw.get("architectures") or [])
-        model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else None
-    if model_type == "gpt2" or model_type in BERT_LAYOUTS:
+        model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else next(
+            (t for prefix, t in _LLAMA_ARCHITECTURES.items() if arch.startswith(prefix + "For")), None)
+    if model_type == "gpt2" or model_type in BERT_LAYOUTS or model_type in LLAMA_LAYOUTS:
         return model_type
     why = UNSUPPORTED.get(model_type)
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
-    raise ValueError(f"hf config {what}: not supported; the closed form describes GPT-2 and BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) layouts as transformers' eager layers keep them (LayerNorm, "
-                     "one GeLU MLP, as many K/V heads as Q heads)"
+    raise ValueError(f"hf config {what}: not supported; the memory model describes GPT-2, BERT "
+                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Qwen2) layers as transformers' eager "
+                     "layers keep them (sequential attention and MLP, one LayerNorm/GeLU or RMSNorm/SwiGLU MLP)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn (and --model.norm, "
                        "--model.position, --model.activation, --model.n_kv_head) only if its layers are "
@@ -154,12 +252,13 @@ HF_DROPOUTS = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
                **dict.fromkeys(BERT_LAYOUTS, ("hidden_dropout_prob", "attention_probs_dropout_prob"))}
 
 
-def _dropout(raw: dict, names: tuple[str, ...]) -> float:
+def _dropout(raw: dict, names: tuple[str, ...], default: float = 0.1) -> float:
     """One dropout probability for the model: the memory model only needs to know whether the masks
-    exist, so equal-or-not probabilities are fine, but some on and some off is not describable."""
+    exist, so equal-or-not probabilities are fine, but some on and some off is not describable.
+    ``default``: a missing field's value (0.1 in GPT2Config / BertConfig, 0 in LlamaConfig)."""
     probs = {}
     for name in names:
-        value = raw.get(name, 0.1)
+        value = raw.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"hf config field {name!r}={value!r}: expected a dropout probability, a number "
                              "in [0, 1)")
@@ -190,15 +289,37 @@ def _ffn(width, hidden, name: str) -> int | None:
     return None if width is None or width == 4 * hidden else width
 
 
+def _llama_config(raw: dict) -> ModelConfig:
+    """A Llama / Mistral / Qwen2 config.json as the Llama-style GPT (llama_fields, shared with
+    ``model.init_from``). Unlike the import, a scaled rope (its angles change no kept tensor: a YaRN
+    config kept the unscaled one's bytes exactly) and unequal biases (they keep nothing: only the
+    parameter count sees them) are read: ``model.bias`` is attention_bias or mlp_bias (Qwen2's q/k/v
+    biases, h + 2 h_kv values a layer, are left out of the parameter count). ``attention_dropout``
+    is model.dropout, the layers' only dropout (the whole-model count's embedding mask, s b h bytes
+    with dropout on, is one transformers' Llama does not keep)."""
+    def refuse(what: str, why: str) -> ValueError:
+        return ValueError(f"hf config model_type={raw.get('model_type')!r} has {what}; {why}, so the memory "
+                          "model does not describe it")
+
+    fields = llama_fields(raw, lambda name: _field(raw, name), refuse)
+    return ModelConfig(**fields, rope_theta=rope_theta(raw, refuse, scaled=True),
+                       vocab_size=_field(raw, "vocab_size"), dropout=_dropout(raw, ("attention_dropout",), 0.0),
+                       bias=bool(raw.get("attention_bias") or raw.get("mlp_bias")),
+                       tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
+
+
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
-    """A ModelConfig for a Hugging Face GPT-2 or BERT (RoBERTa, XLM-R, CamemBERT) config: a config.json path, a
-    directory holding one, its dict, or the transformers config object (`GPT2Config(...)`). The
-    activation is largebatch's name for transformers' (gelu_new -> gelu_tanh, as `hf:` imports it).
+    """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama (Mistral
+    without a sliding window, Qwen2) config: a config.json path, a directory holding one, its dict,
+    or the transformers config object (`GPT2Config(...)`). The activation is largebatch's name for
+    transformers' (gelu_new -> gelu_tanh, as `hf:` imports it; silu -> swiglu, the gated MLP).
     Refuses other architectures, naming what in them the closed form does not describe. Attention is
     "explicit" (transformers' eager layout); pass the result through `.replace(attention="sdpa")` for
     a fused kernel."""
     raw = _load(source)
     model_type = _model_type(raw)
+    if model_type in LLAMA_LAYOUTS:
+        return _llama_config(raw)
     for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
         if raw.get(flag):
             raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
@@ -230,9 +351,14 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
 
 
 def hf_activation(source: str | Path | Mapping) -> str:
-    """transformers' activation name of a GPT-2 / BERT config ("gelu_new" is GPT-2's default)."""
+    """transformers' activation name of a GPT-2 / BERT / Llama config ("gelu_new" is GPT-2's default,
+    "silu" Llama's)."""
     raw = _load(source)
-    if _model_type(raw) == "gpt2":
+    model_type = _model_type(raw)
+    if model_type in LLAMA_LAYOUTS:
+        _llama_config(raw)  # (its refusals first)
+        return raw.get("hidden_act", "silu")
+    if model_type == "gpt2":
         return _activation(raw, "activation_function", "gelu_new")
     return _activation(raw, "hidden_act", "gelu")
 
@@ -243,11 +369,22 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
     """Bytes one transformers eager layer of ``config`` keeps under a recompute policy:
     "none" the measured terms below (hf_eager_bytes_per_layer); "selective" those minus the core
     attention (softmax output, its dropout mask and output, recomputed as in the closed form);
-    "full" the layer input, s b h d. ``activation``: transformers' name ("gelu" or "gelu_new")."""
+    "full" the layer input, s b h d. ``activation``: transformers' name ("gelu" or "gelu_new"; "silu"
+    or "swish" for a Llama-family ``config``, counted by llama_layer_bytes, eager or sdpa as
+    ``config.attention`` says)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: transformers' eager layers are counted for "
                          "none, selective and full only.")
     check_activation(activation)
+    llama_layer = config.activation == "swiglu" and config.norm == "rmsnorm" and config.position == "rope"
+    if (activation in LLAMA_ACTIVATIONS) != llama_layer:
+        raise ValueError(f"activation={activation!r} with model.activation={config.activation!r}, "
+                         f"model.norm={config.norm!r}, model.position={config.position!r}: transformers' "
+                         "silu/swish layers are Llama's (swiglu, rmsnorm, rope) and its GeLU layers GPT-2's or "
+                         "BERT's (layernorm, learned positions); give the config config_from_hf made")
+    if llama_layer:
+        return llama_layer_bytes(config, micro_batch, recompute, seq_len=seq_len, dtype_bytes=dtype_bytes,
+                                 device=device)
     s = config.seq_len if seq_len is None else seq_len
     h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
     if recompute == "full":
@@ -260,14 +397,54 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
     return base + s * b * gelu_extra
 
 
+def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "none", *,
+                      seq_len: int | None = None, dtype_bytes: float = 2, device: str = "cuda") -> float:
+    """Bytes one transformers Llama decoder layer (LlamaDecoderLayer, Mistral's, Qwen2's) keeps for
+    backward in training: the terms of Korthikanti et al. 2022 (Table 2, docs/papers.md: memory) as
+    transformers' layer keeps them, per token (module docstring; measured to the byte on CPU in fp32 and bf16,
+    tests/test_memory_hf.py), with d = ``dtype_bytes``, h_kv = h a_kv / a, m the dropout mask's bytes
+    (d on the CPU, where F.dropout multiplies by a float mask; 1 elsewhere, native_dropout's bool):
+        2 RMSNorms (4 + d) h + 8, Q/K/V and MLP inputs 2 h d, q and the o_proj input 2 h d, MLP 4 f d,
+        K and V: eager 2 h d (repeat_kv's copies at all a heads), sdpa and selective 2 h_kv d,
+        core (none only): eager a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d); sdpa 4 a.
+    ``config.attention``: "explicit" (transformers' eager) or "sdpa" (fused: no padding mask, so
+    transformers passes enable_gqa; sdpa with dropout on CPU runs torch's unfused math kernel and
+    is refused, as config_layer_kwargs does). recompute: "none", "selective" (apply_recompute's
+    checkpoint of the attention function keeps its inputs q, K, V un-repeated), "full" (h d)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: transformers' Llama layers are counted for none, "
+                         "selective and full only.")
+    s = config.seq_len if seq_len is None else seq_len
+    h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
+    if recompute == "full":
+        return s * b * h * d
+    dropout = config.dropout > 0
+    eager = config.attention == "explicit"
+    if not eager and dropout and device == "cpu":
+        raise ValueError("attention='sdpa' with attention_dropout on CPU runs PyTorch's unfused math kernel, "
+                         "which the memory model does not describe: use attention='explicit' (eager) or "
+                         "attention_dropout=0 for CPU memory estimates.")
+    kv = h if eager and recompute == "none" else h * config.kv_heads / a  # repeat_kv's copies are what eager keeps
+    per_token = 2 * ((4 + d) * h + 4) + 4 * h * d + 2 * kv * d + 4 * f * d
+    if recompute == "none":
+        if not eager:
+            per_token += 4 * a
+        elif dropout:
+            per_token += a * s * (4 + (d if device == "cpu" else 1) + d)
+        else:
+            per_token += a * s * (4 + (0 if d == 4 else d))
+    return s * b * per_token
+
+
 def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,
                              seq_len: int | None = None, dtype_bytes: float = 2,
                              device: str = "cuda") -> float:
-    """Bytes one transformers eager GPT-2 / BERT layer keeps for backward in training (no
-    recomputation): the closed form with d-byte dropout masks on CPU (F.dropout's float mask; 1-byte
-    bool masks elsewhere), plus 3 f d bytes per token for GPT-2's pointwise "gelu_new". Both cases
-    are measured in tests/test_memory_hf.py on CPU (the GPU one with torch.native_dropout's bool
-    mask, which CUDA's F.dropout keeps), not on a GPU."""
+    """Bytes one transformers eager GPT-2 / BERT / Llama layer keeps for backward in training (no
+    recomputation): for GPT-2 / BERT the closed form with d-byte dropout masks on CPU (F.dropout's
+    float mask; 1-byte bool masks elsewhere), plus 3 f d bytes per token for GPT-2's pointwise
+    "gelu_new"; for the Llama family llama_layer_bytes (eager attention). Both masks are measured in
+    tests/test_memory_hf.py on CPU (the GPU one with torch.native_dropout's bool mask, which CUDA's
+    F.dropout keeps), not on a GPU."""
     raw = _load(source)
     return hf_eager_layer_bytes(config_from_hf(raw), hf_activation(raw), micro_batch, seq_len=seq_len,
                                 dtype_bytes=dtype_bytes, device=device)

@@ -62,10 +62,13 @@ import torch
 from largebatch.memory.hf import (
     BERT_LAYOUTS,
     HF_DROPOUTS,
+    LLAMA_TYPES,
     ROBERTA_LAYOUTS,
     UNSUPPORTED,
     bert_positions,
+    llama_fields,
     position_offset,
+    rope_theta,
 )
 from largebatch.models.config import ModelConfig
 from largebatch.typed_config import ConfigError
@@ -84,9 +87,6 @@ SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden"
 # fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
 YOURS_TO_CHOOSE = ("hf_model_type",)
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-# Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
-LLAMA_ACTIVATIONS = ("silu", "swish")
-LLAMA_TYPES = ("llama", "mistral")
 # Llama's relatives, and what in them largebatch's Llama-style blocks do not compute (the other types:
 # largebatch.memory.hf's UNSUPPORTED)
 IMPORT_UNSUPPORTED = {
@@ -266,67 +266,20 @@ def model_fields(path: Path) -> dict[str, Any]:
 
 def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, Any]:
     """model_fields of a LlamaForCausalLM / MistralForCausalLM config.json (module docstring); every
-    setting whose network largebatch's blocks do not compute refused, naming the field."""
+    setting whose network largebatch's blocks do not compute refused, naming the field (the shapes
+    and layer options read by largebatch.memory.hf.llama_fields, which the memory model shares)."""
     where = path / "config.json"
 
     def refuse(what: str, why: str) -> ConfigError:
         return ConfigError(f"model.init_from: {where} has {what}; {why}, so it cannot continue training here")
 
-    model_type = raw["model_type"]
-    h, heads = _need(raw, "hidden_size", path), _need(raw, "num_attention_heads", path)
-    kv = raw.get("num_key_value_heads") or heads
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (h, heads, kv)):
-        raise refuse(f"hidden_size={h!r}, num_attention_heads={heads!r}, num_key_value_heads={kv!r}",
-                     "each must be a positive integer")
-    if h % heads or heads % kv:
-        raise refuse(f"hidden_size={h}, num_attention_heads={heads}, num_key_value_heads={kv}",
-                     "largebatch's attention needs num_attention_heads to divide hidden_size and "
-                     "num_key_value_heads to divide num_attention_heads")
-    if raw.get("head_dim") not in (None, h // heads):
-        raise refuse(f"head_dim={raw['head_dim']!r}", f"largebatch's heads are hidden_size / num_attention_heads "
-                     f"= {h // heads} wide (q, k and v project to n_head x head size = hidden_size)")
-    act = raw.get("hidden_act", "silu")
-    if act not in LLAMA_ACTIVATIONS:
-        raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
+    fields = llama_fields(raw, lambda name: _need(raw, name, path), refuse)
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
                      "largebatch has one model.bias for every Linear layer, so both must be equal")
-    seq_len = _need(raw, "max_position_embeddings", path)
-    window = raw.get("sliding_window") if model_type == "mistral" else None
-    if window is not None and not (isinstance(window, int) and window >= seq_len):
-        raise refuse(f"sliding_window={window!r} below max_position_embeddings={seq_len}",
-                     "largebatch's attention sees every earlier position (set sliding_window to null or >= "
-                     "max_position_embeddings only if the model was trained so)")
-    return {**common, "kind": "gpt", "n_layer": _need(raw, "num_hidden_layers", path), "n_embd": h,
-            "n_head": heads, "n_kv_head": None if kv == heads else kv,
-            "ffn_hidden": _need(raw, "intermediate_size", path), "seq_len": seq_len, "norm_position": "pre",
-            "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)), "position": "rope",
-            "rope_theta": _rope_theta(raw, refuse), "activation": "swiglu", "bias": attention_bias,
+    return {**common, **fields, "rope_theta": rope_theta(raw, refuse), "bias": attention_bias,
             "hf_model_type": "llama"}  # (a Mistral without a window is Llama's function: exports as Llama)
-
-
-def _rope_theta(raw: dict, refuse) -> float:
-    """The rotary base of a Llama-family config.json: transformers 5's ``rope_parameters``
-    ({"rope_type": "default", "rope_theta": ...}) or 4's ``rope_theta`` beside ``rope_scaling``;
-    a scaled rope (YaRN, "llama3", linear, dynamic) or a partial one refused."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(table, dict):
-            raise refuse(f"{name}={table!r}", "largebatch reads a dict with rope_type 'default' only")
-        kind = table.get("rope_type", table.get("type", "default"))
-        if kind != "default":
-            raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding is the unscaled one "
-                         "(rope_type 'default'); a scaled rope (linear, dynamic, yarn, llama3, longrope) "
-                         "rotates by other angles")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise refuse(f"partial_rotary_factor={partial!r}", "largebatch rotates every dimension of a head")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
-        raise refuse(f"rope_theta={theta!r}", "the rotary base must be a number > 1")
-    return float(theta)
 
 
 def _positions(raw: dict, path: Path) -> int:
