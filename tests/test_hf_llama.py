@@ -243,7 +243,14 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
     # a Mistral whose window covers the whole context is Llama's function
     wide = _variant(tmp_path, source, "wide", model_type="mistral", sliding_window=48)
     assert model_fields(wide)["position"] == "rope"
+    # without the key MistralConfig fills in a 4096 window: full attention up to 4096 positions only
+    assert model_fields(_variant(tmp_path, source, "nokey", model_type="mistral", sliding_window=None))
+    with pytest.raises(ConfigError) as err:
+        model_fields(_variant(tmp_path, source, "nokey-long", model_type="mistral", sliding_window=None,
+                              max_position_embeddings=8192))
+    assert "sliding_window=4096 below max_position_embeddings=8192" in str(err.value), str(err.value)
     # and in one line from the command line, before training
+    capsys.readouterr()  # (save_pretrained's progress bars)
     assert cli_main(["train", f"--model.init_from=hf:{tmp_path / 'biases'}", f"--run.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "attention_bias=True" in err, err
@@ -283,3 +290,18 @@ def test_a_layout_no_transformers_architecture_computes_is_refused(cache, tmp_pa
         with pytest.raises(ExportError, match="no transformers architecture computes these") as err:
             check_exportable(cfg)
         assert differs in str(err.value), str(err.value)
+
+
+def test_an_untied_llama_without_its_output_layer_is_refused(tmp_path):
+    """LlamaConfig unties by default: a config.json without tie_word_embeddings whose weights hold no
+    lm_head is missing that tensor (transformers loads it at random), not a tied model."""
+    source = tmp_path / "tied"
+    _llama_dir(source, 64)  # tied: its safetensors hold no lm_head.weight
+    raw = json.loads((source / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (source / "config.json").write_text(json.dumps(raw))
+    cfg = model_fields_config(source)
+    assert not cfg.tie_embeddings
+    with pytest.raises(ConfigError) as err:
+        init_from_pretrained(build_model(cfg))
+    assert "lm_head.weight" in str(err.value), str(err.value)

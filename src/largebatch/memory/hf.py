@@ -96,7 +96,8 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     if act not in LLAMA_ACTIVATIONS:
         raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
     seq_len = need("max_position_embeddings")
-    window = raw.get("sliding_window")
+    # (MistralConfig fills in a 4096 window where config.json has no such key)
+    window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
     if model_type == "qwen2":  # (a window only where use_sliding_window, or layer_types, turns it on)
         sliding = "sliding_attention" in (raw.get("layer_types") or ()) or (
             raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < need("num_hidden_layers"))

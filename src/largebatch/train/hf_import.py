@@ -496,10 +496,11 @@ def _norm(out: dict, take: _Taker, ours: str, theirs: str, h: int) -> None:
 
 def _tied_in(raw: dict, take: _Taker, output: str) -> bool:
     """Whether the directory ties its output layer to the embedding (config.json's
-    tie_word_embeddings, default true, and no stored output layer of its own): a model loaded
-    untied from it (``model.tie_embeddings = false``, which pipeline parallel needs) starts with the
-    output layer a copy of the embedding, so its logits are the tied model's."""
-    return bool(raw.get("tie_word_embeddings", True)) and not take.has(output)
+    tie_word_embeddings, by default true, false for the Llama family as in LlamaConfig, and no stored
+    output layer of its own): a model loaded untied from it (``model.tie_embeddings = false``, which
+    pipeline parallel needs) starts with the output layer a copy of the embedding, so its logits are
+    the tied model's. An untied directory without its output layer is missing a tensor (refused)."""
+    return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in LLAMA_TYPES)) and not take.has(output)
 
 
 def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
