@@ -305,3 +305,23 @@ def test_an_untied_llama_without_its_output_layer_is_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         init_from_pretrained(build_model(cfg))
     assert "lm_head.weight" in str(err.value), str(err.value)
+
+
+
+def test_a_rotary_directory_trains_at_another_context_length(llama_run, tmp_path):
+    """Rotary positions hold no table of max_position_embeddings rows: model.seq_len may be set past
+    it (a context extension) or below it, and the first positions' logits are transformers' own;
+    a phase longer than a rotary model's seq_len names raising it as the fix."""
+    tokenizer = llama_run / "tokenizer.json"
+    V = len(json.loads(tokenizer.read_text())["model"]["vocab"])
+    directory = tmp_path / "hf"
+    hf = _llama_dir(directory, V, tokenizer)  # max_position_embeddings 48
+    for seq_len in (96, 16):
+        cfg = load_config(None, {"model.init_from": f"hf:{directory}", "model.seq_len": seq_len}).model
+        assert cfg.seq_len == seq_len
+        model = build_model(cfg)
+        init_from_pretrained(model)
+        idx = torch.randint(0, V, (2, min(seq_len, 48)), generator=torch.Generator().manual_seed(3))
+        theirs = hf(input_ids=idx).logits
+        torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0,
+                                   atol=5e-6 * float(theirs.detach().abs().max()))

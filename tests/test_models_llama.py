@@ -224,3 +224,23 @@ def test_the_run_header_names_the_layer_options():
     assert _layer_options(_cfg()) == ""
     assert _layer_options(_cfg(n_kv_head=2, rope_theta=5e5, **LLAMA)) == \
         ", RMSNorm, rope (theta 500000), SwiGLU, 2 key/value heads for 4"
+
+
+def test_resume_takes_n_kv_head_as_used_and_names_the_way_to_another_rotary_context(tmp_path, tiny_data_cache, capsys):
+    """n_kv_head = n_head is the attention None gives (so is ffn_hidden = 4 n_embd the default
+    width): a resume that writes it the other way is not refused. A rotary run's seq_len holds no
+    tensor's shape, but the samples its data position counts: refused, naming phases and the export."""
+    from largebatch.train.cli import main
+    from test_train import _run, tiny_overrides
+
+    out = tmp_path / "run"
+    rope = {"model.position": "rope", "model.norm": "rmsnorm"}
+    _run(tiny_overrides(tiny_data_cache, out, **rope, **{"run.max_steps": 2}))
+    capsys.readouterr()
+    assert main(["--resume", str(out), "--model.n_kv_head=2", "--model.ffn_hidden=128", "--check"]) == 0, \
+        capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["--resume", str(out), "--model.seq_len=64", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "model.seq_len: 32 -> 64" in err and "[[phases]]" in err and "--model.init_from=hf:OUT" in err, err
+    assert "does not fit the model" not in err

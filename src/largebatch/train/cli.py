@@ -365,7 +365,8 @@ def _schedule_tables(cfg, run_dir: Path) -> str:
     _, dp, _ = resolve_sizes(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     granularity = batch_replicas(cfg, dp, run_dir)
     phases = resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
-                            cfg.run.micro_batch, init_from=cfg.model.init_from)
+                            cfg.run.micro_batch, init_from=cfg.model.init_from,
+                            rotary=cfg.model.position == "rope")
     return "\n".join((f"phase {p.index}: " if cfg.phases else "")
                      + p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, granularity)
                      for p in phases)

@@ -465,7 +465,8 @@ def check(cfg: TrainConfig, run_dir: str | Path | None = None) -> TrainConfig:
         pp, dp, _ = resolve_sizes(par, int(os.environ.get("WORLD_SIZE", "1")))
         granularity = batch_replicas(cfg, dp, run_dir)  # a continued run's own (its checkpoints')
         for phase in resolve_phases(cfg.phases, cfg.schedule, cfg.model.seq_len, cfg.run.total_tokens,
-                                    cfg.run.micro_batch, init_from=cfg.model.init_from):
+                                    cfg.run.micro_batch, init_from=cfg.model.init_from,
+                                    rotary=cfg.model.position == "rope"):
             where = f"phases[{phase.index}]: " if cfg.phases else ""
             if phase.seq_len < BERTDataset.MIN_SEQ_LEN and model_spec(cfg.model.kind).objective == "masked":
                 field = f"phases[{phase.index}].seq_len" if cfg.phases else "model.seq_len"

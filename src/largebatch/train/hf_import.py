@@ -316,6 +316,9 @@ def resolve_init(cfg, given: set[str]):
         if name in YOURS_TO_CHOOSE and f"model.{name}" in given:
             fields[name] = mine  # (checked against the kind, activation and norms by config.check)
             continue
+        if _rotary_context(fields, name) and f"model.{name}" in given:
+            fields[name] = mine  # rotary positions: no table of max_position_embeddings rows to fit
+            continue
         if f"model.{name}" in given and mine != value:
             shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
                        "config file" if name == "seq_len" and mine < value else "")
@@ -328,6 +331,13 @@ def resolve_init(cfg, given: set[str]):
     model = dataclasses.replace(cfg.model, **fields)
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+def _rotary_context(fields: dict[str, Any], name: str) -> bool:
+    """Whether ``name`` is the context length of a directory with rotary positions: no weight has
+    its size (max_position_embeddings only bounds the rotary tables transformers builds), so a run
+    may train shorter or longer sequences from it -- a context extension, with model.rope_theta."""
+    return name == "seq_len" and fields.get("position") == "rope"
 
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
@@ -666,6 +676,8 @@ def _check_fields(cfg: ModelConfig) -> None:
         mine, value = _compared(cfg, fields, name)
         if (name == "tie_embeddings" and value and not mine) or name in YOURS_TO_CHOOSE:
             continue  # a tied directory loads untied on request (the output layer a copy)
+        if _rotary_context(fields, name):
+            continue
         if mine != value:
             raise ConfigError(f"model.{name}={mine!r} but {cfg.init_from} has {value!r} (config.json): "
                               f"remove model.{name} (init_from sets it) or set it to {value!r}")

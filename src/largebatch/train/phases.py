@@ -47,7 +47,8 @@ from largebatch.typed_config import ConfigError, check_fields, check_off, from_d
 @dataclass
 class PhaseConfig:
     seq_len: int
-    """Tokens per sequence in this phase; at most model.seq_len (the position table's size)."""
+    """Tokens per sequence in this phase; at most model.seq_len (the position table's size, or the
+    rotary tables')."""
     total_tokens: int = field(metadata={"parse": token_count})
     """This phase's budget in tokens; the run's budget is the sum over phases."""
     micro_batch: int | None = None
@@ -81,9 +82,11 @@ class Phase:
 
 
 def resolve_phases(phases: list[PhaseConfig], schedule: ScheduleConfig, model_seq_len: int,
-                   run_tokens: int, micro_batch: int, init_from: str | None = None) -> list[Phase]:
+                   run_tokens: int, micro_batch: int, init_from: str | None = None,
+                   rotary: bool = False) -> list[Phase]:
     """The run's phases, validated; one phase of the whole run when none are declared.
-    ``init_from``: the directory that sets model.seq_len, if any (then it cannot be raised)."""
+    ``init_from``: the directory that sets model.seq_len, if any (then it cannot be raised, unless
+    the model's positions are ``rotary``: no table of that size)."""
     if not phases:
         return [Phase(0, model_seq_len, run_tokens, micro_batch, schedule, "carry")]
     out = []
@@ -92,9 +95,9 @@ def resolve_phases(phases: list[PhaseConfig], schedule: ScheduleConfig, model_se
         where = f"phases[{i}]"
         if p.seq_len > model_seq_len:
             fix = (f"model.init_from={init_from!r} sets it: shorten the phase to at most {model_seq_len}"
-                   if init_from else f"raise model.seq_len to {p.seq_len} or shorten the phase")
+                   if init_from and not rotary else f"raise model.seq_len to {p.seq_len} or shorten the phase")
             raise ConfigError(f"{where}.seq_len = {p.seq_len}: longer than model.seq_len = {model_seq_len} "
-                              f"(the position table); {fix}")
+                              f"(the position table, or the rotary tables); {fix}")
         merged = {**base, **p.schedule}
         phase_schedule = from_dict(ScheduleConfig, merged, prefix=f"{where}.schedule")
         if i == 0 and p.optimizer_state == "reset":

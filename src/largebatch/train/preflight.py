@@ -99,12 +99,22 @@ def make_run_dir(run_dir: Path, unique: bool) -> Path:
 def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a ``--resume`` override that changes what the checkpoints' state was built for.
     (``data.tokenizer_file`` is compared by content, in resume_tokenizer, before this.)"""
-    saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer_file=cfg.data.tokenizer_file))
-    changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS)
+    saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer_file=cfg.data.tokenizer_file),
+                                model=_as_used(saved.model))
+    cfg = dataclasses.replace(cfg, model=_as_used(cfg.model))
+    rotary = saved.model.position == cfg.model.position == "rope"
+    changed = differing_fields(saved, cfg, lambda key: key in STATE_FIELDS and not (rotary and key == "model.seq_len"))
     if changed:
         raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} does not fit the model and "
                           f"optimizer state its checkpoints hold; resume without that override, or "
                           f"start a new run with another --run.out_dir")
+    if rotary and saved.model.seq_len != cfg.model.seq_len:  # no tensor's shape, but the samples' length
+        raise ConfigError(f"--resume {run_dir}: model.seq_len: {saved.model.seq_len} -> {cfg.model.seq_len} "
+                          "changes the samples its checkpoints' data position counts in (rotary positions "
+                          "hold no table of that size); to train another context, declare [[phases]] with "
+                          "their seq_len in the config file, or continue from an export in a new run: "
+                          "largebatch export RUN_DIR OUT --format hf, then --model.init_from=hf:OUT "
+                          f"--model.seq_len={cfg.model.seq_len} (and --model.rope_theta)")
     for fields, what in ((SCHEDULE_FIELDS, "the schedule its checkpoints continue (the LR and batch "
                                            "size at every token)"),
                          (ORDER_FIELDS, "the sample order its checkpoints' data position counts in "
@@ -113,6 +123,14 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
         if changed:
             raise ConfigError(f"--resume {run_dir}: {'; '.join(changed)} changes {what}; resume "
                               f"without that override, or start a new run with another --run.out_dir")
+
+
+def _as_used(model):
+    """``model`` with n_kv_head and ffn_hidden as the network uses them: n_kv_head = n_head is
+    multi-head attention as None is, and ffn_hidden = 4 n_embd the default width, so neither way of
+    writing one differs from the other on resume."""
+    return dataclasses.replace(model, n_kv_head=None if model.kv_heads == model.n_head else model.n_kv_head,
+                               ffn_hidden=None if model.ffn == 4 * model.n_embd else model.ffn_hidden)
 
 
 def resume_tokenizer(cfg: TrainConfig, run_dir: Path, overridden: bool, warn: Callable[[str], None]) -> TrainConfig:
@@ -378,7 +396,8 @@ def estimate_activations(cfg: TrainConfig, vocab_size: int | None = None) -> tup
         slices = rank_policies(_recompute_policy(cfg.run.recompute, model.n_layer), model.n_layer, pp)
         peak = 0.0
         for phase in resolve_phases(cfg.phases, cfg.schedule, model.seq_len, cfg.run.total_tokens,
-                                    cfg.run.micro_batch, init_from=model.init_from):
+                                    cfg.run.micro_batch, init_from=model.init_from,
+                                    rotary=model.position == "rope"):
             m = max(1, phase.schedule.batch_size // (phase.micro_batch * dp))
             for policies in slices:
                 e = estimate(model, phase.micro_batch, tp=par.tp, pp=pp, sequence_parallel=par.sequence_parallel,
