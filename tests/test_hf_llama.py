@@ -325,3 +325,18 @@ def test_a_rotary_directory_trains_at_another_context_length(llama_run, tmp_path
         theirs = hf(input_ids=idx).logits
         torch.testing.assert_close(model.eval()(idx)[0], theirs, rtol=0,
                                    atol=5e-6 * float(theirs.detach().abs().max()))
+
+
+def test_a_llama_trained_with_attention_dropout_is_noted(llama_run, tmp_path):
+    """Llama's one dropout rate (attention_dropout, 0 by default) gives way to the run's, said in a
+    note as for GPT-2's and BERT's rates; the default 0 against a run without dropout says nothing."""
+    tokenizer = llama_run / "tokenizer.json"
+    V = len(json.loads(tokenizer.read_text())["model"]["vocab"])
+    plain, dropped = tmp_path / "plain", tmp_path / "dropped"
+    _llama_dir(plain, V, tokenizer)
+    _llama_dir(dropped, V, tokenizer, attention_dropout=0.1)
+    notes = []
+    load_config(None, {"model.init_from": f"hf:{plain}"}, warn=notes.append)
+    assert not [n for n in notes if "dropout" in n], notes
+    load_config(None, {"model.init_from": f"hf:{dropped}"}, warn=notes.append)
+    assert [n for n in notes if "attention_dropout=0.1" in n and "--model.dropout=0.1" in n], notes

@@ -281,3 +281,7 @@ def test_the_memory_command_takes_the_llama_fields(capsys):
     assert float(row.split()[2]) == pytest.approx(reference / 2**20, abs=0.051)
     assert main(argv + ["--model.n_kv_head", "2", "--tp", "4"]) == 2
     assert "tp=4 does not divide kv_heads=2 (model.n_kv_head)" in capsys.readouterr().err
+    # none, as `largebatch train` takes it: multi-head attention and the default width again
+    assert main(["--config", "llama-demo", "--kv-heads", "none", "--ffn", "none"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "a_kv" not in header and "f=" not in header and "swiglu" in header, header

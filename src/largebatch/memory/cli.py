@@ -62,7 +62,19 @@ def _kind(text: str) -> str:
     return text
 
 
-TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str}
+def _int_or_none(text: str) -> int | str:
+    """--ffn, --kv-heads: a whole number, or "none" (the default width, as many key/value heads as
+    query heads), as `largebatch train` takes them."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, or none") from None
+
+
+TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
+         "ffn": _int_or_none, "kv_heads": _int_or_none}
 
 
 def _boolean(text: str) -> bool:
@@ -164,8 +176,8 @@ def _config(args: argparse.Namespace) -> ModelConfig:
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
-    changes = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
-               if getattr(args, flag) is not None}
+    changes = {field: None if getattr(args, flag) == "none" else getattr(args, flag)
+               for flag, field in OVERRIDES.items() if getattr(args, flag) is not None}
     if args.seq_len is not None:
         changes["seq_len"] = args.seq_len
     if args.config and args.hf_config:

@@ -357,7 +357,11 @@ def dropout_note(cfg, given: set[str]) -> str | None:
     if not cfg.model.init_from or "model.dropout" in given:
         return None
     raw = _raw_config(hf_dir(cfg.model.init_from))
-    rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(raw.get("model_type"), ())}
+    model_type = raw.get("model_type")
+    if model_type in LLAMA_TYPES:  # attention dropout only, 0 by default (LlamaConfig, MistralConfig)
+        rates = {"attention_dropout": float(raw.get("attention_dropout", 0.0))}
+    else:  # (0.1 by default in GPT2Config, BertConfig)
+        rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(model_type, ())}
     if all(rate == cfg.model.dropout for rate in rates.values()):
         return None
     theirs = ", ".join(f"{k}={v:g}" for k, v in rates.items())
