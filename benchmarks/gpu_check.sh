@@ -60,3 +60,8 @@ timeout 240 "$PYTHON" -m largebatch train gpt-demo --run.device=cuda --run.dtype
 # docs/training.md, "Weight averaging"); then its tests on the device (run.device = auto picks it)
 timeout 120 "$PYTHON" benchmarks/weight_average.py --device cuda
 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_ema.py
+# the Llama-style layers against GPT-2's on the device: step time (bf16, SDPA) and one layer's kept
+# bytes, measured against the memory model, which counts torch's fused fp32 RMSNorm kernel on a GPU as
+# keeping its input only (not measurable on CPU; the CPU run: docs/memory.md, "Llama-style layers")
+timeout 120 "$PYTHON" benchmarks/llama_layers.py --device cuda --dtype bf16 --attention sdpa
+timeout 120 "$PYTHON" benchmarks/llama_layers.py --device cuda --dtype fp32 --attention sdpa
