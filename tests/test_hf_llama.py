@@ -340,3 +340,16 @@ def test_a_llama_trained_with_attention_dropout_is_noted(llama_run, tmp_path):
     assert not [n for n in notes if "dropout" in n], notes
     load_config(None, {"model.init_from": f"hf:{dropped}"}, warn=notes.append)
     assert [n for n in notes if "attention_dropout=0.1" in n and "--model.dropout=0.1" in n], notes
+
+
+def test_a_rotary_directory_takes_another_rope_theta_for_a_context_extension(llama_run, tmp_path):
+    """The route the resume refusal names: from an export (a rotary directory), a new run at a longer
+    model.seq_len and another model.rope_theta (no weight depends on either)."""
+    tokenizer = llama_run / "tokenizer.json"
+    V = len(json.loads(tokenizer.read_text())["model"]["vocab"])
+    directory = tmp_path / "hf"
+    _llama_dir(directory, V, tokenizer)  # rope_theta 20000, 48 positions
+    cfg = load_config(None, {"model.init_from": f"hf:{directory}", "model.seq_len": 96,
+                             "model.rope_theta": 5e5}).model
+    assert (cfg.seq_len, cfg.rope_theta) == (96, 5e5)
+    init_from_pretrained(build_model(cfg))

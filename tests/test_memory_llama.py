@@ -123,7 +123,7 @@ def test_each_new_term_is_large_enough_for_the_measurement_to_see():
 
 
 def test_rope_keeps_nothing_and_bf16_rmsnorm_keeps_three_values():
-    """The two claims the brief asked to verify by measurement, in bytes: rotary positions add nothing
+    """Two claims verified by measurement, in bytes: rotary positions add nothing
     (fp32 and bf16: the tables are buffers, the rotation's multiplications keep only them); a bf16
     RMSNorm keeps 6 h bytes per token (its fp32 input copy and the bf16 normalised tensor), a
     LayerNorm 2 h."""
@@ -153,8 +153,8 @@ def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp):
 
 
 def test_the_paper_notation_at_16_bits():
-    """docs/papers.md's per-layer line for a Llama-style layer at 16 bits with dropout (the form the
-    DOC NOTES state): s b (22 h + 4 h a_kv / a + 8 f) + 5 a s^2 b."""
+    """docs/papers.md's per-layer line for a Llama-style layer at 16 bits with dropout:
+    s b (22 h + 4 h a_kv / a + 8 f) + 5 a s^2 b."""
     s, b, h, a, a_kv, f = 2048, 1, 4096, 32, 8, 14336
     c = ModelConfig(n_layer=1, n_embd=h, n_head=a, seq_len=s, vocab_size=32000, dropout=0.1, **{
         **LLAMA, "n_kv_head": a_kv, "ffn_hidden": f})
@@ -285,3 +285,21 @@ def test_the_memory_command_takes_the_llama_fields(capsys):
     assert main(["--config", "llama-demo", "--kv-heads", "none", "--ffn", "none"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "a_kv" not in header and "f=" not in header and "swiglu" in header, header
+
+
+def test_layer_flags_do_not_turn_a_transformers_gpt2_config_into_llama(tmp_path, capsys):
+    """--hf-config describes transformers' own layers: a Llama-style flag beside a GPT-2 config.json
+    is refused naming it (it was counted as GPT-2's eager layer while the closed form moved)."""
+    import json
+
+    from largebatch.memory.cli import main
+
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                                       bos_token_id=0, eos_token_id=0).to_dict()))
+    for flag in (["--kv-heads", "1"], ["--norm", "rmsnorm"], ["--model.position", "rope"]):
+        assert main(["--hf-config", str(path)] + flag) == 2, flag
+        err = capsys.readouterr().err
+        assert flag[1] in err and "--hf-config" in err and "transformers' layers of that config" in err, err
+    assert main(["--hf-config", str(path), "--kv-heads", "4", "--model.norm", "layernorm"]) == 0  # what it is

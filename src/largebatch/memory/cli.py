@@ -187,7 +187,20 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     if args.phase is not None and not args.config:
         raise ValueError(f"--phase {args.phase}: needs --config, a `largebatch train` TOML with [[phases]].")
     if args.hf_config:
-        return config_from_hf(args.hf_config).replace(**changes)
+        config = config_from_hf(args.hf_config)
+        def used(field: str, value):  # (n_kv_head = n_head is the attention None gives)
+            return (value or config.n_head) if field == "n_kv_head" else value
+
+        layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head")
+                 and used(f, v) != used(f, getattr(config, f))}
+        if layer:  # transformers' layers are what config.json says: no flag turns GPT-2's into Llama's
+            flags = ", ".join(f"--model.{f} {v}" for f, v in layer.items())
+            first = next(iter(layer))
+            raise ValueError(f"{flags} with --hf-config {args.hf_config!r}: transformers' layers of that config "
+                             f"compute model.{first}={getattr(config, first)!r}, as its config.json says; drop "
+                             "the flag, or describe largebatch's own layers with --model/--layers/--hidden/... "
+                             "instead of --hf-config")
+        return config.replace(**changes)
     if args.config:
         return _from_train_config(args).replace(**changes)
     return preset(args.model or "demo", **changes)

@@ -100,7 +100,7 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
     if model_type == "qwen2":  # (a window only where use_sliding_window, or layer_types, turns it on)
         sliding = "sliding_attention" in (raw.get("layer_types") or ()) or (
-            raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < need("num_hidden_layers"))
+            raw.get("use_sliding_window") and raw.get("max_window_layers", 28) < need("num_hidden_layers"))
         window = window if sliding else None
     elif model_type != "mistral":
         window = None

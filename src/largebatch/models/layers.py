@@ -16,7 +16,9 @@ The Llama-style options (Touvron et al. 2023; docs/papers.md: Llama-style layers
 layer computes and keeps, and the memory model counts each:
 
 * ``norm="rmsnorm"``: y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019), no bias; it keeps
-  its input, as a LayerNorm does;
+  more than a LayerNorm's input: at 16 bits an fp32 copy of it beside the normalised tensor, in fp32
+  on CPU the input and the normalised tensor (torch's composite kernel; its fused GPU kernel keeps
+  the input), as largebatch.memory counts;
 * ``position="rope"``: rotary position embeddings (Su et al. 2021, eq. 34) applied to Q and K in
   each layer, in transformers' half-split layout (dimension i pairs with i + d/2), angle
   m * theta^(-2i/d) at position m. The rotation multiplies by constant tables, so it keeps nothing;
@@ -85,11 +87,17 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        # computed on the CPU, whatever the device: a GPU's cos/sin may round an entry otherwise, and a
+        # meta-device start (init_buffers) must give the plain build's tables to the bit; in a
+        # meta-device build (the default device meta) they stay shapes until init_buffers
         d = self.head_dim
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
-        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float64, device=device), inv_freq)
+        device = torch.empty(0, device=device).device  # None: the default device
+        if device.type == "meta":
+            return torch.empty(self.seq_len, d, device=device), torch.empty(self.seq_len, d, device=device)
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
+        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float64, device="cpu"), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (s, d)
-        return angles.cos().float(), angles.sin().float()
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def init_buffers(self, device: torch.device) -> None:
         """Rebuild the tables on ``device`` (after a meta-device build, largebatch.parallel.materialize)."""

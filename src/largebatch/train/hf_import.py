@@ -334,10 +334,11 @@ def resolve_init(cfg, given: set[str]):
 
 
 def _rotary_context(fields: dict[str, Any], name: str) -> bool:
-    """Whether ``name`` is the context length of a directory with rotary positions: no weight has
-    its size (max_position_embeddings only bounds the rotary tables transformers builds), so a run
-    may train shorter or longer sequences from it -- a context extension, with model.rope_theta."""
-    return name == "seq_len" and fields.get("position") == "rope"
+    """Whether ``name`` is the context length or the rotary base of a directory with rotary
+    positions: no weight has the length's size (max_position_embeddings only bounds the rotary
+    tables transformers builds) nor depends on the base, so a run may train shorter or longer
+    sequences from it at another model.rope_theta -- a context extension."""
+    return name in ("seq_len", "rope_theta") and fields.get("position") == "rope"
 
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
