@@ -126,22 +126,18 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer.")
-        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or isinstance(self.ffn_hidden, bool)
-                                            or self.ffn_hidden < 1):
-            raise ValueError(f"ModelConfig.ffn_hidden={self.ffn_hidden!r}: must be a positive "
-                             "integer, or None for 4 * n_embd.")
+        for name, unset in (("ffn_hidden", "4 * n_embd"), ("n_kv_head", "n_head")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer, or None for {unset}.")
         if self.n_embd % self.n_head:
             raise ValueError(f"ModelConfig.n_head={self.n_head} does not divide n_embd={self.n_embd}: "
                              f"choose n_head among the divisors of n_embd (e.g. "
                              f"{_nearest_divisor(self.n_embd, self.n_head)}).")
-        if self.n_kv_head is not None:
-            if not isinstance(self.n_kv_head, int) or isinstance(self.n_kv_head, bool) or self.n_kv_head < 1:
-                raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head!r}: must be a positive integer, "
-                                 "or None for n_head.")
-            if self.n_head % self.n_kv_head:
-                raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
-                                 f"each key/value head serves a whole group of query heads; choose a divisor "
-                                 f"of n_head (e.g. {_nearest_divisor(self.n_head, self.n_kv_head)}), or none.")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
+                             f"each key/value head serves a whole group of query heads; choose a divisor "
+                             f"of n_head (e.g. {_nearest_divisor(self.n_head, self.n_kv_head)}), or none.")
         if self.position == "rope":
             if self.head_dim % 2:
                 raise ValueError(f"ModelConfig.position='rope' with head size n_embd / n_head = {self.head_dim}: "

@@ -518,18 +518,24 @@ def _tied_in(raw: dict, take: _Taker, output: str) -> bool:
     return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in LLAMA_TYPES)) and not take.has(output)
 
 
+def _output_layer(take: _Taker, cfg: ModelConfig, raw: dict, embedding: torch.Tensor, name: str) -> torch.Tensor:
+    """The output projection stored as ``name``: the embedding itself when the model is tied (a stored
+    copy shape-checked; one that differs loads untied, model_fields), a copy of it when the directory
+    is tied and the model untied on request, else the stored tensor."""
+    if cfg.tie_embeddings:
+        if take.has(name):
+            take(name, cfg.vocab_size, cfg.n_embd)  # the tied copy of the embedding
+        return embedding
+    if _tied_in(raw, take, name):  # untied on request: the output layer starts as a copy
+        return embedding.clone()
+    return take(name, cfg.vocab_size, cfg.n_embd)
+
+
 def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     h, f, v = cfg.n_embd, cfg.ffn, cfg.vocab_size
     out = {"tok_emb.weight": take("wte.weight", v, h), "pos_emb.weight": take("wpe.weight", cfg.seq_len, h),
            "ln_f.weight": take("ln_f.weight", h), "ln_f.bias": take("ln_f.bias", h)}
-    if cfg.tie_embeddings:
-        if take.has("lm_head.weight"):
-            take("lm_head.weight", v, h)  # the tied copy of wte (a differing one loads untied: model_fields)
-        out["lm_head.weight"] = out["tok_emb.weight"]
-    elif _tied_in(raw, take, "lm_head.weight"):  # untied on request: the output layer starts as a copy
-        out["lm_head.weight"] = out["tok_emb.weight"].clone()
-    else:
-        out["lm_head.weight"] = take("lm_head.weight", v, h)
+    out["lm_head.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], "lm_head.weight")
     for i in range(cfg.n_layer):
         o, b = f"h.{i}.", f"blocks.{i}."
         for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
@@ -550,14 +556,7 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
     (out, in) as largebatch's, so a renaming (module docstring); k and v are n_kv_head x head size wide."""
     h, f, v, kv = cfg.n_embd, cfg.ffn, cfg.vocab_size, cfg.kv_heads * cfg.head_dim
     out = {"tok_emb.weight": take("embed_tokens.weight", v, h), "ln_f.weight": take("norm.weight", h)}
-    if cfg.tie_embeddings:
-        if take.has("lm_head.weight"):
-            take("lm_head.weight", v, h)  # the tied copy of embed_tokens (a differing one loads untied)
-        out["lm_head.weight"] = out["tok_emb.weight"]
-    elif _tied_in(raw, take, "lm_head.weight"):  # untied on request: the output layer starts as a copy
-        out["lm_head.weight"] = out["tok_emb.weight"].clone()
-    else:
-        out["lm_head.weight"] = take("lm_head.weight", v, h)
+    out["lm_head.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], "lm_head.weight")
     for i in range(cfg.n_layer):
         o, b = f"layers.{i}.", f"blocks.{i}."
         out[b + "ln1.weight"] = take(o + "input_layernorm.weight", h)
@@ -617,14 +616,7 @@ def _bert(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     out["head.decoder.bias"] = take(names[0], v)
     for unused in names[1:]:
         take(unused, v)  # (shape-checked, then set aside)
-    if cfg.tie_embeddings:
-        if take.has(c + "decoder.weight"):
-            take(c + "decoder.weight", v, h)  # the tied copy of word_embeddings
-        out["head.decoder.weight"] = out["tok_emb.weight"]
-    elif _tied_in(raw, take, c + "decoder.weight"):  # untied on request: the decoder starts as a copy
-        out["head.decoder.weight"] = out["tok_emb.weight"].clone()
-    else:
-        out["head.decoder.weight"] = take(c + "decoder.weight", v, h)
+    out["head.decoder.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], c + "decoder.weight")
     # BertForPreTraining's pooler and next-sentence head (the original BERT checkpoints store both):
     # no part of the masked-LM logits, set aside as AutoModelForMaskedLM leaves them
     for name in ("pooler.dense.weight", "pooler.dense.bias", "cls.seq_relationship.weight",
