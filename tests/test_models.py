@@ -332,3 +332,10 @@ def test_an_n_head_that_does_not_divide_n_embd_names_the_nearest_divisor():
             assert _nearest_divisor(n, near) == min(divisors, key=lambda d: (abs(d - near), d)), (n, near)
     with pytest.raises(ValueError, match=r"n_head=5 does not divide n_embd=1000000000002: .*\(e\.g\. 6\)"):
         ModelConfig(n_embd=10**12 + 2, n_head=5)
+    # a width near 10^18 (sqrt 10^9: listing divisors to the root took minutes), and a large prime
+    # past the search's reach: the nearer of 1 and itself
+    with pytest.raises(ValueError, match=r"n_head=7 does not divide n_embd=1000000000000000002: .*\(e\.g\. 6\)"):
+        ModelConfig(n_embd=10**18 + 2, n_head=7)
+    prime = 2**61 - 1  # a Mersenne prime: no divisor but 1 and itself
+    assert _nearest_divisor(prime, 10**9) == 1 and _nearest_divisor(prime, prime - 10**9) == prime
+    assert _nearest_divisor(12, 1000) == 12 and _nearest_divisor(12, 0) == 1

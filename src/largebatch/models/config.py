@@ -282,9 +282,18 @@ def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", 
     return None
 
 
+NEAREST_DIVISOR_STEPS = 100_000
+
+
 def _nearest_divisor(n: int, near: int) -> int:
-    """The divisor of ``n`` nearest ``near`` (the smaller on a tie), found among the pairs d, n // d
-    for d up to sqrt(n): a bad n_head beside an n_embd of 10^8 is one line at once, not minutes."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return min({*small, *(n // d for d in small)}, key=lambda d: (abs(d - near), d))
+    """The divisor of ``n`` nearest ``near`` (the smaller on a tie), searched outward from ``near``
+    for at most NEAREST_DIVISOR_STEPS steps each way, else the nearer of 1 and n (both divide n):
+    a hint in a refusal, found at once for any width (listing divisors up to sqrt(n) took minutes
+    for a fuzzed n_embd near 10^18, and trying every number up to n for one of 10^8)."""
+    near = min(max(near, 1), n)  # every divisor lies in [1, n]
+    for k in range(NEAREST_DIVISOR_STEPS):
+        for d in (near - k, near + k):  # the smaller first: the smaller on a tie
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return 1 if near - 1 <= n - near else n
 
