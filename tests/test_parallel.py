@@ -130,15 +130,7 @@ def test_llama_checkpoint_from_tensor_and_sequence_parallel_loads_on_one_process
     opt = LAMB(param_groups(model, weight_decay=0.01), lr=0.02)
     state = init_distributed(ParallelConfig())
     assert load_distributed(saved["path"], model, opt, state) == {"step": 1}
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), saved["expected"]["model"][name], rtol=0, atol=0)
-        for key, value in saved["expected"]["optim"][name].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
-    idx, targets = cases.batch("llama")
-    cases.loss_and_backward(model, state, idx, targets)
-    opt.step()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
+    _loaded_state_and_next_step_as_two_ranks(saved, model, opt, state, "llama")
 
 
 @pytest.mark.parametrize("mode", ["sp", "fsdp"])
@@ -288,16 +280,8 @@ def test_checkpoint_from_two_ranks_resumes_on_one(ranks, mode):
     state = init_distributed(ParallelConfig())  # world size 1: no process group
     extra = load_distributed(saved["path"], model, opt, state)
     assert extra == {"step": 1, "mode": mode}
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), saved["expected"]["model"][name], rtol=0, atol=0)
-        for key, value in saved["expected"]["optim"][name].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
     # and the next step on 1 process is the 2-rank run's next step
-    idx, targets = cases.batch("gpt")
-    cases.loss_and_backward(model, state, idx, targets)
-    opt.step()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
+    _loaded_state_and_next_step_as_two_ranks(saved, model, opt, state, "gpt")
 
 
 def test_dropout_streams_differ_across_replicas_and_match_within_tensor_parallel(ranks):
@@ -461,3 +445,17 @@ def test_shutdown_leaves_a_process_group_the_caller_made(tmp_path):
         assert total.tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def _loaded_state_and_next_step_as_two_ranks(saved: dict, model, opt, state, kind: str) -> None:
+    """The parameters and optimizer state one process loaded equal the 2-rank run's to the bit, and
+    its next step on the same batch is that run's next step."""
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["expected"]["model"][name], rtol=0, atol=0)
+        for key, value in saved["expected"]["optim"][name].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=0, atol=0)
+    idx, targets = cases.batch(kind)
+    cases.loss_and_backward(model, state, idx, targets)
+    opt.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved["after_two"][name], rtol=0, atol=TOL)
