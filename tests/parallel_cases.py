@@ -721,7 +721,8 @@ def fail_on_rank_one() -> None:
 
 def abort_on_rank_one() -> None:
     """Rank 1 dies of a native abort (SIGABRT, as glibc ends a process whose heap it finds
-    corrupted) after joining, in a function whose name its Python stack shows. faulthandler is
+    corrupted) after joining, in a function whose name its Python stack shows; rank 0 then fails in a
+    collective. faulthandler is
     switched off first: joining through init_distributed switches it on, as under torchrun. Rank 0
     joins with a stderr that has no file descriptor (a notebook's): joining must not fail there."""
     import faulthandler
@@ -735,6 +736,12 @@ def abort_on_rank_one() -> None:
     state = init_distributed(ParallelConfig(dp=2, timeout_s=60))
     if state.rank == 1:
         os.abort()
+    # rank 0, as a trainer would: the clean-up's SIGTERM asks for a stop, and the collective it is in
+    # fails on the lost peer ("Connection reset by peer"), a Python error written after the crash
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    torch.distributed.all_reduce(torch.ones(1))
 
 
 def stuck_rank_one() -> None:

@@ -15,6 +15,7 @@ failure" report plays the same role); this is its single-machine, in-Python twin
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -58,20 +59,46 @@ def _failures(error_dir: str) -> list[tuple[float, int, str]]:
     return sorted(found)
 
 
+def _native_crashes(context, first: int) -> list[tuple[int, str]]:
+    """(rank, signal name) of each rank that died of a signal of its own: the one seen first whatever
+    the signal, the others unless it is SIGTERM or SIGKILL (what the clean-up sends to the living)."""
+    crashed = []
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        if code is not None and code < 0 and (rank == first or -code not in (signal.SIGTERM, signal.SIGKILL)):
+            try:
+                crashed.append((rank, signal.Signals(-code).name))
+            except ValueError:
+                crashed.append((rank, f"signal {-code}"))
+    return crashed
+
+
 def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks; raise RankFailure naming the first that failed."""
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; raise RankFailure naming the first that failed.
+    A rank killed by a native crash (SIGSEGV, SIGABRT) leaves no Python error, and its peers then
+    fail in their next collective ("Connection reset by peer"): the crash is named first."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs = {nprocs!r}: must be a positive number of processes")
     with tempfile.TemporaryDirectory(prefix="largebatch-spawn-") as error_dir:
+        context = mp.spawn(_entry, args=(fn, nprocs, free_port(), threads_per_rank, error_dir, args),
+                           nprocs=nprocs, join=False)
         try:
-            mp.spawn(_entry, args=(fn, nprocs, free_port(), threads_per_rank, error_dir, args),
-                     nprocs=nprocs, join=True)
+            while not context.join():
+                pass
             return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            crashed = _native_crashes(context, exc.error_index)
             failures = _failures(error_dir)
-            if not failures:  # killed without a Python exception (signal, os._exit)
+            if not failures and not crashed:  # ended without a Python exception or a signal (os._exit)
                 raise RankFailure(f"rank {exc.error_index} of {nprocs} exited before finishing: "
                                   f"{exc}") from None
+        if crashed:
+            head = "; ".join(f"rank {rank} of {nprocs} exited before finishing: killed by {name}"
+                             for rank, name in crashed)
+            head += (" (a native crash: every thread's Python stack at the crash is on that rank's stderr;"
+                     " a peer's error that follows is the crash seen from the other side)")
+            raised = "".join(f"\n-- rank {rank} raised:\n{text}" for _, rank, text in failures)
+            raise RankFailure(head + raised)
         first_time, first_rank, first_text = failures[0]
         others = "".join(f"\n-- then rank {rank} ({t - first_time:+.2f} s):\n{text}"
                          for t, rank, text in failures[1:])
