@@ -890,3 +890,28 @@ def compile_cases(results: dict) -> None:
     results["compile/all_blocks_compiled"] = all(getattr(block, "_compiled_call_impl", None) is not None
                                                  for block in unwrap(model).blocks)
     results["compile/grad_diff"] = max_grad_diff(model, reference)
+
+
+def abort_the_first_time_on_rank_one(marks: str) -> None:
+    """Rank 1 dies of a native abort the first time it runs (a mark file says it has); every rank
+    writes a mark each time it gets to the end. No process group: nothing to lose but the process."""
+    import faulthandler
+    import os
+
+    faulthandler.disable()
+    rank, marks_dir = int(os.environ["RANK"]), Path(marks)
+    if rank == 1 and not (marks_dir / "aborted").exists():
+        (marks_dir / "aborted").write_text("")
+        os.abort()
+    with open(marks_dir / f"finished_rank{rank}", "a") as f:
+        f.write("x")
+
+
+def raise_on_rank_one(marks: str) -> None:
+    """Rank 1 raises a Python error (no process group), counting its tries in a mark file."""
+    import os
+
+    if int(os.environ["RANK"]) == 1:
+        with open(Path(marks) / "tries", "a") as f:
+            f.write("x")
+        raise ValueError("a Python error, not a crash")

@@ -198,6 +198,13 @@ def run_four_ranks(out_dir: str, cache: str) -> None:
         **FOUR_RANK_CASES["pp2-dp2-fsdp"][1], "run.dtype": "bf16", "run.total_tokens": 1024}), out)
 
 
+def clear_four_rank_runs(out: Path) -> None:
+    """Remove the run directories run_four_ranks writes (before it is spawned again)."""
+    for name in (*FOUR_RANK_CASES, "pp2-dp2-ddp-on-one", LLAMA_FOUR_RANKS[0], f"{LLAMA_FOUR_RANKS[0]}-on-one",
+                 "hsdp", "hsdp-on-one", "pp2-dp2-fsdp-bf16"):
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
 def group_timeouts(par) -> list[float]:
     """The timeout, in seconds, of the group of each mesh dimension and of each flattened mesh."""
     groups = [par.mesh.get_group(dim) for dim in par.mesh.mesh_dim_names]

@@ -36,8 +36,26 @@ def test_a_rank_killed_by_a_native_crash_is_named_and_leaves_its_python_stack(ca
     # named first, though rank 0's Python error (its collective losing the peer) is the only one written
     assert message.startswith("rank 1 of 2 exited before finishing: killed by SIGABRT"), message
     assert "-- rank 0 raised:" in message and "failed first" not in message, message
+    assert info.value.crashes == ((1, "SIGABRT"),)
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "abort_on_rank_one" in err, err[-3000:]
+
+
+def test_the_tests_spawn_again_after_a_native_crash_only(tmp_path):
+    """The suite's one retry (tests/processes.py): a spawn whose rank died of a native crash runs once
+    more, with a warning, after its clean-up; a Python error is not retried."""
+    from processes import spawn_again_after_a_native_crash
+
+    cleared = []
+    with pytest.warns(UserWarning, match=r"abort_the_first_time_on_rank_one on 2 ranks: rank 1 of 2 .*SIGABRT"):
+        spawn_again_after_a_native_crash(cases.abort_the_first_time_on_rank_one, 2, str(tmp_path),
+                                         before_again=lambda: cleared.append(True))
+    assert cleared == [True]
+    # rank 1 got to the end once, in the second spawn (rank 0 may have finished in the first one too)
+    assert (tmp_path / "finished_rank1").read_text() == "x" and (tmp_path / "finished_rank0").read_text() in ("x", "xx")
+    with pytest.raises(RankFailure, match="a Python error, not a crash"):
+        spawn_again_after_a_native_crash(cases.raise_on_rank_one, 2, str(tmp_path))
+    assert (tmp_path / "tries").read_text() == "x"
 
 
 def test_a_save_that_loses_a_peer_removes_its_temporary(tmp_path):

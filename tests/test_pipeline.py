@@ -16,6 +16,7 @@ from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.metrics import read_metrics
 from largebatch.typed_config import ConfigError
+from processes import spawn_again_after_a_native_crash
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -122,7 +123,8 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(runs):
 @pytest.fixture(scope="module")
 def four_ranks(runs):
     cache, out = runs
-    spawn(cases.run_four_ranks, 4, str(out), cache)  # one spawn for every 4-rank layout
+    spawn_again_after_a_native_crash(cases.run_four_ranks, 4, str(out), cache,  # every 4-rank layout
+                                     before_again=lambda: cases.clear_four_rank_runs(out))
     return cache, out
 
 

@@ -98,7 +98,7 @@ def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
             head += (" (a native crash: every thread's Python stack at the crash is on that rank's stderr;"
                      " a peer's error that follows is the crash seen from the other side)")
             raised = "".join(f"\n-- rank {rank} raised:\n{text}" for _, rank, text in failures)
-            raise RankFailure(head + raised)
+            raise RankFailure(head + raised, crashes=tuple(crashed))
         first_time, first_rank, first_text = failures[0]
         others = "".join(f"\n-- then rank {rank} ({t - first_time:+.2f} s):\n{text}"
                          for t, rank, text in failures[1:])

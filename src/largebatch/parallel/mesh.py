@@ -47,11 +47,12 @@ _OWN_GROUP = False  # ... and has not left it since (shutdown: a group a caller 
 class RankFailure(RuntimeError):
     """A rank of a distributed job failed; the message names the rank and the cause. ``line``: the
     same in one line (the error's first line, and which rank failed first where this one was taken
-    down by it)."""
+    down by it). ``crashes``: (rank, signal name) of each rank a native crash killed (``spawn``)."""
 
-    def __init__(self, message: str, line: str | None = None):
+    def __init__(self, message: str, line: str | None = None, crashes: tuple[tuple[int, str], ...] = ()):
         super().__init__(message)
         self.line = line if line is not None else (message.splitlines() or [""])[0]
+        self.crashes = tuple(crashes)
 
 
 @dataclass
