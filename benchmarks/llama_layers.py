@@ -1,7 +1,9 @@
 """The Llama-style layers against GPT-2's, on one device: a training step's time (forward and backward,
 interleaved rounds, the GPT-2 layout the peer measured in the same run) and what one layer keeps for
-backward, measured and as the memory model counts it on that device (on a GPU torch's fused RMSNorm
-kernel keeps only its input in fp32, which the CPU cannot show: docs/memory.md).
+backward, measured and as the memory model counts it on that device. Then the RMSNorm alone against
+its peers, forward and backward of a (micro-batch, seq, 256) input: torch's nn.RMSNorm (fused on a
+GPU, composite on the CPU) and transformers' LlamaRMSNorm (written out op by op; skipped where
+transformers is not installed): time per call and the bytes per token each keeps for backward.
 
 Configs: gpt-demo's and llama-demo's models (4 layers, 256 wide; llama-demo: RMSNorm, rope, SwiGLU
 f = 704, 2 key/value heads for 4, no biases), micro-batch 8 at seq 128.
@@ -34,6 +36,54 @@ def per_layer_bytes(config, idx, dtype, device) -> int:
         measure_forward_bytes(lambda: model(idx, idx), device=device.type)  # warm-up
         held[n_layer] = measure_forward_bytes(lambda: model(idx, idx), device=device.type)[1].tensor_bytes
     return (held[3] - held[1]) // 2
+
+
+def norm_peers(width: int, device, dtype) -> dict[str, torch.nn.Module]:
+    """largebatch's RMSNorm, torch's, and transformers' LlamaRMSNorm where it is installed."""
+    from largebatch.models.layers import RMSNorm
+
+    peers = {"largebatch": RMSNorm(width, eps=1e-6), "torch": torch.nn.RMSNorm(width, eps=1e-6)}
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        pass
+    else:
+        peers["transformers"] = LlamaRMSNorm(width, eps=1e-6)
+    return {name: norm.to(device=device, dtype=dtype) for name, norm in peers.items()}
+
+
+def norm_table(x: torch.Tensor, rounds: int, repeat: int) -> list[str]:
+    """Time of forward + backward per call (median of interleaved rounds) and saved bytes per token."""
+    norms = norm_peers(x.shape[-1], x.device, x.dtype)
+    x = x.detach().requires_grad_()
+    grad = torch.randn_like(x)
+    times = {name: [] for name in norms}
+
+    def call(norm) -> None:
+        norm(x).backward(grad)
+        x.grad = None
+        norm.zero_grad(set_to_none=True)
+
+    for _ in range(rounds):
+        for name, norm in norms.items():
+            call(norm)  # warm
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            start = time.perf_counter()
+            for _ in range(repeat):
+                call(norm)
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            times[name].append((time.perf_counter() - start) / repeat)
+    base = statistics.median(times["largebatch"])
+    tokens = x.numel() // x.shape[-1]
+    lines = [f"RMSNorm alone, input {tuple(x.shape)} {str(x.dtype)[6:]}:",
+             f"{'norm':<14}{'fwd+bwd us':>12}{'/ largebatch':>14}{'kept beyond x, B/token':>24}"]
+    for name, norm in norms.items():
+        kept = measure_forward_bytes(lambda: norm(x), device=x.device.type)[1].tensor_bytes
+        lines.append(f"{name:<14}{statistics.median(times[name]) * 1e6:>12.1f}"
+                     f"{statistics.median(times[name]) / base:>14.3f}{kept / tokens:>24.1f}")
+    return lines
 
 
 def main() -> None:
@@ -82,6 +132,8 @@ def main() -> None:
         params = sum(p.numel() for p in models[name].parameters())
         print(f"{name:<12}{params / 1e6:>9.2f}M{ms:>10.1f}{ms / 1e3 / base:>12.3f}"
               f"{measured / 2**20:>20.2f}{counted / 2**20:>10.2f}")
+    x = torch.randn(b, s, configs["llama-demo"].n_embd, device=device, dtype=dtype)
+    print("\n".join(["", *norm_table(x, args.rounds, args.repeat * 10)]))
 
 
 if __name__ == "__main__":

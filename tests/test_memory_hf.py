@@ -458,8 +458,9 @@ def test_measured_hf_llama_layers(model_type, attn, dtype, a_kv, dropout, bool_m
 
 def test_a_transformers_llama_whole_model_against_the_estimate():
     """The whole model's forward bytes (2 layers, GQA, eager, fp32) against Setup's estimate with the
-    Llama terms: the closed form's output layer (final RMSNorm, lm_head input, fp32 log-softmax) is
-    transformers'; left over: the rotary cos/sin (2 s d_head 4 bytes, once) and the final rsqrt."""
+    Llama terms: the closed form's output layer (lm_head input, fp32 log-softmax) is transformers',
+    with its final RMSNorm's fp32 input copy and rsqrt added; left over: the rotary cos/sin
+    (2 s d_head 4 bytes, once)."""
     from largebatch.memory import Setup, measure_forward_bytes
 
     s, b = 64, 2
@@ -475,8 +476,10 @@ def test_a_transformers_llama_whole_model_against_the_estimate():
     config = config_from_hf(raw)
     closed = Setup(micro_batch=b, dtype_bytes=4).estimate(config, "none")
     layer = llama_reference(s, b, 64, 4, 2, 160, 4, eager=True, dropout=False, m=0)
+    final_norm = s * b * (4 * 64 + 4)  # transformers' final RMSNorm keeps (4 + d) h + 4 bytes a token, not d h
     assert estimate.activations - closed.activations == pytest.approx(
-        2 * (layer - activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=4))), rel=1e-12)
+        2 * (layer - activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=4))) + final_norm,
+        rel=1e-12)
 
 
 def test_llama_family_configs():
@@ -526,7 +529,7 @@ def test_the_memory_command_on_a_llama_config(tmp_path, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("HF eager layers"))
     assert f"~{eager / closed:.2f}x" in line and f"({eager / 2**20:.1f} MiB per layer; K/V repeated" in line
-    assert "transformers eager layers (silu;" in out
+    assert "transformers Llama layers, eager or sdpa (silu;" in out
     total = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
     assert total.endswith(str(Setup(micro_batch=b, hf_activation="silu").estimate(config, "none")))
     assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b), "--attention", "sdpa"]) == 0
@@ -535,3 +538,15 @@ def test_the_memory_command_on_a_llama_config(tmp_path, capsys):
     closed = activation_bytes_per_layer(s, b, **config_layer_kwargs(config.replace(attention="sdpa")))
     line = next(x for x in out.splitlines() if x.startswith("HF sdpa layers"))
     assert f"~{sdpa / closed:.2f}x" in line and "HF eager" not in out
+    # the estimates and the plan count the sdpa layers with their terms too (the closed form had
+    # counted largebatch's own RMSNorm, which keeps its input only), sharded ones with the closed form
+    total = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
+    sdpa_config = config.replace(attention="sdpa")
+    assert total.endswith(str(Setup(micro_batch=b, hf_activation="silu").estimate(sdpa_config, "none")))
+    assert "transformers Llama layers, eager or sdpa (silu;" in out
+    assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", str(b), "--attention", "sdpa",
+                        "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "estimates and the plan: closed form" in out
+    total = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
+    assert total.endswith(str(Setup(micro_batch=b, tp=2).estimate(sdpa_config, "none")))

@@ -37,12 +37,12 @@ BASE = dict(n_embd=H, n_head=A, seq_len=S, vocab_size=32, bias=False)
 
 
 def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t: int = 1, sp: bool = False,
-                    dropout: bool, fused: bool, device: str = "cpu") -> float:
+                    dropout: bool, fused: bool) -> float:
     """Bytes one layer keeps, written in float64 from the formula of docs/papers.md (memory, the
     Llama-style terms), not from the code under test: per token, at d bytes per value and 1-byte
     masks, with f = ffn, a_kv key/value heads,
-        replicated (/ t under sequence parallel): 2 norms x n h d + Q/K/V input h d + MLP input h d
-            + 2 h masks, with n = 1 (LayerNorm), RMSNorm: 4/d + 1 at 16 bits, 2 in fp32 on the CPU
+        replicated (/ t under sequence parallel): 2 norm inputs h d (LayerNorm or RMSNorm) + Q/K/V
+            input h d + MLP input h d + 2 h masks
         split by t: Q h d, K and V 2 h d a_kv / a, projection input h d, MLP 2 f d (GeLU: its input,
             fc2's input) or 4 f d (SwiGLU: gate output, SiLU output, fc1 output, fc2 input)
         core (split by t): a s (2 d + 1) with dropout, a s d without, 4 a fused
@@ -54,17 +54,13 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
     gated = c.activation == "swiglu"
     t_rep = t if sp else 1.0
     m = 1.0 if dropout else 0.0
-    if c.norm == "layernorm":
-        n = 1.0
-    else:
-        n = 4.0 / d + 1.0 if d < 4 else (2.0 if device == "cpu" else 1.0)
     if policy == "full":
         return s * b * h * d / t_rep
     if policy == "op":
         core = 4 * a if fused else a * s * d
         return s * b * (3 * h * d / t_rep + (2 * h + 2 * h * a_kv / a + (2 if gated else 1) * f) * d / t
                         + core / t)
-    replicated = (2 * n * h * d + h * d + h * d + 2 * h * m) / t_rep
+    replicated = (2 * h * d + h * d + h * d + 2 * h * m) / t_rep
     split = (h * d + 2 * h * d * a_kv / a + h * d + (4 if gated else 2) * f * d) / t
     core = 4 * a if fused else a * s * ((2 * d + m) if dropout else d)
     per_token = replicated + split + (0.0 if policy == "selective" else core / t)
@@ -89,7 +85,7 @@ def held_per_layer(config: ModelConfig, b: int, policies: tuple[str, ...], dtype
 POLICIES = ("none", "selective", "op", "full")
 # (option, dtype, attention, dropout): every option alone and together in fp32 with dropout (the
 # masks and the s^2 terms); the fused kernel (no s^2 term, the op policy's log-sum-exp); bf16,
-# where an RMSNorm keeps an fp32 copy of its input
+# where an RMSNorm written op by op would keep an fp32 copy of its input
 CASES = ([(name, torch.float32, "explicit", 0.1) for name in OPTIONS]
          + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama")]
          + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama")])
@@ -106,8 +102,9 @@ def test_each_option_keeps_what_the_formula_counts(name, dtype, attention, dropo
         reference = reference_layer(c, S, B, d, policy, dropout=dropout > 0, fused=attention == "sdpa")
         assert activation_bytes_per_layer(S, B, recompute=policy, **kw) == pytest.approx(reference, rel=1e-12), policy
         # measured within 1% (the norms' per-token statistics, 4-8 bytes, are not counted); each
-        # option's own term is >= 3.5% of the layer's bytes here (fp32 RMSNorm h d per norm: 7%,
-        # a_kv = a/2: 4%, SwiGLU's 2 f d: 13%), so a term counted wrong fails this
+        # option's own term is >= 3.5% of the layer's bytes here (a_kv = a/2: 4%, SwiGLU's 2 f d:
+        # 13%; an RMSNorm keeping its normalised tensor too, h d per norm: 7%), so a term counted
+        # wrong fails this
         assert measured[policy] == pytest.approx(reference, rel=0.01), (name, policy, measured[policy], reference)
 
 
@@ -115,37 +112,39 @@ def test_each_new_term_is_large_enough_for_the_measurement_to_see():
     """The 1% tolerance above would miss a term smaller than it: each option's term is >= 3.5% of
     its layer's bytes (no recompute, fp32, dropout), against the same layer without the option."""
     plain = ModelConfig(**BASE, dropout=0.1)
-    for name in ("rmsnorm", "swiglu", "gqa"):
+    for name in ("swiglu", "gqa"):
         c = plain.replace(**OPTIONS[name])
         without = plain.replace(ffn_hidden=c.ffn_hidden)
         new, old = (reference_layer(x, S, B, 4, "none", dropout=True, fused=False) for x in (c, without))
         assert abs(new - old) / new > 0.035, name
 
 
-def test_rope_keeps_nothing_and_bf16_rmsnorm_keeps_three_values():
-    """Two claims verified by measurement, in bytes: rotary positions add nothing
-    (fp32 and bf16: the tables are buffers, the rotation's multiplications keep only them); a bf16
-    RMSNorm keeps 6 h bytes per token (its fp32 input copy and the bf16 normalised tensor), a
-    LayerNorm 2 h."""
+def test_rope_keeps_nothing_and_rmsnorm_keeps_what_layernorm_keeps():
+    """Two claims verified by measurement, in bytes: rotary positions add nothing (fp32 and bf16: the
+    tables are buffers, the rotation's multiplications keep only them); an RMSNorm keeps its input,
+    as a LayerNorm: in bf16 exactly a LayerNorm's bytes (its fp32 1/rms, 4 bytes a token, against
+    LayerNorm's two bf16 statistics), in fp32 4 bytes a token less (one fp32 statistic, not two).
+    Written op by op it kept 6 h bytes per token in bf16 (an fp32 copy of the input, the bf16
+    normalised tensor), 8 h per token per norm in fp32 (the normalised tensor besides)."""
     plain = ModelConfig(**BASE, dropout=0.0)
     none = ("none",)
     layernorm = {dtype: held_per_layer(plain, B, none, dtype)["none"] for dtype in (torch.float32, torch.bfloat16)}
     for dtype in (torch.float32, torch.bfloat16):
         assert held_per_layer(plain.replace(position="rope"), B, none, dtype)["none"] == layernorm[dtype]
-    extra = held_per_layer(plain.replace(norm="rmsnorm"), B, none, torch.bfloat16)["none"] - layernorm[torch.bfloat16]
-    # two norms per layer, (6 h - 2 h) bytes per token each; LayerNorm's 2 bf16 statistics (4 bytes)
-    # against RMSNorm's fp32 rstd (4 bytes) cancel
-    assert extra == 2 * 4 * H * S * B
+    rms = {dtype: held_per_layer(plain.replace(norm="rmsnorm"), B, none, dtype)["none"]
+           for dtype in (torch.float32, torch.bfloat16)}
+    assert rms[torch.bfloat16] == layernorm[torch.bfloat16]
+    assert rms[torch.float32] == layernorm[torch.float32] - 2 * 4 * S * B  # two norms a layer
 
 
 @pytest.mark.parametrize("t, sp", [(2, False), (2, True)])
 def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp):
-    """K and V (a_kv / t heads per rank) and the gate's outputs split by t, the RMSNorm's extra values
+    """K and V (a_kv / t heads per rank) and the gate's outputs split by t, the RMSNorm inputs
     replicated unless sequence parallel: the code against the reference, at the paper's 16 bits."""
     c = ModelConfig(**BASE, **LLAMA, dropout=0.1)
     kw = config_layer_kwargs(c, dtype_bytes=2)
     for policy in POLICIES:
-        reference = reference_layer(c, S, B, 2, policy, t=t, sp=sp, dropout=True, fused=False, device="cuda")
+        reference = reference_layer(c, S, B, 2, policy, t=t, sp=sp, dropout=True, fused=False)
         got = activation_bytes_per_layer(S, B, tp=t, sequence_parallel=sp, recompute=policy, **kw)
         assert got == pytest.approx(reference, rel=1e-12), policy
     with pytest.raises(ValueError, match=r"tp=4 does not divide kv_heads=2 \(model.n_kv_head\)"):
@@ -154,12 +153,12 @@ def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp):
 
 def test_the_paper_notation_at_16_bits():
     """docs/papers.md's per-layer line for a Llama-style layer at 16 bits with dropout:
-    s b (22 h + 4 h a_kv / a + 8 f) + 5 a s^2 b."""
+    s b (14 h + 4 h a_kv / a + 8 f) + 5 a s^2 b."""
     s, b, h, a, a_kv, f = 2048, 1, 4096, 32, 8, 14336
     c = ModelConfig(n_layer=1, n_embd=h, n_head=a, seq_len=s, vocab_size=32000, dropout=0.1, **{
         **LLAMA, "n_kv_head": a_kv, "ffn_hidden": f})
     got = activation_bytes_per_layer(s, b, **config_layer_kwargs(c, dtype_bytes=2))
-    assert got == s * b * (22 * h + 4 * h * a_kv / a + 8 * f) + 5 * a * s * s * b
+    assert got == s * b * (14 * h + 4 * h * a_kv / a + 8 * f) + 5 * a * s * s * b
     gpt = ModelConfig(n_layer=1, n_embd=h, n_head=a, seq_len=s, vocab_size=32000, dropout=0.1)
     assert activation_bytes_per_layer(s, b, **config_layer_kwargs(gpt, dtype_bytes=2)) == \
         s * b * h * (34 + 5 * a * s / h)
@@ -277,7 +276,7 @@ def test_the_memory_command_takes_the_llama_fields(capsys):
     row = next(line for line in outputs[0].splitlines() if line.strip().startswith("no parallelism"))
     c = ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=1024, vocab_size=4096, ffn_hidden=688, **{
         k: v for k, v in LLAMA.items() if k != "ffn_hidden"})
-    reference = reference_layer(c, 1024, 4, 2, "none", dropout=False, fused=False, device="cuda")
+    reference = reference_layer(c, 1024, 4, 2, "none", dropout=False, fused=False)
     assert float(row.split()[2]) == pytest.approx(reference / 2**20, abs=0.051)
     assert main(argv + ["--model.n_kv_head", "2", "--tp", "4"]) == 2
     assert "tp=4 does not divide kv_heads=2 (model.n_kv_head)" in capsys.readouterr().err

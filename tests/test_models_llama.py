@@ -48,6 +48,36 @@ def test_rmsnorm_matches_its_formula_and_has_no_bias():
     torch.testing.assert_close(out.double(), ref_b.to(torch.bfloat16).double(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype, gain_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_rmsnorm_gradients_match_the_formula_and_backward_keeps_its_input_only(dtype, gain_dtype):
+    """The gradients of y = g x / sqrt(mean(x^2) + eps) against float64 autograd through that formula
+    (a 16-bit input's are rounded: bf16's 8 bits); what backward keeps: the input (the same storage,
+    no copy), the gain and the per-token 1/rms (fp32 for a 16-bit input), nothing h-wide besides --
+    the op-by-op form kept an fp32 copy of a 16-bit input and the normalised tensor too."""
+    torch.manual_seed(0)
+    norm = norm_layer(_cfg(norm="rmsnorm", norm_eps=1e-6)).to(gain_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(3, 5, 32, dtype=torch.float64) * 3 + 1).to(dtype).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    grad = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(grad.to(y.dtype))
+    x64 = x.detach().double().requires_grad_()
+    g64 = norm.weight.detach().double().requires_grad_()
+    (x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * g64).backward(grad)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol * x64.grad.abs().max().item())
+    torch.testing.assert_close(norm.weight.grad.double(), g64.grad, rtol=tol,
+                               atol=tol * g64.grad.abs().max().item())
+    assert x.grad.dtype == dtype and norm.weight.grad.dtype == gain_dtype
+    assert len(saved) == 3 and saved[0] is x and saved[1] is norm.weight, [t.shape for t in saved]
+    stat_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    assert saved[2].shape == (3, 5, 1) and saved[2].dtype == stat_dtype
+
+
 def _rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
     """x (..., T, d) float64: dimension i and i + d/2 form z = x_i + j x_{i+d/2}; z * exp(j m theta_i)."""
     T, d = x.shape[-2:]

@@ -33,12 +33,10 @@ tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
   (SiLU's input), the SiLU output and the fc1 output (the product's operands), the fc2 input; the
   gate reads the fc1 input (kept once). The op-level policy keeps the gate and fc1 outputs (2 f d);
 * rotary positions keep nothing: the rotation multiplies by constant tables (buffers);
-* RMSNorm keeps more than LayerNorm's input: torch's composite rms_norm (CPU) keeps its input and
-  the normalised tensor the gain's gradient needs (2 h d); a 16-bit input is normalised in fp32
-  (as transformers' LlamaRMSNorm), so it keeps the fp32 copy (4 h bytes) and the d-byte normalised
-  tensor: (4/d + 1) h d = 3 h d at 16 bits (largebatch.models.kinds.norm_kept_values). With torch's
-  fused CUDA kernel (fp32 input and gain) it keeps its input only, as a LayerNorm (not measured
-  here: no GPU). Per-token statistics (LayerNorm's mean and rstd, RMSNorm's rstd) are not counted.
+* RMSNorm keeps its input only, as a LayerNorm (largebatch.models.layers.RMSNorm recomputes the
+  normalised tensor in backward; written out, as transformers' LlamaRMSNorm, it keeps an fp32 copy
+  of a 16-bit input and the normalised tensor besides, 3 h d at 16 bits: largebatch.memory.hf).
+  Per-token statistics (LayerNorm's mean and rstd, RMSNorm's rstd) are not counted.
 
 Whole model (Korthikanti et al. 2022 §4.3): the first pipeline stage holds L layers' worth (L/p layers
 for each of p micro-batches in flight), p embedding dropout masks (s b h m), and, without pipeline
@@ -63,7 +61,6 @@ from dataclasses import dataclass
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, per_layer_policies
-from largebatch.models.kinds import norm_kept_values
 from largebatch.models.registry import model_spec
 
 
@@ -119,11 +116,11 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     activation (2 = the paper's 16-bit; 4 for fp32). mask_bytes: bytes per dropout-mask element.
     fused_attention: SDPA flash/memory-efficient kernel (no s^2 term). dropout=False: no masks, and
     the softmax output doubles as the attention-dropout output. replicated_values: h-wide values
-    per token kept outside the tensor-parallel regions (4: two LayerNorm inputs, the Q/K/V input and
-    the fc1 input; a block whose attention and MLP read one normed input keeps 2; RMSNorms keep
-    more, config_layer_kwargs adds it). kv_heads: key/value heads a_kv (None: heads; grouped-query
-    attention keeps K and V at 2 s b h d a_kv / a). gated_mlp: the SwiGLU MLP, four f-wide values
-    kept (gate output, SiLU output, fc1 output, fc2 input) in place of two.
+    per token kept outside the tensor-parallel regions (4: two norm inputs, the Q/K/V input and the
+    fc1 input; a block whose attention and MLP read one normed input keeps 2). kv_heads: key/value
+    heads a_kv (None: heads; grouped-query attention keeps K and V at 2 s b h d a_kv / a).
+    gated_mlp: the SwiGLU MLP, four f-wide values kept (gate output, SiLU output, fc1 output, fc2
+    input) in place of two.
     """
     shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
                        else ffn_hidden, tp, bool(sequence_parallel), heads if kv_heads is None else kv_heads)
@@ -158,8 +155,7 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
     """The keywords of activation_bytes_per_layer that describe `config` (everything but s, b, tp).
 
     SDPA counts as fused except where PyTorch falls back to its unfused math kernel: on CPU with
-    attention dropout in training (the CPU flash kernel has no dropout). An fp32 RMSNorm keeps its
-    input only off the CPU (torch's fused kernel), its input and normalised output on the CPU.
+    attention dropout in training (the CPU flash kernel has no dropout).
     """
     dropout = training and config.dropout > 0
     fused = config.attention == "sdpa" and not (device == "cpu" and dropout)
@@ -168,11 +164,9 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                          "whose float dropout mask the memory model does not describe: use "
                          "attention='explicit' or dropout=0 for CPU memory estimates.")
     spec = model_spec(config.kind)
-    # an RMSNorm keeps more than a LayerNorm's input (module docstring): the extra values per norm
-    norm_extra = norm_kept_values(config, dtype_bytes, fused=device != "cpu") - 1
     return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
-                replicated_values=spec.layer_replicated + spec.layer_norms * norm_extra,
+                replicated_values=spec.layer_replicated,
                 kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu")
 
 

@@ -449,8 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         if not auto and (not args.micro_batch.isdigit() or int(args.micro_batch) == 0):
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
         # an HF config with eager (explicit) attention is a transformers eager model: its layers
-        # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel
-        eager = args.hf_config and config.attention == "explicit"
+        # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel,
+        # whose terms are measured for transformers' Llama layers unsharded (a GPT-2 / BERT's are the
+        # closed form, and so are sharded sdpa Llama layers)
+        unsharded = args.tp == 1 and args.pp == 1 and not args.sequence_parallel
+        hf_terms = args.hf_config and (config.attention == "explicit" or (config.activation == "swiglu" and unsharded))
         # the estimates and the plan follow one schedule: the one asked for, else 1F1B
         schedule = "1f1b" if args.pp_schedule == "all" else args.pp_schedule
         if schedule == "zbv" and args.pp_virtual_stages not in (None, 2):  # (as largebatch train refuses it)
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                       pp_micro_batches=args.pp_micro_batches or 2 * args.pp, loss_parallel=args.loss_parallel,
                       # transformers' BertForMaskedLM runs its head on every position, not the masked ones
                       mask_fraction=1.0 if args.hf_config and config.kind == "bert" else 0.15,
-                      hf_activation=hf_activation(args.hf_config) if eager else None)
+                      hf_activation=hf_activation(args.hf_config) if hf_terms else None)
         if setup.sequence_parallel and setup.tp == 1:  # as the trainer: with one tp rank it splits nothing
             raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence across the "
                              "tensor-parallel ranks; with tp 1 the estimate is the one without it); set "
@@ -482,9 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                               "trainer refuses it; planned untied, as it would run with "
                               "model.tie_embeddings = false")
         lines = [*args.notes, *paper_table(config, config.seq_len, setup.micro_batch, args.tp, args.dtype_bytes)]
-        # (with --attention sdpa a GPT-2 / BERT is not transformers' eager one; a Llama's sdpa layers are
-        # measured too, though the estimates below count them with the closed form)
-        if eager or (args.hf_config and config.activation == "swiglu"):
+        if args.hf_config and (config.attention == "explicit" or config.activation == "swiglu"):
             lines += hf_eager_lines(args.hf_config, config, setup.micro_batch, args.dtype_bytes)
         if args.pp > 1:
             lines += pipeline_table(config, setup, args.pp_virtual_stages, args.pp_micro_batches or 2 * args.pp,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, stages_per_rank
 from largebatch.memory.estimate import MemoryEstimate, estimate
-from largebatch.memory.hf import check_activation, hf_eager_layer_bytes
+from largebatch.memory.hf import LLAMA_ACTIVATIONS, check_activation, hf_eager_layer_bytes
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token, per_layer_policies
 
@@ -52,9 +52,10 @@ class Setup:
     weight_average: bool = False
     """The trainer's run.ema_decay: one more fp32 copy of the parameters, with the optimizer state."""
     hf_activation: str | None = None
-    """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"): its
-    layers are counted with the measured transformers terms (largebatch.memory.hf_eager_layer_bytes),
-    not the closed form. None: largebatch's own layers, the closed form."""
+    """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"), or a
+    Llama-family one ("silu", eager or sdpa): its layers are counted with the measured transformers
+    terms (largebatch.memory.hf_eager_layer_bytes), not the closed form. None: largebatch's own
+    layers, the closed form."""
 
     def __post_init__(self) -> None:
         if self.hf_activation is not None:
@@ -65,7 +66,8 @@ class Setup:
         """Which per-layer count the estimates use, in words."""
         if self.hf_activation is None:
             return "closed form (Korthikanti et al. 2022, Table 2)"
-        return (f"transformers eager layers ({self.hf_activation}; the closed form plus the measured "
+        kind = "Llama layers, eager or sdpa" if self.hf_activation in LLAMA_ACTIVATIONS else "eager layers"
+        return (f"transformers {kind} ({self.hf_activation}; the closed form plus the measured "
                 "terms of largebatch.memory.hf_eager_layer_bytes, 1-byte GPU dropout masks)")
 
     def estimate(self, config: ModelConfig, policies: list[str] | str) -> MemoryEstimate:
@@ -78,10 +80,12 @@ class Setup:
                        mask_fraction=self.mask_fraction, weight_average=self.weight_average)
         if self.hf_activation is None:
             return est
-        if self.tp > 1 or self.pp > 1 or self.sequence_parallel or config.attention != "explicit":
+        sdpa_ok = self.hf_activation in LLAMA_ACTIVATIONS  # a Llama's sdpa layers are measured too
+        if self.tp > 1 or self.pp > 1 or self.sequence_parallel or not (config.attention == "explicit" or sdpa_ok):
             raise ValueError(f"tp={self.tp}, pp={self.pp}, sequence_parallel={self.sequence_parallel}, "
-                             f"attention={config.attention!r}: transformers' eager layers are counted "
-                             "unsharded with explicit attention only; plan them with tp=1, pp=1")
+                             f"attention={config.attention!r}: transformers' layers are counted unsharded, "
+                             "with explicit attention (or sdpa for the Llama family) only; plan them with "
+                             "tp=1, pp=1")
         # swap each layer's closed-form bytes for the transformers terms (first stage = all layers)
         kw = config_layer_kwargs(config, dtype_bytes=self.dtype_bytes)
         s = config.seq_len if self.seq_len is None else self.seq_len
@@ -89,6 +93,8 @@ class Setup:
         delta = sum(hf_eager_layer_bytes(config, self.hf_activation, self.micro_batch, p, seq_len=s,
                                          dtype_bytes=self.dtype_bytes)
                     - activation_bytes_per_layer(s, self.micro_batch, recompute=p, **kw) for p in layers)
+        if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + d) h + 4 bytes a token, not d h
+            delta += s * self.micro_batch * (4 * config.n_embd + 4)
         return replace(est, activations=est.activations + delta)
 
 

@@ -33,20 +33,6 @@ def block_tp_plan(config: ModelConfig) -> dict[str, str]:
     return {**BLOCK_TP_PLAN, "blocks.*.mlp.gate": "colwise"}
 
 
-def norm_kept_values(config: ModelConfig, dtype_bytes: float, fused: bool = False) -> float:
-    """h-wide values of ``dtype_bytes`` bytes one of the model's norms keeps per token for backward
-    (measured, tests/test_memory_llama.py): a LayerNorm its input, 1. An RMSNorm (layers.RMSNorm):
-    a 16-bit input is normalised in fp32, so it keeps that fp32 copy and the d-byte normalised
-    tensor the gain's gradient needs, 4/d + 1 (3 at 16 bits); a 32-bit input its input and that
-    normalised tensor on torch's composite path (CPU), 2, or its input only with the fused kernel
-    (``fused``: CUDA, input and gain of one dtype), 1."""
-    if config.norm != "rmsnorm":
-        return 1.0
-    if dtype_bytes < 4:
-        return 4.0 / dtype_bytes + 1.0
-    return 1.0 if fused else 2.0
-
-
 def norm_parameters(config: ModelConfig) -> int:
     """Parameters of one LayerNorm (a gain, and a bias when config.bias) or RMSNorm (a gain)."""
     return (2 if config.bias and config.norm == "layernorm" else 1) * config.n_embd
@@ -71,8 +57,7 @@ def gpt_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_r
     """Per token: the final-norm input (split by t_rep under sequence parallel), the projection input
     and fp32 logits (vocabulary-parallel). The projection input is whole on every rank: the output
     layer all-gathers the sequence and keeps the gathered input for its weight gradient."""
-    final_norm = norm_kept_values(config, dtype_bytes)  # (the composite count: no device here)
-    return config.n_embd * dtype_bytes * (final_norm / t_rep + 1) + 4 * config.vocab_size / tp
+    return config.n_embd * dtype_bytes * (1 / t_rep + 1) + 4 * config.vocab_size / tp
 
 
 def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -112,17 +97,16 @@ def _bert_stage_parameters(config: ModelConfig, tp: int, first: bool, last: bool
 
 
 def _bert_embedding_activations(config: ModelConfig, dtype_bytes: float) -> float:
-    norm = norm_kept_values(config, dtype_bytes)  # the embedding LayerNorm's input (and more for an RMSNorm)
-    return norm * config.n_embd * dtype_bytes if _post_ln(config) else 0.0
+    return config.n_embd * dtype_bytes if _post_ln(config) else 0.0  # the embedding norm's input
 
 
 def _bert_output_activations(config: ModelConfig, dtype_bytes: float, tp: int, t_rep: int,
                              mask_fraction: float) -> float:
     """Per token: the final-norm input (pre-LN), then the head on the masked positions only (dense,
     GeLU, LayerNorm and decoder inputs, fp32 logits)."""
-    h, v, norm = config.n_embd, config.vocab_size, norm_kept_values(config, dtype_bytes)
-    final_norm = 0.0 if _post_ln(config) else norm * h * dtype_bytes / t_rep
-    return final_norm + mask_fraction * ((3 + norm) * h * dtype_bytes + 4 * v / tp)
+    h, v = config.n_embd, config.vocab_size
+    final_norm = 0.0 if _post_ln(config) else h * dtype_bytes / t_rep
+    return final_norm + mask_fraction * (4 * h * dtype_bytes + 4 * v / tp)
 
 
 def _bert_tp_plan(model: nn.Module) -> dict[str, str]:

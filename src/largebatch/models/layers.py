@@ -15,10 +15,10 @@ input, and the two 1-byte dropout masks. Keeping that true is why:
 The Llama-style options (Touvron et al. 2023; docs/papers.md: Llama-style layers) change what a
 layer computes and keeps, and the memory model counts each:
 
-* ``norm="rmsnorm"``: y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019), no bias; it keeps
-  more than a LayerNorm's input: at 16 bits an fp32 copy of it beside the normalised tensor, in fp32
-  on CPU the input and the normalised tensor (torch's composite kernel; its fused GPU kernel keeps
-  the input), as largebatch.memory counts;
+* ``norm="rmsnorm"``: y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019), no bias; its
+  backward keeps the input only, as a LayerNorm's (it recomputes the normalised tensor; written out,
+  or through torch's composite kernel, it kept an fp32 copy of a 16-bit input and the normalised
+  tensor besides);
 * ``position="rope"``: rotary position embeddings (Su et al. 2021, eq. 34) applied to Q and K in
   each layer, in transformers' half-split layout (dimension i pairs with i + d/2), angle
   m * theta^(-2i/d) at position m. The rotation multiplies by constant tables, so it keeps nothing;
@@ -56,15 +56,46 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = round(x r) * g with r = 1 / sqrt(mean(x^2) + eps) per token, computed in fp32 for a 16-bit
+    x and rounded back to its dtype before the gain (transformers' LlamaRMSNorm). Backward keeps x, g
+    and r only -- a LayerNorm's input -- and recomputes x_hat = x r from them:
+        dL/dg = sum over tokens of dL/dy * round(x_hat),
+        dL/dx = r (u - x_hat mean(u x_hat)),  u = dL/dy * g (rounded to x's dtype, then fp32),
+    the derivative of x_hat_i = x_i r, as autograd would take it through the written-out ops (which
+    keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        r = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return (wide * r).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        x_hat = wide * r
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            u = (grad * weight).to(x.dtype).to(x_hat.dtype)
+            grad_x = (r * (u - x_hat * (u * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * x_hat.to(x.dtype)).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.RMSNorm):
-    """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g; torch's. A 16-bit input is
-    normalised in fp32, rounded back to its dtype, then scaled by the gain, as transformers'
-    LlamaRMSNorm does (so the result has the promoted dtype of the input and the gain)."""
+    """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, eq. 4),
+    torch's module and parameters. A 16-bit input is normalised in fp32, rounded back to its dtype,
+    then scaled by the gain, as transformers' LlamaRMSNorm does (the result has the promoted dtype of
+    the input and the gain). Its backward keeps the input only, as a LayerNorm's does, on any device
+    and in any dtype (``_RMSNormFunction``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.float16, torch.bfloat16):
-            return F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype) * self.weight
-        return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return _RMSNormFunction.apply(x, self.weight, eps)
 
 
 def norm_layer(config: ModelConfig) -> nn.Module:

@@ -21,8 +21,8 @@ parameter's ``Replicate()``) before the optimizers, the gradient norm and clippi
 for a LayerNorm's gain and bias and an RMSNorm's gain. Entering attention or the MLP all-gathers the
 sequence (reduce-scatter in backward), leaving it
 reduce-scatters instead of all-reducing (all-gather in backward): the same communication volume,
-and the norm/dropout activations of docs/papers.md: memory (LayerNorm inputs 4sbh, or what the RMSNorms
-keep, dropout masks 2sbh at 16 bits) are divided by t.
+and the norm/dropout activations of docs/papers.md: memory (LayerNorm or RMSNorm inputs 4sbh, dropout
+masks 2sbh at 16 bits) are divided by t.
 
 Everything no plan splits (the position embedding, LayerNorms outside SP, BERT's prediction head)
 runs whole on every rank with its parameters as replicated DTensors (``ReplicateParallel``).
