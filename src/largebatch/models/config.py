@@ -84,9 +84,9 @@ class ModelConfig:
     """LayerNorm or RMSNorm epsilon (GPT-2: 1e-5, BERT: 1e-12, Llama: 1e-5 or 1e-6)."""
     norm: Norm = "layernorm"
     """"layernorm" (GPT-2, BERT), or "rmsnorm": x / sqrt(mean(x^2) + eps) times a gain, no mean
-    and never a bias (Llama). RMSNorm keeps more for backward than LayerNorm's input: at 16 bits an
-    fp32 copy of its input beside the normalised tensor, as transformers' LlamaRMSNorm (counted by
-    the memory model, docs/memory.md)."""
+    and never a bias (Llama). Its backward keeps its input only, as LayerNorm's, recomputing the
+    normalised tensor (transformers' LlamaRMSNorm, written out op by op, keeps an fp32 copy of a
+    16-bit input and the normalised tensor besides: docs/memory.md)."""
     position: Position = "learned"
     """"learned": a learned position embedding added to the token embedding (GPT-2, BERT). "rope":
     rotary position embeddings applied to queries and keys in every layer, no position weights
