@@ -907,11 +907,25 @@ def abort_the_first_time_on_rank_one(marks: str) -> None:
         f.write("x")
 
 
-def raise_on_rank_one(marks: str) -> None:
-    """Rank 1 raises a Python error (no process group), counting its tries in a mark file."""
+def raise_then_abort_on_rank_one(marks: str) -> None:
+    """Rank 1 raises a Python error (no process group), counting its tries in a mark file, and then
+    aborts in its exit (as gloo's threads can abort an interpreter teardown): a Python failure."""
+    import atexit
+    import faulthandler
     import os
 
     if int(os.environ["RANK"]) == 1:
+        faulthandler.disable()
+        atexit.register(os.abort)
         with open(Path(marks) / "tries", "a") as f:
             f.write("x")
         raise ValueError("a Python error, not a crash")
+
+
+def sigkill_on_rank_one() -> None:
+    """Rank 1 is killed outright (SIGKILL, as the out-of-memory killer does): no stack, no error."""
+    import os
+    import signal
+
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)

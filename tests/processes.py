@@ -25,7 +25,7 @@ def spawn_again_after_a_native_crash(fn, nprocs: int, *args, before_again=None) 
     try:
         spawn(fn, nprocs, *args)
     except RankFailure as failure:
-        if not failure.crashes:
+        if not failure.crashes:  # (set where a native crash is named as the cause)
             raise
         warnings.warn(f"{fn.__name__} on {nprocs} ranks: {failure.line}; spawned once more", stacklevel=2)
         if before_again is not None:

@@ -34,7 +34,7 @@ def test_a_rank_killed_by_a_native_crash_is_named_and_leaves_its_python_stack(ca
         spawn(cases.abort_on_rank_one, 2)
     message = str(info.value)
     # named first, though rank 0's Python error (its collective losing the peer) is the only one written
-    assert message.startswith("rank 1 of 2 exited before finishing: killed by SIGABRT"), message
+    assert message.startswith("rank 1 of 2 exited before finishing: killed by SIGABRT (a native crash"), message
     assert "-- rank 0 raised:" in message and "failed first" not in message, message
     assert info.value.crashes == ((1, "SIGABRT"),)
     err = capfd.readouterr().err
@@ -53,9 +53,16 @@ def test_the_tests_spawn_again_after_a_native_crash_only(tmp_path):
     assert cleared == [True]
     # rank 1 got to the end once, in the second spawn (rank 0 may have finished in the first one too)
     assert (tmp_path / "finished_rank1").read_text() == "x" and (tmp_path / "finished_rank0").read_text() in ("x", "xx")
-    with pytest.raises(RankFailure, match="a Python error, not a crash"):
-        spawn_again_after_a_native_crash(cases.raise_on_rank_one, 2, str(tmp_path))
-    assert (tmp_path / "tries").read_text() == "x"
+    # a Python error is the cause, though the rank then died of SIGABRT in its exit: not retried
+    with pytest.raises(RankFailure) as info:
+        spawn_again_after_a_native_crash(cases.raise_then_abort_on_rank_one, 2, str(tmp_path))
+    assert str(info.value).startswith("rank 1 of 2 failed first") and "a Python error, not a crash" in str(info.value)
+    assert info.value.crashes == () and (tmp_path / "tries").read_text() == "x"
+    # SIGKILL (the out-of-memory killer's): named, no stack to point to, not a crash to retry
+    with pytest.raises(RankFailure) as info:
+        spawn_again_after_a_native_crash(cases.sigkill_on_rank_one, 2)
+    assert str(info.value).startswith("rank 1 of 2 exited before finishing: killed by SIGKILL (from outside")
+    assert info.value.crashes == ()
 
 
 def test_a_save_that_loses_a_peer_removes_its_temporary(tmp_path):

@@ -15,6 +15,7 @@ failure" report plays the same role); this is its single-machine, in-Python twin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import tempfile
@@ -26,7 +27,13 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from largebatch.parallel.mesh import RankFailure, _enable_faulthandler, end_process, leave_process_group
+from largebatch.parallel.mesh import (
+    _BACKEND_MARKERS,
+    RankFailure,
+    _enable_faulthandler,
+    end_process,
+    leave_process_group,
+)
 
 
 def free_port() -> int:
@@ -59,24 +66,48 @@ def _failures(error_dir: str) -> list[tuple[float, int, str]]:
     return sorted(found)
 
 
-def _native_crashes(context, first: int) -> list[tuple[int, str]]:
-    """(rank, signal name) of each rank that died of a signal of its own: the one seen first whatever
-    the signal, the others unless it is SIGTERM or SIGKILL (what the clean-up sends to the living)."""
-    crashed = []
+# signals a rank's own code or libraries end it with (a segfault, glibc's abort on a corrupted heap)
+NATIVE_CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
+
+
+def _killed(context, first: int, raised: set[int]) -> list[tuple[int, signal.Signals | int]]:
+    """(rank, signal) of each rank a signal ended with no Python error written: the one seen first
+    whatever the signal, the others only for a native crash (the clean-up SIGTERMs, then SIGKILLs,
+    the living). A rank that raised and then aborted in its interpreter teardown counts as raised."""
+    killed = []
     for rank, process in enumerate(context.processes):
         code = process.exitcode
-        if code is not None and code < 0 and (rank == first or -code not in (signal.SIGTERM, signal.SIGKILL)):
-            try:
-                crashed.append((rank, signal.Signals(-code).name))
-            except ValueError:
-                crashed.append((rank, f"signal {-code}"))
-    return crashed
+        if code is None or code >= 0 or rank in raised:
+            continue
+        try:
+            sig = signal.Signals(-code)
+        except ValueError:
+            sig = -code
+        if rank == first or sig in NATIVE_CRASHES:
+            killed.append((rank, sig))
+    return killed
+
+
+def _how(sig: signal.Signals | int) -> str:
+    name = sig.name if isinstance(sig, signal.Signals) else f"signal {sig}"
+    if sig in NATIVE_CRASHES:
+        return f"killed by {name} (a native crash: every thread's Python stack at the crash is on its stderr)"
+    if sig == signal.SIGKILL:
+        return f"killed by {name} (from outside the process, as the out-of-memory killer does; no stack)"
+    return f"killed by {name} (a signal from outside the process)"
+
+
+def _lost_a_peer(text: str) -> bool:
+    """Whether a rank's written error is a communication backend's (what a dead peer causes here)."""
+    return any(marker in text for marker in _BACKEND_MARKERS) or re.search(r"\bDist\w*Error\b", text) is not None
 
 
 def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; raise RankFailure naming the first that failed.
-    A rank killed by a native crash (SIGSEGV, SIGABRT) leaves no Python error, and its peers then
-    fail in their next collective ("Connection reset by peer"): the crash is named first."""
+    A rank killed by a signal (a native crash: SIGSEGV, SIGABRT; or SIGKILL) leaves no Python error,
+    and its peers then fail in their next collective ("Connection reset by peer"): the killed rank
+    is named first where it was seen first or every error written is such a lost peer's, and
+    ``RankFailure.crashes`` then lists the native crashes."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs = {nprocs!r}: must be a positive number of processes")
     with tempfile.TemporaryDirectory(prefix="largebatch-spawn-") as error_dir:
@@ -87,19 +118,21 @@ def spawn(fn: Callable, nprocs: int, *args, threads_per_rank: int = 1) -> None:
                 pass
             return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            crashed = _native_crashes(context, exc.error_index)
-            failures = _failures(error_dir)
-            if not failures and not crashed:  # ended without a Python exception or a signal (os._exit)
+            first, failures = exc.error_index, _failures(error_dir)
+            killed = _killed(context, first, {rank for _, rank, _ in failures})
+            if not failures and not killed:  # ended without a Python exception or a signal (os._exit)
                 raise RankFailure(f"rank {exc.error_index} of {nprocs} exited before finishing: "
                                   f"{exc}") from None
-        if crashed:
-            head = "; ".join(f"rank {rank} of {nprocs} exited before finishing: killed by {name}"
-                             for rank, name in crashed)
-            head += (" (a native crash: every thread's Python stack at the crash is on that rank's stderr;"
-                     " a peer's error that follows is the crash seen from the other side)")
+        # a signal is the cause where it was seen first, or where every error written is a lost peer's
+        if killed and (first in {rank for rank, _ in killed}
+                       or all(_lost_a_peer(text) for _, _, text in failures)):
+            head = "; ".join(f"rank {rank} of {nprocs} exited before finishing: {_how(sig)}"
+                             for rank, sig in killed)
             raised = "".join(f"\n-- rank {rank} raised:\n{text}" for _, rank, text in failures)
-            raise RankFailure(head + raised, crashes=tuple(crashed))
+            crashes = tuple((rank, sig.name) for rank, sig in killed if sig in NATIVE_CRASHES)
+            raise RankFailure(head + raised, crashes=crashes)
         first_time, first_rank, first_text = failures[0]
         others = "".join(f"\n-- then rank {rank} ({t - first_time:+.2f} s):\n{text}"
                          for t, rank, text in failures[1:])
+        others += "".join(f"\n-- and rank {rank} {_how(sig)}" for rank, sig in killed)
         raise RankFailure(f"rank {first_rank} of {nprocs} failed first:\n{first_text}{others}")

@@ -47,7 +47,8 @@ _OWN_GROUP = False  # ... and has not left it since (shutdown: a group a caller 
 class RankFailure(RuntimeError):
     """A rank of a distributed job failed; the message names the rank and the cause. ``line``: the
     same in one line (the error's first line, and which rank failed first where this one was taken
-    down by it). ``crashes``: (rank, signal name) of each rank a native crash killed (``spawn``)."""
+    down by it). ``crashes``: (rank, signal name) of each rank a native crash killed, where
+    ``spawn`` names that as the cause (empty otherwise)."""
 
     def __init__(self, message: str, line: str | None = None, crashes: tuple[tuple[int, str], ...] = ()):
         super().__init__(message)
