@@ -550,3 +550,10 @@ def test_the_memory_command_on_a_llama_config(tmp_path, capsys):
     assert "estimates and the plan: closed form" in out
     total = next(x for x in out.splitlines() if x.startswith("Per device, no recompute"))
     assert total.endswith(str(Setup(micro_batch=b, tp=2).estimate(sdpa_config, "none")))
+    # a budget the unsharded layers miss: what would fit is sharded (counted by the closed form)
+    big = llama_dict(n_layer=32, s=8192, h=4096, a=32, a_kv=8, f=14336, v=128256)
+    (tmp_path / "config.json").write_text(json.dumps(big))
+    assert memory_main(["--hf-config", str(tmp_path), "--attention", "sdpa", "--micro-batch", "1",
+                        "--seq-len", "4096", "--budget-gib", "40"]) == 1  # (nothing fits as it is)
+    fits = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Would fit"))
+    assert "--tp 2 --sequence-parallel" in fits or "--tp 4 --sequence-parallel" in fits, fits

@@ -78,6 +78,38 @@ def test_rmsnorm_gradients_match_the_formula_and_backward_keeps_its_input_only(d
     assert saved[2].shape == (3, 5, 1) and saved[2].dtype == stat_dtype
 
 
+def test_rmsnorm_takes_what_torch_s_takes():
+    """The arguments torch's nn.RMSNorm takes give its values and gradients: a 2-D normalized_shape,
+    a 1-D input, no gain (elementwise_affine=False), eps=None (the finfo eps of the dtype the norm
+    works in: fp32 for a 16-bit input); a second backward raises instead of going wrong (1/rms is
+    kept as a constant)."""
+    from largebatch.models.layers import RMSNorm
+
+    torch.manual_seed(0)
+    for shape, x_shape, affine in (((4, 8), (3, 4, 8), True), (8, (8,), True), (8, (3, 8), False)):
+        ours, theirs = RMSNorm(shape, elementwise_affine=affine), torch.nn.RMSNorm(shape, elementwise_affine=affine)
+        if affine:
+            with torch.no_grad():
+                ours.weight.uniform_(0.5, 1.5)
+                theirs.weight.copy_(ours.weight)
+        x = torch.randn(x_shape, dtype=torch.float64).float().requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        grad = torch.randn(x_shape)
+        ours(x).backward(grad)
+        theirs(x2).backward(grad)
+        torch.testing.assert_close(ours(x), theirs(x2), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+        if affine:
+            torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-6)
+    x = torch.randn(3, 8, dtype=torch.bfloat16) * 1e-3  # eps decides here: bf16's finfo eps is 7.8e-3
+    expected = torch.nn.functional.rms_norm(x.float(), (8,)).to(torch.bfloat16)
+    assert torch.equal(RMSNorm(8, elementwise_affine=False)(x), expected)
+    x = torch.randn(3, 8, requires_grad=True)
+    (first,) = torch.autograd.grad(RMSNorm(8)(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        first.sum().backward()
+
+
 def _rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
     """x (..., T, d) float64: dimension i and i + d/2 form z = x_i + j x_{i+d/2}; z * exp(j m theta_i)."""
     T, d = x.shape[-2:]

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "dp, so the prediction is per rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama "
                    "(Mistral, Qwen2) config.json (or a directory holding one); also prints what "
-                   "transformers' eager layers keep")
+                   "transformers' eager layers keep (and a Llama's sdpa layers, with --attention sdpa)")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
                        help=f"override the preset's {field}")

@@ -3,8 +3,8 @@ recompute FLOPs whose memory fits a per-device budget (Korthikanti et al. 2022 Â
 recomputation first, then full recomputation on only as many layers as needed).
 
 Memory comes from estimate() (activations of the first pipeline stage + model state), or for a
-transformers eager model (``Setup.hf_activation``) with its layers counted by the measured
-transformers terms (largebatch.memory.hf, docs/memory.md); the cost of a
+transformers eager model, or an unsharded sdpa Llama-family one (``Setup.hf_activation``), with its
+layers counted by the measured transformers terms (largebatch.memory.hf, docs/memory.md); the cost of a
 mix is its hardware FLOPs minus model FLOPs (largebatch.models.flops). Layers are interchangeable,
 so a mix is just (n_full, n_selective, n_none) per pipeline stage. The op-level policy is left out:
 it recomputes no matmuls, so FLOPs cannot rank it -- measure it (benchmarks/recompute.py).
@@ -180,7 +180,10 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
     to another pp), rather than the command's default 2 pp (which follows the pp)."""
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.kv_heads % t == 0]  # (| n_head too)
     pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
-    if setup.hf_activation is not None:  # transformers' eager layers: ZeRO only
+    # transformers' eager layers: ZeRO only; its sdpa Llama layers sharded: counted by the closed form
+    # (as `largebatch memory` counts them), unsharded by their terms
+    sdpa_llama = setup.hf_activation in LLAMA_ACTIVATIONS and config.attention != "explicit"
+    if setup.hf_activation is not None and not sdpa_llama:
         tps, pps = [1], [1]
     zeros = range(setup.zero_stage, 4 if setup.dp > 1 else setup.zero_stage + 1)
     grid = sorted(((tp * pp, tp, pp, z) for tp in tps for pp in pps for z in zeros))
@@ -201,6 +204,8 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
             continue
         changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero, pp_micro_batches=m,
                           sequence_parallel=setup.sequence_parallel or splits)
+        if sdpa_llama and (tp > 1 or pp > 1 or changed.sequence_parallel):
+            changed = replace(changed, hf_activation=None)
         try:
             fits = changed.estimate(config, "full").total <= budget_bytes
         except ValueError:  # the schedule cannot run at this pp

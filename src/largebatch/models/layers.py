@@ -56,46 +56,59 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """y = round(x r) * g with r = 1 / sqrt(mean(x^2) + eps) per token, computed in fp32 for a 16-bit
-    x and rounded back to its dtype before the gain (transformers' LlamaRMSNorm). Backward keeps x, g
-    and r only -- a LayerNorm's input -- and recomputes x_hat = x r from them:
+    """y = round(x r) * g with r = 1 / sqrt(mean(x^2) + eps) per token (over the last ``dims``),
+    computed in fp32 for a 16-bit x and rounded back to its dtype before the gain (transformers'
+    LlamaRMSNorm). Backward keeps x, g and r only -- a LayerNorm's input -- and recomputes x_hat = x r:
         dL/dg = sum over tokens of dL/dy * round(x_hat),
         dL/dx = r (u - x_hat mean(u x_hat)),  u = dL/dy * g (rounded to x's dtype, then fp32),
     the derivative of x_hat_i = x_i r, as autograd would take it through the written-out ops (which
-    keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits)."""
+    keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits).
+    First derivatives only (r is kept as a constant): a second backward raises."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        r = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int) -> torch.Tensor:
+        wide = x.float() if x.dtype in _HALF else x
+        eps = torch.finfo(wide.dtype).eps if eps is None else eps  # (nn.RMSNorm's, of the dtype it works in)
+        axes = tuple(range(-dims, 0))
+        r = torch.rsqrt(wide.pow(2).mean(axes, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
-        return (wide * r).to(x.dtype) * weight
+        ctx.axes = axes
+        y = (wide * r).to(x.dtype)
+        return y if weight is None else y * weight
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight, r = ctx.saved_tensors
-        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        wide = x.float() if x.dtype in _HALF else x
         x_hat = wide * r
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            u = (grad * weight).to(x.dtype).to(x_hat.dtype)
-            grad_x = (r * (u - x_hat * (u * x_hat).mean(-1, keepdim=True))).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * x_hat.to(x.dtype)).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
-        return grad_x, grad_weight, None
+            u = (grad if weight is None else grad * weight).to(x.dtype).to(x_hat.dtype)
+            grad_x = (r * (u - x_hat * (u * x_hat).mean(ctx.axes, keepdim=True))).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (grad * x_hat.to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
+        return grad_x, grad_weight, None, None
 
 
 class RMSNorm(nn.RMSNorm):
     """Root-mean-square norm, y = x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, eq. 4),
     torch's module and parameters. A 16-bit input is normalised in fp32, rounded back to its dtype,
     then scaled by the gain, as transformers' LlamaRMSNorm does (the result has the promoted dtype of
-    the input and the gain). Its backward keeps the input only, as a LayerNorm's does, on any device
-    and in any dtype (``_RMSNormFunction``)."""
+    the input and the gain). Its backward keeps the input only, as a LayerNorm's does
+    (``_RMSNormFunction``, which recomputes the normalised tensor). On a GPU an input of the gain's
+    32- or 64-bit dtype (a bf16 autocast run's fp32 residual stream) goes to torch's fused kernel,
+    which keeps the same (its input and 1/rms: not measured here, benchmarks/gpu_check.sh does) in
+    one kernel each way."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return _RMSNormFunction.apply(x, self.weight, eps)
+        if x.device.type == "cuda" and x.dtype not in _HALF and (self.weight is None or x.dtype == self.weight.dtype):
+            return super().forward(x)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))
 
 
 def norm_layer(config: ModelConfig) -> nn.Module:
