@@ -81,8 +81,8 @@ def test_rmsnorm_gradients_match_the_formula_and_backward_keeps_its_input_only(d
 def test_rmsnorm_takes_what_torch_s_takes():
     """The arguments torch's nn.RMSNorm takes give its values and gradients: a 2-D normalized_shape,
     a 1-D input, no gain (elementwise_affine=False), eps=None (the finfo eps of the dtype the norm
-    works in: fp32 for a 16-bit input); a second backward raises instead of going wrong (1/rms is
-    kept as a constant)."""
+    works in: fp32 for a 16-bit input); second derivatives (backward is written in differentiable
+    ops: a Hessian-vector product, a gradient penalty) and torch.func's grad and vmap."""
     from largebatch.models.layers import RMSNorm
 
     torch.manual_seed(0)
@@ -104,10 +104,27 @@ def test_rmsnorm_takes_what_torch_s_takes():
     x = torch.randn(3, 8, dtype=torch.bfloat16) * 1e-3  # eps decides here: bf16's finfo eps is 7.8e-3
     expected = torch.nn.functional.rms_norm(x.float(), (8,)).to(torch.bfloat16)
     assert torch.equal(RMSNorm(8, elementwise_affine=False)(x), expected)
-    x = torch.randn(3, 8, requires_grad=True)
-    (first,) = torch.autograd.grad(RMSNorm(8)(x).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        first.sum().backward()
+    ours, theirs = RMSNorm((4, 8)).double(), torch.nn.RMSNorm((4, 8)).double()
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    second = []
+    for norm in (ours, theirs):  # d/d(x, g) of |dL/dx|^2, L = sum(y^2)
+        (first,) = torch.autograd.grad(norm(x).pow(2).sum(), x, create_graph=True)
+        second.append(torch.autograd.grad(first.pow(2).sum(), (x, norm.weight)))
+    for a, b in zip(*second):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert torch.autograd.gradgradcheck(lambda x, g: _rms(x, g), (x, ours.weight.detach().requires_grad_()))
+    f = lambda v: ours(v).pow(2).sum()  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(f)(x.detach()), torch.autograd.grad(f(x), x)[0], rtol=0, atol=0)
+    assert torch.equal(torch.func.vmap(ours)(x.detach()), ours(x.detach()))
+
+
+def _rms(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    from largebatch.models.layers import _RMSNormFunction
+
+    return _RMSNormFunction.apply(x, g, 1e-6, 2)[0]
 
 
 def _rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:

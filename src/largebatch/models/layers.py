@@ -60,36 +60,51 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """y = round(x r) * g with r = 1 / sqrt(mean(x^2) + eps) per token (over the last ``dims``),
+    """(y, r): y = round(x r) * g with r = 1 / sqrt(mean(x^2) + eps) per token (over the last ``dims``),
     computed in fp32 for a 16-bit x and rounded back to its dtype before the gain (transformers'
-    LlamaRMSNorm). Backward keeps x, g and r only -- a LayerNorm's input -- and recomputes x_hat = x r:
+    LlamaRMSNorm). Backward keeps x, g and r only -- a LayerNorm's input and one statistic -- and
+    recomputes x_hat = x r from them:
         dL/dg = sum over tokens of dL/dy * round(x_hat),
         dL/dx = r (u - x_hat mean(u x_hat)),  u = dL/dy * g (rounded to x's dtype, then fp32),
     the derivative of x_hat_i = x_i r, as autograd would take it through the written-out ops (which
     keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits).
-    First derivatives only (r is kept as a constant): a second backward raises."""
+    Under create_graph backward recomputes r from x too, in differentiable ops, so second
+    derivatives (a gradient penalty, a Hessian-vector product) are exact; torch.func takes it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int) -> torch.Tensor:
+    def _normalised(x: torch.Tensor, eps: float | None, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
         wide = x.float() if x.dtype in _HALF else x
         eps = torch.finfo(wide.dtype).eps if eps is None else eps  # (nn.RMSNorm's, of the dtype it works in)
-        axes = tuple(range(-dims, 0))
-        r = torch.rsqrt(wide.pow(2).mean(axes, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, r)
-        ctx.axes = axes
-        y = (wide * r).to(x.dtype)
-        return y if weight is None else y * weight
+        r = torch.rsqrt(wide.pow(2).mean(tuple(range(-dims, 0)), keepdim=True) + eps)
+        return wide * r, r
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
+    def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int):
+        x_hat, r = _RMSNormFunction._normalised(x, eps, dims)
+        y = x_hat.to(x.dtype)
+        return (y if weight is None else y * weight), r
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, eps, dims = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.eps, ctx.dims = eps, dims
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
         x, weight, r = ctx.saved_tensors
-        wide = x.float() if x.dtype in _HALF else x
-        x_hat = wide * r
+        if torch.is_grad_enabled():  # create_graph: r as a function of x, for second derivatives
+            x_hat, r = _RMSNormFunction._normalised(x, ctx.eps, ctx.dims)
+        else:
+            x_hat = (x.float() if x.dtype in _HALF else x) * r
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
             u = (grad if weight is None else grad * weight).to(x.dtype).to(x_hat.dtype)
-            grad_x = (r * (u - x_hat * (u * x_hat).mean(ctx.axes, keepdim=True))).to(x.dtype)
+            axes = tuple(range(-ctx.dims, 0))
+            grad_x = (r * (u - x_hat * (u * x_hat).mean(axes, keepdim=True))).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (grad * x_hat.to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
         return grad_x, grad_weight, None, None
@@ -108,7 +123,7 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda" and x.dtype not in _HALF and (self.weight is None or x.dtype == self.weight.dtype):
             return super().forward(x)
-        return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))
+        return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))[0]
 
 
 def norm_layer(config: ModelConfig) -> nn.Module:
