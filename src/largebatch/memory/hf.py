@@ -374,7 +374,7 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
     or "swish" for a Llama-family ``config``, counted by llama_layer_bytes, eager or sdpa as
     ``config.attention`` says)."""
     if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={recompute!r}: transformers' eager layers are counted for "
+        raise ValueError(f"recompute={recompute!r}: transformers' layers are counted for "
                          "none, selective and full only.")
     check_activation(activation)
     llama_layer = config.activation == "swiglu" and config.norm == "rmsnorm" and config.position == "rope"
