@@ -427,9 +427,9 @@ def test_a_padded_embedding_keeps_its_rows_and_a_larger_tokenizer_is_refused(hf_
 def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys):
     dirs, _ = hf_dirs
     out = f"--run.out_dir={tmp_path / 'run'}"
-    qwen = tmp_path / "qwen2"
-    qwen.mkdir()
-    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_key_value_heads": 2}))
+    mixtral = tmp_path / "mixtral"
+    mixtral.mkdir()
+    (mixtral / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_key_value_heads": 2}))
     no_weights = tmp_path / "no-weights"
     shutil.copytree(dirs["gpt"], no_weights)
     (no_weights / "model.safetensors").unlink()
@@ -457,7 +457,7 @@ def test_bad_directories_are_one_line_before_training(hf_dirs, tmp_path, capsys)
              ((f"--model.init_from=hf:{lost_shard}", "--check"),
               ["model.safetensors.index.json names model-00002-of-00003.safetensors, which does not exist",
                "copy every shard"]),
-             ((f"--model.init_from=hf:{qwen}",), ["model_type='qwen2'", "biases on q, k and v", "gpt2", "llama"]),
+             ((f"--model.init_from=hf:{mixtral}",), ["model_type='mixtral'", "mixture-of-experts", "gpt2", "qwen2"]),
              ((f"--model.init_from=hf:{dirs['gpt']}", "--model.n_layer=3"),
               ["model.n_layer=3", "has 2", "remove model.n_layer"]),
              (("bert-lans-demo", f"--model.init_from=hf:{dirs['bert']}"),

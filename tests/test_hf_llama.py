@@ -121,6 +121,40 @@ def test_a_tied_bias_free_multi_query_model_goes_out_and_back_unchanged(tmp_path
         assert torch.equal(a, b), name
 
 
+def test_a_qwen2_layout_goes_out_as_qwen2_and_back_unchanged(tmp_path):
+    """Biases on q, k and v alone (model.bias=False, model.qkv_bias=True), untied, 2 key/value heads:
+    the export is a Qwen2ForCausalLM computing largebatch's logits (LlamaForCausalLM, whose biases are
+    on every Linear layer or none, is refused for it), and init_from of it builds the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.integrations.hf_export import save_hf
+    from largebatch.models.config import hf_model_type_problem
+
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48, seq_len=16, vocab_size=64,
+                      bias=False, qkv_bias=True, tie_embeddings=False, norm_eps=1e-6, rope_theta=1e6,
+                      **{k[6:]: v for k, v in LLAMA.items()})
+    assert default_hf_model_type(cfg) == "qwen2"
+    problem = hf_model_type_problem(cfg.replace(hf_model_type="llama"))
+    assert "model.bias=False, model.qkv_bias=True" in problem and "model.hf_model_type='qwen2'" in problem, problem
+    ours = _scrambled(cfg)
+    assert save_hf(ours, None, tmp_path / "out")["architecture"] == "Qwen2ForCausalLM"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["use_sliding_window"], config["num_key_value_heads"]) == ("qwen2", False, 2)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.model.layers[0].self_attn.o_proj.bias is None
+    torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.bias, ours.blocks[1].attn.k.bias, rtol=0, atol=0)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ours(idx)[0]
+        assert expected.abs().max() > 1.0
+        torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-5)
+    back = build_model(model_fields_config(tmp_path / "out"))
+    init_from_pretrained(back)
+    assert back.config.replace(init_from=None, hf_model_type=None) == cfg
+    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def model_fields_config(path: Path) -> ModelConfig:
     """The ModelConfig model.init_from builds for ``path`` (no tokenizer needed: model fields only)."""
     fields = model_fields(path)
@@ -128,17 +162,25 @@ def model_fields_config(path: Path) -> ModelConfig:
     return ModelConfig(init_from=f"hf:{path}", **fields)
 
 
-def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, mistral: bool = False, **config):
-    """A LlamaForCausalLM (or MistralForCausalLM) built and saved by transformers, weights scrambled:
-    4 query heads on 1 key/value head, tied, rope_theta 20000, eps 1e-5."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: str = "llama", **config):
+    """A LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM: q/k/v biases) built and saved by
+    transformers, weights scrambled: 4 query heads on 1 key/value head, tied, rope_theta 20000, eps 1e-5."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=1, max_position_embeddings=48, rms_norm_eps=1e-5, rope_theta=2e4,
                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **config)
     torch.manual_seed(0)
-    hf = (MistralForCausalLM(MistralConfig(sliding_window=None, **shape)) if mistral else
-          LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **shape)))
+    hf = {"mistral": lambda: MistralForCausalLM(MistralConfig(sliding_window=None, **shape)),
+          "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **shape)),
+          "llama": lambda: LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **shape))}[family]()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -149,20 +191,22 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, mistral: b
     return hf.eval()
 
 
-@pytest.mark.parametrize("mistral", [False, True])
-def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_on(llama_run, cache, mistral, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_on(llama_run, cache, family, tmp_path):
     from largebatch.data import build_data
 
     tokenizer = llama_run / "tokenizer.json"
     vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
     V = len(vocab)
     directory = tmp_path / "hf"
-    hf = _llama_dir(directory, V, tokenizer, mistral=mistral)
+    hf = _llama_dir(directory, V, tokenizer, family=family)
     cfg = load_config(None, {"model.init_from": f"hf:{directory}"})
     m = cfg.model
     assert (m.kind, m.norm, m.position, m.activation, m.norm_position) == ("gpt", "rmsnorm", "rope", "swiglu", "pre")
     assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.ffn, m.seq_len, m.vocab_size) == (2, 32, 4, 1, 48, 48, V)
-    assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings, m.hf_model_type) == (2e4, 1e-5, False, True, "llama")
+    assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings) == (2e4, 1e-5, False, True)
+    # Qwen2: biases on q, k and v alone, and it exports as Qwen2 (a window-free Mistral as Llama)
+    assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else (False, "llama"))
     assert cfg.data.tokenizer_file == str(directory / "tokenizer.json")
     model = build_model(m)
     init_from_pretrained(model)
@@ -185,9 +229,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     for ours_grad, theirs_grad in ((model.blocks[1].attn.k.weight.grad, layer.self_attn.k_proj.weight.grad),
                                    (model.blocks[1].mlp.gate.weight.grad, layer.mlp.gate_proj.weight.grad),
                                    (model.blocks[0].ln1.weight.grad, hf.model.layers[0].input_layernorm.weight.grad),
-                                   (model.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad)):
+                                   (model.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad),
+                                   *(((model.blocks[1].attn.v.bias.grad, layer.self_attn.v_proj.bias.grad),)
+                                     if family == "qwen2" else ())):
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
-    if mistral:
+    if family != "llama":
         return  # (the same network: the training below runs once)
     # untied on request (pipeline parallel needs it): the output layer starts as a copy, same logits
     untied = build_model(load_config(None, {"model.init_from": f"hf:{directory}", "model.tie_embeddings": False}).model)
@@ -235,7 +281,8 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
              "gelu": ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
              "partial": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
              "window": ({"model_type": "mistral", "sliding_window": 16}, ["sliding_window=16", "below"]),
-             "qwen2": ({"model_type": "qwen2"}, ["model_type='qwen2'", "biases on q, k and v", "llama"])}
+             "qwen2-window": ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+                               "max_window_layers": 0}, ["sliding_window=16", "below"])}
     for name, (changes, words) in cases.items():
         with pytest.raises(ConfigError) as err:
             model_fields(_variant(tmp_path, source, name, **changes))

@@ -494,7 +494,17 @@ def test_llama_family_configs():
     mistral = config_from_hf(transformers.MistralConfig(sliding_window=None).to_dict())
     assert (mistral.kv_heads, mistral.ffn, mistral.seq_len) == (8, 14336, 131072)
     assert config_from_hf(transformers.MistralConfig(sliding_window=131072).to_dict()) == mistral
-    assert config_from_hf(transformers.Qwen2Config(num_key_value_heads=4).to_dict()).kv_heads == 4
+    qwen = config_from_hf(transformers.Qwen2Config(num_key_value_heads=4).to_dict())
+    assert qwen.kv_heads == 4 and (qwen.bias, qwen.qkv_biased) == (False, True)
+    # the parameter count: a real tiny Qwen2ForCausalLM's, its q/k/v biases included
+    from largebatch.memory.estimate import stage_parameters
+
+    for tied in (True, False):
+        raw = llama_dict("qwen2", n_layer=2, tie_word_embeddings=tied)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{
+            k: v for k, v in raw.items() if k not in ("model_type", "layer_types")}))
+        counted = {id(p): p.numel() for p in model.parameters()}  # (a tied matrix once)
+        assert stage_parameters(config_from_hf(raw)) == sum(counted.values())
     # no model_type: the architecture names it
     assert config_from_hf({**llama_dict(), "model_type": None, "architectures": ["LlamaForCausalLM"]}) == \
         config_from_hf(llama_dict())

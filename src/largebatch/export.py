@@ -23,8 +23,8 @@ Options:
   --checkpoint STEP    export the run's checkpoint at optimizer step STEP (or give its name,
                        step_00000100.pt, or its path) instead of the newest; the run keeps the newest
                        run.keep_checkpoints of them
-  --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2
-                       or llama (GPT; by default the one computing the run's blocks), bert,
+  --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2,
+                       llama or qwen2 (GPT; by default the one computing the run's blocks), bert,
                        roberta, xlm-roberta or camembert (post-LN BERT)
   --ema                export the run's weight average (run.ema_decay) instead of its weights; an
                        error when the checkpoint holds none

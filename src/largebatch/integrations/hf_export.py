@@ -13,7 +13,9 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   attention as ``num_key_value_heads``, ``head_dim`` = n_embd / n_head, ``attention_bias`` =
   ``mlp_bias`` = model.bias, ``rope_theta``, ``rms_norm_eps``, ``max_position_embeddings`` = seq_len.
   Llama has dropout on the attention probabilities only: ``attention_dropout`` = model.dropout, and
-  the embedding and residual dropout have no place (the same logits in eval). A mixed layout (rope
+  the embedding and residual dropout have no place (the same logits in eval). With biases on q, k
+  and v alone (model.bias=False, model.qkv_bias=True) -> Qwen2ForCausalLM (Yang et al. 2024), the
+  default type of such a model: the same names, the three biases too, no sliding window. A mixed layout (rope
   with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
   GPT-2) maps to no transformers architecture and is refused naming its fields
   (models.config.hf_layout_problem); the trainer refuses it before training when
@@ -149,7 +151,7 @@ def roberta_pad(cfg: ModelConfig, special: dict[str, int]) -> int:
 
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
-    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig
+    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
@@ -165,6 +167,15 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                            attention_dropout=cfg.dropout, **tokens, **common)
         # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
         # the tools that read Llama configs without it) expect, or they would rotate with 10000
+        config.rope_theta = float(cfg.rope_theta)
+        return config
+    if hf_model_type(cfg) == "qwen2":  # Llama's blocks with biases on q, k and v only; no sliding window
+        config = Qwen2Config(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
+                             num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                             hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
+                             rms_norm_eps=cfg.norm_eps, rope_theta=float(cfg.rope_theta),
+                             use_sliding_window=False, sliding_window=None, attention_dropout=cfg.dropout,
+                             **tokens, **common)
         config.rope_theta = float(cfg.rope_theta)
         return config
     if cfg.kind == "gpt":
@@ -228,8 +239,9 @@ LLAMA_NAMES = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), (
 
 
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
-    """Llama-style largebatch GPT parameters under LlamaForCausalLM's names (biases where model.bias;
-    RMSNorm has none). The rotary tables are buffers, not weights: transformers builds its own."""
+    """Llama-style largebatch GPT parameters under LlamaForCausalLM's (and Qwen2ForCausalLM's) names
+    (biases where the model has them: every Linear layer's, or q, k and v's; RMSNorm has none). The
+    rotary tables are buffers, not weights: transformers builds its own."""
     cfg: ModelConfig = model.config
     s = {k: v.detach().float() for k, v in model.state_dict().items()}
     out = {"model.embed_tokens.weight": s["tok_emb.weight"], "model.norm.weight": s["ln_f.weight"],
@@ -287,12 +299,13 @@ def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
 
 def hf_model(model, special: dict[str, int]):
     """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
-    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
+    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
     cfg: ModelConfig = model.config
     config = hf_config(cfg, special)
-    if config.model_type == "llama":
-        hf, state = LlamaForCausalLM(config), llama_state_dict(model)
+    if config.model_type in ("llama", "qwen2"):  # (Qwen2's names are Llama's, its q/k/v biases too)
+        hf = (LlamaForCausalLM if config.model_type == "llama" else Qwen2ForCausalLM)(config)
+        state = llama_state_dict(model)
     elif cfg.kind == "gpt":
         hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)
     else:  # BertForMaskedLM or the RoBERTa family's, by config.model_type

@@ -70,9 +70,9 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     kv = config.kv_heads * config.head_dim  # the k and v projections' width (h unless grouped)
     mlp_in = 2 if config.activation == "swiglu" else 1  # h -> f matrices: fc1 (and the gate)
     spec = model_spec(config.kind)
-    bias = 1 if config.bias else 0
+    bias, qkv_bias = (1 if config.bias else 0), (1 if config.qkv_biased else 0)
     # q, k, v, proj, the MLP's h x f matrices and fc2 (+ the column-parallel biases)
-    split = 2 * h * h + 2 * h * kv + (mlp_in + 1) * h * f + bias * (h + 2 * kv + mlp_in * f)
+    split = 2 * h * h + 2 * h * kv + (mlp_in + 1) * h * f + qkv_bias * (h + 2 * kv) + bias * mlp_in * f
     replicated = bias * 2 * h + spec.layer_norms * norm_parameters(config)  # proj and fc2 biases, the norms
     n = config.n_layer // pp * (split / tp + replicated)
     if first:  # token embeddings, and learned position embeddings

@@ -294,8 +294,8 @@ def _llama_config(raw: dict) -> ModelConfig:
     """A Llama / Mistral / Qwen2 config.json as the Llama-style GPT (llama_fields, shared with
     ``model.init_from``). Unlike the import, a scaled rope (its angles change no kept tensor: a YaRN
     config kept the unscaled one's bytes exactly) and unequal biases (they keep nothing: only the
-    parameter count sees them) are read: ``model.bias`` is attention_bias or mlp_bias (Qwen2's q/k/v
-    biases, h + 2 h_kv values a layer, are left out of the parameter count). ``attention_dropout``
+    parameter count sees them) are read: ``model.bias`` is attention_bias or mlp_bias, and Qwen2's
+    biases on q, k and v alone are model.qkv_bias (as ``model.init_from`` reads them). ``attention_dropout``
     is model.dropout, the layers' only dropout (the whole-model count's embedding mask, s b h bytes
     with dropout on, is one transformers' Llama does not keep)."""
     def refuse(what: str, why: str) -> ValueError:
@@ -306,6 +306,7 @@ def _llama_config(raw: dict) -> ModelConfig:
     return ModelConfig(**fields, rope_theta=rope_theta(raw, refuse, scaled=True),
                        vocab_size=_field(raw, "vocab_size"), dropout=_dropout(raw, ("attention_dropout",), 0.0),
                        bias=bool(raw.get("attention_bias") or raw.get("mlp_bias")),
+                       qkv_bias=True if raw.get("model_type") == "qwen2" else None,
                        tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
 

@@ -20,20 +20,28 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
-HfModelType = Literal["gpt2", "llama", "bert", "roberta", "xlm-roberta", "camembert"]
+HfModelType = Literal["gpt2", "llama", "qwen2", "bert", "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2", "llama"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but Llama's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
 # LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
-# SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3)
+# SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
+# Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
+# q, k and v only. (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
 HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
-                  "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",)},
+                  "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
+                            "biases": ("all", "none")},
+                  "qwen2": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
+                            "biases": ("qkv",)},
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
                                              "heads as query heads"),
-                 "llama": ("LlamaForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP"),
+                 "llama": ("LlamaForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on "
+                                               "every Linear layer or none"),
+                 "qwen2": ("Qwen2ForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on q, "
+                                               "k and v only"),
                  **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query heads")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
                                     ("camembert", "Camembert"))}}
@@ -72,7 +80,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the token embedding matrix with the output projection (GPT-2 and BERT do)."""
     bias: bool = True
-    """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming: False)."""
+    """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming, Llama: False)."""
+    qkv_bias: bool | None = None
+    """Biases on the q, k and v projections alone; None follows ``bias``. Qwen2: true with bias false
+    (its other Linear layers and its RMSNorms have none)."""
     attention: Attention = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
@@ -102,14 +113,16 @@ class ModelConfig:
     8/3 h (set ffn_hidden), which keeps the parameters of the 4 h GeLU MLP."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), post-LN
+    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), Qwen2ForCausalLM
+    (without a sliding window), post-LN
     BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM directory
     (config.json + model.safetensors, pytorch_model.bin, or a sharded checkpoint's index and
     shards). The shape fields above and data.tokenizer_file then come from it
     (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
     hf_model_type: HfModelType | None = None
     """The transformers model_type `largebatch export --format hf` writes (None: for GPT "llama"
-    when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), else "gpt2";
+    when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "qwen2" for
+    that layout with biases on q, k and v alone (bias=False, qkv_bias=True), else "gpt2";
     "bert" for BERT). Set, it is checked before training against the blocks it computes (GPT-2 and
     BERT: LayerNorm, learned positions, GeLU, n_kv_head = n_head; Llama: RMSNorm, rope, SwiGLU);
     unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
@@ -165,6 +178,18 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
     @property
+    def qkv_biased(self) -> bool:
+        """Whether q, k and v have biases: qkv_bias, or bias when that is None."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def biases(self) -> str:
+        """Which Linear layers have biases: "all", "none", "qkv" (q, k and v only: Qwen2) or
+        "all-but-qkv"."""
+        return {(True, True): "all", (False, False): "none", (False, True): "qkv",
+                (True, False): "all-but-qkv"}[(self.bias, self.qkv_biased)]
+
+    @property
     def kv_heads(self) -> int:
         """The key/value heads actually used: n_kv_head, or n_head when that is None."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -179,22 +204,31 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# the types whose attention may have fewer key/value heads than query heads
+GROUPED_TYPES = ("llama", "qwen2")
+# the settings giving each "biases" a type computes
+BIAS_SETTINGS = {("all", "none"): "model.qkv_bias=None (biases on every Linear layer, or none)",
+                 ("qkv",): "model.bias=False, model.qkv_bias=True"}
+
+
 def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
     """The settings of ``cfg`` (as "model.name=value") that transformers' ``model_type`` does not
     compute (HF_TYPE_FIELDS); [] when its blocks are ``cfg``'s."""
     fields = HF_TYPE_FIELDS.get(model_type, {})
     off = [f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
            if getattr(cfg, name) not in values]
-    if model_type != "llama" and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
+    off = [x if not x.startswith("model.biases=") else f"model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}"
+           for x in off]
+    if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
         off.append(f"model.n_kv_head={cfg.n_kv_head!r}")
     return off
 
 
 def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
     """The settings that make ``cfg`` a ``model_type`` layout ("model.norm='rmsnorm', ...")."""
-    want = [f"model.{name}=" + " or ".join(map(repr, values)) for name, values in HF_TYPE_FIELDS[model_type].items()
-            if getattr(cfg, name) not in values]
-    if model_type != "llama" and cfg.kv_heads != cfg.n_head:
+    want = [BIAS_SETTINGS[values] if name == "biases" else f"model.{name}=" + " or ".join(map(repr, values))
+            for name, values in HF_TYPE_FIELDS[model_type].items() if getattr(cfg, name) not in values]
+    if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:
         want.append("model.n_kv_head=None")
     return ", ".join(want)
 

@@ -234,9 +234,9 @@ class Attention(nn.Module):
         h, kv = config.n_embd, config.kv_heads * config.head_dim
         self.head_dim = config.head_dim
         # separate q/k/v (not one fused qkv) so tensor parallelism can shard each by output rows
-        self.q = nn.Linear(h, h, bias=config.bias)
-        self.k = nn.Linear(h, kv, bias=config.bias)
-        self.v = nn.Linear(h, kv, bias=config.bias)
+        self.q = nn.Linear(h, h, bias=config.qkv_biased)
+        self.k = nn.Linear(h, kv, bias=config.qkv_biased)
+        self.v = nn.Linear(h, kv, bias=config.qkv_biased)
         self.rotary = Rotary(config) if config.position == "rope" else None
         self.core = CoreAttention(config)
         self.proj = nn.Linear(h, h, bias=config.bias)

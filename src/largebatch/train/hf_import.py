@@ -33,7 +33,10 @@ renaming and reshapes run backwards:
   num_attention_heads, a ``hidden_act`` other than "silu". MistralForCausalLM (``"mistral"``) is
   the same network without biases; it maps where its ``sliding_window`` is null or covers the whole
   context (>= max_position_embeddings), and exports back as LlamaForCausalLM (hf_model_type
-  "llama": the same function).
+  "llama": the same function). Qwen2ForCausalLM (``"qwen2"``; Yang et al. 2024) is Llama's network
+  with biases on q_proj, k_proj and v_proj only: model.bias=False, model.qkv_bias=True, the same
+  names (the three biases too); it maps without a sliding window (``use_sliding_window`` false, no
+  sliding ``layer_types``) and exports back as Qwen2ForCausalLM.
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -62,7 +65,7 @@ import torch
 from largebatch.memory.hf import (
     BERT_LAYOUTS,
     HF_DROPOUTS,
-    LLAMA_TYPES,
+    LLAMA_LAYOUTS,
     ROBERTA_LAYOUTS,
     UNSUPPORTED,
     bert_positions,
@@ -82,6 +85,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
+                "qkv_bias",
                 "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", "activation",
                 "hf_model_type")
 # fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
@@ -90,8 +94,6 @@ HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": 
 # Llama's relatives, and what in them largebatch's Llama-style blocks do not compute (the other types:
 # largebatch.memory.hf's UNSUPPORTED)
 IMPORT_UNSUPPORTED = {
-    "qwen2": "Llama's blocks with biases on q, k and v but none on the output projection, which one "
-             "model.bias cannot express",
     "mixtral": "mixture-of-experts MLPs",
     "gemma": "a GeGLU MLP, RMSNorm gains stored as 1 + w, and an embedding scaled by sqrt(hidden_size)",
 }
@@ -130,7 +132,7 @@ TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weigh
               "roberta": (("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
                           ("lm_head.decoder.weight",))}
 TIED_PAIRS.update(dict.fromkeys(ROBERTA_LAYOUTS, TIED_PAIRS["roberta"]))
-TIED_PAIRS.update(dict.fromkeys(LLAMA_TYPES, (("model.embed_tokens.weight", "embed_tokens.weight"),
+TIED_PAIRS.update(dict.fromkeys(LLAMA_LAYOUTS, (("model.embed_tokens.weight", "embed_tokens.weight"),
                                               ("lm_head.weight",))))
 
 
@@ -228,16 +230,17 @@ def model_fields(path: Path) -> dict[str, Any]:
         why = (IMPORT_UNSUPPORTED.get(model_type) or
                UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for"))
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
-                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama and mistral "
-                          "(LlamaForCausalLM, MistralForCausalLM), bert (post-LN BertForMaskedLM), roberta, "
+                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral and "
+                          "qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), bert (post-LN "
+                          "BertForMaskedLM), roberta, "
                           "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
                           "CamembertForMaskedLM) only")
     # (LlamaConfig's tie_word_embeddings defaults to false, GPT-2's and BERT's to true)
-    tied = (bool(raw.get("tie_word_embeddings", model_type not in LLAMA_TYPES))
+    tied = (bool(raw.get("tie_word_embeddings", model_type not in LLAMA_LAYOUTS))
             and not _stored_apart(path, *TIED_PAIRS[model_type]))
-    common = {"bias": True, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
+    common = {"bias": True, "qkv_bias": None, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
               "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None}
-    if model_type in LLAMA_TYPES:
+    if model_type in LLAMA_LAYOUTS:
         return _llama_fields(raw, path, common)
     if model_type == "gpt2":
         _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -274,6 +277,9 @@ def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, An
         return ConfigError(f"model.init_from: {where} has {what}; {why}, so it cannot continue training here")
 
     fields = llama_fields(raw, lambda name: _need(raw, name, path), refuse)
+    if raw.get("model_type") == "qwen2":  # biases on q, k and v, none elsewhere (Qwen2Config has no switch)
+        return {**common, **fields, "rope_theta": rope_theta(raw, refuse), "bias": False, "qkv_bias": True,
+                "hf_model_type": "qwen2"}
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
@@ -359,7 +365,7 @@ def dropout_note(cfg, given: set[str]) -> str | None:
         return None
     raw = _raw_config(hf_dir(cfg.model.init_from))
     model_type = raw.get("model_type")
-    if model_type in LLAMA_TYPES:  # attention dropout only, 0 by default (LlamaConfig, MistralConfig)
+    if model_type in LLAMA_LAYOUTS:  # attention dropout only, 0 by default (Llama, Mistral, Qwen2Config)
         rates = {"attention_dropout": float(raw.get("attention_dropout", 0.0))}
     else:  # (0.1 by default in GPT2Config, BertConfig)
         rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(model_type, ())}
@@ -515,7 +521,7 @@ def _tied_in(raw: dict, take: _Taker, output: str) -> bool:
     output layer of its own): a model loaded untied from it (``model.tie_embeddings = false``, which
     pipeline parallel needs) starts with the output layer a copy of the embedding, so its logits are
     the tied model's. An untied directory without its output layer is missing a tensor (refused)."""
-    return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in LLAMA_TYPES)) and not take.has(output)
+    return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in LLAMA_LAYOUTS)) and not take.has(output)
 
 
 def _output_layer(take: _Taker, cfg: ModelConfig, raw: dict, embedding: torch.Tensor, name: str) -> torch.Tensor:
@@ -567,7 +573,7 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
                 ("mlp.gate", "mlp.gate_proj", f, h), ("mlp.fc1", "mlp.up_proj", f, h),
                 ("mlp.fc2", "mlp.down_proj", h, f)):
             out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
-            if cfg.bias:
+            if cfg.qkv_biased if ours in ("attn.q", "attn.k", "attn.v") else cfg.bias:
                 out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
     return out
 
@@ -657,12 +663,13 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 # transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
 HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("model.", _llama, "LlamaForCausalLM"),
-              "mistral": ("model.", _llama, "MistralForCausalLM"), "bert": ("bert.", _bert, "BertForMaskedLM"),
+              "mistral": ("model.", _llama, "MistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
+              "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
               "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),
               "camembert": ("roberta.", _bert, "CamembertForMaskedLM")}
 # model kind -> the model types that load into it
-HF_KINDS = {"gpt": ("gpt2", *LLAMA_TYPES), "bert": BERT_LAYOUTS}
+HF_KINDS = {"gpt": ("gpt2", *LLAMA_LAYOUTS), "bert": BERT_LAYOUTS}
 
 
 def _check_fields(cfg: ModelConfig) -> None:

@@ -240,4 +240,6 @@ def _layer_options(model) -> str:
                                    ("SwiGLU", model.activation == "swiglu")) if on]
     if model.kv_heads != model.n_head:
         parts.append(f"{model.kv_heads} key/value heads for {model.n_head}")
+    if model.qkv_biased != model.bias:
+        parts.append("biases on q, k, v only" if model.qkv_biased else "no biases on q, k, v")
     return "".join(f", {part}" for part in parts)
