@@ -134,6 +134,13 @@ def test_a_qwen2_layout_goes_out_as_qwen2_and_back_unchanged(tmp_path):
                       bias=False, qkv_bias=True, tie_embeddings=False, norm_eps=1e-6, rope_theta=1e6,
                       **{k[6:]: v for k, v in LLAMA.items()})
     assert default_hf_model_type(cfg) == "qwen2"
+    # biases everywhere but q, k and v: neither computes it, and each says what would fit it
+    from largebatch.models.config import hf_layout_problem
+
+    problem = hf_layout_problem(cfg.replace(bias=True, qkv_bias=False))
+    assert "model.bias=True, model.qkv_bias=False: no transformers architecture" in problem, problem
+    assert "LlamaForCausalLM computes" in problem and "Qwen2ForCausalLM computes" in problem, problem
+    assert "model.bias=False, model.qkv_bias=True" in problem, problem
     problem = hf_model_type_problem(cfg.replace(hf_model_type="llama"))
     assert "model.bias=False, model.qkv_bias=True" in problem and "model.hf_model_type='qwen2'" in problem, problem
     ours = _scrambled(cfg)
@@ -207,6 +214,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings) == (2e4, 1e-5, False, True)
     # Qwen2: biases on q, k and v alone, and it exports as Qwen2 (a window-free Mistral as Llama)
     assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else (False, "llama"))
+    # qkv_bias given as the network has it (none: as bias) is the same model; the other way is refused
+    same = load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family == "qwen2"}).model
+    assert same.qkv_biased == m.qkv_biased
+    with pytest.raises(ConfigError, match=f"model.qkv_bias={family != 'qwen2'} but"):
+        load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family != "qwen2"})
     assert cfg.data.tokenizer_file == str(directory / "tokenizer.json")
     model = build_model(m)
     init_from_pretrained(model)

@@ -1,5 +1,5 @@
-"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` /
-``BertForMaskedLM`` (or the RoBERTa family's masked LM).
+"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
+``Qwen2ForCausalLM`` / ``BertForMaskedLM`` (or the RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
 

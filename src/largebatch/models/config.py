@@ -24,7 +24,7 @@ HfModelType = Literal["gpt2", "llama", "qwen2", "bert", "roberta", "xlm-roberta"
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
 HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
-# heads as query heads, but Llama's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
+# heads as query heads, but Llama's and Qwen2's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
 # LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
 # SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
 # Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
@@ -124,7 +124,8 @@ class ModelConfig:
     when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "qwen2" for
     that layout with biases on q, k and v alone (bias=False, qkv_bias=True), else "gpt2";
     "bert" for BERT). Set, it is checked before training against the blocks it computes (GPT-2 and
-    BERT: LayerNorm, learned positions, GeLU, n_kv_head = n_head; Llama: RMSNorm, rope, SwiGLU);
+    BERT: LayerNorm, learned positions, GeLU, n_kv_head = n_head; Llama: RMSNorm, rope, SwiGLU,
+    biases on every Linear layer or none; Qwen2: the same with biases on q, k and v alone);
     unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
     "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's *ForMaskedLM:
     positions counted from pad_token_id + 1, no segment embedding, the head under
@@ -241,9 +242,9 @@ def fitting_hf_model_types(cfg: ModelConfig) -> tuple[str, ...]:
 
 def default_hf_model_type(cfg: ModelConfig) -> str | None:
     """The model_type ``cfg`` exports as: model.hf_model_type; else its kind's first type whose blocks
-    are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "gpt2" for LayerNorm, learned positions
-    and GeLU), else its kind's first (a mixed layout, refused by ``hf_layout_problem``); None for a kind
-    without any."""
+    are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "qwen2" for those with biases on q, k
+    and v alone, "gpt2" for LayerNorm, learned positions and GeLU), else its kind's first (a mixed
+    layout, refused by ``hf_layout_problem``); None for a kind without any."""
     if cfg.hf_model_type is not None:
         return cfg.hf_model_type
     return (fitting_hf_model_types(cfg) or HF_MODEL_TYPES.get(cfg.kind, (None,)))[0]
@@ -258,13 +259,16 @@ def hf_layout_problem(cfg: ModelConfig) -> str | None:
         return None
     families = {}  # one line per distinct layout: BERT's family shares one
     for t in types:
-        families.setdefault(tuple(hf_layout_mismatch(cfg, t)), []).append(t)
+        families.setdefault((tuple(hf_layout_mismatch(cfg, t)), _layout_settings(cfg, t)), []).append(t)
     differs = "; ".join(f"{'/'.join(HF_TYPE_WORDS[t][0] for t in ts)} comput{'e' if len(ts) > 1 else 'es'} "
                         f"{HF_TYPE_WORDS[ts[0]][1]} "
                         f"(train with {_layout_settings(cfg, ts[0])})" for ts in families.values())
+    biases = (f", model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}"
+              if any("biases" in HF_TYPE_FIELDS.get(t, {}) and cfg.biases not in HF_TYPE_FIELDS[t]["biases"]
+                     for t in types) else "")
     return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "
-            f"model.n_kv_head={cfg.n_kv_head!r}: no transformers architecture computes these {cfg.kind} blocks, "
-            f"so the model cannot be exported; {differs}")
+            f"model.n_kv_head={cfg.n_kv_head!r}{biases}: no transformers architecture computes these {cfg.kind} "
+            f"blocks, so the model cannot be exported; {differs}")
 
 
 def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", fixed: bool = False) -> str | None:

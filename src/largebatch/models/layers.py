@@ -69,7 +69,8 @@ class _RMSNormFunction(torch.autograd.Function):
     the derivative of x_hat_i = x_i r, as autograd would take it through the written-out ops (which
     keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits).
     Under create_graph backward recomputes r from x too, in differentiable ops, so second
-    derivatives (a gradient penalty, a Hessian-vector product) are exact; torch.func takes it."""
+    derivatives (a gradient penalty, a Hessian-vector product) are exact; torch.func's reverse mode
+    and vmap take it (no jvp: not its forward mode)."""
 
     generate_vmap_rule = True
 

@@ -349,11 +349,13 @@ def _rotary_context(fields: dict[str, Any], name: str) -> bool:
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
     """(the run's value, the directory's) of the shape field ``name``, as the network uses them:
-    ffn_hidden None is 4 h, n_kv_head None is n_head."""
+    ffn_hidden None is 4 h, n_kv_head None is n_head, qkv_bias None is bias."""
     if name == "ffn_hidden":
         return model.ffn, fields[name]
     if name == "n_kv_head":
         return model.kv_heads, fields[name] or fields["n_head"]
+    if name == "qkv_bias":
+        return model.qkv_biased, fields["bias"] if fields[name] is None else fields[name]
     return getattr(model, name), fields[name]
 
 
@@ -558,7 +560,7 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
 
 
 def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's (or MistralForCausalLM's) tensors, "model." stripped: nn.Linear weights
+    """LlamaForCausalLM's (or MistralForCausalLM's, Qwen2ForCausalLM's) tensors, "model." stripped: nn.Linear weights
     (out, in) as largebatch's, so a renaming (module docstring); k and v are n_kv_head x head size wide."""
     h, f, v, kv = cfg.n_embd, cfg.ffn, cfg.vocab_size, cfg.kv_heads * cfg.head_dim
     out = {"tok_emb.weight": take("embed_tokens.weight", v, h), "ln_f.weight": take("norm.weight", h)}
