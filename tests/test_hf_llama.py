@@ -294,11 +294,18 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
              "partial": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
              "window": ({"model_type": "mistral", "sliding_window": 16}, ["sliding_window=16", "below"]),
              "qwen2-window": ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-                               "max_window_layers": 0}, ["sliding_window=16", "below"])}
+                               "max_window_layers": 0, "layer_types": None}, ["sliding_window=16", "below"]),
+             "qwen2-layers": ({"model_type": "qwen2", "sliding_window": 16,
+                               "layer_types": ["full_attention", "sliding_attention"]}, ["sliding_window=16"])}
     for name, (changes, words) in cases.items():
         with pytest.raises(ConfigError) as err:
             model_fields(_variant(tmp_path, source, name, **changes))
         assert all(w in str(err.value) for w in words), str(err.value)
+    # a Qwen2 whose layer_types are all full attention has no window, whatever use_sliding_window says
+    # (Qwen2Config builds layer_types from it only where they are not written)
+    full = _variant(tmp_path, source, "qwen2-full", model_type="qwen2", use_sliding_window=True, sliding_window=16,
+                    max_window_layers=0, layer_types=["full_attention", "full_attention"])
+    assert model_fields(full)["position"] == "rope"
     # a Mistral whose window covers the whole context is Llama's function
     wide = _variant(tmp_path, source, "wide", model_type="mistral", sliding_window=48)
     assert model_fields(wide)["position"] == "rope"

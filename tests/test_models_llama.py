@@ -323,7 +323,7 @@ def test_resume_takes_n_kv_head_as_used_and_names_the_way_to_another_rotary_cont
     assert main(["--resume", str(out), "--model.qkv_bias=true", "--check"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert main(["--resume", str(out), "--model.qkv_bias=false", "--check"]) == 2
-    assert "model.qkv_bias" in capsys.readouterr().err
+    assert "model.qkv_bias: True -> False" in capsys.readouterr().err
     assert main(["--resume", str(out), "--model.seq_len=64", "--check"]) == 2
     err = capsys.readouterr().err
     assert "model.seq_len: 32 -> 64" in err and "[[phases]]" in err and "--model.init_from=hf:OUT" in err, err

@@ -98,9 +98,11 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     seq_len = need("max_position_embeddings")
     # (MistralConfig fills in a 4096 window where config.json has no such key)
     window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
-    if model_type == "qwen2":  # (a window only where use_sliding_window, or layer_types, turns it on)
-        sliding = "sliding_attention" in (raw.get("layer_types") or ()) or (
-            raw.get("use_sliding_window") and raw.get("max_window_layers", 28) < need("num_hidden_layers"))
+    if model_type == "qwen2":  # a window only where layer_types names a sliding layer, or without
+        # layer_types where use_sliding_window turns it on past max_window_layers (as Qwen2Config builds them)
+        layer_types = raw.get("layer_types")
+        sliding = ("sliding_attention" in layer_types if layer_types is not None else
+                   bool(raw.get("use_sliding_window")) and raw.get("max_window_layers", 28) < need("num_hidden_layers"))
         window = window if sliding else None
     elif model_type != "mistral":
         window = None

@@ -127,11 +127,12 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
 
 def _as_used(model):
     """``model`` with n_kv_head, ffn_hidden and qkv_bias as the network uses them: n_kv_head = n_head
-    is multi-head attention as None is, ffn_hidden = 4 n_embd the default width, and qkv_bias = bias
-    what None means, so neither way of writing one differs from the other on resume."""
+    is multi-head attention as None is, ffn_hidden = 4 n_embd the default width, and qkv_bias its
+    value (None: bias's), so neither way of writing one differs from the other on resume (and a
+    refusal names the q/k/v biases as they are, true or false)."""
     return dataclasses.replace(model, n_kv_head=None if model.kv_heads == model.n_head else model.n_kv_head,
                                ffn_hidden=None if model.ffn == 4 * model.n_embd else model.ffn_hidden,
-                               qkv_bias=None if model.qkv_biased == model.bias else model.qkv_bias)
+                               qkv_bias=model.qkv_biased)
 
 
 def resume_tokenizer(cfg: TrainConfig, run_dir: Path, overridden: bool, warn: Callable[[str], None]) -> TrainConfig:
