@@ -109,14 +109,20 @@ def test_a_tied_bias_free_multi_query_model_goes_out_and_back_unchanged(tmp_path
     assert (config["attention_bias"], config["mlp_bias"], config["tie_word_embeddings"]) == (False, False, True)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    _same_logits_and_back(ours, hf, tmp_path / "out")
+
+
+def _same_logits_and_back(ours: torch.nn.Module, hf, out: Path) -> None:
+    """transformers' model of the export ``out`` gives ``ours``'s logits (order 1 and more), and
+    init_from of ``out`` builds ``ours`` again: its config and every tensor."""
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = ours(idx)[0]
         assert expected.abs().max() > 1.0
         torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-5)
-    back = build_model(model_fields_config(tmp_path / "out"))
+    back = build_model(model_fields_config(out))
     init_from_pretrained(back)
-    assert back.config.replace(init_from=None, hf_model_type=None) == cfg
+    assert back.config.replace(init_from=None, hf_model_type=None) == ours.config
     for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
@@ -150,16 +156,7 @@ def test_a_qwen2_layout_goes_out_as_qwen2_and_back_unchanged(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.model.layers[0].self_attn.o_proj.bias is None
     torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.bias, ours.blocks[1].attn.k.bias, rtol=0, atol=0)
-    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = ours(idx)[0]
-        assert expected.abs().max() > 1.0
-        torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-5)
-    back = build_model(model_fields_config(tmp_path / "out"))
-    init_from_pretrained(back)
-    assert back.config.replace(init_from=None, hf_model_type=None) == cfg
-    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
+    _same_logits_and_back(ours, hf, tmp_path / "out")
 
 
 def model_fields_config(path: Path) -> ModelConfig:
