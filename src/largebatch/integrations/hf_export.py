@@ -158,24 +158,18 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
               "architectures": [arch]}
     tokens = {"bos_token_id": special.get("bos_token"), "eos_token_id": special.get("eos_token"),
               "pad_token_id": special.get("pad_token")}
-    if hf_model_type(cfg) == "llama":
-        config = LlamaConfig(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-                           num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-                           head_dim=cfg.head_dim, hidden_act=HF_ACTIVATION[cfg.activation],
-                           max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-                           rope_theta=float(cfg.rope_theta), attention_bias=cfg.bias, mlp_bias=cfg.bias,
-                           attention_dropout=cfg.dropout, **tokens, **common)
+    if hf_model_type(cfg) in ("llama", "qwen2"):
+        blocks = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
+                      num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                      hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
+                      rms_norm_eps=cfg.norm_eps, rope_theta=float(cfg.rope_theta), attention_dropout=cfg.dropout,
+                      **tokens, **common)
+        if hf_model_type(cfg) == "llama":
+            config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)
+        else:  # Qwen2: Llama's blocks with biases on q, k and v only; no sliding window
+            config = Qwen2Config(use_sliding_window=False, sliding_window=None, **blocks)
         # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
         # the tools that read Llama configs without it) expect, or they would rotate with 10000
-        config.rope_theta = float(cfg.rope_theta)
-        return config
-    if hf_model_type(cfg) == "qwen2":  # Llama's blocks with biases on q, k and v only; no sliding window
-        config = Qwen2Config(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
-                             num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-                             hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
-                             rms_norm_eps=cfg.norm_eps, rope_theta=float(cfg.rope_theta),
-                             use_sliding_window=False, sliding_window=None, attention_dropout=cfg.dropout,
-                             **tokens, **common)
         config.rope_theta = float(cfg.rope_theta)
         return config
     if cfg.kind == "gpt":

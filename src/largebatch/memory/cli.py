@@ -37,7 +37,14 @@ from largebatch.memory.activations import (
 from largebatch.memory.estimate import GIB, OPTIMIZER_STATE_BYTES, rank_policies
 from largebatch.memory.hf import config_from_hf, hf_activation, hf_eager_layer_bytes
 from largebatch.memory.pipeline_schedule import SCHEDULES, ZERO_BUBBLE, schedule_activation_bytes, walk
-from largebatch.memory.planner import Setup, cheapest_plan, check_plannable, micro_batch_sweep, what_would_fit
+from largebatch.memory.planner import (
+    Setup,
+    cheapest_plan,
+    check_plannable,
+    counts_hf_terms,
+    micro_batch_sweep,
+    what_would_fit,
+)
 from largebatch.models import PRESETS, ModelConfig, preset
 from largebatch.models.registry import model_spec
 from largebatch.schedules.config import ScheduleConfig
@@ -450,10 +457,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--micro-batch {args.micro_batch!r}: give a positive integer or 'auto'.")
         # an HF config with eager (explicit) attention is a transformers eager model: its layers
         # keep more than the closed form (memory/hf.py); --attention sdpa describes a fused kernel,
-        # whose terms are measured for transformers' Llama layers unsharded (a GPT-2 / BERT's are the
-        # closed form, and so are sharded sdpa Llama layers)
-        unsharded = args.tp == 1 and args.pp == 1 and not args.sequence_parallel
-        hf_terms = args.hf_config and (config.attention == "explicit" or (config.activation == "swiglu" and unsharded))
+        # whose terms are measured for transformers' Llama layers unsharded (counts_hf_terms)
+        hf_terms = bool(args.hf_config) and counts_hf_terms(
+            config, hf_activation(args.hf_config), tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
         # the estimates and the plan follow one schedule: the one asked for, else 1F1B
         schedule = "1f1b" if args.pp_schedule == "all" else args.pp_schedule
         if schedule == "zbv" and args.pp_virtual_stages not in (None, 2):  # (as largebatch train refuses it)

@@ -24,6 +24,18 @@ from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token, per_layer_policies
 
 
+def counts_hf_terms(config: ModelConfig, hf_activation: str | None, *, tp: int = 1, pp: int = 1,
+                    sequence_parallel: bool = False) -> bool:
+    """Whether transformers' measured layer terms count ``config``'s layers under this layout: eager
+    (explicit) layers always (they are planned unsharded), a Llama family's sdpa layers unsharded
+    only -- sharded, and a GPT-2 / BERT's sdpa layers, are counted by the closed form."""
+    if hf_activation is None:
+        return False
+    if config.attention == "explicit":
+        return True
+    return hf_activation in LLAMA_ACTIVATIONS and tp == 1 and pp == 1 and not sequence_parallel
+
+
 @dataclass(frozen=True)
 class Setup:
     """Everything but the recompute mix that determines memory per device."""
@@ -180,10 +192,7 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
     to another pp), rather than the command's default 2 pp (which follows the pp)."""
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t >= setup.tp and config.kv_heads % t == 0]  # (| n_head too)
     pps = [p for p in range(setup.pp, config.n_layer + 1) if config.n_layer % p == 0]
-    # transformers' eager layers: ZeRO only; its sdpa Llama layers sharded: counted by the closed form
-    # (as `largebatch memory` counts them), unsharded by their terms
-    sdpa_llama = setup.hf_activation in LLAMA_ACTIVATIONS and config.attention != "explicit"
-    if setup.hf_activation is not None and not sdpa_llama:
+    if setup.hf_activation is not None and config.attention == "explicit":  # transformers' eager layers: ZeRO only
         tps, pps = [1], [1]
     zeros = range(setup.zero_stage, 4 if setup.dp > 1 else setup.zero_stage + 1)
     grid = sorted(((tp * pp, tp, pp, z) for tp in tps for pp in pps for z in zeros))
@@ -204,7 +213,8 @@ def what_would_fit(config: ModelConfig, setup: Setup, budget_bytes: float, *,
             continue
         changed = replace(setup, micro_batch=1, tp=tp, pp=pp, zero_stage=zero, pp_micro_batches=m,
                           sequence_parallel=setup.sequence_parallel or splits)
-        if sdpa_llama and (tp > 1 or pp > 1 or changed.sequence_parallel):
+        if not counts_hf_terms(config, changed.hf_activation, tp=tp, pp=pp,
+                               sequence_parallel=changed.sequence_parallel):  # (sharded sdpa: closed form)
             changed = replace(changed, hf_activation=None)
         try:
             fits = changed.estimate(config, "full").total <= budget_bytes

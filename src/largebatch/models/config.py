@@ -216,10 +216,9 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
     """The settings of ``cfg`` (as "model.name=value") that transformers' ``model_type`` does not
     compute (HF_TYPE_FIELDS); [] when its blocks are ``cfg``'s."""
     fields = HF_TYPE_FIELDS.get(model_type, {})
-    off = [f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
+    off = [f"model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}" if name == "biases"
+           else f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
            if getattr(cfg, name) not in values]
-    off = [x if not x.startswith("model.biases=") else f"model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}"
-           for x in off]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
         off.append(f"model.n_kv_head={cfg.n_kv_head!r}")
     return off

@@ -75,15 +75,15 @@ class _RMSNormFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def _normalised(x: torch.Tensor, eps: float | None, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _normalised(x: torch.Tensor, eps: float | None, axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         wide = x.float() if x.dtype in _HALF else x
         eps = torch.finfo(wide.dtype).eps if eps is None else eps  # (nn.RMSNorm's, of the dtype it works in)
-        r = torch.rsqrt(wide.pow(2).mean(tuple(range(-dims, 0)), keepdim=True) + eps)
+        r = torch.rsqrt(wide.pow(2).mean(axes, keepdim=True) + eps)
         return wide * r, r
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int):
-        x_hat, r = _RMSNormFunction._normalised(x, eps, dims)
+        x_hat, r = _RMSNormFunction._normalised(x, eps, tuple(range(-dims, 0)))
         y = x_hat.to(x.dtype)
         return (y if weight is None else y * weight), r
 
@@ -92,20 +92,19 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, eps, dims = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(x, weight, output[1])
-        ctx.eps, ctx.dims = eps, dims
+        ctx.eps, ctx.axes = eps, tuple(range(-dims, 0))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _):
         x, weight, r = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: r as a function of x, for second derivatives
-            x_hat, r = _RMSNormFunction._normalised(x, ctx.eps, ctx.dims)
+            x_hat, r = _RMSNormFunction._normalised(x, ctx.eps, ctx.axes)
         else:
             x_hat = (x.float() if x.dtype in _HALF else x) * r
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
             u = (grad if weight is None else grad * weight).to(x.dtype).to(x_hat.dtype)
-            axes = tuple(range(-ctx.dims, 0))
-            grad_x = (r * (u - x_hat * (u * x_hat).mean(axes, keepdim=True))).to(x.dtype)
+            grad_x = (r * (u - x_hat * (u * x_hat).mean(ctx.axes, keepdim=True))).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (grad * x_hat.to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
         return grad_x, grad_weight, None, None
