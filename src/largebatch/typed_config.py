@@ -392,6 +392,18 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}{expanded}") from exc
 
 
+# a TOML basic string holds no raw control character (a data.document_separator of "\n\n" written as
+# it is made the run's config.toml unreadable, so its --resume failed): each is written escaped
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quotes and backslashes escaped, and every control character
+    (U+0000-U+001F, U+007F), which TOML refuses raw."""
+    return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c)
+                         for c in text) + '"'
+
+
 def dump_toml(tree: dict[str, Any]) -> str:
     """Minimal TOML writer for the resolved config (scalars, lists, inline tables, one level of tables)."""
 
@@ -401,7 +413,7 @@ def dump_toml(tree: dict[str, Any]) -> str:
         if isinstance(v, (int, float)):
             return repr(v)
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return toml_string(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
         if isinstance(v, dict):  # an inline table (one of [[phases]] and its overrides; data.mixture's paths)
