@@ -42,6 +42,7 @@ from largebatch.parallel.batch import (
 )
 
 B, T = 4, 16  # global batch (sequences) and sequence length of every case
+SEPARATOR = 0  # the document separator of the "-docs" cases
 
 
 # the Llama-style layers (Touvron et al. 2023): RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h,
@@ -51,7 +52,13 @@ LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", n_kv_head=2, 
 
 def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> ModelConfig:
     """The tiny model of every case: "gpt", "bert", or "llama" (a GPT with the LLAMA layers; no
-    biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert)."""
+    biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert).
+    "gpt-docs" and "bert-docs": attention within documents (ModelConfig.document_mask), the GPT's
+    through sdpa's float mask, BERT's through the explicit attention's bool one."""
+    if kind.endswith("-docs"):
+        base = tiny(kind.removesuffix("-docs"), dropout, bias)
+        return replace(base, document_mask=True, separator_id=SEPARATOR,
+                       attention="sdpa" if base.kind == "gpt" else "explicit")
     if kind == "llama":
         return ModelConfig(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
                            bias=bool(bias), **LLAMA)
@@ -63,6 +70,9 @@ def batch(kind: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 64, (B, T), generator=gen)
     targets = torch.randint(0, 64, (B, T), generator=gen)
+    if kind.endswith("-docs"):  # packed documents: a separator at about one position in four
+        idx[torch.rand(B, T, generator=gen) < 0.25] = SEPARATOR
+    kind = kind.removesuffix("-docs")
     if kind == "bert":  # ~30% of positions predicted, unevenly spread over the two dp halves
         targets[torch.rand(B, T, generator=gen) > 0.3] = -100
     return idx, targets
@@ -124,18 +134,19 @@ def states(kind: str):
 
 def recompute_cases(results: dict) -> None:
     """parallelize's order: TP/SP, THEN recomputation (then FSDP); gradients must not change."""
-    idx, targets = batch("gpt")
-    torch.manual_seed(0)
-    reference = build_model(tiny("gpt"))
-    model0 = copy.deepcopy(reference)
-    _, ref_loss = reference(idx, targets)
-    ref_loss.backward()
-    for mode in ("sp", "fsdp"):
-        for policy in ("selective", "full"):
-            state = states(mode)
-            model = parallelize(copy.deepcopy(model0), state, recompute=policy)
-            loss_and_backward(model, state, idx, targets)
-            results[f"recompute/{mode}/{policy}"] = max_grad_diff(model, reference)
+    for kind in ("gpt", "gpt-docs"):  # (the mask is an argument of the recomputed regions)
+        idx, targets = batch(kind)
+        torch.manual_seed(0)
+        reference = build_model(tiny(kind))
+        model0 = copy.deepcopy(reference)
+        _, ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        for mode in ("sp", "fsdp"):
+            for policy in ("selective", "full"):
+                state = states(mode)
+                model = parallelize(copy.deepcopy(model0), state, recompute=policy)
+                loss_and_backward(model, state, idx, targets)
+                results[f"recompute/{kind}/{mode}/{policy}"] = max_grad_diff(model, reference)
 
 
 def relative_diff(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -146,7 +157,7 @@ NORM_GAINS = ("ln1.weight", "ln2.weight", "ln_f.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama"):
+    for kind in ("gpt", "bert", "llama", "gpt-docs", "bert-docs"):
         idx, targets = batch(kind)
         torch.manual_seed(0)
         # the Llama-style case with Qwen2's biases, on q, k and v alone: split with their columns

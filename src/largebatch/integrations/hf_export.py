@@ -430,6 +430,8 @@ def verify_hf(model, tokenizer, out: str | Path, text: str = VERIFY_TEXT,
         ids = AutoTokenizer.from_pretrained(str(out))(text, truncation=True)["input_ids"][:cfg.seq_len]
     else:
         ids = list(range(min(cfg.seq_len, cfg.vocab_size, 32)))
+    if cfg.document_mask:  # one document: transformers' model attends across a separator, the run's did not
+        ids = [i for i in ids if i != cfg.separator_id] or [1 if cfg.separator_id == 0 else 0]
     idx = torch.tensor([ids], dtype=torch.long)
     ours = model(idx)[0]
     theirs = hf(input_ids=idx).logits

@@ -43,6 +43,10 @@ for each of p micro-batches in flight), p embedding dropout masks (s b h m), and
 parallelism, the output layer (GPT): final-norm input and projection input (2 s b h d) plus fp32 logits
 (4 s b v, vocabulary-parallel so / t).
 
+Beyond the paper, with ``document_mask`` (attention within the documents of a packed sequence) a
+micro-batch keeps one s x s mask besides, shared by its layers: s^2 b bytes as bool (explicit
+attention), s^2 b d as sdpa's float mask (``document_mask_bytes``).
+
 Per pipeline schedule (Korthikanti et al. 2022 §4.2.3, citing Narayanan et al. 2021), the first
 stage's layers' worth (``first_stage_layers``): 1F1B keeps p micro-batches of its L/p layers, L; the
 interleaved schedule with V stages per rank keeps L (1 + (p - 1) / (p V)); GPipe keeps all m
@@ -331,6 +335,21 @@ def backward_working_bytes(config: ModelConfig, micro_batch: int, recompute: str
     return peak
 
 
+def document_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | None = None,
+                        dtype_bytes: float = 2) -> float:
+    """Bytes of the attention mask a micro-batch keeps under ``document_mask`` (its layers' backward,
+    or their recomputation, all keep the one tensor): s^2 b, as bool for explicit attention
+    (``torch.where`` keeps its condition) or in the activation dtype for sdpa (its float mask); on
+    every tensor-parallel rank whole (heads are split, the mask is not), 0 without document_mask.
+    The per-token integers beside it (the document index a recomputation keeps with the mask,
+    learned positions' restarted indices: 8 bytes a token each) are not counted, as the norms'
+    per-token statistics are not."""
+    if not config.document_mask:
+        return 0.0
+    s = config.seq_len if seq_len is None else _plain(seq_len)
+    return s * s * _plain(micro_batch) * (1 if config.attention == "explicit" else dtype_bytes)
+
+
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
                            recompute: str | Sequence[str] = "none", *, first: bool, last: bool, tp: int = 1,
                            sequence_parallel: bool = False, seq_len: int | None = None, dtype_bytes: float = 2,
@@ -348,6 +367,8 @@ def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
         s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw) for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     spec = model_spec(config.kind)
+    if policies and training and config.document_mask:  # one mask per sequence, kept once for all layers
+        total += document_mask_bytes(config, micro_batch, s, dtype_bytes)
     if first:  # the embedding dropout mask, and what the kind's modules before the blocks keep
         per_token = config.n_embd * (1 if kw["dropout"] else 0) + spec.embedding_activations(config, dtype_bytes)
         total += s * micro_batch * per_token / t_rep

@@ -16,7 +16,8 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 ``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_schedule`` / ``pp_virtual_stages`` /
 ``sequence_parallel``, ``--optim.name`` (``--optimizer``). The Llama-style layer options too:
 ``--model.norm rmsnorm`` (``--norm``), ``--model.position rope`` (``--position``), ``--model.activation
-swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``).
+swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``); and ``--model.document_mask true``
+(``--document-mask``: attention within the documents of packed sequences, one s x s mask more).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from largebatch.arguments import OneLineParser, finite_float, required_config_fi
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
     config_layer_kwargs,
+    document_mask_bytes,
     first_stage_layers,
     model_activation_bytes,
     stages_per_rank,
@@ -56,7 +58,8 @@ import the trainer's config; a test holds them equal)."""
 
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout",
-             "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head"}
+             "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head",
+             "document_mask": "document_mask"}
 """Short flag (``--kv-heads``: underscores written as dashes) -> the ModelConfig field it overrides."""
 
 
@@ -80,14 +83,14 @@ def _int_or_none(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, or none") from None
 
 
-TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
-         "ffn": _int_or_none, "kv_heads": _int_or_none}
-
-
 def _boolean(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
     return text.lower() == "true"
+
+
+TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
+         "ffn": _int_or_none, "kv_heads": _int_or_none, "document_mask": _boolean}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +201,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         def used(field: str, value):  # (n_kv_head = n_head is the attention None gives)
             return (value or config.n_head) if field == "n_kv_head" else value
 
-        layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head")
+        layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head",
+                                                            "document_mask")
                  and used(f, v) != used(f, getattr(config, f))}
         if layer:  # transformers' layers are what config.json says: no flag turns GPT-2's into Llama's
             flags = ", ".join(f"--model.{f} {v}" for f, v in layer.items())
@@ -329,6 +333,12 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
         refused = sp and t > 1 and s % t  # the formula takes any t; a run cannot split s unevenly
         lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {whole}  {reference / bytes_:>6.1f}x"
                      + (f"  (t={t} does not divide s={s}: no run splits the sequence so)" if refused else ""))
+    if config.document_mask:  # not a layer's: one per micro-batch, whichever row
+        mask = document_mask_bytes(config, b, s, dtype_bytes)
+        size = f"{mask / 2**20:.1f} MiB" if mask >= 2**20 else f"{mask / 2**10:.0f} KiB"
+        lines.append(f"  + the document mask, {size} per micro-batch once for all layers "
+                     f"(s^2 b {'bool' if config.attention == 'explicit' else f'{dtype_bytes:g}-byte values'}, "
+                     "whole on every tensor-parallel rank; in the totals below)")
     return lines
 
 

@@ -47,7 +47,7 @@ class BERT(TransformerBase):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final hidden states (B, T, C) the prediction head reads: what a downstream head
         (largebatch.finetune) pools."""
-        return self.ln_f(self.run_blocks(self.embed_input(input_ids)))
+        return self.ln_f(self.run_blocks(self.embed_input(input_ids), self.attention_mask(input_ids)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -111,6 +111,18 @@ class ModelConfig:
     Both keep only their input for backward, so the memory model counts them the same. "swiglu"
     (Llama; GPT only): fc2(SiLU(gate(x)) * fc1(x)), a third h x f matrix; Llama's f is about
     8/3 h (set ffn_hidden), which keeps the parameters of the 4 h GeLU MLP."""
+    document_mask: bool = False
+    """Attention within documents only: a token attends to the tokens of its own document -- which
+    starts at a separator_id token and runs to the next -- never to the document before it in the
+    same packed sequence (Llama 3 trained so; Megatron-LM's reset_attention_mask). With
+    position="learned" the positions restart at 0 at each separator too, so a document inside a
+    packed sequence is computed exactly as it would be alone; rotary positions are relative and
+    need no restart. Costs one s x s mask per sequence, shared by every layer (docs/models.md)."""
+    separator_id: int | None = None
+    """The token id that starts each document, for document_mask. None: the trainer takes its
+    tokenizer's separator (<|endoftext|>, the token its streams put before every document). Give
+    it for token arrays (.npy/.bin) without a tokenizer: the id their writer put between documents
+    (GPT-2's <|endoftext|> is 50256)."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
     GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), Qwen2ForCausalLM
@@ -169,6 +181,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dropout={self.dropout!r}: must be in [0, 1).")
         if not self.norm_eps > 0:
             raise ValueError(f"ModelConfig.norm_eps={self.norm_eps!r}: must be > 0.")
+        if self.separator_id is not None:
+            if not isinstance(self.separator_id, int) or isinstance(self.separator_id, bool) or self.separator_id < 0:
+                raise ValueError(f"ModelConfig.separator_id={self.separator_id!r}: must be a token id (an integer "
+                                 ">= 0), or None for the tokenizer's document separator.")
+            if not self.document_mask:
+                raise ValueError(f"ModelConfig.separator_id={self.separator_id!r} without document_mask: the id "
+                                 "is read only to mask attention between documents; set document_mask=True "
+                                 "too, or leave separator_id out.")
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError(f"ModelConfig.init_from={self.init_from!r}: give hf:PATH (a transformers directory), "
                              "or none to start from random weights")

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import Block, Dropout, init_weights, norm_layer
+from largebatch.models.layers import Block, DocumentMask, Dropout, init_weights, norm_layer
 from largebatch.models.registry import model_spec
 
 
@@ -43,6 +43,21 @@ class TransformerBase(nn.Module):
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd) if config.position == "learned" else nn.Identity()
         self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(self.block(config) for _ in range(config.n_layer))
+        if config.document_mask:
+            if config.separator_id is None:
+                raise ValueError("ModelConfig.document_mask=True needs separator_id: the id of the token that "
+                                 "starts each document (the trainer takes its tokenizer's <|endoftext|>).")
+            if config.separator_id >= config.vocab_size:
+                raise ValueError(f"ModelConfig.separator_id={config.separator_id} is not a token of the "
+                                 f"vocabulary (vocab_size={config.vocab_size}): give the id the corpus puts "
+                                 "before (or between) its documents.")
+
+    def attention_mask(self, idx: torch.Tensor) -> DocumentMask | None:
+        """With ModelConfig.document_mask, who attends to whom in the packed token ids ``idx`` (B, T):
+        the layers' DocumentMask. None otherwise (causal or full attention over the whole sequence)."""
+        if not self.config.document_mask:
+            return None
+        return DocumentMask(idx, self.config.separator_id, model_spec(self.config.kind).objective == "causal")
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         # idx: (B, T) token ids -> (B, T, C)
@@ -53,11 +68,15 @@ class TransformerBase(nn.Module):
         if self.config.position != "learned":
             return self.tok_emb(idx)
         positions = torch.arange(T, device=idx.device)
+        if self.config.document_mask:  # restart at each separator: position - where its document starts
+            starts = torch.where(idx == self.config.separator_id, positions, 0).cummax(dim=1).values
+            positions = positions - starts  # (B, T)
         return self.tok_emb(idx) + self.pos_emb(positions)
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        """The blocks on hidden states (B, T, C); ``mask``: ``attention_mask`` of the token ids."""
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return x
 
     def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
@@ -110,7 +129,7 @@ class GPT(TransformerBase):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
-        logits = self.output_logits(self.run_blocks(self.embed_input(idx)))  # (B, T, v)
+        logits = self.output_logits(self.run_blocks(self.embed_input(idx), self.attention_mask(idx)))  # (B, T, v)
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
 
@@ -123,7 +142,7 @@ class GPT(TransformerBase):
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final (normalised) hidden states (B, T, C) the output layer reads: what a downstream
         head (largebatch.finetune) pools."""
-        return self.ln_f(self.run_blocks(self.embed_input(idx)))
+        return self.ln_f(self.run_blocks(self.embed_input(idx), self.attention_mask(idx)))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -172,6 +172,49 @@ class Rotary(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}"
 
 
+class DocumentMask:
+    """Which positions attend to which when sequences pack several documents (ModelConfig.document_mask):
+    position j is visible from position i when both lie in the same document -- a document starts at
+    each separator token and runs to the next, so a separator opens the document after it -- and,
+    for a causal model, j <= i. Every position sees itself, so no row is empty.
+
+    Built once per forward from the token ids (B, T) and handed to every layer; each form is made
+    once and shared by the layers, whose backward keeps that one tensor: ``allowed()``, (B, 1, T, T)
+    bool (1 byte an entry: the explicit attention's ``torch.where``), and ``additive(dtype)``, 0 where
+    allowed and -inf elsewhere in the attention's dtype (sdpa turns a bool mask into that form on
+    every call, and keeps each layer's copy; given it in the query's dtype, it keeps the one)."""
+
+    def __init__(self, ids: torch.Tensor, separator_id: int, causal: bool):
+        if ids.dim() != 2:
+            raise ValueError(f"token ids of shape {tuple(ids.shape)}: document masking needs (batch, T)")
+        self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
+        self.causal = causal
+        self._made: dict[object, torch.Tensor] = {}
+
+    def _visible(self) -> torch.Tensor:
+        d = self.documents
+        same = (d[:, :, None] == d[:, None, :])[:, None]  # (B, 1, T, T)
+        if self.causal:
+            T = d.size(1)
+            same &= torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
+        return same
+
+    def allowed(self) -> torch.Tensor:
+        """(B, 1, T, T) bool: True where position i (rows) may attend to position j (columns)."""
+        if "bool" not in self._made:
+            self._made["bool"] = self._visible()
+        return self._made["bool"]
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, T, T) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask)."""
+        if dtype not in self._made:
+            visible = self._made.get("bool")
+            visible = self._visible() if visible is None else visible  # (the bool form is not kept for it)
+            self._made[dtype] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+                ~visible, float("-inf"))
+        return self._made[dtype]
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d)) V with dropout on the probabilities: the region selective
     recomputation recomputes (it holds the 5 a s^2 b bytes of docs/papers.md: memory).
@@ -198,29 +241,38 @@ class CoreAttention(nn.Module):
         """Rebuild the causal mask on ``device`` (after a meta-device build, largebatch.parallel.materialize)."""
         self.future = self._future_mask(device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d); mask: attention within documents
         if self.kind == "sdpa":
             p = self.dropout_p if self.training else 0.0
             grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
+            if mask is not None:  # (causality is in the mask)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(q.dtype), dropout_p=p,
+                                                      **grouped)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, **grouped)
         if k.size(1) != q.size(1):
-            return self._grouped(q, k, v)
+            return self._grouped(q, k, v, mask)
         T = q.size(-2)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, a, T, T)
-        if self.causal:
+        if mask is not None:  # where() keeps the shared mask for backward, not a copy
+            scores = torch.where(mask.allowed(), scores, float("-inf"))
+        elif self.causal:
             scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
         probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, a, T, T)
         return probs @ v
 
-    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: DocumentMask | None = None) -> torch.Tensor:
         B, a, T, d = q.shape
         kv = k.size(1)
         g = a // kv
         rows = q.reshape(B, kv, g * T, d)  # query heads kv*g+j: rows j*T.. of K/V head kv
         scores = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, kv, g T, T)
         scores = scores.view(B, kv, g, T, T)
-        if self.causal:
+        if mask is not None:
+            scores = torch.where(mask.allowed()[:, :, None], scores, float("-inf"))  # (B, 1, 1, T, T)
+        elif self.causal:
             scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
         probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, kv, g, T, T)
         return (probs.view(B, kv, g * T, T) @ v).view(B, a, T, d)
@@ -242,14 +294,14 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        y = self.core(q, k, v)  # (B, a, T, d)
+        y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.drop(self.proj(y))
 
@@ -285,12 +337,13 @@ class Block(nn.Module):
         self.ln2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (B, T, C) -> (B, T, C)
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        # x: (B, T, C) -> (B, T, C); mask: attention within documents (ModelConfig.document_mask)
+        extra = {} if mask is None else {"mask": mask}
         if self.pre_norm:
-            x = x + self.attn(self.ln1(x))
+            x = x + self.attn(self.ln1(x), **extra)
             return x + self.mlp(self.ln2(x))
-        x = self.ln1(x + self.attn(x))
+        x = self.ln1(x + self.attn(x, **extra))
         return self.ln2(x + self.mlp(x))
 
 

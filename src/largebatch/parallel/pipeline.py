@@ -174,12 +174,15 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)  # the name apply_fsdp shards by
         self._model = [model]  # a list: not registered, its methods run the first and last parts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: the micro-batch's token ids (B, T), given to every stage under
+        model.document_mask, whose layers attend within documents (the stage builds the mask)."""
         model = self._model[0]
         if self.first:
             x = model.embed_input(x)  # (B, T) ids -> (B, T, C)
+        mask = None if tokens is None else model.attention_mask(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return model.output_logits(x) if self.last else x  # (B, T, v) or (B, T, C)
 
 
@@ -396,6 +399,8 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = dict(target=targets, losses=losses) if self.has_last else {}
+        if self.model.config.document_mask:  # every stage's layers need the documents: split as the inputs
+            kwargs["tokens"] = inputs
         with self.state.loss_context():  # the last stage's vocabulary-parallel loss and its backward
             if forward_only:
                 schedule.eval(*args, **kwargs)

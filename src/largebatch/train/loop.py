@@ -53,6 +53,7 @@ from largebatch.checkpoint import (
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import build_data
 from largebatch.data.prefetch import Prefetcher
+from largebatch.data.tokenizer import document_separator
 from largebatch.models import build_model, model_spec
 from largebatch.models.flops import measure_peak_flops
 from largebatch.optim.core import is_dtensor
@@ -229,6 +230,13 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         vocab = model_vocab(cfg, self.data.vocab_size)
         if cfg.model.vocab_size != vocab:
             cfg = self.cfg = _with_vocab(cfg, vocab)
+        separator = model_separator(cfg, self.data.tokenizer and document_separator(self.data.tokenizer))
+        if separator != cfg.model.separator_id:
+            from largebatch.train.config import replace_section
+
+            cfg = self.cfg = replace_section(cfg, "model", separator_id=separator)
+        if separator is not None and (warning := separator_absent(self.data.train, separator)):
+            self.log(f"warning: {warning}")
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
@@ -993,6 +1001,50 @@ def model_vocab(cfg: TrainConfig, tokenizer_size: int) -> int:
                          f"leave model.vocab_size out (the trainer takes the tokenizer's size) or set it "
                          f">= {tokenizer_size} to pad the embedding")
     return wanted
+
+
+def model_separator(cfg: TrainConfig, own: tuple[str, int] | None) -> int | None:
+    """``model.separator_id`` as the run uses it: None without model.document_mask; else the id
+    that starts each document. ``own``: the run's tokenizer's separator (token, id), None without a
+    tokenizer. A text corpus's streams put it before every document, so that is the id (another
+    given is refused); token arrays take model.separator_id, else their data.tokenizer_file's
+    separator; ValueError naming the field when neither is there."""
+    from largebatch.data.corpus import is_token_array_path
+
+    if not cfg.model.document_mask:
+        return None
+    given = cfg.model.separator_id
+    if not cfg.data.mixture and is_token_array_path(cfg.data.corpus):
+        if given is not None:
+            return given
+        if own is None:
+            raise ValueError(f"model.document_mask=true on data.corpus={cfg.data.corpus!r}, token arrays without "
+                             "a tokenizer: give model.separator_id, the id their writer put between documents "
+                             "(GPT-2's <|endoftext|>: 50256), or data.tokenizer_file to take its separator")
+        return own[1]
+    if given is not None and given != own[1]:
+        raise ValueError(f"model.separator_id={given}: the corpus's token streams start every document with "
+                         f"{own[0]!r}, id {own[1]} in the run's tokenizer; leave model.separator_id out (the "
+                         "trainer takes that id)")
+    return own[1]
+
+
+SEPARATOR_PROBE_TOKENS = 2**20
+
+
+def separator_absent(dataset, separator: int) -> str | None:
+    """A warning when ``separator`` is nowhere in the first SEPARATOR_PROBE_TOKENS of a token array's
+    training stream (a wrong model.separator_id: every sequence would be one document); None when
+    it is there, or for a stream the trainer wrote (each of its documents starts with it)."""
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is None or not isinstance(tokens, np.memmap | np.ndarray):
+        return None
+    head = np.asarray(tokens[:SEPARATOR_PROBE_TOKENS])
+    if len(head) and not (head == separator).any():
+        return (f"model.separator_id={separator} does not occur in the first {len(head):,} training tokens: "
+                "document masking then sees one document per sequence; check the id the token arrays put "
+                "between documents")
+    return None
 
 
 def _with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

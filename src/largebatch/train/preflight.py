@@ -247,12 +247,16 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     """The vocabulary size of ``data.tokenizer_file`` (None without one): its largest id + 1 (see
     tokenizer.id_space); ConfigError if unreadable, or if a text corpus is to be encoded with it and it
     has no document separator, or if a BERT run's lacks what masking needs (check_masked_tokens)."""
+    from largebatch.data.corpus import is_token_array_path
+    from largebatch.data.tokenizer import EOT, SPECIAL_TOKENS, document_separator, id_space, no_separator_message
+
     if not cfg.data.tokenizer_file:
         check_masked_tokens(cfg)
+        # the tokenizer the run trains puts <|endoftext|> first; token arrays alone have none
+        check_separator(cfg, None if is_token_array_path(cfg.data.corpus) and not cfg.data.mixture
+                        else (EOT, SPECIAL_TOKENS.index(EOT)))
         return None
     from largebatch.data.build import read_tokenizer_file
-    from largebatch.data.corpus import is_token_array_path
-    from largebatch.data.tokenizer import document_separator, id_space, no_separator_message
 
     try:
         tokenizer = read_tokenizer_file(cfg.data)
@@ -261,7 +265,19 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
         raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
     check_masked_tokens(cfg, tokenizer)
+    check_separator(cfg, document_separator(tokenizer))
     return id_space(tokenizer)
+
+
+def check_separator(cfg: TrainConfig, own: tuple[str, int] | None) -> None:
+    """model.document_mask's separator can be known (loop.model_separator) and, on text, is the
+    tokenizer's (``own``): ConfigError naming model.separator_id otherwise."""
+    from largebatch.train.loop import model_separator
+
+    try:
+        model_separator(cfg, own)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_masked_tokens(cfg: TrainConfig, tokenizer=None) -> None:
