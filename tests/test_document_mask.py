@@ -9,6 +9,7 @@ the rotary tables' fp32 rounding. The memory model's term is checked against wha
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -275,3 +276,23 @@ def test_the_separator_is_named_where_it_cannot_be_known_or_is_wrong(speeches, t
     _fit({**base, "model.separator_id": 300, "run.out_dir": str(tmp_path / "absent")}, lines=lines)
     assert [line for line in lines if re.match(r"warning: model.separator_id=300 does not occur in the first "
                                                r"[\d,]+ training tokens", line)], lines
+
+
+def test_the_same_command_continues_the_run_and_a_resume_may_turn_the_mask_off(speeches, tiny_data_cache,
+                                                                                tmp_path, capsys):
+    """The run records the separator the trainer filled in; the command that started it (which leaves
+    model.separator_id unset) still continues it, and --resume with model.document_mask=false drops
+    the recorded separator with the mask instead of refusing it."""
+    from largebatch.train.cli import main
+
+    out = tmp_path / "run"
+    args = [f"--{k}={json.dumps(v)}" for k, v in _trainer_overrides(tiny_data_cache, out, speeches).items()]
+    assert main(args + ["--run.max_steps=2"]) == 0  # (max_steps: the steps of one invocation)
+    capsys.readouterr()
+    assert main(args + ["--run.max_steps=2"]) == 0
+    printed = capsys.readouterr()
+    assert "resumed from" in printed.out + printed.err
+    assert max(r["step"] for r in read_metrics(out) if r["kind"] == "train") == 4
+    assert main(["--resume", str(out), "--model.document_mask=false", "--run.max_steps=1"]) == 0, \
+        capsys.readouterr().err
+    assert max(r["step"] for r in read_metrics(out) if r["kind"] == "train") == 5

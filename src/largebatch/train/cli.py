@@ -226,6 +226,8 @@ def _launch(args, unknown: list[str], parser) -> int:
             if not saved.is_file():
                 message = f"--resume {resume_dir}: no config.toml there; is it a run directory?"
                 return settle(_fail(message, 2), "fail", message)
+            if overrides.get("model.document_mask") is False and "model.separator_id" not in overrides:
+                overrides["model.separator_id"] = None  # the separator the run recorded goes with the mask
             # max_steps limits one invocation: a resumed run goes to the end unless told again
             cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
             run_dir, resume = Path(resume_dir), True

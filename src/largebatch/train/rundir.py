@@ -123,11 +123,16 @@ def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
     """'table.field: saved -> new' for every ``selected`` field that differs between two configs (a
     path field naming one file or directory two ways -- "plays", "./plays", its absolute path, a link
     to it -- does not differ; nor does a mixture whose corpora are so named, in the same order, with
-    weights that give the same draws: 3 and 1, 6 and 2)."""
+    weights that give the same draws: 3 and 1, 6 and 2; nor a model.separator_id left unset on one
+    side, which the trainer fills as it did: the run's tokenizer's)."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))
-            and not _same_mixture(k, a.get(k), b.get(k))]
+            and not _same_mixture(k, a.get(k), b.get(k))
+            and not (k == FILLED_SEPARATOR and None in (a.get(k), b.get(k)))]
+
+
+FILLED_SEPARATOR = "model.separator_id"  # None: the trainer takes its tokenizer's, and records it
 
 
 def _same_mixture(key: str, a, b) -> bool:
