@@ -296,3 +296,34 @@ def test_the_same_command_continues_the_run_and_a_resume_may_turn_the_mask_off(s
     assert main(["--resume", str(out), "--model.document_mask=false", "--run.max_steps=1"]) == 0, \
         capsys.readouterr().err
     assert max(r["step"] for r in read_metrics(out) if r["kind"] == "train") == 5
+
+
+def test_check_refuses_what_the_run_would_refuse(speeches, tiny_data_cache, tmp_path, capsys):
+    """`largebatch train --check` names, before any work: a separator id past the vocabulary, and a
+    BERT separator that is no special token of its tokenizer (masked-LM corruption would mask
+    separators away and write the id where none was)."""
+    from largebatch.data.tokenizer import special_token_ids, train_tokenizer
+    from largebatch.train.cli import main
+
+    tokenizer = train_tokenizer([Path(speeches).read_text()], 400)
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer.save(str(tokenizer_file))
+    stream = np.random.default_rng(0).integers(20, 400, 5_000).astype(np.uint16)
+    stream[::17] = 7
+    arrays = tmp_path / "stream.npy"
+    np.save(arrays, stream)
+    o = _trainer_overrides(tiny_data_cache, tmp_path / "run", str(arrays))
+    o.pop("data.document_separator")  # (token arrays: no text to cut)
+
+    def check(**extra) -> str:
+        assert main([f"--{k}={json.dumps(v)}" for k, v in {**o, **extra}.items()] + ["--check"]) == 2
+        return capsys.readouterr().err
+
+    assert "model.separator_id=600 is not a token of the model's vocabulary (512 ids)" in check(
+        **{"model.separator_id": 600})
+    assert 7 not in special_token_ids(tokenizer).values()
+    message = check(**{"model.kind": "bert", "model.separator_id": 7, "data.tokenizer_file": str(tokenizer_file)})
+    assert "model.separator_id=7 with model.kind='bert': masked-LM corruption" in message
+    assert "(its separator: 0)" in message
+    ok = {"model.kind": "bert", "model.separator_id": 0, "data.tokenizer_file": str(tokenizer_file)}
+    assert main([f"--{k}={json.dumps(v)}" for k, v in {**o, **ok}.items()] + ["--check"]) == 0

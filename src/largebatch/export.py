@@ -463,8 +463,8 @@ def export(run_dir: str | Path, out: str | Path, format: str = "hf", force: bool
         log(f"note: {partial}")
     if loaded.model.config.document_mask:
         log(f"note: the run attended within documents (model.document_mask); transformers' model attends across "
-            f"a separator (id {loaded.model.config.separator_id}) inside one input, so give it one document per "
-            "input (as generation does) to compute what the run computed")
+            f"a separator (id {loaded.model.config.separator_id}) inside one input (its generate() too), so give "
+            "it one document per input to compute what the run computed")
     seq_len = loaded.model.config.seq_len
     trained = trained_positions(loaded)
     trained = trained if trained is not None and trained < seq_len else None  # None: every position

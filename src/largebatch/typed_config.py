@@ -450,7 +450,7 @@ def _default_text(f: dataclasses.Field) -> str:
         default = f.default_factory()  # type: ignore[misc]
     else:
         return "(required)"
-    return "none (off)" if default is None else repr(default)
+    return f"none ({f.metadata.get('none', 'off')})" if default is None else repr(default)
 
 
 def describe_fields(cls: type, prefix: str = "") -> str:

@@ -61,11 +61,11 @@ class ModelConfig:
     """h: hidden size (width of the residual stream)."""
     n_head: int = 4
     """a: attention heads; must divide n_embd (head size = n_embd // n_head)."""
-    n_kv_head: int | None = None
+    n_kv_head: int | None = field(default=None, metadata={"none": "n_head"})
     """Key/value heads; None means n_head (multi-head attention). Fewer, dividing n_head, is grouped-
     query attention (Llama 2 70B, Llama 3, Mistral): each key/value head serves n_head / n_kv_head
     query heads, shrinking the k and v projections and their stored activations by that factor."""
-    ffn_hidden: int | None = None
+    ffn_hidden: int | None = field(default=None, metadata={"none": "4 * n_embd"})
     """f: width of the MLP's inner layer; None means 4 * n_embd (the paper's choice)."""
     seq_len: int = 128
     """s: context length; also the number of learned position embeddings (or rotary table rows)."""
@@ -81,7 +81,7 @@ class ModelConfig:
     """Share the token embedding matrix with the output projection (GPT-2 and BERT do)."""
     bias: bool = True
     """Biases in the Linear layers and LayerNorms (GPT-2/BERT: True; Cramming, Llama: False)."""
-    qkv_bias: bool | None = None
+    qkv_bias: bool | None = field(default=None, metadata={"none": "as bias"})
     """Biases on the q, k and v projections alone; None follows ``bias``. Qwen2: true with bias false
     (its other Linear layers and its RMSNorms have none)."""
     attention: Attention = "explicit"
@@ -118,7 +118,7 @@ class ModelConfig:
     position="learned" the positions restart at 0 at each separator too, so a document inside a
     packed sequence is computed exactly as it would be alone; rotary positions are relative and
     need no restart. Costs one s x s mask per sequence, shared by every layer (docs/models.md)."""
-    separator_id: int | None = None
+    separator_id: int | None = field(default=None, metadata={"none": "the tokenizer's separator"})
     """The token id that starts each document, for document_mask. None: the trainer takes its
     tokenizer's separator (<|endoftext|>, the token its streams put before every document). Give
     it for token arrays (.npy/.bin) without a tokenizer: the id their writer put between documents

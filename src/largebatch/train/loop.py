@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         vocab = model_vocab(cfg, self.data.vocab_size)
         if cfg.model.vocab_size != vocab:
             cfg = self.cfg = _with_vocab(cfg, vocab)
-        separator = model_separator(cfg, self.data.tokenizer and document_separator(self.data.tokenizer))
+        separator = model_separator(cfg, self.data.tokenizer and document_separator(self.data.tokenizer),
+                                    self.data.special_ids.values())
         if separator != cfg.model.separator_id:
             from largebatch.train.config import replace_section
 
@@ -1003,19 +1005,29 @@ def model_vocab(cfg: TrainConfig, tokenizer_size: int) -> int:
     return wanted
 
 
-def model_separator(cfg: TrainConfig, own: tuple[str, int] | None) -> int | None:
+def model_separator(cfg: TrainConfig, own: tuple[str, int] | None,
+                    special: Collection[int] = ()) -> int | None:
     """``model.separator_id`` as the run uses it: None without model.document_mask; else the id
     that starts each document. ``own``: the run's tokenizer's separator (token, id), None without a
     tokenizer. A text corpus's streams put it before every document, so that is the id (another
     given is refused); token arrays take model.separator_id, else their data.tokenizer_file's
-    separator; ValueError naming the field when neither is there."""
+    separator; ValueError naming the field when neither is there. ``special``: the ids masked-LM
+    corruption never touches (the tokenizer's special tokens); a masked model's separator must be
+    one, or corruption would hide separators from the mask and put them where none was."""
     from largebatch.data.corpus import is_token_array_path
+    from largebatch.models.registry import model_spec
 
     if not cfg.model.document_mask:
         return None
     given = cfg.model.separator_id
     if not cfg.data.mixture and is_token_array_path(cfg.data.corpus):
         if given is not None:
+            if model_spec(cfg.model.kind).objective == "masked" and given not in special:
+                theirs = f" (its separator: {own[1]})" if own else ""
+                raise ValueError(f"model.separator_id={given} with model.kind={cfg.model.kind!r}: masked-LM "
+                                 "corruption replaces any token but the tokenizer's special ones, so it would "
+                                 "mask separators away (merging documents) and write it where none was; give "
+                                 f"a special token of data.tokenizer_file{theirs}, or mark the id special there")
             return given
         if own is None:
             raise ValueError(f"model.document_mask=true on data.corpus={cfg.data.corpus!r}, token arrays without "

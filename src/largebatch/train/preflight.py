@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -248,7 +249,14 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     tokenizer.id_space); ConfigError if unreadable, or if a text corpus is to be encoded with it and it
     has no document separator, or if a BERT run's lacks what masking needs (check_masked_tokens)."""
     from largebatch.data.corpus import is_token_array_path
-    from largebatch.data.tokenizer import EOT, SPECIAL_TOKENS, document_separator, id_space, no_separator_message
+    from largebatch.data.tokenizer import (
+        EOT,
+        SPECIAL_TOKENS,
+        document_separator,
+        id_space,
+        no_separator_message,
+        special_token_ids,
+    )
 
     if not cfg.data.tokenizer_file:
         check_masked_tokens(cfg)
@@ -265,19 +273,29 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
         raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
     check_masked_tokens(cfg, tokenizer)
-    check_separator(cfg, document_separator(tokenizer))
+    check_separator(cfg, document_separator(tokenizer), special_token_ids(tokenizer).values())
     return id_space(tokenizer)
 
 
-def check_separator(cfg: TrainConfig, own: tuple[str, int] | None) -> None:
-    """model.document_mask's separator can be known (loop.model_separator) and, on text, is the
-    tokenizer's (``own``): ConfigError naming model.separator_id otherwise."""
+def check_separator(cfg: TrainConfig, own: tuple[str, int] | None, special: Collection[int] = ()) -> None:
+    """model.document_mask's separator can be known (loop.model_separator), is the tokenizer's
+    (``own``) on text and one of its ``special`` ids for a masked model: ConfigError naming
+    model.separator_id otherwise."""
     from largebatch.train.loop import model_separator
 
     try:
-        model_separator(cfg, own)
+        model_separator(cfg, own, special)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_separator_id(cfg: TrainConfig, vocab_size: int | None) -> None:
+    """A given model.separator_id names a row of the model's embedding (the vocabulary ``vocab_size``
+    decides, see check_model_vocab): refused before any work, as the model's build would refuse it."""
+    given = cfg.model.separator_id
+    if cfg.model.document_mask and given is not None and given >= (size := check_model_vocab(cfg, vocab_size)):
+        raise ConfigError(f"model.separator_id={given} is not a token of the model's vocabulary ({size} ids): give "
+                          "the id the corpus puts before (or between) its documents")
 
 
 def check_masked_tokens(cfg: TrainConfig, tokenizer=None) -> None:
@@ -532,6 +550,7 @@ def preflight(cfg: TrainConfig, distributed: bool, fresh: bool = True) -> StateE
         # Trainer compares it with the tokenizer it builds again (rundir.keep_tokenizer)
         vocab = cfg.model.vocab_size
     check_cache_dir(cfg)
+    check_separator_id(cfg, vocab)
     if fresh and cfg.model.init_from:
         from largebatch.train.hf_import import check_init
 
