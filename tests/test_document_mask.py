@@ -152,12 +152,13 @@ def test_bad_settings_name_the_field_and_the_fix():
         build_model(ModelConfig(document_mask=True, separator_id=4096))
 
 
-@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
-def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention):
+@pytest.mark.parametrize("attention, s", [("explicit", 128), ("sdpa", 128), ("sdpa", 60)])
+def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention, s):
     """Measured bytes kept for backward with the mask, less those without it, per recomputation
-    policy: the one s x s mask (bool for explicit attention, the activation dtype for sdpa),
-    within the per-token integers the model leaves out (16 bytes a token at most)."""
-    s, b = 128, 8
+    policy: the one s x s mask (bool for explicit attention, the activation dtype for sdpa, its rows
+    padded to 8 values: s = 60 keeps 60 x 64), within the per-token integers the model leaves out
+    (16 bytes a token at most)."""
+    b = 8
     plain = ModelConfig(n_layer=2, n_embd=128, n_head=4, seq_len=s, vocab_size=64, attention=attention)
     masked = plain.replace(document_mask=True, separator_id=SEP)
     torch.manual_seed(0)
@@ -165,7 +166,7 @@ def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention):
     models[masked].load_state_dict(models[plain].state_dict())
     ids = torch.randint(1, 64, (b, s))
     ids[:, ::10] = SEP
-    expected = s * s * b * (1 if attention == "explicit" else 4)
+    expected = s * s * b if attention == "explicit" else s * (-(-s // 8) * 8) * b * 4
     assert document_mask_bytes(masked, b, dtype_bytes=4) == expected
     for policy in ("none", "selective", "op", "full"):
         held = {}
@@ -184,7 +185,29 @@ def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention):
     assert model_activation_bytes(masked, b, training=False, dtype_bytes=4, device="cpu") == \
         model_activation_bytes(plain, b, training=False, dtype_bytes=4, device="cpu")
     # at 16 bits: sdpa's float mask halves, the bool one does not
-    assert document_mask_bytes(masked, b, dtype_bytes=2) == s * s * b * (1 if attention == "explicit" else 2)
+    assert document_mask_bytes(masked, b, dtype_bytes=2) == (expected if attention == "explicit" else expected / 2)
+
+
+@pytest.mark.parametrize("schedule, pp, virtual, masks", [
+    ("1f1b", 4, 1, 4), ("gpipe", 4, 1, 8), ("interleaved-1f1b", 2, 2, 5), ("interleaved-1f1b", 2, 4, 9),
+    ("interleaved-zb", 2, 2, 4), ("zbv", 2, 2, 4)])
+def test_a_pipeline_rank_keeps_a_mask_per_stage_and_micro_batch_in_flight(schedule, pp, virtual, masks):
+    """Every stage builds its own mask for each micro-batch it runs, so the first rank keeps one per
+    (stage, micro-batch) in flight: p under 1F1B, the m micro-batches under GPipe, p V + p - 1 under
+    interleaved 1F1B (the rank's layers' worth, L (1 + (p - 1) / (p V)), over L / (p V) a stage),
+    p V under the zero-bubble schedules. The closed form and the walk of the schedule's own action
+    order (the first rank's peak) agree."""
+    from largebatch.memory.pipeline_schedule import schedule_activation_bytes
+
+    plain = ModelConfig(n_layer=8, n_embd=64, n_head=4, seq_len=64, vocab_size=64, attention="sdpa")
+    masked = plain.replace(document_mask=True, separator_id=SEP)
+    b, m = 2, 2 * pp
+    one = document_mask_bytes(masked, b, dtype_bytes=2)
+    kw = dict(pp=pp, schedule=schedule, virtual_stages=virtual, micro_batches=m, dtype_bytes=2)
+    grown = model_activation_bytes(masked, b, **kw) - model_activation_bytes(plain, b, **kw)
+    assert grown == pytest.approx(masks * one)
+    walked = [schedule_activation_bytes(c, b, schedule, pp, virtual, m, dtype_bytes=2) for c in (plain, masked)]
+    assert walked[1] - walked[0] == pytest.approx(masks * one)
 
 
 # -- the trainer ---------------------------------------------------------------------------------
@@ -325,5 +348,58 @@ def test_check_refuses_what_the_run_would_refuse(speeches, tiny_data_cache, tmp_
     message = check(**{"model.kind": "bert", "model.separator_id": 7, "data.tokenizer_file": str(tokenizer_file)})
     assert "model.separator_id=7 with model.kind='bert': masked-LM corruption" in message
     assert "(its separator: 0)" in message
+    mask_id = special_token_ids(tokenizer)["[MASK]"]  # special, but what corruption writes
+    assert f"model.separator_id={mask_id} with model.kind='bert'" in check(
+        **{"model.kind": "bert", "model.separator_id": mask_id, "data.tokenizer_file": str(tokenizer_file)})
+    from tokenizers import Tokenizer, models
+
+    no_separator = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    no_separator_file = tmp_path / "no-separator.json"
+    no_separator.save(str(no_separator_file))
+    message = check(**{"data.tokenizer_file": str(no_separator_file)})
+    assert "has none of <|endoftext|>, </s>, [SEP]: give model.separator_id" in message
+    assert "or data.tokenizer_file" not in message
     ok = {"model.kind": "bert", "model.separator_id": 0, "data.tokenizer_file": str(tokenizer_file)}
     assert main([f"--{k}={json.dumps(v)}" for k, v in {**o, **ok}.items()] + ["--check"]) == 0
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_compiled_blocks_take_the_mask_without_a_graph_break(policy):
+    """The mask is made before the blocks run, so a compiled block (run.compile) inside a recomputed
+    region reads it and changes nothing outside: no graph break (made lazily in the first layer, it
+    broke every checkpointed region, which then ran uncompiled), and the gradients of eager mode."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    config = _config("gpt", "sdpa", "rope", kv=2)
+    eager = build_model(config)
+    compiled = build_model(config)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_recompute(model, policy)
+    for block in compiled.blocks:
+        block.compile(backend="aot_eager")  # (the graphs, without inductor's code generation)
+    ids = torch.cat(_documents(5, first_partial=True))[None].repeat(2, 1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for model in (eager, compiled):
+        model(ids, ids)[1].backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
+def test_an_unset_separator_is_the_recorded_one_on_text_and_a_difference_on_token_arrays():
+    """The trainer records the separator it took from its tokenizer: a command that leaves it unset
+    continues such a run on text (the only id its streams allow), but on token arrays an unset id is
+    data.tokenizer_file's separator, which may be another: there it is a difference."""
+    from largebatch.train.rundir import config_differences
+
+    def config(corpus, separator):
+        return load_config(resolve_config(None), {"data.corpus": corpus, "model.document_mask": True,
+                                                  "model.separator_id": separator})
+
+    assert config_differences(config("shakespeare", 0), config("shakespeare", None)) == []
+    assert config_differences(config("plays.npy", 7), config("plays.npy", None)) == ["model.separator_id: 7 -> None"]
+    assert config_differences(config("plays.npy", 7), config("plays.npy", 7)) == []

@@ -63,7 +63,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from largebatch.models.config import ModelConfig
+from largebatch.models.config import MASK_ROW_ALIGNMENT, ModelConfig
 from largebatch.models.flops import RECOMPUTE_POLICIES, per_layer_policies
 from largebatch.models.registry import model_spec
 
@@ -253,8 +253,9 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     one = stage_activation_bytes(config, micro_batch, config.n_layer // pp, recompute, first=True, last=False,
                                  tp=tp, sequence_parallel=sequence_parallel, seq_len=seq_len, dtype_bytes=dtype_bytes,
                                  device=device, training=training, mask_fraction=mask_fraction)
-    if pp > 1:
-        return in_flight * one
+    if pp > 1:  # a document mask is per stage and micro-batch: V of them a micro-batch on a rank
+        mask = document_mask_bytes(config, micro_batch, seq_len, dtype_bytes) if training else 0.0
+        return in_flight * (one - mask) + in_flight * stages_per_rank(schedule, virtual_stages) * mask
     return one + stage_activation_bytes(config, micro_batch, 0, first=False, last=True, tp=tp,
                                         sequence_parallel=sequence_parallel, seq_len=seq_len,
                                         dtype_bytes=dtype_bytes, device=device, training=training,
@@ -339,7 +340,8 @@ def document_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | No
                         dtype_bytes: float = 2) -> float:
     """Bytes of the attention mask a micro-batch keeps under ``document_mask`` (its layers' backward,
     or their recomputation, all keep the one tensor): s^2 b, as bool for explicit attention
-    (``torch.where`` keeps its condition) or in the activation dtype for sdpa (its float mask); on
+    (``torch.where`` keeps its condition) or in the activation dtype for sdpa (its float mask, each
+    row padded to a multiple of MASK_ROW_ALIGNMENT values, which CUDA's kernel needs uncopied); on
     every tensor-parallel rank whole (heads are split, the mask is not), 0 without document_mask.
     The per-token integers beside it (the document index a recomputation keeps with the mask,
     learned positions' restarted indices: 8 bytes a token each) are not counted, as the norms'
@@ -347,7 +349,10 @@ def document_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | No
     if not config.document_mask:
         return 0.0
     s = config.seq_len if seq_len is None else _plain(seq_len)
-    return s * s * _plain(micro_batch) * (1 if config.attention == "explicit" else dtype_bytes)
+    if config.attention == "explicit":
+        return s * s * _plain(micro_batch)
+    rows = -(-s // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT  # (sdpa's: each row padded to alignment)
+    return s * rows * _plain(micro_batch) * dtype_bytes
 
 
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,

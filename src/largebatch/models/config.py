@@ -45,6 +45,10 @@ HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a Ge
                  **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query heads")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
                                     ("camembert", "Camembert"))}}
+# sdpa's memory-efficient kernel (CUDA) copies a float mask whose rows are not 8-element aligned, in
+# every call: the document mask's rows are laid out so (a view of a row-padded tensor), and its bytes
+# counted so (largebatch.models.layers.DocumentMask, largebatch.memory.activations.document_mask_bytes)
+MASK_ROW_ALIGNMENT = 8
 ATTENTION_KINDS = get_args(Attention)
 NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
 POSITIONS, NORMS = get_args(Position), get_args(Norm)

@@ -75,6 +75,8 @@ class TransformerBase(nn.Module):
 
     def run_blocks(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         """The blocks on hidden states (B, T, C); ``mask``: ``attention_mask`` of the token ids."""
+        if mask is not None:
+            mask.prepare(self.config.attention, x)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
         return x

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from largebatch.models.config import ModelConfig
+from largebatch.models.config import MASK_ROW_ALIGNMENT, ModelConfig
 from largebatch.models.registry import model_spec
 
 
@@ -178,11 +178,13 @@ class DocumentMask:
     each separator token and runs to the next, so a separator opens the document after it -- and,
     for a causal model, j <= i. Every position sees itself, so no row is empty.
 
-    Built once per forward from the token ids (B, T) and handed to every layer; each form is made
-    once and shared by the layers, whose backward keeps that one tensor: ``allowed()``, (B, 1, T, T)
-    bool (1 byte an entry: the explicit attention's ``torch.where``), and ``additive(dtype)``, 0 where
-    allowed and -inf elsewhere in the attention's dtype (sdpa turns a bool mask into that form on
-    every call, and keeps each layer's copy; given it in the query's dtype, it keeps the one)."""
+    Built once per forward from the token ids (B, T) and handed to every layer. ``prepare`` makes
+    the one form the layers read before they run (outside any recomputed or compiled region, which
+    must not change state from outside): ``allowed()``, (B, 1, T, T) bool (1 byte an entry: the
+    explicit attention's ``torch.where``), or ``additive(dtype)``, 0 where allowed and -inf elsewhere
+    in the attention's dtype (measured on CPU: sdpa turns a bool mask into that form on every call and
+    keeps each layer's copy; given it in the query's dtype, it keeps the one). The layers' backward
+    then keeps that one tensor. A form asked for in another dtype is made then, and kept too."""
 
     def __init__(self, ids: torch.Tensor, separator_id: int, causal: bool):
         if ids.dim() != 2:
@@ -190,6 +192,16 @@ class DocumentMask:
         self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
         self.causal = causal
         self._made: dict[object, torch.Tensor] = {}
+
+    def prepare(self, attention: str, x: torch.Tensor) -> DocumentMask:
+        """Make the form ``attention`` ("explicit" or "sdpa") reads, for layers whose input is ``x``:
+        sdpa's in the dtype the queries will have (autocast's where it is on, else ``x``'s)."""
+        if attention == "explicit":
+            self.allowed()
+        else:
+            device = x.device.type
+            self.additive(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
+        return self
 
     def _visible(self) -> torch.Tensor:
         d = self.documents
@@ -206,12 +218,15 @@ class DocumentMask:
         return self._made["bool"]
 
     def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, T, T) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask)."""
+        """(B, 1, T, T) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask); rows
+        MASK_ROW_ALIGNMENT-aligned."""
         if dtype not in self._made:
             visible = self._made.get("bool")
             visible = self._visible() if visible is None else visible  # (the bool form is not kept for it)
-            self._made[dtype] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-                ~visible, float("-inf"))
+            B, _, T, _ = visible.shape
+            width = -(-T // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT
+            mask = torch.zeros(B, 1, T, width, dtype=dtype, device=visible.device)[..., :T]
+            self._made[dtype] = mask.masked_fill_(~visible, float("-inf"))
         return self._made[dtype]
 
 

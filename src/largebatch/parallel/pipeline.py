@@ -180,7 +180,7 @@ class StageModule(nn.Module):
         model = self._model[0]
         if self.first:
             x = model.embed_input(x)  # (B, T) ids -> (B, T, C)
-        mask = None if tokens is None else model.attention_mask(tokens)
+        mask = None if tokens is None else model.attention_mask(tokens).prepare(model.config.attention, x)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
         return model.output_logits(x) if self.last else x  # (B, T, v) or (B, T, C)

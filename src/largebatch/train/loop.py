@@ -32,7 +32,6 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,7 +231,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         if cfg.model.vocab_size != vocab:
             cfg = self.cfg = _with_vocab(cfg, vocab)
         separator = model_separator(cfg, self.data.tokenizer and document_separator(self.data.tokenizer),
-                                    self.data.special_ids.values())
+                                    self.data.special_ids)
         if separator != cfg.model.separator_id:
             from largebatch.train.config import replace_section
 
@@ -1006,15 +1005,17 @@ def model_vocab(cfg: TrainConfig, tokenizer_size: int) -> int:
 
 
 def model_separator(cfg: TrainConfig, own: tuple[str, int] | None,
-                    special: Collection[int] = ()) -> int | None:
+                    special: dict[str, int] | None = None) -> int | None:
     """``model.separator_id`` as the run uses it: None without model.document_mask; else the id
     that starts each document. ``own``: the run's tokenizer's separator (token, id), None without a
     tokenizer. A text corpus's streams put it before every document, so that is the id (another
     given is refused); token arrays take model.separator_id, else their data.tokenizer_file's
-    separator; ValueError naming the field when neither is there. ``special``: the ids masked-LM
-    corruption never touches (the tokenizer's special tokens); a masked model's separator must be
-    one, or corruption would hide separators from the mask and put them where none was."""
+    separator; ValueError naming the field when neither is there. ``special``: the tokenizer's
+    special tokens (name -> id), which masked-LM corruption never touches; a masked model's separator
+    must be one of them, or corruption would hide separators from the mask and write the id where
+    none was, and not [MASK], which corruption writes."""
     from largebatch.data.corpus import is_token_array_path
+    from largebatch.data.tokenizer import DOCUMENT_SEPARATORS, masked_lm_ids
     from largebatch.models.registry import model_spec
 
     if not cfg.model.document_mask:
@@ -1022,17 +1023,22 @@ def model_separator(cfg: TrainConfig, own: tuple[str, int] | None,
     given = cfg.model.separator_id
     if not cfg.data.mixture and is_token_array_path(cfg.data.corpus):
         if given is not None:
-            if model_spec(cfg.model.kind).objective == "masked" and given not in special:
+            special = special or {}
+            masked = model_spec(cfg.model.kind).objective == "masked"
+            if masked and (given not in special.values() or given == masked_lm_ids(special).get("mask")):
                 theirs = f" (its separator: {own[1]})" if own else ""
                 raise ValueError(f"model.separator_id={given} with model.kind={cfg.model.kind!r}: masked-LM "
-                                 "corruption replaces any token but the tokenizer's special ones, so it would "
-                                 "mask separators away (merging documents) and write it where none was; give "
-                                 f"a special token of data.tokenizer_file{theirs}, or mark the id special there")
+                                 "corruption writes [MASK] and replaces any token but the tokenizer's special "
+                                 "ones, so this id would be masked away (merging documents) or written where "
+                                 f"no document starts; give another special token of data.tokenizer_file{theirs}")
             return given
         if own is None:
-            raise ValueError(f"model.document_mask=true on data.corpus={cfg.data.corpus!r}, token arrays without "
-                             "a tokenizer: give model.separator_id, the id their writer put between documents "
-                             "(GPT-2's <|endoftext|>: 50256), or data.tokenizer_file to take its separator")
+            where = (f"data.tokenizer_file={cfg.data.tokenizer_file!r} has none of {', '.join(DOCUMENT_SEPARATORS)}"
+                     if cfg.data.tokenizer_file else "token arrays without a tokenizer")
+            raise ValueError(f"model.document_mask=true on data.corpus={cfg.data.corpus!r}, {where}: give "
+                             "model.separator_id, the id their writer put between documents (GPT-2's "
+                             "<|endoftext|>: 50256)" + ("" if cfg.data.tokenizer_file else
+                                                         ", or data.tokenizer_file to take its separator"))
         return own[1]
     if given is not None and given != own[1]:
         raise ValueError(f"model.separator_id={given}: the corpus's token streams start every document with "
@@ -1045,9 +1051,10 @@ SEPARATOR_PROBE_TOKENS = 2**20
 
 
 def separator_absent(dataset, separator: int) -> str | None:
-    """A warning when ``separator`` is nowhere in the first SEPARATOR_PROBE_TOKENS of a token array's
-    training stream (a wrong model.separator_id: every sequence would be one document); None when
-    it is there, or for a stream the trainer wrote (each of its documents starts with it)."""
+    """A warning when ``separator`` is nowhere in the first SEPARATOR_PROBE_TOKENS of the training
+    stream (a wrong model.separator_id on token arrays: every sequence would be one document; a
+    stream the trainer wrote starts each document with it); None when it is there, or for a dataset
+    without one stream (a mixture)."""
     tokens = getattr(dataset, "tokens", None)
     if tokens is None or not isinstance(tokens, np.memmap | np.ndarray):
         return None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -273,11 +272,11 @@ def check_tokenizer_file(cfg: TrainConfig) -> int | None:
     if not is_token_array_path(cfg.data.corpus) and document_separator(tokenizer) is None:  # text is encoded
         raise ConfigError(no_separator_message("data.tokenizer_file", cfg.data.tokenizer_file))
     check_masked_tokens(cfg, tokenizer)
-    check_separator(cfg, document_separator(tokenizer), special_token_ids(tokenizer).values())
+    check_separator(cfg, document_separator(tokenizer), special_token_ids(tokenizer))
     return id_space(tokenizer)
 
 
-def check_separator(cfg: TrainConfig, own: tuple[str, int] | None, special: Collection[int] = ()) -> None:
+def check_separator(cfg: TrainConfig, own: tuple[str, int] | None, special: dict[str, int] | None = None) -> None:
     """model.document_mask's separator can be known (loop.model_separator), is the tokenizer's
     (``own``) on text and one of its ``special`` ids for a masked model: ConfigError naming
     model.separator_id otherwise."""

@@ -128,11 +128,18 @@ def differing_fields(saved, new, selected: Callable[[str], bool]) -> list[str]:
     a, b = _flat(to_dict(saved)), _flat(to_dict(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and selected(k) and not _same_path_field(k, a.get(k), b.get(k))
-            and not _same_mixture(k, a.get(k), b.get(k))
-            and not (k == FILLED_SEPARATOR and None in (a.get(k), b.get(k)))]
+            and not _same_mixture(k, a.get(k), b.get(k)) and not _filled_separator(k, a, b)]
 
 
-FILLED_SEPARATOR = "model.separator_id"  # None: the trainer takes its tokenizer's, and records it
+def _filled_separator(key: str, a: dict, b: dict) -> bool:
+    """model.separator_id unset on one side on a text corpus: the trainer fills in the tokenizer's
+    (the only id its streams allow) and records it, so it is the other side's. (On token arrays an
+    unset id is data.tokenizer_file's separator, which may be another: a difference.)"""
+    from largebatch.data.corpus import is_token_array_path
+
+    return (key == "model.separator_id" and None in (a.get(key), b.get(key))
+            and not any(not c.get("data.mixture") and is_token_array_path(c.get("data.corpus") or "")
+                        for c in (a, b)))
 
 
 def _same_mixture(key: str, a, b) -> bool:
