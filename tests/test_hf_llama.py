@@ -7,6 +7,7 @@ what neither architecture computes is refused in one line, before training where
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -281,9 +282,12 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
     old = _variant(tmp_path, source, "v4", rope_parameters=None, rope_theta=3e4, rope_scaling=None)
     assert model_fields(old)["rope_theta"] == 3e4
     cases = {"yarn": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-                      ["rope_parameters with rope_type='yarn'", "unscaled"]),
-             "v4-linear": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
-                           ["rope_scaling with rope_type='linear'"]),
+                      ["rope_parameters with rope_type='yarn'", "'default', 'linear' and 'llama3'"]),
+             "v4-dynamic": ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+                            ["rope_scaling with rope_type='dynamic'"]),
+             "llama3-short": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+                              ["rope_type='llama3' without low_freq_factor, high_freq_factor, "
+                               "original_max_position_embeddings"]),
              "biases": ({"attention_bias": True, "mlp_bias": False},
                         ["attention_bias=True and mlp_bias=False", "one model.bias"]),
              "head-dim": ({"head_dim": 16}, ["head_dim=16", "hidden_size / num_attention_heads = 8"]),
@@ -416,3 +420,64 @@ def test_a_rotary_directory_takes_another_rope_theta_for_a_context_extension(lla
                              "model.rope_theta": 5e5}).model
     assert (cfg.seq_len, cfg.rope_theta) == (96, 5e5)
     init_from_pretrained(build_model(cfg))
+
+
+def test_llama3_and_linear_rope_scaling_is_the_formula():
+    """model.rope_scaling against the formula written out here in float64 (Llama 3.1's frequency
+    bands; linear interpolation), at a head size and base that reach all three bands."""
+    from largebatch.models.layers import scaled_frequencies
+
+    d, theta = 64, 5e5
+    w = [theta ** (-2 * i / d) for i in range(d // 2)]
+    factor, low, high, original = 32.0, 1.0, 4.0, 8192
+    want = []
+    for f in w:
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high:
+            want.append(f)
+        elif wavelength > original / low:
+            want.append(f / factor)
+        else:
+            a = (original / wavelength - low) / (high - low)
+            want.append((1 - a) * f / factor + a * f)
+    got = scaled_frequencies(torch.tensor(w, dtype=torch.float64), "llama3", factor, low, high, original)
+    assert got.tolist() == pytest.approx(want, rel=1e-14)
+    kept = sum(g == f for g, f in zip(got.tolist(), w))
+    divided = sum(g == pytest.approx(f / factor, rel=1e-14) for g, f in zip(got.tolist(), w))
+    assert kept > 0 and divided > 0 and kept + divided < d // 2  # the three bands all occur
+    linear = scaled_frequencies(torch.tensor(w, dtype=torch.float64), "linear", 4.0, low, high, original)
+    assert linear.tolist() == pytest.approx([f / 4.0 for f in w], rel=1e-15)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},  # Llama 3.2
+    {"rope_parameters": {"rope_type": "linear", "rope_theta": 2e4, "factor": 4.0}}])
+def test_a_scaled_rope_llama_imports_with_its_logits_and_goes_out_and_back(rope, tmp_path):
+    """A LlamaForCausalLM with Llama 3.2's rope scaling (or a linear one), built by transformers:
+    init_from reads the scaling, gives its logits at every position, and the export writes it back
+    (transformers' model of the export gives largebatch's logits; init_from of it, the same model)."""
+    from largebatch.integrations.hf_export import save_hf
+
+    source = tmp_path / "llama"
+    hf = _llama_dir(source, 64, head_dim=8, **rope)
+    fields = model_fields(source)
+    table = rope["rope_parameters"]
+    assert (fields["rope_scaling"], fields["rope_factor"]) == (table["rope_type"], table["factor"])
+    cfg = model_fields_config(source)
+    ours = build_model(cfg)
+    init_from_pretrained(ours)
+    ours.eval().config = cfg.replace(init_from=None, hf_model_type=None)  # (a run of its own from here)
+    idx = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], hf(input_ids=idx).logits, rtol=0, atol=2e-5)
+    plain = build_model(cfg.replace(rope_scaling="none"))  # (the scaling changes the logits)
+    plain.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(plain.eval()(idx)[0], ours(idx)[0], atol=1e-3)
+    from transformers import AutoModelForCausalLM
+
+    save_hf(ours, None, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert {k: written[k] for k in table} == table
+    _same_logits_and_back(ours, AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tmp_path / "out")

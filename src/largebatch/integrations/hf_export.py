@@ -11,7 +11,8 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   -> LlamaForCausalLM, the default type of such a model (``model.hf_model_type`` unset): nn.Linear
   on both sides, so a renaming (largebatch.train.hf_import's table read backwards); grouped-query
   attention as ``num_key_value_heads``, ``head_dim`` = n_embd / n_head, ``attention_bias`` =
-  ``mlp_bias`` = model.bias, ``rope_theta``, ``rms_norm_eps``, ``max_position_embeddings`` = seq_len.
+  ``mlp_bias`` = model.bias, ``rope_theta``, ``rms_norm_eps``, ``max_position_embeddings`` = seq_len,
+  ``rope_parameters`` with model.rope_scaling's type and factors ("linear"; "llama3": Llama 3.1 and 3.2).
   Llama has dropout on the attention probabilities only: ``attention_dropout`` = model.dropout, and
   the embedding and residual dropout have no place (the same logits in eval). With biases on q, k
   and v alone (model.bias=False, model.qkv_bias=True) -> Qwen2ForCausalLM (Yang et al. 2024), the
@@ -149,6 +150,19 @@ def roberta_pad(cfg: ModelConfig, special: dict[str, int]) -> int:
     return int(special["pad_token"])
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers 5's ``rope_parameters`` of a rotary model: the base, and the scaling
+    (model.rope_scaling) under transformers' names."""
+    rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+            "rope_theta": float(cfg.rope_theta)}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = float(cfg.rope_factor)
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=float(cfg.rope_low_freq_factor), high_freq_factor=float(cfg.rope_high_freq_factor),
+                    original_max_position_embeddings=cfg.rope_original_seq_len)
+    return rope
+
+
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
     from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
@@ -162,7 +176,7 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         blocks = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
                       num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
                       hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
-                      rms_norm_eps=cfg.norm_eps, rope_theta=float(cfg.rope_theta), attention_dropout=cfg.dropout,
+                      rms_norm_eps=cfg.norm_eps, rope_parameters=rope_parameters(cfg), attention_dropout=cfg.dropout,
                       **tokens, **common)
         if hf_model_type(cfg) == "llama":
             config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)

@@ -20,6 +20,7 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
+RopeScaling = Literal["none", "linear", "llama3"]
 HfModelType = Literal["gpt2", "llama", "qwen2", "bert", "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
 HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
@@ -109,6 +110,23 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """The rotary base: pair i of a head rotates by position * rope_theta^(-2i/head_size) (Llama 1
     and 2: 10000; Llama 3: 500000). Used with position="rope" only."""
+    rope_scaling: RopeScaling = "none"
+    """How the rotary frequencies are rescaled to reach a longer context than a model was first
+    trained on (position="rope" only): "none"; "linear" (every frequency divided by rope_factor: the
+    positions interpolated); "llama3" (Llama 3.1 and 3.2: a frequency whose wavelength 2 pi / w is
+    longer than rope_original_seq_len / rope_low_freq_factor is divided by rope_factor, one shorter
+    than rope_original_seq_len / rope_high_freq_factor is kept, and those between are interpolated
+    between the two). model.init_from reads it from a transformers config.json (rope_scaling or
+    rope_parameters) and the export writes it back (docs/papers.md: Llama-style layers)."""
+    rope_factor: float = 8.0
+    """rope_scaling's factor (Llama 3.1: 8, Llama 3.2: 32); read with rope_scaling "linear" or "llama3" only."""
+    rope_low_freq_factor: float = 1.0
+    """rope_scaling="llama3": wavelengths past rope_original_seq_len / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """rope_scaling="llama3": wavelengths under rope_original_seq_len / this are kept as they are."""
+    rope_original_seq_len: int = 8192
+    """rope_scaling="llama3": the context the model was first trained on (transformers'
+    original_max_position_embeddings; Llama 3: 8192)."""
     activation: Activation = "gelu"
     """The MLP's (and BERT head's) activation: "gelu" is the exact erf form (BERT, transformers'
     "gelu"); "gelu_tanh" the tanh approximation GPT-2 was trained with (transformers' "gelu_new").
@@ -177,6 +195,24 @@ class ModelConfig:
                 and math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"ModelConfig.rope_theta={self.rope_theta!r}: must be a finite number > 1 "
                              "(10000 in Llama 1 and 2, 500000 in Llama 3).")
+        if self.rope_scaling != "none":
+            if self.position != "rope":
+                raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} with position={self.position!r}: "
+                                 "it rescales rotary frequencies; set position='rope', or rope_scaling='none'.")
+            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                           and value > 0):
+                    raise ValueError(f"ModelConfig.{name}={value!r}: must be a finite number > 0 (Llama 3.1: "
+                                     "rope_factor 8, rope_low_freq_factor 1, rope_high_freq_factor 4).")
+            if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+                raise ValueError(f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor!r} must exceed "
+                                 f"rope_low_freq_factor={self.rope_low_freq_factor!r}: the frequencies between "
+                                 "them are interpolated (Llama 3.1: 4 and 1).")
+            if not isinstance(self.rope_original_seq_len, int) or isinstance(self.rope_original_seq_len, bool) \
+                    or self.rope_original_seq_len < 1:
+                raise ValueError(f"ModelConfig.rope_original_seq_len={self.rope_original_seq_len!r}: must be a "
+                                 "positive integer (Llama 3: 8192).")
         if self.activation == "swiglu" and model_spec(self.kind).objective == "masked":
             raise ValueError(f"ModelConfig.activation='swiglu' with kind={self.kind!r}: the gated MLP is for "
                              "causal models here (the masked-LM head has one activation and no gate); use "

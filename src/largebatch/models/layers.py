@@ -152,6 +152,23 @@ def norm_layer(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
+def scaled_frequencies(w: torch.Tensor, scaling: str, factor: float, low: float, high: float,
+                       original: int) -> torch.Tensor:
+    """The rotary frequencies ``w`` rescaled for a longer context (ModelConfig.rope_scaling): "none"
+    keeps them; "linear" divides each by ``factor``; "llama3" (Llama 3.1) divides those whose wavelength
+    2 pi / w exceeds original / low by ``factor``, keeps those under original / high, and between the
+    two takes (1 - a) w / factor + a w with a = (original / wavelength - low) / (high - low), which
+    runs from 0 to 1 across that band."""
+    if scaling == "none":
+        return w
+    if scaling == "linear":
+        return w / factor
+    wavelength = 2 * math.pi / w
+    a = (original / wavelength - low) / (high - low)
+    between = (1 - a) * w / factor + a * w
+    return torch.where(wavelength > original / low, w / factor, torch.where(wavelength < original / high, w, between))
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021): x (B, heads, T, d) -> x cos(m w) + rot(x) sin(m w),
     rot(x) = (-x[d/2:], x[:d/2]), w_i = theta^(-2i/d) for i < d/2, repeated for the second half.
@@ -160,6 +177,8 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.head_dim, self.theta, self.seq_len = config.head_dim, config.rope_theta, config.seq_len
+        self.scaling = (config.rope_scaling, config.rope_factor, config.rope_low_freq_factor,
+                        config.rope_high_freq_factor, config.rope_original_seq_len)
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -173,6 +192,7 @@ class Rotary(nn.Module):
         if device.type == "meta":
             return torch.empty(self.seq_len, d, device=device), torch.empty(self.seq_len, d, device=device)
         inv_freq = 1.0 / self.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)
+        inv_freq = scaled_frequencies(inv_freq, *self.scaling)
         angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float64, device="cpu"), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (s, d)
         return angles.cos().float().to(device), angles.sin().float().to(device)

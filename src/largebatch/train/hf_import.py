@@ -24,19 +24,19 @@ renaming and reshapes run backwards:
   (model.norm="rmsnorm", position="rope", activation="swiglu"): a renaming, no reshape --
   ``embed_tokens`` -> tok_emb, ``q/k/v/o_proj`` -> attn.q/k/v/proj, ``gate_proj`` -> mlp.gate,
   ``up_proj`` -> mlp.fc1, ``down_proj`` -> mlp.fc2, ``input_layernorm`` / ``post_attention_layernorm``
-  -> ln1 / ln2, ``norm`` -> ln_f. ``num_key_value_heads`` -> model.n_kv_head (grouped-query
-  attention), ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5) ->
-  model.rope_theta, ``rms_norm_eps`` -> model.norm_eps, ``attention_bias`` (= ``mlp_bias``) ->
-  model.bias, ``max_position_embeddings`` -> model.seq_len. Refused, naming the field: a rope
-  scaling (``rope_scaling`` or a ``rope_type`` other than "default": YaRN, Llama 3.1's "llama3",
-  linear, dynamic), ``attention_bias`` != ``mlp_bias``, ``head_dim`` != hidden_size /
-  num_attention_heads, a ``hidden_act`` other than "silu". MistralForCausalLM (``"mistral"``) is
-  the same network without biases; it maps where its ``sliding_window`` is null or covers the whole
-  context (>= max_position_embeddings), and exports back as LlamaForCausalLM (hf_model_type
-  "llama": the same function). Qwen2ForCausalLM (``"qwen2"``; Yang et al. 2024) is Llama's network
-  with biases on q_proj, k_proj and v_proj only: model.bias=False, model.qkv_bias=True, the same
-  names (the three biases too); it maps without a sliding window (``use_sliding_window`` false, no
-  sliding ``layer_types``) and exports back as Qwen2ForCausalLM.
+  -> ln1 / ln2, ``norm`` -> ln_f. ``num_key_value_heads`` -> model.n_kv_head (grouped-query attention),
+  ``rope_theta`` (transformers 4) or ``rope_parameters.rope_theta`` (5) -> model.rope_theta,
+  ``rms_norm_eps`` -> model.norm_eps, ``attention_bias`` (= ``mlp_bias``) -> model.bias,
+  ``max_position_embeddings`` -> model.seq_len, a "linear" or "llama3" rope scaling (Llama 3.1 and 3.2;
+  ``rope_scaling`` or ``rope_parameters``) -> model.rope_scaling and its factors. Refused, naming the
+  field: another rope scaling (dynamic, YaRN, longrope), ``attention_bias`` != ``mlp_bias``,
+  ``head_dim`` != hidden_size / num_attention_heads, a ``hidden_act`` other than "silu".
+  MistralForCausalLM (``"mistral"``) is the same network without biases; it maps where its
+  ``sliding_window`` is null or covers the whole context (>= max_position_embeddings), and exports back
+  as LlamaForCausalLM (hf_model_type "llama": the same function). Qwen2ForCausalLM (``"qwen2"``; Yang et
+  al. 2024) is Llama's network with biases on q_proj, k_proj and v_proj only: model.bias=False,
+  model.qkv_bias=True, the same names (the three biases too); it maps without a sliding window
+  (``use_sliding_window`` false, no sliding ``layer_types``) and exports back as Qwen2ForCausalLM.
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -71,6 +71,7 @@ from largebatch.memory.hf import (
     bert_positions,
     llama_fields,
     position_offset,
+    rope_scaling,
     rope_theta,
 )
 from largebatch.models.config import ModelConfig
@@ -83,10 +84,13 @@ PREFIX = "hf:"
 # shards (save_pretrained leaves other formats' files) loads the shards
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# the rotary scaling's fields (a Llama-family directory's rope_scaling or rope_parameters)
+ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
                 "qkv_bias",
-                "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", "activation",
+                "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", *ROPE_FIELDS,
+                "activation",
                 "hf_model_type")
 # fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
 YOURS_TO_CHOOSE = ("hf_model_type",)
@@ -277,15 +281,15 @@ def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, An
         return ConfigError(f"model.init_from: {where} has {what}; {why}, so it cannot continue training here")
 
     fields = llama_fields(raw, lambda name: _need(raw, name, path), refuse)
+    fields = {**fields, "rope_theta": rope_theta(raw, refuse), **rope_scaling(raw, refuse)}
     if raw.get("model_type") == "qwen2":  # biases on q, k and v, none elsewhere (Qwen2Config has no switch)
-        return {**common, **fields, "rope_theta": rope_theta(raw, refuse), "bias": False, "qkv_bias": True,
-                "hf_model_type": "qwen2"}
+        return {**common, **fields, "bias": False, "qkv_bias": True, "hf_model_type": "qwen2"}
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
                      "largebatch has one model.bias for every Linear layer, so both must be equal")
-    return {**common, **fields, "rope_theta": rope_theta(raw, refuse), "bias": attention_bias,
-            "hf_model_type": "llama"}  # (a Mistral without a window is Llama's function: exports as Llama)
+    # (a Mistral without a window is Llama's function: exports as Llama)
+    return {**common, **fields, "bias": attention_bias, "hf_model_type": "llama"}
 
 
 def _positions(raw: dict, path: Path) -> int:
@@ -344,7 +348,7 @@ def _rotary_context(fields: dict[str, Any], name: str) -> bool:
     positions: no weight has the length's size (max_position_embeddings only bounds the rotary
     tables transformers builds) nor depends on the base, so a run may train shorter or longer
     sequences from it at another model.rope_theta -- a context extension."""
-    return name in ("seq_len", "rope_theta") and fields.get("position") == "rope"
+    return name in ("seq_len", "rope_theta", *ROPE_FIELDS) and fields.get("position") == "rope"
 
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:

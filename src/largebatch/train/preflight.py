@@ -114,7 +114,7 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
                           "hold no table of that size); to train another context, declare [[phases]] with "
                           "their seq_len in the config file, or continue from an export in a new run: "
                           "largebatch export RUN_DIR OUT --format hf, then --model.init_from=hf:OUT "
-                          f"--model.seq_len={cfg.model.seq_len} (and --model.rope_theta)")
+                          f"--model.seq_len={cfg.model.seq_len} (and --model.rope_theta or --model.rope_scaling)")
     for fields, what in ((SCHEDULE_FIELDS, "the schedule its checkpoints continue (the LR and batch "
                                            "size at every token)"),
                          (ORDER_FIELDS, "the sample order its checkpoints' data position counts in "

@@ -235,9 +235,12 @@ class Reporting:
 
 def _layer_options(model) -> str:
     """The Llama-style layer options a model uses, for the run's header ("" for the GPT-2 layout)."""
-    parts = [name for name, on in (("RMSNorm", model.norm == "rmsnorm"), (f"rope (theta {model.rope_theta:g})",
-                                                                        model.position == "rope"),
+    scaled = "" if model.rope_scaling == "none" else f", {model.rope_scaling} scaling x{model.rope_factor:g}"
+    parts = [name for name, on in (("RMSNorm", model.norm == "rmsnorm"),
+                                   (f"rope (theta {model.rope_theta:g}{scaled})", model.position == "rope"),
                                    ("SwiGLU", model.activation == "swiglu")) if on]
+    if model.document_mask:
+        parts.append("attention within documents")
     if model.kv_heads != model.n_head:
         parts.append(f"{model.kv_heads} key/value heads for {model.n_head}")
     if model.qkv_biased != model.bias:
