@@ -111,8 +111,9 @@ class ModelConfig:
     """The rotary base: pair i of a head rotates by position * rope_theta^(-2i/head_size) (Llama 1
     and 2: 10000; Llama 3: 500000). Used with position="rope" only."""
     rope_scaling: RopeScaling = "none"
-    """How the rotary frequencies are rescaled to reach a longer context than a model was first
-    trained on (position="rope" only): "none"; "linear" (every frequency divided by rope_factor: the
+    """How the rotary frequencies are rescaled (position="rope" only), as models extended past the
+    context they were first trained on were (a model trained so keeps it at every length: it changes
+    every position's angle): "none"; "linear" (every frequency divided by rope_factor: the
     positions interpolated); "llama3" (Llama 3.1 and 3.2: a frequency whose wavelength 2 pi / w is
     longer than rope_original_seq_len / rope_low_freq_factor is divided by rope_factor, one shorter
     than rope_original_seq_len / rope_high_freq_factor is kept, and those between are interpolated
