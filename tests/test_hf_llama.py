@@ -481,3 +481,19 @@ def test_a_scaled_rope_llama_imports_with_its_logits_and_goes_out_and_back(rope,
     written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
     assert {k: written[k] for k in table} == table
     _same_logits_and_back(ours, AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tmp_path / "out")
+
+
+def test_a_llama3_context_longer_than_first_trained_is_noted_unless_seq_len_is_given():
+    """Llama 3.1 and 3.2 declare 131072 positions: init_from makes that the run's sequence length
+    unless --model.seq_len is given, which a note says, naming the context first trained on."""
+    from types import SimpleNamespace
+
+    from largebatch.train.hf_import import context_note
+
+    long = ModelConfig(init_from="hf:llama-3.2", seq_len=131072, rope_scaling="llama3", rope_factor=32.0,
+                       **{k[6:]: v for k, v in LLAMA.items()})
+    note = context_note(SimpleNamespace(model=long), set())
+    assert "model.seq_len=131072 is hf:llama-3.2's max_position_embeddings" in note and "e.g. 8192" in note
+    assert context_note(SimpleNamespace(model=long), {"model.seq_len"}) is None
+    assert context_note(SimpleNamespace(model=long.replace(seq_len=8192)), set()) is None
+    assert context_note(SimpleNamespace(model=long.replace(rope_scaling="none")), set()) is None

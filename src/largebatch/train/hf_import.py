@@ -363,6 +363,19 @@ def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[An
     return getattr(model, name), fields[name]
 
 
+def context_note(cfg, given: set[str]) -> str | None:
+    """A note when model.seq_len came from the init_from directory's max_position_embeddings and is
+    longer than the context its rope scaling says it was first trained on (Llama 3.1 and 3.2: 131072
+    against 8192): every sequence of the run is that long unless --model.seq_len says otherwise."""
+    model = cfg.model
+    if (not model.init_from or "model.seq_len" in given or model.rope_scaling != "llama3"
+            or model.seq_len <= model.rope_original_seq_len):
+        return None
+    return (f"note: model.seq_len={model.seq_len} is {model.init_from}'s max_position_embeddings (config.json): "
+            f"every training sequence is {model.seq_len} tokens; set --model.seq_len (e.g. "
+            f"{model.rope_original_seq_len}, the context it was first trained on) to train shorter ones")
+
+
 def dropout_note(cfg, given: set[str]) -> str | None:
     """A note when the init_from model's config.json trains with other dropout rates than the run's
     ``model.dropout`` and the user did not set it (a recipe's value is a default): dropout is a
