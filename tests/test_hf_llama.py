@@ -286,8 +286,7 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
              "v4-dynamic": ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
                             ["rope_scaling with rope_type='dynamic'"]),
              "llama3-short": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
-                              ["rope_type='llama3' without low_freq_factor, high_freq_factor, "
-                               "original_max_position_embeddings"]),
+                              ["rope_type='llama3' without low_freq_factor, high_freq_factor"]),
              "biases": ({"attention_bias": True, "mlp_bias": False},
                         ["attention_bias=True and mlp_bias=False", "one model.bias"]),
              "head-dim": ({"head_dim": 16}, ["head_dim=16", "hidden_size / num_attention_heads = 8"]),
@@ -416,10 +415,60 @@ def test_a_rotary_directory_takes_another_rope_theta_for_a_context_extension(lla
     V = len(json.loads(tokenizer.read_text())["model"]["vocab"])
     directory = tmp_path / "hf"
     _llama_dir(directory, V, tokenizer)  # rope_theta 20000, 48 positions
+    notes: list[str] = []
     cfg = load_config(None, {"model.init_from": f"hf:{directory}", "model.seq_len": 96,
-                             "model.rope_theta": 5e5}).model
+                             "model.rope_theta": 5e5}, warn=notes.append).model
     assert (cfg.seq_len, cfg.rope_theta) == (96, 5e5)
     init_from_pretrained(build_model(cfg))
+    assert [n for n in notes if "model.rope_theta=500000.0 (config.json: 20000.0)" in n], notes
+    # a rope scaling too, under the default recipe (learned positions until the directory's are read)
+    notes.clear()
+    cfg = load_config(None, {"model.init_from": f"hf:{directory}", "model.rope_scaling": "linear",
+                             "model.rope_factor": 2.0}, warn=notes.append).model
+    assert (cfg.position, cfg.rope_scaling, cfg.rope_factor) == ("rope", "linear", 2.0)
+    assert [n for n in notes if "model.rope_scaling='linear' (config.json: 'none')" in n], notes
+    init_from_pretrained(build_model(cfg))
+    # where the directory has learned positions, a scaling is refused by name
+    gpt2 = tmp_path / "gpt2"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=32, vocab_size=V)).save_pretrained(gpt2)
+    shutil.copy(tokenizer, gpt2 / "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"model.rope_scaling='linear' but hf:.*gpt2 has learned positions"):
+        load_config(None, {"model.init_from": f"hf:{gpt2}", "model.rope_scaling": "linear"})
+
+
+def test_the_rope_table_is_read_as_transformers_reads_it(tmp_path):
+    """Which of config.json's rope keys decides, against transformers' own reading of the same file
+    (LlamaConfig's rope_parameters): transformers 4's rope_scaling over 5's rope_parameters, the
+    base from the table over the top-level rope_theta, a top-level original_max_position_embeddings
+    over the table's, max_position_embeddings where neither gives one."""
+    from transformers import LlamaConfig
+
+    source = tmp_path / "llama"
+    _llama_dir(source, 64)
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    cases = {"both": {"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+                      "rope_scaling": llama3},
+             "theta-in-table": {"rope_parameters": None, "rope_theta": 1e4,
+                                "rope_scaling": {**llama3, "rope_theta": 5e5}},
+             "default-and-scaling": {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                                     "rope_scaling": llama3},
+             "top-original": {"rope_parameters": {**llama3, "rope_theta": 5e5}, "original_max_position_embeddings": 8},
+             "no-original": {"rope_parameters": {k: v for k, v in llama3.items()
+                                                 if k != "original_max_position_embeddings"}}}
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from largebatch.models.layers import Rotary
+
+    for name, changes in cases.items():
+        path = _variant(tmp_path, source, name, **changes)
+        theirs = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(path)).inv_freq  # (what its model rotates by)
+        ours = Rotary(model_fields_config(path))
+        # the frequencies w, from the tables' row of position 1: cos(w), sin(w) (w <= 1 < pi)
+        angles = torch.atan2(ours.sin[1, : ours.head_dim // 2].double(), ours.cos[1, : ours.head_dim // 2].double())
+        torch.testing.assert_close(angles, theirs.double(), rtol=1e-6, atol=0, msg=name)
 
 
 def test_llama3_and_linear_rope_scaling_is_the_formula():

@@ -117,58 +117,62 @@ def llama_fields(raw: dict, need, refuse) -> dict:
 
 
 # the rope_types largebatch's rotary embedding computes (ModelConfig.rope_scaling), and the keys each reads
-ROPE_SCALINGS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_SCALINGS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
-def _rope_tables(raw: dict, refuse) -> list[tuple[str, dict, str]]:
-    """(name, table, rope_type) of transformers 5's ``rope_parameters`` and 4's ``rope_scaling``."""
-    tables = []
-    for name in ("rope_parameters", "rope_scaling"):
-        table = raw.get(name) or {}
+def _rope_table(raw: dict, refuse) -> tuple[str, dict, str]:
+    """(name, table, rope_type) of the rope table transformers 5 reads from a config.json:
+    ``rope_scaling`` where it is set (transformers 4's key, which it takes first), else
+    ``rope_parameters``, else none ({}, "default")."""
+    for name in ("rope_scaling", "rope_parameters"):
+        table = raw.get(name)
+        if table is None or table == {}:
+            continue
         if not isinstance(table, dict):
             raise refuse(f"{name}={table!r}", "largebatch reads a dict with a rope_type")
-        tables.append((name, table, table.get("rope_type", table.get("type", "default"))))
-    return tables
+        return name, table, table.get("rope_type", table.get("type", "default"))
+    return "rope_parameters", {}, "default"
 
 
 def rope_scaling(raw: dict, refuse) -> dict:
-    """The ModelConfig rope scaling fields of a Llama-family config.json: rope_scaling "none", or
-    "linear" / "llama3" with their factors (ROPE_SCALINGS), from ``rope_parameters`` (transformers 5)
-    or ``rope_scaling`` (4); a missing or bad factor refused through ``refuse(what, why)``."""
-    for name, table, kind in _rope_tables(raw, refuse):
-        if kind not in ROPE_SCALINGS:
-            continue
-        missing = [key for key in ROPE_SCALINGS[kind] if key not in table]
-        if missing:
-            raise refuse(f"{name} with rope_type={kind!r} without {', '.join(missing)}",
-                         f"the {kind} scaling reads {', '.join(ROPE_SCALINGS[kind])}")
-        fields = {"rope_scaling": kind, "rope_factor": table["factor"]}
-        if kind == "llama3":
-            fields.update(rope_low_freq_factor=table["low_freq_factor"],
-                          rope_high_freq_factor=table["high_freq_factor"],
-                          rope_original_seq_len=table["original_max_position_embeddings"])
-        return fields
-    return {"rope_scaling": "none"}
+    """The ModelConfig rope scaling fields of a Llama-family config.json, read as transformers 5
+    reads them (``_rope_table``): rope_scaling "none", or "linear" / "llama3" with their factors
+    (ROPE_SCALINGS; llama3's original context from a top-level ``original_max_position_embeddings``
+    first, as transformers takes it, else the table's, else ``max_position_embeddings``); a missing
+    factor refused through ``refuse(what, why)``."""
+    name, table, kind = _rope_table(raw, refuse)
+    if kind not in ROPE_SCALINGS:
+        return {"rope_scaling": "none"}
+    missing = [key for key in ROPE_SCALINGS[kind] if key not in table]
+    if missing:
+        raise refuse(f"{name} with rope_type={kind!r} without {', '.join(missing)}",
+                     f"the {kind} scaling reads {', '.join(ROPE_SCALINGS[kind])}")
+    fields = {"rope_scaling": kind, "rope_factor": table["factor"]}
+    if kind == "llama3":
+        original = raw.get("original_max_position_embeddings",
+                           table.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+        fields.update(rope_low_freq_factor=table["low_freq_factor"], rope_high_freq_factor=table["high_freq_factor"],
+                      rope_original_seq_len=original)
+    return fields
 
 
 def rope_theta(raw: dict, refuse, scaled: bool = False) -> float:
-    """The rotary base of a Llama-family config.json: transformers 5's ``rope_parameters``
-    ({"rope_type": "default", "rope_theta": ...}) or 4's ``rope_theta`` beside ``rope_scaling``.
-    ``scaled=False``: a scaling other than ROPE_SCALINGS' (YaRN, dynamic, longrope) or a partial
-    rope refused through ``refuse(what, why)`` (they rotate by other angles than largebatch's rotary
-    embedding computes; ``rope_scaling`` reads the ones it does); True (the memory model): read past
-    them -- a rope's angles change no tensor a layer keeps."""
-    params = raw.get("rope_parameters") or {}
-    for name, _, kind in _rope_tables(raw, refuse):
-        if kind not in ("default", *ROPE_SCALINGS) and not scaled:
-            raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding computes rope_type "
-                         "'default', 'linear' and 'llama3' (Llama 3.1 and 3.2); dynamic, yarn and longrope "
-                         "scaling rotate by other angles")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    """The rotary base of a Llama-family config.json, as transformers 5 reads it: the rope table's
+    ``rope_theta`` (``_rope_table``: transformers 4's ``rope_scaling`` where set, else 5's
+    ``rope_parameters``), else the top-level ``rope_theta``, else 10000. ``scaled=False``: a
+    scaling other than ROPE_SCALINGS' (YaRN, dynamic, longrope) or a partial rope refused through
+    ``refuse(what, why)`` (they rotate by other angles than largebatch's rotary embedding computes;
+    ``rope_scaling`` reads the ones it does); True (the memory model): read past them -- a rope's
+    angles change no tensor a layer keeps."""
+    name, table, kind = _rope_table(raw, refuse)
+    if kind not in ("default", *ROPE_SCALINGS) and not scaled:
+        raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding computes rope_type "
+                     "'default', 'linear' and 'llama3' (Llama 3.1 and 3.2); dynamic, yarn and longrope "
+                     "scaling rotate by other angles")
+    partial = table.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0 and not scaled:
         raise refuse(f"partial_rotary_factor={partial!r}", "largebatch rotates every dimension of a head")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = table.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
         raise refuse(f"rope_theta={theta!r}", "the rotary base must be a number > 1")
     return float(theta)

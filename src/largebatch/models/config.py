@@ -197,7 +197,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta={self.rope_theta!r}: must be a finite number > 1 "
                              "(10000 in Llama 1 and 2, 500000 in Llama 3).")
         if self.rope_scaling != "none":
-            if self.position != "rope":
+            if self.position != "rope" and self.init_from is None:  # (init_from's directory decides position)
                 raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} with position={self.position!r}: "
                                  "it rescales rotary frequencies; set position='rope', or rope_scaling='none'.")
             for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):

@@ -339,6 +339,10 @@ def resolve_init(cfg, given: set[str]):
     if "model.n_kv_head" in given and fields["n_kv_head"] is None:
         fields["n_kv_head"] = cfg.model.n_kv_head  # (n_head given as n_kv_head: the same attention)
     model = dataclasses.replace(cfg.model, **fields)
+    if model.position != "rope" and model.rope_scaling != "none":
+        raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} but {cfg.model.init_from} has learned "
+                          f"positions (model_type={fields.get('hf_model_type')!r}), which no rope scaling "
+                          "applies to: remove model.rope_scaling")
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
 
@@ -361,6 +365,24 @@ def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[An
     if name == "qkv_bias":
         return model.qkv_biased, fields["bias"] if fields[name] is None else fields[name]
     return getattr(model, name), fields[name]
+
+
+def rope_note(cfg, given: set[str]) -> str | None:
+    """A note when a given rotary setting (rope_theta, the rope scaling's fields) differs from the
+    init_from directory's: accepted (a context change), but the model then computes other angles
+    than the checkpoint was trained with."""
+    if not cfg.model.init_from or cfg.model.position != "rope":
+        return None
+    theirs = model_fields(hf_dir(cfg.model.init_from))
+    changed = [f"model.{name}={getattr(cfg.model, name)!r} (config.json: {theirs[name]!r})"
+               for name in ("rope_theta", *ROPE_FIELDS) if f"model.{name}" in given and name in theirs
+               and getattr(cfg.model, name) != theirs[name]]
+    if theirs.get("rope_scaling", "none") == "none":  # (factors the directory does not read change nothing)
+        changed = [c for c in changed if c.startswith(("model.rope_theta", "model.rope_scaling"))]
+    if not changed:
+        return None
+    return (f"note: {'; '.join(changed)}: the run rotates queries and keys by other angles than "
+            f"{cfg.model.init_from} was trained with (a context change); leave them out to keep its own")
 
 
 def context_note(cfg, given: set[str]) -> str | None:
