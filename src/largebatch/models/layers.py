@@ -69,10 +69,8 @@ class _RMSNormFunction(torch.autograd.Function):
     the derivative of x_hat_i = x_i r, as autograd would take it through the written-out ops (which
     keep an fp32 copy of a 16-bit x and the normalised tensor besides: 3 h values at 16 bits).
     Under create_graph backward recomputes r from x too, in differentiable ops, so second
-    derivatives (a gradient penalty, a Hessian-vector product) are exact. Forward mode (torch.func's
-    jvp and jacfwd, torch.autograd.forward_ad) carries tangents dx, dg through
-        dr = -r^2 mean(x_hat dx),  dx_hat = r (dx - x_hat mean(x_hat dx)),  dy = round(dx_hat) g + round(x_hat) dg;
-    torch.func's reverse mode and vmap take it too."""
+    derivatives (a gradient penalty, a Hessian-vector product) are exact; torch.func's reverse mode
+    and vmap take it (no jvp: not its forward mode)."""
 
     generate_vmap_rule = True
 
@@ -94,24 +92,7 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, eps, dims = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(x, weight, output[1])
-        ctx.save_for_forward(x, weight, output[1])
         ctx.eps, ctx.axes = eps, tuple(range(-dims, 0))
-
-    @staticmethod
-    def jvp(ctx, x_t: torch.Tensor | None, weight_t: torch.Tensor | None, _eps, _dims):
-        x, weight, r = ctx.saved_tensors
-        x_hat = (x.float() if x.dtype in _HALF else x) * r
-        y_t = None
-        if x_t is not None:
-            dx = x_t.to(x_hat.dtype)
-            along = (x_hat * dx).mean(ctx.axes, keepdim=True)
-            y_t = (r * (dx - x_hat * along)).to(x.dtype)
-            if weight is not None:
-                y_t = y_t * weight
-        if weight is not None and weight_t is not None:  # (torch calls jvp where some tangent is given)
-            scaled = x_hat.to(x.dtype) * weight_t
-            y_t = scaled if y_t is None else y_t + scaled
-        return y_t, None
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _):
