@@ -428,6 +428,12 @@ def test_a_rotary_directory_takes_another_rope_theta_for_a_context_extension(lla
     assert (cfg.position, cfg.rope_scaling, cfg.rope_factor) == ("rope", "linear", 2.0)
     assert [n for n in notes if "model.rope_scaling='linear' (config.json: 'none')" in n], notes
     init_from_pretrained(build_model(cfg))
+    # a scaling config.json gives that the model refuses: named with the file
+    bands = _variant(tmp_path, directory, "equal-bands", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0})
+    with pytest.raises(ConfigError, match=r"equal-bands/config.json gives a model largebatch refuses: "
+                                          r"ModelConfig.rope_high_freq_factor=4.0 must exceed"):
+        load_config(None, {"model.init_from": f"hf:{bands}"})
     # where the directory has learned positions, a scaling is refused by name
     gpt2 = tmp_path / "gpt2"
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -527,8 +533,9 @@ def test_a_scaled_rope_llama_imports_with_its_logits_and_goes_out_and_back(rope,
     from transformers import AutoModelForCausalLM
 
     save_hf(ours, None, tmp_path / "out")
-    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
-    assert {k: written[k] for k in table} == table
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: written["rope_parameters"][k] for k in table} == table
+    assert written["rope_scaling"] == written["rope_parameters"]  # (transformers 4's key too: GGUF conversion)
     _same_logits_and_back(ours, AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), tmp_path / "out")
 
 

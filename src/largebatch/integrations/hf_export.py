@@ -51,11 +51,13 @@ masked-LM tokens the samples were built with, BERT's [CLS]/[SEP]/[PAD]/[MASK] or
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
 from largebatch.memory.hf import ROBERTA_LAYOUTS
@@ -414,6 +416,13 @@ def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) ->
                if tokenizer is not None else {})
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
+    if cfg.position == "rope" and cfg.rope_scaling != "none":
+        # transformers 5 writes the scaling in rope_parameters only; tools that read transformers 4's
+        # rope_scaling (GGUF conversion, older transformers) find it there too (5 takes it first: the same)
+        path = Path(out) / "config.json"
+        raw = json.loads(path.read_text())
+        raw["rope_scaling"] = rope_parameters(cfg)
+        atomic_write_text(path, json.dumps(raw, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         hf_tokenizer(tokenizer, cfg.kind, max_length or cfg.seq_len,
                      one_segment=hf_model_type(cfg) in ROBERTA_LAYOUTS).save_pretrained(out)

@@ -200,7 +200,9 @@ class ModelConfig:
             if self.position != "rope" and self.init_from is None:  # (init_from's directory decides position)
                 raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} with position={self.position!r}: "
                                  "it rescales rotary frequencies; set position='rope', or rope_scaling='none'.")
-            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            read = ("rope_factor",) + (("rope_low_freq_factor", "rope_high_freq_factor")
+                                       if self.rope_scaling == "llama3" else ())
+            for name in read:
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                            and value > 0):
@@ -210,8 +212,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor!r} must exceed "
                                  f"rope_low_freq_factor={self.rope_low_freq_factor!r}: the frequencies between "
                                  "them are interpolated (Llama 3.1: 4 and 1).")
-            if not isinstance(self.rope_original_seq_len, int) or isinstance(self.rope_original_seq_len, bool) \
-                    or self.rope_original_seq_len < 1:
+            if self.rope_scaling == "llama3" and (not isinstance(self.rope_original_seq_len, int)
+                                                  or isinstance(self.rope_original_seq_len, bool)
+                                                  or self.rope_original_seq_len < 1):
                 raise ValueError(f"ModelConfig.rope_original_seq_len={self.rope_original_seq_len!r}: must be a "
                                  "positive integer (Llama 3: 8192).")
         if self.activation == "swiglu" and model_spec(self.kind).objective == "masked":

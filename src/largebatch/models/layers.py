@@ -152,7 +152,8 @@ def scaled_frequencies(w: torch.Tensor, scaling: str, factor: float, low: float,
 
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021): x (B, heads, T, d) -> x cos(m w) + rot(x) sin(m w),
-    rot(x) = (-x[d/2:], x[:d/2]), w_i = theta^(-2i/d) for i < d/2, repeated for the second half.
+    rot(x) = (-x[d/2:], x[:d/2]), w_i = theta^(-2i/d) for i < d/2 (rescaled by ``scaled_frequencies``
+    under ModelConfig.rope_scaling), repeated for the second half.
     The tables (seq_len, d) are buffers, not weights: rebuilt after a meta-device build."""
 
     def __init__(self, config: ModelConfig):
@@ -189,7 +190,8 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        scaling = "" if self.scaling[0] == "none" else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, theta={self.theta}{scaling}"
 
 
 class DocumentMask:

@@ -338,7 +338,11 @@ def resolve_init(cfg, given: set[str]):
     fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
     if "model.n_kv_head" in given and fields["n_kv_head"] is None:
         fields["n_kv_head"] = cfg.model.n_kv_head  # (n_head given as n_kv_head: the same attention)
-    model = dataclasses.replace(cfg.model, **fields)
+    try:
+        model = dataclasses.replace(cfg.model, **fields)
+    except ValueError as exc:  # (a value of config.json the model refuses, named as the model's field)
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {path / 'config.json'} gives a model "
+                          f"largebatch refuses: {exc}") from None
     if model.position != "rope" and model.rope_scaling != "none":
         raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} but {cfg.model.init_from} has learned "
                           f"positions (model_type={fields.get('hf_model_type')!r}), which no rope scaling "
@@ -348,10 +352,11 @@ def resolve_init(cfg, given: set[str]):
 
 
 def _rotary_context(fields: dict[str, Any], name: str) -> bool:
-    """Whether ``name`` is the context length or the rotary base of a directory with rotary
-    positions: no weight has the length's size (max_position_embeddings only bounds the rotary
-    tables transformers builds) nor depends on the base, so a run may train shorter or longer
-    sequences from it at another model.rope_theta -- a context extension."""
+    """Whether ``name`` is the context length, the rotary base or a rope scaling field of a
+    directory with rotary positions: no weight has the length's size (max_position_embeddings only
+    bounds the rotary tables transformers builds) nor depends on the angles, so a run may train
+    shorter or longer sequences from it at another model.rope_theta or scaling -- a context
+    extension (noted by ``rope_note``)."""
     return name in ("seq_len", "rope_theta", *ROPE_FIELDS) and fields.get("position") == "rope"
 
 

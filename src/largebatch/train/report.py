@@ -236,7 +236,8 @@ class Reporting:
 def _layer_options(model) -> str:
     """The Llama-style layer options a model uses, for the run's header ("" for the GPT-2 layout)."""
     scaled = "" if model.rope_scaling == "none" else f", {model.rope_scaling} scaling x{model.rope_factor:g}" + (
-        f" from {model.rope_original_seq_len}" if model.rope_scaling == "llama3" else "")
+        f" from {model.rope_original_seq_len} (bands {model.rope_low_freq_factor:g}-{model.rope_high_freq_factor:g})"
+        if model.rope_scaling == "llama3" else "")
     parts = [name for name, on in (("RMSNorm", model.norm == "rmsnorm"),
                                    (f"rope (theta {model.rope_theta:g}{scaled})", model.position == "rope"),
                                    ("SwiGLU", model.activation == "swiglu")) if on]
