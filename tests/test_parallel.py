@@ -31,8 +31,8 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert", "llama", "gpt-docs", "bert-docs"])
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss"])
+@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama") for mode in cases.MODES]
+                         + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
     """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered). "llama": the GPT
     with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads

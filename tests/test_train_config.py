@@ -26,7 +26,7 @@ def _wrong_value(tp) -> st.SearchStrategy:
         options.append(st.text(alphabet="abcxyz", min_size=1, max_size=6))
     if typing.get_origin(tp) is typing.Literal:
         options.append(st.text(alphabet="qwz", min_size=1, max_size=6))
-    if base & {str} and not base & {int}:  # (run.profile_steps takes "10-12" or 10)
+    if base & {str} and not base & {int, float}:  # (run.profile_steps takes "10-12" or 10; run.time_limit 1)
         options.append(st.integers())
     return st.one_of(options)
 
