@@ -45,7 +45,8 @@ parallelism, the output layer (GPT): final-norm input and projection input (2 s 
 
 Beyond the paper, with ``document_mask`` (attention within the documents of a packed sequence) a
 micro-batch keeps one s x s mask besides, shared by its layers: s^2 b bytes as bool (explicit
-attention), s^2 b d as sdpa's float mask (``document_mask_bytes``).
+attention), s s' b d as sdpa's float mask with rows padded to s' (``document_mask_bytes``); a pipeline
+rank keeps one per stage and micro-batch in flight.
 
 Per pipeline schedule (Korthikanti et al. 2022 §4.2.3, citing Narayanan et al. 2021), the first
 stage's layers' worth (``first_stage_layers``): 1F1B keeps p micro-batches of its L/p layers, L; the

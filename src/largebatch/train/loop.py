@@ -1016,7 +1016,6 @@ def model_separator(cfg: TrainConfig, own: tuple[str, int] | None,
     none was, and not [MASK], which corruption writes."""
     from largebatch.data.corpus import is_token_array_path
     from largebatch.data.tokenizer import DOCUMENT_SEPARATORS, masked_lm_ids
-    from largebatch.models.registry import model_spec
 
     if not cfg.model.document_mask:
         return None
