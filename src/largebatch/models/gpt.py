@@ -8,6 +8,7 @@ output layer (final norm input, projection input, fp32 logits).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import Block, DocumentMask, Dropout, init_weights, norm_layer
+from largebatch.models.layers import Block, DocumentMask, Dropout, KVCache, init_weights, norm_layer
 from largebatch.models.registry import model_spec
 
 
@@ -59,26 +60,33 @@ class TransformerBase(nn.Module):
             return None
         return DocumentMask(idx, self.config.separator_id, model_spec(self.config.kind).objective == "causal")
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        # idx: (B, T) token ids -> (B, T, C)
-        T = idx.size(1)
-        if T > self.config.seq_len:
-            raise ValueError(f"input has {T} positions but the model's seq_len is "
+    def embed(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        # idx: (B, T) token ids -> (B, T, C); with a cache, at the positions after its cached ones
+        # (and it records where the last document starts, for the next positions)
+        T, offset = idx.size(1), 0 if cache is None else cache.offset
+        if offset + T > self.config.seq_len:
+            raise ValueError(f"input has {offset + T} positions but the model's seq_len is "
                              f"{self.config.seq_len}: crop the input or build a longer model.")
         if self.config.position != "learned":
             return self.tok_emb(idx)
-        positions = torch.arange(T, device=idx.device)
+        positions = torch.arange(offset, offset + T, device=idx.device)
         if self.config.document_mask:  # restart at each separator: position - where its document starts
-            starts = torch.where(idx == self.config.separator_id, positions, 0).cummax(dim=1).values
+            before = 0 if cache is None or cache.start is None else cache.start[:, None]
+            starts = torch.where(idx == self.config.separator_id, positions, before).cummax(dim=1).values
+            if cache is not None:
+                cache.start = starts[:, -1]
             positions = positions - starts  # (B, T)
         return self.tok_emb(idx) + self.pos_emb(positions)
 
-    def run_blocks(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        """The blocks on hidden states (B, T, C); ``mask``: ``attention_mask`` of the token ids."""
+    def run_blocks(self, x: torch.Tensor, mask: DocumentMask | None = None,
+                   cache: KVCache | None = None) -> torch.Tensor:
+        """The blocks on hidden states (B, T, C); ``mask``: ``attention_mask`` of the token ids;
+        ``cache``: the earlier positions' keys and values (decoding), which each layer extends."""
         if mask is not None:
             mask.prepare(self.config.attention, x)
-        for block in self.blocks:
-            x = block(x) if mask is None else block(x, mask)
+        for i, block in enumerate(self.blocks):
+            extra = {} if cache is None else {"cache": cache.layers[i]}
+            x = block(x, **extra) if mask is None else block(x, mask, **extra)
         return x
 
     def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
@@ -135,8 +143,8 @@ class GPT(TransformerBase):
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
 
-    def embed_input(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.embed(idx))  # (B, T) -> (B, T, C)
+    def embed_input(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return self.drop(self.embed(idx, cache))  # (B, T) -> (B, T, C)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, v)
@@ -146,11 +154,48 @@ class GPT(TransformerBase):
         head (largebatch.finetune) pools."""
         return self.ln_f(self.run_blocks(self.embed_input(idx), self.attention_mask(idx)))
 
+    def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next positions ``idx`` (B, T) after the ``cache.offset`` positions ``cache`` holds:
+        each layer reads the cached keys and values and adds these positions' own; returns the last
+        position's logits (B, v). A fresh cache (``self.cache(B)``, offset 0) takes a whole prompt."""
+        if not cache.room(idx.size(1)):
+            raise ValueError(f"decode: {cache.offset} cached positions + {idx.size(1)} new exceed the "
+                             f"model's seq_len {self.config.seq_len}: reset the cache and decode the last "
+                             f"{self.config.seq_len} positions")
+        mask = None
+        if self.config.document_mask:  # each position's document, continuing the cached ones'
+            last = 0 if cache.documents is None else cache.documents[:, -1:]
+            documents = last + (idx == self.config.separator_id).cumsum(dim=1)
+            cache.documents = documents if cache.documents is None else torch.cat([cache.documents, documents], 1)
+            mask = DocumentMask.decoding(cache.documents, idx.size(1), causal=True)
+        x = self.run_blocks(self.embed_input(idx, cache), mask, cache)
+        cache.advance(idx.size(1))
+        logits = self.output_logits(x[:, -1:])[:, 0]  # (B, v): the output layer on the last position only
+        if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
+            logits = logits.full_tensor()
+        return logits
+
+    def cache(self) -> KVCache:
+        """An empty KVCache for ``decode`` (its memory is allocated at the first write)."""
+        return KVCache(len(self.blocks), self.config.seq_len)
+
+    def decodes(self) -> bool:
+        """Whether every layer takes a KVCache: the shared Block does; a registered kind's own layer
+        class may not (generate then reads the whole context for every token)."""
+        return all(isinstance(block, Block) for block in self.blocks)
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens).
-        temperature 0 means greedy; top_k keeps only the k most likely tokens."""
+                 top_k: int | None = None, top_p: float | None = None, stop_id: int | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + n), n <= max_new_tokens.
+
+        temperature 0 means greedy; top_k keeps the k most likely tokens; top_p keeps the most likely
+        tokens whose probabilities add up to p (nucleus sampling, Holtzman et al. 2020), the most
+        likely always. With ``stop_id`` a row that draws that token has ended: it is filled with
+        stop_id from there on, and generation ends when every row has. The context is the last
+        seq_len tokens. With ``use_cache`` (the default) each token costs one position per layer (a
+        KVCache); past seq_len tokens, every token reads its last seq_len again, as without it."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.size(1) < 1 or idx.is_floating_point():
             got = (f"a {idx.dim()}-D {idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor)
                    else type(idx).__name__)
@@ -162,22 +207,68 @@ class GPT(TransformerBase):
             raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy).")
         if top_k is not None and (not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1):
             raise ValueError(f"top_k={top_k!r}: must be a positive integer or None.")
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.seq_len:]
-            logits = self(context)[0][:, -1, :]  # (B, v)
-            if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
-                logits = logits.full_tensor()
-            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one the logits' dtype rounds to 0
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                # where the logits over a tiny temperature overflow to inf (the softmax then NaN), from
-                # the largest logit down: 0 and -inf (greedy); elsewhere as before, bit for bit
-                scaled = logits / temperature
-                logits = torch.where(torch.isfinite(scaled).all(), scaled,
-                                     (logits - logits.amax(dim=-1, keepdim=True)) / temperature)
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+            raise ValueError(f"top_p={top_p!r}: must be a number in (0, 1] or None (1 keeps every token).")
+        vocab = self.config.vocab_size
+        if stop_id is not None and (not isinstance(stop_id, numbers.Integral) or isinstance(stop_id, bool)
+                                    or not 0 <= stop_id < vocab):
+            raise ValueError(f"stop_id={stop_id!r}: must be a token id in [0, {vocab}) or None.")
+        s = self.config.seq_len
+        cache = self.cache() if use_cache and self.decodes() else None
+        stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
+        # layers compiled in place (the trainer's model.compile) would compile again for every cached
+        # length: generation runs them as they are
+        compiled = any(getattr(block, "_compiled_call_impl", None) is not None for block in self.blocks)
+        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+            return self._generate(idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache, stopped)
+
+    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache, stopped) -> torch.Tensor:
+        s = self.config.seq_len
+        for n in range(max_new_tokens):
+            if cache is None:
+                logits = self(idx[:, -s:])[0][:, -1, :]  # (B, v)
+                if isinstance(logits, DTensor):
+                    logits = logits.full_tensor()
+            elif n > 0 and cache.room(1):
+                logits = self.decode(idx[:, -1:], cache)
+            else:  # the prompt, or a context past seq_len: its last seq_len positions afresh
+                cache.reset()
+                logits = self.decode(idx[:, -s:], cache)
+            next_id = sample_next(logits, temperature, top_k, top_p)
+            if stop_id is not None:
+                next_id = torch.where(stopped, stop_id, next_id)
+                stopped |= next_id == stop_id
             idx = torch.cat([idx, next_id], dim=1)
+            if stop_id is not None and bool(stopped.all()):
+                break
         return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                top_p: float | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` (B, v) -> (B, 1): the argmax at temperature 0 (or one the
+    logits' dtype rounds to 0), else a draw from the softmax of ``sampling_logits``."""
+    if temperature < torch.finfo(logits.dtype).tiny:  # 0, or one the logits' dtype rounds to 0
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.multinomial(torch.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1), 1)
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                    top_p: float | None = None) -> torch.Tensor:
+    """``logits`` (B, v) / temperature (> 0), -inf outside the top_k most likely tokens and then
+    outside the nucleus: the most likely tokens, in order, while the probability mass of the tokens
+    before each is below top_p (so the most likely token always stays)."""
+    # where the logits over a tiny temperature overflow to inf (the softmax then NaN), from the
+    # largest logit down: 0 and -inf (greedy); elsewhere as before, bit for bit
+    scaled = logits / temperature
+    logits = torch.where(torch.isfinite(scaled).all(), scaled, (logits - logits.amax(dim=-1, keepdim=True)) / temperature)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # the mass before it already reaches top_p
+        outside[:, 0] = False
+        logits = logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
+    return logits

@@ -123,6 +123,8 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda" and x.dtype not in _HALF and (self.weight is None or x.dtype == self.weight.dtype):
             return super().forward(x)
+        if not torch.is_grad_enabled():  # inference (generation): the same ops, without the Function's
+            return _RMSNormFunction.forward(x, self.weight, self.eps, len(self.normalized_shape))[0]  # cost
         return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))[0]
 
 
@@ -183,9 +185,10 @@ class Rotary(nn.Module):
         """Rebuild the tables on ``device`` (after a meta-device build, largebatch.parallel.materialize)."""
         self.cos, self.sin = self._tables(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        # x: (B, heads, T, d) at positions offset .. offset + T - 1 (offset > 0: decoding with a KVCache)
         T, half = x.size(-2), x.size(-1) // 2
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        cos, sin = self.cos[offset:offset + T].to(x.dtype), self.sin[offset:offset + T].to(x.dtype)
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
@@ -213,7 +216,16 @@ class DocumentMask:
             raise ValueError(f"token ids of shape {tuple(ids.shape)}: document masking needs (batch, T)")
         self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
         self.causal = causal
+        self.queries = ids.size(1)  # the rows: every position attends
         self._made: dict[object, torch.Tensor] = {}
+
+    @classmethod
+    def decoding(cls, documents: torch.Tensor, queries: int, causal: bool) -> DocumentMask:
+        """The mask of the last ``queries`` positions (rows) over every position (columns), from each
+        position's document index ``documents`` (B, T_k): what a decoding step with a KVCache reads."""
+        mask = cls.__new__(cls)
+        mask.documents, mask.causal, mask.queries, mask._made = documents, causal, queries, {}
+        return mask
 
     def prepare(self, attention: str, x: torch.Tensor) -> DocumentMask:
         """Make the form ``attention`` ("explicit" or "sdpa") reads, for layers whose input is ``x``:
@@ -227,14 +239,15 @@ class DocumentMask:
 
     def _visible(self) -> torch.Tensor:
         d = self.documents
-        same = (d[:, :, None] == d[:, None, :])[:, None]  # (B, 1, T, T)
-        if self.causal:
-            T = d.size(1)
-            same &= torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
+        Tq, Tk = self.queries, d.size(1)
+        same = (d[:, Tk - Tq:, None] == d[:, None, :])[:, None]  # (B, 1, Tq, Tk)
+        if self.causal:  # row i is position Tk - Tq + i
+            same &= torch.ones(Tq, Tk, dtype=torch.bool, device=d.device).tril(Tk - Tq)
         return same
 
     def allowed(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: True where position i (rows) may attend to position j (columns)."""
+        """(B, 1, T, T) bool: True where position i (rows) may attend to position j (columns); the rows
+        are the last ``queries`` positions (all of them but when decoding)."""
         if "bool" not in self._made:
             self._made["bool"] = self._visible()
         return self._made["bool"]
@@ -245,11 +258,75 @@ class DocumentMask:
         if dtype not in self._made:
             visible = self._made.get("bool")
             visible = self._visible() if visible is None else visible  # (the bool form is not kept for it)
-            B, _, T, _ = visible.shape
-            width = -(-T // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT
-            mask = torch.zeros(B, 1, T, width, dtype=dtype, device=visible.device)[..., :T]
+            B, _, Tq, Tk = visible.shape
+            width = -(-Tk // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT
+            mask = torch.zeros(B, 1, Tq, width, dtype=dtype, device=visible.device)[..., :Tk]
             self._made[dtype] = mask.masked_fill_(~visible, float("-inf"))
         return self._made[dtype]
+
+
+class KVCache:
+    """Every layer's keys and values at the positions a causal model has read, so that each generated
+    token costs one position per layer instead of the whole context again (decoding; GPT.generate).
+
+    ``capacity`` positions (the model's seq_len) are allocated per layer at the first write, in the
+    keys' dtype and device: 2 x L x B x a_kv x capacity x d values (local heads under tensor
+    parallel). ``offset`` positions are filled; a model's ``decode`` writes the next ones through each
+    layer's ``LayerCache`` and then calls ``advance``. With ModelConfig.document_mask it also keeps
+    each position's document index (``documents``, (B, offset)) and where the last document starts
+    (``start``, (B,): learned positions restart there). ``reset`` empties it for a new context and
+    keeps the memory."""
+
+    def __init__(self, n_layer: int, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"KVCache capacity={capacity!r}: must be a positive number of positions")
+        self.capacity = capacity
+        self.offset = 0
+        self.layers = [LayerCache(self) for _ in range(n_layer)]
+        self.documents: torch.Tensor | None = None
+        self.start: torch.Tensor | None = None
+
+    def room(self, n: int) -> bool:
+        """Whether ``n`` more positions fit."""
+        return self.offset + n <= self.capacity
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def reset(self) -> None:
+        self.offset = 0
+        self.documents = self.start = None
+
+
+class LayerCache:
+    """One layer's part of a KVCache: ``update(k, v)`` stores the new positions' keys and values
+    (B, a_kv, T, d) after the cached ones and returns all of them, (B, a_kv, offset + T, d)."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, heads, T, d = k.shape
+        start, end = self.cache.offset, self.cache.offset + T
+        if end > self.cache.capacity:
+            raise ValueError(f"KVCache: {end} positions do not fit its capacity of {self.cache.capacity} "
+                             "(the model's seq_len): reset it and decode the last seq_len positions again")
+        shape = (B, heads, self.cache.capacity, d)
+        if self.keys is None or self.keys.shape != shape or self.keys.dtype != k.dtype or self.keys.device != k.device:
+            if start:
+                raise ValueError(f"KVCache: keys of shape {tuple(k.shape)} ({k.dtype}) after {start} cached "
+                                 f"positions of shape {tuple(self.keys.shape) if self.keys is not None else None}: "
+                                 "a cache serves one batch of sequences; reset it for another")
+            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 class CoreAttention(nn.Module):
@@ -280,39 +357,45 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: DocumentMask | None = None) -> torch.Tensor:
-        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d); mask: attention within documents
+        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d); mask: attention within documents.
+        # Decoding with a KVCache, q holds the last Tq of the Tk positions of k and v.
+        Tq, Tk = q.size(-2), k.size(-2)
         if self.kind == "sdpa":
             p = self.dropout_p if self.training else 0.0
             grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
             if mask is not None:  # (causality is in the mask)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(q.dtype), dropout_p=p,
                                                       **grouped)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal, **grouped)
+            if self.causal and Tq != Tk and Tq > 1:  # the last Tq rows of the causal mask
+                visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=p, **grouped)
+            # (one query, the newest position, sees every key)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal and Tq > 1,
+                                                  **grouped)
         if k.size(1) != q.size(1):
             return self._grouped(q, k, v, mask)
-        T = q.size(-2)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, a, T, T)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, a, Tq, Tk)
         if mask is not None:  # where() keeps the shared mask for backward, not a copy
             scores = torch.where(mask.allowed(), scores, float("-inf"))
         elif self.causal:
-            scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
-        probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, a, T, T)
+            scores = scores.masked_fill(self.future[Tk - Tq:Tk, :Tk], float("-inf"))
+        probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, a, Tq, Tk)
         return probs @ v
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: DocumentMask | None = None) -> torch.Tensor:
         B, a, T, d = q.shape
-        kv = k.size(1)
+        kv, Tk = k.size(1), k.size(-2)
         g = a // kv
         rows = q.reshape(B, kv, g * T, d)  # query heads kv*g+j: rows j*T.. of K/V head kv
-        scores = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, kv, g T, T)
-        scores = scores.view(B, kv, g, T, T)
+        scores = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, kv, g T, Tk)
+        scores = scores.view(B, kv, g, T, Tk)
         if mask is not None:
-            scores = torch.where(mask.allowed()[:, :, None], scores, float("-inf"))  # (B, 1, 1, T, T)
+            scores = torch.where(mask.allowed()[:, :, None], scores, float("-inf"))  # (B, 1, 1, T, Tk)
         elif self.causal:
-            scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
-        probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, kv, g, T, T)
-        return (probs.view(B, kv, g * T, T) @ v).view(B, a, T, d)
+            scores = scores.masked_fill(self.future[Tk - T:Tk, :Tk], float("-inf"))
+        probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, kv, g, T, Tk)
+        return (probs.view(B, kv, g * T, Tk) @ v).view(B, a, T, d)
 
 
 class Attention(nn.Module):
@@ -331,13 +414,17 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
+        offset = 0 if cache is None else cache.offset  # x: the positions after the cached ones
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if cache is not None:
+            k, v = cache.update(k, v)  # every position's keys and values: (B, a_kv, offset + T, d)
         y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.drop(self.proj(y))
@@ -374,9 +461,13 @@ class Block(nn.Module):
         self.ln2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        # x: (B, T, C) -> (B, T, C); mask: attention within documents (ModelConfig.document_mask)
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        # x: (B, T, C) -> (B, T, C); mask: attention within documents (ModelConfig.document_mask);
+        # cache: this layer's keys and values of the earlier positions (generation, KVCache)
         extra = {} if mask is None else {"mask": mask}
+        if cache is not None:
+            extra["cache"] = cache
         if self.pre_norm:
             x = x + self.attn(self.ln1(x), **extra)
             return x + self.mlp(self.ln2(x))

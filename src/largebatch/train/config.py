@@ -224,7 +224,8 @@ class RunConfig:
     """Peak FLOP/s of one device for MFU (e.g. 989e12 for H100 bf16). None: measured here with a
     matmul in the run's dtype, and printed as such."""
     sample_tokens: int = 80
-    """Tokens to generate from the GPT at the end of the run (0: none)."""
+    """Tokens to generate from the GPT at the end of the run (0: none); the sample ends early at the
+    document separator. `largebatch generate RUN_DIR --prompt P --max-new-tokens N` draws it again."""
     sample_prompt: str = "KING HENRY:"
     """Prompt for the generated sample."""
     tensorboard: bool = True

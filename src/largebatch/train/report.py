@@ -17,6 +17,7 @@ import torch
 
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data.dataset import BERTDataset
+from largebatch.data.tokenizer import document_separator
 from largebatch.memory.measure import memory_bytes
 from largebatch.models.flops import flops_per_token, mfu_over_peak
 from largebatch.models.registry import model_spec
@@ -226,9 +227,13 @@ class Reporting:
         self.raw_model.eval()
         ids = self.data.tokenizer.encode(prompt).ids
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+        separator = self.cfg.model.separator_id
+        if separator is None:
+            found = document_separator(self.data.tokenizer)
+            separator = None if found is None else found[1]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights
-            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)
+            torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights (`largebatch generate`'s)
+            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50, stop_id=separator)
         self.raw_model.train()
         return self.data.tokenizer.decode(out[0].tolist())
 

@@ -1,0 +1,220 @@
+"""``largebatch generate RUN_DIR``: what does the model write? Sample text from a trained GPT run.
+
+    largebatch generate runs/gpt-demo --prompt "ROMEO:"
+    largebatch generate runs/gpt-demo --prompt "ROMEO:" --samples 3 --max-new-tokens 200 --top-p 0.95
+    largebatch generate runs/gpt-demo --prompt-file prompt.txt --temperature 0 --json
+
+Reads the newest intact checkpoint of RUN_DIR (any layout it was trained in: one process, DDP,
+FSDP2, tensor or pipeline parallel), or the one ``--checkpoint`` names, with the run's tokenizer,
+and continues the prompt. Each new token reads the earlier positions' keys and values from a cache
+(``largebatch.models.layers.KVCache``): one position per layer, not the whole context again. Past
+the model's seq_len the context is the last seq_len tokens, each read afresh (as the run trained).
+
+A sample ends at the run's document separator (``<|endoftext|>``: the model has started another
+document) or after --max-new-tokens. The defaults (--temperature 0.8 --top-k 50, the run's
+run.seed) are the trainer's: ``largebatch generate RUN_DIR --prompt P --max-new-tokens N`` writes
+the sample of summary.json for ``run.sample_prompt = P`` and ``run.sample_tokens = N``.
+The text goes to stdout (samples separated by a line of dashes), the timing to stderr.
+
+Options:
+  --prompt TEXT           the text to continue (default: none -- the model starts a document after
+                          its separator token)
+  --prompt-file PATH      read the prompt from a file ('-': standard input) instead
+  --max-new-tokens N      at most N tokens per sample (default 200)
+  --samples N             samples drawn from the prompt, as one batch (default 1)
+  --temperature T         softmax temperature; 0 is greedy (default 0.8)
+  --top-k K               draw from the K most likely tokens only (default 50; 0 for all)
+  --top-p P               then from the most likely tokens whose probabilities add up to P (nucleus
+                          sampling; default 1: all of them)
+  --seed S                the random seed (default: the run's run.seed)
+  --no-stop               go on past the document separator
+  --json                  one JSON object on stdout: each sample's text, its new token ids and whether
+                          it ended at the separator, with the checkpoint, step and tokens/s
+  --device DEV            cpu (default), cuda or cuda:N
+  --tokenizer PATH        the run's tokenizer.json when the run cannot give it
+  --checkpoint STEP       sample from the run's checkpoint at optimizer step STEP (or its name or path)
+  --ema                   sample from the checkpoint's weight average (run.ema_decay)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from largebatch.arguments import OneLineParser, finite_float
+from largebatch.integrations import ExportError
+
+
+class GenerateError(ValueError):
+    """A bad argument or a run that cannot generate: one line, exit 2."""
+
+
+def _count(name: str, low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: {name} must be >= {low}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="largebatch generate", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-file")
+    p.add_argument("--max-new-tokens", type=_count("--max-new-tokens", 0), default=200)
+    p.add_argument("--samples", type=_count("--samples", 1), default=1)
+    p.add_argument("--temperature", type=finite_float, default=0.8)
+    p.add_argument("--top-k", type=_count("--top-k", 0), default=50)
+    p.add_argument("--top-p", type=finite_float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-stop", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer")
+    p.add_argument("--checkpoint")
+    p.add_argument("--ema", action="store_true")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.temperature < 0:
+        raise GenerateError(f"--temperature {args.temperature:g}: must be >= 0 (0 is greedy)")
+    if not 0 < args.top_p <= 1:
+        raise GenerateError(f"--top-p {args.top_p:g}: must be in (0, 1] (1 keeps every token)")
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt_file is None:
+        return args.prompt or ""
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(args.prompt_file).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerateError(f"--prompt-file {args.prompt_file!r}: cannot be read ({exc.strerror or exc}): "
+                            "pass a UTF-8 text file") from None
+
+
+def _device(name: str):
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GenerateError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerateError(f"--device {name}: this torch sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise GenerateError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise GenerateError(f"--device {name!r}: use cpu, cuda or cuda:N")
+    return device
+
+
+def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200, samples: int = 1,
+             temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
+             seed: int | None = None, stop: bool = True, device: str = "cpu",
+             tokenizer_file: str | Path | None = None, checkpoint: str | int | None = None,
+             ema: bool = False, log=print) -> dict[str, Any]:
+    """Continue ``prompt`` ``samples`` times from the run's newest checkpoint (or ``checkpoint``):
+    a dict with each sample's text, new token ids and whether it ended at the separator, the
+    checkpoint, its step, and the time taken. See the module's docstring for the arguments."""
+    import torch
+
+    from largebatch.export import check_run_dir_given, load_run, partial_note
+    from largebatch.models.registry import model_spec
+
+    check_run_dir_given(run_dir)
+    dev = _device(device)
+    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    config = model.config
+    if model_spec(config.kind).objective != "causal":
+        raise GenerateError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language "
+                            "model): it fills in masked tokens and does not write text left to right; "
+                            "`largebatch finetune` judges it downstream")
+    if tokenizer is None:
+        raise GenerateError(f"RUN_DIR {str(run_dir)!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
+    note = partial_note(loaded, "samples from")
+    if note:
+        log(f"note: {note}")
+    from largebatch.data.tokenizer import document_separator
+
+    separator = document_separator(tokenizer)
+    separator_id = config.separator_id if config.separator_id is not None else (
+        None if separator is None else separator[1])
+    ids = tokenizer.encode(prompt).ids if prompt else []
+    if not ids:
+        if separator_id is None:
+            raise GenerateError("the prompt is empty and the run's tokenizer has no document separator to "
+                                "start from: give --prompt TEXT")
+        ids = [separator_id]  # a document's start, as the run saw every document begin
+    if max(ids) >= config.vocab_size:
+        raise GenerateError(f"the prompt's token id {max(ids)} is not in the model's vocabulary "
+                            f"({config.vocab_size}): pass --tokenizer PATH to the tokenizer.json the run "
+                            "trained with")
+    if len(ids) > config.seq_len:
+        log(f"note: the prompt has {len(ids):,} tokens; the model reads its last {config.seq_len:,} "
+            "(model.seq_len)")
+    if seed is None:
+        seed = int(loaded.config.get("run", {}).get("seed", 1337))
+    stop_id = separator_id if stop else None
+    model = model.to(dev).eval()
+    idx = torch.tensor([ids] * samples, dtype=torch.long, device=dev)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                         top_p=None if top_p is None or top_p >= 1 else top_p, stop_id=stop_id)
+    seconds = time.perf_counter() - start
+    rows = []
+    for row in out[:, len(ids):].tolist():
+        ended = stop_id is not None and stop_id in row
+        new = row[:row.index(stop_id) + 1] if ended else row
+        rows.append({"text": tokenizer.decode(ids + new), "new_ids": new, "ended_at_separator": ended})
+    made = sum(len(r["new_ids"]) for r in rows)
+    return {"run_dir": str(run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step, "ema": ema,
+            "prompt": prompt, "prompt_tokens": len(ids), "seed": seed, "temperature": temperature,
+            "top_k": top_k or None, "top_p": top_p, "samples": rows, "seconds": seconds,
+            "tokens_per_second": made / seconds if seconds > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
+    try:
+        _check(args)
+        result = generate(args.run_dir, _prompt_text(args), args.max_new_tokens, args.samples,
+                          args.temperature, args.top_k, args.top_p, args.seed, not args.no_stop, args.device,
+                          args.tokenizer, args.checkpoint, args.ema, log=lambda m: print(m, file=sys.stderr))
+    except (GenerateError, ExportError) as exc:
+        print(f"largebatch generate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print("\n----------\n".join(r["text"] for r in result["samples"]))
+    rate = result["tokens_per_second"]
+    made = sum(len(r["new_ids"]) for r in result["samples"])
+    print(f"step {result['step']} ({Path(result['checkpoint']).name}{', weight average' if result['ema'] else ''}): "
+          f"{len(result['samples'])} sample(s), {made} new tokens in {result['seconds']:.2f} s"
+          + (f" ({rate:,.0f} tokens/s)" if rate else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
