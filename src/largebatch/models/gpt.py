@@ -213,7 +213,6 @@ class GPT(TransformerBase):
         if stop_id is not None and (not isinstance(stop_id, numbers.Integral) or isinstance(stop_id, bool)
                                     or not 0 <= stop_id < vocab):
             raise ValueError(f"stop_id={stop_id!r}: must be a token id in [0, {vocab}) or None.")
-        s = self.config.seq_len
         cache = self.cache() if use_cache and self.decodes() else None
         stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         # layers compiled in place (the trainer's model.compile) would compile again for every cached
@@ -261,7 +260,8 @@ def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int | None 
     # where the logits over a tiny temperature overflow to inf (the softmax then NaN), from the
     # largest logit down: 0 and -inf (greedy); elsewhere as before, bit for bit
     scaled = logits / temperature
-    logits = torch.where(torch.isfinite(scaled).all(), scaled, (logits - logits.amax(dim=-1, keepdim=True)) / temperature)
+    logits = torch.where(torch.isfinite(scaled).all(), scaled,
+                         (logits - logits.amax(dim=-1, keepdim=True)) / temperature)
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
