@@ -663,6 +663,32 @@ def argmax_cases(results: dict) -> None:
             ((whole[..., :32].amax(-1) == whole.amax(-1)) & (whole[..., 32:].amax(-1) == whole.amax(-1))).sum())
 
 
+def generate_cases(results: dict) -> None:
+    """Decoding with a KV cache on a sharded model (the trainer's end-of-run sample): under tensor
+    parallel (each rank caches its own heads; with the vocabulary-parallel loss the logits are
+    gathered) and FSDP2 (decode goes through forward, whose hooks gather the root's parameters), each
+    cached step's logits are one process's whole-context logits, and the greedy tokens are its own."""
+    for kind in ("gpt", "llama", "gpt-docs"):
+        idx, _ = batch(kind)
+        prompt = idx[:, :5]
+        torch.manual_seed(0)
+        reference = build_model(tiny(kind)).eval()
+        with torch.no_grad():
+            expected = reference.generate(prompt, T - 5 + 3, temperature=0)  # (past seq_len by 3)
+            whole = reference(expected[:, :T])[0]
+        for mode in ("tp", "tp_loss", "fsdp"):
+            state = states(mode)
+            model = unwrap(parallelize(copy.deepcopy(reference), state)).eval()
+            cache = model.cache()
+            with torch.no_grad():  # (as the trainer's sample: outside the loss context)
+                steps = [model.decode(expected[:, :5], cache)]
+                steps += [model.decode(expected[:, t:t + 1], cache) for t in range(5, T)]
+                tokens = model.generate(prompt, T - 5 + 3, temperature=0)
+            results[f"generate/{kind}/{mode}/logits"] = max(
+                float((step - whole[:, t]).abs().max()) for t, step in zip(range(4, T), steps))
+            results[f"generate/{kind}/{mode}/same_tokens"] = bool(torch.equal(tokens, expected))
+
+
 def mixed_precision_cases(results: dict) -> None:
     """FSDP2 with param_dtype=bf16 (what run.dtype='bf16' selects): the forward computes with bf16
     parameters, the reduce-scatter carries fp32 gradients, the sharded parameters and gradients stay
@@ -718,6 +744,7 @@ def run_all(out_dir: str, compile_too: bool = True) -> None:
         llama_cases(results, out)
         seed_cases(results)
         argmax_cases(results)
+        generate_cases(results)
         if compile_too:
             compile_cases(results)
     (out / f"results_rank{state.rank}.json").write_text(json.dumps(results, indent=1))

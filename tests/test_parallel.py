@@ -301,6 +301,16 @@ def test_the_best_token_of_vocabulary_split_logits_is_the_whole_logits_argmax(ra
             assert rank_results[f"argmax/{dims}/ties_across_ranks"] > 0  # the case that needs the rule
 
 
+def test_cached_decoding_on_sharded_models_gives_one_process_logits_and_tokens(ranks):
+    """The end-of-run sample's decoding (GPT.decode with a KVCache) on tensor-parallel (with and
+    without the vocabulary-parallel loss) and FSDP2 models: one process's logits and greedy tokens."""
+    for rank_results in ranks[1]:
+        for kind in ("gpt", "llama", "gpt-docs"):
+            for mode in ("tp", "tp_loss", "fsdp"):
+                assert rank_results[f"generate/{kind}/{mode}/logits"] < 1e-5, (kind, mode)
+                assert rank_results[f"generate/{kind}/{mode}/same_tokens"], (kind, mode)
+
+
 # ------------------------------------------------------------------------------ single process
 def test_world_size_one_is_a_no_op(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -137,8 +137,14 @@ class GPT(TransformerBase):
             self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets)."""
+                reduction: str = "mean", cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T). Returns logits (B, T, v) and the loss (None without targets).
+        With a ``cache`` (``decode``): idx follows the cached positions, and the logits are the last
+        position's only, (B, 1, v)."""
+        if cache is not None:
+            if targets is not None:
+                raise ValueError("forward: a KV cache is for decoding (no_grad, no targets); leave cache out to train")
+            return self._decode(idx, cache), None
         logits = self.output_logits(self.run_blocks(self.embed_input(idx), self.attention_mask(idx)))  # (B, T, v)
         loss = None if targets is None else token_loss(logits, targets, reduction)
         return logits, loss
@@ -157,7 +163,14 @@ class GPT(TransformerBase):
     def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next positions ``idx`` (B, T) after the ``cache.offset`` positions ``cache`` holds:
         each layer reads the cached keys and values and adds these positions' own; returns the last
-        position's logits (B, v). A fresh cache (``self.cache(B)``, offset 0) takes a whole prompt."""
+        position's logits (B, v). A fresh cache (``self.cache()``, offset 0) takes a whole prompt.
+        It goes through ``forward``, so the hooks of a wrapped model (FSDP2's gathers) run."""
+        logits = self(idx, cache=cache)[0][:, 0]  # (B, v)
+        if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
+            logits = logits.full_tensor()
+        return logits
+
+    def _decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not cache.room(idx.size(1)):
             raise ValueError(f"decode: {cache.offset} cached positions + {idx.size(1)} new exceed the "
                              f"model's seq_len {self.config.seq_len}: reset the cache and decode the last "
@@ -170,10 +183,7 @@ class GPT(TransformerBase):
             mask = DocumentMask.decoding(cache.documents, idx.size(1), causal=True)
         x = self.run_blocks(self.embed_input(idx, cache), mask, cache)
         cache.advance(idx.size(1))
-        logits = self.output_logits(x[:, -1:])[:, 0]  # (B, v): the output layer on the last position only
-        if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
-            logits = logits.full_tensor()
-        return logits
+        return self.output_logits(x[:, -1:])  # (B, 1, v): the output layer on the last position only
 
     def cache(self) -> KVCache:
         """An empty KVCache for ``decode`` (its memory is allocated at the first write)."""
