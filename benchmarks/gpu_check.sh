@@ -70,3 +70,7 @@ timeout 120 "$PYTHON" benchmarks/llama_layers.py --device cuda --dtype fp32 --at
 # here, with the one mask's bytes against the memory model (the CPU run: docs/models.md); s = 1000 is no
 # multiple of 8, so the kernel would copy the mask in every layer unless its padded rows hold
 timeout 120 "$PYTHON" benchmarks/document_mask.py --device cuda --dtype bf16 --seq-len 1000 --rounds 5
+# generation with the KV cache on the device against transformers' generate on the same weights and the
+# cache-less loop (the CPU run: docs/models.md, "Generating text"); then its tests there
+timeout 180 "$PYTHON" benchmarks/generate.py --device cuda --seq-len 1024 --prompt 512 --new 256 --rounds 3
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_generate.py
