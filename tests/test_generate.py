@@ -248,12 +248,48 @@ def test_samples_prompts_from_files_and_the_separator(gpt_run, tmp_path, capsys,
     (["--checkpoint", "999"], "999"),
     (["--ema"], "weight average"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--prompt-file", "{tmp}/latin1.txt"], "latin1.txt': cannot be read (not UTF-8 text)"),
+    (["--seed", str(2**64)], "--seed must be in [-2^63, 2^64)"),
 ])
 def test_bad_input_gives_one_line_errors(gpt_run, tmp_path, capsys, args, words):
+    (tmp_path / "latin1.txt").write_bytes("ROMÉO:".encode("latin-1"))
     code, out, err = generate(capsys, gpt_run, *[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert words in err, err
     assert err.startswith("largebatch generate: error:")
+
+
+def test_the_prompt_is_encoded_as_the_training_text_was(gpt_run, tmp_path, capsys):
+    """Without the special tokens a tokenizer's post-processor adds (a Llama tokenizer's <s>, BERT's
+    [CLS] ... [SEP]): the training stream never held them. Here the run's own vocabulary with a
+    post-processor that puts the separator around the text: the prompt is still the text's tokens."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(str(gpt_run / "tokenizer.json"))
+    plain = tokenizer.encode("ROMEO:").ids
+    tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A <|endoftext|>",
+                                                  special_tokens=[("<|endoftext|>", 0)])
+    assert tokenizer.encode("ROMEO:").ids == [0, *plain, 0]
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    code, out, err = generate(capsys, gpt_run, "--prompt", "ROMEO:", "--max-new-tokens", 20, "--json",
+                              "--tokenizer", tmp_path / "tokenizer.json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] == len(plain)
+    code, again, _ = generate(capsys, gpt_run, "--prompt", "ROMEO:", "--max-new-tokens", 20, "--json")
+    assert json.loads(out)["samples"] == json.loads(again)["samples"]
+
+
+def test_a_failed_step_leaves_the_cache_as_it_was():
+    model = _model(document_mask=True, separator_id=SEP)
+    cache = model.cache()
+    model.decode(torch.tensor([[SEP, 5, 6], [7, SEP, 8]]), cache)
+    documents, start = cache.documents.clone(), cache.start
+    with pytest.raises(ValueError, match="3 sequences after 3 cached positions of 2: a cache serves one batch"):
+        model.decode(torch.tensor([[1], [2], [3]]), cache)
+    assert torch.equal(cache.documents, documents) and cache.start is start and cache.offset == 3
+    model.decode(torch.tensor([[9], [SEP]]), cache)  # and it goes on
+    assert cache.documents.tolist() == [[1, 1, 1, 1], [0, 1, 1, 2]]
 
 
 def test_a_run_directory_that_is_missing_or_a_transformers_export(tmp_path, capsys):

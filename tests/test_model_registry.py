@@ -141,8 +141,19 @@ def test_its_tensor_parallel_plan_names_its_modules(parallel_gpt):
 
 def test_the_trainer_trains_it(parallel_gpt, tiny_data_cache, tmp_path):
     out = tmp_path / NAME
-    summary = _run(tiny_overrides(tiny_data_cache, out, **{"model.kind": NAME, "schedule.batch_policy": "constant"}))
+    summary = _run(tiny_overrides(tiny_data_cache, out, **{"model.kind": NAME, "schedule.batch_policy": "constant",
+                                                            "run.sample_tokens": 8, "run.sample_prompt": "ROMEO:"}))
     losses = [r["loss"] for r in read_metrics(out) if r["kind"] == "train"]
     assert len(losses) >= 10
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses  # 6.24 -> 5.86 measured
     assert summary["steps"] == len(losses) and summary["final_val_loss"] < losses[0]
+    # its end-of-run sample: the layer takes no KV cache, so generation reads the whole context
+    assert summary["sample"].startswith("ROMEO:") and len(summary["sample"]) > len("ROMEO:")
+
+
+def test_a_kind_whose_layer_takes_no_cache_generates_without_one(parallel_gpt):
+    model = build_model(ModelConfig(kind=NAME, n_layer=2, n_embd=32, n_head=2, seq_len=16, vocab_size=50,
+                                    dropout=0.0)).eval()
+    assert not model.decodes() and GPT(ModelConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).decodes()
+    idx = torch.randint(0, 50, (2, 4))
+    assert model.generate(idx, 20, temperature=0).shape == (2, 24)  # past seq_len too

@@ -13,7 +13,8 @@ the model's seq_len the context is the last seq_len tokens, each read afresh (as
 A sample ends at the run's document separator (``<|endoftext|>``: the model has started another
 document) or after --max-new-tokens. The defaults (--temperature 0.8 --top-k 50, the run's
 run.seed) are the trainer's: ``largebatch generate RUN_DIR --prompt P --max-new-tokens N`` writes
-the sample of summary.json for ``run.sample_prompt = P`` and ``run.sample_tokens = N``.
+the sample of summary.json for ``run.sample_prompt = P`` and ``run.sample_tokens = N`` (on the
+device type the run sampled on, for a run whose sample used fp32 weights).
 The text goes to stdout (samples separated by a line of dashes), the timing to stderr.
 
 Options:
@@ -65,6 +66,16 @@ def _count(name: str, low: int):
     return parse
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not -2**63 <= value < 2**64:  # what torch.manual_seed takes
+        raise argparse.ArgumentTypeError(f"{value}: --seed must be in [-2^63, 2^64)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="largebatch generate", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=finite_float, default=0.8)
     p.add_argument("--top-k", type=_count("--top-k", 0), default=50)
     p.add_argument("--top-p", type=finite_float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=_seed)
     p.add_argument("--no-stop", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="cpu")
@@ -97,14 +108,14 @@ def _check(args: argparse.Namespace) -> None:
 def _prompt_text(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
         return args.prompt or ""
-    if args.prompt_file == "-":
-        return sys.stdin.read()
-    path = Path(args.prompt_file).expanduser()
     try:
-        return path.read_text(encoding="utf-8")
+        if args.prompt_file == "-":
+            return sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        return Path(args.prompt_file).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise GenerateError(f"--prompt-file {args.prompt_file!r}: cannot be read ({exc.strerror or exc}): "
-                            "pass a UTF-8 text file") from None
+        why = getattr(exc, "strerror", None) or ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc)
+        where = "standard input" if args.prompt_file == "-" else repr(args.prompt_file)
+        raise GenerateError(f"--prompt-file {where}: cannot be read ({why}): pass a UTF-8 text file") from None
 
 
 def _device(name: str):
@@ -155,7 +166,8 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200, s
     separator = document_separator(tokenizer)
     separator_id = config.separator_id if config.separator_id is not None else (
         None if separator is None else separator[1])
-    ids = tokenizer.encode(prompt).ids if prompt else []
+    # as the run's text was encoded: no special tokens a tokenizer's post-processor adds (<s>, [CLS])
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids if prompt else []
     if not ids:
         if separator_id is None:
             raise GenerateError("the prompt is empty and the run's tokenizer has no document separator to "

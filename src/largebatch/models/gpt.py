@@ -9,6 +9,7 @@ output layer (final norm input, projection input, fp32 logits).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
@@ -175,13 +176,22 @@ class GPT(TransformerBase):
             raise ValueError(f"decode: {cache.offset} cached positions + {idx.size(1)} new exceed the "
                              f"model's seq_len {self.config.seq_len}: reset the cache and decode the last "
                              f"{self.config.seq_len} positions")
-        mask = None
-        if self.config.document_mask:  # each position's document, continuing the cached ones'
-            last = 0 if cache.documents is None else cache.documents[:, -1:]
-            documents = last + (idx == self.config.separator_id).cumsum(dim=1)
-            cache.documents = documents if cache.documents is None else torch.cat([cache.documents, documents], 1)
-            mask = DocumentMask.decoding(cache.documents, idx.size(1), causal=True)
-        x = self.run_blocks(self.embed_input(idx, cache), mask, cache)
+        kept = cache.layers[0].keys
+        if cache.offset and kept is not None and kept.size(0) != idx.size(0):
+            raise ValueError(f"decode: {idx.size(0)} sequences after {cache.offset} cached positions of "
+                             f"{kept.size(0)}: a cache serves one batch of sequences; reset it for another")
+        documents, start = cache.documents, cache.start  # (put back if the step fails)
+        try:
+            mask = None
+            if self.config.document_mask:  # each position's document, continuing the cached ones'
+                last = 0 if documents is None else documents[:, -1:]
+                new = last + (idx == self.config.separator_id).cumsum(dim=1)
+                cache.documents = new if documents is None else torch.cat([documents, new], 1)
+                mask = DocumentMask.decoding(cache.documents, idx.size(1), causal=True)
+            x = self.run_blocks(self.embed_input(idx, cache), mask, cache)
+        except BaseException:
+            cache.documents, cache.start = documents, start
+            raise
         cache.advance(idx.size(1))
         return self.output_logits(x[:, -1:])  # (B, 1, v): the output layer on the last position only
 
@@ -190,9 +200,14 @@ class GPT(TransformerBase):
         return KVCache(len(self.blocks), self.config.seq_len)
 
     def decodes(self) -> bool:
-        """Whether every layer takes a KVCache: the shared Block does; a registered kind's own layer
-        class may not (generate then reads the whole context for every token)."""
-        return all(isinstance(block, Block) for block in self.blocks)
+        """Whether the layers and the embedding take a KVCache: the shared Block and embed do; a
+        registered kind's own layer (a Block subclass with its own forward) or embedding may not, and
+        generate then reads the whole context for every token."""
+        def takes_cache(function) -> bool:
+            return "cache" in inspect.signature(function).parameters
+
+        return (all(takes_cache(type(block).forward) for block in self.blocks)
+                and takes_cache(type(self).embed) and takes_cache(type(self).embed_input))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -265,8 +280,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None = No
 def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int | None = None,
                     top_p: float | None = None) -> torch.Tensor:
     """``logits`` (B, v) / temperature (> 0), -inf outside the top_k most likely tokens and then
-    outside the nucleus: the most likely tokens, in order, while the probability mass of the tokens
-    before each is below top_p (so the most likely token always stays)."""
+    outside the nucleus -- the top-p vocabulary of Holtzman et al. 2020, "The Curious Case of Neural
+    Text Degeneration" (docs/papers.md: generating text): the most likely tokens, in order, while the
+    probability mass of the tokens before each is below top_p (so the most likely token always stays)."""
     # where the logits over a tiny temperature overflow to inf (the softmax then NaN), from the
     # largest logit down: 0 and -inf (greedy); elsewhere as before, bit for bit
     scaled = logits / temperature

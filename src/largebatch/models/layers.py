@@ -267,10 +267,12 @@ class DocumentMask:
 
 class KVCache:
     """Every layer's keys and values at the positions a causal model has read, so that each generated
-    token costs one position per layer instead of the whole context again (decoding; GPT.generate).
+    token costs one position per layer instead of the whole context again (decoding; GPT.generate):
+    the key/value cache whose memory Pope et al. 2022 ("Efficiently Scaling Transformer Inference")
+    count, docs/papers.md: generating text.
 
     ``capacity`` positions (the model's seq_len) are allocated per layer at the first write, in the
-    keys' dtype and device: 2 x L x B x a_kv x capacity x d values (local heads under tensor
+    keys' dtype (autocast's under autocast) and device: 2 x L x B x a_kv x capacity x d values (local heads under tensor
     parallel). ``offset`` positions are filled; a model's ``decode`` writes the next ones through each
     layer's ``LayerCache`` and then calls ``advance``. With ModelConfig.document_mask it also keeps
     each position's document index (``documents``, (B, offset)) and where the last document starts

@@ -225,7 +225,8 @@ class Reporting:
     @torch.no_grad()
     def generate(self, prompt: str, n_tokens: int) -> str:
         self.raw_model.eval()
-        ids = self.data.tokenizer.encode(prompt).ids
+        # as the training text was encoded: no special tokens a tokenizer's post-processor would add
+        ids = self.data.tokenizer.encode(prompt, add_special_tokens=False).ids
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         separator = self.cfg.model.separator_id
         if separator is None:
@@ -233,9 +234,13 @@ class Reporting:
             separator = None if found is None else found[1]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights (`largebatch generate`'s)
-            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50, stop_id=separator)
+            # every rank runs all n_tokens forwards (collective under FSDP2 and tensor parallel); the
+            # sample ends at the separator, as `largebatch generate`'s, whose draws before it are these
+            out = self.raw_model.generate(idx, n_tokens, temperature=0.8, top_k=50)[0, len(ids):].tolist()
         self.raw_model.train()
-        return self.data.tokenizer.decode(out[0].tolist())
+        if separator is not None and separator in out:
+            out = out[:out.index(separator) + 1]
+        return self.data.tokenizer.decode(ids + out)
 
 
 def _layer_options(model) -> str:
