@@ -189,6 +189,8 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200, s
     start = time.perf_counter()
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
                          top_p=None if top_p is None or top_p >= 1 else top_p, stop_id=stop_id)
+    if dev.type == "cuda":  # (the kernels run after the calls return)
+        torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - start
     rows = []
     for row in out[:, len(ids):].tolist():
