@@ -90,6 +90,24 @@ def test_the_cache_holds_each_layers_keys_and_values_once_and_refuses_what_does_
     assert cache.offset == 4 and cache.layers[0].keys.shape == (2, 2, 16, 8)
     with pytest.raises(ValueError, match="capacity=0"):
         KVCache(2, 0)
+    small = KVCache(2, 8)  # one of the user's own, shorter than the model's context
+    model.decode(torch.randint(0, 50, (1, 5)), small)
+    with pytest.raises(ValueError, match="5 cached positions \\+ 5 new exceed the cache's capacity 8"):
+        model.decode(torch.randint(0, 50, (1, 5)), small)
+    with pytest.raises(ValueError, match="a KVCache of capacity 32 for a model of seq_len 16"):
+        model.decode(torch.randint(0, 50, (1, 5)), KVCache(2, 32))
+    model.float()  # the cache holds float64 keys; the next step's are float32
+    with pytest.raises(ValueError, match="held as .*torch.float64.*one dtype \\(the same autocast\\)"):
+        model.decode(torch.randint(0, 50, (1, 1)), small)
+    model.double()
+    for bad in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 2, dtype=torch.bool), torch.zeros(2)):
+        with pytest.raises(ValueError, match="give integer ids of shape \\(batch, T\\) with T >= 1"):
+            model.decode(bad, model.cache())
+    fresh = model.cache()
+    with torch.enable_grad():  # decoding keeps no graph, whatever the caller's mode
+        assert not model.decode(torch.randint(0, 50, (1, 3)), fresh).requires_grad
+    assert not fresh.layers[0].keys.requires_grad
+
 
 
 def _nucleus_reference(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float) -> np.ndarray:

@@ -151,9 +151,30 @@ def test_the_trainer_trains_it(parallel_gpt, tiny_data_cache, tmp_path):
     assert summary["sample"].startswith("ROMEO:") and len(summary["sample"]) > len("ROMEO:")
 
 
-def test_a_kind_whose_layer_takes_no_cache_generates_without_one(parallel_gpt):
-    model = build_model(ModelConfig(kind=NAME, n_layer=2, n_embd=32, n_head=2, seq_len=16, vocab_size=50,
-                                    dropout=0.0)).eval()
+class CappedGPT(GPT):
+    """A kind with its own forward, in the signature the registry documents (logit soft-capping)."""
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        logits, _ = super().forward(idx)
+        logits = 30 * torch.tanh(logits / 30)
+        return logits, None
+
+
+class OwnBlocksGPT(GPT):
+    def run_blocks(self, x, mask=None):
+        return super().run_blocks(x, mask)
+
+
+@pytest.mark.parametrize("kind", [ParallelGPT, CappedGPT, OwnBlocksGPT])
+def test_a_kind_whose_layer_or_forward_takes_no_cache_generates_without_one(kind):
+    """Its forward, run_blocks or layer without a ``cache`` argument: generate reads the whole context
+    for every token instead (a TypeError in the end-of-run sample before)."""
+    model = kind(ModelConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16, vocab_size=50, dropout=0.0)).eval()
     assert not model.decodes() and GPT(ModelConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).decodes()
     idx = torch.randint(0, 50, (2, 4))
-    assert model.generate(idx, 20, temperature=0).shape == (2, 24)  # past seq_len too
+    out = model.generate(idx, 20, temperature=0)  # past seq_len too
+    assert out.shape == (2, 24)
+    expected = idx
+    for _ in range(20):  # the kind's own forward, read whole
+        expected = torch.cat([expected, model(expected[:, -16:])[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, expected)

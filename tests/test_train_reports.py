@@ -285,6 +285,26 @@ def test_an_arm_that_raises_in_its_worker_raises_its_own_error(reference_run, tm
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("arms-")]
 
 
+def test_a_sample_that_fails_leaves_the_finished_runs_summary(reference_run, tmp_path, monkeypatch):
+    """The end-of-run sample is a convenience: one process whose sample raises (a model kind of the
+    user's that cannot generate) writes its summary with the reason, and the run is complete."""
+    from largebatch.models import GPT
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("this kind cannot generate\nsecond line")
+
+    monkeypatch.setattr(GPT, "generate", broken)
+    cache, _, _ = reference_run
+    o = tiny_overrides(cache, tmp_path / "run", **{"run.total_tokens": 32 * 8 * 2, "run.sample_tokens": 8,
+                                                   "schedule.batch_policy": "constant"})
+    lines = []
+    summary = Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lines.append).fit()
+    assert summary["sample"] == "(no sample: RuntimeError: this kind cannot generate)"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["sample"] == summary["sample"]
+    assert any("the end-of-run sample failed (RuntimeError: this kind cannot generate)" in str(line)
+               for line in lines)
+
+
 def test_a_token_array_run_without_a_tokenizer_ends_with_a_summary(reference_run, tmp_path):
     """A GPT run on a .npy token array and no tokenizer: the final sample cannot be encoded or
     decoded, and says so, instead of crashing after training and leaving no summary.json."""

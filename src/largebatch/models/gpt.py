@@ -161,6 +161,7 @@ class GPT(TransformerBase):
         head (largebatch.finetune) pools."""
         return self.ln_f(self.run_blocks(self.embed_input(idx), self.attention_mask(idx)))
 
+    @torch.no_grad()
     def decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next positions ``idx`` (B, T) after the ``cache.offset`` positions ``cache`` holds:
         each layer reads the cached keys and values and adds these positions' own; returns the last
@@ -172,10 +173,16 @@ class GPT(TransformerBase):
         return logits
 
     def _decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if idx.dim() != 2 or idx.size(1) < 1 or idx.is_floating_point() or idx.dtype == torch.bool:
+            raise ValueError(f"decode: token ids of shape {tuple(idx.shape)} ({idx.dtype}); give integer ids of "
+                             "shape (batch, T) with T >= 1")
         if not cache.room(idx.size(1)):
-            raise ValueError(f"decode: {cache.offset} cached positions + {idx.size(1)} new exceed the "
-                             f"model's seq_len {self.config.seq_len}: reset the cache and decode the last "
-                             f"{self.config.seq_len} positions")
+            limit = ("the model's seq_len" if cache.capacity == self.config.seq_len else "the cache's capacity")
+            raise ValueError(f"decode: {cache.offset} cached positions + {idx.size(1)} new exceed {limit} "
+                             f"{cache.capacity}: reset the cache and decode the last {cache.capacity} positions")
+        if cache.capacity > self.config.seq_len:
+            raise ValueError(f"decode: a KVCache of capacity {cache.capacity} for a model of seq_len "
+                             f"{self.config.seq_len}: make it with model.cache()")
         kept = cache.layers[0].keys
         if cache.offset and kept is not None and kept.size(0) != idx.size(0):
             raise ValueError(f"decode: {idx.size(0)} sequences after {cache.offset} cached positions of "
@@ -207,7 +214,8 @@ class GPT(TransformerBase):
             return "cache" in inspect.signature(function).parameters
 
         return (all(takes_cache(type(block).forward) for block in self.blocks)
-                and takes_cache(type(self).embed) and takes_cache(type(self).embed_input))
+                and all(takes_cache(getattr(type(self), name)) for name in ("forward", "run_blocks", "embed",
+                                                                            "embed_input")))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

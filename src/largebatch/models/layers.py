@@ -321,10 +321,14 @@ class LayerCache:
                              "(the model's seq_len): reset it and decode the last seq_len positions again")
         shape = (B, heads, self.cache.capacity, d)
         if self.keys is None or self.keys.shape != shape or self.keys.dtype != k.dtype or self.keys.device != k.device:
+            if start and self.keys is None:
+                raise ValueError(f"KVCache: offset {start} but no keys cached in this layer: set no offset by "
+                                 "hand; decode from a fresh (or reset) cache")
             if start:
-                raise ValueError(f"KVCache: keys of shape {tuple(k.shape)} ({k.dtype}) after {start} cached "
-                                 f"positions of shape {tuple(self.keys.shape) if self.keys is not None else None}: "
-                                 "a cache serves one batch of sequences; reset it for another")
+                kept = f"{tuple(self.keys.shape)} {self.keys.dtype} on {self.keys.device}"
+                raise ValueError(f"KVCache: keys of shape {tuple(k.shape)} ({k.dtype} on {k.device}) after {start} "
+                                 f"cached positions held as {kept}: a cache serves one batch of sequences in one "
+                                 "dtype (the same autocast) and device; reset it for another")
             self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v

@@ -209,7 +209,14 @@ class Reporting:
                 summary["sample"] = ("(no sample: a token-array corpus without data.tokenizer_file has no "
                                      "tokenizer to encode the prompt and decode the text)")
             else:  # every rank generates: tensor-parallel and FSDP forwards are collective
-                summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
+                try:
+                    summary["sample"] = self.generate(self.cfg.run.sample_prompt, self.cfg.run.sample_tokens)
+                except Exception as exc:  # a convenience: one process never loses the finished run's summary to it
+                    if self.par.distributed:  # (the other ranks may be in a collective of the sample)
+                        raise
+                    first = (str(exc).splitlines() or [""])[0]
+                    summary["sample"] = f"(no sample: {type(exc).__name__}: {first})"
+                    self.log(f"the end-of-run sample failed ({type(exc).__name__}: {first}); the run is complete")
         if not self.is_main:
             return summary
         try:
