@@ -75,6 +75,20 @@ def finite_float(text: str) -> float:
     return value
 
 
+def whole_number(flag: str, low: int, high: int | None = None, bounds: str = ""):
+    """An ``argparse`` type: a whole number in [low, high) (no upper bound when ``high`` is None),
+    refused naming ``flag``; ``bounds`` words the range in the refusal (default ">= low")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"{value}: {flag} must be {bounds or f'>= {low}'}")
+        return value
+    return parse
+
+
 _TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 

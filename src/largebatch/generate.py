@@ -46,34 +46,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import OneLineParser, finite_float
+from largebatch.arguments import OneLineParser, finite_float, whole_number
 from largebatch.integrations import ExportError
 
 
 class GenerateError(ValueError):
     """A bad argument or a run that cannot generate: one line, exit 2."""
-
-
-def _count(name: str, low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value}: {name} must be >= {low}")
-        return value
-    return parse
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not -2**63 <= value < 2**64:  # what torch.manual_seed takes
-        raise argparse.ArgumentTypeError(f"{value}: --seed must be in [-2^63, 2^64)")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,12 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-file")
-    p.add_argument("--max-new-tokens", type=_count("--max-new-tokens", 0), default=200)
-    p.add_argument("--samples", type=_count("--samples", 1), default=1)
+    p.add_argument("--max-new-tokens", type=whole_number("--max-new-tokens", 0), default=200)
+    p.add_argument("--samples", type=whole_number("--samples", 1), default=1)
     p.add_argument("--temperature", type=finite_float, default=0.8)
-    p.add_argument("--top-k", type=_count("--top-k", 0), default=50)
+    p.add_argument("--top-k", type=whole_number("--top-k", 0), default=50)
     p.add_argument("--top-p", type=finite_float, default=1.0)
-    p.add_argument("--seed", type=_seed)
+    # what torch.manual_seed takes
+    p.add_argument("--seed", type=whole_number("--seed", -2**63, 2**64, "in [-2^63, 2^64)"))
     p.add_argument("--no-stop", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="cpu")
