@@ -212,12 +212,13 @@ def generate(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_generate_draws_the_runs_own_sample_and_transformers_greedy_tokens(gpt_run, tmp_path, capsys):
-    """With the trainer's defaults the command writes summary.json's sample again; greedy, the tokens
-    are the ones transformers' generate (its own KV cache) picks on the exported run."""
+    """With the trainer's defaults (its run.sample_tokens among them) the command writes summary.json's
+    sample again; greedy, the tokens are the ones transformers' generate (its own KV cache) picks on
+    the exported run."""
     from transformers import AutoModelForCausalLM
 
     sample = json.loads((gpt_run / "summary.json").read_text())["sample"]
-    code, out, err = generate(capsys, gpt_run, "--prompt", "ROMEO:", "--max-new-tokens", 20)
+    code, out, err = generate(capsys, gpt_run, "--prompt", "ROMEO:")
     assert code == 0 and out == sample + "\n", (out, sample, err)
     assert "step 12 (step_00000012.pt): 1 sample(s)" in err and "tokens/s" in err
 

@@ -7,21 +7,23 @@
 Reads the newest intact checkpoint of RUN_DIR (any layout it was trained in: one process, DDP,
 FSDP2, tensor or pipeline parallel), or the one ``--checkpoint`` names, with the run's tokenizer,
 and continues the prompt. Each new token reads the earlier positions' keys and values from a cache
-(``largebatch.models.layers.KVCache``): one position per layer, not the whole context again. Past
-the model's seq_len the context is the last seq_len tokens, each read afresh (as the run trained).
+(``largebatch.models.layers.KVCache``): one position per layer, not the whole context again. That
+holds while prompt and sample fit the model's seq_len; past it the context is the last seq_len
+tokens, read whole for every new token (as the run trained, and as slow as without the cache).
 
 A sample ends at the run's document separator (``<|endoftext|>``: the model has started another
-document) or after --max-new-tokens. The defaults (--temperature 0.8 --top-k 50, the run's
-run.seed) are the trainer's: ``largebatch generate RUN_DIR --prompt P --max-new-tokens N`` writes
-the sample of summary.json for ``run.sample_prompt = P`` and ``run.sample_tokens = N`` (on the
-device type the run sampled on, for a run whose sample used fp32 weights).
-The text goes to stdout (samples separated by a line of dashes), the timing to stderr.
+document) or after --max-new-tokens. The defaults are the trainer's end-of-run sample's
+(--temperature 0.8, --top-k 50, the run's run.seed and run.sample_tokens): ``largebatch generate
+RUN_DIR --prompt P`` writes summary.json's sample again when P is the run's run.sample_prompt (on the
+device type the run sampled on, for a run whose sample used fp32 weights). The text (the prompt and
+its continuation) goes to stdout, samples separated by a line of dashes; the timing goes to stderr.
 
 Options:
   --prompt TEXT           the text to continue (default: none -- the model starts a document after
                           its separator token)
-  --prompt-file PATH      read the prompt from a file ('-': standard input) instead
-  --max-new-tokens N      at most N tokens per sample (default 200)
+  --prompt-file PATH      read the prompt from a file ('-': standard input) instead, as it is
+                          (a final newline included)
+  --max-new-tokens N      at most N tokens per sample (default: the run's run.sample_tokens, or 80)
   --samples N             samples drawn from the prompt, as one batch (default 1)
   --temperature T         softmax temperature; 0 is greedy (default 0.8)
   --top-k K               draw from the K most likely tokens only (default 50; 0 for all)
@@ -29,8 +31,8 @@ Options:
                           sampling; default 1: all of them)
   --seed S                the random seed (default: the run's run.seed)
   --no-stop               go on past the document separator
-  --json                  one JSON object on stdout: each sample's text, its new token ids and whether
-                          it ended at the separator, with the checkpoint, step and tokens/s
+  --json                  one JSON object on stdout: each sample's text (prompt included), its new token
+                          ids and whether it ended at the separator, with the checkpoint, step and tokens/s
   --device DEV            cpu (default), cuda or cuda:N
   --tokenizer PATH        the run's tokenizer.json when the run cannot give it
   --checkpoint STEP       sample from the run's checkpoint at optimizer step STEP (or its name or path)
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-file")
-    p.add_argument("--max-new-tokens", type=whole_number("--max-new-tokens", 0), default=200)
+    p.add_argument("--max-new-tokens", type=whole_number("--max-new-tokens", 0))
     p.add_argument("--samples", type=whole_number("--samples", 1), default=1)
     p.add_argument("--temperature", type=finite_float, default=0.8)
     p.add_argument("--top-k", type=whole_number("--top-k", 0), default=50)
@@ -113,14 +115,15 @@ def _device(name: str):
     return device
 
 
-def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200, samples: int = 1,
+def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None = None, samples: int = 1,
              temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
              seed: int | None = None, stop: bool = True, device: str = "cpu",
              tokenizer_file: str | Path | None = None, checkpoint: str | int | None = None,
              ema: bool = False, log=print) -> dict[str, Any]:
     """Continue ``prompt`` ``samples`` times from the run's newest checkpoint (or ``checkpoint``):
-    a dict with each sample's text, new token ids and whether it ended at the separator, the
-    checkpoint, its step, and the time taken. See the module's docstring for the arguments."""
+    a dict with each sample's text (the prompt and its continuation), new token ids and whether it
+    ended at the separator, the checkpoint, its step, and the time taken. See the module's docstring
+    for the arguments; ``max_new_tokens`` None is the run's run.sample_tokens (80 where that is 0)."""
     import torch
 
     from largebatch.export import check_run_dir_given, load_run, partial_note
@@ -161,6 +164,8 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int = 200, s
             "(model.seq_len)")
     if seed is None:
         seed = int(loaded.config.get("run", {}).get("seed", 1337))
+    if max_new_tokens is None:  # the run's own sample length (its sample_tokens 0: none drawn), else 80
+        max_new_tokens = int(loaded.config.get("run", {}).get("sample_tokens") or 80)
     stop_id = separator_id if stop else None
     model = model.to(dev).eval()
     idx = torch.tensor([ids] * samples, dtype=torch.long, device=dev)

@@ -225,7 +225,7 @@ class RunConfig:
     matmul in the run's dtype, and printed as such."""
     sample_tokens: int = 80
     """Tokens to generate from the GPT at the end of the run (0: none); the sample ends early at the
-    document separator. `largebatch generate RUN_DIR --prompt P --max-new-tokens N` draws it again."""
+    document separator. `largebatch generate RUN_DIR --prompt P` (P: sample_prompt) draws it again."""
     sample_prompt: str = "KING HENRY:"
     """Prompt for the generated sample."""
     tensorboard: bool = True
