@@ -57,25 +57,27 @@ class GenerateError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="largebatch generate", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
+    # the docstring lists the options with their meaning: argparse's own list (names only) is left out
+    p = OneLineParser(prog="largebatch generate", description=__doc__, usage="largebatch generate RUN_DIR [options]",
+                      formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=None, add_help=False)
+    p.add_argument("-h", "--help", action="help", help=argparse.SUPPRESS)
+    p.add_argument("run_dir", help=argparse.SUPPRESS)
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt")
-    prompt.add_argument("--prompt-file")
-    p.add_argument("--max-new-tokens", type=whole_number("--max-new-tokens", 0))
-    p.add_argument("--samples", type=whole_number("--samples", 1), default=1)
-    p.add_argument("--temperature", type=finite_float, default=0.8)
-    p.add_argument("--top-k", type=whole_number("--top-k", 0), default=50)
-    p.add_argument("--top-p", type=finite_float, default=1.0)
+    prompt.add_argument("--prompt", help=argparse.SUPPRESS)
+    prompt.add_argument("--prompt-file", help=argparse.SUPPRESS)
+    p.add_argument("--max-new-tokens", type=whole_number("--max-new-tokens", 0), help=argparse.SUPPRESS)
+    p.add_argument("--samples", type=whole_number("--samples", 1), default=1, help=argparse.SUPPRESS)
+    p.add_argument("--temperature", type=finite_float, default=0.8, help=argparse.SUPPRESS)
+    p.add_argument("--top-k", type=whole_number("--top-k", 0), default=50, help=argparse.SUPPRESS)
+    p.add_argument("--top-p", type=finite_float, default=1.0, help=argparse.SUPPRESS)
     # what torch.manual_seed takes
-    p.add_argument("--seed", type=whole_number("--seed", -2**63, 2**64, "in [-2^63, 2^64)"))
-    p.add_argument("--no-stop", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--tokenizer")
-    p.add_argument("--checkpoint")
-    p.add_argument("--ema", action="store_true")
+    p.add_argument("--seed", type=whole_number("--seed", -2**63, 2**64, "in [-2^63, 2^64)"), help=argparse.SUPPRESS)
+    p.add_argument("--no-stop", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--ema", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
