@@ -687,6 +687,7 @@ def generate_cases(results: dict) -> None:
             results[f"generate/{kind}/{mode}/logits"] = max(
                 float((step - whole[:, t]).abs().max()) for t, step in zip(range(4, T), steps))
             results[f"generate/{kind}/{mode}/same_tokens"] = bool(torch.equal(tokens, expected))
+            results[f"generate/{kind}/{mode}/cached"] = model.decodes()  # (not the cache-less fallback)
 
 
 def mixed_precision_cases(results: dict) -> None:

@@ -309,6 +309,7 @@ def test_cached_decoding_on_sharded_models_gives_one_process_logits_and_tokens(r
             for mode in ("tp", "tp_loss", "fsdp"):
                 assert rank_results[f"generate/{kind}/{mode}/logits"] < 1e-5, (kind, mode)
                 assert rank_results[f"generate/{kind}/{mode}/same_tokens"], (kind, mode)
+                assert rank_results[f"generate/{kind}/{mode}/cached"], (kind, mode)
 
 
 # ------------------------------------------------------------------------------ single process

@@ -207,9 +207,9 @@ class GPT(TransformerBase):
         return KVCache(len(self.blocks), self.config.seq_len)
 
     def decodes(self) -> bool:
-        """Whether the layers and the embedding take a KVCache: the shared Block and embed do; a
-        registered kind's own layer (a Block subclass with its own forward) or embedding may not, and
-        generate then reads the whole context for every token."""
+        """Whether the layers and the model's forward, run_blocks and embedding take a KVCache: the
+        shared ones do; a registered kind's own layer (a Block subclass with its own forward) or its
+        own forward may not, and generate then reads the whole context for every token."""
         def takes_cache(function) -> bool:
             return "cache" in inspect.signature(function).parameters
 
