@@ -145,11 +145,9 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     note = partial_note(loaded, "samples from")
     if note:
         log(f"note: {note}")
-    from largebatch.data.tokenizer import document_separator
+    from largebatch.data.tokenizer import separator_id as find_separator
 
-    separator = document_separator(tokenizer)
-    separator_id = config.separator_id if config.separator_id is not None else (
-        None if separator is None else separator[1])
+    separator_id = find_separator(tokenizer, config.separator_id)
     # as the run's text was encoded: no special tokens a tokenizer's post-processor adds (<s>, [CLS])
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids if prompt else []
     if not ids:

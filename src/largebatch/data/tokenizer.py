@@ -175,6 +175,15 @@ def document_separator(tokenizer: Tokenizer) -> tuple[str, int] | None:
     return None
 
 
+def separator_id(tokenizer: Tokenizer, configured: int | None = None) -> int | None:
+    """The id that starts a document: ``configured`` (model.separator_id) where set, else the
+    tokenizer's ``document_separator``; None when neither gives one."""
+    if configured is not None:
+        return configured
+    found = document_separator(tokenizer)
+    return None if found is None else found[1]
+
+
 def no_separator_message(field: str, value) -> str:
     """The error for a tokenizer that has no document separator, naming the field and the fix."""
     return (f"{field}={value!r} has none of {', '.join(DOCUMENT_SEPARATORS)} to separate documents: "

@@ -167,10 +167,7 @@ class GPT(TransformerBase):
         each layer reads the cached keys and values and adds these positions' own; returns the last
         position's logits (B, v). A fresh cache (``self.cache()``, offset 0) takes a whole prompt.
         It goes through ``forward``, so the hooks of a wrapped model (FSDP2's gathers) run."""
-        logits = self(idx, cache=cache)[0][:, 0]  # (B, v)
-        if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss_parallel)
-            logits = logits.full_tensor()
-        return logits
+        return _whole_vocabulary(self(idx, cache=cache)[0][:, 0])  # (B, v)
 
     def _decode(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if idx.dim() != 2 or idx.size(1) < 1 or idx.is_floating_point() or idx.dtype == torch.bool:
@@ -247,20 +244,18 @@ class GPT(TransformerBase):
                                     or not 0 <= stop_id < vocab):
             raise ValueError(f"stop_id={stop_id!r}: must be a token id in [0, {vocab}) or None.")
         cache = self.cache() if use_cache and self.decodes() else None
-        stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         # layers compiled in place (the trainer's model.compile) would compile again for every cached
         # length: generation runs them as they are
         compiled = any(getattr(block, "_compiled_call_impl", None) is not None for block in self.blocks)
         with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
-            return self._generate(idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache, stopped)
+            return self._generate(idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache)
 
-    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache, stopped) -> torch.Tensor:
+    def _generate(self, idx, max_new_tokens, temperature, top_k, top_p, stop_id, cache) -> torch.Tensor:
         s = self.config.seq_len
+        stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         for n in range(max_new_tokens):
             if cache is None:
-                logits = self(idx[:, -s:])[0][:, -1, :]  # (B, v)
-                if isinstance(logits, DTensor):
-                    logits = logits.full_tensor()
+                logits = _whole_vocabulary(self(idx[:, -s:])[0][:, -1, :])  # (B, v)
             elif n > 0 and cache.room(1):
                 logits = self.decode(idx[:, -1:], cache)
             else:  # the prompt, or a context past seq_len: its last seq_len positions afresh
@@ -274,6 +269,11 @@ class GPT(TransformerBase):
             if stop_id is not None and bool(stopped.all()):
                 break
         return idx
+
+
+def _whole_vocabulary(logits: torch.Tensor) -> torch.Tensor:
+    """Logits split over the vocabulary (tensor parallel's loss_parallel) gathered whole."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None = None,

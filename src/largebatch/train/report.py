@@ -17,7 +17,7 @@ import torch
 
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data.dataset import BERTDataset
-from largebatch.data.tokenizer import document_separator
+from largebatch.data.tokenizer import separator_id
 from largebatch.memory.measure import memory_bytes
 from largebatch.models.flops import flops_per_token, mfu_over_peak
 from largebatch.models.registry import model_spec
@@ -235,10 +235,7 @@ class Reporting:
         # as the training text was encoded: no special tokens a tokenizer's post-processor would add
         ids = self.data.tokenizer.encode(prompt, add_special_tokens=False).ids
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        separator = self.cfg.model.separator_id
-        if separator is None:
-            found = document_separator(self.data.tokenizer)
-            separator = None if found is None else found[1]
+        separator = separator_id(self.data.tokenizer, self.cfg.model.separator_id)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.run.seed)  # the same sample for the same weights (`largebatch generate`'s)
             # every rank runs all n_tokens forwards (collective under FSDP2 and tensor parallel); the
