@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train",),  # the trainer: config, loop, metrics, run directories
     ("integrations",),  # bridges to other libraries
     ("export",),  # a run -> another library's format (integrations' writers)
-    ("finetune", "generate"),  # a pretrained run on a downstream task; text from a run (export's loader)
+    ("finetune", "generate", "perplexity"),  # a pretrained run downstream; text from a run; a text's score
     ("experiments",),  # paper reproductions (the bert-lans one fine-tunes its runs)
     ("cli",),  # the dispatcher
     ("__main__",),  # python -m largebatch

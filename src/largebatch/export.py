@@ -63,6 +63,7 @@ class LoadedRun:
     chosen: bool = False  # named by the caller (--checkpoint), not the newest readable one
     ema: bool = False  # the model holds the checkpoint's weight average (run.ema_decay), not its weights
     at_target: bool = False  # the run ended at run.target_val_loss (run.stop_at_target): finished, not stopped
+    val_documents: list[str] | None = None  # the names of the run's validation documents (None: not recorded)
 
 
 def stopped_early(loaded: LoadedRun) -> str | None:
@@ -139,6 +140,24 @@ def choose_checkpoint(run_dir: Path, which: str | int, candidates: list[Path]) -
     why = ("is not one of this run's checkpoints" if path.exists() else "does not exist")
     raise ExportError(f"--checkpoint {text!r} {why}: give a step number or a checkpoint of RUN_DIR's "
                       f"checkpoints/ (step_NNNNNNNN.pt or .dcp); {fix}")
+
+
+def command_device(name: str):
+    """The torch device a command's ``--device NAME`` names (cpu, cuda or cuda:N), or an ExportError
+    saying why not."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ExportError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"--device {name}: this torch sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ExportError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise ExportError(f"--device {name!r}: use cpu, cuda or cuda:N")
+    return device
 
 
 def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
@@ -225,8 +244,10 @@ def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_
             at_target = summary.get("stopped_at_target") is True and summary.get("steps") == step
         except (OSError, ValueError, AttributeError):
             pass
+    val_documents = extra.get("val_documents")
     return LoadedRun(model, path, step, tokenizer, extra["config"], None if tokens is None else int(tokens),
-                     chosen=chosen, ema=ema, at_target=at_target)
+                     chosen=chosen, ema=ema, at_target=at_target,
+                     val_documents=None if val_documents is None else list(val_documents))
 
 
 def _load_checkpoint(path: Path, ema: bool = False):

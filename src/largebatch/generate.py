@@ -101,22 +101,6 @@ def _prompt_text(args: argparse.Namespace) -> str:
         raise GenerateError(f"--prompt-file {where}: cannot be read ({why}): pass a UTF-8 text file") from None
 
 
-def _device(name: str):
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise GenerateError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerateError(f"--device {name}: this torch sees no CUDA device; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise GenerateError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
-    if device.type not in ("cpu", "cuda"):
-        raise GenerateError(f"--device {name!r}: use cpu, cuda or cuda:N")
-    return device
-
-
 def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None = None, samples: int = 1,
              temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
              seed: int | None = None, stop: bool = True, device: str = "cpu",
@@ -128,11 +112,11 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     for the arguments; ``max_new_tokens`` None is the run's run.sample_tokens (80 where that is 0)."""
     import torch
 
-    from largebatch.export import check_run_dir_given, load_run, partial_note
+    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note
     from largebatch.models.registry import model_spec
 
     check_run_dir_given(run_dir)
-    dev = _device(device)
+    dev = command_device(device)
     loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
     model, tokenizer = loaded.model, loaded.tokenizer
     config = model.config

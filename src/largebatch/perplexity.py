@@ -1,0 +1,356 @@
+"""``largebatch perplexity RUN_DIR``: how well does a trained GPT run predict a text?
+
+    largebatch perplexity runs/gpt-demo --text "To be, or not to be, that is the question."
+    largebatch perplexity runs/gpt-demo --corpus bible
+    largebatch perplexity runs/gpt-demo --split val --stride 64 --json
+
+Reads the newest intact checkpoint of RUN_DIR (any layout it was trained in), or the one
+``--checkpoint`` names, and scores every token of each document once, as the run read its documents:
+the document separator, then the document's tokens, each predicted from the tokens before it in the
+document. A document longer than the model's seq_len is read in windows: each ends --stride tokens
+after the one before, reads the seq_len tokens before its end, and scores the tokens after the one
+before's end. The default stride is seq_len: windows that do not overlap, as the trainer's
+validation loss reads them (but a document's last window, ending at the document's end, reads a
+whole seq_len of context for its fewer new tokens). With a smaller stride every token sees at least
+seq_len - stride + 1 tokens before it (or all of them, near the document's start), at about
+seq_len / stride times the compute. A document is never read together with another.
+
+Per document and in total it reports
+  loss            nats a token: the mean of -ln p(token | the tokens before it)
+  perplexity      exp(loss)
+  bits per byte   the summed -log2 p over the documents' UTF-8 bytes. Loss and perplexity are per
+                  token, so they change with the tokenizer (a larger vocabulary has fewer, harder
+                  tokens); bits per byte do not, so runs with different vocabularies compare on it.
+
+Options:
+  --text TEXT            score this text (one document)
+  --corpus SPEC          score a corpus: a text file (one document; '-': standard input), a directory
+                         or glob pattern of them, JSON Lines, Parquet or Arrow files (a document per
+                         record), or a named corpus (shakespeare, bible) -- what data.corpus takes
+  --split val            score the run's own validation documents, all of them (the trainer's
+                         validation loss reads run.eval_tokens of them)
+  --text-field NAME      the JSON Lines / Parquet field that holds the text (default: text)
+  --stride N             tokens a window moves on (1 .. seq_len; default seq_len)
+  --batch-size N         windows read at once (default 8)
+  --json                 one JSON object on stdout: the totals and each document's tokens, bytes,
+                         loss and bits per byte, with the checkpoint and its step
+  --device DEV           cpu (default), cuda or cuda:N
+  --tokenizer PATH       the run's tokenizer.json when the run cannot give it
+  --checkpoint STEP      score the run's checkpoint at optimizer step STEP (or its name or path)
+  --ema                  score the checkpoint's weight average (run.ema_decay)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from largebatch.arguments import OneLineParser, whole_number
+from largebatch.integrations import ExportError
+
+
+class PerplexityError(ValueError):
+    """A bad argument or a run or text that cannot be scored: one line, exit 2."""
+
+
+def windows(length: int, seq_len: int, stride: int) -> Iterator[tuple[int, int, int]]:
+    """The windows over a document of ``length`` tokens (position 0 its separator): ``(lo, hi, scored)``,
+    where the model reads positions lo .. hi - 2, predicts positions lo + 1 .. hi - 1, and the last
+    ``scored`` of those predictions count. Window k ends at hi = min(1 + k stride, length) and reads
+    the seq_len positions before it (lo = max(0, hi - 1 - seq_len)): every position 1 .. length - 1
+    is counted once, and a position t is predicted from at least min(t, seq_len - stride + 1)
+    positions before it (``stride`` in 1 .. seq_len)."""
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride}: must be in [1, seq_len={seq_len}]")
+    first = 1
+    while first < length:
+        hi = min(first + stride, length)
+        yield max(0, hi - 1 - seq_len), hi, hi - first
+        first = hi
+
+
+def document_losses(model, documents: Iterable[Sequence[int]], stride: int | None = None, batch_size: int = 8,
+                    progress: Callable[[int], None] | None = None) -> list[tuple[float, int]]:
+    """For each document (its token ids, the separator first), the summed -ln p of its tokens after the
+    first, in float64, and their count, read in ``windows`` of the model's seq_len moved ``stride`` on
+    (default seq_len), ``batch_size`` windows (of any documents) to a forward. ``model``: a causal
+    model of the registry (``forward(idx)`` -> (logits, ...)), on the device it runs on; it is put in
+    eval mode. ``progress``, if given, is called with the tokens scored so far after each forward."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    seq_len = model.config.seq_len
+    stride = seq_len if stride is None else stride
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride}: must be in [1, seq_len={seq_len}] (the model's seq_len)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    device = next(model.parameters()).device
+    model.eval()
+    sums: list[float] = []
+    counts: list[int] = []
+    pending: list[tuple[int, np.ndarray, int]] = []
+    scored = 0
+
+    def flush() -> None:
+        nonlocal scored
+        width = max(len(w) - 1 for _, w, _ in pending)
+        idx = torch.zeros((len(pending), width), dtype=torch.long)
+        targets = torch.full((len(pending), width), -100, dtype=torch.long)
+        for row, (_, window, count) in enumerate(pending):
+            ids = torch.from_numpy(window.astype(np.int64))
+            idx[row, :len(ids) - 1] = ids[:-1]
+            targets[row, len(ids) - 1 - count:len(ids) - 1] = ids[len(ids) - count:]
+        with torch.no_grad():
+            logits = model(idx.to(device))[0]  # (B, T, v): right padding is never read by a causal row
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (16-bit: in fp32)
+            nll = F.cross_entropy(logits.transpose(1, 2), targets.to(device), ignore_index=-100, reduction="none")
+            rows = nll.double().sum(dim=1).tolist()
+        for (document, _, count), value in zip(pending, rows):
+            sums[document] += value
+            scored += count
+        pending.clear()
+        if progress is not None:
+            progress(scored)
+
+    for document, ids in enumerate(documents):
+        ids = np.asarray(ids)
+        sums.append(0.0)
+        counts.append(max(len(ids) - 1, 0))
+        for lo, hi, count in windows(len(ids), seq_len, stride):
+            pending.append((document, ids[lo:hi], count))
+            if len(pending) == batch_size:
+                flush()
+    if pending:
+        flush()
+    return list(zip(sums, counts))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # the docstring lists the options with their meaning: argparse's own list (names only) is left out
+    p = OneLineParser(prog="largebatch perplexity", description=__doc__,
+                      usage="largebatch perplexity RUN_DIR (--text TEXT | --corpus SPEC | --split val) [options]",
+                      formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=None, add_help=False)
+    p.add_argument("-h", "--help", action="help", help=argparse.SUPPRESS)
+    p.add_argument("run_dir", help=argparse.SUPPRESS)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--text", help=argparse.SUPPRESS)
+    source.add_argument("--corpus", help=argparse.SUPPRESS)
+    source.add_argument("--split", choices=["val"], help=argparse.SUPPRESS)
+    p.add_argument("--text-field", default="text", help=argparse.SUPPRESS)
+    p.add_argument("--stride", type=whole_number("--stride", 1), help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", type=whole_number("--batch-size", 1), default=8, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--ema", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _stdin_document():
+    from largebatch.data.corpus import Document
+
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as err:
+        raise PerplexityError(f"--corpus '-': standard input is not UTF-8 text (invalid byte at offset "
+                              f"{err.start}): convert it to UTF-8") from None
+    if not text.strip():
+        raise PerplexityError("--corpus '-': standard input is empty: pipe the text to score")
+    return [Document("stdin", text)]
+
+
+def _val_documents(loaded) -> tuple[str, Iterable]:
+    """The run's validation documents (their names from the checkpoint, their text from its corpus)."""
+    from largebatch.data.build import source_document
+    from largebatch.data.corpus import DocumentSource, is_token_array_path
+
+    data = loaded.config.get("data", {})
+    separator, field = data.get("document_separator"), data.get("text_field", "text")
+    if data.get("val_corpus"):
+        spec = data["val_corpus"]
+        if is_token_array_path(spec):
+            raise PerplexityError(f"--split val: the run's data.val_corpus {spec!r} is token ids, which keep no "
+                                  "text to count bytes in: pass its text with --corpus")
+        return f"val ({spec})", DocumentSource(spec, separator, field)
+    names = loaded.val_documents
+    if names is None:
+        raise PerplexityError("--split val: the checkpoint does not record the run's validation documents: "
+                              "pass them with --corpus")
+    specs = list(data.get("mixture") or {}) or [data.get("corpus", "shakespeare")]
+    arrays = [spec for spec in specs if is_token_array_path(spec)]
+    if arrays:
+        raise PerplexityError(f"--split val: the run's corpus {arrays[0]!r} is token ids, which keep no text to "
+                              "count bytes in: pass the text they were made from with --corpus")
+    wanted = set(names)
+    mixture = bool(data.get("mixture"))
+
+    def documents():
+        found = set()
+        for spec in specs:
+            for doc in DocumentSource(spec, separator, field):
+                name = source_document(spec, doc.name) if mixture else doc.name
+                if name in wanted:
+                    found.add(name)
+                    yield doc
+        missing = sorted(wanted - found)
+        if missing:
+            raise PerplexityError(f"--split val: {len(missing)} of the run's {len(wanted)} validation documents "
+                                  f"are no longer in its corpus ({', '.join(map(repr, missing[:3]))}"
+                                  f"{' ...' if len(missing) > 3 else ''}): the corpus changed since the run; "
+                                  "pass the text with --corpus")
+    return "val", documents()
+
+
+def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None = None, split: str | None = None,
+               text_field: str = "text", stride: int | None = None, batch_size: int = 8, device: str = "cpu",
+               tokenizer_file: str | Path | None = None, checkpoint: str | int | None = None, ema: bool = False,
+               log=print) -> dict[str, Any]:
+    """Score ``text``, the corpus ``corpus`` or the run's validation documents (``split="val"``) with the
+    run's newest checkpoint (or ``checkpoint``): a dict with the tokens, bytes, loss, perplexity and
+    bits per byte in total and for each document, the checkpoint, its step and the time taken. See
+    the module's docstring for the arguments."""
+    import numpy as np
+    import torch
+
+    from largebatch.data import tokenizer as tokenizer_lib
+    from largebatch.data.corpus import CorpusError, Document, DocumentSource
+    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note
+    from largebatch.models.registry import model_spec
+
+    given = [name for name, value in (("--text", text), ("--corpus", corpus), ("--split", split)) if value is not None]
+    if len(given) != 1:
+        raise PerplexityError(f"give one of --text, --corpus and --split val (given: {', '.join(given) or 'none'})")
+    if split is not None and split != "val":
+        raise PerplexityError(f"--split {split!r}: only 'val' (the run's validation documents) is kept")
+    if text is not None and not text:
+        raise PerplexityError("--text is empty: give the text to score")
+    check_run_dir_given(run_dir)
+    dev = command_device(device)
+    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
+    model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
+    if model_spec(config.kind).objective != "causal":
+        raise PerplexityError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language model): "
+                              "it predicts masked tokens from both sides, so a text's left-to-right perplexity is "
+                              "not its loss; `largebatch finetune` judges it downstream")
+    if tokenizer is None:
+        raise PerplexityError(f"RUN_DIR {str(run_dir)!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
+    seq_len = config.seq_len
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise PerplexityError(f"--stride {stride}: must be in [1, {seq_len}] (the model's seq_len)")
+    if batch_size < 1:
+        raise PerplexityError(f"--batch-size {batch_size}: must be >= 1")
+    note = partial_note(loaded, "scores")
+    if note:
+        log(f"note: {note}")
+    separator = tokenizer_lib.separator_id(tokenizer, config.separator_id)
+    if separator is None:
+        raise PerplexityError("the run's tokenizer has no document separator (<|endoftext|>) to start each "
+                              "document from, as the run's documents started")
+    if text is not None:
+        label, source = "text", [Document("text", text)]
+    elif corpus == "-":
+        label, source = "stdin", _stdin_document()
+    elif corpus is not None:
+        label, source = corpus, DocumentSource(corpus, None, text_field)
+    else:
+        label, source = _val_documents(loaded)
+    tokenizer = tokenizer_lib.plain(tokenizer)
+    dtype = tokenizer_lib.token_dtype(max(config.vocab_size, tokenizer_lib.id_space(tokenizer)))
+    rows: list[dict[str, Any]] = []
+
+    def encoded(path: Path) -> Iterator[np.ndarray]:
+        # each document encoded as the run's data was (tokenizer.write_documents: its separator first,
+        # special-token strings as text, a long document in pieces), one document held at a time
+        try:
+            for doc in source:
+                tokenizer_lib.write_documents(tokenizer, [doc.text], separator, dtype, path)
+                ids = np.fromfile(path, dtype=dtype)
+                if ids.size and int(ids.max()) >= config.vocab_size:
+                    raise PerplexityError(f"document {doc.name!r} has token id {int(ids.max())}, which is not in the "
+                                          f"model's vocabulary ({config.vocab_size:,}): pass --tokenizer PATH to the "
+                                          "tokenizer.json the run trained with")
+                size = len(doc.text.encode("utf-8", "surrogatepass"))
+                rows.append({"name": doc.name, "tokens": len(ids) - 1, "bytes": size})
+                yield ids
+        except CorpusError as exc:
+            raise PerplexityError(f"--corpus {corpus!r}: {exc}" if corpus is not None else str(exc)) from None
+
+    last = [time.perf_counter()]
+
+    def progress(done: int) -> None:
+        if time.perf_counter() - last[0] >= 30:
+            last[0] = time.perf_counter()
+            log(f"scored {done:,} tokens of {len(rows):,} document(s) so far")
+
+    model = model.to(dev)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="largebatch-perplexity-") as scratch:
+        results = document_losses(model, encoded(Path(scratch) / "document.bin"), stride, batch_size, progress)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    if not rows:
+        raise PerplexityError(f"{label}: no documents to score")
+    for row, (nll, count) in zip(rows, results):
+        row.update(_measures(nll, count, row["bytes"]))
+    nll = math.fsum(n for n, _ in results)
+    tokens, size = sum(r["tokens"] for r in rows), sum(r["bytes"] for r in rows)
+    if tokens == 0:
+        raise PerplexityError(f"{label}: its documents have no tokens to score")
+    return {"run_dir": str(run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step, "ema": ema,
+            "source": label, "seq_len": seq_len, "stride": stride or seq_len, "documents": rows,
+            "tokens": tokens, "bytes": size, **_measures(nll, tokens, size), "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else None}
+
+
+def _measures(nll: float, tokens: int, size: int) -> dict[str, float | None]:
+    loss = nll / tokens if tokens else None
+    return {"nll": nll, "loss": loss, "perplexity": None if loss is None else _exp(loss),
+            "bits_per_byte": nll / math.log(2) / size if size else None}
+
+
+def _exp(value: float) -> float:
+    return math.exp(value) if value < 709 else math.inf
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
+    try:
+        result = perplexity(args.run_dir, args.text, args.corpus, args.split, args.text_field, args.stride,
+                            args.batch_size, args.device, args.tokenizer, args.checkpoint, args.ema,
+                            log=lambda m: print(m, file=sys.stderr))
+    except (PerplexityError, ExportError) as exc:
+        print(f"largebatch perplexity: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        docs = result["documents"]
+        print(f"{result['source']}: {len(docs):,} document(s), {result['tokens']:,} tokens, {result['bytes']:,} bytes "
+              f"({result['bytes'] / result['tokens']:.2f} bytes a token)")
+        print(f"loss {result['loss']:.4f} nats a token   perplexity {result['perplexity']:.2f}   "
+              f"bits per byte {result['bits_per_byte']:.4f}")
+    rate = result["tokens_per_second"]
+    print(f"step {result['step']} ({Path(result['checkpoint']).name}{', weight average' if result['ema'] else ''}): "
+          f"windows of {result['seq_len']} tokens, stride {result['stride']}; {result['seconds']:.2f} s"
+          + (f" ({rate:,.0f} tokens/s)" if rate else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

