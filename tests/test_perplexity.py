@@ -228,3 +228,79 @@ def test_perplexity_is_listed(capsys):
     assert cli_main([]) == 0 and "perplexity" in capsys.readouterr().out
     assert cli_main(["perplexity", "--help"]) == 0 and "bits per byte" in capsys.readouterr().out
     assert Path(__file__).exists()
+
+
+# --- the trainer's bits per byte ----------------------------------------------------------------
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's map of the 256 bytes to printable characters, from its definition: the printable
+    Latin-1 bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for themselves, the other 68 bytes, in order,
+    for the characters from chr(256) on. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def test_the_trainers_bits_per_byte_count_the_evaluated_texts_bytes(tiny_data_cache, tmp_path):
+    """val_bpb = val_loss x (evaluated targets) / (their text's UTF-8 bytes) / ln 2, the bytes read
+    through GPT-2's byte alphabet written from its definition (checked first: a document's tokens give
+    back its UTF-8 exactly); the separators are no text. In every evaluation record, for the weight
+    average too, and in the summary."""
+    from largebatch.data.corpus import load_documents
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.train.loop import Trainer
+    from largebatch.train.metrics import read_metrics
+    from test_export import tiny
+
+    out = tmp_path / "run"
+    cfg = load_config(resolve_config(None), tiny(tiny_data_cache, out, **{"run.ema_decay": 0.9}))
+    trainer = Trainer(cfg, out, log=lambda *_: None)
+    summary = trainer.fit()
+    tokenizer, alphabet = trainer.data.tokenizer, _gpt2_byte_alphabet()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    def text_bytes(ids) -> bytes:
+        return b"".join(b"" if i in special else bytes(alphabet[c] for c in tokenizer.id_to_token(i)) for i in ids)
+
+    document = load_documents("shakespeare")[0].text[:3000] + " \u2014 caf\u00e9 \u4e2d\u6587"
+    assert text_bytes(tokenizer.encode(document, add_special_tokens=False).ids) == document.encode("utf-8")
+    targets = trainer.evaluated_targets().tolist()
+    size = len(text_bytes(targets))
+    assert 0 < size < 3 * len(targets)
+    records = [r for r in read_metrics(out) if r["kind"] == "val"]
+    assert len(records) >= 3
+    for r in records:
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] * len(targets) / size / math.log(2), rel=1e-12)
+        assert r["val_bpb_ema"] == pytest.approx(r["val_loss_ema"] * len(targets) / size / math.log(2), rel=1e-12)
+    assert summary["final_val_bpb"] == records[-1]["val_bpb"]
+    assert summary["final_val_bpb_ema"] == records[-1]["val_bpb_ema"]
+
+
+def test_bits_per_byte_are_left_out_where_a_tokens_bytes_are_not_its_own(tmp_path):
+    """WordPiece ('##' pieces, spaces the decoder adds) and a SentencePiece-style vocabulary ('▁' for
+    a space the decoder strips at the start) have no fixed bytes per token: no table, so no val_bpb.
+    A byte-level one's added token that is not special is its own text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.implementations import SentencePieceBPETokenizer
+
+    from largebatch.data.tokenizer import token_bytes, train_tokenizer
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    assert token_bytes(wordpiece) is None
+    sentencepiece = SentencePieceBPETokenizer()
+    sentencepiece.train_from_iterator(["to be or not to be"] * 10, vocab_size=40)
+    assert token_bytes(Tokenizer.from_str(sentencepiece.to_str())) is None
+    byte_level = train_tokenizer(["to be or not to be, caf\u00e9"] * 10, 300)
+    byte_level.add_tokens(["<br/>"])
+    table = token_bytes(byte_level)
+    assert table[byte_level.token_to_id("<br/>")] == 5 and table[byte_level.token_to_id("<|endoftext|>")] == 0
+    ids = byte_level.encode("not to be, caf\u00e9<br/>", add_special_tokens=False).ids
+    assert table[ids].sum() == len("not to be, caf\u00e9<br/>".encode())

@@ -200,6 +200,31 @@ def id_space(tokenizer: Tokenizer) -> int:
     return max(max(ids, default=-1) + 1, tokenizer.get_vocab_size(with_added_tokens=True))
 
 
+def token_bytes(tokenizer: Tokenizer, size: int | None = None) -> np.ndarray | None:
+    """The UTF-8 bytes of text each id stands for, (``size`` or id_space,) int64, for a byte-level
+    tokenizer (its decoder ByteLevel: GPT-2's, this project's, Llama 3's, Qwen2's): each character of
+    a vocabulary entry is one byte (GPT-2 maps every byte to one printable character), an added token
+    that is not special is its own text, and a special token (the document separator, [PAD]) is no
+    text: 0. An id the tokenizer does not have: 0. None for another tokenizer (WordPiece, or a
+    SentencePiece-style vocabulary whose decoder adds and strips spaces), where a token's bytes depend
+    on its neighbours."""
+    import json
+
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+    if "ByteLevel" not in kinds:
+        return None
+    table = np.zeros(size if size is not None else id_space(tokenizer), dtype=np.int64)
+    added = tokenizer.get_added_tokens_decoder()
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
+        if token_id < len(table) and token_id not in added:
+            table[token_id] = len(token)
+    for token_id, token in added.items():
+        if token_id < len(table):
+            table[token_id] = 0 if token.special else len(token.content.encode("utf-8"))
+    return table
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype holding every id: uint16 up to 65,536 entries, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)

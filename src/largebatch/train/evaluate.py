@@ -148,6 +148,34 @@ class Evaluation:
             parts.append(labels[labels != IGNORE_INDEX])
         return np.concatenate(parts)
 
+    def tokens_per_byte(self) -> float | None:
+        """Targets per UTF-8 byte of the text they stand for, over the evaluation's slice at the current
+        phase's length (data.tokenizer.token_bytes; the separators are no text): val_loss times it,
+        over ln 2, is the bits per byte. None for a masked LM, a tokenizer whose tokens' bytes depend on
+        their neighbours (not byte-level), or a token-array corpus without a tokenizer."""
+        from largebatch.data.tokenizer import token_bytes
+
+        cached = getattr(self, "_tokens_per_byte", None)
+        if cached is not None and cached[0] == self.phase.seq_len:
+            return cached[1]
+        ratio = None
+        tokenizer = self.data.tokenizer
+        if model_spec(self.cfg.model.kind).objective == "causal" and tokenizer is not None:
+            table = token_bytes(tokenizer)
+            if table is not None:
+                targets = self.evaluated_targets()
+                inside = targets[targets < len(table)]
+                size = int(table[inside].sum())
+                ratio = len(targets) / size if size and len(inside) == len(targets) else None
+        self._tokens_per_byte = (self.phase.seq_len, ratio)
+        return ratio
+
+    def bits_per_byte(self, val_loss: float | None) -> float | None:
+        """``val_loss`` (nats a token, on the evaluation's slice) in bits per byte of its text, or None
+        (see tokens_per_byte)."""
+        ratio = self.tokens_per_byte()
+        return None if ratio is None or val_loss is None else val_loss * ratio / math.log(2)
+
     def _reshard(self) -> None:
         """Free what an evaluation left gathered under FSDP2: the root keeps its parameters unsharded
         after a forward (it expects the backward to follow), so after the evaluations' forwards it
@@ -180,23 +208,28 @@ class Evaluation:
         if getattr(self, "time_limit", None) is not None:
             self.time_limit.evaluated(took)
         self.last_eval = (self.pos.step, val_loss)
+        bpb = self.bits_per_byte(val_loss)
         reached = self._reach_target(val_loss)
         if self.metrics is not None:
             self.metrics.log({"kind": "val", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                               "step": self.pos.step, "tokens": self.pos.tokens,
                               "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                               "val_accuracy": self.val_accuracy,
+                              **({} if bpb is None else {"val_bpb": bpb}),
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
                               **({} if average is None else {"val_loss_ema": average[0],
                                                              "val_accuracy_ema": average[1]}),
+                              **({} if average is None or bpb is None else
+                                 {"val_bpb_ema": self.bits_per_byte(average[0])}),
                               **({"target_reached": True} if self._target_again(val_loss) else {}),
                               "wall_time": time.time()})
         accuracy = "" if self.val_accuracy is None else f"  accuracy {self.val_accuracy:.4f}"
         corpora = ("  (" + ", ".join(f"{label} {loss:.4f}" for label, loss in by_corpus.items()) + ")"
                    if by_corpus else "")
         ema = "" if average is None else f"  ema {average[0]:.4f}"
+        bits = "" if bpb is None else f"  bpb {bpb:.4f}"
         self.log(f"  eval  step {self.pos.step:>5}  tokens {human_count(self.pos.tokens):>7}  "
-                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{accuracy}{corpora}{ema}")
+                 f"val loss {val_loss:.4f}  ppl {math.exp(min(val_loss, 50)):.1f}{bits}{accuracy}{corpora}{ema}")
         if reached:
             self.log(f"  {target_reached(self.cfg.run.target_val_loss, self.pos.target)}"
                      + ("; the run ends here (run.stop_at_target)" if self.cfg.run.stop_at_target else ""))

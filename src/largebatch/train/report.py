@@ -160,6 +160,7 @@ class Reporting:
         # step's seconds at its own launch's peak and processes (a resume may change either)
         mfu = pos.model_flops / max(pos.peak_flop_seconds or 0.0, 1e-9)
         summary = {"final_val_loss": val_loss, "final_val_ppl": math.exp(min(val_loss, 50)),
+                   "final_val_bpb": self.bits_per_byte(val_loss),
                    "unigram_val_loss": self.data.unigram_loss(), "steps": pos.step,
                    "tokens": pos.tokens, "train_seconds": pos.train_seconds, "tokens_per_s": tps,
                    "mfu": mfu, "world_size": self.par.world_size,
@@ -192,6 +193,7 @@ class Reporting:
             summary["stopped_at_target"] = bool(self.cfg.run.stop_at_target and pos.target is not None)
         if getattr(self, "ema", None) is not None:  # run.ema_decay: the average's, on the same tokens
             summary["final_val_loss_ema"], summary["final_val_accuracy_ema"] = self.val_ema
+            summary["final_val_bpb_ema"] = self.bits_per_byte(self.val_ema[0])
         if self.val_by_corpus:  # data.mixture: each corpus's validation loss (the eval records' val_loss/<corpus>)
             summary["final_val_loss_by_corpus"] = dict(self.val_by_corpus)
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
