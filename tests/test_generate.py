@@ -269,6 +269,7 @@ def test_samples_prompts_from_files_and_the_separator(gpt_run, tmp_path, capsys,
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--prompt-file", "{tmp}/latin1.txt"], "latin1.txt': cannot be read (not UTF-8 text)"),
     (["--seed", str(2**64)], "--seed must be in [-2^63, 2^64)"),
+    (["--prompt", "ROM\udcc9O:"], "--prompt is not UTF-8 text"),  # a terminal's latin-1 bytes, as Python passes them
 ])
 def test_bad_input_gives_one_line_errors(gpt_run, tmp_path, capsys, args, words):
     (tmp_path / "latin1.txt").write_bytes("ROMÉO:".encode("latin-1"))

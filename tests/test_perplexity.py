@@ -17,7 +17,9 @@ import torch
 from largebatch.cli import main as cli_main
 from largebatch.export import load_run
 from largebatch.models import ModelConfig, build_model
+from largebatch.models.gpt import GPT
 from largebatch.perplexity import document_losses, windows
+from largebatch.perplexity import perplexity as score
 
 SEP = 3
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
@@ -63,14 +65,25 @@ def _reference(model, ids: list[int], context) -> float:
     return total
 
 
+class OwnForward(GPT):
+    """A kind of a user's own whose forward is not GPT's: scored through its forward's logits."""
+
+    def forward(self, idx, targets=None, reduction="mean", cache=None):
+        return super().forward(idx, targets, reduction, cache)
+
+
 @pytest.mark.parametrize("layout", [{}, {"position": "rope", "norm": "rmsnorm", "n_kv_head": 2},
-                                    {"document_mask": True, "separator_id": SEP}], ids=["gpt2", "llama", "documents"])
-def test_each_documents_loss_is_its_tokens_own_forwards_in_float64(layout):
+                                    {"document_mask": True, "separator_id": SEP}, "own-forward"],
+                         ids=["gpt2", "llama", "documents", "own-forward"])
+def test_each_documents_loss_is_its_tokens_own_forwards_in_float64(layout, monkeypatch):
     """Stride 1: every token reads the seq_len tokens before it (fewer at the start); strides 3 and
     seq_len: the windows' rule, from its definition. Documents of 1
     (the separator alone), 2, 9 and 30 tokens, batched 1, 3 and 8 windows to a forward (rows of other
     documents and of other lengths beside each)."""
-    model, s = _model(**layout), 8
+    model, s = _model(**({} if layout == "own-forward" else layout)), 8
+    if layout == "own-forward":
+        model.__class__ = OwnForward
+    monkeypatch.setattr("largebatch.perplexity.SCORE_CHUNK", 5)  # the output layer 5 positions at a time
     g = torch.Generator().manual_seed(2)
     documents = [[SEP] + torch.randint(4, 50, (n - 1,), generator=g).tolist() for n in (1, 2, 9, 30)]
     # stride 1: the seq_len tokens before each one; else each window ends `stride` after the last and
@@ -176,10 +189,38 @@ def test_a_corpus_scores_each_document_alone_and_the_runs_validation_split(gpt_r
     assert result["bytes"] == sum(len(texts[n].encode()) for n in names)
 
 
+def test_a_mixtures_validation_documents_under_their_names(tiny_data_cache, tmp_path, capsys):
+    """data.mixture: the run's validation documents of each corpus, named as the run names them (under
+    their corpus), each scoring as the same text given alone."""
+    from largebatch.data.corpus import load_documents
+    from test_export import tiny, train
+
+    plays = load_documents("shakespeare")
+    for k, name in enumerate(("comedies", "histories")):
+        (tmp_path / name).mkdir()
+        for j, play in enumerate(plays[10 * k:10 * k + 10]):
+            (tmp_path / name / f"play{j}.txt").write_text(play.text[:4000])
+    mixture = {str(tmp_path / "comedies"): 0.5, str(tmp_path / "histories"): 0.5}
+    run = train(tiny(tmp_path / "cache", tmp_path / "run", **{"data.mixture": mixture, "run.total_tokens": 48 * 8 * 2}))
+    names = load_run(run).val_documents
+    code, out, err = perplexity(capsys, run, "--split", "val", "--json")
+    assert code == 0, err
+    rows = json.loads(out)["documents"]
+    assert sorted(r["name"] for r in rows) == sorted(names) and len(names) == 2
+    for row in rows:
+        corpus, _, stem = row["name"].rpartition("/")
+        assert corpus in mixture
+        code, out, _ = perplexity(capsys, run, "--text", (Path(corpus) / f"{stem}.txt").read_text(), "--json")
+        assert json.loads(out)["nll"] == pytest.approx(row["nll"], rel=1e-9)
+
+
 def test_a_masked_language_model_is_refused_in_one_line(tiny_data_cache, tmp_path, capsys):
+    from largebatch.train.metrics import read_metrics
     from test_export import tiny, train
 
     run = train(tiny(tiny_data_cache, tmp_path / "bert", **{"model.kind": "bert", "run.total_tokens": 48 * 8 * 2}))
+    assert not any("val_bpb" in r for r in read_metrics(run))  # no bits per byte for a masked LM
+    assert json.loads((run / "summary.json").read_text())["final_val_bpb"] is None
     for command, words in (("perplexity", "a masked language model"), ("generate", "a masked language model")):
         code = cli_main([command, str(run), *(["--text", "x"] if command == "perplexity" else [])])
         err = capsys.readouterr().err
@@ -199,9 +240,20 @@ def test_a_masked_language_model_is_refused_in_one_line(tiny_data_cache, tmp_pat
     (["--text", "a", "--device", "tpu"], "--device 'tpu'"),
     (["--text", "a", "--checkpoint", "999"], "999"),
     (["--text", "a", "--ema"], "weight average"),
+    (["--corpus", "{tmp}/ids.npy"], "--corpus '{tmp}/ids.npy' is token ids, which keep no text to count bytes in"),
+    (["--text", "ROM\udcc9O"], "--text is not UTF-8 text"),  # a terminal's latin-1 bytes, as Python passes them
+    (["--corpus", "broken"], "--corpus 'broken': the notes are gone"),  # a registered corpus that fails to load
 ])
-def test_bad_input_gives_one_line_errors(gpt_run, tmp_path, capsys, args, words):
+def test_bad_input_gives_one_line_errors(gpt_run, tmp_path, capsys, monkeypatch, args, words):
+    from largebatch.data.corpus import CORPORA, CorpusError, NamedCorpus
+
+    def gone():
+        raise CorpusError("the notes are gone")
+
+    monkeypatch.setitem(CORPORA, "broken", NamedCorpus(gone, "a corpus whose files were removed"))
     (tmp_path / "latin1.txt").write_bytes("ROMÉO:".encode("latin-1"))
+    np.save(tmp_path / "ids.npy", np.arange(10, dtype=np.uint16))
+    words = words.format(tmp=tmp_path)
     code, out, err = perplexity(capsys, gpt_run, *[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert words in err, err
@@ -248,10 +300,13 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
 
 
 def test_the_trainers_bits_per_byte_count_the_evaluated_texts_bytes(tiny_data_cache, tmp_path):
-    """val_bpb = val_loss x (evaluated targets) / (their text's UTF-8 bytes) / ln 2, the bytes read
-    through GPT-2's byte alphabet written from its definition (checked first: a document's tokens give
-    back its UTF-8 exactly); the separators are no text. In every evaluation record, for the weight
-    average too, and in the summary."""
+    """val_bpb = val_loss x (evaluated targets) / (their text's UTF-8 bytes) / ln 2, at each phase's
+    sequence length (two phases: 16 then 48 tokens). The targets are the first run.eval_tokens //
+    seq_len samples of a validation split built apart from the run, their bytes read through GPT-2's
+    byte alphabet written from its definition (checked first: a document's tokens give back its UTF-8
+    exactly); the separators are no text. In every evaluation record, for the weight average too, and
+    in the summary."""
+    from largebatch.data import build_data
     from largebatch.data.corpus import load_documents
     from largebatch.train.cli import resolve_config
     from largebatch.train.config import load_config
@@ -260,10 +315,15 @@ def test_the_trainers_bits_per_byte_count_the_evaluated_texts_bytes(tiny_data_ca
     from test_export import tiny
 
     out = tmp_path / "run"
-    cfg = load_config(resolve_config(None), tiny(tiny_data_cache, out, **{"run.ema_decay": 0.9}))
-    trainer = Trainer(cfg, out, log=lambda *_: None)
-    summary = trainer.fit()
-    tokenizer, alphabet = trainer.data.tokenizer, _gpt2_byte_alphabet()
+    phases = tmp_path / "phases.toml"
+    phases.write_text("[[phases]]\nseq_len = 16\ntotal_tokens = 1536\n\n[[phases]]\nseq_len = 48\n"
+                      "total_tokens = 1536\n")
+    cfg = load_config(resolve_config(str(phases)), tiny(tiny_data_cache, out, **{
+        "run.ema_decay": 0.9, "run.eval_tokens": 480, "run.eval_every_tokens": 512,
+        "run.checkpoint_every_tokens": 1024, "run.keep_checkpoints": 5}))
+    summary = Trainer(cfg, out, log=lambda *_: None).fit()
+    data = build_data(cfg.data, 16)
+    tokenizer, alphabet = data.tokenizer, _gpt2_byte_alphabet()
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def text_bytes(ids) -> bytes:
@@ -271,23 +331,32 @@ def test_the_trainers_bits_per_byte_count_the_evaluated_texts_bytes(tiny_data_ca
 
     document = load_documents("shakespeare")[0].text[:3000] + " \u2014 caf\u00e9 \u4e2d\u6587"
     assert text_bytes(tokenizer.encode(document, add_special_tokens=False).ids) == document.encode("utf-8")
-    targets = trainer.evaluated_targets().tolist()
-    size = len(text_bytes(targets))
-    assert 0 < size < 3 * len(targets)
+    ratio = {}
+    for seq_len in (16, 48):
+        targets = build_data(cfg.data, seq_len).val.get_batch(range(480 // seq_len))["targets"].flatten().tolist()
+        ratio[seq_len] = len(targets) / len(text_bytes(targets)) / math.log(2)
+    assert ratio[16] != pytest.approx(ratio[48], rel=1e-3)  # two slices of other texts
     records = [r for r in read_metrics(out) if r["kind"] == "val"]
-    assert len(records) >= 3
+    assert {r["seq_len"] for r in records} == {16, 48} and len(records) >= 4
     for r in records:
-        assert r["val_bpb"] == pytest.approx(r["val_loss"] * len(targets) / size / math.log(2), rel=1e-12)
-        assert r["val_bpb_ema"] == pytest.approx(r["val_loss_ema"] * len(targets) / size / math.log(2), rel=1e-12)
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] * ratio[r["seq_len"]], rel=1e-12)
+        assert r["val_bpb_ema"] == pytest.approx(r["val_loss_ema"] * ratio[r["seq_len"]], rel=1e-12)
     assert summary["final_val_bpb"] == records[-1]["val_bpb"]
     assert summary["final_val_bpb_ema"] == records[-1]["val_bpb_ema"]
+
+    # `largebatch perplexity` on the checkpoint in the first phase reads the 16 positions it trained
+    logged = []
+    result = score(out, text=TEXT, checkpoint=8, log=logged.append)
+    assert result["step"] == 8 and result["seq_len"] == 16 and result["stride"] == 16
+    assert any("trained sequences of 16 tokens only" in line for line in logged), logged
+    assert score(out, text=TEXT, log=logged.append)["seq_len"] == 48  # the end of the run: all of them
 
 
 def test_bits_per_byte_are_left_out_where_a_tokens_bytes_are_not_its_own(tmp_path):
     """WordPiece ('##' pieces, spaces the decoder adds) and a SentencePiece-style vocabulary ('▁' for
     a space the decoder strips at the start) have no fixed bytes per token: no table, so no val_bpb.
     A byte-level one's added token that is not special is its own text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers.implementations import SentencePieceBPETokenizer
 
     from largebatch.data.tokenizer import token_bytes, train_tokenizer
@@ -299,8 +368,28 @@ def test_bits_per_byte_are_left_out_where_a_tokens_bytes_are_not_its_own(tmp_pat
     sentencepiece.train_from_iterator(["to be or not to be"] * 10, vocab_size=40)
     assert token_bytes(Tokenizer.from_str(sentencepiece.to_str())) is None
     byte_level = train_tokenizer(["to be or not to be, caf\u00e9"] * 10, 300)
+    normalising = Tokenizer.from_str(byte_level.to_str())
+    normalising.normalizer = normalizers.NFC()  # (Qwen2's): the tokens count the normalised text's bytes
+    assert token_bytes(normalising) is None
+    spaced = Tokenizer.from_str(byte_level.to_str())
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # a space the text may not have
+    assert token_bytes(spaced) is None
     byte_level.add_tokens(["<br/>"])
     table = token_bytes(byte_level)
     assert table[byte_level.token_to_id("<br/>")] == 5 and table[byte_level.token_to_id("<|endoftext|>")] == 0
     ids = byte_level.encode("not to be, caf\u00e9<br/>", add_special_tokens=False).ids
     assert table[ids].sum() == len("not to be, caf\u00e9<br/>".encode())
+
+
+def test_a_tokenizer_that_does_not_give_the_text_back_is_noted(gpt_run, tmp_path, capsys):
+    """Bits per byte divide by the text's bytes: a tokenizer that lower-cases (here the run's own with a
+    Lowercase normaliser) scores less than the text, so the command says so."""
+    from tokenizers import Tokenizer, normalizers
+
+    tokenizer = Tokenizer.from_file(str(gpt_run / "tokenizer.json"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: But soft!", "--tokenizer", tmp_path / "tokenizer.json")
+    assert code == 0 and "does not give 'text' back as it is" in err, err
+    code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: But soft!")
+    assert code == 0 and "back as it is" not in err, err

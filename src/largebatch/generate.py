@@ -131,6 +131,11 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
         log(f"note: {note}")
     from largebatch.data.tokenizer import separator_id as find_separator
 
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: the bytes a terminal passed that are not UTF-8
+        raise GenerateError("--prompt is not UTF-8 text (it holds lone surrogate code points, such as "
+                            "undecodable bytes become): pass UTF-8 text") from None
     separator_id = find_separator(tokenizer, config.separator_id)
     # as the run's text was encoded: no special tokens a tokenizer's post-processor adds (<s>, [CLS])
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids if prompt else []

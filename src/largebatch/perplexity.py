@@ -55,6 +55,10 @@ from typing import Any
 from largebatch.arguments import OneLineParser, whole_number
 from largebatch.integrations import ExportError
 
+ENCODE_BATCH = 1 << 20
+"""Characters of documents encoded at once (the tokenizer holds ~200 bytes a character while it
+encodes); a longer document is encoded alone, in pieces (largebatch.data.tokenizer.write_documents)."""
+
 
 class PerplexityError(ValueError):
     """A bad argument or a run or text that cannot be scored: one line, exit 2."""
@@ -76,21 +80,63 @@ def windows(length: int, seq_len: int, stride: int) -> Iterator[tuple[int, int, 
         first = hi
 
 
-def document_losses(model, documents: Iterable[Sequence[int]], stride: int | None = None, batch_size: int = 8,
-                    progress: Callable[[int], None] | None = None) -> list[tuple[float, int]]:
-    """For each document (its token ids, the separator first), the summed -ln p of its tokens after the
-    first, in float64, and their count, read in ``windows`` of the model's seq_len moved ``stride`` on
-    (default seq_len), ``batch_size`` windows (of any documents) to a forward. ``model``: a causal
-    model of the registry (``forward(idx)`` -> (logits, ...)), on the device it runs on; it is put in
-    eval mode. ``progress``, if given, is called with the tokens scored so far after each forward."""
-    import numpy as np
+SCORE_CHUNK = 4096
+"""Scored positions whose logits are made at once: (SCORE_CHUNK, vocabulary) floats, 0.8 GB at GPT-2's
+50,257 in fp32, however many windows a forward reads and however few of their positions it scores."""
+
+
+def _plain_gpt(model) -> bool:
+    """Whether ``model``'s forward is GPT's own (hidden_states then lm_head): its output layer can then
+    be applied to the scored positions only."""
+    from largebatch.models.gpt import GPT
+
+    return isinstance(model, GPT) and type(model).forward is GPT.forward and \
+        type(model).hidden_states is GPT.hidden_states and type(model).output_logits is GPT.output_logits
+
+
+def _scored_losses(model, idx, targets):
+    """-ln p of each scored target (targets != -100), summed per row in float64: (B,)."""
     import torch
     import torch.nn.functional as F
 
-    seq_len = model.config.seq_len
+    rows, columns = (targets != -100).nonzero(as_tuple=True)
+    sums = torch.zeros(idx.size(0), dtype=torch.float64, device=idx.device)
+    if _plain_gpt(model):  # the output layer on the scored positions only, a chunk at a time
+        hidden = model.hidden_states(idx)[rows, columns]  # (N, C)
+        logits_of = lambda part: model.lm_head(hidden[part])  # noqa: E731
+    else:  # a kind of its own: its forward's logits, read a chunk of positions at a time
+        full = model(idx)[0]
+        logits_of = lambda part: full[rows[part], columns[part]]  # noqa: E731
+    chosen = targets[rows, columns]
+    for start in range(0, len(rows), SCORE_CHUNK):
+        part = slice(start, start + SCORE_CHUNK)
+        logits = logits_of(part)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (16-bit: in fp32)
+        nll = F.cross_entropy(logits, chosen[part], reduction="none")
+        sums.index_add_(0, rows[part], nll.double())
+    return sums
+
+
+def document_losses(model, documents: Iterable[Sequence[int]], stride: int | None = None, batch_size: int = 8,
+                    progress: Callable[[int], None] | None = None,
+                    seq_len: int | None = None) -> list[tuple[float, int]]:
+    """For each document (its token ids, the separator first), the summed -ln p of its tokens after the
+    first and their count: each token's -ln p in the logits' dtype (fp32 for 16-bit ones), summed in
+    float64. The document is read in ``windows`` of the model's seq_len moved ``stride`` on (default
+    seq_len), ``batch_size`` windows (of any documents) to a forward. ``model``: a causal model of the
+    registry (``forward(idx)`` -> (logits, ...)), on the device it runs on; it is put in eval mode.
+    GPT's own output layer is applied to the scored positions only. ``progress``, if given, is called
+    with the tokens scored so far after each forward. ``seq_len``: windows shorter than the model's
+    (the positions a checkpoint stopped in a short phase has trained)."""
+    import numpy as np
+    import torch
+
+    if seq_len is not None and not 1 <= seq_len <= model.config.seq_len:
+        raise ValueError(f"seq_len={seq_len}: must be in [1, {model.config.seq_len}] (the model's seq_len)")
+    seq_len = seq_len or model.config.seq_len
     stride = seq_len if stride is None else stride
     if not 1 <= stride <= seq_len:
-        raise ValueError(f"stride={stride}: must be in [1, seq_len={seq_len}] (the model's seq_len)")
+        raise ValueError(f"stride={stride}: must be in [1, seq_len={seq_len}]")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     device = next(model.parameters()).device
@@ -109,11 +155,8 @@ def document_losses(model, documents: Iterable[Sequence[int]], stride: int | Non
             ids = torch.from_numpy(window.astype(np.int64))
             idx[row, :len(ids) - 1] = ids[:-1]
             targets[row, len(ids) - 1 - count:len(ids) - 1] = ids[len(ids) - count:]
-        with torch.no_grad():
-            logits = model(idx.to(device))[0]  # (B, T, v): right padding is never read by a causal row
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (16-bit: in fp32)
-            nll = F.cross_entropy(logits.transpose(1, 2), targets.to(device), ignore_index=-100, reduction="none")
-            rows = nll.double().sum(dim=1).tolist()
+        with torch.no_grad():  # right padding is never read by a causal row
+            rows = _scored_losses(model, idx.to(device), targets.to(device)).tolist()
         for (document, _, count), value in zip(pending, rows):
             sums[document] += value
             scored += count
@@ -173,7 +216,7 @@ def _stdin_document():
 def _val_documents(loaded) -> tuple[str, Iterable]:
     """The run's validation documents (their names from the checkpoint, their text from its corpus)."""
     from largebatch.data.build import source_document
-    from largebatch.data.corpus import DocumentSource, is_token_array_path
+    from largebatch.data.corpus import Document, DocumentSource, is_token_array_path
 
     data = loaded.config.get("data", {})
     separator, field = data.get("document_separator"), data.get("text_field", "text")
@@ -194,21 +237,25 @@ def _val_documents(loaded) -> tuple[str, Iterable]:
                               "count bytes in: pass the text they were made from with --corpus")
     wanted = set(names)
     mixture = bool(data.get("mixture"))
+    sources = [(spec, DocumentSource(spec, separator, field)) for spec in specs]
+
+    def name_of(spec: str, doc) -> str:  # a mixture's documents are named under their corpus
+        return source_document(spec, doc.name) if mixture else doc.name
+
+    found = {name_of(spec, doc) for spec, source in sources for doc in source} & wanted  # before any scoring
+    missing = sorted(wanted - found)
+    if missing:
+        raise PerplexityError(f"--split val: {len(missing)} of the run's {len(wanted)} validation documents are no "
+                              f"longer in its corpus ({', '.join(map(repr, missing[:3]))}"
+                              f"{' ...' if len(missing) > 3 else ''}): the corpus changed since the run; pass the "
+                              "text with --corpus")
 
     def documents():
-        found = set()
-        for spec in specs:
-            for doc in DocumentSource(spec, separator, field):
-                name = source_document(spec, doc.name) if mixture else doc.name
+        for spec, source in sources:
+            for doc in source:
+                name = name_of(spec, doc)
                 if name in wanted:
-                    found.add(name)
-                    yield doc
-        missing = sorted(wanted - found)
-        if missing:
-            raise PerplexityError(f"--split val: {len(missing)} of the run's {len(wanted)} validation documents "
-                                  f"are no longer in its corpus ({', '.join(map(repr, missing[:3]))}"
-                                  f"{' ...' if len(missing) > 3 else ''}): the corpus changed since the run; "
-                                  "pass the text with --corpus")
+                    yield Document(name, doc.text)
     return "val", documents()
 
 
@@ -224,8 +271,8 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     import torch
 
     from largebatch.data import tokenizer as tokenizer_lib
-    from largebatch.data.corpus import CorpusError, Document, DocumentSource
-    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note
+    from largebatch.data.corpus import CorpusError, Document, DocumentSource, is_token_array_path
+    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
     from largebatch.models.registry import model_spec
 
     given = [name for name, value in (("--text", text), ("--corpus", corpus), ("--split", split)) if value is not None]
@@ -243,11 +290,37 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
         raise PerplexityError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language model): "
                               "it predicts masked tokens from both sides, so a text's left-to-right perplexity is "
                               "not its loss; `largebatch finetune` judges it downstream")
+    where_from = f"--corpus {corpus!r}" if corpus is not None else "--split val"
+
+    def named(exc: Exception) -> PerplexityError:  # the corpus reader's words name the trainer's field
+        words = str(exc) if corpus is None else str(exc).replace("data.text_field", "--text-field")
+        return PerplexityError(f"{where_from}: {words}")
+
+    try:  # (before the tokenizer: a run whose text cannot be had needs no tokenizer to be told so)
+        if text is not None:
+            label, source = "text", [Document("text", text)]
+        elif corpus == "-":
+            label, source = "stdin", _stdin_document()
+        elif corpus is not None:
+            if is_token_array_path(corpus):
+                raise PerplexityError(f"--corpus {corpus!r} is token ids, which keep no text to count bytes in: "
+                                      "pass the text they were made from")
+            label, source = corpus, DocumentSource(corpus, None, text_field)
+        else:
+            label, source = _val_documents(loaded)
+    except CorpusError as exc:  # (a named corpus loads here: its package missing)
+        raise named(exc) from None
     if tokenizer is None:
         raise PerplexityError(f"RUN_DIR {str(run_dir)!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
     seq_len = config.seq_len
+    trained = trained_positions(loaded)
+    if trained is not None and trained < seq_len:
+        log(f"note: this checkpoint has trained sequences of {trained} tokens only (the run's phases: its "
+            f"model.seq_len is {seq_len}), so the windows are {trained} tokens long")
+        seq_len = trained
     if stride is not None and not 1 <= stride <= seq_len:
-        raise PerplexityError(f"--stride {stride}: must be in [1, {seq_len}] (the model's seq_len)")
+        raise PerplexityError(f"--stride {stride}: must be in [1, {seq_len}] (the "
+                              + ("model's seq_len)" if seq_len == config.seq_len else "positions it trained)"))
     if batch_size < 1:
         raise PerplexityError(f"--batch-size {batch_size}: must be >= 1")
     note = partial_note(loaded, "scores")
@@ -257,34 +330,58 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     if separator is None:
         raise PerplexityError("the run's tokenizer has no document separator (<|endoftext|>) to start each "
                               "document from, as the run's documents started")
-    if text is not None:
-        label, source = "text", [Document("text", text)]
-    elif corpus == "-":
-        label, source = "stdin", _stdin_document()
-    elif corpus is not None:
-        label, source = corpus, DocumentSource(corpus, None, text_field)
-    else:
-        label, source = _val_documents(loaded)
     tokenizer = tokenizer_lib.plain(tokenizer)
     dtype = tokenizer_lib.token_dtype(max(config.vocab_size, tokenizer_lib.id_space(tokenizer)))
     rows: list[dict[str, Any]] = []
 
+    def finished(doc, ids: np.ndarray) -> np.ndarray:
+        if not rows and len(doc.text) <= ENCODE_BATCH and \
+                tokenizer.decode(ids[1:].tolist(), skip_special_tokens=False) != doc.text:
+            log(f"note: the run's tokenizer does not give {doc.name!r} back as it is (it normalises, lower-cases, "
+                "drops or replaces characters): bits per byte over the text's bytes then count only what it "
+                "keeps, and compare only with runs whose tokenizer does the same")
+        if ids.size and int(ids.max()) >= config.vocab_size:
+            raise PerplexityError(f"document {doc.name!r} has token id {int(ids.max())}, which is not in the model's "
+                                  f"vocabulary ({config.vocab_size:,}): pass --tokenizer PATH to the tokenizer.json "
+                                  "the run trained with")
+        rows.append({"name": doc.name, "tokens": len(ids) - 1, "bytes": len(doc.text.encode("utf-8"))})
+        return ids
+
     def encoded(path: Path) -> Iterator[np.ndarray]:
-        # each document encoded as the run's data was (tokenizer.write_documents: its separator first,
-        # special-token strings as text, a long document in pieces), one document held at a time
+        # each document encoded as the run's data was (tokenizer.encode_texts: special-token strings as
+        # text), after its separator; documents a batch of ENCODE_BATCH characters at a time (the
+        # tokenizer encodes a batch in parallel), a longer one alone in pieces (write_documents)
+        batch: list = []
+        chars = 0
+
+        def flush() -> Iterator[np.ndarray]:
+            encodings = tokenizer_lib.encode_texts(tokenizer, [doc.text for doc in batch])
+            for doc, encoding in zip(batch, encodings):
+                yield finished(doc, np.array([separator, *encoding.ids], dtype=np.int64))
+            batch.clear()
+
         try:
             for doc in source:
-                tokenizer_lib.write_documents(tokenizer, [doc.text], separator, dtype, path)
-                ids = np.fromfile(path, dtype=dtype)
-                if ids.size and int(ids.max()) >= config.vocab_size:
-                    raise PerplexityError(f"document {doc.name!r} has token id {int(ids.max())}, which is not in the "
-                                          f"model's vocabulary ({config.vocab_size:,}): pass --tokenizer PATH to the "
-                                          "tokenizer.json the run trained with")
-                size = len(doc.text.encode("utf-8", "surrogatepass"))
-                rows.append({"name": doc.name, "tokens": len(ids) - 1, "bytes": size})
-                yield ids
+                try:
+                    doc.text.encode("utf-8")
+                except UnicodeEncodeError:  # lone surrogates: bytes a terminal or a JSON escape made
+                    where = "--text" if text is not None else f"document {doc.name!r}"
+                    raise PerplexityError(f"{where} is not UTF-8 text (it holds lone surrogate code points, such "
+                                          "as undecodable bytes become): pass UTF-8 text") from None
+                if len(doc.text) > ENCODE_BATCH:
+                    yield from flush()
+                    chars = 0
+                    tokenizer_lib.write_documents(tokenizer, [doc.text], separator, dtype, path)
+                    yield finished(doc, np.fromfile(path, dtype=dtype))
+                    continue
+                batch.append(doc)
+                chars += len(doc.text)
+                if chars >= ENCODE_BATCH:
+                    yield from flush()
+                    chars = 0
+            yield from flush()
         except CorpusError as exc:
-            raise PerplexityError(f"--corpus {corpus!r}: {exc}" if corpus is not None else str(exc)) from None
+            raise named(exc) from None
 
     last = [time.perf_counter()]
 
@@ -296,7 +393,8 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     model = model.to(dev)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="largebatch-perplexity-") as scratch:
-        results = document_losses(model, encoded(Path(scratch) / "document.bin"), stride, batch_size, progress)
+        results = document_losses(model, encoded(Path(scratch) / "document.bin"), stride, batch_size, progress,
+                                  seq_len)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - start
@@ -320,8 +418,8 @@ def _measures(nll: float, tokens: int, size: int) -> dict[str, float | None]:
             "bits_per_byte": nll / math.log(2) / size if size else None}
 
 
-def _exp(value: float) -> float:
-    return math.exp(value) if value < 709 else math.inf
+def _exp(value: float) -> float | None:
+    return math.exp(value) if value < 709 else None  # (JSON has no infinity)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         docs = result["documents"]
         print(f"{result['source']}: {len(docs):,} document(s), {result['tokens']:,} tokens, {result['bytes']:,} bytes "
               f"({result['bytes'] / result['tokens']:.2f} bytes a token)")
-        print(f"loss {result['loss']:.4f} nats a token   perplexity {result['perplexity']:.2f}   "
+        ppl = "over 1e307" if result["perplexity"] is None else f"{result['perplexity']:.2f}"
+        print(f"loss {result['loss']:.4f} nats a token   perplexity {ppl}   "
               f"bits per byte {result['bits_per_byte']:.4f}")
     rate = result["tokens_per_second"]
     print(f"step {result['step']} ({Path(result['checkpoint']).name}{', weight average' if result['ema'] else ''}): "

@@ -202,17 +202,22 @@ def id_space(tokenizer: Tokenizer) -> int:
 
 def token_bytes(tokenizer: Tokenizer, size: int | None = None) -> np.ndarray | None:
     """The UTF-8 bytes of text each id stands for, (``size`` or id_space,) int64, for a byte-level
-    tokenizer (its decoder ByteLevel: GPT-2's, this project's, Llama 3's, Qwen2's): each character of
-    a vocabulary entry is one byte (GPT-2 maps every byte to one printable character), an added token
-    that is not special is its own text, and a special token (the document separator, [PAD]) is no
-    text: 0. An id the tokenizer does not have: 0. None for another tokenizer (WordPiece, or a
-    SentencePiece-style vocabulary whose decoder adds and strips spaces), where a token's bytes depend
-    on its neighbours."""
+    tokenizer that keeps the text as it is (its decoder ByteLevel, no normalizer, no space added before
+    the text: GPT-2's, this project's, Llama 3's): each character of a vocabulary entry is one byte
+    (GPT-2 maps every byte to one printable character), an added token that is not special is its own
+    text, and a special token (the document separator, [PAD]) is no text: 0. An id the tokenizer does
+    not have: 0. None for another tokenizer, where a token's bytes are not the text's own: WordPiece or
+    a SentencePiece-style vocabulary (a token's text depends on its neighbours), or a byte-level one
+    that normalises the text first (Qwen2's NFC) or adds a space before it (the tokens then count
+    bytes the text may not have)."""
     import json
 
-    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    spec = json.loads(tokenizer.to_str())
+    decoder, pre = spec.get("decoder") or {}, spec.get("pre_tokenizer") or {}
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
-    if "ByteLevel" not in kinds:
+    prefix = any(p.get("type") == "ByteLevel" and p.get("add_prefix_space")
+                 for p in [pre, *(pre.get("pretokenizers") or [])])
+    if "ByteLevel" not in kinds or spec.get("normalizer") or prefix:
         return None
     table = np.zeros(size if size is not None else id_space(tokenizer), dtype=np.int64)
     added = tokenizer.get_added_tokens_decoder()

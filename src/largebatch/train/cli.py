@@ -415,6 +415,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
           if s.get("final_val_accuracy") is not None else []),
         *([_target_line(s)] if s.get("target_val_loss") is not None else []),
         *([f"weight average    validation loss {s['final_val_loss_ema']:.4f} (run.ema_decay)"
+           + ("" if s.get("final_val_bpb_ema") is None else f", bits per byte {s['final_val_bpb_ema']:.4f}")
            + ("" if s.get("final_val_accuracy_ema") is None else f", accuracy {s['final_val_accuracy_ema']:.4f}")]
           if s.get("final_val_loss_ema") is not None else []),
         *(["by corpus         " + ", ".join(f"{label} {loss:.4f}" for label, loss in
