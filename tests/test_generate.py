@@ -325,3 +325,33 @@ def test_generate_is_listed(capsys):
     assert cli_main([]) == 0 and "generate" in capsys.readouterr().out
     assert cli_main(["generate", "--help"]) == 0 and "--top-p" in capsys.readouterr().out
     assert Path(__file__).exists()
+
+
+def test_a_checkpoint_in_a_short_phase_reads_the_positions_it_trained(tiny_data_cache, tmp_path, capsys):
+    """[[phases]] at 16 then 48 tokens: the checkpoint in the first phase has trained 16 positions only,
+    so the command's model reads the last 16 tokens (greedy: the tokens of a loop that reads them)."""
+    from test_export import tiny
+
+    phases = tmp_path / "phases.toml"
+    phases.write_text("[[phases]]\nseq_len = 16\ntotal_tokens = 1536\n\n[[phases]]\nseq_len = 48\n"
+                      "total_tokens = 1536\n")
+    overrides = tiny(tiny_data_cache, tmp_path / "run", **{"run.checkpoint_every_tokens": 1024,
+                                                           "run.keep_checkpoints": 5})
+    from largebatch.train.cli import resolve_config
+    from largebatch.train.config import load_config
+    from largebatch.train.loop import Trainer
+
+    Trainer(load_config(resolve_config(str(phases)), overrides), tmp_path / "run", log=lambda *_: None).fit()
+    code, out, err = generate(capsys, tmp_path / "run", "--prompt", "ROMEO:", "--checkpoint", 8, "--temperature", 0,
+                              "--max-new-tokens", 30, "--no-stop", "--json")
+    assert code == 0 and "trained sequences of 16 tokens only" in err, err
+    loaded = load_run(tmp_path / "run", checkpoint=8)
+    model = loaded.model.eval()
+    ids = loaded.tokenizer.encode("ROMEO:", add_special_tokens=False).ids
+    with torch.no_grad():
+        for _ in range(30):
+            ids.append(int(model(torch.tensor([ids[-16:]]))[0][0, -1].argmax()))
+    result = json.loads(out)
+    assert result["samples"][0]["new_ids"] == ids[-30:] and result["context"] == 16
+    code, out, err = generate(capsys, tmp_path / "run", "--prompt", "ROMEO:", "--max-new-tokens", 5, "--json")
+    assert code == 0 and "trained sequences" not in err and json.loads(out)["context"] == 48  # every position

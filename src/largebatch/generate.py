@@ -32,7 +32,8 @@ Options:
   --seed S                the random seed (default: the run's run.seed)
   --no-stop               go on past the document separator
   --json                  one JSON object on stdout: each sample's text (prompt included), its new token
-                          ids and whether it ended at the separator, with the checkpoint, step and tokens/s
+                          ids and whether it ended at the separator, with the checkpoint, step, the
+                          context the model reads (its seq_len) and tokens/s
   --device DEV            cpu (default), cuda or cuda:N
   --tokenizer PATH        the run's tokenizer.json when the run cannot give it
   --checkpoint STEP       sample from the run's checkpoint at optimizer step STEP (or its name or path)
@@ -112,7 +113,7 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     for the arguments; ``max_new_tokens`` None is the run's run.sample_tokens (80 where that is 0)."""
     import torch
 
-    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note
+    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
     from largebatch.models.registry import model_spec
 
     check_run_dir_given(run_dir)
@@ -129,6 +130,11 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     note = partial_note(loaded, "samples from")
     if note:
         log(f"note: {note}")
+    trained = trained_positions(loaded)
+    if trained is not None and trained < config.seq_len:  # a checkpoint in a short phase: its later positions
+        log(f"note: this checkpoint has trained sequences of {trained} tokens only (the run's phases: its "
+            f"model.seq_len is {config.seq_len}), so the model reads the last {trained} tokens")
+        model.config = config = config.replace(seq_len=trained)  # (generate's context and cache follow it)
     from largebatch.data.tokenizer import separator_id as find_separator
 
     try:
@@ -172,8 +178,8 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
         rows.append({"text": tokenizer.decode(ids + new), "new_ids": new, "ended_at_separator": ended})
     made = sum(len(r["new_ids"]) for r in rows)
     return {"run_dir": str(run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step, "ema": ema,
-            "prompt": prompt, "prompt_tokens": len(ids), "seed": seed, "temperature": temperature,
-            "top_k": top_k or None, "top_p": top_p, "samples": rows, "seconds": seconds,
+            "prompt": prompt, "prompt_tokens": len(ids), "context": config.seq_len, "seed": seed,
+            "temperature": temperature, "top_k": top_k or None, "top_p": top_p, "samples": rows, "seconds": seconds,
             "tokens_per_second": made / seconds if seconds > 0 else None}
 
 

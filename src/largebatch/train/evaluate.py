@@ -151,8 +151,9 @@ class Evaluation:
     def tokens_per_byte(self) -> float | None:
         """Targets per UTF-8 byte of the text they stand for, over the evaluation's slice at the current
         phase's length (data.tokenizer.token_bytes; the separators are no text): val_loss times it,
-        over ln 2, is the bits per byte. None for a masked LM, a tokenizer whose tokens' bytes depend on
-        their neighbours (not byte-level), or a token-array corpus without a tokenizer."""
+        over ln 2, is the bits per byte. None for a masked LM, a tokenizer whose tokens are not the
+        text's own bytes (token_bytes: not byte-level, or normalising), or a token-array corpus without
+        a tokenizer."""
         from largebatch.data.tokenizer import token_bytes
 
         cached = getattr(self, "_tokens_per_byte", None)
