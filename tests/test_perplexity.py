@@ -45,8 +45,8 @@ def test_windows_score_every_position_once_with_the_context_they_promise(seq_len
 
 
 def _model(**extra) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(kind="gpt", vocab_size=50, n_layer=2, n_head=4, n_embd=32, seq_len=8, dropout=0.0, **extra)
+    torch.manual_seed(0)  # dropout on: the scores must be eval mode's
+    cfg = ModelConfig(kind="gpt", vocab_size=50, n_layer=2, n_head=4, n_embd=32, seq_len=8, dropout=0.3, **extra)
     model = build_model(cfg).double()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # weights far from the init: logits of order 1
@@ -56,8 +56,10 @@ def _model(**extra) -> torch.nn.Module:
 
 
 def _reference(model, ids: list[int], context) -> float:
-    """-sum ln p(ids[t] | ids[context(t)]) in float64, one forward per token on exactly its context."""
+    """-sum ln p(ids[t] | ids[context(t)]) in float64, one forward per token on exactly its context (in
+    eval mode: dropout off)."""
     total = 0.0
+    model.eval()
     with torch.no_grad():
         for t in range(1, len(ids)):
             logits = model(torch.tensor([ids[context(t):t]]))[0][0, -1].double()
@@ -93,12 +95,13 @@ def test_each_documents_loss_is_its_tokens_own_forwards_in_float64(layout, monke
         contexts[stride] = lambda t, n, k=stride: max(0, min(1 + k * ((t - 1) // k + 1), n) - 1 - s)
     for stride, context in contexts.items():
         for batch_size in (1, 3, 8):
+            model.train()
             got = document_losses(model, [np.array(d, dtype=np.uint16) for d in documents], stride, batch_size)
+            assert model.training  # left in the mode it was in
             assert [count for _, count in got] == [0, 1, 8, 29]
             for (nll, _), ids in zip(got, documents):
                 reference = _reference(model, ids, lambda t, n=len(ids): context(t, n))
                 assert nll == pytest.approx(reference, rel=1e-12, abs=1e-12), (stride, batch_size)
-    assert not model.training  # scored in eval mode (dropout off)
 
 
 # --- the command, on a real tiny run ------------------------------------------------------------
@@ -393,3 +396,9 @@ def test_a_tokenizer_that_does_not_give_the_text_back_is_noted(gpt_run, tmp_path
     assert code == 0 and "does not give 'text' back as it is" in err, err
     code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: But soft!")
     assert code == 0 and "back as it is" not in err, err
+    (tmp_path / "corpus").mkdir()  # the first document comes back (lower case); the second does not
+    (tmp_path / "corpus" / "a.txt").write_text("but soft!")
+    (tmp_path / "corpus" / "b.txt").write_text("ROMEO: But soft!")
+    code, _, err = perplexity(capsys, gpt_run, "--corpus", tmp_path / "corpus",
+                              "--tokenizer", tmp_path / "tokenizer.json")
+    assert code == 0 and "does not give 'b' back as it is" in err and err.count("back as it is") == 1, err

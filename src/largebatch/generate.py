@@ -1,8 +1,8 @@
 """``largebatch generate RUN_DIR``: what does the model write? Sample text from a trained GPT run.
 
-    largebatch generate runs/gpt-demo --prompt "ROMEO:"
-    largebatch generate runs/gpt-demo --prompt "ROMEO:" --samples 3 --max-new-tokens 200 --top-p 0.95
-    largebatch generate runs/gpt-demo --prompt-file prompt.txt --temperature 0 --json
+    largebatch generate runs/a --prompt "ROMEO:"
+    largebatch generate runs/a --prompt "ROMEO:" --samples 3 --max-new-tokens 200 --top-p 0.95
+    largebatch generate runs/a --prompt-file prompt.txt --temperature 0 --json
 
 Reads the newest intact checkpoint of RUN_DIR (any layout it was trained in: one process, DDP,
 FSDP2, tensor or pipeline parallel), or the one ``--checkpoint`` names, with the run's tokenizer,

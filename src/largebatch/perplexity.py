@@ -1,19 +1,20 @@
 """``largebatch perplexity RUN_DIR``: how well does a trained GPT run predict a text?
 
-    largebatch perplexity runs/gpt-demo --text "To be, or not to be, that is the question."
-    largebatch perplexity runs/gpt-demo --corpus bible
-    largebatch perplexity runs/gpt-demo --split val --stride 64 --json
+    largebatch perplexity runs/a --text "To be, or not to be, that is the question."
+    largebatch perplexity runs/a --corpus bible
+    largebatch perplexity runs/a --split val --stride 64 --json
 
 Reads the newest intact checkpoint of RUN_DIR (any layout it was trained in), or the one
 ``--checkpoint`` names, and scores every token of each document once, as the run read its documents:
 the document separator, then the document's tokens, each predicted from the tokens before it in the
 document. A document longer than the model's seq_len is read in windows: each ends --stride tokens
 after the one before, reads the seq_len tokens before its end, and scores the tokens after the one
-before's end. The default stride is seq_len: windows that do not overlap, as the trainer's
-validation loss reads them (but a document's last window, ending at the document's end, reads a
-whole seq_len of context for its fewer new tokens). With a smaller stride every token sees at least
-seq_len - stride + 1 tokens before it (or all of them, near the document's start), at about
-seq_len / stride times the compute. A document is never read together with another.
+before's end. The default stride is seq_len: windows that do not overlap (but a document's last
+window, ending at the document's end, reads a whole seq_len of context for its fewer new tokens).
+With a smaller stride every token sees at least seq_len - stride + 1 tokens before it (or all of
+them, near the document's start), at about seq_len / stride times the compute; a document within one
+window scores the same at any stride. Compare numbers scored at the same seq_len and stride. A
+document is never read together with another.
 
 Per document and in total it reports
   loss            nats a token: the mean of -ln p(token | the tokens before it)
@@ -33,7 +34,8 @@ Options:
   --stride N             tokens a window moves on (1 .. seq_len; default seq_len)
   --batch-size N         windows read at once (default 8)
   --json                 one JSON object on stdout: the totals and each document's tokens, bytes,
-                         loss and bits per byte, with the checkpoint and its step
+                         summed -ln p (nll), loss, perplexity and bits per byte, with the checkpoint
+                         and its step
   --device DEV           cpu (default), cuda or cuda:N
   --tokenizer PATH       the run's tokenizer.json when the run cannot give it
   --checkpoint STEP      score the run's checkpoint at optimizer step STEP (or its name or path)
@@ -124,12 +126,11 @@ def document_losses(model, documents: Iterable[Sequence[int]], stride: int | Non
     first and their count: each token's -ln p in the logits' dtype (fp32 for 16-bit ones), summed in
     float64. The document is read in ``windows`` of the model's seq_len moved ``stride`` on (default
     seq_len), ``batch_size`` windows (of any documents) to a forward. ``model``: a causal model of the
-    registry (``forward(idx)`` -> (logits, ...)), on the device it runs on; it is put in eval mode.
+    registry (``forward(idx)`` -> (logits, ...)), on the device it runs on; it is scored in eval mode
+    (dropout off) and left in the mode it was in.
     GPT's own output layer is applied to the scored positions only. ``progress``, if given, is called
     with the tokens scored so far after each forward. ``seq_len``: windows shorter than the model's
     (the positions a checkpoint stopped in a short phase has trained)."""
-    import numpy as np
-    import torch
 
     if seq_len is not None and not 1 <= seq_len <= model.config.seq_len:
         raise ValueError(f"seq_len={seq_len}: must be in [1, {model.config.seq_len}] (the model's seq_len)")
@@ -140,7 +141,18 @@ def document_losses(model, documents: Iterable[Sequence[int]], stride: int | Non
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     device = next(model.parameters()).device
+    training = model.training
     model.eval()
+    try:
+        return _document_losses(model, documents, stride, batch_size, progress, seq_len, device)
+    finally:
+        model.train(training)
+
+
+def _document_losses(model, documents, stride, batch_size, progress, seq_len, device):
+    import numpy as np
+    import torch
+
     sums: list[float] = []
     counts: list[int] = []
     pending: list[tuple[int, np.ndarray, int]] = []
@@ -333,10 +345,12 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     tokenizer = tokenizer_lib.plain(tokenizer)
     dtype = tokenizer_lib.token_dtype(max(config.vocab_size, tokenizer_lib.id_space(tokenizer)))
     rows: list[dict[str, Any]] = []
+    lossy: list[str] = []  # the first document the tokenizer does not give back (one note)
 
     def finished(doc, ids: np.ndarray) -> np.ndarray:
-        if not rows and len(doc.text) <= ENCODE_BATCH and \
+        if not lossy and len(doc.text) <= ENCODE_BATCH and \
                 tokenizer.decode(ids[1:].tolist(), skip_special_tokens=False) != doc.text:
+            lossy.append(doc.name)
             log(f"note: the run's tokenizer does not give {doc.name!r} back as it is (it normalises, lower-cases, "
                 "drops or replaces characters): bits per byte over the text's bytes then count only what it "
                 "keeps, and compare only with runs whose tokenizer does the same")

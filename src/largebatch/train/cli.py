@@ -407,8 +407,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
         "== summary ==",
         f"validation loss   {s['final_val_loss']:.4f} nats/token (ppl {s['final_val_ppl']:.1f}); "
         f"unigram baseline {s['unigram_val_loss']:.4f}{_on_these(s, 'unigram_eval_loss', s['unigram_val_loss'])}",
-        *([f"bits per byte     {s['final_val_bpb']:.4f} of the validation text's UTF-8 (comparable across "
-           "tokenizers)"] if s.get("final_val_bpb") is not None else []),
+        *([f"bits per byte     {s['final_val_bpb']:.4f} of the evaluated validation text's UTF-8 (comparable "
+           "across tokenizers; `largebatch perplexity RUN --split val` for the whole split)"]
+          if s.get("final_val_bpb") is not None else []),
         *([f"val accuracy      {s['final_val_accuracy']:.4f} of predicted tokens ranked first; unigram "
             f"baseline {s['unigram_val_accuracy']:.4f}"
             f"{_on_these(s, 'unigram_eval_accuracy', s['unigram_val_accuracy'])}"]
