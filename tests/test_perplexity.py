@@ -75,16 +75,18 @@ class OwnForward(GPT):
 
 
 @pytest.mark.parametrize("layout", [{}, {"position": "rope", "norm": "rmsnorm", "n_kv_head": 2},
-                                    {"document_mask": True, "separator_id": SEP}, "own-forward"],
-                         ids=["gpt2", "llama", "documents", "own-forward"])
+                                    {"document_mask": True, "separator_id": SEP}, "own-forward", "hooked"],
+                         ids=["gpt2", "llama", "documents", "own-forward", "hooked"])
 def test_each_documents_loss_is_its_tokens_own_forwards_in_float64(layout, monkeypatch):
     """Stride 1: every token reads the seq_len tokens before it (fewer at the start); strides 3 and
     seq_len: the windows' rule, from its definition. Documents of 1
     (the separator alone), 2, 9 and 30 tokens, batched 1, 3 and 8 windows to a forward (rows of other
     documents and of other lengths beside each)."""
-    model, s = _model(**({} if layout == "own-forward" else layout)), 8
+    model, s = _model(**(layout if isinstance(layout, dict) else {})), 8
     if layout == "own-forward":
         model.__class__ = OwnForward
+    if layout == "hooked":  # a forward hook on the model (a user's; FSDP2's gathers): it runs
+        model.register_forward_hook(lambda module, args, out: (out[0] * 0.7, out[1]))
     monkeypatch.setattr("largebatch.perplexity.SCORE_CHUNK", 5)  # the output layer 5 positions at a time
     g = torch.Generator().manual_seed(2)
     documents = [[SEP] + torch.randint(4, 50, (n - 1,), generator=g).tolist() for n in (1, 2, 9, 30)]
@@ -371,6 +373,9 @@ def test_bits_per_byte_are_left_out_where_a_tokens_bytes_are_not_its_own(tmp_pat
     sentencepiece.train_from_iterator(["to be or not to be"] * 10, vocab_size=40)
     assert token_bytes(Tokenizer.from_str(sentencepiece.to_str())) is None
     byte_level = train_tokenizer(["to be or not to be, caf\u00e9"] * 10, 300)
+    idle = Tokenizer.from_str(byte_level.to_str())
+    idle.normalizer = normalizers.Sequence([])  # a normaliser that does nothing: the text as it is
+    assert np.array_equal(token_bytes(idle), token_bytes(byte_level))
     normalising = Tokenizer.from_str(byte_level.to_str())
     normalising.normalizer = normalizers.NFC()  # (Qwen2's): the tokens count the normalised text's bytes
     assert token_bytes(normalising) is None
@@ -384,7 +389,7 @@ def test_bits_per_byte_are_left_out_where_a_tokens_bytes_are_not_its_own(tmp_pat
     assert table[ids].sum() == len("not to be, caf\u00e9<br/>".encode())
 
 
-def test_a_tokenizer_that_does_not_give_the_text_back_is_noted(gpt_run, tmp_path, capsys):
+def test_a_tokenizer_that_does_not_give_the_text_back_is_noted(gpt_run, tmp_path, capsys, monkeypatch):
     """Bits per byte divide by the text's bytes: a tokenizer that lower-cases (here the run's own with a
     Lowercase normaliser) scores less than the text, so the command says so."""
     from tokenizers import Tokenizer, normalizers
@@ -395,6 +400,14 @@ def test_a_tokenizer_that_does_not_give_the_text_back_is_noted(gpt_run, tmp_path
     code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: But soft!", "--tokenizer", tmp_path / "tokenizer.json")
     assert code == 0 and "does not give 'text' back as it is" in err, err
     code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: But soft!")
+    assert code == 0 and "back as it is" not in err, err
+    monkeypatch.setattr("largebatch.perplexity.ENCODE_BATCH", 40)  # a long document: its first tokens checked
+    monkeypatch.setattr("largebatch.perplexity.ROUND_TRIP_TOKENS", 12)
+    code, _, err = perplexity(capsys, gpt_run, "--text", "ROMEO: " + "but soft " * 10, "--tokenizer",
+                              tmp_path / "tokenizer.json")
+    assert code == 0 and "does not give 'text' back as it is" in err, err
+    code, _, err = perplexity(capsys, gpt_run, "--text", "romeo: " + "but soft " * 10, "--tokenizer",
+                              tmp_path / "tokenizer.json")
     assert code == 0 and "back as it is" not in err, err
     (tmp_path / "corpus").mkdir()  # the first document comes back (lower case); the second does not
     (tmp_path / "corpus" / "a.txt").write_text("but soft!")

@@ -88,10 +88,12 @@ SCORE_CHUNK = 4096
 
 
 def _plain_gpt(model) -> bool:
-    """Whether ``model``'s forward is GPT's own (hidden_states then lm_head): its output layer can then
-    be applied to the scored positions only."""
+    """Whether ``model``'s forward is GPT's own (hidden_states then lm_head) and no hook runs around it:
+    its output layer can then be applied to the scored positions only."""
     from largebatch.models.gpt import GPT
 
+    if model._forward_hooks or model._forward_pre_hooks:  # (FSDP2's gathers, a user's hooks): through __call__
+        return False
     return isinstance(model, GPT) and type(model).forward is GPT.forward and \
         type(model).hidden_states is GPT.hidden_states and type(model).output_logits is GPT.output_logits
 
@@ -348,8 +350,7 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     lossy: list[str] = []  # the first document the tokenizer does not give back (one note)
 
     def finished(doc, ids: np.ndarray) -> np.ndarray:
-        if not lossy and len(doc.text) <= ENCODE_BATCH and \
-                tokenizer.decode(ids[1:].tolist(), skip_special_tokens=False) != doc.text:
+        if not lossy and not _gives_back(tokenizer, ids[1:], doc.text):
             lossy.append(doc.name)
             log(f"note: the run's tokenizer does not give {doc.name!r} back as it is (it normalises, lower-cases, "
                 "drops or replaces characters): bits per byte over the text's bytes then count only what it "
@@ -424,6 +425,20 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
             "source": label, "seq_len": seq_len, "stride": stride or seq_len, "documents": rows,
             "tokens": tokens, "bytes": size, **_measures(nll, tokens, size), "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds > 0 else None}
+
+
+ROUND_TRIP_TOKENS = 1 << 16
+"""A document longer than ENCODE_BATCH characters is checked on its first this many tokens."""
+
+
+def _gives_back(tokenizer, ids, text: str) -> bool:
+    """Whether decoding ``ids`` (a document's, separator left out) gives ``text`` back; a long document's
+    first ROUND_TRIP_TOKENS tokens against the start of its text (the last few characters left out: the
+    cut may fall inside a character's bytes)."""
+    if len(text) <= ENCODE_BATCH:
+        return tokenizer.decode(ids.tolist(), skip_special_tokens=False) == text
+    start = tokenizer.decode(ids[:ROUND_TRIP_TOKENS].tolist(), skip_special_tokens=False)[:-8]
+    return text.startswith(start)
 
 
 def _measures(nll: float, tokens: int, size: int) -> dict[str, float | None]:

@@ -217,7 +217,9 @@ def token_bytes(tokenizer: Tokenizer, size: int | None = None) -> np.ndarray | N
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
     prefix = any(p.get("type") == "ByteLevel" and p.get("add_prefix_space")
                  for p in [pre, *(pre.get("pretokenizers") or [])])
-    if "ByteLevel" not in kinds or spec.get("normalizer") or prefix:
+    normalizer = spec.get("normalizer") or {}
+    normalises = bool(normalizer) and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers"))
+    if "ByteLevel" not in kinds or normalises or prefix:
         return None
     table = np.zeros(size if size is not None else id_space(tokenizer), dtype=np.int64)
     added = tokenizer.get_added_tokens_decoder()
