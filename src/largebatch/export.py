@@ -142,6 +142,13 @@ def choose_checkpoint(run_dir: Path, which: str | int, candidates: list[Path]) -
                       f"checkpoints/ (step_NNNNNNNN.pt or .dcp); {fix}")
 
 
+def weights_label(result: dict) -> str:
+    """"step N (step_0000000N.pt[, weight average])": the weights a command's ``result`` (its ``step``,
+    ``checkpoint`` and ``ema``) came from, for its closing line."""
+    return (f"step {result['step']} ({Path(result['checkpoint']).name}"
+            f"{', weight average' if result['ema'] else ''})")
+
+
 def command_device(name: str):
     """The torch device a command's ``--device NAME`` names (cpu, cuda or cuda:N), or an ExportError
     saying why not."""

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from largebatch.arguments import OneLineParser, finite_float, whole_number
+from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
 
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n----------\n".join(r["text"] for r in result["samples"]))
     rate = result["tokens_per_second"]
     made = sum(len(r["new_ids"]) for r in result["samples"])
-    print(f"step {result['step']} ({Path(result['checkpoint']).name}{', weight average' if result['ema'] else ''}): "
-          f"{len(result['samples'])} sample(s), {made} new tokens in {result['seconds']:.2f} s"
+    print(f"{weights_label(result)}: {len(result['samples'])} sample(s), {made} new tokens in {result['seconds']:.2f} s"
           + (f" ({rate:,.0f} tokens/s)" if rate else ""), file=sys.stderr)
     return 0
 

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from largebatch.arguments import OneLineParser, whole_number
+from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
 ENCODE_BATCH = 1 << 20
@@ -474,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loss {result['loss']:.4f} nats a token   perplexity {ppl}   "
               f"bits per byte {result['bits_per_byte']:.4f}")
     rate = result["tokens_per_second"]
-    print(f"step {result['step']} ({Path(result['checkpoint']).name}{', weight average' if result['ema'] else ''}): "
-          f"windows of {result['seq_len']} tokens, stride {result['stride']}; {result['seconds']:.2f} s"
+    print(f"{weights_label(result)}: windows of {result['seq_len']} tokens, stride {result['stride']}; "
+          f"{result['seconds']:.2f} s"
           + (f" ({rate:,.0f} tokens/s)" if rate else ""), file=sys.stderr)
     return 0
 
