@@ -52,20 +52,24 @@ DOCS_MODES = ("fsdp", "sp")
 # the Llama-style layers (Touvron et al. 2023): RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h,
 # even: tp = 2 splits it) and grouped-query attention, 2 K/V heads for the 4 query heads (one per tp rank)
 LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", n_kv_head=2, ffn_hidden=88)
+# Qwen3's (Yang et al. 2025): Llama's layers with each query and key head normalised, heads of 12 values
+# on the 32-wide stream (so q is 48 wide): the norms' gains see only their own heads on a tp rank
+QWEN3 = dict(LLAMA, head_size=12, qk_norm=True)
 
 
 def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> ModelConfig:
     """The tiny model of every case: "gpt", "bert", or "llama" (a GPT with the LLAMA layers; no
     biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert).
     "gpt-docs" and "bert-docs": attention within documents (ModelConfig.document_mask), the GPT's
-    through sdpa's float mask, BERT's through the explicit attention's bool one."""
+    through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3": the GPT
+    with the QWEN3 layers."""
     if kind.endswith("-docs"):
         base = tiny(kind.removesuffix("-docs"), dropout, bias)
         return replace(base, document_mask=True, separator_id=SEPARATOR,
                        attention="sdpa" if base.kind == "gpt" else "explicit")
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
         return ModelConfig(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
-                           bias=bool(bias), **LLAMA)
+                           bias=bool(bias), **(LLAMA if kind == "llama" else QWEN3))
     return ModelConfig(kind=kind, n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
                        bias=True if bias is None else bias)
 
@@ -161,7 +165,7 @@ NORM_GAINS = ("ln1.weight", "ln2.weight", "ln_f.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama", "gpt-docs", "bert-docs"):
+    for kind in ("gpt", "bert", "llama", "qwen3", "gpt-docs", "bert-docs"):
         modes = DOCS_MODES if kind.endswith("-docs") else MODES
         idx, targets = batch(kind)
         torch.manual_seed(0)

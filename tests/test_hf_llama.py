@@ -160,6 +160,61 @@ def test_a_qwen2_layout_goes_out_as_qwen2_and_back_unchanged(tmp_path):
     _same_logits_and_back(ours, hf, tmp_path / "out")
 
 
+def test_a_qwen3_layout_goes_out_as_qwen3_and_back_unchanged(tmp_path):
+    """No biases, each query and key head normalised (model.qk_norm), heads of 12 on a 32-wide
+    stream (model.head_size), 2 key/value heads: the export is a Qwen3ForCausalLM computing
+    largebatch's logits (Llama and Qwen2, which have no q/k norms, are refused for it, and GPT-2,
+    whose heads are n_embd / n_head wide), and init_from of it builds the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.integrations.hf_export import save_hf
+    from largebatch.models.config import hf_layout_problem, hf_model_type_problem
+
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, head_size=12, qk_norm=True, ffn_hidden=48,
+                      seq_len=16, vocab_size=64, bias=False, tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6,
+                      **{k[6:]: v for k, v in LLAMA.items()})
+    assert default_hf_model_type(cfg) == "qwen3"
+    problem = hf_model_type_problem(cfg.replace(hf_model_type="llama"))
+    assert "model.qk_norm=True" in problem and "model.hf_model_type='qwen3'" in problem, problem
+    # q/k norms with q/k/v biases: Qwen2 has the biases, Qwen3 the norms; neither both
+    problem = hf_layout_problem(cfg.replace(qkv_bias=True))
+    assert "model.qk_norm=True" in problem and "Qwen3ForCausalLM computes" in problem, problem
+    assert "model.qk_norm=False" in problem and "model.bias=False, model.qkv_bias=None" in problem, problem
+    plain = ModelConfig(n_layer=1, n_embd=32, n_head=4, head_size=12, seq_len=16, vocab_size=64, hf_model_type="gpt2")
+    problem = hf_model_type_problem(plain)
+    assert "model.head_size=12" in problem and "model.head_size=None" in problem, problem
+    ours = _scrambled(cfg)
+    assert save_hf(ours, None, tmp_path / "out")["architecture"] == "Qwen3ForCausalLM"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["head_dim"], config["attention_bias"], config["use_sliding_window"]) == \
+        ("qwen3", 12, False, False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.model.layers[0].self_attn.q_proj.weight.shape == (48, 32)
+    torch.testing.assert_close(hf.model.layers[1].self_attn.k_norm.weight, ours.blocks[1].attn.k_norm.weight,
+                               rtol=0, atol=0)
+    _same_logits_and_back(ours, hf, tmp_path / "out")
+
+
+@pytest.mark.parametrize("biases", ["none", "qkv"])
+def test_heads_of_another_size_go_out_as_llama_and_qwen2_and_back(biases, tmp_path):
+    """model.head_size (heads of 12 on a 32-wide stream) without q/k norms: a LlamaForCausalLM or
+    Qwen2ForCausalLM with ``head_dim`` 12 computing largebatch's logits, and back tensor for tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.integrations.hf_export import save_hf
+
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, head_size=12, ffn_hidden=48, seq_len=16,
+                      vocab_size=64, bias=False, qkv_bias=True if biases == "qkv" else None, rope_theta=1e4,
+                      **{k[6:]: v for k, v in LLAMA.items()})
+    ours = _scrambled(cfg)
+    architecture = save_hf(ours, None, tmp_path / "out")["architecture"]
+    assert architecture == ("Qwen2ForCausalLM" if biases == "qkv" else "LlamaForCausalLM")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["head_dim"] == 12
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert hf.model.layers[0].self_attn.o_proj.weight.shape == (32, 48)
+    _same_logits_and_back(ours, hf, tmp_path / "out")
+
+
 def model_fields_config(path: Path) -> ModelConfig:
     """The ModelConfig model.init_from builds for ``path`` (no tokenizer needed: model fields only)."""
     fields = model_fields(path)
@@ -168,8 +223,9 @@ def model_fields_config(path: Path) -> ModelConfig:
 
 
 def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: str = "llama", **config):
-    """A LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM: q/k/v biases) built and saved by
-    transformers, weights scrambled: 4 query heads on 1 key/value head, tied, rope_theta 20000, eps 1e-5."""
+    """A LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM: q/k/v biases; Qwen3ForCausalLM:
+    heads of 12 on a 32-wide stream, q and k norms) built and saved by transformers, weights
+    scrambled: 4 query heads on 1 key/value head, tied, rope_theta 20000, eps 1e-5."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -177,6 +233,8 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     shape = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -185,6 +243,7 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
     torch.manual_seed(0)
     hf = {"mistral": lambda: MistralForCausalLM(MistralConfig(sliding_window=None, **shape)),
           "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **shape)),
+          "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, head_dim=QWEN3_HEAD, **shape)),
           "llama": lambda: LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **shape))}[family]()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -196,7 +255,10 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
     return hf.eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+QWEN3_HEAD = 12  # (hidden_size / num_attention_heads is 8)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_on(llama_run, cache, family, tmp_path):
     from largebatch.data import build_data
 
@@ -210,8 +272,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     assert (m.kind, m.norm, m.position, m.activation, m.norm_position) == ("gpt", "rmsnorm", "rope", "swiglu", "pre")
     assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.ffn, m.seq_len, m.vocab_size) == (2, 32, 4, 1, 48, 48, V)
     assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings) == (2e4, 1e-5, False, True)
-    # Qwen2: biases on q, k and v alone, and it exports as Qwen2 (a window-free Mistral as Llama)
-    assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else (False, "llama"))
+    # Qwen2: biases on q, k and v alone, and it exports as Qwen2 (a window-free Mistral as Llama);
+    # Qwen3: heads of head_dim values, each query and key head normalised
+    assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else
+                                               (False, "qwen3" if family == "qwen3" else "llama"))
+    assert (m.head_size, m.qk_norm) == ((QWEN3_HEAD, True) if family == "qwen3" else (None, False))
     # qkv_bias given as the network has it (none: as bias) is the same model; the other way is refused
     same = load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family == "qwen2"}).model
     assert same.qkv_biased == m.qkv_biased
@@ -241,7 +306,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
                                    (model.blocks[0].ln1.weight.grad, hf.model.layers[0].input_layernorm.weight.grad),
                                    (model.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad),
                                    *(((model.blocks[1].attn.v.bias.grad, layer.self_attn.v_proj.bias.grad),)
-                                     if family == "qwen2" else ())):
+                                     if family == "qwen2" else ()),
+                                   *(((model.blocks[1].attn.q_norm.weight.grad, layer.self_attn.q_norm.weight.grad),
+                                      (model.blocks[1].attn.k_norm.weight.grad, layer.self_attn.k_norm.weight.grad),
+                                      (model.blocks[1].attn.proj.weight.grad, layer.self_attn.o_proj.weight.grad))
+                                     if family == "qwen3" else ())):
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
     if family != "llama":
         return  # (the same network: the training below runs once)
@@ -289,7 +358,11 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
                               ["rope_type='llama3' without low_freq_factor, high_freq_factor"]),
              "biases": ({"attention_bias": True, "mlp_bias": False},
                         ["attention_bias=True and mlp_bias=False", "one model.bias"]),
-             "head-dim": ({"head_dim": 16}, ["head_dim=16", "hidden_size / num_attention_heads = 8"]),
+             "qwen3-biases": ({"model_type": "qwen3", "attention_bias": True},
+                              ["attention_bias=True", "q, k, v and o_proj", "model.bias covers the MLP"]),
+             "qwen3-window": ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16,
+                               "max_window_layers": 0, "layer_types": None}, ["sliding_window=16", "below"]),
+             "head-dim-zero": ({"head_dim": 0}, ["head_dim=0", "positive integer"]),
              "gelu": ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
              "partial": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
              "window": ({"model_type": "mistral", "sliding_window": 16}, ["sliding_window=16", "below"]),
@@ -301,6 +374,12 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
         with pytest.raises(ConfigError) as err:
             model_fields(_variant(tmp_path, source, name, **changes))
         assert all(w in str(err.value) for w in words), str(err.value)
+    # a head_dim other than hidden_size / num_attention_heads is model.head_size (and as many is none);
+    # Qwen3 without the key has Qwen3Config's 128
+    assert model_fields(_variant(tmp_path, source, "head-dim", head_dim=16))["head_size"] == 16
+    assert model_fields(_variant(tmp_path, source, "head-dim-same", head_dim=8))["head_size"] is None
+    qwen3 = model_fields(_variant(tmp_path, source, "qwen3-128", model_type="qwen3", head_dim=None))
+    assert (qwen3["head_size"], qwen3["qk_norm"], qwen3["bias"], qwen3["hf_model_type"]) == (128, True, False, "qwen3")
     # a Qwen2 whose layer_types are all full attention has no window, whatever use_sliding_window says
     # (Qwen2Config builds layer_types from it only where they are not written)
     full = _variant(tmp_path, source, "qwen2-full", model_type="qwen2", use_sliding_window=True, sliding_window=16,

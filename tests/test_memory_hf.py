@@ -147,8 +147,11 @@ def test_preset_cli_prints_the_paper_table(capsys):
                                              r"=131072.*does not describe it"),
     (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_window_layers=4).to_dict(),
      r"'qwen2' has sliding_window=1024 below max_position_embeddings=32768"),
-    (transformers.LlamaConfig(head_dim=64).to_dict(), r"'llama' has head_dim=64; largebatch's heads are "
-                                                      r"hidden_size / num_attention_heads = 128 wide"),
+    (transformers.Qwen3Config(use_sliding_window=True, sliding_window=1024, max_window_layers=4).to_dict(),
+     r"'qwen3' has sliding_window=1024 below max_position_embeddings=32768"),
+    ({**transformers.LlamaConfig().to_dict(), "hidden_size": 100, "head_dim": None},
+     r"hidden_size=100, num_attention_heads=32 and no head_dim.*must divide hidden_size"),
+    ({**transformers.LlamaConfig().to_dict(), "head_dim": 0}, r"head_dim=0; it must be a positive integer"),
     (transformers.LlamaConfig(hidden_act="gelu").to_dict(), r"'llama' has hidden_act='gelu'.*SwiGLU"),
     (transformers.LlamaConfig(num_key_value_heads=3).to_dict(), r"num_key_value_heads=3.*to divide"),
     ({**transformers.LlamaConfig().to_dict(), "attention_dropout": None}, r"'attention_dropout'=None: expected"),
@@ -361,7 +364,7 @@ def test_numpy_integers_and_the_bert_head_share():
 
 
 # ---------------------------------------------------------------------------------- Llama family
-def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none"):
+def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none", dh=None, qk_norm=False):
     """What one transformers LlamaDecoderLayer keeps, in float64 from the saved tensors its graph
     holds (docs/memory.md), not from the code under test. Per token: two RMSNorms, each its fp32
     input (4 h bytes: the input itself in fp32), the d-byte normalised tensor the gain needs, a
@@ -371,13 +374,19 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none")
     SwiGLU's gate output, SiLU output, up output and down input (4 f values). The core (policy
     "none"): eager, the fp32 softmax (4 bytes a score) and what P V keeps -- the cast to d bytes
     (no copy in fp32), or with dropout its mask (m bytes) and output (d); sdpa a 4-byte log-sum-exp
-    per head. "full": the layer input."""
+    per head. "full": the layer input. Heads of ``dh`` values (Qwen3's head_dim; h / a when None): q
+    and the o_proj input are a dh wide, K and V a dh (eager) or a_kv dh. ``qk_norm`` (Qwen3): q_norm
+    and k_norm are written out as the layer norms, per head an fp32 input (4 dh bytes), the d-byte
+    normalised tensor and a 4-byte rsqrt."""
     s, b, h, a, a_kv, f, d, m = map(float, (s, b, h, a, a_kv, f, d, m))
+    dh = h / a if dh is None else float(dh)
     if policy == "full":
         return s * b * h * d
     norms = 2 * (4 * h + h * d + 4)
-    k_and_v = 2 * h * d if eager and policy == "none" else 2 * h * a_kv / a * d
-    per_token = norms + 4 * h * d + k_and_v + 4 * f * d
+    k_and_v = 2 * a * dh * d if eager and policy == "none" else 2 * a_kv * dh * d
+    per_token = norms + 2 * h * d + 2 * a * dh * d + k_and_v + 4 * f * d
+    if qk_norm:
+        per_token += (a + a_kv) * (4 * dh + dh * d + 4)
     if policy == "none":
         if not eager:
             per_token += 4 * a
@@ -387,7 +396,8 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none")
 
 
 LLAMA_TYPES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
 
 
 def llama_dict(model_type="llama", *, n_layer=1, s=64, h=64, a=4, a_kv=2, f=160, dropout=0.0, v=64, **kw):
@@ -431,7 +441,12 @@ LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
     ("llama", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
     ("llama", "eager", torch.bfloat16, 2, 0.1, False, "selective"),  # the checkpoint keeps un-repeated K/V
     ("qwen2", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # q/k/v biases keep nothing
+    ("qwen3", "eager", torch.float32, 2, 0.1, False, "none"),   # heads of 24 on a 64-wide stream, q/k norms
+    ("qwen3", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # the norms' fp32 copies of a bf16 input
+    ("qwen3", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
+    ("qwen3", "eager", torch.bfloat16, 2, 0.1, False, "selective"),
 ]
+QWEN3_HEAD = 24  # (not hidden_size / num_attention_heads = 16)
 
 
 @pytest.mark.parametrize("model_type, attn, dtype, a_kv, dropout, bool_masks, policy", LLAMA_MEASURED, ids=[
@@ -442,12 +457,13 @@ def test_measured_hf_llama_layers(model_type, attn, dtype, a_kv, dropout, bool_m
     from largebatch.memory import hf_eager_layer_bytes
 
     s, b, h, a, f, d = 64, 2, 64, 4, 160, dtype.itemsize
-    raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout)
+    qwen3 = {"head_dim": QWEN3_HEAD} if model_type == "qwen3" else {}
+    raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout, **qwen3)
     with hf_memory.bool_mask_dropout() if bool_masks else contextlib.nullcontext():
         measured = llama_measured_per_layer(raw, b, attn, dtype, policy)
     m = 1 if bool_masks else d
     reference = llama_reference(s, b, h, a, a_kv, f, d, eager=attn == "eager", dropout=dropout > 0, m=m,
-                                policy=policy)
+                                policy=policy, dh=qwen3.get("head_dim"), qk_norm=bool(qwen3))
     assert measured == pytest.approx(reference, rel=1e-9)
     config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
     estimate = hf_eager_layer_bytes(config, "silu", b, policy, dtype_bytes=d, device="cuda" if bool_masks else "cpu")

@@ -25,6 +25,9 @@ from largebatch.models.kinds import block_tp_plan
 
 LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", ffn_hidden=96, n_kv_head=2)
 OPTIONS = {
+    "head_size": dict(head_size=24),  # heads of 24 on a 64-wide stream of 4 heads
+    "qk_norm": dict(qk_norm=True),  # LayerNorm over each head (the model's norm)
+    "qwen3": dict(LLAMA, head_size=24, qk_norm=True),
     "rmsnorm": dict(norm="rmsnorm"),
     "rope": dict(position="rope"),
     "swiglu": dict(activation="swiglu", ffn_hidden=96),
@@ -40,10 +43,13 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
                     dropout: bool, fused: bool) -> float:
     """Bytes one layer keeps, written in float64 from the formula of docs/papers.md (memory, the
     Llama-style terms), not from the code under test: per token, at d bytes per value and 1-byte
-    masks, with f = ffn, a_kv key/value heads,
+    masks, with f = ffn, a_kv key/value heads, heads of d_h values (head_size; h / a by default),
+    w = a d_h,
         replicated (/ t under sequence parallel): 2 norm inputs h d (LayerNorm or RMSNorm) + Q/K/V
             input h d + MLP input h d + 2 h masks
-        split by t: Q h d, K and V 2 h d a_kv / a, projection input h d, MLP 2 f d (GeLU: its input,
+        split by t: Q w d, K and V 2 a_kv d_h d, projection input w d, with qk_norm the q and k
+            norms' inputs (a + a_kv) d_h d and their per-head statistics (a + a_kv) 4 bytes
+            (RMSNorm) or 8 (LayerNorm) (not under op), MLP 2 f d (GeLU: its input,
             fc2's input) or 4 f d (SwiGLU: gate output, SiLU output, fc1 output, fc2 input)
         core (split by t): a s (2 d + 1) with dropout, a s d without, 4 a fused
     selective: all but the core; op: layer input, projection and fc2 outputs (3 h d, replicated), q,
@@ -51,6 +57,7 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
     the layer input h d."""
     s, b, d, t = float(s), float(b), float(d), float(t)
     h, a, f, a_kv = float(c.n_embd), float(c.n_head), float(c.ffn), float(c.kv_heads)
+    dh = h / a if c.head_size is None else float(c.head_size)
     gated = c.activation == "swiglu"
     t_rep = t if sp else 1.0
     m = 1.0 if dropout else 0.0
@@ -58,10 +65,11 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
         return s * b * h * d / t_rep
     if policy == "op":
         core = 4 * a if fused else a * s * d
-        return s * b * (3 * h * d / t_rep + (2 * h + 2 * h * a_kv / a + (2 if gated else 1) * f) * d / t
+        return s * b * (3 * h * d / t_rep + (2 * a * dh + 2 * a_kv * dh + (2 if gated else 1) * f) * d / t
                         + core / t)
     replicated = (2 * h * d + h * d + h * d + 2 * h * m) / t_rep
-    split = (h * d + 2 * h * d * a_kv / a + h * d + (4 if gated else 2) * f * d) / t
+    qk = (a + a_kv) * (dh * d + (4.0 if c.norm == "rmsnorm" else 8.0)) if c.qk_norm else 0.0
+    split = (a * dh * d + 2 * a_kv * dh * d + a * dh * d + qk + (4 if gated else 2) * f * d) / t
     core = 4 * a if fused else a * s * ((2 * d + m) if dropout else d)
     per_token = replicated + split + (0.0 if policy == "selective" else core / t)
     return s * b * per_token
@@ -87,8 +95,8 @@ POLICIES = ("none", "selective", "op", "full")
 # masks and the s^2 terms); the fused kernel (no s^2 term, the op policy's log-sum-exp); bf16,
 # where an RMSNorm written op by op would keep an fp32 copy of its input
 CASES = ([(name, torch.float32, "explicit", 0.1) for name in OPTIONS]
-         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama")]
-         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama")])
+         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama", "qwen3")]
+         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama", "qwen3")])
 
 
 @pytest.mark.parametrize("name, dtype, attention, dropout", CASES,
@@ -112,7 +120,7 @@ def test_each_new_term_is_large_enough_for_the_measurement_to_see():
     """The 1% tolerance above would miss a term smaller than it: each option's term is >= 3.5% of
     its layer's bytes (no recompute, fp32, dropout), against the same layer without the option."""
     plain = ModelConfig(**BASE, dropout=0.1)
-    for name in ("swiglu", "gqa"):
+    for name in ("swiglu", "gqa", "head_size", "qk_norm"):
         c = plain.replace(**OPTIONS[name])
         without = plain.replace(ffn_hidden=c.ffn_hidden)
         new, old = (reference_layer(x, S, B, 4, "none", dropout=True, fused=False) for x in (c, without))
@@ -137,11 +145,12 @@ def test_rope_keeps_nothing_and_rmsnorm_keeps_what_layernorm_keeps():
     assert rms[torch.float32] == layernorm[torch.float32] - 2 * 4 * S * B  # two norms a layer
 
 
-@pytest.mark.parametrize("t, sp", [(2, False), (2, True)])
-def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp):
-    """K and V (a_kv / t heads per rank) and the gate's outputs split by t, the RMSNorm inputs
-    replicated unless sequence parallel: the code against the reference, at the paper's 16 bits."""
-    c = ModelConfig(**BASE, **LLAMA, dropout=0.1)
+@pytest.mark.parametrize("t, sp, layout", [(2, False, "llama"), (2, True, "llama"), (2, True, "qwen3")])
+def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp, layout):
+    """K and V (a_kv / t heads per rank) and the gate's outputs split by t (Qwen3's q and k norms'
+    inputs too), the RMSNorm inputs replicated unless sequence parallel: the code against the
+    reference, at the paper's 16 bits."""
+    c = ModelConfig(**BASE, **OPTIONS[layout], dropout=0.1)
     kw = config_layer_kwargs(c, dtype_bytes=2)
     for policy in POLICIES:
         reference = reference_layer(c, S, B, 2, policy, t=t, sp=sp, dropout=True, fused=False)
@@ -203,6 +212,12 @@ def test_parameter_counts_match_the_built_models():
                                                       ("pre", "post")):
         c = ModelConfig(kind="bert", **small, norm=norm, position=position, n_kv_head=kv, norm_position=post)
         assert estimate(c, 1, dtype_bytes=4).parameters == 4 * sum(p.numel() for p in BERT(c).parameters()), c
+    for norm, head_size, qk_norm, bias, kind in itertools.product(("layernorm", "rmsnorm"), (None, 12), (False, True),
+                                                                  (True, False), ("gpt", "bert")):
+        c = ModelConfig(**{**small, "kind": kind}, norm=norm, head_size=head_size, qk_norm=qk_norm, bias=bias,
+                        n_kv_head=2, norm_position="post" if kind == "bert" else "pre")
+        n = sum(p.numel() for p in (GPT if kind == "gpt" else BERT)(c).parameters())
+        assert estimate(c, 1, dtype_bytes=4).parameters == 4 * n, c
 
 
 @pytest.mark.parametrize("bias", [True, False])

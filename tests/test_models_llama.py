@@ -1,5 +1,6 @@
 """The Llama-style layer options against float64 references written from their papers' formulas, and
-the whole model against transformers' LlamaForCausalLM.
+the whole model against transformers' LlamaForCausalLM (Qwen3's options against Qwen3ForCausalLM and a
+float64 attention written from their formulas).
 
 RMSNorm (Zhang & Sennrich 2019, eq. 4), rotary embeddings (Su et al. 2021, eq. 34, written here in
 its complex form: pair i of a head is one complex number, multiplied by exp(j m theta_i)), SwiGLU
@@ -240,8 +241,121 @@ def test_llama_style_gpt_matches_transformers_llama():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=0, atol=1e-6)
 
 
+def _reference_qk_norm_attention(x, attn, d_h, eps):
+    """Causal attention of one layer with Qwen3's options, in float64 from the formulas (docs/papers.md:
+    Llama-style layers), not from the module: q = x W_q^T cut into heads of d_h values, each head
+    normalised, x_hat = q / sqrt(mean(q^2) + eps) times the gain; the same for k; rotated in the
+    complex form (pair i is q[i] + j q[i + d_h/2], times exp(j m theta^(-2i/d_h))); key/value head
+    floor(i / g) for query head i; softmax(q . k / sqrt(d_h)) over j <= m; heads joined; W_o."""
+    B, T, _ = x.shape
+    a, a_kv = attn.q.out_features // d_h, attn.k.out_features // d_h
+    w = {n: getattr(attn, n).weight.detach().double() for n in ("q", "k", "v", "proj")}
+    q = (x @ w["q"].T).view(B, T, a, d_h)
+    k = (x @ w["k"].T).view(B, T, a_kv, d_h)
+    v = (x @ w["v"].T).view(B, T, a_kv, d_h)
+
+    def normed(t, gain):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps) * gain.detach().double()
+
+    q, k = normed(q, attn.q_norm.weight), normed(k, attn.k_norm.weight)
+    half = d_h // 2
+    pairs = torch.arange(half, dtype=torch.float64)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * pairs / d_h)
+    turn = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]  # (1, T, 1, d_h/2)
+
+    def rotated(t):
+        z = torch.complex(t[..., :half], t[..., half:]) * turn
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    q, k = rotated(q), rotated(k)
+    g = a // a_kv
+    out = torch.empty(B, T, a, d_h, dtype=torch.float64)
+    for i in range(a):
+        scores = torch.einsum("bmd,bnd->bmn", q[:, :, i], k[:, :, i // g]) / math.sqrt(d_h)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        out[:, :, i] = torch.softmax(scores, -1) @ v[:, :, i // g]
+    return out.reshape(B, T, a * d_h) @ w["proj"].T
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_qk_norm_with_its_own_head_size_matches_the_formulas(attention):
+    """Heads of 24 values on a 32-wide stream (q is 96 wide, k and v 48), each query and key head
+    normalised with gains far from 1: the module (fp64, its rotary tables fp32) against the reference, and the
+    shapes; without the norms the same weights give other outputs (the reference would see it)."""
+    torch.manual_seed(6)
+    cfg = _cfg(n_kv_head=2, head_size=24, qk_norm=True, norm_eps=1e-6, attention=attention, **LLAMA)
+    attn = Attention(cfg).double().eval()
+    assert (attn.q.weight.shape, attn.k.weight.shape, attn.proj.weight.shape) == ((96, 32), (48, 32), (32, 96))
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (24,)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 2.0)
+        attn.k_norm.weight.uniform_(0.5, 2.0)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    expected = _reference_qk_norm_attention(x, attn, 24, 1e-6)
+    # (the module's rotary tables are fp32, as transformers' are: ~3e-8 here; a wrong norm is ~1e-1)
+    torch.testing.assert_close(attn(x), expected, rtol=0, atol=1e-6)
+    plain = Attention(cfg.replace(qk_norm=False)).double().eval()
+    plain.load_state_dict({k: v for k, v in attn.state_dict().items() if "_norm" not in k})
+    assert (plain(x) - expected).abs().max() > 1e-2
+
+
+def test_qwen3_layout_matches_transformers_qwen3():
+    """A GPT with Qwen3's layers (no biases, q/k norms, heads of 24 on a 64-wide stream, 2 K/V heads,
+    theta 1e6, untied) with its weights copied into transformers' Qwen3ForCausalLM gives its logits
+    in float64, explicit and sdpa alike."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    L = 2
+    for attention in ("explicit", "sdpa"):
+        cfg = _cfg(n_layer=L, n_embd=64, n_kv_head=2, head_size=24, qk_norm=True, norm_eps=1e-6, rope_theta=1e6,
+                   tie_embeddings=False, attention=attention, seq_len=24, vocab_size=100, ffn_hidden=96, **LLAMA)
+        ours = build_model(cfg).double().eval()
+        with torch.no_grad():
+            for name, p in ours.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 2.0)
+        theirs = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=24, max_position_embeddings=24, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+            attention_bias=False)).double().eval()
+        names = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "ln_f.weight",
+                 "lm_head.weight": "lm_head.weight"}
+        for i in range(L):
+            for hf, mine in (("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
+                             ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
+                             ("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"),
+                             ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.fc1"), ("mlp.down_proj", "mlp.fc2"),
+                             ("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
+                names[f"model.layers.{i}.{hf}.weight"] = f"blocks.{i}.{mine}.weight"
+        state = ours.state_dict()
+        result = theirs.load_state_dict({hf: state[mine] for hf, mine in names.items()}, strict=False)
+        assert not result.missing_keys and not result.unexpected_keys
+        idx = torch.randint(0, 100, (2, 24))
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=0, atol=1e-6)
+
+
+def test_flops_count_the_attention_width_of_heads_of_any_size():
+    """flops_per_token against an independent count: 6 x (the blocks' matmul weights, read off the
+    built model) + 3 x 4 s a d_h per layer (Q K^T and P V at the attention's own width, forward and
+    twice in backward) + the output layer, for heads of n_embd / n_head values and of another size."""
+    from largebatch.models.flops import flops_per_token
+
+    for head_size in (None, 24):
+        cfg = _cfg(n_kv_head=2, head_size=head_size, qk_norm=head_size is not None, **LLAMA)
+        model = build_model(cfg)
+        matmuls = sum(m.weight.numel() for n, m in model.blocks.named_modules() if isinstance(m, torch.nn.Linear))
+        width = cfg.n_head * (head_size or cfg.n_embd // cfg.n_head)
+        expected = 6 * matmuls + cfg.n_layer * 3 * 4 * cfg.seq_len * width + 6 * cfg.n_embd * cfg.vocab_size
+        assert flops_per_token(cfg) == expected
+
+
 @pytest.mark.parametrize("changes, words", [
     (dict(n_kv_head=3), ["n_kv_head=3", "n_head=4", "divisor"]),
+    (dict(head_size=0), ["head_size=0", "positive"]),
+    (dict(position="rope", head_size=9), ["head_size=9", "even", "change head_size"]),
+    (dict(n_head=3), ["n_head=3", "n_embd=32", "or set head_size"]),
     (dict(n_kv_head=0), ["n_kv_head=0", "positive"]),
     (dict(position="rope", n_embd=36, n_head=4, ffn_hidden=None), ["rope", "head size", "9", "even"]),
     (dict(position="rope", rope_theta=0.5), ["rope_theta=0.5", "> 1"]),
@@ -295,6 +409,12 @@ def test_a_llama_style_run_resumes_to_the_bit_and_refuses_another_layout(tmp_pat
     assert main(["--resume", str(out), "--model.norm=layernorm", "--model.position=learned"]) == 2
     err = capsys.readouterr().err
     assert "model.norm" in err and "model.position" in err and "does not fit" in err, err
+    # Qwen3's two fields hold tensors too (the norms' gains; q and the projection's shapes); the heads
+    # written as the size they are already (32 / 2) are the same network
+    assert main(["--resume", str(out), "--model.qk_norm=true", "--model.head_size=12"]) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_norm" in err and "model.head_size" in err and "does not fit" in err, err
+    assert main(["--resume", str(out), "--model.head_size=16", "--check"]) == 0, capsys.readouterr().err
 
 
 def test_the_run_header_names_the_layer_options():

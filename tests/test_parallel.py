@@ -31,12 +31,15 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama") for mode in cases.MODES]
+@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3")
+                                        for mode in cases.MODES]
                          + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
     """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered). "llama": the GPT
     with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads
-    for 4 query heads (one K/V head and its 2 query heads per tp rank). "*-docs": attention within
+    for 4 query heads (one K/V head and its 2 query heads per tp rank). "qwen3": those layers with
+    heads of 12 values and each query and key head normalised (the norms' gains summed over the tp
+    ranks' heads). "*-docs": attention within
     the documents of packed rows (model.document_mask; learned positions restarting at each)."""
     for rank_results in ranks[1]:
         assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL

@@ -24,7 +24,7 @@ Options:
                        step_00000100.pt, or its path) instead of the newest; the run keeps the newest
                        run.keep_checkpoints of them
   --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2,
-                       llama or qwen2 (GPT; by default the one computing the run's blocks), bert,
+                       llama, qwen2 or qwen3 (GPT; by default the one computing the run's blocks), bert,
                        roberta, xlm-roberta or camembert (post-LN BERT)
   --ema                export the run's weight average (run.ema_decay) instead of its weights; an
                        error when the checkpoint holds none

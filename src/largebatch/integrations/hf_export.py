@@ -1,5 +1,5 @@
-"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or
-``Qwen2ForCausalLM`` / ``BertForMaskedLM`` (or the RoBERTa family's masked LM).
+"""largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` / ``BertForMaskedLM`` (or the RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
 
@@ -10,13 +10,16 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
 * Llama-style GPT (model.norm="rmsnorm", position="rope", activation="swiglu"; Touvron et al. 2023)
   -> LlamaForCausalLM, the default type of such a model (``model.hf_model_type`` unset): nn.Linear
   on both sides, so a renaming (largebatch.train.hf_import's table read backwards); grouped-query
-  attention as ``num_key_value_heads``, ``head_dim`` = n_embd / n_head, ``attention_bias`` =
+  attention as ``num_key_value_heads``, ``head_dim`` = the head size, ``attention_bias`` =
   ``mlp_bias`` = model.bias, ``rope_theta``, ``rms_norm_eps``, ``max_position_embeddings`` = seq_len,
   ``rope_parameters`` with model.rope_scaling's type and factors ("linear"; "llama3": Llama 3.1 and 3.2).
   Llama has dropout on the attention probabilities only: ``attention_dropout`` = model.dropout, and
   the embedding and residual dropout have no place (the same logits in eval). With biases on q, k
   and v alone (model.bias=False, model.qkv_bias=True) -> Qwen2ForCausalLM (Yang et al. 2024), the
-  default type of such a model: the same names, the three biases too, no sliding window. A mixed layout (rope
+  default type of such a model: the same names, the three biases too, no sliding window. Without
+  biases and with each query and key head normalised (model.qk_norm) -> Qwen3ForCausalLM (Yang et al.
+  2025), the default type of such a model: the same names plus ``self_attn.q_norm`` and ``k_norm``,
+  ``attention_bias`` false, no sliding window. A mixed layout (rope
   with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
   GPT-2) maps to no transformers architecture and is refused naming its fields
   (models.config.hf_layout_problem); the trainer refuses it before training when
@@ -167,14 +170,14 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
-    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "architectures": [arch]}
     tokens = {"bos_token_id": special.get("bos_token"), "eos_token_id": special.get("eos_token"),
               "pad_token_id": special.get("pad_token")}
-    if hf_model_type(cfg) in ("llama", "qwen2"):
+    if hf_model_type(cfg) in LLAMA_FAMILY:
         blocks = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.ffn, num_hidden_layers=cfg.n_layer,
                       num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
                       hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
@@ -182,8 +185,12 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                       **tokens, **common)
         if hf_model_type(cfg) == "llama":
             config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)
+        elif hf_model_type(cfg) == "qwen3":  # Llama's blocks without biases, q and k heads normalised
+            config = Qwen3Config(head_dim=cfg.head_dim, attention_bias=False, use_sliding_window=False,
+                                 sliding_window=None, **blocks)
         else:  # Qwen2: Llama's blocks with biases on q, k and v only; no sliding window
-            config = Qwen2Config(use_sliding_window=False, sliding_window=None, **blocks)
+            heads = {"head_dim": cfg.head_dim} if cfg.attention_width != cfg.n_embd else {}
+            config = Qwen2Config(use_sliding_window=False, sliding_window=None, **heads, **blocks)
         # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
         # the tools that read Llama configs without it) expect, or they would rotate with 10000
         config.rope_theta = float(cfg.rope_theta)
@@ -245,12 +252,16 @@ def gpt_state_dict(model) -> dict[str, torch.Tensor]:
 # largebatch's names in a Llama-style block -> LlamaDecoderLayer's (both nn.Linear: no transpose)
 LLAMA_NAMES = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
                ("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc1", "mlp.up_proj"),
-               ("mlp.fc2", "mlp.down_proj"), ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+               ("mlp.fc2", "mlp.down_proj"), ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
+               ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))  # (Qwen3's norms)
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+"""The model types whose layers are LlamaDecoderLayer's, under its names (Qwen3's query and key norms besides)."""
 
 
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
-    """Llama-style largebatch GPT parameters under LlamaForCausalLM's (and Qwen2ForCausalLM's) names
-    (biases where the model has them: every Linear layer's, or q, k and v's; RMSNorm has none). The
+    """Llama-style largebatch GPT parameters under LlamaForCausalLM's (and Qwen2's, Qwen3's) names
+    (biases where the model has them: every Linear layer's, or q, k and v's; RMSNorm has none; the
+    query and key heads' norms where it has them). The
     rotary tables are buffers, not weights: transformers builds its own."""
     cfg: ModelConfig = model.config
     s = {k: v.detach().float() for k, v in model.state_dict().items()}
@@ -309,12 +320,13 @@ def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
 
 def hf_model(model, special: dict[str, int]):
     """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
-    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     cfg: ModelConfig = model.config
     config = hf_config(cfg, special)
-    if config.model_type in ("llama", "qwen2"):  # (Qwen2's names are Llama's, its q/k/v biases too)
-        hf = (LlamaForCausalLM if config.model_type == "llama" else Qwen2ForCausalLM)(config)
+    if config.model_type in LLAMA_FAMILY:  # (Qwen2's and Qwen3's names are Llama's, and their own)
+        causal_lm = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+        hf = causal_lm[config.model_type](config)
         state = llama_state_dict(model)
     elif cfg.kind == "gpt":
         hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)

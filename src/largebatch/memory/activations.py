@@ -33,6 +33,14 @@ tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
   (SiLU's input), the SiLU output and the fc1 output (the product's operands), the fc2 input; the
   gate reads the fc1 input (kept once). The op-level policy keeps the gate and fc1 outputs (2 f d);
 * rotary positions keep nothing: the rotation multiplies by constant tables (buffers);
+* head_size d_h (heads whatever h / a is): Q and the projection input are w = a d_h wide in place of
+  h, K and V w a_kv / a; the s^2 terms are unchanged;
+* qk_norm (each query and key head normalised, Qwen3): the norms keep their inputs, the q and k
+  projections' outputs, (w + w a_kv / a) d more (split by t), and their statistics, one row per head:
+  (a + a_kv) 4 bytes (RMSNorm's fp32 1/rms) or 8 (LayerNorm's mean and 1/std, fp32 on a GPU) -- per
+  head, so unlike the layer norms' per-token statistics not negligible at small head sizes (12% of
+  the norms' bytes at d_h = 16 in fp32); the op-level policy keeps the inputs already (the matmul
+  outputs) and recomputes the statistics;
 * RMSNorm keeps its input only, as a LayerNorm (largebatch.models.layers.RMSNorm recomputes the
   normalised tensor in backward; written out, as transformers' LlamaRMSNorm, it keeps an fp32 copy
   of a 16-bit input and the normalised tensor besides, 3 h d at 16 bits: largebatch.memory.hf).
@@ -81,10 +89,17 @@ class LayerShape:
     tp: int
     sequence_parallel: bool
     kv_heads: int
+    head_dim: int | None = None
+    """d_h; None: hidden / heads, which heads must then divide."""
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp", "kv_heads"):
+        for name in ("seq_len", "micro_batch", "hidden", "heads", "ffn_hidden", "tp", "kv_heads", "head_dim"):
             value = getattr(self, name)
+            if value is None and name == "head_dim":
+                if self.hidden % self.heads:
+                    raise ValueError(f"heads={self.heads} does not divide hidden={self.hidden}: give head_dim "
+                                     "(the size of one head), or heads that divide hidden.")
+                object.__setattr__(self, name, value := self.hidden // self.heads)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 object.__setattr__(self, name, value := int(value))  # a numpy integer
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -113,7 +128,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                ffn_hidden: int | None = None, dtype_bytes: float = 2,
                                mask_bytes: float = 1, fused_attention: bool = False,
                                dropout: bool = True, replicated_values: float = 4,
-                               kv_heads: int | None = None, gated_mlp: bool = False) -> float:
+                               kv_heads: int | None = None, gated_mlp: bool = False,
+                               head_dim: int | None = None, qk_norm: str | None = None) -> float:
     """Bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022, Table 2).
 
     recompute: "none" | "selective" (core attention recomputed) | "op" (matmul outputs saved,
@@ -125,10 +141,15 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     fc1 input; a block whose attention and MLP read one normed input keeps 2). kv_heads: key/value
     heads a_kv (None: heads; grouped-query attention keeps K and V at 2 s b h d a_kv / a).
     gated_mlp: the SwiGLU MLP, four f-wide values kept (gate output, SiLU output, fc1 output, fc2
-    input) in place of two.
+    input) in place of two. head_dim: d_h (None: hidden / heads); Q and the projection input are
+    heads * d_h wide. qk_norm: the query and key heads' norms, "rmsnorm" or "layernorm" (None: none),
+    keep their inputs and a 4-byte (RMSNorm) or two 4-byte (LayerNorm) statistics per head.
     """
+    if qk_norm not in (None, "rmsnorm", "layernorm"):
+        raise ValueError(f"qk_norm={qk_norm!r}: must be None, 'rmsnorm' or 'layernorm' (the heads' norm).")
     shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
-                       else ffn_hidden, tp, bool(sequence_parallel), heads if kv_heads is None else kv_heads)
+                       else ffn_hidden, tp, bool(sequence_parallel), heads if kv_heads is None else kv_heads,
+                       head_dim)
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE_POLICIES)}.")
     _check_bytes(dtype_bytes, mask_bytes)
@@ -140,15 +161,18 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     s, b, h, a, f, t = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads, shape.ffn_hidden, shape.tp
     d, m = dtype_bytes, (mask_bytes if dropout else 0)
     t_rep = t if sequence_parallel else 1  # what splits the "replicated" regions
-    kv = h * shape.kv_heads / a  # the width of K and of V (h unless grouped)
+    w = a * shape.head_dim  # the width of Q and of the projection input (h unless head_dim says otherwise)
+    kv = shape.kv_heads * shape.head_dim  # the width of K and of V (w unless grouped)
     if recompute == "full":
         return s * b * h * d / t_rep
     if recompute == "op":  # matmul outputs: q, k, v, the attention output; fc1 (and the gate)
         kept_core = 4 * a * s * b if fused_attention else a * s * s * b * d
-        return s * b * (3 * h * d / t_rep + (2 * h + 2 * kv + (2 if gated_mlp else 1) * f) * d / t) + kept_core / t
+        return s * b * (3 * h * d / t_rep + (2 * w + 2 * kv + (2 if gated_mlp else 1) * f) * d / t) + kept_core / t
     replicated = s * b * (replicated_values * h * d + 2 * h * m) / t_rep
-    # Q and the projection input, K and V, the MLP's f-wide values
-    split = s * b * (2 * h + 2 * kv + (4 if gated_mlp else 2) * f) * d / t
+    # Q and the projection input, K and V, (the query and key norms' inputs), the MLP's f-wide values
+    split = s * b * (2 * w + 2 * kv + ((w + kv) if qk_norm else 0) + (4 if gated_mlp else 2) * f) * d / t
+    if qk_norm:  # their statistics: one row per query and key head
+        split += s * b * (a + shape.kv_heads) * (4 if qk_norm == "rmsnorm" else 8) / t
     if recompute == "selective":
         return replicated + split
     core = 4 * a * s * b if fused_attention else a * s * s * b * ((2 * d + m) if dropout else d)
@@ -172,7 +196,8 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
     return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
                 replicated_values=spec.layer_replicated,
-                kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu")
+                kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu",
+                head_dim=config.head_dim, qk_norm=config.norm if config.qk_norm else None)
 
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")

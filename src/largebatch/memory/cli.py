@@ -16,7 +16,8 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 ``--run.micro_batch``, ``--parallel.tp`` / ``pp`` / ``dp`` / ``pp_schedule`` / ``pp_virtual_stages`` /
 ``sequence_parallel``, ``--optim.name`` (``--optimizer``). The Llama-style layer options too:
 ``--model.norm rmsnorm`` (``--norm``), ``--model.position rope`` (``--position``), ``--model.activation
-swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``); and ``--model.document_mask true``
+swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``), ``--model.head_size``
+(``--head-size``), ``--model.qk_norm true`` (``--qk-norm``, Qwen3); and ``--model.document_mask true``
 (``--document-mask``: attention within the documents of packed sequences, one s x s mask more).
 """
 
@@ -59,7 +60,7 @@ import the trainer's config; a test holds them equal)."""
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout",
              "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head",
-             "document_mask": "document_mask"}
+             "head_size": "head_size", "qk_norm": "qk_norm", "document_mask": "document_mask"}
 """Short flag (``--kv-heads``: underscores written as dashes) -> the ModelConfig field it overrides."""
 
 
@@ -90,7 +91,8 @@ def _boolean(text: str) -> bool:
 
 
 TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
-         "ffn": _int_or_none, "kv_heads": _int_or_none, "document_mask": _boolean}
+         "ffn": _int_or_none, "kv_heads": _int_or_none, "head_size": _int_or_none, "qk_norm": _boolean,
+         "document_mask": _boolean}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "batch_size (the pipeline's micro-batches) and [parallel] tp / pp / sequence_parallel / "
                    "dp, so the prediction is per rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama "
-                   "(Mistral, Qwen2) config.json (or a directory holding one); also prints what "
+                   "(Mistral, Qwen2, Qwen3) config.json (or a directory holding one); also prints what "
                    "transformers' eager layers keep (and a Llama's sdpa layers, with --attention sdpa)")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
@@ -317,6 +319,8 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     width = max(len(r[0]) for r in rows)
     llama = [f"f={config.ffn}"] if config.ffn != 4 * config.n_embd else []
     llama += [f"a_kv={config.kv_heads}"] if config.kv_heads != config.n_head else []
+    llama += [f"d_h={config.head_dim}"] if config.attention_width != config.n_embd else []
+    llama += ["q/k norms"] if config.qk_norm else []
     llama += [f"{config.norm}"] if config.norm != "layernorm" else []
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
@@ -420,7 +424,8 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
                         f"MiB per layer; RMSNorm's fp32 input and normalised tensor; torch's fused kernel with "
                         "enable_gqa, measured on CPU without dropout, docs/memory.md)."]
         extras = ("K/V repeated to all heads" if config.kv_heads != config.n_head else "K/V") + \
-            (", the fp32 softmax" if dtype_bytes != 4 else "") + ", RMSNorm's fp32 input and normalised tensor"
+            (", the fp32 softmax" if dtype_bytes != 4 else "") + ", RMSNorm's fp32 input and normalised tensor" + \
+            (" (the q/k norms' too)" if config.qk_norm else "")
         if config.dropout == 0:  # no masks: CPU and GPU keep the same
             return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row "
                         f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models on CPU, "

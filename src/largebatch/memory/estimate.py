@@ -65,15 +65,19 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     LayerNorms, position embeddings and the biases of row-parallel linears are replicated. With
     tp = pp = 1 this is the model's exact parameter count. The Llama-style options: k and v map h to
     a_kv h / a (grouped-query attention), the SwiGLU MLP adds the gate (h x f, split by columns as
-    fc1), rotary positions have no weights, an RMSNorm a gain and no bias."""
-    h, f, v, s = config.n_embd, config.ffn, config.vocab_size, config.seq_len
-    kv = config.kv_heads * config.head_dim  # the k and v projections' width (h unless grouped)
+    fc1), rotary positions have no weights, an RMSNorm a gain and no bias; with head_size q and
+    the projection are h x a d_h, k and v h x a_kv d_h, and qk_norm adds two norms of d_h values
+    (replicated: every rank's heads share them)."""
+    h, f, v, s, w = config.n_embd, config.ffn, config.vocab_size, config.seq_len, config.attention_width
+    kv = config.kv_heads * config.head_dim  # the k and v projections' width (w unless grouped)
     mlp_in = 2 if config.activation == "swiglu" else 1  # h -> f matrices: fc1 (and the gate)
     spec = model_spec(config.kind)
     bias, qkv_bias = (1 if config.bias else 0), (1 if config.qkv_biased else 0)
     # q, k, v, proj, the MLP's h x f matrices and fc2 (+ the column-parallel biases)
-    split = 2 * h * h + 2 * h * kv + (mlp_in + 1) * h * f + qkv_bias * (h + 2 * kv) + bias * mlp_in * f
-    replicated = bias * 2 * h + spec.layer_norms * norm_parameters(config)  # proj and fc2 biases, the norms
+    split = 2 * h * w + 2 * h * kv + (mlp_in + 1) * h * f + qkv_bias * (w + 2 * kv) + bias * mlp_in * f
+    # proj and fc2 biases, the norms (and the query and key heads' norms)
+    replicated = (bias * 2 * h + spec.layer_norms * norm_parameters(config)
+                  + (2 * norm_parameters(config, config.head_dim) if config.qk_norm else 0))
     n = config.n_layer // pp * (split / tp + replicated)
     if first:  # token embeddings, and learned position embeddings
         n += v * h / tp + (s * h if config.position == "learned" else 0)

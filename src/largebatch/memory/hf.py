@@ -61,10 +61,12 @@ UNSUPPORTED = {
 # attention) as transformers writes it; Mistral without a sliding window, and Qwen2, whose q/k/v
 # biases keep nothing (measured: its layers keep Llama's bytes exactly)
 LLAMA_TYPES = ("llama", "mistral")
-LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2")
+LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3")
 # Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
 LLAMA_ACTIVATIONS = ("silu", "swish")
-_LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Qwen2": "qwen2"}
+_LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Qwen2": "qwen2", "Qwen3": "qwen3"}
+# (head_dim where config.json has none: Qwen3Config's 128; the others' hidden_size / num_attention_heads)
+HEAD_DIM_DEFAULTS = {"qwen3": 128}
 
 
 def _positive_ints(**values) -> bool:
@@ -74,9 +76,10 @@ def _positive_ints(**values) -> bool:
 def llama_fields(raw: dict, need, refuse) -> dict:
     """The ModelConfig fields of a Llama-family config.json (LLAMA_LAYOUTS) that both the memory
     model and ``model.init_from`` read: the shapes (``num_key_value_heads`` -> n_kv_head), RMSNorm,
-    rotary positions, the SwiGLU MLP. Refused through ``refuse(what, why)`` (an exception to raise):
-    ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than SiLU, a
-    sliding window shorter than the context (Mistral's ``sliding_window``; Qwen2's when
+    rotary positions, the SwiGLU MLP, ``head_dim`` (model.head_size where it is not hidden_size /
+    num_attention_heads), Qwen3's query and key norms (model.qk_norm). Refused through
+    ``refuse(what, why)`` (an exception to raise): a ``hidden_act`` other than SiLU, a
+    sliding window shorter than the context (Mistral's ``sliding_window``; Qwen2's and Qwen3's when
     ``use_sliding_window`` or its ``layer_types`` name a sliding layer). ``need(name)``: the value
     of a required field, or raises naming it. The biases, dropout and rotary base are the caller's."""
     model_type = raw.get("model_type")
@@ -85,20 +88,24 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     if not _positive_ints(h=h, heads=heads, kv=kv):
         raise refuse(f"hidden_size={h!r}, num_attention_heads={heads!r}, num_key_value_heads={kv!r}",
                      "each must be a positive integer")
-    if h % heads or heads % kv:
-        raise refuse(f"hidden_size={h}, num_attention_heads={heads}, num_key_value_heads={kv}",
-                     "largebatch's attention needs num_attention_heads to divide hidden_size and "
-                     "num_key_value_heads to divide num_attention_heads")
-    if raw.get("head_dim") not in (None, h // heads):
-        raise refuse(f"head_dim={raw['head_dim']!r}", f"largebatch's heads are hidden_size / num_attention_heads "
-                     f"= {h // heads} wide (q, k and v project to n_head x head size = hidden_size)")
+    head = raw.get("head_dim")
+    head = HEAD_DIM_DEFAULTS.get(model_type) if head is None else head
+    if head is None and h % heads:
+        raise refuse(f"hidden_size={h}, num_attention_heads={heads} and no head_dim",
+                     "the heads are hidden_size / num_attention_heads wide without head_dim, so "
+                     "num_attention_heads must divide hidden_size")
+    if head is not None and not _positive_ints(head=head):
+        raise refuse(f"head_dim={head!r}", "it must be a positive integer")
+    if heads % kv:
+        raise refuse(f"num_attention_heads={heads}, num_key_value_heads={kv}",
+                     "largebatch's attention needs num_key_value_heads to divide num_attention_heads")
     act = raw.get("hidden_act", "silu")
     if act not in LLAMA_ACTIVATIONS:
         raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
     seq_len = need("max_position_embeddings")
     # (MistralConfig fills in a 4096 window where config.json has no such key)
     window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
-    if model_type == "qwen2":  # a window only where layer_types names a sliding layer, or without
+    if model_type in ("qwen2", "qwen3"):  # a window only where layer_types names a sliding layer, or without
         # layer_types where use_sliding_window turns it on past max_window_layers (as Qwen2Config builds them)
         layer_types = raw.get("layer_types")
         sliding = ("sliding_attention" in layer_types if layer_types is not None else
@@ -113,7 +120,8 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     return {"kind": "gpt", "n_layer": need("num_hidden_layers"), "n_embd": h, "n_head": heads,
             "n_kv_head": None if kv == heads else kv, "ffn_hidden": need("intermediate_size"), "seq_len": seq_len,
             "norm_position": "pre", "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-            "position": "rope", "activation": "swiglu"}
+            "position": "rope", "activation": "swiglu", "qk_norm": model_type == "qwen3",
+            "head_size": None if head is None or head * heads == h else head}
 
 
 # the rope_types largebatch's rotary embedding computes (ModelConfig.rope_scaling), and the keys each reads
@@ -345,7 +353,7 @@ def _llama_config(raw: dict) -> ModelConfig:
     return ModelConfig(**fields, rope_theta=rope_theta(raw, refuse, scaled=True),
                        vocab_size=_field(raw, "vocab_size"), dropout=_dropout(raw, ("attention_dropout",), 0.0),
                        bias=bool(raw.get("attention_bias") or raw.get("mlp_bias")),
-                       qkv_bias=True if raw.get("model_type") == "qwen2" else None,
+                       qkv_bias=True if raw.get("model_type") == "qwen2" else None,  # (Qwen3: attention_bias)
                        tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
 
@@ -445,9 +453,12 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
     transformers' layer keeps them, per token (module docstring; measured to the byte on CPU in fp32 and bf16,
     tests/test_memory_hf.py), with d = ``dtype_bytes``, h_kv = h a_kv / a, m the dropout mask's bytes
     (d on the CPU, where F.dropout multiplies by a float mask; 1 elsewhere, native_dropout's bool):
-        2 RMSNorms (4 + d) h + 8, Q/K/V and MLP inputs 2 h d, q and the o_proj input 2 h d, MLP 4 f d,
-        K and V: eager 2 h d (repeat_kv's copies at all a heads), sdpa and selective 2 h_kv d,
-        core (none only): eager a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d); sdpa 4 a.
+        2 RMSNorms (4 + d) h + 8, Q/K/V and MLP inputs 2 h d, q and the o_proj input 2 w d, MLP 4 f d,
+        K and V: eager 2 w d (repeat_kv's copies at all a heads), sdpa and selective 2 w_kv d,
+        core (none only): eager a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d); sdpa 4 a,
+        Qwen3's query and key norms (model.qk_norm), written out as the layer norms: (4 + d) (w + w_kv)
+        + 4 (a + a_kv) (an fp32 input, the normalised tensor and a 4-byte rsqrt per head),
+    with w = a d_h and w_kv = a_kv d_h (h and h_kv unless model.head_size makes them other).
     ``config.attention``: "explicit" (transformers' eager) or "sdpa" (fused: no padding mask, so
     transformers passes enable_gqa; sdpa with dropout on CPU runs torch's unfused math kernel and
     is refused, as config_layer_kwargs does). recompute: "none", "selective" (apply_recompute's
@@ -465,8 +476,11 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
         raise ValueError("attention='sdpa' with attention_dropout on CPU runs PyTorch's unfused math kernel, "
                          "which the memory model does not describe: use attention='explicit' (eager) or "
                          "attention_dropout=0 for CPU memory estimates.")
-    kv = h if eager and recompute == "none" else h * config.kv_heads / a  # repeat_kv's copies are what eager keeps
-    per_token = 2 * ((4 + d) * h + 4) + 4 * h * d + 2 * kv * d + 4 * f * d
+    w, w_kv = config.attention_width, config.kv_heads * config.head_dim
+    kv = w if eager and recompute == "none" else w_kv  # repeat_kv's copies are what eager keeps
+    per_token = 2 * ((4 + d) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
+    if config.qk_norm:
+        per_token += (4 + d) * (w + w_kv) + 4 * (a + config.kv_heads)
     if recompute == "none":
         if not eager:
             per_token += 4 * a

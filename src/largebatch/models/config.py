@@ -21,20 +21,24 @@ Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
 RopeScaling = Literal["none", "linear", "llama3"]
-HfModelType = Literal["gpt2", "llama", "qwen2", "bert", "roberta", "xlm-roberta", "camembert"]
+HfModelType = Literal["gpt2", "llama", "qwen2", "qwen3", "bert", "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2", "qwen3"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but Llama's and Qwen2's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
 # LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
 # SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
 # Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
-# q, k and v only. (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
+# q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each query and key head
+# normalised. Llama's family may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head.
+# (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
 HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
                   "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
                             "biases": ("all", "none")},
                   "qwen2": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
                             "biases": ("qkv",)},
+                  "qwen3": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
+                            "biases": ("none",), "qk_norm": (True,)},
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
@@ -43,6 +47,8 @@ HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a Ge
                                                "every Linear layer or none"),
                  "qwen2": ("Qwen2ForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on q, "
                                                "k and v only"),
+                 "qwen3": ("Qwen3ForCausalLM", "RMSNorm, rotary positions, the SwiGLU MLP and each query and key "
+                                               "head normalised, without biases"),
                  **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query heads")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
                                     ("camembert", "Camembert"))}}
@@ -65,11 +71,16 @@ class ModelConfig:
     n_embd: int = 256
     """h: hidden size (width of the residual stream)."""
     n_head: int = 4
-    """a: attention heads; must divide n_embd (head size = n_embd // n_head)."""
+    """a: attention heads; must divide n_embd unless head_size is set (head size = n_embd // n_head)."""
     n_kv_head: int | None = field(default=None, metadata={"none": "n_head"})
     """Key/value heads; None means n_head (multi-head attention). Fewer, dividing n_head, is grouped-
     query attention (Llama 2 70B, Llama 3, Mistral): each key/value head serves n_head / n_kv_head
     query heads, shrinking the k and v projections and their stored activations by that factor."""
+    head_size: int | None = field(default=None, metadata={"none": "n_embd // n_head"})
+    """d_h: the size of one attention head (transformers' head_dim); None means n_embd // n_head. Set,
+    the query and output projections are n_embd x n_head * head_size and the key and value ones
+    n_embd x n_kv_head * head_size, whatever n_embd / n_head is (Qwen3 0.6B: 1024 wide, 16 heads of
+    128)."""
     ffn_hidden: int | None = field(default=None, metadata={"none": "4 * n_embd"})
     """f: width of the MLP's inner layer; None means 4 * n_embd (the paper's choice)."""
     seq_len: int = 128
@@ -89,6 +100,12 @@ class ModelConfig:
     qkv_bias: bool | None = field(default=None, metadata={"none": "as bias"})
     """Biases on the q, k and v projections alone; None follows ``bias``. Qwen2: true with bias false
     (its other Linear layers and its RMSNorms have none)."""
+    qk_norm: bool = False
+    """Normalise each query and key head over its d_h values before the rotary positions, with a gain
+    of d_h values shared by the heads (Qwen3; Dehghani et al. 2023): the model's
+    norm (RMSNorm, or LayerNorm with a bias when bias). Its backward keeps the q and k projections'
+    outputs, (n_head + n_kv_head) * d_h values a token, and a statistic per head (docs/papers.md:
+    Llama-style layers)."""
     attention: Attention = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
@@ -175,23 +192,25 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer.")
-        for name, unset in (("ffn_hidden", "4 * n_embd"), ("n_kv_head", "n_head")):
+        for name, unset in (("ffn_hidden", "4 * n_embd"), ("n_kv_head", "n_head"), ("head_size", "n_embd // n_head")):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"ModelConfig.{name}={value!r}: must be a positive integer, or None for {unset}.")
-        if self.n_embd % self.n_head:
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError(f"ModelConfig.n_head={self.n_head} does not divide n_embd={self.n_embd}: "
                              f"choose n_head among the divisors of n_embd (e.g. "
-                             f"{_nearest_divisor(self.n_embd, self.n_head)}).")
+                             f"{_nearest_divisor(self.n_embd, self.n_head)}), or set head_size.")
         if self.n_kv_head is not None and self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
                              f"each key/value head serves a whole group of query heads; choose a divisor "
                              f"of n_head (e.g. {_nearest_divisor(self.n_head, self.n_kv_head)}), or none.")
         if self.position == "rope":
             if self.head_dim % 2:
-                raise ValueError(f"ModelConfig.position='rope' with head size n_embd / n_head = {self.head_dim}: "
-                                 "rotary embeddings rotate pairs of dimensions, so the head size must be even; "
-                                 "change n_embd or n_head.")
+                size = (f"head_size={self.head_size}" if self.head_size is not None
+                        else f"head size n_embd / n_head = {self.head_dim}")
+                raise ValueError(f"ModelConfig.position='rope' with {size}: rotary embeddings rotate pairs "
+                                 "of dimensions, so the head size must be even; change "
+                                 + ("head_size." if self.head_size is not None else "n_embd or n_head."))
         if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
                 and math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"ModelConfig.rope_theta={self.rope_theta!r}: must be a finite number > 1 "
@@ -239,8 +258,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """The size of one attention head, n_embd // n_head."""
-        return self.n_embd // self.n_head
+        """The size of one attention head actually used: head_size, or n_embd // n_head."""
+        return self.n_embd // self.n_head if self.head_size is None else self.head_size
+
+    @property
+    def attention_width(self) -> int:
+        """n_head * head_dim: the width of Q and of the output projection's input (n_embd unless
+        head_size makes it another)."""
+        return self.n_head * self.head_dim
 
     @property
     def qkv_biased(self) -> bool:
@@ -269,11 +294,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# the types whose attention may have fewer key/value heads than query heads
-GROUPED_TYPES = ("llama", "qwen2")
+# the types whose attention may have fewer key/value heads than query heads, and heads of any size
+GROUPED_TYPES = ("llama", "qwen2", "qwen3")
 # the settings giving each "biases" a type computes
 BIAS_SETTINGS = {("all", "none"): "model.qkv_bias=None (biases on every Linear layer, or none)",
-                 ("qkv",): "model.bias=False, model.qkv_bias=True"}
+                 ("qkv",): "model.bias=False, model.qkv_bias=True",
+                 ("none",): "model.bias=False, model.qkv_bias=None"}
 
 
 def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
@@ -285,6 +311,10 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
            if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
         off.append(f"model.n_kv_head={cfg.n_kv_head!r}")
+    if model_type not in GROUPED_TYPES and cfg.attention_width != cfg.n_embd:  # heads of n_embd / n_head
+        off.append(f"model.head_size={cfg.head_size!r}")
+    if "qk_norm" not in fields and cfg.qk_norm:
+        off.append("model.qk_norm=True")
     return off
 
 
@@ -294,6 +324,10 @@ def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
             for name, values in HF_TYPE_FIELDS[model_type].items() if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:
         want.append("model.n_kv_head=None")
+    if model_type not in GROUPED_TYPES and cfg.attention_width != cfg.n_embd:
+        want.append("model.head_size=None")
+    if "qk_norm" not in HF_TYPE_FIELDS[model_type] and cfg.qk_norm:
+        want.append("model.qk_norm=False")
     return ", ".join(want)
 
 
@@ -329,8 +363,10 @@ def hf_layout_problem(cfg: ModelConfig) -> str | None:
     biases = (f", model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}"
               if any("biases" in HF_TYPE_FIELDS.get(t, {}) and cfg.biases not in HF_TYPE_FIELDS[t]["biases"]
                      for t in types) else "")
+    extra = (", model.qk_norm=True" if cfg.qk_norm else "") + (
+        f", model.head_size={cfg.head_size!r}" if cfg.attention_width != cfg.n_embd else "")
     return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "
-            f"model.n_kv_head={cfg.n_kv_head!r}{biases}: no transformers architecture computes these {cfg.kind} "
+            f"model.n_kv_head={cfg.n_kv_head!r}{biases}{extra}: no transformers architecture computes these {cfg.kind} "
             f"blocks, so the model cannot be exported; {differs}")
 
 

@@ -65,11 +65,11 @@ def layer_forward_flops(config: ModelConfig, seq_len: int | None = None) -> tupl
 
 def shared_layer_flops(config: ModelConfig, s: int) -> tuple[float, float]:
     """The shared block's (largebatch.models.layers.Block) forward FLOPs per token at context s."""
-    h, f = config.n_embd, config.ffn
-    kv = h * config.kv_heads // config.n_head  # the k and v projections' width (h unless grouped)
+    h, f, w = config.n_embd, config.ffn, config.attention_width  # w = a d_h: h unless head_size says otherwise
+    kv = config.kv_heads * config.head_dim  # the k and v projections' width (w unless grouped)
     mlp = 3 if config.activation == "swiglu" else 2  # gate, fc1, fc2 or fc1, fc2
-    dense = 2.0 * (2 * h * h + 2 * h * kv + mlp * h * f)  # q, proj, k, v, the MLP
-    core = 4.0 * s * h  # Q K^T and probs @ V over the full context (no causal halving, as the paper)
+    dense = 2.0 * (2 * h * w + 2 * h * kv + mlp * h * f)  # q, proj, k, v, the MLP
+    core = 4.0 * s * w  # Q K^T and probs @ V over the full context (no causal halving, as the paper)
     return dense, core
 
 

@@ -27,15 +27,20 @@ split by columns, proj and fc2 by rows, one gathered input per sub-layer, the no
 
 
 def block_tp_plan(config: ModelConfig) -> dict[str, str]:
-    """BLOCK_TP_PLAN, with the gated MLP's gate split by columns as fc1 is."""
-    if config.activation != "swiglu":
-        return dict(BLOCK_TP_PLAN)
-    return {**BLOCK_TP_PLAN, "blocks.*.mlp.gate": "colwise"}
+    """BLOCK_TP_PLAN, with the gated MLP's gate split by columns as fc1 is, and the query and key
+    heads' norms (qk_norm) run on each rank's heads."""
+    plan = dict(BLOCK_TP_PLAN)
+    if config.activation == "swiglu":
+        plan["blocks.*.mlp.gate"] = "colwise"
+    if config.qk_norm:
+        plan.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
+    return plan
 
 
-def norm_parameters(config: ModelConfig) -> int:
-    """Parameters of one LayerNorm (a gain, and a bias when config.bias) or RMSNorm (a gain)."""
-    return (2 if config.bias and config.norm == "layernorm" else 1) * config.n_embd
+def norm_parameters(config: ModelConfig, width: int | None = None) -> int:
+    """Parameters of one LayerNorm (a gain, and a bias when config.bias) or RMSNorm (a gain) over
+    ``width`` values (n_embd when None)."""
+    return (2 if config.bias and config.norm == "layernorm" else 1) * (config.n_embd if width is None else width)
 
 
 # ------------------------------------------------------------------------------------------- GPT

@@ -25,7 +25,12 @@ layer computes and keeps, and the memory model counts each:
 * ``activation="swiglu"``: fc2(SiLU(gate(x)) * fc1(x)) (Shazeer 2020, eq. 6): a third f-wide
   matrix, and four f-wide stored tensors instead of GeLU's two;
 * ``n_kv_head < n_head``: grouped-query attention (Ainslie et al. 2023): each K/V head serves
-  n_head / n_kv_head query heads; K and V are computed and stored at n_kv_head heads.
+  n_head / n_kv_head query heads; K and V are computed and stored at n_kv_head heads;
+* ``head_size``: heads of d_h values whatever n_embd / n_head is, so Q and the output projection's
+  input are n_head * d_h wide (Qwen3 0.6B: 16 heads of 128 on a 1024-wide stream);
+* ``qk_norm``: each query and key head normalised over its d_h values before the rotation (Qwen3;
+  Dehghani et al. 2023): the norms keep their inputs, the q and k projections' outputs, and a
+  statistic per head.
 """
 
 from __future__ import annotations
@@ -128,11 +133,13 @@ class RMSNorm(nn.RMSNorm):
         return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))[0]
 
 
-def norm_layer(config: ModelConfig) -> nn.Module:
-    """The model's normalisation: LayerNorm (with a bias when config.bias) or RMSNorm (never a bias)."""
+def norm_layer(config: ModelConfig, width: int | None = None) -> nn.Module:
+    """The model's normalisation over ``width`` values (n_embd when None): LayerNorm (with a bias
+    when config.bias) or RMSNorm (never a bias)."""
+    width = config.n_embd if width is None else width
     if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        return RMSNorm(width, eps=config.norm_eps)
+    return nn.LayerNorm(width, eps=config.norm_eps, bias=config.bias)
 
 
 def scaled_frequencies(w: torch.Tensor, scaling: str, factor: float, low: float, high: float,
@@ -405,19 +412,24 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention: q/k/v projections, core attention, output projection, dropout."""
+    """Multi-head self-attention: q/k/v projections, (with ModelConfig.qk_norm) each query and key
+    head normalised, core attention, output projection, dropout."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, kv = config.n_embd, config.kv_heads * config.head_dim
+        h, width, kv = config.n_embd, config.attention_width, config.kv_heads * config.head_dim
         self.head_dim = config.head_dim
         # separate q/k/v (not one fused qkv) so tensor parallelism can shard each by output rows
-        self.q = nn.Linear(h, h, bias=config.qkv_biased)
+        self.q = nn.Linear(h, width, bias=config.qkv_biased)
         self.k = nn.Linear(h, kv, bias=config.qkv_biased)
         self.v = nn.Linear(h, kv, bias=config.qkv_biased)
+        if config.qk_norm:  # over each head's values, one gain for all heads (Qwen3's q_norm, k_norm)
+            self.q_norm, self.k_norm = norm_layer(config, self.head_dim), norm_layer(config, self.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary = Rotary(config) if config.position == "rope" else None
         self.core = CoreAttention(config)
-        self.proj = nn.Linear(h, h, bias=config.bias)
+        self.proj = nn.Linear(width, h, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, mask: DocumentMask | None = None,
@@ -426,13 +438,15 @@ class Attention(nn.Module):
         # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
+        if self.q_norm is not None:  # (B, heads, T, d): heads on dimension 1, where tensor parallel splits them
+            q, k = self.q_norm(q), self.k_norm(k)
         offset = 0 if cache is None else cache.offset  # x: the positions after the cached ones
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
         if cache is not None:
             k, v = cache.update(k, v)  # every position's keys and values: (B, a_kv, offset + T, d)
         y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, a, T, d)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, a d)
         return self.drop(self.proj(y))
 
 

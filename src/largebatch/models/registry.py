@@ -55,6 +55,8 @@ TP_ROLES = {
     "rowwise": "a linear split by input rows, its output back to the residual stream's layout",
     "norm": "a LayerNorm in the residual stream: split along the sequence (sequence parallel only)",
     "gather": "a module run on the whole sequence: its sequence-split input all-gathered (sequence parallel only)",
+    "head_norm": "a norm over each attention head's values (qk_norm): run on the rank's own heads, its gain "
+                 "replicated and its gradient summed over the ranks",
     "output": "the output projection reading the residual stream: split over the vocabulary",
     "output_whole": "the output projection reading a whole-sequence tensor: split over the vocabulary",
 }

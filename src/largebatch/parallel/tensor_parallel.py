@@ -325,6 +325,9 @@ def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True,
         "rowwise": RowwiseParallel(output_layouts=between),
         "norm": SequenceParallel(use_local_output=True) if sequence_parallel else None,
         "gather": ReplicateParallel(input_layout=Shard(1)) if sequence_parallel else None,
+        # q or k (B, heads, T, d) with the rank's heads: a DTensor split on dimension 1, so the gain's
+        # gradient (partial on each rank: its own heads) is summed over the ranks
+        "head_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
         "output": ColwiseParallel(input_layouts=between, **logits),
         "output_whole": ColwiseParallel(**logits),
     }

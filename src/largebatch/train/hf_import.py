@@ -29,14 +29,21 @@ renaming and reshapes run backwards:
   ``rms_norm_eps`` -> model.norm_eps, ``attention_bias`` (= ``mlp_bias``) -> model.bias,
   ``max_position_embeddings`` -> model.seq_len, a "linear" or "llama3" rope scaling (Llama 3.1 and 3.2;
   ``rope_scaling`` or ``rope_parameters``) -> model.rope_scaling and its factors. Refused, naming the
-  field: another rope scaling (dynamic, YaRN, longrope), ``attention_bias`` != ``mlp_bias``,
-  ``head_dim`` != hidden_size / num_attention_heads, a ``hidden_act`` other than "silu".
+  field: another rope scaling (dynamic, YaRN, longrope), ``attention_bias`` != ``mlp_bias``, a
+  ``hidden_act`` other than "silu"; a ``head_dim`` other than hidden_size / num_attention_heads
+  is model.head_size.
   MistralForCausalLM (``"mistral"``) is the same network without biases; it maps where its
   ``sliding_window`` is null or covers the whole context (>= max_position_embeddings), and exports back
   as LlamaForCausalLM (hf_model_type "llama": the same function). Qwen2ForCausalLM (``"qwen2"``; Yang et
   al. 2024) is Llama's network with biases on q_proj, k_proj and v_proj only: model.bias=False,
   model.qkv_bias=True, the same names (the three biases too); it maps without a sliding window
   (``use_sliding_window`` false, no sliding ``layer_types``) and exports back as Qwen2ForCausalLM.
+  Qwen3ForCausalLM (``"qwen3"``; Yang et al. 2025) is Llama's network without biases and with each
+  query and key head normalised (``self_attn.q_norm`` / ``k_norm``, an RMSNorm over the head's
+  ``head_dim`` values, 128 where config.json has none, as Qwen3Config): model.qk_norm=True,
+  model.head_size = head_dim where it is not hidden_size / num_attention_heads (Qwen3 0.6B: 1024 /
+  16 heads of 128); ``attention_bias`` true (biases on q, k, v and o_proj, none in the MLP) is
+  refused; no sliding window, as Qwen2; it exports back as Qwen3ForCausalLM.
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -87,8 +94,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # the rotary scaling's fields (a Llama-family directory's rope_scaling or rope_parameters)
 ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
-SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "seq_len", "vocab_size", "bias",
-                "qkv_bias",
+SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "head_size", "ffn_hidden", "seq_len",
+                "vocab_size", "bias", "qkv_bias", "qk_norm",
                 "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", *ROPE_FIELDS,
                 "activation",
                 "hf_model_type")
@@ -234,8 +241,9 @@ def model_fields(path: Path) -> dict[str, Any]:
         why = (IMPORT_UNSUPPORTED.get(model_type) or
                UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for"))
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
-                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral and "
-                          "qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), bert (post-LN "
+                          f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral, "
+                          "qwen2 and qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                          "Qwen3ForCausalLM), bert (post-LN "
                           "BertForMaskedLM), roberta, "
                           "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
                           "CamembertForMaskedLM) only")
@@ -243,7 +251,8 @@ def model_fields(path: Path) -> dict[str, Any]:
     tied = (bool(raw.get("tie_word_embeddings", model_type not in LLAMA_LAYOUTS))
             and not _stored_apart(path, *TIED_PAIRS[model_type]))
     common = {"bias": True, "qkv_bias": None, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
-              "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None}
+              "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None,
+              "head_size": None, "qk_norm": False}
     if model_type in LLAMA_LAYOUTS:
         return _llama_fields(raw, path, common)
     if model_type == "gpt2":
@@ -284,6 +293,11 @@ def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, An
     fields = {**fields, "rope_theta": rope_theta(raw, refuse), **rope_scaling(raw, refuse)}
     if raw.get("model_type") == "qwen2":  # biases on q, k and v, none elsewhere (Qwen2Config has no switch)
         return {**common, **fields, "bias": False, "qkv_bias": True, "hf_model_type": "qwen2"}
+    if raw.get("model_type") == "qwen3":  # no MLP biases ever; attention_bias would put them on q, k, v and o
+        if raw.get("attention_bias", False):
+            raise refuse("attention_bias=True", "Qwen3 then has biases on q, k, v and o_proj but none in its MLP, "
+                         "and largebatch's model.bias covers the MLP too")
+        return {**common, **fields, "bias": False, "hf_model_type": "qwen3"}
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
@@ -362,9 +376,11 @@ def _rotary_context(fields: dict[str, Any], name: str) -> bool:
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
     """(the run's value, the directory's) of the shape field ``name``, as the network uses them:
-    ffn_hidden None is 4 h, n_kv_head None is n_head, qkv_bias None is bias."""
+    ffn_hidden None is 4 h, n_kv_head None is n_head, head_size None is h / a, qkv_bias None is bias."""
     if name == "ffn_hidden":
         return model.ffn, fields[name]
+    if name == "head_size":
+        return model.head_dim, fields[name] or fields["n_embd"] // fields["n_head"]
     if name == "n_kv_head":
         return model.kv_heads, fields[name] or fields["n_head"]
     if name == "qkv_bias":
@@ -411,7 +427,7 @@ def dropout_note(cfg, given: set[str]) -> str | None:
         return None
     raw = _raw_config(hf_dir(cfg.model.init_from))
     model_type = raw.get("model_type")
-    if model_type in LLAMA_LAYOUTS:  # attention dropout only, 0 by default (Llama, Mistral, Qwen2Config)
+    if model_type in LLAMA_LAYOUTS:  # attention dropout only, 0 by default (Llama, Mistral, Qwen2/3Config)
         rates = {"attention_dropout": float(raw.get("attention_dropout", 0.0))}
     else:  # (0.1 by default in GPT2Config, BertConfig)
         rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(model_type, ())}
@@ -604,9 +620,11 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
 
 
 def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's (or MistralForCausalLM's, Qwen2ForCausalLM's) tensors, "model." stripped: nn.Linear weights
-    (out, in) as largebatch's, so a renaming (module docstring); k and v are n_kv_head x head size wide."""
+    """LlamaForCausalLM's (or MistralForCausalLM's, Qwen2's, Qwen3's) tensors, "model." stripped: nn.Linear
+    weights (out, in) as largebatch's, so a renaming (module docstring); q is n_head x head size wide,
+    k and v n_kv_head x head size; Qwen3's q_norm and k_norm are head size wide."""
     h, f, v, kv = cfg.n_embd, cfg.ffn, cfg.vocab_size, cfg.kv_heads * cfg.head_dim
+    w = cfg.attention_width
     out = {"tok_emb.weight": take("embed_tokens.weight", v, h), "ln_f.weight": take("norm.weight", h)}
     out["lm_head.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], "lm_head.weight")
     for i in range(cfg.n_layer):
@@ -614,13 +632,16 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
         out[b + "ln1.weight"] = take(o + "input_layernorm.weight", h)
         out[b + "ln2.weight"] = take(o + "post_attention_layernorm.weight", h)
         for ours, theirs, n_out, n_in in (
-                ("attn.q", "self_attn.q_proj", h, h), ("attn.k", "self_attn.k_proj", kv, h),
-                ("attn.v", "self_attn.v_proj", kv, h), ("attn.proj", "self_attn.o_proj", h, h),
+                ("attn.q", "self_attn.q_proj", w, h), ("attn.k", "self_attn.k_proj", kv, h),
+                ("attn.v", "self_attn.v_proj", kv, h), ("attn.proj", "self_attn.o_proj", h, w),
                 ("mlp.gate", "mlp.gate_proj", f, h), ("mlp.fc1", "mlp.up_proj", f, h),
                 ("mlp.fc2", "mlp.down_proj", h, f)):
             out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
             if cfg.qkv_biased if ours in ("attn.q", "attn.k", "attn.v") else cfg.bias:
                 out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                out[f"{b}attn.{name}.weight"] = take(f"{o}self_attn.{name}.weight", cfg.head_dim)
     return out
 
 
@@ -710,6 +731,7 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 # transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
 HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("model.", _llama, "LlamaForCausalLM"),
               "mistral": ("model.", _llama, "MistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
+              "qwen3": ("model.", _llama, "Qwen3ForCausalLM"),
               "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
               "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),

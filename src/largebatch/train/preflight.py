@@ -40,7 +40,8 @@ from largebatch.typed_config import ConfigError
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
 STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
                 "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position", "model.activation",
-                "model.n_kv_head", "model.qkv_bias", "model.norm", "model.position",
+                "model.n_kv_head", "model.head_size", "model.qkv_bias", "model.qk_norm", "model.norm",
+                "model.position",
                 "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
 # the schedule a run's checkpoints continue is built from these (its state refuses another), and
 # the sample order their data position counts in from these
@@ -126,11 +127,13 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def _as_used(model):
-    """``model`` with n_kv_head, ffn_hidden and qkv_bias as the network uses them: n_kv_head = n_head
-    is multi-head attention as None is, ffn_hidden = 4 n_embd the default width, and qkv_bias its
-    value (None: bias's), so neither way of writing one differs from the other on resume (and a
-    refusal names the q/k/v biases as they are, true or false)."""
+    """``model`` with n_kv_head, head_size, ffn_hidden and qkv_bias as the network uses them: n_kv_head =
+    n_head is multi-head attention as None is, head_size = n_embd / n_head the default heads,
+    ffn_hidden = 4 n_embd the default width, and qkv_bias its value (None: bias's), so neither way of
+    writing one differs from the other on resume (and a refusal names the q/k/v biases as they are,
+    true or false)."""
     return dataclasses.replace(model, n_kv_head=None if model.kv_heads == model.n_head else model.n_kv_head,
+                               head_size=None if model.attention_width == model.n_embd else model.head_size,
                                ffn_hidden=None if model.ffn == 4 * model.n_embd else model.ffn_hidden,
                                qkv_bias=model.qkv_biased)
 

@@ -261,6 +261,10 @@ def _layer_options(model) -> str:
         parts.append("attention within documents")
     if model.kv_heads != model.n_head:
         parts.append(f"{model.kv_heads} key/value heads for {model.n_head}")
+    if model.attention_width != model.n_embd:
+        parts.append(f"heads of {model.head_dim}")
+    if model.qk_norm:
+        parts.append("q/k norms")
     if model.qkv_biased != model.bias:
         parts.append("biases on q, k, v only" if model.qkv_biased else "no biases on q, k, v")
     return "".join(f", {part}" for part in parts)
