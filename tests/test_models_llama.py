@@ -212,6 +212,24 @@ def test_grouped_attention_module_shapes_and_parameter_count():
     assert not any("pos_emb" in n for n, _ in model.named_parameters())
 
 
+def _copy_into_transformers(ours, theirs, n_layer: int, qk_norm: bool = False) -> None:
+    """``ours``'s weights into transformers' Llama-family ``theirs`` under its names (written here, not
+    the export's table), every one of its weights filled."""
+    names = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "ln_f.weight",
+             "lm_head.weight": "lm_head.weight"}
+    pairs = [("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"), ("self_attn.v_proj", "attn.v"),
+             ("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.fc1"),
+             ("mlp.down_proj", "mlp.fc2"), ("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")]
+    if qk_norm:
+        pairs += [("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm")]
+    for i in range(n_layer):
+        for hf, mine in pairs:
+            names[f"model.layers.{i}.{hf}.weight"] = f"blocks.{i}.{mine}.weight"
+    state = ours.state_dict()
+    result = theirs.load_state_dict({hf: state[mine] for hf, mine in names.items()}, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+
+
 def test_llama_style_gpt_matches_transformers_llama():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
@@ -225,17 +243,7 @@ def test_llama_style_gpt_matches_transformers_llama():
             vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=24, rms_norm_eps=1e-6, rope_theta=500000.0,
             tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).double().eval()
-        names = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "ln_f.weight",
-                 "lm_head.weight": "lm_head.weight"}
-        for i in range(L):
-            for hf, mine in (("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
-                             ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
-                             ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.fc1"), ("mlp.down_proj", "mlp.fc2"),
-                             ("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
-                names[f"model.layers.{i}.{hf}.weight"] = f"blocks.{i}.{mine}.weight"
-        state = ours.state_dict()
-        result = theirs.load_state_dict({hf: state[mine] for hf, mine in names.items()}, strict=False)
-        assert not result.missing_keys and not result.unexpected_keys
+        _copy_into_transformers(ours, theirs, L)
         idx = torch.randint(0, 100, (2, 24))
         # fp32 rotary tables on both sides: agreement to fp32 rounding of the angles
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=0, atol=1e-6)
@@ -320,18 +328,7 @@ def test_qwen3_layout_matches_transformers_qwen3():
             num_key_value_heads=2, head_dim=24, max_position_embeddings=24, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
             attention_bias=False)).double().eval()
-        names = {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "ln_f.weight",
-                 "lm_head.weight": "lm_head.weight"}
-        for i in range(L):
-            for hf, mine in (("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
-                             ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
-                             ("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"),
-                             ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.fc1"), ("mlp.down_proj", "mlp.fc2"),
-                             ("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")):
-                names[f"model.layers.{i}.{hf}.weight"] = f"blocks.{i}.{mine}.weight"
-        state = ours.state_dict()
-        result = theirs.load_state_dict({hf: state[mine] for hf, mine in names.items()}, strict=False)
-        assert not result.missing_keys and not result.unexpected_keys
+        _copy_into_transformers(ours, theirs, L, qk_norm=True)
         idx = torch.randint(0, 100, (2, 24))
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=0, atol=1e-6)
 
