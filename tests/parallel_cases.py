@@ -162,6 +162,7 @@ def relative_diff(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 NORM_GAINS = ("ln1.weight", "ln2.weight", "ln_f.weight")
+QK_GAINS = ("attn.q_norm.weight", "attn.k_norm.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
@@ -181,6 +182,8 @@ def forward_backward_cases(results: dict) -> None:
             results[f"fwd_bwd/{kind}/{mode}"] = max_grad_diff(model, reference)
             if kind == "llama" and state.tp_size > 1:
                 norm_gain_grads(results, mode, model, reference)
+            if kind == "qwen3" and state.tp_size > 1:  # the heads' norms: each rank sums over its own heads
+                norm_gain_grads(results, mode, model, reference, QK_GAINS, "qk_gains")
             if state.dp_size == 1:  # the whole batch on every rank: the loss itself must match
                 results[f"loss/{kind}/{mode}"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
                 with torch.no_grad(), state.loss_context():
@@ -189,20 +192,22 @@ def forward_backward_cases(results: dict) -> None:
                     logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
 
 
-def norm_gain_grads(results: dict, mode: str, model, reference) -> None:
+def norm_gain_grads(results: dict, mode: str, model, reference, names: tuple[str, ...] = NORM_GAINS,
+                    prefix: str = "norm_gains") -> None:
     """The RMSNorm gains' gradients as backward leaves them (placements; this rank's local value)
     and as the optimizers read them (largebatch.optim.core.local_grad), against one process. Under
     sequence parallel each rank's gain gradient sums over its own half of the tokens: a partial sum
-    that must be all-reduced first, as a LayerNorm's."""
+    that must be all-reduced first, as a LayerNorm's. ``names``: QK_GAINS for the query and key
+    heads' norms (qk_norm), whose gains sum over each rank's own heads under any tensor parallel."""
     from largebatch.optim.core import local_grad
 
     ref = dict(reference.named_parameters())
-    gains = [(n, p) for n, p in unwrap(model).named_parameters() if n.endswith(NORM_GAINS)]
-    results[f"norm_gains/{mode}/names"] = [n for n, _ in gains]
-    results[f"norm_gains/{mode}/grad_placements"] = sorted({str(p.grad.placements) for _, p in gains})
-    results[f"norm_gains/{mode}/local_before_reduce"] = max(relative_diff(p.grad.to_local(), ref[n].grad)
-                                                            for n, p in gains)
-    results[f"norm_gains/{mode}/optimizer_reads"] = max(relative_diff(local_grad(p), ref[n].grad) for n, p in gains)
+    gains = [(n, p) for n, p in unwrap(model).named_parameters() if n.endswith(names)]
+    results[f"{prefix}/{mode}/names"] = [n for n, _ in gains]
+    results[f"{prefix}/{mode}/grad_placements"] = sorted({str(p.grad.placements) for _, p in gains})
+    results[f"{prefix}/{mode}/local_before_reduce"] = max(relative_diff(p.grad.to_local(), ref[n].grad)
+                                                          for n, p in gains)
+    results[f"{prefix}/{mode}/optimizer_reads"] = max(relative_diff(local_grad(p), ref[n].grad) for n, p in gains)
 
 
 def ddp_buffer_cases(results: dict) -> None:

@@ -183,6 +183,9 @@ def test_a_qwen3_layout_goes_out_as_qwen3_and_back_unchanged(tmp_path):
     plain = ModelConfig(n_layer=1, n_embd=32, n_head=4, head_size=12, seq_len=16, vocab_size=64, hf_model_type="gpt2")
     problem = hf_model_type_problem(plain)
     assert "model.head_size=12" in problem and "model.head_size=None" in problem, problem
+    assert "each n_embd / n_head values wide" in problem, problem  # (why GPT-2 cannot)
+    problem = hf_model_type_problem(plain.replace(n_head=3))  # (3 does not divide 32: None alone cannot be)
+    assert "model.head_size=None with a model.n_head that divides model.n_embd=32" in problem, problem
     ours = _scrambled(cfg)
     assert save_hf(ours, None, tmp_path / "out")["architecture"] == "Qwen3ForCausalLM"
     config = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -521,9 +521,21 @@ def test_llama_family_configs():
             k: v for k, v in raw.items() if k not in ("model_type", "layer_types")}))
         counted = {id(p): p.numel() for p in model.parameters()}  # (a tied matrix once)
         assert stage_parameters(config_from_hf(raw)) == sum(counted.values())
-    # no model_type: the architecture names it
-    assert config_from_hf({**llama_dict(), "model_type": None, "architectures": ["LlamaForCausalLM"]}) == \
-        config_from_hf(llama_dict())
+    # no model_type: the architecture names it, and the type's own fields are read as the type's
+    for model_type, architecture in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                     ("qwen3", "Qwen3ForCausalLM")):
+        raw = llama_dict(model_type)
+        assert config_from_hf({**raw, "model_type": None, "architectures": [architecture]}) == config_from_hf(raw)
+    # Qwen3 without head_dim has Qwen3Config's 128; its q/k norms; its parameters, a real tiny model's
+    raw = {k: v for k, v in llama_dict("qwen3", n_layer=2, tie_word_embeddings=True).items() if k != "head_dim"}
+    qwen3 = config_from_hf({**raw, "model_type": None, "architectures": ["Qwen3ForCausalLM"]})
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.bias, qwen3.qkv_biased) == (128, True, False, False)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{
+        k: v for k, v in raw.items() if k not in ("model_type", "layer_types")}))
+    assert stage_parameters(qwen3) == sum({id(p): p.numel() for p in model.parameters()}.values())
+    # attention_bias (q, k, v and o_proj; no MLP biases): counted as q, k and v's, o_proj's h a layer left out
+    biased = config_from_hf(llama_dict("qwen3", n_layer=2, attention_bias=True))
+    assert (biased.bias, biased.qkv_biased) == (False, True)
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, "original_max_position_embeddings": 16}
     assert config_from_hf(llama_dict(rope_parameters=yarn)) == config_from_hf(llama_dict()).replace(rope_theta=5e5)
     assert config_from_hf(llama_dict(attention_bias=True)).bias

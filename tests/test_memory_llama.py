@@ -312,8 +312,11 @@ def test_layer_flags_do_not_turn_a_transformers_gpt2_config_into_llama(tmp_path,
     path = tmp_path / "gpt2.json"
     path.write_text(json.dumps(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
                                                        bos_token_id=0, eos_token_id=0).to_dict()))
-    for flag in (["--kv-heads", "1"], ["--norm", "rmsnorm"], ["--model.position", "rope"]):
+    for flag in (["--kv-heads", "1"], ["--norm", "rmsnorm"], ["--model.position", "rope"], ["--head-size", "8"],
+                 ["--qk-norm", "True"]):
         assert main(["--hf-config", str(path)] + flag) == 2, flag
         err = capsys.readouterr().err
         assert flag[1] in err and "--hf-config" in err and "transformers' layers of that config" in err, err
-    assert main(["--hf-config", str(path), "--kv-heads", "4", "--model.norm", "layernorm"]) == 0  # what it is
+    # what it is (heads of 64 / 4 values, no q/k norms)
+    assert main(["--hf-config", str(path), "--kv-heads", "4", "--model.norm", "layernorm", "--head-size", "16",
+                 "--qk-norm", "false"]) == 0

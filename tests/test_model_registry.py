@@ -139,6 +139,30 @@ def test_its_tensor_parallel_plan_names_its_modules(parallel_gpt):
         model.get_submodule(name)  # every planned name is a module of the model
 
 
+def test_a_plan_that_leaves_the_query_and_key_norms_to_the_fallback_is_refused(parallel_gpt):
+    """With model.qk_norm, a kind whose plan writes out BLOCK_TP_PLAN (which has no head_norm role for
+    attn.q_norm / k_norm) would leave each rank's partial gain gradient unsummed: model_plan refuses
+    it naming the module and block_tp_plan; the built-in kinds' plans have the role."""
+    from largebatch.models.kinds import BLOCK_TP_PLAN
+
+    cfg = ModelConfig(kind=NAME, n_layer=2, n_embd=32, n_head=4, seq_len=16, vocab_size=64, qk_norm=True)
+    plan = model_plan(build_model(cfg), sequence_parallel=False)  # the fixture's: gpt's plan, block_tp_plan
+    assert type(plan["blocks.1.attn.k_norm"]).__name__ == "SequenceParallel"
+    gpt = MODELS["gpt"]
+    MODELS.pop(NAME)
+    register_model(
+        NAME, build=ParallelGPT, objective="causal", help="the same kind, its plan written out from BLOCK_TP_PLAN",
+        head_flops=gpt.head_flops, output_activations=gpt.output_activations,
+        stage_parameters=gpt.stage_parameters, pipeline_first=gpt.pipeline_first, pipeline_last=gpt.pipeline_last,
+        tp_plan=lambda model: {"tok_emb": "vocab_embedding", "lm_head": "output",
+                               **{k: v for k, v in BLOCK_TP_PLAN.items() if k != "blocks.*.ln2"}},
+        layer_replicated=2, layer_norms=1)
+    with pytest.raises(ValueError, match=r"qk_norm: its tensor-parallel plan gives 'blocks.0.attn.q_norm' no "
+                                         r"'head_norm' role.*block_tp_plan\(config\)"):
+        model_plan(build_model(cfg), sequence_parallel=False)
+    model_plan(build_model(cfg.replace(qk_norm=False)), sequence_parallel=False)  # (nothing to sum without them)
+
+
 def test_the_trainer_trains_it(parallel_gpt, tiny_data_cache, tmp_path):
     out = tmp_path / NAME
     summary = _run(tiny_overrides(tiny_data_cache, out, **{"model.kind": NAME, "schedule.batch_policy": "constant",

@@ -307,6 +307,23 @@ def test_qk_norm_with_its_own_head_size_matches_the_formulas(attention):
     assert (plain(x) - expected).abs().max() > 1e-2
 
 
+def test_qk_norm_keeps_the_projections_dtype_under_autocast():
+    """Under bf16 autocast the fp32 gains would make q and k fp32 (the rotation in fp32, a KV cache of
+    fp32 keys beside bf16 values): the norms' outputs go on in the projections' dtype, and the cache
+    holds both in bf16."""
+    from largebatch.models.layers import KVCache
+
+    torch.manual_seed(8)
+    cfg = _cfg(n_kv_head=2, head_size=12, qk_norm=True, **LLAMA)
+    model = build_model(cfg).eval()
+    idx = torch.randint(0, 64, (2, 8))
+    cache = KVCache(cfg.n_layer, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, cache=cache)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+
+
 def test_qwen3_layout_matches_transformers_qwen3():
     """A GPT with Qwen3's layers (no biases, q/k norms, heads of 24 on a 64-wide stream, 2 K/V heads,
     theta 1e6, untied) with its weights copied into transformers' Qwen3ForCausalLM gives its logits
@@ -420,6 +437,8 @@ def test_the_run_header_names_the_layer_options():
     assert _layer_options(_cfg()) == ""
     assert _layer_options(_cfg(n_kv_head=2, rope_theta=5e5, **LLAMA)) == \
         ", RMSNorm, rope (theta 500000), SwiGLU, 2 key/value heads for 4"
+    assert _layer_options(_cfg(head_size=12, qk_norm=True, **LLAMA)).endswith(", heads of 12, q/k norms")
+    assert "heads of" not in _layer_options(_cfg(head_size=8, **LLAMA))  # (32 / 4: the default heads)
 
 
 def test_resume_takes_n_kv_head_as_used_and_names_the_way_to_another_rotary_context(tmp_path, tiny_data_cache, capsys):

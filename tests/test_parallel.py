@@ -72,7 +72,8 @@ def test_rmsnorm_gain_gradients_are_summed_over_the_sequence_parallel_ranks(rank
     """Under sequence parallel an RMSNorm sees only this rank's tokens: backward leaves each gain's
     gradient a partial sum (a Partial(sum) DTensor, as a LayerNorm's), off the one-process gradient
     by O(1) on each rank; what the optimizers, the gradient norm and clipping read (local_grad) is
-    the all-reduced sum, the one-process gradient. Without sequence parallel the norms run whole."""
+    the all-reduced sum, the one-process gradient. Without sequence parallel the norms run whole.
+    The query and key heads' norms (qk_norm) see only this rank's heads under any tensor parallel."""
     for rank_results in ranks[1]:
         key = f"norm_gains/{mode}"
         assert rank_results[f"{key}/names"] == ["blocks.0.ln1.weight", "blocks.0.ln2.weight", "blocks.1.ln1.weight",
@@ -84,6 +85,13 @@ def test_rmsnorm_gain_gradients_are_summed_over_the_sequence_parallel_ranks(rank
         else:
             assert rank_results[f"{key}/grad_placements"] == ["(Replicate(),)"]
             assert rank_results[f"{key}/local_before_reduce"] < TOL
+        # the query and key heads' norms (qk_norm): each rank's gain gradient sums over its own heads
+        # under tensor parallel with or without sequence parallel, and must be summed over the ranks
+        key = f"qk_gains/{mode}"
+        assert rank_results[f"{key}/names"] == [f"blocks.{i}.attn.{n}_norm.weight" for i in (0, 1) for n in "qk"]
+        assert rank_results[f"{key}/grad_placements"] == ["(Partial(sum),)"]
+        assert rank_results[f"{key}/local_before_reduce"] > 0.1
+        assert rank_results[f"{key}/optimizer_reads"] < TOL
 
 
 def test_llama_layers_under_pipeline_stages_lamb_and_a_checkpoint_across_layouts(ranks):

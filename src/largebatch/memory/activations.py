@@ -38,8 +38,8 @@ tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
 * qk_norm (each query and key head normalised, Qwen3): the norms keep their inputs, the q and k
   projections' outputs, (w + w a_kv / a) d more (split by t), and their statistics, one row per head:
   (a + a_kv) 4 bytes (RMSNorm's fp32 1/rms) or 8 (LayerNorm's mean and 1/std, fp32 on a GPU) -- per
-  head, so unlike the layer norms' per-token statistics not negligible at small head sizes (12% of
-  the norms' bytes at d_h = 16 in fp32); the op-level policy keeps the inputs already (the matmul
+  head, so unlike the layer norms' per-token statistics not negligible at small head sizes (6% of
+  the RMSNorms' bytes at d_h = 16 in fp32, 11% of LayerNorms'); the op-level policy keeps the inputs already (the matmul
   outputs) and recomputes the statistics;
 * RMSNorm keeps its input only, as a LayerNorm (largebatch.models.layers.RMSNorm recomputes the
   normalised tensor in backward; written out, as transformers' LlamaRMSNorm, it keeps an fp32 copy

@@ -200,11 +200,15 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         raise ValueError(f"--phase {args.phase}: needs --config, a `largebatch train` TOML with [[phases]].")
     if args.hf_config:
         config = config_from_hf(args.hf_config)
-        def used(field: str, value):  # (n_kv_head = n_head is the attention None gives)
-            return (value or config.n_head) if field == "n_kv_head" else value
+        def used(field: str, value):  # (n_kv_head = n_head is the attention None gives; so are heads of h / a)
+            if field == "n_kv_head":
+                return value or config.n_head
+            if field == "head_size":
+                return value or config.n_embd // config.n_head
+            return value
 
         layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head",
-                                                            "document_mask")
+                                                            "head_size", "qk_norm", "document_mask")
                  and used(f, v) != used(f, getattr(config, f))}
         if layer:  # transformers' layers are what config.json says: no flag turns GPT-2's into Llama's
             flags = ", ".join(f"--model.{f} {v}" for f, v in layer.items())

@@ -15,7 +15,8 @@ No attention mask or bias is kept (transformers 5 adds the causal/padding mask),
 runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below).
 
 transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM without a sliding window and
-Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the same layer), found by walking the graph
+Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the same layer; Qwen3ForCausalLM adds the
+query and key heads' norms, below), found by walking the graph
 of a tiny model and measured to the byte (tests/test_memory_hf.py), per token with d bytes a value,
 a_kv key/value heads, h_kv = h a_kv / a, m bytes a dropout mask (d on CPU, 1 on CUDA), p > 0 the
 attention dropout (the only dropout those layers have):
@@ -58,8 +59,8 @@ UNSUPPORTED = {
 }
 
 # Llama's family: the same decoder layer (RMSNorm, rotary positions, SwiGLU, grouped-query
-# attention) as transformers writes it; Mistral without a sliding window, and Qwen2, whose q/k/v
-# biases keep nothing (measured: its layers keep Llama's bytes exactly)
+# attention) as transformers writes it; Mistral without a sliding window, Qwen2, whose q/k/v
+# biases keep nothing (measured: its layers keep Llama's bytes exactly), and Qwen3 (its q/k norms counted)
 LLAMA_TYPES = ("llama", "mistral")
 LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3")
 # Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
@@ -279,11 +280,12 @@ def _model_type(raw: dict) -> str:
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the memory model describes GPT-2, BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Qwen2) layers as transformers' eager "
+                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Qwen2, Qwen3) layers as transformers' eager "
                      "layers keep them (sequential attention and MLP, one LayerNorm/GeLU or RMSNorm/SwiGLU MLP)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn (and --model.norm, "
-                       "--model.position, --model.activation, --model.n_kv_head) only if its layers are "
+                       "--model.position, --model.activation, --model.n_kv_head, --model.head_size, "
+                       "--model.qk_norm) only if its layers are "
                        "largebatch's.")
 
 
@@ -338,11 +340,13 @@ def _ffn(width, hidden, name: str) -> int | None:
 
 
 def _llama_config(raw: dict) -> ModelConfig:
-    """A Llama / Mistral / Qwen2 config.json as the Llama-style GPT (llama_fields, shared with
+    """A Llama / Mistral / Qwen2 / Qwen3 config.json as the Llama-style GPT (llama_fields, shared with
     ``model.init_from``). Unlike the import, a scaled rope (its angles change no kept tensor: a YaRN
     config kept the unscaled one's bytes exactly) and unequal biases (they keep nothing: only the
     parameter count sees them) are read: ``model.bias`` is attention_bias or mlp_bias, and Qwen2's
-    biases on q, k and v alone are model.qkv_bias (as ``model.init_from`` reads them). ``attention_dropout``
+    biases on q, k and v alone are model.qkv_bias (as ``model.init_from`` reads them); Qwen3's
+    attention_bias (on q, k, v and o_proj, none in the MLP) is counted as q, k and v's
+    (model.qkv_bias: its o_proj bias, h a layer, left out). ``attention_dropout``
     is model.dropout, the layers' only dropout (the whole-model count's embedding mask, s b h bytes
     with dropout on, is one transformers' Llama does not keep)."""
     def refuse(what: str, why: str) -> ValueError:
@@ -350,16 +354,18 @@ def _llama_config(raw: dict) -> ModelConfig:
                           "model does not describe it")
 
     fields = llama_fields(raw, lambda name: _field(raw, name), refuse)
+    qwen3 = raw.get("model_type") == "qwen3"
     return ModelConfig(**fields, rope_theta=rope_theta(raw, refuse, scaled=True),
                        vocab_size=_field(raw, "vocab_size"), dropout=_dropout(raw, ("attention_dropout",), 0.0),
-                       bias=bool(raw.get("attention_bias") or raw.get("mlp_bias")),
-                       qkv_bias=True if raw.get("model_type") == "qwen2" else None,  # (Qwen3: attention_bias)
+                       bias=bool(not qwen3 and (raw.get("attention_bias") or raw.get("mlp_bias"))),
+                       qkv_bias=True if raw.get("model_type") == "qwen2" or (qwen3 and raw.get("attention_bias"))
+                       else None,
                        tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
 
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama (Mistral
-    without a sliding window, Qwen2) config: a config.json path, a directory holding one, its dict,
+    without a sliding window, Qwen2, Qwen3) config: a config.json path, a directory holding one, its dict,
     or the transformers config object (`GPT2Config(...)`). The activation is largebatch's name for
     transformers' (gelu_new -> gelu_tanh, as `hf:` imports it; silu -> swiglu, the gated MLP).
     Refuses other architectures, naming what in them the closed form does not describe. Attention is
@@ -368,7 +374,7 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     raw = _load(source)
     model_type = _model_type(raw)
     if model_type in LLAMA_LAYOUTS:
-        return _llama_config(raw)
+        return _llama_config({**raw, "model_type": model_type})  # (named by its architecture alone: its type)
     for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
         if raw.get(flag):
             raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
@@ -405,7 +411,7 @@ def hf_activation(source: str | Path | Mapping) -> str:
     raw = _load(source)
     model_type = _model_type(raw)
     if model_type in LLAMA_LAYOUTS:
-        _llama_config(raw)  # (its refusals first)
+        _llama_config({**raw, "model_type": model_type})  # (its refusals first)
         return raw.get("hidden_act", "silu")
     if model_type == "gpt2":
         return _activation(raw, "activation_function", "gelu_new")
@@ -448,7 +454,7 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
 
 def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "none", *,
                       seq_len: int | None = None, dtype_bytes: float = 2, device: str = "cuda") -> float:
-    """Bytes one transformers Llama decoder layer (LlamaDecoderLayer, Mistral's, Qwen2's) keeps for
+    """Bytes one transformers Llama decoder layer (LlamaDecoderLayer, Mistral's, Qwen2's, Qwen3's) keeps for
     backward in training: the terms of Korthikanti et al. 2022 (Table 2, docs/papers.md: memory) as
     transformers' layer keeps them, per token (module docstring; measured to the byte on CPU in fp32 and bf16,
     tests/test_memory_hf.py), with d = ``dtype_bytes``, h_kv = h a_kv / a, m the dropout mask's bytes

@@ -42,14 +42,15 @@ HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "ac
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
-                                             "heads as query heads"),
+                                             "heads as query heads, each n_embd / n_head values wide"),
                  "llama": ("LlamaForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on "
                                                "every Linear layer or none"),
                  "qwen2": ("Qwen2ForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on q, "
                                                "k and v only"),
                  "qwen3": ("Qwen3ForCausalLM", "RMSNorm, rotary positions, the SwiGLU MLP and each query and key "
                                                "head normalised, without biases"),
-                 **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query heads")
+                 **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query "
+                                              "heads, each n_embd / n_head values wide")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
                                     ("camembert", "Camembert"))}}
 # sdpa's memory-efficient kernel (CUDA) copies a float mask whose rows are not 8-element aligned, in
@@ -165,8 +166,8 @@ class ModelConfig:
     (GPT-2's <|endoftext|> is 50256)."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), Qwen2ForCausalLM
-    (without a sliding window), post-LN
+    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), Qwen2ForCausalLM or
+    Qwen3ForCausalLM (without a sliding window), post-LN
     BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM directory
     (config.json + model.safetensors, pytorch_model.bin, or a sharded checkpoint's index and
     shards). The shape fields above and data.tokenizer_file then come from it
@@ -174,10 +175,12 @@ class ModelConfig:
     hf_model_type: HfModelType | None = None
     """The transformers model_type `largebatch export --format hf` writes (None: for GPT "llama"
     when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "qwen2" for
-    that layout with biases on q, k and v alone (bias=False, qkv_bias=True), else "gpt2";
-    "bert" for BERT). Set, it is checked before training against the blocks it computes (GPT-2 and
-    BERT: LayerNorm, learned positions, GeLU, n_kv_head = n_head; Llama: RMSNorm, rope, SwiGLU,
-    biases on every Linear layer or none; Qwen2: the same with biases on q, k and v alone);
+    that layout with biases on q, k and v alone (bias=False, qkv_bias=True), "qwen3" for it without
+    biases and with qk_norm, else "gpt2"; "bert" for BERT). Set, it is checked before training
+    against the blocks it computes (GPT-2 and BERT: LayerNorm, learned positions, GeLU, n_kv_head =
+    n_head, heads of n_embd / n_head, no qk_norm; Llama: RMSNorm, rope, SwiGLU, biases on every
+    Linear layer or none, no qk_norm; Qwen2: the same with biases on q, k and v alone; Qwen3: no
+    biases, qk_norm);
     unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
     "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's *ForMaskedLM:
     positions counted from pad_token_id + 1, no segment embedding, the head under
@@ -325,7 +328,8 @@ def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:
         want.append("model.n_kv_head=None")
     if model_type not in GROUPED_TYPES and cfg.attention_width != cfg.n_embd:
-        want.append("model.head_size=None")
+        want.append("model.head_size=None" if cfg.n_embd % cfg.n_head == 0 else
+                    f"model.head_size=None with a model.n_head that divides model.n_embd={cfg.n_embd}")
     if "qk_norm" not in HF_TYPE_FIELDS[model_type] and cfg.qk_norm:
         want.append("model.qk_norm=False")
     return ", ".join(want)
@@ -340,7 +344,8 @@ def fitting_hf_model_types(cfg: ModelConfig) -> tuple[str, ...]:
 def default_hf_model_type(cfg: ModelConfig) -> str | None:
     """The model_type ``cfg`` exports as: model.hf_model_type; else its kind's first type whose blocks
     are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "qwen2" for those with biases on q, k
-    and v alone, "gpt2" for LayerNorm, learned positions and GeLU), else its kind's first (a mixed
+    and v alone, "qwen3" for those without biases and with qk_norm, "gpt2" for LayerNorm, learned
+    positions and GeLU), else its kind's first (a mixed
     layout, refused by ``hf_layout_problem``); None for a kind without any."""
     if cfg.hf_model_type is not None:
         return cfg.hf_model_type

@@ -11,8 +11,9 @@ pointwise ops only). Pointwise ops, softmax and LayerNorm are not counted, as in
 That extra forward is the paper's (and Megatron's) recomputation, and an upper bound on what
 ``largebatch.memory.apply_recompute`` runs: torch's checkpoint stops once the tensors backward
 needs are rebuilt, so a region's last matmul does not run again when nothing after it saves its
-output -- probs @ V under selective (2 s h per token and layer, unless one fused attention kernel
-reruns whole), fc2 under full in a pre-norm layer without dropout (2 h f).
+output -- probs @ V under selective (2 s w per token and layer, w = a d_h: h unless model.head_size
+says otherwise; unless one fused attention kernel reruns whole), fc2 under full in a pre-norm layer
+without dropout (2 h f).
 
 The denominator of MFU is the device's peak: declared by the user, or measured by
 :func:`measure_peak_flops` with a large matmul in the run's dtype (Chowdhery et al. 2022, PaLM

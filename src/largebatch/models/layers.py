@@ -439,7 +439,9 @@ class Attention(nn.Module):
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for lin in (self.q, self.k, self.v))
         if self.q_norm is not None:  # (B, heads, T, d): heads on dimension 1, where tensor parallel splits them
-            q, k = self.q_norm(q), self.k_norm(k)
+            # in the projections' dtype: under autocast an fp32 gain would make them fp32 (the rotation in
+            # fp32, a KV cache of fp32 keys beside 16-bit values)
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         offset = 0 if cache is None else cache.offset  # x: the positions after the cached ones
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)

@@ -346,6 +346,15 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = 
         names = ([name.replace("*", str(i), 1) for i in range(len(model.blocks))]
                  if name.startswith("blocks.*.") else [name])
         plan.update({n: by_role[role] for n in names if by_role[role] is not None and _holds(model, n)})
+    if getattr(model.config, "qk_norm", False):  # left to the replicated fallback, a gain would step with
+        # its rank's partial gradient (its own heads only): wrong, and silently
+        loose = [n for n, _ in model.named_modules() if n.endswith(("attn.q_norm", "attn.k_norm"))
+                 and plan.get(n) is not by_role["head_norm"]]
+        if loose:
+            raise ValueError(f"model.kind = {model.config.kind!r} with model.qk_norm: its tensor-parallel plan "
+                             f"gives {loose[0]!r} no 'head_norm' role, so its gain's gradient would not be summed "
+                             "over the ranks' heads; build the plan's blocks with "
+                             "largebatch.models.kinds.block_tp_plan(config)")
     return plan
 
 
