@@ -280,6 +280,17 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else
                                                (False, "qwen3" if family == "qwen3" else "llama"))
     assert (m.head_size, m.qk_norm) == ((QWEN3_HEAD, True) if family == "qwen3" else (None, False))
+    # head_size given as none: the directory's heads of hidden / heads (8 here), not the default
+    # config's own n_embd / n_head (64): accepted where the directory has those, refused naming none
+    # where it has others; a number is compared as given
+    none = {"model.init_from": f"hf:{directory}", "model.head_size": None}
+    if family == "qwen3":
+        with pytest.raises(ConfigError, match=f"model.head_size=None but hf:.* has {QWEN3_HEAD} "):
+            load_config(None, none)
+        assert load_config(None, {**none, "model.head_size": QWEN3_HEAD}).model.head_size == QWEN3_HEAD
+    else:
+        assert load_config(None, none).model.head_size is None
+        assert load_config(None, {**none, "model.head_size": 8}).model.head_size is None
     # qkv_bias given as the network has it (none: as bias) is the same model; the other way is refused
     same = load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family == "qwen2"}).model
     assert same.qkv_biased == m.qkv_biased

@@ -427,7 +427,12 @@ def test_a_llama_style_run_resumes_to_the_bit_and_refuses_another_layout(tmp_pat
     # written as the size they are already (32 / 2) are the same network
     assert main(["--resume", str(out), "--model.qk_norm=true", "--model.head_size=12"]) == 2
     err = capsys.readouterr().err
-    assert "model.qk_norm" in err and "model.head_size" in err and "does not fit" in err, err
+    assert "model.qk_norm: False -> True" in err and "model.head_size: 16 -> 12" in err and "does not fit" in err, err
+    # said first, before the checks of the new settings (an export type qk_norm no longer fits would
+    # name a fix that cannot work: the layout cannot change anyway)
+    assert main(["--resume", str(out), "--model.qk_norm=true", "--model.hf_model_type=llama"]) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_norm: False -> True does not fit" in err and "hf_model_type" not in err, err
     assert main(["--resume", str(out), "--model.head_size=16", "--check"]) == 0, capsys.readouterr().err
 
 

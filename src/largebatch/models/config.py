@@ -104,9 +104,9 @@ class ModelConfig:
     qk_norm: bool = False
     """Normalise each query and key head over its d_h values before the rotary positions, with a gain
     of d_h values shared by the heads (Qwen3; Dehghani et al. 2023): the model's
-    norm (RMSNorm, or LayerNorm with a bias when bias). Its backward keeps the q and k projections'
-    outputs, (n_head + n_kv_head) * d_h values a token, and a statistic per head (docs/papers.md:
-    Llama-style layers)."""
+    norm (RMSNorm, or LayerNorm with a bias when bias; k_norm's bias, as a key bias, changes no
+    attention weight). Its backward keeps the q and k projections' outputs, (n_head + n_kv_head) * d_h
+    values a token, and a statistic per head (docs/papers.md: Llama-style layers)."""
     attention: Attention = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":

@@ -99,6 +99,24 @@ def build_parser(train_config: type) -> argparse.ArgumentParser:
     return parser
 
 
+def _state_change_first(saved: Path, saved_cfg, overrides: dict, run_dir: str) -> None:
+    """check_resume's refusal of ``overrides`` where it has one (the resumed config built without the
+    cross-table checks, which a layout change can fail first: an export type that no longer fits a
+    model whose layout cannot change anyway); nothing where the overrides cannot even be built."""
+    from largebatch.train.config import TrainConfig
+    from largebatch.train.preflight import check_resume
+    from largebatch.typed_config import set_dotted
+
+    tree = load_toml(saved)
+    try:
+        for key, value in overrides.items():
+            set_dotted(tree, key, value)
+        changed = from_dict(TrainConfig, tree)
+    except (ConfigError, ValueError, TypeError):
+        return
+    check_resume(saved_cfg, changed, Path(run_dir))
+
+
 def _unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> dict:
     """What argparse did not declare: --phases.N.field (entries of the file's [[phases]]) and keys
     the config loader refuses by name with a did-you-mean; anything else is refused here."""
@@ -229,11 +247,15 @@ def _launch(args, unknown: list[str], parser) -> int:
             if overrides.get("model.document_mask") is False and "model.separator_id" not in overrides:
                 overrides["model.separator_id"] = None  # the separator the run recorded goes with the mask
             # max_steps limits one invocation: a resumed run goes to the end unless told again
-            cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
+            saved_cfg = from_dict(TrainConfig, load_toml(saved))
+            try:
+                cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
+            except ConfigError:  # an override the checkpoints cannot take is said first: the checks of the
+                _state_change_first(saved, saved_cfg, overrides, resume_dir)  # new settings would name another fix
+                raise
             run_dir, resume = Path(resume_dir), True
             cfg = resume_tokenizer(cfg, run_dir, "data.tokenizer_file" in overrides,
                                    lambda line: print(line, file=sys.stderr))
-            saved_cfg = from_dict(TrainConfig, load_toml(saved))
             check_resume(saved_cfg, cfg, run_dir)
             if complete(run_dir, cfg, saved_cfg):
                 return settle(0, "finished")

@@ -376,13 +376,15 @@ def _rotary_context(fields: dict[str, Any], name: str) -> bool:
 
 def _compared(model: ModelConfig, fields: dict[str, Any], name: str) -> tuple[Any, Any]:
     """(the run's value, the directory's) of the shape field ``name``, as the network uses them:
-    ffn_hidden None is 4 h, n_kv_head None is n_head, head_size None is h / a, qkv_bias None is bias."""
+    ffn_hidden None is 4 h, n_kv_head None is n_head, head_size None is h / a, qkv_bias None is bias;
+    the run's n_kv_head or head_size given as None means the directory's n_head or h / a (not the
+    run's own shape's, which the directory's replaces)."""
     if name == "ffn_hidden":
         return model.ffn, fields[name]
-    if name == "head_size":
-        return model.head_dim, fields[name] or fields["n_embd"] // fields["n_head"]
-    if name == "n_kv_head":
-        return model.kv_heads, fields[name] or fields["n_head"]
+    if name in ("head_size", "n_kv_head"):  # (None: the directory's default, h / a or n_head, whatever it is)
+        default = fields["n_embd"] // fields["n_head"] if name == "head_size" else fields["n_head"]
+        theirs, mine = fields[name] or default, getattr(model, name)
+        return (theirs if theirs == default else None) if mine is None else mine, theirs
     if name == "qkv_bias":
         return model.qkv_biased, fields["bias"] if fields[name] is None else fields[name]
     return getattr(model, name), fields[name]

@@ -128,12 +128,12 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
 
 def _as_used(model):
     """``model`` with n_kv_head, head_size, ffn_hidden and qkv_bias as the network uses them: n_kv_head =
-    n_head is multi-head attention as None is, head_size = n_embd / n_head the default heads,
+    n_head is multi-head attention as None is, head_size its number (None: n_embd / n_head),
     ffn_hidden = 4 n_embd the default width, and qkv_bias its value (None: bias's), so neither way of
-    writing one differs from the other on resume (and a refusal names the q/k/v biases as they are,
-    true or false)."""
+    writing one differs from the other on resume (and a refusal names the q/k/v biases and the heads'
+    size as they are)."""
     return dataclasses.replace(model, n_kv_head=None if model.kv_heads == model.n_head else model.n_kv_head,
-                               head_size=None if model.attention_width == model.n_embd else model.head_size,
+                               head_size=model.head_dim,
                                ffn_hidden=None if model.ffn == 4 * model.n_embd else model.ffn_hidden,
                                qkv_bias=model.qkv_biased)
 
