@@ -272,3 +272,22 @@ def test_each_corpus_has_its_validation_loss(corpora, cache, tmp_path):
     for label, total, n in zip(labels, sums, tokens):
         assert by_corpus[label] == pytest.approx(total / n, rel=1e-5)
     assert summary["final_val_loss"] == pytest.approx(sum(sums) / sum(tokens), rel=1e-5)
+    # and each corpus's bits per byte: its loss x its targets / the UTF-8 bytes of their text / ln 2, the
+    # bytes read through GPT-2's byte alphabet written from its definition (tests/test_perplexity.py)
+    from test_perplexity import _gpt2_byte_alphabet
+
+    alphabet, tokenizer = _gpt2_byte_alphabet(), data.tokenizer
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    ratios = []
+    for d in (0, 1):
+        targets = data.val.get_batch(np.flatnonzero(which == d))["targets"].flatten().tolist()
+        size = sum(len(tokenizer.id_to_token(i)) for i in targets if i not in special)  # (one byte a character)
+        assert size == len(b"".join(bytes(alphabet[c] for c in tokenizer.id_to_token(i))
+                                    for i in targets if i not in special))
+        ratios.append(len(targets) / size / math.log(2))
+    assert ratios[0] != pytest.approx(ratios[1], rel=1e-3)  # the two corpora's tokens are other lengths
+    bits = summary["final_val_bpb_by_corpus"]
+    for label, ratio in zip(labels, ratios):
+        assert bits[label] == pytest.approx(by_corpus[label] * ratio, rel=1e-12)
+    last = [r for r in read_metrics(out) if r["kind"] == "val"][-1]
+    assert all(last[f"val_bpb/{label}"] == bits[label] for label in labels)

@@ -441,8 +441,10 @@ def format_summary(s: dict, run_dir: Path) -> str:
            + ("" if s.get("final_val_bpb_ema") is None else f", bits per byte {s['final_val_bpb_ema']:.4f}")
            + ("" if s.get("final_val_accuracy_ema") is None else f", accuracy {s['final_val_accuracy_ema']:.4f}")]
           if s.get("final_val_loss_ema") is not None else []),
-        *(["by corpus         " + ", ".join(f"{label} {loss:.4f}" for label, loss in
-                                            s["final_val_loss_by_corpus"].items())]
+        *(["by corpus         " + ", ".join(
+            f"{label} {loss:.4f}" + (f" ({s['final_val_bpb_by_corpus'][label]:.4f} bits/byte)"
+                                     if s.get("final_val_bpb_by_corpus") else "")
+            for label, loss in s["final_val_loss_by_corpus"].items())]
           if s.get("final_val_loss_by_corpus") else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "
         f"{s['train_seconds']:.1f} s of steps"

@@ -8,7 +8,9 @@ under pipeline parallel (the logits are on the last stage only). Under the vocab
 loss the best token is found without gathering the logits
 (largebatch.parallel.tensor_parallel.vocab_parallel_argmax). A mixture of corpora (data.mixture)
 is evaluated on its slice's samples grouped by corpus: the loss over them all, and each corpus's
-own (``val_loss/<corpus>`` in the evaluation's record).
+own (``val_loss/<corpus>`` in the evaluation's record), with its bits per byte where the tokenizer
+gives them (``val_bpb/<corpus>``: unlike the losses in nats a token, comparable across corpora whose
+text the tokenizer cuts into longer or shorter tokens).
 """
 
 from __future__ import annotations
@@ -137,44 +139,52 @@ class Evaluation:
         n = max(1, min(len(self.data.val), self.cfg.run.eval_tokens // self.phase.seq_len))
         return self.cfg.run.eval_micro_batch or self.phase.micro_batch, n
 
-    def evaluated_targets(self) -> np.ndarray:
+    def evaluated_targets(self, by_source: bool = False) -> np.ndarray | list[np.ndarray]:
         """The targets an evaluation predicts (the same fixed slice, at the current phase's length;
         BERT: the masked positions), for a unigram baseline over the very tokens the validation loss
-        is measured on (the whole split's differs when ``run.eval_tokens`` is small)."""
-        parts = []
-        for chunk in self._eval_chunks()[0]:
+        is measured on (the whole split's differs when ``run.eval_tokens`` is small). ``by_source``:
+        a list, each corpus's (a mixture's, in data.val.names' order; one for one corpus)."""
+        chunks, sources = self._eval_chunks()
+        parts: list[list[np.ndarray]] = [[] for _ in range(max(sources, default=0) + 1)]
+        for chunk, source in zip(chunks, sources):
             batch = self.data.val.get_batch(chunk)
             labels = (batch["targets"] if "targets" in batch else batch["labels"]).numpy()
-            parts.append(labels[labels != IGNORE_INDEX])
-        return np.concatenate(parts)
+            parts[source].append(labels[labels != IGNORE_INDEX])
+        joined = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
+        return joined if by_source else np.concatenate(joined)
 
-    def tokens_per_byte(self) -> float | None:
+    def tokens_per_byte(self, corpus: str | None = None) -> float | None:
         """Targets per UTF-8 byte of the text they stand for, over the evaluation's slice at the current
         phase's length (data.tokenizer.token_bytes; the separators are no text): val_loss times it,
-        over ln 2, is the bits per byte. None for a masked LM, a tokenizer whose tokens are not the
-        text's own bytes (token_bytes: not byte-level, or normalising), or a token-array corpus without
-        a tokenizer."""
+        over ln 2, is the bits per byte. ``corpus``: a mixture corpus's label, over its share of the
+        slice. None for a masked LM, a tokenizer whose tokens are not the text's own bytes
+        (token_bytes: not byte-level, or normalising), a token-array corpus without a tokenizer, or a
+        corpus without a share."""
         from largebatch.data.tokenizer import token_bytes
 
         cached = getattr(self, "_tokens_per_byte", None)
-        if cached is not None and cached[0] == self.phase.seq_len:
-            return cached[1]
-        ratio = None
-        tokenizer = self.data.tokenizer
-        if model_spec(self.cfg.model.kind).objective == "causal" and tokenizer is not None:
-            table = token_bytes(tokenizer)
-            if table is not None:
-                targets = self.evaluated_targets()
-                inside = targets[targets < len(table)]
-                size = int(table[inside].sum())
-                ratio = len(targets) / size if size and len(inside) == len(targets) else None
-        self._tokens_per_byte = (self.phase.seq_len, ratio)
-        return ratio
+        if cached is None or cached[0] != self.phase.seq_len:
+            ratios: dict[str | None, float | None] = {None: None}
+            tokenizer = self.data.tokenizer
+            if model_spec(self.cfg.model.kind).objective == "causal" and tokenizer is not None:
+                table = token_bytes(tokenizer)
+                if table is not None:
+                    parts = self.evaluated_targets(by_source=True)
+                    labels = self.data.val.labels if isinstance(self.data.val, MixtureDataset) else [None]
+                    counted = [(len(t), int(table[t].sum()) if (t < len(table)).all() else None) for t in parts]
+                    whole = (sum(n for n, _ in counted), sum(size or 0 for _, size in counted))
+                    complete = all(size is not None for _, size in counted)
+                    ratios[None] = whole[0] / whole[1] if complete and whole[1] else None
+                    if len(parts) > 1:
+                        ratios.update({label: n / size if size else None
+                                       for label, (n, size) in zip(labels, counted)})
+            cached = self._tokens_per_byte = (self.phase.seq_len, ratios)
+        return cached[1].get(corpus)
 
-    def bits_per_byte(self, val_loss: float | None) -> float | None:
-        """``val_loss`` (nats a token, on the evaluation's slice) in bits per byte of its text, or None
-        (see tokens_per_byte)."""
-        ratio = self.tokens_per_byte()
+    def bits_per_byte(self, val_loss: float | None, corpus: str | None = None) -> float | None:
+        """``val_loss`` (nats a token, on the evaluation's slice, or ``corpus``'s share of it) in bits
+        per byte of its text, or None (see tokens_per_byte)."""
+        ratio = self.tokens_per_byte(corpus)
         return None if ratio is None or val_loss is None else val_loss * ratio / math.log(2)
 
     def _reshard(self) -> None:
@@ -218,6 +228,8 @@ class Evaluation:
                               "val_accuracy": self.val_accuracy,
                               **({} if bpb is None else {"val_bpb": bpb}),
                               **{f"val_loss/{label}": loss for label, loss in by_corpus.items()},
+                              **{f"val_bpb/{label}": bits for label, loss in by_corpus.items()
+                                 if (bits := self.bits_per_byte(loss, label)) is not None},
                               **({} if average is None else {"val_loss_ema": average[0],
                                                              "val_accuracy_ema": average[1]}),
                               **({} if average is None or bpb is None else

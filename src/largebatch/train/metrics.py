@@ -194,6 +194,8 @@ class WandbRun:
     def summary(self, summary: dict[str, Any]) -> None:
         flat = {**summary, **{f"final_val_loss/{label}": loss for label, loss in
                               (summary.get("final_val_loss_by_corpus") or {}).items()},  # (data.mixture)
+                **{f"final_val_bpb/{label}": bits for label, bits in
+                   (summary.get("final_val_bpb_by_corpus") or {}).items()},
                 **{f"target/{key}": value for key, value in (summary.get("target") or {}).items()}}
         self.run.summary.update({key: value for key, value in flat.items()
                                  if isinstance(value, (int, float, str)) and not (isinstance(value, float)
