@@ -93,6 +93,31 @@ def test_gpt2_presets_are_the_released_sizes():
         ("bert", 24, 1024, 16, 4096, 512, 30522)
 
 
+# the released checkpoints' parameter counts (their safetensors' totals; tied matrices once)
+RELEASED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+            "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
+
+
+def test_llama3_and_qwen3_presets_are_the_released_sizes():
+    """Each preset counts its released checkpoint's parameters exactly, and is what config_from_hf
+    reads from transformers' config of that model (written here from the published config.json: the
+    context aside, which the presets set to the main pretraining stage's)."""
+    from largebatch.memory.estimate import stage_parameters
+
+    for name, count in RELEASED.items():
+        assert stage_parameters(preset(name)) == count, name
+    llama = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}).to_dict()
+    assert config_from_hf(llama) == preset("llama3-8b")
+    qwen = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}).to_dict()
+    assert config_from_hf(qwen) == preset("qwen3-0.6b").replace(seq_len=40960)
+
+
 def _printed_rows(out: str) -> dict[str, float]:
     """The 'per layer' MiB of each row of the printed table."""
     return {m.group(1).strip(): float(m.group(2))

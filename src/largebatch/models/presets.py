@@ -7,7 +7,13 @@ from largebatch.models.config import ModelConfig
 # Named sizes. "demo" trains on 2 CPU cores in minutes; the large ones are for the memory planner
 # (instantiating them would need terabytes). Shapes of the big GPTs are Korthikanti et al. 2022,
 # Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small to xl from Radford et al. 2019
-# (Table 2; the released configs' 1024 positions and 50257 tokens).
+# (Table 2; the released configs' 1024 positions and 50257 tokens). The Llama 3 (Dubey et al. 2024)
+# and Qwen3 (Yang et al. 2025) sizes are the released config.json files' shapes, at the context of
+# their main pretraining stage (8192 and 4096 tokens; --seq-len plans another).
+_LLAMA = dict(kind="gpt", norm="rmsnorm", position="rope", activation="swiglu", bias=False, tie_embeddings=False)
+_LLAMA3 = dict(_LLAMA, n_kv_head=8, vocab_size=128256, seq_len=8192, rope_theta=500000.0)
+_QWEN3 = dict(_LLAMA, n_kv_head=8, head_size=128, qk_norm=True, vocab_size=151936, seq_len=4096, rope_theta=1e6,
+              norm_eps=1e-6)
 PRESETS: dict[str, ModelConfig] = {
     "demo": ModelConfig(kind="gpt", n_layer=4, n_embd=256, n_head=4, seq_len=128, vocab_size=4096),
     "demo-bert": ModelConfig(kind="bert", n_layer=4, n_embd=256, n_head=4, seq_len=128,
@@ -32,6 +38,13 @@ PRESETS: dict[str, ModelConfig] = {
                               vocab_size=51200, dropout=0.1),
     "gpt-1t": ModelConfig(kind="gpt", n_layer=128, n_embd=25600, n_head=160, seq_len=2048,
                           vocab_size=51200, dropout=0.1),
+    "llama3-8b": ModelConfig(n_layer=32, n_embd=4096, n_head=32, ffn_hidden=14336, **_LLAMA3),
+    "llama3-70b": ModelConfig(n_layer=80, n_embd=8192, n_head=64, ffn_hidden=28672, **_LLAMA3),
+    "llama3.1-405b": ModelConfig(n_layer=126, n_embd=16384, n_head=128, ffn_hidden=53248, rope_scaling="llama3",
+                                 **_LLAMA3),
+    "qwen3-0.6b": ModelConfig(n_layer=28, n_embd=1024, n_head=16, ffn_hidden=3072,
+                              **{**_QWEN3, "tie_embeddings": True}),
+    "qwen3-8b": ModelConfig(n_layer=36, n_embd=4096, n_head=32, ffn_hidden=12288, **_QWEN3),
 }
 
 
