@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -109,6 +110,21 @@ def test_give_up_is_detected_at_the_next_read_naming_the_same_step(tmp_path, ref
                                           f"{give_up} (3 skipped in all)."), messages
     assert max(r["step"] for r in logged[1]) < give_up  # the deferred run logged nothing past it
     assert all(step < give_up for steps in saved for step in steps), saved  # nor checkpointed
+    # metrics.jsonl is strict JSON (no bare NaN, which jq, JavaScript, polars refuse): a skipped step's
+    # non-finite loss is null there, named in the record's "nonfinite"; read_metrics puts it back
+    def refuse(constant):
+        raise AssertionError(f"{constant} in metrics.jsonl")
+
+    lines = (tmp_path / "nan1" / "metrics.jsonl").read_text().splitlines()
+    raw = [json.loads(line, parse_constant=refuse) for line in lines]
+    skipped = [(r, back) for r, back in zip(raw, read_metrics(tmp_path / "nan1")) if r.get("skipped")]
+    assert skipped and any(r["loss"] is None for r, _ in skipped)
+    for r, back in skipped:
+        for pointer, spelled in r.get("nonfinite", {}).items():
+            key = pointer[1:]  # (top-level keys here, none with "/" or "~")
+            assert r[key] is None and spelled in ("NaN", "Infinity", "-Infinity")
+            assert math.isnan(back[key]) if spelled == "NaN" else back[key] == float(spelled)
+        assert "nonfinite" not in back
 
 
 def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_path, reference_run):

@@ -3,6 +3,13 @@ TensorBoard event files, and with ``run.wandb`` a Weights & Biases run. What a r
 loss, tokens/s, MFU with its denominator (largebatch.models.flops), memory
 (largebatch.memory.measure) -- is the trainer's; how it is printed is largebatch.train.progress;
 the PNG plots at the end are largebatch.train.plots.
+
+metrics.jsonl is strict JSON (RFC 8259), which jq, JavaScript, polars and DuckDB read: a number that
+is not finite (a skipped step's NaN loss, an infinite gradient norm) is written as ``null``, and the
+record's ``"nonfinite"`` object keeps what it was, by JSON Pointer (RFC 6901) to the value:
+``{"loss": null, ..., "nonfinite": {"/loss": "NaN"}}`` ("NaN", "Infinity" or "-Infinity"). Python's
+json module would write a bare ``NaN``, which those readers refuse. ``read_metrics`` gives the
+records back with the floats in place.
 """
 
 from __future__ import annotations
@@ -14,6 +21,51 @@ from pathlib import Path
 from typing import Any, Iterator
 
 WANDB_RECORD = "wandb-run.json"  # RUN_DIR/wandb-run.json: the W&B run a resume continues
+NONFINITE = "nonfinite"  # a record's key: where its non-finite numbers were, and what they were
+_SPELLED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _pointer(path: tuple) -> str:
+    """The JSON Pointer (RFC 6901) of ``path``'s keys: "/" each, "~" and "/" in a key as "~0", "~1"."""
+    return "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in path)
+
+
+def strict_record(record: Any, path: tuple = (), found: dict[str, str] | None = None) -> Any:
+    """``record`` with every non-finite float (at any depth) as None, and at the top its ``nonfinite``
+    object naming each by JSON Pointer: what ``json.dumps(..., allow_nan=False)`` takes."""
+    top = found is None
+    found = {} if top else found
+    if isinstance(record, float) and not math.isfinite(record):
+        found[_pointer(path)] = _SPELLED[repr(record)]
+        return None
+    if isinstance(record, dict):
+        out = {key: strict_record(value, (*path, key), found) for key, value in record.items()}
+    elif isinstance(record, (list, tuple)):
+        out = [strict_record(value, (*path, i), found) for i, value in enumerate(record)]
+    else:
+        return record
+    if top and found:
+        out[NONFINITE] = found
+    return out
+
+
+def restored_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record of metrics.jsonl with the non-finite numbers its ``nonfinite`` object names put back
+    (the inverse of strict_record); a record without one as it is."""
+    found = record.pop(NONFINITE, None) if isinstance(record, dict) else None
+    if not isinstance(found, dict):
+        return record
+    for pointer, spelled in found.items():
+        keys = [part.replace("~1", "/").replace("~0", "~") for part in str(pointer).split("/")[1:]]
+        inside: Any = record
+        try:
+            for key in keys[:-1]:
+                inside = inside[int(key) if isinstance(inside, list) else key]
+            last = keys[-1]
+            inside[int(last) if isinstance(inside, list) else last] = float(spelled)
+        except (LookupError, ValueError, TypeError):  # (a record edited by hand: left as it is)
+            continue
+    return record
 
 
 class MetricsLog:
@@ -79,7 +131,7 @@ class MetricsLog:
 
     def log(self, record: dict[str, Any]) -> None:
         try:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         except OSError as exc:
             self._failed = True
             exc.filename = exc.filename or str(self.path)
@@ -229,9 +281,10 @@ def _parsed(lines) -> Iterator[dict[str, Any]]:
     for line in lines:
         if line.strip():
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except ValueError:
                 continue
+            yield restored_record(record)
 
 
 def _saved_wandb_run(record: Path) -> dict[str, Any] | None:
