@@ -674,6 +674,32 @@ def test_config_errors_name_field_value_and_fix(field, value, fix):
     assert f"DataConfig.{field}={value!r}" in str(info.value)
 
 
+def test_a_token_array_takes_a_vocabulary_of_its_ids_range(tmp_path, capsys):
+    """The 300-entry floor is a trained tokenizer's (its 256 byte symbols); a token array without a
+    tokenizer trains none, so data.vocab_size is only its ids' range: 64 for ids below 64 builds and
+    trains, 0 is refused, and model.vocab_size below data.vocab_size names data.vocab_size as the fix,
+    not a tokenizer the array does not have."""
+    from largebatch.train.cli import main as train_main
+
+    np.save(tmp_path / "ids.npy", (np.arange(4096) % 64).astype(np.uint16))
+    corpus = str(tmp_path / "ids.npy")
+    assert DataConfig(corpus=corpus, vocab_size=64).vocab_size == 64
+    with pytest.raises(ValueError, match="above the token array's largest id"):
+        DataConfig(corpus=corpus, vocab_size=0)
+    with pytest.raises(ValueError, match=">= 300"):  # (with a tokenizer file it is the file's, and >= 300)
+        DataConfig(corpus=corpus, vocab_size=64, tokenizer_file="tokenizer.json")
+    small = ["--model.seq_len=16", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2",
+             "--run.total_tokens=512", "--run.micro_batch=8", "--schedule.batch_size=8",
+             f"--data.cache_dir={tmp_path / 'cache'}"]
+    assert train_main([f"--data.corpus={corpus}", "--data.vocab_size=64", f"--run.out_dir={tmp_path / 'a'}",
+                       *small]) == 0
+    capsys.readouterr()
+    assert train_main([f"--data.corpus={corpus}", "--model.vocab_size=64", f"--run.out_dir={tmp_path / 'b'}",
+                       "--check", *small]) == 2
+    err = capsys.readouterr().err
+    assert "4096 ids data.vocab_size gives the token array" in err and "set data.vocab_size instead" in err, err
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(seq_len=0, objective="causal"), "seq_len=0"), (dict(seq_len=8, objective="t5"), "objective='t5'"),
 ])

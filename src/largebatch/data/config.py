@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from largebatch.data.corpus import CORPORA
+from largebatch.data.corpus import CORPORA, is_token_array_path
 
 BinDtype = Literal["uint16", "uint32"]
 BIN_DTYPES = get_args(BinDtype)
@@ -143,8 +143,13 @@ class DataConfig:
                "document_separator", self.document_separator, 'use None or a non-empty string')
         _check(isinstance(self.text_field, str) and self.text_field != "", "text_field", self.text_field,
                'use the name of the JSON field that holds the text, e.g. "text"')
-        _check(_is_int(self.vocab_size) and MIN_VOCAB_SIZE <= self.vocab_size < 2**32,
-               "vocab_size", self.vocab_size, f"use an integer >= {MIN_VOCAB_SIZE}, e.g. 8192")
+        # (a token array without a tokenizer trains none: its vocabulary is only the ids' range)
+        array = self.mixture is None and self.tokenizer_file is None and isinstance(self.corpus, str) \
+            and is_token_array_path(self.corpus)
+        _check(_is_int(self.vocab_size) and (1 if array else MIN_VOCAB_SIZE) <= self.vocab_size < 2**32,
+               "vocab_size", self.vocab_size, "use an integer above the token array's largest id" if array else
+               f"use an integer >= {MIN_VOCAB_SIZE} (a tokenizer trained on the text has 256 byte symbols and "
+               "the special tokens), e.g. 8192")
         _check(self.tokenizer_file is None or (isinstance(self.tokenizer_file, str) and self.tokenizer_file),
                "tokenizer_file", self.tokenizer_file, "use None (the default: a BPE trained on the corpus) or a "
                "path to a tokenizer.json")
@@ -168,7 +173,6 @@ class DataConfig:
 
 
     def _check_mixture(self) -> None:
-        from .corpus import is_token_array_path
         from .sampler import mixture_counts
 
         example = "e.g. {shakespeare = 3, bible = 1}"

@@ -998,6 +998,13 @@ def model_vocab(cfg: TrainConfig, tokenizer_size: int) -> int:
     if wanted == ModelConfig.vocab_size or wanted == tokenizer_size:
         return tokenizer_size
     if wanted < tokenizer_size:
+        from largebatch.data.corpus import is_token_array_path
+
+        if not cfg.data.mixture and cfg.data.tokenizer_file is None and is_token_array_path(cfg.data.corpus):
+            raise ValueError(f"model.vocab_size={wanted} is smaller than the {tokenizer_size} ids data.vocab_size "
+                             "gives the token array (it has no tokenizer): set data.vocab_size instead, above the "
+                             "array's largest id, and leave model.vocab_size out (or set it >= data.vocab_size to "
+                             "pad the embedding)")
         raise ValueError(f"model.vocab_size={wanted} is smaller than the tokenizer's {tokenizer_size} ids: "
                          f"leave model.vocab_size out (the trainer takes the tokenizer's size) or set it "
                          f">= {tokenizer_size} to pad the embedding")
