@@ -186,6 +186,12 @@ def test_a_qwen3_layout_goes_out_as_qwen3_and_back_unchanged(tmp_path):
     assert "each n_embd / n_head values wide" in problem, problem  # (why GPT-2 cannot)
     problem = hf_model_type_problem(plain.replace(n_head=3))  # (3 does not divide 32: None alone cannot be)
     assert "model.head_size=None with a model.n_head that divides model.n_embd=32" in problem, problem
+    # a pre-LN BERT with both: every reason at once, not one per retraining
+    from largebatch.integrations.hf_export import check_exportable
+
+    with pytest.raises(ExportError, match=r"only post-LN BERT exports.*and besides.*model.head_size=None, "
+                                          r"model.qk_norm=False"):
+        check_exportable(ModelConfig(kind="bert", n_layer=1, n_embd=32, n_head=4, head_size=12, qk_norm=True))
     ours = _scrambled(cfg)
     assert save_hf(ours, None, tmp_path / "out")["architecture"] == "Qwen3ForCausalLM"
     config = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -102,10 +102,13 @@ def check_exportable(cfg: ModelConfig) -> str:
                           f"{cfg.kind!r} maps to no transformers architecture")
     if cfg.kind == "bert" and cfg.norm_position != "post":
         arch = HF_TYPE_ARCHITECTURES.get(cfg.hf_model_type or "bert", "BertForMaskedLM")
+        post = cfg.replace(norm_position="post")  # what else would stop it: said at once, not after retraining
+        besides = hf_model_type_problem(post, fixed=True) or (hf_layout_problem(post) if cfg.hf_model_type is None
+                                                                else None)
         raise ExportError(
             f"model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm that "
             f"transformers' {arch} cannot express; only post-LN BERT exports -- train "
-            "with --model.norm_position=post")
+            "with --model.norm_position=post" + ("" if besides is None else f" (and besides: {besides})"))
     if (problem := hf_model_type_problem(cfg, fixed=True)) is not None:  # (trained weights: only the type can change)
         raise ExportError(problem)
     if cfg.hf_model_type is None and (problem := hf_layout_problem(cfg)) is not None:
