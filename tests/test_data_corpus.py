@@ -686,8 +686,12 @@ def test_a_token_array_takes_a_vocabulary_of_its_ids_range(tmp_path, capsys):
     assert DataConfig(corpus=corpus, vocab_size=64).vocab_size == 64
     with pytest.raises(ValueError, match="above the token array's largest id"):
         DataConfig(corpus=corpus, vocab_size=0)
-    with pytest.raises(ValueError, match=">= 300"):  # (with a tokenizer file it is the file's, and >= 300)
-        DataConfig(corpus=corpus, vocab_size=64, tokenizer_file="tokenizer.json")
+    # with a tokenizer file its size replaces vocab_size: nothing is trained, any positive value does
+    assert DataConfig(vocab_size=64, tokenizer_file="tokenizer.json").vocab_size == 64
+    with pytest.raises(ValueError, match="tokenizer_file's size replaces it"):
+        DataConfig(vocab_size=0, tokenizer_file="tokenizer.json")
+    with pytest.raises(ValueError, match=">= 300"):  # (a text corpus's tokenizer is trained: its floor)
+        DataConfig(vocab_size=64)
     small = ["--model.seq_len=16", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2",
              "--run.total_tokens=512", "--run.micro_batch=8", "--schedule.batch_size=8",
              f"--data.cache_dir={tmp_path / 'cache'}"]

@@ -291,3 +291,21 @@ def test_each_corpus_has_its_validation_loss(corpora, cache, tmp_path):
         assert bits[label] == pytest.approx(by_corpus[label] * ratio, rel=1e-12)
     last = [r for r in read_metrics(out) if r["kind"] == "val"][-1]
     assert all(last[f"val_bpb/{label}"] == bits[label] for label in labels)
+
+
+def test_a_corpus_alone_in_the_evaluation_slice_has_its_bits_per_byte(corpora, cache, tmp_path):
+    """run.eval_tokens of one sequence: the 3:1 mixture's slice is the first corpus's sample alone (the
+    second has no share), which still gets its val_bpb/<corpus>, equal there to the whole val_bpb; the
+    corpus without a share has neither a loss nor bits per byte."""
+    from largebatch.data.dataset import corpus_labels
+    from test_train import tiny_overrides
+
+    plays, books = corpora
+    out = tmp_path / "run"
+    o = tiny_overrides(cache, out, **{"data.mixture": {plays: 3, books: 1}, "run.eval_tokens": SEQ_LEN})
+    summary = Trainer(load_config(resolve_config(None), o), out, log=lambda line: None).fit()
+    first, second = corpus_labels([plays, books])
+    record = [r for r in read_metrics(out) if r["kind"] == "val"][-1]
+    assert record[f"val_bpb/{first}"] == pytest.approx(record["val_bpb"], rel=1e-12)
+    assert f"val_loss/{second}" not in record and f"val_bpb/{second}" not in record
+    assert summary["final_val_bpb_by_corpus"] == {first: record[f"val_bpb/{first}"]}

@@ -127,6 +127,30 @@ def test_give_up_is_detected_at_the_next_read_naming_the_same_step(tmp_path, ref
         assert "nonfinite" not in back
 
 
+def test_a_records_non_finite_numbers_go_out_as_strict_json_and_come_back():
+    """strict_record / restored_record at any depth: nested dicts and lists, keys with "/" and "~"
+    (JSON Pointer's escapes), numpy's floats; a record's own key named "nonfinite" is refused, and
+    another program's "nonfinite" that is not the writer's map is left as it is."""
+    import numpy as np
+
+    from largebatch.train.metrics import restored_record, strict_record
+
+    record = {"loss": float("nan"), "val_loss/a~b": np.float64("inf"), "step": 3, "ok": True,
+              "trust": {"blocks.0/q": [1.0, float("-inf")], "": float("nan")}, "lr": 1e-3}
+    line = json.dumps(strict_record(record), allow_nan=False)
+    raw = json.loads(line)
+    assert raw["loss"] is None and raw["trust"]["blocks.0/q"] == [1.0, None] and raw["step"] == 3
+    assert raw["nonfinite"] == {"/loss": "NaN", "/val_loss~1a~0b": "Infinity", "/trust/blocks.0~1q/1": "-Infinity",
+                                "/trust/": "NaN"}
+    back = restored_record(raw)
+    assert math.isnan(back["loss"]) and back["val_loss/a~b"] == float("inf") and math.isnan(back["trust"][""])
+    assert back["trust"]["blocks.0/q"] == [1.0, float("-inf")] and "nonfinite" not in back and back["ok"] is True
+    assert strict_record({"loss": 1.0}) == {"loss": 1.0}  # (no map without a non-finite number)
+    with pytest.raises(ValueError, match="may not hold a key named 'nonfinite'"):
+        strict_record({"nonfinite": 2})
+    assert restored_record({"nonfinite": 3, "x": 1.0}) == {"nonfinite": 3, "x": 1.0}
+
+
 def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_path, reference_run):
     """LANS under skip, six steps of which the 1st (the optimizer state is created by it), 3rd and 4th
     are made non-finite by a forward hook: its step counts (device tensors: capturable) equal the 3

@@ -80,8 +80,8 @@ class DataConfig:
 
     vocab_size: int = 8192
     """Size of the byte-level BPE vocabulary trained on the training split (special tokens
-    included). For token arrays without ``tokenizer_file`` it is the model's vocabulary size and
-    must exceed the largest token id."""
+    included; at least 300). For token arrays without ``tokenizer_file`` it is the model's vocabulary
+    size and must exceed the largest token id (any size from 1: nothing is trained)."""
 
     tokenizer_file: str | None = None
     """Optional ``tokenizer.json`` (HF tokenizers), or a directory holding one (as ``save_pretrained``
@@ -143,13 +143,16 @@ class DataConfig:
                "document_separator", self.document_separator, 'use None or a non-empty string')
         _check(isinstance(self.text_field, str) and self.text_field != "", "text_field", self.text_field,
                'use the name of the JSON field that holds the text, e.g. "text"')
-        # (a token array without a tokenizer trains none: its vocabulary is only the ids' range)
+        # the 300 floor is a trained tokenizer's; a token array without one trains none (its vocabulary
+        # is only the ids' range), and a tokenizer_file's size replaces vocab_size
         array = self.mixture is None and self.tokenizer_file is None and isinstance(self.corpus, str) \
             and is_token_array_path(self.corpus)
-        _check(_is_int(self.vocab_size) and (1 if array else MIN_VOCAB_SIZE) <= self.vocab_size < 2**32,
+        trained = self.tokenizer_file is None and not array
+        _check(_is_int(self.vocab_size) and (MIN_VOCAB_SIZE if trained else 1) <= self.vocab_size < 2**32,
                "vocab_size", self.vocab_size, "use an integer above the token array's largest id" if array else
                f"use an integer >= {MIN_VOCAB_SIZE} (a tokenizer trained on the text has 256 byte symbols and "
-               "the special tokens), e.g. 8192")
+               "the special tokens), e.g. 8192" if trained else "use a positive integer (tokenizer_file's size "
+               "replaces it)")
         _check(self.tokenizer_file is None or (isinstance(self.tokenizer_file, str) and self.tokenizer_file),
                "tokenizer_file", self.tokenizer_file, "use None (the default: a BPE trained on the corpus) or a "
                "path to a tokenizer.json")

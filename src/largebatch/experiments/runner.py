@@ -171,11 +171,13 @@ def plateau_escape(val: list[dict], unigram: float | None, total_tokens: int,
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, val records) of a run directory's metrics.jsonl, in order."""
-    from largebatch.train.metrics import iter_metrics
+    from largebatch.train.metrics import restored_record
 
     train, val = [], []
-    for record in iter_metrics(run_dir):  # (the non-finite numbers back in place)
-        (val if record.get("kind") == "val" else train).append(record)
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        for line in f:  # (a line cut short raises: the arm is trained again, not reported from part of it)
+            record = restored_record(json.loads(line))  # (the non-finite numbers back in place)
+            (val if record.get("kind") == "val" else train).append(record)
     return train, val
 
 

@@ -443,7 +443,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
           if s.get("final_val_loss_ema") is not None else []),
         *(["by corpus         " + ", ".join(
             f"{label} {loss:.4f}" + (f" ({s['final_val_bpb_by_corpus'][label]:.4f} bits/byte)"
-                                     if s.get("final_val_bpb_by_corpus") else "")
+                                     if label in (s.get("final_val_bpb_by_corpus") or {}) else "")
             for label, loss in s["final_val_loss_by_corpus"].items())]
           if s.get("final_val_loss_by_corpus") else []),
         f"steps             {s['steps']} optimizer steps, {human_count(s['tokens'])} tokens in "

@@ -143,9 +143,11 @@ class Evaluation:
         """The targets an evaluation predicts (the same fixed slice, at the current phase's length;
         BERT: the masked positions), for a unigram baseline over the very tokens the validation loss
         is measured on (the whole split's differs when ``run.eval_tokens`` is small). ``by_source``:
-        a list, each corpus's (a mixture's, in data.val.names' order; one for one corpus)."""
+        a list, each corpus's (a mixture's, in data.val.names' order, empty for a corpus without a share
+        of the slice; one for one corpus)."""
         chunks, sources = self._eval_chunks()
-        parts: list[list[np.ndarray]] = [[] for _ in range(max(sources, default=0) + 1)]
+        corpora = len(self.data.val.names) if isinstance(self.data.val, MixtureDataset) else 1
+        parts: list[list[np.ndarray]] = [[] for _ in range(corpora)]
         for chunk, source in zip(chunks, sources):
             batch = self.data.val.get_batch(chunk)
             labels = (batch["targets"] if "targets" in batch else batch["labels"]).numpy()
@@ -175,7 +177,7 @@ class Evaluation:
                     whole = (sum(n for n, _ in counted), sum(size or 0 for _, size in counted))
                     complete = all(size is not None for _, size in counted)
                     ratios[None] = whole[0] / whole[1] if complete and whole[1] else None
-                    if len(parts) > 1:
+                    if isinstance(self.data.val, MixtureDataset):
                         ratios.update({label: n / size if size else None
                                        for label, (n, size) in zip(labels, counted)})
             cached = self._tokens_per_byte = (self.phase.seq_len, ratios)

@@ -22,7 +22,6 @@ from typing import Any, Iterator
 
 WANDB_RECORD = "wandb-run.json"  # RUN_DIR/wandb-run.json: the W&B run a resume continues
 NONFINITE = "nonfinite"  # a record's key: where its non-finite numbers were, and what they were
-_SPELLED = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def _pointer(path: tuple) -> str:
@@ -35,8 +34,11 @@ def strict_record(record: Any, path: tuple = (), found: dict[str, str] | None = 
     object naming each by JSON Pointer: what ``json.dumps(..., allow_nan=False)`` takes."""
     top = found is None
     found = {} if top else found
-    if isinstance(record, float) and not math.isfinite(record):
-        found[_pointer(path)] = _SPELLED[repr(record)]
+    if top and isinstance(record, dict) and NONFINITE in record:
+        raise ValueError(f"a metrics record may not hold a key named {NONFINITE!r}: metrics.jsonl names its "
+                         "non-finite numbers under it; give the value another name")
+    if isinstance(record, float) and not math.isfinite(record):  # (numpy's floats too)
+        found[_pointer(path)] = "NaN" if math.isnan(record) else "Infinity" if record > 0 else "-Infinity"
         return None
     if isinstance(record, dict):
         out = {key: strict_record(value, (*path, key), found) for key, value in record.items()}
@@ -52,9 +54,10 @@ def strict_record(record: Any, path: tuple = (), found: dict[str, str] | None = 
 def restored_record(record: dict[str, Any]) -> dict[str, Any]:
     """A record of metrics.jsonl with the non-finite numbers its ``nonfinite`` object names put back
     (the inverse of strict_record); a record without one as it is."""
-    found = record.pop(NONFINITE, None) if isinstance(record, dict) else None
-    if not isinstance(found, dict):
-        return record
+    found = record.get(NONFINITE) if isinstance(record, dict) else None
+    if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+        return record  # (not the writer's: a record of another program's, left as it is)
+    del record[NONFINITE]
     for pointer, spelled in found.items():
         keys = [part.replace("~1", "/").replace("~0", "~") for part in str(pointer).split("/")[1:]]
         inside: Any = record
@@ -345,7 +348,7 @@ def _resume_cut(path: Path, resume_step: int, evaluates_again: bool,
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = restored_record(json.loads(line))  # (kept records are replayed: their floats back)
         except ValueError:
             if not cut:
                 bad += 1

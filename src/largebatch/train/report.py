@@ -196,8 +196,10 @@ class Reporting:
             summary["final_val_bpb_ema"] = self.bits_per_byte(self.val_ema[0])
         if self.val_by_corpus:  # data.mixture: each corpus's validation loss (the eval records' val_loss/<corpus>)
             summary["final_val_loss_by_corpus"] = dict(self.val_by_corpus)
-            bits = {label: self.bits_per_byte(loss, label) for label, loss in self.val_by_corpus.items()}
-            summary["final_val_bpb_by_corpus"] = bits if all(b is not None for b in bits.values()) else None
+            bits = {label: b for label, loss in self.val_by_corpus.items()
+                    if (b := self.bits_per_byte(loss, label)) is not None}
+            if bits:  # (where the tokenizer gives them: the eval records' val_bpb/<corpus>)
+                summary["final_val_bpb_by_corpus"] = bits
         summary["unigram_val_accuracy"] = self.data.unigram_accuracy()
         evaluated = self.evaluated_targets()  # the baseline on the tokens the validation loss is on
         summary["unigram_eval_loss"] = self.data.unigram_loss(evaluated)
