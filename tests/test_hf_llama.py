@@ -639,7 +639,7 @@ def test_a_scaled_rope_llama_imports_with_its_logits_and_goes_out_and_back(rope,
 
 
 def test_a_llama3_context_longer_than_first_trained_is_noted_unless_seq_len_is_given():
-    """Llama 3.1 and 3.2 declare 131072 positions: init_from makes that the run's sequence length
+    """Llama 3.1 and 3.2 declare 131072 positions (Qwen3 40960): init_from makes that the run's sequence length
     unless --model.seq_len is given, which a note says, naming the context first trained on."""
     from types import SimpleNamespace
 
@@ -651,4 +651,9 @@ def test_a_llama3_context_longer_than_first_trained_is_noted_unless_seq_len_is_g
     assert "model.seq_len=131072 is hf:llama-3.2's max_position_embeddings" in note and "e.g. 8192" in note
     assert context_note(SimpleNamespace(model=long), {"model.seq_len"}) is None
     assert context_note(SimpleNamespace(model=long.replace(seq_len=8192)), set()) is None
-    assert context_note(SimpleNamespace(model=long.replace(rope_scaling="none")), set()) is None
+    # without a scaling, a context past 8192 (Qwen3's 40960) is noted too; learned positions never
+    qwen3 = long.replace(rope_scaling="none", seq_len=40960, head_size=128, qk_norm=True)
+    note = context_note(SimpleNamespace(model=qwen3), set())
+    assert "model.seq_len=40960" in note and "e.g. 4096; the model's rotary positions take any length" in note
+    assert context_note(SimpleNamespace(model=qwen3.replace(seq_len=8192)), set()) is None
+    assert context_note(SimpleNamespace(model=ModelConfig(init_from="hf:gpt2", seq_len=16384)), set()) is None

@@ -127,6 +127,22 @@ def test_give_up_is_detected_at_the_next_read_naming_the_same_step(tmp_path, ref
         assert "nonfinite" not in back
 
 
+def test_a_run_that_ends_with_a_non_finite_loss_writes_a_strict_summary(tmp_path, reference_run):
+    """Every step skipped (LR 1e30, no limit on skips): the run ends (exit 0) with a NaN validation
+    loss, and summary.json is strict JSON too: the loss null, named in "nonfinite"."""
+    out = tmp_path / "nan"
+    o = tiny_overrides(reference_run[0], out, **{
+        "schedule.peak_lr": 1e30, "schedule.batch_policy": "constant", "optim.name": "adamw",
+        "run.on_nonfinite": "skip", "run.max_skipped_steps": None})
+    assert main([f"--{k}={json.dumps(v) if v is not None else 'none'}" for k, v in o.items()]) == 0
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in summary.json")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["final_val_loss"] is None and summary["nonfinite"]["/final_val_loss"] == "NaN", summary
+
+
 def test_a_records_non_finite_numbers_go_out_as_strict_json_and_come_back():
     """strict_record / restored_record at any depth: nested dicts and lists, keys with "/" and "~"
     (JSON Pointer's escapes), numpy's floats; a record's own key named "nonfinite" is refused, and

@@ -336,12 +336,15 @@ def _metrics_cut_short(run_dir: Path) -> str | None:
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
-    """A JSON object read from ``path``; None when it cannot be read or parsed (a file cut short)."""
+    """A JSON object read from ``path``, its non-finite numbers back in place (summary.json is strict
+    JSON); None when it cannot be read or parsed (a file cut short)."""
+    from largebatch.train.metrics import restored_record
+
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    return restored_record(record) if isinstance(record, dict) else None
 
 
 def _train(run_dir: Path, overrides: dict[str, Any], threads: int | None = None,

@@ -408,17 +408,27 @@ def rope_note(cfg, given: set[str]) -> str | None:
             f"{cfg.model.init_from} was trained with (a context change); leave them out to keep its own")
 
 
+LONG_CONTEXT = 8192
+"""A rotary directory's max_position_embeddings past this (Qwen3's 40960, Mistral's 32768) is noted
+as the run's sequence length (context_note)."""
+
+
 def context_note(cfg, given: set[str]) -> str | None:
-    """A note when model.seq_len came from the init_from directory's max_position_embeddings and is
-    longer than the context its rope scaling says it was first trained on (Llama 3.1 and 3.2: 131072
-    against 8192): every sequence of the run is that long unless --model.seq_len says otherwise."""
+    """A note when model.seq_len came from a rotary init_from directory's max_position_embeddings and
+    is longer than the context its rope scaling says it was first trained on (Llama 3.1 and 3.2: 131072
+    against 8192), or than LONG_CONTEXT (Qwen3: 40960): every sequence of the run is that long unless
+    --model.seq_len says otherwise (a rotary model takes any length)."""
     model = cfg.model
-    if (not model.init_from or "model.seq_len" in given or model.rope_scaling != "llama3"
-            or model.seq_len <= model.rope_original_seq_len):
+    if not model.init_from or "model.seq_len" in given or model.position != "rope":
         return None
+    first = model.rope_original_seq_len if model.rope_scaling == "llama3" else None
+    if model.seq_len <= (LONG_CONTEXT if first is None else first):
+        return None
+    example = (f"{first}, the context it was first trained on" if first is not None else
+               "4096; the model's rotary positions take any length")
     return (f"note: model.seq_len={model.seq_len} is {model.init_from}'s max_position_embeddings (config.json): "
-            f"every training sequence is {model.seq_len} tokens; set --model.seq_len (e.g. "
-            f"{model.rope_original_seq_len}, the context it was first trained on) to train shorter ones")
+            f"every training sequence is {model.seq_len} tokens; set --model.seq_len (e.g. {example}) to train "
+            "shorter ones")
 
 
 def dropout_note(cfg, given: set[str]) -> str | None:

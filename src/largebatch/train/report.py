@@ -22,6 +22,7 @@ from largebatch.memory.measure import memory_bytes
 from largebatch.models.flops import flops_per_token, mfu_over_peak
 from largebatch.models.registry import model_spec
 from largebatch.train.deferred import read_record
+from largebatch.train.metrics import strict_record
 from largebatch.train.phases import describe as describe_phases
 from largebatch.train.plots import plot_run
 from largebatch.train.progress import format_record, human_count
@@ -230,7 +231,8 @@ class Reporting:
                 plot_run(self.run_dir)
         except Exception as exc:  # plots are a convenience; never fail a finished run on them
             self.log(f"(plots skipped: {exc})")
-        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))  # never half of one
+        # never half of one; strict JSON, as metrics.jsonl (a non-finite number null, named in "nonfinite")
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(strict_record(summary), indent=2, allow_nan=False))
         if self.metrics is not None:
             self.metrics.summary(summary)
         return summary
