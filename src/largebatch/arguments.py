@@ -4,6 +4,8 @@ value and the fix, exit code 2, no traceback -- and it is found before any work 
 A leaf module (standard library only): the commands import it, it imports nothing of theirs.
 
 * :class:`OneLineParser` -- ``argparse`` whose errors are one line (argparse prints the usage first);
+* :func:`run_command` -- a command's ``main``: parse, run, and an expected error as one line, exit 2;
+  :func:`run_dir_parser` -- the parser of a command that reads a run's checkpoint (generate, perplexity);
 * :func:`finite_float` -- an ``argparse`` type that refuses ``inf`` and ``nan`` (``float()`` takes both);
 * :func:`token_count` -- '2e9', '300M', '1.5B' as a whole number of tokens (the CLI flags and the
   config fields that hold token counts read it alike); :func:`token_label`, the other way (plots' axes);
@@ -21,7 +23,7 @@ import argparse
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # import name -> what `pip install 'largebatch[train]'` brings (the library needs none of them)
@@ -62,6 +64,41 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def run_dir_parser(prog: str, doc: str, usage: str) -> argparse.ArgumentParser:
+    """A OneLineParser for ``largebatch PROG RUN_DIR ...``: its help is ``doc`` (the module docstring,
+    which lists the options with their meaning; argparse's own list of names is left out), RUN_DIR,
+    and the options every command reading a run's checkpoint takes: --json, --device (cpu), --tokenizer,
+    --checkpoint, --ema. The command adds its own."""
+    p = OneLineParser(prog=prog, description=doc, usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      argument_default=None, add_help=False)
+    p.add_argument("-h", "--help", action="help", help=argparse.SUPPRESS)
+    p.add_argument("run_dir", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--ema", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str], body: Callable[[argparse.Namespace], int],
+                errors: tuple[type[BaseException], ...]) -> int:
+    """A command's exit code: ``body(args)``'s, after ``parser`` read ``argv``; 0 for --help and 2 for
+    a usage error (one line, OneLineParser), and 2 for one of ``errors``, printed as one line
+    ``PROG: error: MESSAGE`` on stderr (no traceback: the message names the field and the fix)."""
+    import sys
+
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
+    try:
+        return body(args)
+    except errors as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def finite_float(text: str) -> float:

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from largebatch.arguments import OneLineParser, finite_float
+from largebatch.arguments import OneLineParser, finite_float, run_command
 from largebatch.data.tasks import TASKS, TaskData, TaskError, build_task, document_folds
 from largebatch.stats import T_975, all_same, ci95
 
@@ -356,18 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
-        return int(exc.code or 0)
-    try:
+
+    def body(args: argparse.Namespace) -> int:
         settings = Settings(**{k: v for k, v in vars(args).items()
                                if k not in ("run_dir", "tokenizer", "checkpoint", "ema")})
         return run(args.run_dir, settings, args.tokenizer, shlex.join(["largebatch", "finetune", *argv]),
                    checkpoint=args.checkpoint, ema=args.ema)
-    except (FinetuneError, TaskError) as exc:
-        print(f"largebatch finetune: error: {exc}", file=sys.stderr)
-        return 2
+
+    return run_command(build_parser(), argv, body, (FinetuneError, TaskError))
 
 
 def _check_report_paths(out: Path, stem: str) -> None:

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import OneLineParser, finite_float, whole_number
+from largebatch.arguments import finite_float, run_command, run_dir_parser, whole_number
 from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
@@ -59,11 +59,7 @@ class GenerateError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # the docstring lists the options with their meaning: argparse's own list (names only) is left out
-    p = OneLineParser(prog="largebatch generate", description=__doc__, usage="largebatch generate RUN_DIR [options]",
-                      formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=None, add_help=False)
-    p.add_argument("-h", "--help", action="help", help=argparse.SUPPRESS)
-    p.add_argument("run_dir", help=argparse.SUPPRESS)
+    p = run_dir_parser("largebatch generate", __doc__, "largebatch generate RUN_DIR [options]")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help=argparse.SUPPRESS)
     prompt.add_argument("--prompt-file", help=argparse.SUPPRESS)
@@ -75,11 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     # what torch.manual_seed takes
     p.add_argument("--seed", type=whole_number("--seed", -2**63, 2**64, "in [-2^63, 2^64)"), help=argparse.SUPPRESS)
     p.add_argument("--no-stop", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
-    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
-    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
-    p.add_argument("--ema", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -186,18 +177,15 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
-        return int(exc.code or 0)
-    try:
-        _check(args)
-        result = generate(args.run_dir, _prompt_text(args), args.max_new_tokens, args.samples,
-                          args.temperature, args.top_k, args.top_p, args.seed, not args.no_stop, args.device,
-                          args.tokenizer, args.checkpoint, args.ema, log=lambda m: print(m, file=sys.stderr))
-    except (GenerateError, ExportError) as exc:
-        print(f"largebatch generate: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv, _generated, (GenerateError, ExportError))
+
+
+def _generated(args: argparse.Namespace) -> int:
+    """The command's work: generate, then print the samples (the closing line on stderr)."""
+    _check(args)
+    result = generate(args.run_dir, _prompt_text(args), args.max_new_tokens, args.samples,
+                      args.temperature, args.top_k, args.top_p, args.seed, not args.no_stop, args.device,
+                      args.tokenizer, args.checkpoint, args.ema, log=lambda m: print(m, file=sys.stderr))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import OneLineParser, whole_number
+from largebatch.arguments import run_command, run_dir_parser, whole_number
 from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
@@ -193,12 +193,8 @@ def _document_losses(model, documents, stride, batch_size, progress, seq_len, de
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # the docstring lists the options with their meaning: argparse's own list (names only) is left out
-    p = OneLineParser(prog="largebatch perplexity", description=__doc__,
-                      usage="largebatch perplexity RUN_DIR (--text TEXT | --corpus SPEC | --split val) [options]",
-                      formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=None, add_help=False)
-    p.add_argument("-h", "--help", action="help", help=argparse.SUPPRESS)
-    p.add_argument("run_dir", help=argparse.SUPPRESS)
+    p = run_dir_parser("largebatch perplexity", __doc__,
+                       "largebatch perplexity RUN_DIR (--text TEXT | --corpus SPEC | --split val) [options]")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--text", help=argparse.SUPPRESS)
     source.add_argument("--corpus", help=argparse.SUPPRESS)
@@ -206,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help=argparse.SUPPRESS)
     p.add_argument("--stride", type=whole_number("--stride", 1), help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=whole_number("--batch-size", 1), default=8, help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
-    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
-    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
-    p.add_argument("--ema", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -454,17 +445,14 @@ def _exp(value: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
-        return int(exc.code or 0)
-    try:
-        result = perplexity(args.run_dir, args.text, args.corpus, args.split, args.text_field, args.stride,
-                            args.batch_size, args.device, args.tokenizer, args.checkpoint, args.ema,
-                            log=lambda m: print(m, file=sys.stderr))
-    except (PerplexityError, ExportError) as exc:
-        print(f"largebatch perplexity: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv, _scored, (PerplexityError, ExportError))
+
+
+def _scored(args: argparse.Namespace) -> int:
+    """The command's work: score, then print the measures (the closing line on stderr)."""
+    result = perplexity(args.run_dir, args.text, args.corpus, args.split, args.text_field, args.stride,
+                        args.batch_size, args.device, args.tokenizer, args.checkpoint, args.ema,
+                        log=lambda m: print(m, file=sys.stderr))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
