@@ -3,7 +3,7 @@ memory of a GPT with it against the same GPT without it, explicit and SDPA atten
 
 The mask changes which scores count, not how many are computed (dense attention either way), so the
 step costs what building one s x s mask per micro-batch and applying it in every layer add; memory
-grows by the one mask the layers share (largebatch.memory.document_mask_bytes), measured here next
+grows by the one mask the layers share (largebatch.memory.activations.attention_mask_bytes), measured here next
 to the closed form. Timings are interleaved (each round runs both once, in rotating order) and
 reported as ratios to the unmasked model in the same rounds, so a shared machine affects both alike.
 On a GPU, SDPA with a mask cannot use the FlashAttention kernel (torch takes the memory-efficient

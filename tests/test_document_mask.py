@@ -21,9 +21,9 @@ import torch
 from largebatch.cli import main as cli_main
 from largebatch.export import load_run
 from largebatch.memory import apply_recompute, measure_forward_bytes, model_activation_bytes
-from largebatch.memory.activations import document_mask_bytes
+from largebatch.memory.activations import attention_mask_bytes
 from largebatch.models import ModelConfig, build_model
-from largebatch.models.layers import DocumentMask
+from largebatch.models.layers import AttentionMask
 from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.loop import Trainer
@@ -99,13 +99,13 @@ def test_gradients_are_the_sum_of_each_documents_own(policy, attention, position
 
 
 def test_the_mask_is_the_rule_written_out():
-    """DocumentMask.allowed against the definition, position by position: same document (the count
+    """AttentionMask.allowed against the definition, position by position: same document (the count
     of separators at or before each position) and, for a causal model, not later."""
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 4, (3, 17), generator=gen)  # separators often, some adjacent
     ids[1, 0] = SEP
     for causal in (True, False):
-        mask = DocumentMask(ids, SEP, causal)
+        mask = AttentionMask(ids, SEP, causal)
         allowed = mask.allowed()
         additive = mask.additive(torch.float32)
         for b, i, j in itertools.product(range(3), range(17), range(17)):
@@ -167,7 +167,7 @@ def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention, s):
     ids = torch.randint(1, 64, (b, s))
     ids[:, ::10] = SEP
     expected = s * s * b if attention == "explicit" else s * (-(-s // 8) * 8) * b * 4
-    assert document_mask_bytes(masked, b, dtype_bytes=4) == expected
+    assert attention_mask_bytes(masked, b, dtype_bytes=4) == expected
     for policy in ("none", "selective", "op", "full"):
         held = {}
         for config, model in models.items():
@@ -185,7 +185,7 @@ def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention, s):
     assert model_activation_bytes(masked, b, training=False, dtype_bytes=4, device="cpu") == \
         model_activation_bytes(plain, b, training=False, dtype_bytes=4, device="cpu")
     # at 16 bits: sdpa's float mask halves, the bool one does not
-    assert document_mask_bytes(masked, b, dtype_bytes=2) == (expected if attention == "explicit" else expected / 2)
+    assert attention_mask_bytes(masked, b, dtype_bytes=2) == (expected if attention == "explicit" else expected / 2)
 
 
 @pytest.mark.parametrize("schedule, pp, virtual, masks", [
@@ -202,7 +202,7 @@ def test_a_pipeline_rank_keeps_a_mask_per_stage_and_micro_batch_in_flight(schedu
     plain = ModelConfig(n_layer=8, n_embd=64, n_head=4, seq_len=64, vocab_size=64, attention="sdpa")
     masked = plain.replace(document_mask=True, separator_id=SEP)
     b, m = 2, 2 * pp
-    one = document_mask_bytes(masked, b, dtype_bytes=2)
+    one = attention_mask_bytes(masked, b, dtype_bytes=2)
     kw = dict(pp=pp, schedule=schedule, virtual_stages=virtual, micro_batches=m, dtype_bytes=2)
     grown = model_activation_bytes(masked, b, **kw) - model_activation_bytes(plain, b, **kw)
     assert grown == pytest.approx(masks * one)

@@ -204,6 +204,47 @@ def test_a_qwen3_layout_goes_out_as_qwen3_and_back_unchanged(tmp_path):
     _same_logits_and_back(ours, hf, tmp_path / "out")
 
 
+@pytest.mark.parametrize("layout, architecture", [
+    ({"full_attention_layers": ()}, "MistralForCausalLM"),
+    ({"full_attention_layers": (0, 2)}, "MinistralForCausalLM"),
+    ({"full_attention_layers": (1,), "qkv_bias": True}, "Qwen2ForCausalLM"),
+    ({"full_attention_layers": (2,), "qk_norm": True}, "Qwen3ForCausalLM")])
+def test_sliding_windows_go_out_as_their_family_and_back_unchanged(layout, architecture, tmp_path):
+    """A window of 5 of the 16 positions on every layer (Mistral), or on the layers
+    full_attention_layers leaves (Ministral without biases, Qwen2 with q/k/v biases, Qwen3 with q/k
+    norms, each by layer_types): the export is that family's model computing largebatch's logits with
+    transformers' own masks, and init_from of it builds the same model. Llama and GPT-2, which have no
+    window, are refused for it naming the window."""
+    from transformers import AutoModelForCausalLM
+
+    from largebatch.integrations.hf_export import save_hf
+    from largebatch.models.config import hf_model_type_problem
+
+    cfg = ModelConfig(n_layer=3, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48, seq_len=16, vocab_size=64,
+                      bias=False, norm_eps=1e-6, sliding_window=5, **layout, **{k[6:]: v for k, v in LLAMA.items()})
+    problem = hf_model_type_problem(cfg.replace(hf_model_type="llama"))
+    assert "model.sliding_window=5" in problem and "model.sliding_window=None" in problem, problem
+    if cfg.window_layout == "some" and not cfg.qk_norm and not cfg.qkv_biased:  # Mistral windows every layer
+        problem = hf_model_type_problem(cfg.replace(hf_model_type="mistral"))
+        assert "model.full_attention_layers=[0, 2]" in problem and "model.full_attention_layers=[]" in problem
+    ours = _scrambled(cfg)
+    assert save_hf(ours, None, tmp_path / "out")["architecture"] == architecture
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["sliding_window"] == 5
+    if architecture != "MistralForCausalLM":
+        assert config["layer_types"] == ["full_attention" if i in cfg.full_attention_layers else "sliding_attention"
+                                         for i in range(3)]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == architecture
+    _same_logits_and_back(ours, hf, tmp_path / "out")
+    # the windows matter: the same weights without them compute other logits
+    plain = build_model(cfg.replace(sliding_window=None, full_attention_layers=())).eval()
+    plain.load_state_dict(ours.state_dict())
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (plain(idx)[0] - hf(input_ids=idx).logits).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("biases", ["none", "qkv"])
 def test_heads_of_another_size_go_out_as_llama_and_qwen2_and_back(biases, tmp_path):
     """model.head_size (heads of 12 on a 32-wide stream) without q/k norms: a LlamaForCausalLM or
@@ -238,6 +279,8 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MinistralConfig,
+        MinistralForCausalLM,
         MistralConfig,
         MistralForCausalLM,
         Qwen2Config,
@@ -251,6 +294,13 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **config)
     torch.manual_seed(0)
     hf = {"mistral": lambda: MistralForCausalLM(MistralConfig(sliding_window=None, **shape)),
+          # sliding windows (WINDOW of the 48 positions): Mistral's on every layer, Ministral's on the
+          # layers layer_types names (its layers need head_dim written), Qwen2's from max_window_layers on
+          "mistral-window": lambda: MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **shape)),
+          "ministral": lambda: MinistralForCausalLM(MinistralConfig(
+              sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"], head_dim=8, **shape)),
+          "qwen2-window": lambda: Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                                               max_window_layers=1, **shape)),
           "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **shape)),
           "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, head_dim=QWEN3_HEAD, **shape)),
           "llama": lambda: LlamaForCausalLM(LlamaConfig(attention_bias=False, mlp_bias=False, **shape))}[family]()
@@ -265,10 +315,15 @@ def _llama_dir(path: Path, vocab: int, tokenizer: Path | None = None, family: st
 
 
 QWEN3_HEAD = 12  # (hidden_size / num_attention_heads is 8)
+WINDOW = 5  # the windowed families' sliding window, of 48 positions
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "ministral",
+                                    "qwen2-window"])
 def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_on(llama_run, cache, family, tmp_path):
+    """init_from of a transformers-built directory: the fields, transformers' logits and gradients in
+    fp32; "-window" and Ministral: sliding windows of WINDOW positions (on every layer, on layer 1 by
+    layer_types, on layers max_window_layers = 1 and up), against transformers' own masks."""
     from largebatch.data import build_data
 
     tokenizer = llama_run / "tokenizer.json"
@@ -281,10 +336,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     assert (m.kind, m.norm, m.position, m.activation, m.norm_position) == ("gpt", "rmsnorm", "rope", "swiglu", "pre")
     assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.ffn, m.seq_len, m.vocab_size) == (2, 32, 4, 1, 48, 48, V)
     assert (m.rope_theta, m.norm_eps, m.bias, m.tie_embeddings) == (2e4, 1e-5, False, True)
-    # Qwen2: biases on q, k and v alone, and it exports as Qwen2 (a window-free Mistral as Llama);
-    # Qwen3: heads of head_dim values, each query and key head normalised
-    assert (m.qkv_biased, m.hf_model_type) == ((True, "qwen2") if family == "qwen2" else
-                                               (False, "qwen3" if family == "qwen3" else "llama"))
+    # Qwen2: biases on q, k and v alone; Qwen3: heads of head_dim values, each query and key head
+    # normalised; each exports as its own type
+    assert (m.qkv_biased, m.hf_model_type) == (family.startswith("qwen2"), family.removesuffix("-window"))
+    assert m.windows == {"mistral-window": (WINDOW, WINDOW), "ministral": (None, WINDOW),
+                         "qwen2-window": (None, WINDOW)}.get(family, (None, None))
     assert (m.head_size, m.qk_norm) == ((QWEN3_HEAD, True) if family == "qwen3" else (None, False))
     # head_size given as none: the directory's heads of hidden / heads (8 here), not the default
     # config's own n_embd / n_head (64): accepted where the directory has those, refused naming none
@@ -298,10 +354,14 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
         assert load_config(None, none).model.head_size is None
         assert load_config(None, {**none, "model.head_size": 8}).model.head_size is None
     # qkv_bias given as the network has it (none: as bias) is the same model; the other way is refused
-    same = load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family == "qwen2"}).model
+    qwen2 = family.startswith("qwen2")
+    same = load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": qwen2}).model
     assert same.qkv_biased == m.qkv_biased
-    with pytest.raises(ConfigError, match=f"model.qkv_bias={family != 'qwen2'} but"):
-        load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": family != "qwen2"})
+    with pytest.raises(ConfigError, match=f"model.qkv_bias={not qwen2} but"):
+        load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": not qwen2})
+    # the window is the directory's: another one is refused naming both
+    with pytest.raises(ConfigError, match=f"model.sliding_window=7 but hf:.* has {m.sliding_window}"):
+        load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": 7})
     assert cfg.data.tokenizer_file == str(directory / "tokenizer.json")
     model = build_model(m)
     init_from_pretrained(model)
@@ -326,12 +386,17 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
                                    (model.blocks[0].ln1.weight.grad, hf.model.layers[0].input_layernorm.weight.grad),
                                    (model.tok_emb.weight.grad, hf.model.embed_tokens.weight.grad),
                                    *(((model.blocks[1].attn.v.bias.grad, layer.self_attn.v_proj.bias.grad),)
-                                     if family == "qwen2" else ()),
+                                     if qwen2 else ()),
                                    *(((model.blocks[1].attn.q_norm.weight.grad, layer.self_attn.q_norm.weight.grad),
                                       (model.blocks[1].attn.k_norm.weight.grad, layer.self_attn.k_norm.weight.grad),
                                       (model.blocks[1].attn.proj.weight.grad, layer.self_attn.o_proj.weight.grad))
                                      if family == "qwen3" else ())):
         torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-4, atol=1e-6)
+    if m.window_layout != "none":  # the window matters: without it the logits are far off
+        plain = build_model(m.replace(sliding_window=None, full_attention_layers=(), init_from=None,
+                                      hf_model_type=None))
+        plain.load_state_dict(model.state_dict())
+        assert (plain.eval()(idx)[0] - theirs).abs().max() > 1e-2
     if family != "llama":
         return  # (the same network: the training below runs once)
     # untied on request (pipeline parallel needs it): the output layer starts as a copy, same logits
@@ -380,16 +445,14 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
                         ["attention_bias=True and mlp_bias=False", "one model.bias"]),
              "qwen3-biases": ({"model_type": "qwen3", "attention_bias": True},
                               ["attention_bias=True", "q, k, v and o_proj", "model.bias covers the MLP"]),
-             "qwen3-window": ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16,
-                               "max_window_layers": 0, "layer_types": None}, ["sliding_window=16", "below"]),
              "head-dim-zero": ({"head_dim": 0}, ["head_dim=0", "positive integer"]),
              "gelu": ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
              "partial": ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5"]),
-             "window": ({"model_type": "mistral", "sliding_window": 16}, ["sliding_window=16", "below"]),
-             "qwen2-window": ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
-                               "max_window_layers": 0, "layer_types": None}, ["sliding_window=16", "below"]),
              "qwen2-layers": ({"model_type": "qwen2", "sliding_window": 16,
-                               "layer_types": ["full_attention", "sliding_attention"]}, ["sliding_window=16"])}
+                               "layer_types": ["full_attention", "sliding_attention"]},
+                              ["sliding_window=16", "use_sliding_window=False", "transformers' own model"]),
+             "ministral-layers": ({"model_type": "ministral", "sliding_window": 16, "layer_types": ["full_attention"]},
+                                  ["layer_types=['full_attention']", "each of the num_hidden_layers=2"])}
     for name, (changes, words) in cases.items():
         with pytest.raises(ConfigError) as err:
             model_fields(_variant(tmp_path, source, name, **changes))
@@ -405,15 +468,16 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
     full = _variant(tmp_path, source, "qwen2-full", model_type="qwen2", use_sliding_window=True, sliding_window=16,
                     max_window_layers=0, layer_types=["full_attention", "full_attention"])
     assert model_fields(full)["position"] == "rope"
-    # a Mistral whose window covers the whole context is Llama's function
+    # windows as transformers builds its layers: Qwen2's and Qwen3's from max_window_layers on (or by
+    # layer_types), Mistral's on every layer, 4096 where config.json has no such key
+    for family in ("qwen2", "qwen3"):
+        windowed = _variant(tmp_path, source, f"{family}-window", model_type=family, use_sliding_window=True,
+                            sliding_window=16, max_window_layers=1, layer_types=None)
+        assert (model_fields(windowed)["sliding_window"], model_fields(windowed)["full_attention_layers"]) == (16, (0,))
     wide = _variant(tmp_path, source, "wide", model_type="mistral", sliding_window=48)
-    assert model_fields(wide)["position"] == "rope"
-    # without the key MistralConfig fills in a 4096 window: full attention up to 4096 positions only
-    assert model_fields(_variant(tmp_path, source, "nokey", model_type="mistral", sliding_window=None))
-    with pytest.raises(ConfigError) as err:
-        model_fields(_variant(tmp_path, source, "nokey-long", model_type="mistral", sliding_window=None,
-                              max_position_embeddings=8192))
-    assert "sliding_window=4096 below max_position_embeddings=8192" in str(err.value), str(err.value)
+    assert (model_fields(wide)["sliding_window"], model_fields(wide)["hf_model_type"]) == (48, "mistral")
+    assert model_fields(_variant(tmp_path, source, "nokey", model_type="mistral", sliding_window=None,
+                                 max_position_embeddings=8192))["sliding_window"] == 4096
     # and in one line from the command line, before training
     capsys.readouterr()  # (save_pretrained's progress bars)
     assert cli_main(["train", f"--model.init_from=hf:{tmp_path / 'biases'}", f"--run.out_dir={tmp_path / 'run'}"]) == 2

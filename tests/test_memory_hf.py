@@ -167,13 +167,12 @@ def test_preset_cli_prints_the_paper_table(capsys):
 @pytest.mark.parametrize("raw, match", [
     (transformers.MixtralConfig().to_dict(), r"model_type='mixtral': not supported.*mixture-of-experts"),
     (transformers.GemmaConfig().to_dict(), r"model_type='gemma': not supported.*GeGLU"),
-    # a window below the context: eager keeps the same s^2 tensors, but the mask and sdpa's path differ
-    (transformers.MistralConfig().to_dict(), r"'mistral' has sliding_window=4096 below max_position_embeddings"
-                                             r"=131072.*does not describe it"),
-    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_window_layers=4).to_dict(),
-     r"'qwen2' has sliding_window=1024 below max_position_embeddings=32768"),
-    (transformers.Qwen3Config(use_sliding_window=True, sliding_window=1024, max_window_layers=4).to_dict(),
-     r"'qwen3' has sliding_window=1024 below max_position_embeddings=32768"),
+    # sliding layers without a window: transformers' own Qwen2 fails to build their mask
+    ({**transformers.Qwen2Config(num_hidden_layers=2).to_dict(),
+      "layer_types": ["full_attention", "sliding_attention"]},
+     r"'qwen2' has layer_types naming sliding layers with use_sliding_window=False.*transformers' own model"),
+    ({**transformers.LlamaConfig().to_dict(), "model_type": "ministral", "sliding_window": 0},
+     r"'ministral' has sliding_window=0; it must be a positive number"),
     ({**transformers.LlamaConfig().to_dict(), "hidden_size": 100, "head_dim": None},
      r"hidden_size=100, num_attention_heads=32 and no head_dim.*must divide hidden_size"),
     ({**transformers.LlamaConfig().to_dict(), "head_dim": 0}, r"head_dim=0; it must be a positive integer"),
@@ -524,7 +523,7 @@ def test_a_transformers_llama_whole_model_against_the_estimate():
 
 
 def test_llama_family_configs():
-    """LlamaForCausalLM, window-free MistralForCausalLM and Qwen2ForCausalLM configs as the
+    """LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM and Qwen2ForCausalLM configs as the
     Llama-style GPT; a scaled rope and the biases change no kept tensor (the yarn model keeps the
     unscaled one's bytes: test above's terms hold for it), so they are read, not refused."""
     g = config_from_hf(transformers.LlamaConfig(num_key_value_heads=8).to_dict())
@@ -534,7 +533,21 @@ def test_llama_family_configs():
         ("rmsnorm", "rope", "swiglu", "pre", 0.0, False, False)
     mistral = config_from_hf(transformers.MistralConfig(sliding_window=None).to_dict())
     assert (mistral.kv_heads, mistral.ffn, mistral.seq_len) == (8, 14336, 131072)
-    assert config_from_hf(transformers.MistralConfig(sliding_window=131072).to_dict()) == mistral
+    assert (mistral.sliding_window, mistral.window_layout) == (None, "none")
+    # sliding windows as transformers builds its layers: Mistral's on every layer (4096 by default),
+    # Qwen2's and Qwen3's with use_sliding_window from max_window_layers on, Ministral's by layer_types
+    wide = config_from_hf(transformers.MistralConfig(sliding_window=131072).to_dict())
+    assert wide.replace(sliding_window=None) == mistral and wide.sliding_window == 131072
+    assert config_from_hf(transformers.MistralConfig().to_dict()).windows == (4096,) * 32
+    for family in (transformers.Qwen2Config, transformers.Qwen3Config):
+        windowed = config_from_hf(family(use_sliding_window=True, sliding_window=1024, max_window_layers=4,
+                                         num_hidden_layers=6).to_dict())
+        assert windowed.windows == (None,) * 4 + (1024,) * 2
+        assert config_from_hf(family(sliding_window=1024, num_hidden_layers=6).to_dict()).window_layout == "none"
+    pattern = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    ministral = config_from_hf(transformers.MinistralConfig(num_hidden_layers=6, sliding_window=512,
+                                                            layer_types=pattern).to_dict())
+    assert (ministral.sliding_window, ministral.full_attention_layers) == (512, (2, 5))
     qwen = config_from_hf(transformers.Qwen2Config(num_key_value_heads=4).to_dict())
     assert qwen.kv_heads == 4 and (qwen.bias, qwen.qkv_biased) == (False, True)
     # the parameter count: a real tiny Qwen2ForCausalLM's, its q/k/v biases included

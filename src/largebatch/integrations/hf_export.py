@@ -173,7 +173,16 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
-    from transformers import AutoConfig, BertConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoConfig,
+        BertConfig,
+        GPT2Config,
+        LlamaConfig,
+        MinistralConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     arch = check_exportable(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
@@ -186,14 +195,27 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
                       hidden_act=HF_ACTIVATION[cfg.activation], max_position_embeddings=cfg.seq_len,
                       rms_norm_eps=cfg.norm_eps, rope_parameters=rope_parameters(cfg), attention_dropout=cfg.dropout,
                       **tokens, **common)
-        if hf_model_type(cfg) == "llama":
+        kind = hf_model_type(cfg)
+        # each layer's attention: "sliding_attention" within the window, else "full_attention"
+        layer_types = ["full_attention" if w is None else "sliding_attention" for w in cfg.windows]
+        windowed = cfg.window_layout != "none"
+        if kind == "llama":
             config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)
-        elif hf_model_type(cfg) == "qwen3":  # Llama's blocks without biases, q and k heads normalised
-            config = Qwen3Config(head_dim=cfg.head_dim, attention_bias=False, use_sliding_window=False,
-                                 sliding_window=None, **blocks)
-        else:  # Qwen2: Llama's blocks with biases on q, k and v only; no sliding window
-            heads = {"head_dim": cfg.head_dim} if cfg.attention_width != cfg.n_embd else {}
-            config = Qwen2Config(use_sliding_window=False, sliding_window=None, **heads, **blocks)
+        elif kind == "mistral":  # Llama's blocks without biases, every layer within the window (or none)
+            config = MistralConfig(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window if windowed else None,
+                                   **blocks)
+        elif kind == "ministral":  # the same, the window on the layers layer_types names
+            config = MinistralConfig(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window if windowed else None,
+                                     layer_types=layer_types, **blocks)
+        else:  # Qwen2 (biases on q, k and v only) or Qwen3 (none; q and k heads normalised): windows by
+            # layer_types (max_window_layers is read only without them)
+            window = dict(use_sliding_window=windowed, sliding_window=cfg.sliding_window if windowed else None,
+                          layer_types=layer_types, max_window_layers=cfg.n_layer)
+            if kind == "qwen3":
+                config = Qwen3Config(head_dim=cfg.head_dim, attention_bias=False, **window, **blocks)
+            else:
+                heads = {"head_dim": cfg.head_dim} if cfg.attention_width != cfg.n_embd else {}
+                config = Qwen2Config(**window, **heads, **blocks)
         # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
         # the tools that read Llama configs without it) expect, or they would rotate with 10000
         config.rope_theta = float(cfg.rope_theta)
@@ -257,7 +279,7 @@ LLAMA_NAMES = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), (
                ("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc1", "mlp.up_proj"),
                ("mlp.fc2", "mlp.down_proj"), ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
                ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))  # (Qwen3's norms)
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 """The model types whose layers are LlamaDecoderLayer's, under its names (Qwen3's query and key norms besides)."""
 
 
@@ -323,12 +345,21 @@ def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
 
 def hf_model(model, special: dict[str, int]):
     """A transformers model (fp32, eval) computing the same logits as largebatch's ``model``."""
-    from transformers import AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        AutoModelForMaskedLM,
+        GPT2LMHeadModel,
+        LlamaForCausalLM,
+        MinistralForCausalLM,
+        MistralForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
     cfg: ModelConfig = model.config
     config = hf_config(cfg, special)
     if config.model_type in LLAMA_FAMILY:  # (Qwen2's and Qwen3's names are Llama's, and their own)
-        causal_lm = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+        causal_lm = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "ministral": MinistralForCausalLM,
+                     "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
         hf = causal_lm[config.model_type](config)
         state = llama_state_dict(model)
     elif cfg.kind == "gpt":

@@ -53,8 +53,10 @@ parallelism, the output layer (GPT): final-norm input and projection input (2 s 
 
 Beyond the paper, with ``document_mask`` (attention within the documents of a packed sequence) a
 micro-batch keeps one s x s mask besides, shared by its layers: s^2 b bytes as bool (explicit
-attention), s s' b d as sdpa's float mask with rows padded to s' (``document_mask_bytes``); a pipeline
-rank keeps one per stage and micro-batch in flight.
+attention), s s' b d as sdpa's float mask with rows padded to s' (``attention_mask_bytes``); a pipeline
+rank keeps one per stage and micro-batch in flight. A sliding window (``sliding_window``) shorter
+than s adds one such mask for its layers (s^2 without documents: every sequence alike); the layers'
+own terms are unchanged (the whole s x s scores are computed, then masked).
 
 Per pipeline schedule (Korthikanti et al. 2022 §4.2.3, citing Narayanan et al. 2021), the first
 stage's layers' worth (``first_stage_layers``): 1F1B keeps p micro-batches of its L/p layers, L; the
@@ -279,8 +281,8 @@ def model_activation_bytes(config: ModelConfig, micro_batch: int, recompute: str
     one = stage_activation_bytes(config, micro_batch, config.n_layer // pp, recompute, first=True, last=False,
                                  tp=tp, sequence_parallel=sequence_parallel, seq_len=seq_len, dtype_bytes=dtype_bytes,
                                  device=device, training=training, mask_fraction=mask_fraction)
-    if pp > 1:  # a document mask is per stage and micro-batch: V of them a micro-batch on a rank
-        mask = document_mask_bytes(config, micro_batch, seq_len, dtype_bytes) if training else 0.0
+    if pp > 1:  # an attention mask is per stage and micro-batch: V of them a micro-batch on a rank
+        mask = attention_mask_bytes(config, micro_batch, seq_len, dtype_bytes) if training else 0.0
         return in_flight * (one - mask) + in_flight * stages_per_rank(schedule, virtual_stages) * mask
     return one + stage_activation_bytes(config, micro_batch, 0, first=False, last=True, tp=tp,
                                         sequence_parallel=sequence_parallel, seq_len=seq_len,
@@ -362,23 +364,33 @@ def backward_working_bytes(config: ModelConfig, micro_batch: int, recompute: str
     return peak
 
 
-def document_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | None = None,
-                        dtype_bytes: float = 2) -> float:
-    """Bytes of the attention mask a micro-batch keeps under ``document_mask`` (its layers' backward,
-    or their recomputation, all keep the one tensor): s^2 b, as bool for explicit attention
-    (``torch.where`` keeps its condition) or in the activation dtype for sdpa (its float mask, each
-    row padded to a multiple of MASK_ROW_ALIGNMENT values, which CUDA's kernel needs uncopied); on
-    every tensor-parallel rank whole (heads are split, the mask is not), 0 without document_mask.
-    The per-token integers beside it (the document index a recomputation keeps with the mask,
-    learned positions' restarted indices: 8 bytes a token each) are not counted, as the norms'
-    per-token statistics are not."""
-    if not config.document_mask:
-        return 0.0
+def attention_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | None = None,
+                         dtype_bytes: float = 2) -> float:
+    """Bytes of the attention masks a micro-batch keeps (largebatch.models.layers.AttentionMask: its
+    layers' backward, or their recomputation, keep one tensor per distinct form): under
+    ``document_mask`` s^2 b per distinct layer window (full attention, or a sliding_window), without
+    it s^2 for the sliding window alone (every sequence alike) when the window is shorter than s --
+    as bool for explicit attention (``torch.where`` keeps its condition) or in the activation dtype
+    for sdpa (its float mask, each row padded to a multiple of MASK_ROW_ALIGNMENT values, which CUDA's
+    kernel needs uncopied); on every tensor-parallel rank whole (heads are split, the mask is not); 0
+    when no layer reads a mask. A pipeline stage is counted with the whole model's windows (an upper
+    bound where its layers have fewer). The per-token integers beside it (the document index a
+    recomputation keeps with the mask, learned positions' restarted indices: 8 bytes a token each) are
+    not counted, as the norms' per-token statistics are not."""
     s = config.seq_len if seq_len is None else _plain(seq_len)
+    masks = attention_mask_count(config, s)
+    sequences = _plain(micro_batch) if config.document_mask else 1
     if config.attention == "explicit":
-        return s * s * _plain(micro_batch)
+        return masks * s * s * sequences
     rows = -(-s // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT  # (sdpa's: each row padded to alignment)
-    return s * rows * _plain(micro_batch) * dtype_bytes
+    return masks * s * rows * sequences * dtype_bytes
+
+
+def attention_mask_count(config: ModelConfig, seq_len: int | None = None) -> int:
+    """How many distinct attention masks the layers read at context ``seq_len``: one per distinct layer
+    window under document_mask (full attention included), else one per distinct window shorter than s."""
+    s = config.seq_len if seq_len is None else _plain(seq_len)
+    return len({w for w in config.windows if config.document_mask or (w is not None and w < s)})
 
 
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
@@ -398,8 +410,8 @@ def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,
         s, micro_batch, tp=tp, sequence_parallel=sequence_parallel, recompute=p, **kw) for p in set(policies))
     t_rep = tp if sequence_parallel else 1
     spec = model_spec(config.kind)
-    if policies and training and config.document_mask:  # one mask per sequence, kept once for all layers
-        total += document_mask_bytes(config, micro_batch, s, dtype_bytes)
+    if policies and training:  # the masks (documents, windows), kept once for all layers
+        total += attention_mask_bytes(config, micro_batch, s, dtype_bytes)
     if first:  # the embedding dropout mask, and what the kind's modules before the blocks keep
         per_token = config.n_embd * (1 if kw["dropout"] else 0) + spec.embedding_activations(config, dtype_bytes)
         total += s * micro_batch * per_token / t_rep

@@ -31,8 +31,9 @@ from dataclasses import fields, replace
 from largebatch.arguments import OneLineParser, finite_float, required_config_file
 from largebatch.memory.activations import (
     activation_bytes_per_layer,
+    attention_mask_bytes,
+    attention_mask_count,
     config_layer_kwargs,
-    document_mask_bytes,
     first_stage_layers,
     model_activation_bytes,
     stages_per_rank,
@@ -60,7 +61,8 @@ import the trainer's config; a test holds them equal)."""
 OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "ffn_hidden",
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout",
              "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head",
-             "head_size": "head_size", "qk_norm": "qk_norm", "document_mask": "document_mask"}
+             "head_size": "head_size", "qk_norm": "qk_norm", "document_mask": "document_mask",
+             "sliding_window": "sliding_window", "full_attention_layers": "full_attention_layers"}
 """Short flag (``--kv-heads``: underscores written as dashes) -> the ModelConfig field it overrides."""
 
 
@@ -84,6 +86,17 @@ def _int_or_none(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, or none") from None
 
 
+def _layers(text: str) -> tuple[int, ...]:
+    """--full-attention-layers: layer indices separated by commas ("3,7,11"), or none."""
+    if text.strip().lower() in ("none", "", "[]"):
+        return ()
+    try:
+        return tuple(int(part) for part in text.strip("[] ").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer indices separated by commas (3,7,11), or none") \
+            from None
+
+
 def _boolean(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
@@ -92,7 +105,7 @@ def _boolean(text: str) -> bool:
 
 TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
          "ffn": _int_or_none, "kv_heads": _int_or_none, "head_size": _int_or_none, "qk_norm": _boolean,
-         "document_mask": _boolean}
+         "document_mask": _boolean, "sliding_window": _int_or_none, "full_attention_layers": _layers}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "batch_size (the pipeline's micro-batches) and [parallel] tp / pp / sequence_parallel / "
                    "dp, so the prediction is per rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama "
-                   "(Mistral, Qwen2, Qwen3) config.json (or a directory holding one); also prints what "
+                   "(Mistral, Ministral, Qwen2, Qwen3) config.json (or a directory holding one); also prints what "
                    "transformers' eager layers keep (and a Llama's sdpa layers, with --attention sdpa)")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
@@ -208,7 +221,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
             return value
 
         layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head",
-                                                            "head_size", "qk_norm", "document_mask")
+                                                            "head_size", "qk_norm", "document_mask",
+                                                            "sliding_window", "full_attention_layers")
                  and used(f, v) != used(f, getattr(config, f))}
         if layer:  # transformers' layers are what config.json says: no flag turns GPT-2's into Llama's
             flags = ", ".join(f"--model.{f} {v}" for f, v in layer.items())
@@ -341,11 +355,15 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
         refused = sp and t > 1 and s % t  # the formula takes any t; a run cannot split s unevenly
         lines.append(f"  {name:<{width}}  {bytes_ / 2**20:>7.1f} MiB  {whole}  {reference / bytes_:>6.1f}x"
                      + (f"  (t={t} does not divide s={s}: no run splits the sequence so)" if refused else ""))
-    if config.document_mask:  # not a layer's: one per micro-batch, whichever row
-        mask = document_mask_bytes(config, b, s, dtype_bytes)
+    if mask := attention_mask_bytes(config, b, s, dtype_bytes):  # not a layer's: one per micro-batch, whichever row
         size = f"{mask / 2**20:.1f} MiB" if mask >= 2**20 else f"{mask / 2**10:.0f} KiB"
-        lines.append(f"  + the document mask, {size} per micro-batch once for all layers "
-                     f"(s^2 b {'bool' if config.attention == 'explicit' else f'{dtype_bytes:g}-byte values'}, "
+        count = attention_mask_count(config, s)
+        what = ("the document mask" if config.window_layout == "none" else "the sliding window's mask"
+                if not config.document_mask else f"{count} attention masks (documents, and the sliding window's)"
+                if count > 1 else "the document mask within the sliding window")
+        shape = "s^2 b" if config.document_mask else "s^2"
+        lines.append(f"  + {what}, {size} per micro-batch once for all layers "
+                     f"({shape} {'bool' if config.attention == 'explicit' else f'{dtype_bytes:g}-byte values'}, "
                      "whole on every tensor-parallel rank; in the totals below)")
     return lines
 

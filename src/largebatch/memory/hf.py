@@ -14,8 +14,9 @@ autograd graph of GPT2LMHeadModel and BertForMaskedLM, docs/memory.md):
 No attention mask or bias is kept (transformers 5 adds the causal/padding mask), and the softmax
 runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below).
 
-transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM without a sliding window and
-Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the same layer; Qwen3ForCausalLM adds the
+transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM and MinistralForCausalLM, whose
+sliding windows change only the mask, and Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the
+same layer; Qwen3ForCausalLM adds the
 query and key heads' norms, below), found by walking the graph
 of a tiny model and measured to the byte (tests/test_memory_hf.py), per token with d bytes a value,
 a_kv key/value heads, h_kv = h a_kv / a, m bytes a dropout mask (d on CPU, 1 on CUDA), p > 0 the
@@ -59,13 +60,15 @@ UNSUPPORTED = {
 }
 
 # Llama's family: the same decoder layer (RMSNorm, rotary positions, SwiGLU, grouped-query
-# attention) as transformers writes it; Mistral without a sliding window, Qwen2, whose q/k/v
-# biases keep nothing (measured: its layers keep Llama's bytes exactly), and Qwen3 (its q/k norms counted)
-LLAMA_TYPES = ("llama", "mistral")
+# attention) as transformers writes it; Mistral and Ministral (sliding windows: the layer keeps the same,
+# the mask is the model's), Qwen2, whose q/k/v biases keep nothing (measured: its layers keep Llama's
+# bytes exactly), and Qwen3 (its q/k norms counted)
+LLAMA_TYPES = ("llama", "mistral", "ministral")
 LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3")
 # Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
 LLAMA_ACTIVATIONS = ("silu", "swish")
-_LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Qwen2": "qwen2", "Qwen3": "qwen3"}
+_LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Ministral": "ministral", "Qwen2": "qwen2",
+                        "Qwen3": "qwen3"}
 # (head_dim where config.json has none: Qwen3Config's 128; the others' hidden_size / num_attention_heads)
 HEAD_DIM_DEFAULTS = {"qwen3": 128}
 
@@ -78,10 +81,10 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     """The ModelConfig fields of a Llama-family config.json (LLAMA_LAYOUTS) that both the memory
     model and ``model.init_from`` read: the shapes (``num_key_value_heads`` -> n_kv_head), RMSNorm,
     rotary positions, the SwiGLU MLP, ``head_dim`` (model.head_size where it is not hidden_size /
-    num_attention_heads), Qwen3's query and key norms (model.qk_norm). Refused through
+    num_attention_heads), Qwen3's query and key norms (model.qk_norm), the sliding windows
+    (model.sliding_window, model.full_attention_layers). Refused through
     ``refuse(what, why)`` (an exception to raise): a ``hidden_act`` other than SiLU, a
-    sliding window shorter than the context (Mistral's ``sliding_window``; Qwen2's and Qwen3's when
-    ``use_sliding_window`` or its ``layer_types`` name a sliding layer). ``need(name)``: the value
+    malformed sliding window (``sliding_windows``, which maps the windows). ``need(name)``: the value
     of a required field, or raises naming it. The biases, dropout and rotary base are the caller's."""
     model_type = raw.get("model_type")
     h, heads = need("hidden_size"), need("num_attention_heads")
@@ -104,25 +107,49 @@ def llama_fields(raw: dict, need, refuse) -> dict:
     if act not in LLAMA_ACTIVATIONS:
         raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
     seq_len = need("max_position_embeddings")
-    # (MistralConfig fills in a 4096 window where config.json has no such key)
-    window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
-    if model_type in ("qwen2", "qwen3"):  # a window only where layer_types names a sliding layer, or without
-        # layer_types where use_sliding_window turns it on past max_window_layers (as Qwen2Config builds them)
-        layer_types = raw.get("layer_types")
-        sliding = ("sliding_attention" in layer_types if layer_types is not None else
-                   bool(raw.get("use_sliding_window")) and raw.get("max_window_layers", 28) < need("num_hidden_layers"))
-        window = window if sliding else None
-    elif model_type != "mistral":
-        window = None
-    if window is not None and not (isinstance(window, int) and window >= seq_len):
-        raise refuse(f"sliding_window={window!r} below max_position_embeddings={seq_len}",
-                     "largebatch's attention sees every earlier position (set sliding_window to null or >= "
-                     "max_position_embeddings only if the model was trained so)")
+    window, full = sliding_windows(raw, need("num_hidden_layers"), refuse)
     return {"kind": "gpt", "n_layer": need("num_hidden_layers"), "n_embd": h, "n_head": heads,
             "n_kv_head": None if kv == heads else kv, "ffn_hidden": need("intermediate_size"), "seq_len": seq_len,
             "norm_position": "pre", "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
             "position": "rope", "activation": "swiglu", "qk_norm": model_type == "qwen3",
-            "head_size": None if head is None or head * heads == h else head}
+            "head_size": None if head is None or head * heads == h else head,
+            "sliding_window": window, "full_attention_layers": full}
+
+
+def sliding_windows(raw: dict, n_layer: int, refuse) -> tuple[int | None, tuple[int, ...]]:
+    """(model.sliding_window, model.full_attention_layers) of a Llama-family config.json, as
+    transformers builds its layers: Mistral's ``sliding_window`` on every layer (4096 where
+    config.json has no such key, MistralConfig's default; null: none); Ministral's on the layers its
+    ``layer_types`` name "sliding_attention" (without layer_types: every layer); Qwen2's and Qwen3's
+    only with ``use_sliding_window``, on the layers ``layer_types`` names, or without it on layers
+    max_window_layers and up (Qwen2Config's rule); Llama's never."""
+    model_type = raw.get("model_type")
+    if model_type not in ("mistral", "ministral", "qwen2", "qwen3"):
+        return None, ()
+    window = raw.get("sliding_window", 4096)  # (the configs' default where config.json has no such key)
+    types = raw.get("layer_types")
+    off = model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)
+    if (off or window is None) and isinstance(types, list) and "sliding_attention" in types:
+        state = f"use_sliding_window={raw.get('use_sliding_window', False)!r}" if off else "sliding_window=None"
+        raise refuse(f"layer_types naming sliding layers with {state} (sliding_window={window!r})",
+                     "transformers' own model cannot run that (it finds no window for those layers); set "
+                     "use_sliding_window true and a sliding_window, or make every layer full_attention")
+    if off or window is None:
+        return None, ()
+    if not _positive_ints(sliding_window=window):
+        raise refuse(f"sliding_window={window!r}", "it must be a positive number of positions, or null")
+    if model_type == "mistral":  # (MistralModel windows every layer, whatever layer_types says)
+        return window, ()
+    if types is None:
+        if model_type == "ministral":
+            return window, ()
+        first = raw.get("max_window_layers", 28)
+        return window, tuple(range(min(first, n_layer)))
+    if not isinstance(types, list) or len(types) != n_layer or not set(types) <= {"sliding_attention",
+                                                                                 "full_attention"}:
+        raise refuse(f"layer_types={types!r}", f"it must list 'sliding_attention' or 'full_attention' for each "
+                     f"of the num_hidden_layers={n_layer} layers")
+    return window, tuple(i for i, t in enumerate(types) if t == "full_attention")
 
 
 # the rope_types largebatch's rotary embedding computes (ModelConfig.rope_scaling), and the keys each reads
@@ -280,12 +307,13 @@ def _model_type(raw: dict) -> str:
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the memory model describes GPT-2, BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Qwen2, Qwen3) layers as transformers' eager "
-                     "layers keep them (sequential attention and MLP, one LayerNorm/GeLU or RMSNorm/SwiGLU MLP)"
+                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Ministral, Qwen2, Qwen3) layers as "
+                     "transformers' eager layers keep them (sequential attention and MLP, one LayerNorm/GeLU "
+                     "or RMSNorm/SwiGLU MLP)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn (and --model.norm, "
                        "--model.position, --model.activation, --model.n_kv_head, --model.head_size, "
-                       "--model.qk_norm) only if its layers are "
+                       "--model.qk_norm, --model.sliding_window) only if its layers are "
                        "largebatch's.")
 
 
@@ -364,8 +392,8 @@ def _llama_config(raw: dict) -> ModelConfig:
 
 
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
-    """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama (Mistral
-    without a sliding window, Qwen2, Qwen3) config: a config.json path, a directory holding one, its dict,
+    """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama (Mistral,
+    Ministral, Qwen2, Qwen3; sliding windows included) config: a config.json path, a directory holding one, its dict,
     or the transformers config object (`GPT2Config(...)`). The activation is largebatch's name for
     transformers' (gelu_new -> gelu_tanh, as `hf:` imports it; silu -> swiglu, the gated MLP).
     Refuses other architectures, naming what in them the closed form does not describe. Attention is

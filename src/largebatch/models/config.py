@@ -21,30 +21,44 @@ Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
 RopeScaling = Literal["none", "linear", "llama3"]
-HfModelType = Literal["gpt2", "llama", "qwen2", "qwen3", "bert", "roberta", "xlm-roberta", "camembert"]
+HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "bert", "roberta", "xlm-roberta",
+                      "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "qwen2", "qwen3"), "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3"),
+                  "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but Llama's and Qwen2's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
 # LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
 # SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
 # Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
 # q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each query and key head
-# normalised. Llama's family may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head.
+# normalised; Mistral (Jiang et al. 2023): Llama's blocks without biases, every layer attending within a
+# sliding window; Ministral: the same with the window on the layers its layer_types name. Llama's family
+# may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only Mistral, Ministral,
+# Qwen2 and Qwen3 have sliding windows (Qwen2's and Qwen3's on any layers; "window_layout" below: on no
+# layer, every layer, or some layers).
 # (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
 HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
                   "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
                             "biases": ("all", "none")},
+                  "mistral": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
+                              "biases": ("none",), "window_layout": ("none", "all")},
+                  "ministral": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
+                                "biases": ("none",), "window_layout": ("none", "all", "some")},
                   "qwen2": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                            "biases": ("qkv",)},
+                            "biases": ("qkv",), "window_layout": ("none", "all", "some")},
                   "qwen3": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                            "biases": ("none",), "qk_norm": (True,)},
+                            "biases": ("none",), "qk_norm": (True,), "window_layout": ("none", "all", "some")},
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
                                              "heads as query heads, each n_embd / n_head values wide"),
                  "llama": ("LlamaForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on "
                                                "every Linear layer or none"),
+                 "mistral": ("MistralForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP without biases, "
+                                                   "every layer within the same sliding window or none"),
+                 "ministral": ("MinistralForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP without "
+                                                       "biases, a sliding window on any of its layers"),
                  "qwen2": ("Qwen2ForCausalLM", "RMSNorm, rotary positions and the SwiGLU MLP, with biases on q, "
                                                "k and v only"),
                  "qwen3": ("Qwen3ForCausalLM", "RMSNorm, rotary positions, the SwiGLU MLP and each query and key "
@@ -55,7 +69,7 @@ HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a Ge
                                     ("camembert", "Camembert"))}}
 # sdpa's memory-efficient kernel (CUDA) copies a float mask whose rows are not 8-element aligned, in
 # every call: the document mask's rows are laid out so (a view of a row-padded tensor), and its bytes
-# counted so (largebatch.models.layers.DocumentMask, largebatch.memory.activations.document_mask_bytes)
+# counted so (largebatch.models.layers.AttentionMask, largebatch.memory.activations.attention_mask_bytes)
 MASK_ROW_ALIGNMENT = 8
 ATTENTION_KINDS = get_args(Attention)
 NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
@@ -107,6 +121,18 @@ class ModelConfig:
     norm (RMSNorm, or LayerNorm with a bias when bias; k_norm's bias, as a key bias, changes no
     attention weight). Its backward keeps the q and k projections' outputs, (n_head + n_kv_head) * d_h
     values a token, and a statistic per head (docs/papers.md: Llama-style layers)."""
+    sliding_window: int | None = None
+    """W: each position attends to the W latest positions, itself included -- position j is visible from
+    i when i - W < j <= i (Child et al. 2019; Beltagy et al. 2020; Mistral 7B: 4096; transformers'
+    sliding_window) -- on every layer but full_attention_layers; None: every earlier position. Causal
+    kinds only. Information still travels W - 1 positions a layer, so the top of an L-layer stack reads
+    about L (W - 1) back. The masked-out scores are still computed (explicit attention and sdpa
+    alike, as transformers' eager and sdpa layers do); FLOPs and MFU count only the W columns a query
+    reads (docs/models.md: sliding windows). W >= seq_len changes nothing in training."""
+    full_attention_layers: tuple[int, ...] = ()
+    """With sliding_window: the layers (0-based) that attend to every earlier position anyway -- Qwen2's
+    first max_window_layers, or one layer in every few as Gemma 3 and OLMo 3 interleave them (e.g.
+    [3, 7, 11] for every fourth of 12). Empty: the window on every layer."""
     attention: Attention = "explicit"
     """"explicit": Q K^T, softmax, dropout, then V as separate ops -- the layout whose stored
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
@@ -255,9 +281,56 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.separator_id={self.separator_id!r} without document_mask: the id "
                                  "is read only to mask attention between documents; set document_mask=True "
                                  "too, or leave separator_id out.")
+        self._check_window()
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError(f"ModelConfig.init_from={self.init_from!r}: give hf:PATH (a transformers directory), "
                              "or none to start from random weights")
+
+    def _check_window(self) -> None:
+        W, full = self.sliding_window, self.full_attention_layers
+        if W is not None:
+            if not isinstance(W, int) or isinstance(W, bool) or W < 1:
+                raise ValueError(f"ModelConfig.sliding_window={W!r}: must be a positive number of positions (each "
+                                 "position attends to that many, itself included), or None for every earlier one.")
+            if model_spec(self.kind).objective != "causal":
+                raise ValueError(f"ModelConfig.sliding_window={W!r} with kind={self.kind!r}: the window is the "
+                                 "causal one (the W latest positions); a bidirectional model attends both ways. "
+                                 "Leave sliding_window unset for this kind.")
+        if full:
+            if W is None:
+                raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r} without sliding_window: every "
+                                 "layer already attends to every earlier position; set sliding_window, or leave "
+                                 "full_attention_layers empty.")
+            bad = [i for i in full if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layer]
+            if bad:
+                raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r}: {bad[0]!r} is not a layer "
+                                 f"index; give 0-based indices below n_layer={self.n_layer}.")
+            if len(set(full)) != len(full):
+                twice = next(i for i in full if full.count(i) > 1)
+                raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r} names layer {twice} twice: "
+                                 "name each full-attention layer once.")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (0-based): sliding_window, or None (every earlier
+        position) for one of full_attention_layers or without a window."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), in layer order."""
+        return tuple(self.layer_window(i) for i in range(self.n_layer))
+
+    @property
+    def window_layout(self) -> str:
+        """Which layers have a sliding window: "none", "all" or "some"."""
+        sliding = sum(w is not None for w in self.windows)
+        return "none" if not sliding else "all" if sliding == self.n_layer else "some"
+
+    @property
+    def masks_attention(self) -> bool:
+        """Whether the layers read a mask beyond the plain causal (or full) one: document_mask, or a
+        sliding window on some layer."""
+        return self.document_mask or self.window_layout != "none"
 
     @property
     def head_dim(self) -> int:
@@ -298,7 +371,7 @@ class ModelConfig:
 
 
 # the types whose attention may have fewer key/value heads than query heads, and heads of any size
-GROUPED_TYPES = ("llama", "qwen2", "qwen3")
+GROUPED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 # the settings giving each "biases" a type computes
 BIAS_SETTINGS = {("all", "none"): "model.qkv_bias=None (biases on every Linear layer, or none)",
                  ("qkv",): "model.bias=False, model.qkv_bias=True",
@@ -310,6 +383,7 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
     compute (HF_TYPE_FIELDS); [] when its blocks are ``cfg``'s."""
     fields = HF_TYPE_FIELDS.get(model_type, {})
     off = [f"model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}" if name == "biases"
+           else _window_settings(cfg) if name == "window_layout"
            else f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
            if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
@@ -318,12 +392,27 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
         off.append(f"model.head_size={cfg.head_size!r}")
     if "qk_norm" not in fields and cfg.qk_norm:
         off.append("model.qk_norm=True")
+    if "window_layout" not in fields and cfg.window_layout != "none":
+        off.append(_window_settings(cfg))
     return off
+
+
+def _window_settings(cfg: ModelConfig) -> str:
+    """``cfg``'s sliding-window fields, as "model.name=value"."""
+    full = f", model.full_attention_layers={list(cfg.full_attention_layers)!r}" if cfg.full_attention_layers else ""
+    return f"model.sliding_window={cfg.sliding_window!r}{full}"
+
+
+# what makes a layout's sliding windows one of a type's window_layout values
+WINDOW_SETTINGS = {("none",): "model.sliding_window=None",
+                   ("none", "all"): "model.full_attention_layers=[] (the window on every layer) or "
+                                    "model.sliding_window=None"}
 
 
 def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
     """The settings that make ``cfg`` a ``model_type`` layout ("model.norm='rmsnorm', ...")."""
-    want = [BIAS_SETTINGS[values] if name == "biases" else f"model.{name}=" + " or ".join(map(repr, values))
+    want = [BIAS_SETTINGS[values] if name == "biases" else WINDOW_SETTINGS[values] if name == "window_layout"
+            else f"model.{name}=" + " or ".join(map(repr, values))
             for name, values in HF_TYPE_FIELDS[model_type].items() if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:
         want.append("model.n_kv_head=None")
@@ -332,6 +421,8 @@ def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
                     f"model.head_size=None with a model.n_head that divides model.n_embd={cfg.n_embd}")
     if "qk_norm" not in HF_TYPE_FIELDS[model_type] and cfg.qk_norm:
         want.append("model.qk_norm=False")
+    if "window_layout" not in HF_TYPE_FIELDS[model_type] and cfg.window_layout != "none":
+        want.append(WINDOW_SETTINGS[("none",)])
     return ", ".join(want)
 
 
@@ -369,7 +460,8 @@ def hf_layout_problem(cfg: ModelConfig) -> str | None:
               if any("biases" in HF_TYPE_FIELDS.get(t, {}) and cfg.biases not in HF_TYPE_FIELDS[t]["biases"]
                      for t in types) else "")
     extra = (", model.qk_norm=True" if cfg.qk_norm else "") + (
-        f", model.head_size={cfg.head_size!r}" if cfg.attention_width != cfg.n_embd else "")
+        f", model.head_size={cfg.head_size!r}" if cfg.attention_width != cfg.n_embd else "") + (
+        ", " + _window_settings(cfg) if cfg.window_layout != "none" else "")
     return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "
             f"model.n_kv_head={cfg.n_kv_head!r}{biases}{extra}: no transformers architecture computes these {cfg.kind} "
             f"blocks, so the model cannot be exported; {differs}")

@@ -84,16 +84,20 @@ def head_forward_flops(config: ModelConfig, mask_fraction: float = 0.15) -> floa
 def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none",
                     seq_len: int | None = None, mask_fraction: float = 0.15) -> float:
     """Training FLOPs per token (forward + backward = 3x forward, plus recomputed forwards).
+    A layer with a sliding window W < s (ModelConfig.sliding_window) counts its core attention at
+    context W: the W columns each query reads (the masked-out ones are computed, not counted).
 
     recompute="none" gives model FLOPs (use for MFU); any other policy, or a per-layer list, gives
     hardware FLOPs for that policy (use for HFU), counted as the paper counts them (an upper bound
     on what torch's checkpoint runs: module docstring). mask_fraction (the share of positions the
     masked-LM head runs on) only matters for BERT.
     """
-    dense, core = layer_forward_flops(config, seq_len)
-    model = 3.0 * (config.n_layer * (dense + core) + head_forward_flops(config, mask_fraction))
-    extra = {"none": 0.0, "op": 0.0, "selective": core, "full": dense + core}
-    return model + sum(extra[p] for p in per_layer_policies(recompute, config.n_layer))
+    s = config.seq_len if seq_len is None else seq_len
+    dense, core = layer_forward_flops(config, s)
+    cores = [core if w is None or w >= s else layer_forward_flops(config, w)[1] for w in config.windows]
+    model = 3.0 * (config.n_layer * dense + sum(cores) + head_forward_flops(config, mask_fraction))
+    policies = per_layer_policies(recompute, config.n_layer)
+    return model + sum({"none": 0.0, "op": 0.0, "selective": c, "full": dense + c}[p] for p, c in zip(policies, cores))
 
 
 def utilization(config: ModelConfig, tokens_per_second: float, peak_flops_per_second: float,

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token
-from largebatch.models.layers import Block, DocumentMask, Dropout, KVCache, init_weights, norm_layer
+from largebatch.models.layers import AttentionMask, Block, CoreAttention, Dropout, KVCache, init_weights, norm_layer
 from largebatch.models.registry import model_spec
 
 
@@ -45,6 +45,14 @@ class TransformerBase(nn.Module):
         self.pos_emb = nn.Embedding(config.seq_len, config.n_embd) if config.position == "learned" else nn.Identity()
         self.drop = Dropout(config.dropout)
         self.blocks = nn.ModuleList(self.block(config) for _ in range(config.n_layer))
+        if config.window_layout != "none":  # each layer's sliding window (ModelConfig.layer_window)
+            for i, block in enumerate(self.blocks):
+                cores = [m for m in block.modules() if isinstance(m, CoreAttention)]
+                if len(cores) != 1:
+                    raise ValueError(f"ModelConfig.sliding_window={config.sliding_window} with kind={config.kind!r}: "
+                                     f"its layer {i} has {len(cores)} CoreAttention modules, so no window can be "
+                                     "set on it; leave sliding_window unset for this kind.")
+                cores[0].window = config.layer_window(i)
         if config.document_mask:
             if config.separator_id is None:
                 raise ValueError("ModelConfig.document_mask=True needs separator_id: the id of the token that "
@@ -54,12 +62,17 @@ class TransformerBase(nn.Module):
                                  f"vocabulary (vocab_size={config.vocab_size}): give the id the corpus puts "
                                  "before (or between) its documents.")
 
-    def attention_mask(self, idx: torch.Tensor) -> DocumentMask | None:
-        """With ModelConfig.document_mask, who attends to whom in the packed token ids ``idx`` (B, T):
-        the layers' DocumentMask. None otherwise (causal or full attention over the whole sequence)."""
-        if not self.config.document_mask:
+    def attention_mask(self, idx: torch.Tensor) -> AttentionMask | None:
+        """Who attends to whom in the token ids ``idx`` (B, T), the layers' AttentionMask: within
+        documents with ModelConfig.document_mask, within each layer's window with sliding_window. None
+        otherwise (causal or full attention over the whole sequence)."""
+        cfg = self.config
+        if not cfg.masks_attention:
             return None
-        return DocumentMask(idx, self.config.separator_id, model_spec(self.config.kind).objective == "causal")
+        causal = model_spec(cfg.kind).objective == "causal"
+        if cfg.document_mask:
+            return AttentionMask(idx, cfg.separator_id, causal, cfg.windows)
+        return AttentionMask(None, None, causal, cfg.windows, length=idx.size(1), device=idx.device)
 
     def embed(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         # idx: (B, T) token ids -> (B, T, C); with a cache, at the positions after its cached ones
@@ -79,7 +92,7 @@ class TransformerBase(nn.Module):
             positions = positions - starts  # (B, T)
         return self.tok_emb(idx) + self.pos_emb(positions)
 
-    def run_blocks(self, x: torch.Tensor, mask: DocumentMask | None = None,
+    def run_blocks(self, x: torch.Tensor, mask: AttentionMask | None = None,
                    cache: KVCache | None = None) -> torch.Tensor:
         """The blocks on hidden states (B, T, C); ``mask``: ``attention_mask`` of the token ids;
         ``cache``: the earlier positions' keys and values (decoding), which each layer extends."""
@@ -191,7 +204,9 @@ class GPT(TransformerBase):
                 last = 0 if documents is None else documents[:, -1:]
                 new = last + (idx == self.config.separator_id).cumsum(dim=1)
                 cache.documents = new if documents is None else torch.cat([documents, new], 1)
-                mask = DocumentMask.decoding(cache.documents, idx.size(1), causal=True)
+            if self.config.masks_attention:
+                mask = AttentionMask.decoding(cache.documents, idx.size(1), cache.offset + idx.size(1), causal=True,
+                                              windows=self.config.windows, device=idx.device)
             x = self.run_blocks(self.embed_input(idx, cache), mask, cache)
         except BaseException:
             cache.documents, cache.start = documents, start

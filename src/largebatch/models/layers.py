@@ -204,72 +204,106 @@ class Rotary(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}{scaling}"
 
 
-class DocumentMask:
-    """Which positions attend to which when sequences pack several documents (ModelConfig.document_mask):
-    position j is visible from position i when both lie in the same document -- a document starts at
-    each separator token and runs to the next, so a separator opens the document after it -- and,
-    for a causal model, j <= i. Every position sees itself, so no row is empty.
+class AttentionMask:
+    """Which positions attend to which beyond the plain causal (or full) rule: within documents when
+    sequences pack several (ModelConfig.document_mask), and within each layer's sliding window
+    (ModelConfig.sliding_window). Position j is visible from position i when
 
-    Built once per forward from the token ids (B, T) and handed to every layer. ``prepare`` makes
-    the one form the layers read before they run (outside any recomputed or compiled region, which
-    must not change state from outside): ``allowed()``, (B, 1, T, T) bool (1 byte an entry: the
-    explicit attention's ``torch.where``), or ``additive(dtype)``, 0 where allowed and -inf elsewhere
-    in the attention's dtype (measured on CPU: sdpa turns a bool mask into that form on every call and
-    keeps each layer's copy; given it in the query's dtype, it keeps the one). The layers' backward
-    then keeps that one tensor. A form asked for in another dtype is made then, and kept too."""
+    * both lie in the same document (with ``ids``) -- a document starts at each separator token and
+      runs to the next, so a separator opens the document after it;
+    * for a causal model, j <= i;
+    * for a layer with window W, i - W < j (the W latest positions, i itself included).
 
-    def __init__(self, ids: torch.Tensor, separator_id: int, causal: bool):
-        if ids.dim() != 2:
-            raise ValueError(f"token ids of shape {tuple(ids.shape)}: document masking needs (batch, T)")
-        self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
+    Every position sees itself, so no row is empty. Without documents the mask is the same for every
+    sequence: (1, 1, T, T), broadcast over the batch.
+
+    Built once per forward and handed to every layer; a layer reads the form of its own window
+    (``window`` None: the documents' mask alone; a layer without a window and without documents
+    reads none, the plain causal attention). ``prepare`` makes the forms the layers read before they
+    run (outside any recomputed or compiled region, which must not change state from outside):
+    ``allowed(window)``, bool (1 byte an entry: the explicit attention's ``torch.where``), or
+    ``additive(dtype, window)``, 0 where allowed and -inf elsewhere in the attention's dtype
+    (measured on CPU: sdpa turns a bool mask into that form on every call and keeps each layer's
+    copy; given it in the query's dtype, it keeps the one). The layers' backward then keeps one
+    tensor per distinct window. A form asked for in another dtype is made then, and kept too."""
+
+    def __init__(self, ids: torch.Tensor | None, separator_id: int | None, causal: bool,
+                 windows: tuple[int | None, ...] = (None,), length: int | None = None,
+                 device: torch.device | None = None):
+        if ids is not None:
+            if ids.dim() != 2:
+                raise ValueError(f"token ids of shape {tuple(ids.shape)}: document masking needs (batch, T)")
+            self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
+            length, device = ids.size(1), ids.device
+        elif length is None:
+            raise ValueError("AttentionMask: give the token ids (document masking) or the length")
+        else:
+            self.documents = None
         self.causal = causal
-        self.queries = ids.size(1)  # the rows: every position attends
+        self.windows = tuple(dict.fromkeys(windows))  # the distinct windows the layers read
+        self.queries, self.keys, self.device = length, length, device  # rows, columns
         self._made: dict[object, torch.Tensor] = {}
 
     @classmethod
-    def decoding(cls, documents: torch.Tensor, queries: int, causal: bool) -> DocumentMask:
-        """The mask of the last ``queries`` positions (rows) over every position (columns), from each
-        position's document index ``documents`` (B, T_k): what a decoding step with a KVCache reads."""
+    def decoding(cls, documents: torch.Tensor | None, queries: int, keys: int, causal: bool,
+                 windows: tuple[int | None, ...], device: torch.device) -> AttentionMask:
+        """The mask of the last ``queries`` positions (rows) over all ``keys`` positions (columns), from
+        each position's document index ``documents`` (B, keys) or None: what a decoding step with a
+        KVCache reads."""
         mask = cls.__new__(cls)
-        mask.documents, mask.causal, mask.queries, mask._made = documents, causal, queries, {}
+        mask.documents, mask.causal, mask.windows, mask._made = documents, causal, tuple(dict.fromkeys(windows)), {}
+        mask.queries, mask.keys, mask.device = queries, keys, device
         return mask
 
-    def prepare(self, attention: str, x: torch.Tensor) -> DocumentMask:
-        """Make the form ``attention`` ("explicit" or "sdpa") reads, for layers whose input is ``x``:
+    def reads(self, window: int | None) -> bool:
+        """Whether a layer with ``window`` reads this mask (else: the plain causal or full attention)."""
+        return self.documents is not None or (window is not None and window < self.keys)
+
+    def prepare(self, attention: str, x: torch.Tensor) -> AttentionMask:
+        """Make the forms ``attention`` ("explicit" or "sdpa") reads, for layers whose input is ``x``:
         sdpa's in the dtype the queries will have (autocast's where it is on, else ``x``'s)."""
-        if attention == "explicit":
-            self.allowed()
-        else:
-            device = x.device.type
-            self.additive(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        for window in self.windows:
+            if self.reads(window):
+                self.allowed(window) if attention == "explicit" else self.additive(dtype, window)
         return self
 
-    def _visible(self) -> torch.Tensor:
-        d = self.documents
-        Tq, Tk = self.queries, d.size(1)
-        same = (d[:, Tk - Tq:, None] == d[:, None, :])[:, None]  # (B, 1, Tq, Tk)
-        if self.causal:  # row i is position Tk - Tq + i
-            same &= torch.ones(Tq, Tk, dtype=torch.bool, device=d.device).tril(Tk - Tq)
-        return same
+    def _visible(self, window: int | None) -> torch.Tensor:
+        Tq, Tk = self.queries, self.keys
+        visible = None
+        if self.documents is not None:
+            d = self.documents
+            visible = (d[:, Tk - Tq:, None] == d[:, None, :])[:, None]  # (B, 1, Tq, Tk)
+        # row r is position Tk - Tq + r: keys j <= that (causal) and > that - window
+        band = None
+        if self.causal:
+            band = torch.ones(Tq, Tk, dtype=torch.bool, device=self.device).tril(Tk - Tq)
+        if window is not None:
+            recent = torch.ones(Tq, Tk, dtype=torch.bool, device=self.device).triu(Tk - Tq - window + 1)
+            band = recent if band is None else band & recent
+        if visible is None:
+            return band[None, None]  # (1, 1, Tq, Tk): every sequence alike
+        return visible if band is None else visible & band
 
-    def allowed(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: True where position i (rows) may attend to position j (columns); the rows
-        are the last ``queries`` positions (all of them but when decoding)."""
-        if "bool" not in self._made:
-            self._made["bool"] = self._visible()
-        return self._made["bool"]
+    def allowed(self, window: int | None = None) -> torch.Tensor:
+        """(B or 1, 1, Tq, Tk) bool: True where position i (rows) may attend to position j (columns) in a
+        layer with ``window``; the rows are the last ``queries`` positions (all of them but when decoding)."""
+        if ("bool", window) not in self._made:
+            self._made["bool", window] = self._visible(window)
+        return self._made["bool", window]
 
-    def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, T, T) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask); rows
+    def additive(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """(B or 1, 1, Tq, Tk) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask); rows
         MASK_ROW_ALIGNMENT-aligned."""
-        if dtype not in self._made:
-            visible = self._made.get("bool")
-            visible = self._visible() if visible is None else visible  # (the bool form is not kept for it)
+        if (dtype, window) not in self._made:
+            visible = self._made.get(("bool", window))
+            visible = self._visible(window) if visible is None else visible  # (the bool form is not kept for it)
             B, _, Tq, Tk = visible.shape
             width = -(-Tk // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT
             mask = torch.zeros(B, 1, Tq, width, dtype=dtype, device=visible.device)[..., :Tk]
-            self._made[dtype] = mask.masked_fill_(~visible, float("-inf"))
-        return self._made[dtype]
+            self._made[dtype, window] = mask.masked_fill_(~visible, float("-inf"))
+        return self._made[dtype, window]
 
 
 class KVCache:
@@ -348,10 +382,15 @@ class CoreAttention(nn.Module):
 
     With fewer K/V heads than query heads (grouped-query attention), the explicit form multiplies
     each K/V head by its group of query heads stacked along the rows, so K and V are kept once per
-    K/V head, never repeated; sdpa gets ``enable_gqa``."""
+    K/V head, never repeated; sdpa gets ``enable_gqa``.
 
-    def __init__(self, config: ModelConfig):
+    ``window``: this layer's sliding window (ModelConfig.layer_window; None: every earlier position),
+    set by the model that builds the layers; a layer with a window reads the AttentionMask's form for
+    it (the whole s x s scores are still computed, then masked)."""
+
+    def __init__(self, config: ModelConfig, window: int | None = None):
         super().__init__()
+        self.window = window
         self.kind = config.attention
         self.causal = model_spec(config.kind).objective == "causal"
         self.dropout_p = config.dropout
@@ -369,16 +408,21 @@ class CoreAttention(nn.Module):
         self.future = self._future_mask(device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: DocumentMask | None = None) -> torch.Tensor:
-        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d); mask: attention within documents.
-        # Decoding with a KVCache, q holds the last Tq of the Tk positions of k and v.
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        # q: (B, a, T, d), k and v: (B, a_kv, T, d) -> (B, a, T, d); mask: attention within documents
+        # and sliding windows. Decoding with a KVCache, q holds the last Tq of the Tk positions of k and v.
         Tq, Tk = q.size(-2), k.size(-2)
+        if mask is not None and not mask.reads(self.window):
+            mask = None  # (no documents, and no window shorter than the keys: the plain causal attention)
+        if self.window is not None and mask is None and self.window < Tk:
+            raise ValueError(f"a layer with sliding window {self.window} over {Tk} positions needs the model's "
+                             "AttentionMask (model.attention_mask): call it through the model")
         if self.kind == "sdpa":
             p = self.dropout_p if self.training else 0.0
             grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
             if mask is not None:  # (causality is in the mask)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(q.dtype), dropout_p=p,
-                                                      **grouped)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(q.dtype, self.window),
+                                                      dropout_p=p, **grouped)
             if self.causal and Tq != Tk and Tq > 1:  # the last Tq rows of the causal mask
                 visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=p, **grouped)
@@ -389,14 +433,14 @@ class CoreAttention(nn.Module):
             return self._grouped(q, k, v, mask)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, a, Tq, Tk)
         if mask is not None:  # where() keeps the shared mask for backward, not a copy
-            scores = torch.where(mask.allowed(), scores, float("-inf"))
+            scores = torch.where(mask.allowed(self.window), scores, float("-inf"))
         elif self.causal:
             scores = scores.masked_fill(self.future[Tk - Tq:Tk, :Tk], float("-inf"))
         probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, a, Tq, Tk)
         return probs @ v
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: DocumentMask | None = None) -> torch.Tensor:
+                 mask: AttentionMask | None = None) -> torch.Tensor:
         B, a, T, d = q.shape
         kv, Tk = k.size(1), k.size(-2)
         g = a // kv
@@ -404,7 +448,7 @@ class CoreAttention(nn.Module):
         scores = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, kv, g T, Tk)
         scores = scores.view(B, kv, g, T, Tk)
         if mask is not None:
-            scores = torch.where(mask.allowed()[:, :, None], scores, float("-inf"))  # (B, 1, 1, T, Tk)
+            scores = torch.where(mask.allowed(self.window)[:, :, None], scores, float("-inf"))  # (B, 1, 1, T, Tk)
         elif self.causal:
             scores = scores.masked_fill(self.future[Tk - T:Tk, :Tk], float("-inf"))
         probs = self.dropout(torch.softmax(scores, dim=-1))  # (B, kv, g, T, Tk)
@@ -432,7 +476,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(width, h, bias=config.bias)
         self.drop = Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, mask: AttentionMask | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
@@ -483,7 +527,7 @@ class Block(nn.Module):
         self.ln2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None,
+    def forward(self, x: torch.Tensor, mask: AttentionMask | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         # x: (B, T, C) -> (B, T, C); mask: attention within documents (ModelConfig.document_mask);
         # cache: this layer's keys and values of the earlier positions (generation, KVCache)

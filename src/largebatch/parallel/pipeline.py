@@ -176,7 +176,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens``: the micro-batch's token ids (B, T), given to every stage under
-        model.document_mask, whose layers attend within documents (the stage builds the mask)."""
+        model.document_mask or a sliding window, whose layers read an AttentionMask (the stage builds it)."""
         model = self._model[0]
         if self.first:
             x = model.embed_input(x)  # (B, T) ids -> (B, T, C)
@@ -399,8 +399,8 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = dict(target=targets, losses=losses) if self.has_last else {}
-        if self.model.config.document_mask:  # every stage's layers need the documents: split as the inputs
-            kwargs["tokens"] = inputs
+        if self.model.config.masks_attention:  # every stage's layers need the mask (the documents, the windows'
+            kwargs["tokens"] = inputs  # length): the token ids, split as the inputs
         with self.state.loss_context():  # the last stage's vocabulary-parallel loss and its backward
             if forward_only:
                 schedule.eval(*args, **kwargs)

@@ -32,18 +32,20 @@ renaming and reshapes run backwards:
   field: another rope scaling (dynamic, YaRN, longrope), ``attention_bias`` != ``mlp_bias``, a
   ``hidden_act`` other than "silu"; a ``head_dim`` other than hidden_size / num_attention_heads
   is model.head_size.
-  MistralForCausalLM (``"mistral"``) is the same network without biases; it maps where its
-  ``sliding_window`` is null or covers the whole context (>= max_position_embeddings), and exports back
-  as LlamaForCausalLM (hf_model_type "llama": the same function). Qwen2ForCausalLM (``"qwen2"``; Yang et
+  MistralForCausalLM (``"mistral"``; Jiang et al. 2023) is the same network without biases, every
+  layer attending within its ``sliding_window`` (4096 where config.json has none; null: no window):
+  model.sliding_window; MinistralForCausalLM (``"ministral"``) windows the layers its ``layer_types``
+  name "sliding_attention" (the others are model.full_attention_layers). Qwen2ForCausalLM (``"qwen2"``; Yang et
   al. 2024) is Llama's network with biases on q_proj, k_proj and v_proj only: model.bias=False,
-  model.qkv_bias=True, the same names (the three biases too); it maps without a sliding window
-  (``use_sliding_window`` false, no sliding ``layer_types``) and exports back as Qwen2ForCausalLM.
+  model.qkv_bias=True, the same names (the three biases too); with ``use_sliding_window`` its layers
+  from ``max_window_layers`` on (or those ``layer_types`` names) attend within ``sliding_window``.
+  Each exports back as its own type (largebatch.memory.hf.sliding_windows reads the windows).
   Qwen3ForCausalLM (``"qwen3"``; Yang et al. 2025) is Llama's network without biases and with each
   query and key head normalised (``self_attn.q_norm`` / ``k_norm``, an RMSNorm over the head's
   ``head_dim`` values, 128 where config.json has none, as Qwen3Config): model.qk_norm=True,
   model.head_size = head_dim where it is not hidden_size / num_attention_heads (Qwen3 0.6B: 1024 /
   16 heads of 128); ``attention_bias`` true (biases on q, k, v and o_proj, none in the MLP) is
-  refused; no sliding window, as Qwen2; it exports back as Qwen3ForCausalLM.
+  refused; sliding windows as Qwen2; it exports back as Qwen3ForCausalLM.
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -95,7 +97,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "head_size", "ffn_hidden", "seq_len",
-                "vocab_size", "bias", "qkv_bias", "qk_norm",
+                "vocab_size", "bias", "qkv_bias", "qk_norm", "sliding_window", "full_attention_layers",
                 "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", *ROPE_FIELDS,
                 "activation",
                 "hf_model_type")
@@ -242,8 +244,8 @@ def model_fields(path: Path) -> dict[str, Any]:
                UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for"))
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
                           f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral, "
-                          "qwen2 and qwen3 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                          "Qwen3ForCausalLM), bert (post-LN "
+                          "ministral, qwen2 and qwen3 (LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, "
+                          "Qwen2ForCausalLM, Qwen3ForCausalLM), bert (post-LN "
                           "BertForMaskedLM), roberta, "
                           "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
                           "CamembertForMaskedLM) only")
@@ -252,7 +254,7 @@ def model_fields(path: Path) -> dict[str, Any]:
             and not _stored_apart(path, *TIED_PAIRS[model_type]))
     common = {"bias": True, "qkv_bias": None, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
               "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None,
-              "head_size": None, "qk_norm": False}
+              "head_size": None, "qk_norm": False, "sliding_window": None, "full_attention_layers": ()}
     if model_type in LLAMA_LAYOUTS:
         return _llama_fields(raw, path, common)
     if model_type == "gpt2":
@@ -298,11 +300,12 @@ def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, An
             raise refuse("attention_bias=True", "Qwen3 then has biases on q, k, v and o_proj but none in its MLP, "
                          "and largebatch's model.bias covers the MLP too")
         return {**common, **fields, "bias": False, "hf_model_type": "qwen3"}
+    if raw.get("model_type") in ("mistral", "ministral"):  # never a bias (their layers have no switch)
+        return {**common, **fields, "bias": False, "hf_model_type": raw["model_type"]}
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise refuse(f"attention_bias={attention_bias} and mlp_bias={mlp_bias}",
                      "largebatch has one model.bias for every Linear layer, so both must be equal")
-    # (a Mistral without a window is Llama's function: exports as Llama)
     return {**common, **fields, "bias": attention_bias, "hf_model_type": "llama"}
 
 
@@ -742,7 +745,8 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 # transformers model_type -> (its state's base-model prefix, the reader, the architecture it reads)
 HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("model.", _llama, "LlamaForCausalLM"),
-              "mistral": ("model.", _llama, "MistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
+              "mistral": ("model.", _llama, "MistralForCausalLM"),
+              "ministral": ("model.", _llama, "MinistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
               "qwen3": ("model.", _llama, "Qwen3ForCausalLM"),
               "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
