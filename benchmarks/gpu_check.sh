@@ -65,10 +65,10 @@ timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_ema.py
 # keeping its input only (not measurable on CPU; the CPU run: docs/memory.md, "Llama-style layers")
 timeout 120 "$PYTHON" benchmarks/llama_layers.py --device cuda --dtype bf16 --attention sdpa
 timeout 120 "$PYTHON" benchmarks/llama_layers.py --device cuda --dtype fp32 --attention sdpa
-# model.document_mask on the device: SDPA with a mask cannot take FlashAttention (torch picks the
-# memory-efficient kernel, which reads the mask), so the step-time ratio to the unmasked GPT is measured
-# here, with the one mask's bytes against the memory model (the CPU run: docs/models.md); s = 1000 is no
-# multiple of 8, so the kernel would copy the mask in every layer unless its padded rows hold
+# model.document_mask and model.sliding_window on the device: SDPA with a mask cannot take FlashAttention
+# (torch picks the memory-efficient kernel, which reads the mask), so the step-time ratio to the unmasked
+# GPT is measured here, with the one mask's bytes against the memory model (the CPU run: docs/models.md);
+# s = 1000 is no multiple of 8, so the kernel would copy the mask in every layer unless its padded rows hold
 timeout 120 "$PYTHON" benchmarks/document_mask.py --device cuda --dtype bf16 --seq-len 1000 --rounds 5
 # generation with the KV cache on the device against transformers' generate on the same weights and the
 # cache-less loop (the CPU run: docs/models.md, "Generating text"); then its tests there

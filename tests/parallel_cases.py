@@ -47,6 +47,11 @@ MODES = ("ddp", "fsdp", "tp", "sp", "tp_loss", "sp_loss")
 # the document mask under the layouts that touch it: FSDP2's wrapped blocks take it as an argument,
 # sequence parallel gives the layers sequence shards and split heads beside the whole mask
 DOCS_MODES = ("fsdp", "sp")
+# the sliding window (ModelConfig.sliding_window, WINDOW of the T positions) on layer 0 of the Llama-style
+# GPT, layer 1 attending to every position: the one mask beside split heads, sequence shards and the
+# vocabulary-parallel loss
+WINDOW = 5
+WINDOW_MODES = ("fsdp", "sp", "tp_loss")
 
 
 # the Llama-style layers (Touvron et al. 2023): RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h,
@@ -62,7 +67,9 @@ def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> M
     biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert).
     "gpt-docs" and "bert-docs": attention within documents (ModelConfig.document_mask), the GPT's
     through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3": the GPT
-    with the QWEN3 layers."""
+    with the QWEN3 layers. "llama-window": "llama" with a sliding window of WINDOW on layer 0 (sdpa)."""
+    if kind == "llama-window":
+        return replace(tiny("llama", dropout, bias), sliding_window=WINDOW, full_attention_layers=(1,), attention="sdpa")
     if kind.endswith("-docs"):
         base = tiny(kind.removesuffix("-docs"), dropout, bias)
         return replace(base, document_mask=True, separator_id=SEPARATOR,
@@ -166,8 +173,8 @@ QK_GAINS = ("attn.q_norm.weight", "attn.k_norm.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama", "qwen3", "gpt-docs", "bert-docs"):
-        modes = DOCS_MODES if kind.endswith("-docs") else MODES
+    for kind in ("gpt", "bert", "llama", "qwen3", "gpt-docs", "bert-docs", "llama-window"):
+        modes = DOCS_MODES if kind.endswith("-docs") else WINDOW_MODES if kind == "llama-window" else MODES
         idx, targets = batch(kind)
         torch.manual_seed(0)
         # the Llama-style case with Qwen2's biases, on q, k and v alone: split with their columns
@@ -677,7 +684,7 @@ def generate_cases(results: dict) -> None:
     parallel (each rank caches its own heads; with the vocabulary-parallel loss the logits are
     gathered) and FSDP2 (decode goes through forward, whose hooks gather the root's parameters), each
     cached step's logits are one process's whole-context logits, and the greedy tokens are its own."""
-    for kind in ("gpt", "llama", "gpt-docs"):
+    for kind in ("gpt", "llama", "gpt-docs", "llama-window"):
         idx, _ = batch(kind)
         prompt = idx[:, :5]
         torch.manual_seed(0)

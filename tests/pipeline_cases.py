@@ -47,9 +47,12 @@ MICRO_BATCH, MICRO_BATCHES = 2, 4
 
 
 # kind "llama": the GPT with RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h) and 2 K/V heads for
-# 4 query heads (tp = 2 splits both), no biases; a higher peak LR, as it learns slower in these 10 steps
+# 4 query heads (tp = 2 splits both), no biases, a sliding window of 8 of the 32 positions on layers 0, 2
+# and 3 (layer 1 attends to all: each stage's layers read the mask of their own window); a higher peak
+# LR, as it learns slower in these 10 steps
 LLAMA = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": "swiglu", "model.bias": False,
-         "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "schedule.peak_lr": 6e-2}
+         "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "model.sliding_window": 8,
+         "model.full_attention_layers": [1], "schedule.peak_lr": 6e-2}
 
 
 def speeches(cache: str) -> str:

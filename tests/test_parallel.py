@@ -33,14 +33,16 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3")
                                         for mode in cases.MODES]
-                         + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES])
+                         + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES]
+                         + [("llama-window", mode) for mode in cases.WINDOW_MODES])
 def test_forward_backward_matches_single_process(ranks, kind, mode):
     """*_loss: with the vocabulary-parallel cross-entropy (logits never gathered). "llama": the GPT
     with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads
     for 4 query heads (one K/V head and its 2 query heads per tp rank). "qwen3": those layers with
     heads of 12 values and each query and key head normalised (the norms' gains summed over the tp
     ranks' heads). "*-docs": attention within
-    the documents of packed rows (model.document_mask; learned positions restarting at each)."""
+    the documents of packed rows (model.document_mask; learned positions restarting at each).
+    "llama-window": a sliding window of 5 of the 16 positions on layer 0 (model.sliding_window)."""
     for rank_results in ranks[1]:
         assert rank_results[f"fwd_bwd/{kind}/{mode}"] < TOL
         if mode not in ("ddp", "fsdp"):
@@ -314,9 +316,10 @@ def test_the_best_token_of_vocabulary_split_logits_is_the_whole_logits_argmax(ra
 
 def test_cached_decoding_on_sharded_models_gives_one_process_logits_and_tokens(ranks):
     """The end-of-run sample's decoding (GPT.decode with a KVCache) on tensor-parallel (with and
-    without the vocabulary-parallel loss) and FSDP2 models: one process's logits and greedy tokens."""
+    without the vocabulary-parallel loss) and FSDP2 models: one process's logits and greedy tokens,
+    within documents and within a sliding window too."""
     for rank_results in ranks[1]:
-        for kind in ("gpt", "llama", "gpt-docs"):
+        for kind in ("gpt", "llama", "gpt-docs", "llama-window"):
             for mode in ("tp", "tp_loss", "fsdp"):
                 assert rank_results[f"generate/{kind}/{mode}/logits"] < 1e-5, (kind, mode)
                 assert rank_results[f"generate/{kind}/{mode}/same_tokens"], (kind, mode)

@@ -1,5 +1,6 @@
 """largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` / ``BertForMaskedLM`` (or the RoBERTa family's masked LM).
+``MistralForCausalLM``, ``MinistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` /
+``BertForMaskedLM`` (or the RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
 
@@ -16,10 +17,13 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   Llama has dropout on the attention probabilities only: ``attention_dropout`` = model.dropout, and
   the embedding and residual dropout have no place (the same logits in eval). With biases on q, k
   and v alone (model.bias=False, model.qkv_bias=True) -> Qwen2ForCausalLM (Yang et al. 2024), the
-  default type of such a model: the same names, the three biases too, no sliding window. Without
+  default type of such a model: the same names, the three biases too. Without
   biases and with each query and key head normalised (model.qk_norm) -> Qwen3ForCausalLM (Yang et al.
   2025), the default type of such a model: the same names plus ``self_attn.q_norm`` and ``k_norm``,
-  ``attention_bias`` false, no sliding window. A mixed layout (rope
+  ``attention_bias`` false. Both write the sliding windows as ``use_sliding_window``,
+  ``sliding_window`` and ``layer_types`` (each layer "sliding_attention" or "full_attention"). Without
+  biases and with a window (model.sliding_window) on every layer -> MistralForCausalLM (Jiang et al.
+  2023; ``sliding_window``), on some -> MinistralForCausalLM (``layer_types``). A mixed layout (rope
   with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
   GPT-2) maps to no transformers architecture and is refused naming its fields
   (models.config.hf_layout_problem); the trainer refuses it before training when

@@ -192,21 +192,23 @@ class ModelConfig:
     (GPT-2's <|endoftext|> is 50256)."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model, LlamaForCausalLM (MistralForCausalLM without a sliding window), Qwen2ForCausalLM or
-    Qwen3ForCausalLM (without a sliding window), post-LN
+    GPT2Model, LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM (their sliding windows too), post-LN
     BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM directory
     (config.json + model.safetensors, pytorch_model.bin, or a sharded checkpoint's index and
     shards). The shape fields above and data.tokenizer_file then come from it
     (largebatch.train.hf_import); a resumed run loads its checkpoint instead."""
     hf_model_type: HfModelType | None = None
     """The transformers model_type `largebatch export --format hf` writes (None: for GPT "llama"
-    when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "qwen2" for
-    that layout with biases on q, k and v alone (bias=False, qkv_bias=True), "qwen3" for it without
-    biases and with qk_norm, else "gpt2"; "bert" for BERT). Set, it is checked before training
-    against the blocks it computes (GPT-2 and BERT: LayerNorm, learned positions, GeLU, n_kv_head =
-    n_head, heads of n_embd / n_head, no qk_norm; Llama: RMSNorm, rope, SwiGLU, biases on every
-    Linear layer or none, no qk_norm; Qwen2: the same with biases on q, k and v alone; Qwen3: no
-    biases, qk_norm);
+    when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "mistral" for
+    that layout without biases and with a sliding window on every layer, "ministral" for one on some
+    layers, "qwen2" for that layout with biases on q, k and v alone (bias=False, qkv_bias=True),
+    "qwen3" for it without biases and with qk_norm, else "gpt2"; "bert" for BERT). Set, it is checked
+    before training against the blocks it computes (GPT-2 and BERT: LayerNorm, learned positions,
+    GeLU, n_kv_head = n_head, heads of n_embd / n_head, no qk_norm, no sliding window; Llama: RMSNorm,
+    rope, SwiGLU, biases on every Linear layer or none, no qk_norm, no sliding window; Mistral and
+    Ministral: the same without biases, a window on every layer or none (Mistral), on any (Ministral);
+    Qwen2: biases on q, k and v alone; Qwen3: no biases, qk_norm; both with windows on any layers);
     unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
     "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's *ForMaskedLM:
     positions counted from pad_token_id + 1, no segment embedding, the head under
@@ -434,7 +436,8 @@ def fitting_hf_model_types(cfg: ModelConfig) -> tuple[str, ...]:
 
 def default_hf_model_type(cfg: ModelConfig) -> str | None:
     """The model_type ``cfg`` exports as: model.hf_model_type; else its kind's first type whose blocks
-    are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "qwen2" for those with biases on q, k
+    are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "mistral" for those without biases with
+    a sliding window on every layer, "ministral" with one on some, "qwen2" for those with biases on q, k
     and v alone, "qwen3" for those without biases and with qk_norm, "gpt2" for LayerNorm, learned
     positions and GeLU), else its kind's first (a mixed
     layout, refused by ``hf_layout_problem``); None for a kind without any."""
