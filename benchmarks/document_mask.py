@@ -4,10 +4,11 @@ explicit and SDPA attention, in one run.
 
 The mask changes which scores count, not how many are computed (dense attention either way), so the
 step costs what building one s x s mask per micro-batch and applying it in every layer add; memory
-grows by the one mask the layers share (largebatch.memory.activations.attention_mask_bytes), measured here next
-to the closed form. A sliding window (``--window``, default a quarter of the context, on every layer) is
-dense too: the whole scores are computed and masked, with one mask for every sequence. Timings are interleaved (each round runs both once, in rotating order) and
-reported as ratios to the unmasked model in the same rounds, so a shared machine affects both alike.
+grows by the one mask the layers share (largebatch.memory.activations.attention_mask_bytes), measured
+here next to the closed form. A sliding window (``--window``, default a quarter of the context, on
+every layer) is dense too: the whole scores are computed and masked, with one mask for every sequence.
+Timings are interleaved (each round runs every model once, in rotating order) and reported as ratios
+to the unmasked model in the same rounds, so a shared machine affects all alike.
 On a GPU, SDPA with a mask cannot use the FlashAttention kernel (torch takes the memory-efficient
 one, which reads the mask): the ratio there is the one to look at.
 

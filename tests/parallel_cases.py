@@ -69,7 +69,8 @@ def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> M
     through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3": the GPT
     with the QWEN3 layers. "llama-window": "llama" with a sliding window of WINDOW on layer 0 (sdpa)."""
     if kind == "llama-window":
-        return replace(tiny("llama", dropout, bias), sliding_window=WINDOW, full_attention_layers=(1,), attention="sdpa")
+        return replace(tiny("llama", dropout, bias), sliding_window=WINDOW, full_attention_layers=(1,),
+                       attention="sdpa")
     if kind.endswith("-docs"):
         base = tiny(kind.removesuffix("-docs"), dropout, bias)
         return replace(base, document_mask=True, separator_id=SEPARATOR,
