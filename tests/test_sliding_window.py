@@ -259,3 +259,29 @@ def test_a_windowed_run_trains_reports_its_window_and_resumes_exactly(tiny_data_
     assert [r["loss"] for r in read_metrics(tmp_path / "split") if r["kind"] == "train"] == losses
     plain = fit(tmp_path / "plain", **{"model.sliding_window": None, "model.full_attention_layers": []})
     assert plain["final_val_loss"] != summary["final_val_loss"]
+
+
+def test_the_memory_command_plans_the_window_and_keeps_a_transformers_configs_own(tmp_path, capsys):
+    """`largebatch memory --sliding-window W --full-attention-layers ...` names the window in its header
+    and the masks under its table, in its totals; a transformers config.json's windows are its own
+    (another one given beside --hf-config is refused, as the other layer flags are)."""
+    from transformers import MistralConfig
+
+    from largebatch.memory.cli import main as memory_main
+
+    base = ["--model", "llama3-8b", "--attention", "sdpa", "--seq-len", "8192"]
+    assert memory_main(base + ["--sliding-window", "1024", "--full-attention-layers", "3,7"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding window 1024 on 30 of 32 layers" in out.splitlines()[0]
+    assert "+ the sliding window's mask, 128.0 MiB per micro-batch" in out  # 8192 x 8192 x 2 bytes
+    docs = ["--document-mask", "true", "--micro-batch", "2"]  # (b = 2 masks of s x s a window)
+    assert memory_main(base + ["--sliding-window", "1024"] + docs) == 0
+    assert "+ the document mask within the sliding window, 256.0 MiB" in capsys.readouterr().out
+    assert memory_main(base + ["--sliding-window", "1024", "--full-attention-layers", "3,7"] + docs) == 0
+    assert "+ 2 attention masks (documents, and the sliding window's), 512.0 MiB" in capsys.readouterr().out
+    MistralConfig(num_hidden_layers=2, sliding_window=4096, max_position_embeddings=32768).save_pretrained(tmp_path)
+    assert memory_main(["--hf-config", str(tmp_path), "--seq-len", "8192"]) == 0
+    assert "sliding window 4096" in capsys.readouterr().out.splitlines()[0]
+    assert memory_main(["--hf-config", str(tmp_path), "--sliding-window", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "--model.sliding_window 512 with --hf-config" in err and "compute model.sliding_window=4096" in err, err

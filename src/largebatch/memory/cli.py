@@ -342,6 +342,9 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     llama += [f"{config.norm}"] if config.norm != "layernorm" else []
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
+    if config.window_layout != "none":
+        sliding = sum(w is not None for w in config.windows)
+        llama += [f"sliding window {config.sliding_window}" + ("" if sliding == L else f" on {sliding} of {L} layers")]
     lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
              f"h={config.n_embd} a={config.n_head} t={t} L={L}" + "".join(f" {x}" for x in llama)
              + f", {dtype_bytes:g}-byte activations"
