@@ -20,8 +20,10 @@ from largebatch.export import load_run
 from largebatch.integrations import ExportError
 from largebatch.models import build_model
 from largebatch.models.config import ModelConfig, default_hf_model_type
+from largebatch.train.cli import resolve_config
 from largebatch.train.config import load_config
 from largebatch.train.hf_import import init_from_pretrained, model_fields
+from largebatch.train.loop import Trainer
 from largebatch.train.metrics import read_metrics
 from largebatch.typed_config import ConfigError
 from test_export import TEXT, export, tiny, train
@@ -408,8 +410,10 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     # trains on: the first step's loss is transformers' loss on that batch, and training lowers it
     o = {k: v for k, v in tiny(cache, tmp_path / "run").items() if not k.startswith("model.")}
     o.update({"model.init_from": f"hf:{directory}", "model.dropout": 0.0, "run.total_tokens": 48 * 8 * 4})
-    run = train(o)
-    losses = [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+    lines: list[str] = []
+    Trainer(load_config(resolve_config(None), o), o["run.out_dir"], log=lines.append).fit()
+    assert f"init_from: the model starts from hf:{directory}'s weights (model_type llama)" in lines
+    losses = [r["loss"] for r in read_metrics(o["run.out_dir"]) if r["kind"] == "train"]
     data = build_data(load_config(None, o).data, seq_len=48, objective="causal")
     batch = data.train.get_batch(range(8))
     with torch.no_grad():

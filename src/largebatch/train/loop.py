@@ -264,6 +264,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                              if self.par.pp_size > 1 else None)
             self.model = (self.pipeline.model if self.pipeline else
                           parallelize(model, self.par, **techniques, param_dtype=param_dtype))
+        if cfg.model.init_from and not resume:
+            self.log(f"init_from: the model starts from {cfg.model.init_from}'s weights "
+                     f"(model_type {cfg.model.hf_model_type})")
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         self._params: list[torch.Tensor] | None = None  # _live_params, listed once
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
