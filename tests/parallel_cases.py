@@ -51,7 +51,7 @@ DOCS_MODES = ("fsdp", "sp")
 # GPT, layer 1 attending to every position: the one mask beside split heads, sequence shards and the
 # vocabulary-parallel loss
 WINDOW = 5
-WINDOW_MODES = ("fsdp", "sp", "tp_loss")
+WINDOW_MODES = ("ddp", "fsdp", "tp", "sp", "tp_loss")
 
 
 # the Llama-style layers (Touvron et al. 2023): RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h,

@@ -29,6 +29,7 @@ CASES = [("gpt-gpipe-lamb", "gpt", "lamb", "gpipe", 1), ("gpt-gpipe-lans", "gpt"
          ("gpt-zbv-lans", "gpt", "lans", "zbv", 2),  # the V shape: stages 0 and 3 on rank 0
          ("bert-1f1b-lamb", "bert", "lamb", "1f1b", 1),
          ("llama-1f1b-lamb", "llama", "lamb", "1f1b", 1),  # the Llama-style layers (LLAMA), on DOCS
+         ("llama-window-1f1b-lamb", "llama-window", "lamb", "1f1b", 1),  # with sliding windows (WINDOW)
          ("docs-zbv-lamb", "docs", "lamb", "zbv", 2)]  # the GPT on DOCS: learned positions restart
 # budgets whose last step is short of whole pipeline rounds (mb 2 x pp 2 = 4 sequences): one sequence
 # (half a micro-batch, one micro-batch short of pp) and three (half a micro-batch short)
@@ -47,12 +48,12 @@ MICRO_BATCH, MICRO_BATCHES = 2, 4
 
 
 # kind "llama": the GPT with RMSNorm, rotary positions, the SwiGLU MLP (f ~ 8/3 h) and 2 K/V heads for
-# 4 query heads (tp = 2 splits both), no biases, a sliding window of 8 of the 32 positions on layers 0, 2
-# and 3 (layer 1 attends to all: each stage's layers read the mask of their own window); a higher peak
-# LR, as it learns slower in these 10 steps
+# 4 query heads (tp = 2 splits both), no biases; a higher peak LR, as it learns slower in these 10 steps
 LLAMA = {"model.norm": "rmsnorm", "model.position": "rope", "model.activation": "swiglu", "model.bias": False,
-         "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "model.sliding_window": 8,
-         "model.full_attention_layers": [1], "schedule.peak_lr": 6e-2}
+         "model.n_head": 4, "model.n_kv_head": 2, "model.ffn_hidden": 88, "schedule.peak_lr": 6e-2}
+# kind "llama-window": those layers with a sliding window of 8 of the 32 positions on layers 0, 2 and 3
+# (layer 1 attends to all: each stage's layers read the masks of their own windows), on DOCS
+WINDOW = {"model.sliding_window": 8, "model.full_attention_layers": [1]}
 
 
 def speeches(cache: str) -> str:
@@ -78,8 +79,8 @@ def docs(cache: str) -> dict:
 
 def overrides(cache: str, out: str, kind: str = "gpt", optim: str = "lamb", **extra) -> dict:
     """A 4-layer model, a Seesaw batch doubling within ~10 steps, clipping that binds."""
-    if kind == "llama":
-        kind, extra = "gpt", {**LLAMA, **docs(cache), **extra}
+    if kind in ("llama", "llama-window"):
+        kind, extra = "gpt", {**LLAMA, **(WINDOW if kind == "llama-window" else {}), **docs(cache), **extra}
     if kind == "docs":
         kind, extra = "gpt", {**docs(cache), **extra}
     o = {"model.kind": kind, "model.n_layer": 4, "model.n_embd": 32, "model.n_head": 2, "model.seq_len": 32,

@@ -210,12 +210,14 @@ def test_a_qwen3_layout_goes_out_as_qwen3_and_back_unchanged(tmp_path):
     ({"full_attention_layers": ()}, "MistralForCausalLM"),
     ({"full_attention_layers": (0, 2)}, "MinistralForCausalLM"),
     ({"full_attention_layers": (1,), "qkv_bias": True}, "Qwen2ForCausalLM"),
+    ({"full_attention_layers": (0,), "qkv_bias": True}, "Qwen2ForCausalLM"),
     ({"full_attention_layers": (2,), "qk_norm": True}, "Qwen3ForCausalLM")])
 def test_sliding_windows_go_out_as_their_family_and_back_unchanged(layout, architecture, tmp_path):
     """A window of 5 of the 16 positions on every layer (Mistral), or on the layers
     full_attention_layers leaves (Ministral without biases, Qwen2 with q/k/v biases, Qwen3 with q/k
-    norms, each by layer_types): the export is that family's model computing largebatch's logits with
-    transformers' own masks, and init_from of it builds the same model. Llama and GPT-2, which have no
+    norms, each by layer_types, and by max_window_layers where the windowed layers are the last ones):
+    the export is that family's model computing largebatch's logits with transformers' own masks, and
+    init_from of it builds the same model. Llama and GPT-2, which have no
     window, are refused for it naming the window."""
     from transformers import AutoModelForCausalLM
 
@@ -236,6 +238,9 @@ def test_sliding_windows_go_out_as_their_family_and_back_unchanged(layout, archi
     if architecture != "MistralForCausalLM":
         assert config["layer_types"] == ["full_attention" if i in cfg.full_attention_layers else "sliding_attention"
                                          for i in range(3)]
+    if architecture.startswith("Qwen"):  # for readers without layer_types: Qwen2Config's rule, where it can say it
+        suffix = cfg.full_attention_layers == (0,)  # (windowed layers 1 and 2: the layers from 1 on)
+        assert config["max_window_layers"] == (1 if suffix else 3)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == architecture
     _same_logits_and_back(ours, hf, tmp_path / "out")

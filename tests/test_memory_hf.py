@@ -388,7 +388,8 @@ def test_numpy_integers_and_the_bert_head_share():
 
 
 # ---------------------------------------------------------------------------------- Llama family
-def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none", dh=None, qk_norm=False):
+def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none", dh=None, qk_norm=False,
+                    window=False):
     """What one transformers LlamaDecoderLayer keeps, in float64 from the saved tensors its graph
     holds (docs/memory.md), not from the code under test. Per token: two RMSNorms, each its fp32
     input (4 h bytes: the input itself in fp32), the d-byte normalised tensor the gain needs, a
@@ -401,25 +402,29 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none",
     per head. "full": the layer input. Heads of ``dh`` values (Qwen3's head_dim; h / a when None): q
     and the o_proj input are a dh wide, K and V a dh (eager) or a_kv dh. ``qk_norm`` (Qwen3): q_norm
     and k_norm are written out as the layer norms, per head an fp32 input (4 dh bytes), the d-byte
-    normalised tensor and a 4-byte rsqrt."""
+    normalised tensor and a 4-byte rsqrt. ``window``: a sliding window shorter than s (Mistral's), whose
+    mask sdpa reads: transformers then passes no enable_gqa (K and V at all a heads, as eager keeps
+    them) and sdpa keeps its mask converted to the queries' dtype, s values a token (policy "none")."""
     s, b, h, a, a_kv, f, d, m = map(float, (s, b, h, a, a_kv, f, d, m))
     dh = h / a if dh is None else float(dh)
     if policy == "full":
         return s * b * h * d
     norms = 2 * (4 * h + h * d + 4)
-    k_and_v = 2 * a * dh * d if eager and policy == "none" else 2 * a_kv * dh * d
+    masked_sdpa = window and not eager and policy == "none"
+    k_and_v = 2 * a * dh * d if (eager or masked_sdpa) and policy == "none" else 2 * a_kv * dh * d
     per_token = norms + 2 * h * d + 2 * a * dh * d + k_and_v + 4 * f * d
     if qk_norm:
         per_token += (a + a_kv) * (4 * dh + dh * d + 4)
     if policy == "none":
         if not eager:
-            per_token += 4 * a
+            per_token += 4 * a + (s * d if masked_sdpa else 0.0)
         else:
             per_token += a * s * 4 + (a * s * (m + d) if dropout else (a * s * d if d != 4 else 0.0))
     return s * b * per_token
 
 
 LLAMA_TYPES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
 
@@ -469,7 +474,13 @@ LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
     ("qwen3", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # the norms' fp32 copies of a bf16 input
     ("qwen3", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
     ("qwen3", "eager", torch.bfloat16, 2, 0.1, False, "selective"),
+    # Mistral with a window of 8 of the 64 positions: sdpa reads the mask (no enable_gqa, a float copy)
+    ("mistral", "sdpa", torch.float32, 2, 0.0, False, "none"),
+    ("mistral", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
+    ("mistral", "eager", torch.float32, 2, 0.0, False, "none"),   # the mask is added, not kept
+    ("mistral", "sdpa", torch.float32, 2, 0.0, False, "selective"),  # the checkpoint keeps un-repeated K/V
 ]
+WINDOW = 8
 QWEN3_HEAD = 24  # (not hidden_size / num_attention_heads = 16)
 
 
@@ -482,12 +493,13 @@ def test_measured_hf_llama_layers(model_type, attn, dtype, a_kv, dropout, bool_m
 
     s, b, h, a, f, d = 64, 2, 64, 4, 160, dtype.itemsize
     qwen3 = {"head_dim": QWEN3_HEAD} if model_type == "qwen3" else {}
-    raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout, **qwen3)
+    window = {"sliding_window": WINDOW} if model_type == "mistral" else {}
+    raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout, **qwen3, **window)
     with hf_memory.bool_mask_dropout() if bool_masks else contextlib.nullcontext():
         measured = llama_measured_per_layer(raw, b, attn, dtype, policy)
     m = 1 if bool_masks else d
     reference = llama_reference(s, b, h, a, a_kv, f, d, eager=attn == "eager", dropout=dropout > 0, m=m,
-                                policy=policy, dh=qwen3.get("head_dim"), qk_norm=bool(qwen3))
+                                policy=policy, dh=qwen3.get("head_dim"), qk_norm=bool(qwen3), window=bool(window))
     assert measured == pytest.approx(reference, rel=1e-9)
     config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
     estimate = hf_eager_layer_bytes(config, "silu", b, policy, dtype_bytes=d, device="cuda" if bool_masks else "cpu")
@@ -520,6 +532,34 @@ def test_a_transformers_llama_whole_model_against_the_estimate():
     assert estimate.activations - closed.activations == pytest.approx(
         2 * (layer - activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=4))) + final_norm,
         rel=1e-12)
+
+
+@pytest.mark.parametrize("attn, policy", [("sdpa", "none"), ("sdpa", "selective"), ("eager", "none")])
+def test_a_transformers_mistral_with_a_window_whole_model_against_the_estimate(attn, policy):
+    """A 2-layer MistralForCausalLM with a window of 8 of 64 positions (fp32): the whole model's bytes
+    kept for backward, less the same model's without the window, against Setup's estimate of both
+    (transformers' Llama terms): sdpa keeps per layer K/V at all heads and the mask's float copy, a
+    recomputed sdpa layer's checkpoint the shared bool mask (s^2 bytes, once), eager nothing more --
+    and largebatch's own mask is not counted for transformers' layers."""
+    from largebatch.memory import Setup, apply_recompute, measure_forward_bytes
+
+    s, b = 64, 2
+    held, estimates = {}, {}
+    for window in (None, WINDOW):
+        raw = llama_dict("mistral", n_layer=2, s=s, v=256, sliding_window=window)
+        model = llama_model(raw, attn, torch.float32)
+        apply_recompute(model, policy)
+        ids = torch.randint(0, 256, (b, s))
+        loss = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+        measure_forward_bytes(loss)
+        _, held[window] = measure_forward_bytes(loss)
+        config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
+        estimates[window] = Setup(micro_batch=b, dtype_bytes=4, hf_activation="silu").estimate(config, policy)
+    grown = held[WINDOW].tensor_bytes - held[None].tensor_bytes
+    expected = {("sdpa", "none"): 2 * (s * b * s * 4 + 2 * (64 - 32) * 4 * s * b), ("sdpa", "selective"): s * s,
+                ("eager", "none"): 0}[attn, policy]
+    assert grown == expected
+    assert estimates[WINDOW].activations - estimates[None].activations == expected
 
 
 def test_llama_family_configs():

@@ -183,7 +183,7 @@ def test_the_memory_model_counts_the_masks_the_layers_keep(attention, docs, full
     sequences = b if docs else 1
     expected = one * sequences * (2 if docs and full else 1) - (one * sequences if docs else 0)  # (docs: one before)
     assert attention_mask_bytes(windowed, b, dtype_bytes=4) - attention_mask_bytes(plain, b, dtype_bytes=4) == expected
-    for policy in ("none", "selective", "full"):
+    for policy in ("none", "selective", "op", "full"):
         held = {}
         for config, model in models.items():
             apply_recompute(model, policy)
@@ -195,6 +195,34 @@ def test_the_memory_model_counts_the_masks_the_layers_keep(attention, docs, full
         modelled = (model_activation_bytes(windowed, b, policy, dtype_bytes=4, device="cpu")
                     - model_activation_bytes(plain, b, policy, dtype_bytes=4, device="cpu"))
         assert modelled == expected
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_compiled_blocks_take_the_windows_masks_without_a_graph_break(policy):
+    """Windowed and full-attention layers, within documents, compiled (the graphs, aot_eager) inside
+    every recomputation policy: no graph break, and eager mode's loss and gradients."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    config = ModelConfig(n_layer=3, n_embd=32, n_head=4, n_kv_head=2, seq_len=24, vocab_size=50, attention="sdpa",
+                         sliding_window=5, full_attention_layers=(1,), document_mask=True, separator_id=SEP, **LLAMA)
+    eager, compiled = build_model(config), build_model(config)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        apply_recompute(model, policy)
+    for block in compiled.blocks:
+        block.compile(backend="aot_eager")
+    ids = torch.randint(1, 50, (2, 24))
+    ids[:, ::7] = SEP
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses = [model(ids, ids)[1] for model in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_bf16_autocast_keeps_one_mask_in_the_queries_dtype():
@@ -282,6 +310,14 @@ def test_the_memory_command_plans_the_window_and_keeps_a_transformers_configs_ow
     MistralConfig(num_hidden_layers=2, sliding_window=4096, max_position_embeddings=32768).save_pretrained(tmp_path)
     assert memory_main(["--hf-config", str(tmp_path), "--seq-len", "8192"]) == 0
     assert "sliding window 4096" in capsys.readouterr().out.splitlines()[0]
+    # fewer layers of a pattern: the pattern's first ones
+    from transformers import MinistralConfig
+
+    pattern = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    MinistralConfig(num_hidden_layers=6, sliding_window=512, layer_types=pattern, head_dim=128).save_pretrained(
+        tmp_path / "ministral")
+    assert memory_main(["--hf-config", str(tmp_path / "ministral"), "--layers", "3", "--seq-len", "4096"]) == 0
+    assert "sliding window 512 on 2 of 3 layers" in capsys.readouterr().out.splitlines()[0]
     assert memory_main(["--hf-config", str(tmp_path), "--sliding-window", "512"]) == 2
     err = capsys.readouterr().err
     assert "--model.sliding_window 512 with --hf-config" in err and "compute model.sliding_window=4096" in err, err

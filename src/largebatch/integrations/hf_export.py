@@ -175,6 +175,15 @@ def rope_parameters(cfg: ModelConfig) -> dict:
     return rope
 
 
+def first_windowed_layer(cfg: ModelConfig) -> int:
+    """Qwen2's ``max_window_layers`` for ``cfg``: the first layer with a sliding window when every layer
+    after it has one too (Qwen2Config windows the layers from max_window_layers on), else the layer
+    count (no layer by that rule: ``layer_types`` alone, which transformers reads first, says which)."""
+    windows = cfg.windows
+    first = next((i for i, w in enumerate(windows) if w is not None), cfg.n_layer)
+    return first if all(w is not None for w in windows[first:]) else cfg.n_layer
+
+
 def hf_config(cfg: ModelConfig, special: dict[str, int]):
     """The transformers config of the same network; ``special``: special_tokens' names -> their ids."""
     from transformers import (
@@ -212,9 +221,10 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
             config = MinistralConfig(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window if windowed else None,
                                      layer_types=layer_types, **blocks)
         else:  # Qwen2 (biases on q, k and v only) or Qwen3 (none; q and k heads normalised): windows by
-            # layer_types (max_window_layers is read only without them)
+            # layer_types, and by max_window_layers for readers without them (the first windowed layer
+            # where the windowed ones are the last: Qwen2Config's own rule; else layer_types alone says it)
             window = dict(use_sliding_window=windowed, sliding_window=cfg.sliding_window if windowed else None,
-                          layer_types=layer_types, max_window_layers=cfg.n_layer)
+                          layer_types=layer_types, max_window_layers=first_windowed_layer(cfg))
             if kind == "qwen3":
                 config = Qwen3Config(head_dim=cfg.head_dim, attention_bias=False, **window, **blocks)
             else:

@@ -388,9 +388,11 @@ def attention_mask_bytes(config: ModelConfig, micro_batch: int, seq_len: int | N
 
 def attention_mask_count(config: ModelConfig, seq_len: int | None = None) -> int:
     """How many distinct attention masks the layers read at context ``seq_len``: one per distinct layer
-    window under document_mask (full attention included), else one per distinct window shorter than s."""
+    window under document_mask (full attention, and a window of s or more, counted once), else one per
+    distinct window shorter than s."""
     s = config.seq_len if seq_len is None else _plain(seq_len)
-    return len({w for w in config.windows if config.document_mask or (w is not None and w < s)})
+    windows = {None if w is None or w >= s else w for w in config.windows}  # (one covering s: the full one's)
+    return len(windows if config.document_mask else windows - {None})
 
 
 def stage_activation_bytes(config: ModelConfig, micro_batch: int, layers: int,

@@ -231,6 +231,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
                              f"compute model.{first}={getattr(config, first)!r}, as its config.json says; drop "
                              "the flag, or describe largebatch's own layers with --model/--layers/--hidden/... "
                              "instead of --hf-config")
+        if "n_layer" in changes and config.full_attention_layers:  # (--layers fewer: the pattern's first layers)
+            changes["full_attention_layers"] = tuple(i for i in config.full_attention_layers if i < changes["n_layer"])
         return config.replace(**changes)
     if args.config:
         return _from_train_config(args).replace(**changes)
@@ -343,8 +345,8 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
     if config.window_layout != "none":
-        sliding = sum(w is not None for w in config.windows)
-        llama += [f"sliding window {config.sliding_window}" + ("" if sliding == L else f" on {sliding} of {L} layers")]
+        llama += [f"sliding window {config.sliding_window}" + (
+            "" if config.window_layout == "all" else f" on {config.windowed_layers} of {L} layers")]
     lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
              f"h={config.n_embd} a={config.n_head} t={t} L={L}" + "".join(f" {x}" for x in llama)
              + f", {dtype_bytes:g}-byte activations"
@@ -445,9 +447,24 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
                 for device in ("cuda", "cpu" if config.attention == "explicit" else "cuda"))
     if config.activation == "swiglu":  # a Llama-family model (memory/hf.py: llama_layer_bytes)
         if config.attention != "explicit":
-            return ["", f"HF sdpa layers: ~{gpu / closed:.2f}x this model's 'no parallelism' row ({gpu / 2**20:.1f} "
-                        f"MiB per layer; RMSNorm's fp32 input and normalised tensor; torch's fused kernel with "
-                        "enable_gqa, measured on CPU without dropout, docs/memory.md)."]
+            windowed = [i for i, w in enumerate(config.windows) if w is not None and w < s]
+            full = [i for i in range(config.n_layer) if i not in windowed]
+            lines = [""]
+            if full:
+                layer = hf_eager_layer_bytes(config, act, b, seq_len=s, dtype_bytes=dtype_bytes, layer=full[0])
+                which = ", full-attention ones" if windowed else ""
+                lines.append(f"HF sdpa layers{which}: ~{layer / closed:.2f}x this "
+                             f"model's 'no parallelism' row ({layer / 2**20:.1f} MiB per layer; RMSNorm's fp32 input "
+                             "and normalised tensor; torch's fused kernel with enable_gqa, measured on CPU without "
+                             "dropout, docs/memory.md).")
+            if windowed:
+                layer = hf_eager_layer_bytes(config, act, b, seq_len=s, dtype_bytes=dtype_bytes, layer=windowed[0])
+                lines.append(f"HF sdpa layers with the sliding window ({len(windowed)} of {config.n_layer}): "
+                             f"~{layer / closed:.2f}x this model's 'no parallelism' row ({layer / 2**20:.1f} MiB per "
+                             "layer; with the window's mask transformers passes no enable_gqa, so K and V are kept "
+                             "at all heads, and sdpa keeps a float copy of the mask; measured on CPU without "
+                             "dropout, docs/memory.md).")
+            return lines
         extras = ("K/V repeated to all heads" if config.kv_heads != config.n_head else "K/V") + \
             (", the fp32 softmax" if dtype_bytes != 4 else "") + ", RMSNorm's fp32 input and normalised tensor" + \
             (" (the q/k norms' too)" if config.qk_norm else "")

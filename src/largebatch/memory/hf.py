@@ -15,8 +15,8 @@ No attention mask or bias is kept (transformers 5 adds the causal/padding mask),
 runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below).
 
 transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM and MinistralForCausalLM, whose
-sliding windows change only the mask, and Qwen2ForCausalLM, whose q/k/v biases keep nothing, run the
-same layer; Qwen3ForCausalLM adds the
+sliding windows add what an sdpa layer keeps with a mask -- below -- and Qwen2ForCausalLM, whose q/k/v
+biases keep nothing, run the same layer; Qwen3ForCausalLM adds the
 query and key heads' norms, below), found by walking the graph
 of a tiny model and measured to the byte (tests/test_memory_hf.py), per token with d bytes a value,
 a_kv key/value heads, h_kv = h a_kv / a, m bytes a dropout mask (d on CPU, 1 on CUDA), p > 0 the
@@ -60,9 +60,9 @@ UNSUPPORTED = {
 }
 
 # Llama's family: the same decoder layer (RMSNorm, rotary positions, SwiGLU, grouped-query
-# attention) as transformers writes it; Mistral and Ministral (sliding windows: the layer keeps the same,
-# the mask is the model's), Qwen2, whose q/k/v biases keep nothing (measured: its layers keep Llama's
-# bytes exactly), and Qwen3 (its q/k norms counted)
+# attention) as transformers writes it; Mistral and Ministral (sliding windows: llama_layer_bytes and
+# hf_mask_bytes count what the window's mask adds), Qwen2, whose q/k/v biases keep nothing (measured:
+# its layers keep Llama's bytes exactly), and Qwen3 (its q/k norms counted)
 LLAMA_TYPES = ("llama", "mistral", "ministral")
 LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3")
 # Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
@@ -448,13 +448,13 @@ def hf_activation(source: str | Path | Mapping) -> str:
 
 def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
                          recompute: str = "none", *, seq_len: int | None = None,
-                         dtype_bytes: float = 2, device: str = "cuda") -> float:
+                         dtype_bytes: float = 2, device: str = "cuda", layer: int = 0) -> float:
     """Bytes one transformers eager layer of ``config`` keeps under a recompute policy:
     "none" the measured terms below (hf_eager_bytes_per_layer); "selective" those minus the core
     attention (softmax output, its dropout mask and output, recomputed as in the closed form);
     "full" the layer input, s b h d. ``activation``: transformers' name ("gelu" or "gelu_new"; "silu"
     or "swish" for a Llama-family ``config``, counted by llama_layer_bytes, eager or sdpa as
-    ``config.attention`` says)."""
+    ``config.attention`` says, for its layer ``layer``: its sliding window)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: transformers' layers are counted for "
                          "none, selective and full only.")
@@ -467,7 +467,7 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
                          "BERT's (layernorm, learned positions); give the config config_from_hf made")
     if llama_layer:
         return llama_layer_bytes(config, micro_batch, recompute, seq_len=seq_len, dtype_bytes=dtype_bytes,
-                                 device=device)
+                                 device=device, layer=layer)
     s = config.seq_len if seq_len is None else seq_len
     h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
     if recompute == "full":
@@ -481,7 +481,8 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
 
 
 def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "none", *,
-                      seq_len: int | None = None, dtype_bytes: float = 2, device: str = "cuda") -> float:
+                      seq_len: int | None = None, dtype_bytes: float = 2, device: str = "cuda",
+                      layer: int = 0) -> float:
     """Bytes one transformers Llama decoder layer (LlamaDecoderLayer, Mistral's, Qwen2's, Qwen3's) keeps for
     backward in training: the terms of Korthikanti et al. 2022 (Table 2, docs/papers.md: memory) as
     transformers' layer keeps them, per token (module docstring; measured to the byte on CPU in fp32 and bf16,
@@ -496,7 +497,12 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
     ``config.attention``: "explicit" (transformers' eager) or "sdpa" (fused: no padding mask, so
     transformers passes enable_gqa; sdpa with dropout on CPU runs torch's unfused math kernel and
     is refused, as config_layer_kwargs does). recompute: "none", "selective" (apply_recompute's
-    checkpoint of the attention function keeps its inputs q, K, V un-repeated), "full" (h d)."""
+    checkpoint of the attention function keeps its inputs q, K, V un-repeated), "full" (h d).
+    ``layer``: which layer (its sliding window, ModelConfig.layer_window). An sdpa layer whose window
+    is shorter than s gets the window's mask, and transformers then passes no enable_gqa: under
+    "none" it keeps K and V at all a heads (2 w d) and sdpa's float copy of the mask (s d a token);
+    eager layers keep neither (the mask is added, not kept). The bool mask itself, shared by the
+    layers, is the model's (``hf_mask_bytes``)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: transformers' Llama layers are counted for none, "
                          "selective and full only.")
@@ -511,8 +517,12 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
                          "which the memory model does not describe: use attention='explicit' (eager) or "
                          "attention_dropout=0 for CPU memory estimates.")
     w, w_kv = config.attention_width, config.kv_heads * config.head_dim
-    kv = w if eager and recompute == "none" else w_kv  # repeat_kv's copies are what eager keeps
+    window = config.layer_window(layer)
+    masked_sdpa = not eager and window is not None and window < s and recompute == "none"
+    kv = w if (eager or masked_sdpa) and recompute == "none" else w_kv  # repeat_kv's copies are what's kept
     per_token = 2 * ((4 + d) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
+    if masked_sdpa:  # sdpa's float copy of the window's (bool) mask, in the queries' dtype
+        per_token += s * d
     if config.qk_norm:
         per_token += (4 + d) * (w + w_kv) + 4 * (a + config.kv_heads)
     if recompute == "none":
@@ -523,6 +533,19 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
         else:
             per_token += a * s * (4 + (0 if d == 4 else d))
     return s * b * per_token
+
+
+def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[str] = "none", *,
+                  seq_len: int | None = None) -> float:
+    """Bytes of the sliding-window mask transformers' Llama-family model builds once and its layers
+    share, kept for backward: the bool (1, 1, s, s) mask when a selectively recomputed sdpa layer with
+    a window shorter than s reads it (the checkpoint keeps its inputs); 0 otherwise (eager layers add
+    it, sdpa layers without recomputation keep their own float copy, llama_layer_bytes). Measured
+    (tests/test_memory_hf.py)."""
+    s = config.seq_len if seq_len is None else seq_len
+    policies = [recompute] * config.n_layer if isinstance(recompute, str) else list(recompute)
+    reads = any(p == "selective" and w is not None and w < s for p, w in zip(policies, config.windows))
+    return float(s * s) if config.attention != "explicit" and reads else 0.0
 
 
 def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,

@@ -17,9 +17,14 @@ import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from largebatch.memory.activations import activation_bytes_per_layer, config_layer_kwargs, stages_per_rank
+from largebatch.memory.activations import (
+    activation_bytes_per_layer,
+    attention_mask_bytes,
+    config_layer_kwargs,
+    stages_per_rank,
+)
 from largebatch.memory.estimate import MemoryEstimate, estimate
-from largebatch.memory.hf import LLAMA_ACTIVATIONS, check_activation, hf_eager_layer_bytes
+from largebatch.memory.hf import LLAMA_ACTIVATIONS, check_activation, hf_eager_layer_bytes, hf_mask_bytes
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token, per_layer_policies
 
@@ -103,8 +108,12 @@ class Setup:
         s = config.seq_len if self.seq_len is None else self.seq_len
         layers = per_layer_policies(policies, config.n_layer)
         delta = sum(hf_eager_layer_bytes(config, self.hf_activation, self.micro_batch, p, seq_len=s,
-                                         dtype_bytes=self.dtype_bytes)
-                    - activation_bytes_per_layer(s, self.micro_batch, recompute=p, **kw) for p in layers)
+                                         dtype_bytes=self.dtype_bytes, layer=i)
+                    - activation_bytes_per_layer(s, self.micro_batch, recompute=p, **kw) for i, p in enumerate(layers))
+        # the masks: transformers' own (a sliding window's bool mask, kept by a recomputed sdpa layer) in
+        # place of largebatch's shared one (attention_mask_bytes)
+        delta += (hf_mask_bytes(config, self.micro_batch, layers, seq_len=s)
+                  - attention_mask_bytes(config, self.micro_batch, s, self.dtype_bytes))
         if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + d) h + 4 bytes a token, not d h
             delta += s * self.micro_batch * (4 * config.n_embd + 4)
         return replace(est, activations=est.activations + delta)

@@ -27,7 +27,7 @@ HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3",
 HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3"),
                   "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
-# heads as query heads, but Llama's and Qwen2's): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
+# heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
 # LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
 # SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
 # Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
@@ -323,9 +323,14 @@ class ModelConfig:
         return tuple(self.layer_window(i) for i in range(self.n_layer))
 
     @property
+    def windowed_layers(self) -> int:
+        """How many layers have a sliding window."""
+        return sum(w is not None for w in self.windows)
+
+    @property
     def window_layout(self) -> str:
         """Which layers have a sliding window: "none", "all" or "some"."""
-        sliding = sum(w is not None for w in self.windows)
+        sliding = self.windowed_layers
         return "none" if not sliding else "all" if sliding == self.n_layer else "some"
 
     @property

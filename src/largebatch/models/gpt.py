@@ -62,17 +62,19 @@ class TransformerBase(nn.Module):
                                  f"vocabulary (vocab_size={config.vocab_size}): give the id the corpus puts "
                                  "before (or between) its documents.")
 
-    def attention_mask(self, idx: torch.Tensor) -> AttentionMask | None:
+    def attention_mask(self, idx: torch.Tensor, layers: Sequence[int] | None = None) -> AttentionMask | None:
         """Who attends to whom in the token ids ``idx`` (B, T), the layers' AttentionMask: within
         documents with ModelConfig.document_mask, within each layer's window with sliding_window. None
-        otherwise (causal or full attention over the whole sequence)."""
+        otherwise (causal or full attention over the whole sequence). ``layers``: the indices of the
+        layers that read it (a pipeline stage's; None: all), whose windows it makes forms for."""
         cfg = self.config
         if not cfg.masks_attention:
             return None
         causal = model_spec(cfg.kind).objective == "causal"
+        windows = cfg.windows if layers is None else tuple(cfg.layer_window(i) for i in layers)
         if cfg.document_mask:
-            return AttentionMask(idx, cfg.separator_id, causal, cfg.windows)
-        return AttentionMask(None, None, causal, cfg.windows, length=idx.size(1), device=idx.device)
+            return AttentionMask(idx, cfg.separator_id, causal, windows)
+        return AttentionMask(None, None, causal, windows, length=idx.size(1), device=idx.device)
 
     def embed(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         # idx: (B, T) token ids -> (B, T, C); with a cache, at the positions after its cached ones

@@ -233,16 +233,13 @@ class AttentionMask:
         if ids is not None:
             if ids.dim() != 2:
                 raise ValueError(f"token ids of shape {tuple(ids.shape)}: document masking needs (batch, T)")
-            self.documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
+            documents = (ids == separator_id).cumsum(dim=1)  # (B, T): separators at or before each position
             length, device = ids.size(1), ids.device
         elif length is None:
             raise ValueError("AttentionMask: give the token ids (document masking) or the length")
         else:
-            self.documents = None
-        self.causal = causal
-        self.windows = tuple(dict.fromkeys(windows))  # the distinct windows the layers read
-        self.queries, self.keys, self.device = length, length, device  # rows, columns
-        self._made: dict[object, torch.Tensor] = {}
+            documents = None
+        self._set(documents, length, length, causal, windows, device)
 
     @classmethod
     def decoding(cls, documents: torch.Tensor | None, queries: int, keys: int, causal: bool,
@@ -251,22 +248,34 @@ class AttentionMask:
         each position's document index ``documents`` (B, keys) or None: what a decoding step with a
         KVCache reads."""
         mask = cls.__new__(cls)
-        mask.documents, mask.causal, mask.windows, mask._made = documents, causal, tuple(dict.fromkeys(windows)), {}
-        mask.queries, mask.keys, mask.device = queries, keys, device
+        mask._set(documents, queries, keys, causal, windows, device)
         return mask
+
+    def _set(self, documents, queries: int, keys: int, causal: bool, windows, device) -> None:
+        self.documents, self.causal, self.device = documents, causal, device
+        self.queries, self.keys = queries, keys  # rows, columns
+        # the distinct windows the layers read (one that covers every key is the full attention's)
+        self.windows = tuple(dict.fromkeys(self.effective(w) for w in windows))
+        self._made: dict[object, torch.Tensor] = {}
+
+    def effective(self, window: int | None) -> int | None:
+        """``window``, or None where it covers every key (the same mask as none)."""
+        return None if window is None or window >= self.keys else window
 
     def reads(self, window: int | None) -> bool:
         """Whether a layer with ``window`` reads this mask (else: the plain causal or full attention)."""
-        return self.documents is not None or (window is not None and window < self.keys)
+        return self.documents is not None or self.effective(window) is not None
 
     def prepare(self, attention: str, x: torch.Tensor) -> AttentionMask:
         """Make the forms ``attention`` ("explicit" or "sdpa") reads, for layers whose input is ``x``:
         sdpa's in the dtype the queries will have (autocast's where it is on, else ``x``'s)."""
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        for window in self.windows:
-            if self.reads(window):
-                self.allowed(window) if attention == "explicit" else self.additive(dtype, window)
+        for window in filter(self.reads, self.windows):
+            if attention == "explicit":
+                self.allowed(window)
+            else:
+                self.additive(dtype, window)
         return self
 
     def _visible(self, window: int | None) -> torch.Tensor:
@@ -289,6 +298,7 @@ class AttentionMask:
     def allowed(self, window: int | None = None) -> torch.Tensor:
         """(B or 1, 1, Tq, Tk) bool: True where position i (rows) may attend to position j (columns) in a
         layer with ``window``; the rows are the last ``queries`` positions (all of them but when decoding)."""
+        window = self.effective(window)
         if ("bool", window) not in self._made:
             self._made["bool", window] = self._visible(window)
         return self._made["bool", window]
@@ -296,6 +306,7 @@ class AttentionMask:
     def additive(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """(B or 1, 1, Tq, Tk) in ``dtype``: 0 where allowed, -inf elsewhere (sdpa's float mask); rows
         MASK_ROW_ALIGNMENT-aligned."""
+        window = self.effective(window)
         if (dtype, window) not in self._made:
             visible = self._made.get(("bool", window))
             visible = self._visible(window) if visible is None else visible  # (the bool form is not kept for it)

@@ -172,6 +172,7 @@ class StageModule(nn.Module):
         self.parts = nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for name in
                                     (spec.pipeline_first if first else ()) + (spec.pipeline_last if last else ())})
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)  # the name apply_fsdp shards by
+        self.layers = tuple(layers)  # (their indices in the model: their windows)
         self._model = [model]  # a list: not registered, its methods run the first and last parts
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,7 +181,9 @@ class StageModule(nn.Module):
         model = self._model[0]
         if self.first:
             x = model.embed_input(x)  # (B, T) ids -> (B, T, C)
-        mask = None if tokens is None else model.attention_mask(tokens).prepare(model.config.attention, x)
+        mask = None if tokens is None else model.attention_mask(tokens, self.layers)
+        if mask is not None:  # (only the forms this stage's layers read: their windows)
+            mask.prepare(model.config.attention, x)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
         return model.output_logits(x) if self.last else x  # (B, T, v) or (B, T, C)
