@@ -27,8 +27,8 @@ HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3",
 HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3"),
                   "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
-# heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's family (Devlin et al. 2019):
-# LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
+# heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's
+# family (Devlin et al. 2019): LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
 # SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
 # Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
 # q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each query and key head
