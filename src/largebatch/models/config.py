@@ -28,15 +28,15 @@ HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwe
                   "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's
-# family (Devlin et al. 2019): LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023): RMSNorm, rotary positions, the
-# SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3), biases on every
-# Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's blocks with biases on
-# q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each query and key head
-# normalised; Mistral (Jiang et al. 2023): Llama's blocks without biases, every layer attending within a
-# sliding window; Ministral: the same with the window on the layers its layer_types name. Llama's family
-# may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only Mistral, Ministral,
-# Qwen2 and Qwen3 have sliding windows (Qwen2's and Qwen3's on any layers; "window_layout" below: on no
-# layer, every layer, or some layers).
+# family (Devlin et al. 2019): LayerNorm, learned positions, a GeLU MLP; Llama (Touvron et al. 2023):
+# RMSNorm, rotary positions, the SwiGLU MLP, grouped-query attention (Ainslie et al. 2023; Llama 2 70B,
+# Llama 3), biases on every Linear or none (attention_bias = mlp_bias); Qwen2 (Yang et al. 2024): Llama's
+# blocks with biases on q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each
+# query and key head normalised; Mistral (Jiang et al. 2023): Llama's blocks without biases, every layer
+# attending within a sliding window; Ministral: the same with the window on the layers its layer_types
+# name. Llama's family may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only
+# Mistral, Ministral, Qwen2 and Qwen3 have sliding windows (Qwen2's and Qwen3's on any layers;
+# "window_layout" below: on no layer, every layer, or some layers).
 # (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
 HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
                   "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
