@@ -483,6 +483,17 @@ def test_llama_configs_largebatch_cannot_compute_are_refused_naming_the_field(tm
         windowed = _variant(tmp_path, source, f"{family}-window", model_type=family, use_sliding_window=True,
                             sliding_window=16, max_window_layers=1, layer_types=None)
         assert (model_fields(windowed)["sliding_window"], model_fields(windowed)["full_attention_layers"]) == (16, (0,))
+    # a Mistral config.json with layer_types is read as transformers' AutoConfig reads it: a Ministral,
+    # the window on the layers layer_types names
+    typed = model_fields(_variant(tmp_path, source, "mistral-types", model_type="mistral", sliding_window=16,
+                                  layer_types=["full_attention", "sliding_attention"]))
+    assert (typed["sliding_window"], typed["full_attention_layers"], typed["hf_model_type"]) == (16, (0,), "ministral")
+    # windows on no layer (max_window_layers past the last, or every layer full_attention) are none
+    for name, changes in (("qwen2-past", {"max_window_layers": 2, "layer_types": None}),
+                          ("qwen2-all-full", {"layer_types": ["full_attention"] * 2})):
+        fields = model_fields(_variant(tmp_path, source, name, model_type="qwen2", use_sliding_window=True,
+                                       sliding_window=16, **changes))
+        assert (fields["sliding_window"], fields["full_attention_layers"]) == (None, ())
     wide = _variant(tmp_path, source, "wide", model_type="mistral", sliding_window=48)
     assert (model_fields(wide)["sliding_window"], model_fields(wide)["hf_model_type"]) == (48, "mistral")
     assert model_fields(_variant(tmp_path, source, "nokey", model_type="mistral", sliding_window=None,

@@ -247,7 +247,10 @@ def test_bad_windows_name_the_field_and_the_fix(tmp_path, capsys):
             ({"full_attention_layers": (1,)}, "full_attention_layers=[1] without sliding_window"),
             ({"sliding_window": 4, "full_attention_layers": (4,)}, "4 is not a layer index; give 0-based indices "
                                                                    "below n_layer=4"),
-            ({"sliding_window": 4, "full_attention_layers": (1, 1)}, "names layer 1 twice")]:
+            ({"sliding_window": 4, "full_attention_layers": (1, 1)}, "names layer 1 twice"),
+            ({"sliding_window": 4, "n_layer": 2, "full_attention_layers": (0, 1)}, "names every one of the 2 "
+                                                                                   "layers, so sliding_window=4 "
+                                                                                   "applies nowhere")]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             ModelConfig(**fields)
     # from the command line: one line before anything runs

@@ -130,26 +130,29 @@ def sliding_windows(raw: dict, n_layer: int, refuse) -> tuple[int | None, tuple[
     types = raw.get("layer_types")
     off = model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)
     if (off or window is None) and isinstance(types, list) and "sliding_attention" in types:
-        state = f"use_sliding_window={raw.get('use_sliding_window', False)!r}" if off else "sliding_window=None"
-        raise refuse(f"layer_types naming sliding layers with {state} (sliding_window={window!r})",
-                     "transformers' own model cannot run that (it finds no window for those layers); set "
-                     "use_sliding_window true and a sliding_window, or make every layer full_attention")
+        state = (f"use_sliding_window={raw.get('use_sliding_window', False)!r} (sliding_window={window!r})" if off
+                 else "sliding_window=None")
+        fix = "set use_sliding_window true and a sliding_window" if off else "set a sliding_window"
+        raise refuse(f"layer_types naming sliding layers with {state}",
+                     f"transformers' own model cannot run that (it finds no window for those layers); {fix}, "
+                     "or make every layer full_attention")
     if off or window is None:
         return None, ()
     if not _positive_ints(sliding_window=window):
         raise refuse(f"sliding_window={window!r}", "it must be a positive number of positions, or null")
-    if model_type == "mistral":  # (MistralModel windows every layer, whatever layer_types says)
-        return window, ()
+    if model_type == "mistral":  # (every layer: a config.json with layer_types is read as a Ministral,
+        return window, ()        # as_transformers_reads)
     if types is None:
         if model_type == "ministral":
             return window, ()
         first = raw.get("max_window_layers", 28)
-        return window, tuple(range(min(first, n_layer)))
+        return (None, ()) if first >= n_layer else (window, tuple(range(first)))  # (windows from layer `first` on)
     if not isinstance(types, list) or len(types) != n_layer or not set(types) <= {"sliding_attention",
                                                                                  "full_attention"}:
         raise refuse(f"layer_types={types!r}", f"it must list 'sliding_attention' or 'full_attention' for each "
                      f"of the num_hidden_layers={n_layer} layers")
-    return window, tuple(i for i, t in enumerate(types) if t == "full_attention")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    return (None, ()) if len(full) == n_layer else (window, full)  # (no windowed layer: no window)
 
 
 # the rope_types largebatch's rotary embedding computes (ModelConfig.rope_scaling), and the keys each reads
@@ -268,7 +271,20 @@ def check_activation(activation, name: str = "activation") -> str:
     return activation
 
 
+def as_transformers_reads(raw: dict) -> dict:
+    """``raw`` (a config.json's fields) as transformers' AutoConfig reads it: a "mistral" config
+    with a ``layer_types`` key is built as a "ministral" one (MinistralForCausalLM: the windows on the
+    layers layer_types names; a MistralConfig would window them all)."""
+    if isinstance(raw, dict) and raw.get("model_type") == "mistral" and "layer_types" in raw:
+        return {**raw, "model_type": "ministral"}
+    return raw
+
+
 def _load(source) -> dict:
+    return as_transformers_reads(_load_raw(source))
+
+
+def _load_raw(source) -> dict:
     if isinstance(source, Mapping):
         return dict(source)
     if callable(getattr(source, "to_dict", None)) and not isinstance(source, (str, Path)):

@@ -311,6 +311,10 @@ class ModelConfig:
                 twice = next(i for i in full if full.count(i) > 1)
                 raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r} names layer {twice} twice: "
                                  "name each full-attention layer once.")
+            if len(full) == self.n_layer:
+                raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r} names every one of the "
+                                 f"{self.n_layer} layers, so sliding_window={W} applies nowhere: leave "
+                                 "sliding_window unset, or list fewer layers.")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (0-based): sliding_window, or None (every earlier

@@ -77,6 +77,7 @@ from largebatch.memory.hf import (
     LLAMA_LAYOUTS,
     ROBERTA_LAYOUTS,
     UNSUPPORTED,
+    as_transformers_reads,
     bert_positions,
     llama_fields,
     position_offset,
@@ -131,8 +132,8 @@ def hf_dir(init_from: str) -> Path:
 
 
 def _raw_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
+    try:  # (as transformers' AutoConfig reads it: a Mistral with layer_types is a Ministral)
+        return as_transformers_reads(json.loads((path / "config.json").read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"model.init_from: {path / 'config.json'} is not JSON ({exc}); give a "
                           "transformers config.json") from None
