@@ -366,9 +366,19 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     assert same.qkv_biased == m.qkv_biased
     with pytest.raises(ConfigError, match=f"model.qkv_bias={not qwen2} but"):
         load_config(None, {"model.init_from": f"hf:{directory}", "model.qkv_bias": not qwen2})
-    # the window is the directory's: another one is refused naming both
-    with pytest.raises(ConfigError, match=f"model.sliding_window=7 but hf:.* has {m.sliding_window}"):
-        load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": 7})
+    # the windows are the run's to choose (no weight depends on them), with a note naming both; the
+    # exempt layers stay the directory's unless given, and go with the window
+    notes: list[str] = []
+    other = load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": 7}, warn=notes.append)
+    assert (other.model.sliding_window, other.model.full_attention_layers) == (7, m.full_attention_layers)
+    assert any("model.sliding_window=7" in n and f"(config.json: {m.sliding_window!r}" in n for n in notes), notes
+    if m.sliding_window is not None:
+        none = load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": None}).model
+        assert none.window_layout == "none"
+    notes.clear()
+    assert load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": m.sliding_window},
+                       warn=notes.append).model.windows == m.windows
+    assert not notes
     assert cfg.data.tokenizer_file == str(directory / "tokenizer.json")
     model = build_model(m)
     init_from_pretrained(model)

@@ -398,12 +398,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if cfg.phases and "run.total_tokens" in given:  # (check() can tell a given budget from the default
         check_phases_budget(cfg.run.total_tokens, cfg.phases)  # only when it differs from it)
     if cfg.model.init_from and resolve_init:
-        from largebatch.train.hf_import import context_note, dropout_note, rope_note
+        from largebatch.train.hf_import import context_note, dropout_note, rope_note, window_note
         from largebatch.train.hf_import import resolve_init as resolve
 
         recipe_kind = tree.get("model", {}).get("kind")  # set by a shipped recipe (a user's must agree)
         cfg = resolve(cfg, given)
-        for note in (dropout_note(cfg, given), context_note(cfg, given), rope_note(cfg, given)):
+        for note in (dropout_note(cfg, given), context_note(cfg, given), rope_note(cfg, given),
+                     window_note(cfg, given)):
             if note is not None:
                 (warn or (lambda line: print(line, file=sys.stderr)))(note)
         if recipe_kind is not None and recipe_kind != cfg.model.kind:

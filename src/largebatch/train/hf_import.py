@@ -84,7 +84,7 @@ from largebatch.memory.hf import (
     rope_scaling,
     rope_theta,
 )
-from largebatch.models.config import ModelConfig
+from largebatch.models.config import ModelConfig, fitting_hf_model_types, hf_layout_mismatch
 from largebatch.typed_config import ConfigError
 
 PREFIX = "hf:"
@@ -347,12 +347,17 @@ def resolve_init(cfg, given: set[str]):
         if _rotary_context(fields, name) and f"model.{name}" in given:
             fields[name] = mine  # rotary positions: no table of max_position_embeddings rows to fit
             continue
+        if name in WINDOW_FIELDS and f"model.{name}" in given:
+            fields[name] = mine  # the windows: no weight depends on them (noted by window_note)
+            continue
         if f"model.{name}" in given and mine != value:
             shorter = ("; to train shorter sequences, declare [[phases]] with a smaller seq_len in the "
                        "config file" if name == "seq_len" and mine < value else "")
             raise ConfigError(f"model.{name}={mine!r} but {cfg.model.init_from} has {value!r} "
                               f"(config.json): remove model.{name} (init_from sets it) or set it to "
                               f"{value!r}{shorter}")
+    if fields["sliding_window"] is None and "model.full_attention_layers" not in given:
+        fields["full_attention_layers"] = ()  # (no window given: no layer to exempt from it)
     fields["ffn_hidden"] = None if fields["ffn_hidden"] == 4 * fields["n_embd"] else fields["ffn_hidden"]
     if "model.n_kv_head" in given and fields["n_kv_head"] is None:
         fields["n_kv_head"] = cfg.model.n_kv_head  # (n_head given as n_kv_head: the same attention)
@@ -361,12 +366,39 @@ def resolve_init(cfg, given: set[str]):
     except ValueError as exc:  # (a value of config.json the model refuses, named as the model's field)
         raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {path / 'config.json'} gives a model "
                           f"largebatch refuses: {exc}") from None
+    if ("model.hf_model_type" not in given and {f"model.{n}" for n in WINDOW_FIELDS} & given
+            and hf_layout_mismatch(model, model.hf_model_type)):  # another window: the family that has it
+        fits = fitting_hf_model_types(model)  # (a Llama with a window: Mistral's; none fits: the export says why)
+        model = dataclasses.replace(model, hf_model_type=fits[0] if fits else None)
     if model.position != "rope" and model.rope_scaling != "none":
         raise ConfigError(f"model.rope_scaling={model.rope_scaling!r} but {cfg.model.init_from} has learned "
                           f"positions (model_type={fields.get('hf_model_type')!r}), which no rope scaling "
                           "applies to: remove model.rope_scaling")
     data = dataclasses.replace(cfg.data, tokenizer_file=_tokenizer_file(cfg, path, given, model))
     return dataclasses.replace(cfg, model=model, data=data)
+
+
+WINDOW_FIELDS = ("sliding_window", "full_attention_layers")
+"""The sliding-window fields a run may set otherwise than its init_from directory: no weight depends on
+them, so they are the run's to choose (the model then attends otherwise than the checkpoint was trained
+to: window_note says so)."""
+
+
+def window_note(cfg, given: set[str]) -> str | None:
+    """A note when the run's sliding windows differ from its init_from directory's (accepted: no
+    weight depends on them, but the checkpoint was trained with its own)."""
+    if not cfg.model.init_from or not {f"model.{n}" for n in WINDOW_FIELDS} & given:
+        return None
+    theirs = model_fields(hf_dir(cfg.model.init_from))
+    mine = cfg.model
+    theirs_windows = ModelConfig(n_layer=mine.n_layer, sliding_window=theirs["sliding_window"],
+                                 full_attention_layers=theirs["full_attention_layers"]).windows
+    if mine.windows == theirs_windows:
+        return None
+    return (f"note: model.sliding_window={mine.sliding_window!r}, model.full_attention_layers="
+            f"{list(mine.full_attention_layers)!r} (config.json: {theirs['sliding_window']!r}, "
+            f"{list(theirs['full_attention_layers'])!r}): the run's layers attend within other windows than "
+            f"{cfg.model.init_from} was trained with; leave them out to keep its own")
 
 
 def _rotary_context(fields: dict[str, Any], name: str) -> bool:
@@ -763,8 +795,8 @@ def _check_fields(cfg: ModelConfig) -> None:
     fields = model_fields(hf_dir(cfg.init_from))
     for name in fields:
         mine, value = _compared(cfg, fields, name)
-        if (name == "tie_embeddings" and value and not mine) or name in YOURS_TO_CHOOSE:
-            continue  # a tied directory loads untied on request (the output layer a copy)
+        if (name == "tie_embeddings" and value and not mine) or name in YOURS_TO_CHOOSE or name in WINDOW_FIELDS:
+            continue  # a tied directory loads untied on request (the output layer a copy); windows: no weight
         if _rotary_context(fields, name):
             continue
         if mine != value:
