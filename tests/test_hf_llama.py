@@ -372,6 +372,8 @@ def test_a_transformers_llama_imports_with_its_logits_and_gradients_and_trains_o
     other = load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": 7}, warn=notes.append)
     assert (other.model.sliding_window, other.model.full_attention_layers) == (7, m.full_attention_layers)
     assert any("model.sliding_window=7" in n and f"(config.json: {m.sliding_window!r}" in n for n in notes), notes
+    if family == "llama":  # a Llama given a window exports as the family that has one
+        assert other.model.hf_model_type == "mistral"
     if m.sliding_window is not None:
         none = load_config(None, {"model.init_from": f"hf:{directory}", "model.sliding_window": None}).model
         assert none.window_layout == "none"
