@@ -363,7 +363,8 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     if mask := attention_mask_bytes(config, b, s, dtype_bytes):  # not a layer's: one per micro-batch, whichever row
         size = f"{mask / 2**20:.1f} MiB" if mask >= 2**20 else f"{mask / 2**10:.0f} KiB"
         count = attention_mask_count(config, s)
-        what = ("the document mask" if config.window_layout == "none" else "the sliding window's mask"
+        windowed = any(w is not None and w < s for w in config.windows)  # (a window of s or more: none)
+        what = ("the document mask" if not windowed else "the sliding window's mask"
                 if not config.document_mask else f"{count} attention masks (documents, and the sliding window's)"
                 if count > 1 else "the document mask within the sliding window")
         shape = "s^2 b" if config.document_mask else "s^2"
