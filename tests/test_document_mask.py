@@ -152,6 +152,20 @@ def test_bad_settings_name_the_field_and_the_fix():
         build_model(ModelConfig(document_mask=True, separator_id=4096))
 
 
+def kept_for_backward(models: dict, ids: torch.Tensor, policy: str) -> dict:
+    """Tensor bytes each model keeps for backward of a forward on ``ids`` (targets = ids) under the
+    recomputation ``policy``, after one warm-up step (lazy initialisations are not activations)."""
+    held = {}
+    for key, model in models.items():
+        apply_recompute(model, policy)
+        measure_forward_bytes(lambda: model(ids, ids))[0][1].backward()
+        (_, loss), measured = measure_forward_bytes(lambda: model(ids, ids))
+        held[key] = measured.tensor_bytes
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return held
+
+
 @pytest.mark.parametrize("attention, s", [("explicit", 128), ("sdpa", 128), ("sdpa", 60)])
 def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention, s):
     """Measured bytes kept for backward with the mask, less those without it, per recomputation
@@ -169,14 +183,8 @@ def test_the_memory_model_counts_the_one_mask_the_layers_keep(attention, s):
     expected = s * s * b if attention == "explicit" else s * (-(-s // 8) * 8) * b * 4
     assert attention_mask_bytes(masked, b, dtype_bytes=4) == expected
     for policy in ("none", "selective", "op", "full"):
-        held = {}
-        for config, model in models.items():
-            apply_recompute(model, policy)
-            measure_forward_bytes(lambda: model(ids, ids))[0][1].backward()  # lazy initialisations
-            (_, loss), held[config] = measure_forward_bytes(lambda: model(ids, ids))
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-        grown = held[masked].tensor_bytes - held[plain].tensor_bytes
+        held = kept_for_backward(models, ids, policy)
+        grown = held[masked] - held[plain]
         assert expected <= grown <= expected + 16 * s * b, policy
         modelled = (model_activation_bytes(masked, b, policy, dtype_bytes=4, device="cpu")
                     - model_activation_bytes(plain, b, policy, dtype_bytes=4, device="cpu"))

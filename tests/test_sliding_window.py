@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from largebatch.cli import main as cli_main
-from largebatch.memory import apply_recompute, measure_forward_bytes, model_activation_bytes
+from largebatch.memory import apply_recompute, model_activation_bytes
 from largebatch.memory.activations import attention_mask_bytes
 from largebatch.models import ModelConfig, build_model
 from largebatch.models.flops import flops_per_token
 from largebatch.models.layers import AttentionMask, CoreAttention
+from test_document_mask import kept_for_backward
 
 SEP = 0
 LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", bias=False)
@@ -184,14 +185,8 @@ def test_the_memory_model_counts_the_masks_the_layers_keep(attention, docs, full
     expected = one * sequences * (2 if docs and full else 1) - (one * sequences if docs else 0)  # (docs: one before)
     assert attention_mask_bytes(windowed, b, dtype_bytes=4) - attention_mask_bytes(plain, b, dtype_bytes=4) == expected
     for policy in ("none", "selective", "op", "full"):
-        held = {}
-        for config, model in models.items():
-            apply_recompute(model, policy)
-            measure_forward_bytes(lambda: model(ids, ids))[0][1].backward()  # lazy initialisations
-            (_, loss), held[config] = measure_forward_bytes(lambda: model(ids, ids))
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-        assert held[windowed].tensor_bytes - held[plain].tensor_bytes == expected, policy
+        held = kept_for_backward(models, ids, policy)
+        assert held[windowed] - held[plain] == expected, policy
         modelled = (model_activation_bytes(windowed, b, policy, dtype_bytes=4, device="cpu")
                     - model_activation_bytes(plain, b, policy, dtype_bytes=4, device="cpu"))
         assert modelled == expected
