@@ -391,7 +391,7 @@ def attention_mask_count(config: ModelConfig, seq_len: int | None = None) -> int
     window under document_mask (full attention, and a window of s or more, counted once), else one per
     distinct window shorter than s."""
     s = config.seq_len if seq_len is None else _plain(seq_len)
-    windows = {None if w is None or w >= s else w for w in config.windows}  # (one covering s: the full one's)
+    windows = set(config.windows_at(s))  # (one covering s: the full one's)
     return len(windows if config.document_mask else windows - {None})
 
 

@@ -344,9 +344,7 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     llama += [f"{config.norm}"] if config.norm != "layernorm" else []
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
-    if config.window_layout != "none":
-        llama += [f"sliding window {config.sliding_window}" + (
-            "" if config.window_layout == "all" else f" on {config.windowed_layers} of {L} layers")]
+    llama += [config.window_words()] if config.window_layout != "none" else []
     lines = [f"Activation memory per device (Korthikanti et al. 2022, Table 2): s={s} b={b} "
              f"h={config.n_embd} a={config.n_head} t={t} L={L}" + "".join(f" {x}" for x in llama)
              + f", {dtype_bytes:g}-byte activations"
@@ -363,7 +361,7 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     if mask := attention_mask_bytes(config, b, s, dtype_bytes):  # not a layer's: one per micro-batch, whichever row
         size = f"{mask / 2**20:.1f} MiB" if mask >= 2**20 else f"{mask / 2**10:.0f} KiB"
         count = attention_mask_count(config, s)
-        windowed = any(w is not None and w < s for w in config.windows)  # (a window of s or more: none)
+        windowed = any(w is not None for w in config.windows_at(s))  # (a window of s or more: none)
         what = ("the document mask" if not windowed else "the sliding window's mask"
                 if not config.document_mask else f"{count} attention masks (documents, and the sliding window's)"
                 if count > 1 else "the document mask within the sliding window")
@@ -448,7 +446,7 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
                 for device in ("cuda", "cpu" if config.attention == "explicit" else "cuda"))
     if config.activation == "swiglu":  # a Llama-family model (memory/hf.py: llama_layer_bytes)
         if config.attention != "explicit":
-            windowed = [i for i, w in enumerate(config.windows) if w is not None and w < s]
+            windowed = [i for i, w in enumerate(config.windows_at(s)) if w is not None]
             full = [i for i in range(config.n_layer) if i not in windowed]
             lines = [""]
             if full:

@@ -533,8 +533,7 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
                          "which the memory model does not describe: use attention='explicit' (eager) or "
                          "attention_dropout=0 for CPU memory estimates.")
     w, w_kv = config.attention_width, config.kv_heads * config.head_dim
-    window = config.layer_window(layer)
-    masked_sdpa = not eager and window is not None and window < s and recompute == "none"
+    masked_sdpa = not eager and config.windows_at(s)[layer] is not None and recompute == "none"
     kv = w if (eager or masked_sdpa) and recompute == "none" else w_kv  # repeat_kv's copies are what's kept
     per_token = 2 * ((4 + d) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
     if masked_sdpa:  # sdpa's float copy of the window's (bool) mask, in the queries' dtype
@@ -560,7 +559,7 @@ def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[s
     (tests/test_memory_hf.py)."""
     s = config.seq_len if seq_len is None else seq_len
     policies = [recompute] * config.n_layer if isinstance(recompute, str) else list(recompute)
-    reads = any(p == "selective" and w is not None and w < s for p, w in zip(policies, config.windows))
+    reads = any(p == "selective" and w is not None for p, w in zip(policies, config.windows_at(s)))
     return float(s * s) if config.attention != "explicit" and reads else 0.0
 
 

@@ -326,6 +326,19 @@ class ModelConfig:
         """Each layer's sliding window (None: full attention), in layer order."""
         return tuple(self.layer_window(i) for i in range(self.n_layer))
 
+    def windows_at(self, seq_len: int | None = None) -> tuple[int | None, ...]:
+        """Each layer's sliding window at context ``seq_len`` (seq_len when None), None where the layer
+        attends to every earlier position -- a window of seq_len or more included (the same attention)."""
+        s = self.seq_len if seq_len is None else seq_len
+        return tuple(None if w is None or w >= s else w for w in self.windows)
+
+    def window_words(self) -> str:
+        """The windows in words, for logs and reports ("sliding window 32 on 3 of 4 layers"); "" without."""
+        if self.window_layout == "none":
+            return ""
+        where = "" if self.window_layout == "all" else f" on {self.windowed_layers} of {self.n_layer} layers"
+        return f"sliding window {self.sliding_window}{where}"
+
     @property
     def windowed_layers(self) -> int:
         """How many layers have a sliding window."""

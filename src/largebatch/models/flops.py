@@ -94,7 +94,7 @@ def flops_per_token(config: ModelConfig, recompute: str | Sequence[str] = "none"
     """
     s = config.seq_len if seq_len is None else seq_len
     dense, core = layer_forward_flops(config, s)
-    cores = [core if w is None or w >= s else layer_forward_flops(config, w)[1] for w in config.windows]
+    cores = [core if w is None else layer_forward_flops(config, w)[1] for w in config.windows_at(s)]
     model = 3.0 * (config.n_layer * dense + sum(cores) + head_forward_flops(config, mask_fraction))
     policies = per_layer_policies(recompute, config.n_layer)
     return model + sum({"none": 0.0, "op": 0.0, "selective": c, "full": dense + c}[p] for p, c in zip(policies, cores))

@@ -272,8 +272,7 @@ def _layer_options(model) -> str:
     if model.qk_norm:
         parts.append("q/k norms")
     if model.window_layout != "none":
-        parts.append(f"sliding window {model.sliding_window}" + (
-            "" if model.window_layout == "all" else f" on {model.windowed_layers} of {model.n_layer} layers"))
+        parts.append(model.window_words())
     if model.qkv_biased != model.bias:
         parts.append("biases on q, k, v only" if model.qkv_biased else "no biases on q, k, v")
     return "".join(f", {part}" for part in parts)
