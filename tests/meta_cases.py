@@ -101,7 +101,7 @@ def rotary_ok(model, reference) -> bool:
 
 
 def meta_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama", "qwen3"):
+    for kind in ("gpt", "bert", "llama", "qwen3", "olmo"):
         cfg = tiny(kind, bias=False)  # no biases: see parallel_cases.optimizer_cases (k.bias noise)
         idx, targets = batch(kind)
         torch.manual_seed(0)

@@ -60,14 +60,18 @@ LLAMA = dict(norm="rmsnorm", position="rope", activation="swiglu", n_kv_head=2, 
 # Qwen3's (Yang et al. 2025): Llama's layers with each query and key head normalised, heads of 12 values
 # on the 32-wide stream (so q is 48 wide): the norms' gains see only their own heads on a tp rank
 QWEN3 = dict(LLAMA, head_size=12, qk_norm=True)
+# OLMo 2's (OLMo et al. 2024): Llama's layers with each sub-layer's output normalised before the residual add
+# and the whole q (48 values) and k (24) projections normalised: on a tp rank each norm sees half the values,
+# its gain split with them, the statistic summed over the ranks
+OLMO = dict(LLAMA, head_size=12, qk_norm=True, qk_norm_scope="projection", norm_position="reordered")
 
 
 def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> ModelConfig:
     """The tiny model of every case: "gpt", "bert", or "llama" (a GPT with the LLAMA layers; no
     biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert).
     "gpt-docs" and "bert-docs": attention within documents (ModelConfig.document_mask), the GPT's
-    through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3": the GPT
-    with the QWEN3 layers. "llama-window": "llama" with a sliding window of WINDOW on layer 0 (sdpa)."""
+    through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3" and "olmo": the
+    GPT with the QWEN3 or OLMO layers. "llama-window": "llama" with a sliding window of WINDOW on layer 0 (sdpa)."""
     if kind == "llama-window":
         return replace(tiny("llama", dropout, bias), sliding_window=WINDOW, full_attention_layers=(1,),
                        attention="sdpa")
@@ -75,9 +79,9 @@ def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> M
         base = tiny(kind.removesuffix("-docs"), dropout, bias)
         return replace(base, document_mask=True, separator_id=SEPARATOR,
                        attention="sdpa" if base.kind == "gpt" else "explicit")
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "olmo"):
         return ModelConfig(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
-                           bias=bool(bias), **(LLAMA if kind == "llama" else QWEN3))
+                           bias=bool(bias), **{"llama": LLAMA, "qwen3": QWEN3, "olmo": OLMO}[kind])
     return ModelConfig(kind=kind, n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
                        bias=True if bias is None else bias)
 
@@ -174,7 +178,7 @@ QK_GAINS = ("attn.q_norm.weight", "attn.k_norm.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama", "qwen3", "gpt-docs", "bert-docs", "llama-window"):
+    for kind in ("gpt", "bert", "llama", "qwen3", "olmo", "gpt-docs", "bert-docs", "llama-window"):
         modes = DOCS_MODES if kind.endswith("-docs") else WINDOW_MODES if kind == "llama-window" else MODES
         idx, targets = batch(kind)
         torch.manual_seed(0)
@@ -192,6 +196,10 @@ def forward_backward_cases(results: dict) -> None:
                 norm_gain_grads(results, mode, model, reference)
             if kind == "qwen3" and state.tp_size > 1:  # the heads' norms: each rank sums over its own heads
                 norm_gain_grads(results, mode, model, reference, QK_GAINS, "qk_gains")
+            if kind == "olmo" and state.tp_size > 1:  # the projections' norms: gains split as q and k are
+                gains = [p for n, p in unwrap(model).named_parameters() if n.endswith(QK_GAINS)]
+                results[f"olmo_qk_gains/{mode}"] = sorted({(str(p.placements), str(p.grad.placements),
+                                                            tuple(p.to_local().shape)) for p in gains})
             if state.dp_size == 1:  # the whole batch on every rank: the loss itself must match
                 results[f"loss/{kind}/{mode}"] = abs(float(loss_sum) - float(ref_loss)) / float(ref_loss)
                 with torch.no_grad(), state.loss_context():
@@ -685,7 +693,7 @@ def generate_cases(results: dict) -> None:
     parallel (each rank caches its own heads; with the vocabulary-parallel loss the logits are
     gathered) and FSDP2 (decode goes through forward, whose hooks gather the root's parameters), each
     cached step's logits are one process's whole-context logits, and the greedy tokens are its own."""
-    for kind in ("gpt", "llama", "gpt-docs", "llama-window"):
+    for kind in ("gpt", "llama", "olmo", "gpt-docs", "llama-window"):
         idx, _ = batch(kind)
         prompt = idx[:, :5]
         torch.manual_seed(0)
@@ -940,18 +948,22 @@ def run_2d(out_dir: str) -> None:
 
 
 def compile_cases(results: dict) -> None:
-    """parallelize(compile=True) after TP + SP: each block compiled in place (the one compile test)."""
+    """parallelize(compile=True) after TP + SP: each block compiled in place (the one compile test);
+    "olmo": OLMo 2's projection norms, whose statistic is all-reduced over the ranks, run eagerly
+    inside the compiled blocks."""
     state = states("sp")
-    idx, targets = batch("gpt")
-    torch.manual_seed(0)
-    reference = build_model(tiny("gpt"))
-    model = parallelize(copy.deepcopy(reference), state, compile=True)
-    _, ref_loss = reference(idx, targets)
-    ref_loss.backward()
-    loss_and_backward(model, state, idx, targets)
-    results["compile/all_blocks_compiled"] = all(getattr(block, "_compiled_call_impl", None) is not None
-                                                 for block in unwrap(model).blocks)
-    results["compile/grad_diff"] = max_grad_diff(model, reference)
+    for kind in ("gpt", "olmo"):
+        idx, targets = batch(kind)
+        torch.manual_seed(0)
+        reference = build_model(tiny(kind))
+        model = parallelize(copy.deepcopy(reference), state, compile=True)
+        _, ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        loss_and_backward(model, state, idx, targets)
+        suffix = "" if kind == "gpt" else f"/{kind}"
+        results[f"compile/all_blocks_compiled{suffix}"] = all(getattr(block, "_compiled_call_impl", None) is not None
+                                                              for block in unwrap(model).blocks)
+        results[f"compile/grad_diff{suffix}"] = max_grad_diff(model, reference)
 
 
 def abort_the_first_time_on_rank_one(marks: str) -> None:

@@ -389,7 +389,7 @@ def test_numpy_integers_and_the_bert_head_share():
 
 # ---------------------------------------------------------------------------------- Llama family
 def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none", dh=None, qk_norm=False,
-                    window=False):
+                    window=False, olmo=False):
     """What one transformers LlamaDecoderLayer keeps, in float64 from the saved tensors its graph
     holds (docs/memory.md), not from the code under test. Per token: two RMSNorms, each its fp32
     input (4 h bytes: the input itself in fp32), the d-byte normalised tensor the gain needs, a
@@ -404,16 +404,22 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none",
     and k_norm are written out as the layer norms, per head an fp32 input (4 dh bytes), the d-byte
     normalised tensor and a 4-byte rsqrt. ``window``: a sliding window shorter than s (Mistral's), whose
     mask sdpa reads: transformers then passes no enable_gqa (K and V at all a heads, as eager keeps
-    them) and sdpa keeps its mask converted to the queries' dtype, s values a token (policy "none")."""
+    them) and sdpa keeps its mask converted to the queries' dtype, s values a token (policy "none").
+    ``olmo`` (Olmo2RMSNorm, OLMo 2 and 3): every norm multiplies the fp32 normalised tensor by its
+    gain and then casts, so keeps that tensor in fp32 (4 bytes a value, not d); q_norm and k_norm
+    normalise the whole projections (a dh and a_kv dh values), one rsqrt a token each."""
     s, b, h, a, a_kv, f, d, m = map(float, (s, b, h, a, a_kv, f, d, m))
     dh = h / a if dh is None else float(dh)
     if policy == "full":
         return s * b * h * d
-    norms = 2 * (4 * h + h * d + 4)
+    normalised = 4.0 if olmo else d
+    norms = 2 * (4 * h + h * normalised + 4)
     masked_sdpa = window and not eager and policy == "none"
     k_and_v = 2 * a * dh * d if (eager or masked_sdpa) and policy == "none" else 2 * a_kv * dh * d
     per_token = norms + 2 * h * d + 2 * a * dh * d + k_and_v + 4 * f * d
-    if qk_norm:
+    if olmo:
+        per_token += (a + a_kv) * dh * (4 + normalised) + 2 * 4
+    elif qk_norm:
         per_token += (a + a_kv) * (4 * dh + dh * d + 4)
     if policy == "none":
         if not eager:
@@ -426,7 +432,9 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none",
 LLAMA_TYPES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+               "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM)}
 
 
 def llama_dict(model_type="llama", *, n_layer=1, s=64, h=64, a=4, a_kv=2, f=160, dropout=0.0, v=64, **kw):
@@ -479,6 +487,13 @@ LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
     ("mistral", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
     ("mistral", "eager", torch.float32, 2, 0.0, False, "none"),   # the mask is added, not kept
     ("mistral", "sdpa", torch.float32, 2, 0.0, False, "selective"),  # the checkpoint keeps un-repeated K/V
+    # OLMo 2: the norms keep fp32 normalised tensors, the q and k norms span the projections (heads of 24)
+    ("olmo2", "eager", torch.float32, 2, 0.1, False, "none"),
+    ("olmo2", "eager", torch.bfloat16, 2, 0.0, False, "none"),
+    ("olmo2", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
+    ("olmo2", "eager", torch.bfloat16, 2, 0.1, False, "selective"),
+    # OLMo 3: those layers with the window of 8 on layers 0-2 (Olmo3Config's default types), sdpa as Mistral's
+    ("olmo3", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
 ]
 WINDOW = 8
 QWEN3_HEAD = 24  # (not hidden_size / num_attention_heads = 16)
@@ -492,14 +507,15 @@ def test_measured_hf_llama_layers(model_type, attn, dtype, a_kv, dropout, bool_m
     from largebatch.memory import hf_eager_layer_bytes
 
     s, b, h, a, f, d = 64, 2, 64, 4, 160, dtype.itemsize
-    qwen3 = {"head_dim": QWEN3_HEAD} if model_type == "qwen3" else {}
-    window = {"sliding_window": WINDOW} if model_type == "mistral" else {}
+    qwen3 = {"head_dim": QWEN3_HEAD} if model_type in ("qwen3", "olmo2", "olmo3") else {}
+    window = {"sliding_window": WINDOW} if model_type in ("mistral", "olmo3") else {}
     raw = llama_dict(model_type, s=s, h=h, a=a, a_kv=a_kv, f=f, dropout=dropout, **qwen3, **window)
     with hf_memory.bool_mask_dropout() if bool_masks else contextlib.nullcontext():
         measured = llama_measured_per_layer(raw, b, attn, dtype, policy)
     m = 1 if bool_masks else d
     reference = llama_reference(s, b, h, a, a_kv, f, d, eager=attn == "eager", dropout=dropout > 0, m=m,
-                                policy=policy, dh=qwen3.get("head_dim"), qk_norm=bool(qwen3), window=bool(window))
+                                policy=policy, dh=qwen3.get("head_dim"), qk_norm=bool(qwen3), window=bool(window),
+                                olmo=model_type.startswith("olmo"))
     assert measured == pytest.approx(reference, rel=1e-9)
     config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
     estimate = hf_eager_layer_bytes(config, "silu", b, policy, dtype_bytes=d, device="cuda" if bool_masks else "cpu")

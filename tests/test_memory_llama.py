@@ -28,6 +28,8 @@ OPTIONS = {
     "head_size": dict(head_size=24),  # heads of 24 on a 64-wide stream of 4 heads
     "qk_norm": dict(qk_norm=True),  # LayerNorm over each head (the model's norm)
     "qwen3": dict(LLAMA, head_size=24, qk_norm=True),
+    # OLMo 2: each sub-layer's output normalised, the whole q (96 values) and k (48) projections normalised
+    "olmo": dict(LLAMA, head_size=24, qk_norm=True, qk_norm_scope="projection", norm_position="reordered"),
     "rmsnorm": dict(norm="rmsnorm"),
     "rope": dict(position="rope"),
     "swiglu": dict(activation="swiglu", ffn_hidden=96),
@@ -51,6 +53,11 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
             norms' inputs (a + a_kv) d_h d and their per-head statistics (a + a_kv) 4 bytes
             (RMSNorm) or 8 (LayerNorm) (not under op), MLP 2 f d (GeLU: its input,
             fc2's input) or 4 f d (SwiGLU: gate output, SiLU output, fc1 output, fc2 input)
+        with qk_norm_scope="projection" (OLMo 2) one 4-byte statistic a token for q and one for k
+            in place of the per-head ones, whole on every rank (each rank's norm divides by the
+            statistic of the whole projection)
+        norm_position="reordered" keeps the same values: the norms' inputs are the sub-layers'
+            outputs, and the Q/K/V and MLP inputs the stream itself
         core (split by t): a s (2 d + 1) with dropout, a s d without, 4 a fused
     selective: all but the core; op: layer input, projection and fc2 outputs (3 h d, replicated), q,
     k, v, the attention output and the fc1 (and gate) outputs, the scores a s d (fused: 4 a); full:
@@ -68,8 +75,10 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
         return s * b * (3 * h * d / t_rep + (2 * a * dh + 2 * a_kv * dh + (2 if gated else 1) * f) * d / t
                         + core / t)
     replicated = (2 * h * d + h * d + h * d + 2 * h * m) / t_rep
-    qk = (a + a_kv) * (dh * d + (4.0 if c.norm == "rmsnorm" else 8.0)) if c.qk_norm else 0.0
+    projection = c.qk_norm and c.qk_norm_scope == "projection"
+    qk = (a + a_kv) * (dh * d + (0.0 if projection else 4.0 if c.norm == "rmsnorm" else 8.0)) if c.qk_norm else 0.0
     split = (a * dh * d + 2 * a_kv * dh * d + a * dh * d + qk + (4 if gated else 2) * f * d) / t
+    split += 2 * 4.0 if projection else 0.0
     core = 4 * a if fused else a * s * ((2 * d + m) if dropout else d)
     per_token = replicated + split + (0.0 if policy == "selective" else core / t)
     return s * b * per_token
@@ -95,8 +104,8 @@ POLICIES = ("none", "selective", "op", "full")
 # masks and the s^2 terms); the fused kernel (no s^2 term, the op policy's log-sum-exp); bf16,
 # where an RMSNorm written op by op would keep an fp32 copy of its input
 CASES = ([(name, torch.float32, "explicit", 0.1) for name in OPTIONS]
-         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama", "qwen3")]
-         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama", "qwen3")])
+         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama", "qwen3", "olmo")]
+         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama", "qwen3", "olmo")])
 
 
 @pytest.mark.parametrize("name, dtype, attention, dropout", CASES,
@@ -145,11 +154,12 @@ def test_rope_keeps_nothing_and_rmsnorm_keeps_what_layernorm_keeps():
     assert rms[torch.float32] == layernorm[torch.float32] - 2 * 4 * S * B  # two norms a layer
 
 
-@pytest.mark.parametrize("t, sp, layout", [(2, False, "llama"), (2, True, "llama"), (2, True, "qwen3")])
+@pytest.mark.parametrize("t, sp, layout", [(2, False, "llama"), (2, True, "llama"), (2, True, "qwen3"),
+                                           (2, False, "olmo"), (2, True, "olmo")])
 def test_tensor_parallel_splits_k_v_and_the_gate_by_t(t, sp, layout):
     """K and V (a_kv / t heads per rank) and the gate's outputs split by t (Qwen3's q and k norms'
-    inputs too), the RMSNorm inputs replicated unless sequence parallel: the code against the
-    reference, at the paper's 16 bits."""
+    inputs too; OLMo 2's projection norms' statistics whole on each rank), the RMSNorm inputs
+    replicated unless sequence parallel: the code against the reference, at the paper's 16 bits."""
     c = ModelConfig(**BASE, **OPTIONS[layout], dropout=0.1)
     kw = config_layer_kwargs(c, dtype_bytes=2)
     for policy in POLICIES:
@@ -218,6 +228,19 @@ def test_parameter_counts_match_the_built_models():
                         n_kv_head=2, norm_position="post" if kind == "bert" else "pre")
         n = sum(p.numel() for p in (GPT if kind == "gpt" else BERT)(c).parameters())
         assert estimate(c, 1, dtype_bytes=4).parameters == 4 * n, c
+    # OLMo 2's layout: gains as wide as the q and k projections, reordered norms (as many as pre-LN's)
+    for head_size, kv, tp in itertools.product((None, 12), (None, 2), (1, 2)):
+        c = ModelConfig(**small, **LLAMA | {"ffn_hidden": 88, "n_kv_head": kv}, head_size=head_size, qk_norm=True,
+                        qk_norm_scope="projection", norm_position="reordered", bias=False)
+        n = sum(p.numel() for p in GPT(c).parameters())
+        assert estimate(c, 1, dtype_bytes=4).parameters == 4 * n, c
+        if tp == 2:  # per rank: the projections' gains split with q and k, where each head's are replicated
+            gains = sum(p.numel() for name, p in GPT(c).named_parameters() if name.endswith(("q_norm.weight",
+                                                                                             "k_norm.weight")))
+            head = c.replace(qk_norm_scope="head")
+            saved = {cfg.qk_norm_scope: (estimate(cfg, 1, dtype_bytes=4).parameters
+                                         - estimate(cfg, 1, dtype_bytes=4, tp=2).parameters) / 4 for cfg in (c, head)}
+            assert saved["projection"] - saved["head"] == gains / 2, c
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -21,8 +21,9 @@ from parallel_cases import tiny
 # "llama": the GPT with RMSNorm, rotary positions (non-persistent cos/sin tables), the SwiGLU MLP and
 # grouped-query attention (parallel_cases.tiny)
 KINDS = ("gpt", "bert", "llama")
-# "qwen3": those layers with each query and key head normalised (their gains split with no heads)
-CASES = [(kind, mode) for kind in (*KINDS, "qwen3") for mode in ("fsdp", "sp")]
+# "qwen3": those layers with each query and key head normalised (their gains split with no heads);
+# "olmo": OLMo 2's, the whole q and k projections normalised (their gains split with the heads)
+CASES = [(kind, mode) for kind in (*KINDS, "qwen3", "olmo") for mode in ("fsdp", "sp")]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,8 @@ def test_each_rank_holds_only_its_shards_and_never_the_whole_model(ranks, kind, 
         else:
             assert total // 2 < local < 0.6 * total
             assert local == 4 * stage_parameters(tiny(kind, bias=False), tp=2)
-        tables = results[f"table_bytes/{key}"]  # the rotary tables ("llama", "qwen3"; the causal mask is bool)
-        assert (tables > 0) == (kind in ("llama", "qwen3"))
+        tables = results[f"table_bytes/{key}"]  # the rotary tables (all but "gpt", "bert"; the mask is bool)
+        assert (tables > 0) == (kind in ("llama", "qwen3", "olmo"))
         bound = local + results[f"largest_param_bytes/{kind}"] + tables
         assert local < results[f"peak_bytes/{key}"] <= bound < local + total
 

@@ -141,7 +141,8 @@ def test_its_tensor_parallel_plan_names_its_modules(parallel_gpt):
 
 def test_a_plan_that_leaves_the_query_and_key_norms_to_the_fallback_is_refused(parallel_gpt):
     """With model.qk_norm, a kind whose plan writes out BLOCK_TP_PLAN (which has no head_norm role for
-    attn.q_norm / k_norm) would leave each rank's partial gain gradient unsummed: model_plan refuses
+    attn.q_norm / k_norm) would leave each rank's partial gain gradient unsummed (or, with
+    qk_norm_scope="projection", normalise each rank's half of the projection alone): model_plan refuses
     it naming the module and block_tp_plan; the built-in kinds' plans have the role."""
     from largebatch.models.kinds import BLOCK_TP_PLAN
 
@@ -157,9 +158,13 @@ def test_a_plan_that_leaves_the_query_and_key_norms_to_the_fallback_is_refused(p
         tp_plan=lambda model: {"tok_emb": "vocab_embedding", "lm_head": "output",
                                **{k: v for k, v in BLOCK_TP_PLAN.items() if k != "blocks.*.ln2"}},
         layer_replicated=2, layer_norms=1)
-    with pytest.raises(ValueError, match=r"qk_norm: its tensor-parallel plan gives 'blocks.0.attn.q_norm' no "
-                                         r"'head_norm' role.*block_tp_plan\(config\)"):
+    with pytest.raises(ValueError, match=r"qk_norm \(qk_norm_scope='head'\): its tensor-parallel plan gives "
+                                         r"'blocks.0.attn.q_norm' no 'head_norm' role.*block_tp_plan\(config\)"):
         model_plan(build_model(cfg), sequence_parallel=False)
+    # OLMo 2's projection-wide norms: left to the fallback each rank would normalise over its half of q
+    olmo = cfg.replace(norm="rmsnorm", qk_norm_scope="projection")
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.q_norm' no 'projection_norm' role"):
+        model_plan(build_model(olmo), sequence_parallel=False)
     model_plan(build_model(cfg.replace(qk_norm=False)), sequence_parallel=False)  # (nothing to sum without them)
 
 

@@ -434,6 +434,11 @@ def test_a_llama_style_run_resumes_to_the_bit_and_refuses_another_layout(tmp_pat
     err = capsys.readouterr().err
     assert "model.qk_norm: False -> True does not fit" in err and "hf_model_type" not in err, err
     assert main(["--resume", str(out), "--model.head_size=16", "--check"]) == 0, capsys.readouterr().err
+    # OLMo 2's two fields: the norms sit elsewhere, and the q/k gains are as wide as the projections
+    assert main(["--resume", str(out), "--model.norm_position=reordered", "--model.qk_norm=true",
+                 "--model.qk_norm_scope=projection"]) == 2
+    err = capsys.readouterr().err
+    assert "model.norm_position: 'pre' -> 'reordered'" in err and "model.qk_norm_scope: 'head' -> 'projection'" in err
 
 
 def test_the_run_header_names_the_layer_options():
@@ -444,6 +449,8 @@ def test_the_run_header_names_the_layer_options():
         ", RMSNorm, rope (theta 500000), SwiGLU, 2 key/value heads for 4"
     assert _layer_options(_cfg(head_size=12, qk_norm=True, **LLAMA)).endswith(", heads of 12, q/k norms")
     assert "heads of" not in _layer_options(_cfg(head_size=8, **LLAMA))  # (32 / 4: the default heads)
+    assert _layer_options(_cfg(qk_norm=True, qk_norm_scope="projection", norm_position="reordered", **LLAMA)) \
+        .endswith(", q/k projection norms, reordered norms")
 
 
 def test_resume_takes_n_kv_head_as_used_and_names_the_way_to_another_rotary_context(tmp_path, tiny_data_cache, capsys):

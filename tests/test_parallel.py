@@ -31,7 +31,7 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3")
+@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3", "olmo")
                                         for mode in cases.MODES]
                          + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES]
                          + [("llama-window", mode) for mode in cases.WINDOW_MODES])
@@ -40,7 +40,9 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
     with RMSNorm, rotary positions, the SwiGLU MLP (mlp.gate split by columns as fc1) and 2 K/V heads
     for 4 query heads (one K/V head and its 2 query heads per tp rank). "qwen3": those layers with
     heads of 12 values and each query and key head normalised (the norms' gains summed over the tp
-    ranks' heads). "*-docs": attention within
+    ranks' heads). "olmo": those layers with each sub-layer's output normalised (norm_position
+    "reordered") and the whole q and k projections normalised (each tp rank holds half of each
+    projection and of its gain; the statistic is summed over the ranks). "*-docs": attention within
     the documents of packed rows (model.document_mask; learned positions restarting at each).
     "llama-window": a sliding window of 5 of the 16 positions on layer 0 (model.sliding_window)."""
     for rank_results in ranks[1]:
@@ -50,6 +52,17 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
             vocab = cases.tiny().vocab_size
             per_rank = vocab // 2 if "loss" in mode else vocab  # gathered unless vocabulary-parallel
             assert rank_results[f"logits_vocab_per_rank/{kind}/{mode}"] == per_rank
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp", "tp_loss", "sp_loss"])
+def test_projection_qk_norm_gains_are_split_with_the_projections_under_tensor_parallel(ranks, mode):
+    """OLMo 2's query and key norms (model.qk_norm_scope="projection") under tp = 2: each gain is a
+    Shard(0) DTensor holding this rank's half (q: 4 heads of 12 -> 24 values, k: 2 of 12 -> 12), its
+    gradient Shard(0) too (whole for the values it holds: no sum over the ranks needed), and the
+    gradients equal one process's (test_forward_backward_matches_single_process: "olmo")."""
+    for rank_results in ranks[1]:
+        assert rank_results[f"olmo_qk_gains/{mode}"] == [["(Shard(dim=0),)", "(Shard(dim=0),)", [12]],
+                                                        ["(Shard(dim=0),)", "(Shard(dim=0),)", [24]]]
 
 
 def test_ddp_sends_no_buffers_before_each_forward_unless_one_is_persistent(ranks):
@@ -317,9 +330,10 @@ def test_the_best_token_of_vocabulary_split_logits_is_the_whole_logits_argmax(ra
 def test_cached_decoding_on_sharded_models_gives_one_process_logits_and_tokens(ranks):
     """The end-of-run sample's decoding (GPT.decode with a KVCache) on tensor-parallel (with and
     without the vocabulary-parallel loss) and FSDP2 models: one process's logits and greedy tokens,
-    within documents and within a sliding window too."""
+    within documents, within a sliding window, and with OLMo 2's projection-wide query and key norms
+    (their statistic summed over the tp ranks at each decoded position) too."""
     for rank_results in ranks[1]:
-        for kind in ("gpt", "llama", "gpt-docs", "llama-window"):
+        for kind in ("gpt", "llama", "olmo", "gpt-docs", "llama-window"):
             for mode in ("tp", "tp_loss", "fsdp"):
                 assert rank_results[f"generate/{kind}/{mode}/logits"] < 1e-5, (kind, mode)
                 assert rank_results[f"generate/{kind}/{mode}/same_tokens"], (kind, mode)
@@ -429,9 +443,12 @@ def test_peak_saved_bytes_leave_nothing_alive_after_a_retained_graph():
 
 
 def test_compiled_blocks_under_tensor_and_sequence_parallel(ranks):
+    """The GPT, and OLMo 2's layers, whose projection norms all-reduce their statistic (they crashed
+    compiled: the collective and the split gain in a compiled frame), give one process's gradients."""
     for rank_results in ranks[1]:
-        assert rank_results["compile/all_blocks_compiled"]
-        assert rank_results["compile/grad_diff"] < TOL
+        for suffix in ("", "/olmo"):
+            assert rank_results[f"compile/all_blocks_compiled{suffix}"]
+            assert rank_results[f"compile/grad_diff{suffix}"] < TOL
 
 
 def test_the_trainer_quiets_fsdps_view_warning_and_nothing_else():

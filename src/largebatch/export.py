@@ -24,8 +24,8 @@ Options:
                        step_00000100.pt, or its path) instead of the newest; the run keeps the newest
                        run.keep_checkpoints of them
   --hf-model-type T    the transformers model_type to write, over the run's model.hf_model_type: gpt2,
-                       llama, qwen2 or qwen3 (GPT; by default the one computing the run's blocks), bert,
-                       roberta, xlm-roberta or camembert (post-LN BERT)
+                       llama, mistral, ministral, qwen2, qwen3, olmo2 or olmo3 (GPT; by default the one
+                       computing the run's blocks), bert, roberta, xlm-roberta or camembert (post-LN BERT)
   --ema                export the run's weight average (run.ema_decay) instead of its weights; an
                        error when the checkpoint holds none
   --no-verify          skip loading OUT back and comparing logits

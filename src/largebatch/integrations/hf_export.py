@@ -1,5 +1,6 @@
 """largebatch GPT / BERT weights as transformers ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``MinistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` /
+``MistralForCausalLM``, ``MinistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Olmo2ForCausalLM`` or ``Olmo3ForCausalLM`` /
 ``BertForMaskedLM`` (or the RoBERTa family's masked LM).
 
 The layouts are the same network, so the export is a renaming plus two reshapes:
@@ -23,7 +24,11 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   ``attention_bias`` false. Both write the sliding windows as ``use_sliding_window``,
   ``sliding_window`` and ``layer_types`` (each layer "sliding_attention" or "full_attention"). Without
   biases and with a window (model.sliding_window) on every layer -> MistralForCausalLM (Jiang et al.
-  2023; ``sliding_window``), on some -> MinistralForCausalLM (``layer_types``). A mixed layout (rope
+  2023; ``sliding_window``), on some -> MinistralForCausalLM (``layer_types``). Without biases, with
+  the reordered norms (model.norm_position="reordered") and the whole q and k projections normalised
+  (model.qk_norm_scope="projection") -> Olmo2ForCausalLM (OLMo et al. 2024; ln1 / ln2 as
+  ``post_attention_layernorm`` / ``post_feedforward_layernorm``), with sliding windows ->
+  Olmo3ForCausalLM (``layer_types``; the rope table written for both layer types). A mixed layout (rope
   with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
   GPT-2) maps to no transformers architecture and is refused naming its fields
   (models.config.hf_layout_problem); the trainer refuses it before training when
@@ -67,7 +72,7 @@ import torch
 from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data.tokenizer import EOT, MASKED_LM_NAMES, document_separator, id_space, masked_lm_tokens
 from largebatch.integrations import ExportError
-from largebatch.memory.hf import ROBERTA_LAYOUTS
+from largebatch.memory.hf import LAYER_TYPES, ROBERTA_LAYOUTS
 from largebatch.models.config import (
     HF_MODEL_TYPES,
     ModelConfig,
@@ -75,7 +80,7 @@ from largebatch.models.config import (
     hf_layout_problem,
     hf_model_type_problem,
 )
-from largebatch.train.hf_import import HF_LAYOUTS
+from largebatch.train.hf_import import HF_LAYOUTS, LLAMA_NORMS
 
 VERIFY_TEXT = ("KING HENRY: Once more unto the breach, dear friends, once more; "
                "or close the wall up with our English dead.")
@@ -193,6 +198,8 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         LlamaConfig,
         MinistralConfig,
         MistralConfig,
+        Olmo2Config,
+        Olmo3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -212,7 +219,14 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         # each layer's attention: "sliding_attention" within the window, else "full_attention"
         layer_types = ["full_attention" if w is None else "sliding_attention" for w in cfg.windows]
         windowed = cfg.window_layout != "none"
-        if kind == "llama":
+        if kind == "olmo2":  # no biases, the reordered norms and the projections' q and k norms (no switches)
+            config = Olmo2Config(head_dim=cfg.head_dim, attention_bias=False, **blocks)
+        elif kind == "olmo3":  # the same, windows by layer_types, a rope table per layer type (both alike)
+            rope = blocks.pop("rope_parameters")
+            config = Olmo3Config(head_dim=cfg.head_dim, attention_bias=False,
+                                 sliding_window=cfg.sliding_window if windowed else None, layer_types=layer_types,
+                                 rope_parameters={t: dict(rope) for t in LAYER_TYPES}, **blocks)
+        elif kind == "llama":
             config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)
         elif kind == "mistral":  # Llama's blocks without biases, every layer within the window (or none)
             config = MistralConfig(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window if windowed else None,
@@ -288,13 +302,15 @@ def gpt_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-# largebatch's names in a Llama-style block -> LlamaDecoderLayer's (both nn.Linear: no transpose)
+# largebatch's names in a Llama-style block -> LlamaDecoderLayer's (both nn.Linear: no transpose); the two
+# norms' names by model.norm_position (hf_import.LLAMA_NORMS)
 LLAMA_NAMES = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"),
                ("attn.proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.fc1", "mlp.up_proj"),
-               ("mlp.fc2", "mlp.down_proj"), ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
-               ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))  # (Qwen3's norms)
-LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3")
-"""The model types whose layers are LlamaDecoderLayer's, under its names (Qwen3's query and key norms besides)."""
+               ("mlp.fc2", "mlp.down_proj"),
+               ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))  # (Qwen3's, OLMo's norms)
+LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3")
+"""The model types whose layers are LlamaDecoderLayer's under its names (Qwen3's query and key norms besides;
+OLMo's with their norms after the sub-layers, LLAMA_NORMS)."""
 
 
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
@@ -306,9 +322,10 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
     s = {k: v.detach().float() for k, v in model.state_dict().items()}
     out = {"model.embed_tokens.weight": s["tok_emb.weight"], "model.norm.weight": s["ln_f.weight"],
            "lm_head.weight": s["lm_head.weight"]}
+    names = LLAMA_NAMES + tuple(zip(("ln1", "ln2"), LLAMA_NORMS[cfg.norm_position]))
     for i in range(cfg.n_layer):
         b, o = f"blocks.{i}.", f"model.layers.{i}."
-        for ours, theirs in LLAMA_NAMES:
+        for ours, theirs in names:
             for kind in ("weight", "bias"):
                 if f"{b}{ours}.{kind}" in s:
                     out[f"{o}{theirs}.{kind}"] = s[f"{b}{ours}.{kind}"]
@@ -365,6 +382,8 @@ def hf_model(model, special: dict[str, int]):
         LlamaForCausalLM,
         MinistralForCausalLM,
         MistralForCausalLM,
+        Olmo2ForCausalLM,
+        Olmo3ForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
     )
@@ -373,7 +392,8 @@ def hf_model(model, special: dict[str, int]):
     config = hf_config(cfg, special)
     if config.model_type in LLAMA_FAMILY:  # (Qwen2's and Qwen3's names are Llama's, and their own)
         causal_lm = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "ministral": MinistralForCausalLM,
-                     "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+                     "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "olmo2": Olmo2ForCausalLM,
+                     "olmo3": Olmo3ForCausalLM}
         hf = causal_lm[config.model_type](config)
         state = llama_state_dict(model)
     elif cfg.kind == "gpt":
@@ -476,7 +496,8 @@ def save_hf(model, tokenizer, out: str | Path, max_length: int | None = None) ->
                if tokenizer is not None else {})
     hf = hf_model(model, special)
     hf.save_pretrained(out)  # safetensors; tied weights stored once
-    if cfg.position == "rope" and cfg.rope_scaling != "none":
+    if cfg.position == "rope" and cfg.rope_scaling != "none" and hf_model_type(cfg) != "olmo3":
+        # (OLMo 3's config applies a rope_scaling to its full-attention layers only: rope_parameters says it)
         # transformers 5 writes the scaling in rope_parameters only; tools that read transformers 4's
         # rope_scaling (GGUF conversion, older transformers) find it there too (5 takes it first: the same)
         path = Path(out) / "config.json"

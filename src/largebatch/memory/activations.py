@@ -35,7 +35,8 @@ tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
 * rotary positions keep nothing: the rotation multiplies by constant tables (buffers);
 * head_size d_h (heads whatever h / a is): Q and the projection input are w = a d_h wide in place of
   h, K and V w a_kv / a; the s^2 terms are unchanged;
-* qk_norm (each query and key head normalised, Qwen3): the norms keep their inputs, the q and k
+* qk_norm (each query and key head normalised, Qwen3; or the whole projections, OLMo 2, a statistic
+  per token for each, whole on every tensor-parallel rank): the norms keep their inputs, the q and k
   projections' outputs, (w + w a_kv / a) d more (split by t), and their statistics, one row per head:
   (a + a_kv) 4 bytes (RMSNorm's fp32 1/rms) or 8 (LayerNorm's mean and 1/std, fp32 on a GPU) -- per
   head, so unlike the layer norms' per-token statistics not negligible at small head sizes (6% of
@@ -131,7 +132,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                mask_bytes: float = 1, fused_attention: bool = False,
                                dropout: bool = True, replicated_values: float = 4,
                                kv_heads: int | None = None, gated_mlp: bool = False,
-                               head_dim: int | None = None, qk_norm: str | None = None) -> float:
+                               head_dim: int | None = None, qk_norm: str | None = None,
+                               qk_norm_scope: str = "head") -> float:
     """Bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022, Table 2).
 
     recompute: "none" | "selective" (core attention recomputed) | "op" (matmul outputs saved,
@@ -145,10 +147,15 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     gated_mlp: the SwiGLU MLP, four f-wide values kept (gate output, SiLU output, fc1 output, fc2
     input) in place of two. head_dim: d_h (None: hidden / heads); Q and the projection input are
     heads * d_h wide. qk_norm: the query and key heads' norms, "rmsnorm" or "layernorm" (None: none),
-    keep their inputs and a 4-byte (RMSNorm) or two 4-byte (LayerNorm) statistics per head.
+    keep their inputs and a 4-byte (RMSNorm) or two 4-byte (LayerNorm) statistics per head;
+    qk_norm_scope="projection" (OLMo 2: the whole projections normalised, RMSNorm only): the same
+    inputs and one 4-byte statistic per token for q and one for k, whole on every tensor-parallel rank.
     """
     if qk_norm not in (None, "rmsnorm", "layernorm"):
         raise ValueError(f"qk_norm={qk_norm!r}: must be None, 'rmsnorm' or 'layernorm' (the heads' norm).")
+    if qk_norm_scope not in ("head", "projection") or (qk_norm_scope == "projection" and qk_norm == "layernorm"):
+        raise ValueError(f"qk_norm_scope={qk_norm_scope!r} with qk_norm={qk_norm!r}: must be 'head', or "
+                         "'projection' with an RMSNorm.")
     shape = LayerShape(seq_len, micro_batch, hidden, heads, 4 * hidden if ffn_hidden is None
                        else ffn_hidden, tp, bool(sequence_parallel), heads if kv_heads is None else kv_heads,
                        head_dim)
@@ -173,7 +180,9 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     replicated = s * b * (replicated_values * h * d + 2 * h * m) / t_rep
     # Q and the projection input, K and V, (the query and key norms' inputs), the MLP's f-wide values
     split = s * b * (2 * w + 2 * kv + ((w + kv) if qk_norm else 0) + (4 if gated_mlp else 2) * f) * d / t
-    if qk_norm:  # their statistics: one row per query and key head
+    if qk_norm and qk_norm_scope == "projection":  # their statistics: a row per token for q and one for k,
+        split += s * b * 2 * 4  # each whole on every tensor-parallel rank (summed over the ranks' heads)
+    elif qk_norm:  # their statistics: one row per query and key head
         split += s * b * (a + shape.kv_heads) * (4 if qk_norm == "rmsnorm" else 8) / t
     if recompute == "selective":
         return replicated + split
@@ -199,7 +208,8 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
                 replicated_values=spec.layer_replicated,
                 kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu",
-                head_dim=config.head_dim, qk_norm=config.norm if config.qk_norm else None)
+                head_dim=config.head_dim, qk_norm=config.norm if config.qk_norm else None,
+                qk_norm_scope=config.qk_norm_scope)
 
 
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv")

@@ -17,7 +17,9 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 ``sequence_parallel``, ``--optim.name`` (``--optimizer``). The Llama-style layer options too:
 ``--model.norm rmsnorm`` (``--norm``), ``--model.position rope`` (``--position``), ``--model.activation
 swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``), ``--model.head_size``
-(``--head-size``), ``--model.qk_norm true`` (``--qk-norm``, Qwen3); and ``--model.document_mask true``
+(``--head-size``), ``--model.qk_norm true`` (``--qk-norm``, Qwen3), ``--model.qk_norm_scope projection``
+(``--qk-norm-scope``) and ``--model.norm_position reordered`` (``--norm-position``, OLMo 2); and
+``--model.document_mask true``
 (``--document-mask``: attention within the documents of packed sequences, one s x s mask more).
 """
 
@@ -62,7 +64,8 @@ OVERRIDES = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": 
              "vocab": "vocab_size", "kind": "kind", "attention": "attention", "dropout": "dropout",
              "norm": "norm", "position": "position", "activation": "activation", "kv_heads": "n_kv_head",
              "head_size": "head_size", "qk_norm": "qk_norm", "document_mask": "document_mask",
-             "sliding_window": "sliding_window", "full_attention_layers": "full_attention_layers"}
+             "sliding_window": "sliding_window", "full_attention_layers": "full_attention_layers",
+             "norm_position": "norm_position", "qk_norm_scope": "qk_norm_scope"}
 """Short flag (``--kv-heads``: underscores written as dashes) -> the ModelConfig field it overrides."""
 
 
@@ -105,7 +108,8 @@ def _boolean(text: str) -> bool:
 
 TYPES = {"kind": _kind, "attention": str, "dropout": finite_float, "norm": str, "position": str, "activation": str,
          "ffn": _int_or_none, "kv_heads": _int_or_none, "head_size": _int_or_none, "qk_norm": _boolean,
-         "document_mask": _boolean, "sliding_window": _int_or_none, "full_attention_layers": _layers}
+         "document_mask": _boolean, "sliding_window": _int_or_none, "full_attention_layers": _layers,
+         "norm_position": str, "qk_norm_scope": str}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "batch_size (the pipeline's micro-batches) and [parallel] tp / pp / sequence_parallel / "
                    "dp, so the prediction is per rank of that run (flags given explicitly still override)")
     p.add_argument("--hf-config", help="a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama "
-                   "(Mistral, Ministral, Qwen2, Qwen3) config.json (or a directory holding one); also prints what "
+                   "(Mistral, Ministral, Qwen2, Qwen3, OLMo 2, OLMo 3) config.json (or a directory holding one); "
+                   "also prints what "
                    "transformers' eager layers keep (and a Llama's sdpa layers, with --attention sdpa)")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--model.{field}", f"--{flag.replace('_', '-')}", dest=flag, type=TYPES.get(flag, int),
@@ -222,7 +227,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
         layer = {f: v for f, v in changes.items() if f in ("norm", "position", "activation", "n_kv_head",
                                                             "head_size", "qk_norm", "document_mask",
-                                                            "sliding_window", "full_attention_layers")
+                                                            "sliding_window", "full_attention_layers",
+                                                            "norm_position", "qk_norm_scope")
                  and used(f, v) != used(f, getattr(config, f))}
         if layer:  # transformers' layers are what config.json says: no flag turns GPT-2's into Llama's
             flags = ", ".join(f"--model.{f} {v}" for f, v in layer.items())
@@ -340,7 +346,9 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     llama = [f"f={config.ffn}"] if config.ffn != 4 * config.n_embd else []
     llama += [f"a_kv={config.kv_heads}"] if config.kv_heads != config.n_head else []
     llama += [f"d_h={config.head_dim}"] if config.attention_width != config.n_embd else []
-    llama += ["q/k norms"] if config.qk_norm else []
+    llama += [{"head": "q/k norms", "projection": "q/k projection norms"}[config.qk_norm_layout]] if config.qk_norm \
+        else []
+    llama += ["reordered norms"] if config.norm_position == "reordered" else []
     llama += [f"{config.norm}"] if config.norm != "layernorm" else []
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []

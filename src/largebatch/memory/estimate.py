@@ -67,7 +67,8 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     a_kv h / a (grouped-query attention), the SwiGLU MLP adds the gate (h x f, split by columns as
     fc1), rotary positions have no weights, an RMSNorm a gain and no bias; with head_size q and
     the projection are h x a d_h, k and v h x a_kv d_h, and qk_norm adds two norms of d_h values
-    (replicated: every rank's heads share them)."""
+    (replicated: every rank's heads share them), or with qk_norm_scope="projection" gains of a d_h and
+    a_kv d_h values (split by heads as q and k are)."""
     h, f, v, s, w = config.n_embd, config.ffn, config.vocab_size, config.seq_len, config.attention_width
     kv = config.kv_heads * config.head_dim  # the k and v projections' width (w unless grouped)
     mlp_in = 2 if config.activation == "swiglu" else 1  # h -> f matrices: fc1 (and the gate)
@@ -76,8 +77,11 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     # q, k, v, proj, the MLP's h x f matrices and fc2 (+ the column-parallel biases)
     split = 2 * h * w + 2 * h * kv + (mlp_in + 1) * h * f + qkv_bias * (w + 2 * kv) + bias * mlp_in * f
     # proj and fc2 biases, the norms (and the query and key heads' norms)
-    replicated = (bias * 2 * h + spec.layer_norms * norm_parameters(config)
-                  + (2 * norm_parameters(config, config.head_dim) if config.qk_norm else 0))
+    replicated = bias * 2 * h + spec.layer_norms * norm_parameters(config)
+    if config.qk_norm_layout == "head":
+        replicated += 2 * norm_parameters(config, config.head_dim)
+    elif config.qk_norm_layout == "projection":  # split by heads, as q and k are
+        split += sum(norm_parameters(config, width) for width in config.qk_norm_width)
     n = config.n_layer // pp * (split / tp + replicated)
     if first:  # token embeddings, and learned position embeddings
         n += v * h / tp + (s * h if config.position == "learned" else 0)

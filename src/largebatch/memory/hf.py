@@ -17,7 +17,8 @@ runs in the activation dtype (GPT-2's `reorder_and_upcast_attn` is refused below
 transformers' Llama layers (LlamaForCausalLM; MistralForCausalLM and MinistralForCausalLM, whose
 sliding windows add what an sdpa layer keeps with a mask -- below -- and Qwen2ForCausalLM, whose q/k/v
 biases keep nothing, run the same layer; Qwen3ForCausalLM adds the
-query and key heads' norms, below), found by walking the graph
+query and key heads' norms, Olmo2ForCausalLM and Olmo3ForCausalLM reorder the norms and normalise
+the whole q and k projections, below), found by walking the graph
 of a tiny model and measured to the byte (tests/test_memory_hf.py), per token with d bytes a value,
 a_kv key/value heads, h_kv = h a_kv / a, m bytes a dropout mask (d on CPU, 1 on CUDA), p > 0 the
 attention dropout (the only dropout those layers have):
@@ -32,7 +33,10 @@ attention dropout (the only dropout those layers have):
   cast output is consumed by the dropout, which keeps its mask and P V its output: a s (4 + m + d);
 * sdpa (torch's fused kernel, enable_gqa where transformers asks for it: no padding mask): K and V at
   a_kv heads (2 h_kv d) and a 4-byte log-sum-exp per head, 4 a;
-* SwiGLU: the gate output (SiLU's input), the SiLU output, the up output, the down input: 4 f d.
+* SwiGLU: the gate output (SiLU's input), the SiLU output, the up output, the down input: 4 f d;
+* OLMo 2 and 3 (Olmo2RMSNorm): the gain multiplies the fp32 normalised tensor before the cast back,
+  so each norm keeps that fp32 tensor (4 h) in place of the d-byte one; their q_norm and k_norm over
+  the whole projections keep the same per value and one rsqrt a token each.
 Under selective recomputation (apply_recompute checkpoints the attention function) the layer keeps
 the function's inputs -- q, and K and V un-repeated (2 h_kv d) -- and none of the a s terms; full
 recomputation keeps the layer input, h d.
@@ -64,11 +68,15 @@ UNSUPPORTED = {
 # hf_mask_bytes count what the window's mask adds), Qwen2, whose q/k/v biases keep nothing (measured:
 # its layers keep Llama's bytes exactly), and Qwen3 (its q/k norms counted)
 LLAMA_TYPES = ("llama", "mistral", "ministral")
-LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3")
+# OLMo 2 and OLMo 3 (OLMo et al. 2024): Llama's layer with each sub-layer's output normalised before the
+# residual add (model.norm_position="reordered", no input norm) and the whole q and k projections
+# normalised (model.qk_norm_scope="projection"), OLMo 3 with Ministral's sliding windows on most layers
+OLMO_TYPES = ("olmo2", "olmo3")
+LLAMA_LAYOUTS = (*LLAMA_TYPES, "qwen2", "qwen3", *OLMO_TYPES)
 # Llama's gated MLP: SiLU(gate) * up; transformers' "swish" is the same function
 LLAMA_ACTIVATIONS = ("silu", "swish")
 _LLAMA_ARCHITECTURES = {"Llama": "llama", "Mistral": "mistral", "Ministral": "ministral", "Qwen2": "qwen2",
-                        "Qwen3": "qwen3"}
+                        "Qwen3": "qwen3", "Olmo2": "olmo2", "Olmo3": "olmo3"}
 # (head_dim where config.json has none: Qwen3Config's 128; the others' hidden_size / num_attention_heads)
 HEAD_DIM_DEFAULTS = {"qwen3": 128}
 
@@ -108,10 +116,13 @@ def llama_fields(raw: dict, need, refuse) -> dict:
         raise refuse(f"hidden_act={act!r}", "largebatch's gated MLP is SwiGLU, SiLU(gate) * up (hidden_act='silu')")
     seq_len = need("max_position_embeddings")
     window, full = sliding_windows(raw, need("num_hidden_layers"), refuse)
+    olmo = model_type in OLMO_TYPES
     return {"kind": "gpt", "n_layer": need("num_hidden_layers"), "n_embd": h, "n_head": heads,
             "n_kv_head": None if kv == heads else kv, "ffn_hidden": need("intermediate_size"), "seq_len": seq_len,
-            "norm_position": "pre", "norm": "rmsnorm", "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-            "position": "rope", "activation": "swiglu", "qk_norm": model_type == "qwen3",
+            "norm_position": "reordered" if olmo else "pre", "norm": "rmsnorm",
+            "norm_eps": float(raw.get("rms_norm_eps", 1e-5 if olmo else 1e-6)),  # (the config classes' defaults)
+            "position": "rope", "activation": "swiglu",
+            "qk_norm": model_type == "qwen3" or olmo, "qk_norm_scope": "projection" if olmo else "head",
             "head_size": None if head is None or head * heads == h else head,
             "sliding_window": window, "full_attention_layers": full}
 
@@ -122,12 +133,15 @@ def sliding_windows(raw: dict, n_layer: int, refuse) -> tuple[int | None, tuple[
     config.json has no such key, MistralConfig's default; null: none); Ministral's on the layers its
     ``layer_types`` name "sliding_attention" (without layer_types: every layer); Qwen2's and Qwen3's
     only with ``use_sliding_window``, on the layers ``layer_types`` names, or without it on layers
-    max_window_layers and up (Qwen2Config's rule); Llama's never."""
+    max_window_layers and up (Qwen2Config's rule); OLMo 3's on the layers ``layer_types`` names (without
+    it, three of every four: Olmo3Config's default); Llama's and OLMo 2's never."""
     model_type = raw.get("model_type")
-    if model_type not in ("mistral", "ministral", "qwen2", "qwen3"):
+    if model_type not in ("mistral", "ministral", "qwen2", "qwen3", "olmo3"):
         return None, ()
     window = raw.get("sliding_window", 4096)  # (the configs' default where config.json has no such key)
     types = raw.get("layer_types")
+    if model_type == "olmo3" and types is None:  # Olmo3Config's default: every fourth layer attends to all
+        types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layer)]
     off = model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)
     if (off or window is None) and isinstance(types, list) and "sliding_attention" in types:
         state = (f"use_sliding_window={raw.get('use_sliding_window', False)!r} (sliding_window={window!r})" if off
@@ -159,10 +173,19 @@ def sliding_windows(raw: dict, n_layer: int, refuse) -> tuple[int | None, tuple[
 ROPE_SCALINGS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
+# the layer types a config may give a rope table each (OLMo 3's rope_parameters)
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 def _rope_table(raw: dict, refuse) -> tuple[str, dict, str]:
     """(name, table, rope_type) of the rope table transformers 5 reads from a config.json:
     ``rope_scaling`` where it is set (transformers 4's key, which it takes first), else
-    ``rope_parameters``, else none ({}, "default")."""
+    ``rope_parameters``, else none ({}, "default"). OLMo 3 has a table per layer type
+    (``_olmo3_tables``): one table where the types the model's layers have agree, refused where they
+    do not (one rotary embedding serves every layer here)."""
+    if raw.get("model_type") == "olmo3":
+        table = _one_table(raw, _olmo3_tables(raw, refuse), refuse)
+        return "rope_parameters", table, table["rope_type"]
     for name in ("rope_scaling", "rope_parameters"):
         table = raw.get(name)
         if table is None or table == {}:
@@ -171,6 +194,45 @@ def _rope_table(raw: dict, refuse) -> tuple[str, dict, str]:
             raise refuse(f"{name}={table!r}", "largebatch reads a dict with a rope_type")
         return name, table, table.get("rope_type", table.get("type", "default"))
     return "rope_parameters", {}, "default"
+
+
+OLMO3_THETA = 500000.0  # Olmo3Config's default_theta
+
+
+def _olmo3_tables(raw: dict, refuse) -> dict:
+    """OLMo 3's rope table per layer type as Olmo3Config builds them from config.json: rope_parameters'
+    "sliding_attention" and "full_attention" tables (its other keys -- a flat table -- are not read),
+    a ``rope_scaling`` merged into the full-attention table only, and a table without a rope_theta
+    given the top-level ``rope_theta`` (the full-attention table only: Olmo3Config takes it once) or
+    500000."""
+    given = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling")
+    for name, value in (("rope_parameters", given), ("rope_scaling", scaling or {})):
+        if not isinstance(value, dict):
+            raise refuse(f"{name}={value!r}", "largebatch reads a dict")
+    tables = {t: dict(given.get(t) or {}) for t in LAYER_TYPES}
+    tables["full_attention"].update(scaling or {})
+    tables["full_attention"].setdefault("rope_theta", raw.get("rope_theta", OLMO3_THETA))
+    tables["sliding_attention"].setdefault("rope_theta", OLMO3_THETA)
+    for table in tables.values():
+        table.setdefault("rope_type", table.pop("type", "default"))
+    return tables
+
+
+def _one_table(raw: dict, tables: dict, refuse) -> dict:
+    """The one rope table of a model with a table per layer type (``_olmo3_tables``), over the layer
+    types the model's layers have (a type no layer has is never read); refused when those differ."""
+    n_layer = raw.get("num_hidden_layers")
+    window, full = sliding_windows(raw, n_layer, refuse) if _positive_ints(n=n_layer) else (None, ())
+    used = (["sliding_attention"] if window is not None and len(full) < n_layer else []) + (
+        ["full_attention"] if window is None or full else [])
+    read = [tables[t] for t in used]
+    if any(t != read[0] for t in read[1:]):
+        raise refuse(f"rope tables {dict(zip(used, read))!r} (rope_parameters, rope_scaling and rope_theta as "
+                     "Olmo3Config reads them)", "its full-attention and sliding-window layers rotate by "
+                     "different angles, and largebatch rotates every layer alike; give both types the "
+                     "same rope table")
+    return read[0]
 
 
 def rope_scaling(raw: dict, refuse) -> dict:
@@ -323,7 +385,8 @@ def _model_type(raw: dict) -> str:
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the memory model describes GPT-2, BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Ministral, Qwen2, Qwen3) layers as "
+                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, OLMo 3) "
+                     "layers as "
                      "transformers' eager layers keep them (sequential attention and MLP, one LayerNorm/GeLU "
                      "or RMSNorm/SwiGLU MLP)"
                      + (f", and this model has {why}" if why else "")
@@ -398,12 +461,12 @@ def _llama_config(raw: dict) -> ModelConfig:
                           "model does not describe it")
 
     fields = llama_fields(raw, lambda name: _field(raw, name), refuse)
-    qwen3 = raw.get("model_type") == "qwen3"
+    attention_only = raw.get("model_type") in ("qwen3", *OLMO_TYPES)  # (attention_bias: q, k, v and o; no MLP's)
     return ModelConfig(**fields, rope_theta=rope_theta(raw, refuse, scaled=True),
                        vocab_size=_field(raw, "vocab_size"), dropout=_dropout(raw, ("attention_dropout",), 0.0),
-                       bias=bool(not qwen3 and (raw.get("attention_bias") or raw.get("mlp_bias"))),
-                       qkv_bias=True if raw.get("model_type") == "qwen2" or (qwen3 and raw.get("attention_bias"))
-                       else None,
+                       bias=bool(not attention_only and (raw.get("attention_bias") or raw.get("mlp_bias"))),
+                       qkv_bias=True if raw.get("model_type") == "qwen2"
+                       or (attention_only and raw.get("attention_bias")) else None,
                        tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
 
@@ -509,6 +572,9 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
         core (none only): eager a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d); sdpa 4 a,
         Qwen3's query and key norms (model.qk_norm), written out as the layer norms: (4 + d) (w + w_kv)
         + 4 (a + a_kv) (an fp32 input, the normalised tensor and a 4-byte rsqrt per head),
+        OLMo 2's and 3's (model.norm_position="reordered"): each RMSNorm multiplies by its gain in fp32
+        before rounding back, so keeps the fp32 normalised tensor: (4 + 4) h + 4 for each layer norm,
+        and its query and key norms over the whole projections (4 + 4) (w + w_kv) + 2 4,
     with w = a d_h and w_kv = a_kv d_h (h and h_kv unless model.head_size makes them other).
     ``config.attention``: "explicit" (transformers' eager) or "sdpa" (fused: no padding mask, so
     transformers passes enable_gqa; sdpa with dropout on CPU runs torch's unfused math kernel and
@@ -535,11 +601,15 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
     w, w_kv = config.attention_width, config.kv_heads * config.head_dim
     masked_sdpa = not eager and config.windows_at(s)[layer] is not None and recompute == "none"
     kv = w if (eager or masked_sdpa) and recompute == "none" else w_kv  # repeat_kv's copies are what's kept
-    per_token = 2 * ((4 + d) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
+    # OLMo's norms (Olmo2RMSNorm) apply the gain before rounding back: they keep the fp32 normalised tensor
+    normalised = 4 if config.norm_position == "reordered" else d
+    per_token = 2 * ((4 + normalised) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
     if masked_sdpa:  # sdpa's float copy of the window's (bool) mask, in the queries' dtype
         per_token += s * d
-    if config.qk_norm:
+    if config.qk_norm_layout == "head":
         per_token += (4 + d) * (w + w_kv) + 4 * (a + config.kv_heads)
+    elif config.qk_norm_layout == "projection":  # OLMo's: one rsqrt a token for q and for k
+        per_token += (4 + normalised) * (w + w_kv) + 2 * 4
     if recompute == "none":
         if not eager:
             per_token += 4 * a

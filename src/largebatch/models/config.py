@@ -16,15 +16,16 @@ from largebatch.models.registry import MODELS, model_spec
 from largebatch.typed_config import check_fields
 
 Attention = Literal["explicit", "sdpa"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "reordered"]
+QkNormScope = Literal["head", "projection"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
 RopeScaling = Literal["none", "linear", "llama3"]
-HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "bert", "roberta", "xlm-roberta",
-                      "camembert"]
+HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "bert", "roberta",
+                      "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3"),
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3"),
                   "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's
@@ -34,21 +35,24 @@ HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwe
 # blocks with biases on q, k and v only; Qwen3 (Yang et al. 2025): Llama's blocks without biases, each
 # query and key head normalised; Mistral (Jiang et al. 2023): Llama's blocks without biases, every layer
 # attending within a sliding window; Ministral: the same with the window on the layers its layer_types
-# name. Llama's family may have heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only
-# Mistral, Ministral, Qwen2 and Qwen3 have sliding windows (Qwen2's and Qwen3's on any layers;
-# "window_layout" below: on no layer, every layer, or some layers).
+# name; OLMo 2 (OLMo et al. 2024): Llama's blocks without biases, each sub-layer's output normalised
+# before the residual add and the whole q and k projections normalised; OLMo 3: the same with sliding
+# windows on any layers. GPT-2's and the Llama family's but OLMo's are pre-LN. Llama's family may have
+# heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only Mistral, Ministral, Qwen2,
+# Qwen3 and OLMo 3 have sliding windows ("window_layout" below: on no layer, every layer, or some
+# layers); "qk_norm_layout": no query/key norm, one over each head (Qwen3), or over each projection.
 # (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
-HF_TYPE_FIELDS = {"gpt2": {"norm": ("layernorm",), "position": ("learned",), "activation": ("gelu", "gelu_tanh")},
-                  "llama": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                            "biases": ("all", "none")},
-                  "mistral": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                              "biases": ("none",), "window_layout": ("none", "all")},
-                  "ministral": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                                "biases": ("none",), "window_layout": ("none", "all", "some")},
-                  "qwen2": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                            "biases": ("qkv",), "window_layout": ("none", "all", "some")},
-                  "qwen3": {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",),
-                            "biases": ("none",), "qk_norm": (True,), "window_layout": ("none", "all", "some")},
+_PRE, _LLAMA = {"norm_position": ("pre",)}, {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",)}
+_OLMO = {"norm_position": ("reordered",), **_LLAMA, "biases": ("none",), "qk_norm_layout": ("projection",)}
+HF_TYPE_FIELDS = {"gpt2": {**_PRE, "norm": ("layernorm",), "position": ("learned",),
+                           "activation": ("gelu", "gelu_tanh")},
+                  "llama": {**_PRE, **_LLAMA, "biases": ("all", "none")},
+                  "mistral": {**_PRE, **_LLAMA, "biases": ("none",), "window_layout": ("none", "all")},
+                  "ministral": {**_PRE, **_LLAMA, "biases": ("none",), "window_layout": ("none", "all", "some")},
+                  "qwen2": {**_PRE, **_LLAMA, "biases": ("qkv",), "window_layout": ("none", "all", "some")},
+                  "qwen3": {**_PRE, **_LLAMA, "biases": ("none",), "qk_norm_layout": ("head",),
+                            "window_layout": ("none", "all", "some")},
+                  "olmo2": _OLMO, "olmo3": {**_OLMO, "window_layout": ("none", "all", "some")},
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
@@ -63,6 +67,13 @@ HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a Ge
                                                "k and v only"),
                  "qwen3": ("Qwen3ForCausalLM", "RMSNorm, rotary positions, the SwiGLU MLP and each query and key "
                                                "head normalised, without biases"),
+                 "olmo2": ("Olmo2ForCausalLM", "RMSNorm on each sub-layer's output (norm_position 'reordered'), "
+                                               "rotary positions, the SwiGLU MLP and the whole query and key "
+                                               "projections normalised, without biases or sliding windows"),
+                 "olmo3": ("Olmo3ForCausalLM", "RMSNorm on each sub-layer's output (norm_position 'reordered'), "
+                                               "rotary positions, the SwiGLU MLP and the whole query and key "
+                                               "projections normalised, without biases, a sliding window on any "
+                                               "of its layers"),
                  **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query "
                                               "heads, each n_embd / n_head values wide")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
@@ -121,6 +132,13 @@ class ModelConfig:
     norm (RMSNorm, or LayerNorm with a bias when bias; k_norm's bias, as a key bias, changes no
     attention weight). Its backward keeps the q and k projections' outputs, (n_head + n_kv_head) * d_h
     values a token, and a statistic per head (docs/papers.md: Llama-style layers)."""
+    qk_norm_scope: QkNormScope = "head"
+    """What qk_norm normalises over ("projection" needs qk_norm): "head", each query and key head over its
+    d_h values with one d_h-wide gain shared by the heads (Qwen3); "projection", the whole query
+    projection over its n_head * d_h values and the whole key projection over its n_kv_head * d_h,
+    with a gain per value (OLMo 2 and 3; norm="rmsnorm" only). Under tensor parallel a projection's
+    values are split by heads over the ranks, so its statistic is summed over them (one all-reduce
+    of a value per token each way, for q and for k)."""
     sliding_window: int | None = None
     """W: each position attends to the W latest positions, itself included -- position j is visible from
     i when i - W < j <= i (Child et al. 2019; Beltagy et al. 2020; Mistral 7B: 4096; transformers'
@@ -138,8 +156,11 @@ class ModelConfig:
     activations docs/papers.md: memory counts (5 a s^2 b bytes per layer). "sdpa":
     torch.nn.functional.scaled_dot_product_attention, which on a fused kernel stores no s^2 term."""
     norm_position: NormPosition = "pre"
-    """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT; lets the BERT
-    here match transformers' BertForMaskedLM exactly). The memory model counts both the same."""
+    """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT, BERT only; lets the
+    BERT here match transformers' BertForMaskedLM exactly). "reordered": x + LN(f(x)), each
+    sub-layer's output normalised before the residual add (OLMo 2 and 3, GPT only; Swin V2's
+    res-post-norm), with a final norm as pre-LN has. The memory model counts all three the same: two
+    norm inputs a layer, and the sub-layers' inputs (the stream itself, not a norm's output)."""
     norm_eps: float = 1e-5
     """LayerNorm or RMSNorm epsilon (GPT-2: 1e-5, BERT: 1e-12, Llama: 1e-5 or 1e-6)."""
     norm: Norm = "layernorm"
@@ -192,8 +213,8 @@ class ModelConfig:
     (GPT-2's <|endoftext|> is 50256)."""
     init_from: str | None = None
     """Start a fresh run from pretrained weights: "hf:PATH", a transformers GPT2LMHeadModel /
-    GPT2Model, LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM or
-    Qwen3ForCausalLM (their sliding windows too), post-LN
+    GPT2Model, LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM, Olmo2ForCausalLM or Olmo3ForCausalLM (their sliding windows too), post-LN
     BertForMaskedLM or RobertaForMaskedLM / XLMRobertaForMaskedLM / CamembertForMaskedLM directory
     (config.json + model.safetensors, pytorch_model.bin, or a sharded checkpoint's index and
     shards). The shape fields above and data.tokenizer_file then come from it
@@ -203,12 +224,16 @@ class ModelConfig:
     when norm="rmsnorm", position="rope" and activation="swiglu" (LlamaForCausalLM), "mistral" for
     that layout without biases and with a sliding window on every layer, "ministral" for one on some
     layers, "qwen2" for that layout with biases on q, k and v alone (bias=False, qkv_bias=True),
-    "qwen3" for it without biases and with qk_norm, else "gpt2"; "bert" for BERT). Set, it is checked
-    before training against the blocks it computes (GPT-2 and BERT: LayerNorm, learned positions,
-    GeLU, n_kv_head = n_head, heads of n_embd / n_head, no qk_norm, no sliding window; Llama: RMSNorm,
-    rope, SwiGLU, biases on every Linear layer or none, no qk_norm, no sliding window; Mistral and
-    Ministral: the same without biases, a window on every layer or none (Mistral), on any (Ministral);
-    Qwen2: biases on q, k and v alone; Qwen3: no biases, qk_norm; both with windows on any layers);
+    "qwen3" for it without biases and with qk_norm, "olmo2" for it without biases, with the reordered
+    norms and qk_norm over the projections ("olmo3" with a sliding window), else "gpt2"; "bert" for
+    BERT). Set, it is checked before training against the blocks it computes (GPT-2 and BERT:
+    LayerNorm, learned positions, GeLU, n_kv_head = n_head, heads of n_embd / n_head, no qk_norm, no
+    sliding window; GPT-2 and the Llama family but OLMo: pre-LN; Llama: RMSNorm, rope, SwiGLU, biases on
+    every Linear layer or none, no qk_norm, no sliding window; Mistral and Ministral: the same without
+    biases, a window on every layer or none (Mistral), on any (Ministral); Qwen2: biases on q, k and v
+    alone; Qwen3: no biases, qk_norm over each head; both with windows on any layers; OLMo 2: no
+    biases, norm_position "reordered", qk_norm over the projections, no window; OLMo 3: the same with
+    windows on any layers);
     unset, a layout neither computes (rope with LayerNorm, ...) trains and its export is refused.
     "roberta" / "xlm-roberta" / "camembert" write a post-LN BERT as that family's *ForMaskedLM:
     positions counted from pad_token_id + 1, no segment embedding, the head under
@@ -284,6 +309,7 @@ class ModelConfig:
                                  "is read only to mask attention between documents; set document_mask=True "
                                  "too, or leave separator_id out.")
         self._check_window()
+        self._check_norms()
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError(f"ModelConfig.init_from={self.init_from!r}: give hf:PATH (a transformers directory), "
                              "or none to start from random weights")
@@ -315,6 +341,41 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.full_attention_layers={list(full)!r} names every one of the "
                                  f"{self.n_layer} layers, so sliding_window={W} applies nowhere: leave "
                                  "sliding_window unset, or list fewer layers.")
+
+    def _check_norms(self) -> None:
+        objective = model_spec(self.kind).objective
+        if self.norm_position == "reordered" and objective != "causal":
+            raise ValueError(f"ModelConfig.norm_position='reordered' with kind={self.kind!r}: the reordered norms "
+                             "(x + LN(f(x)), OLMo 2) are built for causal models here; use 'post' (original "
+                             "BERT) or 'pre'.")
+        if self.norm_position == "post" and objective == "causal":
+            raise ValueError(f"ModelConfig.norm_position='post' with kind={self.kind!r}: a causal model here is "
+                             "pre-LN (GPT-2, Llama) or reordered (OLMo 2: x + LN(f(x))); use 'pre' or "
+                             "'reordered'.")
+        if self.qk_norm_scope == "projection" and not self.qk_norm:
+            raise ValueError("ModelConfig.qk_norm_scope='projection' without qk_norm: the scope says what the query "
+                             "and key norms normalise over; set qk_norm=True too (OLMo 2), or leave "
+                             "qk_norm_scope 'head'.")
+        if self.qk_norm_scope == "projection" and self.norm != "rmsnorm":
+            raise ValueError(f"ModelConfig.qk_norm_scope='projection' with norm={self.norm!r}: the projection-wide "
+                             "query and key norm is an RMSNorm (OLMo 2); set norm='rmsnorm', or "
+                             "qk_norm_scope='head' (each head over its values).")
+
+    @property
+    def qk_norm_layout(self) -> str:
+        """How queries and keys are normalised: "none", "head" (each head, Qwen3) or "projection"
+        (the whole projection, OLMo 2)."""
+        return self.qk_norm_scope if self.qk_norm else "none"
+
+    @property
+    def qk_norm_width(self) -> tuple[int, int]:
+        """The widths the query and key norms normalise over (and their gains' lengths): d_h each,
+        or the whole projections', n_head * d_h and n_kv_head * d_h ((0, 0) without qk_norm)."""
+        if not self.qk_norm:
+            return 0, 0
+        if self.qk_norm_scope == "head":
+            return self.head_dim, self.head_dim
+        return self.attention_width, self.kv_heads * self.head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (0-based): sliding_window, or None (every earlier
@@ -395,7 +456,7 @@ class ModelConfig:
 
 
 # the types whose attention may have fewer key/value heads than query heads, and heads of any size
-GROUPED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+GROUPED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3")
 # the settings giving each "biases" a type computes
 BIAS_SETTINGS = {("all", "none"): "model.qkv_bias=None (biases on every Linear layer, or none)",
                  ("qkv",): "model.bias=False, model.qkv_bias=True",
@@ -408,17 +469,29 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
     fields = HF_TYPE_FIELDS.get(model_type, {})
     off = [f"model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}" if name == "biases"
            else _window_settings(cfg) if name == "window_layout"
+           else _qk_settings(cfg) if name == "qk_norm_layout"
            else f"model.{name}={getattr(cfg, name)!r}" for name, values in fields.items()
            if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:  # one h x h matrix each for q, k and v
         off.append(f"model.n_kv_head={cfg.n_kv_head!r}")
     if model_type not in GROUPED_TYPES and cfg.attention_width != cfg.n_embd:  # heads of n_embd / n_head
         off.append(f"model.head_size={cfg.head_size!r}")
-    if "qk_norm" not in fields and cfg.qk_norm:
-        off.append("model.qk_norm=True")
+    if "qk_norm_layout" not in fields and cfg.qk_norm:
+        off.append(_qk_settings(cfg))
     if "window_layout" not in fields and cfg.window_layout != "none":
         off.append(_window_settings(cfg))
     return off
+
+
+def _qk_settings(cfg: ModelConfig) -> str:
+    """``cfg``'s query/key norm fields, as "model.name=value"."""
+    return (f"model.qk_norm=True, model.qk_norm_scope={cfg.qk_norm_scope!r}" if cfg.qk_norm
+            else "model.qk_norm=False")
+
+
+# what makes a layout's query/key norms one of a type's qk_norm_layout values
+QK_SETTINGS = {("head",): "model.qk_norm=True, model.qk_norm_scope='head'",
+               ("projection",): "model.qk_norm=True, model.qk_norm_scope='projection'"}
 
 
 def _window_settings(cfg: ModelConfig) -> str:
@@ -436,6 +509,7 @@ WINDOW_SETTINGS = {("none",): "model.sliding_window=None",
 def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
     """The settings that make ``cfg`` a ``model_type`` layout ("model.norm='rmsnorm', ...")."""
     want = [BIAS_SETTINGS[values] if name == "biases" else WINDOW_SETTINGS[values] if name == "window_layout"
+            else QK_SETTINGS[values] if name == "qk_norm_layout"
             else f"model.{name}=" + " or ".join(map(repr, values))
             for name, values in HF_TYPE_FIELDS[model_type].items() if getattr(cfg, name) not in values]
     if model_type not in GROUPED_TYPES and cfg.kv_heads != cfg.n_head:
@@ -443,7 +517,7 @@ def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
     if model_type not in GROUPED_TYPES and cfg.attention_width != cfg.n_embd:
         want.append("model.head_size=None" if cfg.n_embd % cfg.n_head == 0 else
                     f"model.head_size=None with a model.n_head that divides model.n_embd={cfg.n_embd}")
-    if "qk_norm" not in HF_TYPE_FIELDS[model_type] and cfg.qk_norm:
+    if "qk_norm_layout" not in HF_TYPE_FIELDS[model_type] and cfg.qk_norm:
         want.append("model.qk_norm=False")
     if "window_layout" not in HF_TYPE_FIELDS[model_type] and cfg.window_layout != "none":
         want.append(WINDOW_SETTINGS[("none",)])
@@ -460,7 +534,8 @@ def default_hf_model_type(cfg: ModelConfig) -> str | None:
     """The model_type ``cfg`` exports as: model.hf_model_type; else its kind's first type whose blocks
     are ``cfg``'s (a GPT: "llama" for RMSNorm, rope and SwiGLU, "mistral" for those without biases with
     a sliding window on every layer, "ministral" with one on some, "qwen2" for those with biases on q, k
-    and v alone, "qwen3" for those without biases and with qk_norm, "gpt2" for LayerNorm, learned
+    and v alone, "qwen3" for those without biases and with qk_norm, "olmo2" / "olmo3" for those with
+    the reordered norms and qk_norm over the projections, "gpt2" for LayerNorm, learned
     positions and GeLU), else its kind's first (a mixed
     layout, refused by ``hf_layout_problem``); None for a kind without any."""
     if cfg.hf_model_type is not None:
@@ -484,7 +559,8 @@ def hf_layout_problem(cfg: ModelConfig) -> str | None:
     biases = (f", model.bias={cfg.bias!r}, model.qkv_bias={cfg.qkv_bias!r}"
               if any("biases" in HF_TYPE_FIELDS.get(t, {}) and cfg.biases not in HF_TYPE_FIELDS[t]["biases"]
                      for t in types) else "")
-    extra = (", model.qk_norm=True" if cfg.qk_norm else "") + (
+    extra = (", " + _qk_settings(cfg) if cfg.qk_norm else "") + (
+        f", model.norm_position={cfg.norm_position!r}" if cfg.norm_position != "pre" else "") + (
         f", model.head_size={cfg.head_size!r}" if cfg.attention_width != cfg.n_embd else "") + (
         ", " + _window_settings(cfg) if cfg.window_layout != "none" else "")
     return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "

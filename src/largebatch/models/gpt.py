@@ -143,8 +143,6 @@ class GPT(TransformerBase):
         if model_spec(config.kind).objective != "causal":
             raise ValueError(f"GPT needs ModelConfig.kind='gpt' (or another causal kind), got {config.kind!r}: "
                              "use build_model(config).")
-        if config.norm_position != "pre":
-            raise ValueError("GPT supports ModelConfig.norm_position='pre' only (GPT-2 layout).")
         super().__init__(config)
         self.ln_f = norm_layer(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

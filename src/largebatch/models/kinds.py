@@ -28,12 +28,14 @@ split by columns, proj and fc2 by rows, one gathered input per sub-layer, the no
 
 def block_tp_plan(config: ModelConfig) -> dict[str, str]:
     """BLOCK_TP_PLAN, with the gated MLP's gate split by columns as fc1 is, and the query and key
-    heads' norms (qk_norm) run on each rank's heads."""
+    heads' norms (qk_norm) run on each rank's heads (over each head, or over the rank's share of the
+    projection with the statistic summed over the ranks)."""
     plan = dict(BLOCK_TP_PLAN)
     if config.activation == "swiglu":
         plan["blocks.*.mlp.gate"] = "colwise"
-    if config.qk_norm:
-        plan.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
+    if config.qk_norm:  # each head's values, or the whole projection's (split by heads as q and k are)
+        role = "projection_norm" if config.qk_norm_layout == "projection" else "head_norm"
+        plan.update({"blocks.*.attn.q_norm": role, "blocks.*.attn.k_norm": role})
     return plan
 
 
@@ -72,7 +74,8 @@ def gpt_tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 register_model(
-    "gpt", build=_build_gpt, objective="causal", help="causal language model, pre-LN blocks (Radford et al. 2019)",
+    "gpt", build=_build_gpt, objective="causal",
+    help="causal language model, pre-LN blocks (Radford et al. 2019) or OLMo 2's reordered norms",
     head_flops=lambda config, mask_fraction: 2.0 * config.n_embd * config.vocab_size,
     output_activations=gpt_output_activations, stage_parameters=_gpt_stage_parameters,
     tp_plan=gpt_tp_plan, pipeline_first=("tok_emb", "pos_emb", "drop"), pipeline_last=("ln_f", "lm_head"))

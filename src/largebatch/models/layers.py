@@ -30,7 +30,11 @@ layer computes and keeps, and the memory model counts each:
   input are n_head * d_h wide (Qwen3 0.6B: 16 heads of 128 on a 1024-wide stream);
 * ``qk_norm``: each query and key head normalised over its d_h values before the rotation (Qwen3;
   Dehghani et al. 2023): the norms keep their inputs, the q and k projections' outputs, and a
-  statistic per head.
+  statistic per head; with ``qk_norm_scope="projection"`` the whole query and key projections
+  (OLMo 2; OLMo et al. 2024), a statistic per token each;
+* ``norm_position="reordered"``: x + norm(f(x)), each sub-layer's output normalised before the
+  residual add (OLMo 2: OLMo et al. 2024, "2 OLMo 2 Furious"; Liu et al. 2022's res-post-norm): the norms keep
+  the sub-layers' outputs and the sub-layers the stream itself, as many values as pre-LN keeps.
 """
 
 from __future__ import annotations
@@ -80,39 +84,55 @@ class _RMSNormFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def _normalised(x: torch.Tensor, eps: float | None, axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _normalised(x: torch.Tensor, eps: float | None, axes: tuple[int, ...],
+                    group=None) -> tuple[torch.Tensor, torch.Tensor]:
         wide = x.float() if x.dtype in _HALF else x
         eps = torch.finfo(wide.dtype).eps if eps is None else eps  # (nn.RMSNorm's, of the dtype it works in)
-        r = torch.rsqrt(wide.pow(2).mean(axes, keepdim=True) + eps)
-        return wide * r, r
+        return wide * (r := torch.rsqrt(_RMSNormFunction._mean(wide.pow(2), axes, group) + eps)), r
 
     @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int):
-        x_hat, r = _RMSNormFunction._normalised(x, eps, tuple(range(-dims, 0)))
+    def _mean(t: torch.Tensor, axes: tuple[int, ...], group) -> torch.Tensor:
+        """The mean of ``t`` over ``axes``; with a ``group`` (tensor parallel: each rank holds an equal
+        slice of the last dimension), over every rank's slice: the local sums all-reduced."""
+        if group is None:
+            return t.mean(axes, keepdim=True)
+        import torch.distributed as dist
+
+        total = t.sum(axes, keepdim=True)
+        dist.all_reduce(total, group=group)
+        return total / (math.prod(t.shape[a] for a in axes) * dist.get_world_size(group))
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dims: int, group=None):
+        x_hat, r = _RMSNormFunction._normalised(x, eps, tuple(range(-dims, 0)), group)
         y = x_hat.to(x.dtype)
         return (y if weight is None else y * weight), r
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, weight, eps, dims = inputs
+        x, weight, eps, dims, group = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(x, weight, output[1])
-        ctx.eps, ctx.axes = eps, tuple(range(-dims, 0))
+        ctx.eps, ctx.axes, ctx.group = eps, tuple(range(-dims, 0)), group
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _):
         x, weight, r = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: r as a function of x, for second derivatives
+            if ctx.group is not None:
+                raise RuntimeError("RMSNorm over a tensor-parallel split (model.qk_norm_scope='projection' with "
+                                   "parallel.tp > 1) has no second derivative; run create_graph without tensor "
+                                   "parallel, or with qk_norm_scope='head'")
             x_hat, r = _RMSNormFunction._normalised(x, ctx.eps, ctx.axes)
         else:
             x_hat = (x.float() if x.dtype in _HALF else x) * r
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
             u = (grad if weight is None else grad * weight).to(x.dtype).to(x_hat.dtype)
-            grad_x = (r * (u - x_hat * (u * x_hat).mean(ctx.axes, keepdim=True))).to(x.dtype)
+            grad_x = (r * (u - x_hat * _RMSNormFunction._mean(u * x_hat, ctx.axes, ctx.group))).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (grad * x_hat.to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None
 
 
 class RMSNorm(nn.RMSNorm):
@@ -123,14 +143,34 @@ class RMSNorm(nn.RMSNorm):
     (``_RMSNormFunction``, which recomputes the normalised tensor). On a GPU an input of the gain's
     32- or 64-bit dtype (a bf16 autocast run's fp32 residual stream) goes to torch's fused kernel,
     which keeps the same (its input and 1/rms: not measured here, benchmarks/gpu_check.sh does) in
-    one kernel each way."""
+    one kernel each way.
+
+    ``group`` (set by tensor parallel, largebatch.parallel.tensor_parallel.ProjectionNorm): the last
+    dimension is split evenly over that process group's ranks, the gain a ``Shard(0)`` DTensor of
+    the same split; the mean of squares is then every rank's, its local sums all-reduced (and so
+    is backward's mean(u x_hat)): the whole projection normalised, as on one device."""
+
+    group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            return _split_rms_norm(self, x)
         if x.device.type == "cuda" and x.dtype not in _HALF and (self.weight is None or x.dtype == self.weight.dtype):
             return super().forward(x)
         if not torch.is_grad_enabled():  # inference (generation): the same ops, without the Function's
             return _RMSNormFunction.forward(x, self.weight, self.eps, len(self.normalized_shape))[0]  # cost
         return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))[0]
+
+
+@torch.compiler.disable
+def _split_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` over a last dimension split across ``norm.group`` (its gain a ``Shard(0)`` DTensor of the
+    same split): eager even inside a compiled block, where the collective in the Function and the
+    DTensor gain are a graph break (the block's other ops stay compiled)."""
+    weight = norm.weight
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight
+    args = (x, weight, norm.eps, len(norm.normalized_shape), norm.group)
+    return _RMSNormFunction.forward(*args)[0] if not torch.is_grad_enabled() else _RMSNormFunction.apply(*args)[0]
 
 
 def norm_layer(config: ModelConfig, width: int | None = None) -> nn.Module:
@@ -478,10 +518,10 @@ class Attention(nn.Module):
         self.q = nn.Linear(h, width, bias=config.qkv_biased)
         self.k = nn.Linear(h, kv, bias=config.qkv_biased)
         self.v = nn.Linear(h, kv, bias=config.qkv_biased)
-        if config.qk_norm:  # over each head's values, one gain for all heads (Qwen3's q_norm, k_norm)
-            self.q_norm, self.k_norm = norm_layer(config, self.head_dim), norm_layer(config, self.head_dim)
-        else:
-            self.q_norm = self.k_norm = None
+        # qk_norm_scope "head": over each head's values, one gain for all heads (Qwen3's q_norm, k_norm);
+        # "projection": over the whole q (k) projection, a gain per value (OLMo 2's)
+        self.q_norm, self.k_norm = (norm_layer(config, w) if w else None for w in config.qk_norm_width)
+        self.norm_heads = config.qk_norm_layout == "head"
         self.rotary = Rotary(config) if config.position == "rope" else None
         self.core = CoreAttention(config)
         self.proj = nn.Linear(width, h, bias=config.bias)
@@ -490,12 +530,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: AttentionMask | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None and not self.norm_heads:  # (B, T, width): the whole projection (under tensor
+            # parallel this rank's heads' slice, the statistic summed over the ranks); in the projections' dtype
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         # (B, T, C) -> (B, a, T, d), K/V (B, a_kv, T, d); heads from the tensor so a sharded linear works
-        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))
-        if self.q_norm is not None:  # (B, heads, T, d): heads on dimension 1, where tensor parallel splits them
-            # in the projections' dtype: under autocast an fp32 gain would make them fp32 (the rotation in
-            # fp32, a KV cache of fp32 keys beside 16-bit values)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None and self.norm_heads:  # (B, heads, T, d): heads on dimension 1, where tensor
+            # parallel splits them; in the projections' dtype: under autocast an fp32 gain would make them fp32
+            # (the rotation in fp32, a KV cache of fp32 keys beside 16-bit values)
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         offset = 0 if cache is None else cache.offset  # x: the positions after the cached ones
         if self.rotary is not None:
@@ -528,11 +571,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """One transformer layer. pre-LN: x + attn(ln1(x)), then + mlp(ln2(.)).
-    post-LN (original BERT): ln1(x + attn(x)), then ln2(. + mlp(.))."""
+    post-LN (original BERT): ln1(x + attn(x)), then ln2(. + mlp(.)).
+    reordered (OLMo 2): x + ln1(attn(x)), then + ln2(mlp(.))."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.pre_norm = config.norm_position == "pre"
+        self.norm_position = config.norm_position
         self.ln1 = norm_layer(config)
         self.attn = Attention(config)
         self.ln2 = norm_layer(config)
@@ -545,9 +589,12 @@ class Block(nn.Module):
         extra = {} if mask is None else {"mask": mask}
         if cache is not None:
             extra["cache"] = cache
-        if self.pre_norm:
+        if self.norm_position == "pre":
             x = x + self.attn(self.ln1(x), **extra)
             return x + self.mlp(self.ln2(x))
+        if self.norm_position == "reordered":
+            x = x + self.ln1(self.attn(x, **extra))
+            return x + self.ln2(self.mlp(x))
         x = self.ln1(x + self.attn(x, **extra))
         return self.ln2(x + self.mlp(x))
 

@@ -57,6 +57,8 @@ TP_ROLES = {
     "gather": "a module run on the whole sequence: its sequence-split input all-gathered (sequence parallel only)",
     "head_norm": "a norm over each attention head's values (qk_norm): run on the rank's own heads, its gain "
                  "replicated and its gradient summed over the ranks",
+    "projection_norm": "an RMSNorm over a whole column-parallel projection (qk_norm_scope='projection'): its gain "
+                       "split as the projection is, its mean of squares summed over the ranks",
     "output": "the output projection reading the residual stream: split over the vocabulary",
     "output_whole": "the output projection reading a whole-sequence tensor: split over the vocabulary",
 }

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -90,6 +90,29 @@ class ReplicateParallel(ParallelStyle):
         # partition_fn None: distribute_module replicates every parameter of the module
         return distribute_module(module, device_mesh, None, input_fn=self._prepare_input,
                                  output_fn=self._local_output)
+
+
+class ProjectionNorm(ParallelStyle):
+    """An RMSNorm over a whole column-parallel projection (model.qk_norm_scope="projection", OLMo 2's
+    q_norm and k_norm): its input is this rank's slice of the projection (its heads' values, a local
+    tensor), its gain is split the same way (a ``Shard(0)`` DTensor: each rank steps its own values'
+    gains, whose gradients are whole), and the mean of squares is summed over the ranks
+    (``largebatch.models.layers.RMSNorm.group``): one all-reduce of a value per token forward, one in
+    backward. The output stays local."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from largebatch.models.layers import RMSNorm
+
+        if not isinstance(module, RMSNorm):
+            raise ValueError(f"the 'projection_norm' role needs largebatch's RMSNorm, got {type(module).__name__}")
+
+        def shard(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        module = distribute_module(module, device_mesh, shard)
+        module.group = device_mesh.get_group()
+        return module
 
 
 def _gathered(shard: torch.Tensor, mesh) -> DTensor:
@@ -328,6 +351,8 @@ def styles(sequence_parallel: bool, loss_parallel: bool, regather: bool = True,
         # q or k (B, heads, T, d) with the rank's heads: a DTensor split on dimension 1, so the gain's
         # gradient (partial on each rank: its own heads) is summed over the ranks
         "head_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+        # q or k (B, T, width) with the rank's heads' values: the gain split as they are, the statistic summed
+        "projection_norm": ProjectionNorm(),
         "output": ColwiseParallel(input_layouts=between, **logits),
         "output_whole": ColwiseParallel(**logits),
     }
@@ -347,14 +372,15 @@ def model_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool = 
                  if name.startswith("blocks.*.") else [name])
         plan.update({n: by_role[role] for n in names if by_role[role] is not None and _holds(model, n)})
     if getattr(model.config, "qk_norm", False):  # left to the replicated fallback, a gain would step with
-        # its rank's partial gradient (its own heads only): wrong, and silently
+        # its rank's partial gradient (its own heads only), or normalise over its rank's values: wrong, silently
+        role = "projection_norm" if model.config.qk_norm_layout == "projection" else "head_norm"
         loose = [n for n, _ in model.named_modules() if n.endswith(("attn.q_norm", "attn.k_norm"))
-                 and plan.get(n) is not by_role["head_norm"]]
+                 and plan.get(n) is not by_role[role]]
         if loose:
-            raise ValueError(f"model.kind = {model.config.kind!r} with model.qk_norm: its tensor-parallel plan "
-                             f"gives {loose[0]!r} no 'head_norm' role, so its gain's gradient would not be summed "
-                             "over the ranks' heads; build the plan's blocks with "
-                             "largebatch.models.kinds.block_tp_plan(config)")
+            raise ValueError(f"model.kind = {model.config.kind!r} with model.qk_norm (qk_norm_scope="
+                             f"{model.config.qk_norm_scope!r}): its tensor-parallel plan gives {loose[0]!r} no "
+                             f"{role!r} role, so it would not be computed over the ranks' heads as on one device; "
+                             "build the plan's blocks with largebatch.models.kinds.block_tp_plan(config)")
     return plan
 
 

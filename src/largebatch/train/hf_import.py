@@ -46,6 +46,15 @@ renaming and reshapes run backwards:
   model.head_size = head_dim where it is not hidden_size / num_attention_heads (Qwen3 0.6B: 1024 /
   16 heads of 128); ``attention_bias`` true (biases on q, k, v and o_proj, none in the MLP) is
   refused; sliding windows as Qwen2; it exports back as Qwen3ForCausalLM.
+  Olmo2ForCausalLM (``"olmo2"``; OLMo et al. 2024) is Llama's network without biases, each sub-layer's
+  output normalised before the residual add and no input norm (model.norm_position="reordered":
+  ``post_attention_layernorm`` / ``post_feedforward_layernorm`` -> ln1 / ln2), and the whole q and k
+  projections normalised (``self_attn.q_norm`` / ``k_norm`` over n_head x head_dim and n_kv_head x
+  head_dim values: model.qk_norm=True, model.qk_norm_scope="projection"); ``attention_bias`` true
+  refused as Qwen3's. Olmo3ForCausalLM (``"olmo3"``) adds sliding windows on the layers its
+  ``layer_types`` name (without it three of every four, Olmo3Config's default) and a rope table per
+  layer type (``rope_parameters``): refused when the windowed and full layers' tables differ (OLMo
+  3's long-context YaRN on the full layers), as one rotary embedding serves every layer here.
 * BertForPreTraining (the original BERT checkpoints): its pooler and next-sentence head take no part
   in the masked-LM logits and are set aside with a warning, as AutoModelForMaskedLM leaves them.
 
@@ -75,6 +84,7 @@ from largebatch.memory.hf import (
     BERT_LAYOUTS,
     HF_DROPOUTS,
     LLAMA_LAYOUTS,
+    OLMO_TYPES,
     ROBERTA_LAYOUTS,
     UNSUPPORTED,
     as_transformers_reads,
@@ -98,7 +108,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len")
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "head_size", "ffn_hidden", "seq_len",
-                "vocab_size", "bias", "qkv_bias", "qk_norm", "sliding_window", "full_attention_layers",
+                "vocab_size", "bias", "qkv_bias", "qk_norm", "qk_norm_scope", "sliding_window", "full_attention_layers",
                 "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", *ROPE_FIELDS,
                 "activation",
                 "hf_model_type")
@@ -245,8 +255,9 @@ def model_fields(path: Path) -> dict[str, Any]:
                UNSUPPORTED.get(model_type, "an architecture largebatch has no blocks for"))
         raise ConfigError(f"model.init_from: {path / 'config.json'} is model_type={model_type!r} "
                           f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral, "
-                          "ministral, qwen2 and qwen3 (LlamaForCausalLM, MistralForCausalLM, MinistralForCausalLM, "
-                          "Qwen2ForCausalLM, Qwen3ForCausalLM), bert (post-LN "
+                          "ministral, qwen2, qwen3, olmo2 and olmo3 (LlamaForCausalLM, MistralForCausalLM, "
+                          "MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
+                          "Olmo3ForCausalLM), bert (post-LN "
                           "BertForMaskedLM), roberta, "
                           "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
                           "CamembertForMaskedLM) only")
@@ -255,7 +266,8 @@ def model_fields(path: Path) -> dict[str, Any]:
             and not _stored_apart(path, *TIED_PAIRS[model_type]))
     common = {"bias": True, "qkv_bias": None, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
               "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None,
-              "head_size": None, "qk_norm": False, "sliding_window": None, "full_attention_layers": ()}
+              "head_size": None, "qk_norm": False, "qk_norm_scope": "head", "sliding_window": None,
+              "full_attention_layers": ()}
     if model_type in LLAMA_LAYOUTS:
         return _llama_fields(raw, path, common)
     if model_type == "gpt2":
@@ -301,6 +313,11 @@ def _llama_fields(raw: dict, path: Path, common: dict[str, Any]) -> dict[str, An
             raise refuse("attention_bias=True", "Qwen3 then has biases on q, k, v and o_proj but none in its MLP, "
                          "and largebatch's model.bias covers the MLP too")
         return {**common, **fields, "bias": False, "hf_model_type": "qwen3"}
+    if raw.get("model_type") in OLMO_TYPES:  # no MLP biases ever; attention_bias would put them on q, k, v and o
+        if raw.get("attention_bias", False):
+            raise refuse("attention_bias=True", f"{raw['model_type']} then has biases on q, k, v and o_proj but "
+                         "none in its MLP, and largebatch's model.bias covers the MLP too")
+        return {**common, **fields, "bias": False, "hf_model_type": raw["model_type"]}
     if raw.get("model_type") in ("mistral", "ministral"):  # never a bias (their layers have no switch)
         return {**common, **fields, "bias": False, "hf_model_type": raw["model_type"]}
     attention_bias, mlp_bias = bool(raw.get("attention_bias", False)), bool(raw.get("mlp_bias", False))
@@ -667,6 +684,12 @@ def _gpt(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+# transformers' names of a Llama-family layer's two norms (largebatch's ln1, ln2), by model.norm_position:
+# pre-LN, the sub-layers' input norms; reordered (OLMo 2 and 3), their output norms
+LLAMA_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
+               "reordered": ("post_attention_layernorm", "post_feedforward_layernorm")}
+
+
 def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM's (or MistralForCausalLM's, Qwen2's, Qwen3's) tensors, "model." stripped: nn.Linear
     weights (out, in) as largebatch's, so a renaming (module docstring); q is n_head x head size wide,
@@ -675,10 +698,11 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
     w = cfg.attention_width
     out = {"tok_emb.weight": take("embed_tokens.weight", v, h), "ln_f.weight": take("norm.weight", h)}
     out["lm_head.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], "lm_head.weight")
+    norms = LLAMA_NORMS[cfg.norm_position]
     for i in range(cfg.n_layer):
         o, b = f"layers.{i}.", f"blocks.{i}."
-        out[b + "ln1.weight"] = take(o + "input_layernorm.weight", h)
-        out[b + "ln2.weight"] = take(o + "post_attention_layernorm.weight", h)
+        out[b + "ln1.weight"] = take(f"{o}{norms[0]}.weight", h)
+        out[b + "ln2.weight"] = take(f"{o}{norms[1]}.weight", h)
         for ours, theirs, n_out, n_in in (
                 ("attn.q", "self_attn.q_proj", w, h), ("attn.k", "self_attn.k_proj", kv, h),
                 ("attn.v", "self_attn.v_proj", kv, h), ("attn.proj", "self_attn.o_proj", h, w),
@@ -687,9 +711,9 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
             out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
             if cfg.qkv_biased if ours in ("attn.q", "attn.k", "attn.v") else cfg.bias:
                 out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
-        if cfg.qk_norm:
-            for name in ("q_norm", "k_norm"):
-                out[f"{b}attn.{name}.weight"] = take(f"{o}self_attn.{name}.weight", cfg.head_dim)
+        for name, width in zip(("q_norm", "k_norm"), cfg.qk_norm_width):  # (each head's, or the projection's)
+            if width:
+                out[f"{b}attn.{name}.weight"] = take(f"{o}self_attn.{name}.weight", width)
     return out
 
 
@@ -780,7 +804,8 @@ def largebatch_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("model.", _llama, "LlamaForCausalLM"),
               "mistral": ("model.", _llama, "MistralForCausalLM"),
               "ministral": ("model.", _llama, "MinistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
-              "qwen3": ("model.", _llama, "Qwen3ForCausalLM"),
+              "qwen3": ("model.", _llama, "Qwen3ForCausalLM"), "olmo2": ("model.", _llama, "Olmo2ForCausalLM"),
+              "olmo3": ("model.", _llama, "Olmo3ForCausalLM"),
               "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
               "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),

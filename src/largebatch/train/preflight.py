@@ -40,8 +40,8 @@ from largebatch.typed_config import ConfigError
 # the checkpoints of a run hold tensors shaped by these fields, and the optimizer's own state
 STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
                 "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position", "model.activation",
-                "model.n_kv_head", "model.head_size", "model.qkv_bias", "model.qk_norm", "model.norm",
-                "model.position",
+                "model.n_kv_head", "model.head_size", "model.qkv_bias", "model.qk_norm", "model.qk_norm_scope",
+                "model.norm", "model.position",
                 "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
 # the schedule a run's checkpoints continue is built from these (its state refuses another), and
 # the sample order their data position counts in from these

@@ -270,7 +270,9 @@ def _layer_options(model) -> str:
     if model.attention_width != model.n_embd:
         parts.append(f"heads of {model.head_dim}")
     if model.qk_norm:
-        parts.append("q/k norms")
+        parts.append("q/k norms" if model.qk_norm_layout == "head" else "q/k projection norms")
+    if model.norm_position == "reordered":
+        parts.append("reordered norms")
     if model.window_layout != "none":
         parts.append(model.window_words())
     if model.qkv_biased != model.bias:
