@@ -415,7 +415,10 @@ def llama_reference(s, b, h, a, a_kv, f, d, *, eager, dropout, m, policy="none",
     normalised = 4.0 if olmo else d
     norms = 2 * (4 * h + h * normalised + 4)
     masked_sdpa = window and not eager and policy == "none"
-    k_and_v = 2 * a * dh * d if (eager or masked_sdpa) and policy == "none" else 2 * a_kv * dh * d
+    # (one key/value head: repeat_kv's expand and reshape are a view, which sdpa reads uncopied; eager's
+    # matmuls keep a copy at all heads all the same)
+    repeated = policy == "none" and (eager or (masked_sdpa and a_kv > 1))
+    k_and_v = 2 * a * dh * d if repeated else 2 * a_kv * dh * d
     per_token = norms + 2 * h * d + 2 * a * dh * d + k_and_v + 4 * f * d
     if olmo:
         per_token += (a + a_kv) * dh * (4 + normalised) + 2 * 4
@@ -474,6 +477,7 @@ LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
     ("llama", "eager", torch.bfloat16, 2, 0.1, True, "none"),   # fp32 softmax, cast consumed by dropout
     ("llama", "eager", torch.bfloat16, 2, 0.0, False, "none"),  # fp32 softmax + its bf16 cast
     ("llama", "eager", torch.float32, 4, 0.0, False, "none"),   # no GQA: repeat_kv copies nothing
+    ("llama", "eager", torch.float32, 1, 0.0, False, "none"),   # one K/V head: eager copies it to all heads
     ("llama", "sdpa", torch.float32, 2, 0.0, False, "none"),    # enable_gqa: K/V at a_kv heads
     ("llama", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
     ("llama", "eager", torch.bfloat16, 2, 0.1, False, "selective"),  # the checkpoint keeps un-repeated K/V
@@ -486,6 +490,7 @@ LLAMA_MEASURED = [  # model type, attn, dtype, a_kv, dropout, bool masks, policy
     ("mistral", "sdpa", torch.float32, 2, 0.0, False, "none"),
     ("mistral", "sdpa", torch.bfloat16, 2, 0.0, False, "none"),
     ("mistral", "eager", torch.float32, 2, 0.0, False, "none"),   # the mask is added, not kept
+    ("mistral", "sdpa", torch.float32, 1, 0.0, False, "none"),    # one K/V head: repeat_kv's view, no copy
     ("mistral", "sdpa", torch.float32, 2, 0.0, False, "selective"),  # the checkpoint keeps un-repeated K/V
     # OLMo 2: the norms keep fp32 normalised tensors, the q and k norms span the projections (heads of 24)
     ("olmo2", "eager", torch.float32, 2, 0.1, False, "none"),
@@ -548,6 +553,47 @@ def test_a_transformers_llama_whole_model_against_the_estimate():
     assert estimate.activations - closed.activations == pytest.approx(
         2 * (layer - activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=4))) + final_norm,
         rel=1e-12)
+
+
+WHOLE_MODELS = [  # model type, attention, dtype, policy: where the masks recomputed layers keep differ
+    ("llama", "eager", torch.float32, "full"),       # the causal float (b, 1, s, s) mask
+    ("llama", "sdpa", torch.float32, "full"),        # none (is_causal)
+    ("mistral", "sdpa", torch.bfloat16, "full"),     # the window's bool (1, 1, s, s) mask
+    ("olmo3", "eager", torch.bfloat16, "selective"),  # two float masks: the causal and the sliding one
+    ("olmo3", "sdpa", torch.float32, "full"),
+    ("olmo2", "eager", torch.bfloat16, "none"),      # no mask kept; the final norm's fp32 normalised tensor
+]
+
+
+@pytest.mark.parametrize("model_type, attn, dtype, policy", WHOLE_MODELS,
+                         ids=[f"{m}-{a}-{str(d)[6:]}-{p}" for m, a, d, p in WHOLE_MODELS])
+def test_the_masks_recomputed_transformers_layers_keep_are_counted(model_type, attn, dtype, policy):
+    """A whole 4-layer transformers model (s 128, b 2, heads of 16; OLMo 3 and Mistral with a window of
+    8, OLMo 3 on layers 0-2) against Setup's estimate: what is left is what the estimate leaves out on
+    purpose -- the rotary cos/sin tables (2 s d_h values each: in the activations' dtype for Llama's
+    family, fp32 for OLMo's, two tables for OLMo 3's two layer types), the int64 labels, a scalar, and
+    under recomputation the position ids the checkpoints keep (s int64). Without the masks' terms
+    (hf_mask_bytes) an eager model under selective or full recompute was short by b s^2 d per mask
+    kind (OLMo 3: two), an sdpa one with a window under full recompute by s^2; OLMo's final norm
+    keeps its normalised tensor in fp32 (2 h bytes a token more than Llama's in bf16)."""
+    from largebatch.memory import Setup, apply_recompute, measure_forward_bytes
+
+    s, b, d_h = 128, 2, 16
+    window = {"sliding_window": WINDOW} if model_type in ("mistral", "olmo3") else {}
+    raw = llama_dict(model_type, n_layer=4, s=s, v=256, head_dim=d_h, **window)
+    model = llama_model(raw, attn, dtype)
+    apply_recompute(model, policy)
+    ids = torch.randint(0, 256, (b, s))
+    for _ in range(2):  # (the first forward also allocates what torch keeps for later ones)
+        out, measured = measure_forward_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+        del out
+    d = dtype.itemsize
+    config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
+    estimate = Setup(micro_batch=b, dtype_bytes=d, hf_activation="silu").estimate(config, policy).activations
+    olmo = model_type.startswith("olmo")
+    tables = (2 if model_type == "olmo3" else 1) * 2 * s * d_h * (4 if olmo else d)
+    left = measured.tensor_bytes - estimate - tables - b * s * 8 - 4
+    assert left == (0 if policy == "none" else s * 8), (measured.tensor_bytes, estimate, left)
 
 
 @pytest.mark.parametrize("attn, policy", [("sdpa", "none"), ("sdpa", "selective"), ("eager", "none")])

@@ -125,12 +125,15 @@ def test_config_refusals_name_the_field_the_value_and_the_fix():
                                                   ({"sliding_window": 5, "full_attention_layers": (2,)},
                                                    "Olmo3ForCausalLM"),
                                                   ({"sliding_window": 5, "rope_scaling": "linear", "rope_factor": 2.0},
-                                                   "Olmo3ForCausalLM")])
+                                                   "Olmo3ForCausalLM"),
+                                                  ({"hf_model_type": "olmo3"}, "Olmo3ForCausalLM")])
 def test_olmo_layouts_go_out_as_olmo_and_back_unchanged(layout, architecture, tmp_path):
     """The export is an Olmo2ForCausalLM (Olmo3ForCausalLM with a window: layer_types, and one rope
     table for both layer types, a scaled one too) computing largebatch's logits, with ln1 / ln2 as
     post_attention_layernorm / post_feedforward_layernorm and q_norm / k_norm as wide as the
-    projections; init_from of it builds the same model, tensor for tensor."""
+    projections; init_from of it builds the same model, tensor for tensor. A window-free model asked
+    for as OLMo 3 (a run continued from an OLMo 3 whose layers are all full) gets every layer
+    full_attention and a sliding_window of seq_len (transformers' Olmo3Model fails without one)."""
     from transformers import AutoModelForCausalLM
 
     cfg = ModelConfig(**SHAPE, **OLMO, **layout)
@@ -140,6 +143,7 @@ def test_olmo_layouts_go_out_as_olmo_and_back_unchanged(layout, architecture, tm
     assert (raw["attention_bias"], raw["head_dim"], raw["num_key_value_heads"]) == (False, 12, 2)
     if architecture == "Olmo3ForCausalLM":
         assert raw["layer_types"] == ["full_attention" if w is None else "sliding_attention" for w in cfg.windows]
+        assert raw["sliding_window"] == (cfg.sliding_window or cfg.seq_len)
         assert set(raw["rope_parameters"]) == {"full_attention", "sliding_attention"}
         assert "rope_scaling" not in raw  # (Olmo3Config would apply it to the full layers only)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -154,7 +158,7 @@ def test_olmo_layouts_go_out_as_olmo_and_back_unchanged(layout, architecture, tm
         torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-5)
     back = build_model(_config(tmp_path / "out"))
     init_from_pretrained(back)
-    assert back.config.replace(init_from=None, hf_model_type=None) == ours.config
+    assert back.config.replace(init_from=None, hf_model_type=None) == ours.config.replace(hf_model_type=None)
     for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 

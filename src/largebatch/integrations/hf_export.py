@@ -221,11 +221,14 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         windowed = cfg.window_layout != "none"
         if kind == "olmo2":  # no biases, the reordered norms and the projections' q and k norms (no switches)
             config = Olmo2Config(head_dim=cfg.head_dim, attention_bias=False, **blocks)
-        elif kind == "olmo3":  # the same, windows by layer_types, a rope table per layer type (both alike)
+        elif kind == "olmo3":  # the same, windows by layer_types, a rope table per layer type (both alike);
+            # without a window every layer is full_attention, but sliding_window must still be a number:
+            # Olmo3Model builds its sliding mask whatever layer_types say (None fails its forward)
             rope = blocks.pop("rope_parameters")
             config = Olmo3Config(head_dim=cfg.head_dim, attention_bias=False,
-                                 sliding_window=cfg.sliding_window if windowed else None, layer_types=layer_types,
-                                 rope_parameters={t: dict(rope) for t in LAYER_TYPES}, **blocks)
+                                 sliding_window=cfg.sliding_window if windowed else cfg.seq_len,
+                                 layer_types=layer_types, rope_parameters={t: dict(rope) for t in LAYER_TYPES},
+                                 **blocks)
         elif kind == "llama":
             config = LlamaConfig(head_dim=cfg.head_dim, attention_bias=cfg.bias, mlp_bias=cfg.bias, **blocks)
         elif kind == "mistral":  # Llama's blocks without biases, every layer within the window (or none)

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from largebatch.memory.activations import activation_bytes_per_layer
 from largebatch.models.config import HF_MODEL_TYPES, ModelConfig
+from largebatch.models.registry import model_spec
 
 # Families that are not GPT-2 / BERT / Llama layouts, and what in them the closed form does not describe.
 UNSUPPORTED = {
@@ -230,8 +231,8 @@ def _one_table(raw: dict, tables: dict, refuse) -> dict:
     if any(t != read[0] for t in read[1:]):
         raise refuse(f"rope tables {dict(zip(used, read))!r} (rope_parameters, rope_scaling and rope_theta as "
                      "Olmo3Config reads them)", "its full-attention and sliding-window layers rotate by "
-                     "different angles, and largebatch rotates every layer alike; give both types the "
-                     "same rope table")
+                     "different angles (one rope table for both layer types would load), and largebatch "
+                     "rotates every layer alike")
     return read[0]
 
 
@@ -600,7 +601,9 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
                          "attention_dropout=0 for CPU memory estimates.")
     w, w_kv = config.attention_width, config.kv_heads * config.head_dim
     masked_sdpa = not eager and config.windows_at(s)[layer] is not None and recompute == "none"
-    kv = w if (eager or masked_sdpa) and recompute == "none" else w_kv  # repeat_kv's copies are what's kept
+    # repeat_kv's copies are what's kept (of one K/V head it makes a view, which sdpa reads uncopied;
+    # eager's matmuls still keep a copy at all heads)
+    kv = w if recompute == "none" and (eager or (masked_sdpa and config.kv_heads > 1)) else w_kv
     # OLMo's norms (Olmo2RMSNorm) apply the gain before rounding back: they keep the fp32 normalised tensor
     normalised = 4 if config.norm_position == "reordered" else d
     per_token = 2 * ((4 + normalised) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
@@ -621,16 +624,23 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
 
 
 def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[str] = "none", *,
-                  seq_len: int | None = None) -> float:
-    """Bytes of the sliding-window mask transformers' Llama-family model builds once and its layers
-    share, kept for backward: the bool (1, 1, s, s) mask when a selectively recomputed sdpa layer with
-    a window shorter than s reads it (the checkpoint keeps its inputs); 0 otherwise (eager layers add
-    it, sdpa layers without recomputation keep their own float copy, llama_layer_bytes). Measured
-    (tests/test_memory_hf.py)."""
+                  seq_len: int | None = None, dtype_bytes: float = 2) -> float:
+    """Bytes of the attention masks transformers' causal model (GPT-2, the Llama family) builds once
+    and its layers share, kept for backward because a recomputed layer (selective or full: the
+    checkpoint keeps its inputs) reads them: eager layers read a float (b, 1, s, s) mask in the
+    activations' dtype, one per kind of layer recomputed -- the causal one for full-attention layers,
+    a sliding one for windowed layers (OLMo 3 and Ministral, with both kinds, keep two); sdpa
+    layers only a window's bool (1, 1, s, s) mask (full attention passes none). 0 without
+    recomputation (eager layers add the mask to the scores, sdpa layers keep their own float copy,
+    llama_layer_bytes) and for BERT's family. Measured on whole models (tests/test_memory_hf.py)."""
+    if model_spec(config.kind).objective != "causal":
+        return 0.0
     s = config.seq_len if seq_len is None else seq_len
     policies = [recompute] * config.n_layer if isinstance(recompute, str) else list(recompute)
-    reads = any(p == "selective" and w is not None for p, w in zip(policies, config.windows_at(s)))
-    return float(s * s) if config.attention != "explicit" and reads else 0.0
+    kinds = {w is None for p, w in zip(policies, config.windows_at(s)) if p in ("selective", "full")}
+    if config.attention == "explicit":
+        return float(len(kinds) * micro_batch * s * s * dtype_bytes)
+    return float(s * s) if False in kinds else 0.0
 
 
 def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,

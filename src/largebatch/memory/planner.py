@@ -112,10 +112,12 @@ class Setup:
                     - activation_bytes_per_layer(s, self.micro_batch, recompute=p, **kw) for i, p in enumerate(layers))
         # the masks: transformers' own (a sliding window's bool mask, kept by a recomputed sdpa layer) in
         # place of largebatch's shared one (attention_mask_bytes)
-        delta += (hf_mask_bytes(config, self.micro_batch, layers, seq_len=s)
+        delta += (hf_mask_bytes(config, self.micro_batch, layers, seq_len=s, dtype_bytes=self.dtype_bytes)
                   - attention_mask_bytes(config, self.micro_batch, s, self.dtype_bytes))
-        if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + d) h + 4 bytes a token, not d h
-            delta += s * self.micro_batch * (4 * config.n_embd + 4)
+        if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + d) h + 4 bytes a token, not d h;
+            # OLMo's (norm_position "reordered", Olmo2RMSNorm) keeps its normalised tensor in fp32: (4 + 4) h + 4
+            normalised = 4 if config.norm_position == "reordered" else self.dtype_bytes
+            delta += s * self.micro_batch * ((4 + normalised - self.dtype_bytes) * config.n_embd + 4)
         return replace(est, activations=est.activations + delta)
 
 
