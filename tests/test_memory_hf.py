@@ -596,6 +596,34 @@ def test_the_masks_recomputed_transformers_layers_keep_are_counted(model_type, a
     assert left == (0 if policy == "none" else s * 8), (measured.tensor_bytes, estimate, left)
 
 
+def test_a_recomputed_transformers_gpt2_keeps_its_causal_mask():
+    """GPT-2's eager layers read the model's float (b, 1, s, s) causal mask too: what selective
+    recomputation saves, measured on a whole 4-layer GPT2LMHeadModel (s 128, b 2, fp32, no dropout),
+    is what Setup's estimate saves, the mask its checkpoints keep included (b s^2 4 = 131,072 bytes,
+    which the estimate once left out)."""
+    from largebatch.memory import Setup, apply_recompute, measure_forward_bytes
+
+    s, b = 128, 2
+    raw = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=s, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None).to_dict()
+    ids = torch.randint(0, 256, (b, s))
+    measured, estimated = {}, {}
+    for policy in ("none", "selective"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            **{k: v for k, v in raw.items() if k != "model_type"}, attn_implementation="eager")).train()
+        apply_recompute(model, policy)
+        for _ in range(2):
+            out, held = measure_forward_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+            del out
+        measured[policy] = held.tensor_bytes
+        estimated[policy] = Setup(micro_batch=b, dtype_bytes=4, hf_activation="gelu_new").estimate(
+            config_from_hf(raw), policy).activations
+    saved = measured["none"] - measured["selective"]
+    assert saved == estimated["none"] - estimated["selective"]
+    assert saved == 4 * (b * 4 * s * s * 4) - b * s * s * 4  # the 4 layers' softmax outputs, less the mask
+
+
 @pytest.mark.parametrize("attn, policy", [("sdpa", "none"), ("sdpa", "selective"), ("eager", "none")])
 def test_a_transformers_mistral_with_a_window_whole_model_against_the_estimate(attn, policy):
     """A 2-layer MistralForCausalLM with a window of 8 of 64 positions (fp32): the whole model's bytes

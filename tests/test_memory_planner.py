@@ -240,11 +240,13 @@ def _hand_hf_gpt2_bytes(s, b, h, a, f, v, L, d, policies):
     0.5 x and 1 + tanh (3 f d); two residual dropout masks (2 h); softmax output, its mask and its
     dropout output (a s (2 d + 1)). Selective drops the last term, full keeps the input (h d).
     Outside the layers: the embedding dropout mask (h), the final-norm and projection inputs (2 h d)
-    and the fp32 logits (4 v)."""
+    and the fp32 logits (4 v); once any layer is recomputed, the causal mask its checkpoint keeps, a
+    float (b, 1, s, s) in d bytes (measured: tests/test_memory_hf.py)."""
     none = 8 * h * d + 5 * f * d + 2 * h + a * s * (2 * d + 1)
     per_token = {"none": none, "selective": none - a * s * (2 * d + 1), "full": h * d}
     layers = sum(per_token[p] for p in policies)
-    return s * b * (layers + h + 2 * h * d + 4 * v)
+    mask = b * s * s * d if any(p != "none" for p in policies) else 0
+    return s * b * (layers + h + 2 * h * d + 4 * v) + mask
 
 
 def test_planner_counts_transformers_eager_layers_by_hand(capsys, tmp_path):
