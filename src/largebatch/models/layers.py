@@ -151,10 +151,11 @@ class RMSNorm(nn.RMSNorm):
     is backward's mean(u x_hat)): the whole projection normalised, as on one device."""
 
     group = None
+    split_norm = None  # (set with group: split_rms_norm, kept out of compiled frames)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
-            return _split_rms_norm(self, x)
+            return self.split_norm(x)
         if x.device.type == "cuda" and x.dtype not in _HALF and (self.weight is None or x.dtype == self.weight.dtype):
             return super().forward(x)
         if not torch.is_grad_enabled():  # inference (generation): the same ops, without the Function's
@@ -162,11 +163,12 @@ class RMSNorm(nn.RMSNorm):
         return _RMSNormFunction.apply(x, self.weight, self.eps, len(self.normalized_shape))[0]
 
 
-@torch.compiler.disable
-def _split_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def split_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm`` over a last dimension split across ``norm.group`` (its gain a ``Shard(0)`` DTensor of the
-    same split): eager even inside a compiled block, where the collective in the Function and the
-    DTensor gain are a graph break (the block's other ops stay compiled)."""
+    same split). Tensor parallel sets it as the norm's ``split_norm`` wrapped in
+    ``torch.compiler.disable``: eager even inside a compiled block, where the collective in the Function
+    and the DTensor gain are a graph break (the block's other ops stay compiled); wrapped there, not
+    here, so importing the model does not import torch._dynamo."""
     weight = norm.weight
     weight = weight.to_local() if hasattr(weight, "to_local") else weight
     args = (x, weight, norm.eps, len(norm.normalized_shape), norm.group)

@@ -42,6 +42,7 @@ measured bytes.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -101,7 +102,7 @@ class ProjectionNorm(ParallelStyle):
     backward. The output stays local."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from largebatch.models.layers import RMSNorm
+        from largebatch.models.layers import RMSNorm, split_rms_norm
 
         if not isinstance(module, RMSNorm):
             raise ValueError(f"the 'projection_norm' role needs largebatch's RMSNorm, got {type(module).__name__}")
@@ -112,6 +113,7 @@ class ProjectionNorm(ParallelStyle):
 
         module = distribute_module(module, device_mesh, shard)
         module.group = device_mesh.get_group()
+        module.split_norm = torch.compiler.disable(functools.partial(split_rms_norm, module))
         return module
 
 
