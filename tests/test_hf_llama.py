@@ -83,6 +83,7 @@ def test_a_llama_style_run_exports_as_llama_with_the_same_logits_and_greedy_toke
     assert export(llama_run, tmp_path / "bad", "--hf-model-type", "gpt2") == 2
     err = capsys.readouterr().err.strip()
     assert "model.position='rope'" in err and err.endswith("use --hf-model-type llama, or leave --hf-model-type out")
+    assert "so the export is refused;" in err and "would be" not in err  # (the export itself, not a plan)
     assert not (tmp_path / "bad").exists()
 
 

@@ -78,10 +78,11 @@ def stage_parameters(config: ModelConfig, tp: int = 1, pp: int = 1, *, first: bo
     split = 2 * h * w + 2 * h * kv + (mlp_in + 1) * h * f + qkv_bias * (w + 2 * kv) + bias * mlp_in * f
     # proj and fc2 biases, the norms (and the query and key heads' norms)
     replicated = bias * 2 * h + spec.layer_norms * norm_parameters(config)
+    qk_norms = sum(norm_parameters(config, width) for width in config.qk_norm_width)
     if config.qk_norm_layout == "head":
-        replicated += 2 * norm_parameters(config, config.head_dim)
+        replicated += qk_norms
     elif config.qk_norm_layout == "projection":  # split by heads, as q and k are
-        split += sum(norm_parameters(config, width) for width in config.qk_norm_width)
+        split += qk_norms
     n = config.n_layer // pp * (split / tp + replicated)
     if first:  # token embeddings, and learned position embeddings
         n += v * h / tp + (s * h if config.position == "learned" else 0)

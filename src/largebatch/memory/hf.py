@@ -604,8 +604,7 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
     # repeat_kv's copies are what's kept (of one K/V head it makes a view, which sdpa reads uncopied;
     # eager's matmuls still keep a copy at all heads)
     kv = w if recompute == "none" and (eager or (masked_sdpa and config.kv_heads > 1)) else w_kv
-    # OLMo's norms (Olmo2RMSNorm) apply the gain before rounding back: they keep the fp32 normalised tensor
-    normalised = 4 if config.norm_position == "reordered" else d
+    normalised = hf_normalised_bytes(config, d)
     per_token = 2 * ((4 + normalised) * h + 4) + 2 * h * d + 2 * w * d + 2 * kv * d + 4 * f * d
     if masked_sdpa:  # sdpa's float copy of the window's (bool) mask, in the queries' dtype
         per_token += s * d
@@ -621,6 +620,13 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
         else:
             per_token += a * s * (4 + (0 if d == 4 else d))
     return s * b * per_token
+
+
+def hf_normalised_bytes(config: ModelConfig, dtype_bytes: float) -> float:
+    """Bytes a value of the normalised tensor that each of transformers' RMSNorms keeps for the gain's
+    gradient: OLMo's (Olmo2RMSNorm, model.norm_position "reordered") applies the gain before rounding
+    back, so keeps it in fp32 (4); LlamaRMSNorm rounds first and keeps it in the activations' dtype."""
+    return 4 if config.norm_position == "reordered" else dtype_bytes
 
 
 def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[str] = "none", *,

@@ -24,7 +24,13 @@ from largebatch.memory.activations import (
     stages_per_rank,
 )
 from largebatch.memory.estimate import MemoryEstimate, estimate
-from largebatch.memory.hf import LLAMA_ACTIVATIONS, check_activation, hf_eager_layer_bytes, hf_mask_bytes
+from largebatch.memory.hf import (
+    LLAMA_ACTIVATIONS,
+    check_activation,
+    hf_eager_layer_bytes,
+    hf_mask_bytes,
+    hf_normalised_bytes,
+)
 from largebatch.models.config import ModelConfig
 from largebatch.models.flops import flops_per_token, per_layer_policies
 
@@ -114,9 +120,8 @@ class Setup:
         # place of largebatch's shared one (attention_mask_bytes)
         delta += (hf_mask_bytes(config, self.micro_batch, layers, seq_len=s, dtype_bytes=self.dtype_bytes)
                   - attention_mask_bytes(config, self.micro_batch, s, self.dtype_bytes))
-        if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + d) h + 4 bytes a token, not d h;
-            # OLMo's (norm_position "reordered", Olmo2RMSNorm) keeps its normalised tensor in fp32: (4 + 4) h + 4
-            normalised = 4 if config.norm_position == "reordered" else self.dtype_bytes
+        if config.norm == "rmsnorm":  # the final LlamaRMSNorm, written out: (4 + n) h + 4 bytes a token, not d h
+            normalised = hf_normalised_bytes(config, self.dtype_bytes)  # (n: d, or fp32's 4 for OLMo's)
             delta += s * self.micro_batch * ((4 + normalised - self.dtype_bytes) * config.n_embd + 4)
         return replace(est, activations=est.activations + delta)
 

@@ -586,6 +586,7 @@ def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", 
     def as_type(name: str) -> str:
         return f"{field} {name}" if flag else f"{field}={name!r}"
 
+    refused = "is refused" if fixed else "would be refused after training"
     types = HF_MODEL_TYPES.get(cfg.kind, ())
     if cfg.hf_model_type not in types:
         types = fitting_hf_model_types(cfg) or types  # (those whose blocks are the model's)
@@ -602,13 +603,12 @@ def hf_model_type_problem(cfg: ModelConfig, field: str = "model.hf_model_type", 
         else:
             fix = f"set {_layout_settings(cfg, cfg.hf_model_type)}" + (f", or {other}" if other else "")
         return (f"{value} with {', '.join(off)}: transformers' {arch} computes {computes}, so the export "
-                f"would be refused{'' if fixed else ' after training'}; {fix}")
+                f"{refused}; {fix}")
     if cfg.kind == "bert" and cfg.norm_position != "post":
         fix = ("only a post-LN BERT (model.norm_position='post') exports" if fixed else
                f"set model.norm_position='post', or {unset}")
         return (f"{value} with model.norm_position={cfg.norm_position!r}: a pre-LN BERT ends in a LayerNorm "
-                f"that transformers' masked-LM models have no place for, so the export would be refused"
-                f"{'' if fixed else ' after training'}; {fix}")
+                f"that transformers' masked-LM models have no place for, so the export {refused}; {fix}")
     if cfg.hf_model_type in HF_MODEL_TYPES["bert"][1:] and cfg.activation != "gelu":
         fix = (f"use {as_type('bert')} (its head computes {cfg.activation!r}), or {unset}" if fixed else
                f"use model.activation='gelu', or {as_type('bert')}")
