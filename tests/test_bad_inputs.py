@@ -315,6 +315,7 @@ def test_train_check_reports_and_creates_nothing(paths, capsys, monkeypatch):
     monkeypatch.chdir(paths)
     code, out, err = run_cli(["train", "--check", "--model.n_layer=2", "--model.n_embd=64"], capsys)
     assert code == 0 and out.startswith("ok: runs/") and "a new run" in out and "parameters" in out, err
+    assert "\nmodel: gpt, 2 layers x 64 hidden, seq " in out, out  # the layout it would build
     assert not (paths / "runs").exists()
     # the activations at a step's peak (stored + backward's working set, the closed form), which
     # --check did not count: a config needing ~180 GiB of them passed as "ok" with nothing said

@@ -393,6 +393,35 @@ class ModelConfig:
         s = self.seq_len if seq_len is None else seq_len
         return tuple(None if w is None or w >= s else w for w in self.windows)
 
+    def layer_options(self) -> list[str]:
+        """The layer options the model uses besides the GPT-2 layout, in words ([] for that layout)."""
+        scaled = "" if self.rope_scaling == "none" else f", {self.rope_scaling} scaling x{self.rope_factor:g}" + (
+            f" from {self.rope_original_seq_len} (bands {self.rope_low_freq_factor:g}-{self.rope_high_freq_factor:g})"
+            if self.rope_scaling == "llama3" else "")
+        parts = [name for name, on in (("RMSNorm", self.norm == "rmsnorm"),
+                                       (f"rope (theta {self.rope_theta:g}{scaled})", self.position == "rope"),
+                                       ("SwiGLU", self.activation == "swiglu"),
+                                       ("post-LN", self.norm_position == "post"),
+                                       ("reordered norms", self.norm_position == "reordered"),
+                                       ("attention within documents", self.document_mask)) if on]
+        if self.kv_heads != self.n_head:
+            parts.append(f"{self.kv_heads} key/value heads for {self.n_head}")
+        if self.attention_width != self.n_embd:
+            parts.append(f"heads of {self.head_dim}")
+        if self.qk_norm:
+            parts.append("q/k norms" if self.qk_norm_layout == "head" else "q/k projection norms")
+        if self.window_layout != "none":
+            parts.append(self.window_words())
+        if self.qkv_biased != self.bias:
+            parts.append("biases on q, k, v only" if self.qkv_biased else "no biases on q, k, v")
+        return parts
+
+    def layout_words(self) -> str:
+        """The model's shape and layers in words, for the run's header and `largebatch train --check`
+        ("4 layers x 256 hidden, seq 128, sdpa attention, RMSNorm, rope (theta 10000), SwiGLU")."""
+        return ", ".join([f"{self.n_layer} layers x {self.n_embd} hidden", f"seq {self.seq_len}",
+                          f"{self.attention} attention", *self.layer_options()])
+
     def window_words(self) -> str:
         """The windows in words, for logs and reports ("sliding window 32 on 3 of 4 layers"); "" without."""
         if self.window_layout == "none":

@@ -92,7 +92,8 @@ def build_parser(train_config: type) -> argparse.ArgumentParser:
                         f"({', '.join(shipped_configs())}; default {DEFAULT_CONFIG})")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its saved config")
     parser.add_argument("--check", action="store_true",
-                        help="check config, run dir, device and memory, then exit")
+                        help="check config, run dir, device and memory, print the model's layout and "
+                             "the schedule, then exit")
     parser.add_argument("--help-config", action="store_true",
                         help="every field with its type, default and meaning, by table")
     add_config_arguments(parser, train_config)
@@ -311,6 +312,7 @@ def _launch(args, unknown: list[str], parser) -> int:
               f"{human_bytes(state.available)} "
               f"available ({state.source}); `largebatch memory --config FILE` breaks the activations down "
               f"and plans recomputation")
+        print(f"model: {cfg.model.kind}, {cfg.model.layout_words()}")
         if activations is not None and state.bytes + activations > state.available:
             print(f"largebatch train: warning: the state and the predicted activations, "
                   f"{human_bytes(state.bytes + activations)} per process, exceed the "

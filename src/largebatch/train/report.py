@@ -115,8 +115,7 @@ class Reporting:
         lines = [f"run dir      {self.run_dir}",
                  "data         " + self.data.stats.describe(cfg.run.total_tokens).replace("\n", "\n" + " " * 13),
                  f"model        {cfg.model.kind} {human_count(self.n_params)} parameters, "
-                 f"{cfg.model.n_layer} layers x {cfg.model.n_embd} hidden, seq {cfg.model.seq_len}, "
-                 f"{cfg.model.attention} attention{_layer_options(cfg.model)}, recompute {','.join(cfg.run.recompute)}",
+                 f"{cfg.model.layout_words()}, recompute {','.join(cfg.run.recompute)}",
                  f"optimizer    {cfg.optim.name} (weight decay {cfg.optim.weight_decay}, "
                  f"grad clip {cfg.optim.grad_clip}; LR x lr_mult per group: "
                  f"{', '.join(str(g.get('lr_mult', 1.0)) for g in self.optimizer.param_groups)})"
@@ -253,28 +252,3 @@ class Reporting:
         if separator is not None and separator in out:
             out = out[:out.index(separator) + 1]
         return self.data.tokenizer.decode(ids + out)
-
-
-def _layer_options(model) -> str:
-    """The Llama-style layer options a model uses, for the run's header ("" for the GPT-2 layout)."""
-    scaled = "" if model.rope_scaling == "none" else f", {model.rope_scaling} scaling x{model.rope_factor:g}" + (
-        f" from {model.rope_original_seq_len} (bands {model.rope_low_freq_factor:g}-{model.rope_high_freq_factor:g})"
-        if model.rope_scaling == "llama3" else "")
-    parts = [name for name, on in (("RMSNorm", model.norm == "rmsnorm"),
-                                   (f"rope (theta {model.rope_theta:g}{scaled})", model.position == "rope"),
-                                   ("SwiGLU", model.activation == "swiglu")) if on]
-    if model.document_mask:
-        parts.append("attention within documents")
-    if model.kv_heads != model.n_head:
-        parts.append(f"{model.kv_heads} key/value heads for {model.n_head}")
-    if model.attention_width != model.n_embd:
-        parts.append(f"heads of {model.head_dim}")
-    if model.qk_norm:
-        parts.append("q/k norms" if model.qk_norm_layout == "head" else "q/k projection norms")
-    if model.norm_position == "reordered":
-        parts.append("reordered norms")
-    if model.window_layout != "none":
-        parts.append(model.window_words())
-    if model.qkv_biased != model.bias:
-        parts.append("biases on q, k, v only" if model.qkv_biased else "no biases on q, k, v")
-    return "".join(f", {part}" for part in parts)
