@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train",),  # the trainer: config, loop, metrics, run directories
     ("integrations",),  # bridges to other libraries
     ("export",),  # a run -> another library's format (integrations' writers)
-    ("finetune", "generate", "perplexity"),  # a pretrained run downstream; text from a run; a text's score
+    ("finetune", "generate", "perplexity", "fill_mask"),  # a run downstream; text from a run; a text's score;
+    # a BERT run's masked tokens
     ("experiments",),  # paper reproductions (the bert-lans one fine-tunes its runs)
     ("cli",),  # the dispatcher
     ("__main__",),  # python -m largebatch

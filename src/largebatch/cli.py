@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("largebatch.export", "write a trained run as a transformers model (--format hf)"),
     "generate": ("largebatch.generate", "sample text from a trained GPT run (a KV cache; the run's tokenizer)"),
     "perplexity": ("largebatch.perplexity", "score a text with a trained GPT run: loss, perplexity, bits per byte"),
+    "fill-mask": ("largebatch.fill_mask", "fill in a text's masked tokens with a trained BERT run: top tokens"),
     "finetune": ("largebatch.finetune", "fine-tune a run on a downstream task: pretrained vs scratch accuracy"),
     "data": ("largebatch.train.data_cli", "build a run's tokenized data ahead of it; list and clean the data cache"),
 }

@@ -116,7 +116,7 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     if model_spec(config.kind).objective != "causal":
         raise GenerateError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language "
                             "model): it fills in masked tokens and does not write text left to right; "
-                            "`largebatch finetune` judges it downstream")
+                            "`largebatch fill-mask` shows what it predicts, `largebatch finetune` judges it downstream")
     if tokenizer is None:
         raise GenerateError(f"RUN_DIR {str(run_dir)!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
     note = partial_note(loaded, "samples from")

@@ -295,7 +295,8 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
     if model_spec(config.kind).objective != "causal":
         raise PerplexityError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language model): "
                               "it predicts masked tokens from both sides, so a text's left-to-right perplexity is "
-                              "not its loss; `largebatch finetune` judges it downstream")
+                              "not its loss; `largebatch fill-mask` shows what it predicts, `largebatch finetune` "
+                              "judges it downstream")
     where_from = f"--corpus {corpus!r}" if corpus is not None else "--split val"
 
     def named(exc: Exception) -> PerplexityError:  # the corpus reader's words name the trainer's field

@@ -425,16 +425,37 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int, one_segment: bool = Fals
     ``model_max_length`` is the model's context (``max_length``), so ``truncation=True`` cuts there.
     ``one_segment``: the model has one segment (the RoBERTa family): pairs as RoBERTa's, without
     token_type_ids, whatever the special tokens' names."""
-    from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: the post-processor is ours to set
-    special = special_tokens(tok, kind)
     if kind == "gpt":
+        tok = copy_tokenizer(tokenizer)
         tok.post_processor = None
         return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"],
                                        model_max_length=max_length, clean_up_tokenization_spaces=False,
-                                       **special)
+                                       **special_tokens(tok, kind))
+    tok, special, roberta = masked_lm_encoder(tokenizer, kind, one_segment)
+    inputs = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids", "attention_mask"]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_max_length=max_length,
+        model_input_names=inputs, clean_up_tokenization_spaces=False, **special)
+
+
+def copy_tokenizer(tokenizer):
+    """A copy of a ``tokenizers.Tokenizer`` (its post-processor and added tokens are the copy's to set)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer.to_str())
+
+
+def masked_lm_encoder(tokenizer, kind: str, one_segment: bool = False) -> tuple[Any, dict[str, str], bool]:
+    """A copy of a masked-LM run's tokenizer that encodes as the exported one does (``transformers``
+    not needed): a text as ``[CLS] text [SEP]`` (a pair with the model family's separators), and the
+    mask token written in a text read as the mask (``_mask_token``). Returns it, transformers'
+    special-token arguments, and whether pairs are RoBERTa's (one segment)."""
+    from tokenizers import processors
+
+    tok = copy_tokenizer(tokenizer)
+    special = special_tokens(tok, kind)
     cls, sep, mask = special["cls_token"], special["sep_token"], special["mask_token"]
     # a pair as the model family has it: BERT's segment B (type 1, the second row of the exported
     # segment embedding, zeros until fine-tuned) after [SEP]; RoBERTa's </s></s> between, one segment
@@ -444,10 +465,7 @@ def hf_tokenizer(tokenizer, kind: str, max_length: int, one_segment: bool = Fals
         single=f"{cls} $A {sep}", pair=pair,
         special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
     tok.add_special_tokens([_mask_token(tok, mask)])
-    inputs = ["input_ids", "attention_mask"] if roberta else ["input_ids", "token_type_ids", "attention_mask"]
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=max_length,
-        model_input_names=inputs, clean_up_tokenization_spaces=False, **special)
+    return tok, special, roberta
 
 
 def _mask_token(tok, mask: str):

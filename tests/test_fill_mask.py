@@ -1,0 +1,102 @@
+"""`largebatch fill-mask`: a BERT run's most likely tokens at each mask of a text, the tokens and
+probabilities transformers' fill-mask pipeline gives on the run's export (an independent encoder,
+model and softmax), and one-line refusals of what it cannot do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from largebatch.cli import main as cli_main
+from test_export import export, tiny, train
+
+TEXT = "KING HENRY: My lord, the [MASK] is come.\nNow is the winter of our [MASK]."
+
+
+@pytest.fixture(scope="module")
+def bert_run(tiny_data_cache, tmp_path_factory):
+    # post-LN (it exports), trained long enough that its predictions are far from uniform
+    out = tmp_path_factory.mktemp("runs") / "bert"
+    return train(tiny(tiny_data_cache, out, **{"model.kind": "bert", "model.norm_position": "post",
+                                              "run.total_tokens": 48 * 8 * 80}))
+
+
+def _fill(run: Path, capsys, *args: str) -> tuple[int, str, str]:
+    code = cli_main(["fill-mask", str(run), *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_fill_mask_gives_what_transformers_fill_mask_pipeline_gives_on_the_export(bert_run, tmp_path, capsys):
+    import transformers
+
+    code, out, err = _fill(bert_run, capsys, "--text", TEXT, "--top-k", "7", "--json")
+    assert code == 0, err
+    ours = json.loads(out)
+    assert len(ours["masks"]) == 2 and all(len(m["candidates"]) == 7 for m in ours["masks"])
+    assert export(bert_run, tmp_path / "hf") == 0
+    capsys.readouterr()
+    pipe = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"), top_k=7, device="cpu")
+    theirs = pipe(TEXT)  # one list of candidates per mask
+    assert len(theirs) == 2
+    tok = pipe.tokenizer
+    ids = tok(TEXT)["input_ids"]
+    assert [i for i, t in enumerate(ids) if t == tok.mask_token_id] == [m["position"] for m in ours["masks"]]
+    assert ours["tokens"] == len(ids)
+    for mask, their in zip(ours["masks"], theirs):
+        probabilities = [c["probability"] for c in mask["candidates"]]
+        assert probabilities == pytest.approx([t["score"] for t in their], rel=1e-4, abs=1e-7)
+        for rank, (c, t) in enumerate(zip(mask["candidates"], their)):
+            near = [abs(probabilities[rank] - probabilities[j]) < 1e-5 * probabilities[rank]
+                    for j in (rank - 1, rank + 1) if 0 <= j < len(probabilities)]
+            if not any(near):  # (two candidates within float noise may rank either way)
+                assert (c["token_id"], c["text"]) == (t["token"], t["token_str"]), (rank, mask, their)
+    top = ours["masks"][0]["candidates"][0]
+    assert top["probability"] > 0.04  # (trained: far above uniform's 1 / 400)
+    # the text filled with each mask's most likely token, as the export's tokenizer decodes it
+    filled = list(ids)
+    for mask in ours["masks"]:
+        filled[mask["position"]] = mask["candidates"][0]["token_id"]
+    assert ours["filled"] == tok.decode(filled, skip_special_tokens=True)
+    # the plain output: the filled text, then one line per mask
+    code, out, err = _fill(bert_run, capsys, "--text", TEXT)
+    assert code == 0 and out.startswith(ours["filled"] + "\n"), err
+    lines = out.splitlines()[-2:]
+    assert lines[0].startswith(f"[MASK] 1 (token {ours['masks'][0]['position']}): {json.dumps(top['text'])} ")
+    assert len(lines[1].split("  ")) == 5  # (the default --top-k)
+    assert "2 mask(s)" in err
+
+
+def test_fill_mask_refuses_what_it_cannot_do_in_one_line(bert_run, tiny_data_cache, tmp_path, capsys):
+    for args, words in ((["--text", "no mask here"], "has no [MASK] token: write [MASK] where"),
+                        (["--text", "the [MASK] " + "word " * 60], "the model reads at most 48 (its model.seq_len)"),
+                        (["--text", "[MASK]", "--top-k", "0"], "--top-k"),
+                        (["--text", "a [MASK]", "--device", "tpu"], "--device")):
+        code, out, err = _fill(bert_run, capsys, *args)
+        assert code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    gpt = train(tiny(tiny_data_cache, tmp_path / "gpt"))
+    code, out, err = _fill(gpt, capsys, "--text", "the [MASK] of")
+    assert code == 2 and "a causal language model" in err and "largebatch generate" in err, err
+
+
+def test_the_python_function_matches_a_float64_softmax_of_the_models_logits(bert_run):
+    """fill_mask's probabilities against the model's own logits at the masked positions, softmaxed in
+    float64 (the encoding checked above), ranked the same."""
+    from largebatch.export import load_run
+    from largebatch.fill_mask import fill_mask
+    from largebatch.integrations.hf_export import masked_lm_encoder
+
+    result = fill_mask(bert_run, TEXT, top_k=3, log=lambda *_: None)
+    loaded = load_run(bert_run, log=lambda *_: None)
+    encoder, _, _ = masked_lm_encoder(loaded.tokenizer, "bert")
+    ids = encoder.encode(TEXT).ids
+    with torch.no_grad():
+        logits = loaded.model.eval()(torch.tensor([ids]))[0][0].double()
+    for mask in result["masks"]:
+        p = torch.softmax(logits[mask["position"]], dim=-1)
+        expected = p.topk(3)
+        assert [c["token_id"] for c in mask["candidates"]] == expected.indices.tolist()
+        assert [c["probability"] for c in mask["candidates"]] == pytest.approx(expected.values.tolist(), rel=1e-5)
