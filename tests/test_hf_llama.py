@@ -700,6 +700,27 @@ def test_llama3_and_linear_rope_scaling_is_the_formula():
     assert linear.tolist() == pytest.approx([f / 4.0 for f in w], rel=1e-15)
 
 
+def test_a_rope_factor_the_scaling_does_not_read_is_refused_naming_the_scaling(tmp_path, capsys):
+    """--model.rope_factor=32 without rope_scaling trained unscaled, silently; a llama3 band under
+    the linear scaling likewise. The defaults (a saved config.toml writes every field) pass."""
+    from largebatch.cli import main as cli_main
+
+    rope = dict(position="rope", norm="rmsnorm")
+    for given, scaling in (({"rope_factor": 32.0}, "none"), ({"rope_original_seq_len": 4096}, "none"),
+                           ({"rope_low_freq_factor": 2.0}, "linear"), ({"rope_high_freq_factor": 8.0}, "linear")):
+        name = next(iter(given))
+        with pytest.raises(ValueError, match=rf"ModelConfig.{name}=.* with rope_scaling='{scaling}': it is read "
+                                             rf"with rope_scaling .* only, so it would change nothing"):
+            ModelConfig(**rope, rope_scaling=scaling, **given)
+    ModelConfig(**rope, rope_scaling="linear", rope_factor=4.0)
+    ModelConfig(**rope, rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=2.0)
+    ModelConfig(**rope, rope_factor=8.0, rope_original_seq_len=8192)  # (the defaults)
+    assert cli_main(["train", "llama-demo", "--model.rope_factor=32", "--check",
+                     f"--run.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.rope_factor=32.0 with rope_scaling='none'" in err and "set rope_scaling, or leave" in err, err
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},  # Llama 3.2

@@ -87,6 +87,11 @@ NORM_POSITIONS, ACTIVATIONS = get_args(NormPosition), get_args(Activation)
 POSITIONS, NORMS = get_args(Position), get_args(Norm)
 
 
+# the rotary scaling's factors and their defaults (ModelConfig: read only by the scalings that use them)
+ROPE_SCALING_DEFAULTS = {"rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                         "rope_original_seq_len": 8192}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = field(default="gpt", metadata={"choices": MODELS})
@@ -184,13 +189,13 @@ class ModelConfig:
     than rope_original_seq_len / rope_high_freq_factor is kept, and those between are interpolated
     between the two). model.init_from reads it from a transformers config.json (rope_scaling or
     rope_parameters) and the export writes it back (docs/papers.md: Llama-style layers)."""
-    rope_factor: float = 8.0
+    rope_factor: float = ROPE_SCALING_DEFAULTS["rope_factor"]
     """rope_scaling's factor (Llama 3.1: 8, Llama 3.2: 32); read with rope_scaling "linear" or "llama3" only."""
-    rope_low_freq_factor: float = 1.0
+    rope_low_freq_factor: float = ROPE_SCALING_DEFAULTS["rope_low_freq_factor"]
     """rope_scaling="llama3": wavelengths past rope_original_seq_len / this are divided by rope_factor."""
-    rope_high_freq_factor: float = 4.0
+    rope_high_freq_factor: float = ROPE_SCALING_DEFAULTS["rope_high_freq_factor"]
     """rope_scaling="llama3": wavelengths under rope_original_seq_len / this are kept as they are."""
-    rope_original_seq_len: int = 8192
+    rope_original_seq_len: int = ROPE_SCALING_DEFAULTS["rope_original_seq_len"]
     """rope_scaling="llama3": the context the model was first trained on (transformers'
     original_max_position_embeddings; Llama 3: 8192)."""
     activation: Activation = "gelu"
@@ -292,6 +297,7 @@ class ModelConfig:
                                                   or self.rope_original_seq_len < 1):
                 raise ValueError(f"ModelConfig.rope_original_seq_len={self.rope_original_seq_len!r}: must be a "
                                  "positive integer (Llama 3: 8192).")
+        self._check_unread_rope_fields()
         if self.activation == "swiglu" and model_spec(self.kind).objective == "masked":
             raise ValueError(f"ModelConfig.activation='swiglu' with kind={self.kind!r}: the gated MLP is for "
                              "causal models here (the masked-LM head has one activation and no gate); use "
@@ -392,6 +398,21 @@ class ModelConfig:
         attends to every earlier position -- a window of seq_len or more included (the same attention)."""
         s = self.seq_len if seq_len is None else seq_len
         return tuple(None if w is None or w >= s else w for w in self.windows)
+
+    def _check_unread_rope_fields(self) -> None:
+        """A rope_scaling factor set where the scaling does not read it changes nothing: refused (a
+        --model.rope_factor=32 without rope_scaling trained unscaled). Values equal to the defaults
+        pass (a saved config.toml writes every field). With init_from the directory decides."""
+        if self.init_from is not None:
+            return
+        read = {"none": (), "linear": ("rope_factor",)}.get(self.rope_scaling, ROPE_SCALING_DEFAULTS)
+        for name, default in ROPE_SCALING_DEFAULTS.items():
+            value = getattr(self, name)
+            if name not in read and value != default:
+                readers = '"linear" or "llama3"' if name == "rope_factor" else '"llama3"'
+                raise ValueError(f"ModelConfig.{name}={value!r} with rope_scaling={self.rope_scaling!r}: it is "
+                                 f"read with rope_scaling {readers} only, so it would change nothing; set "
+                                 f"rope_scaling, or leave {name} out.")
 
     def layer_options(self) -> list[str]:
         """The layer options the model uses besides the GPT-2 layout, in words ([] for that layout)."""
