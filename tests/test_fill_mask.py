@@ -1,6 +1,7 @@
 """`largebatch fill-mask`: a BERT run's most likely tokens at each mask of a text, the tokens and
-probabilities transformers' fill-mask pipeline gives on the run's export (an independent encoder,
-model and softmax), and one-line refusals of what it cannot do."""
+probabilities transformers' fill-mask pipeline gives on the run's export (its model and softmax; its
+tokenizer is the export's, so the encoding is checked against one written out here), and one-line
+refusals of what it cannot do."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from largebatch.cli import main as cli_main
-from test_export import export, tiny, train
+from test_export import export, roberta_style_tokenizer, tiny, train
 
 TEXT = "KING HENRY: My lord, the [MASK] is come.\nNow is the winter of our [MASK]."
 
@@ -22,6 +23,21 @@ def bert_run(tiny_data_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "bert"
     return train(tiny(tiny_data_cache, out, **{"model.kind": "bert", "model.norm_position": "post",
                                               "run.total_tokens": 48 * 8 * 80}))
+
+
+def _expected_ids(tokenizer, text: str, mask: str, cls: str, sep: str) -> list[int]:
+    """The ids training would give ``text`` with its masks (written out from the data pipeline's rule:
+    [CLS] body [SEP], a masked token replaced whole, its leading space included): the pieces between
+    the masks encoded alone, the one space before each mask dropped."""
+    pieces = text.split(mask)
+    ids = [tokenizer.token_to_id(cls)]
+    for n, piece in enumerate(pieces):
+        if n < len(pieces) - 1 and piece.endswith(" "):
+            piece = piece[:-1]
+        ids += tokenizer.encode(piece, add_special_tokens=False).ids if piece else []
+        if n < len(pieces) - 1:
+            ids.append(tokenizer.token_to_id(mask))
+    return ids + [tokenizer.token_to_id(sep)]
 
 
 def _fill(run: Path, capsys, *args: str) -> tuple[int, str, str]:
@@ -44,6 +60,8 @@ def test_fill_mask_gives_what_transformers_fill_mask_pipeline_gives_on_the_expor
     assert len(theirs) == 2
     tok = pipe.tokenizer
     ids = tok(TEXT)["input_ids"]
+    from largebatch.export import load_run
+    assert ids == _expected_ids(load_run(bert_run, log=lambda *_: None).tokenizer, TEXT, "[MASK]", "[CLS]", "[SEP]")
     assert [i for i, t in enumerate(ids) if t == tok.mask_token_id] == [m["position"] for m in ours["masks"]]
     assert ours["tokens"] == len(ids)
     for mask, their in zip(ours["masks"], theirs):
@@ -77,6 +95,14 @@ def test_fill_mask_refuses_what_it_cannot_do_in_one_line(bert_run, tiny_data_cac
                         (["--text", "a [MASK]", "--device", "tpu"], "--device")):
         code, out, err = _fill(bert_run, capsys, *args)
         assert code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "latin1.txt").write_bytes("ROM\xc9O [MASK]".encode("latin-1"))
+    code, out, err = _fill(bert_run, capsys, "--text-file", str(tmp_path / "latin1.txt"))
+    assert code == 2 and "--text-file" in err and "cannot be read (not UTF-8 text)" in err, err
+    (tmp_path / "text.txt").write_text(TEXT + "\n")  # as it is, its final newline included
+    code, out, err = _fill(bert_run, capsys, "--text-file", str(tmp_path / "text.txt"), "--json")
+    assert code == 0 and json.loads(out)["text"] == TEXT + "\n", err
+    code, out, err = _fill(bert_run, capsys, "--text", "ROM\udcc9O [MASK]")  # a terminal's latin-1 bytes
+    assert code == 2 and "--text is not UTF-8 text" in err, err
     gpt = train(tiny(tiny_data_cache, tmp_path / "gpt"))
     code, out, err = _fill(gpt, capsys, "--text", "the [MASK] of")
     assert code == 2 and "a causal language model" in err and "largebatch generate" in err, err
@@ -100,3 +126,39 @@ def test_the_python_function_matches_a_float64_softmax_of_the_models_logits(bert
         expected = p.topk(3)
         assert [c["token_id"] for c in mask["candidates"]] == expected.indices.tolist()
         assert [c["probability"] for c in mask["candidates"]] == pytest.approx(expected.values.tolist(), rel=1e-5)
+
+
+def test_a_pre_ln_bert_on_a_roberta_style_tokenizer_fills_its_mask_token(tiny_data_cache, tmp_path, capsys):
+    """A pre-LN BERT (it does not export) with RoBERTa's <mask>, <s> and </s>: the text encoded as
+    training would, the probabilities a float64 softmax of its logits; a tokenizer.json that pads
+    (many published ones do) changes nothing; --checkpoint reads an earlier step's weights."""
+    from tokenizers import Tokenizer
+
+    from largebatch.export import load_run
+    from largebatch.fill_mask import fill_mask
+
+    path = roberta_style_tokenizer(tmp_path / "roberta.json")
+    run = train(tiny(tiny_data_cache, tmp_path / "run", **{
+        "model.kind": "bert", "data.tokenizer_file": path, "run.total_tokens": 48 * 8 * 12,
+        "run.checkpoint_every_tokens": 48 * 8 * 6}))
+    text = "What, my dear lady <mask>! are you yet living?"
+    result = fill_mask(run, text, top_k=4, log=lambda *_: None)
+    assert result["mask_token"] == "<mask>" and len(result["masks"]) == 1
+    tokenizer = Tokenizer.from_file(path)
+    ids = _expected_ids(tokenizer, text, "<mask>", "<s>", "</s>")
+    assert result["tokens"] == len(ids) and result["masks"][0]["position"] == ids.index(tokenizer.token_to_id("<mask>"))
+    loaded = load_run(run, log=lambda *_: None)
+    with torch.no_grad():
+        logits = loaded.model.eval()(torch.tensor([ids]))[0][0, result["masks"][0]["position"]].double()
+    expected = torch.softmax(logits, dim=-1).topk(4)
+    assert [c["token_id"] for c in result["masks"][0]["candidates"]] == expected.indices.tolist()
+    assert [c["probability"] for c in result["masks"][0]["candidates"]] == pytest.approx(expected.values.tolist(),
+                                                                                          rel=1e-5)
+    padded = tmp_path / "padded.json"
+    tokenizer.enable_padding(length=40, pad_id=tokenizer.token_to_id("<pad>"), pad_token="<pad>")
+    tokenizer.save(str(padded))
+    again = fill_mask(run, text, top_k=4, tokenizer_file=padded, log=lambda *_: None)
+    assert again["masks"] == result["masks"] and again["tokens"] == len(ids)
+    earlier = fill_mask(run, text, top_k=4, checkpoint=6, log=lambda *_: None)
+    assert earlier["step"] == 6 and result["step"] == 12
+    assert earlier["masks"][0]["candidates"] != result["masks"][0]["candidates"]

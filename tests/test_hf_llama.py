@@ -702,23 +702,29 @@ def test_llama3_and_linear_rope_scaling_is_the_formula():
 
 def test_a_rope_factor_the_scaling_does_not_read_is_refused_naming_the_scaling(tmp_path, capsys):
     """--model.rope_factor=32 without rope_scaling trained unscaled, silently; a llama3 band under
-    the linear scaling likewise. The defaults (a saved config.toml writes every field) pass."""
+    the linear scaling likewise. The defaults (a copy of a run's config.toml writes every field) pass,
+    and a run's saved config with such a factor still loads (its export, --resume)."""
     from largebatch.cli import main as cli_main
+    from largebatch.train.config import ConfigError
 
-    rope = dict(position="rope", norm="rmsnorm")
-    for given, scaling in (({"rope_factor": 32.0}, "none"), ({"rope_original_seq_len": 4096}, "none"),
-                           ({"rope_low_freq_factor": 2.0}, "linear"), ({"rope_high_freq_factor": 8.0}, "linear")):
+    rope = {"model.position": "rope", "model.norm": "rmsnorm"}
+    for given, scaling in (({"model.rope_factor": 32.0}, "none"), ({"model.rope_original_seq_len": 4096}, "none"),
+                           ({"model.rope_low_freq_factor": 2.0}, "linear"),
+                           ({"model.rope_high_freq_factor": 8.0}, "linear")):
         name = next(iter(given))
-        with pytest.raises(ValueError, match=rf"ModelConfig.{name}=.* with rope_scaling='{scaling}': it is read "
-                                             rf"with rope_scaling .* only, so it would change nothing"):
-            ModelConfig(**rope, rope_scaling=scaling, **given)
-    ModelConfig(**rope, rope_scaling="linear", rope_factor=4.0)
-    ModelConfig(**rope, rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=2.0)
-    ModelConfig(**rope, rope_factor=8.0, rope_original_seq_len=8192)  # (the defaults)
+        with pytest.raises(ConfigError, match=rf"{name}=.* with model.rope_scaling='{scaling}': it is read "
+                                              rf"with rope_scaling .* only, so it would change nothing"):
+            load_config(None, {**rope, "model.rope_scaling": scaling, **given})
+    load_config(None, {**rope, "model.rope_scaling": "linear", "model.rope_factor": 4.0})
+    load_config(None, {**rope, "model.rope_scaling": "llama3", "model.rope_factor": 32.0,
+                       "model.rope_low_freq_factor": 2.0})
+    load_config(None, {**rope, "model.rope_factor": 8.0, "model.rope_original_seq_len": 8192})  # (the defaults)
+    saved = load_config(None, {**rope, "model.rope_factor": 32.0}, resolve_init=False)  # (a --resume's)
+    assert ModelConfig(**{**saved.model.__dict__}).rope_factor == 32.0  # (an export's: the model alone)
     assert cli_main(["train", "llama-demo", "--model.rope_factor=32", "--check",
                      f"--run.out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert "model.rope_factor=32.0 with rope_scaling='none'" in err and "set rope_scaling, or leave" in err, err
+    assert "model.rope_factor=32.0 with model.rope_scaling='none'" in err and "or leave model.rope_factor" in err, err
 
 
 @pytest.mark.parametrize("rope", [

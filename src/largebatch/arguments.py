@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,6 +100,31 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str], body: Callable
     except errors as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the file a command's ``flag`` names ('-': standard input), as it is (a final
+    newline included); ValueError with the one-line refusal when it cannot be read."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc)
+        where = "standard input" if path == "-" else repr(path)
+        raise ValueError(f"{flag} {where}: cannot be read ({why}): pass a UTF-8 text file") from None
+
+
+def not_utf8(text: str, where: str) -> str | None:
+    """The one-line refusal of a ``text`` (named ``where``: "--prompt", "document 'a.txt'") that is not
+    UTF-8 -- lone surrogate code points, such as the undecodable bytes a terminal passes become --,
+    None when it is UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"{where} is not UTF-8 text (it holds lone surrogate code points, such as undecodable bytes "
+                "become): pass UTF-8 text")
+    return None
 
 
 def finite_float(text: str) -> float:

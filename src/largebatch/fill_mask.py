@@ -18,6 +18,7 @@ candidates and their probabilities; the timing goes to stderr.
 
 Options:
   --text TEXT          the text, with one or more mask tokens where the model should fill in one
+  --text-file PATH     read the text from a file ('-': standard input) instead, as it is
   --top-k K            candidates shown per mask (default 5)
   --json               one JSON object on stdout: the filled text, each mask's position among the
                        tokens and its candidates (token id, token, decoded text, probability), with
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import run_command, run_dir_parser, whole_number
+from largebatch.arguments import not_utf8, read_text_file, run_command, run_dir_parser, whole_number
 from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
@@ -47,8 +48,11 @@ class FillMaskError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = run_dir_parser("largebatch fill-mask", __doc__, "largebatch fill-mask RUN_DIR --text TEXT [options]")
-    p.add_argument("--text", required=True, help=argparse.SUPPRESS)
+    p = run_dir_parser("largebatch fill-mask", __doc__,
+                       "largebatch fill-mask RUN_DIR (--text TEXT | --text-file PATH) [options]")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help=argparse.SUPPRESS)
+    text.add_argument("--text-file", help=argparse.SUPPRESS)
     p.add_argument("--top-k", type=whole_number("--top-k", 1), default=5, help=argparse.SUPPRESS)
     return p
 
@@ -62,6 +66,7 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     the checkpoint, its step and the time taken. See the module's docstring for the arguments."""
     import torch
 
+    from largebatch.data.tokenizer import plain
     from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
     from largebatch.integrations.hf_export import masked_lm_encoder
     from largebatch.models.registry import model_spec
@@ -77,13 +82,10 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
                             "it predicts the next token, not masked ones; `largebatch generate` continues a text")
     if tokenizer is None:
         raise FillMaskError(f"RUN_DIR {str(run_dir)!r}: its tokenizer cannot be recovered: pass --tokenizer PATH")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: the bytes a terminal passed that are not UTF-8
-        raise FillMaskError("--text is not UTF-8 text (it holds lone surrogate code points, such as "
-                            "undecodable bytes become): pass UTF-8 text") from None
-    try:
-        encoder, special, _ = masked_lm_encoder(tokenizer, config.kind)
+    if (problem := not_utf8(text, "--text")) is not None:
+        raise FillMaskError(problem)
+    try:  # (no padding or truncation a tokenizer.json may carry: the text's own tokens)
+        encoder, special, _ = masked_lm_encoder(plain(tokenizer), config.kind)
     except ExportError as exc:  # (its words name --tokenizer: the same fix here)
         raise FillMaskError(str(exc)) from None
     mask = special["mask_token"]
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _filled(args: argparse.Namespace) -> int:
     """The command's work: fill the masks, then print the text and the candidates (timing on stderr)."""
+    if args.text_file is not None:
+        try:
+            args.text = read_text_file(args.text_file, "--text-file")
+        except ValueError as exc:
+            raise FillMaskError(str(exc)) from None
     result = fill_mask(args.run_dir, args.text, args.top_k, args.device, args.tokenizer, args.checkpoint,
                        args.ema, log=lambda m: print(m, file=sys.stderr))
     if args.json:

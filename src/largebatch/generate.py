@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import finite_float, run_command, run_dir_parser, whole_number
+from largebatch.arguments import finite_float, not_utf8, read_text_file, run_command, run_dir_parser, whole_number
 from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
@@ -85,13 +85,9 @@ def _prompt_text(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
         return args.prompt or ""
     try:
-        if args.prompt_file == "-":
-            return sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-        return Path(args.prompt_file).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or ("not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc)
-        where = "standard input" if args.prompt_file == "-" else repr(args.prompt_file)
-        raise GenerateError(f"--prompt-file {where}: cannot be read ({why}): pass a UTF-8 text file") from None
+        return read_text_file(args.prompt_file, "--prompt-file")
+    except ValueError as exc:
+        raise GenerateError(str(exc)) from None
 
 
 def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None = None, samples: int = 1,
@@ -127,16 +123,15 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
         log(f"note: this checkpoint has trained sequences of {trained} tokens only (the run's phases: its "
             f"model.seq_len is {config.seq_len}), so the model reads the last {trained} tokens")
         model.config = config = config.replace(seq_len=trained)  # (generate's context and cache follow it)
+    from largebatch.data.tokenizer import plain
     from largebatch.data.tokenizer import separator_id as find_separator
 
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: the bytes a terminal passed that are not UTF-8
-        raise GenerateError("--prompt is not UTF-8 text (it holds lone surrogate code points, such as "
-                            "undecodable bytes become): pass UTF-8 text") from None
+    if (problem := not_utf8(prompt, "--prompt")) is not None:
+        raise GenerateError(problem)
     separator_id = find_separator(tokenizer, config.separator_id)
-    # as the run's text was encoded: no special tokens a tokenizer's post-processor adds (<s>, [CLS])
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids if prompt else []
+    # as the run's text was encoded: no special tokens a tokenizer's post-processor adds (<s>, [CLS]),
+    # no padding or truncation a tokenizer.json may carry
+    ids = plain(tokenizer).encode(prompt, add_special_tokens=False).ids if prompt else []
     if not ids:
         if separator_id is None:
             raise GenerateError("the prompt is empty and the run's tokenizer has no document separator to "

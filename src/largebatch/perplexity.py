@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from largebatch.arguments import run_command, run_dir_parser, whole_number
+from largebatch.arguments import not_utf8, run_command, run_dir_parser, whole_number
 from largebatch.export import weights_label
 from largebatch.integrations import ExportError
 
@@ -370,12 +370,9 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
 
         try:
             for doc in source:
-                try:
-                    doc.text.encode("utf-8")
-                except UnicodeEncodeError:  # lone surrogates: bytes a terminal or a JSON escape made
-                    where = "--text" if text is not None else f"document {doc.name!r}"
-                    raise PerplexityError(f"{where} is not UTF-8 text (it holds lone surrogate code points, such "
-                                          "as undecodable bytes become): pass UTF-8 text") from None
+                where = "--text" if text is not None else f"document {doc.name!r}"
+                if (problem := not_utf8(doc.text, where)) is not None:  # (bytes a terminal or a JSON escape made)
+                    raise PerplexityError(problem)
                 if len(doc.text) > ENCODE_BATCH:
                     yield from flush()
                     chars = 0

@@ -92,6 +92,14 @@ ROPE_SCALING_DEFAULTS = {"rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_
                          "rope_original_seq_len": 8192}
 
 
+def unread_rope_fields(cfg: ModelConfig) -> list[str]:
+    """The rope scaling factors ``cfg`` sets to other than their defaults where its rope_scaling does
+    not read them (rope_factor without a scaling; a llama3 band under "linear"): they change nothing."""
+    read = {"none": (), "linear": ("rope_factor",)}.get(cfg.rope_scaling, tuple(ROPE_SCALING_DEFAULTS))
+    return [name for name, default in ROPE_SCALING_DEFAULTS.items()
+            if name not in read and getattr(cfg, name) != default]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = field(default="gpt", metadata={"choices": MODELS})
@@ -297,7 +305,6 @@ class ModelConfig:
                                                   or self.rope_original_seq_len < 1):
                 raise ValueError(f"ModelConfig.rope_original_seq_len={self.rope_original_seq_len!r}: must be a "
                                  "positive integer (Llama 3: 8192).")
-        self._check_unread_rope_fields()
         if self.activation == "swiglu" and model_spec(self.kind).objective == "masked":
             raise ValueError(f"ModelConfig.activation='swiglu' with kind={self.kind!r}: the gated MLP is for "
                              "causal models here (the masked-LM head has one activation and no gate); use "
@@ -398,21 +405,6 @@ class ModelConfig:
         attends to every earlier position -- a window of seq_len or more included (the same attention)."""
         s = self.seq_len if seq_len is None else seq_len
         return tuple(None if w is None or w >= s else w for w in self.windows)
-
-    def _check_unread_rope_fields(self) -> None:
-        """A rope_scaling factor set where the scaling does not read it changes nothing: refused (a
-        --model.rope_factor=32 without rope_scaling trained unscaled). Values equal to the defaults
-        pass (a saved config.toml writes every field). With init_from the directory decides."""
-        if self.init_from is not None:
-            return
-        read = {"none": (), "linear": ("rope_factor",)}.get(self.rope_scaling, ROPE_SCALING_DEFAULTS)
-        for name, default in ROPE_SCALING_DEFAULTS.items():
-            value = getattr(self, name)
-            if name not in read and value != default:
-                readers = '"linear" or "llama3"' if name == "rope_factor" else '"llama3"'
-                raise ValueError(f"ModelConfig.{name}={value!r} with rope_scaling={self.rope_scaling!r}: it is "
-                                 f"read with rope_scaling {readers} only, so it would change nothing; set "
-                                 f"rope_scaling, or leave {name} out.")
 
     def layer_options(self) -> list[str]:
         """The layer options the model uses besides the GPT-2 layout, in words ([] for that layout)."""

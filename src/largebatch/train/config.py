@@ -29,6 +29,7 @@ from largebatch.checkpoint.files import atomic_write_text
 from largebatch.data import DataConfig
 from largebatch.data.dataset import BERTDataset
 from largebatch.models import ModelConfig, model_spec
+from largebatch.models.config import unread_rope_fields
 from largebatch.models.flops import RecomputePolicy
 from largebatch.optim.groups import ADAPT_DEFAULT, CATEGORIES
 from largebatch.parallel.config import ParallelConfig, check_tp_divides
@@ -374,6 +375,19 @@ class TrainConfig:
 KIND_OBJECTIVE = {"gpt": "causal language model", "bert": "masked language model"}
 
 
+def _refuse_unread_rope_fields(model: ModelConfig, given: set[str]) -> None:
+    """A rope scaling factor the user set (``given``) where model.rope_scaling does not read it: a
+    --model.rope_factor=32 without rope_scaling trained unscaled, silently. Values equal to the
+    defaults pass (a copy of a run's config.toml writes every field)."""
+    unread = [name for name in unread_rope_fields(model) if f"model.{name}" in given]
+    if unread:
+        name = unread[0]
+        readers = '"linear" or "llama3"' if name == "rope_factor" else '"llama3"'
+        raise ConfigError(f"model.{name}={getattr(model, name)!r} with model.rope_scaling={model.rope_scaling!r}: "
+                          f"it is read with rope_scaling {readers} only, so it would change nothing; set "
+                          f"model.rope_scaling, or leave model.{name} out")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 resolve_init: bool = True, warn: Callable[[str], None] | None = None,
                 run_dir: str | Path | None = None) -> TrainConfig:
@@ -395,6 +409,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_dotted(tree, key, value)
         given.add(key)
     cfg = from_dict(TrainConfig, tree)
+    if resolve_init and not cfg.model.init_from:  # (a resume's saved config, or a directory's, is not the user's)
+        _refuse_unread_rope_fields(cfg.model, given)
     if cfg.phases and "run.total_tokens" in given:  # (check() can tell a given budget from the default
         check_phases_budget(cfg.run.total_tokens, cfg.phases)  # only when it differs from it)
     if cfg.model.init_from and resolve_init:
