@@ -103,6 +103,14 @@ def test_fill_mask_refuses_what_it_cannot_do_in_one_line(bert_run, tiny_data_cac
     assert code == 0 and json.loads(out)["text"] == TEXT + "\n", err
     code, out, err = _fill(bert_run, capsys, "--text", "ROM\udcc9O [MASK]")  # a terminal's latin-1 bytes
     assert code == 2 and "--text is not UTF-8 text" in err, err
+    from largebatch.fill_mask import FillMaskError, fill_mask
+
+    with pytest.raises(FillMaskError, match="must be a str"):
+        fill_mask(bert_run, b"the [MASK]", log=lambda *_: None)
+    import numpy as np
+    result = fill_mask(bert_run, "the [MASK]", top_k=np.int64(3), log=lambda *_: None)  # (numpy's integers too)
+    assert result["top_k"] == 3 and len(result["masks"][0]["candidates"]) == 3
+    assert fill_mask(bert_run, "the [MASK]", top_k=10**6, log=lambda *_: None)["top_k"] == 400  # (the vocabulary)
     gpt = train(tiny(tiny_data_cache, tmp_path / "gpt"))
     code, out, err = _fill(gpt, capsys, "--text", "the [MASK] of")
     assert code == 2 and "a causal language model" in err and "largebatch generate" in err, err
@@ -162,3 +170,27 @@ def test_a_pre_ln_bert_on_a_roberta_style_tokenizer_fills_its_mask_token(tiny_da
     earlier = fill_mask(run, text, top_k=4, checkpoint=6, log=lambda *_: None)
     assert earlier["step"] == 6 and result["step"] == 12
     assert earlier["masks"][0]["candidates"] != result["masks"][0]["candidates"]
+
+
+def test_a_lowercasing_byte_level_tokenizer_keeps_the_whitespace_before_a_mask(tmp_path):
+    """A byte-level BPE whose normalizer lowercases (so " [MASK]" normalizes to " [mask]"): the one
+    space before a mask belongs to the masked token, but a newline, a tab or a second space are
+    tokens training keeps; they were all dropped (RoBERTa's lstrip), here and in the export."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from largebatch.data.corpus import shakespeare_documents
+    from largebatch.integrations.hf_export import hf_tokenizer, masked_lm_encoder
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([d.text[:20000] for d in shakespeare_documents()[:4]], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["[PAD]", "[CLS]", "[SEP]", "[MASK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    encoder, _, _ = masked_lm_encoder(tok, "bert")
+    exported = hf_tokenizer(tok, "bert", 64)
+    for text in ("More\n[MASK] is", "more [MASK] is", "more  [MASK] is", "More\t[MASK] IS", "[MASK] at the start"):
+        expected = _expected_ids(tok, text, "[MASK]", "[CLS]", "[SEP]")
+        assert encoder.encode(text).ids == expected, text
+        assert exported(text)["input_ids"] == expected, text

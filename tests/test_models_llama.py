@@ -445,15 +445,19 @@ def test_the_run_header_names_the_layer_options():
     def options(cfg: ModelConfig) -> str:
         return ", ".join(cfg.layer_options())
 
-    assert options(_cfg()) == ""
+    assert options(_cfg(ffn_hidden=None)) == ""  # (GPT-2's layout)
+    assert options(_cfg()) == "MLP 48 wide"
+    assert options(_cfg(ffn_hidden=None, activation="gelu_tanh", bias=False, tie_embeddings=False)) == \
+        "tanh GeLU, no biases, untied output layer"
     assert options(_cfg(n_kv_head=2, rope_theta=5e5, **LLAMA)) == \
-        "RMSNorm, rope (theta 500000), SwiGLU, 2 key/value heads for 4"
-    assert options(_cfg(head_size=12, qk_norm=True, **LLAMA)).endswith(", heads of 12, q/k norms")
+        "RMSNorm, rope (theta 500000), SwiGLU, MLP 48 wide, 2 key/value heads for 4, no biases"
+    assert "1 key/value head for 4" in options(_cfg(n_kv_head=1))
+    assert options(_cfg(head_size=12, qk_norm=True, **LLAMA)).endswith(", heads of 12, q/k norms, no biases")
     assert "heads of" not in options(_cfg(head_size=8, **LLAMA))  # (32 / 4: the default heads)
     olmo = _cfg(qk_norm=True, qk_norm_scope="projection", norm_position="reordered", **LLAMA)
-    assert "reordered norms" in olmo.layer_options() and options(olmo).endswith(", q/k projection norms")
+    assert "reordered norms" in olmo.layer_options() and options(olmo).endswith(", q/k projection norms, no biases")
     assert olmo.layout_words().startswith(f"{olmo.n_layer} layers x {olmo.n_embd} hidden, seq {olmo.seq_len}, ")
-    assert _cfg(kind="bert", norm_position="post").layer_options() == ["post-LN"]
+    assert _cfg(kind="bert", norm_position="post", ffn_hidden=None).layer_options() == ["post-LN"]
 
 
 def test_resume_takes_n_kv_head_as_used_and_names_the_way_to_another_rotary_context(tmp_path, tiny_data_cache, capsys):

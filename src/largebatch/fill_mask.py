@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import sys
 import time
 from pathlib import Path
@@ -71,8 +72,11 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     from largebatch.integrations.hf_export import masked_lm_encoder
     from largebatch.models.registry import model_spec
 
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 1:
         raise FillMaskError(f"--top-k {top_k!r}: must be a whole number >= 1")
+    if not isinstance(text, str):
+        raise FillMaskError(f"text {text!r}: must be a str, with one or more mask tokens")
+    top_k = int(top_k)
     check_run_dir_given(run_dir)
     dev = command_device(device)
     loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
@@ -93,13 +97,13 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     ids = encoder.encode(text).ids  # [CLS] text [SEP]
     positions = [i for i, token in enumerate(ids) if token == mask_id]
     if not positions:
-        raise FillMaskError(f"--text {_short(text)} has no {mask} token: write {mask} where the model should "
+        raise FillMaskError(f"the text {_short(text)} has no {mask} token: write {mask} where the model should "
                             f"fill in a token (e.g. --text \"the {mask} of it\")")
     context = trained_positions(loaded) or config.seq_len
     if len(ids) > context:
         why = ("its model.seq_len" if context == config.seq_len else
                "the longest sequence this checkpoint has trained (the run's phases)")
-        raise FillMaskError(f"--text is {len(ids):,} tokens with {special['cls_token']} and {special['sep_token']}; "
+        raise FillMaskError(f"the text is {len(ids):,} tokens with {special['cls_token']} and {special['sep_token']}; "
                             f"the model reads at most {context:,} ({why}): shorten the text")
     if max(ids) >= config.vocab_size:
         raise FillMaskError(f"the text's token id {max(ids)} is not in the model's vocabulary "
@@ -125,7 +129,7 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     for position, row_tokens in zip(positions, tokens):
         filled[position] = row_tokens[0]
     return {"run_dir": str(run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step, "ema": ema,
-            "text": text, "tokens": len(ids), "mask_token": mask, "top_k": top_k,
+            "text": text, "tokens": len(ids), "mask_token": mask, "top_k": len(tokens[0]),
             "filled": encoder.decode(filled, skip_special_tokens=True), "masks": masks, "seconds": seconds}
 
 

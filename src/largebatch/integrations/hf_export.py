@@ -475,18 +475,20 @@ def _mask_token(tok, mask: str):
     of their own ("Ċ" before "word"), which stay. RoBERTa's ``lstrip`` takes all of them: here, for a
     byte-level tokenizer (its pre-tokenizer ByteLevel, alone or in a Sequence as Llama 3's), a
     normalizer drops the one space before the mask (a regex that looks ahead, so the mask's offsets
-    stay its own characters), and the mask is matched in the normalized text. WordPiece drops
-    whitespace either way (and may lowercase, so its mask is matched in the raw text, taking what is
-    before it as RoBERTa's does)."""
+    stay its own characters), and the mask is matched in the normalized text -- as the tokenizer's
+    own normalizer writes it (a lowercasing one: "[mask]"). WordPiece drops whitespace either way
+    (and may lowercase, so its mask is matched in the raw text, taking what is before it as
+    RoBERTa's does), as does a byte-level tokenizer whose normalizer changes the space."""
     import json
     import re
 
     from tokenizers import AddedToken, Regex, normalizers
 
     byte_level = "ByteLevel" in _types(json.loads(tok.to_str()).get("pre_tokenizer"))
-    if not byte_level or (tok.normalizer is not None and tok.normalizer.normalize_str(f" {mask}") != f" {mask}"):
+    written = mask if tok.normalizer is None else tok.normalizer.normalize_str(mask)
+    if not byte_level or (tok.normalizer is not None and tok.normalizer.normalize_str(f" {mask}") != f" {written}"):
         return AddedToken(mask, lstrip=True, rstrip=False, normalized=False, special=True)
-    space = normalizers.Replace(Regex(f" (?={re.escape(mask)})"), "")
+    space = normalizers.Replace(Regex(f" (?={re.escape(written)})"), "")
     tok.normalizer = space if tok.normalizer is None else normalizers.Sequence([tok.normalizer, space])
     return AddedToken(mask, lstrip=False, rstrip=False, normalized=True, special=True)
 

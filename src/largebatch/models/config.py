@@ -407,18 +407,21 @@ class ModelConfig:
         return tuple(None if w is None or w >= s else w for w in self.windows)
 
     def layer_options(self) -> list[str]:
-        """The layer options the model uses besides the GPT-2 layout, in words ([] for that layout)."""
+        """The layer options the model uses besides the GPT-2 layout (LayerNorm, learned positions, exact
+        GeLU, a 4 h MLP, biases, tied embeddings), in words ([] for that layout)."""
         scaled = "" if self.rope_scaling == "none" else f", {self.rope_scaling} scaling x{self.rope_factor:g}" + (
             f" from {self.rope_original_seq_len} (bands {self.rope_low_freq_factor:g}-{self.rope_high_freq_factor:g})"
             if self.rope_scaling == "llama3" else "")
         parts = [name for name, on in (("RMSNorm", self.norm == "rmsnorm"),
                                        (f"rope (theta {self.rope_theta:g}{scaled})", self.position == "rope"),
                                        ("SwiGLU", self.activation == "swiglu"),
+                                       ("tanh GeLU", self.activation == "gelu_tanh"),
+                                       (f"MLP {self.ffn} wide", self.ffn != 4 * self.n_embd),
                                        ("post-LN", self.norm_position == "post"),
                                        ("reordered norms", self.norm_position == "reordered"),
                                        ("attention within documents", self.document_mask)) if on]
         if self.kv_heads != self.n_head:
-            parts.append(f"{self.kv_heads} key/value heads for {self.n_head}")
+            parts.append(f"{self.kv_heads} key/value head{'s' if self.kv_heads > 1 else ''} for {self.n_head}")
         if self.attention_width != self.n_embd:
             parts.append(f"heads of {self.head_dim}")
         if self.qk_norm:
@@ -427,6 +430,10 @@ class ModelConfig:
             parts.append(self.window_words())
         if self.qkv_biased != self.bias:
             parts.append("biases on q, k, v only" if self.qkv_biased else "no biases on q, k, v")
+        elif not self.bias:
+            parts.append("no biases")
+        if not self.tie_embeddings:
+            parts.append("untied output layer")
         return parts
 
     def layout_words(self) -> str:
