@@ -68,7 +68,7 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     import torch
 
     from largebatch.data.tokenizer import plain
-    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
+    from largebatch.export import open_run, partial_note, trained_positions
     from largebatch.integrations.hf_export import masked_lm_encoder
     from largebatch.models.registry import model_spec
 
@@ -77,9 +77,7 @@ def fill_mask(run_dir: str | Path, text: str, top_k: int = 5, device: str = "cpu
     if not isinstance(text, str):
         raise FillMaskError(f"text {text!r}: must be a str, with one or more mask tokens")
     top_k = int(top_k)
-    check_run_dir_given(run_dir)
-    dev = command_device(device)
-    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
+    loaded, dev = open_run(run_dir, device, tokenizer_file, checkpoint, ema, log)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
     if model_spec(config.kind).objective != "masked":
         raise FillMaskError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a causal language model): "

@@ -101,12 +101,10 @@ def generate(run_dir: str | Path, prompt: str = "", max_new_tokens: int | None =
     for the arguments; ``max_new_tokens`` None is the run's run.sample_tokens (80 where that is 0)."""
     import torch
 
-    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
+    from largebatch.export import open_run, partial_note, trained_positions
     from largebatch.models.registry import model_spec
 
-    check_run_dir_given(run_dir)
-    dev = command_device(device)
-    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
+    loaded, dev = open_run(run_dir, device, tokenizer_file, checkpoint, ema, log)
     model, tokenizer = loaded.model, loaded.tokenizer
     config = model.config
     if model_spec(config.kind).objective != "causal":

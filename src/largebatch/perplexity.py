@@ -278,7 +278,7 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
 
     from largebatch.data import tokenizer as tokenizer_lib
     from largebatch.data.corpus import CorpusError, Document, DocumentSource, is_token_array_path
-    from largebatch.export import check_run_dir_given, command_device, load_run, partial_note, trained_positions
+    from largebatch.export import open_run, partial_note, trained_positions
     from largebatch.models.registry import model_spec
 
     given = [name for name, value in (("--text", text), ("--corpus", corpus), ("--split", split)) if value is not None]
@@ -288,9 +288,7 @@ def perplexity(run_dir: str | Path, text: str | None = None, corpus: str | None 
         raise PerplexityError(f"--split {split!r}: only 'val' (the run's validation documents) is kept")
     if text is not None and not text:
         raise PerplexityError("--text is empty: give the text to score")
-    check_run_dir_given(run_dir)
-    dev = command_device(device)
-    loaded = load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema)
+    loaded, dev = open_run(run_dir, device, tokenizer_file, checkpoint, ema, log)
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.model.config
     if model_spec(config.kind).objective != "causal":
         raise PerplexityError(f"RUN_DIR {str(run_dir)!r} trained a {config.kind} model (a masked language model): "
