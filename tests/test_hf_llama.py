@@ -719,6 +719,15 @@ def test_a_rope_factor_the_scaling_does_not_read_is_refused_naming_the_scaling(t
     load_config(None, {**rope, "model.rope_scaling": "llama3", "model.rope_factor": 32.0,
                        "model.rope_low_freq_factor": 2.0})
     load_config(None, {**rope, "model.rope_factor": 8.0, "model.rope_original_seq_len": 8192})  # (the defaults)
+    # from a transformers directory without a scaling: its rope_scaling is the one that does not read it
+    from test_export import roberta_style_tokenizer
+
+    directory = tmp_path / "llama"
+    _llama_dir(directory, 400, Path(roberta_style_tokenizer(tmp_path / "tokenizer.json")))
+    with pytest.raises(ConfigError, match=r"model.rope_factor=32.0 with model.rope_scaling='none'"):
+        load_config(None, {"model.init_from": f"hf:{directory}", "model.rope_factor": 32.0})
+    load_config(None, {"model.init_from": f"hf:{directory}", "model.rope_scaling": "linear",
+                       "model.rope_factor": 32.0})  # (a scaling given with it: read)
     saved = load_config(None, {**rope, "model.rope_factor": 32.0}, resolve_init=False)  # (a --resume's)
     assert ModelConfig(**{**saved.model.__dict__}).rope_factor == 32.0  # (an export's: the model alone)
     assert cli_main(["train", "llama-demo", "--model.rope_factor=32", "--check",

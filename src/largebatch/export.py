@@ -170,7 +170,8 @@ def command_device(name: str):
 def open_run(run_dir: str | Path, device: str = "cpu", tokenizer_file: str | Path | None = None,
              checkpoint: str | int | None = None, ema: bool = False, log=print):
     """What a command reading a run's checkpoint starts with (generate, perplexity, fill-mask): RUN_DIR
-    checked, then --device, then the run loaded (``load_run``). Returns (the LoadedRun, the torch device)."""
+    given (not empty), then --device, then the run loaded (``load_run``: the directory and its
+    checkpoints checked). Returns (the LoadedRun, the torch device)."""
     check_run_dir_given(run_dir)
     dev = command_device(device)
     return load_run(run_dir, tokenizer_file, log=log, checkpoint=checkpoint, ema=ema), dev

@@ -376,9 +376,10 @@ KIND_OBJECTIVE = {"gpt": "causal language model", "bert": "masked language model
 
 
 def _refuse_unread_rope_fields(model: ModelConfig, given: set[str]) -> None:
-    """A rope scaling factor the user set (``given``) where model.rope_scaling does not read it: a
-    --model.rope_factor=32 without rope_scaling trained unscaled, silently. Values equal to the
-    defaults pass (a copy of a run's config.toml writes every field)."""
+    """A rope scaling factor the user set (``given``) where model.rope_scaling -- the user's, or with
+    model.init_from the directory's -- does not read it: a --model.rope_factor=32 without rope_scaling
+    trained unscaled, silently. Values equal to the defaults pass (a copy of a run's config.toml
+    writes every field)."""
     unread = [name for name in unread_rope_fields(model) if f"model.{name}" in given]
     if unread:
         name = unread[0]
@@ -409,8 +410,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         set_dotted(tree, key, value)
         given.add(key)
     cfg = from_dict(TrainConfig, tree)
-    if resolve_init and not cfg.model.init_from:  # (a resume's saved config, or a directory's, is not the user's)
-        _refuse_unread_rope_fields(cfg.model, given)
     if cfg.phases and "run.total_tokens" in given:  # (check() can tell a given budget from the default
         check_phases_budget(cfg.run.total_tokens, cfg.phases)  # only when it differs from it)
     if cfg.model.init_from and resolve_init:
@@ -429,6 +428,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 f"note: the recipe {Path(path).name} trains a {recipe_kind!r}, but model.init_from="
                 f"{cfg.model.init_from!r} holds a {kind!r} (config.json): this run trains that {kind} "
                 f"({KIND_OBJECTIVE.get(kind, 'its own objective')}) with the recipe's other settings")
+    if resolve_init:  # (a resume's saved config is checked as it was saved; with init_from, the directory's scaling)
+        _refuse_unread_rope_fields(cfg.model, given)
     return check(cfg, run_dir)
 
 
