@@ -148,6 +148,43 @@ def test_torchrun_matches_one_process(single, request, tmp_path, mode):
     assert first_val[0] == pytest.approx(first_val[1], rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["dp2-ddp", "dp2-fsdp", "pp2"])
+def test_fp16_loss_scaling_matches_one_process(single, tmp_path, mode):
+    """run.dtype = 'fp16' started at a loss scale of 2**30, far above what fp16 holds: its first steps
+    overflow. Every rank must decide each overflow alike (the step taken back everywhere, the scale
+    halved everywhere) and unscale its own gradients (DDP's replicas, FSDP2's shards, the pipeline's
+    stages): the losses, the scale and the overflow count of every step and the final evaluation are
+    one process's. The FSDP2 run stops at step 5, in the middle of the descent, and continues from its
+    distributed checkpoint with the scale it had."""
+    cache, _ = single
+    fp16 = {"run.dtype": "fp16", "run.loss_scale": 2.0**30, "run.log_every_steps": 1,
+            **({"model.tie_embeddings": False} if mode == "pp2" else {})}
+    ref = tmp_path / "one"
+    Trainer(load_config(resolve_config(None), _overrides(cache, ref, **fp16)), ref, log=lambda *_: None).fit()
+    out = tmp_path / "run"
+    layout = {"dp2-ddp": {}, "dp2-fsdp": {"parallel.dp_mode": "fsdp"}, "pp2": {"parallel.pp": 2}}[mode]
+    if mode == "dp2-fsdp":
+        _torchrun(_overrides(cache, out, **fp16, **layout, **{"run.max_steps": 5}))
+    _torchrun(_overrides(cache, out, **fp16, **layout))
+
+    def scales(run):
+        return [(r["step"], r["loss_scale"], r["overflow_steps"], r.get("overflow", False))
+                for r in read_metrics(run) if r["kind"] == "train"]
+
+    ours = scales(out)
+    assert ours == scales(ref) and ours[0][1:] == (2.0**29, 1, True) and not ours[-1][3]
+    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5, abs=1e-5)
+    assert _losses(out)[-1] < _losses(out)[0] - 0.1  # it learned once the scale fitted
+    assert _val(out) == pytest.approx(_val(ref), abs=1e-5)
+    if mode == "dp2-ddp":  # another estimator (the replicas' gradients against the all-reduced one), on the
+        # same gradients: the same size, where a scale left in a replica's norm would put it ~2**38 away
+        assert 0.25 < _noise(out)[-1] / _noise(ref)[-1] < 4
+    if mode == "pp2":  # one replica: the noise scale from the stages' first micro-batch, unscaled as one process's
+        noise = [_noise(run) for run in (out, ref)]
+        assert [n is None for n in noise[0]] == [n is None for n in noise[1]] and noise[1][-1] is not None
+        assert [n for n in noise[0] if n is not None] == pytest.approx([n for n in noise[1] if n is not None], rel=1e-3)
+
+
 def test_a_vocabulary_tensor_parallel_does_not_divide_is_split_unevenly(single, tmp_path):
     """GPT-2's 50257 ids over tp = 2 was refused ("set model.vocab_size = 50258"), and an init_from
     model cannot change its vocabulary: a published GPT-2 could not run under tensor parallel. The

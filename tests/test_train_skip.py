@@ -181,7 +181,7 @@ def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_p
         assert trainer.optimizer.capturable
         if not device_skip:  # the reference: host counts, and no step at all when not finite
             trainer.optimizer.capturable = False
-            trainer.skip.step = lambda optimizer, finite, step: optimizer.step() if bool(finite) else None
+            trainer.skip.step = lambda optimizer, finite, step, **_: optimizer.step() if bool(finite) else None
         block = trainer.raw_model.blocks[0].mlp
         trajectory = []
         try:

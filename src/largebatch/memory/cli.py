@@ -257,12 +257,13 @@ def _from_train_config(args: argparse.Namespace) -> ModelConfig:
     if args.micro_batch is None and "micro_batch" in run:
         args.micro_batch = str(run["micro_batch"])
     if args.dtype_bytes is None:
-        args.dtype_bytes = 2 if run.get("dtype", TRAIN_DEFAULTS["run.dtype"]) == "bf16" else 4
+        args.dtype_bytes = 2 if run.get("dtype", TRAIN_DEFAULTS["run.dtype"]) in ("bf16", "fp16") else 4
         if args.dtype_bytes == 2:
-            args.notes.append("run.dtype = 'bf16': planned as 2-byte activations, the paper's pure 16-bit "
-                              "layout; the trainer's bf16 runs under torch.autocast, which keeps fp32 norm "
-                              "inputs, a bf16 copy of the Q/K/V input per projection and bf16 copies of the "
-                              "weights: measured 1.24-1.55x this prediction on CPU (docs/memory.md)")
+            half = run.get("dtype", TRAIN_DEFAULTS["run.dtype"])
+            args.notes.append(f"run.dtype = {half!r}: planned as 2-byte activations, the paper's pure 16-bit "
+                              f"layout; the trainer's {half} runs under torch.autocast, which keeps fp32 norm "
+                              f"inputs, a {half} copy of the Q/K/V input per projection and {half} copies of "
+                              "the weights: measured 1.24-1.55x this prediction in bf16 on CPU (docs/memory.md)")
     if args.optimizer is None:
         args.optimizer = tree.get("optim", {}).get("name", TRAIN_DEFAULTS["optim.name"])
     if args.ema_decay is None:

@@ -132,18 +132,25 @@ def global_grad_norm(params: list[Tensor], state: ParallelState, local_value: Te
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[Tensor], max_norm: float, state: ParallelState,
-                    local_value: Tensor | None = None) -> Tensor:
+                    local_value: Tensor | None = None, unscale: Tensor | None = None) -> Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; return the norm before.
 
     ``max_norm = math.inf`` only measures. Same rule as torch.nn.utils.clip_grad_norm_, with the
-    norm summed over shards (and non-finite on every rank as global_grad_norm says).
+    norm summed over shards (and non-finite on every rank as global_grad_norm says). ``unscale``
+    (a 0-d tensor, 1 / an fp16 run's loss scale): the gradients hold the loss scale times the
+    gradient; they are divided by it first -- in the same pass as the clipping -- and the norm
+    returned and clipped is the unscaled one.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm = {max_norm!r}: must be > 0 (math.inf to only measure)")
     norm = global_grad_norm(params, state, local_value)
-    if math.isfinite(max_norm):
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if unscale is not None:
+        norm = norm * unscale.to(norm.dtype)
+    if math.isfinite(max_norm) or unscale is not None:
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if math.isfinite(max_norm) else None
+        if unscale is not None:
+            factor = unscale if factor is None else factor * unscale.to(factor.dtype)
         grads = [local_grad(p) for p in params if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
     return norm

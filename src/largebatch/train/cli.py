@@ -476,6 +476,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
                          "estimate as the run goes")
     if s.get("skipped_steps"):
         lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss)")
+    if s.get("loss_scale") is not None:  # fp16
+        lines.append(f"loss scale        {s['loss_scale']:g} at the end; {s.get('overflow_steps', 0)} step(s) "
+                     "skipped for fp16 overflow")
     if "sample" in s:
         lines += ["sample:", "  " + s["sample"].replace("\n", "\n  ")]
     written = [f"{name}/" if (run_dir / name).is_dir() else name

@@ -145,11 +145,20 @@ class RunConfig:
     micro_batch: int = 8
     """Sequences per forward/backward. A step's batch (from the schedule) is accumulated from
     batch_size / (micro_batch x data-parallel ranks) micro-batches."""
-    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"refused": dict.fromkeys(
-        ("fp16", "float16", "half"), "fp16 needs loss scaling, which the trainer does not do: use 'bf16' "
-        "(fp32's range at half the bytes)")})
-    """Compute precision: fp32, or bf16 autocast (parameters and optimizer math stay fp32); fp16 is
-    refused (it needs loss scaling)."""
+    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={"refused": {
+        **dict.fromkeys(("float16", "half"), "write 'fp16' (autocast with dynamic loss scaling)"),
+        **dict.fromkeys(("bfloat16",), "write 'bf16'"), **dict.fromkeys(("float32", "float"), "write 'fp32'")}})
+    """Compute precision: fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling (for GPUs
+    without bf16, e.g. V100 and T4). Parameters, gradients and optimizer math stay fp32 in all three.
+    fp16 multiplies the loss by a scale (run.loss_scale) before backward so that small gradients
+    survive fp16's range, divides the gradients by it before clipping and the optimizer, skips a step
+    whose gradients overflowed and halves the scale, and doubles it after
+    run.loss_scale_growth_steps steps in a row without overflow (largebatch.train.loss_scale)."""
+    loss_scale: float = 65536.0
+    """fp16 only: the loss scale the run starts from (2**16, as torch.amp.GradScaler). Overflowing
+    steps halve it, so a high start costs a few skipped steps at the start, not accuracy. At least 1."""
+    loss_scale_growth_steps: int = 2000
+    """fp16 only: double the loss scale after this many consecutive steps without overflow."""
     compile: bool = False
     """torch.compile the model (about a minute of compilation before the first step)."""
     recompute: list[RecomputePolicy] = field(default_factory=lambda: ["none"])
@@ -296,6 +305,18 @@ class RunConfig:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"run.seed = {self.seed}: must lie in [0, 2**32 - 1] (numpy's and torch's "
                              "generators take it)")
+        if not (isinstance(self.loss_scale, float) and math.isfinite(self.loss_scale) and self.loss_scale >= 1.0):
+            raise ValueError(f"run.loss_scale = {self.loss_scale!r}: must be a finite number >= 1 (fp16's starting "
+                             "loss scale; 65536 by default)")
+        if self.loss_scale_growth_steps < 1:
+            raise ValueError(f"run.loss_scale_growth_steps = {self.loss_scale_growth_steps}: must be >= 1 (steps "
+                             "without overflow before fp16's loss scale doubles; 2000 by default)")
+        if self.dtype != "fp16":
+            for name, default in (("loss_scale", 65536.0), ("loss_scale_growth_steps", 2000)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"run.{name} = {getattr(self, name)!r} is read by fp16 runs only, and "
+                                     f"run.dtype = {self.dtype!r}: set run.dtype = 'fp16', or run.{name} back "
+                                     f"to {default:g}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)

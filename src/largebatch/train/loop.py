@@ -85,6 +85,7 @@ from largebatch.train.profile import StepProfiler, profile_windows
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import TIMINGS_NAME, keep_tokenizer, lock_run_dir, note_stop
+from largebatch.train.loss_scale import LossScale
 from largebatch.train.skip import DeviceSkip
 from largebatch.train.stopping import (
     StepInterrupted,
@@ -113,6 +114,11 @@ class Progression:
     train_seconds: float = 0.0  # wall time spent in optimizer steps (not eval or checkpoints)
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # consecutive non-finite steps (run.max_skipped_steps)
+    # run.dtype = 'fp16' (largebatch.train.loss_scale): the loss scale, the steps in a row without
+    # overflow since it last changed, the overflowed (skipped) steps in all; None: not an fp16 run
+    loss_scale: float | None = None
+    loss_scale_good_steps: int = 0
+    overflow_steps: int = 0
     phase: int = 0  # the current phase (largebatch.train.phases); ``samples`` counts within it
     phase_start: int = 0  # tokens at which the current phase began (its schedule's zero)
     model_flops: float = 0.0  # of the optimizer steps so far: each step's tokens x its phase's FLOPs per token
@@ -241,7 +247,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
-        param_dtype = torch.bfloat16 if run.dtype == "bf16" else None
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.dtype)  # autocast's dtype
+        param_dtype = half  # FSDP2's all-gathered parameters (gradients are reduced in fp32)
         # FSDP2's view warning cannot apply to our blocks (their outputs are used out of place only);
         # silenced while the trainer's own methods run (_run_state), not for the caller's models after
         self.quiet_view_warning = self.par.dp_mode == "fsdp" and self.par.tp_size > 1  # (no forward here)
@@ -270,8 +277,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         self._params: list[torch.Tensor] | None = None  # _live_params, listed once
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
-        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim,
-                                                         capturable=run.on_nonfinite == "skip"), self.par)
+        # a step taken back on the device (a non-finite step under "skip", an fp16 overflow) needs the
+        # optimizers' step counts on the device (largebatch.train.skip)
+        takes_back = run.on_nonfinite == "skip" or run.dtype == "fp16"
+        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim, capturable=takes_back),
+                                         self.par)
         # run.ema_decay: the weights' moving average, beside the optimizer's parameters (train.ema)
         self.ema = (WeightAverage(self.optimizer, run.ema_decay, self.device, self.raw_model)
                     if run.ema_decay else None)
@@ -296,7 +306,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.local_grad_norm = (LocalGradNorm.install(self.model, self.par) if self.par.dp_size > 1
                                 and self.par.dp_mode == "ddp" and not self.pipeline else None)
         # run.dtype alone sets the precision: an fp32 run also turns off an autocast its caller entered
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=run.dtype == "bf16")
+        self.autocast = torch.autocast(self.device.type, dtype=half or torch.bfloat16, enabled=half is not None)
         self.eval_every = run.eval_every_tokens or max(1, run.total_tokens // 10)
         self.pos = Progression(next_eval=0, next_checkpoint=run.checkpoint_every_tokens or run.total_tokens)
         self._legacy_progress = False
@@ -309,8 +319,16 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             if self.par.dp_size > 2 and self.pos.step > 0:  # 2 replicas sum in one order either way
                 if settle_ddp_buckets(self.model, self._bucket_backward) and self.local_grad_norm is not None:
                     self.local_grad_norm.take()  # (its comm hook saw that backward: not a step's gradient)
-        self.skip = (DeviceSkip(self.device, run.max_skipped_steps, self.pos.skipped_steps,
-                                self.pos.skipped_in_a_row) if run.on_nonfinite == "skip" else None)
+        self.skip = (DeviceSkip(self.device, run.max_skipped_steps if run.on_nonfinite == "skip" else None,
+                                self.pos.skipped_steps, self.pos.skipped_in_a_row) if takes_back else None)
+        self.loss_scale = None  # fp16: the dynamic loss scale, continued from the checkpoint's
+        if run.dtype == "fp16":
+            pos = self.pos
+            self.loss_scale = LossScale(self.device, run.loss_scale if pos.loss_scale is None else pos.loss_scale,
+                                        run.loss_scale_growth_steps, pos.loss_scale_good_steps, pos.overflow_steps)
+            pos.loss_scale = self.loss_scale.read()[0]
+        else:  # (a run continued in another precision: its scale no longer applies)
+            self.pos.loss_scale, self.pos.loss_scale_good_steps = None, 0
         self.metrics = None
         if self.is_main:
             save_config(cfg, self.run_dir / "config.toml")
@@ -326,8 +344,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.time_limit = self._build_time_limit() if run.time_limit is not None else None
         self._held = 0.0  # the latest save's wait (a background write's own seconds come after it)
         self._time_note: str | None = None  # why run.time_limit stops the run (its log line)
-        self.peak_flops = run.peak_flops or measure_peak_flops(
-            self.device, torch.bfloat16 if run.dtype == "bf16" else torch.float32)
+        self.peak_flops = run.peak_flops or measure_peak_flops(self.device, half or torch.float32)
         self.peak_source = "declared" if run.peak_flops else f"measured {run.dtype} matmul"
         if self.pos.peak_flop_seconds is None:  # a new run (0 s), or a checkpoint without it: this launch's
             self.pos.peak_flop_seconds = self.pos.train_seconds * self.peak_flops * self.par.world_size
@@ -608,6 +625,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         n_targets = global_sum(n_local, par)  # (), on the device
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = n_targets.reciprocal() * par.dp_size  # (dp_size / n_targets, without its Python wrapper)
+        # fp16: the loss (so every gradient) times the loss scale; unscaled before clipping (train.loss_scale)
+        loss_scale = None if self.loss_scale is None else self.loss_scale.scale.clone()
+        unscale = None if loss_scale is None else loss_scale.reciprocal()
+        if loss_scale is not None:
+            scale = scale * loss_scale.to(scale.dtype)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
@@ -623,6 +645,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 loss_sum = self.pipeline.step(*_stacked(fed, self.device), len(fed), scale)
             if self.pipeline.first_norm is not None and last > 0:  # summed over the stages
                 small_sq = self.pipeline.first_norm.take() * _first_share(n_targets, micro_batches[0])
+                if unscale is not None:  # (the gradient the stages hold is the scaled one)
+                    small_sq = small_sq * unscale.to(small_sq.dtype).square()
         for i, batch in enumerate([] if self.pipeline else micro_batches):
             if i and stop is not None and (signum := stop.poll()[0]) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -637,12 +661,14 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
                 small_sq = global_grad_norm(self._live_params(), par).square() * _first_share(n_targets, batch)
+                if unscale is not None:
+                    small_sq = small_sq * unscale.to(small_sq.dtype).square()
         # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         # (), identical on every rank: non-finite on all when any rank's gradients or loss are
-        grad_norm = clip_grad_norm_(params, max_norm, par, local_value=loss_sum)
+        grad_norm = clip_grad_norm_(params, max_norm, par, local_value=loss_sum, unscale=unscale)
         loss_value = global_sum(loss_sum, par) / n_targets
         record: dict[str, Any] = {"kind": "train", "phase": self.phase.index, "seq_len": self.phase.seq_len,
                                   "loss": loss_value, "lr": lr,
@@ -650,27 +676,38 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                   "grad_norm": grad_norm}
         replica_sq = (self.local_grad_norm.take() if self.local_grad_norm is not None
                       else self.pipeline.local_squared if self.pipeline else None)
+        if replica_sq is not None and unscale is not None:  # (read from the scaled gradients)
+            replica_sq = replica_sq * unscale.to(replica_sq.dtype).square()
         if replica_sq is not None:  # DDP: this rank's batch vs all ranks' batch
             noise_inputs = noise_scale_inputs(replica_sq, grad_norm.square(), len(indices), par, n_local, n_targets)
         elif small_sq is not None:
             noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
             noise_inputs = None
-        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
-        if self.skip is not None:  # decided on the device: the update is taken back unless finite
-            self.skip.step(self.optimizer, finite, pos.step + 1)
-            record["skipped"] = ~finite
-        else:  # "stop": recorded on the device; the next read stops the run
+        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)  # what run.on_nonfinite judges
+        taken = finite  # whether the update stands
+        if self.loss_scale is not None:  # fp16: gradients that overflowed at a finite loss are skipped, and
+            # the scale halved; only an overflow at scale 1 is non-finite (train.loss_scale)
+            overflow = torch.isfinite(loss_value) & ~torch.isfinite(grad_norm)
+            finite = torch.isfinite(loss_value) & ~self.loss_scale.update(overflow)
+            taken = finite & ~overflow
+            record["overflow"] = overflow
+        if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
             self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
+        if self.skip is not None:  # decided on the device: the update is taken back unless taken
+            self.skip.step(self.optimizer, taken, pos.step + 1, bad=~finite)
+            if cfg.run.on_nonfinite == "skip":
+                record["skipped"] = ~finite
+        else:
             self.optimizer.step()
-        if self.ema is not None:  # (after a skipped step's take-back: finite False leaves it as it was)
-            self.ema.update(finite)
+        if self.ema is not None:  # (after a skipped step's take-back: False leaves it as it was)
+            self.ema.update(taken)
         self.optimizer.zero_grad(set_to_none=True)
         if noise_inputs is not None:
-            self.deferred.add_noise_inputs(*noise_inputs, keep=finite)
+            self.deferred.add_noise_inputs(*noise_inputs, keep=taken)
             if self.schedule.uses_noise_scale:
                 self.settle()  # synchronised already: reading the flag below costs no extra wait
-                if self.noise.b_simple is not None and (self.skip is None or bool(finite)):
+                if self.noise.b_simple is not None and (self.skip is None or bool(taken)):
                     # adaptive Seesaw: caps only milestones after this token count (deterministic)
                     self.schedule.observe_noise_scale(in_phase, self.noise.b_simple)
         pos.step += 1
@@ -684,6 +721,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         (run.on_nonfinite='stop'), feed the noise-scale estimator. Before every log, evaluation and
         checkpoint, so none of them sees a model past a non-finite step."""
         bad = self.deferred.settle(self.noise)
+        if self.loss_scale is not None:
+            pos = self.pos
+            pos.loss_scale, pos.loss_scale_good_steps, pos.overflow_steps = self.loss_scale.read()
         if self.skip is not None:
             pos = self.pos
             pos.skipped_in_a_row, pos.skipped_steps, give_up = self.skip.settle(self.optimizer)

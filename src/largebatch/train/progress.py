@@ -126,4 +126,10 @@ def format_record(r: dict[str, Any]) -> str:
                  f" pinned {r['trust_pinned']}")
     if r.get("noise_scale") is not None:
         text += f"  B_noise {r['noise_scale']:.0f}"
+    if r.get("overflow"):  # fp16: this step's gradients overflowed; its update was taken back
+        text += "  (overflow: skipped)"
+    if r.get("loss_scale") is not None:  # fp16
+        text += f"  scale {r['loss_scale']:.10g}"
+        if r.get("overflow_steps"):
+            text += f" ({r['overflow_steps']} overflowed)"
     return text

@@ -37,9 +37,11 @@ class Reporting:
         """The step's record read to the host (after ``settle``), with the noise scale and trust ratios."""
         self.settle()
         record = read_record(record)
-        if "skipped" in record:  # a device flag (run.on_nonfinite='skip'): logged where true
-            if record.pop("skipped"):
-                record["skipped"] = True
+        for flag in ("skipped", "overflow"):  # device flags (run.on_nonfinite='skip', fp16): logged where true
+            if flag in record and record.pop(flag):
+                record[flag] = True
+        if self.loss_scale is not None:  # fp16: the scale the next step uses, the overflowed steps so far
+            record["loss_scale"], record["overflow_steps"] = self.pos.loss_scale, self.pos.overflow_steps
         if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
             # under pipeline parallel each rank steps its own stages: the summary covers them all
             summary = self.optimizer.trust_ratio_summary(self.par.pp_group if self.pipeline else None)
@@ -167,6 +169,8 @@ class Reporting:
                    "peak_flops": self.peak_flops, "peak_flops_source": self.peak_source,
                    "memory_bytes": self.peak_memory(), "skipped_steps": pos.skipped_steps,
                    "noise_scale": self.noise.b_simple}
+        if self.loss_scale is not None:  # fp16 (largebatch.train.loss_scale)
+            summary.update(loss_scale=pos.loss_scale, overflow_steps=pos.overflow_steps)
         # a resume on another process count or another peak: the MFU is over each launch's own, so the
         # summary must not present it as a fraction of this launch's peak alone (a peak measured again
         # at each launch moves by ~1%: not counted)

@@ -44,8 +44,12 @@ class DeviceSkip:
         self.counts = torch.tensor([skipped_in_a_row, skipped_steps, 0], dtype=torch.int64, device=device)
         self.give_up = torch.full((3,), -1, dtype=torch.int64, device=device)
 
-    def step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: int) -> None:
-        """``optimizer.step()``, undone on the device unless ``finite`` (0-d bool); ``step``: its number."""
+    def step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: int,
+             bad: torch.Tensor | None = None) -> None:
+        """``optimizer.step()``, undone on the device unless ``finite`` (0-d bool); ``step``: its number.
+        ``bad`` (0-d bool; default ``~finite``): whether the step counts as non-finite toward
+        run.max_skipped_steps -- an fp16 step skipped for overflow (largebatch.train.loss_scale) is
+        taken back without counting, and leaves the consecutive count as it was."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         before = {id(p): {key: _local(v).clone() for key, v in optimizer.state[p].items()
                           if isinstance(v, torch.Tensor) and v.device == finite.device}
@@ -61,12 +65,12 @@ class DeviceSkip:
                     if isinstance(v, torch.Tensor) and v.device == finite.device:
                         v = _local(v)
                         v.copy_(torch.where(finite, v, saved[key] if key in saved else torch.zeros_like(v)))
-        skipped = (~finite).long()
-        in_a_row = (self.counts[0] + 1) * skipped
-        self.counts = torch.stack([in_a_row, self.counts[1] + skipped, self.counts[2] + skipped])
+        counted = (~finite if bad is None else bad).long()
+        in_a_row = (self.counts[0] + counted) * (~finite).long()  # a step taken starts it again
+        self.counts = torch.stack([in_a_row, self.counts[1] + counted, self.counts[2] + (~finite).long()])
         if self.limit:
             this = torch.stack([in_a_row.new_full((), step), in_a_row, self.counts[1]])
-            reached = (in_a_row >= self.limit) & (self.give_up[0] < 0)
+            reached = (in_a_row >= self.limit) & (self.give_up[0] < 0) & (counted > 0)
             self.give_up = torch.where(reached, this, self.give_up)
 
     def settle(self, optimizer: torch.optim.Optimizer) -> tuple[int, int, tuple[int, int, int] | None]:

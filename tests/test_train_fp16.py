@@ -1,0 +1,193 @@
+"""run.dtype = "fp16": autocast with dynamic loss scaling (largebatch.train.loss_scale). The scale
+follows the rule as written out here; an fp16 step hands clipping, the noise scale and the optimizer
+the unscaled gradient (its norm and the noise-scale inputs equal an fp32 step's, where a forgotten
+division would leave them 2**16 too large); an overflow is skipped on the device, parameters and
+optimizer state unchanged to the bit, and is not a non-finite step -- except at scale 1; and a run
+stopped and continued carries its scale on, equal to the uninterrupted run record for record."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from largebatch.train.cli import main, resolve_config
+from largebatch.train.config import load_config
+from largebatch.train.loop import NonFiniteLoss
+from largebatch.train.loss_scale import LossScale
+from largebatch.train.metrics import read_metrics
+from largebatch.typed_config import ConfigError
+from test_train import tiny_overrides
+from test_train_step import _trainer
+
+
+def _rule(scale: float, growth_steps: int, overflows: list[bool]) -> list[tuple[float, int, int, bool]]:
+    """The dynamic loss-scale rule, from its statement: on overflow halve (never below 1) and start
+    counting again; otherwise count, and at growth_steps good steps in a row double (if the double is
+    finite) and start counting again. An overflow at 1 is a non-finite step."""
+    good = total = 0
+    out = []
+    for overflow in overflows:
+        at_floor = overflow and scale <= 1.0
+        if overflow:
+            scale, good, total = max(scale / 2, 1.0), 0, total + 1
+        else:
+            good += 1
+            if good == growth_steps:
+                good = 0
+                if scale * 2 < float(torch.finfo(torch.float32).max):
+                    scale *= 2
+        out.append((scale, good, total, at_floor))
+    return out
+
+
+@pytest.mark.parametrize("start, growth_steps", [(8.0, 3), (2.0**16, 1), (2.0**126, 2), (1.0, 4)])
+def test_the_loss_scale_follows_the_rule(start, growth_steps):
+    """Random overflow sequences (runs of overflows reach the floor at 1; growth past fp32's largest
+    power of two stops) give the scale, the good-step count, the overflow count and the at-floor flag
+    of the rule written out above, step by step."""
+    rng = random.Random(int(start) % 1000 + growth_steps)
+    overflows = [rng.random() < 0.35 for _ in range(200)] + [True] * 12 + [False] * 30
+    scaler = LossScale(torch.device("cpu"), start, growth_steps)
+    got = []
+    for overflow in overflows:
+        at_floor = scaler.update(torch.tensor(overflow))
+        got.append((*scaler.read(), bool(at_floor)))
+    assert got == _rule(start, growth_steps, overflows)
+
+
+def test_fp16_settings_are_checked(tiny_data_cache, tmp_path):
+    """An fp16-only field on another precision, a scale below 1 and torch's dtype spellings are
+    refused in one line naming the field, the value and the fix."""
+    base = tiny_overrides(tiny_data_cache, tmp_path / "run")
+    for extra, words in [({"run.loss_scale": 1024.0}, "run.loss_scale = 1024.0 is read by fp16 runs only"),
+                         ({"run.loss_scale_growth_steps": 50}, "set run.dtype = 'fp16'"),
+                         ({"run.dtype": "fp16", "run.loss_scale": 0.5}, "must be a finite number >= 1"),
+                         ({"run.dtype": "fp16", "run.loss_scale_growth_steps": 0}, "must be >= 1"),
+                         ({"run.dtype": "half"}, "write 'fp16'"), ({"run.dtype": "float16"}, "write 'fp16'")]:
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
+            load_config(resolve_config(None), {**base, **extra})
+    cfg = load_config(resolve_config(None), {**base, "run.dtype": "fp16", "run.loss_scale": 256})
+    assert cfg.run.loss_scale == 256.0 and cfg.run.loss_scale_growth_steps == 2000
+
+
+def test_an_fp16_step_gives_clipping_and_the_noise_scale_the_unscaled_gradient(tiny_data_cache, tmp_path):
+    """The same first step (two micro-batches, no dropout) in fp32 and in fp16 at the default scale
+    2**16: the clipped norm and the noise scale's inputs (the first micro-batch's squared norm, the
+    step's) agree within fp16's rounding, the scale is unchanged and nothing overflowed; and the update
+    steps with the fp32 step's clipped gradient within that rounding."""
+    runs = {}
+    for dtype in ("fp32", "fp16"):
+        trainer = _trainer(tiny_data_cache, tmp_path / dtype, **{"run.dtype": dtype, "model.dropout": 0.0,
+                                                                 "schedule.warmup": 0.0,
+                                                                 "optim.grad_clip": 0.5})
+        try:
+            seen = []  # the gradients the optimizer steps with (after unscaling and clipping)
+            step = trainer.optimizer.step
+            trainer.optimizer.step = lambda: (seen.append(torch.cat([p.grad.flatten() for p in
+                                                                     trainer.raw_model.parameters()])), step())[1]
+            record = trainer.train_step()
+            norms, small_batch, big_batch = trainer.deferred.noise_inputs[0]  # (small_sq, big_sq, kept)
+            inputs = [*norms.tolist(), small_batch, big_batch]
+            runs[dtype] = (trainer.log_record(record), inputs, seen[0])
+        finally:
+            trainer._close()
+    (r32, in32, d32), (r16, in16, d16) = runs["fp32"], runs["fp16"]
+    assert r32["grad_norm"] > 0.5  # clipping binds: the clipped update depends on the norm's scale
+    assert r16["grad_norm"] == pytest.approx(r32["grad_norm"], rel=5e-3)
+    assert r16["loss"] == pytest.approx(r32["loss"], rel=1e-3)
+    assert in16 == pytest.approx(in32, rel=1e-2)  # (small_sq, step's squared norm, kept, micro-batch, batch)
+    assert r16["loss_scale"] == 2.0**16 and r16["overflow_steps"] == 0 and "overflow" not in r16
+    assert "loss_scale" not in r32
+    assert d32.norm() == pytest.approx(0.5, rel=1e-4)  # clipped to optim.grad_clip
+    assert (d16 - d32).norm() < 1e-2 * d32.norm()
+
+
+def test_an_overflow_is_skipped_on_the_device_and_is_not_a_non_finite_step(tiny_data_cache, tmp_path):
+    """Started at 2**40, the first steps' gradients overflow fp16: each is taken back (parameters and
+    LAMB's state, its device step count included, unchanged to the bit), halves the scale and is
+    logged as an overflow, while run.on_nonfinite = 'stop' does not stop the run and no step counts as
+    skipped for non-finiteness. Once the scale fits, the first update is LAMB's step 1."""
+    trainer = _trainer(tiny_data_cache, tmp_path / "run", **{"run.dtype": "fp16", "run.loss_scale": 2.0**40,
+                                                             "optim.name": "lamb", "run.total_tokens": 32 * 8 * 100,
+                                                             "schedule.batch_policy": "constant"})
+    try:
+        params = [p.detach().clone() for p in trainer.raw_model.parameters()]
+        record = trainer.log_record(trainer.train_step())
+        assert record["overflow"] is True and record["loss_scale"] == 2.0**39 and record["overflow_steps"] == 1
+        assert all(torch.equal(a, p) for a, p in zip(params, trainer.raw_model.parameters()))
+        assert all(float(s["step"]) == 0 for s in trainer.optimizer.state.values())
+        overflowed = 1
+        while True:
+            before = [p.detach().clone() for p in trainer.raw_model.parameters()]
+            record = trainer.log_record(trainer.train_step())
+            moved = not all(torch.equal(a, p) for a, p in zip(before, trainer.raw_model.parameters()))
+            if not record.get("overflow"):
+                break
+            overflowed += 1
+            assert not moved and record["loss_scale"] == 2.0 ** (40 - overflowed)
+            assert overflowed < 40
+        assert moved and overflowed >= 5  # (a scale fp16 can hold is far below 2**35 here)
+        assert record["loss_scale"] == 2.0 ** (40 - overflowed) and record["overflow_steps"] == overflowed
+        assert all(float(s["step"]) == 1 for s in trainer.optimizer.state.values())
+        assert trainer.pos.skipped_steps == 0 and trainer.pos.step == overflowed + 1
+    finally:
+        trainer._close()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path, policy):
+    """One parameter's gradient made infinite (a tensor hook; the loss stays finite): at scale 4 the
+    step overflows (4 -> 2), again (2 -> 1), and at 1 nothing is left to lower: that step is
+    non-finite. 'stop' stops the run at the next read naming it; 'skip' counts it toward
+    run.max_skipped_steps."""
+    trainer = _trainer(tiny_data_cache, tmp_path / "run", **{
+        "run.dtype": "fp16", "run.loss_scale": 4.0, "run.on_nonfinite": policy, "run.max_skipped_steps": 5})
+    trainer.raw_model.blocks[0].mlp.fc1.weight.register_hook(lambda g: g * float("inf"))
+    try:
+        for scale in (2.0, 1.0):
+            record = trainer.log_record(trainer.train_step())
+            assert record["overflow"] is True and record["loss_scale"] == scale and "skipped" not in record
+        record = trainer.train_step()
+        if policy == "stop":
+            with pytest.raises(NonFiniteLoss, match=r"loss is [0-9.]+ \(gradient norm (inf|nan)\) at step 3"):
+                trainer.log_record(record)
+        else:
+            record = trainer.log_record(record)
+            assert record["skipped"] is True and record["loss_scale"] == 1.0 and record["overflow_steps"] == 3
+            assert (trainer.pos.skipped_steps, trainer.pos.skipped_in_a_row) == (1, 1)
+    finally:
+        trainer._close()
+
+
+def test_an_fp16_run_stopped_and_continued_equals_the_uninterrupted_one(tiny_data_cache, tmp_path):
+    """A tiny fp16 run started at 2**24 with growth every 3 good steps (so its scale falls and rises
+    on both sides of the stop), stopped at step 7 (run.max_steps) and continued by the same command:
+    every record -- loss, gradient norm, loss scale, overflow count -- and the summary equal the
+    uninterrupted run's."""
+    fp16 = {"run.dtype": "fp16", "run.loss_scale": 2.0**24, "run.loss_scale_growth_steps": 3,
+            "run.log_every_steps": 1}
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+
+    def train(out, **extra):
+        o = tiny_overrides(tiny_data_cache, out, **fp16, **extra)
+        assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+
+    train(full)
+    train(stopped, **{"run.max_steps": 7})
+    train(stopped)
+
+    def records(run):
+        return [(r["step"], r["loss"], str(r["grad_norm"]), r["loss_scale"], r["overflow_steps"], r.get("overflow"))
+                for r in read_metrics(run) if r["kind"] == "train"]  # (an overflow's norm: inf or nan)
+
+    ours = records(full)
+    scales = [r[3] for r in ours]
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    assert records(stopped) == ours
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (full, stopped)]
+    for key in ("final_val_loss", "loss_scale", "overflow_steps", "steps"):
+        assert summaries[0][key] == summaries[1][key], key
+    assert summaries[0]["overflow_steps"] == ours[-1][4] > 0
