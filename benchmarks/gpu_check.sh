@@ -34,6 +34,16 @@ timeout 120 "$PYTHON" benchmarks/step_sync.py --device cuda --layers 12 --embd 7
 # read in a step that does not log, and a non-finite step taken back bit for bit, for LAMB/LANS
 # (capturable) and torch's AdamW, fused and default (foreach on a GPU: host step counters)
 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_skip.py tests/test_train_step.py
+# run.dtype = fp16 on the device: dynamic loss scaling (an overflow taken back with no host read, the
+# unscaled gradient against fp32's, the scale carried across a resume; CPU: docs/training.md,
+# "Precision"), then fp16 against bf16 tokens/s on the same short run (an fp16 step also keeps a copy of
+# the parameters and optimizer state to take an overflow back)
+timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_train_fp16.py
+for dt in bf16 fp16; do
+  timeout 120 "$PYTHON" -m largebatch train gpt-demo --run.device=cuda --run.dtype=$dt --run.total_tokens=400000 \
+    --run.sample_tokens=0 --run.plots=false --run.tensorboard=false --run.progress=off \
+    --run.out_dir="$(mktemp -d)" | grep -E "^(validation loss|throughput|loss scale)"
+done
 # LAMB/LANS/LARS with capturable=True and a 0-d device tensor LR captured in a CUDA graph and replayed
 # against eager steps (a host read in the step would make the capture fail; CPU test of the logic:
 # tests/test_optim_capturable.py)

@@ -15,6 +15,7 @@ import torch
 
 from largebatch.train.cli import main, resolve_config
 from largebatch.train.config import load_config
+from largebatch.train.deferred import HostReads
 from largebatch.train.loop import NonFiniteLoss
 from largebatch.train.loss_scale import LossScale
 from largebatch.train.metrics import read_metrics
@@ -103,6 +104,27 @@ def test_an_fp16_step_gives_clipping_and_the_noise_scale_the_unscaled_gradient(t
     assert "loss_scale" not in r32
     assert d32.norm() == pytest.approx(0.5, rel=1e-4)  # clipped to optim.grad_clip
     assert (d16 - d32).norm() < 1e-2 * d32.norm()
+
+
+def test_an_fp16_step_that_does_not_log_reads_nothing_from_the_device(tiny_data_cache, tmp_path):
+    """The scale, the overflow decision and the take-back stay on the device: neither a step that
+    applies its update nor one that overflows reads a value to the host (counted at the dispatcher)."""
+    trainer = _trainer(tiny_data_cache, tmp_path / "run", **{"run.dtype": "fp16", "run.loss_scale": 2.0**40,
+                                                             "optim.name": "lans", "optim.grad_clip": 0.5})
+    try:
+        trainer.train_step()  # creates the optimizer state
+        with HostReads() as reads:
+            overflowed = trainer.train_step()
+        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        assert trainer.log_record(overflowed)["overflow"] is True
+        trainer.loss_scale.scale.fill_(2.0**10)  # (a scale that fits)
+        with HostReads() as reads:
+            applied = trainer.train_step()
+        assert reads.scalar == 0 and reads.calls == [], (reads.scalar, reads.calls)
+        record = trainer.log_record(applied)
+        assert "overflow" not in record and record["loss_scale"] == 2.0**10
+    finally:
+        trainer._close()
 
 
 def test_an_overflow_is_skipped_on_the_device_and_is_not_a_non_finite_step(tiny_data_cache, tmp_path):

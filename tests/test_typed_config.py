@@ -83,17 +83,18 @@ def test_field_docs_and_help_text():
 
 
 def test_a_refused_value_gives_its_reason_and_a_choice_in_other_case_is_suggested():
-    """run.dtype=fp16 got "did you mean 'bf16'?" with no word of why (the trainer has no loss
-    scaling), and "half" / "BF16" got no suggestion at all."""
+    """torch's spellings of a dtype ("half", "float16", "bfloat16") are refused naming the config's own,
+    and a choice in another case ("BF16") gets a suggestion."""
     from largebatch.train.config import TrainConfig
 
-    for value in ("fp16", "Half", "float16"):
-        with pytest.raises(ConfigError, match=rf"^run.dtype = '{value}': fp16 needs loss scaling, which the "
-                                              r"trainer does not do: use 'bf16'"):
+    for value, ours in (("Half", "fp16"), ("float16", "fp16"), ("bfloat16", "bf16"), ("float32", "fp32")):
+        with pytest.raises(ConfigError, match=rf"^run.dtype = '{value}': write '{ours}'"):
             from_dict(TrainConfig, {"run": {"dtype": value}})
-    with pytest.raises(ConfigError, match=r"run.dtype = 'BF16': must be one of 'fp32', 'bf16'; did you mean 'bf16'\?"):
+    with pytest.raises(ConfigError, match=r"run.dtype = 'BF16': must be one of 'fp32', 'bf16', 'fp16'; did you mean "
+                                          r"'bf16'\?"):
         from_dict(TrainConfig, {"run": {"dtype": "BF16"}})
     assert from_dict(TrainConfig, {"run": {"dtype": "bf16"}}).run.dtype == "bf16"
+    assert from_dict(TrainConfig, {"run": {"dtype": "fp16"}}).run.dtype == "fp16"
 
 
 def test_an_array_of_tables_the_config_lacks_is_named_on_the_command_line():

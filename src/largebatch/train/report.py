@@ -124,7 +124,10 @@ class Reporting:
                  + ("" if cfg.run.ema_decay is None else
                     f"; weight average decay {cfg.run.ema_decay} (~{1 / (1 - cfg.run.ema_decay):,.0f} steps), "
                     "evaluated beside the weights"),
-                 f"device       {self.device}, {cfg.run.dtype}, peak {self.peak_flops / 1e12:.3f} TFLOP/s "
+                 f"device       {self.device}, {cfg.run.dtype}"
+                 + ("" if self.loss_scale is None else f" (loss scale {self.pos.loss_scale:.10g}, doubled after "
+                    f"{cfg.run.loss_scale_growth_steps} steps without overflow)")
+                 + f", peak {self.peak_flops / 1e12:.3f} TFLOP/s "
                  f"({self.peak_source})",
                  f"parallel     {self.par.world_size} process(es): "
                  + (f"pp {self.par.pp_size} ({self.par.pp_schedule}, {self.par.pp_virtual_stages} stage(s) "
