@@ -218,7 +218,8 @@ def test_configs_built_from_python_are_checked_as_a_config_file_is():
     assert type(OptimConfig(weight_decay=np.float32(0.5)).weight_decay) is float
     for build, message in [
         (lambda: RunConfig(total_tokens=[1]), r"run.total_tokens = \[1\]: expected a whole number"),
-        (lambda: RunConfig(dtype="bf17"), r"run.dtype = 'bf17': must be one of 'fp32', 'bf16', 'fp16'; did you mean 'bf16'"),
+        (lambda: RunConfig(dtype="bf17"),
+         r"run.dtype = 'bf17': must be one of 'fp32', 'bf16', 'fp16'; did you mean 'bf16'"),
         (lambda: OptimConfig(name="adam"), r"optim.name = 'adam': must be one of"),
         (lambda: OptimConfig(weight_decay="x"), r"optim.weight_decay = 'x': expected a number"),
         (lambda: ParallelConfig(tp="2"), r"parallel.tp = '2': expected a whole number"),

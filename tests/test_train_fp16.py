@@ -213,3 +213,25 @@ def test_an_fp16_run_stopped_and_continued_equals_the_uninterrupted_one(tiny_dat
     for key in ("final_val_loss", "loss_scale", "overflow_steps", "steps"):
         assert summaries[0][key] == summaries[1][key], key
     assert summaries[0]["overflow_steps"] == ours[-1][4] > 0
+
+
+def test_a_phase_that_resets_the_optimizer_keeps_its_step_counts_on_the_device(tiny_data_cache, tmp_path):
+    """[[phases]] with optimizer_state = 'reset' builds a new optimizer at the switch: in an fp16 run
+    (an overflow is taken back on the device) LANS must keep its step counts there too, as the first
+    phase's does, so that an overflow right after the switch leaves the count as it was."""
+    from largebatch.train.loop import Trainer
+    from test_train_phases import write_config
+
+    config = write_config(tmp_path, tiny_data_cache, run_extra='dtype = "fp16"\nloss_scale = 1099511627776.0',
+                          phase_extra='optimizer_state = "reset"')
+    out = tmp_path / "run"
+    trainer = Trainer(load_config(resolve_config(str(config)), {"run.out_dir": str(out)}), out, log=lambda *_: None)
+    try:
+        assert trainer.optimizer.capturable
+        trainer._begin_next_phase()
+        assert trainer.optimizer.capturable
+        record = trainer.log_record(trainer.train_step())  # 2**40: overflows
+        assert record["overflow"] is True
+        assert all(float(s["step"]) == 0 for s in trainer.optimizer.state.values())
+    finally:
+        trainer._close()

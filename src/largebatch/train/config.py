@@ -267,6 +267,12 @@ class RunConfig:
     """With profile_steps: record the allocations too (memory columns in rank{R}.txt) and, on CUDA,
     the allocator's history as rank{R}.memory.pickle (PyTorch's memory viewer opens it)."""
 
+    @property
+    def takes_steps_back(self) -> bool:
+        """Whether a step's update may be taken back on the device (run.on_nonfinite = 'skip', an fp16
+        overflow: largebatch.train.skip); LAMB, LANS and LARS then keep their step counts there."""
+        return self.on_nonfinite == "skip" or self.dtype == "fp16"
+
     def __post_init__(self):
         check_fields(self, "run")
         for name in ("total_tokens", "micro_batch", "eval_tokens", "log_every_steps",

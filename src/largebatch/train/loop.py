@@ -78,6 +78,7 @@ from largebatch.train.deferred import Deferred, target_count
 from largebatch.train.ema import WeightAverage
 from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
+from largebatch.train.loss_scale import LossScale
 from largebatch.train.metrics import MetricsLog, WandbSettings
 from largebatch.train.optimizer import OPTIMIZERS, build_optimizer
 from largebatch.train.phases import PhaseSwitch, resolve_phases
@@ -85,7 +86,6 @@ from largebatch.train.profile import StepProfiler, profile_windows
 from largebatch.train.progress import ConsoleLog, Progress, human_count
 from largebatch.train.report import Reporting
 from largebatch.train.rundir import TIMINGS_NAME, keep_tokenizer, lock_run_dir, note_stop
-from largebatch.train.loss_scale import LossScale
 from largebatch.train.skip import DeviceSkip
 from largebatch.train.stopping import (
     StepInterrupted,
@@ -277,10 +277,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.raw_model = unwrap(self.model)  # checkpoints, the optimizer and generation use it
         self._params: list[torch.Tensor] | None = None  # _live_params, listed once
         seed_ranks(run.seed, self.par)  # dropout: a different stream per data-parallel replica and stage
-        # a step taken back on the device (a non-finite step under "skip", an fp16 overflow) needs the
-        # optimizers' step counts on the device (largebatch.train.skip)
-        takes_back = run.on_nonfinite == "skip" or run.dtype == "fp16"
-        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim, capturable=takes_back),
+        self.optimizer = shard_optimizer(build_optimizer(self.raw_model, cfg.optim, capturable=run.takes_steps_back),
                                          self.par)
         # run.ema_decay: the weights' moving average, beside the optimizer's parameters (train.ema)
         self.ema = (WeightAverage(self.optimizer, run.ema_decay, self.device, self.raw_model)
@@ -320,7 +317,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 if settle_ddp_buckets(self.model, self._bucket_backward) and self.local_grad_norm is not None:
                     self.local_grad_norm.take()  # (its comm hook saw that backward: not a step's gradient)
         self.skip = (DeviceSkip(self.device, run.max_skipped_steps if run.on_nonfinite == "skip" else None,
-                                self.pos.skipped_steps, self.pos.skipped_in_a_row) if takes_back else None)
+                                self.pos.skipped_steps, self.pos.skipped_in_a_row) if run.takes_steps_back else None)
         self.loss_scale = None  # fp16: the dynamic loss scale, continued from the checkpoint's
         if run.dtype == "fp16":
             pos = self.pos

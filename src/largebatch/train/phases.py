@@ -173,6 +173,6 @@ class PhaseSwitch:
         self.noise = self.phase.schedule.build_noise_scale()  # B_noise is in sequences of the old length
         if self.phase.optimizer_state == "reset":
             self.optimizer = shard_optimizer(build_optimizer(
-                self.raw_model, self.cfg.optim, capturable=self.cfg.run.on_nonfinite == "skip"), self.par)
+                self.raw_model, self.cfg.optim, capturable=self.cfg.run.takes_steps_back), self.par)
         self.log(f"phase {self.phase.index} begins at {human_count(pos.tokens)} tokens: "
                  + describe([self.phase])[0].split(": ", 1)[1])
