@@ -235,3 +235,26 @@ def test_a_phase_that_resets_the_optimizer_keeps_its_step_counts_on_the_device(t
         assert all(float(s["step"]) == 0 for s in trainer.optimizer.state.values())
     finally:
         trainer._close()
+
+
+def test_check_counts_the_copy_a_step_that_may_be_taken_back_keeps(tiny_data_cache, tmp_path):
+    """`train --check`'s state estimate: an fp16 (or skip-enabled) step copies the parameters and the
+    optimizer state while the optimizer steps; the estimate's copy equals the bytes of those tensors in
+    a real trainer after its first step (LANS: two moments and a step count per tensor), and an fp32
+    run without skip has none."""
+    from largebatch.train.preflight import estimate_state
+
+    for extra, copies in [({"run.dtype": "fp16"}, True), ({"run.on_nonfinite": "skip"}, True), ({}, False)]:
+        o = tiny_overrides(tiny_data_cache, tmp_path / f"run{len(extra)}{copies}", **{"optim.name": "lans", **extra})
+        cfg = load_config(resolve_config(None), o)
+        trainer = _trainer(tiny_data_cache, tmp_path / f"t{len(extra)}{copies}", **{"optim.name": "lans", **extra})
+        try:
+            trainer.train_step()
+            params = [p for p in trainer.raw_model.parameters() if p.requires_grad]
+            held = sum(p.numel() * p.element_size() for p in params) + sum(
+                v.numel() * v.element_size() for s in trainer.optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)  # (0-d step counts: a few bytes, not counted)
+        finally:
+            trainer._close()
+        est = estimate_state(cfg, trainer.data.vocab_size)
+        assert est.step_copy == (pytest.approx(held, rel=1e-6) if copies else 0.0)

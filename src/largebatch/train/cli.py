@@ -308,14 +308,18 @@ def _launch(args, unknown: list[str], parser) -> int:
         print(f"ok: {run_dir} ({'continues the run there' if resume else 'a new run'}); "
               f"{human_count(state.parameters)} parameters, {human_bytes(state.bytes)} of parameters, "
               f"gradients and {cfg.optim.name} state"
-              f"{' and the weight average' if cfg.run.ema_decay is not None else ''} per process, {acts}; "
+              f"{' and the weight average' if cfg.run.ema_decay is not None else ''} per process"
+              + (f" (and {human_bytes(state.step_copy)} more while the optimizer steps: a copy of the parameters "
+                 f"and the {cfg.optim.name} state, to take back "
+                 f"{'an fp16 overflow' if cfg.run.dtype == 'fp16' else 'a non-finite step'})"
+                 if state.step_copy else "") + f", {acts}; "
               f"{human_bytes(state.available)} "
               f"available ({state.source}); `largebatch memory --config FILE` breaks the activations down "
               f"and plans recomputation")
         print(f"model: {cfg.model.kind}, {cfg.model.layout_words()}")
-        if activations is not None and state.bytes + activations > state.available:
+        if activations is not None and state.bytes + max(activations, state.step_copy) > state.available:
             print(f"largebatch train: warning: the state and the predicted activations, "
-                  f"{human_bytes(state.bytes + activations)} per process, exceed the "
+                  f"{human_bytes(state.bytes + max(activations, state.step_copy))} per process, exceed the "
                   f"{human_bytes(state.available)} available: lower run.micro_batch, set run.recompute "
                   f"(`largebatch memory --config FILE --budget-gib G` plans it), or split the model "
                   f"(parallel.tp, parallel.pp)", file=sys.stderr)

@@ -63,6 +63,10 @@ class StateEstimate:
     source: str
     vocab_size: int | None = None
     """The tokenizer's size the estimate sized the model for (None: ``data.vocab_size``)."""
+    step_copy: float = 0.0
+    """What a step that may be taken back (run.on_nonfinite = 'skip', fp16: largebatch.train.skip)
+    copies while the optimizer steps: the parameters and the optimizer state, beside ``bytes``; the
+    step's activations are freed by then."""
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -410,7 +414,8 @@ def estimate_state(cfg: TrainConfig, vocab_size: int | None = None) -> StateEsti
     if cfg.run.ema_decay is not None:  # the weight average: one more copy (its evaluations' swap uses
         per_parameter += FP32_BYTES    # the gradients' space, freed by then)
     available, source = _available_bytes(cfg)
-    return StateEstimate(n, n * per_parameter, available, source, vocab_size)
+    step_copy = n * (FP32_BYTES + OPTIMIZERS[cfg.optim.name].state_bytes) if cfg.run.takes_steps_back else 0.0
+    return StateEstimate(n, n * per_parameter, available, source, vocab_size, step_copy)
 
 
 def estimate_activations(cfg: TrainConfig, vocab_size: int | None = None) -> tuple[float | None, str]:
@@ -492,13 +497,14 @@ def _mem_available() -> float:
 def check_memory(cfg: TrainConfig, vocab_size: int | None = None) -> StateEstimate:
     """Refuse a model whose state alone exceeds the memory free for it, naming the size fields."""
     est = estimate_state(cfg, vocab_size)
-    if est.bytes > est.available:
+    if est.bytes + est.step_copy > est.available:
         m = cfg.model
         raise ConfigError(
             f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd} (vocabulary "
             f"{vocab_size or cfg.data.vocab_size}): {est.parameters:.3g} parameters per process need "
-            f"{est.bytes / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state"
-            f"{' and the weight average (run.ema_decay)' if cfg.run.ema_decay is not None else ''}, "
+            f"{(est.bytes + est.step_copy) / GIB:,.1f} GiB for fp32 parameters, gradients and {cfg.optim.name} state"
+            f"{' and the weight average (run.ema_decay)' if cfg.run.ema_decay is not None else ''}"
+            f"{' and the copy a step that may be taken back keeps' if est.step_copy else ''}, "
             f"more than the {est.available / GIB:,.1f} GiB available ({est.source}); lower "
             f"model.n_layer or model.n_embd, or split the model (parallel.tp, parallel.pp, or "
             f"parallel.dp_mode = 'fsdp')")
