@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -63,12 +64,15 @@ def test_fp16_settings_are_checked(tiny_data_cache, tmp_path):
     """An fp16-only field on another precision, a scale below 1 and torch's dtype spellings are
     refused in one line naming the field, the value and the fix."""
     base = tiny_overrides(tiny_data_cache, tmp_path / "run")
-    for extra, words in [({"run.loss_scale": 1024.0}, "run.loss_scale = 1024.0 is read by fp16 runs only"),
-                         ({"run.loss_scale_growth_steps": 50}, "set run.dtype = 'fp16'"),
-                         ({"run.dtype": "fp16", "run.loss_scale": 0.5}, "must be a finite number >= 1"),
+    for extra, words in [({"run.loss_scale": 1024.0}, "run.loss_scale = 1024.0: read by fp16 runs only"),
+                         ({"run.loss_scale_growth_steps": 50, "run.loss_scale": 8.0},
+                          "run.loss_scale = 8.0 and run.loss_scale_growth_steps = 50: read by fp16 runs only, and "
+                          "run.dtype = 'fp32': set run.dtype = 'fp16', or set them back"),
+                         ({"run.dtype": "fp16", "run.loss_scale": 0.5}, "must be a number from 1 to 2**127"),
+                         ({"run.dtype": "fp16", "run.loss_scale": 1e39}, "run.loss_scale = 1e+39: must be a number"),
                          ({"run.dtype": "fp16", "run.loss_scale_growth_steps": 0}, "must be >= 1"),
                          ({"run.dtype": "half"}, "write 'fp16'"), ({"run.dtype": "float16"}, "write 'fp16'")]:
-        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
             load_config(resolve_config(None), {**base, **extra})
     cfg = load_config(resolve_config(None), {**base, "run.dtype": "fp16", "run.loss_scale": 256})
     assert cfg.run.loss_scale == 256.0 and cfg.run.loss_scale_growth_steps == 2000
@@ -174,7 +178,9 @@ def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path
             assert record["overflow"] is True and record["loss_scale"] == scale and "skipped" not in record
         record = trainer.train_step()
         if policy == "stop":
-            with pytest.raises(NonFiniteLoss, match=r"loss is [0-9.]+ \(gradient norm (inf|nan)\) at step 3"):
+            words = (r"loss is [0-9.]+ \(gradient norm (inf|nan)\) at step 3, \d+ tokens \(run.dtype = 'fp16': the "
+                     r"gradients overflowed at a loss scale of 1, the least it goes\)\..*or train in run.dtype = 'bf16'")
+            with pytest.raises(NonFiniteLoss, match=words):
                 trainer.log_record(record)
         else:
             record = trainer.log_record(record)
@@ -258,3 +264,21 @@ def test_check_counts_the_copy_a_step_that_may_be_taken_back_keeps(tiny_data_cac
             trainer._close()
         est = estimate_state(cfg, trainer.data.vocab_size)
         assert est.step_copy == (pytest.approx(held, rel=1e-6) if copies else 0.0)
+
+
+def test_a_loss_scale_given_on_resume_starts_the_scale_again_there(tiny_data_cache, tmp_path, capsys):
+    """`--resume RUN --run.loss_scale=1024`: the checkpoint's scale gives way to the one given (said
+    in a note), as config.toml then records; the same command without a change continues the
+    checkpoint's scale."""
+    out = tmp_path / "run"
+    o = tiny_overrides(tiny_data_cache, out, **{"run.dtype": "fp16", "run.log_every_steps": 1, "run.max_steps": 3})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    assert main(["--resume", str(out), "--run.max_steps=2"]) == 0  # unchanged: continues at 65536
+    assert main(["--resume", str(out), "--run.loss_scale=1024", "--run.max_steps=2"]) == 0
+    logged = capsys.readouterr().out
+    assert "note: run.loss_scale = 1024 (the run started at 65536): the loss scale starts again there, from 65536" \
+        in logged, logged[-2000:]
+    scales = [(r["step"], r["loss_scale"]) for r in read_metrics(out) if r["kind"] == "train"]
+    assert scales == [(1, 65536.0), (2, 65536.0), (3, 65536.0), (4, 65536.0), (5, 65536.0), (6, 1024.0),
+                      (7, 1024.0)], scales
+    assert "loss_scale = 1024.0" in (out / "config.toml").read_text()

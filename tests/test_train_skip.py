@@ -167,20 +167,27 @@ def test_a_records_non_finite_numbers_go_out_as_strict_json_and_come_back():
     assert restored_record({"nonfinite": 3, "x": 1.0}) == {"nonfinite": 3, "x": 1.0}
 
 
-def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_path, reference_run):
+@pytest.mark.parametrize("optim", [{"optim.name": "lans", "optim.grad_clip": 0.5},
+                                   # torch's default path: on an accelerator its counts become device tensors
+                                   # (capturable), where the take-back reaches them; on CPU they are already
+                                   {"optim.name": "adamw", "optim.grad_clip": 0.5}])
+def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_path, reference_run, optim):
     """LANS under skip, six steps of which the 1st (the optimizer state is created by it), 3rd and 4th
     are made non-finite by a forward hook: its step counts (device tensors: capturable) equal the 3
     applied steps, and every step's parameters and the final state equal, bit for bit, those of a
     run whose optimizer keeps host counts and is not stepped at all where a host check finds the
-    step non-finite."""
+    step non-finite. The same for torch's AdamW, with no host read between the steps: on a GPU its
+    default path kept its counts on the host, where a take-back did not reach them before the next
+    read (benchmarks/gpu_check.sh runs this file there)."""
     bad = {1, 3, 4}
     runs = []
     for device_skip in (True, False):
-        trainer = _trainer(reference_run[0], tmp_path / f"run{device_skip}", **{
-            "optim.name": "lans", "optim.grad_clip": 0.5, "run.on_nonfinite": "skip"})
-        assert trainer.optimizer.capturable
+        trainer = _trainer(reference_run[0], tmp_path / f"run{device_skip}", **{**optim, "run.on_nonfinite": "skip"})
+        layerwise = optim["optim.name"] == "lans"
+        assert not layerwise or trainer.optimizer.capturable
         if not device_skip:  # the reference: host counts, and no step at all when not finite
-            trainer.optimizer.capturable = False
+            if layerwise:  # (torch's AdamW keeps its flag: its capturable bias corrections round otherwise)
+                trainer.optimizer.capturable = False
             trainer.skip.step = lambda optimizer, finite, step, **_: optimizer.step() if bool(finite) else None
         block = trainer.raw_model.blocks[0].mlp
         trajectory = []
@@ -204,3 +211,29 @@ def test_skipped_steps_leave_no_trace_in_the_step_counts_or_the_trajectory(tmp_p
         assert isinstance(count, torch.Tensor) and float(count) == host_state[index]["step"] == 3
         assert all(torch.equal(state[key], host_state[index][key]) for key in ("exp_avg", "exp_avg_sq"))
     assert not torch.equal(device_run[0][0], device_run[-1][0])  # the applied steps did move it
+
+
+def test_torchs_optimizers_keep_their_step_counts_where_a_take_back_reaches_them():
+    """device_step_counts, the logic (a GPU runs the trainer's tests above through
+    benchmarks/gpu_check.sh): AdamW's groups whose parameters sit on a device type torch allows
+    capturable on get the flag, and a step count a loaded state kept elsewhere moves to the
+    parameter's device (the meta device stands in for an accelerator here); a CPU group (torch
+    refuses capturable there) and a fused one are left as they are."""
+    from largebatch.train.optimizer import device_step_counts
+
+    cpu = [torch.nn.Parameter(torch.ones(3))]
+    opt = torch.optim.AdamW(cpu, lr=0.1)
+    cpu[0].grad = torch.ones(3)
+    opt.step()
+    device_step_counts(opt)  # torch's own list: no CPU in it
+    assert opt.param_groups[0]["capturable"] is False and opt.state[cpu[0]]["step"].device.type == "cpu"
+    device_step_counts(opt, supported=frozenset({"cpu"}))
+    assert opt.param_groups[0]["capturable"] is True
+    meta = [torch.nn.Parameter(torch.empty(3, device="meta"))]
+    opt = torch.optim.AdamW(meta, lr=0.1)
+    opt.state[meta[0]]["step"] = torch.tensor(4.0)  # as a non-capturable checkpoint loads it: on the host
+    device_step_counts(opt, supported=frozenset({"meta"}))
+    assert opt.param_groups[0]["capturable"] is True and opt.state[meta[0]]["step"].device.type == "meta"
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, fused=True)
+    device_step_counts(fused, supported=frozenset({"cpu"}))
+    assert fused.param_groups[0]["capturable"] is False

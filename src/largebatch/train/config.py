@@ -311,18 +311,18 @@ class RunConfig:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"run.seed = {self.seed}: must lie in [0, 2**32 - 1] (numpy's and torch's "
                              "generators take it)")
-        if not (isinstance(self.loss_scale, float) and math.isfinite(self.loss_scale) and self.loss_scale >= 1.0):
-            raise ValueError(f"run.loss_scale = {self.loss_scale!r}: must be a finite number >= 1 (fp16's starting "
-                             "loss scale; 65536 by default)")
+        if not (isinstance(self.loss_scale, float) and 1.0 <= self.loss_scale <= 2.0**127):
+            raise ValueError(f"run.loss_scale = {self.loss_scale!r}: must be a number from 1 to 2**127 (fp32's "
+                             "largest power of two; fp16's starting loss scale, 65536 by default)")
         if self.loss_scale_growth_steps < 1:
             raise ValueError(f"run.loss_scale_growth_steps = {self.loss_scale_growth_steps}: must be >= 1 (steps "
                              "without overflow before fp16's loss scale doubles; 2000 by default)")
-        if self.dtype != "fp16":
-            for name, default in (("loss_scale", 65536.0), ("loss_scale_growth_steps", 2000)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"run.{name} = {getattr(self, name)!r} is read by fp16 runs only, and "
-                                     f"run.dtype = {self.dtype!r}: set run.dtype = 'fp16', or run.{name} back "
-                                     f"to {default:g}")
+        unread = [f"run.{name} = {getattr(self, name)!r}" for name, default in
+                  (("loss_scale", 65536.0), ("loss_scale_growth_steps", 2000)) if getattr(self, name) != default]
+        if self.dtype != "fp16" and unread:
+            raise ValueError(f"{' and '.join(unread)}: read by fp16 runs only, and run.dtype = {self.dtype!r}: "
+                             "set run.dtype = 'fp16', or set them back to their defaults (run.loss_scale = 65536, "
+                             "run.loss_scale_growth_steps = 2000)")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)

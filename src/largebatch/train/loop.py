@@ -80,7 +80,7 @@ from largebatch.train.evaluate import EvalInterrupted, Evaluation
 from largebatch.train.hf_import import init_from_pretrained
 from largebatch.train.loss_scale import LossScale
 from largebatch.train.metrics import MetricsLog, WandbSettings
-from largebatch.train.optimizer import OPTIMIZERS, build_optimizer
+from largebatch.train.optimizer import OPTIMIZERS, build_optimizer, device_step_counts
 from largebatch.train.phases import PhaseSwitch, resolve_phases
 from largebatch.train.profile import StepProfiler, profile_windows
 from largebatch.train.progress import ConsoleLog, Progress, human_count
@@ -321,6 +321,11 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         self.loss_scale = None  # fp16: the dynamic loss scale, continued from the checkpoint's
         if run.dtype == "fp16":
             pos = self.pos
+            given = getattr(self, "_saved_loss_scale", None)  # the start the checkpoint's run was given
+            if pos.loss_scale is not None and given is not None and given != run.loss_scale:  # changed on resume
+                self.log(f"note: run.loss_scale = {run.loss_scale:.10g} (the run started at {given:.10g}): the loss "
+                         f"scale starts again there, from {pos.loss_scale:.10g}")
+                pos.loss_scale, pos.loss_scale_good_steps = None, 0
             self.loss_scale = LossScale(self.device, run.loss_scale if pos.loss_scale is None else pos.loss_scale,
                                         run.loss_scale_growth_steps, pos.loss_scale_good_steps, pos.overflow_steps)
             pos.loss_scale = self.loss_scale.read()[0]
@@ -444,7 +449,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 self.raw_model.load_state_dict(extra["model"])
                 self.optimizer.load_state_dict(extra["optimizer"])
             saved_average = extra.get("ema_tensors")
+        if self.cfg.run.takes_steps_back:  # (the loaded groups carry the flag of the run that saved them)
+            device_step_counts(self.optimizer)
         self._load_average(path, saved_average, extra.get("ema"), extra["progress"]["step"])
+        self._saved_loss_scale = extra["config"].get("run", {}).get("loss_scale")  # (the start it was given)
         saved_dp = extra["schedule"].get("config", {}).get("dp_size", self.par.dp_size)
         if saved_dp != self.par.dp_size:
             # another number of replicas: keep the run's batch granularity (micro_batch x old dp), so
@@ -731,17 +739,29 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                 last_ckpt = latest_any_checkpoint(self.run_dir)
                 raise NonFiniteLoss(
                     f"{in_a_row} consecutive non-finite steps skipped, the last at step {step} "
-                    f"({total} skipped in all). Last good checkpoint: {last_ckpt or 'none'}. Lower "
-                    f"schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps.")
+                    f"({total} skipped in all){self._fp16_words()}. Last good checkpoint: {last_ckpt or 'none'}. "
+                    f"Lower schedule.peak_lr, set optim.grad_clip, or raise run.max_skipped_steps{self._fp16_fix()}.")
         if bad is not None:
             step, tokens, loss, grad_norm = bad
             if (interrupted := self._end_write()) is not None:
                 raise interrupted
             last_ckpt = latest_any_checkpoint(self.run_dir)
             raise NonFiniteLoss(
-                f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens. Last "
-                f"good checkpoint: {last_ckpt or 'none'}. Lower schedule.peak_lr, set "
-                f"optim.grad_clip, or run.on_nonfinite='skip'.")
+                f"loss is {loss} (gradient norm {grad_norm}) at step {step}, {tokens} tokens{self._fp16_words(loss)}. "
+                f"Last good checkpoint: {last_ckpt or 'none'}. Lower schedule.peak_lr, set "
+                f"optim.grad_clip, or run.on_nonfinite='skip'{self._fp16_fix()}.")
+
+    def _fp16_words(self, loss: float | None = None) -> str:
+        """An fp16 run's non-finite step, said so: a loss that is not finite (fp16 overflowing in the
+        forward pass, which no loss scale mends), or gradients that overflowed at a scale of 1."""
+        if self.loss_scale is None:
+            return ""
+        if loss is not None and math.isfinite(loss):
+            return " (run.dtype = 'fp16': the gradients overflowed at a loss scale of 1, the least it goes)"
+        return " (run.dtype = 'fp16': a loss that is not finite can be fp16 overflowing in the forward pass)"
+
+    def _fp16_fix(self) -> str:
+        return "; or train in run.dtype = 'bf16' (fp32's range) where the device has it" if self.loss_scale else ""
 
     def _live_params(self) -> list[torch.Tensor]:
         """The parameters as the model holds them now (the ones the gradients were written to).

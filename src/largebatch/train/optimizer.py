@@ -94,7 +94,34 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, capturable: boo
     optimizer = OPTIMIZERS[cfg.name].build(groups, cfg)
     if capturable and isinstance(optimizer, LayerwiseOptimizer):
         optimizer.capturable = True  # (no state yet: the counts are created on the device)
+    elif capturable:
+        device_step_counts(optimizer)
     return optimizer
+
+
+def device_step_counts(optimizer: torch.optim.Optimizer, supported: frozenset[str] | None = None) -> None:
+    """torch's own optimizers with a ``capturable`` option (AdamW, Adam): turned on for every group
+    whose parameters sit where torch allows it (an accelerator: CUDA, XPU, ...), and any step count
+    already kept on the host moved to its parameter's device (a state loaded from a checkpoint). Its
+    default path keeps each count on the host there, out of reach of a take-back on the device
+    (largebatch.train.skip): an fp16 overflow would advance it until the next host read. On CPU the
+    counts are CPU tensors already, beside the flag, and torch refuses capturable: left as they are.
+    ``supported``: the device types (default: torch's list)."""
+    if supported is None:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+
+        supported = frozenset(_get_capturable_supported_devices())
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if "capturable" not in group or group.get("fused") or not params:
+            continue
+        if not all(p.device.type in supported for p in params):
+            continue
+        group["capturable"] = True
+        for p in params:
+            count = optimizer.state.get(p, {}).get("step")
+            if isinstance(count, torch.Tensor) and count.device != p.device:
+                optimizer.state[p]["step"] = count.to(p.device)
 
 
 # lr=0.0 below: a placeholder; each step the trainer sets every group to the scheduled LR x its lr_mult
