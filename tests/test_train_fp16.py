@@ -179,7 +179,8 @@ def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path
         record = trainer.train_step()
         if policy == "stop":
             words = (r"loss is [0-9.]+ \(gradient norm (inf|nan)\) at step 3, \d+ tokens \(run.dtype = 'fp16': the "
-                     r"gradients overflowed at a loss scale of 1, the least it goes\)\..*or train in run.dtype = 'bf16'")
+                     r"gradients overflowed at a loss scale of 1, the least it goes\)\..*"
+                     r"or train in run.dtype = 'bf16'")
             with pytest.raises(NonFiniteLoss, match=words):
                 trainer.log_record(record)
         else:
