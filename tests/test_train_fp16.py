@@ -25,16 +25,22 @@ from test_train import tiny_overrides
 from test_train_step import _trainer
 
 
-def _rule(scale: float, growth_steps: int, overflows: list[bool]) -> list[tuple[float, int, int, bool]]:
-    """The dynamic loss-scale rule, from its statement: on overflow halve (never below 1) and start
-    counting again; otherwise count, and at growth_steps good steps in a row double (if the double is
-    finite) and start counting again. An overflow at 1 is a non-finite step."""
+def _rule(scale: float, growth_steps: int, steps: list[str]) -> list[tuple[float, int, int, bool]]:
+    """The dynamic loss-scale rule, from its statement, for steps that are "good", "overflow" (the
+    gradients overflowed, the loss finite) or "nan" (the loss not finite): on overflow halve (never
+    below 1) and start counting again, an overflow at 1 being a non-finite step and not counted as an
+    overflow; a NaN loss changes nothing; a good step counts, and at growth_steps good steps in a row
+    the scale doubles (if the double is finite) and the count starts again."""
     good = total = 0
     out = []
-    for overflow in overflows:
-        at_floor = overflow and scale <= 1.0
-        if overflow:
+    for step in steps:
+        at_floor = step == "overflow" and scale <= 1.0
+        if at_floor:
+            good = 0
+        elif step == "overflow":
             scale, good, total = max(scale / 2, 1.0), 0, total + 1
+        elif step == "nan":
+            pass
         else:
             good += 1
             if good == growth_steps:
@@ -47,17 +53,18 @@ def _rule(scale: float, growth_steps: int, overflows: list[bool]) -> list[tuple[
 
 @pytest.mark.parametrize("start, growth_steps", [(8.0, 3), (2.0**16, 1), (2.0**126, 2), (1.0, 4)])
 def test_the_loss_scale_follows_the_rule(start, growth_steps):
-    """Random overflow sequences (runs of overflows reach the floor at 1; growth past fp32's largest
-    power of two stops) give the scale, the good-step count, the overflow count and the at-floor flag
-    of the rule written out above, step by step."""
+    """Random sequences of good, overflowed and NaN-loss steps (runs of overflows reach the floor at 1;
+    growth past fp32's largest power of two stops) give the scale, the good-step count, the overflow
+    count and the at-floor flag of the rule written out above, step by step."""
     rng = random.Random(int(start) % 1000 + growth_steps)
-    overflows = [rng.random() < 0.35 for _ in range(200)] + [True] * 12 + [False] * 30
+    steps = (rng.choices(["good", "overflow", "nan"], weights=[60, 35, 5], k=200) + ["overflow"] * 12
+             + ["good", "nan"] * 5 + ["good"] * 30)
     scaler = LossScale(torch.device("cpu"), start, growth_steps)
     got = []
-    for overflow in overflows:
-        at_floor = scaler.update(torch.tensor(overflow))
+    for step in steps:
+        at_floor = scaler.update(torch.tensor(step == "overflow"), hold=torch.tensor(step == "nan"))
         got.append((*scaler.read(), bool(at_floor)))
-    assert got == _rule(start, growth_steps, overflows)
+    assert got == _rule(start, growth_steps, steps)
 
 
 def test_fp16_settings_are_checked(tiny_data_cache, tmp_path):
@@ -138,13 +145,19 @@ def test_an_overflow_is_skipped_on_the_device_and_is_not_a_non_finite_step(tiny_
     skipped for non-finiteness. Once the scale fits, the first update is LAMB's step 1."""
     trainer = _trainer(tiny_data_cache, tmp_path / "run", **{"run.dtype": "fp16", "run.loss_scale": 2.0**40,
                                                              "optim.name": "lamb", "run.total_tokens": 32 * 8 * 100,
-                                                             "schedule.batch_policy": "constant"})
+                                                             "schedule.batch_policy": "constant",
+                                                             "run.ema_decay": 0.9})
     try:
         params = [p.detach().clone() for p in trainer.raw_model.parameters()]
+        average = {k: v.clone() for k, v in trainer.ema.state_dict().items()}
         record = trainer.log_record(trainer.train_step())
         assert record["overflow"] is True and record["loss_scale"] == 2.0**39 and record["overflow_steps"] == 1
+        assert not any(key.startswith("trust_") for key in record)  # (the undone update's ratios are not logged)
         assert all(torch.equal(a, p) for a, p in zip(params, trainer.raw_model.parameters()))
         assert all(float(s["step"]) == 0 for s in trainer.optimizer.state.values())
+        # the weight average neither moved nor counted the step
+        assert trainer.ema.step_count() == 0
+        assert all(torch.equal(v, average[k]) for k, v in trainer.ema.state_dict().items())
         overflowed = 1
         while True:
             before = [p.detach().clone() for p in trainer.raw_model.parameters()]
@@ -159,6 +172,7 @@ def test_an_overflow_is_skipped_on_the_device_and_is_not_a_non_finite_step(tiny_
         assert record["loss_scale"] == 2.0 ** (40 - overflowed) and record["overflow_steps"] == overflowed
         assert all(float(s["step"]) == 1 for s in trainer.optimizer.state.values())
         assert trainer.pos.skipped_steps == 0 and trainer.pos.step == overflowed + 1
+        assert trainer.ema.step_count() == 1 and "trust_median" in record
     finally:
         trainer._close()
 
@@ -183,9 +197,10 @@ def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path
                      r"or train in run.dtype = 'bf16'")
             with pytest.raises(NonFiniteLoss, match=words):
                 trainer.log_record(record)
-        else:
+        else:  # a non-finite step, not an overflow
             record = trainer.log_record(record)
-            assert record["skipped"] is True and record["loss_scale"] == 1.0 and record["overflow_steps"] == 3
+            assert record["skipped"] is True and "overflow" not in record
+            assert record["loss_scale"] == 1.0 and record["overflow_steps"] == 2
             assert (trainer.pos.skipped_steps, trainer.pos.skipped_in_a_row) == (1, 1)
     finally:
         trainer._close()
@@ -283,3 +298,23 @@ def test_a_loss_scale_given_on_resume_starts_the_scale_again_there(tiny_data_cac
     assert scales == [(1, 65536.0), (2, 65536.0), (3, 65536.0), (4, 65536.0), (5, 65536.0), (6, 1024.0),
                       (7, 1024.0)], scales
     assert "loss_scale = 1024.0" in (out / "config.toml").read_text()
+
+
+def test_a_non_finite_loss_leaves_the_scale_and_its_count_alone(tiny_data_cache, tmp_path):
+    """Steps whose loss is NaN (an MLP output made infinite: the forward pass, which a scale cannot
+    mend) under run.on_nonfinite = 'skip' with growth every 2 steps: they are skipped as non-finite,
+    and neither grow the scale (they are no good steps) nor halve it (no overflow)."""
+    trainer = _trainer(tiny_data_cache, tmp_path / "run", **{
+        "run.dtype": "fp16", "run.loss_scale": 4.0, "run.loss_scale_growth_steps": 2, "run.on_nonfinite": "skip"})
+    hook = trainer.raw_model.blocks[0].mlp.register_forward_hook(lambda m, args, out: out * float("inf"))
+    try:
+        for _ in range(3):
+            record = trainer.log_record(trainer.train_step())
+            assert record["skipped"] is True and "overflow" not in record and record["loss_scale"] == 4.0
+        assert (trainer.pos.loss_scale_good_steps, trainer.pos.overflow_steps, trainer.pos.skipped_steps) == (0, 0, 3)
+        hook.remove()
+        for scale in (4.0, 8.0):  # good steps again: the second doubles it
+            assert trainer.log_record(trainer.train_step())["loss_scale"] == scale
+    finally:
+        hook.remove()
+        trainer._close()

@@ -479,7 +479,7 @@ def format_summary(s: dict, run_dir: Path) -> str:
                          "(docs/schedules.md). schedule.noise_scale_multiple = 1 caps the batch at the "
                          "estimate as the run goes")
     if s.get("skipped_steps"):
-        lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss)")
+        lines.append(f"skipped steps     {s['skipped_steps']} (non-finite loss or gradients)")
     if s.get("loss_scale") is not None:  # fp16
         lines.append(f"loss scale        {s['loss_scale']:g} at the end; {s.get('overflow_steps', 0)} step(s) "
                      "skipped for fp16 overflow")

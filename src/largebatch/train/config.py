@@ -36,6 +36,9 @@ from largebatch.parallel.config import ParallelConfig, check_tp_divides
 from largebatch.parallel.mesh import resolve_sizes
 from largebatch.parallel.pipeline import check_micro_batches, stage_layers
 from largebatch.schedules import ScheduleConfig
+from largebatch.train.loss_scale import GROWTH_STEPS as LOSS_SCALE_GROWTH_STEPS
+from largebatch.train.loss_scale import LARGEST as LOSS_SCALE_LARGEST
+from largebatch.train.loss_scale import START as LOSS_SCALE_START
 from largebatch.train.optimizer import OPTIMIZERS
 from largebatch.train.phases import PhaseConfig, phases_total, resolve_phases, with_phase_total
 from largebatch.train.profile import profile_windows
@@ -149,15 +152,18 @@ class RunConfig:
         **dict.fromkeys(("float16", "half"), "write 'fp16' (autocast with dynamic loss scaling)"),
         **dict.fromkeys(("bfloat16",), "write 'bf16'"), **dict.fromkeys(("float32", "float"), "write 'fp32'")}})
     """Compute precision: fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling (for GPUs
-    without bf16, e.g. V100 and T4). Parameters, gradients and optimizer math stay fp32 in all three.
+    without bf16, e.g. V100 and T4). The parameters, their gradients and the optimizer's math stay
+    fp32 in all three (under FSDP2 the all-gathered parameters are in the run's dtype, and the
+    gradients are reduced in fp32).
     fp16 multiplies the loss by a scale (run.loss_scale) before backward so that small gradients
     survive fp16's range, divides the gradients by it before clipping and the optimizer, skips a step
     whose gradients overflowed and halves the scale, and doubles it after
     run.loss_scale_growth_steps steps in a row without overflow (largebatch.train.loss_scale)."""
-    loss_scale: float = 65536.0
+    loss_scale: float = LOSS_SCALE_START
     """fp16 only: the loss scale the run starts from (2**16, as torch.amp.GradScaler). Overflowing
-    steps halve it, so a high start costs a few skipped steps at the start, not accuracy. At least 1."""
-    loss_scale_growth_steps: int = 2000
+    steps halve it, so a high start costs a few skipped steps at the start, not accuracy. From 1 to
+    2**127; a power of two multiplies exactly. Given on --resume, the scale starts again there."""
+    loss_scale_growth_steps: int = LOSS_SCALE_GROWTH_STEPS
     """fp16 only: double the loss scale after this many consecutive steps without overflow."""
     compile: bool = False
     """torch.compile the model (about a minute of compilation before the first step)."""
@@ -220,7 +226,8 @@ class RunConfig:
     skips that step's update."""
     max_skipped_steps: int | None = 10
     """With on_nonfinite='skip': stop the run (exit 1, naming the step, the count and the last good
-    checkpoint) after this many consecutive skipped steps. None: never give up."""
+    checkpoint) after this many consecutive skipped steps. None: never give up. In an fp16 run the
+    steps skipped for overflow (run.dtype) neither count nor start the count again."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the weights, updated after every optimizer step with
     this decay d (e.g. 0.999: an average over the last ~1/(1-d) = 1,000 steps), bias-corrected so
@@ -268,6 +275,11 @@ class RunConfig:
     the allocator's history as rank{R}.memory.pickle (PyTorch's memory viewer opens it)."""
 
     @property
+    def half_precision(self) -> bool:
+        """A 16-bit autocast (bf16 or fp16): 2-byte activations in the memory estimates."""
+        return self.dtype in ("bf16", "fp16")
+
+    @property
     def takes_steps_back(self) -> bool:
         """Whether a step's update may be taken back on the device (run.on_nonfinite = 'skip', an fp16
         overflow: largebatch.train.skip); LAMB, LANS and LARS then keep their step counts there."""
@@ -311,18 +323,19 @@ class RunConfig:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"run.seed = {self.seed}: must lie in [0, 2**32 - 1] (numpy's and torch's "
                              "generators take it)")
-        if not (isinstance(self.loss_scale, float) and 1.0 <= self.loss_scale <= 2.0**127):
+        if not (isinstance(self.loss_scale, float) and 1.0 <= self.loss_scale <= LOSS_SCALE_LARGEST):
             raise ValueError(f"run.loss_scale = {self.loss_scale!r}: must be a number from 1 to 2**127 (fp32's "
                              "largest power of two; fp16's starting loss scale, 65536 by default)")
         if self.loss_scale_growth_steps < 1:
             raise ValueError(f"run.loss_scale_growth_steps = {self.loss_scale_growth_steps}: must be >= 1 (steps "
                              "without overflow before fp16's loss scale doubles; 2000 by default)")
-        unread = [f"run.{name} = {getattr(self, name)!r}" for name, default in
-                  (("loss_scale", 65536.0), ("loss_scale_growth_steps", 2000)) if getattr(self, name) != default]
+        defaults = {"loss_scale": LOSS_SCALE_START, "loss_scale_growth_steps": LOSS_SCALE_GROWTH_STEPS}
+        unread = [f"run.{name} = {getattr(self, name)!r}" for name, default in defaults.items()
+                  if getattr(self, name) != default]
         if self.dtype != "fp16" and unread:
             raise ValueError(f"{' and '.join(unread)}: read by fp16 runs only, and run.dtype = {self.dtype!r}: "
-                             "set run.dtype = 'fp16', or set them back to their defaults (run.loss_scale = 65536, "
-                             "run.loss_scale_growth_steps = 2000)")
+                             "set run.dtype = 'fp16', or set them back to their defaults ("
+                             + ", ".join(f"run.{name} = {value:g}" for name, value in defaults.items()) + ")")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device = {self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _check_out_dir_template(self.out_dir)

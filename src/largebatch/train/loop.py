@@ -247,7 +247,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # fixed order (torchtitan): [pipeline split ->] tensor/sequence parallel -> recompute ->
         # compile -> DDP/FSDP
         techniques = dict(recompute=_recompute_policy(run.recompute, cfg.model.n_layer), compile=run.compile)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.dtype)  # autocast's dtype
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.dtype)  # autocast's dtype (half_precision)
         param_dtype = half  # FSDP2's all-gathered parameters (gradients are reduced in fp32)
         # FSDP2's view warning cannot apply to our blocks (their outputs are used out of place only);
         # silenced while the trainer's own methods run (_run_state), not for the caller's models after
@@ -631,10 +631,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         # DDP/FSDP average gradients over replicas: scale so the result is d(mean loss of the step)
         scale = n_targets.reciprocal() * par.dp_size  # (dp_size / n_targets, without its Python wrapper)
         # fp16: the loss (so every gradient) times the loss scale; unscaled before clipping (train.loss_scale)
-        loss_scale = None if self.loss_scale is None else self.loss_scale.scale.clone()
-        unscale = None if loss_scale is None else loss_scale.reciprocal()
-        if loss_scale is not None:
-            scale = scale * loss_scale.to(scale.dtype)
+        unscale = None if self.loss_scale is None else self.loss_scale.scale.reciprocal()
+        if unscale is not None:
+            scale = scale * self.loss_scale.scale.to(scale.dtype)
+
+        def unscaled(squared: torch.Tensor) -> torch.Tensor:  # a squared norm read from the scaled gradients
+            return squared if unscale is None else squared * unscale.to(squared.dtype).square()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         small_sq = None
         last = len(micro_batches) - 1
@@ -649,9 +651,7 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             with self.autocast:
                 loss_sum = self.pipeline.step(*_stacked(fed, self.device), len(fed), scale)
             if self.pipeline.first_norm is not None and last > 0:  # summed over the stages
-                small_sq = self.pipeline.first_norm.take() * _first_share(n_targets, micro_batches[0])
-                if unscale is not None:  # (the gradient the stages hold is the scaled one)
-                    small_sq = small_sq * unscale.to(small_sq.dtype).square()
+                small_sq = unscaled(self.pipeline.first_norm.take()) * _first_share(n_targets, micro_batches[0])
         for i, batch in enumerate([] if self.pipeline else micro_batches):
             if i and stop is not None and (signum := stop.poll()[0]) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -665,9 +665,8 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
             loss_sum += loss.detach()
             if i == 0 and last > 0 and par.dp_size == 1:
                 # the first micro-batch's own mean gradient = accumulated grad x N_step / N_mb
-                small_sq = global_grad_norm(self._live_params(), par).square() * _first_share(n_targets, batch)
-                if unscale is not None:
-                    small_sq = small_sq * unscale.to(small_sq.dtype).square()
+                first = global_grad_norm(self._live_params(), par).square()
+                small_sq = unscaled(first) * _first_share(n_targets, batch)
         # listed AFTER backward: FSDP2 swaps its parameters between sharded and unsharded tensors
         # (the root stays unsharded after a no-grad evaluation), and only the sharded ones hold grads
         params = self._live_params()
@@ -681,10 +680,9 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
                                   "grad_norm": grad_norm}
         replica_sq = (self.local_grad_norm.take() if self.local_grad_norm is not None
                       else self.pipeline.local_squared if self.pipeline else None)
-        if replica_sq is not None and unscale is not None:  # (read from the scaled gradients)
-            replica_sq = replica_sq * unscale.to(replica_sq.dtype).square()
         if replica_sq is not None:  # DDP: this rank's batch vs all ranks' batch
-            noise_inputs = noise_scale_inputs(replica_sq, grad_norm.square(), len(indices), par, n_local, n_targets)
+            noise_inputs = noise_scale_inputs(unscaled(replica_sq), grad_norm.square(), len(indices), par, n_local,
+                                              n_targets)
         elif small_sq is not None:
             noise_inputs = (small_sq, mb, grad_norm.square(), batch_size)
         else:
@@ -693,10 +691,12 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         taken = finite  # whether the update stands
         if self.loss_scale is not None:  # fp16: gradients that overflowed at a finite loss are skipped, and
             # the scale halved; only an overflow at scale 1 is non-finite (train.loss_scale)
-            overflow = torch.isfinite(loss_value) & ~torch.isfinite(grad_norm)
-            finite = torch.isfinite(loss_value) & ~self.loss_scale.update(overflow)
+            loss_finite = torch.isfinite(loss_value)
+            overflow = loss_finite & ~torch.isfinite(grad_norm)
+            at_floor = self.loss_scale.update(overflow, hold=~loss_finite)
+            finite = loss_finite & ~at_floor
             taken = finite & ~overflow
-            record["overflow"] = overflow
+            record["overflow"] = overflow & ~at_floor
         if cfg.run.on_nonfinite == "stop":  # recorded on the device; the next read stops the run
             self.deferred.watch(finite, pos.step + 1, pos.tokens, loss_value, grad_norm)
         if self.skip is not None:  # decided on the device: the update is taken back unless taken

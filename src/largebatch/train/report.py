@@ -42,7 +42,8 @@ class Reporting:
                 record[flag] = True
         if self.loss_scale is not None:  # fp16: the scale the next step uses, the overflowed steps so far
             record["loss_scale"], record["overflow_steps"] = self.pos.loss_scale, self.pos.overflow_steps
-        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary"):
+        taken_back = record.get("skipped") or record.get("overflow")  # its trust ratios are of an undone update
+        if self.cfg.optim.log_trust_ratios and hasattr(self.optimizer, "trust_ratio_summary") and not taken_back:
             # under pipeline parallel each rank steps its own stages: the summary covers them all
             summary = self.optimizer.trust_ratio_summary(self.par.pp_group if self.pipeline else None)
             if summary:
