@@ -182,9 +182,9 @@ def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path
     """One parameter's gradient made infinite (a tensor hook; the loss stays finite): at scale 4 the
     step overflows (4 -> 2), again (2 -> 1), and at 1 nothing is left to lower: that step is
     non-finite. 'stop' stops the run at the next read naming it; 'skip' counts it toward
-    run.max_skipped_steps."""
+    run.max_skipped_steps, and gives up at the second, naming both kinds of fp16 non-finite step."""
     trainer = _trainer(tiny_data_cache, tmp_path / "run", **{
-        "run.dtype": "fp16", "run.loss_scale": 4.0, "run.on_nonfinite": policy, "run.max_skipped_steps": 5})
+        "run.dtype": "fp16", "run.loss_scale": 4.0, "run.on_nonfinite": policy, "run.max_skipped_steps": 2})
     trainer.raw_model.blocks[0].mlp.fc1.weight.register_hook(lambda g: g * float("inf"))
     try:
         for scale in (2.0, 1.0):
@@ -202,6 +202,10 @@ def test_an_overflow_at_scale_one_is_a_non_finite_step(tiny_data_cache, tmp_path
             assert record["skipped"] is True and "overflow" not in record
             assert record["loss_scale"] == 1.0 and record["overflow_steps"] == 2
             assert (trainer.pos.skipped_steps, trainer.pos.skipped_in_a_row) == (1, 1)
+            with pytest.raises(NonFiniteLoss, match=r"2 consecutive non-finite steps skipped, the last at step 4 "
+                                                    r"\(2 skipped in all\) \(run.dtype = 'fp16': .*or gradients "
+                                                    r"that overflowed at a loss scale of 1"):
+                trainer.log_record(trainer.train_step())
     finally:
         trainer._close()
 

@@ -162,7 +162,8 @@ class RunConfig:
     loss_scale: float = LOSS_SCALE_START
     """fp16 only: the loss scale the run starts from (2**16, as torch.amp.GradScaler). Overflowing
     steps halve it, so a high start costs a few skipped steps at the start, not accuracy. From 1 to
-    2**127; a power of two multiplies exactly. Given on --resume, the scale starts again there."""
+    2**127; a power of two multiplies exactly. Changed on --resume (from the start the run was given),
+    the scale starts again there."""
     loss_scale_growth_steps: int = LOSS_SCALE_GROWTH_STEPS
     """fp16 only: double the loss scale after this many consecutive steps without overflow."""
     compile: bool = False

@@ -756,7 +756,10 @@ class Trainer(PhaseSwitch, Evaluation, Reporting):
         forward pass, which no loss scale mends), or gradients that overflowed at a scale of 1."""
         if self.loss_scale is None:
             return ""
-        if loss is not None and math.isfinite(loss):
+        if loss is None:  # (skipped steps: either kind)
+            return (" (run.dtype = 'fp16': a non-finite loss, which can be fp16 overflowing in the forward pass, "
+                    "or gradients that overflowed at a loss scale of 1, the least it goes)")
+        if math.isfinite(loss):
             return " (run.dtype = 'fp16': the gradients overflowed at a loss scale of 1, the least it goes)"
         return " (run.dtype = 'fp16': a loss that is not finite can be fp16 overflowing in the forward pass)"
 
