@@ -742,3 +742,39 @@ def test_checkpoint_exports_an_earlier_checkpoint_and_refuses_one_the_run_does_n
         if which != " ":
             assert "keeps checkpoints at steps 4, 6, 8" in err
         assert not (tmp_path / "refused").exists()
+
+
+def test_a_tokenizer_given_for_a_run_without_its_own_copy_is_checked_where_it_can_be(gpt_run, tmp_path, capsys):
+    """A run directory without tokenizer.json (a run from before the trainer kept one, or a lost copy)
+    and `--tokenizer FILE`: where the run's data.tokenizer_file still exists, another vocabulary is
+    refused as against a kept copy; where nothing is left to compare, the file is taken with a note
+    saying it is unchecked (a same-size vocabulary would give wrong text silently), and the export
+    goes on."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from largebatch.export import ExportError, check_given_tokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(gpt_run, run)
+    own = tmp_path / "own.json"
+    shutil.move(run / "tokenizer.json", own)
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    theirs = Tokenizer.from_file(str(own))
+    notes: list[str] = []
+    recorded = {"data": {"tokenizer_file": str(own)}}
+    check_given_tokenizer(theirs, own, recorded, run, notes.append)  # the same vocabulary: taken, no note
+    assert notes == []
+    with pytest.raises(ExportError, match=r"--tokenizer '.*other.json' is not the vocabulary this run trained "
+                                          r"with \(its data.tokenizer_file='.*own.json'"):
+        check_given_tokenizer(other, tmp_path / "other.json", recorded, run, notes.append)
+    check_given_tokenizer(other, tmp_path / "other.json", {"data": {}}, run, notes.append)
+    assert len(notes) == 1 and "is taken as the run's tokenizer unchecked" in notes[0]
+    # end to end: the run trained its own tokenizer on its corpus, so the note, and the export goes on
+    assert export(run, tmp_path / "hf", "--tokenizer", str(own)) == 0
+    assert "is taken as the run's tokenizer unchecked" in capsys.readouterr().err
+    (run / "tokenizer.json").write_text(own.read_text())  # with the kept copy: compared, no note
+    assert export(run, tmp_path / "hf2", "--tokenizer", str(own)) == 0
+    assert "unchecked" not in capsys.readouterr().err

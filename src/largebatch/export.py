@@ -220,7 +220,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
             raise ExportError(f"--checkpoint {str(checkpoint)!r}: {chosen} cannot be read "
                               f"({(str(exc).splitlines() or [type(exc).__name__])[0]}): choose another "
                               "checkpoint, or leave --checkpoint out for the newest readable one") from None
-        return _loaded(run_dir, chosen, model, extra, tokenizer, tokenizer_file, chosen=True, ema=ema)
+        return _loaded(run_dir, chosen, model, extra, tokenizer, tokenizer_file, chosen=True, ema=ema, log=log)
     problems, tried = [], set()
     for _ in range(5):  # a run still training saves and deletes checkpoints (retention) meanwhile
         for path in reversed(candidates):
@@ -239,7 +239,7 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
                 problems.append(f"{path.name}: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
                 log(f"note: skipping unreadable checkpoint {path} ({problems[-1]})")
                 continue
-            return _loaded(run_dir, path, model, extra, tokenizer, tokenizer_file, ema=ema)
+            return _loaded(run_dir, path, model, extra, tokenizer, tokenizer_file, ema=ema, log=log)
         candidates = list_checkpoints(run_dir, kinds=(".pt", ".dcp"))
         if set(candidates) <= tried:
             break
@@ -247,12 +247,14 @@ def load_run(run_dir: str | Path, tokenizer_file: str | Path | None = None,
 
 
 def _loaded(run_dir: Path, path: Path, model, extra: dict, tokenizer, tokenizer_file, chosen: bool = False,
-            ema: bool = False):
+            ema: bool = False, log=print):
     from largebatch.checkpoint.files import checkpoint_step
 
     step = int(extra.get("progress", {}).get("step", checkpoint_step(path)))
     if tokenizer is None:
         tokenizer = run_tokenizer(extra["config"], tokenizer_file, run_dir)
+    elif tokenizer_file is not None:
+        check_given_tokenizer(tokenizer, tokenizer_file, extra["config"], run_dir, log)
     tokens = extra.get("progress", {}).get("tokens")
     at_target = bool(extra["config"].get("run", {}).get("stop_at_target") and extra.get("progress", {}).get("target"))
     if not at_target and extra.get("progress", {}).get("target"):  # turned on when the run ended: its summary says
@@ -376,6 +378,31 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
         corpus = f"data.mixture={data_cfg.mixture!r}" if data_cfg.mixture else f"data.corpus={data_cfg.corpus!r}"
         raise ExportError(f"cannot rebuild the run's tokenizer from {corpus} "
                           f"({first}): pass --tokenizer PATH to the tokenizer.json it used") from exc
+
+
+def check_given_tokenizer(given, tokenizer_file: str | Path, config: dict[str, Any], run_dir: str | Path,
+                          log=print) -> None:
+    """``--tokenizer`` for a run that keeps no ``tokenizer.json`` (one kept copy is compared in
+    ``run_tokenizer``): refused when the run's ``data.tokenizer_file`` still exists and holds another
+    vocabulary; otherwise nothing is left to compare it with, and a note says it is taken unchecked
+    (a vocabulary of the same size would give other tokens without an error)."""
+    from largebatch.train.rundir import TOKENIZER_NAME
+
+    if (Path(run_dir) / TOKENIZER_NAME).is_file():
+        return
+    recorded = config.get("data", {}).get("tokenizer_file")
+    path = None if not recorded else Path(recorded).expanduser()
+    if path is not None and path.is_file():
+        theirs = _read_tokenizer(path, f"the run's data.tokenizer_file={recorded!r}", "pass --tokenizer PATH")
+        if given.get_vocab() != theirs.get_vocab():
+            raise ExportError(f"--tokenizer {str(tokenizer_file)!r} is not the vocabulary this run trained with "
+                              f"(its data.tokenizer_file={recorded!r}, {theirs.get_vocab_size():,} tokens; this one "
+                              f"{given.get_vocab_size():,}): the model's ids index that one. Leave --tokenizer out "
+                              "to use it")
+        return
+    log(f"note: --tokenizer {str(tokenizer_file)!r} is taken as the run's tokenizer unchecked: {run_dir} keeps no "
+        f"{TOKENIZER_NAME} to compare it with (the trainer writes one; this run predates it or lost it), and a "
+        "vocabulary of the same size but other tokens would give wrong text without an error")
 
 
 def _read_tokenizer(path: Path, what: str, fix: str):
