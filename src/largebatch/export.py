@@ -341,12 +341,7 @@ def run_tokenizer(config: dict[str, Any], tokenizer_file: str | Path | None = No
                                 "pass a tokenizer.json saved by HF tokenizers (Tokenizer.save)")
         kept = None if run_dir is None else Path(run_dir) / TOKENIZER_NAME
         if kept is not None and kept.is_file():  # the run's own copy: another vocabulary is refused
-            theirs = _read_tokenizer(kept, f"the run's tokenizer {str(kept)!r}", "pass --tokenizer PATH")
-            if given.get_vocab() != theirs.get_vocab():
-                raise ExportError(f"--tokenizer {str(tokenizer_file)!r} is not the vocabulary this run trained "
-                                  f"with ({kept}, {theirs.get_vocab_size():,} tokens; this one "
-                                  f"{given.get_vocab_size():,}): the model's ids index that one. Leave "
-                                  "--tokenizer out to use it")
+            _same_vocabulary(given, tokenizer_file, kept, f"the run's tokenizer {str(kept)!r}", str(kept))
         return given
     if run_dir is not None and (Path(run_dir) / TOKENIZER_NAME).is_file():
         path = Path(run_dir) / TOKENIZER_NAME
@@ -393,16 +388,22 @@ def check_given_tokenizer(given, tokenizer_file: str | Path, config: dict[str, A
     recorded = config.get("data", {}).get("tokenizer_file")
     path = None if not recorded else Path(recorded).expanduser()
     if path is not None and path.is_file():
-        theirs = _read_tokenizer(path, f"the run's data.tokenizer_file={recorded!r}", "pass --tokenizer PATH")
-        if given.get_vocab() != theirs.get_vocab():
-            raise ExportError(f"--tokenizer {str(tokenizer_file)!r} is not the vocabulary this run trained with "
-                              f"(its data.tokenizer_file={recorded!r}, {theirs.get_vocab_size():,} tokens; this one "
-                              f"{given.get_vocab_size():,}): the model's ids index that one. Leave --tokenizer out "
-                              "to use it")
+        _same_vocabulary(given, tokenizer_file, path, f"the run's data.tokenizer_file={recorded!r}",
+                         f"its data.tokenizer_file={recorded!r}")
         return
     log(f"note: --tokenizer {str(tokenizer_file)!r} is taken as the run's tokenizer unchecked: {run_dir} keeps no "
         f"{TOKENIZER_NAME} to compare it with (the trainer writes one; this run predates it or lost it), and a "
         "vocabulary of the same size but other tokens would give wrong text without an error")
+
+
+def _same_vocabulary(given, tokenizer_file: str | Path, path: Path, what: str, named: str) -> None:
+    """``--tokenizer``'s vocabulary against the one at ``path`` (what the run trained with; ``what``
+    names it in a read error, ``named`` in the refusal): another vocabulary is refused."""
+    theirs = _read_tokenizer(path, what, "pass --tokenizer PATH")
+    if given.get_vocab() != theirs.get_vocab():
+        raise ExportError(f"--tokenizer {str(tokenizer_file)!r} is not the vocabulary this run trained with "
+                          f"({named}, {theirs.get_vocab_size():,} tokens; this one {given.get_vocab_size():,}): "
+                          "the model's ids index that one. Leave --tokenizer out to use it")
 
 
 def _read_tokenizer(path: Path, what: str, fix: str):
