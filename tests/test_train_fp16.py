@@ -322,3 +322,28 @@ def test_a_non_finite_loss_leaves_the_scale_and_its_count_alone(tiny_data_cache,
     finally:
         hook.remove()
         trainer._close()
+
+
+
+def test_an_fp16_run_continues_in_bf16_and_back(tiny_data_cache, tmp_path, capsys):
+    """`--resume RUN --run.dtype=bf16` of an fp16 run started at its own loss scale (a move to a GPU
+    with bf16): its loss-scale settings go with fp16 (set back to their defaults, with a note, as
+    config.toml records) and it continues in bf16 with no scale; back in fp16 the scale starts again at
+    the default. A loss scale given with bf16 on the same command is still refused, naming it."""
+    out = tmp_path / "run"
+    o = tiny_overrides(tiny_data_cache, out, **{"run.dtype": "fp16", "run.loss_scale": 1024.0,
+                                                "run.loss_scale_growth_steps": 7, "run.log_every_steps": 1,
+                                                "run.max_steps": 2})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    capsys.readouterr()
+    assert main(["--resume", str(out), "--run.dtype=bf16", "--run.loss_scale=512", "--run.max_steps=2"]) == 2
+    assert "run.loss_scale = 512.0: read by fp16 runs only" in capsys.readouterr().err
+    assert main(["--resume", str(out), "--run.dtype=bf16", "--run.max_steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert ("note: run.dtype = 'bf16' (the run trained in fp16): its run.loss_scale = 1024 and "
+            "run.loss_scale_growth_steps = 7 go with fp16 and are set back to their defaults") in err, err
+    saved = load_config(out / "config.toml")
+    assert (saved.run.dtype, saved.run.loss_scale, saved.run.loss_scale_growth_steps) == ("bf16", 65536.0, 2000)
+    assert main(["--resume", str(out), "--run.dtype=fp16", "--run.max_steps=1"]) == 0
+    scales = [(r["step"], r.get("loss_scale")) for r in read_metrics(out) if r["kind"] == "train"]
+    assert scales == [(1, 1024.0), (2, 1024.0), (3, None), (4, None), (5, 65536.0)], scales

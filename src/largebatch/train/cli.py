@@ -247,8 +247,9 @@ def _launch(args, unknown: list[str], parser) -> int:
                 return settle(_fail(message, 2), "fail", message)
             if overrides.get("model.document_mask") is False and "model.separator_id" not in overrides:
                 overrides["model.separator_id"] = None  # the separator the run recorded goes with the mask
-            # max_steps limits one invocation: a resumed run goes to the end unless told again
             saved_cfg = from_dict(TrainConfig, load_toml(saved))
+            _leave_fp16(saved_cfg, overrides)
+            # max_steps limits one invocation: a resumed run goes to the end unless told again
             try:
                 cfg = load_config(saved, {"run.max_steps": None, **overrides}, resolve_init=False, run_dir=resume_dir)
             except ConfigError:  # an override the checkpoints cannot take is said first: the checks of the
@@ -400,6 +401,28 @@ def _schedule_tables(cfg, run_dir: Path) -> str:
     return "\n".join((f"phase {p.index}: " if cfg.phases else "")
                      + p.schedule.describe(p.total_tokens, p.seq_len, p.micro_batch, granularity)
                      for p in phases)
+
+
+def _leave_fp16(saved_cfg, overrides: dict) -> None:
+    """``--resume`` of an fp16 run with ``--run.dtype`` fp32 or bf16 (a move to a GPU with bf16, say):
+    the fp16 run's own loss-scale settings go with fp16 -- set back to their defaults, with a note
+    naming what is dropped -- where the command does not give them itself (a non-fp16 run refuses
+    them). The checkpoint's loss scale is not read by the new precision."""
+    if saved_cfg.run.dtype != "fp16" or overrides.get("run.dtype", "fp16") == "fp16":
+        return
+    import dataclasses
+
+    from largebatch.train.config import RunConfig
+
+    defaults = {f"run.{f.name}": f.default for f in dataclasses.fields(RunConfig)
+                if f.name in ("loss_scale", "loss_scale_growth_steps")}
+    dropped = [f"{name} = {getattr(saved_cfg.run, name[4:]):g}" for name, default in defaults.items()
+               if name not in overrides and getattr(saved_cfg.run, name[4:]) != default]
+    for name, default in defaults.items():
+        overrides.setdefault(name, default)
+    if dropped:
+        _note_once(f"note: run.dtype = {overrides['run.dtype']!r} (the run trained in fp16): its "
+                   f"{' and '.join(dropped)} go with fp16 and are set back to their defaults")
 
 
 def _note_once(line: str) -> None:
