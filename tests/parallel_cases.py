@@ -64,14 +64,18 @@ QWEN3 = dict(LLAMA, head_size=12, qk_norm=True)
 # and the whole q (48 values) and k (24) projections normalised: on a tp rank each norm sees half the values,
 # its gain split with them, the statistic summed over the ranks
 OLMO = dict(LLAMA, head_size=12, qk_norm=True, qk_norm_scope="projection", norm_position="reordered")
+# GPT-NeoX's (Black et al. 2022; Pythia): the attention and the MLP in parallel on the layer input (their two
+# row-split outputs reduced and added), a quarter of each head of 8 rotated, LayerNorm, biases
+NEOX = dict(position="rope", rope_fraction=0.25, norm_position="parallel")
 
 
 def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> ModelConfig:
     """The tiny model of every case: "gpt", "bert", or "llama" (a GPT with the LLAMA layers; no
     biases unless ``bias``, as Llama). ``bias`` None: the kind's own (True for gpt and bert).
     "gpt-docs" and "bert-docs": attention within documents (ModelConfig.document_mask), the GPT's
-    through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3" and "olmo": the
-    GPT with the QWEN3 or OLMO layers. "llama-window": "llama" with a sliding window of WINDOW on layer 0 (sdpa)."""
+    through sdpa's float mask, BERT's through the explicit attention's bool one. "qwen3", "olmo" and "neox":
+    the GPT with the QWEN3, OLMO or NEOX layers. "llama-window": "llama" with a sliding window of WINDOW on
+    layer 0 (sdpa)."""
     if kind == "llama-window":
         return replace(tiny("llama", dropout, bias), sliding_window=WINDOW, full_attention_layers=(1,),
                        attention="sdpa")
@@ -82,6 +86,8 @@ def tiny(kind: str = "gpt", dropout: float = 0.0, bias: bool | None = None) -> M
     if kind in ("llama", "qwen3", "olmo"):
         return ModelConfig(kind="gpt", n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
                            bias=bool(bias), **{"llama": LLAMA, "qwen3": QWEN3, "olmo": OLMO}[kind])
+    if kind == "neox":
+        return replace(tiny("gpt", dropout, bias), **NEOX)
     return ModelConfig(kind=kind, n_layer=2, n_embd=32, n_head=4, seq_len=T, vocab_size=64, dropout=dropout,
                        bias=True if bias is None else bias)
 
@@ -178,7 +184,7 @@ QK_GAINS = ("attn.q_norm.weight", "attn.k_norm.weight")
 
 
 def forward_backward_cases(results: dict) -> None:
-    for kind in ("gpt", "bert", "llama", "qwen3", "olmo", "gpt-docs", "bert-docs", "llama-window"):
+    for kind in ("gpt", "bert", "llama", "qwen3", "olmo", "neox", "gpt-docs", "bert-docs", "llama-window"):
         modes = DOCS_MODES if kind.endswith("-docs") else WINDOW_MODES if kind == "llama-window" else MODES
         idx, targets = batch(kind)
         torch.manual_seed(0)

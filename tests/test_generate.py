@@ -28,6 +28,8 @@ LAYOUTS = {
     "llama3-scaled": {"position": "rope", "rope_scaling": "llama3", "rope_factor": 8.0,
                       "rope_original_seq_len": 8},
     "documents": {"document_mask": True, "separator_id": SEP},
+    # GPT-NeoX's: attention and MLP in parallel, a quarter of each head of 8 rotated (at each cached offset)
+    "neox": {"position": "rope", "rope_fraction": 0.25, "norm_position": "parallel"},
     "documents-rope-explicit": {"document_mask": True, "separator_id": SEP, "position": "rope",
                                 "attention": "explicit", "n_kv_head": 2},
 }

@@ -542,7 +542,8 @@ def test_a_layout_no_transformers_architecture_computes_is_refused(cache, tmp_pa
     for args in ((*llama, "--model.hf_model_type=llama"), ("--model.position=rope",)):  # the latter: no export
         assert cli_main(["train", *args, *base]) == 0
     capsys.readouterr()
-    for fields, differs in (({"position": "rope"}, "(train with model.position='learned')"),
+    # (rope with LayerNorm, GeLU and biases is GPT-NeoX's layout: tests/test_gpt_neox.py; without biases, none)
+    for fields, differs in (({"position": "rope", "bias": False}, "(train with model.position='learned')"),
                             ({"norm": "rmsnorm"}, "(train with model.norm='layernorm')"),
                             ({"norm": "rmsnorm", "position": "rope"}, "(train with model.activation='swiglu')"),
                             ({"kind": "bert", "norm_position": "post", "norm": "rmsnorm"},

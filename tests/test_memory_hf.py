@@ -763,3 +763,135 @@ def test_the_memory_command_on_a_llama_config(tmp_path, capsys):
                         "--seq-len", "4096", "--budget-gib", "40"]) == 1  # (nothing fits as it is)
     fits = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Would fit"))
     assert "--tp 2 --sequence-parallel" in fits or "--tp 4 --sequence-parallel" in fits, fits
+
+
+# ------------------------------------------------------------------------------- GPT-NeoX (Pythia)
+def neox_reference(s, b, h, a, f, d, *, parallel, eager, dropout, policy, m, sigma, gelu_new=False):
+    """What one transformers GPTNeoXLayer keeps, in float64 from the saved tensors its graph holds
+    (docs/memory.md), not from the code under test. Per token: the LayerNorms' inputs (the parallel
+    layer's two norms read the layer input, one tensor; the sequential one's second reads
+    attention output + input), a mean and a 1/std each (sigma bytes: the input's dtype on CPU), their
+    outputs (the fused query_key_value input, the MLP input); q and k, new tensors from the partial
+    rotation's concatenation; the dense input; the GeLU input and the dense_4h_to_h input (gelu_new:
+    three f-wide intermediates more); with dropout the two residual-branch masks (m bytes). V: eager,
+    P V's contiguous copy of the strided chunk (the fused output is freed); sdpa, the chunk view keeps
+    the whole fused (3 h) output, and sdpa's own output besides the dense input's copy. The core
+    (policy "none"): eager, the fp32 softmax and what P V keeps -- its d-byte cast (none in fp32), or
+    with dropout the mask (m) and the dropout output (d); sdpa a 4-byte log-sum-exp per head.
+    "selective": the checkpoint keeps the attention function's inputs, v a view of the fused output
+    (3 h d), and no core. "full": the layer input."""
+    s, b, h, a, f, d, m, sigma = map(float, (s, b, h, a, f, d, m, sigma))
+    if policy == "full":
+        return s * b * h * d
+    per_token = (1 if parallel else 2) * h * d + 4 * sigma + 2 * h * d + 2 * h * d + h * d
+    per_token += (2 + (3 if gelu_new else 0)) * f * d + (2 * h * m if dropout else 0.0)
+    if policy == "selective":
+        per_token += 3 * h * d
+    elif eager:
+        per_token += h * d + a * s * 4 + (a * s * (m + d) if dropout else (a * s * d if d != 4 else 0.0))
+    else:
+        per_token += 3 * h * d + h * d + 4 * a
+    return s * b * per_token
+
+
+def neox_dict(*, n_layer=1, s=24, h=64, a=4, f=96, v=64, parallel=True, dropout=0.0, fraction=0.25, act="gelu"):
+    return transformers.GPTNeoXConfig(
+        vocab_size=v, hidden_size=h, num_hidden_layers=n_layer, num_attention_heads=a, intermediate_size=f,
+        max_position_embeddings=s, use_parallel_residual=parallel, attention_dropout=dropout, hidden_dropout=dropout,
+        hidden_act=act, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": fraction}).to_dict()
+
+
+def neox_model(raw, attn, dtype):
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(**{k: v for k, v in raw.items() if k != "model_type"},
+                                        attn_implementation=attn)
+    return transformers.GPTNeoXForCausalLM(config).to(dtype).train()
+
+
+NEOX_MEASURED = [  # parallel residual, attention, dtype, dropout, bool masks, activation
+    (True, "eager", torch.float32, 0.0, False, "gelu"),       # fp32 softmax, no cast
+    (True, "eager", torch.bfloat16, 0.1, False, "gelu"),      # bf16 masks and LayerNorm statistics on CPU
+    (False, "eager", torch.float32, 0.1, True, "gelu"),       # 1-byte masks (CUDA's), fp32 statistics: the GPU terms
+    (False, "eager", torch.bfloat16, 0.0, False, "gelu_new"),  # the softmax's bf16 cast; gelu_new's intermediates
+    (True, "sdpa", torch.bfloat16, 0.0, False, "gelu"),       # the fused output kept through v's view
+    (False, "sdpa", torch.float32, 0.0, False, "gelu"),
+]
+
+
+@pytest.mark.parametrize("parallel, attn, dtype, dropout, bool_masks, act", NEOX_MEASURED, ids=[
+    f"{'parallel' if m[0] else 'sequential'}-{m[1]}-{str(m[2])[6:]}-p{m[3]}{'-bool' if m[4] else ''}-{m[5]}"
+    for m in NEOX_MEASURED])
+def test_measured_hf_neox_layers(parallel, attn, dtype, dropout, bool_masks, act):
+    """A tiny real GPTNeoXForCausalLM on CPU (h 64, 4 heads, a quarter of each head rotated, s 24, b 2):
+    the bytes one layer keeps under recompute none, selective and full -- (3 layers - 1 layer) / 2 --
+    to the byte against the float64 reference and against hf_eager_layer_bytes of config_from_hf."""
+    from largebatch.memory import apply_recompute, hf_eager_layer_bytes, measure_forward_bytes
+
+    s, b, h, a, f, d = 24, 2, 64, 4, 96, dtype.itemsize
+    raw = neox_dict(s=s, h=h, a=a, f=f, parallel=parallel, dropout=dropout, act=act)
+    config = config_from_hf(raw).replace(attention="explicit" if attn == "eager" else "sdpa")
+    assert (config.norm_position, config.rope_fraction, config.norm, config.position) == (
+        "parallel" if parallel else "pre", 0.25, "layernorm", "rope")
+    assert hf_activation(raw) == act
+    ids = torch.randint(0, raw["vocab_size"], (b, s))
+    models = {n: neox_model({**raw, "num_hidden_layers": n}, attn, dtype) for n in (1, 3)}
+    m, device = (1, "cuda") if bool_masks else (d, "cpu")
+    for policy in ("none", "selective", "full"):
+        held = {}
+        for n, model in models.items():
+            apply_recompute(model, policy)
+            loss = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+            with hf_memory.bool_mask_dropout() if bool_masks else contextlib.nullcontext():
+                if policy == "none":  # warm-up: one-time dispatch caches are not activations
+                    measure_forward_bytes(loss)
+                _, held[n] = measure_forward_bytes(loss)
+        measured = (held[3].tensor_bytes - held[1].tensor_bytes) / 2
+        reference = neox_reference(s, b, h, a, f, d, parallel=parallel, eager=attn == "eager", dropout=dropout > 0,
+                                   policy=policy, m=m, sigma=d, gelu_new=act == "gelu_new")
+        assert measured == reference, (policy, measured, reference)
+        assert hf_eager_layer_bytes(config, act, b, policy, dtype_bytes=d, device=device) == measured, policy
+    if attn == "eager":
+        assert hf_eager_bytes_per_layer(raw, b, dtype_bytes=d, device=device) == hf_eager_layer_bytes(
+            config, act, b, dtype_bytes=d, device=device)
+
+
+def test_a_transformers_gpt_neox_whole_model_against_the_estimate():
+    """A whole 4-layer GPTNeoXForCausalLM (parallel layers, s 64, b 2, eager, fp32, no dropout) against
+    Setup's estimate with the GPT-NeoX terms, under each recompute policy: recomputed layers keep the
+    model's float (b, 1, s, s) causal mask as GPT-2's do (hf_mask_bytes). Left over, what the estimate
+    leaves out on purpose: the rotary cos/sin tables (2 s r values, r = 4 rotated values a head), the
+    final LayerNorm's mean and 1/std (8 bytes a token), the int64 labels, a scalar, and under
+    recomputation the position ids the checkpoints keep (s int64)."""
+    from largebatch.memory import Setup, apply_recompute, measure_forward_bytes
+
+    s, b = 64, 2
+    raw = neox_dict(n_layer=4, s=s, v=256)
+    model = neox_model(raw, "eager", torch.float32)
+    ids = torch.randint(0, 256, (b, s))
+    for policy in ("none", "selective", "full"):
+        apply_recompute(model, policy)
+        for _ in range(2):  # (the first forward also allocates what torch keeps for later ones)
+            out, measured = measure_forward_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+            del out
+        estimate = Setup(micro_batch=b, dtype_bytes=4, hf_activation="gelu").estimate(config_from_hf(raw), policy)
+        left = measured.tensor_bytes - estimate.activations - 2 * s * 4 * 4 - s * b * 8 - b * s * 8 - 4
+        assert left == (0 if policy == "none" else s * 8), (policy, measured.tensor_bytes, estimate.activations)
+
+
+def test_the_memory_command_on_a_gpt_neox_config(tmp_path, capsys):
+    """--hf-config on a GPT-NeoX config.json: the eager line's MiB is neox_layer_bytes' (the fp32 softmax
+    of transformers' eager layer dominates at s 2048), and a refused model type names GPT-NeoX among the
+    families described."""
+    from largebatch.memory import hf_eager_layer_bytes
+
+    raw = neox_dict(n_layer=12, s=2048, h=768, a=12, f=3072, v=50304)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert memory_main(["--hf-config", str(tmp_path), "--micro-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("HF eager layers"))
+    layer = hf_eager_layer_bytes(config_from_hf(raw), "gelu", 4, seq_len=2048, device="cpu")
+    assert layer == 2048 * 4 * (7 * 768 * 2 + 4 * 2 + 2 * 3072 * 2 + 12 * 2048 * (4 + 2))
+    assert f"({layer / 2**20:.1f} MiB per layer" in line
+    with pytest.raises(ValueError, match=r"GPT-NeoX \(Pythia\)"):
+        config_from_hf({"model_type": "mamba"})

@@ -30,6 +30,8 @@ OPTIONS = {
     "qwen3": dict(LLAMA, head_size=24, qk_norm=True),
     # OLMo 2: each sub-layer's output normalised, the whole q (96 values) and k (48) projections normalised
     "olmo": dict(LLAMA, head_size=24, qk_norm=True, qk_norm_scope="projection", norm_position="reordered"),
+    # GPT-NeoX (Pythia): attention and MLP in parallel on the layer input, a quarter of each head rotated
+    "neox": dict(position="rope", rope_fraction=0.25, norm_position="parallel"),
     "rmsnorm": dict(norm="rmsnorm"),
     "rope": dict(position="rope"),
     "swiglu": dict(activation="swiglu", ffn_hidden=96),
@@ -58,6 +60,7 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
             statistic of the whole projection)
         norm_position="reordered" keeps the same values: the norms' inputs are the sub-layers'
             outputs, and the Q/K/V and MLP inputs the stream itself
+        norm_position="parallel" keeps one h d less: both norms read the layer input, kept once
         core (split by t): a s (2 d + 1) with dropout, a s d without, 4 a fused
     selective: all but the core; op: layer input, projection and fc2 outputs (3 h d, replicated), q,
     k, v, the attention output and the fc1 (and gate) outputs, the scores a s d (fused: 4 a); full:
@@ -74,7 +77,8 @@ def reference_layer(c: ModelConfig, s: int, b: int, d: float, policy: str, *, t:
         core = 4 * a if fused else a * s * d
         return s * b * (3 * h * d / t_rep + (2 * a * dh + 2 * a_kv * dh + (2 if gated else 1) * f) * d / t
                         + core / t)
-    replicated = (2 * h * d + h * d + h * d + 2 * h * m) / t_rep
+    norm_inputs = 1 if c.norm_position == "parallel" else 2
+    replicated = (norm_inputs * h * d + h * d + h * d + 2 * h * m) / t_rep
     projection = c.qk_norm and c.qk_norm_scope == "projection"
     qk = (a + a_kv) * (dh * d + (0.0 if projection else 4.0 if c.norm == "rmsnorm" else 8.0)) if c.qk_norm else 0.0
     split = (a * dh * d + 2 * a_kv * dh * d + a * dh * d + qk + (4 if gated else 2) * f * d) / t
@@ -104,8 +108,8 @@ POLICIES = ("none", "selective", "op", "full")
 # masks and the s^2 terms); the fused kernel (no s^2 term, the op policy's log-sum-exp); bf16,
 # where an RMSNorm written op by op would keep an fp32 copy of its input
 CASES = ([(name, torch.float32, "explicit", 0.1) for name in OPTIONS]
-         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama", "qwen3", "olmo")]
-         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama", "qwen3", "olmo")])
+         + [(name, torch.float32, "sdpa", 0.0) for name in ("gqa", "llama", "qwen3", "olmo", "neox")]
+         + [(name, torch.bfloat16, "explicit", 0.1) for name in ("rmsnorm", "llama", "qwen3", "olmo", "neox")])
 
 
 @pytest.mark.parametrize("name, dtype, attention, dropout", CASES,
@@ -129,7 +133,7 @@ def test_each_new_term_is_large_enough_for_the_measurement_to_see():
     """The 1% tolerance above would miss a term smaller than it: each option's term is >= 3.5% of
     its layer's bytes (no recompute, fp32, dropout), against the same layer without the option."""
     plain = ModelConfig(**BASE, dropout=0.1)
-    for name in ("swiglu", "gqa", "head_size", "qk_norm"):
+    for name in ("swiglu", "gqa", "head_size", "qk_norm", "neox"):
         c = plain.replace(**OPTIONS[name])
         without = plain.replace(ffn_hidden=c.ffn_hidden)
         new, old = (reference_layer(x, S, B, 4, "none", dropout=True, fused=False) for x in (c, without))
@@ -138,9 +142,9 @@ def test_each_new_term_is_large_enough_for_the_measurement_to_see():
 
 def test_rope_keeps_nothing_and_rmsnorm_keeps_what_layernorm_keeps():
     """Two claims verified by measurement, in bytes: rotary positions add nothing (fp32 and bf16: the
-    tables are buffers, the rotation's multiplications keep only them); an RMSNorm keeps its input,
-    as a LayerNorm: in bf16 exactly a LayerNorm's bytes (its fp32 1/rms, 4 bytes a token, against
-    LayerNorm's two bf16 statistics), in fp32 4 bytes a token less (one fp32 statistic, not two).
+    tables are buffers, the rotation's multiplications keep only them; a partial rotation too); an
+    RMSNorm keeps its input, as a LayerNorm: in bf16 exactly a LayerNorm's bytes (its fp32 1/rms, 4
+    bytes a token, against LayerNorm's two bf16 statistics), in fp32 4 bytes a token less (one fp32 statistic, not two).
     Written op by op it kept 6 h bytes per token in bf16 (an fp32 copy of the input, the bf16
     normalised tensor), 8 h per token per norm in fp32 (the normalised tensor besides)."""
     plain = ModelConfig(**BASE, dropout=0.0)
@@ -148,6 +152,14 @@ def test_rope_keeps_nothing_and_rmsnorm_keeps_what_layernorm_keeps():
     layernorm = {dtype: held_per_layer(plain, B, none, dtype)["none"] for dtype in (torch.float32, torch.bfloat16)}
     for dtype in (torch.float32, torch.bfloat16):
         assert held_per_layer(plain.replace(position="rope"), B, none, dtype)["none"] == layernorm[dtype]
+        # a quarter of each head rotated (GPT-NeoX) keeps nothing either, under sdpa too: its output keeps
+        # the layout of its input, so the attention output's reshape stays a view (a concatenated one made
+        # the output projection's input a copy, h values a token)
+        partial = plain.replace(position="rope", rope_fraction=0.25)
+        assert held_per_layer(partial, B, none, dtype)["none"] == layernorm[dtype]
+        sdpa = [held_per_layer(c.replace(attention="sdpa"), B, none, dtype)["none"]
+                for c in (plain.replace(position="rope"), partial)]
+        assert sdpa[0] == sdpa[1]
     rms = {dtype: held_per_layer(plain.replace(norm="rmsnorm"), B, none, dtype)["none"]
            for dtype in (torch.float32, torch.bfloat16)}
     assert rms[torch.bfloat16] == layernorm[torch.bfloat16]

@@ -98,7 +98,8 @@ def test_the_olmo_layers_compute_the_formula_in_float64(window):
 def test_config_refusals_name_the_field_the_value_and_the_fix():
     with pytest.raises(ValueError, match=r"ModelConfig.norm_position='reordered' with kind='bert'.*'post'"):
         ModelConfig(kind="bert", norm_position="reordered")
-    with pytest.raises(ValueError, match=r"ModelConfig.norm_position='post' with kind='gpt'.*'pre' or 'reordered'"):
+    with pytest.raises(ValueError, match=r"ModelConfig.norm_position='post' with kind='gpt'.*'pre', 'reordered' or "
+                                         r"'parallel'"):
         ModelConfig(norm_position="post")
     with pytest.raises(ValueError, match=r"qk_norm_scope='projection' with norm='layernorm'.*norm='rmsnorm'"):
         ModelConfig(qk_norm=True, qk_norm_scope="projection")

@@ -31,7 +31,7 @@ def ranks(tmp_path_factory):
     return out, results
 
 
-@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3", "olmo")
+@pytest.mark.parametrize("kind, mode", [(kind, mode) for kind in ("gpt", "bert", "llama", "qwen3", "olmo", "neox")
                                         for mode in cases.MODES]
                          + [(kind, mode) for kind in ("gpt-docs", "bert-docs") for mode in cases.DOCS_MODES]
                          + [("llama-window", mode) for mode in cases.WINDOW_MODES])
@@ -42,7 +42,9 @@ def test_forward_backward_matches_single_process(ranks, kind, mode):
     heads of 12 values and each query and key head normalised (the norms' gains summed over the tp
     ranks' heads). "olmo": those layers with each sub-layer's output normalised (norm_position
     "reordered") and the whole q and k projections normalised (each tp rank holds half of each
-    projection and of its gain; the statistic is summed over the ranks). "*-docs": attention within
+    projection and of its gain; the statistic is summed over the ranks). "neox": GPT-NeoX's layer, the
+    attention and the MLP in parallel on the layer input (under sequence parallel both norms read the
+    rank's part of the sequence), a quarter of each head rotated. "*-docs": attention within
     the documents of packed rows (model.document_mask; learned positions restarting at each).
     "llama-window": a sliding window of 5 of the 16 positions on layer 0 (model.sliding_window)."""
     for rank_results in ranks[1]:

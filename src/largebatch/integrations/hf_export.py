@@ -28,7 +28,13 @@ The layouts are the same network, so the export is a renaming plus two reshapes:
   the reordered norms (model.norm_position="reordered") and the whole q and k projections normalised
   (model.qk_norm_scope="projection") -> Olmo2ForCausalLM (OLMo et al. 2024; ln1 / ln2 as
   ``post_attention_layernorm`` / ``post_feedforward_layernorm``), with sliding windows ->
-  Olmo3ForCausalLM (``layer_types``; the rope table written for both layer types). A mixed layout (rope
+  Olmo3ForCausalLM (``layer_types``; the rope table written for both layer types).
+* GPT with LayerNorm, rotary positions, a GeLU MLP and biases (Black et al. 2022; Pythia) ->
+  GPTNeoXForCausalLM, the default type of such a model: ``use_parallel_residual`` from
+  model.norm_position ("parallel": true, "pre": false), ``partial_rotary_factor`` = model.rope_fraction
+  and ``rope_theta`` in ``rope_parameters`` (and as ``rotary_pct`` / ``rotary_emb_base``, the keys
+  transformers 4 reads), q, k and v fused into ``query_key_value`` head by head ((heads, 3, d) rows),
+  ``attention_dropout`` = ``hidden_dropout`` = model.dropout. A mixed layout (rope
   with LayerNorm, learned positions with RMSNorm, GeLU with rope, grouped-query attention under
   GPT-2) maps to no transformers architecture and is refused naming its fields
   (models.config.hf_layout_problem); the trainer refuses it before training when
@@ -195,6 +201,7 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         AutoConfig,
         BertConfig,
         GPT2Config,
+        GPTNeoXConfig,
         LlamaConfig,
         MinistralConfig,
         MistralConfig,
@@ -250,6 +257,17 @@ def hf_config(cfg: ModelConfig, special: dict[str, int]):
         # transformers 5 writes rope_parameters; the top-level rope_theta too, as transformers 4 (and
         # the tools that read Llama configs without it) expect, or they would rotate with 10000
         config.rope_theta = float(cfg.rope_theta)
+        return config
+    if hf_model_type(cfg) == "gpt_neox":
+        rope = {**rope_parameters(cfg), "partial_rotary_factor": float(cfg.rope_fraction)}
+        config = GPTNeoXConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                               intermediate_size=cfg.ffn, hidden_act=HF_ACTIVATION[cfg.activation],
+                               max_position_embeddings=cfg.seq_len, layer_norm_eps=cfg.norm_eps,
+                               use_parallel_residual=cfg.norm_position == "parallel", rope_parameters=rope,
+                               attention_bias=True, attention_dropout=cfg.dropout, hidden_dropout=cfg.dropout,
+                               **tokens, **common)
+        # (the keys transformers 4 and GPT-NeoX's own tools read; without them a reader takes 0.25 and 10000)
+        config.rotary_pct, config.rotary_emb_base = float(cfg.rope_fraction), float(cfg.rope_theta)
         return config
     if cfg.kind == "gpt":
         return GPT2Config(n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
@@ -335,6 +353,29 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def neox_state_dict(model) -> dict[str, torch.Tensor]:
+    """largebatch GPT parameters under GPTNeoXForCausalLM's names: q, k and v fused into
+    ``query_key_value`` head by head (rows (heads, 3, d): hf_import._neox cuts them so), the other
+    layers renamed (nn.Linear on both sides). The rotary tables are buffers transformers builds."""
+    cfg: ModelConfig = model.config
+    s = {k: v.detach().float() for k, v in model.state_dict().items()}
+    h, a, d = cfg.n_embd, cfg.n_head, cfg.head_dim
+    out = {"gpt_neox.embed_in.weight": s["tok_emb.weight"], "gpt_neox.final_layer_norm.weight": s["ln_f.weight"],
+           "gpt_neox.final_layer_norm.bias": s["ln_f.bias"], "lm_head.weight": s["lm_head.weight"]}
+    for i in range(cfg.n_layer):
+        b, o = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        out[o + "attention.query_key_value.weight"] = torch.stack(
+            [s[f"{b}attn.{n}.weight"].view(a, d, h) for n in "qkv"], dim=1).reshape(3 * h, h)
+        out[o + "attention.query_key_value.bias"] = torch.stack(
+            [s[f"{b}attn.{n}.bias"].view(a, d) for n in "qkv"], dim=1).reshape(3 * h)
+        for ours, theirs in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"),
+                             ("attn.proj", "attention.dense"), ("mlp.fc1", "mlp.dense_h_to_4h"),
+                             ("mlp.fc2", "mlp.dense_4h_to_h")):
+            for kind in ("weight", "bias"):
+                out[f"{o}{theirs}.{kind}"] = s[f"{b}{ours}.{kind}"]
+    return out
+
+
 def bert_state_dict(model, pad: int | None = None) -> dict[str, torch.Tensor]:
     """largebatch post-LN BERT parameters under BertForMaskedLM's names, or under the RoBERTa
     family's (model.hf_model_type; ``pad``: its pad token id, the rows before the first position)."""
@@ -382,6 +423,7 @@ def hf_model(model, special: dict[str, int]):
     from transformers import (
         AutoModelForMaskedLM,
         GPT2LMHeadModel,
+        GPTNeoXForCausalLM,
         LlamaForCausalLM,
         MinistralForCausalLM,
         MistralForCausalLM,
@@ -399,6 +441,8 @@ def hf_model(model, special: dict[str, int]):
                      "olmo3": Olmo3ForCausalLM}
         hf = causal_lm[config.model_type](config)
         state = llama_state_dict(model)
+    elif config.model_type == "gpt_neox":
+        hf, state = GPTNeoXForCausalLM(config), neox_state_dict(model)
     elif cfg.kind == "gpt":
         hf, state = GPT2LMHeadModel(config), gpt_state_dict(model)
     else:  # BertForMaskedLM or the RoBERTa family's, by config.model_type

@@ -42,6 +42,9 @@ tests/test_memory_llama.py) change these terms, with a_kv key/value heads:
   head, so unlike the layer norms' per-token statistics not negligible at small head sizes (6% of
   the RMSNorms' bytes at d_h = 16 in fp32, 11% of LayerNorms'); the op-level policy keeps the inputs already (the matmul
   outputs) and recomputes the statistics;
+* the parallel layer (norm_position "parallel", GPT-NeoX: x + attn(LN1(x)) + mlp(LN2(x))) keeps its
+  input once for both norms: 3 h d replicated values in place of 4; its partial rotation
+  (rope_fraction) keeps nothing, as the whole one;
 * RMSNorm keeps its input only, as a LayerNorm (largebatch.models.layers.RMSNorm recomputes the
   normalised tensor in backward; written out, as transformers' LlamaRMSNorm, it keeps an fp32 copy
   of a 16-bit input and the normalised tensor besides, 3 h d at 16 bits: largebatch.memory.hf).
@@ -204,9 +207,11 @@ def config_layer_kwargs(config: ModelConfig, *, dtype_bytes: float = 2, device: 
                          "whose float dropout mask the memory model does not describe: use "
                          "attention='explicit' or dropout=0 for CPU memory estimates.")
     spec = model_spec(config.kind)
+    # the parallel layer's two norms read its input, kept once (largebatch.models.layers.Block)
+    shared_input = 1 if config.norm_position == "parallel" else 0
     return dict(hidden=config.n_embd, heads=config.n_head, ffn_hidden=config.ffn,
                 dtype_bytes=dtype_bytes, fused_attention=fused, dropout=dropout,
-                replicated_values=spec.layer_replicated,
+                replicated_values=spec.layer_replicated - shared_input,
                 kv_heads=config.kv_heads, gated_mlp=config.activation == "swiglu",
                 head_dim=config.head_dim, qk_norm=config.norm if config.qk_norm else None,
                 qk_norm_scope=config.qk_norm_scope)

@@ -18,7 +18,8 @@ A flag that sets a field of a training config is also spelled as in ``largebatch
 ``--model.norm rmsnorm`` (``--norm``), ``--model.position rope`` (``--position``), ``--model.activation
 swiglu`` (``--activation``), ``--model.n_kv_head`` (``--kv-heads``), ``--model.head_size``
 (``--head-size``), ``--model.qk_norm true`` (``--qk-norm``, Qwen3), ``--model.qk_norm_scope projection``
-(``--qk-norm-scope``) and ``--model.norm_position reordered`` (``--norm-position``, OLMo 2); and
+(``--qk-norm-scope``) and ``--model.norm_position reordered`` (``--norm-position``, OLMo 2; ``parallel``:
+GPT-NeoX's attention and MLP on the layer input, its input kept once for both norms); and
 ``--model.document_mask true``
 (``--document-mask``: attention within the documents of packed sequences, one s x s mask more).
 """
@@ -350,6 +351,7 @@ def paper_table(config: ModelConfig, s: int, b: int, t: int, dtype_bytes: float)
     llama += [{"head": "q/k norms", "projection": "q/k projection norms"}[config.qk_norm_layout]] if config.qk_norm \
         else []
     llama += ["reordered norms"] if config.norm_position == "reordered" else []
+    llama += ["parallel attention and MLP"] if config.norm_position == "parallel" else []
     llama += [f"{config.norm}"] if config.norm != "layernorm" else []
     llama += [f"{config.position} positions"] if config.position != "learned" else []
     llama += [f"{config.activation} MLP"] if config.activation == "swiglu" else []
@@ -448,7 +450,7 @@ def pipeline_table(config: ModelConfig, setup: Setup, virtual: int, m: int, sche
 
 def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: float) -> list[str]:
     """transformers' layers against the closed form, per layer, no parallelism or recompute: eager
-    (GPT-2, BERT, Llama), or a Llama's sdpa layers under --attention sdpa."""
+    (GPT-2, BERT, Llama, GPT-NeoX), or a Llama's or GPT-NeoX's sdpa layers under --attention sdpa."""
     s, act = config.seq_len, hf_activation(hf_config)
     closed = activation_bytes_per_layer(s, b, **config_layer_kwargs(config, dtype_bytes=dtype_bytes))
     gpu, cpu = (hf_eager_layer_bytes(config, act, b, seq_len=s, dtype_bytes=dtype_bytes, device=device)
@@ -478,6 +480,15 @@ def hf_eager_lines(hf_config: str, config: ModelConfig, b: int, dtype_bytes: flo
             (" (the q/k norms' too)" if config.qk_norm else "")
         if config.dropout == 0:  # no masks: CPU and GPU keep the same
             return ["", f"HF eager layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row "
+                        f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models on CPU, "
+                        "docs/memory.md)."]
+        extras += ", float dropout masks"
+    elif config.position == "rope":  # GPT-NeoX (memory/hf.py: neox_layer_bytes)
+        kernel = "eager" if config.attention == "explicit" else "sdpa"
+        extras = ("the fp32 softmax, " if kernel == "eager" else "the fused q/k/v output a view keeps, ") + \
+            "rotated q and k copies, LayerNorm statistics" + (", gelu_new intermediates" if act == "gelu_new" else "")
+        if config.dropout == 0 or kernel == "sdpa":  # no masks (sdpa with dropout on CPU is refused above)
+            return ["", f"HF {kernel} layers: ~{cpu / closed:.2f}x this model's 'no parallelism' row "
                         f"({cpu / 2**20:.1f} MiB per layer; {extras}; terms measured on tiny models on CPU, "
                         "docs/memory.md)."]
         extras += ", float dropout masks"

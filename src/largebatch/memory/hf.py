@@ -1,4 +1,4 @@
-"""Hugging Face configs for the memory model: `config_from_hf` maps a GPT-2, BERT or Llama-family
+"""Hugging Face configs for the memory model: `config_from_hf` maps a GPT-2, BERT, GPT-NeoX or Llama-family
 `config.json` (a path, a directory holding one, or the dict) to a ModelConfig, without importing
 transformers, and `hf_eager_bytes_per_layer` counts what transformers' own eager layers keep, which
 is more than the closed form of Korthikanti et al. 2022 (docs/papers.md: memory) counts for
@@ -40,6 +40,29 @@ attention dropout (the only dropout those layers have):
 Under selective recomputation (apply_recompute checkpoints the attention function) the layer keeps
 the function's inputs -- q, and K and V un-repeated (2 h_kv d) -- and none of the a s terms; full
 recomputation keeps the layer input, h d.
+
+transformers' GPT-NeoX layer (GPTNeoXForCausalLM, Pythia; neox_layer_bytes), found the same way and
+measured to the byte (tests/test_memory_hf.py), per token, with m the dropout masks' bytes as above
+and sigma a LayerNorm statistic's bytes (d on CPU, where torch casts the mean and 1/std to the input's
+dtype; 4 on a GPU):
+* the LayerNorms keep their inputs -- the parallel layer's two norms read the same input, kept once
+  (h d); the sequential one's second reads attention output + input (2 h d) -- their outputs, the
+  fused query_key_value input and the MLP input (2 h d), and a mean and 1/std each (4 sigma);
+* the rotation turns the first rope_fraction of each head and concatenates the rest back: q and k
+  are new tensors whatever the fraction (2 h d); the cos/sin tables are the model's, shared;
+* eager attention: v is a strided chunk of the fused (b, s, 3h) output, which the P V matmul copies
+  to fold its batch dimensions: that copy is kept (h d) and the fused output is freed; the fp32
+  softmax and what P V keeps as Llama's: a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d);
+  the dense input (h d);
+* sdpa reads v as the chunk view, so the whole fused output stays alive (3 h d), with its own output
+  (h d) beside the dense input's contiguous copy (h d) and a 4-byte log-sum-exp per head (4 a);
+* the GeLU MLP keeps the GeLU input and the dense_4h_to_h input (2 f d; "gelu_new" 3 f d more, as
+  GPT-2's); dropout (attention_dropout and hidden_dropout) keeps two residual-branch masks (2 h m)
+  besides the attention one.
+Under selective recomputation the checkpoint keeps the attention function's inputs, q, k and v --
+a view of the fused output, so all of it (3 h d) -- and the dense input: more than no recomputation
+keeps whenever 2 h d exceeds the eager softmax's bytes (short sequences). Full recomputation keeps
+the layer input, h d. The embedding dropout and the final norm are the model's.
 """
 
 from __future__ import annotations
@@ -56,8 +79,7 @@ from largebatch.models.registry import model_spec
 UNSUPPORTED = {
     "mixtral": "mixture-of-experts gated MLPs, RMSNorm, rotary embeddings, grouped-query attention",
     "gemma": "gated MLP (GeGLU), RMSNorm, rotary embeddings and multi-query attention",
-    "phi": "parallel attention and MLP branches, partial rotary embeddings",
-    "gpt_neox": "parallel attention and MLP branches and rotary embeddings",
+    "phi": "parallel attention and MLP branches sharing one LayerNorm, partial rotary embeddings",
     "gptj": "parallel attention and MLP branches and rotary embeddings",
     "falcon": "parallel attention and MLP branches, rotary embeddings and multi-query attention",
     "t5": "an encoder-decoder with cross-attention, relative position biases and RMSNorm",
@@ -126,6 +148,52 @@ def llama_fields(raw: dict, need, refuse) -> dict:
             "qk_norm": model_type == "qwen3" or olmo, "qk_norm_scope": "projection" if olmo else "head",
             "head_size": None if head is None or head * heads == h else head,
             "sliding_window": window, "full_attention_layers": full}
+
+
+def neox_fields(raw: dict, need, refuse, scaled: bool = False) -> dict:
+    """The ModelConfig fields of a GPT-NeoX config.json (GPTNeoXForCausalLM; Pythia) that both the
+    memory model and ``model.init_from`` read, as transformers 5 reads them: LayerNorm
+    (``layer_norm_eps``), rotary positions on the first ``partial_rotary_factor`` of each head
+    (``rope_parameters`` or ``rope_scaling``, else the top-level ``rotary_pct``, 0.25 where none is
+    given, as GPTNeoXConfig) at base ``rope_theta`` (else ``rotary_emb_base``, 10000), a GeLU MLP
+    (``hidden_act``), biases on every layer (``attention_bias``), untied by default, and the layer
+    ``use_parallel_residual`` says: x + attn(LN1(x)) + mlp(LN2(x)) (true, its default:
+    model.norm_position="parallel") or pre-LN ("pre"). Refused through ``refuse(what, why)``:
+    ``attention_bias`` false (the MLP and norms keep theirs, and largebatch's model.bias covers them
+    all), another activation, heads that do not divide hidden_size, a rope scaling largebatch does
+    not compute (``scaled``: read past it, as the memory model does). ``need(name)``: a required
+    field's value, or raises naming it. Dropout is the caller's."""
+    h, heads = need("hidden_size"), need("num_attention_heads")
+    if not _positive_ints(h=h, heads=heads) or h % heads:
+        raise refuse(f"hidden_size={h!r}, num_attention_heads={heads!r}",
+                     "GPT-NeoX's heads are hidden_size / num_attention_heads wide, so both must be positive "
+                     "integers and the heads must divide the width")
+    if not raw.get("attention_bias", True):
+        raise refuse("attention_bias=False", "GPT-NeoX then has no biases in its attention but keeps those of "
+                     "its MLP and LayerNorms, and largebatch's model.bias covers them all")
+    act = raw.get("hidden_act", "gelu")
+    if act not in _ACTIVATION:
+        raise refuse(f"hidden_act={act!r}", f"largebatch's GeLU MLP computes {', '.join(_ACTIVATION)}")
+    name, table, kind = _rope_table(raw, refuse)
+    if kind not in ("default", *ROPE_SCALINGS) and not scaled:
+        raise refuse(f"{name} with rope_type={kind!r}", "largebatch's rotary embedding computes rope_type "
+                     "'default', 'linear' and 'llama3'; dynamic, yarn and longrope scaling rotate by other angles")
+    theta = table.get("rope_theta", raw.get("rotary_emb_base", 10000.0))
+    fraction = table.get("partial_rotary_factor", raw.get("rotary_pct", 0.25))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise refuse(f"rope_theta={theta!r}", "the rotary base must be a number > 1")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise refuse(f"partial_rotary_factor={fraction!r}", "it is the share of each head the rotation turns, "
+                     "a number in (0, 1]")
+    fields = {"kind": "gpt", "n_layer": need("num_hidden_layers"), "n_embd": h, "n_head": heads,
+              "n_kv_head": None, "head_size": None, "ffn_hidden": need("intermediate_size"),
+              "seq_len": need("max_position_embeddings"),
+              "norm_position": "parallel" if raw.get("use_parallel_residual", True) else "pre",
+              "norm": "layernorm", "norm_eps": float(raw.get("layer_norm_eps", 1e-5)), "position": "rope",
+              "rope_theta": float(theta), "rope_fraction": float(fraction), "activation": _ACTIVATION[act],
+              "bias": True, "qkv_bias": None, "qk_norm": False, "qk_norm_scope": "head", "sliding_window": None,
+              "full_attention_layers": (), "tie_embeddings": bool(raw.get("tie_word_embeddings", False))}
+    return {**fields, **(rope_scaling(raw, refuse) if kind in ROPE_SCALINGS else {"rope_scaling": "none"})}
 
 
 def sliding_windows(raw: dict, n_layer: int, refuse) -> tuple[int | None, tuple[int, ...]]:
@@ -378,18 +446,18 @@ def _model_type(raw: dict) -> str:
     model_type = raw.get("model_type")
     if not model_type:
         arch = " ".join(raw.get("architectures") or [])
-        model_type = "gpt2" if arch.startswith("GPT2") else "bert" if arch.startswith("Bert") else next(
+        model_type = ("gpt2" if arch.startswith("GPT2") else "gpt_neox" if arch.startswith("GPTNeoXFor")
+                      else "bert" if arch.startswith("Bert") else None) or next(
             (t for prefix, t in _LLAMA_ARCHITECTURES.items() if arch.startswith(prefix + "For")), None)
-    if model_type == "gpt2" or model_type in BERT_LAYOUTS or model_type in LLAMA_LAYOUTS:
+    if model_type in ("gpt2", "gpt_neox") or model_type in BERT_LAYOUTS or model_type in LLAMA_LAYOUTS:
         return model_type
     why = UNSUPPORTED.get(model_type)
     what = f"model_type={model_type!r}" if model_type else \
         f"architectures={raw.get('architectures')!r} (no model_type)"
     raise ValueError(f"hf config {what}: not supported; the memory model describes GPT-2, BERT "
-                     "(RoBERTa, XLM-R, CamemBERT) and Llama (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, OLMo 3) "
-                     "layers as "
-                     "transformers' eager layers keep them (sequential attention and MLP, one LayerNorm/GeLU "
-                     "or RMSNorm/SwiGLU MLP)"
+                     "(RoBERTa, XLM-R, CamemBERT), GPT-NeoX (Pythia) and Llama (Mistral, Ministral, Qwen2, "
+                     "Qwen3, OLMo 2, OLMo 3) layers as transformers' layers keep them (LayerNorm and a GeLU MLP, "
+                     "sequential or GPT-NeoX's parallel; or RMSNorm and a SwiGLU MLP)"
                      + (f", and this model has {why}" if why else "")
                      + ". Describe the model with --layers/--hidden/--heads/--ffn (and --model.norm, "
                        "--model.position, --model.activation, --model.n_kv_head, --model.head_size, "
@@ -406,7 +474,7 @@ def _field(raw: dict, name: str, default=None):
 
 
 # transformers' dropout fields per model type (each defaults to 0.1 in its config class)
-HF_DROPOUTS = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+HF_DROPOUTS = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"), "gpt_neox": ("attention_dropout", "hidden_dropout"),
                **dict.fromkeys(BERT_LAYOUTS, ("hidden_dropout_prob", "attention_probs_dropout_prob"))}
 
 
@@ -471,9 +539,24 @@ def _llama_config(raw: dict) -> ModelConfig:
                        tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
 
+def _neox_config(raw: dict) -> ModelConfig:
+    """A GPT-NeoX config.json (GPTNeoXForCausalLM, Pythia) as largebatch's GPT with the same layers
+    (neox_fields, shared with ``model.init_from``; a rope scaling read past, as the Llama family's);
+    ``attention_dropout`` and ``hidden_dropout`` are model.dropout (both on or both off)."""
+    def refuse(what: str, why: str) -> ValueError:
+        return ValueError(f"hf config model_type='gpt_neox' has {what}; {why}, so the memory model does not "
+                          "describe it")
+
+    fields = neox_fields(raw, lambda name: _field(raw, name), refuse, scaled=True)
+    fields["ffn_hidden"] = _ffn(fields["ffn_hidden"], fields["n_embd"], "intermediate_size")  # (4h: None, as presets)
+    return ModelConfig(**fields, vocab_size=_field(raw, "vocab_size"),
+                       dropout=_dropout(raw, HF_DROPOUTS["gpt_neox"], 0.0))
+
+
 def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
-    """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT) or Llama (Mistral,
-    Ministral, Qwen2, Qwen3; sliding windows included) config: a config.json path, a directory holding one, its dict,
+    """A ModelConfig for a Hugging Face GPT-2, BERT (RoBERTa, XLM-R, CamemBERT), Llama (Mistral,
+    Ministral, Qwen2, Qwen3, OLMo 2 and 3; sliding windows included) or GPT-NeoX (Pythia) config: a config.json
+    path, a directory holding one, its dict,
     or the transformers config object (`GPT2Config(...)`). The activation is largebatch's name for
     transformers' (gelu_new -> gelu_tanh, as `hf:` imports it; silu -> swiglu, the gated MLP).
     Refuses other architectures, naming what in them the closed form does not describe. Attention is
@@ -483,6 +566,8 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
     model_type = _model_type(raw)
     if model_type in LLAMA_LAYOUTS:
         return _llama_config({**raw, "model_type": model_type})  # (named by its architecture alone: its type)
+    if model_type == "gpt_neox":
+        return _neox_config(raw)
     for flag in ("add_cross_attention", "reorder_and_upcast_attn"):
         if raw.get(flag):
             raise ValueError(f"hf config field {flag!r}=True: not supported (extra cross-attention or "
@@ -514,13 +599,16 @@ def config_from_hf(source: str | Path | Mapping) -> ModelConfig:
 
 
 def hf_activation(source: str | Path | Mapping) -> str:
-    """transformers' activation name of a GPT-2 / BERT / Llama config ("gelu_new" is GPT-2's default,
-    "silu" Llama's)."""
+    """transformers' activation name of a GPT-2 / BERT / GPT-NeoX / Llama config ("gelu_new" is GPT-2's
+    default, "gelu" BERT's and GPT-NeoX's -- its ``hidden_act`` --, "silu" Llama's)."""
     raw = _load(source)
     model_type = _model_type(raw)
     if model_type in LLAMA_LAYOUTS:
         _llama_config({**raw, "model_type": model_type})  # (its refusals first)
         return raw.get("hidden_act", "silu")
+    if model_type == "gpt_neox":
+        _neox_config(raw)  # (its refusals first)
+        return raw.get("hidden_act", "gelu")
     if model_type == "gpt2":
         return _activation(raw, "activation_function", "gelu_new")
     return _activation(raw, "hidden_act", "gelu")
@@ -534,7 +622,9 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
     attention (softmax output, its dropout mask and output, recomputed as in the closed form);
     "full" the layer input, s b h d. ``activation``: transformers' name ("gelu" or "gelu_new"; "silu"
     or "swish" for a Llama-family ``config``, counted by llama_layer_bytes, eager or sdpa as
-    ``config.attention`` says, for its layer ``layer``: its sliding window)."""
+    ``config.attention`` says, for its layer ``layer``: its sliding window). A GPT-NeoX ``config``
+    (LayerNorm and rotary positions, config_from_hf's of a gpt_neox config.json) is counted by
+    neox_layer_bytes, eager or sdpa as ``config.attention`` says."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: transformers' layers are counted for "
                          "none, selective and full only.")
@@ -544,10 +634,14 @@ def hf_eager_layer_bytes(config: ModelConfig, activation: str, micro_batch: int,
         raise ValueError(f"activation={activation!r} with model.activation={config.activation!r}, "
                          f"model.norm={config.norm!r}, model.position={config.position!r}: transformers' "
                          "silu/swish layers are Llama's (swiglu, rmsnorm, rope) and its GeLU layers GPT-2's or "
-                         "BERT's (layernorm, learned positions); give the config config_from_hf made")
+                         "BERT's (layernorm, learned positions) or GPT-NeoX's (layernorm, rope); give the config "
+                         "config_from_hf made")
     if llama_layer:
         return llama_layer_bytes(config, micro_batch, recompute, seq_len=seq_len, dtype_bytes=dtype_bytes,
                                  device=device, layer=layer)
+    if config.norm == "layernorm" and config.position == "rope":
+        return neox_layer_bytes(config, activation, micro_batch, recompute, seq_len=seq_len,
+                                dtype_bytes=dtype_bytes, device=device)
     s = config.seq_len if seq_len is None else seq_len
     h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
     if recompute == "full":
@@ -622,6 +716,62 @@ def llama_layer_bytes(config: ModelConfig, micro_batch: int, recompute: str = "n
     return s * b * per_token
 
 
+def neox_layer_bytes(config: ModelConfig, activation: str, micro_batch: int, recompute: str = "none", *,
+                     seq_len: int | None = None, dtype_bytes: float = 2, device: str = "cuda") -> float:
+    """Bytes one transformers GPT-NeoX layer (GPTNeoXLayer: Pythia) keeps for backward in training, per
+    token (module docstring; measured to the byte on CPU in fp32 and bf16, both residual layouts, with
+    and without dropout, tests/test_memory_hf.py), with d = ``dtype_bytes``, m the dropout masks' bytes
+    (d on the CPU, F.dropout's float mask; 1 elsewhere), sigma a LayerNorm statistic's (d on the CPU,
+    where torch casts the mean and 1/std to the input's dtype; 4 elsewhere, fp32), P = 1 for the
+    parallel layer (model.norm_position "parallel": both norms read the layer input, kept once), 2 for
+    the sequential one:
+        LayerNorm inputs P h d, their statistics 4 sigma, their outputs (fused Q/K/V and MLP inputs) 2 h d,
+        q and k after the partial rotation's concatenation 2 h d, the dense input h d,
+        V: eager h d (P V's contiguous copy of the strided chunk; the fused output is freed),
+           sdpa 3 h d + h d (the chunk view keeps the whole fused output; sdpa's own output),
+        MLP 2 f d (the GeLU input, the dense_4h_to_h input; 3 f d more for "gelu_new"),
+        dropout 2 h m (the two residual branches),
+        core (none only): eager a s (4 + d) (a s 4 in fp32), with dropout a s (4 + m + d); sdpa 4 a.
+    recompute "selective" (apply_recompute's checkpoint of the attention function): the core and V's
+    terms give way to the function's inputs, of which v is a view of the fused output: 3 h d -- eager
+    or sdpa alike. "full": the layer input, h d. The rotary fraction changes no term (q and k are new
+    tensors whatever it is). ``config.attention``: "explicit" (eager) or "sdpa" (torch's fused kernel;
+    with dropout on CPU its unfused math kernel, refused as for the Llama family). ``activation``:
+    transformers' hidden_act (a GeLU: "gelu", "gelu_pytorch_tanh" or "gelu_new")."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: transformers' GPT-NeoX layers are counted for none, "
+                         "selective and full only.")
+    check_activation(activation)
+    if activation in LLAMA_ACTIVATIONS or config.activation == "swiglu":
+        raise ValueError(f"activation={activation!r} with model.activation={config.activation!r}: "
+                         "transformers' GPT-NeoX layers have a GeLU MLP; give the config config_from_hf made")
+    s = config.seq_len if seq_len is None else seq_len
+    h, a, f, b, d = config.n_embd, config.n_head, config.ffn, micro_batch, dtype_bytes
+    if recompute == "full":
+        return s * b * h * d
+    dropout = config.dropout > 0
+    eager = config.attention == "explicit"
+    if not eager and dropout and device == "cpu":
+        raise ValueError("attention='sdpa' with attention_dropout on CPU runs PyTorch's unfused math kernel, "
+                         "which the memory model does not describe: use attention='explicit' (eager) or "
+                         "dropout 0 for CPU memory estimates.")
+    cpu = device == "cpu"
+    m, sigma = (d, d) if cpu else (1, 4)
+    norm_inputs = 1 if config.norm_position == "parallel" else 2
+    gelu = 2 + (3 if activation in _GELU_POINTWISE else 0)
+    # the norms' inputs, statistics and outputs, q and k, the dense input, the MLP, the residual masks
+    per_token = (norm_inputs + 2 + 2 + 1) * h * d + 4 * sigma + gelu * f * d + (2 * h * m if dropout else 0)
+    if recompute == "selective":
+        per_token += 3 * h * d  # v's view keeps the whole fused output (the checkpoint's input)
+    elif not eager:
+        per_token += 3 * h * d + h * d + 4 * a  # the fused output through v's view, sdpa's output, its lse
+    elif dropout:
+        per_token += h * d + a * s * (4 + m + d)  # P V's copy of v; softmax, mask, dropout output
+    else:
+        per_token += h * d + a * s * (4 + (0 if d == 4 else d))  # P V's copy of v; fp32 softmax (and its cast)
+    return s * b * per_token
+
+
 def hf_normalised_bytes(config: ModelConfig, dtype_bytes: float) -> float:
     """Bytes a value of the normalised tensor that each of transformers' RMSNorms keeps for the gain's
     gradient: OLMo's (Olmo2RMSNorm, model.norm_position "reordered") applies the gain before rounding
@@ -631,14 +781,15 @@ def hf_normalised_bytes(config: ModelConfig, dtype_bytes: float) -> float:
 
 def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[str] = "none", *,
                   seq_len: int | None = None, dtype_bytes: float = 2) -> float:
-    """Bytes of the attention masks transformers' causal model (GPT-2, the Llama family) builds once
-    and its layers share, kept for backward because a recomputed layer (selective or full: the
+    """Bytes of the attention masks transformers' causal model (GPT-2, GPT-NeoX, the Llama family) builds
+    once and its layers share, kept for backward because a recomputed layer (selective or full: the
     checkpoint keeps its inputs) reads them: eager layers read a float (b, 1, s, s) mask in the
     activations' dtype, one per kind of layer recomputed -- the causal one for full-attention layers,
     a sliding one for windowed layers (OLMo 3 and Ministral, with both kinds, keep two); sdpa
     layers only a window's bool (1, 1, s, s) mask (full attention passes none). 0 without
     recomputation (eager layers add the mask to the scores, sdpa layers keep their own float copy,
-    llama_layer_bytes) and for BERT's family. Measured on whole models (tests/test_memory_hf.py)."""
+    llama_layer_bytes) and for BERT's family. Measured on whole models (tests/test_memory_hf.py; GPT-NeoX's
+    eager layers keep the causal one as GPT-2's do)."""
     if model_spec(config.kind).objective != "causal":
         return 0.0
     s = config.seq_len if seq_len is None else seq_len
@@ -652,12 +803,12 @@ def hf_mask_bytes(config: ModelConfig, micro_batch: int, recompute: str | list[s
 def hf_eager_bytes_per_layer(source: str | Path | Mapping, micro_batch: int, *,
                              seq_len: int | None = None, dtype_bytes: float = 2,
                              device: str = "cuda") -> float:
-    """Bytes one transformers eager GPT-2 / BERT / Llama layer keeps for backward in training (no
-    recomputation): for GPT-2 / BERT the closed form with d-byte dropout masks on CPU (F.dropout's
+    """Bytes one transformers eager GPT-2 / BERT / GPT-NeoX / Llama layer keeps for backward in training
+    (no recomputation): for GPT-2 / BERT the closed form with d-byte dropout masks on CPU (F.dropout's
     float mask; 1-byte bool masks elsewhere), plus 3 f d bytes per token for GPT-2's pointwise
-    "gelu_new"; for the Llama family llama_layer_bytes (eager attention). Both masks are measured in
-    tests/test_memory_hf.py on CPU (the GPU one with torch.native_dropout's bool mask, which CUDA's
-    F.dropout keeps), not on a GPU."""
+    "gelu_new"; for GPT-NeoX neox_layer_bytes, for the Llama family llama_layer_bytes (eager
+    attention). Both masks are measured in tests/test_memory_hf.py on CPU (the GPU one with
+    torch.native_dropout's bool mask, which CUDA's F.dropout keeps), not on a GPU."""
     raw = _load(source)
     return hf_eager_layer_bytes(config_from_hf(raw), hf_activation(raw), micro_batch, seq_len=seq_len,
                                 dtype_bytes=dtype_bytes, device=device)

@@ -75,7 +75,7 @@ class Setup:
     weight_average: bool = False
     """The trainer's run.ema_decay: one more fp32 copy of the parameters, with the optimizer state."""
     hf_activation: str | None = None
-    """A transformers eager GPT-2 / BERT model, by its activation name ("gelu_new", "gelu"), or a
+    """A transformers eager GPT-2 / BERT / GPT-NeoX model, by its activation name ("gelu_new", "gelu"), or a
     Llama-family one ("silu", eager or sdpa): its layers are counted with the measured transformers
     terms (largebatch.memory.hf_eager_layer_bytes), not the closed form. None: largebatch's own
     layers, the closed form."""

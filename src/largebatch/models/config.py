@@ -16,16 +16,16 @@ from largebatch.models.registry import MODELS, model_spec
 from largebatch.typed_config import check_fields
 
 Attention = Literal["explicit", "sdpa"]
-NormPosition = Literal["pre", "post", "reordered"]
+NormPosition = Literal["pre", "post", "reordered", "parallel"]
 QkNormScope = Literal["head", "projection"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Position = Literal["learned", "rope"]
 Norm = Literal["layernorm", "rmsnorm"]
 RopeScaling = Literal["none", "linear", "llama3"]
-HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "bert", "roberta",
-                      "xlm-roberta", "camembert"]
+HfModelType = Literal["gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "gpt_neox", "bert",
+                      "roberta", "xlm-roberta", "camembert"]
 # model kind -> the transformers model types it exports as (largebatch export --format hf)
-HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3"),
+HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3", "gpt_neox"),
                   "bert": ("bert", "roberta", "xlm-roberta", "camembert")}
 # transformers model type -> the ModelConfig values its blocks compute (every type: as many key/value
 # heads as query heads, but the Llama family's, GROUPED_TYPES): GPT-2 (Radford et al. 2019) and BERT's
@@ -41,6 +41,9 @@ HF_MODEL_TYPES = {"gpt": ("gpt2", "llama", "mistral", "ministral", "qwen2", "qwe
 # heads of any size (head_dim), GPT-2's and BERT's n_embd / n_head; only Mistral, Ministral, Qwen2,
 # Qwen3 and OLMo 3 have sliding windows ("window_layout" below: on no layer, every layer, or some
 # layers); "qk_norm_layout": no query/key norm, one over each head (Qwen3), or over each projection.
+# GPT-NeoX (Black et al. 2022; Pythia): LayerNorm, rotary positions on a share of each head
+# (rope_fraction, PARTIAL_ROPE_TYPES: the only type with one below 1), a GeLU MLP, biases everywhere, the
+# attention and the MLP in parallel (use_parallel_residual, its default) or in sequence.
 # (GPT-2's and BERT's always have biases: a missing one exports as zeros.)
 _PRE, _LLAMA = {"norm_position": ("pre",)}, {"norm": ("rmsnorm",), "position": ("rope",), "activation": ("swiglu",)}
 _OLMO = {"norm_position": ("reordered",), **_LLAMA, "biases": ("none",), "qk_norm_layout": ("projection",)}
@@ -53,6 +56,8 @@ HF_TYPE_FIELDS = {"gpt2": {**_PRE, "norm": ("layernorm",), "position": ("learned
                   "qwen3": {**_PRE, **_LLAMA, "biases": ("none",), "qk_norm_layout": ("head",),
                             "window_layout": ("none", "all", "some")},
                   "olmo2": _OLMO, "olmo3": {**_OLMO, "window_layout": ("none", "all", "some")},
+                  "gpt_neox": {"norm_position": ("parallel", "pre"), "norm": ("layernorm",), "position": ("rope",),
+                               "activation": ("gelu", "gelu_tanh"), "biases": ("all",)},
                   **dict.fromkeys(HF_MODEL_TYPES["bert"], {"norm": ("layernorm",), "position": ("learned",)})}
 # the architecture each type exports as, and what its blocks compute (for the messages)
 HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a GeLU MLP and as many key/value "
@@ -74,6 +79,11 @@ HF_TYPE_WORDS = {"gpt2": ("GPT2LMHeadModel", "LayerNorm, learned positions, a Ge
                                                "rotary positions, the SwiGLU MLP and the whole query and key "
                                                "projections normalised, without biases, a sliding window on any "
                                                "of its layers"),
+                 "gpt_neox": ("GPTNeoXForCausalLM", "LayerNorm, rotary positions on any share of each head, a "
+                                                    "GeLU MLP, biases on every layer, the attention and the MLP in "
+                                                    "parallel (norm_position 'parallel') or in sequence ('pre'), "
+                                                    "and as many key/value heads as query heads, each n_embd / "
+                                                    "n_head values wide"),
                  **{t: (f"{name}ForMaskedLM", "LayerNorm, learned positions and as many key/value heads as query "
                                               "heads, each n_embd / n_head values wide")
                     for t, name in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"),
@@ -172,8 +182,11 @@ class ModelConfig:
     """"pre": x + f(LN(x)) (GPT-2, Cramming). "post": LN(x + f(x)) (original BERT, BERT only; lets the
     BERT here match transformers' BertForMaskedLM exactly). "reordered": x + LN(f(x)), each
     sub-layer's output normalised before the residual add (OLMo 2 and 3, GPT only; Swin V2's
-    res-post-norm), with a final norm as pre-LN has. The memory model counts all three the same: two
-    norm inputs a layer, and the sub-layers' inputs (the stream itself, not a norm's output)."""
+    res-post-norm), with a final norm as pre-LN has. "parallel": x + attn(LN1(x)) + mlp(LN2(x)), the
+    attention and the MLP both reading the layer's input (GPT-J, GPT-NeoX and Pythia, PaLM; GPT only),
+    with a final norm. The memory model counts the first three the same: two norm inputs a layer, and
+    the sub-layers' inputs; the parallel layer keeps its input once for both norms (docs/papers.md:
+    memory)."""
     norm_eps: float = 1e-5
     """LayerNorm or RMSNorm epsilon (GPT-2: 1e-5, BERT: 1e-12, Llama: 1e-5 or 1e-6)."""
     norm: Norm = "layernorm"
@@ -188,6 +201,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """The rotary base: pair i of a head rotates by position * rope_theta^(-2i/head_size) (Llama 1
     and 2: 10000; Llama 3: 500000). Used with position="rope" only."""
+    rope_fraction: float = 1.0
+    """The share of each head's values the rotation turns (position="rope" only): the first
+    r = int(head_size * rope_fraction) of a query's and a key's d_h values are rotated as above, with
+    r in place of head_size in the frequencies, and the other d_h - r pass unchanged (GPT-NeoX and
+    Pythia: 0.25; transformers' partial_rotary_factor, rotary_pct). r must be even and at least 2."""
     rope_scaling: RopeScaling = "none"
     """How the rotary frequencies are rescaled (position="rope" only), as models extended past the
     context they were first trained on were (a model trained so keeps it at every length: it changes
@@ -280,6 +298,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.position='rope' with {size}: rotary embeddings rotate pairs "
                                  "of dimensions, so the head size must be even; change "
                                  + ("head_size." if self.head_size is not None else "n_embd or n_head."))
+        self._check_rope_fraction()
         if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
                 and math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"ModelConfig.rope_theta={self.rope_theta!r}: must be a finite number > 1 "
@@ -355,16 +374,38 @@ class ModelConfig:
                                  f"{self.n_layer} layers, so sliding_window={W} applies nowhere: leave "
                                  "sliding_window unset, or list fewer layers.")
 
+    def _check_rope_fraction(self) -> None:
+        f = self.rope_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"ModelConfig.rope_fraction={f!r}: must be a number in (0, 1], the share of each "
+                             "head's values the rotation turns (1: all of them; GPT-NeoX and Pythia: 0.25).")
+        if f != 1 and self.position != "rope" and self.init_from is None:  # (init_from's directory decides)
+            raise ValueError(f"ModelConfig.rope_fraction={f!r} with position={self.position!r}: it says how much of "
+                             "each head the rotary positions turn; set position='rope', or rope_fraction=1.")
+        r = self.rotary_dim
+        if self.position == "rope" and f != 1 and (r < 2 or r % 2):
+            raise ValueError(f"ModelConfig.rope_fraction={f!r} with head size {self.head_dim}: it rotates "
+                             f"int({self.head_dim} x {f!r}) = {r} values, and the rotation turns pairs, so that "
+                             "must be even and at least 2; choose a fraction that gives an even count (e.g. "
+                             f"{2 * max(1, round(self.head_dim * f / 2)) / self.head_dim:g}).")
+
+    @property
+    def rotary_dim(self) -> int:
+        """r: the values of each query and key head the rotary positions turn, int(head_dim x
+        rope_fraction) (transformers' rotary_ndims); the rest pass unchanged."""
+        return int(self.head_dim * self.rope_fraction)
+
     def _check_norms(self) -> None:
         objective = model_spec(self.kind).objective
-        if self.norm_position == "reordered" and objective != "causal":
-            raise ValueError(f"ModelConfig.norm_position='reordered' with kind={self.kind!r}: the reordered norms "
-                             "(x + LN(f(x)), OLMo 2) are built for causal models here; use 'post' (original "
-                             "BERT) or 'pre'.")
+        for position, words in (("reordered", "reordered norms (x + LN(f(x)), OLMo 2)"),
+                                ("parallel", "parallel layer (x + attn(LN(x)) + mlp(LN(x)), GPT-NeoX)")):
+            if self.norm_position == position and objective != "causal":
+                raise ValueError(f"ModelConfig.norm_position={position!r} with kind={self.kind!r}: the {words} "
+                                 "is built for causal models here; use 'post' (original BERT) or 'pre'.")
         if self.norm_position == "post" and objective == "causal":
             raise ValueError(f"ModelConfig.norm_position='post' with kind={self.kind!r}: a causal model here is "
-                             "pre-LN (GPT-2, Llama) or reordered (OLMo 2: x + LN(f(x))); use 'pre' or "
-                             "'reordered'.")
+                             "pre-LN (GPT-2, Llama), reordered (OLMo 2: x + LN(f(x))) or parallel (GPT-NeoX: "
+                             "x + attn(LN(x)) + mlp(LN(x))); use 'pre', 'reordered' or 'parallel'.")
         if self.qk_norm_scope == "projection" and not self.qk_norm:
             raise ValueError("ModelConfig.qk_norm_scope='projection' without qk_norm: the scope says what the query "
                              "and key norms normalise over; set qk_norm=True too (OLMo 2), or leave "
@@ -507,7 +548,10 @@ class ModelConfig:
 # the types whose attention may have fewer key/value heads than query heads, and heads of any size
 GROUPED_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "olmo3")
 # the settings giving each "biases" a type computes
+# the types whose rotary positions may turn a share of each head only (model.rope_fraction < 1)
+PARTIAL_ROPE_TYPES = ("gpt_neox",)
 BIAS_SETTINGS = {("all", "none"): "model.qkv_bias=None (biases on every Linear layer, or none)",
+                 ("all",): "model.bias=True, model.qkv_bias=None",
                  ("qkv",): "model.bias=False, model.qkv_bias=True",
                  ("none",): "model.bias=False, model.qkv_bias=None"}
 
@@ -529,6 +573,8 @@ def hf_layout_mismatch(cfg: ModelConfig, model_type: str) -> list[str]:
         off.append(_qk_settings(cfg))
     if "window_layout" not in fields and cfg.window_layout != "none":
         off.append(_window_settings(cfg))
+    if model_type not in PARTIAL_ROPE_TYPES and cfg.rope_fraction != 1:
+        off.append(f"model.rope_fraction={cfg.rope_fraction!r}")
     return off
 
 
@@ -570,6 +616,8 @@ def _layout_settings(cfg: ModelConfig, model_type: str) -> str:
         want.append("model.qk_norm=False")
     if "window_layout" not in HF_TYPE_FIELDS[model_type] and cfg.window_layout != "none":
         want.append(WINDOW_SETTINGS[("none",)])
+    if model_type not in PARTIAL_ROPE_TYPES and cfg.rope_fraction != 1:
+        want.append("model.rope_fraction=1")
     return ", ".join(want)
 
 
@@ -611,7 +659,8 @@ def hf_layout_problem(cfg: ModelConfig) -> str | None:
     extra = (", " + _qk_settings(cfg) if cfg.qk_norm else "") + (
         f", model.norm_position={cfg.norm_position!r}" if cfg.norm_position != "pre" else "") + (
         f", model.head_size={cfg.head_size!r}" if cfg.attention_width != cfg.n_embd else "") + (
-        ", " + _window_settings(cfg) if cfg.window_layout != "none" else "")
+        ", " + _window_settings(cfg) if cfg.window_layout != "none" else "") + (
+        f", model.rope_fraction={cfg.rope_fraction!r}" if cfg.rope_fraction != 1 else "")
     return (f"model.norm={cfg.norm!r}, model.position={cfg.position!r}, model.activation={cfg.activation!r}, "
             f"model.n_kv_head={cfg.n_kv_head!r}{biases}{extra}: no transformers architecture computes these {cfg.kind} "
             f"blocks, so the model cannot be exported; {differs}")

@@ -204,12 +204,14 @@ def scaled_frequencies(w: torch.Tensor, scaling: str, factor: float, low: float,
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021): x (B, heads, T, d) -> x cos(m w) + rot(x) sin(m w),
     rot(x) = (-x[d/2:], x[:d/2]), w_i = theta^(-2i/d) for i < d/2 (rescaled by ``scaled_frequencies``
-    under ModelConfig.rope_scaling), repeated for the second half.
-    The tables (seq_len, d) are buffers, not weights: rebuilt after a meta-device build."""
+    under ModelConfig.rope_scaling), repeated for the second half. With ModelConfig.rope_fraction < 1
+    (GPT-NeoX) the same on the first r = ModelConfig.rotary_dim values of x, r in place of d, and the
+    other d - r values unchanged.
+    The tables (seq_len, r) are buffers, not weights: rebuilt after a meta-device build."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.head_dim, self.theta, self.seq_len = config.head_dim, config.rope_theta, config.seq_len
+        self.head_dim, self.theta, self.seq_len = config.rotary_dim, config.rope_theta, config.seq_len
         self.scaling = (config.rope_scaling, config.rope_factor, config.rope_low_freq_factor,
                         config.rope_high_freq_factor, config.rope_original_seq_len)
         cos, sin = self._tables(None)
@@ -236,14 +238,27 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         # x: (B, heads, T, d) at positions offset .. offset + T - 1 (offset > 0: decoding with a KVCache)
-        T, half = x.size(-2), x.size(-1) // 2
+        T, r = x.size(-2), self.head_dim
         cos, sin = self.cos[offset:offset + T].to(x.dtype), self.sin[offset:offset + T].to(x.dtype)
+        if r < x.size(-1):  # a partial rotation: the first r values turn, the rest pass. Written into a tensor
+            # of x's layout, as the whole rotation's output has: a contiguous cat made sdpa's output contiguous in
+            # (B, heads, T, d), so the output projection's input became a copy, kept besides (measured: h values a
+            # token more)
+            out = torch.empty_like(x)
+            out[..., :r] = self._turn(x[..., :r], cos, sin)
+            out[..., r:] = x[..., r:]
+            return out
+        return self._turn(x, cos, sin)
+
+    @staticmethod
+    def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.size(-1) // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
     def extra_repr(self) -> str:
         scaling = "" if self.scaling[0] == "none" else f", scaling={self.scaling}"
-        return f"head_dim={self.head_dim}, theta={self.theta}{scaling}"
+        return f"rotary_dim={self.head_dim}, theta={self.theta}{scaling}"
 
 
 class AttentionMask:
@@ -574,7 +589,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer. pre-LN: x + attn(ln1(x)), then + mlp(ln2(.)).
     post-LN (original BERT): ln1(x + attn(x)), then ln2(. + mlp(.)).
-    reordered (OLMo 2): x + ln1(attn(x)), then + ln2(mlp(.))."""
+    reordered (OLMo 2): x + ln1(attn(x)), then + ln2(mlp(.)).
+    parallel (GPT-J, GPT-NeoX): x + attn(ln1(x)) + mlp(ln2(x)), both sub-layers reading x."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -597,6 +613,8 @@ class Block(nn.Module):
         if self.norm_position == "reordered":
             x = x + self.ln1(self.attn(x, **extra))
             return x + self.ln2(self.mlp(x))
+        if self.norm_position == "parallel":  # (transformers' GPT-NeoX adds mlp + attn + x, in that order)
+            return self.mlp(self.ln2(x)) + self.attn(self.ln1(x), **extra) + x
         x = self.ln1(x + self.attn(x, **extra))
         return self.ln2(x + self.mlp(x))
 

@@ -9,11 +9,14 @@ from largebatch.models.config import ModelConfig
 # Table 3 (v = 51200); BERT from Devlin et al. 2019; GPT-2 small to xl from Radford et al. 2019
 # (Table 2; the released configs' 1024 positions and 50257 tokens). The Llama 3 (Dubey et al. 2024)
 # and Qwen3 (Yang et al. 2025) sizes are the released config.json files' shapes, at the context of
-# their main pretraining stage (8192 and 4096 tokens; --seq-len plans another).
+# their main pretraining stage (8192 and 4096 tokens; --seq-len plans another). Pythia's (Biderman et al.
+# 2023; GPT-NeoX's layers, Black et al. 2022) are its released config.json files' shapes.
 _LLAMA = dict(kind="gpt", norm="rmsnorm", position="rope", activation="swiglu", bias=False, tie_embeddings=False)
 _LLAMA3 = dict(_LLAMA, n_kv_head=8, vocab_size=128256, seq_len=8192, rope_theta=500000.0)
 _QWEN3 = dict(_LLAMA, n_kv_head=8, head_size=128, qk_norm=True, vocab_size=151936, seq_len=4096, rope_theta=1e6,
               norm_eps=1e-6)
+_PYTHIA = dict(kind="gpt", position="rope", rope_fraction=0.25, norm_position="parallel", tie_embeddings=False,
+               vocab_size=50304, seq_len=2048)
 PRESETS: dict[str, ModelConfig] = {
     "demo": ModelConfig(kind="gpt", n_layer=4, n_embd=256, n_head=4, seq_len=128, vocab_size=4096),
     "demo-bert": ModelConfig(kind="bert", n_layer=4, n_embd=256, n_head=4, seq_len=128,
@@ -45,6 +48,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(n_layer=28, n_embd=1024, n_head=16, ffn_hidden=3072,
                               **{**_QWEN3, "tie_embeddings": True}),
     "qwen3-8b": ModelConfig(n_layer=36, n_embd=4096, n_head=32, ffn_hidden=12288, **_QWEN3),
+    "pythia-160m": ModelConfig(n_layer=12, n_embd=768, n_head=12, **_PYTHIA),
+    "pythia-1b": ModelConfig(n_layer=16, n_embd=2048, n_head=8, **_PYTHIA),
 }
 
 

@@ -90,6 +90,7 @@ from largebatch.memory.hf import (
     as_transformers_reads,
     bert_positions,
     llama_fields,
+    neox_fields,
     position_offset,
     rope_scaling,
     rope_theta,
@@ -109,7 +110,8 @@ ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high
 # fields init_from sets from config.json (the tensors' shapes and the function they compute)
 SHAPE_FIELDS = ("kind", "n_layer", "n_embd", "n_head", "n_kv_head", "head_size", "ffn_hidden", "seq_len",
                 "vocab_size", "bias", "qkv_bias", "qk_norm", "qk_norm_scope", "sliding_window", "full_attention_layers",
-                "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", *ROPE_FIELDS,
+                "tie_embeddings", "norm_eps", "norm_position", "norm", "position", "rope_theta", "rope_fraction",
+                *ROPE_FIELDS,
                 "activation",
                 "hf_model_type")
 # fields init_from sets that the user may set otherwise: the export's family (hf_model_type)
@@ -123,7 +125,8 @@ IMPORT_UNSUPPORTED = {
 }
 # buffers transformers builds itself (causal masks, position ids, rotary frequencies, which old Llama
 # checkpoints stored): not weights, skipped
-BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|embeddings\.position_ids|rotary_emb\.inv_freq)$")
+BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|layers\.\d+\.attention\.(bias|masked_bias)"
+                     r"|embeddings\.position_ids|rotary_emb\.inv_freq)$")
 
 
 def hf_dir(init_from: str) -> Path:
@@ -149,6 +152,11 @@ def _raw_config(path: Path) -> dict[str, Any]:
                           "transformers config.json") from None
 
 
+# GPT-NeoX's output layer: "embed_out" as its checkpoints store it (transformers 5 renames it lm_head on loading
+# and back on saving), "lm_head" as a state_dict of the loaded model names it
+NEOX_OUTPUT = ("embed_out.weight", "lm_head.weight")
+# model types whose config classes leave the embeddings untied by default (tie_word_embeddings false)
+UNTIED_BY_DEFAULT = (*LLAMA_LAYOUTS, "gpt_neox")
 # (input embedding, output projection) as a tied model stores them, with and without the base prefix
 TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weight",)),
               "bert": (("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
@@ -158,6 +166,7 @@ TIED_PAIRS = {"gpt2": (("transformer.wte.weight", "wte.weight"), ("lm_head.weigh
 TIED_PAIRS.update(dict.fromkeys(ROBERTA_LAYOUTS, TIED_PAIRS["roberta"]))
 TIED_PAIRS.update(dict.fromkeys(LLAMA_LAYOUTS, (("model.embed_tokens.weight", "embed_tokens.weight"),
                                               ("lm_head.weight",))))
+TIED_PAIRS["gpt_neox"] = (("gpt_neox.embed_in.weight", "embed_in.weight"), NEOX_OUTPUT)
 
 
 def _stored_apart(path: Path, embedding: tuple[str, ...], output: tuple[str, ...]) -> bool:
@@ -257,12 +266,12 @@ def model_fields(path: Path) -> dict[str, Any]:
                           f"({why}); init_from maps gpt2 (GPT2LMHeadModel, GPT2Model), llama, mistral, "
                           "ministral, qwen2, qwen3, olmo2 and olmo3 (LlamaForCausalLM, MistralForCausalLM, "
                           "MinistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
-                          "Olmo3ForCausalLM), bert (post-LN "
+                          "Olmo3ForCausalLM), gpt_neox (GPTNeoXForCausalLM, Pythia), bert (post-LN "
                           "BertForMaskedLM), roberta, "
                           "xlm-roberta and camembert (RobertaForMaskedLM, XLMRobertaForMaskedLM, "
                           "CamembertForMaskedLM) only")
     # (LlamaConfig's tie_word_embeddings defaults to false, GPT-2's and BERT's to true)
-    tied = (bool(raw.get("tie_word_embeddings", model_type not in LLAMA_LAYOUTS))
+    tied = (bool(raw.get("tie_word_embeddings", model_type not in UNTIED_BY_DEFAULT))
             and not _stored_apart(path, *TIED_PAIRS[model_type]))
     common = {"bias": True, "qkv_bias": None, "tie_embeddings": tied, "vocab_size": _need(raw, "vocab_size", path),
               "hf_model_type": model_type, "norm": "layernorm", "position": "learned", "n_kv_head": None,
@@ -270,6 +279,12 @@ def model_fields(path: Path) -> dict[str, Any]:
               "full_attention_layers": ()}
     if model_type in LLAMA_LAYOUTS:
         return _llama_fields(raw, path, common)
+    if model_type == "gpt_neox":
+        def refuse(what: str, why: str) -> ConfigError:
+            return ConfigError(f"model.init_from: {path / 'config.json'} has {what}; {why}, so it cannot continue "
+                               "training here")
+
+        return {**common, **neox_fields(raw, lambda name: _need(raw, name, path), refuse), "tie_embeddings": tied}
     if model_type == "gpt2":
         _refuse(raw, path, {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                             "add_cross_attention": False})
@@ -494,6 +509,8 @@ def dropout_note(cfg, given: set[str]) -> str | None:
     model_type = raw.get("model_type")
     if model_type in LLAMA_LAYOUTS:  # attention dropout only, 0 by default (Llama, Mistral, Qwen2/3Config)
         rates = {"attention_dropout": float(raw.get("attention_dropout", 0.0))}
+    elif model_type == "gpt_neox":  # (0 by default in GPTNeoXConfig)
+        rates = {k: float(raw.get(k, 0.0)) for k in HF_DROPOUTS["gpt_neox"]}
     else:  # (0.1 by default in GPT2Config, BertConfig)
         rates = {k: float(raw.get(k, 0.1)) for k in HF_DROPOUTS.get(model_type, ())}
     if all(rate == cfg.model.dropout for rate in rates.values()):
@@ -648,7 +665,7 @@ def _tied_in(raw: dict, take: _Taker, output: str) -> bool:
     output layer of its own): a model loaded untied from it (``model.tie_embeddings = false``, which
     pipeline parallel needs) starts with the output layer a copy of the embedding, so its logits are
     the tied model's. An untied directory without its output layer is missing a tensor (refused)."""
-    return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in LLAMA_LAYOUTS)) and not take.has(output)
+    return bool(raw.get("tie_word_embeddings", raw.get("model_type") not in UNTIED_BY_DEFAULT)) and not take.has(output)
 
 
 def _output_layer(take: _Taker, cfg: ModelConfig, raw: dict, embedding: torch.Tensor, name: str) -> torch.Tensor:
@@ -714,6 +731,33 @@ def _llama(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]
         for name, width in zip(("q_norm", "k_norm"), cfg.qk_norm_width):  # (each head's, or the projection's)
             if width:
                 out[f"{b}attn.{name}.weight"] = take(f"{o}self_attn.{name}.weight", width)
+    return out
+
+
+def _neox(take: _Taker, cfg: ModelConfig, raw: dict) -> dict[str, torch.Tensor]:
+    """GPTNeoXForCausalLM's tensors, "gpt_neox." stripped: nn.Linear on both sides, and one fused
+    ``query_key_value`` whose 3h output rows run head by head, each head's q, k and v in turn ((heads,
+    3, d) rows: transformers views the output so), cut into q, k and v; the output layer is
+    ``embed_out`` (``lm_head`` in a loaded model's state_dict)."""
+    h, f, v, a, d = cfg.n_embd, cfg.ffn, cfg.vocab_size, cfg.n_head, cfg.head_dim
+    out = {"tok_emb.weight": take("embed_in.weight", v, h)}
+    _norm(out, take, "ln_f", "final_layer_norm", h)
+    output = next((n for n in NEOX_OUTPUT if take.has(n)), NEOX_OUTPUT[0])
+    out["lm_head.weight"] = _output_layer(take, cfg, raw, out["tok_emb.weight"], output)
+    for i in range(cfg.n_layer):
+        o, b = f"layers.{i}.", f"blocks.{i}."
+        _norm(out, take, b + "ln1", o + "input_layernorm", h)
+        _norm(out, take, b + "ln2", o + "post_attention_layernorm", h)
+        qkv_w = take(o + "attention.query_key_value.weight", 3 * h, h).view(a, 3, d, h)
+        qkv_b = take(o + "attention.query_key_value.bias", 3 * h).view(a, 3, d)
+        for j, n in enumerate("qkv"):
+            out[f"{b}attn.{n}.weight"] = qkv_w[:, j].reshape(h, h).contiguous()
+            out[f"{b}attn.{n}.bias"] = qkv_b[:, j].reshape(h).contiguous()
+        pairs = (("attn.proj", "attention.dense", h, h), ("mlp.fc1", "mlp.dense_h_to_4h", f, h),
+                 ("mlp.fc2", "mlp.dense_4h_to_h", h, f))
+        for ours, theirs, n_out, n_in in pairs:
+            out[f"{b}{ours}.weight"] = take(f"{o}{theirs}.weight", n_out, n_in)
+            out[f"{b}{ours}.bias"] = take(f"{o}{theirs}.bias", n_out)
     return out
 
 
@@ -805,13 +849,13 @@ HF_LAYOUTS = {"gpt2": ("transformer.", _gpt, "GPT2LMHeadModel"), "llama": ("mode
               "mistral": ("model.", _llama, "MistralForCausalLM"),
               "ministral": ("model.", _llama, "MinistralForCausalLM"), "qwen2": ("model.", _llama, "Qwen2ForCausalLM"),
               "qwen3": ("model.", _llama, "Qwen3ForCausalLM"), "olmo2": ("model.", _llama, "Olmo2ForCausalLM"),
-              "olmo3": ("model.", _llama, "Olmo3ForCausalLM"),
+              "olmo3": ("model.", _llama, "Olmo3ForCausalLM"), "gpt_neox": ("gpt_neox.", _neox, "GPTNeoXForCausalLM"),
               "bert": ("bert.", _bert, "BertForMaskedLM"),
               "roberta": ("roberta.", _bert, "RobertaForMaskedLM"),
               "xlm-roberta": ("roberta.", _bert, "XLMRobertaForMaskedLM"),
               "camembert": ("roberta.", _bert, "CamembertForMaskedLM")}
 # model kind -> the model types that load into it
-HF_KINDS = {"gpt": ("gpt2", *LLAMA_LAYOUTS), "bert": BERT_LAYOUTS}
+HF_KINDS = {"gpt": ("gpt2", *LLAMA_LAYOUTS, "gpt_neox"), "bert": BERT_LAYOUTS}
 
 
 def _check_fields(cfg: ModelConfig) -> None:
