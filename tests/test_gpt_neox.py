@@ -255,3 +255,22 @@ def test_pythia_presets_are_the_released_sizes():
         assert estimate(preset(name), 1, dtype_bytes=4).parameters == 4 * count, name
         raw = GPTNeoXConfig(vocab_size=50304, max_position_embeddings=2048, **shape).to_dict()
         assert config_from_hf(raw) == preset(name), name
+
+
+def test_a_neox_run_trains_resumes_and_refuses_another_layer_on_resume(tiny_data_cache, tmp_path, capsys):
+    """A tiny GPT-NeoX-style run (parallel layer, a quarter of each head of 16 rotated) trains,
+    stops and continues; continuing it with another rotated share or the sequential layer is refused
+    in one line naming the field (its checkpoints were trained with the run's own)."""
+    from largebatch.train.cli import main
+    from test_train import tiny_overrides
+
+    out = tmp_path / "run"
+    o = tiny_overrides(tiny_data_cache, out, **{"model.position": "rope", "model.rope_fraction": 0.25,
+                                                "model.norm_position": "parallel", "run.max_steps": 2})
+    assert main([f"--{k}={json.dumps(v)}" for k, v in o.items()]) == 0
+    capsys.readouterr()
+    for change in ("--model.rope_fraction=0.5", "--model.norm_position=pre"):
+        assert main(["--resume", str(out), change, "--run.max_steps=1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert change.split("=")[0][2:] in err and len(err.splitlines()) == 1, err
+    assert main(["--resume", str(out), "--run.max_steps=1"]) == 0

@@ -41,7 +41,7 @@ from largebatch.typed_config import ConfigError
 STATE_FIELDS = ("model.kind", "model.n_layer", "model.n_embd", "model.n_head", "model.ffn_hidden",
                 "model.seq_len", "model.tie_embeddings", "model.bias", "model.norm_position", "model.activation",
                 "model.n_kv_head", "model.head_size", "model.qkv_bias", "model.qk_norm", "model.qk_norm_scope",
-                "model.norm", "model.position",
+                "model.norm", "model.position", "model.rope_fraction",
                 "data.vocab_size", "data.tokenizer_file", "optim.name", "optim.adapt")
 # the schedule a run's checkpoints continue is built from these (its state refuses another), and
 # the sample order their data position counts in from these
